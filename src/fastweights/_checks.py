@@ -1,0 +1,170 @@
+"""Argument validation shared by every op and layer.
+
+Each helper raises a ValueError/TypeError whose message names the argument, what was given and
+what was expected, and is called before any computation (DESIGN.md, "Bad arguments").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, x: Any, ndim: int | None = None, layout: str = "") -> torch.Tensor:
+    """Check that ``x`` is a floating-point tensor of rank ``ndim`` (layout names the dims)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), "
+            f"got dtype {x.dtype}"
+        )
+    if ndim is not None and x.dim() != ndim:
+        what = f" {layout}" if layout else ""
+        raise ValueError(
+            f"{name} must be a {ndim}-D tensor{what}, got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_shape(name: str, x: torch.Tensor, expected: Sequence[int | None], layout: str) -> None:
+    """Check ``x.shape`` against ``expected`` (None matches any size)."""
+    ok = x.dim() == len(expected) and all(
+        e is None or s == e for s, e in zip(x.shape, expected)
+    )
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise ValueError(
+            f"{name} must have shape {layout} = {want}, got {tuple(x.shape)}"
+        )
+
+
+def check_same_dtype_device(**tensors: torch.Tensor | None) -> None:
+    """All given tensors share one dtype and one device."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    if not items:
+        return
+    n0, t0 = items[0]
+    for n, t in items[1:]:
+        if t.dtype != t0.dtype:
+            raise TypeError(
+                f"{n} has dtype {t.dtype} but {n0} has dtype {t0.dtype}; they must match"
+            )
+        if t.device != t0.device:
+            raise ValueError(
+                f"{n} is on device {t.device} but {n0} is on {t0.device}; they must match"
+            )
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """All given tensors live on one device (dtypes may differ, e.g. float32 states)."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    for n, t in items[1:]:
+        if t.device != items[0][1].device:
+            raise ValueError(
+                f"{n} is on device {t.device} but {items[0][0]} is on {items[0][1].device}; "
+                "they must match"
+            )
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """A strictly positive Python int (bools rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_nonneg_float(name: str, value: Any) -> float:
+    """A finite float >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    if not (value >= 0.0) or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return float(value)
+
+
+def check_finite_float(name: str, value: Any) -> float:
+    """Any finite float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
+    """``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """A Python bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_layer_input(x: Any, d_model: int) -> torch.Tensor:
+    """Layer input ``x`` is ``[B, T, d_model]`` floating point with T >= 1."""
+    check_tensor("x", x, 3, "[B, T, d_model]")
+    if x.shape[-1] != d_model:
+        raise ValueError(
+            f"x must have shape [B, T, d_model] with d_model={d_model}, got {tuple(x.shape)}"
+        )
+    if x.shape[1] < 1 or x.shape[0] < 1:
+        raise ValueError(f"x must have B >= 1 and T >= 1, got shape {tuple(x.shape)}")
+    return x
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype recurrent states are kept in: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_qkv(q: Any, k: Any, v: Any) -> tuple[int, int, int, int, int]:
+    """q, k ``[B, T, H, Dk]`` and v ``[B, T, H, Dv]``: floating point, one dtype and device.
+
+    Returns (B, T, H, Dk, Dv).
+    """
+    check_tensor("q", q, 4, "[B, T, H, Dk]")
+    check_tensor("k", k, 4, "[B, T, H, Dk]")
+    check_tensor("v", v, 4, "[B, T, H, Dv]")
+    if k.shape != q.shape:
+        raise ValueError(
+            f"k must have the same shape as q [B, T, H, Dk] = {tuple(q.shape)}, got {tuple(k.shape)}"
+        )
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"v must have shape [B, T, H, Dv] with B, T, H = {tuple(q.shape[:3])} as in q, "
+            f"got {tuple(v.shape)}"
+        )
+    B, T, H, Dk = q.shape
+    if min(B, T, H, Dk, v.shape[-1]) < 1:
+        raise ValueError(f"q, k, v must have non-empty dims, got q {tuple(q.shape)}, v {tuple(v.shape)}")
+    check_same_dtype_device(q=q, k=k, v=v)
+    return B, T, H, Dk, v.shape[-1]
+
+
+def check_state_tensor(
+    name: str, x: Any, expected: Sequence[int], layout: str, ref: torch.Tensor
+) -> torch.Tensor:
+    """A state tensor of exact shape ``expected`` on ``ref``'s device (any float dtype)."""
+    check_tensor(name, x)
+    check_shape(name, x, expected, layout)
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on device {x.device} but q is on {ref.device}; they must match")
+    return x
+
+
+def check_mode(mode: Any, modes: Sequence[str]) -> str:
+    """``mode`` is one of ``modes``."""
+    return check_choice("mode", mode, modes)

@@ -1,0 +1,61 @@
+"""The ``fastweights`` command (also ``python -m fastweights``).
+
+Each subcommand lives in a function ``_cmd_<name>`` registered in ``COMMANDS``; a ``UserError``
+raised anywhere becomes one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported as one line, exit code 2."""
+
+
+def _cmd_mixers(args: argparse.Namespace) -> int:
+    from .models.registry import build_mixer, mixer_names, mixer_options
+
+    for name in mixer_names():
+        layer = build_mixer(name, args.d_model, args.n_heads)
+        opts = ", ".join(f"{k}={v!r}" for k, v in mixer_options(name).items())
+        print(f"{name:<11} state floats/seq {layer.state_size(args.seq_len):>9}  options: {opts}")
+    return 0
+
+
+def _add_mixers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("mixers", help="list the registered mixers, their options and state sizes")
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=1024, help="context length for state_size")
+    p.set_defaults(func=_cmd_mixers)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_mixers]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastweights", description="Linear-complexity sequence mixers: experiments and tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as err:
+        print(f"fastweights {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fastweights {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,7 @@
+"""nn.Modules, one per mixer, all with ``forward(x, state=None) -> (y, state)`` and ``state_size()``."""
+
+from .base import Mixer
+from .fwp import DeltaNet, LinearAttention
+from .softmax import SoftmaxAttention
+
+__all__ = ["Mixer", "LinearAttention", "DeltaNet", "SoftmaxAttention"]

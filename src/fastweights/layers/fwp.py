@@ -1,0 +1,134 @@
+"""Fast weight programmer layers: linear attention with a choice of feature map, normalisation and
+update rule, and DeltaNet (SPEC.md 1.1-1.4). The mathematics lives in ``fastweights.ops.fwp``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .._checks import (
+    check_bool, check_choice, check_layer_input, check_nonneg_float, check_positive_int,
+)
+from ..ops.fwp import (
+    delta_rule, dpfp, draw_favor_projection, elu_plus_one, favor_features, linear_attn, relu,
+    sum_norm,
+)
+from .base import Mixer, State, merge_heads, split_heads
+
+FEATURE_MAPS = ("elu", "relu", "dpfp", "favor", "identity")
+NORMALIZATIONS = ("none", "attention", "sum")
+UPDATES = ("sum", "delta")
+
+
+class LinearAttention(Mixer):
+    """Linear attention as a fast weight programmer.
+
+    One bias-free projection gives per head q, k, v (and a write-strength logit for the delta
+    rule, beta = sigmoid(logit)); q and k go through the feature map phi (``elu`` = ELU+1,
+    ``relu``, ``dpfp`` with ``nu``, ``favor`` with ``m`` random features, ``identity``);
+    ``normalize`` is ``none``, ``attention`` (divide by phi(q).z + eps) or ``sum`` (phi / sum phi,
+    as DeltaNet); ``update`` is ``sum`` (W += k^T v) or ``delta``. Heads are concatenated,
+    multiplied by ``out_scale`` (default 1/sqrt(head_dim), as every lmtool fast-weight layer) and
+    projected back to d_model. FAVOR+ redraws its projection on every training forward and keeps
+    the last draw in eval mode (``redraw=False`` keeps it fixed always).
+
+    State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule, ``(S,)`` for delta.
+    """
+
+    def __init__(
+        self, d_model: int, n_heads: int, *, head_dim: int | None = None,
+        feature_map: str = "elu", normalize: str = "attention", update: str = "sum",
+        nu: int = 1, m: int = 16, eps: float = 1e-6, sum_norm_eps: float = 1e-6,
+        out_scale: float | None = None, redraw: bool = True, orthogonal: bool = True,
+        mode: str = "chunk", chunk_size: int = 64,
+    ) -> None:
+        super().__init__(d_model, n_heads, head_dim)
+        self.feature_map = check_choice("feature_map", feature_map, FEATURE_MAPS)
+        self.normalize = check_choice("normalize", normalize, NORMALIZATIONS)
+        self.update = check_choice("update", update, UPDATES)
+        if update == "delta" and normalize == "attention":
+            raise ValueError(
+                "normalize='attention' cannot be combined with update='delta' (the normaliser z "
+                "would keep accumulating overwritten keys, SPEC 1.4); use normalize='sum' or 'none'"
+            )
+        if isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
+            raise ValueError(f"nu must be an int >= 1, got {nu!r}")
+        check_positive_int("m", m)
+        self.nu, self.m = nu, m
+        self.eps = check_nonneg_float("eps", eps)
+        self.sum_norm_eps = check_nonneg_float("sum_norm_eps", sum_norm_eps)
+        self.out_scale = 1.0 / math.sqrt(self.head_dim) if out_scale is None else float(out_scale)
+        self.redraw = check_bool("redraw", redraw)
+        self.orthogonal = check_bool("orthogonal", orthogonal)
+        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        H, D = n_heads, self.head_dim
+        self.n_beta = 1 if update == "delta" else 0
+        self.qkvb = nn.Linear(d_model, H * (3 * D + self.n_beta), bias=False)
+        self.out = nn.Linear(H * D, d_model, bias=False)
+        if feature_map == "favor":
+            self.register_buffer("projection", draw_favor_projection(m, D, orthogonal=orthogonal))
+
+    @property
+    def feature_dim(self) -> int:
+        """d_dot, the size of phi(x) per head."""
+        D = self.head_dim
+        return {"dpfp": 2 * D * self.nu, "favor": 2 * self.m}.get(self.feature_map, D)
+
+    def _phi(self, x: torch.Tensor) -> torch.Tensor:
+        fm = self.feature_map
+        if fm == "elu":
+            x = elu_plus_one(x)
+        elif fm == "relu":
+            x = relu(x)
+        elif fm == "dpfp":
+            x = dpfp(x, self.nu)
+        elif fm == "favor":
+            x = favor_features(x, self.projection)
+        if self.normalize == "sum":
+            x = sum_norm(x, self.sum_norm_eps)
+        return x
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        if self.feature_map == "favor" and self.training and self.redraw:
+            with torch.no_grad():
+                self.projection.copy_(draw_favor_projection(
+                    self.m, self.head_dim, orthogonal=self.orthogonal,
+                    dtype=self.projection.dtype, device=self.projection.device))
+        H, D = self.n_heads, self.head_dim
+        proj = split_heads(self.qkvb(x), H)  # [B, T, H, 3D (+1)]
+        q, k, v = proj[..., :D], proj[..., D:2 * D], proj[..., 2 * D:3 * D]
+        q, k = self._phi(q), self._phi(k)
+        opts = dict(output_final_state=True, mode=self.mode, chunk_size=self.chunk_size)
+        if self.update == "delta":
+            beta = torch.sigmoid(proj[..., 3 * D])
+            o, S = delta_rule(q, k, v, beta, initial_state=None if state is None else state[0], **opts)
+            new_state: State = (S,)
+        else:
+            o, new_state = linear_attn(
+                q, k, v, normalize=self.normalize == "attention", eps=self.eps,
+                initial_state=state, **opts)
+        return self.out(merge_heads(o) * self.out_scale), new_state
+
+    def state_size(self, seq_len: int = 1) -> int:
+        H, dd, D = self.n_heads, self.feature_dim, self.head_dim
+        return H * dd * D + (0 if self.update == "delta" else H * dd)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, feature_map={self.feature_map}, normalize={self.normalize}, "
+                f"update={self.update}, feature_dim={self.feature_dim}")
+
+
+class DeltaNet(LinearAttention):
+    """DeltaNet (Schlag et al. 2021): the delta rule with sum-normalised ELU+1 features and a
+    learned per-head write strength beta = sigmoid(x w_beta), the paper's best configuration."""
+
+    fixed_options = ("update",)  # options of LinearAttention that DeltaNet pins
+
+    def __init__(self, d_model: int, n_heads: int, *, feature_map: str = "elu",
+                 normalize: str = "sum", **options) -> None:
+        super().__init__(d_model, n_heads, feature_map=feature_map, normalize=normalize,
+                         update="delta", **options)

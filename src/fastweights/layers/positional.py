@@ -1,0 +1,31 @@
+"""Rotary position encodings shared by the layers (pairs (2i, 2i+1), as SPEC 2.1 and 3.3 fix).
+
+Dimension legend: B batch, T time, H heads, D head dim (even).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_inv_freq(dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """theta_i = base^(-2i/dim), i = 0..dim/2-1. Returns [dim // 2]."""
+    if dim % 2:
+        raise ValueError(f"rotary positions need an even head dim, got {dim}")
+    return base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_{2i}, x_{2i+1}) of x [B, T, H, D] by angle positions[t] * inv_freq[i].
+
+    positions: [T] or [B, T] (any numeric dtype); inv_freq: [D/2].
+    """
+    cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    angles = positions.to(cdtype).unsqueeze(-1) * inv_freq.to(cdtype)  # [(B,) T, D/2]
+    if angles.dim() == 2:
+        angles = angles.unsqueeze(0)
+    cos, sin = angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)  # [B|1, T, 1, D/2]
+    xc = x.to(cdtype)
+    even, odd = xc[..., 0::2], xc[..., 1::2]
+    out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)

@@ -1,0 +1,43 @@
+"""Softmax attention layer, the quadratic baseline, with a KV cache as its state."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._checks import check_bool, check_layer_input
+from ..ops.softmax import softmax_attention
+from .base import Mixer, State, merge_heads, split_heads
+from .positional import apply_rotary, rotary_inv_freq
+
+
+class SoftmaxAttention(Mixer):
+    """Causal multi-head softmax attention with optional rotary positions (``rope``, base
+    ``rope_base``). State: ``(k_cache [B, t, H, D], v_cache [B, t, H, D])`` of every token seen
+    (keys stored after rotation), so ``state_size(seq_len)`` grows linearly with ``seq_len``."""
+
+    def __init__(self, d_model: int, n_heads: int, *, head_dim: int | None = None,
+                 rope: bool = True, rope_base: float = 10000.0, bias: bool = False) -> None:
+        super().__init__(d_model, n_heads, head_dim)
+        self.rope = check_bool("rope", rope)
+        H, D = n_heads, self.head_dim
+        self.qkv = nn.Linear(d_model, 3 * H * D, bias=bias)
+        self.out = nn.Linear(H * D, d_model, bias=bias)
+        if rope:
+            self.register_buffer("inv_freq", rotary_inv_freq(D, rope_base), persistent=False)
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)
+        past = 0 if state is None else state[0].shape[1]
+        if self.rope:
+            pos = torch.arange(past, past + x.shape[1], device=x.device)
+            q, k = apply_rotary(q, pos, self.inv_freq), apply_rotary(k, pos, self.inv_freq)
+        if state is not None:
+            k = torch.cat([state[0].to(k.dtype), k], dim=1)
+            v = torch.cat([state[1].to(v.dtype), v], dim=1)
+        o = softmax_attention(q, k, v, causal=True)
+        return self.out(merge_heads(o)), (k, v)
+
+    def state_size(self, seq_len: int = 1) -> int:
+        return 2 * self.n_heads * self.head_dim * seq_len

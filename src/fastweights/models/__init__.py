@@ -1,0 +1,5 @@
+"""Configs, blocks, the language model and the mixer registry."""
+
+from .registry import MIXERS, build_mixer, mixer_names, mixer_options
+
+__all__ = ["MIXERS", "build_mixer", "mixer_names", "mixer_options"]

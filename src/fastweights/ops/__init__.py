@@ -1,0 +1,12 @@
+"""The mathematics: pure functions on ``[B, T, H, D]`` tensors, one sub-package per family."""
+
+from .fwp import (
+    delta_rule, dpfp, draw_favor_projection, elu_plus_one, favor_features, linear_attn, relu,
+    sum_norm,
+)
+from .softmax import softmax_attention
+
+__all__ = [
+    "linear_attn", "delta_rule", "elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features",
+    "draw_favor_projection", "softmax_attention",
+]

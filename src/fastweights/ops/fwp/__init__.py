@@ -1,0 +1,108 @@
+"""Fast weight programmers: linear attention (sum rule) and the delta rule (DeltaNet).
+
+SPEC.md 1.3 (sum rule, with/without attention normalisation) and 1.4 (delta rule, read after
+write). Public functions validate their arguments, upcast to float32 (float64 stays float64),
+dispatch on ``mode`` and return outputs in the input dtype with float32-or-wider states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._checks import (
+    check_bool, check_finite_float, check_mode, check_nonneg_float, check_positive_int, check_qkv,
+    check_shape, check_state_tensor, check_tensor, state_dtype,
+)
+from .chunk import delta_rule_chunk, linear_attn_chunk
+from .feature_maps import (
+    draw_favor_projection, dpfp, elu_plus_one, favor_features, relu, sum_norm,
+)
+from .naive import delta_rule_naive, linear_attn_naive
+from .recurrent import delta_rule_recurrent, linear_attn_recurrent
+
+__all__ = [
+    "linear_attn", "delta_rule", "elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features",
+    "draw_favor_projection",
+]
+
+MODES = ("chunk", "recurrent", "naive")
+
+
+def linear_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, normalize: bool = False,
+    eps: float = 1e-6, scale: float = 1.0,
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Causal linear attention / sum-rule fast weights (SPEC 1.3).
+
+    q, k: [B, T, H, Dk] (already feature-mapped); v: [B, T, H, Dv].
+    State (S [B, H, Dk, Dv], z [B, H, Dk]): S_t = S_{t-1} + k_t^T v_t, z_t = z_{t-1} + k_t.
+    o_t = (scale q_t) S_t, divided by ((scale q_t) . z_t + eps) when ``normalize``.
+    Returns (o [B, T, H, Dv] in q's dtype, (S, z) in float32/float64 or None).
+    """
+    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    check_bool("normalize", normalize)
+    check_nonneg_float("eps", eps)
+    check_finite_float("scale", scale)
+    check_bool("output_final_state", output_final_state)
+    check_mode(mode, MODES)
+    check_positive_int("chunk_size", chunk_size)
+    cdtype = state_dtype(q.dtype)
+    if initial_state is None:
+        S0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)
+        z0 = q.new_zeros(B, H, Dk, dtype=cdtype)
+    else:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+            raise TypeError("initial_state must be a tuple (S [B, H, Dk, Dv], z [B, H, Dk]) or None")
+        S0, z0 = initial_state
+        check_state_tensor("initial_state[0] (S)", S0, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
+        check_state_tensor("initial_state[1] (z)", z0, (B, H, Dk), "[B, H, Dk]", q)
+        S0, z0 = S0.to(cdtype), z0.to(cdtype)
+    qc, kc, vc = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype)
+    if mode == "chunk":
+        o, S, z = linear_attn_chunk(qc, kc, vc, S0, z0, normalize, eps, chunk_size)
+    elif mode == "recurrent":
+        o, S, z = linear_attn_recurrent(qc, kc, vc, S0, z0, normalize, eps)
+    else:
+        o, S, z = linear_attn_naive(qc, kc, vc, S0, z0, normalize, eps)
+    return o.to(q.dtype), ((S, z) if output_final_state else None)
+
+
+def delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, scale: float = 1.0,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    mode: str = "chunk", chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Delta-rule fast weights, read after write (SPEC 1.4).
+
+    q, k: [B, T, H, Dk] (feature-mapped and sum-normalised by the caller); v: [B, T, H, Dv];
+    beta: [B, T, H] write strengths. S_t = S_{t-1} + k_t^T beta_t (v_t - k_t S_{t-1});
+    o_t = (scale q_t) S_t. State S [B, H, Dk, Dv].
+    Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
+    """
+    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    check_tensor("beta", beta)
+    check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    if beta.device != q.device:
+        raise ValueError(f"beta is on device {beta.device} but q is on {q.device}; they must match")
+    check_finite_float("scale", scale)
+    check_bool("output_final_state", output_final_state)
+    check_mode(mode, MODES)
+    check_positive_int("chunk_size", chunk_size)
+    cdtype = state_dtype(q.dtype)
+    if initial_state is None:
+        S0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)
+    else:
+        if isinstance(initial_state, (tuple, list)) and len(initial_state) == 1:
+            initial_state = initial_state[0]
+        check_state_tensor("initial_state", initial_state, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
+        S0 = initial_state.to(cdtype)
+    qc, kc, vc, bc = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype), beta.to(cdtype)
+    if mode == "chunk":
+        o, S = delta_rule_chunk(qc, kc, vc, bc, S0, chunk_size)
+    elif mode == "recurrent":
+        o, S = delta_rule_recurrent(qc, kc, vc, bc, S0)
+    else:
+        o, S = delta_rule_naive(qc, kc, vc, bc, S0)
+    return o.to(q.dtype), (S if output_final_state else None)

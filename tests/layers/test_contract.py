@@ -1,0 +1,134 @@
+"""The layer contract (DESIGN.md) for every registered mixer: pieces == whole, T = 1 steps ==
+parallel, causality, state_size. New mixers are covered by registering them; give small
+settings (block/segment/mini-batch sizes that do not divide the test length) in SMALL_OPTIONS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastweights import build_mixer, mixer_names
+from fastweights.layers import Mixer
+from tests.helpers import assert_close64
+
+D_MODEL, N_HEADS, T = 16, 2, 13
+
+# Options that make each mixer's internal block sizes small and not divide T.
+SMALL_OPTIONS: dict[str, dict] = {
+    "linear": {"chunk_size": 4},
+    "dpfp": {"chunk_size": 4, "nu": 2},
+    "favor": {"chunk_size": 4},
+    "delta": {"chunk_size": 4},
+}
+
+
+def make(name: str) -> Mixer:
+    torch.manual_seed(0)
+    layer = build_mixer(name, D_MODEL, N_HEADS, **SMALL_OPTIONS.get(name, {})).double().eval()
+    # Re-initialise every parameter with non-trivial values so zero-initialised gates or
+    # kernels cannot hide a broken path.
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def inputs(B: int = 2) -> torch.Tensor:
+    return torch.randn(B, T, D_MODEL, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+@pytest.fixture(params=mixer_names())
+def name(request) -> str:
+    return request.param
+
+
+def test_registry_builds_a_mixer(name):
+    layer = make(name)
+    assert isinstance(layer, Mixer)
+    y, _ = layer(inputs())
+    assert y.shape == (2, T, D_MODEL) and y.dtype == torch.float64
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("splits", [(5,), (1, 7, 8), (12,)], ids=str)
+def test_pieces_equal_whole(name, splits):
+    layer = make(name)
+    x = inputs()
+    whole, _ = layer(x)
+    outs, state, start = [], None, 0
+    for stop in list(splits) + [T]:
+        y, state = layer(x[:, start:stop], state)
+        outs.append(y)
+        start = stop
+    assert_close64(torch.cat(outs, 1), whole, atol=1e-9, what=name)
+
+
+def test_single_token_steps_equal_parallel(name):
+    layer = make(name)
+    x = inputs()
+    whole, _ = layer(x)
+    outs, state = [], None
+    for t in range(T):
+        y, state = layer(x[:, t:t + 1], state)
+        outs.append(y)
+    assert_close64(torch.cat(outs, 1), whole, atol=1e-9, what=name)
+
+
+def test_causal(name):
+    layer = make(name)
+    x = inputs()
+    y, _ = layer(x)
+    x2 = x.clone()
+    x2[:, 9:] += 3.0
+    y2, _ = layer(x2)
+    assert_close64(y2[:, :9], y[:, :9], atol=1e-9, what=name)
+
+
+def test_batch_items_independent(name):
+    layer = make(name)
+    x = inputs(3)
+    y, _ = layer(x)
+    y_perm, _ = layer(x[[2, 0, 1]])
+    assert_close64(y_perm, y[[2, 0, 1]], atol=1e-9, what=name)
+
+
+def test_state_size_is_positive_int(name):
+    layer = make(name)
+    n = layer.state_size()
+    assert isinstance(n, int) and n > 0
+    if name != "softmax":
+        assert layer.state_size(10_000) == n  # recurrent mixers: constant in the context length
+    else:
+        assert layer.state_size(10_000) == 10_000 * layer.state_size(1)
+
+
+def test_backward_reaches_every_parameter(name):
+    layer = make(name).train()
+    y, _ = layer(inputs())
+    y.square().sum().backward()
+    missing = [n for n, p in layer.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, f"no gradient for {missing}"
+
+
+def test_wrong_input_shape_is_rejected(name):
+    layer = make(name)
+    with pytest.raises(ValueError, match="x must have shape"):
+        layer(torch.randn(2, 5, D_MODEL + 1, dtype=torch.float64))
+    with pytest.raises((ValueError, TypeError), match="x must be"):
+        layer(torch.randn(5, D_MODEL, dtype=torch.float64))
+
+
+def test_float32_close_to_float64(name):
+    layer = make(name)
+    x = inputs()
+    ref, _ = layer(x)
+    y32, _ = layer.float()(x.float())
+    assert y32.dtype == torch.float32
+    assert (y32.double() - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_unknown_name_and_option():
+    with pytest.raises(ValueError, match="unknown mixer"):
+        build_mixer("not-a-mixer", 16, 2)
+    with pytest.raises(ValueError, match="unknown option"):
+        build_mixer("linear", 16, 2, colour="red")

@@ -1,0 +1,66 @@
+"""LinearAttention / DeltaNet options: feature maps, normalisations, update rules, FAVOR redraw."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fastweights.layers import DeltaNet, LinearAttention
+from tests.helpers import assert_close64
+
+COMBOS = [
+    (fm, norm, upd)
+    for fm, norm, upd in itertools.product(
+        ["elu", "relu", "dpfp", "favor", "identity"], ["none", "attention", "sum"], ["sum", "delta"])
+    if not (upd == "delta" and norm == "attention")
+]
+
+
+@pytest.mark.parametrize("fm,norm,upd", COMBOS, ids=["-".join(c) for c in COMBOS])
+def test_every_configuration_streams(fm, norm, upd):
+    torch.manual_seed(0)
+    layer = LinearAttention(12, 3, feature_map=fm, normalize=norm, update=upd, nu=2, m=5,
+                            chunk_size=4).double().eval()
+    x = torch.randn(2, 11, 12, dtype=torch.float64)
+    whole, _ = layer(x)
+    a, s = layer(x[:, :6])
+    b, _ = layer(x[:, 6:], s)
+    assert_close64(torch.cat([a, b], 1), whole)
+    ref = LinearAttention(12, 3, feature_map=fm, normalize=norm, update=upd, nu=2, m=5,
+                          mode="naive").double().eval()
+    ref.load_state_dict(layer.state_dict())
+    assert_close64(ref(x)[0], whole)
+
+
+def test_feature_dims_and_state_size():
+    assert LinearAttention(16, 2, feature_map="dpfp", nu=3).feature_dim == 2 * 8 * 3
+    assert LinearAttention(16, 2, feature_map="favor", m=7).feature_dim == 14
+    layer = DeltaNet(16, 2)
+    assert layer.update == "delta" and layer.normalize == "sum" and layer.feature_map == "elu"
+    assert layer.state_size() == 2 * 8 * 8
+
+
+def test_favor_redraws_in_training_only():
+    layer = LinearAttention(8, 2, feature_map="favor", m=4)
+    x = torch.randn(1, 3, 8)
+    p0 = layer.projection.clone()
+    layer.train()
+    layer(x)
+    p1 = layer.projection.clone()
+    assert not torch.equal(p0, p1)
+    layer.eval()
+    layer(x)
+    assert torch.equal(layer.projection, p1)
+
+
+def test_bad_layer_options():
+    with pytest.raises(ValueError, match="feature_map must be one of"):
+        LinearAttention(8, 2, feature_map="gelu")
+    with pytest.raises(ValueError, match="normalize='attention' cannot be combined"):
+        LinearAttention(8, 2, normalize="attention", update="delta")
+    with pytest.raises(ValueError, match="nu must be"):
+        LinearAttention(8, 2, feature_map="dpfp", nu=0)
+    with pytest.raises(ValueError, match="divisible by n_heads"):
+        LinearAttention(10, 3)
