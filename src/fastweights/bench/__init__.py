@@ -1,0 +1,1 @@
+"""Benchmarks: timing, memory and FLOP-rate measurements of ops and mixers, and plots."""
