@@ -1,0 +1,89 @@
+"""A pre-norm residual block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.base import State
+from .config import LMConfig
+from .registry import build_mixer
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 or wider."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Mean of squares in float32 at least: bfloat16 loses the small-variance rows.
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * self.weight.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """Linear(d, h) -> GELU -> Linear(h, d)."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class _GLU(nn.Module):
+    """Gated feed-forward: down(silu(gate(x)) * up(x)), bias-free.
+
+    Kept private to the model: the library-wide ``fastweights.layers.GLU`` (TransNormer's) was
+    not available when the harness was written.
+    """
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def make_norm(config: LMConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+
+
+class Block(nn.Module):
+    """One layer of the language model: the mixer ``mixer_name`` with ``options`` and the
+    configured feed-forward, each behind a pre-norm and a residual connection.
+    ``forward(x [B, T, d_model], state) -> (x [B, T, d_model], state)``."""
+
+    def __init__(self, config: LMConfig, mixer_name: str, options: dict[str, Any]) -> None:
+        super().__init__()
+        self.norm1 = make_norm(config)
+        self.mixer = build_mixer(mixer_name, config.d_model, config.n_heads, **options)
+        self.drop = nn.Dropout(config.dropout)
+        hidden = config.ffn_hidden_size()
+        self.norm2 = make_norm(config) if config.ffn != "none" else None
+        self.ffn: nn.Module | None = {
+            "mlp": lambda: MLP(config.d_model, hidden),
+            "glu": lambda: _GLU(config.d_model, hidden),
+            "none": lambda: None,
+        }[config.ffn]()
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        y, state = self.mixer(self.norm1(x), state)
+        x = x + self.drop(y)
+        if self.ffn is not None:
+            x = x + self.drop(self.ffn(self.norm2(x)))
+        return x, state

@@ -1,0 +1,178 @@
+"""``LanguageModel``: a decoder-only LM over any registered mixers, with recurrent-state decoding.
+
+Dimension legend: B batch, T tokens, V vocabulary, d d_model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from .block import Block, make_norm
+from .config import LMConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+LMState = list[Any]  # one layer state per block, in order
+
+
+class LanguageModel(nn.Module):
+    """Token embedding -> ``n_layers`` pre-norm blocks -> final norm -> logits (LMConfig).
+
+    ``forward(input_ids [B, T] long, state=None) -> (logits [B, T, V], state)``: ``state`` is a
+    list with every layer's recurrent state (None = start of sequence); feeding a sequence in
+    pieces with the state carried gives the logits of feeding it whole. ``generate`` prefills the
+    prompt in one forward and then decodes one token per step from the carried state.
+    """
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        if not isinstance(config, LMConfig):
+            raise TypeError(f"config must be an LMConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            Block(config, name, opts)
+            for name, opts in zip(config.layer_mixers(), config.layer_options())
+        )
+        self.norm = make_norm(config)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # Small embedding init (GPT-2's 0.02) keeps tied output logits near uniform at start.
+        nn.init.normal_(self.embed.weight, std=0.02)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def _check_ids(self, input_ids: Any, name: str = "input_ids") -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dtype != torch.long:
+            raise TypeError(f"{name} must have dtype torch.long, got {input_ids.dtype}")
+        if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+            raise ValueError(f"{name} must have shape [B, T] with B, T >= 1, got {tuple(input_ids.shape)}")
+        V = self.config.vocab_size
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= V):
+            raise ValueError(
+                f"{name} must hold ids in [0, {V}), got values in "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
+        return input_ids
+
+    def _check_length(self, total: int) -> None:
+        limit = self.config.max_seq_len
+        if limit is not None and total > limit:
+            raise ValueError(
+                f"sequence length {total} exceeds the model's max_seq_len {limit}"
+            )
+
+    def forward(
+        self, input_ids: torch.Tensor, state: LMState | None = None,
+    ) -> tuple[torch.Tensor, LMState]:
+        self._check_ids(input_ids)
+        if state is None:
+            self._check_length(input_ids.shape[1])
+            state = [None] * len(self.blocks)
+        elif not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
+            raise ValueError(
+                f"state must be None or a list of {len(self.blocks)} layer states "
+                f"(as returned by forward), got {type(state).__name__}"
+                + (f" of length {len(state)}" if isinstance(state, (list, tuple)) else "")
+            )
+        x = self.drop(self.embed(input_ids))  # [B, T, d]
+        new_state: LMState = []
+        for block, s in zip(self.blocks, state):
+            x, s = block(x, s)
+            new_state.append(s)
+        return self.head(self.norm(x)), new_state  # [B, T, V]
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+        top_k: int | None = None, seed: int | None = None,
+    ) -> torch.Tensor:
+        """Continue ``prompt_ids`` ([B, T] or [T] long) by ``max_new_tokens`` tokens.
+
+        The prompt is prefilled in one forward; every new token is then one T = 1 step on the
+        carried state (constant memory per token for recurrent mixers). ``temperature`` 0 is
+        greedy decoding; otherwise logits / temperature are sampled, restricted to the ``top_k``
+        most likely tokens if given, with a private generator seeded by ``seed``. Returns the
+        prompt followed by the new tokens, with the prompt's rank. Runs in eval mode.
+        """
+        squeeze = isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 1
+        ids = self._check_ids(prompt_ids[None] if squeeze else prompt_ids, "prompt_ids")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not temperature >= 0 or temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be None or an int, got {seed!r}")
+        self._check_length(ids.shape[1] + max_new_tokens)
+        if max_new_tokens == 0:
+            return prompt_ids
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=ids.device).manual_seed(seed)
+        was_training = self.training
+        self.eval()
+        try:
+            logits, state = self(ids)
+            out = [ids]
+            for i in range(max_new_tokens):
+                nxt = _pick(logits[:, -1].float(), temperature, top_k, gen)  # [B, 1]
+                out.append(nxt)
+                if i + 1 < max_new_tokens:
+                    logits, state = self(nxt, state)
+        finally:
+            self.train(was_training)
+        result = torch.cat(out, dim=1)
+        return result[0] if squeeze else result
+
+    def num_parameters(self) -> int:
+        """Trainable parameters, counting tied weights once."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save(directory / CONFIG_FILE)
+        save_model(self, str(directory / WEIGHTS_FILE))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> LanguageModel:
+        """Load a folder written by ``save_pretrained``. A missing folder or file, a foreign or
+        corrupt config or weights raise ValueError naming the problem."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ValueError(f"checkpoint folder {directory} does not exist")
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (directory / name).is_file():
+                raise ValueError(f"{directory} is not a fastweights checkpoint (no {name})")
+        model = cls(LMConfig.load(directory / CONFIG_FILE))
+        try:
+            load_model(model, str(directory / WEIGHTS_FILE), strict=True, device=str(device))
+        except (SafetensorError, RuntimeError, OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"cannot load weights from {directory / WEIGHTS_FILE}: {first}") from None
+        return model.to(device)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
+          gen: torch.Generator | None) -> torch.Tensor:
+    """Next token ids [B, 1] from last-position logits [B, V]."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)

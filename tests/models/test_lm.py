@@ -1,0 +1,154 @@
+"""LanguageModel and LMConfig: pieces == whole, generate == greedy full forwards, JSON and
+checkpoint round trips, validation of bad configs and inputs. Runs over every registered mixer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastweights import mixer_names
+from fastweights.models import LanguageModel, LMConfig
+from tests.helpers import assert_close64
+from tests.layers.test_contract import SMALL_OPTIONS
+
+
+def tiny(mixer, **kw) -> LanguageModel:
+    torch.manual_seed(0)
+    names = mixer if isinstance(mixer, list) else [mixer, mixer]
+    opts = [SMALL_OPTIONS.get(n, {}) for n in names]
+    cfg = LMConfig(vocab_size=31, d_model=16, n_layers=len(names), n_heads=2, mixer=names,
+                   mixer_options=opts, **kw)
+    model = LanguageModel(cfg).double().eval()
+    with torch.no_grad():  # non-trivial values everywhere (zero-initialised gates hide bugs)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def ids(B=2, T=13, V=31, seed=1) -> torch.Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", mixer_names())
+def test_pieces_equal_whole(name):
+    model = tiny(name)
+    x = ids()
+    whole, _ = model(x)
+    assert whole.shape == (2, 13, 31) and whole.dtype == torch.float64
+    outs, state = [], None
+    for a, b in [(0, 1), (1, 6), (6, 13)]:
+        y, state = model(x[:, a:b], state)
+        outs.append(y)
+    assert len(state) == 2
+    assert_close64(torch.cat(outs, 1), whole, what=name)
+
+
+@pytest.mark.parametrize("name", mixer_names())
+def test_generate_equals_greedy_full_forwards(name):
+    model = tiny(name)
+    prompt = ids(T=5)
+    out = model.generate(prompt, max_new_tokens=6, temperature=0)
+    ref = prompt
+    for _ in range(6):
+        logits, _ = model(ref)
+        ref = torch.cat([ref, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ref)
+
+
+def test_generate_sampling_is_seeded_and_respects_top_k():
+    model = tiny("delta")
+    prompt = ids(T=4)[0]
+    a = model.generate(prompt, 8, temperature=1.0, seed=3)
+    b = model.generate(prompt, 8, temperature=1.0, seed=3)
+    assert a.shape == (12,) and torch.equal(a, b)
+    assert torch.equal(a[:4], prompt)
+    top1 = model.generate(prompt, 8, temperature=2.0, top_k=1, seed=5)
+    assert torch.equal(top1, model.generate(prompt, 8, temperature=0))
+
+
+def test_mixed_schedule_and_ffn_choices():
+    model = tiny(["softmax", "linear", "delta"], ffn="glu", norm="layernorm")
+    kinds = [type(b.mixer).__name__ for b in model.blocks]
+    assert kinds == ["SoftmaxAttention", "LinearAttention", "DeltaNet"]
+    none = tiny("linear", ffn="none")
+    assert all(b.ffn is None for b in none.blocks)
+    assert none.num_parameters() < model.num_parameters()
+
+
+def test_tied_embeddings_share_one_tensor():
+    tied, untied = tiny("linear"), tiny("linear", tie_embeddings=False)
+    assert tied.head.weight is tied.embed.weight
+    assert untied.num_parameters() == tied.num_parameters() + 31 * 16
+
+
+def test_config_json_round_trip(tmp_path):
+    cfg = LMConfig(mixer=["linear", "delta"], mixer_options=[{"chunk_size": 8}, {}], ffn="glu",
+                   max_seq_len=64)
+    cfg.save(tmp_path / "c.json")
+    assert json.loads((tmp_path / "c.json").read_text())["mixer"] == ["linear", "delta"]
+    assert LMConfig.load(tmp_path / "c.json") == cfg
+    assert LMConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("mixer", "nope", "unknown mixer 'nope'"),
+    ("mixer", ["linear"], "lists 1 mixers but n_layers is 2"),
+    ("mixer_options", {"bogus": 1}, "unknown option"),
+    ("mixer_options", [{}, {}, {}], "lists 3 dicts"),
+    ("d_model", 0, "d_model must be a positive int"),
+    ("ffn", "moe", "ffn must be one of"),
+    ("norm", "batchnorm", "norm must be one of"),
+    ("dropout", 1.5, "dropout"),
+    ("max_seq_len", -3, "max_seq_len"),
+])
+def test_config_rejects_bad_fields(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        LMConfig(**{field: value})
+
+
+def test_config_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown LMConfig field"):
+        LMConfig.from_dict({"vocab_size": 10, "colour": "red"})
+
+
+def test_forward_rejects_bad_inputs():
+    model = tiny("delta", max_seq_len=20)
+    with pytest.raises(TypeError, match="torch.long"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"\[0, 31\)"):
+        model(torch.full((1, 3), 31))
+    with pytest.raises(ValueError, match="shape \\[B, T\\]"):
+        model(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_seq_len 20"):
+        model(ids(T=21))
+    with pytest.raises(ValueError, match="max_seq_len 20"):
+        model.generate(ids(T=15), max_new_tokens=6)
+    with pytest.raises(ValueError, match="list of 2 layer states"):
+        model(ids(), state=[None])
+
+
+def test_save_and_load_pretrained(tmp_path):
+    model = tiny(["softmax", "favor"]).float()
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = LanguageModel.from_pretrained(tmp_path / "ckpt").eval()
+    assert loaded.config == model.config
+    x = ids()
+    assert torch.equal(loaded(x)[0], model(x)[0])  # weights and the FAVOR+ projection restored
+
+
+def test_from_pretrained_rejects_missing_and_corrupt(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LanguageModel.from_pretrained(tmp_path / "nothing")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "weights.bin").write_text("x")
+    with pytest.raises(ValueError, match="not a fastweights checkpoint"):
+        LanguageModel.from_pretrained(tmp_path / "foreign")
+    tiny("linear").save_pretrained(tmp_path / "bad")
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot load weights"):
+        LanguageModel.from_pretrained(tmp_path / "bad")
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read model config"):
+        LanguageModel.from_pretrained(tmp_path / "bad")
