@@ -19,6 +19,7 @@ SMALL_OPTIONS: dict[str, dict] = {
     "dpfp": {"chunk_size": 4, "nu": 2},
     "favor": {"chunk_size": 4},
     "delta": {"chunk_size": 4},
+    "infini": {"segment_len": 4},
 }
 
 

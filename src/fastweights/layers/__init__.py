@@ -2,6 +2,7 @@
 
 from .base import Mixer
 from .fwp import DeltaNet, LinearAttention
+from .infini import InfiniAttention
 from .softmax import SoftmaxAttention
 
-__all__ = ["Mixer", "LinearAttention", "DeltaNet", "SoftmaxAttention"]
+__all__ = ["Mixer", "LinearAttention", "DeltaNet", "SoftmaxAttention", "InfiniAttention"]

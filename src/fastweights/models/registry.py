@@ -13,6 +13,7 @@ from typing import Any
 
 from .._checks import check_positive_int
 from ..layers import DeltaNet, LinearAttention, Mixer, SoftmaxAttention
+from ..layers import InfiniAttention
 
 MIXERS: dict[str, Callable[..., Mixer]] = {
     "softmax": SoftmaxAttention,
@@ -20,6 +21,7 @@ MIXERS: dict[str, Callable[..., Mixer]] = {
     "dpfp": partial(LinearAttention, feature_map="dpfp", nu=1, normalize="attention", update="sum"),
     "favor": partial(LinearAttention, feature_map="favor", m=16, normalize="attention", update="sum"),
     "delta": DeltaNet,
+    "infini": InfiniAttention,
 }
 
 

@@ -1,0 +1,108 @@
+"""Infini-attention layer (Munkhdalai et al. 2024; SPEC.md 5): segment-local softmax attention
+with rotary positions plus a compressive memory, mixed by a learned per-head gate. The
+mathematics lives in ``fastweights.ops.infini``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._checks import (
+    check_bool, check_choice, check_finite_float, check_layer_input, check_nonneg_float,
+    check_positive_int,
+)
+from ..ops.infini import MODES, UPDATES, infini_attention
+from .base import Mixer, State, merge_heads, split_heads
+from .positional import apply_rotary, rotary_inv_freq
+
+
+class InfiniAttention(Mixer):
+    """Infini-attention: Q/K/V projections (one bias-free linear map), per head causal softmax
+    attention inside segments of ``segment_len`` tokens (default 64: a CPU-friendly size; the
+    paper uses 2048 and lucidrains' code 512) and a compressive memory (M, z) with sigma = ELU+1,
+    read before and written after each segment (``update`` "linear" or "delta"); the per-head
+    gate logit beta_h mixes them, A = sigmoid(beta_h) A_mem + (1 - sigmoid(beta_h)) A_dot, and
+    the concatenated heads go through an output projection.
+
+    Positions: rotary encodings (``rope``, base ``rope_base``) on the dot-product path only, with
+    segment-local positions (0 .. segment_len - 1, restarting at each segment). Softmax attention
+    inside a segment only sees relative positions, so this equals global positions for that path
+    while keeping the angles small; the memory receives the un-rotated q, k (the paper's figure,
+    lucidrains' code). ``rope_memory=True`` feeds it the rotated ones instead (jlamprou's code);
+    with segment-local positions every segment's memory keys then share one set of angles.
+
+    Gate: ``gate_init`` (default 0.0, the paper convention, half memory and half local) is the
+    initial beta_h of every head; ``gate_init=-10.0`` matches lucidrains' initialisation
+    (sigmoid(10) on the local side, i.e. start almost purely local). While the memory is empty
+    A_mem = 0 and the gate is still applied (SPEC binding choice). ``eps`` clamps the memory
+    denominators (see ``infini_attention``); ``mode`` picks the op's algorithm.
+
+    State: the op's ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg, k_mem_seg)``; the last three
+    cache the open segment's (rotated) keys, values and memory keys ``[B, n, H, D]``, n <
+    segment_len, so pieces and single-token steps equal the whole sequence. ``state_size()``
+    counts the compressive memory, H (D^2 + D) floats, independent of the context length as in
+    the paper's memory-footprint count; the open-segment cache adds at most
+    (segment_len - 1) * 3 * H * D floats on top.
+    """
+
+    def __init__(
+        self, d_model: int, n_heads: int, *, head_dim: int | None = None, segment_len: int = 64,
+        update: str = "linear", rope: bool = True, rope_memory: bool = False,
+        rope_base: float = 10000.0, gate_init: float = 0.0, eps: float = 1e-6,
+        mode: str = "chunk", bias: bool = False,
+    ) -> None:
+        super().__init__(d_model, n_heads, head_dim)
+        self.segment_len = check_positive_int("segment_len", segment_len)
+        self.update = check_choice("update", update, UPDATES)
+        self.rope = check_bool("rope", rope)
+        self.rope_memory = check_bool("rope_memory", rope_memory)
+        if rope_memory and not rope:
+            raise ValueError("rope_memory=True needs rope=True (there are no rotated q, k to give "
+                             "the memory), got rope=False")
+        check_finite_float("gate_init", gate_init)
+        self.eps = check_nonneg_float("eps", eps)
+        if self.eps == 0.0:
+            raise ValueError("eps must be > 0, got 0")
+        self.mode = check_choice("mode", mode, MODES)
+        check_bool("bias", bias)
+        H, D = n_heads, self.head_dim
+        if rope and D % 2:
+            raise ValueError(f"rope=True needs an even head_dim, got {D}")
+        self.qkv = nn.Linear(d_model, 3 * H * D, bias=bias)
+        self.out = nn.Linear(H * D, d_model, bias=bias)
+        self.gate = nn.Parameter(torch.full((H,), float(gate_init)))
+        if rope:
+            self.register_buffer("inv_freq", rotary_inv_freq(D, rope_base), persistent=False)
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)  # [B, T, H, D] each
+        q_mem, k_mem = q, k
+        if self.rope:
+            start = _open_segment_len(state)
+            pos = torch.arange(start, start + x.shape[1], device=x.device) % self.segment_len
+            q, k = apply_rotary(q, pos, self.inv_freq), apply_rotary(k, pos, self.inv_freq)
+            if self.rope_memory:
+                q_mem, k_mem = q, k
+        o, new_state = infini_attention(
+            q, k, v, self.gate, segment_len=self.segment_len, update=self.update,
+            q_mem=q_mem, k_mem=k_mem, eps=self.eps, initial_state=state,
+            output_final_state=True, mode=self.mode)
+        return self.out(merge_heads(o)), new_state
+
+    def state_size(self, seq_len: int = 1) -> int:
+        H, D = self.n_heads, self.head_dim
+        return H * (D * D + D)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, segment_len={self.segment_len}, update={self.update}, "
+                f"rope={self.rope}, rope_memory={self.rope_memory}")
+
+
+def _open_segment_len(state: State) -> int:
+    """Tokens already in the open segment of a carried state (0 for None or a bare (M, z));
+    a malformed state is left for ``infini_attention`` to reject with a clear message."""
+    if isinstance(state, (tuple, list)) and len(state) == 5 and isinstance(state[2], torch.Tensor) \
+            and state[2].dim() == 4:
+        return state[2].shape[1]
+    return 0

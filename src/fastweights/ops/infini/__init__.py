@@ -1,0 +1,155 @@
+"""Infini-attention (Munkhdalai et al. 2024): segment-local softmax attention plus a compressive
+memory read before and written after each segment, mixed by a learned per-head gate (SPEC.md 5).
+
+The public function validates its arguments, upcasts to float32 (float64 stays float64),
+dispatches on ``mode`` and returns outputs in the input dtype with float32-or-wider states.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..._checks import (
+    check_bool, check_choice, check_finite_float, check_mode, check_nonneg_float,
+    check_positive_int, check_qkv, check_same_dtype_device, check_shape, check_state_tensor,
+    check_tensor, state_dtype,
+)
+from .chunk import infini_attention_chunk
+from .naive import infini_attention_naive
+from .recurrent import infini_attention_recurrent
+
+__all__ = ["infini_attention"]
+
+MODES = ("chunk", "recurrent", "naive")
+UPDATES = ("linear", "delta")
+
+InfiniState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def infini_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, *, segment_len: int,
+    update: str = "linear", scale: float | None = None, q_mem: torch.Tensor | None = None,
+    k_mem: torch.Tensor | None = None, eps: float = 1e-6,
+    initial_state: tuple[torch.Tensor, ...] | None = None, output_final_state: bool = False,
+    mode: str = "chunk",
+) -> tuple[torch.Tensor, InfiniState | None]:
+    """Infini-attention over segments of ``segment_len`` tokens (SPEC 5.1-5.2).
+
+    q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; gate: [H], the per-head logit beta_h (one learned
+    scalar per head, as in the paper; not per token). Per segment s and head h, with
+    sigma = ELU+1 and g_h = sigmoid(beta_h):
+
+    - A_dot = softmax(scale Q_s K_s^T + causal mask) V_s, attending only inside the segment;
+      ``scale`` defaults to 1/sqrt(Dk) and applies to this path only;
+    - A_mem = sigma(Q^mem_s) M_{s-1} / (sigma(Q^mem_s) z_{s-1}): retrieval from the memory as it
+      was *before* the segment. The denominator is clamped at ``eps`` (default 1e-6): while the
+      memory is empty (M = z = 0) A_mem is exactly 0, and the gate is still applied;
+    - A = g_h A_mem + (1 - g_h) A_dot, for every segment alike;
+    - after the segment is complete: M_s = M_{s-1} + sigma(K^mem_s)^T V_s (``update="linear"``)
+      or M_{s-1} + sigma(K^mem_s)^T (V_s - sigma(K^mem_s) M_{s-1} / sigma(K^mem_s) z_{s-1})
+      (``"delta"``, the retrieval being 0 while the memory is empty, same eps clamp);
+      z_s = z_{s-1} + sum_t sigma(k^mem_t).
+
+    ``q_mem``/``k_mem`` ([B, T, H, Dk], default q/k) are the queries/keys that feed the memory,
+    so a layer can give the memory un-rotated q, k and the softmax path rotary-encoded ones.
+
+    ``mode``: ``"chunk"`` (default; all segments at once, the linear update as block-causal
+    normalised linear attention, the delta update by a scan over segments), ``"recurrent"``
+    (token streaming with a cache of the open segment) or ``"naive"`` (literal segment loop).
+    There is no ``chunk_size``: the segments are the chunks.
+
+    State: ``(M [B, H, Dk, Dv], z [B, H, Dk], k_seg [B, n, H, Dk], v_seg [B, n, H, Dv],
+    k_mem_seg [B, n, H, Dk])``, where the last three hold the n < segment_len tokens of the open
+    (not yet complete) segment: its dot-product keys, values and memory keys. The open segment's
+    queries are never needed again. A returned state continues the sequence exactly (pieces or
+    single tokens equal the whole); ``initial_state`` may also be just ``(M, z)``, meaning no open
+    segment. Memory in float32 (float64 for float64 inputs), cache in that dtype too.
+    Returns (o [B, T, H, Dv] in q's dtype, state or None).
+    """
+    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    check_tensor("gate", gate)
+    check_shape("gate", gate, (H,), "[H]")
+    if gate.device != q.device:
+        raise ValueError(f"gate is on device {gate.device} but q is on {q.device}; they must match")
+    N = check_positive_int("segment_len", segment_len)
+    check_choice("update", update, UPDATES)
+    if scale is None:
+        scale = 1.0 / math.sqrt(Dk)
+    scale = check_finite_float("scale", scale)
+    for name, x in (("q_mem", q_mem), ("k_mem", k_mem)):
+        if x is not None:
+            check_tensor(name, x, 4, "[B, T, H, Dk]")
+            check_shape(name, x, tuple(q.shape), "[B, T, H, Dk] as q")
+    check_same_dtype_device(q=q, q_mem=q_mem, k_mem=k_mem)
+    eps = check_nonneg_float("eps", eps)
+    if eps == 0.0:
+        raise ValueError("eps must be > 0 (it keeps the empty-memory retrieval 0 / eps = 0), got 0")
+    check_bool("output_final_state", output_final_state)
+    check_mode(mode, MODES)
+    cdtype = state_dtype(q.dtype)
+    if initial_state is None:
+        M0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)
+        z0 = q.new_zeros(B, H, Dk, dtype=cdtype)
+        cache = (q.new_zeros(B, 0, H, Dk, dtype=cdtype), q.new_zeros(B, 0, H, Dv, dtype=cdtype),
+                 q.new_zeros(B, 0, H, Dk, dtype=cdtype))
+    else:
+        M0, z0, cache = _check_state(initial_state, B, H, Dk, Dv, N, q, cdtype)
+
+    qc, kc, vc = q.to(cdtype), k.to(cdtype), v.to(cdtype)
+    qmc = qc if q_mem is None else q_mem.to(cdtype)
+    kmc = kc if k_mem is None else k_mem.to(cdtype)
+    g = torch.sigmoid(gate.to(cdtype))
+    if mode == "recurrent":
+        o, M, z, *cache = infini_attention_recurrent(
+            qc, kc, vc, qmc, kmc, g, M0, z0, *cache, N, update, scale, eps)
+    else:
+        # The parallel forms start at a segment boundary: prepend the open segment's cached
+        # keys/values with zero queries (their outputs are dropped, the real queries of that
+        # segment attend to the cached keys as usual).
+        n = cache[0].shape[1]
+        if n:
+            qc, qmc = (torch.cat([x.new_zeros(B, n, H, Dk), x], dim=1) for x in (qc, qmc))
+            kc, vc, kmc = (torch.cat([c, x], dim=1) for c, x in zip(cache, (kc, vc, kmc)))
+        form = infini_attention_chunk if mode == "chunk" else infini_attention_naive
+        o, M, z = form(qc, kc, vc, qmc, kmc, g, M0, z0, N, update, scale, eps)
+        o = o[:, n:]
+        open_len = (n + T) % N  # tokens of the new open segment
+        cache = [x[:, x.shape[1] - open_len:] for x in (kc, vc, kmc)]
+    state = (M, z, *cache) if output_final_state else None
+    return o.to(q.dtype), state
+
+
+def _check_state(
+    state: object, B: int, H: int, Dk: int, Dv: int, N: int, q: torch.Tensor, cdtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Validate an ``initial_state`` of 2 or 5 items and cast it to the compute dtype."""
+    if not isinstance(state, (tuple, list)) or len(state) not in (2, 5):
+        raise TypeError(
+            "initial_state must be None, (M [B, H, Dk, Dv], z [B, H, Dk]) or the 5-tuple "
+            f"(M, z, k_seg, v_seg, k_mem_seg) returned by infini_attention, got {type(state).__name__}"
+            + (f" of length {len(state)}" if isinstance(state, (tuple, list)) else "")
+        )
+    M0, z0 = state[0], state[1]
+    check_state_tensor("initial_state[0] (M)", M0, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
+    check_state_tensor("initial_state[1] (z)", z0, (B, H, Dk), "[B, H, Dk]", q)
+    if len(state) == 2:
+        empty = q.new_zeros(B, 0, H, Dk, dtype=cdtype)
+        cache = (empty, q.new_zeros(B, 0, H, Dv, dtype=cdtype), empty)
+    else:
+        k_seg = state[2]
+        check_tensor("initial_state[2] (k_seg)", k_seg, 4, "[B, n, H, Dk]")
+        n = k_seg.shape[1]
+        if n >= N:
+            raise ValueError(
+                f"initial_state[2] (k_seg) holds the open segment, so n must be < segment_len = {N}, "
+                f"got shape {tuple(k_seg.shape)}"
+            )
+        names = ("initial_state[2] (k_seg)", "initial_state[3] (v_seg)", "initial_state[4] (k_mem_seg)")
+        dims = ((B, n, H, Dk), (B, n, H, Dv), (B, n, H, Dk))
+        layouts = ("[B, n, H, Dk]", "[B, n, H, Dv]", "[B, n, H, Dk]")
+        for name, x, dim, layout in zip(names, state[2:], dims, layouts):
+            check_state_tensor(name, x, dim, layout, q)
+        cache = tuple(x.to(cdtype) for x in state[2:])
+    return M0.to(cdtype), z0.to(cdtype), cache
