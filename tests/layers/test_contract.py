@@ -20,6 +20,8 @@ SMALL_OPTIONS: dict[str, dict] = {
     "favor": {"chunk_size": 4},
     "delta": {"chunk_size": 4},
     "infini": {"segment_len": 4},
+    "norm": {"chunk_size": 4},
+    "diag": {"block_size": 4},
 }
 
 

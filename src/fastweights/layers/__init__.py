@@ -4,5 +4,8 @@ from .base import Mixer
 from .fwp import DeltaNet, LinearAttention
 from .infini import InfiniAttention
 from .softmax import SoftmaxAttention
+from .glu import GLU
+from .transnormer import DiagAttention, NormAttention, SRMSNorm
 
-__all__ = ["Mixer", "LinearAttention", "DeltaNet", "SoftmaxAttention", "InfiniAttention"]
+__all__ = ["Mixer", "LinearAttention", "DeltaNet", "SoftmaxAttention", "InfiniAttention",
+           "NormAttention", "DiagAttention", "GLU", "SRMSNorm"]

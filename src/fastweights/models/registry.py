@@ -14,6 +14,7 @@ from typing import Any
 from .._checks import check_positive_int
 from ..layers import DeltaNet, LinearAttention, Mixer, SoftmaxAttention
 from ..layers import InfiniAttention
+from ..layers import DiagAttention, NormAttention
 
 MIXERS: dict[str, Callable[..., Mixer]] = {
     "softmax": SoftmaxAttention,
@@ -22,6 +23,8 @@ MIXERS: dict[str, Callable[..., Mixer]] = {
     "favor": partial(LinearAttention, feature_map="favor", m=16, normalize="attention", update="sum"),
     "delta": DeltaNet,
     "infini": InfiniAttention,
+    "norm": NormAttention,
+    "diag": DiagAttention,
 }
 
 

@@ -1,0 +1,258 @@
+"""TransNormer layers (SPEC.md 3): NormAttention (global, linear), DiagAttention (local,
+block-diagonal), their LRPE positions, SRMSNorm, and the TransNormerLLM decay variant.
+The mathematics lives in ``fastweights.ops.transnormer`` and ``fastweights.ops.linear_attn``.
+
+Dimension legend: B batch, T time, H heads, D head dim, w block size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import (
+    check_bool, check_choice, check_layer_input, check_nonneg_float, check_positive_int,
+    check_shape, check_tensor, state_dtype,
+)
+from ..ops.fwp import linear_attn
+from ..ops.transnormer import block_attention, decay_linear_attn, srms_norm
+from .base import Mixer, State, merge_heads, split_heads
+from .positional import apply_rotary, rotary_inv_freq
+
+ACTIVATIONS = {
+    "1+elu": lambda x: F.elu(x) + 1.0,
+    "elu": F.elu,
+    "silu": F.silu,
+    "relu": F.relu,
+    "identity": lambda x: x,
+}
+KERNELS = ("softmax", "relu")
+HALF = (torch.float16, torch.bfloat16)
+
+
+class SRMSNorm(nn.Module):
+    """x / (||x||_2 / sqrt(d) + eps) over the last dim, no learnable gain (SPEC 3.1).
+
+    ``dim`` (optional) is checked against x's last dim. [..., d] -> [..., d].
+    """
+
+    def __init__(self, dim: int | None = None, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.dim = None if dim is None else check_positive_int("dim", dim)
+        self.eps = check_nonneg_float("eps", eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("x", x)
+        if self.dim is not None and (x.dim() < 1 or x.shape[-1] != self.dim):
+            raise ValueError(f"x must have shape [..., {self.dim}], got {tuple(x.shape)}")
+        return srms_norm(x, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, eps={self.eps}"
+
+
+class LRPE(nn.Module):
+    """Learned-frequency relative positions (SPEC 3.3): x -> RoPE_theta(H x) per head.
+
+    H = I - 2 v v^T is a Householder reflection with a fixed random unit v (a buffer, saved with
+    the weights, not learned); the rotary frequencies theta_i (init base^{-2i/D}) are learned.
+    Both are shared by all heads. H is orthogonal, so RoPE(H q)_i . RoPE(H k)_j depends on i - j
+    only. An odd head dim leaves its last coordinate unrotated (still relative).
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        check_positive_int("head_dim", head_dim)
+        if head_dim < 2:
+            raise ValueError(f"LRPE needs head_dim >= 2 to rotate a pair, got {head_dim}")
+        v = torch.randn(head_dim, dtype=torch.float64)
+        self.register_buffer("householder", (v / v.norm()).float())
+        self.theta = nn.Parameter(rotary_inv_freq(head_dim - head_dim % 2, base))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, D], positions [T] or [B, T] -> [B, T, H, D] in x's dtype."""
+        xc = x.to(state_dtype(x.dtype))
+        u = self.householder.to(xc.dtype)
+        hx = xc - 2.0 * (xc @ u).unsqueeze(-1) * u
+        n = self.theta.shape[0] * 2
+        rotated = apply_rotary(hx[..., :n], positions, self.theta)
+        return torch.cat([rotated, hx[..., n:]], dim=-1).to(x.dtype)
+
+
+def alibi_slopes(n_heads: int) -> list[float]:
+    """ALiBi slopes s_h = 2^{-8h/H}, h = 1..H, for H a power of two; otherwise the slopes of
+    the largest power of two p < H followed by every other slope of 2p (Press et al.)."""
+    check_positive_int("n_heads", n_heads)
+    p = 2 ** int(math.floor(math.log2(n_heads)))
+    slopes = [2.0 ** (-8.0 * h / p) for h in range(1, p + 1)]
+    if p < n_heads:
+        slopes += [2.0 ** (-8.0 * h / (2 * p)) for h in range(1, 2 * p + 1, 2)][: n_heads - p]
+    return slopes
+
+
+def _qkv_projections(module: nn.Module, d_model: int, width: int) -> None:
+    """Q/K/V/out projections with biases; xavier_uniform with gain 1/sqrt(2) on W_Q, W_K, W_V
+    and plain xavier with a zero bias on W_out (SPEC 3.1)."""
+    module.q_proj = nn.Linear(d_model, width)
+    module.k_proj = nn.Linear(d_model, width)
+    module.v_proj = nn.Linear(d_model, width)
+    module.out = nn.Linear(width, d_model)
+    for lin in (module.q_proj, module.k_proj, module.v_proj):
+        nn.init.xavier_uniform_(lin.weight, gain=1.0 / math.sqrt(2.0))
+    nn.init.xavier_uniform_(module.out.weight)
+    nn.init.zeros_(module.out.bias)
+
+
+class NormAttention(Mixer):
+    """TransNormer's global linear attention (SPEC 3.1): q = act(x W_Q + b), k = act(x W_K + b),
+    v = x W_V + b, LRPE on q and k with sequence-global positions (``lrpe``), un-normalised causal
+    linear attention o_t = q_t sum_{s<=t} k_s^T v_s (no 1/sqrt(D), no denominator), SRMSNorm over
+    the concatenated heads, then W_out.
+
+    ``activation``: ``"1+elu"`` (default, T2, the paper's better model), ``"elu"`` (T1), also
+    ``"silu"``, ``"relu"``, ``"identity"``. ``decay=True`` gives the TransNormerLLM / Lightning
+    variant (SPEC 3.5): S_t = lambda_h S_{t-1} + k_t^T v_t with lambda_h = exp(-decay_scale * s_h),
+    s_h the ALiBi slopes (TransNormerLLM uses decay_scale = 1 - l/(L-1) + 1e-5 in layer l), and
+    the output norm -> sigmoid(x W_g + b_g) gate -> W_out. ``mode``/``chunk_size`` go to the op.
+
+    State: ``(S [B, H, D, D] float32/float64, position: int)``; the position keeps LRPE
+    sequence-global when the sequence is fed in pieces.
+    """
+
+    def __init__(
+        self, d_model: int, n_heads: int, *, head_dim: int | None = None,
+        activation: str = "1+elu", lrpe: bool = True, decay: bool = False,
+        decay_scale: float = 1.0, mode: str = "chunk", chunk_size: int = 64,
+    ) -> None:
+        super().__init__(d_model, n_heads, head_dim)
+        self.activation = check_choice("activation", activation, ACTIVATIONS)
+        check_bool("lrpe", lrpe)
+        check_bool("decay", decay)
+        self.decay_scale = check_nonneg_float("decay_scale", decay_scale)
+        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        H, D = n_heads, self.head_dim
+        _qkv_projections(self, d_model, H * D)
+        self.lrpe = LRPE(D) if lrpe else None
+        if decay:
+            lam = torch.exp(-self.decay_scale * torch.tensor(alibi_slopes(H), dtype=torch.float64))
+            self.register_buffer("decay", lam.float(), persistent=False)  # [H]
+            self.gate = nn.Linear(d_model, H * D)
+        else:
+            self.decay = None
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        B, T, _ = x.shape
+        S, pos = _unpack_norm_state(state)
+        H = self.n_heads
+        act = ACTIVATIONS[self.activation]
+        q = act(split_heads(self.q_proj(x), H))
+        k = act(split_heads(self.k_proj(x), H))
+        v = split_heads(self.v_proj(x), H)
+        if self.lrpe is not None:
+            positions = torch.arange(pos, pos + T, device=x.device)
+            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
+        if x.dtype in HALF:
+            # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
+            # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences.
+            q, k, v = q.float(), k.float(), v.float()
+        opts = dict(output_final_state=True, mode=self.mode, chunk_size=self.chunk_size)
+        if self.decay is not None:
+            o, S = decay_linear_attn(q, k, v, self.decay, initial_state=S, **opts)
+        else:
+            init = None if S is None else (S, S.new_zeros(S.shape[:-1]))
+            o, (S, _) = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
+        o = srms_norm(merge_heads(o))
+        if self.decay is not None:
+            o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
+        return self.out(o.to(x.dtype)), (S, pos + T)
+
+    def state_size(self, seq_len: int = 1) -> int:
+        return self.n_heads * self.head_dim * self.head_dim
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, activation={self.activation}, "
+                f"lrpe={self.lrpe is not None}, decay={self.decay is not None}")
+
+
+def _unpack_norm_state(state: State) -> tuple[torch.Tensor | None, int]:
+    if state is None:
+        return None, 0
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise TypeError("state must be None or the (S [B, H, D, D], position) tuple NormAttention returned")
+    S, pos = state
+    if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
+        raise TypeError(f"state[1] (position) must be an int >= 0, got {pos!r}")
+    return S, pos
+
+
+class DiagAttention(Mixer):
+    """TransNormer's local attention (SPEC 3.2): causal attention inside non-overlapping blocks of
+    ``block_size`` tokens (block-local LRPE when ``lrpe``), nothing crosses a block border.
+
+    ``kernel="softmax"`` (default, T2): softmax(q k^T / sqrt(D)) v, no norm. ``kernel="relu"``
+    (T1): relu(q k^T / sqrt(D)) v, then SRMSNorm over the concatenated heads. No activation on
+    q and k. Q/K/V/out projections and their init as in NormAttention.
+
+    State: ``(k_open [B, r, H, D], v_open [B, r, H, D])``, the keys (after LRPE) and values of
+    the r < block_size tokens of the still open block, kept in float32 or wider. Blocks start at
+    the beginning of the sequence, so r is also the position inside the block.
+    ``state_size()`` reports the largest such state, 2 H D (block_size - 1).
+    """
+
+    def __init__(
+        self, d_model: int, n_heads: int, *, head_dim: int | None = None, block_size: int = 64,
+        kernel: str = "softmax", lrpe: bool = True,
+    ) -> None:
+        super().__init__(d_model, n_heads, head_dim)
+        self.block_size = check_positive_int("block_size", block_size)
+        self.kernel = check_choice("kernel", kernel, KERNELS)
+        check_bool("lrpe", lrpe)
+        _qkv_projections(self, d_model, n_heads * self.head_dim)
+        self.lrpe = LRPE(self.head_dim) if lrpe else None
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        B, T, _ = x.shape
+        H, D, w = self.n_heads, self.head_dim, self.block_size
+        if state is not None:
+            if not isinstance(state, (tuple, list)) or len(state) != 2:
+                raise TypeError("state must be None or the (k_open, v_open) tuple DiagAttention returned")
+            for i, name in enumerate(("k_open", "v_open")):
+                check_tensor(f"state[{i}] ({name})", state[i], 4, "[B, r, H, D]")
+                check_shape(f"state[{i}] ({name})", state[i], (B, None, H, D), "[B, r, H, D]")
+        r = 0 if state is None else state[0].shape[1]
+        q = split_heads(self.q_proj(x), H)
+        k = split_heads(self.k_proj(x), H)
+        v = split_heads(self.v_proj(x), H)
+        if self.lrpe is not None:
+            positions = torch.arange(r, r + T, device=x.device) % w  # restart in every block
+            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
+        if self.kernel == "relu" and x.dtype in HALF:
+            # Unnormalised ReLU sums: keep them in float32 until SRMSNorm rescales them.
+            q, k, v = q.float(), k.float(), v.float()
+        if r:
+            # Re-run the open block from its start: the cached tokens get zero queries whose
+            # outputs are dropped, so the block alignment matches the one-shot forward.
+            k = torch.cat([state[0].to(k.dtype), k], dim=1)
+            v = torch.cat([state[1].to(v.dtype), v], dim=1)
+            q = torch.cat([q.new_zeros(B, r, H, D), q], dim=1)
+        o = block_attention(q, k, v, block_size=w, kernel=self.kernel)[:, r:]
+        o = merge_heads(o)
+        if self.kernel == "relu":
+            o = srms_norm(o)
+        n_open = (r + T) % w
+        sdtype = state_dtype(x.dtype)
+        new_state = (k[:, r + T - n_open:].to(sdtype), v[:, r + T - n_open:].to(sdtype))
+        return self.out(o.to(x.dtype)), new_state
+
+    def state_size(self, seq_len: int = 1) -> int:
+        return 2 * self.n_heads * self.head_dim * (self.block_size - 1)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, block_size={self.block_size}, kernel={self.kernel}, "
+                f"lrpe={self.lrpe is not None}")
