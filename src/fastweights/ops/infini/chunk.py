@@ -33,7 +33,7 @@ def infini_attention_chunk(
     N = segment_len
     full = T // N  # complete segments: only these are written to the memory
     qs, ks, vs = (_to_chunks(x, N) for x in (q, k, v))  # [B, H, S, N, D]
-    B, H, S = qs.shape[:3]
+    H, S = qs.shape[1:3]
     a_dot = F.scaled_dot_product_attention(
         qs.flatten(1, 2), ks.flatten(1, 2), vs.flatten(1, 2), is_causal=True, scale=scale,
     ).unflatten(1, (H, S))  # [B, H, S, N, Dv]
