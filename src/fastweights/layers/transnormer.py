@@ -76,6 +76,9 @@ class LRPE(nn.Module):
         """x [B, T, H, D], positions [T] or [B, T] -> [B, T, H, D] in x's dtype."""
         xc = x.to(state_dtype(x.dtype))
         u = self.householder.to(xc.dtype)
+        # Renormalise in the compute dtype: the stored float32 v is unit only to ~1e-8, and
+        # H = I - 2uu^T is orthogonal exactly when u is a unit vector.
+        u = u / u.norm()
         hx = xc - 2.0 * (xc @ u).unsqueeze(-1) * u
         n = self.theta.shape[0] * 2
         rotated = apply_rotary(hx[..., :n], positions, self.theta)
