@@ -1,0 +1,11 @@
+"""Data: the synthetic memory tasks (retrieval, MQAR, passkey) and byte-level text corpora."""
+
+from .mqar import mqar_batch
+from .passkey import passkey_prompt
+from .retrieval import RetrievalBatch, last_value, retrieval_batch, retrieval_eval_batch
+from .text import ByteTokenizer, Corpus, eval_windows, load_corpus, random_windows
+
+__all__ = [
+    "RetrievalBatch", "retrieval_batch", "retrieval_eval_batch", "last_value", "mqar_batch",
+    "passkey_prompt", "ByteTokenizer", "Corpus", "load_corpus", "random_windows", "eval_windows",
+]

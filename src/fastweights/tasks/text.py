@@ -1,0 +1,114 @@
+"""Text corpora as byte streams, and the byte-level tokenizer (vocabulary 256, no extra tokens).
+
+``load_corpus("stdlib")`` reads the running Python's own standard library ``.py`` files
+(``sysconfig.get_paths()["stdlib"]``, without site-packages), sorted by relative path; a file
+goes to validation when the SHA-1 of its relative path is 0 mod 20 (about 5 %), so the split is
+the same on every machine with the same Python. A folder is read the same way (every file,
+undecodable bytes kept as they are); a single file is split into its first 95 % (train) and last
+5 % (validation). Files are joined with a newline; there is no end-of-text token.
+
+Dimension legend: N batch, T sequence length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 256
+VAL_EVERY = 20  # one file in VAL_EVERY (by path hash) is validation
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255; decoding replaces invalid sequences."""
+
+    vocab_size = VOCAB_SIZE
+
+    def encode(self, text: str) -> torch.Tensor:
+        """str -> [n] long."""
+        return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+    def decode(self, ids: torch.Tensor | list[int]) -> str:
+        return bytes(int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)).decode(
+            "utf-8", errors="replace")
+
+
+@dataclass
+class Corpus:
+    """train, val: [n] uint8 byte streams; name: what was loaded."""
+
+    name: str
+    train: torch.Tensor
+    val: torch.Tensor
+
+
+def _is_val(rel: str) -> bool:
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % VAL_EVERY == 0
+
+
+def _from_files(name: str, root: Path, files: list[Path]) -> Corpus:
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    for f in files:
+        parts[_is_val(f.relative_to(root).as_posix())].append(f.read_bytes())
+    if not parts[True] and parts[False]:  # tiny folders: keep at least one validation file
+        parts[True].append(parts[False].pop())
+    if not parts[False]:
+        raise ValueError(f"data {name} needs at least two non-empty files, found {len(files)}")
+    train, val = (b"\n".join(parts[v]) for v in (False, True))
+    return Corpus(name, _bytes(train), _bytes(val))
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+def load_corpus(spec: str) -> Corpus:
+    """``"stdlib"`` or a path to a text file or folder (see the module docstring). A missing
+    path or an empty corpus raises ValueError."""
+    if spec == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(
+            (f for f in root.rglob("*.py")
+             if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts) and f.is_file()),
+            key=lambda f: f.relative_to(root).as_posix())
+        return _from_files("stdlib", root, [f for f in files if f.stat().st_size])
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"data path {spec} does not exist (use 'stdlib' or a text file or folder)")
+    if path.is_dir():
+        files = sorted((f for f in path.rglob("*") if f.is_file() and f.stat().st_size),
+                       key=lambda f: f.relative_to(path).as_posix())
+        return _from_files(str(path), path, files)
+    data = path.read_bytes()
+    if len(data) < 2:
+        raise ValueError(f"data file {spec} is empty")
+    cut = len(data) - max(1, len(data) // 20)
+    return Corpus(str(path), _bytes(data[:cut]), _bytes(data[cut:]))
+
+
+def random_windows(data: torch.Tensor, batch_size: int, seq_len: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_size`` random windows: inputs [N, T] and next-byte targets [N, T] (long)."""
+    if data.numel() < seq_len + 1:
+        raise ValueError(f"the corpus has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+    start = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator)
+    idx = start[:, None] + torch.arange(seq_len + 1)
+    win = data[idx].long()
+    return win[:, :-1], win[:, 1:]
+
+
+def eval_windows(data: torch.Tensor, seq_len: int, max_windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive non-overlapping windows from the start of ``data`` (deterministic):
+    inputs [n, T] and targets [n, T]; at most ``max_windows``."""
+    n = (data.numel() - 1) // seq_len
+    if max_windows is not None:
+        n = min(n, max_windows)
+    if n < 1:
+        raise ValueError(f"the validation data has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+    x = data[: n * seq_len].long().view(n, seq_len)
+    y = data[1: n * seq_len + 1].long().view(n, seq_len)
+    return x, y

@@ -1,0 +1,1 @@
+"""Training, evaluation, checkpoints and the experiments behind the ``fastweights`` command."""
