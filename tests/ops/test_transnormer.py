@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops import (
-    block_attention, decay_linear_attn, elu_plus_one, linear_attn, softmax_attention, srms_norm,
+    block_attention, decay_linear_attn, elu_plus_one, linear_attn, softmax_attention,
 )
+from fastweights.ops.transnormer import srms_norm
 from fastweights.ops.transnormer.naive import block_attention_naive
 from tests.helpers import assert_close64, shape_id
 

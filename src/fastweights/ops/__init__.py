@@ -6,13 +6,13 @@ from .fwp import (
 )
 from .infini import infini_attention
 from .softmax import softmax_attention
-from .transnormer import block_attention, decay_linear_attn, srms_norm
+from .transnormer import block_attention, decay_linear_attn
 from .ttt import ttt_linear, ttt_mlp
 
 __all__ = [
     "linear_attn", "delta_rule", "elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features",
     "draw_favor_projection", "softmax_attention",
     "infini_attention",
-    "block_attention", "decay_linear_attn", "srms_norm",
+    "block_attention", "decay_linear_attn",
     "ttt_linear", "ttt_mlp",
 ]
