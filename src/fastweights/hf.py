@@ -1,0 +1,487 @@
+"""Hugging Face ``transformers`` integration (the optional ``[hf]`` extra, transformers 5).
+
+Importing this module registers the model type ``"fastweights"`` with ``AutoConfig`` and
+``AutoModelForCausalLM``, so a folder written by ``FastWeightsForCausalLM.save_pretrained`` (or
+by ``native_to_hf``) loads with ``AutoModelForCausalLM.from_pretrained(folder)``.
+
+- ``FastWeightsConfig``: a ``PreTrainedConfig`` with exactly the fields of ``LMConfig`` (plus
+  the usual ``use_cache`` and special token ids), validated by building the ``LMConfig``.
+- ``FastWeightsForCausalLM``: ``PreTrainedModel`` + ``GenerationMixin`` around the native
+  ``LanguageModel`` (held as ``self.model``, so every weight name is the native one prefixed by
+  ``"model."``); ``forward`` returns ``CausalLMOutputWithPast`` with the loss when ``labels``
+  are given and a ``FastWeightsCache`` when ``use_cache``.
+- ``FastWeightsCache``: the ``past_key_values`` object. It holds each layer's state exactly as
+  the layer returns it (fast-weight matrices for recurrent mixers, the KV cache for softmax), so
+  ``generate()`` feeds one new token per step, and the memory held per sequence is constant for
+  recurrent mixers.
+- ``native_to_hf`` / ``hf_to_native``: lossless conversion between the two checkpoint folders.
+
+Left padding. A padded position would still write into a recurrent state, so pads cannot simply
+be fed through the layers. With an ``attention_mask`` (zeros = left pads), the first forward
+(prefill) runs the rows of each distinct pad length together, each row starting from its first
+real token with a fresh state; the rows then carry exactly the state of their unpadded
+sequence. If all those states have the same structure (recurrent mixers: same shapes), they are
+concatenated and decoding runs the whole batch in one forward per token; otherwise (softmax KV
+caches of different lengths) each pad-length group keeps its own state and is decoded by its own
+forward. Logits at pad positions are zero and their labels are ignored by the loss. Only left
+padding is supported: a mask with a zero after a one raises ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import field, fields
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationMixin,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .models.config import LMConfig
+from .models.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel, LMState
+
+PREFIX = "model."  # FastWeightsForCausalLM keeps the native LanguageModel as ``self.model``
+IGNORE_INDEX = -100
+
+__all__ = [
+    "FastWeightsCache",
+    "FastWeightsConfig",
+    "FastWeightsForCausalLM",
+    "hf_to_native",
+    "native_to_hf",
+]
+
+
+class FastWeightsConfig(PreTrainedConfig):
+    """The Hugging Face twin of ``LMConfig`` (same field names, defaults and validation; see
+    ``LMConfig`` for their meaning). ``hidden_size``, ``num_hidden_layers``,
+    ``num_attention_heads`` and ``tie_word_embeddings`` are aliases of ``d_model``, ``n_layers``,
+    ``n_heads`` and ``tie_embeddings``."""
+
+    model_type = "fastweights"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "tie_word_embeddings": "tie_embeddings",
+    }
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    mixer: str | list[str] = "delta"
+    mixer_options: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
+    ffn: str = "mlp"
+    ffn_hidden: int | None = None
+    norm: str = "rmsnorm"
+    norm_eps: float | int = 1e-6
+    tie_embeddings: bool = True
+    dropout: float | int = 0.0
+    max_seq_len: int | None = None
+    use_cache: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        self.to_lm_config()  # LMConfig's validation, with its messages
+
+    def to_lm_config(self) -> LMConfig:
+        """The native ``LMConfig`` with the same values."""
+        return LMConfig(**{f.name: getattr(self, f.name) for f in fields(LMConfig)})
+
+    @classmethod
+    def from_lm_config(cls, config: LMConfig, **kwargs: Any) -> FastWeightsConfig:
+        """The Hugging Face config of ``config``; ``kwargs`` set the extra fields (token ids)."""
+        if not isinstance(config, LMConfig):
+            raise TypeError(f"config must be an LMConfig, got {type(config).__name__}")
+        values = config.to_dict()
+        for name in ("mixer", "mixer_options"):  # JSON has no tuples
+            if isinstance(values[name], tuple):
+                values[name] = list(values[name])
+        return cls(**values, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache: per-row-group layer states
+
+
+class _Mismatch(Exception):
+    """Group states that cannot be concatenated into one batch."""
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], state: Any) -> Any:
+    """Apply ``fn`` to every tensor of a (nested list/tuple) layer state, keeping the rest."""
+    if isinstance(state, torch.Tensor):
+        return fn(state)
+    if isinstance(state, (list, tuple)):
+        return type(state)(_map_tensors(fn, s) for s in state)
+    return state
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, (list, tuple)):
+        return [t for s in state for t in _tensors(s)]
+    return []
+
+
+def _take_rows(t: torch.Tensor, local: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows ``local`` of a group state tensor whose leading dim is the group's batch ``n``
+    (tensors without that leading dim are shared by the rows and kept)."""
+    return t.index_select(0, local.to(t.device)) if t.dim() and t.shape[0] == n else t
+
+
+def _concat(states: list[Any], sizes: list[int]) -> Any:
+    """Concatenate group states along the batch dimension, or raise _Mismatch when their
+    structures differ (shapes beyond the batch dimension, dtypes, non-tensor items)."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        for s, n in zip(states, sizes):
+            if not (isinstance(s, torch.Tensor) and s.dim() >= 1 and s.shape[0] == n
+                    and s.shape[1:] == first.shape[1:] and s.dtype == first.dtype):
+                raise _Mismatch
+        return torch.cat(states, dim=0)
+    if isinstance(first, (list, tuple)):
+        if any(type(s) is not type(first) or len(s) != len(first) for s in states):
+            raise _Mismatch
+        return type(first)(_concat([s[i] for s in states], sizes) for i in range(len(first)))
+    if any(isinstance(s, torch.Tensor) or not (s is first or s == first) for s in states):
+        raise _Mismatch
+    return first
+
+
+class FastWeightsCache(Cache):
+    """``past_key_values`` of ``FastWeightsForCausalLM``: the native per-layer states.
+
+    The batch rows are split into groups (one per distinct left-pad length at prefill, merged
+    into one group whenever their states have the same structure, see the module docstring);
+    ``groups`` is a list of ``(rows [b] long, state)`` with ``state`` the ``LanguageModel``
+    state list of those rows, in that order. ``get_seq_length()`` counts the positions consumed
+    (pads included, as ``generate`` expects), ``state_bytes()`` the bytes of state held.
+    """
+
+    is_compileable = False  # the state is a Python structure; no static shapes to compile for
+
+    def __init__(self) -> None:
+        super().__init__(layers=[])
+        self.groups: list[tuple[torch.Tensor, LMState]] = []
+        self.seen_tokens = 0
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(groups={len(self.groups)}, batch={self.batch_size}, "
+                f"seen_tokens={self.seen_tokens}, state_bytes={self.state_bytes()})")
+
+    @property
+    def batch_size(self) -> int:
+        return sum(len(rows) for rows, _ in self.groups) if self.groups else -1
+
+    @property
+    def is_croppable(self) -> bool:
+        return False  # a recurrent state cannot be rolled back
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.groups)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def state_bytes(self) -> int:
+        """Bytes of every tensor held (all layers, all rows)."""
+        return sum(t.numel() * t.element_size() for _, s in self.groups for t in _tensors(s))
+
+    def reset(self) -> None:
+        self.groups = []
+        self.seen_tokens = 0
+
+    def set_groups(self, groups: list[tuple[torch.Tensor, LMState]]) -> None:
+        """Store the groups, concatenated into one when their states allow it."""
+        if len(groups) > 1:
+            try:
+                state = _concat([s for _, s in groups], [len(r) for r, _ in groups])
+                groups = [(torch.cat([r for r, _ in groups]), state)]
+            except _Mismatch:
+                pass
+        self.groups = groups
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (new row j is old row indices[j]); rows may repeat."""
+        indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1).cpu()
+        new_groups = []
+        for rows, state in self.groups:
+            rows = rows.cpu()
+            hit = (indices[:, None] == rows[None, :])  # [new, b]
+            new_rows = hit.any(dim=1).nonzero().flatten()
+            if new_rows.numel() == 0:
+                continue
+            local = hit[new_rows].float().argmax(dim=1)  # position of each kept row in the group
+            state = _map_tensors(partial(_take_rows, local=local, n=len(rows)), state)
+            new_groups.append((new_rows, state))
+        self.set_groups(new_groups)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        n = max(self.batch_size, 0)
+        self.batch_select_indices(torch.arange(n).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("a recurrent state cannot be cropped")
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+def _pad_lengths(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Left-pad length of every row [B] (of the last T positions), after checking that the mask
+    is 0/1 with only left padding."""
+    m = attention_mask
+    if not ((m == 0) | (m == 1)).all():
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    if (m[:, 1:] < m[:, :-1]).any():
+        raise ValueError(
+            "attention_mask has a 0 after a 1: only left padding is supported "
+            "(pad the prompts on the left, as for any decoder-only generation)")
+    pads = T - m[:, -T:].sum(dim=1)
+    if (pads >= T).any():
+        raise ValueError("attention_mask has a row with no token (all padding)")
+    return pads
+
+
+class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
+    """A ``fastweights.LanguageModel`` behind the ``transformers`` model API.
+
+    ``forward(input_ids [B, T], attention_mask=None [B, past + T], past_key_values=None,
+    labels=None [B, T], use_cache=None) -> CausalLMOutputWithPast``: logits [B, T, V] (zero at
+    pad positions), ``loss`` the mean next-token cross-entropy over labels other than -100 and
+    positions the mask keeps, ``past_key_values`` a ``FastWeightsCache``. ``input_ids`` holds
+    only the positions the cache has not seen (``generate`` slices them so).
+    """
+
+    config_class = FastWeightsConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _is_stateful = True  # no rollback: assisted generation is refused by generate()
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
+
+    def __init__(self, config: FastWeightsConfig) -> None:
+        super().__init__(config)
+        self.model = LanguageModel(config.to_lm_config())
+        self.post_init()
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        # Fresh models keep LanguageModel's own initialisation (identical to the native model);
+        # from_pretrained loads every weight (it refuses missing ones) and rebuilds buffers.
+        pass
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # forward() creates its own FastWeightsCache
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embed
+
+    def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.head
+
+    def set_output_embeddings(self, value: torch.nn.Module) -> None:
+        self.model.head = value
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        """``PreTrainedModel.from_pretrained``, refusing checkpoints with missing or unexpected
+        weights, and recomputing the layers' non-persistent buffers (rotary frequencies, ...),
+        which transformers leaves uninitialised."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        bad = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys")}
+        if any(bad.values()):
+            raise ValueError(f"checkpoint does not match the model config: {bad}")
+        model._rebuild_buffers()
+        return (model, info) if want_info else model
+
+    def _rebuild_buffers(self) -> None:
+        named = [(n, b) for n, b in self.model.named_buffers() if not self._is_persistent(n)]
+        if not named:
+            return
+        with torch.random.fork_rng(devices=[]):  # leave the caller's random stream untouched
+            fresh = dict(LanguageModel(self.config.to_lm_config()).named_buffers())
+        with torch.no_grad():
+            for name, buf in named:
+                owner, _, attr = name.rpartition(".")
+                module = self.model.get_submodule(owner)
+                module._buffers[attr] = fresh[name].to(device=buf.device, dtype=buf.dtype)
+
+    def _is_persistent(self, name: str) -> bool:
+        owner, _, attr = name.rpartition(".")
+        return attr not in self.model.get_submodule(owner)._non_persistent_buffers_set
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: FastWeightsCache | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast | tuple:
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("inputs_embeds is not supported; pass input_ids")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a [B, T] tensor, got {_describe(input_ids)}")
+        B, T = input_ids.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        if past_key_values is not None and not isinstance(past_key_values, FastWeightsCache):
+            raise TypeError(
+                "past_key_values must be a FastWeightsCache (as returned by this model), got "
+                f"{type(past_key_values).__name__}")
+        cache = past_key_values if past_key_values is not None else FastWeightsCache()
+        past = cache.get_seq_length()
+        if cache.groups and cache.batch_size != B:
+            raise ValueError(
+                f"input_ids has batch {B} but past_key_values holds {cache.batch_size} rows")
+
+        pads = torch.zeros(B, dtype=torch.long)
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, past + T):
+                raise ValueError(
+                    f"attention_mask must have shape [B, past + T] = [{B}, {past + T}], "
+                    f"got {_describe(attention_mask)}")
+            pads = _pad_lengths(attention_mask, T).cpu()
+            if past and pads.any():
+                raise ValueError("attention_mask pads a position after the prefill; only left "
+                                 "padding of the first forward is supported")
+
+        if cache.groups:
+            work = [(rows, 0, state) for rows, state in cache.groups]
+        else:  # prefill: rows sharing a pad length start together from a fresh state
+            work = [((pads == p).nonzero().flatten(), p, None) for p in pads.unique().tolist()]
+        logits = None
+        new_groups = []
+        for rows, p, state in work:
+            idx = rows.to(input_ids.device)
+            out, state = self.model(input_ids[idx, p:], state)  # [b, T - p, V]
+            if logits is None:
+                logits = out.new_zeros(B, T, out.shape[-1])
+            logits[idx, p:] = out
+            new_groups.append((rows, state))
+
+        loss = None
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.shape != (B, T):
+                raise ValueError(f"labels must have shape [{B}, {T}], got {_describe(labels)}")
+            target = labels[:, 1:]
+            if attention_mask is not None:  # nothing is predicted from a pad (left padding:
+                # the positions after a real token are real)
+                target = target.masked_fill(attention_mask[:, past:past + T - 1] == 0, IGNORE_INDEX)
+            # float32 or wider for the log-softmax: bfloat16 logits lose the small probabilities
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                target.flatten(), ignore_index=IGNORE_INDEX)
+
+        if use_cache:
+            cache.set_groups(new_groups)
+            cache.seen_tokens = past + T
+        out = CausalLMOutputWithPast(loss=loss, logits=logits,
+                                     past_key_values=cache if use_cache else None)
+        return out if return_dict else out.to_tuple()
+
+
+def _describe(x: Any) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint conversion
+
+
+def _empty_destination(dst_dir: str | Path) -> Path:
+    dst = Path(dst_dir)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"dst_dir {dst} exists and is not an empty folder; refusing to overwrite")
+    return dst
+
+
+def _weights(src: Path, what: str) -> dict[str, torch.Tensor]:
+    path = src / WEIGHTS_FILE
+    if not path.is_file():
+        raise ValueError(f"src_dir {src} is not a {what} checkpoint folder (no {WEIGHTS_FILE}; "
+                         "sharded checkpoints are not supported)")
+    return load_file(str(path))
+
+
+def native_to_hf(src_dir: str | Path, dst_dir: str | Path) -> Path:
+    """Convert a native checkpoint folder (``LanguageModel.save_pretrained``) into a Hugging
+    Face one loadable by ``AutoModelForCausalLM.from_pretrained``. Tensors are copied unchanged
+    (same dtype and values) under the names ``"model." + native name``; other files (optimizer,
+    step) are not copied. Refuses a ``dst_dir`` that exists and is not empty. Returns dst_dir."""
+    src = Path(src_dir)
+    if not (src / CONFIG_FILE).is_file():
+        raise ValueError(f"src_dir {src} is not a native fastweights checkpoint (no {CONFIG_FILE})")
+    dst = _empty_destination(dst_dir)
+    config = FastWeightsConfig.from_lm_config(LMConfig.load(src / CONFIG_FILE))
+    config.architectures = [FastWeightsForCausalLM.__name__]
+    tensors = {PREFIX + k: v for k, v in _weights(src, "native").items()}
+    dst.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(dst)
+    save_file(tensors, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
+    return dst
+
+
+def hf_to_native(src_dir: str | Path, dst_dir: str | Path) -> Path:
+    """Convert a Hugging Face folder (``FastWeightsForCausalLM.save_pretrained``) into a native
+    checkpoint folder loadable by ``LanguageModel.from_pretrained`` without transformers.
+    Tensors are copied unchanged with the ``"model."`` prefix removed. Refuses a ``dst_dir``
+    that exists and is not empty. Returns dst_dir."""
+    src = Path(src_dir)
+    try:
+        data = json.loads((src / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"src_dir {src}: cannot read {CONFIG_FILE}: {err}") from None
+    if data.get("model_type") != FastWeightsConfig.model_type:
+        raise ValueError(f"src_dir {src} holds model_type {data.get('model_type')!r}, "
+                         f"expected {FastWeightsConfig.model_type!r}")
+    dst = _empty_destination(dst_dir)
+    lm_config = FastWeightsConfig.from_dict(data).to_lm_config()
+    tensors = _weights(src, "Hugging Face")
+    foreign = sorted(k for k in tensors if not k.startswith(PREFIX))
+    if foreign:
+        raise ValueError(f"src_dir {src} has weights outside {PREFIX!r}: {foreign[:5]}")
+    dst.mkdir(parents=True, exist_ok=True)
+    lm_config.save(dst / CONFIG_FILE)
+    save_file({k[len(PREFIX):]: v for k, v in tensors.items()}, str(dst / WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    return dst
+
+
+AutoConfig.register(FastWeightsConfig.model_type, FastWeightsConfig, exist_ok=True)
+AutoModelForCausalLM.register(FastWeightsConfig, FastWeightsForCausalLM, exist_ok=True)
