@@ -1,0 +1,87 @@
+"""Forward + backward time of the TransNormer / AFT / Infini-attention mixers against softmax
+attention, all measured in one process (the numbers of issue 4's closing note).
+
+    python -m fastweights.bench.family_compare [--mixers softmax norm diag] [--lengths 1024 4096]
+
+Each mixer is built with its registry defaults at ``--d-model`` / ``--heads`` in float32; one
+timed call is ``y, _ = layer(x); y.sum().backward()`` on a fresh ``x`` of shape
+[batch, T, d_model] that requires grad. One warm-up call, then the median of ``--repeats``
+calls (``time.perf_counter``, CUDA synchronised on both sides). Mixers of the default list that
+are not registered yet are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ..models.registry import build_mixer, mixer_names
+
+DEFAULT_MIXERS = ("softmax", "norm", "diag", "aft-full", "aft-local", "aft-simple", "aft-conv", "infini")
+
+
+def fwd_bwd_seconds(name: str, T: int, d_model: int, heads: int, batch: int, repeats: int,
+                    device: torch.device) -> float:
+    """Median seconds of one forward + backward of mixer ``name`` on [batch, T, d_model]."""
+    torch.manual_seed(0)
+    layer = build_mixer(name, d_model, heads).to(device).train()
+    x = torch.randn(batch, T, d_model, device=device)
+
+    def once() -> float:
+        xi = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        y, _ = layer(xi)
+        y.sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    once()  # warm-up: allocator, kernel selection
+    return statistics.median(once() for _ in range(repeats))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m fastweights.bench.family_compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), help="registered mixer names")
+    p.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096], help="sequence lengths T")
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    for flag in ("d_model", "heads", "batch", "repeats"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if any(T < 1 for T in args.lengths):
+        p.error(f"--lengths must all be >= 1, got {args.lengths}")
+    device = torch.device(args.device)
+    known = set(mixer_names())
+    names = [n for n in args.mixers if n in known]
+    skipped = [n for n in args.mixers if n not in known]
+    print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, float32, "
+          f"batch {args.batch}, d_model {args.d_model}, heads {args.heads}, "
+          f"median of {args.repeats} after 1 warm-up")
+    if skipped:
+        print(f"skipped (not registered): {', '.join(skipped)}")
+    rows = [{"mixer": name, "T": T,
+             "seconds": fwd_bwd_seconds(name, T, args.d_model, args.heads, args.batch, args.repeats, device)}
+            for T in args.lengths for name in names]
+    base = {r["T"]: r["seconds"] for r in rows if r["mixer"] == "softmax"}
+    for r in rows:
+        r["vs_softmax"] = r["seconds"] / base[r["T"]] if r["T"] in base else None
+    print(f"{'mixer':<12}{'T':>7}{'fwd+bwd ms':>14}{'x softmax':>11}")
+    for r in rows:
+        ratio = "" if r["vs_softmax"] is None else f"{r['vs_softmax']:.2f}"
+        print(f"{r['mixer']:<12}{r['T']:>7}{1e3 * r['seconds']:>14.1f}{ratio:>11}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
