@@ -33,6 +33,14 @@ def _add_mixers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_mixers)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from .bench.command import add_arguments, run
+
+    p = sub.add_parser("bench", help="time, memory and FLOP rate of every mixer (and op) vs T")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def _cmd_recall(args: argparse.Namespace) -> int:
     from .train.commands import cmd_recall
 
@@ -65,7 +73,7 @@ def _add_recall(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_recall)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_mixers, _add_recall]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_mixers, _add_bench, _add_recall]
 
 
 def build_parser() -> argparse.ArgumentParser:

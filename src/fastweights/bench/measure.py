@@ -1,0 +1,177 @@
+"""Measurement primitives: wall time (warm-up + median), peak memory, FLOP counts, matmul rate.
+
+Method notes (also written into every report):
+
+- **Time**: ``time.perf_counter`` around one call, after a device synchronise on both sides
+  (CUDA); one warm-up call first, then the median of the repeats.
+- **FLOPs**: ``torch.utils.flop_counter.FlopCounterMode`` on one extra call. It counts only
+  matrix-multiply-type ATen ops (mm, bmm, addmm, baddbmm, matmul via those, convolutions,
+  scaled-dot-product attention) at 2 FLOPs per multiply-add, and nothing elementwise (exp, sums,
+  norms, softmax, cumsum). We add two formulas it lacks: the CPU flash-attention kernel
+  (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, with the dense formula:
+  masked blocks are counted as computed) and ``linalg_solve_triangular`` (n^2 k FLOPs for an
+  n x n triangle and k right-hand sides). The count is of the algorithm actually run: a chunked
+  form that builds a full C x C score block and then masks it is charged for the full block.
+- **Peak memory on CPU**: torch keeps no CPU allocator statistics, so we read the kernel's
+  resident-set high-water mark. Before a measured call we reset the high-water
+  mark (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0) and note VmRSS; after it we read
+  VmHWM; peak = VmHWM - VmRSS(before): the memory the call touched on top of what was resident
+  (model, inputs, and for ``decode`` the prefilled state). So that freed tensors really leave
+  the resident set (glibc would otherwise keep large freed blocks in its heap and hide the next
+  call's allocations), glibc's mmap threshold is fixed at 64 KiB with ``mallopt`` when the
+  benchmark starts: every tensor above that is its own mapping, returned on free. Where any of
+  this is unavailable (not Linux/glibc) memory is reported as missing, never guessed.
+- **Peak memory on CUDA**: ``torch.cuda.max_memory_allocated`` after
+  ``reset_peak_memory_stats``, minus the memory allocated before the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+__all__ = [
+    "count_flops", "time_call", "PeakMemory", "matmul_gflops", "synchronize",
+    "prepare_cpu_memory_accounting",
+]
+
+_aten = torch.ops.aten
+
+
+def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                            out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _solve_triangular_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    # Forward substitution: each of the k right-hand sides costs ~n^2/2 multiply-adds = n^2 FLOPs.
+    n, k = a_shape[-1], out_shape[-1]
+    batch = 1
+    for size in out_shape[:-2]:
+        batch *= size
+    return batch * n * n * k
+
+
+_EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
+    _aten.linalg_solve_triangular: _solve_triangular_flop,
+}
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs of the matrix-multiply-type ops ``fn()`` runs (see the module notes)."""
+    with FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of ``fn`` takes, device work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def prepare_cpu_memory_accounting() -> bool:
+    """Make freed tensors leave the resident set (glibc mallopt, see the module notes).
+
+    Returns True when CPU peak memory can be measured in this process. Idempotent.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024) == 1
+        ok = ok and libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024) == 1
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _proc_status_kib("VmHWM")
+    except (OSError, AttributeError):
+        return False
+    return ok
+
+
+class PeakMemory:
+    """Context manager measuring the peak memory a block adds (bytes in ``.peak``; None when
+    unavailable). CUDA: allocator statistics; CPU: resident-set high-water mark."""
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.device = device
+        self.enabled = enabled
+        self.peak: int | None = None
+
+    def __enter__(self) -> PeakMemory:
+        # No gc.collect() here: tensors are freed by reference counting, and a full collection
+        # costs ~0.5 s per config once torch's compiler modules are loaded.
+        if not self.enabled:
+            return self
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._base = _proc_status_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled or exc[0] is not None:
+            return
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            high = torch.cuda.max_memory_allocated(self.device)
+        else:
+            high = _proc_status_kib("VmHWM") * 1024
+        self.peak = max(0, high - self._base)
+
+
+def matmul_gflops(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 1024, 2048),
+                  min_seconds: float = 0.2) -> tuple[float, int]:
+    """The machine's best sustained square-matmul rate in GFLOP/s (2 n^3 FLOPs per product), and
+    the size n that reached it. Each size: one warm-up product, then repeated products for at
+    least ``min_seconds``; the best size's mean rate counts."""
+    best, best_n = 0.0, sizes[0]
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        torch.mm(a, b)
+        reps, elapsed = 0, 0.0
+        synchronize(device)
+        start = time.perf_counter()
+        while elapsed < min_seconds:
+            torch.mm(a, b)
+            reps += 1
+            synchronize(device)
+            elapsed = time.perf_counter() - start
+        rate = 2 * n**3 * reps / elapsed / 1e9
+        if rate > best:
+            best, best_n = rate, n
+    return best, best_n

@@ -1,0 +1,296 @@
+"""What the benchmark runs: every registered mixer, and the op-level forms of ``fastweights.ops``.
+
+A ``Target`` builds a ``Workload`` for one sequence length: closures for the forward pass (no
+autograd), forward + backward (of ``y.sum()``, gradients to the input and every parameter),
+and the decoding pair ``prefill`` (state after T tokens, chunked/default form, not timed) and
+``step`` (one token against that state, the timed part of ``decode``).
+
+Dimension legend: B batch, T sequence length, H heads, D head dim (d_model / H), d_model width.
+
+Op-level inputs follow DESIGN.md's signatures with the feature maps the layers use (ELU+1 keys
+and queries, sum-normalised for the delta rule; sigmoid write strengths). An op in
+``fastweights.ops.__all__`` is included when it has a recipe below and the recipe is accepted on
+a tiny probe input; every ``mode`` a probe accepts becomes its own target (``delta_rule[chunk]``,
+``delta_rule[recurrent]``, ...). Ops without a recipe, or whose recipe is rejected, are listed
+in the report as skipped with the reason, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..models.registry import build_mixer, mixer_names
+
+__all__ = ["Setting", "Workload", "Target", "mixer_targets", "op_targets"]
+
+# Feature maps and helpers in fastweights.ops that are not sequence mixers.
+_NOT_MIXERS = {"elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features", "draw_favor_projection"}
+_CANDIDATE_MODES = ("chunk", "recurrent", "naive", "dual", "primal")
+_DECODE_STEPS = 8  # tokens per timed decoding call; time is reported per token
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The shape and placement every target is built for."""
+
+    batch: int
+    d_model: int
+    n_heads: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class Workload:
+    """Closures for one (target, T). ``step`` runs ``decode_steps`` tokens from ``state``."""
+
+    forward: Callable[[], Any]
+    forward_backward: Callable[[], Any]
+    prefill: Callable[[], Any] | None
+    step: Callable[[Any], Any] | None
+    decode_steps: int
+    no_decode_reason: str = ""
+    module: torch.nn.Module | None = None  # mixers: the layer and its input [B, T, d_model],
+    x: torch.Tensor | None = None  # for the torch.compile check
+
+
+@dataclass(frozen=True)
+class Target:
+    """A benchmarked thing: a registered mixer (``kind='mixer'``) or an op form (``kind='op'``)."""
+
+    name: str
+    kind: str
+    build: Callable[[int, Setting], Workload]
+
+
+# ----------------------------------------------------------------------------- mixers
+
+
+def _mixer_workload(name: str, T: int, s: Setting) -> Workload:
+    layer = build_mixer(name, s.d_model, s.n_heads).to(device=s.device, dtype=s.dtype)
+    x = torch.randn(s.batch, T, s.d_model, device=s.device, dtype=s.dtype)
+    x_grad = x.clone().requires_grad_()
+    x_step = torch.randn(s.batch, 1, s.d_model, device=s.device, dtype=s.dtype)
+
+    def forward() -> Any:
+        layer.eval()
+        with torch.no_grad():
+            return layer(x)[0]
+
+    def forward_backward() -> None:
+        layer.train()
+        for p in layer.parameters():
+            p.grad = None
+        x_grad.grad = None
+        layer(x_grad)[0].sum().backward()
+
+    def prefill() -> Any:
+        layer.eval()
+        with torch.no_grad():
+            return layer(x)[1]
+
+    def step(state: Any) -> Any:
+        with torch.no_grad():
+            for _ in range(_DECODE_STEPS):
+                _, state = layer(x_step, state)
+        return state
+
+    return Workload(forward, forward_backward, prefill, step, _DECODE_STEPS, module=layer, x=x)
+
+
+def mixer_targets(names: list[str] | None = None) -> list[Target]:
+    """One target per registered mixer (all of them when ``names`` is None)."""
+    names = mixer_names() if names is None else names
+    return [Target(name, "mixer", lambda T, s, n=name: _mixer_workload(n, T, s)) for name in names]
+
+
+# ----------------------------------------------------------------------------- ops
+# A recipe maps (T, setting) to (positional args, keyword args, needs-state-spec). The ``state``
+# entry says how the op carries state: "fwp" for (initial_state, output_final_state) ops, None
+# for stateless ops.
+
+
+def _randn(s: Setting, *shape: int, requires_grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape, device=s.device, dtype=s.dtype, requires_grad=requires_grad)
+
+
+def _feature(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(x) + 1
+
+
+def _recipe_linear_attn(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    B, H, D = s.batch, s.n_heads, s.head_dim
+    q, k = (_feature(_randn(s, B, T, H, D)) for _ in range(2))
+    return [q, k, _randn(s, B, T, H, D)], {"normalize": True}
+
+
+def _recipe_delta_rule(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    B, H, D = s.batch, s.n_heads, s.head_dim
+    q, k = (ops.sum_norm(_feature(_randn(s, B, T, H, D))) for _ in range(2))
+    return [q, k, _randn(s, B, T, H, D), torch.sigmoid(_randn(s, B, T, H))], {}
+
+
+def _recipe_softmax(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    B, H, D = s.batch, s.n_heads, s.head_dim
+    return [_randn(s, B, T, H, D) for _ in range(3)], {}
+
+
+def _ttt_state(s: Setting, mlp: bool) -> tuple[torch.Tensor, ...]:
+    H, D = s.n_heads, s.head_dim
+    if mlp:
+        return (0.02 * _randn(s, 1, H, D, 4 * D), _randn(s, 1, H, 4 * D).zero_(),
+                0.02 * _randn(s, 1, H, 4 * D, D), _randn(s, 1, H, D).zero_())
+    return 0.02 * _randn(s, 1, H, D, D), _randn(s, 1, H, D).zero_()
+
+
+def _recipe_ttt(mlp: bool) -> Callable[[int, Setting], tuple[list[torch.Tensor], dict[str, Any]]]:
+    def recipe(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        B, H, D = s.batch, s.n_heads, s.head_dim
+        args = [_randn(s, B, T, H, D) for _ in range(3)] + [torch.sigmoid(_randn(s, B, T, H)) / D]
+        return args, {"initial_state": _ttt_state(s, mlp)}
+    return recipe
+
+
+def _recipe_aft(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    B, C = s.batch, s.d_model
+    return [_randn(s, B, T, C) for _ in range(3)] + [0.01 * _randn(s, T, T)], {}
+
+
+def _recipe_aft_local(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    args, _ = _recipe_aft(T, s)
+    return args, {"window": 64}
+
+
+def _recipe_aft_conv(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    B, H, D = s.batch, s.n_heads, s.head_dim
+    args = [_randn(s, B, T, H, D), _randn(s, B, T, H), _randn(s, B, T, H, D), 0.01 * _randn(s, H, 64)]
+    return args, {}
+
+
+def _recipe_infini(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    B, H, D = s.batch, s.n_heads, s.head_dim
+    return [_randn(s, B, T, H, D) for _ in range(3)] + [_randn(s, H)], {"segment_len": 512}
+
+
+def _recipe_block(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    return _recipe_softmax(T, s)[0], {"block_size": 64}
+
+
+_RECIPES: dict[str, Callable[[int, Setting], tuple[list[torch.Tensor], dict[str, Any]]]] = {
+    "linear_attn": _recipe_linear_attn,
+    "delta_rule": _recipe_delta_rule,
+    "softmax_attention": _recipe_softmax,
+    "ttt_linear": _recipe_ttt(mlp=False),
+    "ttt_mlp": _recipe_ttt(mlp=True),
+    "aft": _recipe_aft,
+    "aft_local": _recipe_aft_local,
+    "aft_conv": _recipe_aft_conv,
+    "infini_attention": _recipe_infini,
+    "block_attention": _recipe_block,
+}
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _op_workload(op_name: str, mode: str | None, T: int, s: Setting) -> Workload:
+    fn = getattr(ops, op_name)
+    params = inspect.signature(fn).parameters
+    args, kwargs = _RECIPES[op_name](T, s)
+    if mode is not None:
+        kwargs["mode"] = mode
+    grad_args = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+
+    def forward() -> Any:
+        with torch.no_grad():
+            return _first(fn(*args, **kwargs))
+
+    def forward_backward() -> None:
+        for a in grad_args:
+            a.grad = None
+        _first(fn(*grad_args, **kwargs)).sum().backward()
+
+    if "output_final_state" in params:
+        # Decoding feeds one fresh token: every time-indexed input cut to its last position.
+        step_args = [a[:, -1:].clone() if a.dim() >= 3 and a.shape[1] == T else a for a in args]
+
+        def prefill() -> Any:
+            prefill_kwargs = {k: v for k, v in kwargs.items() if k != "mode"}
+            with torch.no_grad():
+                return fn(*args, **prefill_kwargs, output_final_state=True)[1]
+
+        def step(state: Any) -> Any:
+            with torch.no_grad():
+                for _ in range(_DECODE_STEPS):
+                    state = fn(*step_args, **{**kwargs, "initial_state": state},
+                               output_final_state=True)[1]
+            return state
+
+        return Workload(forward, forward_backward, prefill, step, _DECODE_STEPS)
+    if op_name == "softmax_attention":
+        # Stateless, but a KV cache makes decoding well defined: one query against T keys.
+        q1 = args[0][:, -1:]
+
+        def step_softmax(state: Any) -> Any:
+            with torch.no_grad():
+                for _ in range(_DECODE_STEPS):
+                    fn(q1, args[1], args[2])
+            return state
+
+        return Workload(forward, forward_backward, lambda: None, step_softmax, _DECODE_STEPS)
+    return Workload(forward, forward_backward, None, None, _DECODE_STEPS,
+                    no_decode_reason="op has no state to decode with")
+
+
+def _accepted_modes(op_name: str, setting: Setting) -> tuple[list[str | None], str]:
+    """Modes the op accepts on a tiny probe input ([None] for ops without ``mode``), or an empty
+    list and the reason the recipe was rejected."""
+    fn = getattr(ops, op_name)
+    tiny = Setting(1, setting.n_heads * 2, setting.n_heads, torch.float32, torch.device("cpu"))
+    has_mode = "mode" in inspect.signature(fn).parameters
+    accepted: list[str | None] = []
+    reason = ""
+    for mode in (_CANDIDATE_MODES if has_mode else (None,)):
+        args, kwargs = _RECIPES[op_name](5, tiny)
+        if mode is not None:
+            kwargs["mode"] = mode
+        try:
+            fn(*args, **kwargs)
+        except (ValueError, TypeError) as err:  # an unknown mode, or a recipe this op rejects
+            reason = str(err).splitlines()[0]
+            continue
+        accepted.append(mode)
+    return accepted, reason
+
+
+def op_targets(setting: Setting) -> tuple[list[Target], dict[str, str]]:
+    """Targets for every op form in ``fastweights.ops`` with an accepted recipe, and
+    ``{op name: reason}`` for the ops left out."""
+    targets: list[Target] = []
+    left_out: dict[str, str] = {}
+    for op_name in ops.__all__:
+        if op_name in _NOT_MIXERS:
+            continue
+        if op_name not in _RECIPES:
+            left_out[op_name] = "no benchmark input recipe for this op"
+            continue
+        modes, reason = _accepted_modes(op_name, setting)
+        if not modes:
+            left_out[op_name] = f"probe input rejected: {reason}"
+        for mode in modes:
+            name = op_name if mode is None else f"{op_name}[{mode}]"
+            targets.append(Target(name, "op",
+                                  lambda T, s, o=op_name, m=mode: _op_workload(o, m, T, s)))
+    return targets, left_out
