@@ -1,0 +1,159 @@
+"""Decode memory and speed of a recurrent (delta) language model vs softmax attention.
+
+``python -m fastweights.bench.decode`` builds one ``LanguageModel`` per mixer (default: 4 layers,
+d_model 256, 4 heads, float32), prefills a random context of each length (in pieces of
+``--prefill-chunk`` tokens with the state carried, which equals one whole forward and bounds the
+softmax score blocks), then decodes ``--new-tokens`` tokens one T = 1 step at a time, greedily,
+and reports per (mixer, context):
+
+- ``state_bytes``: bytes of every tensor of the carried state after the prefill, and its growth
+  per decoded token (0 for recurrent mixers; the KV cache for softmax);
+- ``decode_peak_rss_mib``: the resident-set high-water mark during the decode loop above what
+  was resident before it (Linux: reset with ``/proc/self/clear_refs``, read ``VmHWM``), i.e. the
+  memory decoding touches on top of the model and the prefilled state; ``rss_mib`` the process
+  resident set after decoding;
+- ``tokens_per_s``: decoded tokens per second of wall time (``time.perf_counter``, after one
+  untimed warm-up step).
+
+Everything runs in one process, one setting after another; results are printed as a table and
+written as JSON with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models.config import LMConfig
+from ..models.lm import LanguageModel
+
+MIB = 2 ** 20
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of every tensor in a (nested list/tuple) model state."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(s) for s in state)
+    return 0
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+    except OSError:
+        return False
+    return True
+
+
+@torch.no_grad()
+def measure(mixer: str, context: int, *, d_model: int, n_layers: int, n_heads: int,
+            vocab_size: int, new_tokens: int, prefill_chunk: int, seed: int) -> dict[str, Any]:
+    """Prefill ``context`` random tokens, then decode ``new_tokens``; see the module docstring."""
+    torch.manual_seed(seed)
+    config = LMConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
+                      n_heads=n_heads, mixer=mixer)
+    model = LanguageModel(config).eval()
+    ids = torch.randint(0, vocab_size, (1, context))
+    state = None
+    t0 = time.perf_counter()
+    for piece in ids.split(prefill_chunk, dim=1):
+        logits, state = model(piece, state)
+    prefill_s = time.perf_counter() - t0
+    prefill_state = state_bytes(state)
+
+    token = logits[:, -1:].argmax(-1)
+    logits, state = model(token, state)  # warm-up step, untimed
+    gc.collect()
+    rss_before = _status_kib("VmRSS")
+    tracked = _reset_rss_peak() and rss_before is not None
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        token = logits[:, -1:].argmax(-1)
+        logits, state = model(token, state)
+    decode_s = time.perf_counter() - t0
+    hwm = _status_kib("VmHWM")
+    rss_after = _status_kib("VmRSS")
+    decoded = new_tokens + 1
+    return {
+        "mixer": mixer, "context": context, "new_tokens": new_tokens,
+        "params": model.num_parameters(),
+        "state_bytes_after_prefill": prefill_state,
+        "state_bytes_per_new_token": (state_bytes(state) - prefill_state) / decoded,
+        "decode_peak_rss_mib": (hwm - rss_before) / 1024 if tracked and hwm else None,
+        "rss_mib": rss_after / 1024 if rss_after else None,
+        "prefill_s": prefill_s,
+        "tokens_per_s": new_tokens / decode_s,
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(prog="python -m fastweights.bench.decode", description=__doc__.split("\n")[0])
+    p.add_argument("--mixers", nargs="+", default=["delta", "softmax"])
+    p.add_argument("--contexts", nargs="+", type=int, default=[1024, 16384])
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    for name in ("d_model", "n_layers", "n_heads", "vocab_size", "new_tokens", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(c < 1 for c in args.contexts):
+        p.error(f"--contexts must all be >= 1, got {args.contexts}")
+
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {args.n_layers} layers, d_model {args.d_model}, "
+          f"{args.n_heads} heads, float32, batch 1, {args.new_tokens} decoded tokens")
+    header = ("mixer", "context", "state MiB", "state B/token", "decode peak RSS MiB",
+              "RSS MiB", "prefill s", "tokens/s")
+    print(" | ".join(header))
+    rows = []
+    for mixer in args.mixers:
+        for context in args.contexts:
+            r = measure(mixer, context, d_model=args.d_model, n_layers=args.n_layers,
+                        n_heads=args.n_heads, vocab_size=args.vocab_size,
+                        new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
+                        seed=args.seed)
+            rows.append(r)
+            print(" | ".join([
+                mixer, str(context), _fmt(r["state_bytes_after_prefill"] / MIB, ".2f"),
+                _fmt(r["state_bytes_per_new_token"], ".0f"), _fmt(r["decode_peak_rss_mib"], ".1f"),
+                _fmt(r["rss_mib"], ".0f"), _fmt(r["prefill_s"], ".2f"), _fmt(r["tokens_per_s"], ".1f"),
+            ]), flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                                 for k, v in vars(args).items()},
+                                        "torch": torch.__version__, "results": rows}, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
