@@ -82,7 +82,9 @@ class LRPE(nn.Module):
         hx = xc - 2.0 * (xc @ u).unsqueeze(-1) * u
         n = self.theta.shape[0] * 2
         rotated = apply_rotary(hx[..., :n], positions, self.theta)
-        return torch.cat([rotated, hx[..., n:]], dim=-1).to(x.dtype)
+        if n < x.shape[-1]:
+            rotated = torch.cat([rotated, hx[..., n:]], dim=-1)
+        return rotated.to(x.dtype)
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
