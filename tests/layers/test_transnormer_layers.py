@@ -79,8 +79,7 @@ def test_norm_attention_equals_explicit_formula(act, lrpe, decay):
         q, k = lrpe_explicit(layer.lrpe, q, torch.arange(T)), lrpe_explicit(layer.lrpe, k, torch.arange(T))
     i = torch.arange(T, dtype=torch.float64)
     if decay:
-        lam = layer.decay  # exp(-0.5 s_h), rounded to float32 at construction
-        assert torch.allclose(lam, torch.exp(-0.5 * torch.tensor(alibi_slopes(H), dtype=torch.float64)))
+        lam = torch.exp(-0.5 * torch.tensor(alibi_slopes(H), dtype=torch.float64))
         Dm = lam.view(H, 1, 1) ** (i[:, None] - i[None, :]).clamp(min=0) * (i[:, None] >= i[None, :])
     else:
         Dm = (i[:, None] >= i[None, :]).double()
@@ -120,9 +119,11 @@ def test_norm_attention_streams(decay):
 
 def test_decay_variant_uses_alibi_decays_and_gate():
     layer = NormAttention(32, 8, decay=True)
-    assert torch.allclose(layer.decay.double(), torch.exp(-2.0 ** -torch.arange(1, 9, dtype=torch.float64)))
+    expected = torch.exp(-2.0 ** -torch.arange(1, 9, dtype=torch.float64))
+    assert_close64(torch.tensor(layer.decay_values, dtype=torch.float64), expected)
+    assert layer.to(torch.bfloat16).decay_values == layer.decay_values  # not rounded by casts
     assert layer.gate.weight.shape == (32, 32)
-    assert NormAttention(32, 8).decay is None and not hasattr(NormAttention(32, 8), "gate")
+    assert NormAttention(32, 8).decay_values is None and not hasattr(NormAttention(32, 8), "gate")
 
 
 def test_alibi_slopes():
@@ -312,6 +313,7 @@ BAD = [
     ("norm mode", lambda: NormAttention(8, 2, mode="fast"), ValueError, "mode must be one of"),
     ("norm chunk", lambda: NormAttention(8, 2, chunk_size=0), ValueError, "chunk_size must be >= 1"),
     ("norm state", lambda: NormAttention(8, 2)(torch.randn(1, 3, 8), state=(torch.zeros(1, 2, 4, 4),)), TypeError, "state must be None"),
+    ("norm state S", lambda: NormAttention(8, 2)(torch.randn(1, 3, 8), state=([1.0], 0)), TypeError, "state[0] (S) must be a torch.Tensor"),
     ("norm position", lambda: NormAttention(8, 2)(torch.randn(1, 3, 8), state=(torch.zeros(1, 2, 4, 4), -1)), TypeError, "position"),
     ("norm state shape", lambda: NormAttention(8, 2)(torch.randn(1, 3, 8), state=(torch.zeros(1, 2, 4, 3), 0)), ValueError, "initial_state"),
     ("lrpe head_dim 1", lambda: NormAttention(4, 4), ValueError, "LRPE needs head_dim >= 2"),

@@ -124,7 +124,7 @@ class NormAttention(Mixer):
     the output norm -> sigmoid(x W_g + b_g) gate -> W_out. ``mode``/``chunk_size`` go to the op.
 
     State: ``(S [B, H, D, D] float32/float64, position: int)``; the position keeps LRPE
-    sequence-global when the sequence is fed in pieces.
+    sequence-global when the sequence is fed in pieces. ``decay_values`` holds the lambda_h.
     """
 
     def __init__(
@@ -142,16 +142,16 @@ class NormAttention(Mixer):
         H, D = n_heads, self.head_dim
         _qkv_projections(self, d_model, H * D)
         self.lrpe = LRPE(D) if lrpe else None
+        # Plain floats rather than a buffer: module.to(bfloat16) would round lambda = 0.996 to 1.
+        self.decay_values = (
+            tuple(math.exp(-self.decay_scale * s) for s in alibi_slopes(H)) if decay else None
+        )
         if decay:
-            lam = torch.exp(-self.decay_scale * torch.tensor(alibi_slopes(H), dtype=torch.float64))
-            self.register_buffer("decay", lam.float(), persistent=False)  # [H]
             self.gate = nn.Linear(d_model, H * D)
-        else:
-            self.decay = None
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
-        B, T, _ = x.shape
+        T = x.shape[1]
         S, pos = _unpack_norm_state(state)
         H = self.n_heads
         act = ACTIVATIONS[self.activation]
@@ -166,13 +166,14 @@ class NormAttention(Mixer):
             # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences.
             q, k, v = q.float(), k.float(), v.float()
         opts = dict(output_final_state=True, mode=self.mode, chunk_size=self.chunk_size)
-        if self.decay is not None:
-            o, S = decay_linear_attn(q, k, v, self.decay, initial_state=S, **opts)
+        if self.decay_values is not None:
+            lam = torch.tensor(self.decay_values, dtype=state_dtype(q.dtype), device=q.device)
+            o, S = decay_linear_attn(q, k, v, lam, initial_state=S, **opts)
         else:
             init = None if S is None else (S, S.new_zeros(S.shape[:-1]))
             o, (S, _) = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
         o = srms_norm(merge_heads(o))
-        if self.decay is not None:
+        if self.decay_values is not None:
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
         return self.out(o.to(x.dtype)), (S, pos + T)
 
@@ -181,7 +182,7 @@ class NormAttention(Mixer):
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, activation={self.activation}, "
-                f"lrpe={self.lrpe is not None}, decay={self.decay is not None}")
+                f"lrpe={self.lrpe is not None}, decay={self.decay_values is not None}")
 
 
 def _unpack_norm_state(state: State) -> tuple[torch.Tensor | None, int]:
@@ -190,6 +191,7 @@ def _unpack_norm_state(state: State) -> tuple[torch.Tensor | None, int]:
     if not isinstance(state, (tuple, list)) or len(state) != 2:
         raise TypeError("state must be None or the (S [B, H, D, D], position) tuple NormAttention returned")
     S, pos = state
+    check_tensor("state[0] (S)", S, 4, "[B, H, D, D]")
     if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
         raise TypeError(f"state[1] (position) must be an int >= 0, got {pos!r}")
     return S, pos
