@@ -3,15 +3,16 @@
 ``python -m fastweights.bench.decode`` builds one ``LanguageModel`` per mixer (default: 4 layers,
 d_model 256, 4 heads, float32), prefills a random context of each length (in pieces of
 ``--prefill-chunk`` tokens with the state carried, which equals one whole forward and bounds the
-softmax score blocks), then decodes ``--new-tokens`` tokens one T = 1 step at a time, greedily,
-and reports per (mixer, context):
+softmax score blocks), then decodes ``--new-tokens`` tokens one T = 1 step at a time, greedily
+(with ``--decode-mode recurrent``, the default, in the token-by-token form of the mixers that
+have one, same weights), and reports per (mixer, context):
 
 - ``state_bytes``: bytes of every tensor of the carried state after the prefill, and its growth
   per decoded token (0 for recurrent mixers; the KV cache for softmax);
 - ``decode_peak_rss_mib``: the resident-set high-water mark during the decode loop above what
-  was resident before it (Linux: reset with ``/proc/self/clear_refs``, read ``VmHWM``), i.e. the
-  memory decoding touches on top of the model and the prefilled state; ``rss_mib`` the process
-  resident set after decoding;
+  was resident before it (Linux: reset with ``/proc/self/clear_refs``, read ``VmHWM``; glibc is
+  told to return freed blocks above 64 KiB), i.e. the memory decoding touches on top of the model
+  and the prefilled state; ``rss_mib`` the process resident set after decoding;
 - ``tokens_per_s``: decoded tokens per second of wall time (``time.perf_counter``, after one
   untimed warm-up step).
 
@@ -22,6 +23,8 @@ written as JSON with ``--out``.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
 import gc
 import json
 import platform
@@ -34,6 +37,7 @@ import torch
 
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
+from ..models.registry import mixer_options
 
 MIB = 2 ** 20
 
@@ -56,6 +60,15 @@ def _status_kib(field: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _return_freed_memory() -> None:
+    """Make glibc give every freed block above 64 KiB back to the kernel (M_MMAP_THRESHOLD), so
+    the resident set shows what decoding allocates instead of a heap that only grows."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
+    except (OSError, AttributeError):
+        pass  # not glibc: RSS figures then include the allocator's cached blocks
+
+
 def _reset_rss_peak() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
@@ -66,12 +79,21 @@ def _reset_rss_peak() -> bool:
 
 @torch.no_grad()
 def measure(mixer: str, context: int, *, d_model: int, n_layers: int, n_heads: int,
-            vocab_size: int, new_tokens: int, prefill_chunk: int, seed: int) -> dict[str, Any]:
+            vocab_size: int, new_tokens: int, prefill_chunk: int, seed: int,
+            decode_mode: str = "recurrent") -> dict[str, Any]:
     """Prefill ``context`` random tokens, then decode ``new_tokens``; see the module docstring."""
     torch.manual_seed(seed)
     config = LMConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
                       n_heads=n_heads, mixer=mixer)
     model = LanguageModel(config).eval()
+    if decode_mode == "recurrent" and "mode" in mixer_options(mixer):
+        # Same weights, token-by-token form for the T = 1 steps (the chunked form pads a lone
+        # token to a whole chunk).
+        options = {"mode": "recurrent"}
+        stepper = LanguageModel(dataclasses.replace(config, mixer_options=options)).eval()
+        stepper.load_state_dict(model.state_dict())
+    else:
+        stepper = model
     ids = torch.randint(0, vocab_size, (1, context))
     state = None
     t0 = time.perf_counter()
@@ -81,20 +103,20 @@ def measure(mixer: str, context: int, *, d_model: int, n_layers: int, n_heads: i
     prefill_state = state_bytes(state)
 
     token = logits[:, -1:].argmax(-1)
-    logits, state = model(token, state)  # warm-up step, untimed
+    logits, state = stepper(token, state)  # warm-up step, untimed
     gc.collect()
     rss_before = _status_kib("VmRSS")
     tracked = _reset_rss_peak() and rss_before is not None
     t0 = time.perf_counter()
     for _ in range(new_tokens):
         token = logits[:, -1:].argmax(-1)
-        logits, state = model(token, state)
+        logits, state = stepper(token, state)
     decode_s = time.perf_counter() - t0
     hwm = _status_kib("VmHWM")
     rss_after = _status_kib("VmRSS")
     decoded = new_tokens + 1
     return {
-        "mixer": mixer, "context": context, "new_tokens": new_tokens,
+        "mixer": mixer, "context": context, "new_tokens": new_tokens, "decode_mode": decode_mode,
         "params": model.num_parameters(),
         "state_bytes_after_prefill": prefill_state,
         "state_bytes_per_new_token": (state_bytes(state) - prefill_state) / decoded,
@@ -119,6 +141,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--decode-mode", choices=["recurrent", "layer"], default="recurrent",
+                   help="recurrent: T = 1 steps in the token-by-token form of mixers that have "
+                        "one (same weights); layer: the mixers' configured form (chunk)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -128,9 +153,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(c < 1 for c in args.contexts):
         p.error(f"--contexts must all be >= 1, got {args.contexts}")
 
+    _return_freed_memory()
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.n_layers} layers, d_model {args.d_model}, "
-          f"{args.n_heads} heads, float32, batch 1, {args.new_tokens} decoded tokens")
+          f"{args.n_heads} heads, float32, batch 1, {args.new_tokens} decoded tokens, "
+          f"decode mode {args.decode_mode}")
     header = ("mixer", "context", "state MiB", "state B/token", "decode peak RSS MiB",
               "RSS MiB", "prefill s", "tokens/s")
     print(" | ".join(header))
@@ -140,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             r = measure(mixer, context, d_model=args.d_model, n_layers=args.n_layers,
                         n_heads=args.n_heads, vocab_size=args.vocab_size,
                         new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
-                        seed=args.seed)
+                        seed=args.seed, decode_mode=args.decode_mode)
             rows.append(r)
             print(" | ".join([
                 mixer, str(context), _fmt(r["state_bytes_after_prefill"] / MIB, ".2f"),
