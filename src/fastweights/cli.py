@@ -73,7 +73,95 @@ def _add_recall(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_recall)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_mixers, _add_bench, _add_recall]
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train.commands import cmd_train
+
+    return cmd_train(args)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a byte-level language model on a corpus",
+        description="Train a LanguageModel on bytes of --data (default: this Python's standard "
+        "library source). Writes run.json, metrics.csv and atomic checkpoints "
+        "(checkpoints/step-N, checkpoints/latest) into --out. Under torchrun, --batch-size is the "
+        "global batch, split across processes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mixer", default="delta",
+                   help="one registered mixer for every layer, or a comma-separated list with one per "
+                   "layer; options as name:opt=value (e.g. delta:chunk_size=32)")
+    p.add_argument("--data", default="stdlib", help="'stdlib' or a text file or folder")
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps (default 300; with "
+                   "--resume, the saved run's unless given)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch size")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--ffn", default="mlp", choices=["mlp", "glu", "none"])
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="longest sequence the model accepts (mixers with absolute position tables)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps before cosine decay")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-windows", type=int, default=64, help="validation windows of --seq-len")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint period (0: only at the end)")
+    p.add_argument("--patience", type=int, default=0,
+                   help="stop after this many validations without a new best (0: never)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/train", help="run folder")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run's --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .train.commands import cmd_eval
+
+    return cmd_eval(args)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval", help="validation perplexity of a checkpoint",
+        description="Next-byte loss, perplexity and bits per byte of a checkpoint on the validation "
+        "split of --data, printed as one JSON line.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="a checkpoint folder or a training run folder")
+    p.add_argument("--data", default="stdlib", help="'stdlib' or a text file or folder")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--windows", type=int, default=64, help="number of --seq-len windows evaluated")
+    p.add_argument("--carry-state", action="store_true",
+                   help="read the windows as one stream, carrying the recurrent state across them")
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .train.commands import cmd_generate
+
+    return cmd_generate(args)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate", help="continue a text prompt with a checkpoint",
+        description="Prefill the prompt, then decode one byte per step from the recurrent state.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="a checkpoint folder or a training run folder")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_generate)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_mixers, _add_bench, _add_recall, _add_train, _add_eval, _add_generate,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

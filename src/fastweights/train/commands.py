@@ -93,3 +93,114 @@ def cmd_recall(args: argparse.Namespace) -> int:
     else:
         print("matplotlib is not installed: no plot written (pip install matplotlib)")
     return 0
+
+
+def _load_corpus(spec: str):
+    from ..tasks import load_corpus
+
+    try:
+        return load_corpus(spec)
+    except (ValueError, OSError) as err:
+        raise UserError(str(err)) from None
+
+
+def _load_model(path: str):
+    from ..models import LanguageModel
+    from .checkpoint import resolve_checkpoint
+
+    try:
+        return LanguageModel.from_pretrained(resolve_checkpoint(path))
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    from ..models import LMConfig
+    from .trainer import RUN_FILE, TrainConfig, train
+
+    out = Path(args.out)
+    try:
+        tcfg = TrainConfig(
+            steps=args.steps if args.steps is not None else TrainConfig.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+            warmup=args.warmup, eval_every=args.eval_every, eval_windows=args.eval_windows,
+            save_every=args.save_every, patience=args.patience, bf16=args.bf16, seed=args.seed)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    mcfg = None
+    if args.resume:
+        if not (out / RUN_FILE).is_file() or not (out / "checkpoints" / "latest").is_file():
+            raise UserError(f"--resume: {out} holds no training run with a checkpoint to resume")
+    else:
+        try:
+            specs = parse_mixer_list(args.mixer)
+        except SpecError as err:
+            raise UserError(str(err)) from None
+        names = [n for n, _ in specs]
+        options = [o for _, o in specs]
+        if len(specs) == 1:
+            names, options = names[0], options[0]
+        try:
+            mcfg = LMConfig(vocab_size=256, d_model=args.d_model, n_layers=args.n_layers,
+                            n_heads=args.n_heads, mixer=names, mixer_options=options, ffn=args.ffn,
+                            dropout=args.dropout, max_seq_len=args.max_seq_len)
+            from ..models import LanguageModel
+            LanguageModel(mcfg)  # layer-level option checks happen here, before any output
+        except (TypeError, ValueError) as err:
+            raise UserError(str(err).removeprefix("LMConfig.")) from None
+        if int(os.environ.get("RANK", "0")) == 0:
+            prepare_out(out, args.overwrite)
+    corpus = _load_corpus(args.data)
+    try:
+        losses = train(out, mcfg, tcfg if not args.resume or args.steps is not None else None, corpus,
+                       resume=args.resume, progress=not args.quiet)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if losses and int(os.environ.get("RANK", "0")) == 0:
+        print(f"trained to step {losses[-1][0]}: last train loss {losses[-1][1]:.4f}; "
+              f"metrics in {out / 'metrics.csv'}, checkpoint in {out / 'checkpoints'}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    import math
+
+    from .trainer import evaluate
+
+    if args.seq_len < 1 or args.windows < 1:
+        raise UserError("--seq-len and --windows must be >= 1")
+    model = _load_model(args.checkpoint)
+    limit = model.config.max_seq_len
+    if limit is not None and (args.seq_len > limit or (args.carry_state and args.seq_len * args.windows > limit)):
+        raise UserError(f"the model supports sequences of at most {limit} tokens (max_seq_len)")
+    corpus = _load_corpus(args.data)
+    try:
+        loss = evaluate(model, corpus.val, args.seq_len, args.windows, carry_state=args.carry_state)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    result = {"checkpoint": str(args.checkpoint), "data": corpus.name, "seq_len": args.seq_len,
+              "windows": args.windows, "carry_state": args.carry_state, "loss": loss,
+              "perplexity": math.exp(loss), "bits_per_byte": loss / math.log(2)}
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..tasks import ByteTokenizer
+
+    model = _load_model(args.checkpoint)
+    tok = ByteTokenizer()
+    ids = tok.encode(args.prompt)
+    if ids.numel() == 0:
+        raise UserError("--prompt must not be empty")
+    if model.config.vocab_size != tok.vocab_size:
+        raise UserError(f"the checkpoint's vocabulary ({model.config.vocab_size}) is not bytes (256)")
+    try:
+        out = model.generate(ids, args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, seed=args.seed)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    print(tok.decode(out))
+    return 0

@@ -1,0 +1,294 @@
+"""Language-model training on a byte corpus: AdamW, linear warm-up then cosine decay, gradient
+clipping, optional bfloat16 autocast, periodic validation, early stopping, atomic checkpoints,
+exact resuming, CSV metrics (TensorBoard too if installed) and DistributedDataParallel.
+
+Determinism and resuming: every step draws the *global* batch from one ``torch.Generator``
+seeded by ``seed`` (the data position); under DDP every rank draws the same global batch and
+trains on its own contiguous slice, so the averaged gradient equals one process's. A checkpoint
+stores model, optimizer, scheduler, step, the data generator and the torch / python / numpy RNG
+states, so a resumed run reproduces the uninterrupted run's losses.
+
+Dimension legend: N batch, T sequence length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..models import LanguageModel, LMConfig
+from ..tasks.text import Corpus, eval_windows, random_windows
+from .checkpoint import load_checkpoint, save_checkpoint
+
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.csv"
+METRIC_FIELDS = ("step", "split", "loss", "perplexity", "lr", "tokens_per_s", "seconds")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings. ``batch_size`` is the global batch (split across DDP ranks);
+    ``save_every`` 0 saves only at the end; ``patience`` 0 disables early stopping (else stop
+    after that many validations without a new best)."""
+
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_windows: int = 64
+    save_every: int = 0
+    patience: int = 0
+    bf16: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("warmup", "save_every", "patience"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        for name in ("lr", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.min_lr_ratio <= 1 or not self.weight_decay >= 0:
+            raise ValueError("min_lr_ratio must be in [0, 1] and weight_decay >= 0")
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of ``lr`` at optimiser step ``step`` (0-based): linear warm-up over ``warmup``
+    steps, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def evaluate(model: LanguageModel, data: torch.Tensor, seq_len: int, max_windows: int,
+             carry_state: bool = False, batch_size: int = 16) -> float:
+    """Mean next-byte cross-entropy (nats) on the first ``max_windows * seq_len`` bytes of
+    ``data``. Independent windows by default; with ``carry_state`` the same bytes are one stream
+    read segment by segment with the recurrent state carried (no truncation of the context)."""
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    x, y = eval_windows(data, seq_len, max_windows)  # [n, T]
+    total, count = 0.0, 0
+    if carry_state:
+        state = None
+        for i in range(x.shape[0]):
+            logits, state = model(x[i:i + 1].to(device), state)
+            total += F.cross_entropy(logits[0].float(), y[i].to(device), reduction="sum").item()
+            count += y[i].numel()
+    else:
+        for i in range(0, x.shape[0], batch_size):
+            logits, _ = model(x[i:i + batch_size].to(device))
+            tgt = y[i:i + batch_size].to(device)
+            total += F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="sum").item()
+            count += tgt.numel()
+    model.train(was)
+    return total / count
+
+
+class _Metrics:
+    """metrics.csv (always) and TensorBoard (when installed); rank 0 only."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None) -> None:
+        self.path = run_dir / METRICS_FILE
+        rows: list[dict[str, str]] = []
+        if resume_step is not None and self.path.exists():
+            # Rows logged after the checkpoint will be logged again by the resumed run.
+            with open(self.path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+        self.file = open(self.path, "w", newline="")
+        self.writer = csv.DictWriter(self.file, fieldnames=METRIC_FIELDS)
+        self.writer.writeheader()
+        self.writer.writerows(rows)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:
+            self.tb = None
+
+    def log(self, step: int, split: str, loss: float, **extra: float) -> None:
+        row = {"step": step, "split": split, "loss": f"{loss:.6f}",
+               "perplexity": f"{math.exp(min(loss, 50)):.4f}", **{k: f"{v:.6g}" for k, v in extra.items()}}
+        self.writer.writerow(row)
+        self.file.flush()
+        if self.tb is not None:
+            self.tb.add_scalar(f"{split}/loss", loss, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _rng_states(data_gen: torch.Generator) -> dict[str, Any]:
+    return {"data": data_gen.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_states(states: dict[str, Any], data_gen: torch.Generator) -> None:
+    data_gen.set_state(states["data"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+
+
+def _dist_info() -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from torchrun's environment; initialises the process group
+    (nccl on GPU, gloo on CPU) when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def train(run_dir: str | Path, model_config: LMConfig | None, train_config: TrainConfig | None,
+          corpus: Corpus, *, resume: bool = False, stop_after: int | None = None,
+          progress: bool = True) -> list[tuple[int, float]]:
+    """Train a LanguageModel into ``run_dir``; returns this process's ``(step, train loss)``.
+
+    With ``resume`` the model and training configs are read from ``run_dir/run.json`` (the
+    arguments may then be None, except that ``train_config.steps`` may extend the run) and
+    training continues from ``checkpoints/latest``. ``stop_after`` ends the session after that
+    step without the final save, as if the process had been killed (time-boxed sessions, tests).
+    """
+    run_dir = Path(run_dir)
+    rank, world, device = _dist_info()
+    main = rank == 0
+    resumed: tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None = None
+    if resume:
+        saved = json.loads((run_dir / RUN_FILE).read_text())
+        model_config = LMConfig.from_dict(saved["model"])
+        steps = train_config.steps if train_config is not None else saved["train"]["steps"]
+        train_config = TrainConfig(**{**saved["train"], "steps": steps})
+        resumed = load_checkpoint(run_dir)
+    if model_config is None or train_config is None:
+        raise ValueError("model_config and train_config are required unless resume=True")
+    cfg = train_config
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the world size {world}")
+    if model_config.max_seq_len is not None and cfg.seq_len > model_config.max_seq_len:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_FILE).write_text(json.dumps(
+            {"model": model_config.to_dict(), "train": dataclasses.asdict(cfg), "data": corpus.name},
+            indent=2) + "\n")
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    model = resumed[0] if resumed else LanguageModel(model_config)
+    model.to(device).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    step, best, since_best = 0, float("inf"), 0
+    if resumed:
+        _, opt_state, state = resumed
+        opt.load_state_dict(opt_state["optimizer"])
+        sched.load_state_dict(opt_state["scheduler"])
+        _set_rng_states(opt_state["rng"], data_gen)
+        step, best, since_best = state["step"], state["best_val_loss"], state["since_best"]
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    metrics = _Metrics(run_dir, step if resume else None) if main else None
+    local = cfg.batch_size // world
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+
+    def save() -> None:
+        if main:
+            save_checkpoint(run_dir, step, model,
+                            {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                             "rng": _rng_states(data_gen)},
+                            {"step": step, "best_val_loss": best, "since_best": since_best})
+        if world > 1:
+            dist.barrier()
+
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not (main and progress))
+    losses: list[tuple[int, float]] = []
+    start, tokens = time.perf_counter(), 0
+    stopped_early = False
+    while step < cfg.steps:
+        x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
+        x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
+        with autocast:
+            logits, _ = ddp(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        step += 1
+        tokens += cfg.batch_size * cfg.seq_len
+        loss_value = loss.item()
+        if world > 1:  # report the global-batch loss, identical to one process's
+            t = torch.tensor([loss_value], device=device)
+            dist.all_reduce(t)
+            loss_value = t.item() / world
+        losses.append((step, loss_value))
+        elapsed = time.perf_counter() - start
+        if main:
+            metrics.log(step, "train", loss_value, lr=lr, tokens_per_s=tokens / elapsed, seconds=elapsed)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            val = evaluate(model, corpus.val, cfg.seq_len, cfg.eval_windows)
+            if main:
+                metrics.log(step, "val", val, seconds=elapsed)
+                bar.write(f"step {step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
+            if val < best:
+                best, since_best = val, 0
+            else:
+                since_best += 1
+                stopped_early = cfg.patience > 0 and since_best >= cfg.patience
+        if stop_after is not None and step >= stop_after and step < cfg.steps:
+            break
+        if stopped_early or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            save()
+        if stopped_early:
+            if main:
+                bar.write(f"early stop at step {step}: {since_best} validations without a new best")
+            break
+    bar.close()
+    if metrics is not None:
+        metrics.close()
+    return losses
