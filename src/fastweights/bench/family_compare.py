@@ -5,9 +5,11 @@ attention, all measured in one process (the numbers of issue 4's closing note).
 
 Each mixer is built with its registry defaults at ``--d-model`` / ``--heads`` in float32; one
 timed call is ``y, _ = layer(x); y.sum().backward()`` on a fresh ``x`` of shape
-[batch, T, d_model] that requires grad. One warm-up call, then the median of ``--repeats``
-calls (``time.perf_counter``, CUDA synchronised on both sides). Mixers of the default list that
-are not registered yet are reported as skipped.
+[batch, T, d_model] that requires grad (``time.perf_counter``, CUDA synchronised on both sides).
+After one warm-up call per mixer, the mixers are timed in turn, ``--repeats`` rounds, so that a
+load change on a shared machine hits every mixer alike; the table gives the minimum (the best
+estimate of the unloaded cost) and the median per mixer, and the ratio of minima to softmax.
+Mixers of the default list that are not registered are reported as skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,9 +26,9 @@ from ..models.registry import build_mixer, mixer_names
 DEFAULT_MIXERS = ("softmax", "norm", "diag", "aft-full", "aft-local", "aft-simple", "aft-conv", "infini")
 
 
-def fwd_bwd_seconds(name: str, T: int, d_model: int, heads: int, batch: int, repeats: int,
-                    device: torch.device) -> float:
-    """Median seconds of one forward + backward of mixer ``name`` on [batch, T, d_model]."""
+def fwd_bwd_call(name: str, T: int, d_model: int, heads: int, batch: int,
+                 device: torch.device) -> Callable[[], float]:
+    """A function timing one forward + backward of mixer ``name`` on [batch, T, d_model]."""
     torch.manual_seed(0)
     layer = build_mixer(name, d_model, heads).to(device).train()
     x = torch.randn(batch, T, d_model, device=device)
@@ -42,18 +45,36 @@ def fwd_bwd_seconds(name: str, T: int, d_model: int, heads: int, batch: int, rep
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    once()  # warm-up: allocator, kernel selection
-    return statistics.median(once() for _ in range(repeats))
+    return once
+
+
+def compare(names: list[str], T: int, d_model: int, heads: int, batch: int, repeats: int,
+            device: torch.device) -> list[dict]:
+    """Interleaved timings at one length: one row per mixer with min/median seconds."""
+    calls = {n: fwd_bwd_call(n, T, d_model, heads, batch, device) for n in names}
+    for call in calls.values():
+        call()  # warm-up: allocator, kernel selection
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(repeats):
+        for n, call in calls.items():
+            times[n].append(call())
+    rows = [{"mixer": n, "T": T, "min_s": min(ts), "median_s": statistics.median(ts)}
+            for n, ts in times.items()]
+    base = next((r["min_s"] for r in rows if r["mixer"] == "softmax"), None)
+    for r in rows:
+        r["vs_softmax"] = None if base is None else r["min_s"] / base
+    return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.family_compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fastweights.bench.family_compare",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), help="registered mixer names")
     p.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096], help="sequence lengths T")
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     for flag in ("d_model", "heads", "batch", "repeats"):
@@ -67,19 +88,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     skipped = [n for n in args.mixers if n not in known]
     print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, float32, "
           f"batch {args.batch}, d_model {args.d_model}, heads {args.heads}, "
-          f"median of {args.repeats} after 1 warm-up")
+          f"{args.repeats} interleaved rounds after 1 warm-up")
     if skipped:
         print(f"skipped (not registered): {', '.join(skipped)}")
-    rows = [{"mixer": name, "T": T,
-             "seconds": fwd_bwd_seconds(name, T, args.d_model, args.heads, args.batch, args.repeats, device)}
-            for T in args.lengths for name in names]
-    base = {r["T"]: r["seconds"] for r in rows if r["mixer"] == "softmax"}
-    for r in rows:
-        r["vs_softmax"] = r["seconds"] / base[r["T"]] if r["T"] in base else None
-    print(f"{'mixer':<12}{'T':>7}{'fwd+bwd ms':>14}{'x softmax':>11}")
+    rows = [r for T in args.lengths
+            for r in compare(names, T, args.d_model, args.heads, args.batch, args.repeats, device)]
+    print(f"{'mixer':<12}{'T':>7}{'min ms':>10}{'median ms':>11}{'min / softmax':>15}")
     for r in rows:
         ratio = "" if r["vs_softmax"] is None else f"{r['vs_softmax']:.2f}"
-        print(f"{r['mixer']:<12}{r['T']:>7}{1e3 * r['seconds']:>14.1f}{ratio:>11}")
+        print(f"{r['mixer']:<12}{r['T']:>7}{1e3 * r['min_s']:>10.1f}{1e3 * r['median_s']:>11.1f}{ratio:>15}")
     return rows
 
 
