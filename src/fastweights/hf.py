@@ -39,18 +39,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    GenerationMixin,
-    PreTrainedConfig,
-    PreTrainedModel,
-)
-from transformers.cache_utils import Cache
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .models.config import LMConfig
 from .models.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel, LMState
+
+try:
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        GenerationMixin,
+        PreTrainedConfig,
+        PreTrainedModel,
+    )
+    from transformers.cache_utils import Cache
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+except ImportError as err:  # the core library works without the extra; this module does not
+    raise ImportError(
+        "fastweights.hf needs transformers 5: pip install 'fastweights[hf]' "
+        "(or pip install 'transformers>=5,<6')") from err
 
 PREFIX = "model."  # FastWeightsForCausalLM keeps the native LanguageModel as ``self.model``
 IGNORE_INDEX = -100
