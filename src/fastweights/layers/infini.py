@@ -17,12 +17,12 @@ from .positional import apply_rotary, rotary_inv_freq
 
 
 class InfiniAttention(Mixer):
-    """Infini-attention: Q/K/V projections (one bias-free linear map), per head causal softmax
-    attention inside segments of ``segment_len`` tokens (default 64: a CPU-friendly size; the
-    paper uses 2048 and lucidrains' code 512) and a compressive memory (M, z) with sigma = ELU+1,
-    read before and written after each segment (``update`` "linear" or "delta"); the per-head
-    gate logit beta_h mixes them, A = sigmoid(beta_h) A_mem + (1 - sigmoid(beta_h)) A_dot, and
-    the concatenated heads go through an output projection.
+    """Infini-attention: Q/K/V projections (one linear map, bias-free by default), per head
+    causal softmax attention inside segments of ``segment_len`` tokens (default 64: a CPU-friendly
+    size; the paper uses 2048 and lucidrains' code 512) and a compressive memory (M, z) with
+    sigma = ELU+1, read before and written after each segment (``update`` "linear" or "delta");
+    the per-head gate logit beta_h mixes them, A = sigmoid(beta_h) A_mem + (1 - sigmoid(beta_h))
+    A_dot, and the concatenated heads go through an output projection.
 
     Positions: rotary encodings (``rope``, base ``rope_base``) on the dot-product path only, with
     segment-local positions (0 .. segment_len - 1, restarting at each segment). Softmax attention

@@ -40,6 +40,8 @@ def infini_attention_chunk(
 
     sq = _to_chunks(F.elu(q_mem) + 1.0, N)  # [B, H, S, N, Dk]
     sk = _to_chunks(F.elu(k_mem) + 1.0, N)
+    # M_in holds one memory per segment, [B, H, S, Dk, Dv]: T Dk Dv / N floats per head, no
+    # more than the activations themselves once N >= Dk.
     if update == "linear":
         M_in, M_all = _exclusive_prefix(M, sk.transpose(-1, -2) @ vs)  # [B, H, S, Dk, Dv]
         z_in, z_all = _exclusive_prefix(z, sk.sum(dim=3))  # [B, H, S, Dk]
