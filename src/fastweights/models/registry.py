@@ -15,6 +15,7 @@ from .._checks import check_positive_int
 from ..layers import DeltaNet, LinearAttention, Mixer, SoftmaxAttention
 from ..layers import InfiniAttention
 from ..layers import DiagAttention, NormAttention
+from ..layers import AFTConv, AFTFull, AFTLocal, AFTSimple
 
 MIXERS: dict[str, Callable[..., Mixer]] = {
     "softmax": SoftmaxAttention,
@@ -25,6 +26,10 @@ MIXERS: dict[str, Callable[..., Mixer]] = {
     "infini": InfiniAttention,
     "norm": NormAttention,
     "diag": DiagAttention,
+    "aft-full": AFTFull,
+    "aft-local": AFTLocal,
+    "aft-simple": AFTSimple,
+    "aft-conv": AFTConv,
 }
 
 

@@ -1,5 +1,8 @@
 """The mathematics: pure functions on ``[B, T, H, D]`` tensors, one sub-package per family."""
 
+from .aft import (
+    aft, aft_conv, aft_conv_stream, aft_full_stream, aft_local, aft_local_stream, aft_simple_stream,
+)
 from .fwp import (
     delta_rule, dpfp, draw_favor_projection, elu_plus_one, favor_features, linear_attn, relu,
     sum_norm,
@@ -15,4 +18,6 @@ __all__ = [
     "infini_attention",
     "block_attention", "decay_linear_attn",
     "ttt_linear", "ttt_mlp",
+    "aft", "aft_local", "aft_conv", "aft_simple_stream", "aft_local_stream", "aft_conv_stream",
+    "aft_full_stream",
 ]

@@ -1,0 +1,220 @@
+"""Attention Free Transformer layers (SPEC.md 4): AFT-full, AFT-local, AFT-simple, AFT-conv.
+
+Every layer projects x to Q, V in R^{d'} and K (R^{d'}, or one channel per head for AFT-conv)
+with biases, computes Y = sigmoid(Q) * (sum e^{K + w} V / sum e^{K + w}) with the ops of
+``fastweights.ops.aft`` and maps Y back to d_model with an output Linear (with bias), as the
+labml reference does. d' = ``d_hidden`` (d_model by default). All are causal.
+
+Position biases of AFT-full/local are factorised, w = U V^T with U, V [max_len, d_bias]
+(d_bias = 128 as ComVEX); both factors start N(0, bias_std^2) with bias_std = 0.01 (ComVEX), so
+w starts within ~1e-3 of 0 (the layer starts close to AFT-simple) while both factors still get
+gradients (two zero factors would never move). A sequence longer than ``max_len`` in total,
+streamed past included, raises ValueError.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._checks import (
+    check_bool, check_choice, check_layer_input, check_nonneg_float, check_positive_int,
+)
+from ..ops.aft import aft_conv_stream, aft_full_stream, aft_local_stream, aft_simple_stream
+from .base import Mixer, State, merge_heads, split_heads
+
+MODES = ("chunk", "recurrent")
+
+
+class _AFT(Mixer):
+    """Shared projections: x -> Q [d'], K [d_key], V [d'] (one Linear with bias) and the output
+    Linear d' -> d_model. Every one of the d' channels is its own single-dimensional head
+    (SPEC 4.1), so ``n_heads`` only matters to AFT-conv."""
+
+    def __init__(self, d_model: int, n_heads: int, d_hidden: int | None, d_key: int | None,
+                 head_dim: int) -> None:
+        super().__init__(d_model, n_heads, head_dim)
+        self.d_hidden = d_model if d_hidden is None else check_positive_int("d_hidden", d_hidden)
+        self.d_key = self.d_hidden if d_key is None else d_key
+        self.qkv = nn.Linear(d_model, 2 * self.d_hidden + self.d_key)
+        self.out = nn.Linear(self.d_hidden, d_model)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d_model] -> q [B, T, d'], k [B, T, d_key], v [B, T, d']."""
+        return self.qkv(x).split([self.d_hidden, self.d_key, self.d_hidden], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_hidden={self.d_hidden}"
+
+
+class _PositionBias(nn.Module):
+    """w = U V^T, U and V [max_len, d_bias], both initialised N(0, std^2) (module docstring)."""
+
+    def __init__(self, max_len: int, d_bias: int, std: float) -> None:
+        super().__init__()
+        self.max_len = check_positive_int("max_len", max_len)
+        check_positive_int("d_bias", d_bias)
+        check_nonneg_float("bias_std", std)
+        self.u = nn.Parameter(torch.randn(max_len, d_bias) * std)
+        self.v = nn.Parameter(torch.randn(max_len, d_bias) * std)
+
+    def check_length(self, stop: int) -> None:
+        if stop > self.max_len:
+            raise ValueError(
+                f"sequence length {stop} (streamed past included) exceeds max_len={self.max_len}; "
+                "build the layer with a larger max_len"
+            )
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """w[start:stop, :stop], the biases of rows start..stop-1 against every key so far."""
+        self.check_length(stop)
+        return self.u[start:stop] @ self.v[:stop].T
+
+    def band(self, start: int, stop: int, window: int) -> torch.Tensor:
+        """[stop - start, window] with [i, o] = w[start + i, start + i - o] (o = t - t'); keys
+        before position 0 get V's first row as a stand-in, which the op ignores. One dot product
+        per offset keeps the memory O(T s) instead of materialising the T x T matrix."""
+        self.check_length(stop)
+        u = self.u[start:stop]
+        key_rows = torch.arange(start, stop, device=u.device)
+        return torch.stack([
+            (u * self.v[(key_rows - o).clamp_min(0)]).sum(-1) for o in range(window)
+        ], dim=-1)
+
+
+class AFTFull(_AFT):
+    """AFT-full (SPEC 4.1): a learned bias w_tt' for every pair, factorised as U V^T.
+
+    State: the cache ``(k [B, t, d'], v [B, t, d'])`` of every token seen (an arbitrary pairwise
+    bias has no constant-size state), so ``state_size(seq_len)`` grows linearly.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
+                 max_len: int = 1024, d_bias: int = 128, bias_std: float = 0.01,
+                 chunk_size: int = 32) -> None:
+        super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
+        self.bias = _PositionBias(max_len, d_bias, bias_std)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        past = 0 if state is None else state[0].shape[1]
+        w = self.bias.rows(past, past + x.shape[1])
+        q, k, v = self._qkv(x)
+        o, state = aft_full_stream(q, k, v, w, initial_state=state, output_final_state=True,
+                                   chunk_size=self.chunk_size)
+        return self.out(o), state
+
+    def state_size(self, seq_len: int = 1) -> int:
+        return 2 * self.d_hidden * seq_len
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, max_len={self.bias.max_len}"
+
+
+class AFTLocal(_AFT):
+    """AFT-local (SPEC 4.2): the learned bias inside a causal window of ``window`` tokens
+    (0 <= t - t' < s; s = 32 as the labml reference), bias 0 (not a mask) beyond it.
+
+    State ``(a, n, m [B, d'], k_cache, v_cache [B, c, d'], pos)``: the stable sums of the tokens
+    that have left the window, the last c = min(pos, s - 1) tokens and the absolute position.
+    ``state_size`` counts its floats once the cache is full: 3 d' + 2 (s - 1) d'.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
+                 window: int = 32, max_len: int = 1024, d_bias: int = 128,
+                 bias_std: float = 0.01, mode: str = "chunk") -> None:
+        super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
+        self.window = check_positive_int("window", window)
+        self.bias = _PositionBias(max_len, d_bias, bias_std)
+        self.mode = check_choice("mode", mode, MODES)
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        past = 0 if state is None else state[-1]
+        w = self.bias.band(past, past + x.shape[1], self.window)
+        q, k, v = self._qkv(x)
+        o, state = aft_local_stream(q, k, v, w, window=self.window, initial_state=state,
+                                    output_final_state=True, mode=self.mode)
+        return self.out(o), state
+
+    def state_size(self, seq_len: int = 1) -> int:
+        return (3 + 2 * (self.window - 1)) * self.d_hidden
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.window}, max_len={self.bias.max_len}"
+
+
+class AFTSimple(_AFT):
+    """AFT-simple (SPEC 4.2): no position bias, Y_t = sigmoid(Q_t) * sum_{t' <= t} softmax_t'(K) V.
+    State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence length."""
+
+    def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
+                 mode: str = "chunk") -> None:
+        super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
+        self.mode = check_choice("mode", mode, MODES)
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        q, k, v = self._qkv(x)
+        o, state = aft_simple_stream(q, k, v, initial_state=state, output_final_state=True,
+                                     mode=self.mode)
+        return self.out(o), state
+
+    def state_size(self, seq_len: int = 1) -> int:
+        return 3 * self.d_hidden
+
+
+class AFTConv(_AFT):
+    """AFT-conv (SPEC 4.2), causal 1-D: ``n_heads`` heads of d'/n_heads channels, one key
+    channel per head, and per head a learned kernel of ``window`` offsets (w[h, j] the bias at
+    t - t' = j; bias 0 beyond). With ``reparam`` (default) the kernel is
+    w_h = gamma_h (w_h - mean w_h) / sqrt(var w_h + 1e-5) + beta_h with the raw kernel N(0, 1)
+    and gamma = beta = 0 at the start, as ComVEX's 1-channel BatchNorm: the layer starts as
+    AFT-simple and learns the kernel's scale. Without it the raw kernel is used, starting at 0.
+
+    State ``(a [B, H], n [B, H, Dh], m [B, H], k_cache [B, c, H], v_cache [B, c, H, Dh])``;
+    ``state_size`` counts it once the cache is full: 2 H + d' + (s - 1)(H + d').
+    """
+
+    eps = 1e-5
+
+    def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
+                 window: int = 32, reparam: bool = True, mode: str = "chunk") -> None:
+        d_hidden = d_model if d_hidden is None else check_positive_int("d_hidden", d_hidden)
+        if d_hidden % n_heads:
+            raise ValueError(f"d_hidden ({d_hidden}) must be divisible by n_heads ({n_heads})")
+        super().__init__(d_model, n_heads, d_hidden, n_heads, head_dim=d_hidden // n_heads)
+        self.window = check_positive_int("window", window)
+        self.reparam = check_bool("reparam", reparam)
+        self.mode = check_choice("mode", mode, MODES)
+        init = torch.randn(n_heads, window) if reparam else torch.zeros(n_heads, window)
+        self.kernel = nn.Parameter(init)
+        if reparam:
+            self.gamma = nn.Parameter(torch.zeros(n_heads))
+            self.beta = nn.Parameter(torch.zeros(n_heads))
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The kernel the op sees, [H, s] (after the reparameterisation)."""
+        if not self.reparam:
+            return self.kernel
+        w = self.kernel
+        mean = w.mean(dim=-1, keepdim=True)
+        var = w.var(dim=-1, unbiased=False, keepdim=True)
+        return self.gamma[:, None] * (w - mean) / torch.sqrt(var + self.eps) + self.beta[:, None]
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        q, k, v = self._qkv(x)
+        H = self.n_heads
+        o, state = aft_conv_stream(split_heads(q, H), k, split_heads(v, H), self.kernel_weight(),
+                                   initial_state=state, output_final_state=True, mode=self.mode)
+        return self.out(merge_heads(o)), state
+
+    def state_size(self, seq_len: int = 1) -> int:
+        H, d = self.n_heads, self.d_hidden
+        return 2 * H + d + (self.window - 1) * (H + d)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, n_heads={self.n_heads}, window={self.window}, "
+                f"reparam={self.reparam}")

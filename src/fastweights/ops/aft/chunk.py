@@ -1,0 +1,269 @@
+"""Parallel forms of the Attention Free Transformer (SPEC.md 4.1-4.4).
+
+Dimension legend: B batch, T new tokens, c cached past tokens, L = c + T tokens in view,
+G key channels (D for AFT-full/local/simple, where every channel is its own head; H for
+AFT-conv), E value channels per key channel (1, or Dh for AFT-conv), s window, J window
+positions looked at per row, C query rows per block (AFT-full).
+
+Every function returns the gate-free ratio R_t = sum_t' e^{K_t' + w_tt'} V_t' / sum_t' e^{K_t' + w_tt'}
+as [B, T, G, E]; the public ops multiply it by sigmoid(Q). Inputs are in the compute dtype.
+
+Streaming state of AFT-simple/local/conv, ``(a [B, G], n [B, G, E], m [B, G], k_cache [B, c, G],
+v_cache [B, c, G, E])``: the tokens that have left the window sum to e^a n (numerator) and e^a m
+(denominator); the cache holds the last c <= s - 1 tokens, still inside the next row's window.
+The empty prefix is (a, n, m) = (-inf, 0, 0).
+
+Numerical stability (SPEC 4.4): only constants along the summed axis t' are ever subtracted,
+and every sum is held as a (log-sum-exp, weighted mean) pair or an (a, n, m) triple.
+- Prefix sums are plain cumulative sums of e^{K - max K} while no prefix can underflow (key
+  spreads below ~60 in float32, ~680 in float64), and otherwise a doubling scan of the stable
+  pairwise merge; either way keys of any range neither overflow nor underflow.
+- A row's window terms and its outside prefix/suffix are scaled by their joint maximum, so no
+  term exceeds 1, the largest is 1 and the denominator is >= 1.
+- Keys are first taken relative to the call's largest key per channel: sums then stay near
+  e^0, where float32 resolves them best (keys around 80 would otherwise cost 2-3 digits).
+- AFT-full multiplies exp(w - row max of w) by exp(K - max K) for the keys before a block of
+  query rows, and treats the block's own keys per row. This is exact unless the bias spreads
+  over ~60 (float32) within a row; AFT-local/simple/conv are exact for any bias and key range.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+Summary = tuple[torch.Tensor, torch.Tensor]  # (log-sum-exp [B, G], weighted mean [B, G, E])
+PrefixState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (a, n, m)
+
+
+def empty_prefix(k: torch.Tensor, v: torch.Tensor) -> PrefixState:
+    """The empty prefix (a, n, m) = (-inf, 0, 0) for k [B, *, G], v [B, *, G, E]."""
+    B, G, E = k.shape[0], k.shape[-1], v.shape[-1]
+    return k.new_full((B, G), float("-inf")), v.new_zeros(B, G, E), k.new_zeros(B, G)
+
+
+def _summary(prefix: PrefixState | None, ref: torch.Tensor) -> Summary | None:
+    """(a, n, m) -> (log(e^a m) - ref, n / m); m = 0 (the empty prefix) gives (-inf, 0)."""
+    if prefix is None:
+        return None
+    a, n, m = prefix
+    tiny = torch.finfo(m.dtype).tiny
+    return a + torch.log(m) - ref, n / m.clamp_min(tiny).unsqueeze(-1)
+
+
+def merge(first: PrefixState, second: PrefixState) -> PrefixState:
+    """Sum two (a, n, m) triples (e^a n, e^a m) over a common reference, their larger a: both
+    rescalings are e^{<= 0}, so nothing overflows and the larger part keeps full precision."""
+    a = torch.maximum(first[0], second[0]).detach()  # a reference only: it cancels in n / m
+    f, g = torch.exp(first[0] - a), torch.exp(second[0] - a)
+    return a, first[1] * f.unsqueeze(-1) + second[1] * g.unsqueeze(-1), first[2] * f + second[2] * g
+
+
+def _doubling_scan(k: torch.Tensor, v: torch.Tensor) -> PrefixState:
+    """Inclusive prefix triples (a, n, m) [B, L, ...] of the tokens by log2(L) doubling steps
+    (Hillis-Steele) of ``merge``: exact for any key range, O(L log L) work."""
+    a, n, m = k, v, torch.ones_like(k)
+    step = 1
+    while step < k.shape[1]:
+        earlier = (F.pad(a[:, :-step], (0, 0, step, 0), value=float("-inf")),  # -inf, 0, 0: none
+                   F.pad(n[:, :-step], (0, 0, 0, 0, step, 0)), F.pad(m[:, :-step], (0, 0, step, 0)))
+        a, n, m = merge(earlier, (a, n, m))
+        step *= 2
+    return a, n, m
+
+
+def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
+    """Prefix summaries: entry i of the result summarises ``init`` and tokens 0..i-1 as
+    (ell = log sum e^K, y = sum e^K V / sum e^K); entry 0 is ``init`` itself (with no init:
+    ell = -inf, y = 0, the empty sum).
+
+    k [B, L, G], v [B, L, G, E] -> ell [B, L+1, G], y [B, L+1, G, E].
+    """
+    if init is None:
+        a, y0, _ = empty_prefix(k, v)
+        init = (a, y0)
+    k = torch.cat([init[0].unsqueeze(1), k], dim=1)
+    v = torch.cat([init[1].unsqueeze(1), v], dim=1)
+    top = k.detach().cummax(dim=1).values  # running maximum of the keys
+    ref = top[:, -1:]  # [B, 1, G]
+    # Plain prefix sums of e^{K - max K} are exact while no prefix falls below the smallest
+    # normal float (then every sum keeps full relative precision); the margin leaves room for
+    # numerators that cancel. Keys spread wider than that take the doubling scan instead.
+    margin = -math.log(torch.finfo(k.dtype).tiny) - 25.0  # 62 nats in float32, 683 in float64
+    if bool((top[:, 1:] - ref).amin() >= -margin):
+        e = torch.exp(k - ref)
+        den = e.cumsum(dim=1)[:, 1:]
+        ell = torch.log(den) + ref
+        y = (e.unsqueeze(-1) * v).cumsum(dim=1)[:, 1:] / den.unsqueeze(-1)
+    else:
+        a, n, m = _doubling_scan(k[:, 1:], v[:, 1:])
+        a, n, m = merge((init[0].unsqueeze(1), init[1].unsqueeze(1), torch.ones_like(a)), (a, n, m))
+        ell, y = a + torch.log(m), n / m.unsqueeze(-1)
+    # Entry 0 may be the empty sum: it is taken from init, never through a 0 / 0.
+    return torch.cat([init[0].unsqueeze(1), ell], dim=1), torch.cat([init[1].unsqueeze(1), y], dim=1)
+
+
+def _windows(
+    k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, r_left: int, r_right: int, first: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window [t - r_left, t + r_right] of every row t >= ``first``, biases added to the keys.
+
+    k [B, L, G], v [B, L, G, E], band [Tr|1, G|1, J] with band[..., j] the bias of
+    t' = t - r_left + j, J = r_left + r_right + 1. Positions outside the sequence get key -inf,
+    so they weigh exactly 0. Returns logits [B, Tr, G, J] and values [B, Tr, G, E, J].
+    """
+    J = r_left + r_right + 1
+    k_win = F.pad(k, (0, 0, r_left, r_right), value=float("-inf")).unfold(1, J, 1)[:, first:]
+    v_win = F.pad(v, (0, 0, 0, 0, r_left, r_right)).unfold(1, J, 1)[:, first:]
+    return k_win + band, v_win
+
+
+def _combine(
+    logits: torch.Tensor, v_win: torch.Tensor, outside: list[Summary],
+) -> torch.Tensor:
+    """The ratio of a row's window terms (logits [B, T, G, J], v_win [B, T, G, E, J]) plus the
+    summaries (ell [B, T, G], y [B, T, G, E]) of the tokens outside it (bias 0).
+
+    Everything is scaled by the row's largest term rho (the window maximum or a log-sum-exp,
+    which bounds its terms), a constant along t': no term exceeds 1 and the largest is 1.
+    """
+    rho = logits.detach().amax(dim=-1)
+    for ell, _ in outside:
+        rho = torch.maximum(rho, ell.detach())
+    e = torch.exp(logits - rho.unsqueeze(-1))
+    num = torch.einsum("btgj,btgej->btge", e, v_win)
+    den = e.sum(dim=-1)
+    for ell, y in outside:
+        f = torch.exp(ell - rho)  # 0 for an empty side (ell = -inf)
+        num = num + f.unsqueeze(-1) * y
+        den = den + f
+    return num / den.unsqueeze(-1)
+
+
+def simple_causal(
+    k: torch.Tensor, v: torch.Tensor, prefix: PrefixState | None,
+) -> tuple[torch.Tensor, PrefixState]:
+    """Causal AFT-simple (SPEC 4.2-4.3): R_t = sum_{t' <= t} e^{K_t'} V_t' / sum_{t' <= t} e^{K_t'},
+    by prefix sums. k [B, T, G], v [B, T, G, E]; prefix (a, n, m) of the past or None.
+    Returns R [B, T, G, E] and the prefix after the last token, as (log-sum-exp, mean, 1)."""
+    ref = k.detach().amax(dim=1)  # [B, G]: keys relative to the call's largest (module docstring)
+    ell, y = _prefix(k - ref.unsqueeze(1), v, _summary(prefix, ref))
+    return y[:, 1:], (ell[:, -1] + ref, y[:, -1], torch.ones_like(ref))
+
+
+def simple_bidirectional(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Bidirectional AFT-simple: every row is the softmax-over-time average of V (per channel).
+    k [B, T, G], v [B, T, G, E] -> [B, T, G, E]."""
+    p = torch.softmax(k, dim=1).unsqueeze(-1)  # softmax subtracts the max over t' itself
+    return (p * v).sum(dim=1, keepdim=True).expand_as(v)
+
+
+def banded_causal(
+    k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, window: int,
+    state: tuple[torch.Tensor, ...] | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Causal AFT-local / AFT-conv (SPEC 4.3): row t adds e^{K_t' + b} V_t' over the window
+    t - s < t' <= t (biases b from ``band``) to the prefix G_{t-s} of every token that has left
+    the window (bias 0), and divides by the same sums of e^{K_t' + b}.
+
+    k [B, T, G], v [B, T, G, E]; band [T|1, G|1, Jb] with band[..., -1 - o] the bias at offset
+    o = t - t' (so the last entry is t itself), Jb >= min(s, c + T) (offsets that can exist);
+    state as in the module docstring, or None.
+    Returns R [B, T, G, E] and the state after the last token.
+    """
+    s = window
+    T = k.shape[1]
+    if state is None:
+        prefix, k_cache, v_cache = None, k[:, :0], v[:, :0]
+    else:
+        prefix, (k_cache, v_cache) = state[:3], state[3:]
+    kx, vx = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)  # [B, L, ...]
+    c = k_cache.shape[1]
+    L = c + T
+    ref = kx.detach().amax(dim=1)  # [B, G]; see simple_causal
+    k_rel = kx - ref.unsqueeze(1)
+    ell, y = _prefix(k_rel, vx, _summary(prefix, ref))
+    # Row e of the view reaches tokens <= e - s through the prefix: entry e - s + 1 (0 = none).
+    out = (torch.arange(c, L, device=k.device) - s + 1).clamp_min(0)
+    J = min(s, L)  # window positions that can exist
+    logits, v_win = _windows(k_rel, vx, band[..., -J:], J - 1, 0, c)
+    ratio = _combine(logits, v_win, [(ell[:, out], y[:, out])])
+    i = L - s + 1  # prefix entry of the next row: everything but the last s - 1 tokens
+    if i > 0:
+        prefix = (ell[:, i] + ref, y[:, i], torch.ones_like(ref))
+    elif prefix is None:
+        prefix = empty_prefix(k, v)
+    keep = L - min(L, s - 1)
+    return ratio, (*prefix, kx[:, keep:], vx[:, keep:])
+
+
+def banded_bidirectional(
+    k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, r_left: int, r_right: int,
+) -> torch.Tensor:
+    """Bidirectional AFT-local / AFT-conv: row t adds the window t - r_left <= t' <= t + r_right
+    (biases from ``band``) to the prefix before it and the suffix after it (bias 0).
+
+    k [B, T, G], v [B, T, G, E]; band [T|1, G|1, r_left + r_right + 1] with band[..., j] the
+    bias of t' = t - r_left + j. Returns R [B, T, G, E].
+    """
+    T = k.shape[1]
+    k = k - k.detach().amax(dim=1, keepdim=True)  # see simple_causal
+    ell_p, y_p = _prefix(k, v, None)
+    ell_s, y_s = _prefix(k.flip(1), v.flip(1), None)  # suffix sums, read backwards
+    t = torch.arange(T, device=k.device)
+    before = (t - r_left).clamp_min(0)  # tokens <= t - r_left - 1
+    after = (T - 1 - t - r_right).clamp_min(0)  # tokens >= t + r_right + 1
+    lo, hi = min(r_left, T - 1), min(r_right, T - 1)  # window positions that can exist
+    logits, v_win = _windows(k, v, band[..., r_left - lo:r_left + hi + 1], lo, hi, 0)
+    return _combine(logits, v_win, [(ell_p[:, before], y_p[:, before]),
+                                    (ell_s[:, after], y_s[:, after])])
+
+
+def _full_summary(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Summary:
+    """(ell, y) of rows that see every key, as matrix products (SPEC 4.1): num = exp(w) @ (exp(K) V)
+    and den = exp(w) @ exp(K), with the row maxima of w and the channel maxima of K subtracted.
+
+    k [B, S, G], v [B, S, G, E], w [R, S] -> ell [B, R, G], y [B, R, G, E]. Exact unless a row's
+    largest K + w falls ~60 (float32) below max w + max K, i.e. w spreads that much.
+    """
+    k_max = k.detach().amax(dim=1, keepdim=True)  # [B, 1, G]
+    w_max = w.detach().amax(dim=-1)  # [R]
+    a = torch.exp(w - w_max.unsqueeze(-1))  # [R, S]
+    e = torch.exp(k - k_max)  # [B, S, G]
+    num = torch.einsum("ts,bsge->btge", a, e.unsqueeze(-1) * v)
+    den = torch.einsum("ts,bsg->btg", a, e)
+    ell = torch.log(den) + w_max[:, None] + k_max
+    return ell, num / den.clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)
+
+
+def full_rows(
+    k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, first: int, causal: bool, chunk_size: int,
+) -> torch.Tensor:
+    """AFT-full rows ``first``..L-1 (SPEC 4.1). k [B, L, G], v [B, L, G, E]: every token in
+    view; w [T, L]: the biases of the T = L - first new rows against every key.
+    Returns R [B, T, G, E].
+
+    Bidirectional rows all see every key: one pair of matrix products. Causal rows go in blocks
+    of C = ``chunk_size``: the keys before a block are seen by all its rows (matrix products
+    with their own key maximum), the keys inside it form a C x C causal window per channel whose
+    maximum is taken per row, so a steep rise of the keys inside a block cannot underflow the
+    rows before the rise.
+    """
+    if not causal:
+        return _full_summary(k, v, w)[1]
+    k = k - k.detach().amax(dim=1, keepdim=True)  # see simple_causal
+    L = k.shape[1]
+    T = L - first
+    outs = []
+    for r0 in range(0, T, chunk_size):
+        r1 = min(r0 + chunk_size, T)
+        lo, hi = first + r0, first + r1  # positions of the block's rows and of its own keys
+        before = [_full_summary(k[:, :lo], v[:, :lo], w[r0:r1, :lo])] if lo > 0 else []
+        mask = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=w.device).triu(1)
+        wb = w[r0:r1, lo:hi].masked_fill(mask, float("-inf"))  # a 0 would not mask (SPEC 4.4)
+        logits = k[:, lo:hi].transpose(1, 2).unsqueeze(1) + wb[:, None, :]  # [B, C, G, C]
+        v_win = v[:, lo:hi].permute(0, 2, 3, 1).unsqueeze(1).expand(-1, hi - lo, -1, -1, -1)
+        outs.append(_combine(logits, v_win, before))
+    return torch.cat(outs, dim=1)
