@@ -74,7 +74,7 @@ def test_norm_attention_forms_equal_masked_quadratic(act, chunk):
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"C{c}")
 def test_decay_forms_agree(shape, chunk):
-    B, T, H, Dk, Dv = shape
+    B, _, H, Dk, Dv = shape
     q, k, v = make(*shape)
     lam = decays(H)
     S0 = torch.randn(B, H, Dk, Dv, generator=torch.Generator().manual_seed(5), dtype=torch.float64)

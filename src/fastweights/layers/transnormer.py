@@ -91,7 +91,7 @@ def alibi_slopes(n_heads: int) -> list[float]:
     """ALiBi slopes s_h = 2^{-8h/H}, h = 1..H, for H a power of two; otherwise the slopes of
     the largest power of two p < H followed by every other slope of 2p (Press et al.)."""
     check_positive_int("n_heads", n_heads)
-    p = 2 ** int(math.floor(math.log2(n_heads)))
+    p = 2 ** math.floor(math.log2(n_heads))
     slopes = [2.0 ** (-8.0 * h / p) for h in range(1, p + 1)]
     if p < n_heads:
         slopes += [2.0 ** (-8.0 * h / (2 * p)) for h in range(1, 2 * p + 1, 2)][: n_heads - p]
@@ -165,7 +165,7 @@ class NormAttention(Mixer):
             # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
             # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences.
             q, k, v = q.float(), k.float(), v.float()
-        opts = dict(output_final_state=True, mode=self.mode, chunk_size=self.chunk_size)
+        opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size}
         if self.decay_values is not None:
             lam = torch.tensor(self.decay_values, dtype=state_dtype(q.dtype), device=q.device)
             o, S = decay_linear_attn(q, k, v, lam, initial_state=S, **opts)

@@ -21,7 +21,7 @@ from .naive import decay_linear_attn_naive
 from .norm import srms_norm
 from .recurrent import decay_linear_attn_recurrent
 
-__all__ = ["decay_linear_attn", "block_attention", "srms_norm"]
+__all__ = ["block_attention", "decay_linear_attn", "srms_norm"]
 
 MODES = ("chunk", "recurrent", "naive")
 KERNELS = ("softmax", "relu")
@@ -39,7 +39,7 @@ def decay_linear_attn(
     o_t = (scale q_t) S_t. State S [B, H, Dk, Dv]. Differentiable in q, k, v, decay and the state.
     Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
     """
-    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    B, _, H, Dk, Dv = check_qkv(q, k, v)
     check_tensor("decay", decay, 1, "[H]")
     check_shape("decay", decay, (H,), "[H]")
     if decay.device != q.device:

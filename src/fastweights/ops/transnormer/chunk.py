@@ -24,7 +24,7 @@ def decay_linear_attn_chunk(
     S_next = e^{G_last} S_prev + (diag(e^{G_last - G_j}) K)^T V. For a full chunk these are
     SPEC 3.5's Λ_q = lambda^{i+1}, Λ_k = lambda^{C-1-j} and lambda^C; only the state hand-off
     between chunks is sequential."""
-    B, T, H = q.shape[:3]
+    T, H = q.shape[1:3]
     C = min(chunk_size, T)
     qc, kc, vc = (_to_chunks(x, C) for x in (q, k, v))  # [B, H, N, C, D]
     N = qc.shape[2]
