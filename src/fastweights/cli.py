@@ -59,13 +59,14 @@ def _add_recall(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--task", default="capacity,update",
                    help="comma-separated: capacity, update (retrieval model) and/or mqar (small LM)")
-    p.add_argument("--mixers", default="linear,dpfp,delta",
+    p.add_argument("--mixers", default=None,
                    help="comma-separated; capacity/update: linear, dpfp, favor, delta, softmax; mqar: "
                    "registered mixer names; options as name:opt=value, e.g. dpfp:nu=2, favor:m=128, "
-                   "delta:feature_map=dpfp")
+                   "delta:feature_map=dpfp (default per task: capacity linear,dpfp; update "
+                   "linear,delta; mqar softmax,linear,delta)")
     p.add_argument("--sizes", default="8,16,32", help="numbers of keys S (mqar: key-value pairs)")
     p.add_argument("--d-key", type=int, default=16, help="key size of the memory (mqar: d_model)")
-    p.add_argument("--steps", type=int, default=2000, help="maximum training steps per model")
+    p.add_argument("--steps", type=int, default=1500, help="maximum training steps per model")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="runs/recall", help="output folder")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run's --out")

@@ -33,30 +33,30 @@ def cmd_recall(args: argparse.Namespace) -> int:
     from ..models.retrieval import MEMORIES
     from . import recall
 
-    try:
-        tasks = [t.strip() for t in args.task.split(",") if t.strip()]
-        mixers = parse_mixer_list(args.mixers)
-        sizes = parse_int_list("--sizes", args.sizes)
-    except SpecError as err:
-        raise UserError(str(err)) from None
+    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
     for t in tasks:
         if t not in recall.TASKS:
             raise UserError(f"unknown --task {t!r}; choose from {', '.join(recall.TASKS)}")
     if not tasks:
         raise UserError("--task names no task")
+    try:
+        per_task = {t: parse_mixer_list(args.mixers or recall.DEFAULT_MIXERS[t]) for t in tasks}
+        sizes = parse_int_list("--sizes", args.sizes)
+    except SpecError as err:
+        raise UserError(str(err)) from None
     for flag, v in (("--d-key", args.d_key), ("--steps", args.steps)):
         if v < 1:
             raise UserError(f"{flag} must be >= 1, got {v}")
     for t in tasks:
         valid = mixer_names() if t == "mqar" else MEMORIES
-        for name, _ in mixers:
+        for name, _ in per_task[t]:
             if name not in valid:
                 raise UserError(f"unknown mixer {name!r} for task {t}; choose from {', '.join(valid)}")
         if t == "mqar" and any(s < 2 for s in sizes):
             raise UserError("mqar needs --sizes >= 2")
     # Build every model once before any training so bad options fail fast, as one line.
     for t in tasks:
-        for name, opts in mixers:
+        for name, opts in per_task[t]:
             try:
                 if t == "mqar":
                     recall.run_mqar(sizes[0], name, opts, d_key=args.d_key, steps=0, seed=0)
@@ -66,7 +66,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
                 raise UserError(f"mixer {recall.mixer_label(name, opts)}: {err}") from None
     out = Path(args.out)
     prepare_out(out, args.overwrite)
-    runs = [(t, n, o, s) for t in tasks for n, o in mixers for s in sizes]
+    runs = [(t, n, o, s) for t in tasks for n, o in per_task[t] for s in sizes]
     results = []
     start = time.perf_counter()
     bar = tqdm(runs, desc="recall", unit="model", disable=args.quiet, file=sys.stderr)

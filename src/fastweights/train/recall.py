@@ -27,6 +27,9 @@ from ..tasks import mqar_batch, retrieval_batch, retrieval_eval_batch
 from ..tasks.mqar import IGNORE
 
 TASKS = ("capacity", "update", "mqar")
+# The comparison each task is about: capacity (sum rule vs a larger DPFP feature space), update
+# (sum rule vs delta rule), and MQAR across the three kinds of LM mixer.
+DEFAULT_MIXERS = {"capacity": "linear,dpfp", "update": "linear,delta", "mqar": "softmax,linear,delta"}
 EVAL_EVERY, PATIENCE, TARGET_LOSS, BATCH_SIZE, LR, EVAL_SEQUENCES = 100, 11, 1e-3, 32, 1e-3, 20
 
 

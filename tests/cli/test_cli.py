@@ -1,0 +1,142 @@
+"""The ``fastweights`` command end to end on tiny settings, its errors (exit 2, one line), and the
+README's python examples run exactly as written."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastweights.cli import main
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+TEXT = "".join(f"class C{i}:\n    value = {i * 7 % 11}\n\n" for i in range(300))
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+def test_python_m_fastweights_help():
+    res = subprocess.run([sys.executable, "-m", "fastweights", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0
+    for cmd in ("recall", "train", "eval", "generate", "mixers"):
+        assert cmd in res.stdout
+
+
+def test_recall_end_to_end(tmp_path, capsys):
+    out = tmp_path / "recall"
+    rc = main(["recall", "--task", "capacity,update", "--mixers", "linear,delta:feature_map=dpfp",
+               "--sizes", "3,5", "--d-key", "4", "--steps", "30", "--out", str(out), "--quiet"])
+    assert rc == 0
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [(r["task"], r["mixer"], r["size"]) for r in rows] == [
+        (t, m, s) for t in ("capacity", "update") for m in ("linear", "delta:feature_map=dpfp")
+        for s in ("3", "5")]
+    assert set(rows[0]) == {"task", "mixer", "size", "eval_loss", "accuracy", "steps", "seconds",
+                            "state_size"}
+    assert all(int(r["steps"]) == 30 and float(r["eval_loss"]) >= 0 for r in rows)
+    printed = capsys.readouterr().out
+    assert "eval loss" in printed and "delta:feature_map=dpfp" in printed
+    pytest.importorskip("matplotlib")
+    assert (out / "results.png").stat().st_size > 1000
+
+
+def test_recall_mqar_uses_registered_mixers(tmp_path):
+    out = tmp_path / "mqar"
+    assert main(["recall", "--task", "mqar", "--mixers", "softmax,delta", "--sizes", "3",
+                 "--d-key", "8", "--steps", "10", "--out", str(out), "--quiet"]) == 0
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["mixer"] for r in rows] == ["softmax", "delta"]
+
+
+def test_train_resume_eval_generate(tmp_path, text_file, capsys):
+    run = tmp_path / "run"
+    common = ["--data", text_file, "--seq-len", "16", "--batch-size", "4", "--d-model", "16",
+              "--n-heads", "2", "--n-layers", "2", "--eval-every", "4", "--eval-windows", "3",
+              "--out", str(run), "--quiet"]
+    assert main(["train", "--mixer", "softmax,delta", "--steps", "4", "--save-every", "2", *common]) == 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000004"
+    assert main(["train", "--resume", "--steps", "6", *common]) == 0  # extend the finished run
+    assert json.loads((run / "run.json").read_text())["train"]["steps"] == 6
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000006"
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--data", text_file, "--seq-len", "16",
+                 "--windows", "3"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["eval", "--checkpoint", str(run / "checkpoints" / "step-0000002"), "--data",
+                 text_file, "--seq-len", "16", "--windows", "3", "--carry-state"]) == 0
+    carried = json.loads(capsys.readouterr().out)
+    assert carried["carry_state"] and plain["perplexity"] > 1 and carried["loss"] > 0
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "class ", "--max-new-tokens",
+                 "12", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("class ")
+
+
+def bad(argv, capsys, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(match, err), err
+
+
+def test_errors_exit_2_with_one_line(tmp_path, text_file, capsys):
+    out = str(tmp_path / "o")
+    bad(["recall", "--mixers", "nope", "--out", out], capsys, "unknown mixer 'nope'")
+    bad(["recall", "--mixers", "dpfp:zz=1", "--out", out], capsys, "zz")
+    bad(["recall", "--sizes", "0,3", "--out", out], capsys, "--sizes")
+    bad(["recall", "--task", "sorting", "--out", out], capsys, "unknown --task")
+    bad(["recall", "--task", "mqar", "--mixers", "dpfp:nu=x", "--out", out], capsys, "nu")
+    bad(["train", "--mixer", "nope", "--out", out], capsys, "unknown mixer")
+    bad(["train", "--data", str(tmp_path / "missing"), "--out", out], capsys, "does not exist")
+    bad(["train", "--steps", "0", "--data", text_file, "--out", out], capsys, "steps")
+    bad(["train", "--resume", "--out", str(tmp_path / "empty")], capsys, "no training run")
+    bad(["eval", "--checkpoint", str(tmp_path / "nothing")], capsys, "does not exist")
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "config.json").write_text('{"vocab_size": 256, "colour": 1}')
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"xx")
+    bad(["generate", "--checkpoint", str(tmp_path / "corrupt")], capsys, "unknown LMConfig field")
+    (tmp_path / "corrupt" / "config.json").write_text('{"vocab_size": 256}')
+    bad(["generate", "--checkpoint", str(tmp_path / "corrupt")], capsys, "cannot load weights")
+
+
+def test_refuses_to_overwrite_an_earlier_run(tmp_path, text_file, capsys):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "results.csv").write_text("old")
+    args = ["recall", "--sizes", "2", "--mixers", "linear", "--task", "capacity", "--steps", "2",
+            "--d-key", "4", "--out", str(out), "--quiet"]
+    bad(args, capsys, "--overwrite")
+    assert (out / "results.csv").read_text() == "old"
+    assert main(args + ["--overwrite"]) == 0
+
+
+def test_sequence_longer_than_the_model_supports(tmp_path, text_file, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--data", text_file, "--steps", "1", "--seq-len", "8", "--batch-size", "2",
+                 "--d-model", "8", "--n-heads", "2", "--n-layers", "1", "--max-seq-len", "8",
+                 "--eval-windows", "1", "--out", str(run), "--quiet"]) == 0
+    bad(["eval", "--checkpoint", str(run), "--data", text_file, "--seq-len", "9"], capsys,
+        "at most 8 tokens")
+    bad(["generate", "--checkpoint", str(run), "--prompt", "abc", "--max-new-tokens", "6"], capsys,
+        "max_seq_len 8")
+
+
+def test_readme_harness_python_example_runs_as_written(tmp_path, monkeypatch):
+    text = README.read_text()
+    section = text[text.index("## Experiments and training"):]
+    section = section[:section.index("\n## ")]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks, "the README's harness section has no python example"
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
