@@ -26,6 +26,8 @@ SMALL_OPTIONS: dict[str, dict] = {
     "aft-local": {"window": 4, "max_len": 32, "d_bias": 8},
     "aft-simple": {},
     "aft-conv": {"window": 4},
+    "ttt-linear": {"mini_batch_size": 4},
+    "ttt-mlp": {"mini_batch_size": 4},
 }
 
 # Mixers whose state is a cache of every token (state_size grows linearly with the length).

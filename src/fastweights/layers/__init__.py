@@ -7,7 +7,9 @@ from .infini import InfiniAttention
 from .softmax import SoftmaxAttention
 from .glu import GLU
 from .transnormer import DiagAttention, NormAttention, SRMSNorm
+from .ttt import TTTMLP, TTTLinear
 
 __all__ = ["Mixer", "LinearAttention", "DeltaNet", "SoftmaxAttention", "InfiniAttention",
            "NormAttention", "DiagAttention", "GLU", "SRMSNorm",
-           "AFTFull", "AFTLocal", "AFTSimple", "AFTConv"]
+           "AFTFull", "AFTLocal", "AFTSimple", "AFTConv",
+           "TTTLinear", "TTTMLP"]

@@ -16,6 +16,7 @@ from ..layers import DeltaNet, LinearAttention, Mixer, SoftmaxAttention
 from ..layers import InfiniAttention
 from ..layers import DiagAttention, NormAttention
 from ..layers import AFTConv, AFTFull, AFTLocal, AFTSimple
+from ..layers import TTTMLP, TTTLinear
 
 MIXERS: dict[str, Callable[..., Mixer]] = {
     "softmax": SoftmaxAttention,
@@ -30,6 +31,8 @@ MIXERS: dict[str, Callable[..., Mixer]] = {
     "aft-local": AFTLocal,
     "aft-simple": AFTSimple,
     "aft-conv": AFTConv,
+    "ttt-linear": TTTLinear,
+    "ttt-mlp": TTTMLP,
 }
 
 

@@ -74,14 +74,16 @@ def ttt_linear_dual(
     tau_rows = tau.unsqueeze(-1)  # [H, b, 1] against [B, H, b, D]
     tail = (p + T) % b  # tokens in a last, partly filled mini-batch (0: it is full)
     zq, Gs, b_start, grads = [], [], [], None
-    for n in range(N):
-        Z = KQ[:, :, n] @ W  # [B, H, 2b, Dv]
+    # unbind (not indexing) so that autograd gathers the per-step gradients in one stack
+    steps = zip(KQ.unbind(2), target.unbind(2), KT_eta.unbind(2), eta_mb.unbind(2))
+    for n, (kq, tgt, kt_eta, eta_n) in enumerate(steps):
+        Z = kq @ W  # [B, H, 2b, Dv]
         Zk, Zq = Z[..., :b, :], Z[..., b:, :]
         if bias is not None:
             Zk = Zk + bias.unsqueeze(-2)
             b_start.append(bias)
-        G = loss_grad(Zk, target[:, :, n], ln_weight, ln_bias)  # [B, H, b, Dv]
-        sums = (KT_eta[:, :, n] @ G, None if bias is None else _eta_sum(eta_mb[:, :, n], G))
+        G = loss_grad(Zk, tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
+        sums = (kt_eta @ G, None if bias is None else _eta_sum(eta_n, G))
         if n == 0 and carry.grads is not None:
             # Tokens of this mini-batch seen by an earlier call: their gradient sums reach every
             # later row i through W_i = W_0 - tau_i (sums_before + ...).
@@ -124,16 +126,17 @@ def ttt_mlp_dual(
     tau_rows = tau.unsqueeze(-1)
     tail = (p + T) % b
     X2s, Xbar2s, G2s, zq2, b2_start, grads = [], [], [], [], [], None
-    for n in range(N):
-        Z = KQ[:, :, n] @ W1  # [B, H, 2b, Dh]
+    steps = zip(KQ.unbind(2), target.unbind(2), KT_eta.unbind(2), eta_mb.unbind(2), M1.unbind(2))
+    for n, (kq, tgt, kt_eta, eta_n, m1) in enumerate(steps):
+        Z = kq @ W1  # [B, H, 2b, Dh]
         if b1 is not None:
             Z = Z + b1.unsqueeze(-2)
         Z1, Zq1 = Z[..., :b, :], Z[..., b:, :]
         X2 = gelu(Z1)  # [B, H, b, Dh]
         Z2 = X2 @ W2 if b2 is None else X2 @ W2 + b2.unsqueeze(-2)
-        G2 = loss_grad(Z2, target[:, :, n], ln_weight, ln_bias)  # [B, H, b, Dv]
+        G2 = loss_grad(Z2, tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
         G1 = (G2 @ W2.transpose(-1, -2)) * gelu_grad(Z1)  # [B, H, b, Dh]
-        Zbar1 = Zq1 - M1[:, :, n] @ G1
+        Zbar1 = Zq1 - m1 @ G1
         if n == 0 and carry.grads is not None:
             gW1, gb1 = carry.grads[:2]
             prior = Q[:, :, 0] @ gW1
@@ -144,9 +147,8 @@ def ttt_mlp_dual(
             gW2, gb2 = carry.grads[2:]
             prior = Xbar2 @ gW2
             Zq2 = Zq2 - tau_rows * (prior if gb2 is None else prior + gb2.unsqueeze(-2))
-        eta_n = eta_mb[:, :, n]
         sums = (
-            KT_eta[:, :, n] @ G1, None if b1 is None else _eta_sum(eta_n, G1),
+            kt_eta @ G1, None if b1 is None else _eta_sum(eta_n, G1),
             (X2 * eta_n.unsqueeze(-1)).transpose(-1, -2) @ G2,
             None if b2 is None else _eta_sum(eta_n, G2),
         )

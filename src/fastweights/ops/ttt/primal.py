@@ -69,13 +69,13 @@ def ttt_linear_primal(
     target = V - K if residual else V
     N, tail = Q.shape[2], (p + T) % b
     start, prior, grads, outs = carry.start, carry.grads, None, []
-    for n in range(N):
+    # unbind (not indexing) so that autograd gathers the per-step gradients in one stack
+    for n, (Qn, Kn, tgt, e) in enumerate(zip(*(x.unbind(2) for x in (Q, K, target, eta_mb)))):
         W, bias = start
-        Kn = K[:, :, n]
         Zk = Kn @ W if bias is None else Kn @ W + bias.unsqueeze(-2)
-        eG = eta_mb[:, :, n] * loss_grad(Zk, target[:, :, n], ln_weight, ln_bias)  # [B, H, b, Dv]
+        eG = e * loss_grad(Zk, tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
         (Wi, bi), sums = _per_token(start, (_outer(Kn, eG), eG), prior, tau)
-        outs.append(_apply(Q[:, :, n], Wi, bi))
+        outs.append(_apply(Qn, Wi, bi))
         if n == N - 1 and tail:
             grads = _last(sums)  # the call ends inside this mini-batch: keep its start weights
         else:
@@ -100,19 +100,17 @@ def ttt_mlp_primal(
     target = V - K if residual else V
     N, tail = Q.shape[2], (p + T) % b
     start, prior, grads, outs = carry.start, carry.grads, None, []
-    for n in range(N):
+    for n, (Qn, Kn, tgt, e) in enumerate(zip(*(x.unbind(2) for x in (Q, K, target, eta_mb)))):
         W1, b1, W2, b2 = start
-        Kn = K[:, :, n]
         Z1 = Kn @ W1 if b1 is None else Kn @ W1 + b1.unsqueeze(-2)  # [B, H, b, Dh]
         X2 = gelu(Z1)
         Z2 = X2 @ W2 if b2 is None else X2 @ W2 + b2.unsqueeze(-2)
-        G2 = loss_grad(Z2, target[:, :, n], ln_weight, ln_bias)  # [B, H, b, Dv]
+        G2 = loss_grad(Z2, tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
         G1 = (G2 @ W2.transpose(-1, -2)) * gelu_grad(Z1)  # [B, H, b, Dh]
-        e = eta_mb[:, :, n]
         eG1, eG2 = e * G1, e * G2
         (W1i, b1i, W2i, b2i), sums = _per_token(
             start, (_outer(Kn, eG1), eG1, _outer(X2, eG2), eG2), prior, tau)
-        outs.append(_apply(gelu(_apply(Q[:, :, n], W1i, b1i)), W2i, b2i))
+        outs.append(_apply(gelu(_apply(Qn, W1i, b1i)), W2i, b2i))
         if n == N - 1 and tail:
             grads = _last(sums)
         else:

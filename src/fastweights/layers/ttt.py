@@ -1,0 +1,186 @@
+"""Test-time training layers TTT-Linear and TTT-MLP (SPEC.md 2.1, 2.3, 2.5, 2.6, Sun et al. 2024).
+The inner loop lives in ``fastweights.ops.ttt``; this module holds the outer parameters."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import (
+    check_bool, check_choice, check_layer_input, check_nonneg_float, check_positive_int,
+)
+from ..ops.ttt import MODES, ttt_linear, ttt_mlp
+from .base import Mixer, State, merge_heads, split_heads
+from .positional import apply_rotary, rotary_inv_freq
+
+CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
+INIT_STD = 0.02  # SPEC 2.6
+
+
+class _TTTLayer(Mixer):
+    """A TTT layer (SPEC 2.1, 2.5): per-head views XQ, XK, XV of x; the inner model is trained on
+    (XK, XV) while the sequence streams and read with XQ; heads concatenated, post-LayerNorm,
+    output projection.
+
+    Options:
+    - ``mini_batch_size`` b (16): inner gradients of b tokens are taken at the same weights.
+    - ``eta_base``: inner learning rate eta_t = eta_base * sigmoid(x_t w_lr + b_lr) / head_dim per
+      head (w_lr ~ N(0, 0.02), b_lr = 0). TTT-MLP's paper recipe also ramps eta_base from 10% to
+      100% over the outer warm-up; that schedule belongs to the training loop, which may set
+      ``layer.eta_base``.
+    - tau_i = max(0, 1/i + delta_i) with a learned offset delta [b] (init 0), the scale of the
+      running gradient sum at position i of a mini-batch (the ops' ``token_scale``).
+    - ``rope`` (True): rotary positions (base ``rope_base``) on XQ, XK with the position counted
+      modulo b, i.e. restarting every mini-batch (SPEC 2.1).
+    - ``inner_norm`` (True): per-head LayerNorm in the inner model with learned gamma, beta [H, D]
+      (outer parameters); ``residual`` (True): f(z) = z + LN(f_res(z)).
+    - Learned initial inner weights (W ~ N(0, 0.02), biases 0), shared by every sequence.
+    - ``mamba_backbone`` (False): one projection shared by Q and K followed by two causal depthwise
+      convolutions (kernel 4, with bias) giving XQ and XK, and a GELU (tanh) output gate
+      gelu(x W_g) after the post-LayerNorm (SPEC 2.1, 2.5).
+    - ``mode``: the ops' "dual" (default), "primal" or "naive".
+
+    State: ``(pos, conv_cache, inner)``: pos (int) the position inside the current mini-batch,
+    conv_cache [B, 3, H * D] the last three shared Q/K projections (Mamba backbone, else None),
+    inner the ops' state (the inner weights, plus the mini-batch's start weights and gradient sums
+    while a mini-batch is partly filled).
+    """
+
+    op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
+
+    def __init__(
+        self, d_model: int, n_heads: int, *, head_dim: int | None = None,
+        mini_batch_size: int = 16, eta_base: float = 1.0, rope: bool = True,
+        rope_base: float = 10000.0, inner_norm: bool = True, residual: bool = True,
+        mamba_backbone: bool = False, mode: str = "dual",
+    ) -> None:
+        super().__init__(d_model, n_heads, head_dim)
+        self.mini_batch_size = check_positive_int("mini_batch_size", mini_batch_size)
+        self.eta_base = check_nonneg_float("eta_base", eta_base)
+        self.rope = check_bool("rope", rope)
+        self.inner_norm = check_bool("inner_norm", inner_norm)
+        self.residual = check_bool("residual", residual)
+        self.mamba_backbone = check_bool("mamba_backbone", mamba_backbone)
+        self.mode = check_choice("mode", mode, MODES)
+        H, D, b = n_heads, self.head_dim, mini_batch_size
+        width = H * D
+        if rope:
+            self.register_buffer("inv_freq", rotary_inv_freq(D, rope_base), persistent=False)
+        # Mamba backbone: [shared Q/K, V]; otherwise [Q, K, V].
+        self.qkv = nn.Linear(d_model, (2 if mamba_backbone else 3) * width, bias=False)
+        if mamba_backbone:
+            self.conv_q = nn.Conv1d(width, width, CONV_KERNEL, groups=width, bias=True)
+            self.conv_k = nn.Conv1d(width, width, CONV_KERNEL, groups=width, bias=True)
+            self.gate = nn.Linear(d_model, width, bias=False)
+        self.lr = nn.Linear(d_model, H)
+        self.register_buffer("token_base", 1.0 / torch.arange(1, b + 1, dtype=torch.float32),
+                             persistent=False)
+        self.token_offset = nn.Parameter(torch.zeros(b))
+        self.inner_shapes = self._inner_shapes(D)
+        for name, shape in self.inner_shapes.items():
+            is_bias = len(shape) == 1
+            init = torch.zeros(H, *shape) if is_bias else INIT_STD * torch.randn(H, *shape)
+            self.register_parameter(f"init_{name}", nn.Parameter(init))
+        if inner_norm:
+            self.ln_weight = nn.Parameter(torch.ones(H, D))
+            self.ln_bias = nn.Parameter(torch.zeros(H, D))
+        self.post_norm = nn.LayerNorm(width, eps=1e-6)
+        self.out = nn.Linear(width, d_model, bias=False)
+        with torch.no_grad():
+            for lin in (self.qkv, self.lr, self.out) + ((self.gate,) if mamba_backbone else ()):
+                lin.weight.normal_(0.0, INIT_STD)
+            self.lr.bias.zero_()
+
+    def _inner_shapes(self, D: int) -> dict[str, tuple[int, ...]]:
+        """Per-head shapes of the inner weights, in the ops' state order."""
+        raise NotImplementedError
+
+    def token_scale(self) -> torch.Tensor:
+        """tau [b]: max(0, 1/i + delta_i)."""
+        return (self.token_base.to(self.token_offset.dtype) + self.token_offset).clamp_min(0.0)
+
+    def _conv(self, conv: nn.Conv1d, seq: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise convolution of seq [B, T + 3, C] (3 carried inputs first) -> [B, T, C]."""
+        y = F.conv1d(seq.transpose(1, 2), conv.weight, conv.bias, groups=conv.in_channels)
+        return y.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+        check_layer_input(x, self.d_model)
+        B, T, _ = x.shape
+        H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
+        if state is None:
+            pos, cache, inner = 0, None, None
+        elif not isinstance(state, tuple) or len(state) != 3:
+            raise TypeError("state must be None or the (pos, conv_cache, inner) tuple this layer returned")
+        else:
+            pos, cache, inner = state
+        proj = self.qkv(x)
+        if self.mamba_backbone:
+            qk, v = proj.chunk(2, dim=-1)
+            if cache is None:
+                # zero inputs before the sequence start, as a causally padded convolution sees
+                cache = qk.new_zeros(B, CONV_KERNEL - 1, H * D)
+            seq = torch.cat([cache.to(qk.dtype), qk], dim=1)  # [B, T + 3, H * D]
+            q, k = self._conv(self.conv_q, seq), self._conv(self.conv_k, seq)
+            cache = seq[:, -(CONV_KERNEL - 1):]
+        else:
+            q, k, v = proj.chunk(3, dim=-1)
+        q, k, v = (split_heads(t, H) for t in (q, k, v))  # [B, T, H, D]
+        if self.rope:
+            positions = (pos + torch.arange(T, device=x.device)) % b  # restart every mini-batch
+            q, k = apply_rotary(q, positions, self.inv_freq), apply_rotary(k, positions, self.inv_freq)
+        eta = self.eta_base * torch.sigmoid(self.lr(x)) / D  # [B, T, H]
+        if inner is None:
+            inner = tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)
+        o, inner = self.op(
+            q, k, v, eta, initial_state=inner,
+            ln_weight=self.ln_weight if self.inner_norm else None,
+            ln_bias=self.ln_bias if self.inner_norm else None, residual=self.residual,
+            mini_batch_size=b, token_scale=self.token_scale(), output_final_state=True,
+            mode=self.mode)
+        y = self.post_norm(merge_heads(o))
+        if self.mamba_backbone:
+            y = y * F.gelu(self.gate(x), approximate="tanh")
+        return self.out(y), ((pos + T) % b, cache if self.mamba_backbone else None, inner)
+
+    def state_size(self, seq_len: int = 1) -> int:
+        """Floats carried at most: the inner weights, and while a mini-batch is partly filled also
+        its start weights and gradient sums (3x), plus the Mamba backbone's convolution inputs.
+        Constant in ``seq_len``."""
+        H = self.n_heads
+        weights = sum(H * torch.Size(s).numel() for s in self.inner_shapes.values())
+        copies = 3 if self.mini_batch_size > 1 else 1
+        conv = (CONV_KERNEL - 1) * H * self.head_dim if self.mamba_backbone else 0
+        return copies * weights + conv
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, mini_batch_size={self.mini_batch_size}, "
+                f"eta_base={self.eta_base}, rope={self.rope}, inner_norm={self.inner_norm}, "
+                f"residual={self.residual}, mamba_backbone={self.mamba_backbone}, mode={self.mode}")
+
+
+class TTTLinear(_TTTLayer):
+    """TTT-Linear: the inner model is f_res(z) = z W + b per head (W [D, D]), eta_base 1.0.
+    Options and state as described in ``_TTTLayer``."""
+
+    op = staticmethod(ttt_linear)
+
+    def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 1.0, **options) -> None:
+        super().__init__(d_model, n_heads, eta_base=eta_base, **options)
+
+    def _inner_shapes(self, D: int) -> dict[str, tuple[int, ...]]:
+        return {"W": (D, D), "b": (D,)}
+
+
+class TTTMLP(_TTTLayer):
+    """TTT-MLP: the inner model is f_res(z) = gelu_tanh(z W1 + b1) W2 + b2 per head with hidden
+    size 4 D, eta_base 0.1 (SPEC 2.6). Options and state as described in ``_TTTLayer``."""
+
+    op = staticmethod(ttt_mlp)
+
+    def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 0.1, **options) -> None:
+        super().__init__(d_model, n_heads, eta_base=eta_base, **options)
+
+    def _inner_shapes(self, D: int) -> dict[str, tuple[int, ...]]:
+        return {"W1": (D, 4 * D), "b1": (4 * D,), "W2": (4 * D, D), "b2": (D,)}

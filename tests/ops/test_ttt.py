@@ -1,0 +1,282 @@
+"""TTT-Linear / TTT-MLP ops (SPEC.md 2): naive == primal == dual, streaming, gradients, and the
+papers' equivalences (delta rule at b = 1, causal linear attention with one mini-batch)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastweights.ops import delta_rule, linear_attn, ttt_linear, ttt_mlp
+from fastweights.ops.ttt.common import gelu, gelu_grad, loss_grad
+from tests.helpers import assert_close64
+
+OPS = {"linear": ttt_linear, "mlp": ttt_mlp}
+MODES = ("naive", "primal", "dual")
+F64 = torch.float64
+
+
+def rand(*shape: int, gen: torch.Generator, scale: float = 1.0, dtype=F64) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=gen, dtype=F64)).to(dtype)
+
+
+def make_state(kind: str, B: int, H: int, Dk: int, Dv: int, bias: bool, gen, scale: float = 0.3):
+    """Random inner weights (batch B); biases None when ``bias`` is False."""
+    if kind == "linear":
+        shapes = [(Dk, Dv), (Dv,)]
+    else:
+        shapes = [(Dk, 4 * Dk), (4 * Dk,), (4 * Dk, Dv), (Dv,)]
+    return tuple(
+        None if (i % 2 and not bias) else rand(B, H, *s, gen=gen, scale=scale)
+        for i, s in enumerate(shapes)
+    )
+
+
+def make_case(kind, B=2, T=13, H=3, Dk=5, Dv=5, b=4, ln=True, residual=True, bias=True,
+              tau="rand", seed=0):
+    """Inputs and keyword arguments for one op call (float64, non-trivial everything)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = rand(B, T, H, Dk, gen=gen), rand(B, T, H, Dk, gen=gen)
+    v = rand(B, T, H, Dv, gen=gen)
+    # eta_base sigmoid(.) / d-sized rates, so that no configuration (MLP without LN) diverges
+    eta = (0.1 + torch.rand(B, T, H, generator=gen, dtype=F64)) / Dk
+    if kind == "mlp":
+        eta = eta / 10  # SPEC 2.6 gives TTT-MLP a 10x smaller eta_base
+    kw = dict(initial_state=make_state(kind, B, H, Dk, Dv, bias, gen), residual=residual,
+              mini_batch_size=b)
+    if ln:
+        kw["ln_weight"] = 1.0 + rand(H, Dv, gen=gen, scale=0.3)
+        kw["ln_bias"] = rand(H, Dv, gen=gen, scale=0.3)
+    if tau == "rand":
+        kw["token_scale"] = 0.3 + torch.rand(b, generator=gen, dtype=F64)
+    elif tau == "per-head":  # [H, b], with some zeros (the layer clamps tau at 0)
+        kw["token_scale"] = (torch.rand(H, b, generator=gen, dtype=F64) * 1.5 - 0.3).clamp_min(0)
+    return (q, k, v, eta), kw
+
+
+def assert_states_close(a, b, atol=1e-10, what=""):
+    assert len(a) == len(b), f"{what}: state lengths {len(a)} != {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if isinstance(x, torch.Tensor):
+            assert_close64(x, y, atol=atol, what=f"{what} state[{i}]")
+        else:
+            assert x == y, f"{what} state[{i}]: {x!r} != {y!r}"
+
+
+MODE_CASES = [
+    (kind, b, ln, res, bias)
+    for kind, b, ln, res, bias in itertools.product(
+        ["linear", "mlp"], [1, 3, 4, 16], [True, False], [True, False], [True, False])
+]
+
+
+@pytest.mark.parametrize(
+    "kind,b,ln,res,bias", MODE_CASES,
+    ids=[f"{k}-b{b}-{'ln' if ln else 'noln'}-{'res' if r else 'nores'}-{'bias' if bi else 'nobias'}"
+         for k, b, ln, r, bi in MODE_CASES])
+def test_modes_agree(kind, b, ln, res, bias):
+    """B2-T13-H3-D5: T=13 divisible by none of b = 3, 4, 16 (16 > T: one partial mini-batch)."""
+    args, kw = make_case(kind, b=b, ln=ln, residual=res, bias=bias)
+    ref, ref_state = OPS[kind](*args, mode="naive", output_final_state=True, **kw)
+    assert ref.abs().max() < 100  # a meaningful comparison, not of diverged values
+    for mode in ("primal", "dual"):
+        o, state = OPS[kind](*args, mode=mode, output_final_state=True, **kw)
+        assert_close64(o, ref, what=mode)
+        assert_states_close(state, ref_state, what=mode)
+    if not bias:
+        assert state[1] is None
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("tau", ["ones", "per-head"])
+def test_modes_agree_other_shapes(kind, tau):
+    """Dk != Dv (no residual), token_scale None or [H, b] with zeros, T=37, B1-H2."""
+    args, kw = make_case(kind, B=1, T=37, H=2, Dk=4, Dv=6, b=5, residual=False, tau=tau, seed=3)
+    ref, ref_state = OPS[kind](*args, mode="naive", output_final_state=True, **kw)
+    for mode in ("primal", "dual"):
+        o, state = OPS[kind](*args, mode=mode, output_final_state=True, **kw)
+        assert_close64(o, ref, what=mode)
+        assert_states_close(state, ref_state, what=mode)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits", [(1,), (3, 4), (6, 7, 11), tuple(range(1, 13))],
+                         ids=["1", "3-4", "6-7-11", "token-by-token"])
+def test_pieces_equal_whole(kind, mode, splits):
+    args, kw = make_case(kind, b=4)
+    whole, whole_state = OPS[kind](*args, mode="dual", output_final_state=True, **kw)
+    outs, state, start = [], kw.pop("initial_state"), 0
+    for stop in list(splits) + [13]:
+        o, state = OPS[kind](*(x[:, start:stop] for x in args), initial_state=state, mode=mode,
+                             output_final_state=True, **kw)
+        outs.append(o)
+        start = stop
+    assert_close64(torch.cat(outs, 1), whole, what=mode)
+    assert_states_close(state, whole_state, what=mode)
+
+
+def test_mid_minibatch_state_layout():
+    """A call ending inside a mini-batch returns (W, b, W_0, b_0, S_W, S_b, pos) with
+    W = W_0 - tau_pos S_W; a call ending on a boundary returns just (W, b)."""
+    args, kw = make_case("linear", T=6, b=4)
+    _, state = ttt_linear(*args, output_final_state=True, **kw)
+    assert len(state) == 7 and state[-1] == 2
+    W, b, W0, b0, SW, Sb, _ = state
+    tau = kw["token_scale"]
+    assert_close64(W, W0 - tau[1] * SW)
+    assert_close64(b, b0 - tau[1] * Sb)
+    _, state = ttt_linear(*(x[:, :4] for x in args), output_final_state=True, **kw)
+    assert len(state) == 2
+    _, state = ttt_mlp(*make_case("mlp", T=5, b=4)[0], output_final_state=True,
+                       **make_case("mlp", T=5, b=4)[1])
+    assert len(state) == 13 and state[-1] == 1
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_batch1_initial_state_broadcasts(kind):
+    args, kw = make_case(kind, B=3)
+    kw["initial_state"] = tuple(w[:1] for w in kw["initial_state"])
+    o, state = OPS[kind](*args, output_final_state=True, **kw)
+    expanded = dict(kw, initial_state=tuple(w.expand(3, *w.shape[1:]) for w in kw["initial_state"]))
+    o2, state2 = OPS[kind](*args, output_final_state=True, **expanded)
+    assert_close64(o, o2)
+    assert_states_close(state, state2)
+    assert state[0].shape[0] == 3
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("mode", ["primal", "dual"])
+def test_gradients_match_naive(kind, mode):
+    """Gradients w.r.t. q, k, v, eta, the initial weights, LayerNorm and token_scale."""
+    args, kw = make_case(kind, B=1, T=7, H=2, Dk=3, Dv=3, b=3)
+    leaves = [*args, *kw["initial_state"], kw["ln_weight"], kw["ln_bias"], kw["token_scale"]]
+    grads = {}
+    for m in ("naive", mode):
+        for x in leaves:
+            x.requires_grad_(True)
+            x.grad = None
+        o, state = OPS[kind](*args, mode=m, output_final_state=True, **kw)
+        (o.square().sum() + sum(s.sum() for s in state if isinstance(s, torch.Tensor))).backward()
+        grads[m] = [x.grad.clone() for x in leaves]
+    for i, (a, b) in enumerate(zip(grads["naive"], grads[mode])):
+        assert_close64(b, a, atol=1e-9, what=f"grad of leaf {i}")
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("mode", ["primal", "dual"])
+@pytest.mark.parametrize("carried", [False, True], ids=["fresh", "carried-mid-minibatch"])
+def test_gradcheck(kind, mode, carried):
+    """torch.autograd.gradcheck (float64) on B1-T5-H1-D2, mini-batch 2, everything switched on;
+    ``carried`` starts from a mid-mini-batch state so the carried sums are differentiated too."""
+    args, kw = make_case(kind, B=1, T=5, H=1, Dk=2, Dv=2, b=2, seed=5)
+    if carried:
+        _, state = OPS[kind](*(x[:, :1] for x in args), output_final_state=True, **kw)
+        kw["initial_state"] = tuple(s.detach() if isinstance(s, torch.Tensor) else s for s in state)
+    init = list(kw.pop("initial_state"))
+    tensor_idx = [i for i, s in enumerate(init) if isinstance(s, torch.Tensor)]
+    ln_w, ln_b, tau = kw.pop("ln_weight"), kw.pop("ln_bias"), kw.pop("token_scale")
+    inputs = [x.clone().requires_grad_() for x in (*args, ln_w, ln_b, tau,
+                                                      *(init[i] for i in tensor_idx))]
+
+    def fn(q, k, v, eta, lw, lb, ts, *weights):
+        st = list(init)
+        for i, w in zip(tensor_idx, weights):
+            st[i] = w
+        o, s = OPS[kind](q, k, v, eta, initial_state=tuple(st), ln_weight=lw, ln_bias=lb,
+                         token_scale=ts, mode=mode, output_final_state=True, **kw)
+        return o, *(x for x in s if isinstance(x, torch.Tensor))
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+
+
+def test_inner_gradient_formula_matches_autograd():
+    """SPEC 2.2's dl/dZ through the LayerNorm equals autograd of 1/2 ||LN(Z) - target||^2."""
+    gen = torch.Generator().manual_seed(2)
+    Z = rand(2, 3, 4, 7, gen=gen).requires_grad_()
+    target, w, b = rand(2, 3, 4, 7, gen=gen), 1 + rand(3, 7, gen=gen, scale=0.5), rand(3, 7, gen=gen)
+    ln = F.layer_norm(Z, (7,), eps=1e-6) * w[:, None] + b[:, None]
+    (auto,) = torch.autograd.grad(0.5 * (ln - target).square().sum(), Z)
+    assert_close64(loss_grad(Z.detach(), target, w, b), auto)
+    x = rand(50, gen=gen, scale=3.0).requires_grad_()
+    (auto,) = torch.autograd.grad(gelu(x).sum(), x)
+    assert_close64(gelu_grad(x.detach()), auto)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_minibatch_1_is_the_delta_rule(mode):
+    """Bare TTT-Linear (no LN, no residual, no bias, tau = 1) with b = 1 takes one GD step on
+    1/2 ||k W - v||^2 per token: W_t = W_{t-1} + k_t^T eta_t (v_t - k_t W_{t-1}), the delta rule
+    with beta = eta, read after write."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, Dk, Dv = 2, 11, 3, 4, 5
+    q, k, v = rand(B, T, H, Dk, gen=gen), rand(B, T, H, Dk, gen=gen), rand(B, T, H, Dv, gen=gen)
+    eta = 0.5 * torch.rand(B, T, H, generator=gen, dtype=F64)
+    W0 = rand(B, H, Dk, Dv, gen=gen)
+    o, (W, b) = ttt_linear(q, k, v, eta, initial_state=(W0, None), mini_batch_size=1, mode=mode,
+                           output_final_state=True)
+    ref, S = delta_rule(q, k, v, eta, initial_state=W0, output_final_state=True, mode="naive")
+    assert_close64(o, ref)
+    assert_close64(W, S)
+    assert b is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("b", [13, 20], ids=["b=T", "b>T"])
+def test_one_minibatch_is_linear_attention(mode, b):
+    """With W_0 = 0 and every gradient taken at W_0, W_t = -sum_j eta_j grad_j = sum_j eta_j
+    k_j^T v_j: bare TTT-Linear is un-normalised causal linear attention with keys scaled by eta."""
+    gen = torch.Generator().manual_seed(6)
+    B, T, H, Dk, Dv = 2, 13, 3, 4, 5
+    q, k, v = rand(B, T, H, Dk, gen=gen), rand(B, T, H, Dk, gen=gen), rand(B, T, H, Dv, gen=gen)
+    eta = torch.rand(B, T, H, generator=gen, dtype=F64)
+    W0 = torch.zeros(1, H, Dk, Dv, dtype=F64)
+    o, _ = ttt_linear(q, k, v, eta, initial_state=(W0, None), mini_batch_size=b, mode=mode)
+    ref, _ = linear_attn(q, k * eta.unsqueeze(-1), v, mode="naive")
+    assert_close64(o, ref)
+
+
+def _inner_loss(W, b, k, v, ln_w, ln_b):
+    """1/2 ||LN(k W + b) - (v - k)||^2 per token and head: k, v [B, H, D] -> [B, H]."""
+    z = torch.einsum("bhd,bhde->bhe", k, W) + b
+    z = F.layer_norm(z, z.shape[-1:], eps=1e-6) * ln_w + ln_b
+    return 0.5 * (z - (v - k)).square().sum(-1)
+
+
+def test_inner_loss_decreases_after_the_update():
+    """With a small eta, each token's own loss is lower at the weights after its update than at
+    the weights before (b = 1, LayerNorm and residual on)."""
+    args, kw = make_case("linear", B=2, T=9, H=3, Dk=6, Dv=6, b=1, tau="ones", seed=7)
+    q, k, v, _ = args
+    eta = torch.full(q.shape[:3], 0.02, dtype=F64)
+    state = kw["initial_state"]
+    for t in range(9):
+        _, new = ttt_linear(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], eta[:, t:t + 1],
+                            initial_state=state, ln_weight=kw["ln_weight"], ln_bias=kw["ln_bias"],
+                            residual=True, mini_batch_size=1, output_final_state=True)
+        before = _inner_loss(*state, k[:, t], v[:, t], kw["ln_weight"], kw["ln_bias"])
+        after = _inner_loss(*new, k[:, t], v[:, t], kw["ln_weight"], kw["ln_bias"])
+        assert (after < before).all(), f"token {t}: {after} >= {before}"
+        state = new
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_low_precision_inputs_keep_float32_states(kind, dtype):
+    args, kw = make_case(kind, b=4)
+    low = [x.to(dtype) for x in args]
+    kw = dict(kw, ln_weight=kw["ln_weight"].to(dtype), ln_bias=kw["ln_bias"].to(dtype))
+    o, state = OPS[kind](*low, output_final_state=True, **kw)
+    assert o.dtype == dtype
+    assert all(s.dtype == torch.float32 for s in state if isinstance(s, torch.Tensor))
+    ref, _ = OPS[kind](*(x.double() for x in low), **dict(
+        kw, ln_weight=kw["ln_weight"].double(), ln_bias=kw["ln_bias"].double()))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (o.double() - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
+
+
+def test_no_final_state_unless_asked():
+    args, kw = make_case("linear")
+    assert ttt_linear(*args, **kw)[1] is None
