@@ -37,8 +37,8 @@ from .chunk import (
 from .recurrent import banded_recurrent, simple_recurrent
 
 __all__ = [
-    "aft", "aft_local", "aft_conv", "aft_simple_stream", "aft_local_stream", "aft_conv_stream",
-    "aft_full_stream",
+    "aft", "aft_conv", "aft_conv_stream", "aft_full_stream", "aft_local", "aft_local_stream",
+    "aft_simple_stream",
 ]
 
 MODES = ("chunk", "recurrent")
@@ -167,7 +167,7 @@ def aft(
     AFT-simple as log-space prefix sums (causal, O(T D)) or one softmax over time.
     Returns o [B, T, D] in q's dtype.
     """
-    B, T, D = _check_btd(q, k, v)
+    T = _check_btd(q, k, v)[1]
     if w is not None:
         _check_matrix("w", w, T, T, False, q, "[T_max, T_max]")
     check_bool("causal", causal)
@@ -192,7 +192,7 @@ def aft_local(
     O(T s D): prefix (and suffix) sums for the pairs outside the window plus the window itself.
     Returns o [B, T, D] in q's dtype.
     """
-    B, T, D = _check_btd(q, k, v)
+    T = _check_btd(q, k, v)[1]
     check_positive_int("window", window)
     _check_matrix("w", w, T, T, False, q, "[T_max, T_max]")
     check_bool("causal", causal)
@@ -220,7 +220,7 @@ def aft_conv(
     (s + 1) / 2 (bidirectional) and the per-head Toeplitz bias. O(T s H Dh).
     q, v: [B, T, H, Dh]; k: [B, T, H]; w: [H, s]. Returns o [B, T, H, Dh] in q's dtype.
     """
-    B, T, H, Dh = _check_conv_qkv(q, k, v)
+    H = _check_conv_qkv(q, k, v)[2]
     s = _check_kernel(w, H, q)
     check_bool("causal", causal)
     if not causal and s % 2 == 0:
@@ -249,7 +249,7 @@ def aft_simple_stream(
     maximum in ``"recurrent"`` mode, the log-sum-exp with m = 1 in ``"chunk"`` mode).
     Returns (o [B, T, D] in q's dtype, state in float32/float64 or None).
     """
-    B, T, D = _check_btd(q, k, v)
+    B, _, D = _check_btd(q, k, v)
     _check_stream_flags(output_final_state, mode)
     prefix = None
     if initial_state is not None:
@@ -318,7 +318,7 @@ def aft_conv_stream(
     position is needed since the bias depends on offsets only.
     Returns (o [B, T, H, Dh] in q's dtype, state in float32/float64 or None).
     """
-    B, T, H, Dh = _check_conv_qkv(q, k, v)
+    B, _, H, Dh = _check_conv_qkv(q, k, v)
     s = _check_kernel(w, H, q)
     _check_stream_flags(output_final_state, mode)
     state = None

@@ -1,0 +1,426 @@
+"""AFT ops: every fast and streaming form against the naive oracle, and the equivalences of
+SPEC 4.5 (AFT-full w=0 == AFT-simple, AFT-local s >= T == AFT-full, AFT-local w=0 == AFT-simple,
+AFT-conv == AFT-local with a Toeplitz bias, AFT-simple == per-channel linear attention,
+AFT-full == per-channel softmax attention, key shifts change nothing), stability, gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastweights.ops import (
+    aft, aft_conv, aft_conv_stream, aft_full_stream, aft_local, aft_local_stream, aft_simple_stream,
+    linear_attn,
+)
+from fastweights.ops.aft.naive import aft_conv_naive, aft_local_naive, aft_naive
+from tests.helpers import assert_close64
+
+SHAPES = [(2, 37, 5), (1, 1, 3), (3, 16, 4)]  # (B, T, D)
+SHAPE_IDS = [f"B{b}-T{t}-D{d}" for b, t, d in SHAPES]
+CONV_SHAPES = [(2, 37, 3, 5), (1, 1, 2, 3), (3, 16, 2, 4)]  # (B, T, H, Dh)
+CONV_IDS = [f"B{b}-T{t}-H{h}-Dh{d}" for b, t, h, d in CONV_SHAPES]
+CAUSAL = pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+MODES = pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+
+
+def make(B, T, D, seed=0, dtype=torch.float64, key_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(T + 3, T + 3, generator=g, dtype=torch.float64)  # larger than T x T
+    return q.to(dtype), (key_scale * k).to(dtype), v.to(dtype), w.to(dtype)
+
+
+def make_conv(B, T, H, Dh, s, seed=0, dtype=torch.float64, key_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, v = (torch.randn(B, T, H, Dh, generator=g, dtype=torch.float64) for _ in range(2))
+    k = key_scale * torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    w = torch.randn(H, s, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)
+
+
+def band_of(w, window, start, stop):
+    """The [T, s] band aft_local_stream takes: [i, o] = w[start + i, start + i - o]."""
+    i = torch.arange(start, stop)[:, None]
+    return w[i, (i - torch.arange(window)).clamp_min(0)]
+
+
+def toeplitz(kernel, T, causal):
+    """[T, T] bias with kernel[j] at t - t' = j (causal) or j - (s - 1) / 2 (centred)."""
+    s = kernel.shape[0]
+    j = torch.arange(T)[:, None] - torch.arange(T)[None, :] + (0 if causal else (s - 1) // 2)
+    return kernel[j.clamp(0, s - 1)]  # entries outside the kernel lie outside the local window
+
+
+def run_pieces(step, T, splits):
+    """Run ``step(start, stop, state) -> (o, state)`` over the pieces split at ``splits``."""
+    outs, state, start = [], None, 0
+    for stop in list(splits) + [T]:
+        o, state = step(start, stop, state)
+        outs.append(o)
+        start = stop
+    return torch.cat(outs, dim=1), state
+
+
+# ----------------------------------------------------------------------------- naive == fast
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("chunk", [1, 4, 128], ids=lambda c: f"C{c}")
+@CAUSAL
+def test_full_matches_naive(shape, chunk, causal):
+    q, k, v, w = make(*shape)
+    T = shape[1]
+    assert_close64(aft(q, k, v, w, causal=causal, chunk_size=chunk),
+                   aft_naive(q, k, v, w[:T, :T], causal))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@CAUSAL
+def test_simple_matches_naive(shape, causal):
+    q, k, v, _ = make(*shape)
+    assert_close64(aft(q, k, v, causal=causal), aft_naive(q, k, v, None, causal))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("window", [1, 2, 5, 16, 40], ids=lambda s: f"s{s}")
+@CAUSAL
+def test_local_matches_naive(shape, window, causal):
+    q, k, v, w = make(*shape)
+    assert_close64(aft_local(q, k, v, w, window=window, causal=causal),
+                   aft_local_naive(q, k, v, w, window, causal))
+
+
+CONV_KERNELS = [(s, True) for s in (1, 3, 4, 7, 41)] + [(s, False) for s in (1, 3, 7, 41)]
+
+
+@pytest.mark.parametrize("shape", CONV_SHAPES, ids=CONV_IDS)
+@pytest.mark.parametrize("s,causal", CONV_KERNELS,
+                         ids=[f"s{s}-{'causal' if c else 'bidir'}" for s, c in CONV_KERNELS])
+def test_conv_matches_naive(shape, s, causal):
+    q, k, v, w = make_conv(*shape, s)
+    assert_close64(aft_conv(q, k, v, w, causal=causal), aft_conv_naive(q, k, v, w, causal))
+
+
+# ----------------------------------------------------------------------------- streaming forms
+
+SPLITS = [(), (1, 2, 3), (5, 20, 21), (36,)]
+SPLIT_IDS = ["whole", "1-2-3", "5-20-21", "36"]
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=SPLIT_IDS)
+@MODES
+def test_simple_stream_pieces(splits, mode):
+    q, k, v, _ = make(2, 37, 5)
+    o, (a, n, m) = run_pieces(lambda i, j, st: aft_simple_stream(
+        q[:, i:j], k[:, i:j], v[:, i:j], initial_state=st, output_final_state=True, mode=mode),
+        37, splits)
+    assert_close64(o, aft_naive(q, k, v, None, True))
+    # The state holds sum e^K V = e^a n and sum e^K = e^a m exactly.
+    assert_close64(torch.exp(a) * m, torch.exp(k).sum(1))
+    assert_close64(torch.exp(a) * n, (torch.exp(k) * v).sum(1))
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=SPLIT_IDS)
+@pytest.mark.parametrize("window", [1, 4, 50], ids=lambda s: f"s{s}")
+@MODES
+def test_local_stream_pieces(splits, window, mode):
+    q, k, v, w = make(2, 37, 5)
+    o, state = run_pieces(lambda i, j, st: aft_local_stream(
+        q[:, i:j], k[:, i:j], v[:, i:j], band_of(w, window, i, j), window=window,
+        initial_state=st, output_final_state=True, mode=mode), 37, splits)
+    assert_close64(o, aft_local_naive(q, k, v, w, window, True))
+    assert state[-1] == 37 and state[3].shape == (2, min(37, window - 1), 5)
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=SPLIT_IDS)
+@pytest.mark.parametrize("s", [1, 4, 50], ids=lambda s: f"s{s}")
+@MODES
+def test_conv_stream_pieces(splits, s, mode):
+    q, k, v, w = make_conv(2, 37, 3, 4, s)
+    o, _ = run_pieces(lambda i, j, st: aft_conv_stream(
+        q[:, i:j], k[:, i:j], v[:, i:j], w, initial_state=st, output_final_state=True, mode=mode),
+        37, splits)
+    assert_close64(o, aft_conv_naive(q, k, v, w, True))
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=SPLIT_IDS)
+def test_full_stream_pieces(splits):
+    q, k, v, w = make(2, 37, 5)
+    o, (kc, vc) = run_pieces(lambda i, j, st: aft_full_stream(
+        q[:, i:j], k[:, i:j], v[:, i:j], w[i:j, :j + 2], initial_state=st,
+        output_final_state=True, chunk_size=3), 37, splits)
+    assert_close64(o, aft_naive(q, k, v, w[:37, :37], True))
+    assert kc.shape == (2, 37, 5) and torch.equal(vc, v)
+
+
+def test_single_token_steps_mix_modes():
+    """Chunk and recurrent states are interchangeable: alternate them token by token."""
+    q, k, v, w = make(2, 11, 4)
+    qc, kc, vc, wc = make_conv(2, 11, 2, 3, 3)
+    outs = {"simple": [], "local": [], "conv": []}
+    st = {"simple": None, "local": None, "conv": None}
+    for t in range(11):
+        mode = ("chunk", "recurrent")[t % 2]
+        sl = slice(t, t + 1)
+        o, st["simple"] = aft_simple_stream(q[:, sl], k[:, sl], v[:, sl], initial_state=st["simple"],
+                                            output_final_state=True, mode=mode)
+        outs["simple"].append(o)
+        o, st["local"] = aft_local_stream(q[:, sl], k[:, sl], v[:, sl], band_of(w, 3, t, t + 1),
+                                          window=3, initial_state=st["local"],
+                                          output_final_state=True, mode=mode)
+        outs["local"].append(o)
+        o, st["conv"] = aft_conv_stream(qc[:, sl], kc[:, sl], vc[:, sl], wc, initial_state=st["conv"],
+                                        output_final_state=True, mode=mode)
+        outs["conv"].append(o)
+    assert_close64(torch.cat(outs["simple"], 1), aft_naive(q, k, v, None, True))
+    assert_close64(torch.cat(outs["local"], 1), aft_local_naive(q, k, v, w, 3, True))
+    assert_close64(torch.cat(outs["conv"], 1), aft_conv_naive(qc, kc, vc, wc, True))
+
+
+def test_final_state_only_when_asked():
+    q, k, v, w = make(1, 6, 3)
+    assert aft_simple_stream(q, k, v)[1] is None
+    assert aft_local_stream(q, k, v, band_of(w, 2, 0, 6), window=2)[1] is None
+    assert aft_full_stream(q, k, v, w[:6])[1] is None
+    qc, kc, vc, wc = make_conv(1, 6, 2, 2, 3)
+    assert aft_conv_stream(qc, kc, vc, wc)[1] is None
+
+
+# ----------------------------------------------------------------------------- SPEC 4.5
+
+@CAUSAL
+def test_full_with_zero_bias_is_simple(causal):
+    q, k, v, w = make(2, 23, 4)
+    assert_close64(aft(q, k, v, torch.zeros_like(w), causal=causal, chunk_size=5),
+                   aft(q, k, v, None, causal=causal))
+
+
+@CAUSAL
+@pytest.mark.parametrize("window", [23, 24, 100], ids=lambda s: f"s{s}")
+def test_local_with_wide_window_is_full(causal, window):
+    q, k, v, w = make(2, 23, 4)
+    assert_close64(aft_local(q, k, v, w, window=window, causal=causal), aft(q, k, v, w, causal=causal))
+
+
+@CAUSAL
+@pytest.mark.parametrize("window", [1, 3, 30], ids=lambda s: f"s{s}")
+def test_local_with_zero_bias_is_simple(causal, window):
+    q, k, v, w = make(2, 23, 4)
+    assert_close64(aft_local(q, k, v, torch.zeros_like(w), window=window, causal=causal),
+                   aft(q, k, v, None, causal=causal))
+
+
+@CAUSAL
+@pytest.mark.parametrize("s", [1, 3, 5], ids=lambda s: f"s{s}")
+def test_conv_is_local_with_toeplitz_bias(causal, s):
+    B, T, H, Dh = 2, 19, 3, 2
+    q, k, v, w = make_conv(B, T, H, Dh, s)
+    o = aft_conv(q, k, v, w, causal=causal)
+    window = s if causal else (s + 1) // 2
+    for h in range(H):  # one key channel per head, broadcast over its Dh value channels
+        kh = k[:, :, h, None].expand(B, T, Dh)
+        ref = aft_local(q[:, :, h], kh, v[:, :, h], toeplitz(w[h], T, causal), window=window,
+                        causal=causal)
+        assert_close64(o[:, :, h], ref, what=f"head {h}")
+
+
+def test_simple_is_per_channel_linear_attention():
+    """phi(k) = exp(k), a constant query feature and attention normalisation, gated by sigmoid(q):
+    D independent one-dimensional linear attentions (heads of size 1)."""
+    q, k, v, _ = make(2, 29, 5)
+    ones = torch.ones_like(q).unsqueeze(-1)
+    la, _ = linear_attn(ones, torch.exp(k).unsqueeze(-1), v.unsqueeze(-1), normalize=True, eps=0.0,
+                        chunk_size=8)
+    assert_close64(aft(q, k, v), torch.sigmoid(q) * la.squeeze(-1))
+
+
+@CAUSAL
+def test_full_is_per_channel_softmax_attention(causal):
+    """Each channel is a softmax attention with logits K_t' + w_tt' (query 1, key K, bias w)."""
+    q, k, v, w = make(2, 17, 3)
+    T = 17
+    bias = w[:T, :T].masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")) \
+        if causal else w[:T, :T]
+    qh = torch.ones(2, 3, T, 1, dtype=torch.float64)  # [B, D channels as heads, T, 1]
+    o = F.scaled_dot_product_attention(qh, k.mT.unsqueeze(-1), v.mT.unsqueeze(-1), attn_mask=bias,
+                                       scale=1.0)
+    assert_close64(aft(q, k, v, w, causal=causal), torch.sigmoid(q) * o.squeeze(-1).mT)
+
+
+def per_channel_shift(k, value=80.0):
+    return k + value + torch.linspace(-3, 3, k.shape[-1], dtype=k.dtype)
+
+
+SHIFT_CASES = [(op, c) for op in ("full", "simple", "local", "conv") for c in (True, False)] + [
+    ("simple-recurrent", True)]
+
+
+@pytest.mark.parametrize("op,causal", SHIFT_CASES,
+                         ids=[f"{op}-{'causal' if c else 'bidir'}" for op, c in SHIFT_CASES])
+def test_key_shift_changes_nothing_float32(op, causal):
+    """K ~ 80 in float32 overflows a plain exp; shifting keys per channel must not matter."""
+    q, k, v, w = make(2, 37, 5, dtype=torch.float32)
+    qc, kc, vc, wc = make_conv(2, 37, 5, 2, 5, dtype=torch.float32)
+    run = {
+        "full": lambda kk: aft(q, kk, v, w, causal=causal, chunk_size=8),
+        "simple": lambda kk: aft(q, kk, v, causal=causal),
+        "local": lambda kk: aft_local(q, kk, v, w, window=6, causal=causal),
+        "conv": lambda kk: aft_conv(qc, kk, vc, wc, causal=causal),
+        "simple-recurrent": lambda kk: aft_simple_stream(q, kk, v, mode="recurrent")[0],
+    }[op]
+    key = kc if op == "conv" else k
+    ref, shifted = run(key), run(per_channel_shift(key))
+    assert torch.isfinite(shifted).all()
+    assert (shifted - ref).abs().max().item() < 2e-5
+
+
+# ----------------------------------------------------------------------------- stability
+
+def float32_and_bfloat16_cases():
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+        for keys in ("shift80", "scale40"):
+            yield pytest.param(dtype, keys, tol, id=f"{keys}-{str(dtype)[6:]}")
+
+
+def widen(k, keys):
+    return k + 80.0 if keys == "shift80" else 40.0 * k  # scale40: spreads of ~250 per channel
+
+
+@pytest.mark.parametrize("dtype,keys,tol", list(float32_and_bfloat16_cases()))
+@CAUSAL
+def test_large_keys_stay_close_to_float64(dtype, keys, tol, causal):
+    """Rounded inputs, then every op in low precision against the float64 oracle on the very
+    same rounded values: finite, and within the dtype's output rounding."""
+    q, k, v, w = (x.to(dtype) for x in make(2, 37, 4))
+    k = widen(k.double(), keys).to(dtype)
+    qc, kc, vc, wc = (x.to(dtype) for x in make_conv(2, 37, 4, 2, 5))
+    kc = widen(kc.double(), keys).to(dtype)
+    d = lambda *xs: [x.double() for x in xs]
+    cases = [
+        ("full", aft(q, k, v, w, causal=causal, chunk_size=8), aft_naive(*d(q, k, v, w[:37, :37]), causal)),
+        ("simple", aft(q, k, v, causal=causal), aft_naive(*d(q, k, v), None, causal)),
+        ("local", aft_local(q, k, v, w, window=6, causal=causal), aft_local_naive(*d(q, k, v, w), 6, causal)),
+        ("conv", aft_conv(qc, kc, vc, wc, causal=causal), aft_conv_naive(*d(qc, kc, vc, wc), causal)),
+    ]
+    if causal:
+        for mode in ("chunk", "recurrent"):
+            cases.append((f"simple-{mode}", aft_simple_stream(q, k, v, mode=mode)[0], cases[1][2]))
+    for name, got, ref in cases:
+        assert got.dtype == dtype, name
+        assert torch.isfinite(got).all(), name
+        err = (got.double() - ref).abs().max().item()
+        assert err < tol, f"{name}: {err:.2e}"
+
+
+@CAUSAL
+def test_keys_spread_beyond_float64_exp_range(causal):
+    """Keys spread over thousands (beyond what e^{K - max K} can hold even in float64) take the
+    doubling scan; it must still equal the oracle."""
+    q, k, v, w = make(2, 37, 4, key_scale=1500.0)
+    qc, kc, vc, wc = make_conv(2, 37, 2, 3, 5, key_scale=1500.0)
+    assert_close64(aft(q, k, v, causal=causal), aft_naive(q, k, v, None, causal), atol=1e-9)
+    assert_close64(aft_local(q, k, v, w, window=4, causal=causal),
+                   aft_local_naive(q, k, v, w, 4, causal), atol=1e-9)
+    assert_close64(aft_conv(qc, kc, vc, wc, causal=causal), aft_conv_naive(qc, kc, vc, wc, causal),
+                   atol=1e-9)
+    assert_close64(aft(q, k, v, w, causal=causal, chunk_size=8), aft_naive(q, k, v, w[:37, :37], causal),
+                   atol=1e-9)
+
+
+def test_state_dtype_is_float32_for_bfloat16():
+    q, k, v, w = (x.bfloat16() for x in make(2, 9, 3))
+    o, state = aft_simple_stream(q, k, v, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and all(s.dtype == torch.float32 for s in state)
+    o, state = aft_local_stream(q, k, v, band_of(w, 4, 0, 9), window=4, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and all(s.dtype == torch.float32 for s in state[:5])
+    o, state = aft_full_stream(q, k, v, w[:9], output_final_state=True)
+    assert o.dtype == torch.bfloat16 and all(s.dtype == torch.float32 for s in state)
+
+
+# ----------------------------------------------------------------------------- causality, grads
+
+@pytest.mark.parametrize("op", ["full", "simple", "local", "conv"])
+def test_causal_outputs_ignore_the_future(op):
+    q, k, v, w = make(2, 21, 4)
+    qc, kc, vc, wc = make_conv(2, 21, 2, 2, 4)
+    run = {
+        "full": lambda x: aft(*x[:3], w),
+        "simple": lambda x: aft(*x[:3]),
+        "local": lambda x: aft_local(*x[:3], w, window=5),
+        "conv": lambda x: aft_conv(*x[:3], wc),
+    }[op]
+    xs = [qc, kc, vc] if op == "conv" else [q, k, v]
+    ref = run(xs)
+    changed = [x.clone() for x in xs]
+    for x in changed:
+        x[:, 12:] += 5.0
+    assert_close64(run(changed)[:, :12], ref[:, :12])
+
+
+def gradcheck(fn, *inputs):
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+
+
+@CAUSAL
+def test_gradcheck_whole_sequence_ops(causal):
+    q, k, v, w = make(1, 9, 3, key_scale=2.0)
+    gradcheck(lambda q, k, v, w: aft(q, k, v, w, causal=causal, chunk_size=4), q, k, v, w)
+    gradcheck(lambda q, k, v: aft(q, k, v, causal=causal), q, k, v)
+    gradcheck(lambda q, k, v, w: aft_local(q, k, v, w, window=3, causal=causal), q, k, v, w)
+    qc, kc, vc, wc = make_conv(1, 9, 2, 2, 3)
+    gradcheck(lambda q, k, v, w: aft_conv(q, k, v, w, causal=causal), qc, kc, vc, wc)
+
+
+def test_gradcheck_wide_key_path():
+    """The doubling scan (keys spread too far for plain prefix sums) is differentiable too: the
+    early keys sit 1000 below the late ones, so every prefix is informative yet the spread is
+    beyond float64's exp range."""
+    q, k, v, w = make(1, 9, 3)
+    k = k - 1000.0 * (torch.arange(9) < 5).double()[:, None]
+    gradcheck(lambda q, k, v: aft(q, k, v), q, k, v)
+    gradcheck(lambda q, k, v, w: aft_local(q, k, v, w, window=2), q, k, v, w)
+    gradcheck(lambda q, k, v, w: aft_local(q, k, v, w, window=2, causal=False), q, k, v, w)
+
+
+@MODES
+def test_gradcheck_streams_through_the_state(mode):
+    """Gradients flow through a carried state into the first piece."""
+    q, k, v, w = make(1, 8, 2)
+
+    def simple(q, k, v):
+        o1, st = aft_simple_stream(q[:, :3], k[:, :3], v[:, :3], output_final_state=True, mode=mode)
+        o2, _ = aft_simple_stream(q[:, 3:], k[:, 3:], v[:, 3:], initial_state=st, mode=mode)
+        return torch.cat([o1, o2], 1)
+
+    def local(q, k, v, w):
+        o1, st = aft_local_stream(q[:, :5], k[:, :5], v[:, :5], band_of(w, 3, 0, 5), window=3,
+                                  output_final_state=True, mode=mode)
+        o2, _ = aft_local_stream(q[:, 5:], k[:, 5:], v[:, 5:], band_of(w, 3, 5, 8), window=3,
+                                 initial_state=st, mode=mode)
+        return torch.cat([o1, o2], 1)
+
+    gradcheck(simple, q, k, v)
+    gradcheck(local, q, k, v, w)
+
+
+@CAUSAL
+def test_gradients_match_naive(causal):
+    q, k, v, w = make(2, 13, 3)
+    qc, kc, vc, wc = make_conv(2, 13, 2, 2, 3)
+    pairs = [
+        (lambda *x: aft(*x, causal=causal, chunk_size=4), lambda *x: aft_naive(*x[:3], x[3][:13, :13], causal),
+         (q, k, v, w)),
+        (lambda *x: aft_local(*x, window=4, causal=causal),
+         lambda *x: aft_local_naive(*x, 4, causal), (q, k, v, w)),
+        (lambda *x: aft_conv(*x, causal=causal), lambda *x: aft_conv_naive(*x, causal), (qc, kc, vc, wc)),
+    ]
+    for fast, slow, xs in pairs:
+        g = torch.randn_like(fast(*xs))
+        grads = []
+        for fn in (fast, slow):
+            leaves = [x.detach().requires_grad_() for x in xs]
+            (fn(*leaves) * g).sum().backward()
+            grads.append([x.grad for x in leaves])
+        for a, b in zip(*grads):
+            assert_close64(a, b)
