@@ -8,8 +8,14 @@ import torch
 
 from fastweights.models.retrieval import MEMORIES, RetrievalModel, retrieval_loss
 from fastweights.tasks import (
-    ByteTokenizer, eval_windows, load_corpus, mqar_batch, passkey_prompt, random_windows,
-    retrieval_batch, retrieval_eval_batch,
+    ByteTokenizer,
+    eval_windows,
+    load_corpus,
+    mqar_batch,
+    passkey_prompt,
+    random_windows,
+    retrieval_batch,
+    retrieval_eval_batch,
 )
 from fastweights.tasks.mqar import IGNORE
 
@@ -112,7 +118,7 @@ def test_corpus_from_folder_file_and_errors(tmp_path):
         load_corpus(str(tmp_path / "missing"))
     x, y = random_windows(c.train, 3, 8, gen())
     assert x.shape == y.shape == (3, 8) and torch.equal(x[:, 1:], y[:, :-1])
-    xe, ye = eval_windows(c.val, 8, 2)
+    xe, _ = eval_windows(c.val, 8, 2)
     assert xe.shape == (2, 8) and torch.equal(xe[1, 0], c.val[8].long())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -14,7 +15,10 @@ import torch.multiprocessing as mp
 from fastweights.models import LanguageModel, LMConfig
 from fastweights.tasks import load_corpus
 from fastweights.train.checkpoint import (
-    checkpoint_files, load_checkpoint, resolve_checkpoint, save_checkpoint,
+    checkpoint_files,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
 )
 from fastweights.train.trainer import TrainConfig, lr_factor, train
 
@@ -33,8 +37,8 @@ def model_cfg(mixer="delta") -> LMConfig:
 
 
 def train_cfg(**kw) -> TrainConfig:
-    base = dict(steps=12, batch_size=4, seq_len=16, lr=3e-3, warmup=2, eval_every=6,
-                eval_windows=4, seed=3)
+    base = {"steps": 12, "batch_size": 4, "seq_len": 16, "lr": 3e-3, "warmup": 2, "eval_every": 6,
+            "eval_windows": 4, "seed": 3}
     return TrainConfig(**{**base, **kw})
 
 
@@ -51,7 +55,7 @@ def test_lr_schedule_warms_up_then_decays():
     cfg = train_cfg(steps=100, warmup=10, min_lr_ratio=0.1)
     f = [lr_factor(s, cfg) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert all(a >= b for a, b in itertools.pairwise(f[10:]))
     assert f[99] == pytest.approx(0.1, abs=1e-3)
 
 

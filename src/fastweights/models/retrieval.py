@@ -32,8 +32,14 @@ from torch import nn
 
 from .._checks import check_choice, check_positive_int
 from ..ops import (
-    delta_rule, dpfp, draw_favor_projection, elu_plus_one, favor_features, linear_attn,
-    softmax_attention, sum_norm,
+    delta_rule,
+    dpfp,
+    draw_favor_projection,
+    elu_plus_one,
+    favor_features,
+    linear_attn,
+    softmax_attention,
+    sum_norm,
 )
 
 MEMORIES = ("linear", "dpfp", "favor", "delta", "softmax")

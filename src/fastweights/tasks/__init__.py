@@ -6,6 +6,15 @@ from .retrieval import RetrievalBatch, last_value, retrieval_batch, retrieval_ev
 from .text import ByteTokenizer, Corpus, eval_windows, load_corpus, random_windows
 
 __all__ = [
-    "RetrievalBatch", "retrieval_batch", "retrieval_eval_batch", "last_value", "mqar_batch",
-    "passkey_prompt", "ByteTokenizer", "Corpus", "load_corpus", "random_windows", "eval_windows",
+    "ByteTokenizer",
+    "Corpus",
+    "RetrievalBatch",
+    "eval_windows",
+    "last_value",
+    "load_corpus",
+    "mqar_batch",
+    "passkey_prompt",
+    "random_windows",
+    "retrieval_batch",
+    "retrieval_eval_batch",
 ]

@@ -12,6 +12,7 @@ evaluations without a new best, or at ``steps``. The reported loss is the last e
 from __future__ import annotations
 
 import csv
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -66,7 +67,7 @@ def _fit(model: torch.nn.Module, train_loss: Callable[[], torch.Tensor],
             with torch.no_grad():
                 loss, acc = evaluate()
             report(step, loss)
-            if loss <= TARGET_LOSS or loss != loss:  # solved, or diverged to NaN
+            if loss <= TARGET_LOSS or math.isnan(loss):  # solved, or diverged
                 break
             if loss < best:
                 best, since_best = loss, 0
