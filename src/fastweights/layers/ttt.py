@@ -74,8 +74,6 @@ class _TTTLayer(Mixer):
             self.conv_k = nn.Conv1d(width, width, CONV_KERNEL, groups=width, bias=True)
             self.gate = nn.Linear(d_model, width, bias=False)
         self.lr = nn.Linear(d_model, H)
-        self.register_buffer("token_base", 1.0 / torch.arange(1, b + 1, dtype=torch.float32),
-                             persistent=False)
         self.token_offset = nn.Parameter(torch.zeros(b))
         self.inner_shapes = self._inner_shapes(D)
         for name, shape in self.inner_shapes.items():
@@ -97,8 +95,10 @@ class _TTTLayer(Mixer):
         raise NotImplementedError
 
     def token_scale(self) -> torch.Tensor:
-        """tau [b]: max(0, 1/i + delta_i)."""
-        return (self.token_base.to(self.token_offset.dtype) + self.token_offset).clamp_min(0.0)
+        """tau [b]: max(0, 1/i + delta_i), 1/i in the parameters' dtype (exact in float64)."""
+        delta = self.token_offset
+        base = 1.0 / torch.arange(1, delta.shape[0] + 1, dtype=delta.dtype, device=delta.device)
+        return (base + delta).clamp_min(0.0)
 
     def _conv(self, conv: nn.Conv1d, seq: torch.Tensor) -> torch.Tensor:
         """Causal depthwise convolution of seq [B, T + 3, C] (3 carried inputs first) -> [B, T, C]."""

@@ -1,0 +1,159 @@
+"""TTTLinear / TTTMLP layers: every option streams, the modes agree, the forward follows SPEC 2.1,
+2.3, 2.5 step by step, and the options are validated."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastweights import build_mixer
+from fastweights.layers import TTTMLP, TTTLinear
+from fastweights.layers.positional import apply_rotary
+from fastweights.ops import ttt_linear, ttt_mlp
+from tests.helpers import assert_close64
+
+LAYERS = {"linear": TTTLinear, "mlp": TTTMLP}
+D_MODEL, N_HEADS, T = 12, 3, 11
+
+
+def make(kind: str, **options) -> TTTLinear | TTTMLP:
+    torch.manual_seed(0)
+    layer = LAYERS[kind](D_MODEL, N_HEADS, **options).double().eval()
+    with torch.no_grad():  # non-trivial values everywhere (zero-initialised offsets, biases, ...)
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def inputs(B: int = 2, T: int = T) -> torch.Tensor:
+    return torch.randn(B, T, D_MODEL, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+COMBOS = list(itertools.product(["linear", "mlp"], [False, True], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize(
+    "kind,mamba,rope,norm_res", COMBOS,
+    ids=[f"{k}-{'mamba' if m else 'transformer'}-{'rope' if r else 'norope'}-"
+         f"{'ln-res' if n else 'bare'}" for k, m, r, n in COMBOS])
+def test_every_configuration_streams_and_modes_agree(kind, mamba, rope, norm_res):
+    layer = make(kind, mini_batch_size=3, mamba_backbone=mamba, rope=rope, inner_norm=norm_res,
+                 residual=norm_res)
+    x = inputs()
+    whole, _ = layer(x)
+    for splits in [(2, 7), tuple(range(1, T))]:
+        outs, state, start = [], None, 0
+        for stop in list(splits) + [T]:
+            y, state = layer(x[:, start:stop], state)
+            outs.append(y)
+            start = stop
+        assert_close64(torch.cat(outs, 1), whole, what=str(splits))
+    for mode in ("primal", "naive"):
+        other = LAYERS[kind](D_MODEL, N_HEADS, mini_batch_size=3, mamba_backbone=mamba, rope=rope,
+                             inner_norm=norm_res, residual=norm_res, mode=mode).double().eval()
+        other.load_state_dict(layer.state_dict())
+        assert_close64(other(x)[0], whole, what=mode)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("mamba", [False, True], ids=["transformer", "mamba"])
+def test_forward_follows_the_spec(kind, mamba):
+    """Rebuild the layer's output from its parameters: projections (with the causal convs), RoPE
+    at positions t mod b, eta = eta_base sigmoid(x w + b) / d, tau = max(0, 1/i + delta), the op
+    in naive mode, post-LayerNorm, (gate,) output projection."""
+    b, H, D = 4, N_HEADS, D_MODEL // N_HEADS
+    layer = make(kind, mini_batch_size=b, mamba_backbone=mamba)
+    x = inputs()
+    y, _ = layer(x)
+    proj = x @ layer.qkv.weight.T
+    if mamba:
+        qk, v = proj.chunk(2, -1)
+        padded = F.pad(qk, (0, 0, 3, 0))  # three zero inputs before the start
+
+        def conv(c):
+            w = c.weight[:, 0]  # [C, 4]
+            return sum(padded[:, j:j + T] * w[:, j] for j in range(4)) + c.bias
+
+        q, k = conv(layer.conv_q), conv(layer.conv_k)
+    else:
+        q, k, v = proj.chunk(3, -1)
+    q, k, v = (t.reshape(2, T, H, D) for t in (q, k, v))
+    positions = torch.arange(T) % b
+    q, k = apply_rotary(q, positions, layer.inv_freq), apply_rotary(k, positions, layer.inv_freq)
+    eta = layer.eta_base * torch.sigmoid(x @ layer.lr.weight.T + layer.lr.bias) / D
+    tau = (1.0 / torch.arange(1, b + 1, dtype=torch.float64) + layer.token_offset).clamp_min(0)
+    names = ["W", "b"] if kind == "linear" else ["W1", "b1", "W2", "b2"]
+    init = tuple(getattr(layer, f"init_{n}")[None] for n in names)
+    op = ttt_linear if kind == "linear" else ttt_mlp
+    o, _ = op(q, k, v, eta, initial_state=init, ln_weight=layer.ln_weight, ln_bias=layer.ln_bias,
+              residual=True, mini_batch_size=b, token_scale=tau, mode="naive")
+    z = F.layer_norm(o.reshape(2, T, H * D), (H * D,), layer.post_norm.weight, layer.post_norm.bias,
+                     eps=1e-6)
+    if mamba:
+        z = z * F.gelu(x @ layer.gate.weight.T, approximate="tanh")
+    assert_close64(y, z @ layer.out.weight.T)
+
+
+def test_defaults_follow_spec_2_6():
+    lin, mlp = build_mixer("ttt-linear", 64, 4), build_mixer("ttt-mlp", 64, 4)
+    assert lin.mini_batch_size == mlp.mini_batch_size == 16
+    assert lin.eta_base == 1.0 and mlp.eta_base == 0.1
+    assert lin.rope and lin.inner_norm and lin.residual and not lin.mamba_backbone
+    assert lin.mode == "dual"
+    assert torch.equal(lin.token_offset, torch.zeros(16))
+    assert torch.equal(lin.ln_weight, torch.ones(4, 16)) and torch.equal(lin.ln_bias, torch.zeros(4, 16))
+    assert torch.equal(lin.init_b, torch.zeros(4, 16)) and torch.equal(lin.lr.bias, torch.zeros(4))
+    assert 0.015 < lin.init_W.std().item() < 0.025
+    assert 0.015 < mlp.init_W1.std().item() < 0.025 and mlp.init_W1.shape == (4, 16, 64)
+    assert tuple(mlp.init_W2.shape) == (4, 64, 16)
+    assert 0.015 < lin.qkv.weight.std().item() < 0.025
+
+
+def test_state_size_counts_carried_floats():
+    H, D, b = 2, 8, 4
+    lin = TTTLinear(H * D, H, mini_batch_size=b)
+    assert lin.state_size() == lin.state_size(1000) == 3 * H * (D * D + D)
+    mlp = TTTMLP(H * D, H, mini_batch_size=b, mamba_backbone=True)
+    assert mlp.state_size() == 3 * H * (8 * D * D + 5 * D) + 3 * H * D
+    assert TTTLinear(H * D, H, mini_batch_size=1).state_size() == H * (D * D + D)
+    # the floats a mid-mini-batch state really holds
+    _, state = make("linear", mini_batch_size=4)(inputs(B=1, T=5))
+    floats = sum(s.numel() for s in state[2] if isinstance(s, torch.Tensor))
+    assert floats == make("linear", mini_batch_size=4).state_size()
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_backward_reaches_every_parameter_mamba(kind):
+    layer = make(kind, mini_batch_size=3, mamba_backbone=True).train()
+    y, _ = layer(inputs())
+    y.square().sum().backward()
+    missing = [n for n, p in layer.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"no gradient for {missing}"
+
+
+def test_token_scale_is_clamped_at_zero():
+    layer = TTTLinear(8, 2, mini_batch_size=3)
+    with torch.no_grad():
+        layer.token_offset.copy_(torch.tensor([0.5, -1.0, 0.0]))
+    assert torch.allclose(layer.token_scale(), torch.tensor([1.5, 0.0, 1 / 3]))
+
+
+@pytest.mark.parametrize("options,exc,words", [
+    ({"mini_batch_size": 0}, ValueError, "mini_batch_size must be >= 1"),
+    ({"mode": "chunk"}, ValueError, "mode must be one of"),
+    ({"eta_base": -1.0}, ValueError, "eta_base"),
+    ({"mamba_backbone": "yes"}, TypeError, "mamba_backbone must be a bool"),
+    ({"head_dim": 3}, ValueError, "even head dim"),
+], ids=["mini-batch-0", "mode", "eta-negative", "mamba-not-bool", "rope-odd-head-dim"])
+def test_bad_options(options, exc, words):
+    with pytest.raises(exc, match=words):
+        TTTLinear(12, 2, **options)
+
+
+def test_bad_state_is_rejected():
+    layer = TTTLinear(12, 2)
+    with pytest.raises(TypeError, match="state must be None or the"):
+        layer(inputs()[..., :12], state=(0, None))
