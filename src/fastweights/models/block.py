@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers import GLU
 from ..layers.base import State
 from .config import LMConfig
 from .registry import build_mixer
@@ -40,23 +41,6 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-class _GLU(nn.Module):
-    """Gated feed-forward: down(silu(gate(x)) * up(x)), bias-free.
-
-    Kept private to the model: the library-wide ``fastweights.layers.GLU`` (TransNormer's) was
-    not available when the harness was written.
-    """
-
-    def __init__(self, d_model: int, hidden: int) -> None:
-        super().__init__()
-        self.gate = nn.Linear(d_model, hidden, bias=False)
-        self.up = nn.Linear(d_model, hidden, bias=False)
-        self.down = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 def make_norm(config: LMConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.norm_eps)
@@ -77,7 +61,7 @@ class Block(nn.Module):
         self.norm2 = make_norm(config) if config.ffn != "none" else None
         self.ffn: nn.Module | None = {
             "mlp": lambda: MLP(config.d_model, hidden),
-            "glu": lambda: _GLU(config.d_model, hidden),
+            "glu": lambda: GLU(config.d_model, hidden),  # SiLU gate, biases on
             "none": lambda: None,
         }[config.ffn]()
 

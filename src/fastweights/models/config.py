@@ -27,7 +27,8 @@ class LMConfig:
     ``mixer`` is one registered mixer name for every layer or a list with one name per layer
     (TransNormer's local-then-global schedule is ``["diag"] * 3 + ["norm"] * 3``);
     ``mixer_options`` is one dict of keyword options for every layer or a list of dicts, one per
-    layer. ``ffn`` is ``"mlp"`` (Linear-GELU-Linear), ``"glu"`` (gated, SiLU) or ``"none"``;
+    layer. ``ffn`` is ``"mlp"`` (Linear-GELU-Linear), ``"glu"`` (``fastweights.layers.GLU``, SiLU
+    gate) or ``"none"``;
     ``ffn_hidden`` defaults to 4 * d_model for ``mlp`` and to the nearest multiple of 8 above
     8/3 * d_model for ``glu`` (about the same parameter count). ``max_seq_len`` (optional) is the
     longest sequence the model accepts; it is passed on as the option ``max_seq_len`` to mixers
