@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import socket
 from pathlib import Path
@@ -120,3 +121,11 @@ def test_two_process_ddp_equals_one_process(tmp_path, corpus):
     b = LanguageModel.from_pretrained(resolve_checkpoint(tmp_path / "two"))
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=1e-5)
+
+
+def test_bf16_autocast_trains_with_float32_weights(tmp_path, corpus):
+    losses = train(tmp_path / "bf16", model_cfg(), train_cfg(steps=3, eval_every=3, bf16=True),
+                   corpus, progress=False)
+    assert len(losses) == 3 and all(math.isfinite(l) for _, l in losses)
+    model = LanguageModel.from_pretrained(resolve_checkpoint(tmp_path / "bf16"))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
