@@ -13,8 +13,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fwp.chunk import _exclusive_prefix, _from_chunks, _to_chunks
 from .memory import retrieve, write
+
+
+def _segments(x: torch.Tensor, N: int) -> torch.Tensor:
+    """[B, T, H, D] -> [B, H, S, N, D], zero-padding T up to S * N."""
+    B, T, H, D = x.shape
+    S = -(-T // N)
+    x = F.pad(x, (0, 0, 0, 0, 0, S * N - T))
+    return x.reshape(B, S, N, H, D).permute(0, 3, 1, 2, 4)
+
+
+def _exclusive_prefix(first: torch.Tensor, per_segment: torch.Tensor) -> torch.Tensor:
+    """Memory entering each segment: first + sum of per_segment over earlier segments (dim 2)."""
+    return torch.cat([first.unsqueeze(2), per_segment[:, :, :-1]], dim=2).cumsum(dim=2)
 
 
 def infini_attention_chunk(
@@ -32,21 +44,23 @@ def infini_attention_chunk(
     T = q.shape[1]
     N = segment_len
     full = T // N  # complete segments: only these are written to the memory
-    qs, ks, vs = (_to_chunks(x, N) for x in (q, k, v))  # [B, H, S, N, D]
+    qs, ks, vs = (_segments(x, N) for x in (q, k, v))  # [B, H, S, N, D]
     H, S = qs.shape[1:3]
     a_dot = F.scaled_dot_product_attention(
         qs.flatten(1, 2), ks.flatten(1, 2), vs.flatten(1, 2), is_causal=True, scale=scale,
     ).unflatten(1, (H, S))  # [B, H, S, N, Dv]
 
-    sq = _to_chunks(F.elu(q_mem) + 1.0, N)  # [B, H, S, N, Dk]
-    sk = _to_chunks(F.elu(k_mem) + 1.0, N)
+    sq = _segments(F.elu(q_mem) + 1.0, N)  # [B, H, S, N, Dk]
+    sk = _segments(F.elu(k_mem) + 1.0, N)
     # M_in holds one memory per segment, [B, H, S, Dk, Dv]: T Dk Dv / N floats per head, no
     # more than the activations themselves once N >= Dk.
     if update == "linear":
-        M_in, M_all = _exclusive_prefix(M, sk.transpose(-1, -2) @ vs)  # [B, H, S, Dk, Dv]
-        z_in, z_all = _exclusive_prefix(z, sk.sum(dim=3))  # [B, H, S, Dk]
-        # With a partial last segment, the final memory is the one entering it.
-        M, z = (M_all, z_all) if full == S else (M_in[:, :, -1], z_in[:, :, -1])
+        dM, dz = sk.transpose(-1, -2) @ vs, sk.sum(dim=3)  # [B, H, S, Dk, Dv], [B, H, S, Dk]
+        M_in, z_in = _exclusive_prefix(M, dM), _exclusive_prefix(z, dz)
+        # The final memory is the one entering the last segment, plus that segment if complete.
+        M, z = M_in[:, :, -1], z_in[:, :, -1]
+        if full == S:
+            M, z = M + dM[:, :, -1], z + dz[:, :, -1]
     else:
         M_list, z_list = [], []
         for s in range(S):
@@ -59,4 +73,4 @@ def infini_attention_chunk(
 
     gate = g[:, None, None, None]  # [H, 1, 1, 1]
     o = gate * a_mem + (1.0 - gate) * a_dot
-    return _from_chunks(o, T), M, z
+    return o.permute(0, 2, 3, 1, 4).flatten(1, 2)[:, :T], M, z
