@@ -91,7 +91,7 @@ class AFTFull(_AFT):
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  max_len: int = 1024, d_bias: int = 128, bias_std: float = 0.01,
-                 chunk_size: int = 32) -> None:
+                 chunk_size: int = 64) -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
         self.bias = _PositionBias(max_len, d_bias, bias_std)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)

@@ -13,12 +13,14 @@ Whole-sequence ops: ``aft`` (full, or simple with ``w=None``), ``aft_local``, ``
 Streaming ops for decoding and for running a sequence in pieces, all causal, with
 ``initial_state=None, output_final_state=False`` returning ``(o, state)``:
 ``aft_simple_stream``, ``aft_local_stream``, ``aft_conv_stream`` (``mode="chunk"``: the whole
-call at once with log-space prefix sums, or ``"recurrent"``: token by token with an online
+call at once with stabilised prefix sums, or ``"recurrent"``: token by token with an online
 log-sum-exp) and ``aft_full_stream`` (a key/value cache; no recurrent form, so no mode).
 
 Inputs may be float64/float32/bfloat16/float16; the mathematics and every state run in float32
 (float64 for float64 inputs) and outputs come back in the input dtype. Every form is stable for
-keys of any range (SPEC 4.4, details in ``chunk.py``). The oracles are in ``naive.py``.
+keys of any range, and AFT-local/simple/conv for biases of any range too; AFT-full's matrix
+products need a row's biases to spread less than ~60 in float32 (SPEC 4.4, ``chunk.py``).
+The oracles are in ``naive.py``.
 """
 
 from __future__ import annotations
@@ -156,15 +158,16 @@ def _local_band(w_rows: torch.Tensor, first: int, r_left: int, r_right: int) -> 
 
 def aft(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None, *,
-    causal: bool = True, chunk_size: int = 128,
+    causal: bool = True, chunk_size: int = 64,
 ) -> torch.Tensor:
     """AFT-full (SPEC 4.1), or AFT-simple (SPEC 4.2) with ``w=None``.
 
     q, k, v: [B, T, D]; w: [T_max, T_max] pairwise position bias with T_max >= T (its top-left
     T x T block is used) or None. Y_t = sigmoid(Q_t) * sum_t' e^{K_t' + w_tt'} V_t' /
-    sum_t' e^{K_t' + w_tt'} over t' <= t (causal) or all t'. AFT-full runs as matrix products over
-    blocks of ``chunk_size`` query rows (O(T^2 D) time, O(T D + T^2) memory per block);
-    AFT-simple as log-space prefix sums (causal, O(T D)) or one softmax over time.
+    sum_t' e^{K_t' + w_tt'} over t' <= t (causal) or all t'. AFT-full costs O(T^2 D) time: one
+    pair of matrix products (bidirectional), or per block of ``chunk_size`` query rows matrix
+    products over the earlier keys plus a causal window over the block's own keys (causal).
+    AFT-simple runs as stabilised prefix sums (causal, O(T D)) or one softmax over time.
     Returns o [B, T, D] in q's dtype.
     """
     T = _check_btd(q, k, v)[1]
@@ -345,7 +348,7 @@ def aft_conv_stream(
 def aft_full_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-    output_final_state: bool = False, chunk_size: int = 128,
+    output_final_state: bool = False, chunk_size: int = 64,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Causal AFT-full with a key/value cache (SPEC 4.3: an arbitrary pairwise bias has no
     constant-size state, so the state grows with the sequence).

@@ -105,40 +105,43 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
     return torch.cat([init[0].unsqueeze(1), ell], dim=1), torch.cat([init[1].unsqueeze(1), y], dim=1)
 
 
+Terms = list[tuple[torch.Tensor, torch.Tensor]]  # per window position: (logits, values)
+
+
 def _windows(
     k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, r_left: int, r_right: int, first: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window [t - r_left, t + r_right] of every row t >= ``first``, biases added to the keys.
+) -> Terms:
+    """Window [t - r_left, t + r_right] of every row t >= ``first``, one shifted slice per window
+    position j (t' = t - r_left + j) with its bias added: (logits [B, Tr, G], values [B, Tr, G, E]).
 
-    k [B, L, G], v [B, L, G, E], band [Tr|1, G|1, J] with band[..., j] the bias of
-    t' = t - r_left + j, J = r_left + r_right + 1. Positions outside the sequence get key -inf,
-    so they weigh exactly 0. Returns logits [B, Tr, G, J] and values [B, Tr, G, E, J].
+    k [B, L, G], v [B, L, G, E], band [Tr|1, G|1, r_left + r_right + 1]. Positions outside the
+    sequence get key -inf, so they weigh exactly 0. Slices rather than one unfolded tensor: the
+    same work, without a [B, Tr, G, E, J] product or a scattering unfold backward.
     """
-    J = r_left + r_right + 1
-    k_win = F.pad(k, (0, 0, r_left, r_right), value=float("-inf")).unfold(1, J, 1)[:, first:]
-    v_win = F.pad(v, (0, 0, 0, 0, r_left, r_right)).unfold(1, J, 1)[:, first:]
-    return k_win + band, v_win
+    k = F.pad(k, (0, 0, r_left, r_right), value=float("-inf"))
+    v = F.pad(v, (0, 0, 0, 0, r_left, r_right))
+    rows = k.shape[1] - r_left - r_right - first
+    return [(k[:, first + j:first + j + rows] + band[..., j], v[:, first + j:first + j + rows])
+            for j in range(band.shape[-1])]
 
 
-def _combine(
-    logits: torch.Tensor, v_win: torch.Tensor, outside: list[Summary],
-) -> torch.Tensor:
-    """The ratio of a row's window terms (logits [B, T, G, J], v_win [B, T, G, E, J]) plus the
-    summaries (ell [B, T, G], y [B, T, G, E]) of the tokens outside it (bias 0).
+def _combine(terms: Terms, outside: list[Summary]) -> torch.Tensor:
+    """The ratio of a row's window terms (logits [B, T, G] and values [B, T, G, E] per window
+    position) plus the summaries (ell [B, T, G], y [B, T, G, E]) of the tokens outside it (bias 0).
 
     Everything is scaled by the row's largest term rho (the window maximum or a log-sum-exp,
     which bounds its terms), a constant along t': no term exceeds 1 and the largest is 1.
     """
-    rho = logits.detach().amax(dim=-1)
+    rho = terms[0][0].detach()
+    for logits, _ in terms[1:]:
+        rho = torch.maximum(rho, logits.detach())
     for ell, _ in outside:
         rho = torch.maximum(rho, ell.detach())
-    e = torch.exp(logits - rho.unsqueeze(-1))
-    num = torch.einsum("btgj,btgej->btge", e, v_win)
-    den = e.sum(dim=-1)
-    for ell, y in outside:
-        f = torch.exp(ell - rho)  # 0 for an empty side (ell = -inf)
-        num = num + f.unsqueeze(-1) * y
-        den = den + f
+    num, den = 0.0, 0.0
+    for logits, values in terms + outside:
+        e = torch.exp(logits - rho)  # 0 for a position outside the sequence or an empty side
+        num = num + e.unsqueeze(-1) * values
+        den = den + e
     return num / den.unsqueeze(-1)
 
 
@@ -188,8 +191,7 @@ def banded_causal(
     # Row e of the view reaches tokens <= e - s through the prefix: entry e - s + 1 (0 = none).
     out = (torch.arange(c, L, device=k.device) - s + 1).clamp_min(0)
     J = min(s, L)  # window positions that can exist
-    logits, v_win = _windows(k_rel, vx, band[..., -J:], J - 1, 0, c)
-    ratio = _combine(logits, v_win, [(ell[:, out], y[:, out])])
+    ratio = _combine(_windows(k_rel, vx, band[..., -J:], J - 1, 0, c), [(ell[:, out], y[:, out])])
     i = L - s + 1  # prefix entry of the next row: everything but the last s - 1 tokens
     if i > 0:
         prefix = (ell[:, i] + ref, y[:, i], torch.ones_like(ref))
@@ -216,8 +218,8 @@ def banded_bidirectional(
     before = (t - r_left).clamp_min(0)  # tokens <= t - r_left - 1
     after = (T - 1 - t - r_right).clamp_min(0)  # tokens >= t + r_right + 1
     lo, hi = min(r_left, T - 1), min(r_right, T - 1)  # window positions that can exist
-    logits, v_win = _windows(k, v, band[..., r_left - lo:r_left + hi + 1], lo, hi, 0)
-    return _combine(logits, v_win, [(ell_p[:, before], y_p[:, before]),
+    terms = _windows(k, v, band[..., r_left - lo:r_left + hi + 1], lo, hi, 0)
+    return _combine(terms, [(ell_p[:, before], y_p[:, before]),
                                     (ell_s[:, after], y_s[:, after])])
 
 
@@ -263,7 +265,6 @@ def full_rows(
         before = [_full_summary(k[:, :lo], v[:, :lo], w[r0:r1, :lo])] if lo > 0 else []
         mask = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=w.device).triu(1)
         wb = w[r0:r1, lo:hi].masked_fill(mask, float("-inf"))  # a 0 would not mask (SPEC 4.4)
-        logits = k[:, lo:hi].transpose(1, 2).unsqueeze(1) + wb[:, None, :]  # [B, C, G, C]
-        v_win = v[:, lo:hi].permute(0, 2, 3, 1).unsqueeze(1).expand(-1, hi - lo, -1, -1, -1)
-        outs.append(_combine(logits, v_win, before))
+        own = [(k[:, j:j + 1] + wb[:, j - lo, None], v[:, j:j + 1]) for j in range(lo, hi)]
+        outs.append(_combine(own, before))  # logits [B, C, G] per key j of the block
     return torch.cat(outs, dim=1)
