@@ -81,12 +81,16 @@ def test_simple_matches_naive(shape, causal):
     assert_close64(aft(q, k, v, causal=causal), aft_naive(q, k, v, None, causal))
 
 
+CHUNKS = pytest.mark.parametrize("chunk", [1, 5, 64], ids=lambda c: f"C{c}")
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("window", [1, 2, 5, 16, 40], ids=lambda s: f"s{s}")
+@CHUNKS
 @CAUSAL
-def test_local_matches_naive(shape, window, causal):
+def test_local_matches_naive(shape, window, chunk, causal):
     q, k, v, w = make(*shape)
-    assert_close64(aft_local(q, k, v, w, window=window, causal=causal),
+    assert_close64(aft_local(q, k, v, w, window=window, causal=causal, chunk_size=chunk),
                    aft_local_naive(q, k, v, w, window, causal))
 
 
@@ -96,9 +100,11 @@ CONV_KERNELS = [(s, True) for s in (1, 3, 4, 7, 41)] + [(s, False) for s in (1, 
 @pytest.mark.parametrize("shape", CONV_SHAPES, ids=CONV_IDS)
 @pytest.mark.parametrize("s,causal", CONV_KERNELS,
                          ids=[f"s{s}-{'causal' if c else 'bidir'}" for s, c in CONV_KERNELS])
-def test_conv_matches_naive(shape, s, causal):
+@CHUNKS
+def test_conv_matches_naive(shape, s, causal, chunk):
     q, k, v, w = make_conv(*shape, s)
-    assert_close64(aft_conv(q, k, v, w, causal=causal), aft_conv_naive(q, k, v, w, causal))
+    assert_close64(aft_conv(q, k, v, w, causal=causal, chunk_size=chunk),
+                   aft_conv_naive(q, k, v, w, causal))
 
 
 # ----------------------------------------------------------------------------- streaming forms
@@ -127,7 +133,7 @@ def test_local_stream_pieces(splits, window, mode):
     q, k, v, w = make(2, 37, 5)
     o, state = run_pieces(lambda i, j, st: aft_local_stream(
         q[:, i:j], k[:, i:j], v[:, i:j], band_of(w, window, i, j), window=window,
-        initial_state=st, output_final_state=True, mode=mode), 37, splits)
+        initial_state=st, output_final_state=True, mode=mode, chunk_size=6), 37, splits)
     assert_close64(o, aft_local_naive(q, k, v, w, window, True))
     assert state[-1] == 37 and state[3].shape == (2, min(37, window - 1), 5)
 
@@ -138,9 +144,27 @@ def test_local_stream_pieces(splits, window, mode):
 def test_conv_stream_pieces(splits, s, mode):
     q, k, v, w = make_conv(2, 37, 3, 4, s)
     o, _ = run_pieces(lambda i, j, st: aft_conv_stream(
-        q[:, i:j], k[:, i:j], v[:, i:j], w, initial_state=st, output_final_state=True, mode=mode),
-        37, splits)
+        q[:, i:j], k[:, i:j], v[:, i:j], w, initial_state=st, output_final_state=True, mode=mode,
+        chunk_size=6), 37, splits)
     assert_close64(o, aft_conv_naive(q, k, v, w, True))
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=SPLIT_IDS)
+def test_streams_with_keys_spread_beyond_exp_range(splits):
+    """Keys 1000 apart inside one block: the windows go position by position and the prefix
+    through the doubling scan, in pieces too."""
+    q, k, v, w = make(2, 37, 3)
+    qc, kc, vc, wc = make_conv(2, 37, 3, 2, 4)
+    drop = 1000.0 * (torch.arange(37) % 9 < 4).double()  # steps of 1000 every few tokens
+    k, kc = k - drop[:, None], kc - drop[:, None]
+    o, _ = run_pieces(lambda i, j, st: aft_local_stream(
+        q[:, i:j], k[:, i:j], v[:, i:j], band_of(w, 4, i, j), window=4, initial_state=st,
+        output_final_state=True, chunk_size=6), 37, splits)
+    assert_close64(o, aft_local_naive(q, k, v, w, 4, True), atol=1e-9)
+    o, _ = run_pieces(lambda i, j, st: aft_conv_stream(
+        qc[:, i:j], kc[:, i:j], vc[:, i:j], wc, initial_state=st, output_final_state=True,
+        chunk_size=6), 37, splits)
+    assert_close64(o, aft_conv_naive(qc, kc, vc, wc, True), atol=1e-9)
 
 
 @pytest.mark.parametrize("splits", SPLITS, ids=SPLIT_IDS)

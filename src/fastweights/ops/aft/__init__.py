@@ -9,12 +9,13 @@ w inside a window and uses bias 0 (not a mask) outside it; AFT-conv has one key 
 and a per-head bias that depends only on the offset t - t'.
 
 Whole-sequence ops: ``aft`` (full, or simple with ``w=None``), ``aft_local``, ``aft_conv``
-(DESIGN.md signatures; ``aft`` also takes ``chunk_size``, the query rows per block of AFT-full).
+(DESIGN.md signatures, plus ``chunk_size``: the rows per block of the matrix-product forms).
 Streaming ops for decoding and for running a sequence in pieces, all causal, with
 ``initial_state=None, output_final_state=False`` returning ``(o, state)``:
 ``aft_simple_stream``, ``aft_local_stream``, ``aft_conv_stream`` (``mode="chunk"``: the whole
-call at once with stabilised prefix sums, or ``"recurrent"``: token by token with an online
-log-sum-exp) and ``aft_full_stream`` (a key/value cache; no recurrent form, so no mode).
+call at once, stabilised prefix sums plus banded matrix products over blocks of ``chunk_size``
+rows, or ``"recurrent"``: token by token with an online log-sum-exp) and ``aft_full_stream`` (a
+key/value cache; no recurrent form, so no mode). ``chunk_size`` never changes the result.
 
 Inputs may be float64/float32/bfloat16/float16; the mathematics and every state run in float32
 (float64 for float64 inputs) and outputs come back in the input dtype. Every form is stable for
@@ -112,9 +113,10 @@ def _check_kernel(w: Any, H: int, ref: torch.Tensor) -> int:
     return w.shape[1]
 
 
-def _check_stream_flags(output_final_state: Any, mode: Any) -> None:
+def _check_stream_flags(output_final_state: Any, mode: Any, chunk_size: Any = 1) -> None:
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
+    check_positive_int("chunk_size", chunk_size)
 
 
 def _check_state(state: Any, names_shapes: list[tuple[str, tuple[int, ...], str]],
@@ -134,6 +136,13 @@ def _check_state_tuple(state: Any, names: list[str]) -> None:
     if not isinstance(state, (tuple, list)) or len(state) != len(names):
         got = type(state).__name__ + (f" of length {len(state)}" if isinstance(state, (tuple, list)) else "")
         raise TypeError(f"initial_state must be a tuple ({', '.join(names)}) or None, got {got}")
+
+
+def _banded_stream(k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, window: int,
+                   state: tuple | None, mode: str, chunk_size: int) -> tuple[torch.Tensor, tuple]:
+    if mode == "chunk":
+        return banded_causal(k, v, band, window, state, chunk_size)
+    return banded_recurrent(k, v, band, window, state)
 
 
 def _gate(q: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -186,31 +195,33 @@ def aft(
 
 def aft_local(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, window: int,
-    causal: bool = True,
+    causal: bool = True, chunk_size: int = 64,
 ) -> torch.Tensor:
     """AFT-local (SPEC 4.2): AFT-full whose bias is w_tt' inside the window (0 <= t - t' < s
     causal, |t - t'| < s bidirectional, s = ``window``) and 0 outside it (those pairs still count).
 
     q, k, v: [B, T, D]; w: [T_max, T_max] with T_max >= T (top-left block used).
-    O(T s D): prefix (and suffix) sums for the pairs outside the window plus the window itself.
-    Returns o [B, T, D] in q's dtype.
+    O(T s D): prefix (and suffix) sums for the pairs outside the window plus the window itself,
+    as banded matrix products over blocks of ``chunk_size`` rows. Returns o [B, T, D] in q's dtype.
     """
     T = _check_btd(q, k, v)[1]
     check_positive_int("window", window)
     _check_matrix("w", w, T, T, False, q, "[T_max, T_max]")
     check_bool("causal", causal)
+    check_positive_int("chunk_size", chunk_size)
     cd = state_dtype(q.dtype)
     kc, vc, wc = k.to(cd), v.to(cd).unsqueeze(-1), w[:T, :T].to(cd)
     r = min(window, T) - 1  # offsets beyond T - 1 cannot occur
     if causal:
-        ratio = banded_causal(kc, vc, _local_band(wc, 0, r, 0), window, None)[0]
+        ratio = banded_causal(kc, vc, _local_band(wc, 0, r, 0), window, None, chunk_size)[0]
     else:
-        ratio = banded_bidirectional(kc, vc, _local_band(wc, 0, r, r), r, r)
+        ratio = banded_bidirectional(kc, vc, _local_band(wc, 0, r, r), r, r, chunk_size)
     return _gate(q, ratio.squeeze(-1))
 
 
 def aft_conv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, causal: bool = True,
+    chunk_size: int = 64,
 ) -> torch.Tensor:
     """AFT-conv (SPEC 4.2): per head h, one key channel k[..., h] shared by the head's Dh value
     channels and a bias depending only on the offset t - t':
@@ -220,21 +231,23 @@ def aft_conv(
       kernel, index (s - 1) / 2 being t itself).
 
     Pairs at other offsets count with bias 0, so this equals AFT-local with window s (causal) or
-    (s + 1) / 2 (bidirectional) and the per-head Toeplitz bias. O(T s H Dh).
+    (s + 1) / 2 (bidirectional) and the per-head Toeplitz bias. O(T s H Dh), as banded matrix
+    products over blocks of ``chunk_size`` rows.
     q, v: [B, T, H, Dh]; k: [B, T, H]; w: [H, s]. Returns o [B, T, H, Dh] in q's dtype.
     """
     H = _check_conv_qkv(q, k, v)[2]
     s = _check_kernel(w, H, q)
     check_bool("causal", causal)
+    check_positive_int("chunk_size", chunk_size)
     if not causal and s % 2 == 0:
         raise ValueError(f"w must have an odd kernel size s for causal=False (centred kernel), got s = {s}")
     cd = state_dtype(q.dtype)
     band = w.to(cd).flip(-1).unsqueeze(0)  # [1, H, s]: offset s-1-j for causal, r-j centred
     if causal:
-        ratio = banded_causal(k.to(cd), v.to(cd), band, s, None)[0]
+        ratio = banded_causal(k.to(cd), v.to(cd), band, s, None, chunk_size)[0]
     else:
         r = (s - 1) // 2
-        ratio = banded_bidirectional(k.to(cd), v.to(cd), band, r, r)
+        ratio = banded_bidirectional(k.to(cd), v.to(cd), band, r, r, chunk_size)
     return _gate(q, ratio)
 
 
@@ -269,6 +282,7 @@ def aft_simple_stream(
 def aft_local_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, window: int,
     initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
+    chunk_size: int = 64,
 ) -> tuple[torch.Tensor, tuple | None]:
     """Causal AFT-local with a carried state (SPEC 4.3), for decoding and pieces == whole.
 
@@ -283,7 +297,7 @@ def aft_local_stream(
     """
     B, T, D = _check_btd(q, k, v)
     check_positive_int("window", window)
-    _check_stream_flags(output_final_state, mode)
+    _check_stream_flags(output_final_state, mode, chunk_size)
     pos, state = 0, None
     if initial_state is not None:
         _check_state_tuple(initial_state, ["a", "n", "m", "k_cache", "v_cache", "pos"])
@@ -303,8 +317,8 @@ def aft_local_stream(
     _check_device("w", w, q)
     cd = state_dtype(q.dtype)
     band = w.to(cd).flip(-1).unsqueeze(1)  # [T, 1, s], band[..., -1 - o] = w[:, o]
-    run = banded_causal if mode == "chunk" else banded_recurrent
-    ratio, (a, n, m, kc, vc) = run(k.to(cd), v.to(cd).unsqueeze(-1), band, window, state)
+    ratio, (a, n, m, kc, vc) = _banded_stream(k.to(cd), v.to(cd).unsqueeze(-1), band, window, state,
+                                              mode, chunk_size)
     final = (a, n.squeeze(-1), m, kc, vc.squeeze(-1), pos + T) if output_final_state else None
     return _gate(q, ratio.squeeze(-1)), final
 
@@ -312,6 +326,7 @@ def aft_local_stream(
 def aft_conv_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *,
     initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
+    chunk_size: int = 64,
 ) -> tuple[torch.Tensor, tuple | None]:
     """Causal AFT-conv with a carried state (the streaming form of ``aft_conv``, causal=True).
 
@@ -323,7 +338,7 @@ def aft_conv_stream(
     """
     B, _, H, Dh = _check_conv_qkv(q, k, v)
     s = _check_kernel(w, H, q)
-    _check_stream_flags(output_final_state, mode)
+    _check_stream_flags(output_final_state, mode, chunk_size)
     state = None
     if initial_state is not None:
         _check_state_tuple(initial_state, ["a", "n", "m", "k_cache", "v_cache"])
@@ -340,8 +355,7 @@ def aft_conv_stream(
                             ("v_cache", (B, c, H, Dh), "[B, c, H, Dh]")], q))
     cd = state_dtype(q.dtype)
     band = w.to(cd).flip(-1).unsqueeze(0)  # [1, H, s], band[..., -1 - o] = w[:, o]
-    run = banded_causal if mode == "chunk" else banded_recurrent
-    ratio, final = run(k.to(cd), v.to(cd), band, s, state)
+    ratio, final = _banded_stream(k.to(cd), v.to(cd), band, s, state, mode, chunk_size)
     return _gate(q, ratio), (final if output_final_state else None)
 
 

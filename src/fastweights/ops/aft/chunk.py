@@ -3,7 +3,8 @@
 Dimension legend: B batch, T new tokens, c cached past tokens, L = c + T tokens in view,
 G key channels (D for AFT-full/local/simple, where every channel is its own head; H for
 AFT-conv), E value channels per key channel (1, or Dh for AFT-conv), s window, J window
-positions looked at per row, C query rows per block (AFT-full).
+positions looked at per row, C rows per block, N blocks, S = C + J - 1 keys a block of rows
+can see, Gb band groups (1 for AFT-local's shared bias, H for AFT-conv's per-head kernels).
 
 Every function returns the gate-free ratio R_t = sum_t' e^{K_t' + w_tt'} V_t' / sum_t' e^{K_t' + w_tt'}
 as [B, T, G, E]; the public ops multiply it by sigmoid(Q). Inputs are in the compute dtype.
@@ -20,6 +21,10 @@ and every sum is held as a (log-sum-exp, weighted mean) pair or an (a, n, m) tri
   pairwise merge; either way keys of any range neither overflow nor underflow.
 - A row's window terms and its outside prefix/suffix are scaled by their joint maximum, so no
   term exceeds 1, the largest is 1 and the denominator is >= 1.
+- Windows are banded matrix products per block of rows, whose reference factorises into the row
+  maximum of the bias and the block maximum of the keys; where that could underflow a row (a
+  key spread over ~60 within a block in float32) they are summed position by position instead,
+  exact for any range.
 - Keys are first taken relative to the call's largest key per channel: sums then stay near
   e^0, where float32 resolves them best (keys around 80 would otherwise cost 2-3 digits).
 - AFT-full multiplies exp(w - row max of w) by exp(K - max K) for the keys before a block of
@@ -125,6 +130,65 @@ def _windows(
             for j in range(band.shape[-1])]
 
 
+def _window_blocks(
+    k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, r_left: int, r_right: int, first: int,
+    chunk_size: int,
+) -> Summary | None:
+    """The window sums of rows ``first``..L-1 as banded matrix products (SPEC 4.3's "cumsum +
+    banded matmul"), as (ell [B, Tr, G], y [B, Tr, G, E]); None where that could lose precision.
+
+    Rows go in blocks of C = ``chunk_size``: per block (and head, for a per-head band) one
+    [C, C + J - 1] band matrix exp(b - row max b) times exp(K - max K) V over the block's key
+    span, all blocks in one batched matmul: O(T (C + J) D) time, O(T (C + J) + T D) memory.
+    The two maxima factorise each row's reference, so a row whose window holds only keys far
+    below its block's maximum (a key spread over ~60 in float32) would underflow: the caller then
+    sums the window position by position (``_windows``) instead.
+    k [B, L, G], v [B, L, G, E], band [Tr|1, Gb, J] (Gb = 1 or G), window [t - r_left, t + r_right].
+    """
+    B, L, G = k.shape
+    E = v.shape[-1]
+    Gb, J = band.shape[1], band.shape[2]
+    Tr = L - first
+    C = min(chunk_size, Tr)
+    N = -(-Tr // C)
+    S = C + J - 1  # keys a block of rows can see
+    extra = N * C - Tr
+    k_blk = F.pad(k, (0, 0, r_left, r_right + extra), value=float("-inf"))[:, first:].unfold(1, S, C)
+    v_blk = F.pad(v, (0, 0, 0, 0, r_left, r_right + extra))[:, first:].unfold(1, S, C)
+    k_max = k_blk.detach().amax(dim=-1, keepdim=True)  # [B, N, G, 1]
+    e = torch.exp(k_blk - k_max)  # [B, N, G, S]; 0 outside the sequence
+    keys = torch.arange(first, L, device=k.device)[:, None] - r_left + torch.arange(J, device=k.device)
+    b = band.masked_fill(((keys < 0) | (keys >= L)).unsqueeze(1), float("-inf"))  # [Tr, Gb, J]
+    b_max = b.detach().amax(dim=-1)  # [Tr, Gb]: finite, t' = t is always in the window
+    a = F.pad(torch.exp(b - b_max.unsqueeze(-1)), (0, 0, 0, 0, 0, extra))
+    a = a.view(N, C, Gb, J).transpose(1, 2)  # [N, Gb, C, J]
+    # Skew: shift row i right by i, so a's column i + j is key span position i + j.
+    a = F.pad(a, (0, C)).flatten(-2)[..., :C * S].view(N, Gb, C, S)
+    # Numerator columns e V and the denominator column e of each channel, grouped by band.
+    x = torch.cat([e.unsqueeze(-2) * v_blk, e.unsqueeze(-2)], dim=-2)  # [B, N, G, E + 1, S]
+    x = x.reshape(B, N, Gb, G // Gb * (E + 1), S).transpose(-1, -2)
+    out = (a @ x).view(B, N, Gb, C, G // Gb, E + 1).permute(0, 1, 3, 2, 4, 5)
+    out = out.reshape(B, N * C, G, E + 1)[:, :Tr]
+    num, den = out[..., :E], out[..., E]
+    margin = -math.log(torch.finfo(den.dtype).tiny) - 25.0  # as in _prefix
+    if not bool(den.detach().amin() >= math.exp(-margin)):
+        return None
+    ref = b_max + k_max.squeeze(-1).repeat_interleave(C, dim=1)[:, :Tr]  # [B, Tr, G]
+    return torch.log(den) + ref, num / den.unsqueeze(-1)
+
+
+def _window_sums(
+    k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, r_left: int, r_right: int, first: int,
+    chunk_size: int, outside: list[Summary],
+) -> torch.Tensor:
+    """R of rows ``first``..L-1: their windows (banded matrix products, or position by position
+    where those could lose precision) combined with the summaries of the tokens outside them."""
+    window = _window_blocks(k, v, band, r_left, r_right, first, chunk_size)
+    if window is None:
+        return _combine(_windows(k, v, band, r_left, r_right, first), outside)
+    return _combine([], [window, *outside])
+
+
 def _combine(terms: Terms, outside: list[Summary]) -> torch.Tensor:
     """The ratio of a row's window terms (logits [B, T, G] and values [B, T, G, E] per window
     position) plus the summaries (ell [B, T, G], y [B, T, G, E]) of the tokens outside it (bias 0).
@@ -132,13 +196,12 @@ def _combine(terms: Terms, outside: list[Summary]) -> torch.Tensor:
     Everything is scaled by the row's largest term rho (the window maximum or a log-sum-exp,
     which bounds its terms), a constant along t': no term exceeds 1 and the largest is 1.
     """
-    rho = terms[0][0].detach()
-    for logits, _ in terms[1:]:
+    parts = terms + outside
+    rho = parts[0][0].detach()
+    for logits, _ in parts[1:]:
         rho = torch.maximum(rho, logits.detach())
-    for ell, _ in outside:
-        rho = torch.maximum(rho, ell.detach())
     num, den = 0.0, 0.0
-    for logits, values in terms + outside:
+    for logits, values in parts:
         e = torch.exp(logits - rho)  # 0 for a position outside the sequence or an empty side
         num = num + e.unsqueeze(-1) * values
         den = den + e
@@ -165,7 +228,7 @@ def simple_bidirectional(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def banded_causal(
     k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, window: int,
-    state: tuple[torch.Tensor, ...] | None,
+    state: tuple[torch.Tensor, ...] | None, chunk_size: int,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Causal AFT-local / AFT-conv (SPEC 4.3): row t adds e^{K_t' + b} V_t' over the window
     t - s < t' <= t (biases b from ``band``) to the prefix G_{t-s} of every token that has left
@@ -191,7 +254,8 @@ def banded_causal(
     # Row e of the view reaches tokens <= e - s through the prefix: entry e - s + 1 (0 = none).
     out = (torch.arange(c, L, device=k.device) - s + 1).clamp_min(0)
     J = min(s, L)  # window positions that can exist
-    ratio = _combine(_windows(k_rel, vx, band[..., -J:], J - 1, 0, c), [(ell[:, out], y[:, out])])
+    ratio = _window_sums(k_rel, vx, band[..., -J:], J - 1, 0, c, chunk_size,
+                         [(ell[:, out], y[:, out])])
     i = L - s + 1  # prefix entry of the next row: everything but the last s - 1 tokens
     if i > 0:
         prefix = (ell[:, i] + ref, y[:, i], torch.ones_like(ref))
@@ -203,6 +267,7 @@ def banded_causal(
 
 def banded_bidirectional(
     k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, r_left: int, r_right: int,
+    chunk_size: int,
 ) -> torch.Tensor:
     """Bidirectional AFT-local / AFT-conv: row t adds the window t - r_left <= t' <= t + r_right
     (biases from ``band``) to the prefix before it and the suffix after it (bias 0).
@@ -218,9 +283,8 @@ def banded_bidirectional(
     before = (t - r_left).clamp_min(0)  # tokens <= t - r_left - 1
     after = (T - 1 - t - r_right).clamp_min(0)  # tokens >= t + r_right + 1
     lo, hi = min(r_left, T - 1), min(r_right, T - 1)  # window positions that can exist
-    terms = _windows(k, v, band[..., r_left - lo:r_left + hi + 1], lo, hi, 0)
-    return _combine(terms, [(ell_p[:, before], y_p[:, before]),
-                                    (ell_s[:, after], y_s[:, after])])
+    return _window_sums(k, v, band[..., r_left - lo:r_left + hi + 1], lo, hi, 0, chunk_size,
+                        [(ell_p[:, before], y_p[:, before]), (ell_s[:, after], y_s[:, after])])
 
 
 def _full_summary(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Summary:
