@@ -23,9 +23,9 @@ SMALL_OPTIONS: dict[str, dict] = {
     "norm": {"chunk_size": 4},
     "diag": {"block_size": 4},
     "aft-full": {"max_len": 32, "d_bias": 8, "chunk_size": 4},
-    "aft-local": {"window": 4, "max_len": 32, "d_bias": 8},
+    "aft-local": {"window": 4, "max_len": 32, "d_bias": 8, "chunk_size": 3},
     "aft-simple": {},
-    "aft-conv": {"window": 4},
+    "aft-conv": {"window": 4, "chunk_size": 3},
     "ttt-linear": {"mini_batch_size": 4},
     "ttt-mlp": {"mini_batch_size": 4},
 }

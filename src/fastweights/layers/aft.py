@@ -114,7 +114,8 @@ class AFTFull(_AFT):
 
 class AFTLocal(_AFT):
     """AFT-local (SPEC 4.2): the learned bias inside a causal window of ``window`` tokens
-    (0 <= t - t' < s; s = 32 as the labml reference), bias 0 (not a mask) beyond it.
+    (0 <= t - t' < s; s = 32 as the labml reference), bias 0 (not a mask) beyond it. ``mode``
+    and ``chunk_size`` pick the op's algorithm (``aft_local_stream``), never its result.
 
     State ``(a, n, m [B, d'], k_cache, v_cache [B, c, d'], pos)``: the stable sums of the tokens
     that have left the window, the last c = min(pos, s - 1) tokens and the absolute position.
@@ -123,11 +124,12 @@ class AFTLocal(_AFT):
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, max_len: int = 1024, d_bias: int = 128,
-                 bias_std: float = 0.01, mode: str = "chunk") -> None:
+                 bias_std: float = 0.01, mode: str = "chunk", chunk_size: int = 64) -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
         self.window = check_positive_int("window", window)
         self.bias = _PositionBias(max_len, d_bias, bias_std)
         self.mode = check_choice("mode", mode, MODES)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
@@ -135,7 +137,8 @@ class AFTLocal(_AFT):
         w = self.bias.band(past, past + x.shape[1], self.window)
         q, k, v = self._qkv(x)
         o, state = aft_local_stream(q, k, v, w, window=self.window, initial_state=state,
-                                    output_final_state=True, mode=self.mode)
+                                    output_final_state=True, mode=self.mode,
+                                    chunk_size=self.chunk_size)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -180,7 +183,8 @@ class AFTConv(_AFT):
     eps = 1e-5
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
-                 window: int = 32, reparam: bool = True, mode: str = "chunk") -> None:
+                 window: int = 32, reparam: bool = True, mode: str = "chunk",
+                 chunk_size: int = 64) -> None:
         d_hidden = d_model if d_hidden is None else check_positive_int("d_hidden", d_hidden)
         if d_hidden % n_heads:
             raise ValueError(f"d_hidden ({d_hidden}) must be divisible by n_heads ({n_heads})")
@@ -188,6 +192,7 @@ class AFTConv(_AFT):
         self.window = check_positive_int("window", window)
         self.reparam = check_bool("reparam", reparam)
         self.mode = check_choice("mode", mode, MODES)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
         init = torch.randn(n_heads, window) if reparam else torch.zeros(n_heads, window)
         self.kernel = nn.Parameter(init)
         if reparam:
@@ -208,7 +213,8 @@ class AFTConv(_AFT):
         q, k, v = self._qkv(x)
         H = self.n_heads
         o, state = aft_conv_stream(split_heads(q, H), k, split_heads(v, H), self.kernel_weight(),
-                                   initial_state=state, output_final_state=True, mode=self.mode)
+                                   initial_state=state, output_final_state=True, mode=self.mode,
+                                   chunk_size=self.chunk_size)
         return self.out(merge_heads(o)), state
 
     def state_size(self, seq_len: int = 1) -> int:
