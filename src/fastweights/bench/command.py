@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default="1")
     p.add_argument("--dtype", default="float32", help="|".join(_DTYPES))
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--repeats", default=_DEFAULTS["repeats"], help="timed calls per config (median reported)")
+    p.add_argument("--repeats", default=_DEFAULTS["repeats"],
+                   help="timed calls per config (median reported)")
     p.add_argument("--passes", default=",".join(PASSES),
                    help="comma-separated subset of " + ",".join(PASSES))
     p.add_argument("--time-budget", default=_DEFAULTS["time_budget"],
@@ -262,8 +263,9 @@ def run(args: argparse.Namespace) -> int:
         op_list, left_out = op_targets(s)
         targets += op_list
     sizes = (64, 128, 256) if opts.quick else (256, 512, 1024, 2048)
-    matmul_dtype = s.dtype if s.device.type == "cuda" or s.dtype in (torch.float32,
-                                                                    torch.float64) else torch.float32
+    # CPU BLAS has no fast half-precision matmul: rate the machine in float32 then.
+    fast_dtype = s.device.type == "cuda" or s.dtype in (torch.float32, torch.float64)
+    matmul_dtype = s.dtype if fast_dtype else torch.float32
     peak, peak_n = measure.matmul_gflops(s.device, matmul_dtype, sizes,
                                          min_seconds=0.05 if opts.quick else 0.3)
     print(f"matrix-multiply rate: {peak:.1f} GFLOP/s ({matmul_dtype}, n={peak_n}); "

@@ -153,7 +153,8 @@ class PeakMemory:
         self.peak = max(0, high - self._base)
 
 
-def matmul_gflops(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 1024, 2048),
+def matmul_gflops(device: torch.device, dtype: torch.dtype,
+                  sizes: tuple[int, ...] = (256, 512, 1024, 2048),
                   min_seconds: float = 0.2) -> tuple[float, int]:
     """The machine's best sustained square-matmul rate in GFLOP/s (2 n^3 FLOPs per product), and
     the size n that reached it. Each size: one warm-up product, then repeated products for at

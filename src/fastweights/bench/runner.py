@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +49,6 @@ class Row:
     gflops_per_s: float = math.nan
     repeats: int = 0
     max_abs_diff: float = math.nan  # fwd-compiled only: |compiled - eager|
-    times: list[float] = field(default_factory=list, repr=False)
 
 
 def _predict(history: list[tuple[int, float]], T: int) -> float | None:
@@ -77,7 +76,6 @@ def _measure(row: Row, call: Callable[[], Any], tokens: int, per_call: int, budg
     times += [time_call(call, device) for _ in range(n - 1)]
     flops = count_flops(call)
     median = statistics.median(times)
-    row.times = [t / per_call for t in times]
     row.repeats = n
     row.time_s = median / per_call
     row.tokens_per_s = tokens / median
@@ -174,8 +172,9 @@ def run_targets(targets: list[Target], lengths: list[int], passes: list[str], se
                 if (target.name, T) not in state_cache:
                     state_cache[(target.name, T)] = work.prefill()
                 state = state_cache[(target.name, T)]
-                _measure(row, lambda: work.step(state), setting.batch * work.decode_steps,
-                         work.decode_steps, budget, repeats, setting.device, memory)
+                _measure(row, lambda w=work, st=state: w.step(st),
+                         setting.batch * work.decode_steps, work.decode_steps, budget, repeats,
+                         setting.device, memory)
             else:
                 _compile_row(row, work, T, budget, repeats, setting)
         except RuntimeError as err:  # out of memory and kernel errors: record, go on with the rest

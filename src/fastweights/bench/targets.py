@@ -31,7 +31,9 @@ from ..models.registry import build_mixer, mixer_names
 __all__ = ["Setting", "Workload", "Target", "mixer_targets", "op_targets"]
 
 # Feature maps and helpers in fastweights.ops that are not sequence mixers.
-_NOT_MIXERS = {"elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features", "draw_favor_projection"}
+_NOT_MIXERS = {
+    "elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features", "draw_favor_projection",
+}
 _CANDIDATE_MODES = ("chunk", "recurrent", "naive", "dual", "primal")
 _DECODE_STEPS = 8  # tokens per timed decoding call; time is reported per token
 
@@ -174,7 +176,8 @@ def _recipe_aft_local(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str,
 
 def _recipe_aft_conv(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
     B, H, D = s.batch, s.n_heads, s.head_dim
-    args = [_randn(s, B, T, H, D), _randn(s, B, T, H), _randn(s, B, T, H, D), 0.01 * _randn(s, H, 64)]
+    args = [_randn(s, B, T, H, D), _randn(s, B, T, H), _randn(s, B, T, H, D),
+            0.01 * _randn(s, H, 64)]
     return args, {}
 
 

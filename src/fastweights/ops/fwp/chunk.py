@@ -42,10 +42,13 @@ def _chunk_major(x: torch.Tensor, C: int) -> torch.Tensor:
 def _from_chunk_major(x: torch.Tensor, B: int, T: int) -> torch.Tensor:
     """[N, B*H, C, D] -> [B, T, H, D] (a view), dropping the padded tail."""
     N, BH, C, D = x.shape
-    return x.reshape(N, B, BH // B, C, D).permute(1, 0, 3, 2, 4).reshape(B, N * C, BH // B, D)[:, :T]
+    H = BH // B
+    return x.reshape(N, B, H, C, D).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, D)[:, :T]
 
 
-def _exclusive_prefix(first: torch.Tensor, per_chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _exclusive_prefix(
+    first: torch.Tensor, per_chunk: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """States entering each chunk and the final state: first + cumsum of per_chunk (dim 2).
     The exclusive sum is the cumsum of [first, per_chunk[:-1]]: one copy and one scan."""
     entering = torch.cat([first.unsqueeze(2), per_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
