@@ -15,6 +15,7 @@ streamed past included, raises ValueError.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .._checks import (
@@ -70,16 +71,24 @@ class _PositionBias(nn.Module):
         self.check_length(stop)
         return self.u[start:stop] @ self.v[:stop].T
 
-    def band(self, start: int, stop: int, window: int) -> torch.Tensor:
-        """[stop - start, window] with [i, o] = w[start + i, start + i - o] (o = t - t'); keys
-        before position 0 get V's first row as a stand-in, which the op ignores. One dot product
-        per offset keeps the memory O(T s) instead of materialising the T x T matrix."""
+    def band(self, start: int, stop: int, window: int, block: int) -> torch.Tensor:
+        """[T, s] with [i, o] = w[start + i, start + i - o], T = stop - start (o = t - t'; keys
+        before position 0 give 0, ignored by the op). Rows go in blocks of C = ``block``: one
+        [C, d_bias] x [d_bias, C + s - 1] product per block, then each row's s diagonals, so
+        memory stays O(T (C + s)) instead of the T x T matrix."""
         self.check_length(stop)
-        u = self.u[start:stop]
-        key_rows = torch.arange(start, stop, device=u.device)
-        return torch.stack([
-            (u * self.v[(key_rows - o).clamp_min(0)]).sum(-1) for o in range(window)
-        ], dim=-1)
+        T, s = stop - start, window
+        C = min(block, T)
+        N = -(-T // C)
+        u = F.pad(self.u[start:stop], (0, 0, 0, N * C - T)).view(N, C, -1)
+        lo = start - (s - 1)  # first key any row can see; rows before position 0 are zeros
+        keys = F.pad(self.v[max(lo, 0):stop], (0, 0, max(-lo, 0), N * C - T))
+        spans = keys.unfold(0, C + s - 1, C)  # [N, d_bias, C + s - 1]
+        x = u @ spans  # [N, C, C + s - 1]: row i against keys start + nC - (s-1) + column
+        # Unskew: row i's window starts at column i; padding each row by one extra column
+        # turns the diagonals into columns.
+        x = F.pad(x.flatten(-2), (0, C)).view(N, C, C + s)[..., :s]  # [N, C, s], t' increasing
+        return x.reshape(N * C, s)[:T].flip(-1)
 
 
 class AFTFull(_AFT):
@@ -134,7 +143,7 @@ class AFTLocal(_AFT):
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         past = 0 if state is None else state[-1]
-        w = self.bias.band(past, past + x.shape[1], self.window)
+        w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
         q, k, v = self._qkv(x)
         o, state = aft_local_stream(q, k, v, w, window=self.window, initial_state=state,
                                     output_final_state=True, mode=self.mode,
