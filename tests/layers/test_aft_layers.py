@@ -167,3 +167,10 @@ BAD_OPTIONS = [
 def test_bad_options(name, opts, exc, words):
     with pytest.raises(exc, match=words):
         build_mixer(name, D_MODEL, 2, **opts)
+
+
+@pytest.mark.parametrize("name", ["aft-full", "aft-local", "aft-simple", "aft-conv"])
+def test_foreign_state_is_rejected(name):
+    layer = build_mixer(name, D_MODEL, 2).double()
+    with pytest.raises(TypeError, match="state"):
+        layer(x_in(), torch.zeros(3))

@@ -40,6 +40,14 @@ class _AFT(Mixer):
         self.qkv = nn.Linear(d_model, 2 * self.d_hidden + self.d_key)
         self.out = nn.Linear(self.d_hidden, d_model)
 
+    def _check_state(self, state: State, length: int) -> None:
+        """A carried state is the tuple of ``length`` items this layer returned."""
+        if state is not None and (not isinstance(state, (tuple, list)) or len(state) != length):
+            raise TypeError(
+                f"state must be None or the {length}-tuple returned by a previous call of this "
+                f"{type(self).__name__}, got {type(state).__name__}"
+            )
+
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d_model] -> q [B, T, d'], k [B, T, d_key], v [B, T, d']."""
         return self.qkv(x).split([self.d_hidden, self.d_key, self.d_hidden], dim=-1)
@@ -107,6 +115,7 @@ class AFTFull(_AFT):
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
+        self._check_state(state, 2)
         past = 0 if state is None else state[0].shape[1]
         w = self.bias.rows(past, past + x.shape[1])
         q, k, v = self._qkv(x)
@@ -142,6 +151,7 @@ class AFTLocal(_AFT):
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
+        self._check_state(state, 6)
         past = 0 if state is None else state[-1]
         w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
         q, k, v = self._qkv(x)
