@@ -3,9 +3,9 @@
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, N segment length,
 S = ceil(T / N) segments. Inputs ``[B, T, H, D]`` in the compute dtype, starting at a segment
 boundary; the memory is ``M [B, H, Dk, Dv]``, ``z [B, H, Dk]``. T need not be a multiple of N:
-the tail is zero-padded (after the feature map, so padded tokens write nothing), padded keys
-sit after every real query of the last segment (so the causal mask hides them), and padded
-outputs are dropped.
+the tail is zero-padded; padded keys sit after every real query of the last segment (so the
+causal mask hides them), the last segment is then incomplete (so it is never written to the
+memory), and padded outputs are dropped.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ def _segments(x: torch.Tensor, N: int) -> torch.Tensor:
     """[B, T, H, D] -> [B, H, S, N, D], zero-padding T up to S * N."""
     B, T, H, D = x.shape
     S = -(-T // N)
-    x = F.pad(x, (0, 0, 0, 0, 0, S * N - T))
-    return x.reshape(B, S, N, H, D).permute(0, 3, 1, 2, 4)
+    if S * N != T:
+        x = F.pad(x, (0, 0, 0, 0, 0, S * N - T))
+    return x.reshape(B, S, N, H, D).permute(0, 3, 1, 2, 4).contiguous()
 
 
 def _exclusive_prefix(first: torch.Tensor, per_segment: torch.Tensor) -> torch.Tensor:
