@@ -44,13 +44,16 @@ def infini_attention(
     - A_dot = softmax(scale Q_s K_s^T + causal mask) V_s, attending only inside the segment;
       ``scale`` defaults to 1/sqrt(Dk) and applies to this path only;
     - A_mem = sigma(Q^mem_s) M_{s-1} / (sigma(Q^mem_s) z_{s-1}): retrieval from the memory as it
-      was *before* the segment. The denominator is clamped at ``eps`` (default 1e-6): while the
-      memory is empty (M = z = 0) A_mem is exactly 0, and the gate is still applied;
+      was *before* the segment. The denominator is clamped at ``eps`` (default 1e-6, must be
+      > 0), not shifted by it: while the memory is empty (M = z = 0) A_mem is exactly 0 and the
+      gate is still applied; once it holds tokens (sigma > 0, so the denominator is positive)
+      the ratio is exact;
     - A = g_h A_mem + (1 - g_h) A_dot, for every segment alike;
     - after the segment is complete: M_s = M_{s-1} + sigma(K^mem_s)^T V_s (``update="linear"``)
       or M_{s-1} + sigma(K^mem_s)^T (V_s - sigma(K^mem_s) M_{s-1} / sigma(K^mem_s) z_{s-1})
       (``"delta"``, the retrieval being 0 while the memory is empty, same eps clamp);
-      z_s = z_{s-1} + sum_t sigma(k^mem_t).
+      z_s = z_{s-1} + sum_t sigma(k^mem_t). A trailing incomplete segment is read from (its
+      queries see the memory before it) but written only once complete, in a later call.
 
     ``q_mem``/``k_mem`` ([B, T, H, Dk], default q/k) are the queries/keys that feed the memory,
     so a layer can give the memory un-rotated q, k and the softmax path rotary-encoded ones.
