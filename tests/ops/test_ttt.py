@@ -44,8 +44,8 @@ def make_case(kind, B=2, T=13, H=3, Dk=5, Dv=5, b=4, ln=True, residual=True, bia
     eta = (0.1 + torch.rand(B, T, H, generator=gen, dtype=F64)) / Dk
     if kind == "mlp":
         eta = eta / 10  # SPEC 2.6 gives TTT-MLP a 10x smaller eta_base
-    kw = dict(initial_state=make_state(kind, B, H, Dk, Dv, bias, gen), residual=residual,
-              mini_batch_size=b)
+    kw = {"initial_state": make_state(kind, B, H, Dk, Dv, bias, gen), "residual": residual,
+              "mini_batch_size": b}
     if ln:
         kw["ln_weight"] = 1.0 + rand(H, Dv, gen=gen, scale=0.3)
         kw["ln_bias"] = rand(H, Dv, gen=gen, scale=0.3)

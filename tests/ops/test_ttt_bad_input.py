@@ -19,7 +19,7 @@ _, mid_state = ttt_linear(q[:, :3], q[:, :3], q[:, :3], eta[:, :3], initial_stat
 
 
 def lin(**kw):
-    args = dict(initial_state=(W, b))
+    args = {"initial_state": (W, b)}
     args.update(kw)
     return lambda: ttt_linear(args.pop("q", q), args.pop("k", q), args.pop("v", q),
                               args.pop("eta", eta), **args)

@@ -8,7 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import (
-    check_bool, check_choice, check_layer_input, check_nonneg_float, check_positive_int,
+    check_bool,
+    check_choice,
+    check_layer_input,
+    check_nonneg_float,
+    check_positive_int,
 )
 from ..ops.ttt import MODES, ttt_linear, ttt_mlp
 from .base import Mixer, State, merge_heads, split_heads

@@ -20,7 +20,13 @@ from typing import Any
 import torch
 
 from ..._checks import (
-    check_bool, check_mode, check_positive_int, check_qkv, check_shape, check_tensor, state_dtype,
+    check_bool,
+    check_mode,
+    check_positive_int,
+    check_qkv,
+    check_shape,
+    check_tensor,
+    state_dtype,
 )
 from .common import Carry, current_weights
 from .dual import ttt_linear_dual, ttt_mlp_dual

@@ -11,15 +11,24 @@ at the start weights:  Zbar = Q W_0 - (E * Q K^T) G + b_0 - E G, the next start 
 W_0 - K^T diag(E_b,:) G. Only the hand-off of start weights is sequential; per mini-batch the loop
 does one matmul of keys and queries together, the LayerNorm gradient and one update matmul, and
 everything that does not depend on the start weights (E, the masked Q K^T, the output LayerNorm)
-is batched over all mini-batches. No per-token weight matrix is ever formed.
+is batched over all mini-batches. No per-token weight matrix is ever formed. A bias is folded
+into its matrix as an extra row, with a column of ones on the inputs (``_join``/``_ones``), so it
+needs no separate code: E * (Q K^T + 1) then covers both terms.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .common import (
-    Carry, Weights, from_minibatches, gelu, gelu_grad, layer_norm, loss_grad, per_head,
+    Carry,
+    from_minibatches,
+    gelu,
+    gelu_grad,
+    layer_norm,
+    loss_grad,
+    per_head,
     to_minibatches,
 )
 
@@ -39,21 +48,21 @@ def _layout(
     return Q, K, target, eta_mb, E
 
 
-def _add(a: Weights, b: Weights | None) -> Weights:
-    """Item-wise a + b over weight tuples (None items stay None)."""
-    if b is None:
-        return a
-    return tuple(None if x is None else x + y for x, y in zip(a, b))
+def _join(W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Fold a bias into its matrix as an extra input row: [B, H, Din, Dout] -> [B, H, Din+1, Dout].
+    With a column of ones appended to the inputs (``_ones``), x W + b = [x, 1] W_aug, and the
+    bias's gradient and updates come out of the same matmuls as the matrix's."""
+    return W if b is None else torch.cat([W, b.unsqueeze(-2)], dim=-2)
 
 
-def _step(start: Weights, sums: Weights, tau_b: torch.Tensor) -> Weights:
-    """End of a full mini-batch: W_b = W_0 - tau_b * sum_j eta_j grad_j (SPEC 2.3); tau_b [H]."""
-    return tuple(None if w is None else w - per_head(tau_b, w) * s for w, s in zip(start, sums))
+def _split(W: torch.Tensor, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Undo ``_join``."""
+    return (W[..., :-1, :], W[..., -1, :]) if has_bias else (W, None)
 
 
-def _eta_sum(eta_n: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """sum_j eta_j G_j over the mini-batch: eta_n [B, H, b], G [B, H, b, D] -> [B, H, D]."""
-    return (eta_n.unsqueeze(-2) @ G).squeeze(-2)
+def _ones(x: torch.Tensor, has_bias: bool) -> torch.Tensor:
+    """Append the bias's column of ones to x [..., D] -> [..., D+1] (no-op without a bias)."""
+    return F.pad(x, (0, 1), value=1.0) if has_bias else x
 
 
 def ttt_linear_dual(
@@ -64,47 +73,39 @@ def ttt_linear_dual(
     """TTT-Linear, f_res(z) = z W + b, in the dual form. Returns (o [B, T, H, Dv], carry)."""
     T, b, p = q.shape[1], tau.shape[-1], carry.pos
     Q, K, target, eta_mb, E = _layout(q, k, v, eta, p, residual, tau)
-    N = Q.shape[2]
-    W, bias = carry.start
-    QK = Q @ K.transpose(-1, -2)  # [B, H, N, b, b]
-    # The bias's own updates enter the output like a key whose dot product with every query is 1.
-    M = E * (QK + 1.0 if bias is not None else QK)
-    KQ = torch.cat([K, Q], dim=-2)  # [B, H, N, 2b, Dk]: one matmul per step for both
-    KT_eta = (K * eta_mb.unsqueeze(-1)).transpose(-1, -2)  # [B, H, N, Dk, b]
-    tau_rows = tau.unsqueeze(-1)  # [H, b, 1] against [B, H, b, D]
+    has_bias = carry.start[1] is not None
+    W = _join(*carry.start)  # [B, H, Dk(+1), Dv]
+    prior = None if carry.grads is None else _join(*carry.grads)
+    Qa, Ka = _ones(Q, has_bias), _ones(K, has_bias)  # [B, H, N, b, Dk(+1)]
+    M = E * (Qa @ Ka.transpose(-1, -2))  # [B, H, N, b, b]
+    KQ = torch.cat([Ka, Qa], dim=-2)  # one matmul per step for keys and queries
+    KT_eta = (Ka * eta_mb.unsqueeze(-1)).transpose(-1, -2)  # [B, H, N, Dk(+1), b]
+    tau_rows, tau_b = tau.unsqueeze(-1), per_head(tau[:, -1], W)  # [H, b, 1], [H, 1, 1]
     tail = (p + T) % b  # tokens in a last, partly filled mini-batch (0: it is full)
-    zq, Gs, b_start, grads = [], [], [], None
+    N = Q.shape[2]
+    zq, Gs, grads = [], [], None
     # unbind (not indexing) so that autograd gathers the per-step gradients in one stack
-    steps = zip(KQ.unbind(2), target.unbind(2), KT_eta.unbind(2), eta_mb.unbind(2))
-    for n, (kq, tgt, kt_eta, eta_n) in enumerate(steps):
-        Z = kq @ W  # [B, H, 2b, Dv]
-        Zk, Zq = Z[..., :b, :], Z[..., b:, :]
-        if bias is not None:
-            Zk = Zk + bias.unsqueeze(-2)
-            b_start.append(bias)
-        G = loss_grad(Zk, tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
-        sums = (kt_eta @ G, None if bias is None else _eta_sum(eta_n, G))
-        if n == 0 and carry.grads is not None:
+    for n, (kq, tgt, kt_eta) in enumerate(zip(KQ.unbind(2), target.unbind(2), KT_eta.unbind(2))):
+        Z = kq @ W  # [B, H, 2b, Dv]: keys' and queries' outputs at the start weights
+        G = loss_grad(Z[..., :b, :], tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
+        Zq, sums = Z[..., b:, :], kt_eta @ G
+        if n == 0 and prior is not None:
             # Tokens of this mini-batch seen by an earlier call: their gradient sums reach every
             # later row i through W_i = W_0 - tau_i (sums_before + ...).
-            gW, gb = carry.grads
-            prior = Q[:, :, 0] @ gW
-            Zq = Zq - tau_rows * (prior if gb is None else prior + gb.unsqueeze(-2))
-            sums = _add(sums, carry.grads)
+            Zq = Zq - tau_rows * (Qa[:, :, 0] @ prior)
+            sums = sums + prior
         zq.append(Zq)
         Gs.append(G)
         if n == N - 1 and tail:
             grads = sums
         else:
-            W, bias = _step((W, bias), sums, tau[:, -1])
-    G = torch.stack(Gs, dim=2)  # [B, H, N, b, Dv]
-    Zbar = torch.stack(zq, dim=2) - M @ G
-    if b_start:
-        Zbar = Zbar + torch.stack(b_start, dim=2).unsqueeze(-2)
+            W = W - tau_b * sums  # SPEC 2.3: W_b = W_0 - tau_b sum_j eta_j grad_j
+    Zbar = torch.stack(zq, dim=2) - M @ torch.stack(Gs, dim=2)  # [B, H, N, b, Dv]
     out = Zbar if ln_weight is None else layer_norm(Zbar, ln_weight, ln_bias)
     if residual:
         out = out + Q
-    return from_minibatches(out, p, T), Carry((W, bias), grads, tail)
+    return from_minibatches(out, p, T), Carry(
+        _split(W, has_bias), None if grads is None else _split(grads, has_bias), tail)
 
 
 def ttt_mlp_dual(
@@ -117,60 +118,48 @@ def ttt_mlp_dual(
     Returns (o [B, T, H, Dv], carry)."""
     T, b, p = q.shape[1], tau.shape[-1], carry.pos
     Q, K, target, eta_mb, E = _layout(q, k, v, eta, p, residual, tau)
-    N = Q.shape[2]
-    W1, b1, W2, b2 = carry.start
-    QK = Q @ K.transpose(-1, -2)
-    M1 = E * (QK + 1.0 if b1 is not None else QK)  # [B, H, N, b, b]
-    KQ = torch.cat([K, Q], dim=-2)
-    KT_eta = (K * eta_mb.unsqueeze(-1)).transpose(-1, -2)  # [B, H, N, Dk, b]
-    tau_rows = tau.unsqueeze(-1)
+    has_b1, has_b2 = carry.start[1] is not None, carry.start[3] is not None
+    W1, W2 = _join(*carry.start[:2]), _join(*carry.start[2:])  # [B, H, Dk(+1), Dh], [B, H, Dh(+1), Dv]
+    prior1, prior2 = (None, None) if carry.grads is None else (
+        _join(*carry.grads[:2]), _join(*carry.grads[2:]))
+    Dh = carry.start[0].shape[-1]
+    Qa, Ka = _ones(Q, has_b1), _ones(K, has_b1)
+    M1 = E * (Qa @ Ka.transpose(-1, -2))  # [B, H, N, b, b]
+    KQ = torch.cat([Ka, Qa], dim=-2)
+    KT_eta = (Ka * eta_mb.unsqueeze(-1)).transpose(-1, -2)  # [B, H, N, Dk(+1), b]
+    tau_rows, tau_b = tau.unsqueeze(-1), per_head(tau[:, -1], W1)
     tail = (p + T) % b
-    X2s, Xbar2s, G2s, zq2, b2_start, grads = [], [], [], [], [], None
+    N = Q.shape[2]
+    X2s, Xbar2s, G2s, zq2, grads = [], [], [], [], None
     steps = zip(KQ.unbind(2), target.unbind(2), KT_eta.unbind(2), eta_mb.unbind(2), M1.unbind(2))
     for n, (kq, tgt, kt_eta, eta_n, m1) in enumerate(steps):
         Z = kq @ W1  # [B, H, 2b, Dh]
-        if b1 is not None:
-            Z = Z + b1.unsqueeze(-2)
         Z1, Zq1 = Z[..., :b, :], Z[..., b:, :]
-        X2 = gelu(Z1)  # [B, H, b, Dh]
-        Z2 = X2 @ W2 if b2 is None else X2 @ W2 + b2.unsqueeze(-2)
-        G2 = loss_grad(Z2, tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
-        G1 = (G2 @ W2.transpose(-1, -2)) * gelu_grad(Z1)  # [B, H, b, Dh]
+        X2 = _ones(gelu(Z1), has_b2)  # [B, H, b, Dh(+1)]
+        G2 = loss_grad(X2 @ W2, tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
+        G1 = (G2 @ W2[..., :Dh, :].transpose(-1, -2)) * gelu_grad(Z1)  # [B, H, b, Dh]
         Zbar1 = Zq1 - m1 @ G1
-        if n == 0 and carry.grads is not None:
-            gW1, gb1 = carry.grads[:2]
-            prior = Q[:, :, 0] @ gW1
-            Zbar1 = Zbar1 - tau_rows * (prior if gb1 is None else prior + gb1.unsqueeze(-2))
-        Xbar2 = gelu(Zbar1)
+        if n == 0 and prior1 is not None:
+            Zbar1 = Zbar1 - tau_rows * (Qa[:, :, 0] @ prior1)
+        Xbar2 = _ones(gelu(Zbar1), has_b2)
         Zq2 = Xbar2 @ W2  # [B, H, b, Dv]
-        if n == 0 and carry.grads is not None:
-            gW2, gb2 = carry.grads[2:]
-            prior = Xbar2 @ gW2
-            Zq2 = Zq2 - tau_rows * (prior if gb2 is None else prior + gb2.unsqueeze(-2))
-        sums = (
-            kt_eta @ G1, None if b1 is None else _eta_sum(eta_n, G1),
-            (X2 * eta_n.unsqueeze(-1)).transpose(-1, -2) @ G2,
-            None if b2 is None else _eta_sum(eta_n, G2),
-        )
-        if n == 0:
-            sums = _add(sums, carry.grads)
+        sums1 = kt_eta @ G1
+        sums2 = (X2 * eta_n.unsqueeze(-1)).transpose(-1, -2) @ G2
+        if n == 0 and prior2 is not None:
+            Zq2 = Zq2 - tau_rows * (Xbar2 @ prior2)
+            sums1, sums2 = sums1 + prior1, sums2 + prior2
         X2s.append(X2)
         Xbar2s.append(Xbar2)
         G2s.append(G2)
         zq2.append(Zq2)
-        if b2 is not None:
-            b2_start.append(b2)
         if n == N - 1 and tail:
-            grads = sums
+            grads = _split(sums1, has_b1) + _split(sums2, has_b2)
         else:
-            W1, b1, W2, b2 = _step((W1, b1, W2, b2), sums, tau[:, -1])
+            W1, W2 = W1 - tau_b * sums1, W2 - tau_b * sums2
     X2, Xbar2, G2 = (torch.stack(x, dim=2) for x in (X2s, Xbar2s, G2s))  # [B, H, N, b, *]
-    A2 = Xbar2 @ X2.transpose(-1, -2)
-    M2 = E * (A2 + 1.0 if b2_start else A2)
-    Zbar2 = torch.stack(zq2, dim=2) - M2 @ G2
-    if b2_start:
-        Zbar2 = Zbar2 + torch.stack(b2_start, dim=2).unsqueeze(-2)
+    Zbar2 = torch.stack(zq2, dim=2) - (E * (Xbar2 @ X2.transpose(-1, -2))) @ G2
     out = Zbar2 if ln_weight is None else layer_norm(Zbar2, ln_weight, ln_bias)
     if residual:
         out = out + Q
-    return from_minibatches(out, p, T), Carry((W1, b1, W2, b2), grads, tail)
+    return from_minibatches(out, p, T), Carry(
+        _split(W1, has_b1) + _split(W2, has_b2), grads, tail)

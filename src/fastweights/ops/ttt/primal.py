@@ -13,7 +13,14 @@ from __future__ import annotations
 import torch
 
 from .common import (
-    Carry, Weights, from_minibatches, gelu, gelu_grad, layer_norm, loss_grad, to_minibatches,
+    Carry,
+    Weights,
+    from_minibatches,
+    gelu,
+    gelu_grad,
+    layer_norm,
+    loss_grad,
+    to_minibatches,
 )
 
 

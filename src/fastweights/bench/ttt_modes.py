@@ -1,0 +1,133 @@
+"""CPU time of the TTT dual form against the vectorised primal form (SPEC.md 2.4, 2.9 (a)).
+
+``python -m fastweights.bench.ttt_modes`` times ``ttt_linear`` and ``ttt_mlp`` in both modes at
+B1 H4 T2048 d64, mini-batch 16, float32 (the defaults), forward alone and forward + backward, all
+in this one process: one warm-up call per case, then the median of ``--repeats`` calls. It also
+reports the float64 max disagreement between the two modes on a shorter sequence. Prints a table;
+``--json PATH`` also writes the numbers. On a machine shared with other jobs, run it with
+``OMP_WAIT_POLICY=passive``: spinning OpenMP workers that lose their core turn every small op of
+the dual form's sequential loop into a wait for the scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..ops import ttt_linear, ttt_mlp
+
+OPS: dict[str, Callable] = {"ttt_linear": ttt_linear, "ttt_mlp": ttt_mlp}
+
+
+def make_inputs(
+    kind: str, B: int, T: int, H: int, d: int, dtype: torch.dtype, seed: int = 0,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+    """Random q, k, v [B, T, H, d], eta [B, T, H], inner weights (batch 1) and LayerNorm [H, d],
+    scaled as the layer's initialisation would give them (SPEC 2.6)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (std * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+
+    if kind == "ttt_linear":
+        state = (rnd(1, H, d, d, std=0.02), torch.zeros(1, H, d, dtype=dtype))
+    else:
+        state = (rnd(1, H, d, 4 * d, std=0.02), torch.zeros(1, H, 4 * d, dtype=dtype),
+                 rnd(1, H, 4 * d, d, std=0.02), torch.zeros(1, H, d, dtype=dtype))
+    return {
+        "q": rnd(B, T, H, d), "k": rnd(B, T, H, d), "v": rnd(B, T, H, d),
+        "eta": torch.full((B, T, H), 0.5 / d, dtype=dtype),  # eta_base sigmoid(0) / d
+        "initial_state": state, "ln_weight": torch.ones(H, d, dtype=dtype),
+        "ln_bias": torch.zeros(H, d, dtype=dtype),
+    }
+
+
+def _leaves(inputs: dict) -> list[torch.Tensor]:
+    return [inputs[n] for n in ("q", "k", "v", "eta", "ln_weight", "ln_bias")] + [
+        w for w in inputs["initial_state"] if w is not None]
+
+
+def time_mode(
+    kind: str, mode: str, inputs: dict, mini_batch_size: int, backward: bool, repeats: int,
+) -> float:
+    """Median seconds of one forward (and backward) call, after one warm-up call."""
+    op = OPS[kind]
+    for x in _leaves(inputs):
+        x.requires_grad_(backward)
+
+    def call() -> None:
+        o, _ = op(inputs["q"], inputs["k"], inputs["v"], inputs["eta"],
+                  initial_state=inputs["initial_state"], ln_weight=inputs["ln_weight"],
+                  ln_bias=inputs["ln_bias"], residual=True, mini_batch_size=mini_batch_size,
+                  mode=mode)
+        if backward:
+            o.sum().backward()
+
+    call()
+    times = []
+    for _ in range(repeats):
+        for x in _leaves(inputs):
+            x.grad = None
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def max_disagreement(kind: str, B: int, T: int, H: int, d: int, mini_batch_size: int) -> float:
+    """float64 max |dual - primal| of the outputs."""
+    inputs = make_inputs(kind, B, T, H, d, torch.float64, seed=1)
+    outs = [
+        OPS[kind](inputs["q"], inputs["k"], inputs["v"], inputs["eta"],
+                  initial_state=inputs["initial_state"], ln_weight=inputs["ln_weight"],
+                  ln_bias=inputs["ln_bias"], residual=True, mini_batch_size=mini_batch_size,
+                  mode=mode)[0]
+        for mode in ("dual", "primal")
+    ]
+    return (outs[0] - outs[1]).abs().max().item()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m fastweights.bench.ttt_modes", description=__doc__)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--mini-batch-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
+    parser.add_argument("--json", type=str, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    B, T, H, d, b = args.batch, args.seq_len, args.heads, args.head_dim, args.mini_batch_size
+    print(f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, float32, "
+          f"B{B} H{H} T{T} d{d} mini-batch {b}, median of {args.repeats} after 1 warm-up")
+    results: dict = {"config": {"B": B, "T": T, "H": H, "d": d, "mini_batch_size": b,
+                                "threads": torch.get_num_threads(), "torch": torch.__version__}}
+    for kind in args.ops:
+        inputs = make_inputs(kind, B, T, H, d, torch.float32)
+        row: dict = {}
+        for what, backward in (("forward", False), ("forward+backward", True)):
+            secs = {m: time_mode(kind, m, inputs, b, backward, args.repeats) for m in ("dual", "primal")}
+            row[what] = {**secs, "speedup": secs["primal"] / secs["dual"]}
+            print(f"{kind:10s} {what:17s} dual {1e3 * secs['dual']:8.1f} ms   primal "
+                  f"{1e3 * secs['primal']:8.1f} ms   primal/dual {row[what]['speedup']:5.2f}x")
+        row["float64_max_abs_dual_minus_primal_T256"] = max_disagreement(kind, B, 256, H, d, b)
+        print(f"{kind:10s} float64 max |dual - primal| (T=256): "
+              f"{row['float64_max_abs_dual_minus_primal_T256']:.2e}")
+        results[kind] = row
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
