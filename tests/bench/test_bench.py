@@ -97,3 +97,16 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, bad, word):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and word in err
     assert not out.exists()
+
+
+def test_over_budget_lengths_are_skipped_with_reason(tmp_path):
+    out = tmp_path / "res"
+    args = [*QUICK, "--mixers", "linear", "--passes", "fwd", "--lengths", "8,64,512",
+            "--time-budget", "1e-7", "--out", str(out)]
+    assert main(args) == 0
+    with open(out / "results.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["target"] == "linear"]
+    assert [r["T"] for r in rows] == ["8", "64", "512"]
+    assert rows[0]["status"] == "ok"  # the smallest length always runs
+    assert all(r["status"].startswith("skipped: predicted") for r in rows[1:])
+    assert "skipped: predicted" in (out / "results.md").read_text()

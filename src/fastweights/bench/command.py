@@ -208,8 +208,9 @@ def method_notes(opts: BenchOptions, memory_ok: bool) -> str:
     mem = ("CUDA allocator peak (torch.cuda.max_memory_allocated) minus the memory allocated "
            "before the call" if opts.setting.device.type == "cuda" else
            "resident-set high-water mark: VmHWM after the call minus VmRSS before it, the mark "
-           "reset through /proc/self/clear_refs, with glibc's mmap threshold fixed at 64 KiB "
-           "(mallopt) so that freed tensors leave the resident set")
+           "reset through /proc/self/clear_refs, on a separate untimed call during which "
+           "glibc's mmap threshold is 64 KiB (mallopt, after malloc_trim) so that every tensor "
+           "is fresh memory; timed calls run with normal heap reuse (threshold 32 MiB)")
     if not memory_ok:
         mem = "not measurable on this platform (reported as missing)"
     return "\n".join([
@@ -222,7 +223,7 @@ def method_notes(opts: BenchOptions, memory_ok: bool) -> str:
         "- time: one warm-up call, then the median of up to `--repeats` timed calls (fewer when "
         "the time budget would be exceeded; the CSV's `repeats` says how many), "
         "time.perf_counter with device synchronisation.",
-        f"- peak memory: {mem}; measured on the first timed call. It includes the outputs and, "
+        f"- peak memory: {mem}. It includes the outputs and, "
         "for fwdbwd, the activations saved for backward and the gradients.",
         "- FLOPs: torch.utils.flop_counter.FlopCounterMode on one more call; counts only "
         "matrix-multiply-type ops (mm, bmm, addmm, baddbmm, convolution, scaled-dot-product "

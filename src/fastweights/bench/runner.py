@@ -7,8 +7,8 @@ known). A config is skipped, with the reason recorded, when two calls are predic
 time budget or its peak memory to exceed half of the memory available when the run started;
 after a failure (e.g. out of memory) the larger lengths of that target and pass are skipped.
 A measured config runs one warm-up call, then ``n`` timed calls where
-``n = clamp((budget - 2 t_warm) / t_warm, 1, repeats)``, the first of them inside the peak-memory
-probe, then one FLOP-counting call (see ``measure``).
+``n = clamp((budget - 3 t_warm) / t_warm, 1, repeats)``, then one untimed peak-memory call and
+one FLOP-counting call (see ``measure``).
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def _measure(row: Row, call: Callable[[], Any], tokens: int, per_call: int, budg
     """Fill ``row`` by timing ``call`` (which produces ``per_call`` units: 1 forward pass or
     ``decode_steps`` tokens)."""
     t_warm = time_call(call, device)
-    n = max(1, min(repeats, int((budget - 2 * t_warm) / max(t_warm, 1e-9))))
-    with PeakMemory(device, enabled=memory) as peak:
-        times = [time_call(call, device)]
-    times += [time_call(call, device) for _ in range(n - 1)]
+    n = max(1, min(repeats, int((budget - 3 * t_warm) / max(t_warm, 1e-9))))
+    times = [time_call(call, device) for _ in range(n)]
+    with PeakMemory(device, enabled=memory) as peak:  # untimed: see measure's notes
+        call()
     flops = count_flops(call)
     median = statistics.median(times)
     row.repeats = n
@@ -177,7 +177,8 @@ def run_targets(targets: list[Target], lengths: list[int], passes: list[str], se
                          setting.device, memory)
             else:
                 _compile_row(row, work, T, budget, repeats, setting)
-        except RuntimeError as err:  # out of memory and kernel errors: record, go on with the rest
+        except Exception as err:  # noqa: BLE001  out of memory, a kernel or layer error: one
+            # config's failure is a result to record; the rest of the run goes on
             row.status = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             failed[key] = T
             work_cache.clear()
