@@ -9,17 +9,31 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 
 class UserError(Exception):
     """A mistake in the user's input: reported as one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (bad int, unknown choice) become a UserError too, so they are one
+    line on stderr and exit code 2 rather than the usage block and SystemExit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
 def _cmd_mixers(args: argparse.Namespace) -> int:
     from .models.registry import build_mixer, mixer_names, mixer_options
 
+    if args.seq_len < 1:
+        raise UserError(f"--seq-len must be >= 1, got {args.seq_len}")
     for name in mixer_names():
-        layer = build_mixer(name, args.d_model, args.n_heads)
+        try:
+            layer = build_mixer(name, args.d_model, args.n_heads)
+        except (TypeError, ValueError) as err:
+            raise UserError(f"--d-model/--n-heads: {err}") from None
         opts = ", ".join(f"{k}={v!r}" for k, v in mixer_options(name).items())
         print(f"{name:<11} state floats/seq {layer.state_size(args.seq_len):>9}  options: {opts}")
     return 0
@@ -166,7 +180,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fastweights", description="Linear-complexity sequence mixers: experiments and tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in COMMANDS:
@@ -176,7 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UserError as err:
+        print(f"fastweights: error: {err}", file=sys.stderr)
+        return 2
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -104,6 +104,14 @@ class LinearAttention(Mixer):
         q, k = self._phi(q), self._phi(k)
         opts = dict(output_final_state=True, mode=self.mode, chunk_size=self.chunk_size)
         if self.update == "delta":
+            # The delta rule's state is the 1-tuple (S,): reject other layers' states (a
+            # NormAttention (S, position) pair would otherwise pass the shape check on S).
+            if state is not None and not (isinstance(state, tuple) and len(state) == 1):
+                raise TypeError(
+                    "state must be None or the (S [B, H, Dk, Dv],) tuple this delta-rule layer "
+                    f"returned, got {type(state).__name__}"
+                    + (f" of length {len(state)}" if isinstance(state, tuple) else "")
+                )
             beta = torch.sigmoid(proj[..., 3 * D])
             o, S = delta_rule(q, k, v, beta, initial_state=None if state is None else state[0], **opts)
             new_state: State = (S,)

@@ -12,6 +12,8 @@ def rotary_inv_freq(dim: int, base: float = 10000.0, dtype: torch.dtype = torch.
     """theta_i = base^(-2i/dim), i = 0..dim/2-1. Returns [dim // 2]."""
     if dim % 2:
         raise ValueError(f"rotary positions need an even head dim, got {dim}")
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < float("inf"):
+        raise ValueError(f"rope_base (the rotary base) must be a finite number > 0, got {base!r}")
     return base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim).to(dtype)
 
 

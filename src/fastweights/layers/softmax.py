@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_bool, check_layer_input
+from .._checks import check_bool, check_layer_input, check_state_tensor
 from ..ops.softmax import softmax_attention
 from .base import Mixer, State, merge_heads, split_heads
 from .positional import apply_rotary, rotary_inv_freq
@@ -28,6 +28,8 @@ class SoftmaxAttention(Mixer):
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
+        if state is not None:
+            self._check_state(state, x)
         q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)
         past = 0 if state is None else state[0].shape[1]
         if self.rope:
@@ -38,6 +40,20 @@ class SoftmaxAttention(Mixer):
             v = torch.cat([state[1].to(v.dtype), v], dim=1)
         o = softmax_attention(q, k, v, causal=True)
         return self.out(merge_heads(o)), (k, v)
+
+    def _check_state(self, state: State, x: torch.Tensor) -> None:
+        """``state`` is the ``(k_cache, v_cache)`` pair a previous call returned for this batch."""
+        if not (isinstance(state, tuple) and len(state) == 2
+                and all(isinstance(s, torch.Tensor) for s in state)):
+            raise TypeError(
+                "state must be None or the (k_cache [B, t, H, D], v_cache [B, t, H, D]) tuple "
+                f"SoftmaxAttention returned, got {type(state).__name__}"
+                + (f" of length {len(state)}" if isinstance(state, tuple) else "")
+            )
+        expected = [x.shape[0], state[0].shape[1] if state[0].dim() == 4 else None,
+                    self.n_heads, self.head_dim]
+        for name, s in zip(("state[0] (k_cache)", "state[1] (v_cache)"), state):
+            check_state_tensor(name, s, expected, "[B, t, H, D]", x)
 
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.n_heads * self.head_dim * seq_len
