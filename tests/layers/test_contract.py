@@ -144,3 +144,19 @@ def test_unknown_name_and_option():
         build_mixer("not-a-mixer", 16, 2)
     with pytest.raises(ValueError, match="unknown option"):
         build_mixer("linear", 16, 2, colour="red")
+
+
+def test_packed_documents_equal_separate(name):
+    layer = make(name)
+    x = inputs(1)
+    cu = torch.tensor([0, 4, 5, T])
+    y, states = layer(x, cu_seqlens=cu)
+    assert isinstance(states, list) and len(states) == 3
+    for (a, b), state in zip([(0, 4), (4, 5), (5, T)], states):
+        y_doc, _ = layer(x[:, a:b])
+        assert_close64(y[:, a:b], y_doc, atol=1e-9, what=name)
+    # Continuing every document from its own state equals continuing it alone.
+    nxt = torch.randn(1, 3, D_MODEL, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    y2, _ = layer(nxt, states[:1] + states[1:2], cu_seqlens=torch.tensor([0, 2, 3]))
+    assert_close64(y2[:, :2], layer(nxt[:, :2], states[0])[0], atol=1e-9, what=name)
+    assert_close64(y2[:, 2:], layer(nxt[:, 2:], states[1])[0], atol=1e-9, what=name)

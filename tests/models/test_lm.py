@@ -152,3 +152,21 @@ def test_from_pretrained_rejects_missing_and_corrupt(tmp_path):
     (tmp_path / "bad" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read model config"):
         LanguageModel.from_pretrained(tmp_path / "bad")
+
+
+def test_packed_forward_equals_documents_one_by_one():
+    import torch as _torch
+
+    from fastweights.models import LMConfig as _Cfg
+    from fastweights.models import LanguageModel as _LM
+
+    _torch.manual_seed(0)
+    model = _LM(_Cfg(vocab_size=50, d_model=16, n_layers=2, n_heads=2,
+                     mixer=["delta", "softmax"])).double().eval()
+    ids = _torch.randint(0, 50, (1, 11))
+    cu = _torch.tensor([0, 3, 4, 11])
+    logits, state = model(ids, cu_seqlens=cu)
+    assert len(state) == 2 and all(len(s) == 3 for s in state)
+    for a, b in [(0, 3), (3, 4), (4, 11)]:
+        ref, _ = model(ids[:, a:b])
+        assert (logits[:, a:b] - ref).abs().max().item() < 1e-10

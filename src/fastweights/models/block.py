@@ -65,8 +65,9 @@ class Block(nn.Module):
             "none": lambda: None,
         }[config.ffn]()
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        y, state = self.mixer(self.norm1(x), state)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        y, state = self.mixer(self.norm1(x), state, cu_seqlens=cu_seqlens)
         x = x + self.drop(y)
         if self.ffn is not None:
             x = x + self.drop(self.ffn(self.norm2(x)))

@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from ..ops._varlen import check_cu_seqlens
 from .block import Block, make_norm
 from .config import LMConfig
 
@@ -73,10 +74,20 @@ class LanguageModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, state: LMState | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LMState]:
+        """Logits for ``input_ids`` [B, T]; see the class docstring. With ``cu_seqlens``
+        ([N + 1] boundaries of documents packed in a batch of one) every layer resets its state
+        at each boundary, and each layer's state is a list with one state per document."""
         self._check_ids(input_ids)
-        if state is None:
+        if cu_seqlens is not None:
+            bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0],
+                                      input_ids.device)
+            if state is None:
+                self._check_length(max(b - a for a, b in zip(bounds, bounds[1:])))
+        elif state is None:
             self._check_length(input_ids.shape[1])
+        if state is None:
             state = [None] * len(self.blocks)
         elif not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
             raise ValueError(
@@ -87,7 +98,7 @@ class LanguageModel(nn.Module):
         x = self.drop(self.embed(input_ids))  # [B, T, d]
         new_state: LMState = []
         for block, s in zip(self.blocks, state):
-            x, s = block(x, s)
+            x, s = block(x, s, cu_seqlens=cu_seqlens)
             new_state.append(s)
         return self.head(self.norm(x)), new_state  # [B, T, V]
 

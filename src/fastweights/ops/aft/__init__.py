@@ -34,6 +34,7 @@ from ..._checks import (
     check_bool, check_mode, check_positive_int, check_same_dtype_device, check_shape,
     check_state_tensor, check_tensor, state_dtype,
 )
+from .._varlen import run_packed
 from .chunk import (
     banded_bidirectional, banded_causal, full_rows, simple_bidirectional, simple_causal,
 )
@@ -256,7 +257,7 @@ def aft_conv(
 def aft_simple_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    output_final_state: bool = False, mode: str = "chunk",
+    output_final_state: bool = False, mode: str = "chunk", cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """Causal AFT-simple with a carried state (SPEC 4.3).
 
@@ -264,9 +265,14 @@ def aft_simple_stream(
     sum e^K V) and e^a m (denominator sum e^K); a is a stabilising reference (the running key
     maximum in ``"recurrent"`` mode, the log-sum-exp with m = 1 in ``"chunk"`` mode).
     Returns (o [B, T, D] in q's dtype, state in float32/float64 or None).
+    ``cu_seqlens`` [N + 1]: packed documents in a batch of one, the state reset at each boundary;
+    initial/final states are then lists with one state per document (ops/_varlen.py).
     """
     B, _, D = _check_btd(q, k, v)
     _check_stream_flags(output_final_state, mode)
+    if cu_seqlens is not None:
+        return run_packed(aft_simple_stream, (q, k, v), cu_seqlens, initial_state,
+                          output_final_state, mode=mode)
     prefix = None
     if initial_state is not None:
         a, n, m = _check_state(initial_state, [("a", (B, D), "[B, D]"), ("n", (B, D), "[B, D]"),
@@ -282,7 +288,7 @@ def aft_simple_stream(
 def aft_local_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, window: int,
     initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
-    chunk_size: int = 64,
+    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple | None]:
     """Causal AFT-local with a carried state (SPEC 4.3), for decoding and pieces == whole.
 
@@ -294,10 +300,23 @@ def aft_local_stream(
     tokens that have left the window (bias 0), the caches hold the last c = min(p, s - 1) tokens
     and p is the absolute position of the next token (a Python int).
     Returns (o [B, T, D] in q's dtype, state in float32/float64 or None).
+    ``cu_seqlens``: packed documents in a batch of one, as in ``aft_simple_stream``; the rows of
+    ``w`` stay aligned with the packed tokens (each document's rows are its own window biases,
+    positions counted from the document's start).
     """
     B, T, D = _check_btd(q, k, v)
     check_positive_int("window", window)
     _check_stream_flags(output_final_state, mode, chunk_size)
+    if cu_seqlens is not None:
+        check_tensor("w", w, 2, "[T, window]")
+        check_shape("w", w, (T, window), "[T, window]")
+
+        def one_document(q, k, v, w_t, **kw):
+            return aft_local_stream(q, k, v, w_t[0], window=window, mode=mode,
+                                    chunk_size=chunk_size, **kw)
+
+        return run_packed(one_document, (q, k, v, w.unsqueeze(0)), cu_seqlens, initial_state,
+                          output_final_state)
     pos, state = 0, None
     if initial_state is not None:
         _check_state_tuple(initial_state, ["a", "n", "m", "k_cache", "v_cache", "pos"])
@@ -326,7 +345,7 @@ def aft_local_stream(
 def aft_conv_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *,
     initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
-    chunk_size: int = 64,
+    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple | None]:
     """Causal AFT-conv with a carried state (the streaming form of ``aft_conv``, causal=True).
 
@@ -335,10 +354,14 @@ def aft_conv_stream(
     c = min(tokens seen, s - 1): the prefix that has left the kernel and the last c tokens; no
     position is needed since the bias depends on offsets only.
     Returns (o [B, T, H, Dh] in q's dtype, state in float32/float64 or None).
+    ``cu_seqlens``: packed documents in a batch of one, as in ``aft_simple_stream``.
     """
     B, _, H, Dh = _check_conv_qkv(q, k, v)
     s = _check_kernel(w, H, q)
     _check_stream_flags(output_final_state, mode, chunk_size)
+    if cu_seqlens is not None:
+        return run_packed(aft_conv_stream, (q, k, v), cu_seqlens, initial_state,
+                          output_final_state, w=w, mode=mode, chunk_size=chunk_size)
     state = None
     if initial_state is not None:
         _check_state_tuple(initial_state, ["a", "n", "m", "k_cache", "v_cache"])

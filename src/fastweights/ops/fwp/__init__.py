@@ -13,6 +13,7 @@ from ..._checks import (
     check_bool, check_finite_float, check_mode, check_nonneg_float, check_positive_int, check_qkv,
     check_shape, check_state_tensor, check_tensor, state_dtype,
 )
+from .._varlen import run_packed
 from .chunk import delta_rule_chunk, linear_attn_chunk
 from .feature_maps import (
     draw_favor_projection, dpfp, elu_plus_one, favor_features, relu, sum_norm,
@@ -33,6 +34,7 @@ def linear_attn(
     eps: float = 1e-6, scale: float = 1.0,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Causal linear attention / sum-rule fast weights (SPEC 1.3).
 
@@ -40,6 +42,8 @@ def linear_attn(
     State (S [B, H, Dk, Dv], z [B, H, Dk]): S_t = S_{t-1} + k_t^T v_t, z_t = z_{t-1} + k_t.
     o_t = (scale q_t) S_t, divided by ((scale q_t) . z_t + eps) when ``normalize``.
     Returns (o [B, T, H, Dv] in q's dtype, (S, z) in float32/float64 or None).
+    ``cu_seqlens`` [N + 1]: packed documents in a batch of one, state reset at each boundary;
+    initial/final states are then lists with one state per document (see ops/_varlen.py).
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_bool("normalize", normalize)
@@ -48,6 +52,9 @@ def linear_attn(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
+    if cu_seqlens is not None:
+        return run_packed(linear_attn, (q, k, v), cu_seqlens, initial_state, output_final_state,
+                          normalize=normalize, eps=eps, scale=scale, mode=mode, chunk_size=chunk_size)
     cdtype = state_dtype(q.dtype)
     if initial_state is None:
         S0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)
@@ -72,7 +79,7 @@ def linear_attn(
 def delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, scale: float = 1.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-    mode: str = "chunk", chunk_size: int = 64,
+    mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Delta-rule fast weights, read after write (SPEC 1.4).
 
@@ -80,6 +87,7 @@ def delta_rule(
     beta: [B, T, H] write strengths. S_t = S_{t-1} + k_t^T beta_t (v_t - k_t S_{t-1});
     o_t = (scale q_t) S_t. State S [B, H, Dk, Dv].
     Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
+    ``cu_seqlens`` [N + 1]: packed documents in a batch of one (see linear_attn).
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_tensor("beta", beta)
@@ -90,6 +98,9 @@ def delta_rule(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
+    if cu_seqlens is not None:
+        return run_packed(delta_rule, (q, k, v, beta), cu_seqlens, initial_state,
+                          output_final_state, scale=scale, mode=mode, chunk_size=chunk_size)
     cdtype = state_dtype(q.dtype)
     if initial_state is None:
         S0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)

@@ -16,6 +16,7 @@ from ..._checks import (
     check_bool, check_choice, check_finite_float, check_mode, check_positive_int, check_qkv,
     check_shape, check_state_tensor, check_tensor, state_dtype,
 )
+from .._varlen import run_packed
 from .chunk import block_attention_chunk, decay_linear_attn_chunk
 from .naive import decay_linear_attn_naive
 from .norm import srms_norm
@@ -30,7 +31,7 @@ KERNELS = ("softmax", "relu")
 def decay_linear_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, *, scale: float = 1.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-    mode: str = "chunk", chunk_size: int = 64,
+    mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention with a per-head decay, no denominator (SPEC 3.5).
 
@@ -38,6 +39,8 @@ def decay_linear_attn(
     (lambda = 1 is plain un-normalised linear attention). S_t = lambda_h S_{t-1} + k_t^T v_t,
     o_t = (scale q_t) S_t. State S [B, H, Dk, Dv]. Differentiable in q, k, v, decay and the state.
     Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
+    ``cu_seqlens`` [N + 1]: packed documents in a batch of one, the state reset at each boundary;
+    initial/final states are then lists with one state per document (ops/_varlen.py).
     """
     B, _, H, Dk, Dv = check_qkv(q, k, v)
     check_tensor("decay", decay, 1, "[H]")
@@ -54,6 +57,10 @@ def decay_linear_attn(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
+    if cu_seqlens is not None:
+        return run_packed(decay_linear_attn, (q, k, v), cu_seqlens, initial_state,
+                          output_final_state, decay=decay, scale=scale, mode=mode,
+                          chunk_size=chunk_size)
     cdtype = state_dtype(q.dtype)
     if initial_state is None:
         S0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)

@@ -28,6 +28,7 @@ from ..._checks import (
     check_tensor,
     state_dtype,
 )
+from .._varlen import check_cu_seqlens, run_packed
 from .common import Carry, current_weights
 from .dual import ttt_linear_dual, ttt_mlp_dual
 from .naive import linear_f_res, mlp_f_res, ttt_naive
@@ -127,7 +128,7 @@ def _ttt(
     kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor,
     initial_state: Sequence[Any], ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
     residual: bool, mini_batch_size: int, token_scale: torch.Tensor | None,
-    output_final_state: bool, mode: str,
+    output_final_state: bool, mode: str, cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_tensor("eta", eta)
@@ -159,6 +160,18 @@ def _ttt(
         if token_scale.device != q.device:
             raise ValueError(
                 f"token_scale is on device {token_scale.device} but q is on {q.device}; they must match")
+    if cu_seqlens is not None:
+        n_docs = len(check_cu_seqlens(cu_seqlens, T, B, q.device)) - 1
+        if not isinstance(initial_state, list):
+            # One start state (the learned initial weights, batch 1) shared by every document.
+            initial_state = [initial_state] * n_docs
+
+        def one_document(q, k, v, eta, *, initial_state, output_final_state):
+            return _ttt(kind, q, k, v, eta, initial_state, ln_weight, ln_bias, residual,
+                        mini_batch_size, token_scale, output_final_state, mode)
+
+        return run_packed(one_document, (q, k, v, eta), cu_seqlens, initial_state,
+                          output_final_state)
     carry = _parse_state(initial_state, kind, B, H, Dk, Dv, b, q)
 
     cdtype = state_dtype(q.dtype)
@@ -181,6 +194,7 @@ def ttt_linear(
     initial_state: Sequence[Any], ln_weight: torch.Tensor | None = None,
     ln_bias: torch.Tensor | None = None, residual: bool = False, mini_batch_size: int = 16,
     token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
     """TTT-Linear (SPEC 2.2-2.4): inner model f_res(z) = z W + b per head.
 
@@ -201,9 +215,12 @@ def ttt_linear(
     current weights W = W_0 - tau_pos S_W, the mini-batch's start weights, the sums
     S = sum_j eta_j grad_j(W_0) so far and the int pos; feeding it back continues the mini-batch
     exactly (its leading W, b are then ignored, being implied by the rest).
+    cu_seqlens: [N + 1] boundaries of documents packed in a batch of one; each document starts
+    from ``initial_state`` (one state shared by all, batch 1) or from its own entry of a list of
+    N states, and the final state is a list with one state per document (ops/_varlen.py).
     """
     return _ttt("linear", q, k, v, eta, initial_state, ln_weight, ln_bias, residual,
-                mini_batch_size, token_scale, output_final_state, mode)
+                mini_batch_size, token_scale, output_final_state, mode, cu_seqlens)
 
 
 def ttt_mlp(
@@ -211,6 +228,7 @@ def ttt_mlp(
     initial_state: Sequence[Any], ln_weight: torch.Tensor | None = None,
     ln_bias: torch.Tensor | None = None, residual: bool = False, mini_batch_size: int = 16,
     token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
     """TTT-MLP (SPEC 2.2-2.4): inner model f_res(z) = gelu_tanh(z W1 + b1) W2 + b2 per head,
     hidden size 4 Dk.
@@ -221,4 +239,4 @@ def ttt_mlp(
     Every other argument, the output and the state semantics are as in ``ttt_linear``.
     """
     return _ttt("mlp", q, k, v, eta, initial_state, ln_weight, ln_bias, residual,
-                mini_batch_size, token_scale, output_final_state, mode)
+                mini_batch_size, token_scale, output_final_state, mode, cu_seqlens)
