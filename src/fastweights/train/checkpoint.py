@@ -1,29 +1,51 @@
-"""Training checkpoints, written atomically.
+"""Training checkpoints: written atomically, verified on load.
 
 A run folder holds ``checkpoints/step-NNNNNNN/`` folders (``config.json``, ``model.safetensors``,
-``optimizer.pt``, ``trainer_state.json``) and ``checkpoints/latest``, a one-line text file naming
-the newest complete one. A checkpoint is written into a temporary folder next to its final
-place, every file and the folder are fsync'ed, and only then is the folder renamed and
-``latest`` replaced (``os.replace`` of a fsync'ed temporary file). A crash at any moment leaves
-``latest`` naming a complete checkpoint (or no ``latest`` before the first save).
+``optimizer.pt``, ``trainer_state.json`` and, written last, ``manifest.json`` with the size and
+SHA-256 of every other file) and ``checkpoints/latest``, a one-line text file naming the newest
+complete one. A checkpoint is written into a temporary folder next to its final place, every
+file and the folder are fsync'ed, and only then is the folder renamed and ``latest`` replaced
+(``os.replace`` of a fsync'ed temporary file). A crash at any moment (SIGKILL included) leaves
+``latest`` naming a complete checkpoint (or no ``latest`` before the first save); a failed write
+(disk full) removes its temporary folder, leaves the previous checkpoint as it was and raises
+``CheckpointWriteError``. Loading re-reads every file against the manifest, so a truncated or
+corrupted file is reported by name instead of being half-loaded. Every checkpoint is kept (no
+pruning), which lets a resumed run fall back to an older one when the newest is damaged
+(``resume_point``).
+
+Test hook: the environment variable ``FASTWEIGHTS_TEST_SLOW_SAVE=<seconds>`` sleeps that long
+before every file of a save and before the ``latest`` update, so that a test can SIGKILL a
+training process while it is saving, deterministically. It changes nothing else.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from ..models import LanguageModel
 from ..models.lm import CONFIG_FILE, WEIGHTS_FILE
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
 LATEST = "latest"
+SLOW_SAVE_ENV = "FASTWEIGHTS_TEST_SLOW_SAVE"
+_STEP_DIR = re.compile(r"step-(\d{7,})")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permissions); ``errno`` is the cause's.
+    The previous checkpoint and ``latest`` are left as they were."""
 
 
 def _fsync(path: Path) -> None:
@@ -34,61 +56,230 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _pause() -> None:
+    """The FASTWEIGHTS_TEST_SLOW_SAVE test hook (see the module docstring)."""
+    delay = os.environ.get(SLOW_SAVE_ENV)
+    if delay:
+        time.sleep(float(delay))
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Replace ``path`` by ``data`` all at once: a reader (or a crash) sees the old content or the
+    new, never a truncated file. Used for ``latest``, ``run.json`` and rewritten metrics."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        _write_bytes(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync(path.parent)
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, SHA-256 hex digest) of a file, read in 1 MiB blocks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+def _nonfinite_tensor(model: torch.nn.Module) -> str | None:
+    """Name of the first floating parameter or buffer holding NaN or inf, else None."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Delete ``.tmp-step-*-PID`` folders left by killed processes (PID no longer running), so
+    that repeated crashes do not fill the disk. Folders of live processes are left alone."""
+    for tmp in root.glob(".tmp-step-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, owned by someone else
+            pass
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: LanguageModel,
                     optimizer_state: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
     """Write checkpoint ``step`` under ``run_dir/checkpoints`` and point ``latest`` at it.
-    ``trainer_state`` must be JSON-serialisable (RNG states are stored in ``optimizer.pt``)."""
+
+    ``trainer_state`` must be JSON-serialisable (RNG states are stored in ``optimizer.pt``).
+    Weights holding NaN or inf are refused (ValueError) and nothing is written, so ``latest``
+    keeps naming the last good checkpoint. A write failure (disk full, ...) removes the partial
+    temporary folder and raises ``CheckpointWriteError`` naming the checkpoint; the previous
+    checkpoint and ``latest`` are untouched. A step folder that already exists and verifies is
+    reused as is (a resumed run saving the same step again holds the same content); one that
+    does not verify is replaced.
+    """
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:07d}"
+    bad = _nonfinite_tensor(model)
+    if bad is not None:
+        raise ValueError(f"refusing to save checkpoint {name}: the model's {bad} holds NaN or inf "
+                         f"(the previous checkpoint in {root} is kept)")
     final = root / name
-    if not final.is_dir():  # the same step saved again (after a resume) holds the same content
-        tmp = root / f".tmp-{name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        model.save_pretrained(tmp)
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
-        for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
-        os.rename(tmp, final)
-        _fsync(root)
-    pointer = root / f".{LATEST}.tmp"
-    with open(pointer, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, root / LATEST)
-    _fsync(root)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(root)
+        if final.is_dir() and checkpoint_problem(final) is not None:
+            shutil.rmtree(final)
+        if not final.is_dir():
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            _pause()
+            model.save_pretrained(tmp)
+            _pause()
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+            _pause()
+            _write_bytes(tmp / STATE_FILE, (json.dumps(trainer_state, indent=2) + "\n").encode())
+            for f in tmp.iterdir():
+                _fsync(f)
+            files = {}
+            for f in checkpoint_files():
+                if f != MANIFEST_FILE:
+                    size, sha = _digest(tmp / f)
+                    files[f] = {"size": size, "sha256": sha}
+            _pause()
+            _write_bytes(tmp / MANIFEST_FILE,
+                         (json.dumps({"format": 1, "files": files}, indent=2) + "\n").encode())
+            _fsync(tmp)
+            os.rename(tmp, final)
+            _fsync(root)
+        _pause()
+        write_atomic(root / LATEST, (name + "\n").encode())
+    except (OSError, RuntimeError, SafetensorError) as err:  # torch.save reports I/O as RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        previous = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+        kept = f"latest still names {previous}" if previous else "no checkpoint was saved before"
+        failure = CheckpointWriteError(f"cannot write checkpoint {name} in {root}: {cause}; {kept}")
+        failure.errno = getattr(err, "errno", None)
+        raise failure from err
     return final
 
 
+def checkpoint_problem(ckpt: str | Path) -> str | None:
+    """What is wrong with training checkpoint folder ``ckpt`` (missing, truncated or corrupted
+    file, named with its path), checked against ``manifest.json``; None when it is complete."""
+    ckpt = Path(ckpt)
+    manifest = ckpt / MANIFEST_FILE
+    if not manifest.is_file():
+        return f"{ckpt} is incomplete: it has no {MANIFEST_FILE}"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        listed = {name: (int(meta["size"]), str(meta["sha256"])) for name, meta in files.items()}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{manifest} is corrupt ({type(err).__name__}: {err})"
+    unlisted = sorted(set(checkpoint_files()) - {MANIFEST_FILE} - set(listed))
+    if unlisted:
+        return f"{manifest} is corrupt: it does not list {', '.join(unlisted)}"
+    for name, (size, sha) in listed.items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{path} is missing (listed in {MANIFEST_FILE})"
+        actual_size, actual_sha = _digest(path)
+        if actual_size != size:
+            return f"{path} is truncated or altered: {actual_size} bytes, {MANIFEST_FILE} says {size}"
+        if actual_sha != sha:
+            return f"{path} is corrupted: its SHA-256 differs from the one in {MANIFEST_FILE}"
+    return None
+
+
+def _verified(ckpt: Path) -> Path:
+    """``ckpt`` after checking a training checkpoint against its manifest (ValueError naming the
+    bad file). A model-only folder (``save_pretrained``, no trainer state) has no manifest."""
+    if (ckpt / MANIFEST_FILE).exists() or (ckpt / STATE_FILE).exists():
+        problem = checkpoint_problem(ckpt)
+        if problem is not None:
+            raise ValueError(f"checkpoint {problem}")
+    return ckpt
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder whose ``checkpoints/latest`` names one.
-    Raises ValueError when neither is found."""
+    """A checkpoint folder, or a run folder whose ``checkpoints/latest`` names one, verified
+    against its manifest. Raises ValueError naming the problem (and the bad file)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
-    if (path / CONFIG_FILE).is_file():
-        return path
+    if (path / CONFIG_FILE).is_file() or (path / MANIFEST_FILE).is_file():
+        return _verified(path)
     pointer = path / "checkpoints" / LATEST
     if pointer.is_file():
-        target = path / "checkpoints" / pointer.read_text().strip()
-        if (target / CONFIG_FILE).is_file():
-            return target
-        raise ValueError(f"{pointer} names {target.name}, which is not a complete checkpoint")
+        name = pointer.read_text(errors="replace").strip()
+        target = path / "checkpoints" / name
+        if _STEP_DIR.fullmatch(name) and target.is_dir():
+            return _verified(target)
+        raise ValueError(f"{pointer} names {name!r}, which is not a checkpoint folder")
     raise ValueError(f"{path} is neither a fastweights checkpoint (no {CONFIG_FILE}) nor a "
                      f"training run folder (no checkpoints/{LATEST})")
 
 
+def resume_point(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint a resumed run continues from, and the problems met finding it.
+
+    That is the folder ``checkpoints/latest`` names when it verifies; otherwise (each problem
+    reported) the newest older ``step-*`` folder that verifies: the fallback is chosen because
+    every checkpoint is kept and an older one reproduces the same run, only from further back.
+    Without a usable ``latest`` every step folder is a candidate. ``(None, [])`` when the run
+    has no checkpoint yet; ValueError listing the problems when checkpoints exist but none is
+    complete.
+    """
+    root = Path(run_dir) / "checkpoints"
+    problems: list[str] = []
+    steps = sorted((int(m.group(1)), p) for p in root.glob("step-*")
+                   if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir())
+    limit = None
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text(errors="replace").strip()
+        m = _STEP_DIR.fullmatch(name)
+        if m and (root / name).is_dir():
+            limit = int(m.group(1))
+        else:
+            problems.append(f"{pointer} names {name!r}, which is not a checkpoint folder")
+    for step, ckpt in reversed(steps):
+        if limit is not None and step > limit:
+            continue  # saved but never published by latest; latest's contract wins
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            return ckpt, problems
+        problems.append(problem)
+    if problems:
+        raise ValueError(f"no complete checkpoint to resume from in {root}: " + "; ".join(problems))
+    return None, problems
+
+
 def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], dict[str, Any]]:
-    """``(model, optimizer_state, trainer_state)`` of a checkpoint written by ``save_checkpoint``."""
+    """``(model, optimizer_state, trainer_state)`` of a checkpoint written by ``save_checkpoint``
+    (a checkpoint folder or a run folder), verified against its manifest first."""
     ckpt = resolve_checkpoint(path)
-    model = LanguageModel.from_pretrained(ckpt)
     for name in (OPTIMIZER_FILE, STATE_FILE):
         if not (ckpt / name).is_file():
             raise ValueError(f"{ckpt} holds model weights but no {name}: it cannot be resumed")
+    model = LanguageModel.from_pretrained(ckpt)
     try:
         opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
         state = json.loads((ckpt / STATE_FILE).read_text())
@@ -99,4 +290,4 @@ def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], di
 
 def checkpoint_files() -> tuple[str, ...]:
     """The files every complete training checkpoint holds."""
-    return (CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, STATE_FILE)
+    return (CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE)
