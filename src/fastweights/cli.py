@@ -125,6 +125,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--patience", type=int, default=0,
                    help="stop after this many validations without a new best (0: never)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--pack", action="store_true",
+                   help="pack each batch into one row with the state reset at document (file) "
+                        "boundaries (cu_seqlens), no padding and no prediction across documents")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train", help="run folder")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
@@ -182,7 +185,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="fastweights", description="Linear-complexity sequence mixers: experiments and tools.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in COMMANDS:
         add(sub)
     return parser
@@ -194,9 +197,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except UserError as err:
         print(f"fastweights: error: {err}", file=sys.stderr)
-        return 2
-    if getattr(args, "func", None) is None:
-        parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)

@@ -11,7 +11,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..._checks import check_bool, check_nonneg_float, check_positive_int, check_tensor
+from ..._checks import (
+    FLOAT_DTYPES,
+    check_bool,
+    check_nonneg_float,
+    check_positive_int,
+    check_tensor,
+)
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +75,10 @@ def draw_favor_projection(
     check_positive_int("m", m)
     check_positive_int("d", d)
     check_bool("orthogonal", orthogonal)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"dtype must be a floating-point dtype (float16/bfloat16/float32/float64), got {dtype}"
+        )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     gen_device = generator.device if generator is not None else "cpu"
