@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from ..models import LanguageModel, LMConfig
 from ..tasks.text import Corpus, eval_windows, random_windows
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, resume_point, save_checkpoint, write_atomic
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.csv"
@@ -42,7 +44,9 @@ METRIC_FIELDS = ("step", "split", "loss", "perplexity", "lr", "tokens_per_s", "s
 class TrainConfig:
     """Optimisation settings. ``batch_size`` is the global batch (split across DDP ranks);
     ``save_every`` 0 saves only at the end; ``patience`` 0 disables early stopping (else stop
-    after that many validations without a new best)."""
+    after that many validations without a new best). ``anomaly_guard`` stops training with
+    ``TrainingAnomaly`` as soon as the loss or the gradient norm is NaN or inf, before that step
+    changes the weights, so the last checkpoint stays the last good one."""
 
     steps: int = 300
     batch_size: int = 16
@@ -58,6 +62,7 @@ class TrainConfig:
     patience: int = 0
     bf16: bool = False
     seed: int = 0
+    anomaly_guard: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows"):
@@ -73,6 +78,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.min_lr_ratio <= 1 or not self.weight_decay >= 0:
             raise ValueError("min_lr_ratio must be in [0, 1] and weight_decay >= 0")
+        if not isinstance(self.anomaly_guard, bool):
+            raise ValueError(f"anomaly_guard must be a bool, got {self.anomaly_guard!r}")
+
+
+class TrainingAnomaly(RuntimeError):
+    """The anomaly guard stopped training: the loss or the gradient norm became NaN or inf."""
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -118,13 +129,15 @@ class _Metrics:
         self.path = run_dir / METRICS_FILE
         rows: list[dict[str, str]] = []
         if resume_step is not None and self.path.exists():
-            # Rows logged after the checkpoint will be logged again by the resumed run.
-            with open(self.path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
-        self.file = open(self.path, "w", newline="")
+            rows = _metrics_rows(self.path, resume_step)
+        # Rewritten atomically: a crash right now must not lose the rows of earlier sessions.
+        text = io.StringIO(newline="")
+        header = csv.DictWriter(text, fieldnames=METRIC_FIELDS)
+        header.writeheader()
+        header.writerows(rows)
+        write_atomic(self.path, text.getvalue().encode())
+        self.file = open(self.path, "a", newline="")
         self.writer = csv.DictWriter(self.file, fieldnames=METRIC_FIELDS)
-        self.writer.writeheader()
-        self.writer.writerows(rows)
         try:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
@@ -143,6 +156,53 @@ class _Metrics:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _metrics_rows(path: Path, resume_step: int) -> list[dict[str, str]]:
+    """The rows of ``metrics.csv`` up to ``resume_step``: rows logged after the checkpoint are
+    logged again by the resumed run, and a row cut short by a crash (no line end, missing
+    fields) is dropped, so the file ends up with every step exactly once."""
+    lines = [line for line in path.read_text(errors="replace").splitlines(keepends=True)
+             if line.endswith("\n")]
+    rows = csv.DictReader(lines, fieldnames=METRIC_FIELDS)
+    return [r for r in rows if None not in r and None not in r.values()
+            and r["step"].isdigit() and int(r["step"]) <= resume_step]
+
+
+def _read_run_file(path: Path, steps: int | None) -> tuple[LMConfig, TrainConfig]:
+    """Model and training configs of ``run.json`` (``steps`` overrides the saved number);
+    ValueError naming the file when it is missing, truncated or not a run file."""
+    try:
+        saved = json.loads(path.read_text())
+        train = dict(saved["train"])
+        return LMConfig.from_dict(saved["model"]), TrainConfig(**{**train, "steps": steps or train["steps"]})
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: {path.parent} holds no training run to resume") from None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is corrupt or not a fastweights run file "
+                         f"({type(err).__name__}: {err})") from None
+
+
+def _check_run_file(path: Path, ckpt: Path, model_config: LMConfig, cfg: TrainConfig,
+                    model: LanguageModel, state: dict[str, Any]) -> None:
+    """``run.json`` must describe the checkpoint it resumes (whose files are checksummed): a
+    disagreement means run.json was edited or corrupted, and resuming would not reproduce the
+    run. ``steps`` may differ (a run can be extended)."""
+    differ = [f"model.{k}" for k, v in model.config.to_dict().items() if model_config.to_dict().get(k) != v]
+    saved = state.get("train", {})
+    differ += [f"train.{k}" for k, v in dataclasses.asdict(cfg).items()
+               if k != "steps" and k in saved and saved[k] != v]
+    if differ:
+        raise ValueError(f"{path} disagrees with checkpoint {ckpt} on {', '.join(differ)}: "
+                         "run.json was edited or corrupted")
+
+
+def _all_finite(loss: torch.Tensor, grad_norm: torch.Tensor, world: int) -> bool:
+    """Whether loss and gradient norm are finite on every rank (one decision for all ranks)."""
+    ok = torch.isfinite(torch.stack([loss.detach().float(), grad_norm.float()])).all().float()
+    if world > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
 
 
 def _rng_states(data_gen: torch.Generator) -> dict[str, Any]:
@@ -190,11 +250,19 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     main = rank == 0
     resumed: tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None = None
     if resume:
-        saved = json.loads((run_dir / RUN_FILE).read_text())
-        model_config = LMConfig.from_dict(saved["model"])
-        steps = train_config.steps if train_config is not None else saved["train"]["steps"]
-        train_config = TrainConfig(**{**saved["train"], "steps": steps})
-        resumed = load_checkpoint(run_dir)
+        model_config, train_config = _read_run_file(
+            run_dir / RUN_FILE, train_config.steps if train_config is not None else None)
+        ckpt, problems = resume_point(run_dir)
+        if main:
+            for problem in problems:
+                print(f"warning: {problem}", file=sys.stderr)
+            if ckpt is None:
+                print(f"{run_dir} holds no checkpoint yet: training restarts from step 0", file=sys.stderr)
+            elif problems:
+                print(f"resuming from the newest complete checkpoint, {ckpt}", file=sys.stderr)
+        if ckpt is not None:
+            resumed = load_checkpoint(ckpt)
+            _check_run_file(run_dir / RUN_FILE, ckpt, model_config, train_config, resumed[0], resumed[2])
     if model_config is None or train_config is None:
         raise ValueError("model_config and train_config are required unless resume=True")
     cfg = train_config
@@ -204,9 +272,9 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_FILE).write_text(json.dumps(
+        write_atomic(run_dir / RUN_FILE, (json.dumps(
             {"model": model_config.to_dict(), "train": dataclasses.asdict(cfg), "data": corpus.name},
-            indent=2) + "\n")
+            indent=2) + "\n").encode())
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -236,7 +304,8 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
             save_checkpoint(run_dir, step, model,
                             {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                              "rng": _rng_states(data_gen)},
-                            {"step": step, "best_val_loss": best, "since_best": since_best})
+                            {"step": step, "best_val_loss": best, "since_best": since_best,
+                             "train": dataclasses.asdict(cfg)})
         if world > 1:
             dist.barrier()
 
@@ -253,7 +322,18 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.anomaly_guard and not _all_finite(loss, grad_norm, world):
+            bar.close()
+            if metrics is not None:
+                metrics.close()
+            pointer = run_dir / "checkpoints" / "latest"
+            kept = (f"the last good checkpoint, {pointer.read_text().strip()}, is kept in {pointer.parent}"
+                    if pointer.is_file() else "no checkpoint had been saved yet")
+            raise TrainingAnomaly(
+                f"anomaly guard: at step {step + 1} the training loss is {loss.item():.6g} and the "
+                f"gradient norm {grad_norm.item():.6g}; training stopped before this step changed "
+                f"the weights, {kept}")
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
