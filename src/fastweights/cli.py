@@ -125,6 +125,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--patience", type=int, default=0,
                    help="stop after this many validations without a new best (0: never)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--anomaly-guard", action="store_true",
+                   help="stop with an error when the loss or gradient norm becomes NaN or inf, "
+                   "before that step changes the weights (the last good checkpoint is kept)")
     p.add_argument("--pack", action="store_true",
                    help="pack each batch into one row with the state reset at document (file) "
                         "boundaries (cu_seqlens), no padding and no prediction across documents")

@@ -14,15 +14,22 @@ from ..cli import UserError
 from .specs import SpecError, parse_int_list, parse_mixer_list
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
-    """Create ``out``; an existing non-empty folder is refused unless ``overwrite``."""
+def prepare_out(out: Path, overwrite: bool, outputs: tuple[str, ...]) -> None:
+    """Create ``out``; an existing non-empty folder is refused unless ``overwrite``, which then
+    deletes only ``outputs`` (the files and folders the command writes), never anything else a
+    mistyped ``--out`` might hold."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"--out {out} already holds results of an earlier run; "
                             "pass --overwrite or choose another folder")
-        shutil.rmtree(out)
+        for name in outputs:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -65,7 +72,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
             except (TypeError, ValueError) as err:
                 raise UserError(f"mixer {recall.mixer_label(name, opts)}: {err}") from None
     out = Path(args.out)
-    prepare_out(out, args.overwrite)
+    prepare_out(out, args.overwrite, ("results.csv", "results.png"))
     runs = [(t, n, o, s) for t in tasks for n, o in per_task[t] for s in sizes]
     results = []
     start = time.perf_counter()
@@ -118,20 +125,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     import os
 
     from ..models import LMConfig
-    from .trainer import RUN_FILE, TrainConfig, train
+    from .checkpoint import CheckpointWriteError
+    from .trainer import METRICS_FILE, RUN_FILE, TrainConfig, TrainingAnomaly, train
 
     out = Path(args.out)
     try:
         tcfg = TrainConfig(
             steps=args.steps if args.steps is not None else TrainConfig.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
             warmup=args.warmup, eval_every=args.eval_every, eval_windows=args.eval_windows,
+            anomaly_guard=args.anomaly_guard,
             save_every=args.save_every, patience=args.patience, bf16=args.bf16, seed=args.seed)
     except ValueError as err:
         raise UserError(str(err)) from None
     mcfg = None
     if args.resume:
-        if not (out / RUN_FILE).is_file() or not (out / "checkpoints" / "latest").is_file():
-            raise UserError(f"--resume: {out} holds no training run with a checkpoint to resume")
+        if not (out / RUN_FILE).is_file():  # a run killed before its first save restarts at step 0
+            raise UserError(f"--resume: {out} holds no training run to resume (no {RUN_FILE})")
     else:
         try:
             specs = parse_mixer_list(args.mixer)
@@ -150,12 +159,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         except (TypeError, ValueError) as err:
             raise UserError(str(err).removeprefix("LMConfig.")) from None
         if int(os.environ.get("RANK", "0")) == 0:
-            prepare_out(out, args.overwrite)
+            prepare_out(out, args.overwrite, (RUN_FILE, METRICS_FILE, "checkpoints", "tensorboard"))
     corpus = _load_corpus(args.data)
     try:
         losses = train(out, mcfg, tcfg if not args.resume or args.steps is not None else None, corpus,
                        resume=args.resume, progress=not args.quiet)
-    except ValueError as err:
+    except (ValueError, TrainingAnomaly, CheckpointWriteError) as err:
         raise UserError(str(err)) from None
     if losses and int(os.environ.get("RANK", "0")) == 0:
         print(f"trained to step {losses[-1][0]}: last train loss {losses[-1][1]:.4f}; "
