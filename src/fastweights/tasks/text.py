@@ -12,9 +12,10 @@ Dimension legend: N batch, T sequence length.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,11 +40,14 @@ class ByteTokenizer:
 
 @dataclass
 class Corpus:
-    """train, val: [n] uint8 byte streams; name: what was loaded."""
+    """train, val: [n] uint8 byte streams; name: what was loaded; train_starts, val_starts:
+    int64 offsets where each document (file) begins in its stream (for packed training)."""
 
     name: str
     train: torch.Tensor
     val: torch.Tensor
+    train_starts: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.long))
+    val_starts: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.long))
 
 
 def _is_val(rel: str) -> bool:
@@ -59,7 +63,13 @@ def _from_files(name: str, root: Path, files: list[Path]) -> Corpus:
     if not parts[False]:
         raise ValueError(f"data {name} needs at least two non-empty files, found {len(files)}")
     train, val = (b"\n".join(parts[v]) for v in (False, True))
-    return Corpus(name, _bytes(train), _bytes(val))
+    return Corpus(name, _bytes(train), _bytes(val), _doc_starts(parts[False]), _doc_starts(parts[True]))
+
+
+def _doc_starts(docs: list[bytes]) -> torch.Tensor:
+    """Offsets of each document in ``b"\\n".join(docs)``."""
+    lengths = torch.tensor([0] + [len(d) + 1 for d in docs[:-1]], dtype=torch.long)
+    return lengths.cumsum(0)
 
 
 def _bytes(data: bytes) -> torch.Tensor:
@@ -90,15 +100,50 @@ def load_corpus(spec: str) -> Corpus:
     return Corpus(str(path), _bytes(data[:cut]), _bytes(data[cut:]))
 
 
+def _window_starts(data: torch.Tensor, batch_size: int, seq_len: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    if data.numel() < seq_len + 1:
+        raise ValueError(f"the corpus has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+    return torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator)
+
+
+def _windows(data: torch.Tensor, start: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    win = data[start[:, None] + torch.arange(seq_len + 1)].long()
+    return win[:, :-1], win[:, 1:]
+
+
 def random_windows(data: torch.Tensor, batch_size: int, seq_len: int,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_size`` random windows: inputs [N, T] and next-byte targets [N, T] (long)."""
-    if data.numel() < seq_len + 1:
-        raise ValueError(f"the corpus has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
-    start = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator)
-    idx = start[:, None] + torch.arange(seq_len + 1)
-    win = data[idx].long()
-    return win[:, :-1], win[:, 1:]
+    return _windows(data, _window_starts(data, batch_size, seq_len, generator), seq_len)
+
+
+def packed_windows(data: torch.Tensor, doc_starts: torch.Tensor, batch_size: int, seq_len: int,
+                   generator: torch.Generator, rows: tuple[int, int] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The windows of ``random_windows`` (same draws), packed into one row for training with
+    state resets at document boundaries: inputs [1, n*T], targets [1, n*T] and ``cu_seqlens``
+    cutting at every row start and every document start inside a row, for the window rows
+    ``rows = (first, stop)`` (default all N; a DDP rank takes its share). A target that would
+    cross into the next document (the last byte of a document predicting the first byte of the
+    next) is set to -100, the ignore index, so no prediction spans two documents."""
+    row_starts = _window_starts(data, batch_size, seq_len, generator)
+    first, stop = rows if rows is not None else (0, batch_size)
+    x, y = _windows(data, row_starts[first:stop], seq_len)
+    y = y.clone()  # x and y are views of one buffer; masking y must not touch x
+    starts = doc_starts.tolist()
+    cuts = [0]
+    for row, s in enumerate(row_starts[first:stop].tolist()):
+        # Row covers stream positions [s, s + T): x[row, i] is byte s + i, y[row, i] byte s + i + 1.
+        i = bisect.bisect_right(starts, s)
+        while i < len(starts) and starts[i] <= s + seq_len:
+            d = starts[i] - s
+            y[row, d - 1] = -100
+            if d < seq_len:
+                cuts.append(row * seq_len + d)
+            i += 1
+        cuts.append((row + 1) * seq_len)
+    return x.reshape(1, -1), y.reshape(1, -1), torch.tensor(cuts, dtype=torch.long)
 
 
 def eval_windows(data: torch.Tensor, seq_len: int, max_windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

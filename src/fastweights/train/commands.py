@@ -134,7 +134,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             steps=args.steps if args.steps is not None else TrainConfig.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
             warmup=args.warmup, eval_every=args.eval_every, eval_windows=args.eval_windows,
             anomaly_guard=args.anomaly_guard,
-            save_every=args.save_every, patience=args.patience, bf16=args.bf16, seed=args.seed)
+            save_every=args.save_every, patience=args.patience, bf16=args.bf16, seed=args.seed,
+            pack=args.pack)
     except ValueError as err:
         raise UserError(str(err)) from None
     mcfg = None

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models import LanguageModel, LMConfig
-from ..tasks.text import Corpus, eval_windows, random_windows
+from ..tasks.text import Corpus, eval_windows, packed_windows, random_windows
 from .checkpoint import load_checkpoint, resume_point, save_checkpoint, write_atomic
 
 RUN_FILE = "run.json"
@@ -63,6 +63,7 @@ class TrainConfig:
     bf16: bool = False
     seed: int = 0
     anomaly_guard: bool = False
+    pack: bool = False  # one packed row per step, state reset at document boundaries
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows"):
@@ -315,11 +316,17 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     start, tokens = time.perf_counter(), 0
     stopped_early = False
     while step < cfg.steps:
-        x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
-        x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
+        if cfg.pack:
+            x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size, cfg.seq_len,
+                                      data_gen, rows=(rank * local, (rank + 1) * local))
+            x, y, cu = x.to(device), y.to(device), cu.to(device)
+        else:
+            x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
+            x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
+            cu = None
         with autocast:
-            logits, _ = ddp(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            logits, _ = ddp(x, cu_seqlens=cu)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
