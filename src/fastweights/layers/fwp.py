@@ -94,10 +94,11 @@ class LinearAttention(Mixer):
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         if self.feature_map == "favor" and self.training and self.redraw:
-            with torch.no_grad():
-                self.projection.copy_(draw_favor_projection(
-                    self.m, self.head_dim, orthogonal=self.orthogonal,
-                    dtype=self.projection.dtype, device=self.projection.device))
+            # A new buffer, not an in-place copy: the previous piece's graph (state carried
+            # across calls) still holds the old projection for its backward pass.
+            self.projection = draw_favor_projection(
+                self.m, self.head_dim, orthogonal=self.orthogonal,
+                dtype=self.projection.dtype, device=self.projection.device)
         H, D = self.n_heads, self.head_dim
         proj = split_heads(self.qkvb(x), H)  # [B, T, H, 3D (+1)]
         q, k, v = proj[..., :D], proj[..., D:2 * D], proj[..., 2 * D:3 * D]

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .._autocast import float32_compute
 from ..._checks import (
     check_bool, check_mode, check_positive_int, check_same_dtype_device, check_shape,
     check_state_tensor, check_tensor, state_dtype,
@@ -166,6 +167,7 @@ def _local_band(w_rows: torch.Tensor, first: int, r_left: int, r_right: int) -> 
 
 # ----------------------------------------------------------------------------- whole sequences
 
+@float32_compute
 def aft(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None, *,
     causal: bool = True, chunk_size: int = 64,
@@ -194,6 +196,7 @@ def aft(
     return _gate(q, ratio.squeeze(-1))
 
 
+@float32_compute
 def aft_local(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, window: int,
     causal: bool = True, chunk_size: int = 64,
@@ -220,6 +223,7 @@ def aft_local(
     return _gate(q, ratio.squeeze(-1))
 
 
+@float32_compute
 def aft_conv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, causal: bool = True,
     chunk_size: int = 64,
@@ -254,6 +258,7 @@ def aft_conv(
 
 # ----------------------------------------------------------------------------- streaming
 
+@float32_compute
 def aft_simple_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -285,6 +290,7 @@ def aft_simple_stream(
     return _gate(q, ratio.squeeze(-1)), ((a, n.squeeze(-1), m) if output_final_state else None)
 
 
+@float32_compute
 def aft_local_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, window: int,
     initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
@@ -342,6 +348,7 @@ def aft_local_stream(
     return _gate(q, ratio.squeeze(-1)), final
 
 
+@float32_compute
 def aft_conv_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *,
     initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
@@ -382,6 +389,7 @@ def aft_conv_stream(
     return _gate(q, ratio), (final if output_final_state else None)
 
 
+@float32_compute
 def aft_full_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._autocast import float32_compute
 from ..._checks import (
     check_bool, check_finite_float, check_mode, check_nonneg_float, check_positive_int, check_qkv,
     check_shape, check_state_tensor, check_tensor, state_dtype,
@@ -29,6 +30,7 @@ __all__ = [
 MODES = ("chunk", "recurrent", "naive")
 
 
+@float32_compute
 def linear_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, normalize: bool = False,
     eps: float = 1e-6, scale: float = 1.0,
@@ -76,6 +78,7 @@ def linear_attn(
     return o.to(q.dtype), ((S, z) if output_final_state else None)
 
 
+@float32_compute
 def delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, scale: float = 1.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,

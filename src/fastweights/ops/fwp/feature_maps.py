@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._autocast import float32_compute
 from ..._checks import (
     FLOAT_DTYPES,
     check_bool,
@@ -100,6 +101,7 @@ def draw_favor_projection(
     return w.to(dtype=dtype, device=device if device is not None else gen_device)
 
 
+@float32_compute
 def favor_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """Positive random features of FAVOR+ (SPEC 1.2). x [..., d], projection [m, d] -> [..., 2m].
 

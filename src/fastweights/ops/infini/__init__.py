@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .._autocast import float32_compute
 from ..._checks import (
     check_bool, check_choice, check_finite_float, check_mode, check_nonneg_float,
     check_positive_int, check_qkv, check_same_dtype_device, check_shape, check_state_tensor,
@@ -28,6 +29,7 @@ UPDATES = ("linear", "delta")
 InfiniState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+@float32_compute
 def infini_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, *, segment_len: int,
     update: str = "linear", scale: float | None = None, q_mem: torch.Tensor | None = None,

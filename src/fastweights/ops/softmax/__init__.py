@@ -10,11 +10,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._autocast import float32_compute
 from ..._checks import check_bool, check_finite_float, check_same_dtype_device, check_tensor
 
 __all__ = ["softmax_attention"]
 
 
+@float32_compute
 def softmax_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
     scale: float | None = None,

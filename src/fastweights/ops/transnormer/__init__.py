@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .._autocast import float32_compute
 from ..._checks import (
     check_bool, check_choice, check_finite_float, check_mode, check_positive_int, check_qkv,
     check_shape, check_state_tensor, check_tensor, state_dtype,
@@ -28,6 +29,7 @@ MODES = ("chunk", "recurrent", "naive")
 KERNELS = ("softmax", "relu")
 
 
+@float32_compute
 def decay_linear_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, *, scale: float = 1.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -79,6 +81,7 @@ def decay_linear_attn(
     return o.to(q.dtype), (S if output_final_state else None)
 
 
+@float32_compute
 def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int,
     scale: float | None = None, kernel: str = "softmax",

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._autocast import float32_compute
 from ..._checks import (
     check_bool,
     check_mode,
@@ -189,6 +190,7 @@ def _ttt(
     return o.to(q.dtype), (*current_weights(carry, tau), *carry.start, *carry.grads, carry.pos)
 
 
+@float32_compute
 def ttt_linear(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
     initial_state: Sequence[Any], ln_weight: torch.Tensor | None = None,
@@ -223,6 +225,7 @@ def ttt_linear(
                 mini_batch_size, token_scale, output_final_state, mode, cu_seqlens)
 
 
+@float32_compute
 def ttt_mlp(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
     initial_state: Sequence[Any], ln_weight: torch.Tensor | None = None,
