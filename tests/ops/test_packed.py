@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastweights.ops import (
-    decay_linear_attn, delta_rule, linear_attn, sum_norm, ttt_linear, ttt_mlp,
+    decay_linear_attn, delta_rule, infini_attention, linear_attn, sum_norm, ttt_linear, ttt_mlp,
 )
 from fastweights.ops.aft import aft_conv_stream, aft_local_stream, aft_simple_stream
 from tests.helpers import assert_close64
@@ -41,6 +41,8 @@ OPS = {
     "decay_linear_attn": (lambda sl, **kw: decay_linear_attn(Q[:, sl], K[:, sl], V[:, sl], torch.tensor([0.9, 0.5], dtype=torch.float64), chunk_size=4, **kw), None),
     "ttt_linear": (lambda sl, **kw: ttt_linear(Q[:, sl], K[:, sl], V[:, sl], 0.1 * BETA[:, sl], mini_batch_size=4, **kw), TTT_LIN),
     "ttt_mlp": (lambda sl, **kw: ttt_mlp(Q[:, sl], K[:, sl], V[:, sl], 0.1 * BETA[:, sl], mini_batch_size=4, **kw), TTT_MLP),
+    "infini_attention": (lambda sl, **kw: infini_attention(Q[:, sl], K[:, sl], V[:, sl], torch.tensor([0.3, -1.0], dtype=torch.float64), segment_len=3, q_mem=V[:, sl], **kw), None),
+    "infini_attention_delta": (lambda sl, **kw: infini_attention(Q[:, sl], K[:, sl], V[:, sl], torch.tensor([0.3, -1.0], dtype=torch.float64), segment_len=4, update="delta", **kw), None),
     "aft_simple_stream": (lambda sl, **kw: aft_simple_stream(X3[:, sl], X3[:, sl] * 0.5, X3[:, sl] - 1, **kw), None),
     "aft_local_stream": (lambda sl, **kw: aft_local_stream(X3[:, sl], X3[:, sl] * 0.5, X3[:, sl] - 1, W_LOCAL[sl], window=3, chunk_size=4, **kw), None),
     "aft_conv_stream": (lambda sl, **kw: aft_conv_stream(Q[:, sl], K[:, sl, :, 0], V[:, sl], W_CONV, chunk_size=4, **kw), None),

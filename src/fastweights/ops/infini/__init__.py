@@ -17,6 +17,7 @@ from ..._checks import (
     check_positive_int, check_qkv, check_same_dtype_device, check_shape, check_state_tensor,
     check_tensor, state_dtype,
 )
+from .._varlen import run_packed
 from .chunk import infini_attention_chunk
 from .naive import infini_attention_naive
 from .recurrent import infini_attention_recurrent
@@ -35,7 +36,7 @@ def infini_attention(
     update: str = "linear", scale: float | None = None, q_mem: torch.Tensor | None = None,
     k_mem: torch.Tensor | None = None, eps: float = 1e-6,
     initial_state: tuple[torch.Tensor, ...] | None = None, output_final_state: bool = False,
-    mode: str = "chunk",
+    mode: str = "chunk", cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, InfiniState | None]:
     """Infini-attention over segments of ``segment_len`` tokens (SPEC 5.1-5.2).
 
@@ -72,6 +73,9 @@ def infini_attention(
     single tokens equal the whole); ``initial_state`` may also be just ``(M, z)``, meaning no open
     segment. Memory in float32 (float64 for float64 inputs), cache in that dtype too.
     Returns (o [B, T, H, Dv] in q's dtype, state or None).
+    ``cu_seqlens`` [N + 1]: packed documents in a batch of one, memory and open segment reset at
+    each boundary; initial/final states are then lists with one state per document
+    (ops/_varlen.py).
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_tensor("gate", gate)
@@ -93,6 +97,17 @@ def infini_attention(
         raise ValueError("eps must be > 0 (it keeps the empty-memory retrieval 0 / eps = 0), got 0")
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
+    if cu_seqlens is not None:
+        mem = [x for x in (q_mem, k_mem) if x is not None]
+
+        def one_document(q, k, v, *rest, **kw):
+            qm = rest[0] if q_mem is not None else None
+            km = rest[-1] if k_mem is not None else None
+            return infini_attention(q, k, v, gate, segment_len=segment_len, update=update,
+                                    scale=scale, q_mem=qm, k_mem=km, eps=eps, mode=mode, **kw)
+
+        return run_packed(one_document, (q, k, v, *mem), cu_seqlens, initial_state,
+                          output_final_state)
     cdtype = state_dtype(q.dtype)
     if initial_state is None:
         M0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)
