@@ -11,8 +11,16 @@ import torch
 
 from fastweights import build_mixer, mixer_names
 from fastweights.ops import (
-    aft, aft_conv, aft_local, aft_simple_stream, dpfp, draw_favor_projection, favor_features,
-    linear_attn, relu, sum_norm,
+    aft,
+    aft_conv,
+    aft_local,
+    aft_simple_stream,
+    dpfp,
+    draw_favor_projection,
+    favor_features,
+    linear_attn,
+    relu,
+    sum_norm,
 )
 from tests.layers.test_contract import SMALL_OPTIONS
 

@@ -17,9 +17,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastweights.ops import (
-    aft, aft_conv, aft_conv_stream, aft_full_stream, aft_local, aft_local_stream, aft_simple_stream,
-    block_attention, decay_linear_attn, delta_rule, infini_attention, linear_attn,
-    softmax_attention, sum_norm, ttt_linear, ttt_mlp,
+    aft,
+    aft_conv,
+    aft_conv_stream,
+    aft_full_stream,
+    aft_local,
+    aft_local_stream,
+    aft_simple_stream,
+    block_attention,
+    decay_linear_attn,
+    delta_rule,
+    infini_attention,
+    linear_attn,
+    softmax_attention,
+    sum_norm,
+    ttt_linear,
+    ttt_mlp,
 )
 from fastweights.ops.aft.naive import aft_conv_naive, aft_local_naive, aft_naive
 from fastweights.ops.transnormer.naive import block_attention_naive
