@@ -69,8 +69,12 @@ def linear_attn(
         check_state_tensor("initial_state[1] (z)", z0, (B, H, Dk), "[B, H, Dk]", q)
         S0, z0 = S0.to(cdtype), z0.to(cdtype)
     qc, kc, vc = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype)
-    if mode == "chunk":
-        o, S, z = linear_attn_chunk(qc, kc, vc, S0, z0, normalize, eps, chunk_size)
+    if mode == "chunk" and T == 1:
+        # A decoding step: one token of the recurrence is the same arithmetic without padding
+        # the token to a whole chunk.
+        o, S, z = linear_attn_recurrent(qc, kc, vc, S0, z0, normalize, eps)
+    elif mode == "chunk":
+        o, S, z = linear_attn_chunk(qc, kc, vc, S0, z0, normalize, eps, min(chunk_size, T))
     elif mode == "recurrent":
         o, S, z = linear_attn_recurrent(qc, kc, vc, S0, z0, normalize, eps)
     else:
@@ -113,8 +117,10 @@ def delta_rule(
         check_state_tensor("initial_state", initial_state, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
         S0 = initial_state.to(cdtype)
     qc, kc, vc, bc = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype), beta.to(cdtype)
-    if mode == "chunk":
-        o, S = delta_rule_chunk(qc, kc, vc, bc, S0, chunk_size)
+    if mode == "chunk" and T == 1:  # a decoding step (see linear_attn)
+        o, S = delta_rule_recurrent(qc, kc, vc, bc, S0)
+    elif mode == "chunk":
+        o, S = delta_rule_chunk(qc, kc, vc, bc, S0, min(chunk_size, T))
     elif mode == "recurrent":
         o, S = delta_rule_recurrent(qc, kc, vc, bc, S0)
     else:
