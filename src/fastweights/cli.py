@@ -133,7 +133,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "boundaries (cu_seqlens), no padding and no prediction across documents")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train", help="run folder")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint (the newest older one "
+                   "that verifies if it is damaged; step 0 if none was saved yet)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run's --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train)

@@ -80,7 +80,7 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1 or not self.weight_decay >= 0:
             raise ValueError("min_lr_ratio must be in [0, 1] and weight_decay >= 0")
         if not isinstance(self.anomaly_guard, bool):
-            raise ValueError(f"anomaly_guard must be a bool, got {self.anomaly_guard!r}")
+            raise TypeError(f"anomaly_guard must be a bool, got {self.anomaly_guard!r}")
 
 
 class TrainingAnomaly(RuntimeError):
@@ -137,7 +137,7 @@ class _Metrics:
         header.writeheader()
         header.writerows(rows)
         write_atomic(self.path, text.getvalue().encode())
-        self.file = open(self.path, "a", newline="")
+        self.file = open(self.path, "a", newline="")  # noqa: SIM115 (open for the whole run)
         self.writer = csv.DictWriter(self.file, fieldnames=METRIC_FIELDS)
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -243,7 +243,9 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
 
     With ``resume`` the model and training configs are read from ``run_dir/run.json`` (the
     arguments may then be None, except that ``train_config.steps`` may extend the run) and
-    training continues from ``checkpoints/latest``. ``stop_after`` ends the session after that
+    training continues from ``checkpoints/latest``, or from the newest older checkpoint that
+    verifies when that one is damaged (a warning on stderr names the bad file), or from step 0
+    when the run was stopped before its first save. ``stop_after`` ends the session after that
     step without the final save, as if the process had been killed (time-boxed sessions, tests).
     """
     run_dir = Path(run_dir)
