@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..models.registry import build_mixer, mixer_names
+from ..models.registry import build_mixer, mixer_names, mixer_options
 
 __all__ = ["Setting", "Workload", "Target", "mixer_targets", "op_targets"]
 
@@ -80,7 +80,10 @@ class Target:
 
 
 def _mixer_workload(name: str, T: int, s: Setting) -> Workload:
-    layer = build_mixer(name, s.d_model, s.n_heads).to(device=s.device, dtype=s.dtype)
+    # Mixers with absolute position tables (AFT-full/local) are sized for the benchmarked
+    # length plus the decoding steps; every other option stays at its default.
+    opts = {"max_len": T + _DECODE_STEPS} if "max_len" in mixer_options(name) else {}
+    layer = build_mixer(name, s.d_model, s.n_heads, **opts).to(device=s.device, dtype=s.dtype)
     x = torch.randn(s.batch, T, s.d_model, device=s.device, dtype=s.dtype)
     x_grad = x.clone().requires_grad_()
     x_step = torch.randn(s.batch, 1, s.d_model, device=s.device, dtype=s.dtype)
