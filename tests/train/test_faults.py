@@ -95,22 +95,35 @@ def latest(run: Path) -> str | None:
 
 # ---------------------------------------------------------------- SIGKILL at random moments
 
-def _launch(run: Path, text_file: Path, resume: bool, slow: float) -> subprocess.Popen:
+def _launch(run: Path, text_file: Path, resume: bool, slow: float,
+            steps: int = STEPS) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", SLOW_SAVE_ENV: str(slow)}
     args = [sys.executable, "-m", "fastweights", "train", "--data", str(text_file), "--out", str(run),
-            *CLI_ARGS, "--resume" if resume else "--overwrite"]
+            *CLI_ARGS, "--steps", str(steps), "--resume" if resume else "--overwrite"]
     return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _mid_save(run: Path, files: int) -> bool:
-    """A save is under way: a temporary checkpoint folder holds at least ``files`` files."""
-    return any(len(list(t.iterdir())) >= files for t in (run / "checkpoints").glob(".tmp-step-*"))
+def _step_of(name: str | None) -> int:
+    return int(name.split("-")[1]) if name else 0
 
 
-def _unpublished(run: Path) -> bool:
-    """A checkpoint folder is in place but ``latest`` does not name it yet."""
-    names = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
-    return bool(names) and latest(run) != names[-1]
+def _training(run: Path, since_ns: int) -> bool:
+    """The launch started at ``since_ns`` has begun training (it rewrote run.json)."""
+    path = run / RUN_FILE
+    return path.is_file() and path.stat().st_mtime_ns > since_ns
+
+
+def _tmp_files(run: Path, pid: int) -> int:
+    """Files in process ``pid``'s temporary checkpoint folder (-1 when it has none)."""
+    return max((len(list(t.iterdir())) for t in (run / "checkpoints").glob(f".tmp-step-*-{pid}")),
+               default=-1)
+
+
+def _unpublished(run: Path, since_ns: int) -> bool:
+    """A checkpoint folder completed after ``since_ns`` is in place but ``latest`` does not name
+    it yet (between the folder's rename and the ``latest`` update)."""
+    done = (p for p in (run / "checkpoints").glob("step-*") if p.stat().st_mtime_ns > since_ns)
+    return any(_step_of(p.name) > _step_of(latest(run)) for p in done)
 
 
 def _kill_when(proc: subprocess.Popen, ready, limit: float = 60.0) -> bool:
@@ -131,41 +144,61 @@ def _kill_when(proc: subprocess.Popen, ready, limit: float = 60.0) -> bool:
     return False
 
 
-def kill_and_resume(run: Path, text_file: Path, schedule: list[str], seed: int,
-                    slow: float) -> list[str]:
+def _trigger(moment: str, rng: random.Random, run: Path, pid: int, since: int, base: int):
+    """The ``ready()`` test of a kill at ``moment`` (see kill_and_resume)."""
+    if moment == "random":
+        delay, began = rng.uniform(0.0, 3.0), []
+
+        def ready() -> bool:
+            if not began and _training(run, since):
+                began.append(time.monotonic())
+            return bool(began) and time.monotonic() - began[0] >= delay
+        return ready
+    if moment == "mid-save":
+        files, skip = rng.randint(0, 4), rng.randint(0, 2)
+        return lambda: _step_of(latest(run)) >= base + 2 * skip and _tmp_files(run, pid) >= files
+    return lambda: _unpublished(run, since)
+
+
+def kill_and_resume(run: Path, text_file: Path, schedule: list[str], seed: int, slow: float,
+                    steps: int = STEPS) -> list[str]:
     """Train ``run`` to the end through one launch per ``schedule`` entry, each SIGKILLed at the
-    moment the entry names (``random``: a seeded random delay after launch; ``mid-save``: while
-    a temporary checkpoint folder is being filled; ``publish``: a new checkpoint renamed into
-    place but ``latest`` not yet updated), then one last launch left to finish. After every kill
-    the run folder must resolve to a complete checkpoint (or none yet). Returns outcomes."""
+    moment the entry names, then one last launch left to finish. ``random``: a seeded random
+    delay (0 to 3 s) after training began; ``mid-save``: while this launch's temporary checkpoint
+    folder holds a seeded number of files, after letting 0 to 2 saves through; ``publish``: a
+    new checkpoint folder renamed into place but ``latest`` not yet updated. After every kill
+    the run folder must resolve to a complete checkpoint (or none yet). Returns one line per
+    kill saying where it landed."""
     rng = random.Random(seed)
     outcomes = []
     for moment in schedule:
-        proc = _launch(run, text_file, (run / RUN_FILE).is_file(), slow)
-        if moment == "random":
-            delay = rng.uniform(0.5, 6.0)
-            start = time.monotonic()
-            killed = _kill_when(proc, lambda: time.monotonic() - start >= delay)
-        elif moment == "mid-save":
-            files = rng.randint(1, 4)
-            killed = _kill_when(proc, lambda: _mid_save(run, files))
-        else:
-            killed = _kill_when(proc, lambda: _unpublished(run))
-        saving = (run / "checkpoints").is_dir() and any((run / "checkpoints").glob(".tmp-step-*"))
-        outcomes.append(f"{moment}: {'killed' if killed else 'finished first'}, latest "
-                        f"{latest(run)}, {'mid-save' if saving else 'not saving'}")
+        since = time.time_ns()
+        base = _step_of(latest(run))
+        proc = _launch(run, text_file, (run / RUN_FILE).is_file(), slow, steps)
+        killed = _kill_when(proc, _trigger(moment, rng, run, proc.pid, since, base))
+        done = [int(s) for s, split, _ in metric_rows(run) if split == "train"] if (
+            run / "metrics.csv").is_file() else []
+        reached = max(done, default=0)
+        where = ("during start-up" if not _training(run, since)
+                 else f"mid-save ({_tmp_files(run, proc.pid)} files written)"
+                 if _tmp_files(run, proc.pid) >= 0
+                 else "with a checkpoint in place but latest not updated"
+                 if _unpublished(run, since)
+                 else "before its first step" if reached == base else "between saves")
+        outcomes.append(f"{moment}: {'killed' if killed else 'finished first'} {where}, resumed "
+                        f"from step {base}, reached step {reached}, latest {latest(run)}")
         if latest(run) is not None:
             assert checkpoint_problem(resolve_checkpoint(run)) is None
         assert resume_point(run)[1] == []  # nothing damaged: no fallback needed
-    proc = _launch(run, text_file, (run / RUN_FILE).is_file(), slow)
+    proc = _launch(run, text_file, (run / RUN_FILE).is_file(), slow, steps)
     assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
     return outcomes
 
 
-def _assert_same_run(run: Path, reference: Path) -> None:
+def _assert_same_run(run: Path, reference: Path, steps: int = STEPS) -> None:
     rows, expected = metric_rows(run), metric_rows(reference)
     assert rows == expected  # every train and val row exactly once, identical losses
-    assert [int(s) for s, split, _ in rows if split == "train"] == list(range(1, STEPS + 1))
+    assert [int(s) for s, split, _ in rows if split == "train"] == list(range(1, steps + 1))
     a = LanguageModel.from_pretrained(resolve_checkpoint(run)).state_dict()
     b = LanguageModel.from_pretrained(resolve_checkpoint(reference)).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in b)
@@ -174,7 +207,7 @@ def _assert_same_run(run: Path, reference: Path) -> None:
 def test_sigkill_at_random_moments_then_resume_gives_identical_losses(tmp_path, text_file):
     reference = _launch(tmp_path / "reference", text_file, False, 0)  # runs alongside
     outcomes = kill_and_resume(tmp_path / "killed", text_file,
-                               ["random", "mid-save", "random", "publish"], seed=0, slow=0.1)
+                               ["random", "mid-save", "publish", "random"], seed=0, slow=0.1)
     assert reference.wait(timeout=300) == 0, reference.stderr.read().decode()
     assert sum("killed" in o for o in outcomes) >= 2, outcomes
     print("\n".join(outcomes))
@@ -184,13 +217,16 @@ def test_sigkill_at_random_moments_then_resume_gives_identical_losses(tmp_path, 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_many_sigkills_then_resume_gives_identical_losses(tmp_path, text_file, seed):
-    reference = _launch(tmp_path / "reference", text_file, False, 0)
+    steps = 120
+    reference = _launch(tmp_path / "reference", text_file, False, 0, steps)
     rng = random.Random(seed)
     schedule = [rng.choice(["random", "random", "mid-save", "publish"]) for _ in range(12)]
-    outcomes = kill_and_resume(tmp_path / "killed", text_file, schedule, seed=seed, slow=0.05)
+    outcomes = kill_and_resume(tmp_path / "killed", text_file, schedule, seed=seed, slow=0.05,
+                               steps=steps)
     assert reference.wait(timeout=300) == 0, reference.stderr.read().decode()
     print("\n".join(outcomes))
-    _assert_same_run(tmp_path / "killed", tmp_path / "reference")
+    assert sum("killed" in o for o in outcomes) >= 8, outcomes
+    _assert_same_run(tmp_path / "killed", tmp_path / "reference", steps)
 
 
 # ---------------------------------------------------------------- damaged checkpoints
