@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import fastweights.models.lm as lm_module
 import fastweights.train.checkpoint as ckpt_module
@@ -432,17 +434,8 @@ def test_stale_temporary_folders_of_dead_processes_are_removed(tmp_path):
 @pytest.fixture
 def nan_from_step_7(monkeypatch):
     """Training forward passes return NaN logits from the 7th on (evaluation is untouched)."""
-    real, calls = LanguageModel.forward, []
-
-    def forward(self, *args, **kwargs):
-        logits, state = real(self, *args, **kwargs)
-        if self.training:
-            calls.append(1)
-            if len(calls) >= 7:
-                logits = logits * float("nan")
-        return logits, state
-
-    monkeypatch.setattr(LanguageModel, "forward", forward)
+    monkeypatch.setattr(LanguageModel, "forward", LanguageModel.forward)  # restored afterwards
+    _nan_forward_from(7)
 
 
 def test_anomaly_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus, nan_from_step_7):
@@ -464,6 +457,54 @@ def test_without_the_guard_nonfinite_weights_are_never_saved(tmp_path, corpus, n
         train(run, model_cfg(), train_cfg(save_every=2), corpus, progress=False)
     assert latest(run) == "step-0000006"
     assert not (run / "checkpoints" / "step-0000008").exists()
+
+
+def _nan_forward_from(call: int) -> None:
+    """Make training forward passes of this process return NaN logits from the ``call``-th on."""
+    real, calls = LanguageModel.forward, []
+
+    def forward(self, *args, **kwargs):
+        logits, state = real(self, *args, **kwargs)
+        if self.training:
+            calls.append(1)
+            if len(calls) >= call:
+                logits = logits * float("nan")
+        return logits, state
+
+    LanguageModel.forward = forward
+
+
+def _ddp_guard_worker(rank: int, port: int, run_dir: str, corpus_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                      RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    if rank == 1:
+        _nan_forward_from(3)  # only rank 1 sees the anomaly
+    try:
+        train(run_dir, model_cfg(), train_cfg(steps=6, save_every=2, anomaly_guard=True),
+              load_corpus(corpus_path), progress=False)
+        outcome = "finished"
+    except TrainingAnomaly as err:
+        outcome = str(err)
+    Path(run_dir, f"guard-{rank}.txt").write_text(outcome)
+    torch.distributed.destroy_process_group()
+
+
+def test_anomaly_guard_stops_every_ddp_rank(tmp_path, text_file):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = tmp_path / "run"
+    ctx = mp.spawn(_ddp_guard_worker, args=(port, str(run), str(text_file)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:  # a rank left waiting in a collective: a deadlock
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the anomaly guard left a DDP rank hanging")
+    for rank in (0, 1):
+        assert "anomaly guard: at step 3" in (run / f"guard-{rank}.txt").read_text()
+    assert latest(run) == "step-0000002"
 
 
 def test_anomaly_guard_on_the_command_line(tmp_path, text_file, capsys):
