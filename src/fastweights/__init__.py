@@ -10,4 +10,4 @@ from .models.registry import build_mixer, mixer_names
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "layers", "models", "build_mixer", "mixer_names", "__version__"]
+__all__ = ["__version__", "build_mixer", "layers", "mixer_names", "models", "ops"]

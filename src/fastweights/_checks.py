@@ -6,6 +6,7 @@ what was expected, and is called before any computation (DESIGN.md, "Bad argumen
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -93,7 +94,7 @@ def check_finite_float(name: str, value: Any) -> float:
     """Any finite float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {value!r}")
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
 

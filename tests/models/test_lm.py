@@ -157,8 +157,8 @@ def test_from_pretrained_rejects_missing_and_corrupt(tmp_path):
 def test_packed_forward_equals_documents_one_by_one():
     import torch as _torch
 
-    from fastweights.models import LMConfig as _Cfg
     from fastweights.models import LanguageModel as _LM
+    from fastweights.models import LMConfig as _Cfg
 
     _torch.manual_seed(0)
     model = _LM(_Cfg(vocab_size=50, d_model=16, n_layers=2, n_heads=2,

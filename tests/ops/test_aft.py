@@ -10,7 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops import (
-    aft, aft_conv, aft_conv_stream, aft_full_stream, aft_local, aft_local_stream, aft_simple_stream,
+    aft,
+    aft_conv,
+    aft_conv_stream,
+    aft_full_stream,
+    aft_local,
+    aft_local_stream,
+    aft_simple_stream,
     linear_attn,
 )
 from fastweights.ops.aft.naive import aft_conv_naive, aft_local_naive, aft_naive

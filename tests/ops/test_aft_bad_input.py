@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from fastweights.ops import (
-    aft, aft_conv, aft_conv_stream, aft_full_stream, aft_local, aft_local_stream, aft_simple_stream,
+    aft,
+    aft_conv,
+    aft_conv_stream,
+    aft_full_stream,
+    aft_local,
+    aft_local_stream,
+    aft_simple_stream,
 )
 
 x = torch.randn(2, 5, 3)  # [B, T, D]

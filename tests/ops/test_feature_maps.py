@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from fastweights.ops import dpfp, draw_favor_projection, elu_plus_one, favor_features, relu, sum_norm
+from fastweights.ops import (
+    dpfp,
+    draw_favor_projection,
+    elu_plus_one,
+    favor_features,
+    relu,
+    sum_norm,
+)
 from tests.helpers import assert_close64
 
 

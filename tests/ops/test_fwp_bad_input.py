@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastweights.ops import delta_rule, dpfp, draw_favor_projection, favor_features, linear_attn, softmax_attention
+from fastweights.ops import (
+    delta_rule,
+    dpfp,
+    draw_favor_projection,
+    favor_features,
+    linear_attn,
+    softmax_attention,
+)
 
 q = torch.randn(2, 5, 3, 4)
 v = torch.randn(2, 5, 3, 6)

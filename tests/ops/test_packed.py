@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from fastweights.ops import (
-    decay_linear_attn, delta_rule, infini_attention, linear_attn, sum_norm, ttt_linear, ttt_mlp,
+    decay_linear_attn,
+    delta_rule,
+    infini_attention,
+    linear_attn,
+    sum_norm,
+    ttt_linear,
+    ttt_mlp,
 )
 from fastweights.ops.aft import aft_conv_stream, aft_local_stream, aft_simple_stream
 from tests.helpers import assert_close64

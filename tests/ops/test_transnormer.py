@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops import (
-    block_attention, decay_linear_attn, elu_plus_one, linear_attn, softmax_attention,
+    block_attention,
+    decay_linear_attn,
+    elu_plus_one,
+    linear_attn,
+    softmax_attention,
 )
 from fastweights.ops.transnormer import srms_norm
 from fastweights.ops.transnormer.naive import block_attention_naive

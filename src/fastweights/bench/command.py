@@ -25,7 +25,7 @@ from .report import OUTPUT_FILES, write_csv, write_markdown, write_plots
 from .runner import PASSES, run_targets
 from .targets import Setting, mixer_targets, op_targets
 
-__all__ = ["add_arguments", "run", "BenchOptions", "parse_options"]
+__all__ = ["BenchOptions", "add_arguments", "parse_options", "run"]
 
 DEFAULT_LENGTHS = "512..16384"
 FULL_LENGTHS = "512..65536"

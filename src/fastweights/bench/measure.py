@@ -39,8 +39,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = [
-    "count_flops", "time_call", "PeakMemory", "matmul_gflops", "synchronize",
+    "PeakMemory",
+    "count_flops",
+    "matmul_gflops",
     "prepare_cpu_memory_accounting",
+    "synchronize",
+    "time_call",
 ]
 
 _aten = torch.ops.aten

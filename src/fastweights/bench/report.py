@@ -9,7 +9,7 @@ from typing import Any
 
 from .runner import Row
 
-__all__ = ["OUTPUT_FILES", "write_csv", "write_markdown", "write_plots", "softmax_ratio"]
+__all__ = ["OUTPUT_FILES", "softmax_ratio", "write_csv", "write_markdown", "write_plots"]
 
 OUTPUT_FILES = ("results.csv", "results.md", "meta.json", "time_vs_T.png", "memory_vs_T.png")
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..models.registry import build_mixer, mixer_names, mixer_options
 
-__all__ = ["Setting", "Workload", "Target", "mixer_targets", "op_targets"]
+__all__ = ["Setting", "Target", "Workload", "mixer_targets", "op_targets"]
 
 # Feature maps and helpers in fastweights.ops that are not sequence mixers.
 _NOT_MIXERS = {

@@ -3,13 +3,26 @@
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer
 from .fwp import DeltaNet, LinearAttention
+from .glu import GLU
 from .infini import InfiniAttention
 from .softmax import SoftmaxAttention
-from .glu import GLU
 from .transnormer import DiagAttention, NormAttention, SRMSNorm
 from .ttt import TTTMLP, TTTLinear
 
-__all__ = ["Mixer", "LinearAttention", "DeltaNet", "SoftmaxAttention", "InfiniAttention",
-           "NormAttention", "DiagAttention", "GLU", "SRMSNorm",
-           "AFTFull", "AFTLocal", "AFTSimple", "AFTConv",
-           "TTTLinear", "TTTMLP"]
+__all__ = [
+           "GLU",
+           "TTTMLP",
+           "AFTConv",
+           "AFTFull",
+           "AFTLocal",
+           "AFTSimple",
+           "DeltaNet",
+           "DiagAttention",
+           "InfiniAttention",
+           "LinearAttention",
+           "Mixer",
+           "NormAttention",
+           "SRMSNorm",
+           "SoftmaxAttention",
+           "TTTLinear",
+]

@@ -19,7 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import (
-    check_bool, check_choice, check_layer_input, check_nonneg_float, check_positive_int,
+    check_bool,
+    check_choice,
+    check_layer_input,
+    check_nonneg_float,
+    check_positive_int,
 )
 from ..ops.aft import aft_conv_stream, aft_full_stream, aft_local_stream, aft_simple_stream
 from .base import Mixer, State, merge_heads, split_heads

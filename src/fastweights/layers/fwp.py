@@ -9,10 +9,20 @@ import torch
 from torch import nn
 
 from .._checks import (
-    check_bool, check_choice, check_layer_input, check_nonneg_float, check_positive_int,
+    check_bool,
+    check_choice,
+    check_layer_input,
+    check_nonneg_float,
+    check_positive_int,
 )
 from ..ops.fwp import (
-    delta_rule, dpfp, draw_favor_projection, elu_plus_one, favor_features, linear_attn, relu,
+    delta_rule,
+    dpfp,
+    draw_favor_projection,
+    elu_plus_one,
+    favor_features,
+    linear_attn,
+    relu,
     sum_norm,
 )
 from .base import Mixer, State, merge_heads, split_heads

@@ -8,7 +8,11 @@ import torch
 from torch import nn
 
 from .._checks import (
-    check_bool, check_choice, check_finite_float, check_layer_input, check_nonneg_float,
+    check_bool,
+    check_choice,
+    check_finite_float,
+    check_layer_input,
+    check_nonneg_float,
     check_positive_int,
 )
 from ..ops.infini import MODES, UPDATES, infini_attention

@@ -14,8 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import (
-    check_bool, check_choice, check_layer_input, check_nonneg_float, check_positive_int,
-    check_shape, check_tensor, state_dtype,
+    check_bool,
+    check_choice,
+    check_layer_input,
+    check_nonneg_float,
+    check_positive_int,
+    check_shape,
+    check_tensor,
+    state_dtype,
 )
 from ..ops.fwp import linear_attn
 from ..ops.transnormer import block_attention, decay_linear_attn, srms_norm

@@ -1,7 +1,7 @@
 """Configs, blocks, the language model and the mixer registry."""
 
-from .registry import MIXERS, build_mixer, mixer_names, mixer_options
 from .config import LMConfig
 from .lm import LanguageModel
+from .registry import MIXERS, build_mixer, mixer_names, mixer_options
 
-__all__ = ["MIXERS", "build_mixer", "mixer_names", "mixer_options", "LMConfig", "LanguageModel"]
+__all__ = ["MIXERS", "LMConfig", "LanguageModel", "build_mixer", "mixer_names", "mixer_options"]

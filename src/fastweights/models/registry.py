@@ -12,11 +12,21 @@ from functools import partial
 from typing import Any
 
 from .._checks import check_positive_int
-from ..layers import DeltaNet, LinearAttention, Mixer, SoftmaxAttention
-from ..layers import InfiniAttention
-from ..layers import DiagAttention, NormAttention
-from ..layers import AFTConv, AFTFull, AFTLocal, AFTSimple
-from ..layers import TTTMLP, TTTLinear
+from ..layers import (
+    TTTMLP,
+    AFTConv,
+    AFTFull,
+    AFTLocal,
+    AFTSimple,
+    DeltaNet,
+    DiagAttention,
+    InfiniAttention,
+    LinearAttention,
+    Mixer,
+    NormAttention,
+    SoftmaxAttention,
+    TTTLinear,
+)
 
 MIXERS: dict[str, Callable[..., Mixer]] = {
     "softmax": SoftmaxAttention,

@@ -1,10 +1,22 @@
 """The mathematics: pure functions on ``[B, T, H, D]`` tensors, one sub-package per family."""
 
 from .aft import (
-    aft, aft_conv, aft_conv_stream, aft_full_stream, aft_local, aft_local_stream, aft_simple_stream,
+    aft,
+    aft_conv,
+    aft_conv_stream,
+    aft_full_stream,
+    aft_local,
+    aft_local_stream,
+    aft_simple_stream,
 )
 from .fwp import (
-    delta_rule, dpfp, draw_favor_projection, elu_plus_one, favor_features, linear_attn, relu,
+    delta_rule,
+    dpfp,
+    draw_favor_projection,
+    elu_plus_one,
+    favor_features,
+    linear_attn,
+    relu,
     sum_norm,
 )
 from .infini import infini_attention
@@ -13,11 +25,25 @@ from .transnormer import block_attention, decay_linear_attn
 from .ttt import ttt_linear, ttt_mlp
 
 __all__ = [
-    "linear_attn", "delta_rule", "elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features",
-    "draw_favor_projection", "softmax_attention",
-    "infini_attention",
-    "block_attention", "decay_linear_attn",
-    "ttt_linear", "ttt_mlp",
-    "aft", "aft_local", "aft_conv", "aft_simple_stream", "aft_local_stream", "aft_conv_stream",
+    "aft",
+    "aft_conv",
+    "aft_conv_stream",
     "aft_full_stream",
+    "aft_local",
+    "aft_local_stream",
+    "aft_simple_stream",
+    "block_attention",
+    "decay_linear_attn",
+    "delta_rule",
+    "dpfp",
+    "draw_favor_projection",
+    "elu_plus_one",
+    "favor_features",
+    "infini_attention",
+    "linear_attn",
+    "relu",
+    "softmax_attention",
+    "sum_norm",
+    "ttt_linear",
+    "ttt_mlp",
 ]

@@ -30,14 +30,24 @@ from typing import Any
 
 import torch
 
-from .._autocast import float32_compute
 from ..._checks import (
-    check_bool, check_mode, check_positive_int, check_same_dtype_device, check_shape,
-    check_state_tensor, check_tensor, state_dtype,
+    check_bool,
+    check_mode,
+    check_positive_int,
+    check_same_dtype_device,
+    check_shape,
+    check_state_tensor,
+    check_tensor,
+    state_dtype,
 )
+from .._autocast import float32_compute
 from .._varlen import run_packed
 from .chunk import (
-    banded_bidirectional, banded_causal, full_rows, simple_bidirectional, simple_causal,
+    banded_bidirectional,
+    banded_causal,
+    full_rows,
+    simple_bidirectional,
+    simple_causal,
 )
 from .recurrent import banded_recurrent, simple_recurrent
 

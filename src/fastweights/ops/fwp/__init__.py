@@ -9,22 +9,41 @@ from __future__ import annotations
 
 import torch
 
-from .._autocast import float32_compute
 from ..._checks import (
-    check_bool, check_finite_float, check_mode, check_nonneg_float, check_positive_int, check_qkv,
-    check_shape, check_state_tensor, check_tensor, state_dtype,
+    check_bool,
+    check_finite_float,
+    check_mode,
+    check_nonneg_float,
+    check_positive_int,
+    check_qkv,
+    check_shape,
+    check_state_tensor,
+    check_tensor,
+    state_dtype,
 )
+from .._autocast import float32_compute
 from .._varlen import run_packed
 from .chunk import delta_rule_chunk, linear_attn_chunk
 from .feature_maps import (
-    draw_favor_projection, dpfp, elu_plus_one, favor_features, relu, sum_norm,
+    dpfp,
+    draw_favor_projection,
+    elu_plus_one,
+    favor_features,
+    relu,
+    sum_norm,
 )
 from .naive import delta_rule_naive, linear_attn_naive
 from .recurrent import delta_rule_recurrent, linear_attn_recurrent
 
 __all__ = [
-    "linear_attn", "delta_rule", "elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features",
+    "delta_rule",
+    "dpfp",
     "draw_favor_projection",
+    "elu_plus_one",
+    "favor_features",
+    "linear_attn",
+    "relu",
+    "sum_norm",
 ]
 
 MODES = ("chunk", "recurrent", "naive")

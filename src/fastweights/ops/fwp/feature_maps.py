@@ -11,7 +11,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._autocast import float32_compute
 from ..._checks import (
     FLOAT_DTYPES,
     check_bool,
@@ -19,6 +18,7 @@ from ..._checks import (
     check_positive_int,
     check_tensor,
 )
+from .._autocast import float32_compute
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:

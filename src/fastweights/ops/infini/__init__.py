@@ -11,12 +11,21 @@ import math
 
 import torch
 
-from .._autocast import float32_compute
 from ..._checks import (
-    check_bool, check_choice, check_finite_float, check_mode, check_nonneg_float,
-    check_positive_int, check_qkv, check_same_dtype_device, check_shape, check_state_tensor,
-    check_tensor, state_dtype,
+    check_bool,
+    check_choice,
+    check_finite_float,
+    check_mode,
+    check_nonneg_float,
+    check_positive_int,
+    check_qkv,
+    check_same_dtype_device,
+    check_shape,
+    check_state_tensor,
+    check_tensor,
+    state_dtype,
 )
+from .._autocast import float32_compute
 from .._varlen import run_packed
 from .chunk import infini_attention_chunk
 from .naive import infini_attention_naive

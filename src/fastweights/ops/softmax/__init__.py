@@ -10,8 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._autocast import float32_compute
 from ..._checks import check_bool, check_finite_float, check_same_dtype_device, check_tensor
+from .._autocast import float32_compute
 
 __all__ = ["softmax_attention"]
 

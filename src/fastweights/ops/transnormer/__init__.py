@@ -12,11 +12,19 @@ import math
 
 import torch
 
-from .._autocast import float32_compute
 from ..._checks import (
-    check_bool, check_choice, check_finite_float, check_mode, check_positive_int, check_qkv,
-    check_shape, check_state_tensor, check_tensor, state_dtype,
+    check_bool,
+    check_choice,
+    check_finite_float,
+    check_mode,
+    check_positive_int,
+    check_qkv,
+    check_shape,
+    check_state_tensor,
+    check_tensor,
+    state_dtype,
 )
+from .._autocast import float32_compute
 from .._varlen import run_packed
 from .chunk import block_attention_chunk, decay_linear_attn_chunk
 from .naive import decay_linear_attn_naive

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from .._autocast import float32_compute
 from ..._checks import (
     check_bool,
     check_mode,
@@ -29,6 +28,7 @@ from ..._checks import (
     check_tensor,
     state_dtype,
 )
+from .._autocast import float32_compute
 from .._varlen import check_cu_seqlens, run_packed
 from .common import Carry, current_weights
 from .dual import ttt_linear_dual, ttt_mlp_dual
