@@ -3,9 +3,15 @@
 SPEC.md 1.3 (sum rule, with/without attention normalisation) and 1.4 (delta rule, read after
 write). Public functions validate their arguments, upcast to float32 (float64 stays float64),
 dispatch on ``mode`` and return outputs in the input dtype with float32-or-wider states.
+On CUDA, mode="chunk" runs the Triton kernels of ``triton.py`` (see ``_use_triton``; the
+environment variable ``FASTWEIGHTS_TRITON=0`` turns them off); everywhere else, PyTorch.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
 
 import torch
 
@@ -47,6 +53,37 @@ __all__ = [
 ]
 
 MODES = ("chunk", "recurrent", "naive")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_logger = logging.getLogger(__name__)
+_fallbacks_logged: set[str] = set()
+
+
+def _triton_module() -> ModuleType | None:
+    """``ops/fwp/triton.py``, imported on first use; None where triton is not installed."""
+    try:
+        from . import triton as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def _use_triton(q: torch.Tensor) -> bool:
+    """Whether mode="chunk" runs the Triton kernels: q on CUDA in float16/bfloat16/float32,
+    ``FASTWEIGHTS_TRITON`` not "0" and triton importable. float64 and CPU always use PyTorch.
+    A CUDA tensor that falls back for another reason says why once per reason (logging info)."""
+    if not q.is_cuda or q.dtype not in TRITON_DTYPES:
+        return False
+    if os.environ.get("FASTWEIGHTS_TRITON", "1") == "0":
+        reason = "FASTWEIGHTS_TRITON=0"
+    elif _triton_module() is None:
+        reason = "triton is not installed (pip install fastweights[triton])"
+    else:
+        return True
+    if reason not in _fallbacks_logged:
+        _fallbacks_logged.add(reason)
+        _logger.info("fastweights.ops.fwp: CUDA input, using the PyTorch chunk path: %s", reason)
+    return False
 
 
 @float32_compute
@@ -87,6 +124,12 @@ def linear_attn(
         check_state_tensor("initial_state[0] (S)", S0, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
         check_state_tensor("initial_state[1] (z)", z0, (B, H, Dk), "[B, H, Dk]", q)
         S0, z0 = S0.to(cdtype), z0.to(cdtype)
+    if mode == "chunk" and T > 1 and _use_triton(q):
+        # The kernels take the inputs in their own dtype and upcast on chip (states float32).
+        kernels = _triton_module()
+        o, S, z = kernels.linear_attn_triton(q * scale if scale != 1.0 else q, k, v, S0, z0,
+                                             normalize, eps, min(chunk_size, T))
+        return o.to(q.dtype), ((S, z) if output_final_state else None)
     qc, kc, vc = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype)
     if mode == "chunk" and T == 1:
         # A decoding step: one token of the recurrence is the same arithmetic without padding
@@ -135,6 +178,11 @@ def delta_rule(
             initial_state = initial_state[0]
         check_state_tensor("initial_state", initial_state, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
         S0 = initial_state.to(cdtype)
+    if mode == "chunk" and T > 1 and _use_triton(q):  # see linear_attn
+        kernels = _triton_module()
+        o, S = kernels.delta_rule_triton(q * scale if scale != 1.0 else q, k, v, beta, S0,
+                                         min(chunk_size, T))
+        return o.to(q.dtype), (S if output_final_state else None)
     qc, kc, vc, bc = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype), beta.to(cdtype)
     if mode == "chunk" and T == 1:  # a decoding step (see linear_attn)
         o, S = delta_rule_recurrent(qc, kc, vc, bc, S0)

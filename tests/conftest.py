@@ -1,0 +1,12 @@
+"""Session setup shared by all tests.
+
+Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, and triton decorates
+its own library functions (tl.sum, ...) when it is first imported, so the CPU interpreter that
+tests/ops/test_fwp_triton.py runs the kernels with must be chosen before any import of triton.
+Nothing else in the test suite runs Triton code (torch.compile on CPU generates C++), so the
+setting affects that module only; an explicit TRITON_INTERPRET in the environment wins.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")

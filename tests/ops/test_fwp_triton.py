@@ -1,0 +1,205 @@
+"""Triton kernels of linear_attn / delta_rule (ops/fwp/triton.py) run by the Triton CPU
+interpreter against the naive oracles (SPEC 1.3, 1.4), and the mode="chunk" dispatcher.
+
+Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, including its own
+library functions at ``import triton``; tests/conftest.py therefore sets it before anything
+imports triton, and the ``kernels`` fixture checks that the kernels really are interpreted.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fastweights.ops import delta_rule, fwp, linear_attn, sum_norm
+from fastweights.ops.fwp.naive import delta_rule_naive, linear_attn_naive
+
+# (B, T, H, Dk, Dv): odd sizes; T never a multiple of the chunk; Dv 70 spans two value blocks.
+SHAPES = [(2, 37, 3, 5, 7), (1, 20, 2, 16, 16), (1, 9, 1, 7, 70)]
+IDS = [f"B{b}-T{t}-H{h}-Dk{dk}-Dv{dv}" for b, t, h, dk, dv in SHAPES]
+TOL32 = 1e-4
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fastweights.ops.fwp import triton as module
+
+    if not isinstance(module._linear_attn_fwd_kernel, InterpretedFunction):
+        pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
+                    "(or it is set to 0): these CPU tests need the Triton interpreter")
+    return module
+
+
+def inputs(B, T, H, Dk, Dv, seed=0):
+    """Positive q, k (the normaliser stays away from zero); sum-normalised keys for the delta
+    rule are made by the delta tests. All float64; states as well."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, T, H, Dk, generator=g, dtype=torch.float64)
+    k = torch.rand(B, T, H, Dk, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, H, Dv, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    S0 = torch.randn(B, H, Dk, Dv, generator=g, dtype=torch.float64)
+    z0 = torch.rand(B, H, Dk, generator=g, dtype=torch.float64)
+    return q, k, v, beta, S0, z0
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+@pytest.mark.parametrize("normalize", [False, True], ids=["unnorm", "norm"])
+@pytest.mark.parametrize("chunk", [16, 32], ids=lambda c: f"C{c}")
+def test_linear_attn_kernel_matches_naive(kernels, shape, normalize, chunk):
+    q, k, v, _, S0, z0 = inputs(*shape)
+    args32 = [x.float() for x in (q, k, v, S0, z0)]
+    o, S, z = kernels.linear_attn_triton(*args32, normalize, 1e-6, chunk)
+    ref, Sr, zr = linear_attn_naive(*(x.double() for x in args32), normalize, 1e-6)
+    assert o.dtype == S.dtype == z.dtype == torch.float32
+    for name, got, want in (("o", o, ref), ("S", S, Sr), ("z", z, zr)):
+        assert max_err(got, want) <= TOL32, f"{name}: {max_err(got, want):.2e}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+@pytest.mark.parametrize("chunk", [16, 32], ids=lambda c: f"C{c}")
+def test_delta_rule_kernel_matches_naive(kernels, shape, chunk):
+    q, k, v, beta, S0, _ = inputs(*shape)
+    args32 = [x.float() for x in (q, sum_norm(k), v, beta, S0)]
+    o, S = kernels.delta_rule_triton(*args32, chunk)
+    ref, Sr = delta_rule_naive(*(x.double() for x in args32))
+    assert o.dtype == S.dtype == torch.float32
+    assert max_err(o, ref) <= TOL32, f"o: {max_err(o, ref):.2e}"
+    assert max_err(S, Sr) <= TOL32, f"S: {max_err(S, Sr):.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_inputs_keep_float32_states(kernels, dtype):
+    """Half inputs, float32 states: the states match the float64 oracle on the same (rounded)
+    inputs to float32 accuracy; the outputs, stored in the input dtype, to its rounding."""
+    B, T, H, Dk, Dv = SHAPES[0]
+    q, k, v, beta, S0, z0 = inputs(B, T, H, Dk, Dv)
+    q, k, v, beta = (x.to(dtype) for x in (q, sum_norm(k), v, beta))
+    S0, z0 = S0.float(), z0.float()
+    eps = torch.finfo(dtype).eps
+    o, S, z = kernels.linear_attn_triton(q, k, v, S0, z0, True, 1e-6, 16)
+    ref, Sr, zr = linear_attn_naive(*(x.double() for x in (q, k, v, S0, z0)), True, 1e-6)
+    assert o.dtype == dtype and S.dtype == z.dtype == torch.float32
+    assert max_err(o, ref) <= eps * ref.abs().max().item()
+    assert max_err(S, Sr) <= TOL32 and max_err(z, zr) <= TOL32
+    o, S = kernels.delta_rule_triton(q, k, v, beta, S0, 16)
+    ref, Sr = delta_rule_naive(*(x.double() for x in (q, k, v, beta, S0)))
+    assert o.dtype == dtype and S.dtype == torch.float32
+    assert max_err(o, ref) <= eps * ref.abs().max().item()
+    assert max_err(S, Sr) <= TOL32
+
+
+@pytest.mark.parametrize("use_state", [True, False], ids=["loss-o-and-state", "loss-o-only"])
+def test_gradients_match_naive(kernels, use_state):
+    """The autograd.Function's backward (PyTorch chunk recompute) against autograd of the oracle."""
+    B, T, H, Dk, Dv = SHAPES[0]
+    q, k, v, beta, S0, z0 = inputs(B, T, H, Dk, Dv)
+    k = sum_norm(k)
+    g = torch.Generator().manual_seed(5)
+    wo = torch.randn(B, T, H, Dv, generator=g, dtype=torch.float64)
+    wS = torch.randn(B, H, Dk, Dv, generator=g, dtype=torch.float64)
+    wz = torch.randn(B, H, Dk, generator=g, dtype=torch.float64)
+
+    def loss(o, S, z=None):
+        total = (o * wo).sum()
+        if use_state:
+            total = total + (S * wS).sum() + (0.0 if z is None else (z * wz).sum())
+        return total
+
+    cases = [
+        (kernels.linear_attn_triton, linear_attn_naive, (q, k, v, S0, z0), (True, 1e-6)),
+        (kernels.delta_rule_triton, delta_rule_naive, (q, k, v, beta, S0), ()),
+    ]
+    for fast, naive, tensors, extra in cases:
+        x32 = [x.float().requires_grad_() for x in tensors]
+        x64 = [x.detach().clone().requires_grad_() for x in tensors]
+        if fast is kernels.linear_attn_triton:
+            loss(*fast(*x32, *extra, 16)).backward()
+        else:
+            loss(*fast(*x32, 16)).backward()
+        loss(*naive(*x64, *extra)).backward()
+        for i, (a, b) in enumerate(zip(x32, x64)):
+            assert a.grad is not None and a.grad.dtype == torch.float32
+            scale = max(1.0, b.grad.abs().max().item())
+            assert max_err(a.grad, b.grad) <= TOL32 * scale, f"{fast.__name__} grad {i}"
+
+
+def test_dispatch_uses_pytorch_on_cpu(kernels, monkeypatch):
+    calls = []
+    monkeypatch.setattr(fwp, "linear_attn_chunk",
+                        lambda *a: calls.append("la") or fwp.chunk.linear_attn_chunk(*a))
+    monkeypatch.setattr(fwp, "delta_rule_chunk",
+                        lambda *a: calls.append("dr") or fwp.chunk.delta_rule_chunk(*a))
+
+    def forbidden(*args):
+        raise AssertionError("the Triton path ran for a CPU tensor")
+
+    monkeypatch.setattr(kernels, "linear_attn_triton", forbidden)
+    monkeypatch.setattr(kernels, "delta_rule_triton", forbidden)
+    q, k, v, beta, _, _ = inputs(1, 9, 1, 4, 4)
+    for dtype in (torch.float32, torch.bfloat16):
+        linear_attn(q.to(dtype), k.to(dtype), v.to(dtype), chunk_size=4)
+        delta_rule(q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), chunk_size=4)
+    assert calls == ["la", "dr", "la", "dr"]
+    assert not fwp._use_triton(q.float())
+
+
+def test_use_triton_decision(kernels, monkeypatch, caplog):
+    """CUDA float16/bfloat16/float32 -> Triton; float64, FASTWEIGHTS_TRITON=0 or no triton ->
+    PyTorch, the latter two logged once each (a stand-in object plays the CUDA tensor)."""
+    monkeypatch.setattr(fwp, "_fallbacks_logged", set())
+    monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert fwp._use_triton(SimpleNamespace(is_cuda=True, dtype=dtype))
+    cuda16 = SimpleNamespace(is_cuda=True, dtype=torch.float16)
+    assert not fwp._use_triton(SimpleNamespace(is_cuda=True, dtype=torch.float64))
+    assert not fwp._use_triton(SimpleNamespace(is_cuda=False, dtype=torch.float16))
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.fwp"):
+        monkeypatch.setenv("FASTWEIGHTS_TRITON", "0")
+        assert not fwp._use_triton(cuda16) and not fwp._use_triton(cuda16)
+        monkeypatch.setenv("FASTWEIGHTS_TRITON", "1")
+        monkeypatch.setattr(fwp, "_triton_module", lambda: None)
+        assert not fwp._use_triton(cuda16) and not fwp._use_triton(cuda16)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert "FASTWEIGHTS_TRITON=0" in messages[0] and "triton is not installed" in messages[1]
+
+
+def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
+    """With the device check forced, the public ops run the (interpreted) kernels, scale q,
+    carry states and return outputs in the input dtype, matching mode="naive"."""
+    ran = []
+    for name in ("linear_attn_triton", "delta_rule_triton"):
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
+    monkeypatch.setattr(fwp, "_use_triton", lambda q: True)
+    B, T, H, Dk, Dv = SHAPES[0]
+    q, k, v, beta, S0, z0 = inputs(B, T, H, Dk, Dv)
+    k = sum_norm(k)
+    q32, k32, v32, b32 = (x.float() for x in (q, k, v, beta))
+    kw = {"scale": 0.7, "output_final_state": True}
+    o, (S, z) = linear_attn(q32, k32, v32, normalize=True, initial_state=(S0.float(), z0.float()),
+                            chunk_size=16, **kw)
+    ref, (Sr, zr) = linear_attn(*(x.double() for x in (q32, k32, v32)), normalize=True,
+                                initial_state=(S0, z0), mode="naive", **kw)
+    assert o.dtype == torch.float32
+    assert max(max_err(o, ref), max_err(S, Sr), max_err(z, zr)) <= TOL32
+    o, S = delta_rule(q32, k32, v32, b32, initial_state=S0.float(), chunk_size=16, **kw)
+    ref, Sr = delta_rule(*(x.double() for x in (q32, k32, v32, b32)), initial_state=S0,
+                         mode="naive", **kw)
+    assert max(max_err(o, ref), max_err(S, Sr)) <= TOL32
+    assert ran == ["linear_attn_triton", "delta_rule_triton"]
+    # A decoding step (T = 1) stays on the recurrent form.
+    linear_attn(q32[:, :1], k32[:, :1], v32[:, :1])
+    assert ran == ["linear_attn_triton", "delta_rule_triton"]
