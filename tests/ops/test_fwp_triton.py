@@ -9,6 +9,9 @@ imports triton, and the ``kernels`` fixture checks that the kernels really are i
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -203,3 +206,19 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     # A decoding step (T = 1) stays on the recurrent form.
     linear_attn(q32[:, :1], k32[:, :1], v32[:, :1])
     assert ran == ["linear_attn_triton", "delta_rule_triton"]
+
+
+def test_works_without_triton(monkeypatch):
+    """Without triton the kernels module is None for the dispatcher, and the package imports
+    (checked in a fresh interpreter where ``import triton`` fails)."""
+    monkeypatch.setitem(sys.modules, "fastweights.ops.fwp.triton", None)
+    monkeypatch.delattr(fwp, "triton", raising=False)  # `from . import` reads this attribute first
+    assert fwp._triton_module() is None
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, fastweights\n"
+            "from fastweights.ops.fwp import _triton_module, linear_attn\n"
+            "assert _triton_module() is None\n"
+            "linear_attn(*torch.rand(3, 1, 5, 1, 4).unbind(0))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert done.returncode == 0, done.stderr
