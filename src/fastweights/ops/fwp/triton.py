@@ -50,12 +50,19 @@ def _upcast_tiles(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret)
 
 
+def _input_precision(dtype: torch.dtype) -> str:
+    """tl.dot precision for products of two input-dtype tiles: "ieee" (exact float32) for float32
+    or upcast tiles; for half tiles the tensor-core default ("tf32", which names the float32
+    mode and leaves float16/bfloat16 products as they are: exact, float32 accumulation)."""
+    return "ieee" if dtype == torch.float32 or _upcast_tiles(dtype) else "tf32"
+
+
 @triton.jit
 def _linear_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr,
     T, H, Dk, Dv, C, eps,
-    NORMALIZE: tl.constexpr, UPCAST: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr,
+    NORMALIZE: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
 ):
     """o_c = Q_c S + tril(Q_c K_c^T) V_c, then S += K_c^T V_c, chunk after chunk.
 
@@ -90,7 +97,7 @@ def _linear_attn_fwd_kernel(
                      other=0.0)
         if UPCAST:  # see _upcast_tiles
             qb, kb, vb = qb.to(tl.float32), kb.to(tl.float32), vb.to(tl.float32)
-        scores = tl.dot(qb, tl.trans(kb), input_precision="ieee")  # [BC, BC] float32
+        scores = tl.dot(qb, tl.trans(kb), input_precision=IN_PREC)  # [BC, BC] float32
         scores = tl.where(causal, scores, 0.0)
         qf = qb.to(tl.float32)
         ob = tl.dot(qf, S, input_precision="ieee")
@@ -101,7 +108,7 @@ def _linear_attn_fwd_kernel(
             den = tl.sum(qf * z[None, :], axis=1) + tl.sum(scores, axis=1)
             ob = ob / (den + eps)[:, None]
             z += tl.sum(kb.to(tl.float32), axis=0)
-        S += tl.dot(tl.trans(kb), vb, input_precision="ieee")
+        S += tl.dot(tl.trans(kb), vb, input_precision=IN_PREC)
         tl.store(o_base + rt[:, None] * H * Dv + rv[None, :], ob.to(o_ptr.dtype.element_ty),
                  mask=mt[:, None] & mv[None, :])
     tl.store(s_ptrs, S, mask=ms)
@@ -111,7 +118,8 @@ def _linear_attn_fwd_kernel(
 def _delta_rule_fwd_kernel(
     q_ptr, k_ptr, w_ptr, u_ptr, s_ptr, o_ptr,
     T, H, BH, Dk, Dv, C,
-    UPCAST: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    UPCAST: tl.constexpr, IN_PREC: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr,
 ):
     """Per chunk n: U = U0_n - W_n S; o_n = Q_n S + tril(Q_n K_n^T) U; S += K_n^T U.
 
@@ -151,7 +159,7 @@ def _delta_rule_fwd_kernel(
                      mask=mcc[:, None] & mv[None, :], other=0.0)
         # The only state-dependent step of the UT form; W S is where the chunk reads the memory.
         U = ub - tl.dot(wb, S, input_precision="ieee")  # [BC, BV]
-        scores = tl.where(causal, tl.dot(qb, tl.trans(kb), input_precision="ieee"), 0.0)
+        scores = tl.where(causal, tl.dot(qb, tl.trans(kb), input_precision=IN_PREC), 0.0)
         ob = tl.dot(qb.to(tl.float32), S, input_precision="ieee")
         ob += tl.dot(scores, U, input_precision="ieee")
         S += tl.dot(tl.trans(kb.to(tl.float32)), U, input_precision="ieee")
@@ -174,8 +182,8 @@ def _linear_attn_forward(
     grid = (B * H, triton.cdiv(Dv, BV))
     _linear_attn_fwd_kernel[grid](
         q, k, v, S, z0, o, T, H, Dk, Dv, chunk_size, float(eps),
-        NORMALIZE=normalize, UPCAST=_upcast_tiles(q.dtype), BC=_tile(chunk_size), BK=_tile(Dk),
-        BV=BV,
+        NORMALIZE=normalize, UPCAST=_upcast_tiles(q.dtype), IN_PREC=_input_precision(q.dtype),
+        BC=_tile(chunk_size), BK=_tile(Dk), BV=BV,
     )
     z = z0 + k.to(torch.float32).sum(dim=1)
     return o, S, z
@@ -205,7 +213,8 @@ def _delta_rule_forward(
     grid = (B * H, triton.cdiv(Dv, BV))
     _delta_rule_fwd_kernel[grid](
         q, k, W, U0, S, o, T, H, B * H, Dk, Dv, C,
-        UPCAST=_upcast_tiles(q.dtype), BC=_tile(C), BK=_tile(Dk), BV=BV,
+        UPCAST=_upcast_tiles(q.dtype), IN_PREC=_input_precision(q.dtype), BC=_tile(C),
+        BK=_tile(Dk), BV=BV,
     )
     return o, S
 
