@@ -166,6 +166,20 @@ def check_state_tensor(
     return x
 
 
+def matrix_state(
+    initial_state: Any, shape: tuple[int, int, int, int], ref: torch.Tensor, dtype: torch.dtype,
+) -> torch.Tensor:
+    """The single-matrix state S [B, H, Dk, Dv] of an op (delta rule, decayed linear attention):
+    zeros when ``initial_state`` is None, else the checked tensor (a 1-tuple is unwrapped) in
+    ``dtype``."""
+    if initial_state is None:
+        return ref.new_zeros(shape, dtype=dtype)
+    if isinstance(initial_state, (tuple, list)) and len(initial_state) == 1:
+        initial_state = initial_state[0]
+    check_state_tensor("initial_state", initial_state, shape, "[B, H, Dk, Dv]", ref)
+    return initial_state.to(dtype)
+
+
 def check_mode(mode: Any, modes: Sequence[str]) -> str:
     """``mode`` is one of ``modes``."""
     return check_choice("mode", mode, modes)

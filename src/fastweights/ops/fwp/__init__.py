@@ -25,6 +25,7 @@ from ..._checks import (
     check_shape,
     check_state_tensor,
     check_tensor,
+    matrix_state,
     state_dtype,
 )
 from .._autocast import float32_compute
@@ -171,13 +172,7 @@ def delta_rule(
         return run_packed(delta_rule, (q, k, v, beta), cu_seqlens, initial_state,
                           output_final_state, scale=scale, mode=mode, chunk_size=chunk_size)
     cdtype = state_dtype(q.dtype)
-    if initial_state is None:
-        S0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)
-    else:
-        if isinstance(initial_state, (tuple, list)) and len(initial_state) == 1:
-            initial_state = initial_state[0]
-        check_state_tensor("initial_state", initial_state, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
-        S0 = initial_state.to(cdtype)
+    S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
     if mode == "chunk" and T > 1 and _use_triton(q):  # see linear_attn
         kernels = _triton_module()
         o, S = kernels.delta_rule_triton(q * scale if scale != 1.0 else q, k, v, beta, S0,

@@ -22,6 +22,7 @@ from ..._checks import (
     check_shape,
     check_state_tensor,
     check_tensor,
+    matrix_state,
     state_dtype,
 )
 from .._autocast import float32_compute
@@ -72,13 +73,7 @@ def decay_linear_attn(
                           output_final_state, decay=decay, scale=scale, mode=mode,
                           chunk_size=chunk_size)
     cdtype = state_dtype(q.dtype)
-    if initial_state is None:
-        S0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)
-    else:
-        if isinstance(initial_state, (tuple, list)) and len(initial_state) == 1:
-            initial_state = initial_state[0]
-        check_state_tensor("initial_state", initial_state, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
-        S0 = initial_state.to(cdtype)
+    S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
     qc, kc, vc, lam = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype), decay.to(cdtype)
     if mode == "chunk":
         o, S = decay_linear_attn_chunk(qc, kc, vc, lam, S0, chunk_size)
