@@ -20,7 +20,6 @@ from ..._checks import (
     check_positive_int,
     check_qkv,
     check_shape,
-    check_state_tensor,
     check_tensor,
     matrix_state,
     state_dtype,
