@@ -168,3 +168,21 @@ def test_retrieval_model_rejects_bad_options():
         RetrievalModel(4, "lstm")
     with pytest.raises(ValueError, match="feature_map"):
         RetrievalModel(4, "linear", feature_map="dpfp")
+
+
+def test_retrieval_favor_uses_one_projection_for_keys_and_queries(monkeypatch):
+    """phi(q).phi(k) estimates exp(q.k) only when keys and queries share a FAVOR+ draw."""
+    import fastweights.models.retrieval as retrieval
+
+    draws = []
+    real = retrieval.draw_favor_projection
+
+    def counting(*args, **kwargs):
+        draws.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(retrieval, "draw_favor_projection", counting)
+    model = retrieval.RetrievalModel(8, "favor", d_key=16)
+    keys = torch.randint(0, 16, (2, 8))
+    model(keys, torch.randint(0, 8, (2, 8)), keys[:, :3])
+    assert len(draws) == 1

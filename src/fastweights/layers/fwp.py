@@ -16,18 +16,15 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops.fwp import (
+    FEATURE_MAPS,
     delta_rule,
-    dpfp,
     draw_favor_projection,
-    elu_plus_one,
-    favor_features,
+    feature_map,
     linear_attn,
-    relu,
     sum_norm,
 )
 from .base import Mixer, State, merge_heads, split_heads
 
-FEATURE_MAPS = ("elu", "relu", "dpfp", "favor", "identity")
 NORMALIZATIONS = ("none", "attention", "sum")
 UPDATES = ("sum", "delta")
 
@@ -88,18 +85,9 @@ class LinearAttention(Mixer):
         return {"dpfp": 2 * D * self.nu, "favor": 2 * self.m}.get(self.feature_map, D)
 
     def _phi(self, x: torch.Tensor) -> torch.Tensor:
-        fm = self.feature_map
-        if fm == "elu":
-            x = elu_plus_one(x)
-        elif fm == "relu":
-            x = relu(x)
-        elif fm == "dpfp":
-            x = dpfp(x, self.nu)
-        elif fm == "favor":
-            x = favor_features(x, self.projection)
-        if self.normalize == "sum":
-            x = sum_norm(x, self.sum_norm_eps)
-        return x
+        x = feature_map(x, self.feature_map, nu=self.nu,
+                        projection=self.projection if self.feature_map == "favor" else None)
+        return sum_norm(x, self.sum_norm_eps) if self.normalize == "sum" else x
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)

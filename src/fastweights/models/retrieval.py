@@ -31,16 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_choice, check_positive_int
-from ..ops import (
-    delta_rule,
-    dpfp,
-    draw_favor_projection,
-    elu_plus_one,
-    favor_features,
-    linear_attn,
-    softmax_attention,
-    sum_norm,
-)
+from ..ops import delta_rule, draw_favor_projection, linear_attn, softmax_attention, sum_norm
+from ..ops.fwp import feature_map
 
 MEMORIES = ("linear", "dpfp", "favor", "delta", "softmax")
 FEATURE_MAPS = ("elu", "dpfp", "favor")
@@ -90,14 +82,8 @@ class RetrievalModel(nn.Module):
         extra = 0 if self.memory == "delta" else self.feature_dim  # the normaliser z
         return self.feature_dim * self.S + extra
 
-    def _phi(self, x: torch.Tensor) -> torch.Tensor:
-        if self.feature_map == "elu":
-            x = elu_plus_one(x)
-        elif self.feature_map == "dpfp":
-            x = dpfp(x, self.nu)
-        else:
-            proj = draw_favor_projection(self.m, self.d_key, dtype=x.dtype, device=x.device)
-            x = favor_features(x, proj)
+    def _phi(self, x: torch.Tensor, projection: torch.Tensor | None) -> torch.Tensor:
+        x = feature_map(x, self.feature_map, nu=self.nu, projection=projection)
         return sum_norm(x) if self.memory == "delta" else x
 
     def forward(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -116,7 +102,11 @@ class RetrievalModel(nn.Module):
         N, Q = queries.shape
         if self.memory == "softmax":
             return softmax_attention(q, k, v, causal=False)[:, :, 0]
-        k, q = self._phi(k), self._phi(q)
+        # FAVOR+ redraws its projection at every call (the synthetic code's policy), but one draw
+        # serves keys and queries alike: phi(q).phi(k) estimates exp(q.k) only under a shared one.
+        proj = (draw_favor_projection(self.m, self.d_key, dtype=k.dtype, device=k.device)
+                if self.feature_map == "favor" else None)
+        k, q = self._phi(k, proj), self._phi(q, proj)
         nothing_k = q.new_zeros(q.shape)
         nothing_v = q.new_zeros(N, Q, 1, self.S)
         if self.memory == "delta":

@@ -32,10 +32,12 @@ from .._autocast import float32_compute
 from .._varlen import run_packed
 from .chunk import delta_rule_chunk, linear_attn_chunk
 from .feature_maps import (
+    FEATURE_MAPS,
     dpfp,
     draw_favor_projection,
     elu_plus_one,
     favor_features,
+    feature_map,
     relu,
     sum_norm,
 )
@@ -43,11 +45,13 @@ from .naive import delta_rule_naive, linear_attn_naive
 from .recurrent import delta_rule_recurrent, linear_attn_recurrent
 
 __all__ = [
+    "FEATURE_MAPS",
     "delta_rule",
     "dpfp",
     "draw_favor_projection",
     "elu_plus_one",
     "favor_features",
+    "feature_map",
     "linear_attn",
     "relu",
     "sum_norm",

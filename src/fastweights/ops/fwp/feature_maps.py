@@ -127,3 +127,27 @@ def favor_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     offset = -0.5 * (xc * xc).sum(dim=-1, keepdim=True) - 0.5 * math.log(2 * m)
     feats = torch.exp(torch.cat([proj + offset, -proj + offset], dim=-1))
     return feats.to(x.dtype)
+
+
+FEATURE_MAPS = ("elu", "relu", "dpfp", "favor", "identity")
+
+
+def feature_map(
+    x: torch.Tensor, name: str, *, nu: int = 1, projection: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """phi(x) by name: ``elu`` (ELU+1), ``relu``, ``dpfp`` (with ``nu``), ``favor`` (with
+    ``projection`` [m, d], the same draw for queries and keys) or ``identity``. [..., d] -> [..., d_dot]."""
+    if name == "elu":
+        return elu_plus_one(x)
+    if name == "relu":
+        return relu(x)
+    if name == "dpfp":
+        return dpfp(x, nu)
+    if name == "favor":
+        if projection is None:
+            raise ValueError("feature map 'favor' needs a projection [m, d] (draw_favor_projection)")
+        return favor_features(x, projection)
+    if name == "identity":
+        check_tensor("x", x)
+        return x
+    raise ValueError(f"feature map must be one of {list(FEATURE_MAPS)}, got {name!r}")
