@@ -4,8 +4,9 @@
 d_model 256, 4 heads, float32), prefills a random context of each length (in pieces of
 ``--prefill-chunk`` tokens with the state carried, which equals one whole forward and bounds the
 softmax score blocks), then decodes ``--new-tokens`` tokens one T = 1 step at a time, greedily
-(with ``--decode-mode recurrent``, the default, in the token-by-token form of the mixers that
-have one, same weights), and reports per (mixer, context):
+(``--decode-mode layer``, the default, through the model as configured: the chunked ops take the
+recurrence for one-token calls; ``recurrent`` builds a copy in the token-by-token form of the
+mixers that have one, same weights), and reports per (mixer, context):
 
 - ``state_bytes``: bytes of every tensor of the carried state after the prefill, and its growth
   per decoded token (0 for recurrent mixers; the KV cache for softmax);
@@ -80,7 +81,7 @@ def _reset_rss_peak() -> bool:
 @torch.no_grad()
 def measure(mixer: str, context: int, *, d_model: int, n_layers: int, n_heads: int,
             vocab_size: int, new_tokens: int, prefill_chunk: int, seed: int,
-            decode_mode: str = "recurrent") -> dict[str, Any]:
+            decode_mode: str = "layer") -> dict[str, Any]:
     """Prefill ``context`` random tokens, then decode ``new_tokens``; see the module docstring."""
     torch.manual_seed(seed)
     config = LMConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=1024)
-    p.add_argument("--decode-mode", choices=["recurrent", "layer"], default="recurrent",
+    p.add_argument("--decode-mode", choices=["recurrent", "layer"], default="layer",
                    help="recurrent: T = 1 steps in the token-by-token form of mixers that have "
                         "one (same weights); layer: the mixers' configured form (chunk)")
     p.add_argument("--seed", type=int, default=0)
