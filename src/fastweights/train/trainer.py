@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gc
 import io
 import json
 import math
@@ -221,9 +222,10 @@ def _set_rng_states(states: dict[str, Any], data_gen: torch.Generator) -> None:
     np.random.set_state(states["numpy"])
 
 
-def _dist_info() -> tuple[int, int, torch.device]:
-    """(rank, world size, device) from torchrun's environment; initialises the process group
-    (nccl on GPU, gloo on CPU) when WORLD_SIZE > 1."""
+def _dist_info() -> tuple[int, int, torch.device, bool]:
+    """(rank, world size, device, whether this call created the process group) from torchrun's
+    environment; initialises the process group (nccl on GPU, gloo on CPU) when WORLD_SIZE > 1
+    and none exists yet."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if torch.cuda.is_available():
@@ -231,9 +233,10 @@ def _dist_info() -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
+    created = world > 1 and not dist.is_initialized()
+    if created:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
+    return rank, world, device, created
 
 
 def train(run_dir: str | Path, model_config: LMConfig | None, train_config: TrainConfig | None,
@@ -249,7 +252,7 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     step without the final save, as if the process had been killed (time-boxed sessions, tests).
     """
     run_dir = Path(run_dir)
-    rank, world, device = _dist_info()
+    rank, world, device, owns_group = _dist_info()
     main = rank == 0
     resumed: tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None = None
     if resume:
@@ -317,67 +320,73 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     losses: list[tuple[int, float]] = []
     start, tokens = time.perf_counter(), 0
     stopped_early = False
-    while step < cfg.steps:
-        if cfg.pack:
-            x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size, cfg.seq_len,
-                                      data_gen, rows=(rank * local, (rank + 1) * local))
-            x, y, cu = x.to(device), y.to(device), cu.to(device)
-        else:
-            x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
-            x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
-            cu = None
-        with autocast:
-            logits, _ = ddp(x, cu_seqlens=cu)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if cfg.anomaly_guard and not _all_finite(loss, grad_norm, world):
-            bar.close()
-            if metrics is not None:
-                metrics.close()
-            pointer = run_dir / "checkpoints" / "latest"
-            kept = (f"the last good checkpoint, {pointer.read_text().strip()}, is kept in {pointer.parent}"
-                    if pointer.is_file() else "no checkpoint had been saved yet")
-            raise TrainingAnomaly(
-                f"anomaly guard: at step {step + 1} the training loss is {loss.item():.6g} and the "
-                f"gradient norm {grad_norm.item():.6g}; training stopped before this step changed "
-                f"the weights, {kept}")
-        lr = opt.param_groups[0]["lr"]
-        opt.step()
-        sched.step()
-        step += 1
-        tokens += cfg.batch_size * cfg.seq_len
-        loss_value = loss.item()
-        if world > 1:  # report the global-batch loss, identical to one process's
-            t = torch.tensor([loss_value], device=device)
-            dist.all_reduce(t)
-            loss_value = t.item() / world
-        losses.append((step, loss_value))
-        elapsed = time.perf_counter() - start
-        if main:
-            metrics.log(step, "train", loss_value, lr=lr, tokens_per_s=tokens / elapsed, seconds=elapsed)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens / elapsed:.0f}")
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            val = evaluate(model, corpus.val, cfg.seq_len, cfg.eval_windows)
-            if main:
-                metrics.log(step, "val", val, seconds=elapsed)
-                bar.write(f"step {step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
-            if val < best:
-                best, since_best = val, 0
+    try:
+        while step < cfg.steps:
+            if cfg.pack:
+                x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size, cfg.seq_len,
+                                          data_gen, rows=(rank * local, (rank + 1) * local))
+                x, y, cu = x.to(device), y.to(device), cu.to(device)
             else:
-                since_best += 1
-                stopped_early = cfg.patience > 0 and since_best >= cfg.patience
-        if stop_after is not None and step >= stop_after and step < cfg.steps:
-            break
-        if stopped_early or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            save()
-        if stopped_early:
+                x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
+                x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
+                cu = None
+            with autocast:
+                logits, _ = ddp(x, cu_seqlens=cu)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if cfg.anomaly_guard and not _all_finite(loss, grad_norm, world):
+                pointer = run_dir / "checkpoints" / "latest"
+                kept = (f"the last good checkpoint, {pointer.read_text().strip()}, is kept in {pointer.parent}"
+                        if pointer.is_file() else "no checkpoint had been saved yet")
+                raise TrainingAnomaly(
+                    f"anomaly guard: at step {step + 1} the training loss is {loss.item():.6g} and the "
+                    f"gradient norm {grad_norm.item():.6g}; training stopped before this step changed "
+                    f"the weights, {kept}")
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            step += 1
+            tokens += cfg.batch_size * cfg.seq_len
+            loss_value = loss.item()
+            if world > 1:  # report the global-batch loss, identical to one process's
+                t = torch.tensor([loss_value], device=device)
+                dist.all_reduce(t)
+                loss_value = t.item() / world
+            losses.append((step, loss_value))
+            elapsed = time.perf_counter() - start
             if main:
-                bar.write(f"early stop at step {step}: {since_best} validations without a new best")
-            break
-    bar.close()
-    if metrics is not None:
-        metrics.close()
+                metrics.log(step, "train", loss_value, lr=lr, tokens_per_s=tokens / elapsed, seconds=elapsed)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                val = evaluate(model, corpus.val, cfg.seq_len, cfg.eval_windows)
+                if main:
+                    metrics.log(step, "val", val, seconds=elapsed)
+                    bar.write(f"step {step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
+                if val < best:
+                    best, since_best = val, 0
+                else:
+                    since_best += 1
+                    stopped_early = cfg.patience > 0 and since_best >= cfg.patience
+            if stop_after is not None and step >= stop_after and step < cfg.steps:
+                break
+            if stopped_early or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                save()
+            if stopped_early:
+                if main:
+                    bar.write(f"early stop at step {step}: {since_best} validations without a new best")
+                break
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+        if world > 1:
+            # DDP's reducer keeps the backend's work objects (and their tensors) alive; left to
+            # interpreter shutdown, gloo may abort the process (SIGABRT) while freeing them.
+            del ddp
+            gc.collect()
+            if owns_group:  # the group this call created ends with it, on success or error
+                dist.destroy_process_group()
     return losses
