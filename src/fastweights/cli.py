@@ -131,6 +131,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pack", action="store_true",
                    help="pack each batch into one row with the state reset at document (file) "
                         "boundaries (cu_seqlens), no padding and no prediction across documents")
+    p.add_argument("--recompute", action="store_true",
+                   help="gradient checkpointing: keep only each block's input and recompute its "
+                        "activations in the backward pass (less memory, about one more forward)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train", help="run folder")
     p.add_argument("--resume", action="store_true",

@@ -291,6 +291,8 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _is_stateful = True  # no rollback: assisted generation is refused by generate()
+    # gradient_checkpointing_enable() switches LanguageModel.gradient_checkpointing (per block)
+    supports_gradient_checkpointing = True
     _no_split_modules = ["Block"]
     _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
 

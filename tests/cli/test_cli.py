@@ -64,8 +64,10 @@ def test_train_resume_eval_generate(tmp_path, text_file, capsys):
     common = ["--data", text_file, "--seq-len", "16", "--batch-size", "4", "--d-model", "16",
               "--n-heads", "2", "--n-layers", "2", "--eval-every", "4", "--eval-windows", "3",
               "--out", str(run), "--quiet"]
-    assert main(["train", "--mixer", "softmax,delta", "--steps", "4", "--save-every", "2", *common]) == 0
+    assert main(["train", "--mixer", "softmax,delta", "--steps", "4", "--save-every", "2",
+                 "--recompute", *common]) == 0
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000004"
+    assert json.loads((run / "run.json").read_text())["train"]["recompute"] is True
     assert main(["train", "--resume", "--steps", "6", *common]) == 0  # extend the finished run
     assert json.loads((run / "run.json").read_text())["train"]["steps"] == 6
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000006"

@@ -171,6 +171,28 @@ def test_loss_is_next_token_cross_entropy_ignoring_pads():
     assert_close64(out.loss, -lp[torch.arange(len(target)), target].mean(), what="loss")
 
 
+@pytest.mark.parametrize("mixer", ["delta", "mixed"])
+def test_gradient_checkpointing_enable_recomputes_with_the_same_gradients(mixer):
+    model = tiny_model(MIXERS[mixer]).train()
+    ids = torch.cat([prompt(9, seed=3), prompt(9, seed=4)])
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    # transformers 5.x names it activation_checkpointing_enable (the old name warns)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    assert model.is_activation_checkpointing and model.model.gradient_checkpointing
+    recomputed = grads()
+    assert plain.keys() == recomputed.keys() and plain
+    for n in plain:
+        assert_close64(recomputed[n], plain[n], what=n)
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    assert not model.model.gradient_checkpointing
+
+
 def test_bad_inputs_raise():
     model = tiny_model("delta")
     ids = prompt(4, seed=13).repeat(2, 1)

@@ -170,3 +170,76 @@ def test_packed_forward_equals_documents_one_by_one():
     for a, b in [(0, 3), (3, 4), (4, 11)]:
         ref, _ = model(ids[:, a:b])
         assert (logits[:, a:b] - ref).abs().max().item() < 1e-10
+
+
+def _loss_and_grads(model, x, state=None, cu_seqlens=None):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)  # the same dropout masks and FAVOR+ redraws in both runs
+    logits, new_state = model(x, state, cu_seqlens=cu_seqlens)
+    loss = logits.square().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, new_state
+
+
+@pytest.mark.parametrize("name", mixer_names())
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(name):
+    model = tiny(name, dropout=0.1).train()
+    x = ids()
+    _, _, state = _loss_and_grads(model, x[:, :4])  # a carried state too
+    state = [None if s is None else _detach(s) for s in state]
+    plain_loss, plain, _ = _loss_and_grads(model, x[:, 4:], state)
+    model.set_gradient_checkpointing(True)
+    ck_loss, ck, _ = _loss_and_grads(model, x[:, 4:], state)
+    assert model.gradient_checkpointing
+    assert torch.equal(plain_loss, ck_loss), name
+    assert plain.keys() == ck.keys() and plain  # (a carried state bypasses learned initial states)
+    for n in plain:
+        assert_close64(ck[n], plain[n], what=f"{name} grad {n}")
+
+
+def _detach(state):
+    if isinstance(state, torch.Tensor):
+        return state.detach()
+    if isinstance(state, (list, tuple)):
+        return type(state)(_detach(s) for s in state)
+    if isinstance(state, dict):
+        return {k: _detach(v) for k, v in state.items()}
+    return state
+
+
+def test_gradient_checkpointing_keeps_only_block_inputs():
+    """With recomputation the autograd graph holds far fewer saved tensors between the
+    forward and the backward pass (only each block's input, not its intermediates)."""
+    def saved_bytes(model):
+        total = []
+
+        def pack(t):
+            total.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits, _ = model(ids(T=64))
+        return sum(total), logits
+
+    model = LanguageModel(LMConfig(vocab_size=31, d_model=32, n_layers=4, n_heads=2,
+                                   mixer="delta")).train()
+    plain, _ = saved_bytes(model)
+    checkpointed, _ = saved_bytes(model.set_gradient_checkpointing(True))
+    assert checkpointed < plain / 3
+
+
+def test_gradient_checkpointing_is_off_in_eval_and_no_grad_and_packed_works():
+    model = tiny("delta").set_gradient_checkpointing(True)
+    x = ids(B=1, T=11)
+    with torch.no_grad():
+        ref, _ = model(x)
+    assert_close64(model(x)[0], ref, what="eval mode")
+    model.train()
+    cu = torch.tensor([0, 3, 11])
+    loss, grads, state = _loss_and_grads(model, x, cu_seqlens=cu)
+    model.set_gradient_checkpointing(False)
+    loss2, grads2, _ = _loss_and_grads(model, x, cu_seqlens=cu)
+    assert torch.equal(loss, loss2) and all(torch.allclose(grads[n], grads2[n]) for n in grads)
+    with pytest.raises(TypeError, match="enable must be a bool"):
+        model.set_gradient_checkpointing("yes")

@@ -123,6 +123,16 @@ def test_two_process_ddp_equals_one_process(tmp_path, corpus):
         assert torch.allclose(p, q, atol=1e-5)
 
 
+def test_recompute_trains_to_the_same_losses(tmp_path, corpus):
+    plain = train(tmp_path / "plain", model_cfg(), train_cfg(steps=3, eval_every=3), corpus,
+                  progress=False)
+    recomputed = train(tmp_path / "ck", model_cfg(), train_cfg(steps=3, eval_every=3, recompute=True),
+                       corpus, progress=False)
+    assert [s for s, _ in plain] == [s for s, _ in recomputed]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(plain, recomputed)) < 1e-5
+    assert json.loads((tmp_path / "ck" / "run.json").read_text())["train"]["recompute"] is True
+
+
 def test_bf16_autocast_trains_with_float32_weights(tmp_path, corpus):
     losses = train(tmp_path / "bf16", model_cfg(), train_cfg(steps=3, eval_every=3, bf16=True),
                    corpus, progress=False)

@@ -5,10 +5,13 @@ Dimension legend: B batch, T tokens, V vocabulary, d d_model.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
@@ -30,7 +33,17 @@ class LanguageModel(nn.Module):
     list with every layer's recurrent state (None = start of sequence); feeding a sequence in
     pieces with the state carried gives the logits of feeding it whole. ``generate`` prefills the
     prompt in one forward and then decodes one token per step from the carried state.
+
+    ``gradient_checkpointing`` (off by default; ``set_gradient_checkpointing``) trades compute
+    for memory in training: each block keeps only its input for the backward pass and runs its
+    forward again there, so activation memory holds one block's intermediates instead of
+    ``n_layers`` of them. It applies in training mode with gradients enabled; results, gradients
+    and random draws (dropout, FAVOR+ redraws) are those of the plain forward.
     """
+
+    #: Recompute each block's activations in the backward pass (see the class docstring). The
+    #: name is the attribute Hugging Face's ``gradient_checkpointing_enable`` sets.
+    gradient_checkpointing: bool = False
 
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
@@ -49,6 +62,15 @@ class LanguageModel(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func: Callable[..., Any] | None = None
+
+    def set_gradient_checkpointing(self, enable: bool = True) -> LanguageModel:
+        """Switch activation recomputation in the backward pass on or off; returns the model."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {enable!r}")
+        self.gradient_checkpointing = enable
+        return self
 
     def _check_ids(self, input_ids: Any, name: str = "input_ids") -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor):
@@ -97,8 +119,13 @@ class LanguageModel(nn.Module):
             )
         x = self.drop(self.embed(input_ids))  # [B, T, d]
         new_state: LMState = []
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        run = (self._gradient_checkpointing_func or _checkpoint) if recompute else None
         for block, s in zip(self.blocks, state):
-            x, s = block(x, s, cu_seqlens=cu_seqlens)
+            if run is not None:
+                x, s = run(block.__call__, x, s, cu_seqlens=cu_seqlens)
+            else:
+                x, s = block(x, s, cu_seqlens=cu_seqlens)
             new_state.append(s)
         return self.head(self.norm(x)), new_state  # [B, T, V]
 
@@ -175,6 +202,11 @@ class LanguageModel(nn.Module):
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"cannot load weights from {directory / WEIGHTS_FILE}: {first}") from None
         return model.to(device)
+
+
+# Non-reentrant checkpointing: works with nested state outputs and inputs that need no grad;
+# the RNG state is restored for the recomputation so dropout and FAVOR+ redraws repeat exactly.
+_checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,

@@ -135,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             warmup=args.warmup, eval_every=args.eval_every, eval_windows=args.eval_windows,
             anomaly_guard=args.anomaly_guard,
             save_every=args.save_every, patience=args.patience, bf16=args.bf16, seed=args.seed,
-            pack=args.pack)
+            pack=args.pack, recompute=args.recompute)
     except ValueError as err:
         raise UserError(str(err)) from None
     mcfg = None

@@ -47,7 +47,8 @@ class TrainConfig:
     ``save_every`` 0 saves only at the end; ``patience`` 0 disables early stopping (else stop
     after that many validations without a new best). ``anomaly_guard`` stops training with
     ``TrainingAnomaly`` as soon as the loss or the gradient norm is NaN or inf, before that step
-    changes the weights, so the last checkpoint stays the last good one."""
+    changes the weights, so the last checkpoint stays the last good one. ``recompute`` turns on
+    the model's gradient checkpointing (less activation memory, same losses)."""
 
     steps: int = 300
     batch_size: int = 16
@@ -65,6 +66,7 @@ class TrainConfig:
     seed: int = 0
     anomaly_guard: bool = False
     pack: bool = False  # one packed row per step, state reset at document boundaries
+    recompute: bool = False  # gradient checkpointing per block
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows"):
@@ -80,8 +82,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.min_lr_ratio <= 1 or not self.weight_decay >= 0:
             raise ValueError("min_lr_ratio must be in [0, 1] and weight_decay >= 0")
-        if not isinstance(self.anomaly_guard, bool):
-            raise TypeError(f"anomaly_guard must be a bool, got {self.anomaly_guard!r}")
+        for name in ("anomaly_guard", "pack", "recompute", "bf16"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 class TrainingAnomaly(RuntimeError):
@@ -288,6 +291,7 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     data_gen = torch.Generator().manual_seed(cfg.seed)
     model = resumed[0] if resumed else LanguageModel(model_config)
     model.to(device).train()
+    model.set_gradient_checkpointing(cfg.recompute)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

@@ -1,0 +1,131 @@
+"""Training-step time and peak memory with and without gradient checkpointing (recompute).
+
+``python -m fastweights.bench.recompute`` builds one ``LanguageModel`` per mixer (default: 4
+layers, d_model 512, 8 heads, MLP feed-forward, float32, batch 1) and, for every sequence
+length, times one training step (forward, loss, backward) with
+``model.set_gradient_checkpointing(False)`` and ``(True)``: the median of ``--repeats`` after a
+warm-up, and the peak memory the step adds on top of the model and its gradients (CPU: the
+resident-set high-water mark, see ``measure.PeakMemory``; CUDA: allocator statistics, on a
+separate untimed step). Both settings run in the same process, one after the other, on the same
+weights and input; the losses are checked to agree. Results are printed as a table and written
+as JSON and markdown with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..models.config import LMConfig
+from ..models.lm import LanguageModel
+from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
+
+
+def _step(model: LanguageModel, ids: torch.Tensor) -> torch.Tensor:
+    logits, _ = model(ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
+    loss.backward()
+    return loss.detach()
+
+
+def measure(mixer: str, T: int, *, d_model: int, n_layers: int, n_heads: int, repeats: int,
+            device: torch.device, memory: bool) -> list[dict[str, Any]]:
+    """One row per setting (recompute off, on) for ``mixer`` at length ``T``."""
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=256, d_model=d_model, n_layers=n_layers,
+                                   n_heads=n_heads, mixer=mixer)).to(device).train()
+    ids = torch.randint(0, 256, (1, T), device=device)
+    rows, losses = [], []
+    for recompute in (False, True):
+        model.set_gradient_checkpointing(recompute)
+        model.zero_grad(set_to_none=False)
+        _step(model, ids)  # warm-up; leaves the .grad buffers allocated, as in training
+        times = []
+        for _ in range(repeats):
+            model.zero_grad(set_to_none=False)
+            times.append(time_call(lambda: losses.append(_step(model, ids)), device))
+        peak = None
+        if memory:
+            model.zero_grad(set_to_none=False)
+            with PeakMemory(device) as pm:
+                _step(model, ids)
+            peak = pm.peak
+        rows.append({"mixer": mixer, "T": T, "recompute": recompute,
+                     "ms": 1e3 * statistics.median(times),
+                     "peak_mib": None if peak is None else peak / 2**20})
+    if not torch.allclose(losses[0], losses[-1], rtol=1e-5, atol=1e-6):
+        raise RuntimeError(f"{mixer} T={T}: recompute changed the loss ({losses[0]} vs {losses[-1]})")
+    return rows
+
+
+def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [f"# Training step with and without recompute ({meta['machine']})", "",
+             f"Command: `{meta['command']}`", "",
+             f"{meta['n_layers']} layers, d_model {meta['d_model']}, {meta['n_heads']} heads, "
+             f"batch 1, float32, median of {meta['repeats']} steps; peak = memory one step adds "
+             "above the model and its gradients.", "",
+             "| mixer | T | step ms | step ms (recompute) | time x | peak MiB | peak MiB (recompute) | memory saved |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for off, on in zip(rows[::2], rows[1::2]):
+        saved = (f"{1 - on['peak_mib'] / off['peak_mib']:.0%}"
+                 if off["peak_mib"] and on["peak_mib"] is not None else "n/a")
+        pk = (lambda r: "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}")
+        lines.append(f"| {off['mixer']} | {off['T']} | {off['ms']:.0f} | {on['ms']:.0f} | "
+                     f"{on['ms'] / off['ms']:.2f} | {pk(off)} | {pk(on)} | {saved} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(prog="python -m fastweights.bench.recompute", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mixers", default="delta,linear,softmax")
+    p.add_argument("--lengths", default="1024,4096")
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", help="folder for results.json and results.md")
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    try:
+        mixers = [m for m in args.mixers.split(",") if m]
+        lengths = [int(t) for t in args.lengths.split(",") if t]
+    except ValueError:
+        p.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    if any(t < 1 for t in lengths) or args.repeats < 1:
+        p.error("--lengths and --repeats must be positive")
+    memory = device.type == "cuda" or prepare_cpu_memory_accounting()
+    rows: list[dict[str, Any]] = []
+    for mixer in mixers:
+        for T in lengths:
+            rows += measure(mixer, T, d_model=args.d_model, n_layers=args.n_layers,
+                            n_heads=args.n_heads, repeats=args.repeats, device=device,
+                            memory=memory)
+            print(_markdown(rows[-2:], {"machine": "", "command": "", "n_layers": args.n_layers,
+                                         "d_model": args.d_model, "n_heads": args.n_heads,
+                                         "repeats": args.repeats}).splitlines()[-1], flush=True)
+    meta = {"machine": f"{platform.processor() or platform.machine()}, "
+                       f"{torch.get_num_threads()} threads, torch {torch.__version__}, {device}",
+            "command": "python -m fastweights.bench.recompute " + " ".join(argv),
+            "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
+            "repeats": args.repeats}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+        (out / "results.md").write_text(_markdown(rows, meta))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
