@@ -39,7 +39,8 @@ class LinearAttention(Mixer):
     as DeltaNet); ``update`` is ``sum`` (W += k^T v) or ``delta``. Heads are concatenated,
     multiplied by ``out_scale`` (default 1/sqrt(head_dim), as every lmtool fast-weight layer) and
     projected back to d_model. FAVOR+ redraws its projection on every training forward and keeps
-    the last draw in eval mode (``redraw=False`` keeps it fixed always).
+    the last draw in eval mode (``redraw=False`` keeps it fixed always). The defaults ``nu=2``
+    and ``m=16`` are lmtool's (SPEC 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
 
     State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule, ``(S,)`` for delta.
     """
@@ -47,7 +48,7 @@ class LinearAttention(Mixer):
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         feature_map: str = "elu", normalize: str = "attention", update: str = "sum",
-        nu: int = 1, m: int = 16, eps: float = 1e-6, sum_norm_eps: float = 1e-6,
+        nu: int = 2, m: int = 16, eps: float = 1e-6, sum_norm_eps: float = 1e-6,
         out_scale: float | None = None, redraw: bool = True, orthogonal: bool = True,
         mode: str = "chunk", chunk_size: int = 64,
     ) -> None:

@@ -31,7 +31,7 @@ from ..layers import (
 MIXERS: dict[str, Callable[..., Mixer]] = {
     "softmax": SoftmaxAttention,
     "linear": partial(LinearAttention, feature_map="elu", normalize="attention", update="sum"),
-    "dpfp": partial(LinearAttention, feature_map="dpfp", nu=1, normalize="attention", update="sum"),
+    "dpfp": partial(LinearAttention, feature_map="dpfp", nu=2, normalize="attention", update="sum"),
     "favor": partial(LinearAttention, feature_map="favor", m=16, normalize="attention", update="sum"),
     "delta": DeltaNet,
     "infini": InfiniAttention,
