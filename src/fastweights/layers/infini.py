@@ -76,7 +76,17 @@ class InfiniAttention(Mixer):
         self.out = nn.Linear(H * D, d_model, bias=bias)
         self.gate = nn.Parameter(torch.full((H,), float(gate_init)))
         if rope:
-            self.register_buffer("inv_freq", rotary_inv_freq(D, rope_base), persistent=False)
+            rotary_inv_freq(D, rope_base)  # validates the head dim and the base
+            self.rope_base = float(rope_base)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """Rotary frequencies rope_base^(-2i/head_dim) [head_dim / 2], float64 (exact whatever
+        the module's dtype; made on the fly, not a buffer)."""
+        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64)
+
+    def _rotary_freq(self, x: torch.Tensor) -> torch.Tensor:
+        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
@@ -85,7 +95,8 @@ class InfiniAttention(Mixer):
         if self.rope:
             start = _open_segment_len(state)
             pos = torch.arange(start, start + x.shape[1], device=x.device) % self.segment_len
-            q, k = apply_rotary(q, pos, self.inv_freq), apply_rotary(k, pos, self.inv_freq)
+            freq = self._rotary_freq(x)  # [D/2] float64
+            q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
             if self.rope_memory:
                 q_mem, k_mem = q, k
         o, new_state = infini_attention(

@@ -8,13 +8,17 @@ from __future__ import annotations
 import torch
 
 
-def rotary_inv_freq(dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """theta_i = base^(-2i/dim), i = 0..dim/2-1. Returns [dim // 2]."""
+def rotary_inv_freq(dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """theta_i = base^(-2i/dim), i = 0..dim/2-1, computed in float64 and returned in ``dtype``.
+    Returns [dim // 2]. Layers call it with float64 at every forward rather than keep a buffer:
+    a buffer would be rounded to the module's dtype (``.float()`` then ``.double()`` leaves
+    float32-accurate angles; a bfloat16 module would get 3-digit frequencies)."""
     if dim % 2:
         raise ValueError(f"rotary positions need an even head dim, got {dim}")
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < float("inf"):
         raise ValueError(f"rope_base (the rotary base) must be a finite number > 0, got {base!r}")
-    return base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim).to(dtype)
+    return (base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

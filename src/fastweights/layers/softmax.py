@@ -24,7 +24,17 @@ class SoftmaxAttention(Mixer):
         self.qkv = nn.Linear(d_model, 3 * H * D, bias=bias)
         self.out = nn.Linear(H * D, d_model, bias=bias)
         if rope:
-            self.register_buffer("inv_freq", rotary_inv_freq(D, rope_base), persistent=False)
+            rotary_inv_freq(D, rope_base)  # validates the head dim and the base
+            self.rope_base = float(rope_base)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """Rotary frequencies rope_base^(-2i/head_dim) [head_dim / 2], float64 (exact whatever
+        the module's dtype; made on the fly, not a buffer)."""
+        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64)
+
+    def _rotary_freq(self, x: torch.Tensor) -> torch.Tensor:
+        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
@@ -34,7 +44,8 @@ class SoftmaxAttention(Mixer):
         past = 0 if state is None else state[0].shape[1]
         if self.rope:
             pos = torch.arange(past, past + x.shape[1], device=x.device)
-            q, k = apply_rotary(q, pos, self.inv_freq), apply_rotary(k, pos, self.inv_freq)
+            freq = self._rotary_freq(x)  # [D/2] float64
+            q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
         if state is not None:
             k = torch.cat([state[0].to(k.dtype), k], dim=1)
             v = torch.cat([state[1].to(v.dtype), v], dim=1)

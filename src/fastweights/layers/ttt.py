@@ -70,7 +70,8 @@ class _TTTLayer(Mixer):
         H, D, b = n_heads, self.head_dim, mini_batch_size
         width = H * D
         if rope:
-            self.register_buffer("inv_freq", rotary_inv_freq(D, rope_base), persistent=False)
+            rotary_inv_freq(D, rope_base)  # validates the head dim and the base
+            self.rope_base = float(rope_base)
         # Mamba backbone: [shared Q/K, V]; otherwise [Q, K, V].
         self.qkv = nn.Linear(d_model, (2 if mamba_backbone else 3) * width, bias=False)
         if mamba_backbone:
@@ -109,6 +110,15 @@ class _TTTLayer(Mixer):
         y = F.conv1d(seq.transpose(1, 2), conv.weight, conv.bias, groups=conv.in_channels)
         return y.transpose(1, 2)
 
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """Rotary frequencies rope_base^(-2i/head_dim) [head_dim / 2], float64 (exact whatever
+        the module's dtype; made on the fly, not a buffer)."""
+        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64)
+
+    def _rotary_freq(self, x: torch.Tensor) -> torch.Tensor:
+        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)
+
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         B, T, _ = x.shape
@@ -133,7 +143,8 @@ class _TTTLayer(Mixer):
         q, k, v = (split_heads(t, H) for t in (q, k, v))  # [B, T, H, D]
         if self.rope:
             positions = (pos + torch.arange(T, device=x.device)) % b  # restart every mini-batch
-            q, k = apply_rotary(q, positions, self.inv_freq), apply_rotary(k, positions, self.inv_freq)
+            freq = self._rotary_freq(x)  # [D/2] float64
+            q, k = apply_rotary(q, positions, freq), apply_rotary(k, positions, freq)
         eta = self.eta_base * torch.sigmoid(self.lr(x)) / D  # [B, T, H]
         if inner is None:
             inner = tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)
