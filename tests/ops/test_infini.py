@@ -76,8 +76,8 @@ def test_forms_agree(shape, N, update):
     for mode in ("chunk", "recurrent"):
         o, s = infini_attention(q, k, v, gate, mode=mode, **opts)
         assert_close64(o, ref, what=f"{mode} o")
-        assert len(s) == 5
-        for i, (a, b) in enumerate(zip(s, sref)):
+        assert len(s) == 2 and len(s.open_segment) == 5
+        for i, (a, b) in enumerate(zip((*s, *s.open_segment), (*sref, *sref.open_segment))):
             assert_close64(a, b, what=f"{mode} state[{i}]")
 
 
@@ -88,7 +88,7 @@ def test_gradients_agree_across_forms(update):
     grads = {}
     for mode in ("naive", "chunk", "recurrent"):
         xs = [x.clone().requires_grad_() for x in (q, k, v, qm, km, gate, M0, z0)]
-        o, (M, z, *_) = infini_attention(*xs[:3], xs[5], segment_len=5, update=update, q_mem=xs[3],
+        o, (M, z) = infini_attention(*xs[:3], xs[5], segment_len=5, update=update, q_mem=xs[3],
                                          k_mem=xs[4], initial_state=(xs[6], xs[7]),
                                          output_final_state=True, mode=mode)
         (o.square().sum() + M.sin().sum() + z.sum()).backward()
@@ -148,9 +148,9 @@ def test_token_by_token_equals_whole(mode, update):
                                     update=update, initial_state=state, output_final_state=True,
                                     mode=mode)
         outs.append(o)
-        assert state[2].shape[1] == (t + 1) % 5  # open-segment cache length
+        assert state.open_segment[2].shape[1] == (t + 1) % 5  # open-segment cache length
     assert_close64(torch.cat(outs, 1), whole)
-    for a, b in zip(state, sw):
+    for a, b in zip((*state, *state.open_segment), (*sw, *sw.open_segment)):
         assert_close64(a, b)
 
 
@@ -164,6 +164,60 @@ def test_two_item_state_means_no_open_segment():
     assert_close64(a, b)
     for x, y in zip(sa, sb):
         assert_close64(x, y)
+
+
+def _literal_memory(k_mem, v, N, update, M, z, eps=1e-6):
+    """(M, z) after writing every segment of SPEC 5.1 in turn, a short last one included."""
+    for start in range(0, k_mem.shape[1], N):
+        sk = torch.nn.functional.elu(k_mem[:, start:start + N]) + 1.0  # [B, n, H, Dk]
+        w = v[:, start:start + N]
+        if update == "delta":
+            den = torch.einsum("bihd,bhd->bih", sk, z).clamp_min(eps)
+            w = w - torch.einsum("bihd,bhde->bihe", sk, M) / den.unsqueeze(-1)
+        M = M + torch.einsum("bihd,bihe->bhde", sk, w)
+        z = z + sk.sum(dim=1)
+    return M, z
+
+
+@pytest.mark.parametrize("mode", ["naive", "chunk", "recurrent"])
+@pytest.mark.parametrize("update", UPDATES)
+@pytest.mark.parametrize("T", [12, 14, 3])
+def test_final_state_is_the_pair_M_z_of_every_token_seen(mode, update, T):
+    """DESIGN: state = (M, z). The memory holds every segment written by SPEC 5.1's rule, a
+    trailing short segment included; continuing from the state stays exact (open_segment)."""
+    q, k, v, qm, km, gate = make(2, 20, 2, 4, 3, seed=12)
+    M0, z0 = memory(2, 2, 4, 3)
+    opts = {"segment_len": 4, "update": update, "mode": mode, "output_final_state": True}
+    o, state = infini_attention(q[:, :T], k[:, :T], v[:, :T], gate, q_mem=qm[:, :T],
+                                k_mem=km[:, :T], initial_state=(M0, z0), **opts)
+    M, z = state
+    M_ref, z_ref = _literal_memory(km[:, :T], v[:, :T], 4, update, M0, z0)
+    assert_close64(M, M_ref, what="M")
+    assert_close64(z, z_ref, what="z")
+    rest, _ = infini_attention(q[:, T:], k[:, T:], v[:, T:], gate, q_mem=qm[:, T:],
+                               k_mem=km[:, T:], initial_state=state, **opts)
+    whole, _ = infini_attention(q, k, v, gate, q_mem=qm, k_mem=km, initial_state=(M0, z0), **opts)
+    assert_close64(torch.cat([o, rest], 1), whole, what="continued from the state")
+
+
+def test_plain_pair_continues_as_a_new_segment_and_state_survives_copies():
+    import copy
+    import pickle
+
+    q, k, v, _, _, gate = make(1, 10, 2, 4, 3, seed=13)
+    _, state = infini_attention(q[:, :6], k[:, :6], v[:, :6], gate, segment_len=4,
+                                output_final_state=True)
+    # A bare (M, z) is a memory at a segment boundary: the rest starts a fresh segment.
+    fresh, _ = infini_attention(q[:, 6:], k[:, 6:], v[:, 6:], gate, segment_len=4,
+                                initial_state=tuple(state))
+    M, z = state
+    ref, _ = infini_attention(q[:, 6:], k[:, 6:], v[:, 6:], gate, segment_len=4,
+                              initial_state=(M.clone(), z.clone()))
+    assert_close64(fresh, ref)
+    for other in (copy.copy(state), copy.deepcopy(state), pickle.loads(pickle.dumps(state))):
+        assert len(other) == 2 and len(other.open_segment) == 5
+        for a, b in zip((*other, *other.open_segment), (*state, *state.open_segment)):
+            assert torch.equal(a, b)
 
 
 def test_final_state_is_none_unless_asked():
@@ -264,7 +318,8 @@ def test_delta_rule_does_not_store_a_pair_twice():
 def test_memory_size_is_independent_of_length(T):
     B, H, Dk, Dv = 2, 3, 4, 6
     q, k, v, _, _, gate = make(B, T, H, Dk, Dv)
-    _, (M, z, kc, vc, kmc) = infini_attention(q, k, v, gate, segment_len=8, output_final_state=True)
+    _, state = infini_attention(q, k, v, gate, segment_len=8, output_final_state=True)
+    (M, z), (_, _, kc, vc, kmc) = state, state.open_segment
     assert M.shape == (B, H, Dk, Dv) and z.shape == (B, H, Dk)
     assert (M.numel() + z.numel()) // (B * H) == Dk * Dv + Dk
     assert kc.shape == kmc.shape == (B, T % 8, H, Dk) and vc.shape == (B, T % 8, H, Dv)

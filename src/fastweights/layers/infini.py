@@ -15,7 +15,7 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops.infini import MODES, UPDATES, infini_attention
+from ..ops.infini import MODES, UPDATES, InfiniState, infini_attention
 from .base import Mixer, State, merge_heads, split_heads
 from .positional import apply_rotary, rotary_inv_freq
 
@@ -41,7 +41,8 @@ class InfiniAttention(Mixer):
     A_mem = 0 and the gate is still applied (SPEC binding choice). ``eps`` clamps the memory
     denominators (see ``infini_attention``); ``mode`` picks the op's algorithm.
 
-    State: the op's ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg, k_mem_seg)``; the last three
+    State: the op's ``InfiniState.open_segment``, ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg,
+    k_mem_seg)`` with M, z the memory of the complete segments; the last three
     cache the open segment's (rotated) keys, values and memory keys ``[B, n, H, D]``, n <
     segment_len, so pieces and single-token steps equal the whole sequence. ``state_size()``
     counts the compressive memory, H (D^2 + D) floats, independent of the context length as in
@@ -103,7 +104,9 @@ class InfiniAttention(Mixer):
             q, k, v, self.gate, segment_len=self.segment_len, update=self.update,
             q_mem=q_mem, k_mem=k_mem, eps=self.eps, initial_state=state,
             output_final_state=True, mode=self.mode)
-        return self.out(merge_heads(o)), new_state
+        # The layer carries the 5-tuple (M_closed, z_closed, k_seg, v_seg, k_mem_seg): plain
+        # tensors in a tuple, as every layer state, for code that maps over states.
+        return self.out(merge_heads(o)), tuple(new_state.open_segment)
 
     def state_size(self, seq_len: int = 1) -> int:
         H, D = self.n_heads, self.head_dim
@@ -117,6 +120,8 @@ class InfiniAttention(Mixer):
 def _open_segment_len(state: State) -> int:
     """Tokens already in the open segment of a carried state (0 for None or a bare (M, z));
     a malformed state is left for ``infini_attention`` to reject with a clear message."""
+    if isinstance(state, InfiniState):
+        state = state.open_segment
     if isinstance(state, (tuple, list)) and len(state) == 5 and isinstance(state[2], torch.Tensor) \
             and state[2].dim() == 4:
         return state[2].shape[1]

@@ -8,8 +8,10 @@ dispatches on ``mode`` and returns outputs in the input dtype with float32-or-wi
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..._checks import (
     check_bool,
@@ -28,15 +30,40 @@ from ..._checks import (
 from .._autocast import float32_compute
 from .._varlen import run_packed
 from .chunk import infini_attention_chunk
+from .memory import write
 from .naive import infini_attention_naive
 from .recurrent import infini_attention_recurrent
 
-__all__ = ["infini_attention"]
+__all__ = ["InfiniState", "infini_attention"]
 
 MODES = ("chunk", "recurrent", "naive")
 UPDATES = ("linear", "delta")
 
-InfiniState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+class InfiniState(tuple):
+    """The final state of ``infini_attention``: the pair ``(M [B, H, Dk, Dv], z [B, H, Dk])`` of
+    DESIGN.md (``M, z = state`` works), the memory after every token seen, a trailing
+    incomplete segment included (written as SPEC 5.1 writes a segment, with the memory from
+    before it).
+
+    ``open_segment`` additionally holds what continuing *inside* that incomplete segment needs:
+    ``(M_closed, z_closed, k_seg [B, n, H, Dk], v_seg [B, n, H, Dv], k_mem_seg [B, n, H, Dk])``,
+    the memory of the complete segments only and the open segment's keys, values and memory
+    keys (n < segment_len; n = 0 at a segment boundary, where M_closed is M). Passed back as
+    ``initial_state``, an ``InfiniState`` continues the sequence exactly (pieces equal the
+    whole at any cut); a plain ``(M, z)`` pair means a memory at a segment boundary.
+    """
+
+    open_segment: tuple[torch.Tensor, ...]
+
+    def __new__(cls, M: torch.Tensor, z: torch.Tensor,
+                open_segment: tuple[torch.Tensor, ...]) -> InfiniState:
+        obj = super().__new__(cls, (M, z))
+        obj.open_segment = tuple(open_segment)
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle keep open_segment
+        return (InfiniState, (self[0], self[1], self.open_segment))
 
 
 @float32_compute
@@ -65,7 +92,8 @@ def infini_attention(
       or M_{s-1} + sigma(K^mem_s)^T (V_s - sigma(K^mem_s) M_{s-1} / sigma(K^mem_s) z_{s-1})
       (``"delta"``, the retrieval being 0 while the memory is empty, same eps clamp);
       z_s = z_{s-1} + sum_t sigma(k^mem_t). A trailing incomplete segment is read from (its
-      queries see the memory before it) but written only once complete, in a later call.
+      queries see the memory before it); the returned (M, z) include it, written by the same
+      rule, while ``state.open_segment`` keeps it open for a next call that continues it.
 
     ``q_mem``/``k_mem`` ([B, T, H, Dk], default q/k) are the queries/keys that feed the memory,
     so a layer can give the memory un-rotated q, k and the softmax path rotary-encoded ones.
@@ -75,12 +103,12 @@ def infini_attention(
     (token streaming with a cache of the open segment) or ``"naive"`` (literal segment loop).
     There is no ``chunk_size``: the segments are the chunks.
 
-    State: ``(M [B, H, Dk, Dv], z [B, H, Dk], k_seg [B, n, H, Dk], v_seg [B, n, H, Dv],
-    k_mem_seg [B, n, H, Dk])``, where the last three hold the n < segment_len tokens of the open
-    (not yet complete) segment: its dot-product keys, values and memory keys. The open segment's
-    queries are never needed again. A returned state continues the sequence exactly (pieces or
-    single tokens equal the whole); ``initial_state`` may also be just ``(M, z)``, meaning no open
-    segment. Memory in float32 (float64 for float64 inputs), cache in that dtype too.
+    State: an ``InfiniState``, the pair ``(M [B, H, Dk, Dv], z [B, H, Dk])`` with the open
+    segment's cache as its ``open_segment`` attribute (see ``InfiniState``). A returned state
+    continues the sequence exactly (pieces or single tokens equal the whole). ``initial_state``
+    may be an ``InfiniState``, a plain ``(M, z)`` (a memory at a segment boundary) or the
+    5-tuple ``(M_closed, z_closed, k_seg, v_seg, k_mem_seg)`` that ``open_segment`` holds
+    (what the layer carries). Memory in float32 (float64 for float64 inputs), cache too.
     Returns (o [B, T, H, Dv] in q's dtype, state or None).
     ``cu_seqlens`` [N + 1]: packed documents in a batch of one, memory and open segment reset at
     each boundary; initial/final states are then lists with one state per document
@@ -146,18 +174,26 @@ def infini_attention(
         o = o[:, n:]
         open_len = (n + T) % N  # tokens of the new open segment
         cache = [x[:, x.shape[1] - open_len:] for x in (kc, vc, kmc)]
-    state = (M, z, *cache) if output_final_state else None
-    return o.to(q.dtype), state
+    if not output_final_state:
+        return o.to(q.dtype), None
+    M_all, z_all = M, z
+    if cache[0].shape[1]:  # write the open segment too (SPEC 5.1), keeping it open for later
+        sk = (F.elu(cache[2]) + 1.0).transpose(1, 2)  # [B, H, n, Dk]
+        M_all, z_all = write(sk, cache[1].transpose(1, 2), M, z, update, eps)
+    return o.to(q.dtype), InfiniState(M_all, z_all, (M, z, *cache))
 
 
 def _check_state(
     state: object, B: int, H: int, Dk: int, Dv: int, N: int, q: torch.Tensor, cdtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Validate an ``initial_state`` of 2 or 5 items and cast it to the compute dtype."""
+    """Validate an ``initial_state`` (InfiniState, (M, z) or the 5-tuple) and cast it to the
+    compute dtype."""
+    if isinstance(state, InfiniState):
+        state = state.open_segment
     if not isinstance(state, (tuple, list)) or len(state) not in (2, 5):
         raise TypeError(
-            "initial_state must be None, (M [B, H, Dk, Dv], z [B, H, Dk]) or the 5-tuple "
-            f"(M, z, k_seg, v_seg, k_mem_seg) returned by infini_attention, got {type(state).__name__}"
+            "initial_state must be None, a state returned by infini_attention, (M [B, H, Dk, Dv], "
+            f"z [B, H, Dk]) or the 5-tuple (M, z, k_seg, v_seg, k_mem_seg), got {type(state).__name__}"
             + (f" of length {len(state)}" if isinstance(state, (tuple, list)) else "")
         )
     M0, z0 = state[0], state[1]
