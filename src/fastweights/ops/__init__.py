@@ -19,7 +19,7 @@ from .fwp import (
     relu,
     sum_norm,
 )
-from .infini import infini_attention
+from .infini import InfiniState, infini_attention
 from .softmax import softmax_attention
 from .transnormer import block_attention, decay_linear_attn
 from .ttt import ttt_linear, ttt_mlp
@@ -39,6 +39,7 @@ __all__ = [
     "draw_favor_projection",
     "elu_plus_one",
     "favor_features",
+    "InfiniState",
     "infini_attention",
     "linear_attn",
     "relu",
