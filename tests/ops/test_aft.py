@@ -241,6 +241,13 @@ def test_local_with_zero_bias_is_simple(causal, window):
 
 
 @CAUSAL
+def test_local_with_window_zero_is_simple(causal):
+    """SPEC 4.5: AFT-local with s = 0 == AFT-simple (no pair lies in the window)."""
+    q, k, v, w = make(2, 23, 4)
+    assert_close64(aft_local(q, k, v, w, window=0, causal=causal), aft(q, k, v, None, causal=causal))
+
+
+@CAUSAL
 @pytest.mark.parametrize("s", [1, 3, 5], ids=lambda s: f"s{s}")
 def test_conv_is_local_with_toeplitz_bias(causal, s):
     B, T, H, Dh = 2, 19, 3, 2

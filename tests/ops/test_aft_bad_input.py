@@ -37,7 +37,7 @@ CASES = [
     ("bias int", lambda: aft(x, x, x, w.long()), TypeError, "w must be a floating-point"),
     ("causal not bool", lambda: aft(x, x, x, causal=1), TypeError, "causal must be a bool"),
     ("chunk 0", lambda: aft(x, x, x, w, chunk_size=0), ValueError, "chunk_size must be >= 1"),
-    ("window 0", lambda: aft_local(x, x, x, w, window=0), ValueError, "window must be >= 1"),
+    ("window negative", lambda: aft_local(x, x, x, w, window=-1), ValueError, "window must be >= 0"),
     ("window float", lambda: aft_local(x, x, x, w, window=2.0), TypeError, "window"),
     ("local bias smaller than T", lambda: aft_local(x, x, x, w[:3], window=2), ValueError,
      "w must have shape [T_max, T_max]"),

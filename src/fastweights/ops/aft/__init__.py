@@ -215,14 +215,20 @@ def aft_local(
     causal, |t - t'| < s bidirectional, s = ``window``) and 0 outside it (those pairs still count).
 
     q, k, v: [B, T, D]; w: [T_max, T_max] with T_max >= T (top-left block used).
+    ``window`` is an int >= 0; 0 leaves no pair in the window, which is AFT-simple (SPEC 4.5).
     O(T s D): prefix (and suffix) sums for the pairs outside the window plus the window itself,
     as banded matrix products over blocks of ``chunk_size`` rows. Returns o [B, T, D] in q's dtype.
     """
     T = _check_btd(q, k, v)[1]
-    check_positive_int("window", window)
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be an int >= 0, got {window!r}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no window, AFT-simple), got {window}")
     _check_matrix("w", w, T, T, False, q, "[T_max, T_max]")
     check_bool("causal", causal)
     check_positive_int("chunk_size", chunk_size)
+    if window == 0:
+        return aft(q, k, v, None, causal=causal, chunk_size=chunk_size)
     cd = state_dtype(q.dtype)
     kc, vc, wc = k.to(cd), v.to(cd).unsqueeze(-1), w[:T, :T].to(cd)
     r = min(window, T) - 1  # offsets beyond T - 1 cannot occur
