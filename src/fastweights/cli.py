@@ -114,6 +114,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--ffn", default="mlp", choices=["mlp", "glu", "none"])
+    p.add_argument("--glu-activation", default="silu", choices=["silu", "gelu", "identity"],
+                   help="the GLU's activation with --ffn glu (identity: TransNormer's published models)")
+    p.add_argument("--norm", default="rmsnorm", choices=["rmsnorm", "layernorm", "srmsnorm"],
+                   help="pre-norm of every block (srmsnorm: TransNormer's, no gain)")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="longest sequence the model accepts (mixers with absolute position tables)")

@@ -98,6 +98,7 @@ class FastWeightsConfig(PreTrainedConfig):
     tie_embeddings: bool = True
     dropout: float | int = 0.0
     max_seq_len: int | None = None
+    glu_activation: str = "silu"
     use_cache: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None

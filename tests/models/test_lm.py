@@ -77,6 +77,24 @@ def test_mixed_schedule_and_ffn_choices():
     assert none.num_parameters() < model.num_parameters()
 
 
+def test_transnormer_block_choices_follow_spec_3_4():
+    """Local-then-global schedule, SRMSNorm pre-norm (no gain), GLU with hidden int(8/3 d) and
+    the activation as a choice (identity = the published models)."""
+    from fastweights.layers import GLU
+    from fastweights.layers.transnormer import SRMSNorm
+
+    model = tiny(["diag", "norm"], ffn="glu", norm="srmsnorm", glu_activation="identity")
+    block = model.blocks[0]
+    assert isinstance(block.norm1, SRMSNorm) and not list(block.norm1.parameters())
+    assert isinstance(block.ffn, GLU) and block.ffn.activation == "identity"
+    assert block.ffn.hidden == int(8 / 3 * 16) == LMConfig(d_model=16, ffn="glu").ffn_hidden_size()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    h = block.ffn
+    assert_close64(h(x), h.w3(h.w1(x) * h.w2(x)), what="identity GLU")
+    with pytest.raises(ValueError, match="glu_activation"):
+        LMConfig(glu_activation="relu")
+
+
 def test_tied_embeddings_share_one_tensor():
     tied, untied = tiny("linear"), tiny("linear", tie_embeddings=False)
     assert tied.head.weight is tied.embed.weight

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import GLU
+from ..layers.transnormer import SRMSNorm
 from ..layers.base import State
 from .config import LMConfig
 from .registry import build_mixer
@@ -44,6 +45,8 @@ class MLP(nn.Module):
 def make_norm(config: LMConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.norm_eps)
+    if config.norm == "srmsnorm":
+        return SRMSNorm(config.d_model, config.norm_eps)
     return nn.LayerNorm(config.d_model, eps=config.norm_eps)
 
 
@@ -61,7 +64,7 @@ class Block(nn.Module):
         self.norm2 = make_norm(config) if config.ffn != "none" else None
         self.ffn: nn.Module | None = {
             "mlp": lambda: MLP(config.d_model, hidden),
-            "glu": lambda: GLU(config.d_model, hidden),  # SiLU gate, biases on
+            "glu": lambda: GLU(config.d_model, hidden, activation=config.glu_activation),
             "none": lambda: None,
         }[config.ffn]()
 

@@ -11,7 +11,8 @@ from typing import Any
 from .registry import mixer_names, mixer_options
 
 FFNS = ("mlp", "glu", "none")
-NORMS = ("rmsnorm", "layernorm")
+NORMS = ("rmsnorm", "layernorm", "srmsnorm")
+GLU_ACTIVATIONS = ("silu", "gelu", "identity")
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -27,10 +28,13 @@ class LMConfig:
     ``mixer`` is one registered mixer name for every layer or a list with one name per layer
     (TransNormer's local-then-global schedule is ``["diag"] * 3 + ["norm"] * 3``);
     ``mixer_options`` is one dict of keyword options for every layer or a list of dicts, one per
-    layer. ``ffn`` is ``"mlp"`` (Linear-GELU-Linear), ``"glu"`` (``fastweights.layers.GLU``, SiLU
-    gate) or ``"none"``;
-    ``ffn_hidden`` defaults to 4 * d_model for ``mlp`` and to the nearest multiple of 8 above
-    8/3 * d_model for ``glu`` (about the same parameter count). ``max_seq_len`` (optional) is the
+    layer. ``ffn`` is ``"mlp"`` (Linear-GELU-Linear), ``"glu"`` (``fastweights.layers.GLU`` with
+    the activation ``glu_activation``: ``"silu"`` by default, ``"identity"`` for the activation-free
+    GLU the published TransNormer models trained, SPEC 3.4, or ``"gelu"``) or ``"none"``;
+    ``ffn_hidden`` defaults to 4 * d_model for ``mlp`` and to int(8/3 * d_model) for ``glu``
+    (SPEC 3.4; about the same parameter count). ``norm`` is the pre-norm: ``"rmsnorm"`` (with a
+    gain), ``"layernorm"`` or ``"srmsnorm"`` (TransNormer's gain-free SRMSNorm, SPEC 3.1/3.4),
+    each with ``norm_eps``. ``max_seq_len`` (optional) is the
     longest sequence the model accepts; it is passed on as the option ``max_seq_len`` to mixers
     that take one (absolute position tables) and checked in ``forward``/``generate``.
     """
@@ -48,6 +52,7 @@ class LMConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     max_seq_len: int | None = None
+    glu_activation: str = "silu"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -58,6 +63,9 @@ class LMConfig:
             _positive_int("max_seq_len", self.max_seq_len)
         if self.ffn not in FFNS:
             raise ValueError(f"LMConfig.ffn must be one of {list(FFNS)}, got {self.ffn!r}")
+        if self.glu_activation not in GLU_ACTIVATIONS:
+            raise ValueError(f"LMConfig.glu_activation must be one of {list(GLU_ACTIVATIONS)}, "
+                             f"got {self.glu_activation!r}")
         if self.norm not in NORMS:
             raise ValueError(f"LMConfig.norm must be one of {list(NORMS)}, got {self.norm!r}")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) \
@@ -125,7 +133,7 @@ class LMConfig:
         if self.ffn_hidden is not None:
             return self.ffn_hidden
         if self.ffn == "glu":
-            return 8 * -(-8 * self.d_model // 24)  # ceil(8/3 d) rounded up to a multiple of 8
+            return int(8 / 3 * self.d_model)  # SPEC 3.4
         return 4 * self.d_model
 
     def to_dict(self) -> dict[str, Any]:

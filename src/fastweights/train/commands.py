@@ -154,6 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         try:
             mcfg = LMConfig(vocab_size=256, d_model=args.d_model, n_layers=args.n_layers,
                             n_heads=args.n_heads, mixer=names, mixer_options=options, ffn=args.ffn,
+                            glu_activation=args.glu_activation, norm=args.norm,
                             dropout=args.dropout, max_seq_len=args.max_seq_len)
             from ..models import LanguageModel
             LanguageModel(mcfg)  # layer-level option checks happen here, before any output
