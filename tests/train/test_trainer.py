@@ -139,3 +139,26 @@ def test_bf16_autocast_trains_with_float32_weights(tmp_path, corpus):
     assert len(losses) == 3 and all(math.isfinite(l) for _, l in losses)
     model = LanguageModel.from_pretrained(resolve_checkpoint(tmp_path / "bf16"))
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_ttt_mlp_inner_learning_rate_ramps_over_warmup():
+    """SPEC 2.6: TTT-MLP's eta is scaled by a multiplier ramping linearly 0.1 -> 1 over the
+    outer warm-up; TTT-Linear has no ramp."""
+    from fastweights import build_mixer
+    from fastweights.train.trainer import set_inner_lr_ramp
+
+    model = LanguageModel(LMConfig(d_model=16, n_layers=2, n_heads=2, mixer=["ttt-mlp", "ttt-linear"]))
+    mlp, lin = model.blocks[0].mixer, model.blocks[1].mixer
+    for step, expected in [(0, 0.1), (5, 0.1 + 0.9 * 0.5), (10, 1.0), (50, 1.0)]:
+        set_inner_lr_ramp(model, step, warmup=10)
+        assert abs(mlp.eta_scale - expected) < 1e-12 and lin.eta_scale == 1.0
+    set_inner_lr_ramp(model, 0, warmup=0)
+    assert mlp.eta_scale == 1.0
+    # the multiplier acts exactly as a smaller eta_base
+    torch.manual_seed(0)
+    a = build_mixer("ttt-mlp", 16, 2).double()
+    b = build_mixer("ttt-mlp", 16, 2, eta_base=0.01).double()
+    b.load_state_dict(a.state_dict())
+    a.eta_scale = 0.1
+    x = torch.randn(1, 7, 16, dtype=torch.float64)
+    assert torch.allclose(a(x)[0], b(x)[0], atol=1e-12)

@@ -29,10 +29,11 @@ class _TTTLayer(Mixer):
 
     Options:
     - ``mini_batch_size`` b (16): inner gradients of b tokens are taken at the same weights.
-    - ``eta_base``: inner learning rate eta_t = eta_base * sigmoid(x_t w_lr + b_lr) / head_dim per
-      head (w_lr ~ N(0, 0.02), b_lr = 0). TTT-MLP's paper recipe also ramps eta_base from 10% to
-      100% over the outer warm-up; that schedule belongs to the training loop, which may set
-      ``layer.eta_base``.
+    - ``eta_base``: inner learning rate eta_t = eta_base * eta_scale * sigmoid(x_t w_lr + b_lr) /
+      head_dim per head (w_lr ~ N(0, 0.02), b_lr = 0). ``eta_scale`` (attribute, 1.0) is the
+      training schedule's multiplier: TTT-MLP's recipe (SPEC 2.6) ramps it linearly from
+      ``eta_warmup_from`` = 0.1 to 1 over the outer warm-up, which ``fastweights.train`` applies
+      to every layer with an ``eta_warmup_from`` (None for TTT-Linear: no ramp).
     - tau_i = max(0, 1/i + delta_i) with a learned offset delta [b] (init 0), the scale of the
       running gradient sum at position i of a mini-batch (the ops' ``token_scale``).
     - ``rope`` (True): rotary positions (base ``rope_base``) on XQ, XK with the position counted
@@ -62,6 +63,7 @@ class _TTTLayer(Mixer):
         super().__init__(d_model, n_heads, head_dim)
         self.mini_batch_size = check_positive_int("mini_batch_size", mini_batch_size)
         self.eta_base = check_nonneg_float("eta_base", eta_base)
+        self.eta_scale = 1.0  # set by the training loop's warm-up ramp (see eta_warmup_from)
         self.rope = check_bool("rope", rope)
         self.inner_norm = check_bool("inner_norm", inner_norm)
         self.residual = check_bool("residual", residual)
@@ -145,7 +147,7 @@ class _TTTLayer(Mixer):
             positions = (pos + torch.arange(T, device=x.device)) % b  # restart every mini-batch
             freq = self._rotary_freq(x)  # [D/2] float64
             q, k = apply_rotary(q, positions, freq), apply_rotary(k, positions, freq)
-        eta = self.eta_base * torch.sigmoid(self.lr(x)) / D  # [B, T, H]
+        eta = self.eta_base * self.eta_scale * torch.sigmoid(self.lr(x)) / D  # [B, T, H]
         if inner is None:
             inner = tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)
         o, inner = self.op(
@@ -180,6 +182,7 @@ class TTTLinear(_TTTLayer):
     Options and state as described in ``_TTTLayer``."""
 
     op = staticmethod(ttt_linear)
+    eta_warmup_from: float | None = None  # no inner-learning-rate ramp in TTT-Linear's recipe
 
     def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 1.0, **options) -> None:
         super().__init__(d_model, n_heads, eta_base=eta_base, **options)
@@ -193,6 +196,7 @@ class TTTMLP(_TTTLayer):
     size 4 D, eta_base 0.1 (SPEC 2.6). Options and state as described in ``_TTTLayer``."""
 
     op = staticmethod(ttt_mlp)
+    eta_warmup_from: float | None = 0.1  # SPEC 2.6: eta ramps from 10% to 100% over warm-up
 
     def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 0.1, **options) -> None:
         super().__init__(d_model, n_heads, eta_base=eta_base, **options)

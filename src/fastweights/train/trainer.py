@@ -100,6 +100,17 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def set_inner_lr_ramp(model: torch.nn.Module, step: int, warmup: int) -> None:
+    """The inner-learning-rate warm-up of TTT-MLP (SPEC 2.6): every layer with an
+    ``eta_warmup_from`` r gets ``eta_scale`` = r + (1 - r) * min(1, step / warmup) at optimiser
+    step ``step`` (0-based), i.e. the ramp from r to 1 over the outer warm-up (1 without one)."""
+    ramp = 1.0 if warmup <= 0 else min(1.0, step / warmup)
+    for module in model.modules():
+        start = getattr(module, "eta_warmup_from", None)
+        if start is not None:
+            module.eta_scale = start + (1.0 - start) * ramp
+
+
 @torch.no_grad()
 def evaluate(model: LanguageModel, data: torch.Tensor, seq_len: int, max_windows: int,
              carry_state: bool = False, batch_size: int = 16) -> float:
@@ -326,6 +337,7 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     stopped_early = False
     try:
         while step < cfg.steps:
+            set_inner_lr_ramp(model, step, cfg.warmup)
             if cfg.pack:
                 x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size, cfg.seq_len,
                                           data_gen, rows=(rank * local, (rank + 1) * local))
