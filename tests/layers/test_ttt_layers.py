@@ -157,3 +157,19 @@ def test_bad_state_is_rejected():
     layer = TTTLinear(12, 2)
     with pytest.raises(TypeError, match="state must be None or the"):
         layer(inputs()[..., :12], state=(0, None))
+
+
+def test_mamba_conv_cache_batch_is_checked_and_a_batch_of_one_broadcasts():
+    from fastweights import build_mixer
+
+    torch.manual_seed(0)
+    layer = build_mixer("ttt-linear", 12, 3, mamba_backbone=True).double()
+    x = torch.randn(1, 5, 12, dtype=torch.float64)
+    _, state = layer(x)
+    nxt = torch.randn(1, 3, 12, dtype=torch.float64).expand(2, 3, 12)
+    y, _ = layer(nxt, state)  # the batch-1 state broadcasts over both rows
+    ref, _ = layer(nxt[:1], state)
+    assert torch.allclose(y, ref.expand(2, 3, 12), atol=1e-12)
+    _, state3 = layer(torch.randn(3, 5, 12, dtype=torch.float64))
+    with pytest.raises(ValueError, match="conv_cache"):
+        layer(nxt, state3)

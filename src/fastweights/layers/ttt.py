@@ -131,6 +131,15 @@ class _TTTLayer(Mixer):
             raise TypeError("state must be None or the (pos, conv_cache, inner) tuple this layer returned")
         else:
             pos, cache, inner = state
+            if self.mamba_backbone and cache is not None:
+                shape = (CONV_KERNEL - 1, H * D)
+                if not isinstance(cache, torch.Tensor) or cache.dim() != 3 \
+                        or tuple(cache.shape[1:]) != shape or cache.shape[0] not in (1, B):
+                    got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+                    raise ValueError(
+                        f"state[1] (conv_cache) must have shape [B, {shape[0]}, {shape[1]}] with "
+                        f"B = {B} (x's batch) or 1, got {got}")
+                cache = cache.expand(B, *shape)  # a batch of 1 broadcasts, as the inner state
         proj = self.qkv(x)
         if self.mamba_backbone:
             qk, v = proj.chunk(2, dim=-1)
