@@ -158,8 +158,9 @@ def delta_rule(
     """Delta-rule fast weights, read after write (SPEC 1.4).
 
     q, k: [B, T, H, Dk] (feature-mapped and sum-normalised by the caller); v: [B, T, H, Dv];
-    beta: [B, T, H] write strengths. S_t = S_{t-1} + k_t^T beta_t (v_t - k_t S_{t-1});
-    o_t = (scale q_t) S_t. State S [B, H, Dk, Dv].
+    beta: [B, T, H] write strengths (any floating dtype: like the state, it is used in the
+    compute dtype, float32 or float64, so a float32 gate may drive bfloat16 q, k, v).
+    S_t = S_{t-1} + k_t^T beta_t (v_t - k_t S_{t-1}); o_t = (scale q_t) S_t. State S [B, H, Dk, Dv].
     Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
     ``cu_seqlens`` [N + 1]: packed documents in a batch of one (see linear_attn).
     """
