@@ -17,10 +17,10 @@ from .._checks import (
 )
 from ..ops.infini import MODES, UPDATES, InfiniState, infini_attention
 from .base import Mixer, State, merge_heads, split_heads
-from .positional import apply_rotary, rotary_inv_freq
+from .positional import RotaryFrequencies, apply_rotary, rotary_inv_freq
 
 
-class InfiniAttention(Mixer):
+class InfiniAttention(RotaryFrequencies, Mixer):
     """Infini-attention: Q/K/V projections (one linear map, bias-free by default), per head
     causal softmax attention inside segments of ``segment_len`` tokens (default 64: a CPU-friendly
     size; the paper uses 2048 and lucidrains' code 512) and a compressive memory (M, z) with
@@ -79,15 +79,6 @@ class InfiniAttention(Mixer):
         if rope:
             rotary_inv_freq(D, rope_base)  # validates the head dim and the base
             self.rope_base = float(rope_base)
-
-    @property
-    def inv_freq(self) -> torch.Tensor:
-        """Rotary frequencies rope_base^(-2i/head_dim) [head_dim / 2], float64 (exact whatever
-        the module's dtype; made on the fly, not a buffer)."""
-        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64)
-
-    def _rotary_freq(self, x: torch.Tensor) -> torch.Tensor:
-        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)

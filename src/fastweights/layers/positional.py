@@ -35,3 +35,20 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     even, odd = xc[..., 0::2], xc[..., 1::2]
     out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
     return out.to(x.dtype)
+
+
+class RotaryFrequencies:
+    """Mixin for layers with rotary positions: ``inv_freq`` [head_dim / 2] from the layer's
+    ``head_dim`` and ``rope_base``, always float64 (exact whatever the module's dtype; made on
+    the fly, never a buffer that ``.float()``/``.to(bfloat16)`` would round)."""
+
+    head_dim: int
+    rope_base: float
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64)
+
+    def _rotary_freq(self, x: torch.Tensor) -> torch.Tensor:
+        """``inv_freq`` on x's device."""
+        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)

@@ -8,10 +8,10 @@ from torch import nn
 from .._checks import check_bool, check_layer_input, check_state_tensor
 from ..ops.softmax import softmax_attention
 from .base import Mixer, State, merge_heads, split_heads
-from .positional import apply_rotary, rotary_inv_freq
+from .positional import RotaryFrequencies, apply_rotary, rotary_inv_freq
 
 
-class SoftmaxAttention(Mixer):
+class SoftmaxAttention(RotaryFrequencies, Mixer):
     """Causal multi-head softmax attention with optional rotary positions (``rope``, base
     ``rope_base``). State: ``(k_cache [B, t, H, D], v_cache [B, t, H, D])`` of every token seen
     (keys stored after rotation), so ``state_size(seq_len)`` grows linearly with ``seq_len``."""
@@ -26,15 +26,6 @@ class SoftmaxAttention(Mixer):
         if rope:
             rotary_inv_freq(D, rope_base)  # validates the head dim and the base
             self.rope_base = float(rope_base)
-
-    @property
-    def inv_freq(self) -> torch.Tensor:
-        """Rotary frequencies rope_base^(-2i/head_dim) [head_dim / 2], float64 (exact whatever
-        the module's dtype; made on the fly, not a buffer)."""
-        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64)
-
-    def _rotary_freq(self, x: torch.Tensor) -> torch.Tensor:
-        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)

@@ -16,13 +16,13 @@ from .._checks import (
 )
 from ..ops.ttt import MODES, ttt_linear, ttt_mlp
 from .base import Mixer, State, merge_heads, split_heads
-from .positional import apply_rotary, rotary_inv_freq
+from .positional import RotaryFrequencies, apply_rotary, rotary_inv_freq
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
 INIT_STD = 0.02  # SPEC 2.6
 
 
-class _TTTLayer(Mixer):
+class _TTTLayer(RotaryFrequencies, Mixer):
     """A TTT layer (SPEC 2.1, 2.5): per-head views XQ, XK, XV of x; the inner model is trained on
     (XK, XV) while the sequence streams and read with XQ; heads concatenated, post-LayerNorm,
     output projection.
@@ -111,15 +111,6 @@ class _TTTLayer(Mixer):
         """Causal depthwise convolution of seq [B, T + 3, C] (3 carried inputs first) -> [B, T, C]."""
         y = F.conv1d(seq.transpose(1, 2), conv.weight, conv.bias, groups=conv.in_channels)
         return y.transpose(1, 2)
-
-    @property
-    def inv_freq(self) -> torch.Tensor:
-        """Rotary frequencies rope_base^(-2i/head_dim) [head_dim / 2], float64 (exact whatever
-        the module's dtype; made on the fly, not a buffer)."""
-        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64)
-
-    def _rotary_freq(self, x: torch.Tensor) -> torch.Tensor:
-        return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
