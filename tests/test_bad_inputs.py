@@ -245,7 +245,20 @@ CONFIG_CASES = [
     ("config-from-dict-unknown", lambda: LMConfig.from_dict({"layers": 2}), ValueError,
      ["unknown LMConfig field", "layers"]),
     ("model-config-dict", lambda: LanguageModel({"d_model": 16}), TypeError, ["config", "LMConfig"]),
+    ("config-glu-activation", lambda: LMConfig(glu_activation="relu"), ValueError,
+     ["glu_activation", "one of"]),
+    ("train-recompute-str", lambda: _train_config(recompute="yes"), TypeError, ["recompute", "bool"]),
+    ("train-pack-int", lambda: _train_config(pack=1), TypeError, ["pack", "bool"]),
+    ("train-bf16-str", lambda: _train_config(bf16="true"), TypeError, ["bf16", "bool"]),
+    ("model-checkpointing-str", lambda: LanguageModel(LMConfig(d_model=16, n_heads=2))
+     .set_gradient_checkpointing("yes"), TypeError, ["enable", "bool"]),
 ]
+
+
+def _train_config(**kw):
+    from fastweights.train.trainer import TrainConfig
+
+    return TrainConfig(**kw)
 
 _lm = None
 
