@@ -87,32 +87,106 @@ def delta_rule_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S: torch.Tensor,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """WY/UT form (SPEC 1.4): per chunk, with A = stril(diag(beta) K K^T) and
-    Tm = (I + A)^-1 diag(beta), W = Tm K and U0 = Tm V (batched over all chunks); then
-    sequentially U = U0 - W S, S <- S + K^T U (two fused multiply-adds per chunk, the only
-    Python loop); finally, batched again, O = Q S_entering + tril(Q K^T) U."""
+    """WY/UT form (SPEC 1.4): per chunk, with A = stril(diag(beta) K K^T), X = (I + A)^-1 and
+    Tm = X diag(beta), W = Tm K and U0 = Tm V (batched over all chunks); then sequentially
+    U = U0 - W S, S <- S + K^T U (two fused multiply-adds per chunk, the only Python loop);
+    finally, batched again, O = Q S_entering + tril(Q K^T) U.
+
+    The backward pass is written out (``_DeltaRuleChunk``): autograd would keep about 19
+    [T, H, D]-sized tensors per call; this keeps q, k, v, beta, X and the chunk-entering states
+    (about 5) and recomputes W, U0 and U with three batched products."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
-    C = chunk_size
-    qc, kc, vc = (_chunk_major(x, C) for x in (q, k, v))  # [N, B*H, C, D]
-    bc = _chunk_major(beta.unsqueeze(-1), C)  # [N, B*H, C, 1]
-    # Only the strictly lower triangle of A is read (unitriangular: the diagonal is taken as 1),
-    # so neither the mask nor the identity is ever built. No pivoting: the solve is exact.
-    # Solving for the C x C matrix Tm and then multiplying is faster on CPU than solving for
-    # [W | U0] directly (measured: LAPACK's batched trsm is slower than bmm per FLOP).
-    A = bc * (kc @ kc.transpose(-1, -2))
-    Tm = torch.linalg.solve_triangular(A, torch.diag_embed(bc.squeeze(-1)), upper=False,
-                                       unitriangular=True)
-    W, U0 = Tm @ kc, Tm @ vc  # [N, B*H, C, Dk], [N, B*H, C, Dv]
-    S = S.reshape(B * H, Dk, Dv)
-    entering, Us = [], []
-    for n in range(qc.shape[0]):
-        U = torch.baddbmm(U0[n], W[n], S, alpha=-1)  # U0 - W S
-        entering.append(S)
-        S = torch.baddbmm(S, kc[n].transpose(-1, -2), U)  # S + K^T U
-        Us.append(U)
-    S_in, U = torch.stack(entering), torch.stack(Us)  # [N, B*H, Dk, Dv], [N, B*H, C, Dv]
-    qk = (qc @ kc.transpose(-1, -2)).tril_()  # in place on a fresh product (autograd-safe)
-    o = torch.baddbmm((qc @ S_in).flatten(0, 1), qk.flatten(0, 1), U.flatten(0, 1))
-    o = o.unflatten(0, qc.shape[:2])  # Q S_entering + tril(Q K^T) U
+    qc, kc, vc = (_chunk_major(x, chunk_size) for x in (q, k, v))  # [N, B*H, C, D]
+    bc = _chunk_major(beta.unsqueeze(-1), chunk_size)  # [N, B*H, C, 1]
+    o, S = _DeltaRuleChunk.apply(qc, kc, vc, bc, S.reshape(B * H, Dk, Dv))
     return _from_chunk_major(o, B, T), S.reshape(B, H, Dk, Dv)
+
+
+def _delta_wy(kc: torch.Tensor, bc: torch.Tensor) -> torch.Tensor:
+    """X = (I + stril(diag(beta) K K^T))^-1 per chunk: [N, BH, C, C].
+
+    Only the strictly lower triangle of A is read (unitriangular: the diagonal is taken as 1),
+    so neither the mask nor the identity is built into A. No pivoting: the solve is exact."""
+    A = bc * (kc @ kc.transpose(-1, -2))
+    eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device).expand_as(A)
+    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+
+
+class _DeltaRuleChunk(torch.autograd.Function):
+    """The chunked delta rule on chunk-major tensors with a hand-written backward.
+
+    Forward: qc, kc [N, BH, C, Dk], vc [N, BH, C, Dv], bc [N, BH, C, 1], S0 [BH, Dk, Dv] ->
+    (o [N, BH, C, Dv], S_final [BH, Dk, Dv]). Backward, with g the gradient of the state leaving
+    a chunk (dS_final for the last one), in reverse chunk order:
+    dU = tril(Q K^T)^T dO + K g and g <- g + Q^T dO - W^T dU (the only loop); then batched:
+    dQ = dO S_in^T + tril(dO U^T) K, dK = tril(dO U^T)^T Q + U g^T + Tm^T dW + (G + G^T) K,
+    dW = -dU S_in^T, dV = Tm^T dU, dTm = dW K^T + dU V^T, dX = dTm diag(beta),
+    dL = -X^T dX X^T, dA = stril(dL), G = diag(beta) dA,
+    dbeta_i = sum_j dA_ij (K K^T)_ij + sum_r dTm_ri X_ri. The backward is made of
+    differentiable operations; under create_graph it recomputes X and the chunk states from the
+    inputs, so double backward is exact too.
+    """
+
+    @staticmethod
+    def _states(kc, vc, bc, S0):
+        """X and the states entering every chunk, (X, S_in [N, BH, Dk, Dv], U, S_final)."""
+        X = _delta_wy(kc, bc)
+        Tm = X * bc.transpose(-1, -2)  # X diag(beta)
+        W, U0 = Tm @ kc, Tm @ vc  # [N, BH, C, Dk], [N, BH, C, Dv]
+        S, entering, Us = S0, [], []
+        for n in range(kc.shape[0]):
+            U = torch.baddbmm(U0[n], W[n], S, alpha=-1)  # U0 - W S
+            entering.append(S)
+            S = torch.baddbmm(S, kc[n].transpose(-1, -2), U)  # S + K^T U
+            Us.append(U)
+        return X, torch.stack(entering), torch.stack(Us), S
+
+    @staticmethod
+    def forward(ctx, qc, kc, vc, bc, S0):  # type: ignore[override]
+        X, S_in, U, S = _DeltaRuleChunk._states(kc, vc, bc, S0)
+        qk = (qc @ kc.transpose(-1, -2)).tril_()
+        o = torch.baddbmm((qc @ S_in).flatten(0, 1), qk.flatten(0, 1), U.flatten(0, 1))
+        ctx.save_for_backward(qc, kc, vc, bc, S0, X, S_in)
+        return o.unflatten(0, qc.shape[:2]), S
+
+    @staticmethod
+    def backward(ctx, do, dS):  # type: ignore[override]
+        qc, kc, vc, bc, S0, X, S_in = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph (double backward): X and S_in were made without a graph in forward;
+            # recompute them from the inputs so that second derivatives flow through them too.
+            X, S_in, _, _ = _DeltaRuleChunk._states(kc, vc, bc, S0)
+        if do is None:
+            do = qc.new_zeros(*qc.shape[:-1], vc.shape[-1])
+        if dS is None:
+            dS = S_in.new_zeros(S_in.shape[1:])
+        Tm = X * bc.transpose(-1, -2)
+        W = Tm @ kc
+        U = torch.baddbmm((Tm @ vc).flatten(0, 1), W.flatten(0, 1), S_in.flatten(0, 1),
+                          alpha=-1).unflatten(0, qc.shape[:2])  # U0 - W S_in, all chunks
+        kT, qT = kc.transpose(-1, -2), qc.transpose(-1, -2)
+        qk = (qc @ kT).tril()
+        dU_out = qk.transpose(-1, -2) @ do  # [N, BH, C, Dv]
+        QtdO = qT @ do  # [N, BH, Dk, Dv]
+        g, leaving, dUs = dS, [], []
+        for n in range(qc.shape[0] - 1, -1, -1):
+            leaving.append(g)
+            dU = torch.baddbmm(dU_out[n], kc[n], g)  # dU_out + K g
+            g = torch.baddbmm(g + QtdO[n], W[n].transpose(-1, -2), dU, alpha=-1)
+            dUs.append(dU)
+        G_out, dU = torch.stack(leaving[::-1]), torch.stack(dUs[::-1])
+        dmask = (do @ U.transpose(-1, -2)).tril()  # [N, BH, C, C]
+        dq = do @ S_in.transpose(-1, -2) + dmask @ kc
+        dW = -(dU @ S_in.transpose(-1, -2))  # [N, BH, C, Dk]
+        TmT = Tm.transpose(-1, -2)
+        dk = dmask.transpose(-1, -2) @ qc + U @ G_out.transpose(-1, -2) + TmT @ dW
+        dv = TmT @ dU
+        dTm = dW @ kT + dU @ vc.transpose(-1, -2)  # [N, BH, C, C]
+        db = (dTm * X).sum(dim=-2).unsqueeze(-1)  # through Tm = X diag(beta)
+        XT = X.transpose(-1, -2)
+        dA = (-(XT @ (dTm * bc.transpose(-1, -2)) @ XT)).tril(-1)  # stril(dL)
+        db = db + (dA * (kc @ kT)).sum(dim=-1, keepdim=True)
+        G = bc * dA
+        dk = dk + (G + G.transpose(-1, -2)) @ kc
+        return dq, dk, dv, db, g
