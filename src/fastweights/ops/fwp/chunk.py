@@ -161,32 +161,46 @@ class _DeltaRuleChunk(torch.autograd.Function):
             do = qc.new_zeros(*qc.shape[:-1], vc.shape[-1])
         if dS is None:
             dS = S_in.new_zeros(S_in.shape[1:])
-        Tm = X * bc.transpose(-1, -2)
+        # Intermediates are freed as soon as they are used up: the backward's transient memory
+        # (one call at a time) stays near the few [T, H, D]-sized tensors the forward saved.
+        bT = bc.transpose(-1, -2)
+        Tm = X * bT
         W = Tm @ kc
         U = torch.baddbmm((Tm @ vc).flatten(0, 1), W.flatten(0, 1), S_in.flatten(0, 1),
                           alpha=-1).unflatten(0, qc.shape[:2])  # U0 - W S_in, all chunks
-        kT, qT = kc.transpose(-1, -2), qc.transpose(-1, -2)
-        qk = (qc @ kT).tril()
-        dU_out = qk.transpose(-1, -2) @ do  # [N, BH, C, Dv]
-        QtdO = qT @ do  # [N, BH, Dk, Dv]
+        kT = kc.transpose(-1, -2)
+        dU_out = (qc @ kT).tril().transpose(-1, -2) @ do  # [N, BH, C, Dv]
+        QtdO = qc.transpose(-1, -2) @ do  # [N, BH, Dk, Dv]
         g, leaving, dUs = dS, [], []
         for n in range(qc.shape[0] - 1, -1, -1):
             leaving.append(g)
             dU = torch.baddbmm(dU_out[n], kc[n], g)  # dU_out + K g
             g = torch.baddbmm(g + QtdO[n], W[n].transpose(-1, -2), dU, alpha=-1)
             dUs.append(dU)
-        G_out, dU = torch.stack(leaving[::-1]), torch.stack(dUs[::-1])
+        del dU_out, QtdO, W
+        G_out = torch.stack(leaving[::-1])  # [N, BH, Dk, Dv], gradient of each leaving state
+        del leaving
+        dU = torch.stack(dUs[::-1])  # [N, BH, C, Dv]
+        del dUs
         dmask = (do @ U.transpose(-1, -2)).tril()  # [N, BH, C, C]
         dq = do @ S_in.transpose(-1, -2) + dmask @ kc
+        dk = dmask.transpose(-1, -2) @ qc
+        del dmask
+        dk = dk + U @ G_out.transpose(-1, -2)
+        del U, G_out
         dW = -(dU @ S_in.transpose(-1, -2))  # [N, BH, C, Dk]
         TmT = Tm.transpose(-1, -2)
-        dk = dmask.transpose(-1, -2) @ qc + U @ G_out.transpose(-1, -2) + TmT @ dW
+        dk = dk + TmT @ dW
         dv = TmT @ dU
+        del Tm, TmT
         dTm = dW @ kT + dU @ vc.transpose(-1, -2)  # [N, BH, C, C]
+        del dW, dU
         db = (dTm * X).sum(dim=-2).unsqueeze(-1)  # through Tm = X diag(beta)
         XT = X.transpose(-1, -2)
-        dA = (-(XT @ (dTm * bc.transpose(-1, -2)) @ XT)).tril(-1)  # stril(dL)
+        dA = (-(XT @ (dTm * bT) @ XT)).tril(-1)  # stril(dL)
+        del dTm
         db = db + (dA * (kc @ kT)).sum(dim=-1, keepdim=True)
         G = bc * dA
+        del dA
         dk = dk + (G + G.transpose(-1, -2)) @ kc
         return dq, dk, dv, db, g
