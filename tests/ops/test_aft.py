@@ -241,6 +241,23 @@ def test_local_with_zero_bias_is_simple(causal, window):
 
 
 @CAUSAL
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_full_float32_is_exact_for_extreme_key_and_bias_spreads(causal, chunk):
+    """Keys and biases spread over hundreds: separate maxima of K and w would underflow whole
+    rows in float32 (a row's best K + w far below max K + max w); those rows are redone with
+    the joint maximum, so float32 stays at float32 accuracy against a float64 oracle."""
+    q, k, v, w = make(2, 29, 3, seed=31)
+    k, w = 100 * k, 100 * w
+    q[0, 0] = 0.0  # plus the hand case: k = [0, -120], w = -120 on the diagonal
+    k[0, :2, 0], w[0, :2], w[1, :2] = torch.tensor([0.0, -120.0]), torch.tensor([-120.0, 0.0]), \
+        torch.tensor([0.0, -120.0])
+    ref = aft_naive(q, k, v, w, causal)
+    got = aft(q.float(), k.float(), v.float(), w.float(), causal=causal, chunk_size=chunk)
+    assert torch.isfinite(got).all()
+    assert (got.double() - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@CAUSAL
 def test_local_with_window_zero_is_simple(causal):
     """SPEC 4.5: AFT-local with s = 0 == AFT-simple (no pair lies in the window)."""
     q, k, v, w = make(2, 23, 4)

@@ -28,8 +28,9 @@ and every sum is held as a (log-sum-exp, weighted mean) pair or an (a, n, m) tri
 - Keys are first taken relative to the call's largest key per channel: sums then stay near
   e^0, where float32 resolves them best (keys around 80 would otherwise cost 2-3 digits).
 - AFT-full multiplies exp(w - row max of w) by exp(K - max K) for the keys before a block of
-  query rows, and treats the block's own keys per row. This is exact unless the bias spreads
-  over ~60 (float32) within a row; AFT-local/simple/conv are exact for any bias and key range.
+  query rows (rows whose products underflow are redone with the maximum of K + w per row and
+  channel), and treats the block's own keys per row: exact for any bias and key range, like
+  AFT-local/simple/conv.
 """
 
 from __future__ import annotations
@@ -291,8 +292,10 @@ def _full_summary(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Summary:
     """(ell, y) of rows that see every key, as matrix products (SPEC 4.1): num = exp(w) @ (exp(K) V)
     and den = exp(w) @ exp(K), with the row maxima of w and the channel maxima of K subtracted.
 
-    k [B, S, G], v [B, S, G, E], w [R, S] -> ell [B, R, G], y [B, R, G, E]. Exact unless a row's
-    largest K + w falls ~60 (float32) below max w + max K, i.e. w spreads that much.
+    k [B, S, G], v [B, S, G, E], w [R, S] -> ell [B, R, G], y [B, R, G, E]. The two maxima are
+    taken separately, so where a row's largest K + w lies far (~80 in float32) below max w +
+    max K the products underflow; those rows are detected by their tiny denominators and redone
+    exactly with the maximum of K + w per row and channel (``_exact_rows``).
     """
     k_max = k.detach().amax(dim=1, keepdim=True)  # [B, 1, G]
     w_max = w.detach().amax(dim=-1)  # [R]
@@ -301,7 +304,33 @@ def _full_summary(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Summary:
     num = torch.einsum("ts,bsge->btge", a, e.unsqueeze(-1) * v)
     den = torch.einsum("ts,bsg->btg", a, e)
     ell = torch.log(den) + w_max[:, None] + k_max
-    return ell, num / den.clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)
+    y = num / den.clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)
+    # Terms below the smallest normal number are lost; they matter only where the denominator
+    # itself is within S / eps of that.
+    info = torch.finfo(den.dtype)
+    lossy = (den.detach() < info.tiny * k.shape[1] / info.eps).any(dim=2).any(dim=0)  # [R]
+    if bool(lossy.any()):
+        rows = lossy.nonzero().squeeze(1)
+        ell_x, y_x = _exact_rows(k, v, w.index_select(0, rows))
+        ell, y = ell.index_copy(1, rows, ell_x), y.index_copy(1, rows, y_x)
+    return ell, y
+
+
+def _exact_rows(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                budget: int = 2**22) -> Summary:
+    """``_full_summary`` for rows w [r, S] with the maximum of K + w taken per (row, channel):
+    exact for any range, O(r S G) work, in blocks of rows of at most ``budget`` logits."""
+    B, S, G = k.shape
+    step = max(1, budget // max(1, B * S * G))
+    ells, ys = [], []
+    for r0 in range(0, w.shape[0], step):
+        logits = k.unsqueeze(1) + w[r0:r0 + step, :, None]  # [B, r, S, G]
+        top = logits.detach().amax(dim=2, keepdim=True)
+        p = torch.exp(logits - top)
+        den = p.sum(dim=2)  # [B, r, G], >= 1
+        ells.append(torch.log(den) + top.squeeze(2))
+        ys.append(torch.einsum("brsg,bsge->brge", p, v) / den.unsqueeze(-1))
+    return torch.cat(ells, dim=1), torch.cat(ys, dim=1)
 
 
 def full_rows(
