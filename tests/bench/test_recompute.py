@@ -17,3 +17,13 @@ def test_recompute_bench_writes_both_settings(tmp_path):
     assert saved["rows"] == rows and "--mixers delta,softmax" in saved["meta"]["command"]
     table = (tmp_path / "results.md").read_text()
     assert table.count("| delta | 16 |") == 1 and table.count("| softmax | 16 |") == 1
+
+
+def test_fwp_forms_times_forward_and_backward(capsys):
+    from fastweights.bench.fwp_forms import main as forms
+
+    forms(["--T", "20", "--H", "1", "--D", "4", "--repeats", "1", "--chunk-sizes", "4,8",
+           "--modes", "chunk", "--backward"])
+    out = capsys.readouterr().out
+    assert "forward+backward" in out.splitlines()[0]
+    assert all(f"{op}[chunk C={c}]" in out for op in ("delta_rule", "linear_attn") for c in (4, 8))

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from fastweights import build_mixer
 from fastweights.layers import DeltaNet, LinearAttention
 from tests.helpers import assert_close64
 
@@ -64,3 +65,22 @@ def test_bad_layer_options():
         LinearAttention(8, 2, feature_map="dpfp", nu=0)
     with pytest.raises(ValueError, match="divisible by n_heads"):
         LinearAttention(10, 3)
+
+
+def test_chunk_size_default_is_the_measured_one_per_device():
+    from fastweights.ops.fwp import PREFERRED_CHUNK_SIZES, preferred_chunk_size
+
+    assert preferred_chunk_size("delta_rule", "cpu") == PREFERRED_CHUNK_SIZES["cpu"]["delta_rule"]
+    assert preferred_chunk_size("linear_attn", torch.device("cpu")) == 64
+    assert preferred_chunk_size("delta_rule", "meta") == 64  # not measured: 64
+    with pytest.raises(ValueError, match="op must be"):
+        preferred_chunk_size("aft", "cpu")
+    torch.manual_seed(0)
+    auto = build_mixer("delta", 16, 2).double()
+    fixed = build_mixer("delta", 16, 2, chunk_size=5).double()
+    fixed.load_state_dict(auto.state_dict())
+    assert auto.chunk_size is None and fixed.chunk_size == 5
+    x = torch.randn(2, 75, 16, dtype=torch.float64)  # spans several chunks of either size
+    assert torch.allclose(auto(x)[0], fixed(x)[0], atol=1e-12)
+    with pytest.raises((ValueError, TypeError), match="chunk_size"):
+        build_mixer("delta", 16, 2, chunk_size=0)

@@ -43,6 +43,13 @@ def _inputs(B: int, T: int, H: int, D: int, dtype: torch.dtype) -> dict[str, tor
             "beta": torch.rand(B, T, H, generator=g, dtype=dtype)}
 
 
+def _pass(backward: bool, call: Callable[[], Any]) -> Callable[[], Any]:
+    """The forward ``call`` or, with ``backward``, forward plus the backward of sum(o)."""
+    if not backward:
+        return call
+    return lambda: call()[0].sum().backward()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--B", type=int, default=1)
@@ -54,25 +61,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-sizes", default="64", help="comma-separated chunk sizes")
     p.add_argument("--modes", default="chunk,recurrent,naive")
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"))
+    p.add_argument("--backward", action="store_true",
+                   help="time forward+backward (gradients of q, k, v, beta) instead of forward")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     device = torch.device("cpu")
     x = _inputs(args.B, args.T, args.H, args.D, dtype)
+    if args.backward:
+        x = {n: t.requires_grad_() for n, t in x.items()}
     peak, n = matmul_gflops(device, dtype)
     timed = _timer(args.clock)
     print(f"B{args.B} H{args.H} T{args.T} D{args.D} {args.dtype}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}, {args.clock} clock; "
-          f"matmul {peak:.1f} GFLOP/s (n={n}, wall clock)")
+          f"matmul {peak:.1f} GFLOP/s (n={n}, wall clock); "
+          f"{'forward+backward' if args.backward else 'forward'}")
     calls = {}
     for mode in args.modes.split(","):
         sizes = [int(c) for c in args.chunk_sizes.split(",")] if mode == "chunk" else [64]
         for C in sizes:
             tag = f"[chunk C={C}]" if mode == "chunk" else f"[{mode}]"
-            calls[f"linear_attn{tag}"] = lambda m=mode, c=C: linear_attn(
-                x["q"], x["k"], x["v"], normalize=True, mode=m, chunk_size=c)
-            calls[f"delta_rule{tag}"] = lambda m=mode, c=C: delta_rule(
-                x["qn"], x["kn"], x["v"], x["beta"], mode=m, chunk_size=c)
-    with torch.no_grad():
+            calls[f"linear_attn{tag}"] = _pass(args.backward, lambda m=mode, c=C: linear_attn(
+                x["q"], x["k"], x["v"], normalize=True, mode=m, chunk_size=c))
+            calls[f"delta_rule{tag}"] = _pass(args.backward, lambda m=mode, c=C: delta_rule(
+                x["qn"], x["kn"], x["v"], x["beta"], mode=m, chunk_size=c))
+    with torch.enable_grad() if args.backward else torch.no_grad():
         for name, call in sorted(calls.items()):
             timed(call)
             times = [timed(call) for _ in range(args.repeats)]

@@ -21,6 +21,7 @@ from ..ops.fwp import (
     draw_favor_projection,
     feature_map,
     linear_attn,
+    preferred_chunk_size,
     sum_norm,
 )
 from .base import Mixer, State, merge_heads, split_heads
@@ -39,7 +40,11 @@ class LinearAttention(Mixer):
     as DeltaNet); ``update`` is ``sum`` (W += k^T v) or ``delta``. Heads are concatenated,
     multiplied by ``out_scale`` (default 1/sqrt(head_dim), as every lmtool fast-weight layer) and
     projected back to d_model. FAVOR+ redraws its projection on every training forward and keeps
-    the last draw in eval mode (``redraw=False`` keeps it fixed always). The defaults ``nu=2``
+    the last draw in eval mode (``redraw=False`` keeps it fixed always). ``chunk_size`` None (the
+    default) takes the size measured fastest on the input's device kind
+    (``ops.fwp.preferred_chunk_size``: 32 for the delta rule on CPU, 64 otherwise; the choice
+    changes only float rounding, and is fixed per device kind, so runs stay reproducible).
+    The defaults ``nu=2``
     and ``m=16`` are lmtool's (SPEC 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
 
     State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule, ``(S,)`` for delta.
@@ -50,7 +55,7 @@ class LinearAttention(Mixer):
         feature_map: str = "elu", normalize: str = "attention", update: str = "sum",
         nu: int = 2, m: int = 16, eps: float = 1e-6, sum_norm_eps: float = 1e-6,
         out_scale: float | None = None, redraw: bool = True, orthogonal: bool = True,
-        mode: str = "chunk", chunk_size: int = 64,
+        mode: str = "chunk", chunk_size: int | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
         self.feature_map = check_choice("feature_map", feature_map, FEATURE_MAPS)
@@ -71,7 +76,9 @@ class LinearAttention(Mixer):
         self.redraw = check_bool("redraw", redraw)
         self.orthogonal = check_bool("orthogonal", orthogonal)
         self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        # None: the size measured fastest for this op on the input's device kind
+        # (ops.fwp.preferred_chunk_size: 32 for the delta rule on CPU, else 64).
+        self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
         H, D = n_heads, self.head_dim
         self.n_beta = 1 if update == "delta" else 0
         self.qkvb = nn.Linear(d_model, H * (3 * D + self.n_beta), bias=False)
@@ -102,7 +109,9 @@ class LinearAttention(Mixer):
         proj = split_heads(self.qkvb(x), H)  # [B, T, H, 3D (+1)]
         q, k, v = proj[..., :D], proj[..., D:2 * D], proj[..., 2 * D:3 * D]
         q, k = self._phi(q), self._phi(k)
-        opts = dict(output_final_state=True, mode=self.mode, chunk_size=self.chunk_size)
+        chunk = self.chunk_size or preferred_chunk_size(
+            "delta_rule" if self.update == "delta" else "linear_attn", x.device)
+        opts = dict(output_final_state=True, mode=self.mode, chunk_size=chunk)
         if self.update == "delta":
             # The delta rule's state is the 1-tuple (S,): reject other layers' states (a
             # NormAttention (S, position) pair would otherwise pass the shape check on S).

@@ -53,12 +53,31 @@ __all__ = [
     "favor_features",
     "feature_map",
     "linear_attn",
+    "preferred_chunk_size",
     "relu",
     "sum_norm",
 ]
 
 MODES = ("chunk", "recurrent", "naive")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Chunk sizes measured per device kind (forward and forward+backward, B1 H8 T4096 D64 float32;
+# `python -m fastweights.bench.fwp_forms --backward --chunk-sizes 16,32,64,128 --modes chunk`,
+# recorded in benchmarks/results/chunk_sizes/). Devices not measured here keep 64, the size
+# flash-linear-attention's GPU kernels use.
+PREFERRED_CHUNK_SIZES: dict[str, dict[str, int]] = {
+    "cpu": {"linear_attn": 64, "delta_rule": 32},
+}
+
+
+def preferred_chunk_size(op: str, device: torch.device | str) -> int:
+    """The measured fastest ``chunk_size`` of ``op`` (``"linear_attn"`` or ``"delta_rule"``) on
+    this kind of device (see ``PREFERRED_CHUNK_SIZES``); 64 where nothing was measured. Layers
+    built with ``chunk_size=None`` use it; the ops themselves keep DESIGN's default of 64."""
+    if op not in ("linear_attn", "delta_rule"):
+        raise ValueError(f"op must be 'linear_attn' or 'delta_rule', got {op!r}")
+    return PREFERRED_CHUNK_SIZES.get(torch.device(device).type, {}).get(op, 64)
+
 
 _logger = logging.getLogger(__name__)
 _fallbacks_logged: set[str] = set()
