@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastweights.ops import delta_rule, linear_attn, sum_norm
+from fastweights.ops import delta_rule, elu_plus_one, linear_attn, sum_norm
 from tests.helpers import assert_close64
 
 SHAPES = [(2, 37, 3, 5, 7), (1, 1, 1, 4, 4), (3, 16, 2, 8, 3), (1, 65, 2, 6, 6)]
@@ -178,6 +178,42 @@ def test_chunk_backward_matches_naive_autograd(chunk, use):
         grads[mode] = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, got)]
     for name, a, b in zip("q k v beta S0".split(), grads["chunk"], grads["naive"]):
         assert_close64(a, b, what=f"d{name}")
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+@pytest.mark.parametrize("use", ["o", "S", "both"])
+def test_linear_attn_chunk_backward_matches_naive_autograd(normalize, chunk, use):
+    """The chunked sum rule's hand-written backward against autograd through the naive form."""
+    q, k, v, _ = make(2, 19, 3, 5, 4, seed=23)
+    q, k = elu_plus_one(q), elu_plus_one(k)
+    S0 = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    z0 = torch.rand(2, 3, 5, dtype=torch.float64)
+    wo, wS, wz = torch.randn(2, 19, 3, 4, dtype=torch.float64), torch.randn_like(S0), torch.randn_like(z0)
+    grads = {}
+    for mode in ("naive", "chunk"):
+        xs = [x.clone().requires_grad_() for x in (q, k, v, S0, z0)]
+        o, (S, z) = linear_attn(*xs[:3], normalize=normalize, initial_state=(xs[3], xs[4]),
+                                output_final_state=True, mode=mode, chunk_size=chunk)
+        on_state = (S * wS).sum() + (z * wz).sum()
+        loss = {"o": (o * wo).sum(), "S": on_state, "both": (o * wo).sum() + on_state}[use]
+        got = torch.autograd.grad(loss, xs, allow_unused=True)
+        grads[mode] = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, got)]
+    for name, a, b in zip("q k v S0 z0".split(), grads["chunk"], grads["naive"]):
+        assert_close64(a, b, what=f"d{name}")
+
+
+def test_linear_attn_chunk_backward_is_twice_differentiable():
+    q, k, v, _ = make(1, 7, 1, 3, 2, seed=24)
+    S0, z0 = torch.randn(1, 1, 3, 2, dtype=torch.float64), torch.rand(1, 1, 3, dtype=torch.float64)
+    args = [x.requires_grad_() for x in (q, elu_plus_one(k).detach(), v, S0, z0)]
+
+    def f(q, k, v, S0, z0):
+        o, (S, z) = linear_attn(q, k, v, normalize=True, initial_state=(S0, z0),
+                                output_final_state=True, chunk_size=3)
+        return o, S, z
+
+    assert torch.autograd.gradgradcheck(f, args)
 
 
 def test_chunk_backward_is_twice_differentiable():
