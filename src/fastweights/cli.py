@@ -7,6 +7,7 @@ raised anywhere becomes one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -14,6 +15,16 @@ from typing import NoReturn
 
 class UserError(Exception):
     """A mistake in the user's input: reported as one line, exit code 2."""
+
+
+def make_folder(path: Path, flag: str = "--out") -> None:
+    """Create the output folder ``path`` (and its parents) or raise a UserError naming ``flag``
+    and the reason (a parent that is a file, no permission, a read-only file system)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UserError(f"{flag} {path}: cannot create this folder ({reason})") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -218,3 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fastweights {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `fastweights mixers | head`: the reader left, not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 0

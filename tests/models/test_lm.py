@@ -165,11 +165,28 @@ def test_from_pretrained_rejects_missing_and_corrupt(tmp_path):
         LanguageModel.from_pretrained(tmp_path / "foreign")
     tiny("linear").save_pretrained(tmp_path / "bad")
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="model.safetensors is truncated or altered"):
+        LanguageModel.from_pretrained(tmp_path / "bad")
+    (tmp_path / "bad" / "checksums.json").unlink()  # a folder from another tool: no checksums
     with pytest.raises(ValueError, match="cannot load weights"):
         LanguageModel.from_pretrained(tmp_path / "bad")
     (tmp_path / "bad" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read model config"):
         LanguageModel.from_pretrained(tmp_path / "bad")
+
+
+def test_from_pretrained_detects_a_flipped_byte_and_returns_eval_mode(tmp_path):
+    model = tiny("favor").float().eval()  # FAVOR+ redraws in training mode: eval must come back
+    model.save_pretrained(tmp_path / "m")
+    loaded = LanguageModel.from_pretrained(tmp_path / "m")
+    assert not loaded.training
+    assert torch.equal(loaded(ids())[0], model(ids())[0])
+    weights = tmp_path / "m" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01  # same size, one bit of one weight
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model.safetensors is corrupted: its SHA-256 differs"):
+        LanguageModel.from_pretrained(tmp_path / "m")
 
 
 def test_packed_forward_equals_documents_one_by_one():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import UserError
+from ..cli import UserError, make_folder
 from ..models.registry import mixer_names
 from . import measure
 from .report import OUTPUT_FILES, write_csv, write_markdown, write_plots
@@ -173,6 +173,7 @@ def parse_options(args: argparse.Namespace) -> BenchOptions:
                             "pass --overwrite to replace them or choose another folder")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a folder")
+    make_folder(out)  # before measuring: a bad --out must not cost the measurements
     setting = Setting(batch, d_model, n_heads, _DTYPES[raw["dtype"]], device)
     return BenchOptions(mixers, lengths, passes, setting, repeats, budget, args.ops, args.compile,
                         out, args.overwrite, args.quick, not args.no_progress)

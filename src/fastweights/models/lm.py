@@ -6,6 +6,7 @@ Dimension legend: B batch, T tokens, V vocabulary, d d_model.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from .._files import file_digest
 from ..ops._varlen import check_cu_seqlens
 from .block import Block, make_norm
 from .config import LMConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+CHECKSUM_FILE = "checksums.json"  # size and SHA-256 of the two files above
 
 LMState = list[Any]  # one layer state per block, in order
 
@@ -179,29 +182,60 @@ class LanguageModel(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed)."""
+        """Write ``config.json``, ``model.safetensors`` and ``checksums.json`` (their sizes and
+        SHA-256 digests, checked by ``from_pretrained``) into ``directory`` (created if needed)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.config.save(directory / CONFIG_FILE)
         save_model(self, str(directory / WEIGHTS_FILE))
+        sums = {}
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            size, sha = file_digest(directory / name)
+            sums[name] = {"size": size, "sha256": sha}
+        (directory / CHECKSUM_FILE).write_text(json.dumps(sums, indent=2) + "\n")
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> LanguageModel:
-        """Load a folder written by ``save_pretrained``. A missing folder or file, a foreign or
-        corrupt config or weights raise ValueError naming the problem."""
+        """Load a folder written by ``save_pretrained``, in eval mode (as Hugging Face does; call
+        ``.train()`` to fine-tune). A missing folder or file, a foreign or corrupt config or
+        weights, or a file that differs from ``checksums.json`` (when the folder has one) raise
+        ValueError naming the problem."""
         directory = Path(directory)
         if not directory.is_dir():
             raise ValueError(f"checkpoint folder {directory} does not exist")
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (directory / name).is_file():
                 raise ValueError(f"{directory} is not a fastweights checkpoint (no {name})")
+        _verify_checksums(directory)
         model = cls(LMConfig.load(directory / CONFIG_FILE))
         try:
             load_model(model, str(directory / WEIGHTS_FILE), strict=True, device=str(device))
         except (SafetensorError, RuntimeError, OSError, ValueError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"cannot load weights from {directory / WEIGHTS_FILE}: {first}") from None
-        return model.to(device)
+        return model.to(device).eval()
+
+
+def _verify_checksums(directory: Path) -> None:
+    """Compare config.json and model.safetensors with ``checksums.json`` if the folder has one
+    (folders written by other tools may not); ValueError naming the first file that differs."""
+    path = directory / CHECKSUM_FILE
+    if not path.exists():
+        return
+    try:
+        sums = {name: (int(v["size"]), str(v["sha256"])) for name, v in json.loads(path.read_text()).items()}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path} is corrupt ({type(err).__name__}: {err})") from None
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if name not in sums:
+            raise ValueError(f"{path} is corrupt: it does not list {name}")
+        size, sha = file_digest(directory / name)
+        if size != sums[name][0]:
+            raise ValueError(f"{directory / name} is truncated or altered: {size} bytes, "
+                             f"{CHECKSUM_FILE} says {sums[name][0]}")
+        if sha != sums[name][1]:
+            raise ValueError(f"{directory / name} is corrupted: its SHA-256 differs from the one "
+                             f"in {CHECKSUM_FILE}")
 
 
 # Non-reentrant checkpointing: works with nested state outputs and inputs that need no grad;

@@ -20,7 +20,6 @@ training process while it is saving, deterministically. It changes nothing else.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -32,8 +31,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from .._files import file_digest
 from ..models import LanguageModel
-from ..models.lm import CONFIG_FILE, WEIGHTS_FILE
+from ..models.lm import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -83,16 +83,6 @@ def write_atomic(path: str | Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync(path.parent)
-
-
-def _digest(path: Path) -> tuple[int, str]:
-    """(size in bytes, SHA-256 hex digest) of a file, read in 1 MiB blocks."""
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-            size += len(block)
-    return size, h.hexdigest()
 
 
 def _nonfinite_tensor(model: torch.nn.Module) -> str | None:
@@ -160,7 +150,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LanguageModel,
             files = {}
             for f in checkpoint_files():
                 if f != MANIFEST_FILE:
-                    size, sha = _digest(tmp / f)
+                    size, sha = file_digest(tmp / f)
                     files[f] = {"size": size, "sha256": sha}
             _pause()
             _write_bytes(tmp / MANIFEST_FILE,
@@ -200,7 +190,7 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
         path = ckpt / name
         if not path.is_file():
             return f"{path} is missing (listed in {MANIFEST_FILE})"
-        actual_size, actual_sha = _digest(path)
+        actual_size, actual_sha = file_digest(path)
         if actual_size != size:
             return f"{path} is truncated or altered: {actual_size} bytes, {MANIFEST_FILE} says {size}"
         if actual_sha != sha:
@@ -290,4 +280,4 @@ def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], di
 
 def checkpoint_files() -> tuple[str, ...]:
     """The files every complete training checkpoint holds."""
-    return (CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE)
+    return (CONFIG_FILE, WEIGHTS_FILE, CHECKSUM_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE)

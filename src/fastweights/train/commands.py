@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import UserError
+from ..cli import UserError, make_folder
 from .specs import SpecError, parse_int_list, parse_mixer_list
 
 
@@ -30,7 +30,7 @@ def prepare_out(out: Path, overwrite: bool, outputs: tuple[str, ...]) -> None:
                 shutil.rmtree(path)
             elif path.exists() or path.is_symlink():
                 path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
 
 
 def cmd_recall(args: argparse.Namespace) -> int:
