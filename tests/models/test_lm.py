@@ -95,6 +95,18 @@ def test_transnormer_block_choices_follow_spec_3_4():
         LMConfig(glu_activation="relu")
 
 
+def test_max_seq_len_sizes_the_aft_position_tables():
+    cfg = LMConfig(vocab_size=5, d_model=8, n_layers=2, n_heads=1, mixer=["aft-full", "aft-local"],
+                   mixer_options=[{}, {"window": 4}], max_seq_len=1100)
+    assert [o["max_len"] for o in cfg.layer_options()] == [1100, 1100]
+    model = LanguageModel(cfg).eval()
+    logits, _ = model(torch.zeros(1, 1050, dtype=torch.long))  # beyond the tables' default 1024
+    assert logits.shape == (1, 1050, 5)
+    explicit = LMConfig(vocab_size=5, d_model=8, n_layers=1, n_heads=1, mixer="aft-full",
+                        mixer_options={"max_len": 64}, max_seq_len=32)
+    assert explicit.layer_options()[0]["max_len"] == 64  # an explicit option wins
+
+
 def test_tied_embeddings_share_one_tensor():
     tied, untied = tiny("linear"), tiny("linear", tie_embeddings=False)
     assert tied.head.weight is tied.embed.weight

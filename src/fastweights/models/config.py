@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .registry import mixer_names, mixer_options
+import torch
+
+from .registry import build_mixer, mixer_names, mixer_options
 
 FFNS = ("mlp", "glu", "none")
 NORMS = ("rmsnorm", "layernorm", "srmsnorm")
@@ -35,7 +37,7 @@ class LMConfig:
     (SPEC 3.4; about the same parameter count). ``norm`` is the pre-norm: ``"rmsnorm"`` (with a
     gain), ``"layernorm"`` or ``"srmsnorm"`` (TransNormer's gain-free SRMSNorm, SPEC 3.1/3.4),
     each with ``norm_eps``. ``max_seq_len`` (optional) is the
-    longest sequence the model accepts; it is passed on as the option ``max_seq_len`` to mixers
+    longest sequence the model accepts; it is passed on as the option ``max_len`` to mixers
     that take one (absolute position tables) and checked in ``forward``/``generate``.
     """
 
@@ -85,6 +87,20 @@ class LMConfig:
                     f"LMConfig.mixer_options for layer {i} ({name!r}) has unknown option(s) "
                     f"{unknown}; valid options: {sorted(mixer_options(name))}"
                 )
+        # Option values and combinations (head split, sizes, choices) are the layers' own
+        # checks: build each distinct layer once on the meta device (no memory, no random draws
+        # from the caller's generator) so a bad config fails here, not in LanguageModel(config).
+        seen: set[str] = set()
+        for i, (name, opts) in enumerate(zip(names, options)):
+            key = repr((name, sorted(opts.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                    build_mixer(name, self.d_model, self.n_heads, **opts)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"LMConfig layer {i} ({name!r}): {err}") from None
 
     def layer_mixers(self) -> list[str]:
         """The mixer name of every layer (validated against the registry)."""
@@ -107,7 +123,8 @@ class LMConfig:
         return names
 
     def layer_options(self) -> list[dict[str, Any]]:
-        """The mixer options of every layer, with ``max_seq_len`` added where a mixer takes it."""
+        """The mixer options of every layer, with ``max_len = max_seq_len`` added where a mixer
+        has a position table (``aft-full``, ``aft-local``) and the options do not set it."""
         opts = self.mixer_options
         if isinstance(opts, dict):
             per_layer = [dict(opts) for _ in range(self.n_layers)]
@@ -124,8 +141,8 @@ class LMConfig:
             )
         if self.max_seq_len is not None:
             for name, o in zip(self.layer_mixers(), per_layer):
-                if "max_seq_len" in mixer_options(name):
-                    o.setdefault("max_seq_len", self.max_seq_len)
+                if "max_len" in mixer_options(name):  # absolute position tables (AFT-full/local)
+                    o.setdefault("max_len", self.max_seq_len)
         return per_layer
 
     def ffn_hidden_size(self) -> int:
