@@ -142,3 +142,25 @@ def test_readme_harness_python_example_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for code in blocks:
         exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+
+
+def test_train_error_found_by_the_first_forward_writes_nothing(tmp_path, text_file, capsys):
+    """A combination only a forward can check (a position table shorter than --seq-len) fails
+    before run.json or metrics.csv exist, so the corrected command can reuse --out."""
+    run = tmp_path / "run"
+    common = ["--data", text_file, "--seq-len", "16", "--batch-size", "2", "--d-model", "16",
+              "--n-heads", "2", "--n-layers", "1", "--steps", "2", "--eval-every", "2",
+              "--eval-windows", "2", "--out", str(run), "--quiet"]
+    assert main(["train", "--mixer", "aft-full:max_len=8", *common]) == 2
+    assert "max_len" in capsys.readouterr().err
+    assert not run.exists() or not any(run.iterdir())
+    assert main(["train", "--mixer", "aft-full:max_len=32", *common]) == 0
+
+
+def test_unwritable_out_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for args in (["train", "--steps", "1"], ["recall", "--quiet"], ["bench", "--quick"]):
+        assert main([*args, "--out", str(blocker / "sub")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "cannot create this folder" in err

@@ -100,6 +100,20 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _try_forward(model: LanguageModel, seq_len: int, device: torch.device) -> None:
+    """One forward of a [1, seq_len] batch in eval mode, without gradients and with the random
+    streams untouched, so that combinations only a forward can check (a position table shorter
+    than seq_len, ...) raise their ValueError before the run folder is written."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(
+                devices=[device] if device.type == "cuda" else []):
+            model(torch.zeros(1, seq_len, dtype=torch.long, device=device))
+    finally:
+        model.train(was_training)
+
+
 def set_inner_lr_ramp(model: torch.nn.Module, step: int, warmup: int) -> None:
     """The inner-learning-rate warm-up of TTT-MLP (SPEC 2.6): every layer with an
     ``eta_warmup_from`` r gets ``eta_scale`` = r + (1 - r) * min(1, step / warmup) at optimiser
@@ -290,18 +304,19 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the world size {world}")
     if model_config.max_seq_len is not None and cfg.seq_len > model_config.max_seq_len:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / RUN_FILE, (json.dumps(
-            {"model": model_config.to_dict(), "train": dataclasses.asdict(cfg), "data": corpus.name},
-            indent=2) + "\n").encode())
-
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     data_gen = torch.Generator().manual_seed(cfg.seed)
     model = resumed[0] if resumed else LanguageModel(model_config)
-    model.to(device).train()
+    model.to(device)
+    _try_forward(model, cfg.seq_len, device)  # before anything is written into run_dir
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / RUN_FILE, (json.dumps(
+            {"model": model_config.to_dict(), "train": dataclasses.asdict(cfg), "data": corpus.name},
+            indent=2) + "\n").encode())
+    model.train()
     model.set_gradient_checkpointing(cfg.recompute)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
