@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._inductor.config
 
 from fastweights import build_mixer, mixer_names
 from tests.layers.test_contract import SMALL_OPTIONS
@@ -22,8 +23,12 @@ def _compiled_matches_eager(name: str) -> None:
     y.square().sum().backward()
     grad, x.grad = x.grad.clone(), None
     torch._dynamo.reset()
-    y2, _ = torch.compile(layer)(x)
-    y2.square().sum().backward()
+    # Fresh compilation: with torch 2.13's on-disk caches a cached aft-conv graph came back with
+    # garbage view shapes ("shape '[93813259286388, ...]' is invalid") on a later run, while a
+    # fresh compile of the same layer passes; the test is about our layers, not that cache.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        y2, _ = torch.compile(layer)(x)
+        y2.square().sum().backward()
     scale = max(1.0, y.abs().max().item())
     assert (y2 - y).abs().max().item() < 1e-5 * scale, name
     assert (x.grad - grad).abs().max().item() < 1e-4 * max(1.0, grad.abs().max().item()), name

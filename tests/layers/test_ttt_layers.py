@@ -173,3 +173,18 @@ def test_mamba_conv_cache_batch_is_checked_and_a_batch_of_one_broadcasts():
     _, state3 = layer(torch.randn(3, 5, 12, dtype=torch.float64))
     with pytest.raises(ValueError, match="conv_cache"):
         layer(nxt, state3)
+
+
+@pytest.mark.parametrize("name", ["ttt-linear", "ttt-mlp"])
+def test_layer_checkpoint_group_changes_nothing_but_memory(name):
+    torch.manual_seed(0)
+    plain = build_mixer(name, 16, 2, mini_batch_size=4).double()
+    grouped = build_mixer(name, 16, 2, mini_batch_size=4, checkpoint_group=2).double()
+    grouped.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 23, 16, dtype=torch.float64, requires_grad=True)
+    outs = []
+    for layer in (plain, grouped):
+        y, _ = layer(x)
+        outs.append((y, torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))

@@ -280,3 +280,34 @@ def test_low_precision_inputs_keep_float32_states(kind, dtype):
 def test_no_final_state_unless_asked():
     args, kw = make_case("linear")
     assert ttt_linear(*args, **kw)[1] is None
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_checkpoint_group_gives_identical_outputs_states_and_gradients(kind, group, bias):
+    """Recomputing the scan in groups (SPEC 2.6) changes nothing: T = 13 with b = 4 leaves a
+    partial last mini-batch, and the second call starts inside a mini-batch (carried sums)."""
+    op = ttt_linear if kind == "linear" else ttt_mlp
+    (q, k, v, eta), kw = make_case(kind, bias=bias, seed=40)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, eta)]
+    results = {}
+    for g in (None, group):
+        xs = [x.detach().clone().requires_grad_() for x in leaves]
+        o1, s1 = op(*(x[:, :6] for x in xs), output_final_state=True, checkpoint_group=g, **kw)
+        kw2 = {**kw, "initial_state": s1}
+        o2, s2 = op(*(x[:, 6:] for x in xs), output_final_state=True, checkpoint_group=g, **kw2)
+        loss = o1.square().sum() + o2.square().sum() + sum(t.sum() for t in s2 if torch.is_tensor(t))
+        results[g] = (torch.cat([o1, o2], 1), s2, torch.autograd.grad(loss, xs))
+    (o_ref, s_ref, g_ref), (o, s, g) = results[None], results[group]
+    assert torch.equal(o, o_ref)
+    assert_states_close(s, s_ref, atol=0.0, what="checkpointed")
+    for a, b in zip(g, g_ref):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_group_must_be_a_positive_int():
+    (q, k, v, eta), kw = make_case("linear")
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises((ValueError, TypeError), match="checkpoint_group"):
+            ttt_linear(q, k, v, eta, checkpoint_group=bad, **kw)

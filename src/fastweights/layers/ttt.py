@@ -34,6 +34,9 @@ class _TTTLayer(RotaryFrequencies, Mixer):
       training schedule's multiplier: TTT-MLP's recipe (SPEC 2.6) ramps it linearly from
       ``eta_warmup_from`` = 0.1 to 1 over the outer warm-up, which ``fastweights.train`` applies
       to every layer with an ``eta_warmup_from`` (None for TTT-Linear: no ramp).
+    - ``checkpoint_group`` (None): in training, recompute the inner scan in groups of this many
+      mini-batches in the backward pass instead of storing every mini-batch's inner weights
+      (SPEC 2.6's gradient checkpointing; 4 in the paper): same results, much less memory.
     - tau_i = max(0, 1/i + delta_i) with a learned offset delta [b] (init 0), the scale of the
       running gradient sum at position i of a mini-batch (the ops' ``token_scale``).
     - ``rope`` (True): rotary positions (base ``rope_base``) on XQ, XK with the position counted
@@ -58,10 +61,12 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         mini_batch_size: int = 16, eta_base: float = 1.0, rope: bool = True,
         rope_base: float = 10000.0, inner_norm: bool = True, residual: bool = True,
-        mamba_backbone: bool = False, mode: str = "dual",
+        mamba_backbone: bool = False, mode: str = "dual", checkpoint_group: int | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
         self.mini_batch_size = check_positive_int("mini_batch_size", mini_batch_size)
+        self.checkpoint_group = (None if checkpoint_group is None
+                                 else check_positive_int("checkpoint_group", checkpoint_group))
         self.eta_base = check_nonneg_float("eta_base", eta_base)
         self.eta_scale = 1.0  # set by the training loop's warm-up ramp (see eta_warmup_from)
         self.rope = check_bool("rope", rope)
@@ -155,7 +160,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             ln_weight=self.ln_weight if self.inner_norm else None,
             ln_bias=self.ln_bias if self.inner_norm else None, residual=self.residual,
             mini_batch_size=b, token_scale=self.token_scale(), output_final_state=True,
-            mode=self.mode)
+            mode=self.mode, checkpoint_group=self.checkpoint_group)
         y = self.post_norm(merge_heads(o))
         if self.mamba_backbone:
             y = y * F.gelu(self.gate(x), approximate="tanh")

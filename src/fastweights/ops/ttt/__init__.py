@@ -130,8 +130,11 @@ def _ttt(
     initial_state: Sequence[Any], ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
     residual: bool, mini_batch_size: int, token_scale: torch.Tensor | None,
     output_final_state: bool, mode: str, cu_seqlens: torch.Tensor | None = None,
+    checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
     B, T, H, Dk, Dv = check_qkv(q, k, v)
+    if checkpoint_group is not None:
+        check_positive_int("checkpoint_group", checkpoint_group)
     check_tensor("eta", eta)
     check_shape("eta", eta, (B, T, H), "[B, T, H]")
     if eta.device != q.device:
@@ -169,7 +172,8 @@ def _ttt(
 
         def one_document(q, k, v, eta, *, initial_state, output_final_state):
             return _ttt(kind, q, k, v, eta, initial_state, ln_weight, ln_bias, residual,
-                        mini_batch_size, token_scale, output_final_state, mode)
+                        mini_batch_size, token_scale, output_final_state, mode,
+                        checkpoint_group=checkpoint_group)
 
         return run_packed(one_document, (q, k, v, eta), cu_seqlens, initial_state,
                           output_final_state)
@@ -182,7 +186,8 @@ def _ttt(
         tau = token_scale.to(cdtype).expand(H, b)
     ln_w, ln_b = (None if x is None else x.to(cdtype) for x in (ln_weight, ln_bias))
     qc, kc, vc, etac = (x.to(cdtype) for x in (q, k, v, eta))
-    o, carry = _KERNELS[kind][mode](qc, kc, vc, etac, carry, ln_w, ln_b, residual, tau)
+    extra = {"checkpoint_group": checkpoint_group} if mode == "dual" else {}
+    o, carry = _KERNELS[kind][mode](qc, kc, vc, etac, carry, ln_w, ln_b, residual, tau, **extra)
     if not output_final_state:
         return o.to(q.dtype), None
     if carry.pos == 0:
@@ -196,7 +201,7 @@ def ttt_linear(
     initial_state: Sequence[Any], ln_weight: torch.Tensor | None = None,
     ln_bias: torch.Tensor | None = None, residual: bool = False, mini_batch_size: int = 16,
     token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
     """TTT-Linear (SPEC 2.2-2.4): inner model f_res(z) = z W + b per head.
 
@@ -220,9 +225,14 @@ def ttt_linear(
     cu_seqlens: [N + 1] boundaries of documents packed in a batch of one; each document starts
     from ``initial_state`` (one state shared by all, batch 1) or from its own entry of a list of
     N states, and the final state is a list with one state per document (ops/_varlen.py).
+    checkpoint_group: dual mode, while gradients are recorded: run the mini-batch scan in groups
+    of this many mini-batches, each recomputed in the backward pass instead of keeping every
+    mini-batch's weights (SPEC 2.6: the paper uses 4); same results, less memory, one more
+    forward of the scan. None (default) keeps everything.
     """
     return _ttt("linear", q, k, v, eta, initial_state, ln_weight, ln_bias, residual,
-                mini_batch_size, token_scale, output_final_state, mode, cu_seqlens)
+                mini_batch_size, token_scale, output_final_state, mode, cu_seqlens,
+                checkpoint_group)
 
 
 @float32_compute
@@ -231,7 +241,7 @@ def ttt_mlp(
     initial_state: Sequence[Any], ln_weight: torch.Tensor | None = None,
     ln_bias: torch.Tensor | None = None, residual: bool = False, mini_batch_size: int = 16,
     token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
     """TTT-MLP (SPEC 2.2-2.4): inner model f_res(z) = gelu_tanh(z W1 + b1) W2 + b2 per head,
     hidden size 4 Dk.
@@ -242,4 +252,5 @@ def ttt_mlp(
     Every other argument, the output and the state semantics are as in ``ttt_linear``.
     """
     return _ttt("mlp", q, k, v, eta, initial_state, ln_weight, ln_bias, residual,
-                mini_batch_size, token_scale, output_final_state, mode, cu_seqlens)
+                mini_batch_size, token_scale, output_final_state, mode, cu_seqlens,
+                checkpoint_group)

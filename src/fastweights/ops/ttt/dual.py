@@ -18,8 +18,12 @@ needs no separate code: E * (Q K^T + 1) then covers both terms.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .common import (
     Carry,
@@ -65,12 +69,36 @@ def _ones(x: torch.Tensor, has_bias: bool) -> torch.Tensor:
     return F.pad(x, (0, 1), value=1.0) if has_bias else x
 
 
+def _scan(run: Callable[..., tuple[Any, ...]], N: int, group: int | None,
+          *weights: torch.Tensor) -> tuple[Any, ...]:
+    """Run the sequential mini-batch scan ``run(n0, n1, *weights)`` over all N mini-batches.
+
+    With ``group`` g (and gradients being recorded) the scan goes g mini-batches at a time, each
+    group under ``torch.utils.checkpoint``: the backward pass keeps only the weights entering
+    every group and the per-token rows the batched read-out needs, and runs the group's forward
+    again (SPEC 2.6: the paper checkpoints groups of 4 mini-batches). Without it the per-step
+    weights of every mini-batch stay alive for the backward pass. Same results either way.
+    Returns the final weights, the per-step outputs concatenated over groups and the last
+    group's trailing gradient sums (or None)."""
+    if not group or group >= N or not torch.is_grad_enabled():
+        return run(0, N, *weights)
+    n_w = len(weights)
+    pieces, tail = [], None
+    for n0 in range(0, N, group):
+        res = torch.utils.checkpoint.checkpoint(run, n0, min(n0 + group, N), *weights,
+                                                use_reentrant=False, preserve_rng_state=False)
+        weights, outs, tail = res[:n_w], res[n_w:-1], res[-1]
+        pieces.append(outs)
+    return (*weights, *(torch.cat(x, dim=2) for x in zip(*pieces)), tail)
+
+
 def ttt_linear_dual(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
-    tau: torch.Tensor,
+    tau: torch.Tensor, checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, Carry]:
-    """TTT-Linear, f_res(z) = z W + b, in the dual form. Returns (o [B, T, H, Dv], carry)."""
+    """TTT-Linear, f_res(z) = z W + b, in the dual form. Returns (o [B, T, H, Dv], carry).
+    ``checkpoint_group``: see ``_scan``."""
     T, b, p = q.shape[1], tau.shape[-1], carry.pos
     Q, K, target, eta_mb, E = _layout(q, k, v, eta, p, residual, tau)
     has_bias = carry.start[1] is not None
@@ -83,24 +111,33 @@ def ttt_linear_dual(
     tau_rows, tau_b = tau.unsqueeze(-1), per_head(tau[:, -1], W)  # [H, b, 1], [H, 1, 1]
     tail = (p + T) % b  # tokens in a last, partly filled mini-batch (0: it is full)
     N = Q.shape[2]
-    zq, Gs, grads = [], [], None
     # unbind (not indexing) so that autograd gathers the per-step gradients in one stack
-    for n, (kq, tgt, kt_eta) in enumerate(zip(KQ.unbind(2), target.unbind(2), KT_eta.unbind(2))):
-        Z = kq @ W  # [B, H, 2b, Dv]: keys' and queries' outputs at the start weights
-        G = loss_grad(Z[..., :b, :], tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
-        Zq, sums = Z[..., b:, :], kt_eta @ G
-        if n == 0 and prior is not None:
-            # Tokens of this mini-batch seen by an earlier call: their gradient sums reach every
-            # later row i through W_i = W_0 - tau_i (sums_before + ...).
-            Zq = Zq - tau_rows * (Qa[:, :, 0] @ prior)
-            sums = sums + prior
-        zq.append(Zq)
-        Gs.append(G)
-        if n == N - 1 and tail:
-            grads = sums
-        else:
-            W = W - tau_b * sums  # SPEC 2.3: W_b = W_0 - tau_b sum_j eta_j grad_j
-    Zbar = torch.stack(zq, dim=2) - M @ torch.stack(Gs, dim=2)  # [B, H, N, b, Dv]
+    steps = list(zip(KQ.unbind(2), target.unbind(2), KT_eta.unbind(2)))
+
+    def run(n0: int, n1: int, W: torch.Tensor) -> tuple[Any, ...]:
+        """Mini-batches n0..n1-1 from start weights W: (W after them, Zq [B, H, n, b, Dv],
+        G [B, H, n, b, Dv], gradient sums of a trailing partial mini-batch or None)."""
+        zq, Gs, grads = [], [], None
+        for n in range(n0, n1):
+            kq, tgt, kt_eta = steps[n]
+            Z = kq @ W  # [B, H, 2b, Dv]: keys' and queries' outputs at the start weights
+            G = loss_grad(Z[..., :b, :], tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
+            Zq, sums = Z[..., b:, :], kt_eta @ G
+            if n == 0 and prior is not None:
+                # Tokens of this mini-batch seen by an earlier call: their gradient sums reach
+                # every later row i through W_i = W_0 - tau_i (sums_before + ...).
+                Zq = Zq - tau_rows * (Qa[:, :, 0] @ prior)
+                sums = sums + prior
+            zq.append(Zq)
+            Gs.append(G)
+            if n == N - 1 and tail:
+                grads = sums
+            else:
+                W = W - tau_b * sums  # SPEC 2.3: W_b = W_0 - tau_b sum_j eta_j grad_j
+        return W, torch.stack(zq, dim=2), torch.stack(Gs, dim=2), grads
+
+    W, zq, Gs, grads = _scan(run, N, checkpoint_group, W)
+    Zbar = zq - M @ Gs  # [B, H, N, b, Dv]
     out = Zbar if ln_weight is None else layer_norm(Zbar, ln_weight, ln_bias)
     if residual:
         out = out + Q
@@ -111,7 +148,7 @@ def ttt_linear_dual(
 def ttt_mlp_dual(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
-    tau: torch.Tensor,
+    tau: torch.Tensor, checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, Carry]:
     """TTT-MLP, f_res(z) = gelu(z W1 + b1) W2 + b2, in the dual form (the second layer's
     A2 = tril(Xbar2 X2^T) pairs the queries' hidden rows with the keys' hidden rows at W1_0).
@@ -130,34 +167,42 @@ def ttt_mlp_dual(
     tau_rows, tau_b = tau.unsqueeze(-1), per_head(tau[:, -1], W1)
     tail = (p + T) % b
     N = Q.shape[2]
-    X2s, Xbar2s, G2s, zq2, grads = [], [], [], [], None
-    steps = zip(KQ.unbind(2), target.unbind(2), KT_eta.unbind(2), eta_mb.unbind(2), M1.unbind(2))
-    for n, (kq, tgt, kt_eta, eta_n, m1) in enumerate(steps):
-        Z = kq @ W1  # [B, H, 2b, Dh]
-        Z1, Zq1 = Z[..., :b, :], Z[..., b:, :]
-        X2 = _ones(gelu(Z1), has_b2)  # [B, H, b, Dh(+1)]
-        G2 = loss_grad(X2 @ W2, tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
-        G1 = (G2 @ W2[..., :Dh, :].transpose(-1, -2)) * gelu_grad(Z1)  # [B, H, b, Dh]
-        Zbar1 = Zq1 - m1 @ G1
-        if n == 0 and prior1 is not None:
-            Zbar1 = Zbar1 - tau_rows * (Qa[:, :, 0] @ prior1)
-        Xbar2 = _ones(gelu(Zbar1), has_b2)
-        Zq2 = Xbar2 @ W2  # [B, H, b, Dv]
-        sums1 = kt_eta @ G1
-        sums2 = (X2 * eta_n.unsqueeze(-1)).transpose(-1, -2) @ G2
-        if n == 0 and prior2 is not None:
-            Zq2 = Zq2 - tau_rows * (Xbar2 @ prior2)
-            sums1, sums2 = sums1 + prior1, sums2 + prior2
-        X2s.append(X2)
-        Xbar2s.append(Xbar2)
-        G2s.append(G2)
-        zq2.append(Zq2)
-        if n == N - 1 and tail:
-            grads = _split(sums1, has_b1) + _split(sums2, has_b2)
-        else:
-            W1, W2 = W1 - tau_b * sums1, W2 - tau_b * sums2
-    X2, Xbar2, G2 = (torch.stack(x, dim=2) for x in (X2s, Xbar2s, G2s))  # [B, H, N, b, *]
-    Zbar2 = torch.stack(zq2, dim=2) - (E * (Xbar2 @ X2.transpose(-1, -2))) @ G2
+    steps = list(zip(KQ.unbind(2), target.unbind(2), KT_eta.unbind(2), eta_mb.unbind(2), M1.unbind(2)))
+
+    def run(n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor) -> tuple[Any, ...]:
+        """Mini-batches n0..n1-1 from start weights (W1, W2): (W1, W2 after them, X2, Xbar2,
+        G2, Zq2 [B, H, n, b, *], gradient sums of a trailing partial mini-batch or None)."""
+        X2s, Xbar2s, G2s, zq2, grads = [], [], [], [], None
+        for n in range(n0, n1):
+            kq, tgt, kt_eta, eta_n, m1 = steps[n]
+            Z = kq @ W1  # [B, H, 2b, Dh]
+            Z1, Zq1 = Z[..., :b, :], Z[..., b:, :]
+            X2 = _ones(gelu(Z1), has_b2)  # [B, H, b, Dh(+1)]
+            G2 = loss_grad(X2 @ W2, tgt, ln_weight, ln_bias)  # [B, H, b, Dv]
+            G1 = (G2 @ W2[..., :Dh, :].transpose(-1, -2)) * gelu_grad(Z1)  # [B, H, b, Dh]
+            Zbar1 = Zq1 - m1 @ G1
+            if n == 0 and prior1 is not None:
+                Zbar1 = Zbar1 - tau_rows * (Qa[:, :, 0] @ prior1)
+            Xbar2 = _ones(gelu(Zbar1), has_b2)
+            Zq2 = Xbar2 @ W2  # [B, H, b, Dv]
+            sums1 = kt_eta @ G1
+            sums2 = (X2 * eta_n.unsqueeze(-1)).transpose(-1, -2) @ G2
+            if n == 0 and prior2 is not None:
+                Zq2 = Zq2 - tau_rows * (Xbar2 @ prior2)
+                sums1, sums2 = sums1 + prior1, sums2 + prior2
+            X2s.append(X2)
+            Xbar2s.append(Xbar2)
+            G2s.append(G2)
+            zq2.append(Zq2)
+            if n == N - 1 and tail:
+                grads = _split(sums1, has_b1) + _split(sums2, has_b2)
+            else:
+                W1, W2 = W1 - tau_b * sums1, W2 - tau_b * sums2
+        stacked = (torch.stack(x, dim=2) for x in (X2s, Xbar2s, G2s, zq2))
+        return W1, W2, *stacked, grads
+
+    W1, W2, X2, Xbar2, G2, zq2, grads = _scan(run, N, checkpoint_group, W1, W2)
+    Zbar2 = zq2 - (E * (Xbar2 @ X2.transpose(-1, -2))) @ G2
     out = Zbar2 if ln_weight is None else layer_norm(Zbar2, ln_weight, ln_bias)
     if residual:
         out = out + Q
