@@ -110,3 +110,19 @@ def test_over_budget_lengths_are_skipped_with_reason(tmp_path):
     assert rows[0]["status"] == "ok"  # the smallest length always runs
     assert all(r["status"].startswith("skipped: predicted") for r in rows[1:])
     assert "skipped: predicted" in (out / "results.md").read_text()
+
+
+def test_mixer_options_in_the_mixer_list(tmp_path, capsys):
+    """--mixers accepts name:opt=value, benchmarks each spec as its own row, and rejects bad
+    option names or values before measuring anything."""
+    out = tmp_path / "b"
+    assert main(["bench", "--quick", "--mixers", "delta,delta:chunk_size=4", "--passes", "fwd",
+                 "--lengths", "8", "--repeats", "1", "--no-progress", "--out", str(out)]) == 0
+    rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
+    assert {"delta", "delta:chunk_size=4"} <= {r["target"] for r in rows}
+    for bad, words in [("delta:chunk_size=0", "chunk_size"), ("delta:colour=red", "unknown option")]:
+        capsys.readouterr()
+        assert main(["bench", "--quick", "--mixers", bad, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err
+        assert not (tmp_path / "x" / "results.csv").exists()

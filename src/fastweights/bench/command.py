@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..cli import UserError, make_folder
-from ..models.registry import mixer_names
+from ..models.registry import build_mixer, mixer_names
+from ..train.specs import SpecError, parse_mixer_spec
 from . import measure
 from .report import OUTPUT_FILES, write_csv, write_markdown, write_plots
 from .runner import PASSES, run_targets
@@ -59,7 +60,8 @@ class BenchOptions:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` options (all parsed as strings, validated by ``parse_options``)."""
     p.add_argument("--mixers", default="all",
-                   help="comma-separated registered mixer names, or 'all' (default); the softmax "
+                   help="comma-separated registered mixer names with options as name:opt=value "
+                        "(e.g. ttt-mlp:checkpoint_group=4), or 'all' (default); the softmax "
                         "baseline is always added; 'none' benchmarks only --ops")
     p.add_argument("--lengths", default=None,
                    help=f"comma-separated T values, or A..B for the powers of two from A to B "
@@ -128,11 +130,16 @@ def parse_options(args: argparse.Namespace) -> BenchOptions:
         mixers = []
     else:
         mixers = [m.strip() for m in raw["mixers"].split(",") if m.strip()]
-        unknown = [m for m in mixers if m not in registered]
+        try:
+            specs = [parse_mixer_spec(m) for m in mixers]
+        except SpecError as err:
+            raise UserError(f"--mixers: {err}") from None
+        unknown = [n for n, _ in specs if n not in registered]
         if unknown or not mixers:
             raise UserError(f"unknown mixer(s) {unknown or raw['mixers']!r} in --mixers; "
                             f"registered: {', '.join(registered)} (or 'all', 'none')")
-    if mixers and "softmax" in registered and "softmax" not in mixers:
+
+    if mixers and "softmax" in registered and not any(m.split(":")[0] == "softmax" for m in mixers):
         mixers = ["softmax", *mixers]  # the baseline every report compares against
     if not mixers and not args.ops:
         raise UserError("--mixers none needs --ops (nothing to benchmark otherwise)")
@@ -173,6 +180,13 @@ def parse_options(args: argparse.Namespace) -> BenchOptions:
                             "pass --overwrite to replace them or choose another folder")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a folder")
+    for spec in mixers:  # option names and values, up front (a layer on the meta device)
+        name, opts = parse_mixer_spec(spec)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                build_mixer(name, d_model, n_heads, **opts)
+        except (ValueError, TypeError) as err:
+            raise UserError(f"--mixers {spec}: {err}") from None
     make_folder(out)  # before measuring: a bad --out must not cost the measurements
     setting = Setting(batch, d_model, n_heads, _DTYPES[raw["dtype"]], device)
     return BenchOptions(mixers, lengths, passes, setting, repeats, budget, args.ops, args.compile,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..models.registry import build_mixer, mixer_names, mixer_options
+from ..train.specs import parse_mixer_spec
 
 __all__ = ["Setting", "Target", "Workload", "mixer_targets", "op_targets"]
 
@@ -79,10 +80,13 @@ class Target:
 # ----------------------------------------------------------------------------- mixers
 
 
-def _mixer_workload(name: str, T: int, s: Setting) -> Workload:
-    # Mixers with absolute position tables (AFT-full/local) are sized for the benchmarked
-    # length plus the decoding steps; every other option stays at its default.
-    opts = {"max_len": T + _DECODE_STEPS} if "max_len" in mixer_options(name) else {}
+def _mixer_workload(spec: str, T: int, s: Setting) -> Workload:
+    # ``spec`` is a name with optional options (``ttt-mlp:checkpoint_group=4``). Mixers with
+    # absolute position tables (AFT-full/local) are sized for the benchmarked length plus the
+    # decoding steps unless the spec sets max_len; every other option keeps its default.
+    name, opts = parse_mixer_spec(spec)
+    if "max_len" in mixer_options(name):
+        opts.setdefault("max_len", T + _DECODE_STEPS)
     layer = build_mixer(name, s.d_model, s.n_heads, **opts).to(device=s.device, dtype=s.dtype)
     x = torch.randn(s.batch, T, s.d_model, device=s.device, dtype=s.dtype)
     x_grad = x.clone().requires_grad_()
