@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from .._files import file_digest
+from .._files import file_listing, listing_problem
 from ..ops._varlen import check_cu_seqlens
 from .block import Block, make_norm
 from .config import LMConfig
@@ -188,10 +188,7 @@ class LanguageModel(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         self.config.save(directory / CONFIG_FILE)
         save_model(self, str(directory / WEIGHTS_FILE))
-        sums = {}
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            size, sha = file_digest(directory / name)
-            sums[name] = {"size": size, "sha256": sha}
+        sums = file_listing(directory, (CONFIG_FILE, WEIGHTS_FILE))
         (directory / CHECKSUM_FILE).write_text(json.dumps(sums, indent=2) + "\n")
 
     @classmethod
@@ -223,19 +220,12 @@ def _verify_checksums(directory: Path) -> None:
     if not path.exists():
         return
     try:
-        sums = {name: (int(v["size"]), str(v["sha256"])) for name, v in json.loads(path.read_text()).items()}
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        files = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"{path} is corrupt ({type(err).__name__}: {err})") from None
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if name not in sums:
-            raise ValueError(f"{path} is corrupt: it does not list {name}")
-        size, sha = file_digest(directory / name)
-        if size != sums[name][0]:
-            raise ValueError(f"{directory / name} is truncated or altered: {size} bytes, "
-                             f"{CHECKSUM_FILE} says {sums[name][0]}")
-        if sha != sums[name][1]:
-            raise ValueError(f"{directory / name} is corrupted: its SHA-256 differs from the one "
-                             f"in {CHECKSUM_FILE}")
+    problem = listing_problem(directory, path, files, (CONFIG_FILE, WEIGHTS_FILE))
+    if problem is not None:
+        raise ValueError(problem)
 
 
 # Non-reentrant checkpointing: works with nested state outputs and inputs that need no grad;

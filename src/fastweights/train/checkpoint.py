@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from .._files import file_digest
+from .._files import file_listing, listing_problem
 from ..models import LanguageModel
 from ..models.lm import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE
 
@@ -147,11 +147,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LanguageModel,
             _write_bytes(tmp / STATE_FILE, (json.dumps(trainer_state, indent=2) + "\n").encode())
             for f in tmp.iterdir():
                 _fsync(f)
-            files = {}
-            for f in checkpoint_files():
-                if f != MANIFEST_FILE:
-                    size, sha = file_digest(tmp / f)
-                    files[f] = {"size": size, "sha256": sha}
+            files = file_listing(tmp, (f for f in checkpoint_files() if f != MANIFEST_FILE))
             _pause()
             _write_bytes(tmp / MANIFEST_FILE,
                          (json.dumps({"format": 1, "files": files}, indent=2) + "\n").encode())
@@ -180,22 +176,9 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
         return f"{ckpt} is incomplete: it has no {MANIFEST_FILE}"
     try:
         files = json.loads(manifest.read_text())["files"]
-        listed = {name: (int(meta["size"]), str(meta["sha256"])) for name, meta in files.items()}
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
         return f"{manifest} is corrupt ({type(err).__name__}: {err})"
-    unlisted = sorted(set(checkpoint_files()) - {MANIFEST_FILE} - set(listed))
-    if unlisted:
-        return f"{manifest} is corrupt: it does not list {', '.join(unlisted)}"
-    for name, (size, sha) in listed.items():
-        path = ckpt / name
-        if not path.is_file():
-            return f"{path} is missing (listed in {MANIFEST_FILE})"
-        actual_size, actual_sha = file_digest(path)
-        if actual_size != size:
-            return f"{path} is truncated or altered: {actual_size} bytes, {MANIFEST_FILE} says {size}"
-        if actual_sha != sha:
-            return f"{path} is corrupted: its SHA-256 differs from the one in {MANIFEST_FILE}"
-    return None
+    return listing_problem(ckpt, manifest, files, set(checkpoint_files()) - {MANIFEST_FILE})
 
 
 def _verified(ckpt: Path) -> Path:
