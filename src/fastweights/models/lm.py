@@ -192,18 +192,21 @@ class LanguageModel(nn.Module):
         (directory / CHECKSUM_FILE).write_text(json.dumps(sums, indent=2) + "\n")
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> LanguageModel:
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu", *,
+                        verify: bool = True) -> LanguageModel:
         """Load a folder written by ``save_pretrained``, in eval mode (as Hugging Face does; call
         ``.train()`` to fine-tune). A missing folder or file, a foreign or corrupt config or
-        weights, or a file that differs from ``checksums.json`` (when the folder has one) raise
-        ValueError naming the problem."""
+        weights, or (with ``verify``) a file that differs from ``checksums.json`` (when the
+        folder has one) raise ValueError naming the problem. ``verify=False`` skips re-hashing
+        for callers that have just checked the folder themselves (the trainer's manifest)."""
         directory = Path(directory)
         if not directory.is_dir():
             raise ValueError(f"checkpoint folder {directory} does not exist")
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (directory / name).is_file():
                 raise ValueError(f"{directory} is not a fastweights checkpoint (no {name})")
-        _verify_checksums(directory)
+        if verify:
+            _verify_checksums(directory)
         model = cls(LMConfig.load(directory / CONFIG_FILE))
         try:
             load_model(model, str(directory / WEIGHTS_FILE), strict=True, device=str(device))

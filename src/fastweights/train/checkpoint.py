@@ -252,13 +252,20 @@ def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], di
     for name in (OPTIMIZER_FILE, STATE_FILE):
         if not (ckpt / name).is_file():
             raise ValueError(f"{ckpt} holds model weights but no {name}: it cannot be resumed")
-    model = LanguageModel.from_pretrained(ckpt)
+    model = LanguageModel.from_pretrained(ckpt, verify=False)  # the manifest covers every file
     try:
         opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
         state = json.loads((ckpt / STATE_FILE).read_text())
     except (OSError, RuntimeError, ValueError, EOFError) as err:
         raise ValueError(f"cannot read training state in {ckpt}: {err}") from None
     return model, opt_state, state
+
+
+def load_model(path: str | Path) -> LanguageModel:
+    """The model of a checkpoint or run folder (``resolve_checkpoint``), each file hashed once:
+    by the manifest of a training checkpoint, else by the folder's ``checksums.json``."""
+    ckpt = resolve_checkpoint(path)
+    return LanguageModel.from_pretrained(ckpt, verify=not (ckpt / MANIFEST_FILE).is_file())
 
 
 def checkpoint_files() -> tuple[str, ...]:

@@ -112,11 +112,10 @@ def _load_corpus(spec: str):
 
 
 def _load_model(path: str):
-    from ..models import LanguageModel
-    from .checkpoint import resolve_checkpoint
+    from .checkpoint import load_model
 
     try:
-        return LanguageModel.from_pretrained(resolve_checkpoint(path))
+        return load_model(path)
     except ValueError as err:
         raise UserError(str(err)) from None
 
