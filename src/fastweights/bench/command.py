@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..cli import UserError, make_folder
-from ..models.registry import build_mixer, mixer_names
+from ..models.registry import check_mixer, mixer_names
 from ..train.specs import SpecError, parse_mixer_spec
 from . import measure
 from .report import OUTPUT_FILES, write_csv, write_markdown, write_plots
@@ -180,11 +180,10 @@ def parse_options(args: argparse.Namespace) -> BenchOptions:
                             "pass --overwrite to replace them or choose another folder")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a folder")
-    for spec in mixers:  # option names and values, up front (a layer on the meta device)
+    for spec in mixers:  # option names and values, up front
         name, opts = parse_mixer_spec(spec)
         try:
-            with torch.random.fork_rng(devices=[]), torch.device("meta"):
-                build_mixer(name, d_model, n_heads, **opts)
+            check_mixer(name, d_model, n_heads, **opts)
         except (ValueError, TypeError) as err:
             raise UserError(f"--mixers {spec}: {err}") from None
     make_folder(out)  # before measuring: a bad --out must not cost the measurements

@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .registry import build_mixer, mixer_names, mixer_options
+from .registry import check_mixer, mixer_names, mixer_options
 
 FFNS = ("mlp", "glu", "none")
 NORMS = ("rmsnorm", "layernorm", "srmsnorm")
@@ -88,8 +86,8 @@ class LMConfig:
                     f"{unknown}; valid options: {sorted(mixer_options(name))}"
                 )
         # Option values and combinations (head split, sizes, choices) are the layers' own
-        # checks: build each distinct layer once on the meta device (no memory, no random draws
-        # from the caller's generator) so a bad config fails here, not in LanguageModel(config).
+        # checks: run them once per distinct layer (check_mixer: on the meta device) so a bad
+        # config fails here, not in LanguageModel(config).
         seen: set[str] = set()
         for i, (name, opts) in enumerate(zip(names, options)):
             key = repr((name, sorted(opts.items())))
@@ -97,8 +95,7 @@ class LMConfig:
                 continue
             seen.add(key)
             try:
-                with torch.random.fork_rng(devices=[]), torch.device("meta"):
-                    build_mixer(name, self.d_model, self.n_heads, **opts)
+                check_mixer(name, self.d_model, self.n_heads, **opts)
             except (ValueError, TypeError) as err:
                 raise ValueError(f"LMConfig layer {i} ({name!r}): {err}") from None
 

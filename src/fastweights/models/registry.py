@@ -11,6 +11,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
+
 from .._checks import check_positive_int
 from ..layers import (
     TTTMLP,
@@ -91,3 +93,11 @@ def build_mixer(name: str, d_model: int, n_heads: int, **options: Any) -> Mixer:
             f"unknown option(s) {unknown} for mixer {name!r}; valid options: {sorted(valid)}"
         )
     return factory(d_model, n_heads, **options)
+
+
+def check_mixer(name: str, d_model: int, n_heads: int, **options: Any) -> None:
+    """Raise what ``build_mixer(name, d_model, n_heads, **options)`` would raise (unknown name
+    or option, a bad value or combination), by building the layer on the meta device: no memory
+    is allocated and the caller's random generator is left untouched."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        build_mixer(name, d_model, n_heads, **options)

@@ -155,8 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                             n_heads=args.n_heads, mixer=names, mixer_options=options, ffn=args.ffn,
                             glu_activation=args.glu_activation, norm=args.norm,
                             dropout=args.dropout, max_seq_len=args.max_seq_len)
-            from ..models import LanguageModel
-            LanguageModel(mcfg)  # layer-level option checks happen here, before any output
+            # LMConfig runs every layer's own option checks, before any output
         except (TypeError, ValueError) as err:
             raise UserError(str(err).removeprefix("LMConfig.")) from None
         if int(os.environ.get("RANK", "0")) == 0:
