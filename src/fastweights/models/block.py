@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import GLU
-from ..layers.transnormer import SRMSNorm
 from ..layers.base import State
+from ..layers.transnormer import SRMSNorm
 from .config import LMConfig
 from .registry import build_mixer
 

@@ -11,7 +11,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..._checks import (
     check_bool,
@@ -30,7 +29,7 @@ from ..._checks import (
 from .._autocast import float32_compute
 from .._varlen import run_packed
 from .chunk import infini_attention_chunk
-from .memory import write
+from .memory import sigma, write
 from .naive import infini_attention_naive
 from .recurrent import infini_attention_recurrent
 
@@ -178,7 +177,7 @@ def infini_attention(
         return o.to(q.dtype), None
     M_all, z_all = M, z
     if cache[0].shape[1]:  # write the open segment too (SPEC 5.1), keeping it open for later
-        sk = (F.elu(cache[2]) + 1.0).transpose(1, 2)  # [B, H, n, Dk]
+        sk = sigma(cache[2]).transpose(1, 2)  # [B, H, n, Dk]
         M_all, z_all = write(sk, cache[1].transpose(1, 2), M, z, update, eps)
     return o.to(q.dtype), InfiniState(M_all, z_all, (M, z, *cache))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .memory import retrieve, write
+from .memory import retrieve, sigma, write
 
 
 def _segments(x: torch.Tensor, N: int) -> torch.Tensor:
@@ -51,8 +51,8 @@ def infini_attention_chunk(
         qs.flatten(1, 2), ks.flatten(1, 2), vs.flatten(1, 2), is_causal=True, scale=scale,
     ).unflatten(1, (H, S))  # [B, H, S, N, Dv]
 
-    sq = _segments(F.elu(q_mem) + 1.0, N)  # [B, H, S, N, Dk]
-    sk = _segments(F.elu(k_mem) + 1.0, N)
+    sq = _segments(sigma(q_mem), N)  # [B, H, S, N, Dk]
+    sk = _segments(sigma(k_mem), N)
     # M_in holds one memory per segment, [B, H, S, Dk, Dv]: T Dk Dv / N floats per head, no
     # more than the activations themselves once N >= Dk.
     if update == "linear":

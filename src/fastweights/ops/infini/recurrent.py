@@ -9,9 +9,8 @@ open segment's cache holds its keys (dot-product path), values and memory keys a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .memory import retrieve, write
+from .memory import retrieve, sigma, write
 
 
 def infini_attention_recurrent(
@@ -24,7 +23,7 @@ def infini_attention_recurrent(
     per-head gate g = sigmoid(gate) [H]; when the cache holds N tokens, fold it into (M, z) and
     clear it. Returns (o [B, T, H, Dv], M, z, k_seg, v_seg, k_mem_seg)."""
     gate = g[:, None]  # [H, 1] against [B, H, Dv]
-    sq_all = F.elu(q_mem) + 1.0
+    sq_all = sigma(q_mem)
     outs = []
     for t in range(q.shape[1]):
         k_seg = torch.cat([k_seg, k[:, t:t + 1]], dim=1)
@@ -35,7 +34,7 @@ def infini_attention_recurrent(
         a_mem = retrieve(sq_all[:, t].unsqueeze(-2), M, z, eps).squeeze(-2)  # [B, H, Dv]
         outs.append(gate * a_mem + (1.0 - gate) * a_dot)
         if k_seg.shape[1] == segment_len:
-            sk = (F.elu(k_mem_seg) + 1.0).transpose(1, 2)  # [B, H, N, Dk]
+            sk = sigma(k_mem_seg).transpose(1, 2)  # [B, H, N, Dk]
             M, z = write(sk, v_seg.transpose(1, 2), M, z, update, eps)
             k_seg, v_seg, k_mem_seg = k_seg[:, :0], v_seg[:, :0], k_mem_seg[:, :0]
     return torch.stack(outs, dim=1), M, z, k_seg, v_seg, k_mem_seg
