@@ -17,7 +17,7 @@ from .._checks import (
 )
 from ..ops.infini import MODES, UPDATES, InfiniState, infini_attention
 from .base import Mixer, State, merge_heads, split_heads
-from .positional import RotaryFrequencies, apply_rotary, rotary_inv_freq
+from .positional import RotaryFrequencies, apply_rotary
 
 
 class InfiniAttention(RotaryFrequencies, Mixer):
@@ -77,8 +77,7 @@ class InfiniAttention(RotaryFrequencies, Mixer):
         self.out = nn.Linear(H * D, d_model, bias=bias)
         self.gate = nn.Parameter(torch.full((H,), float(gate_init)))
         if rope:
-            rotary_inv_freq(D, rope_base)  # validates the head dim and the base
-            self.rope_base = float(rope_base)
+            self._init_rotary(rope_base)
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)

@@ -45,6 +45,11 @@ class RotaryFrequencies:
     head_dim: int
     rope_base: float
 
+    def _init_rotary(self, base: float) -> None:
+        """Check ``base`` and the (even) head dim, and keep the base; call from ``__init__``."""
+        rotary_inv_freq(self.head_dim, base)
+        self.rope_base = float(base)
+
     @property
     def inv_freq(self) -> torch.Tensor:
         return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64)

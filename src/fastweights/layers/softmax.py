@@ -8,7 +8,7 @@ from torch import nn
 from .._checks import check_bool, check_layer_input, check_state_tensor
 from ..ops.softmax import softmax_attention
 from .base import Mixer, State, merge_heads, split_heads
-from .positional import RotaryFrequencies, apply_rotary, rotary_inv_freq
+from .positional import RotaryFrequencies, apply_rotary
 
 
 class SoftmaxAttention(RotaryFrequencies, Mixer):
@@ -24,8 +24,7 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
         self.qkv = nn.Linear(d_model, 3 * H * D, bias=bias)
         self.out = nn.Linear(H * D, d_model, bias=bias)
         if rope:
-            rotary_inv_freq(D, rope_base)  # validates the head dim and the base
-            self.rope_base = float(rope_base)
+            self._init_rotary(rope_base)
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)

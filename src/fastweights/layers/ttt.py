@@ -16,7 +16,7 @@ from .._checks import (
 )
 from ..ops.ttt import MODES, ttt_linear, ttt_mlp
 from .base import Mixer, State, merge_heads, split_heads
-from .positional import RotaryFrequencies, apply_rotary, rotary_inv_freq
+from .positional import RotaryFrequencies, apply_rotary
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
 INIT_STD = 0.02  # SPEC 2.6
@@ -77,8 +77,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         H, D, b = n_heads, self.head_dim, mini_batch_size
         width = H * D
         if rope:
-            rotary_inv_freq(D, rope_base)  # validates the head dim and the base
-            self.rope_base = float(rope_base)
+            self._init_rotary(rope_base)
         # Mamba backbone: [shared Q/K, V]; otherwise [Q, K, V].
         self.qkv = nn.Linear(d_model, (2 if mamba_backbone else 3) * width, bias=False)
         if mamba_backbone:
