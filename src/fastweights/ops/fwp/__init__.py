@@ -23,7 +23,7 @@ from ..._checks import (
     check_positive_int,
     check_qkv,
     check_shape,
-    check_state_tensor,
+    check_arg,
     check_tensor,
     matrix_state,
     state_dtype,
@@ -145,8 +145,8 @@ def linear_attn(
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
             raise TypeError("initial_state must be a tuple (S [B, H, Dk, Dv], z [B, H, Dk]) or None")
         S0, z0 = initial_state
-        check_state_tensor("initial_state[0] (S)", S0, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
-        check_state_tensor("initial_state[1] (z)", z0, (B, H, Dk), "[B, H, Dk]", q)
+        check_arg("initial_state[0] (S)", S0, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
+        check_arg("initial_state[1] (z)", z0, (B, H, Dk), "[B, H, Dk]", q)
         S0, z0 = S0.to(cdtype), z0.to(cdtype)
     if mode == "chunk" and T > 1 and _use_triton(q):
         # The kernels take the inputs in their own dtype and upcast on chip (states float32).

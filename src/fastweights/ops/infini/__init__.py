@@ -22,7 +22,7 @@ from ..._checks import (
     check_qkv,
     check_same_dtype_device,
     check_shape,
-    check_state_tensor,
+    check_arg,
     check_tensor,
     state_dtype,
 )
@@ -196,8 +196,8 @@ def _check_state(
             + (f" of length {len(state)}" if isinstance(state, (tuple, list)) else "")
         )
     M0, z0 = state[0], state[1]
-    check_state_tensor("initial_state[0] (M)", M0, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
-    check_state_tensor("initial_state[1] (z)", z0, (B, H, Dk), "[B, H, Dk]", q)
+    check_arg("initial_state[0] (M)", M0, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
+    check_arg("initial_state[1] (z)", z0, (B, H, Dk), "[B, H, Dk]", q)
     if len(state) == 2:
         empty = q.new_zeros(B, 0, H, Dk, dtype=cdtype)
         cache = (empty, q.new_zeros(B, 0, H, Dv, dtype=cdtype), empty)
@@ -214,6 +214,6 @@ def _check_state(
         dims = ((B, n, H, Dk), (B, n, H, Dv), (B, n, H, Dk))
         layouts = ("[B, n, H, Dk]", "[B, n, H, Dv]", "[B, n, H, Dk]")
         for name, x, dim, layout in zip(names, state[2:], dims, layouts):
-            check_state_tensor(name, x, dim, layout, q)
+            check_arg(name, x, dim, layout, q)
         cache = tuple(x.to(cdtype) for x in state[2:])
     return M0.to(cdtype), z0.to(cdtype), cache
