@@ -25,10 +25,16 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops.aft import aft_conv_stream, aft_full_stream, aft_local_stream, aft_simple_stream
+from ..ops.aft import (
+    AFTFullState,
+    AFTLocalState,
+    aft_conv_stream,
+    aft_full_stream,
+    aft_local_stream,
+    aft_simple_stream,
+)
+from ..ops.aft.common import MODES
 from .base import Mixer, State, merge_heads, split_heads
-
-MODES = ("chunk", "recurrent")
 
 
 class _AFT(Mixer):
@@ -44,13 +50,16 @@ class _AFT(Mixer):
         self.qkv = nn.Linear(d_model, 2 * self.d_hidden + self.d_key)
         self.out = nn.Linear(self.d_hidden, d_model)
 
-    def _check_state(self, state: State, length: int) -> None:
-        """A carried state is the tuple of ``length`` items this layer returned."""
-        if state is not None and (not isinstance(state, (tuple, list)) or len(state) != length):
+    def _typed_state(self, state: State, cls: type) -> State:
+        """A carried state as the op's typed state ``cls`` (its items are checked by the op)."""
+        if state is None:
+            return None
+        if not isinstance(state, (tuple, list)) or len(state) != len(cls._fields):
             raise TypeError(
-                f"state must be None or the {length}-tuple returned by a previous call of this "
-                f"{type(self).__name__}, got {type(state).__name__}"
+                f"state must be None or the {len(cls._fields)}-tuple returned by a previous call "
+                f"of this {type(self).__name__}, got {type(state).__name__}"
             )
+        return cls(*state)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d_model] -> q [B, T, d'], k [B, T, d_key], v [B, T, d']."""
@@ -119,8 +128,8 @@ class AFTFull(_AFT):
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
-        self._check_state(state, 2)
-        past = 0 if state is None else state[0].shape[1]
+        state = self._typed_state(state, AFTFullState)
+        past = 0 if state is None else state.k_cache.shape[1]
         w = self.bias.rows(past, past + x.shape[1])
         q, k, v = self._qkv(x)
         o, state = aft_full_stream(q, k, v, w, initial_state=state, output_final_state=True,
@@ -155,8 +164,8 @@ class AFTLocal(_AFT):
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
-        self._check_state(state, 6)
-        past = 0 if state is None else state[-1]
+        state = self._typed_state(state, AFTLocalState)
+        past = 0 if state is None else state.pos
         w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
         q, k, v = self._qkv(x)
         o, state = aft_local_stream(q, k, v, w, window=self.window, initial_state=state,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_bool, check_layer_input, check_arg
+from .._checks import check_arg, check_bool, check_layer_input
 from ..ops.softmax import softmax_attention
 from .base import Mixer, State, merge_heads, split_heads
 from .positional import RotaryFrequencies, apply_rotary
