@@ -3,6 +3,8 @@ The inner loop lives in ``fastweights.ops.ttt``; this module holds the outer par
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,15 @@ from .positional import RotaryFrequencies, apply_rotary
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
 INIT_STD = 0.02  # SPEC 2.6
+
+
+class TTTLayerState(NamedTuple):
+    """A TTT layer's state: ``pos`` tokens into the current mini-batch, ``conv_cache``
+    [B, 3, H * D] (Mamba backbone, else None) and ``inner``, the ops' state."""
+
+    pos: int
+    conv_cache: torch.Tensor | None
+    inner: tuple[Any, ...]
 
 
 class _TTTLayer(RotaryFrequencies, Mixer):
@@ -163,7 +174,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         y = self.post_norm(merge_heads(o))
         if self.mamba_backbone:
             y = y * F.gelu(self.gate(x), approximate="tanh")
-        return self.out(y), ((pos + T) % b, cache if self.mamba_backbone else None, inner)
+        return self.out(y), TTTLayerState((pos + T) % b, cache if self.mamba_backbone else None, inner)
 
     def state_size(self, seq_len: int = 1) -> int:
         """Floats carried at most: the inner weights, and while a mini-batch is partly filled also
