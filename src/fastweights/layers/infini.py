@@ -15,7 +15,7 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops.infini import MODES, UPDATES, InfiniState, infini_attention
+from ..ops.infini import MODES, UPDATES, InfiniSegmentState, infini_attention
 from .base import Mixer, State, merge_heads, split_heads
 from .positional import RotaryFrequencies, apply_rotary
 
@@ -41,7 +41,7 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     A_mem = 0 and the gate is still applied (SPEC binding choice). ``eps`` clamps the memory
     denominators (see ``infini_attention``); ``mode`` picks the op's algorithm.
 
-    State: the op's ``InfiniState.open_segment``, ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg,
+    State: the op's ``InfiniState.open_segment``, an ``InfiniSegmentState`` ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg,
     k_mem_seg)`` with M, z the memory of the complete segments; the last three
     cache the open segment's (rotated) keys, values and memory keys ``[B, n, H, D]``, n <
     segment_len, so pieces and single-token steps equal the whole sequence. ``state_size()``
@@ -84,7 +84,7 @@ class InfiniAttention(RotaryFrequencies, Mixer):
         q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)  # [B, T, H, D] each
         q_mem, k_mem = q, k
         if self.rope:
-            start = _open_segment_len(state)
+            start = InfiniSegmentState.open_len(state)
             pos = torch.arange(start, start + x.shape[1], device=x.device) % self.segment_len
             freq = self._rotary_freq(x)  # [D/2] float64
             q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
@@ -94,9 +94,9 @@ class InfiniAttention(RotaryFrequencies, Mixer):
             q, k, v, self.gate, segment_len=self.segment_len, update=self.update,
             q_mem=q_mem, k_mem=k_mem, eps=self.eps, initial_state=state,
             output_final_state=True, mode=self.mode)
-        # The layer carries the 5-tuple (M_closed, z_closed, k_seg, v_seg, k_mem_seg): plain
-        # tensors in a tuple, as every layer state, for code that maps over states.
-        return self.out(merge_heads(o)), tuple(new_state.open_segment)
+        # The layer carries the 5 tensors (M_closed, z_closed, k_seg, v_seg, k_mem_seg) as a
+        # NamedTuple, without InfiniState's extra attribute, for code that maps over states.
+        return self.out(merge_heads(o)), new_state.open_segment
 
     def state_size(self, seq_len: int = 1) -> int:
         H, D = self.n_heads, self.head_dim
@@ -105,14 +105,3 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, segment_len={self.segment_len}, update={self.update}, "
                 f"rope={self.rope}, rope_memory={self.rope_memory}")
-
-
-def _open_segment_len(state: State) -> int:
-    """Tokens already in the open segment of a carried state (0 for None or a bare (M, z));
-    a malformed state is left for ``infini_attention`` to reject with a clear message."""
-    if isinstance(state, InfiniState):
-        state = state.open_segment
-    if isinstance(state, (tuple, list)) and len(state) == 5 and isinstance(state[2], torch.Tensor) \
-            and state[2].dim() == 4:
-        return state[2].shape[1]
-    return 0
