@@ -17,6 +17,7 @@ from .._checks import (
 )
 from ..ops.fwp import (
     FEATURE_MAPS,
+    MODES,
     delta_rule,
     draw_favor_projection,
     feature_map,
@@ -75,7 +76,7 @@ class LinearAttention(Mixer):
         self.out_scale = 1.0 / math.sqrt(self.head_dim) if out_scale is None else float(out_scale)
         self.redraw = check_bool("redraw", redraw)
         self.orthogonal = check_bool("orthogonal", orthogonal)
-        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.mode = check_choice("mode", mode, MODES)
         # None: the size measured fastest for this op on the input's device kind
         # (ops.fwp.preferred_chunk_size: 32 for the delta rule on CPU, else 64).
         self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)

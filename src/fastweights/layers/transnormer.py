@@ -23,7 +23,7 @@ from .._checks import (
     check_tensor,
     state_dtype,
 )
-from ..ops.fwp import linear_attn
+from ..ops.fwp import MODES, linear_attn
 from ..ops.transnormer import block_attention, decay_linear_attn, srms_norm
 from .base import Mixer, State, merge_heads, split_heads
 from .positional import apply_rotary, rotary_inv_freq
@@ -143,7 +143,7 @@ class NormAttention(Mixer):
         check_bool("lrpe", lrpe)
         check_bool("decay", decay)
         self.decay_scale = check_nonneg_float("decay_scale", decay_scale)
-        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.mode = check_choice("mode", mode, MODES)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         H, D = n_heads, self.head_dim
         _qkv_projections(self, d_model, H * D)
