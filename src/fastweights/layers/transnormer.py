@@ -8,6 +8,7 @@ Dimension legend: B batch, T time, H heads, D head dim, w block size.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,21 +22,21 @@ from .._checks import (
     check_positive_int,
     check_shape,
     check_tensor,
+    is_int,
     state_dtype,
 )
-from ..ops.fwp import MODES, linear_attn
-from ..ops.transnormer import block_attention, decay_linear_attn, srms_norm
+from ..ops.fwp import MODES, elu_plus_one, linear_attn
+from ..ops.transnormer import KERNELS, block_attention, decay_linear_attn, srms_norm
 from .base import Mixer, State, merge_heads, split_heads
 from .positional import apply_rotary, rotary_inv_freq
 
 ACTIVATIONS = {
-    "1+elu": lambda x: F.elu(x) + 1.0,
+    "1+elu": elu_plus_one,
     "elu": F.elu,
     "silu": F.silu,
     "relu": F.relu,
     "identity": lambda x: x,
 }
-KERNELS = ("softmax", "relu")
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -158,7 +159,7 @@ class NormAttention(Mixer):
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         T = x.shape[1]
-        S, pos = _unpack_norm_state(state)
+        S, pos = NormState.check(state)
         H = self.n_heads
         act = ACTIVATIONS[self.activation]
         q = act(split_heads(self.q_proj(x), H))
@@ -181,7 +182,7 @@ class NormAttention(Mixer):
         o = srms_norm(merge_heads(o))
         if self.decay_values is not None:
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
-        return self.out(o.to(x.dtype)), (S, pos + T)
+        return self.out(o.to(x.dtype)), NormState(S, pos + T)
 
     def state_size(self, seq_len: int = 1) -> int:
         return self.n_heads * self.head_dim * self.head_dim
@@ -191,16 +192,45 @@ class NormAttention(Mixer):
                 f"lrpe={self.lrpe is not None}, decay={self.decay_values is not None}")
 
 
-def _unpack_norm_state(state: State) -> tuple[torch.Tensor | None, int]:
-    if state is None:
-        return None, 0
-    if not isinstance(state, (tuple, list)) or len(state) != 2:
-        raise TypeError("state must be None or the (S [B, H, D, D], position) tuple NormAttention returned")
-    S, pos = state
-    check_tensor("state[0] (S)", S, 4, "[B, H, D, D]")
-    if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
-        raise TypeError(f"state[1] (position) must be an int >= 0, got {pos!r}")
-    return S, pos
+class NormState(NamedTuple):
+    """NormAttention's state: the fast weights S [B, H, D, D] (float32 or wider) and the
+    absolute position of the next token, which keeps LRPE sequence-global across pieces."""
+
+    S: torch.Tensor | None
+    pos: int
+
+    @classmethod
+    def check(cls, state: Any) -> NormState:
+        """A carried state, or the empty one for None (S is then None, position 0)."""
+        if state is None:
+            return cls(None, 0)
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise TypeError("state must be None or the (S [B, H, D, D], position) tuple NormAttention returned")
+        S, pos = state
+        check_tensor("state[0] (S)", S, 4, "[B, H, D, D]")
+        if not is_int(pos) or pos < 0:
+            raise TypeError(f"state[1] (position) must be an int >= 0, got {pos!r}")
+        return cls(S, pos)
+
+
+class DiagState(NamedTuple):
+    """DiagAttention's state: the keys (after LRPE) and values of the r < block_size tokens of
+    the still open block, k_open and v_open [B, r, H, D] in float32 or wider."""
+
+    k_open: torch.Tensor
+    v_open: torch.Tensor
+
+    @classmethod
+    def check(cls, state: Any, B: int, H: int, D: int) -> DiagState | None:
+        """A carried state for a batch of B (None stays None)."""
+        if state is None:
+            return None
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise TypeError("state must be None or the (k_open, v_open) tuple DiagAttention returned")
+        for i, name in enumerate(cls._fields):
+            check_tensor(f"state[{i}] ({name})", state[i], 4, "[B, r, H, D]")
+            check_shape(f"state[{i}] ({name})", state[i], (B, None, H, D), "[B, r, H, D]")
+        return cls(*state)
 
 
 class DiagAttention(Mixer):
@@ -232,13 +262,8 @@ class DiagAttention(Mixer):
         check_layer_input(x, self.d_model)
         B, T, _ = x.shape
         H, D, w = self.n_heads, self.head_dim, self.block_size
-        if state is not None:
-            if not isinstance(state, (tuple, list)) or len(state) != 2:
-                raise TypeError("state must be None or the (k_open, v_open) tuple DiagAttention returned")
-            for i, name in enumerate(("k_open", "v_open")):
-                check_tensor(f"state[{i}] ({name})", state[i], 4, "[B, r, H, D]")
-                check_shape(f"state[{i}] ({name})", state[i], (B, None, H, D), "[B, r, H, D]")
-        r = 0 if state is None else state[0].shape[1]
+        state = DiagState.check(state, B, H, D)
+        r = 0 if state is None else state.k_open.shape[1]
         q = split_heads(self.q_proj(x), H)
         k = split_heads(self.k_proj(x), H)
         v = split_heads(self.v_proj(x), H)
@@ -251,8 +276,8 @@ class DiagAttention(Mixer):
         if r:
             # Re-run the open block from its start: the cached tokens get zero queries whose
             # outputs are dropped, so the block alignment matches the one-shot forward.
-            k = torch.cat([state[0].to(k.dtype), k], dim=1)
-            v = torch.cat([state[1].to(v.dtype), v], dim=1)
+            k = torch.cat([state.k_open.to(k.dtype), k], dim=1)
+            v = torch.cat([state.v_open.to(v.dtype), v], dim=1)
             q = torch.cat([q.new_zeros(B, r, H, D), q], dim=1)
         o = block_attention(q, k, v, block_size=w, kernel=self.kernel)[:, r:]
         o = merge_heads(o)
@@ -260,7 +285,7 @@ class DiagAttention(Mixer):
             o = srms_norm(o)
         n_open = (r + T) % w
         sdtype = state_dtype(x.dtype)
-        new_state = (k[:, r + T - n_open:].to(sdtype), v[:, r + T - n_open:].to(sdtype))
+        new_state = DiagState(k[:, r + T - n_open:].to(sdtype), v[:, r + T - n_open:].to(sdtype))
         return self.out(o.to(x.dtype)), new_state
 
     def state_size(self, seq_len: int = 1) -> int:
