@@ -14,6 +14,7 @@ from .._checks import (
     check_layer_input,
     check_nonneg_float,
     check_positive_int,
+    is_int,
 )
 from ..ops.fwp import (
     FEATURE_MAPS,
@@ -67,7 +68,7 @@ class LinearAttention(Mixer):
                 "normalize='attention' cannot be combined with update='delta' (the normaliser z "
                 "would keep accumulating overwritten keys, SPEC 1.4); use normalize='sum' or 'none'"
             )
-        if isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
+        if not is_int(nu) or nu < 1:
             raise ValueError(f"nu must be an int >= 1, got {nu!r}")
         check_positive_int("m", m)
         self.nu, self.m = nu, m

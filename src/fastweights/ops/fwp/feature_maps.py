@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..._checks import (
     FLOAT_DTYPES,
     check_bool,
+    check_int,
     check_nonneg_float,
     check_positive_int,
     check_tensor,
@@ -40,10 +41,7 @@ def dpfp(x: torch.Tensor, nu: int = 1) -> torch.Tensor:
     roll(r, j)_i = r_{(i - j) mod 2d}.
     """
     check_tensor("x", x)
-    if isinstance(nu, bool) or not isinstance(nu, int):
-        raise TypeError(f"nu must be an int >= 1, got {nu!r}")
-    if nu < 1:
-        raise ValueError(f"nu must be >= 1, got {nu}")
+    check_int("nu", nu, 1)
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
     r = torch.cat([F.relu(x), F.relu(-x)], dim=-1)
