@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..._checks import (
     FLOAT_DTYPES,
     check_bool,
+    check_device,
     check_int,
     check_nonneg_float,
     check_positive_int,
@@ -114,10 +115,7 @@ def favor_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
             f"projection must have shape [m, d] with d = x.shape[-1] = {x.shape[-1]}, "
             f"got {tuple(projection.shape)}"
         )
-    if projection.device != x.device:
-        raise ValueError(
-            f"projection is on device {projection.device} but x is on {x.device}; they must match"
-        )
+    check_device("projection", projection, x, ref_name="x")
     m = projection.shape[0]
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(cdtype)
