@@ -136,6 +136,12 @@ class AFTFull(_AFT):
                                    chunk_size=self.chunk_size)
         return self.out(o), state
 
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What x's tokens add to the (k_cache, v_cache) state: k, v [B, T, d'] (no position
+        enters them; the bias rows do). Context parallelism gathers them across shards."""
+        _, k, v = self._qkv(x)
+        return k, v
+
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.d_hidden * seq_len
 
