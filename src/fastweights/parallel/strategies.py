@@ -35,6 +35,7 @@ import torch
 
 from .._checks import state_dtype
 from ..layers import (
+    TTTMLP,
     AFTConv,
     AFTFull,
     AFTLocal,
@@ -45,7 +46,6 @@ from ..layers import (
     NormAttention,
     SoftmaxAttention,
     TTTLinear,
-    TTTMLP,
 )
 from ..layers.transnormer import NormState
 from ..ops.aft import AFTFullState, AFTSimpleState
