@@ -27,7 +27,8 @@ def test_bench_runs_and_counts_bytes(tmp_path):
     out = tmp_path / "cp"
     assert main(["--world", "1,2", "--lengths", "16,32", "--d-model", "8", "--n-heads", "2",
                  "--repeats", "1", "--mixers", "linear,ttt-linear", "--out", str(out)]) == 0
-    rows = list(csv.DictReader(open(out / "results.csv")))
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
     assert len(rows) == 2 * 2 * 2
     for r in rows:
         comm = int(r["comm_forward_bytes"]) + int(r["comm_backward_bytes"])
