@@ -358,6 +358,11 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         owner, _, attr = name.rpartition(".")
         return attr not in self.model.get_submodule(owner)._non_persistent_buffers_set
 
+    def _logits_and_state(self, input_ids: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        """The native model's ``(logits [b, t, V], state)`` for ``input_ids`` [b, t] from
+        ``state``; models of another layout (``hf_fla``) override it."""
+        return self.model(input_ids, state)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -404,7 +409,7 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         new_groups = []
         for rows, p, state in work:
             idx = rows.to(input_ids.device)
-            out, state = self.model(input_ids[idx, p:], state)  # [b, T - p, V]
+            out, state = self._logits_and_state(input_ids[idx, p:], state)  # [b, T - p, V]
             if logits is None:
                 logits = out.new_zeros(B, T, out.shape[-1])
             logits[idx, p:] = out
