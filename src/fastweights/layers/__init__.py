@@ -2,6 +2,7 @@
 
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer
+from .fla_deltanet import FlaDeltaNet
 from .fwp import DeltaNet, LinearAttention
 from .glu import GLU
 from .infini import InfiniAttention
@@ -18,6 +19,7 @@ __all__ = [
            "AFTSimple",
            "DeltaNet",
            "DiagAttention",
+           "FlaDeltaNet",
            "InfiniAttention",
            "LinearAttention",
            "Mixer",
