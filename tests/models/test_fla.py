@@ -273,3 +273,19 @@ def test_l2warp_training_is_refused(checkpoint):
     assert m(x).logits.shape == (1, 5, V)  # inference: no effect
     with pytest.raises(ValueError, match="use_l2warp"):
         m(x, labels=x)
+
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    """The README's "Released fla checkpoints on CPU" example, on a small fla-format folder with
+    the released models' vocabulary."""
+    from fastweights.hf_fla import FlaDeltaNetForCausalLM, FlaDeltaNetHFConfig
+    from tests.test_readme import section_blocks
+
+    (block,) = section_blocks("## Released fla checkpoints on CPU")
+    cfg = FlaDeltaNetHFConfig(hidden_size=16, num_heads=2, num_hidden_layers=2, vocab_size=32000)
+    FlaDeltaNetForCausalLM(cfg).save_pretrained(tmp_path / "checkpoints" / "delta_net")
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "__readme__"}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["greedy"].shape == scope["sampled"].shape == scope["beam"].shape == (1, 24)
