@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from .hf import FastWeightsForCausalLM

@@ -63,7 +63,7 @@ def test_layer_modes_agree(mode):
 
 def test_layer_state_and_sizes():
     m = layer()
-    y, (cq, ck, cv, S) = m(torch.randn(2, 6, 24, dtype=torch.float64))
+    _, (cq, ck, cv, S) = m(torch.randn(2, 6, 24, dtype=torch.float64))
     assert cq.shape == ck.shape == cv.shape == (2, 24, 3) and S.shape == (2, 3, 8, 8)
     assert m.state_size() == 3 * 8 * 8 + 3 * 3 * 24
     assert layer(use_short_conv=False).state_size() == 3 * 8 * 8

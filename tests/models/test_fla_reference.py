@@ -69,7 +69,7 @@ def fla_delta_rule_ref(q, k, v, beta, scale=None, initial_state=None, output_fin
     assert scale is None and cu_seqlens is None and not kwargs
     if use_qk_l2norm_in_kernel:
         q, k = l2norm_ref(q), l2norm_ref(k)
-    tr = lambda x: x.transpose(1, 2)  # noqa: E731  [B, T, H, ...] <-> [B, H, T, ...]
+    tr = lambda x: x.transpose(1, 2)  # [B, T, H, ...] <-> [B, H, T, ...]
     o, S = delta_rule_ref64(tr(q), tr(k), tr(v), tr(beta), initial_state)
     return tr(o), (S if output_final_state else None)
 
@@ -145,8 +145,8 @@ CONFIGS = {
 
 
 def fla_config(**overrides) -> DeltaNetConfig:
-    base = dict(hidden_size=32, num_heads=4, num_hidden_layers=2, vocab_size=V, norm_eps=1e-5,
-                pad_token_id=0, tie_word_embeddings=False)
+    base = {"hidden_size": 32, "num_heads": 4, "num_hidden_layers": 2, "vocab_size": V,
+            "norm_eps": 1e-5, "pad_token_id": 0, "tie_word_embeddings": False}
     return DeltaNetConfig(**{**base, **overrides})
 
 
@@ -200,7 +200,7 @@ def test_float32_logits_match_flas_model_with_its_float32_naive_recurrence(
               use_qk_l2norm_in_kernel=False, **kwargs):
         if use_qk_l2norm_in_kernel:
             q, k = l2norm_ref(q), l2norm_ref(k)
-        tr = lambda x: x.transpose(1, 2)  # noqa: E731
+        tr = lambda x: x.transpose(1, 2)
         o, S = delta_rule_recurrence(tr(q), tr(k), tr(v), tr(beta), initial_state, output_final_state)
         return tr(o), S
 

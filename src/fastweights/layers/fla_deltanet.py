@@ -99,7 +99,7 @@ class ShortConvolution(nn.Module):
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T, C = x.shape
+        B, _, C = x.shape
         W = self.kernel_size
         xt = x.transpose(1, 2)  # [B, C, T]
         if state is None:

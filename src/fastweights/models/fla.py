@@ -161,7 +161,7 @@ class FlaDeltaNetConfig:
                      "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy",
                      "use_l2warp"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"FlaDeltaNetConfig.{name} must be a bool, got "
+                raise TypeError(f"FlaDeltaNetConfig.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
         if self.fuse_cross_entropy and self.fuse_linear_cross_entropy:
             raise ValueError("FlaDeltaNetConfig.fuse_cross_entropy and fuse_linear_cross_entropy "
@@ -208,7 +208,7 @@ class FlaDeltaNetConfig:
         generic keys are skipped; keys that are not DeltaNetConfig options of fla 0.6 are
         ignored with a warning naming them (fla ignores them too)."""
         if not isinstance(data, dict):
-            raise ValueError(f"an fla config must be a dict, got {type(data).__name__}")
+            raise TypeError(f"an fla config must be a dict, got {type(data).__name__}")
         if data.get("model_type", MODEL_TYPE) != MODEL_TYPE:
             raise ValueError(f"model_type must be {MODEL_TYPE!r} (fla's DeltaNet), got "
                              f"{data.get('model_type')!r}; only fla's DeltaNet is supported")
