@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_bool, check_choice, check_layer_input, check_positive_int
+from .._checks import check_bool, check_choice, check_layer_input, check_positive_int, is_number
 from ..ops.fwp import delta_rule, elu_plus_one, preferred_chunk_size
 from .base import Mixer, State, merge_heads, split_heads
 
@@ -57,7 +57,7 @@ class FlaRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         check_positive_int("dim", dim)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        if not is_number(eps) or not 0 < eps < 1:
             raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
         self.dim, self.eps = dim, float(eps)
         self.weight = nn.Parameter(torch.ones(dim))
@@ -237,8 +237,7 @@ class FlaDeltaNet(Mixer):
 
 def _expanded(name: str, d_model: int, ratio: float, n_heads: int) -> int:
     """round(d_model * ratio), checked to be an integer divisible by n_heads (fla's rule)."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0 \
-            or not math.isfinite(ratio):
+    if not is_number(ratio) or not ratio > 0 or not math.isfinite(ratio):
         raise ValueError(f"{name} must be a positive number, got {ratio!r}")
     size = round(d_model * ratio)
     if not math.isclose(d_model * ratio, size) or size < 1:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_positive_int
+from .._checks import check_positive_int, is_int, is_number
 from ..layers.fla_deltanet import FlaDeltaNet, FlaRMSNorm
 
 MODEL_TYPE = "delta_net"  # fla's model_type for DeltaNet
@@ -137,8 +137,8 @@ class FlaDeltaNetConfig:
             check_positive_int(f"FlaDeltaNetConfig.{name}", getattr(self, name))
         if self.intermediate_size is not None:
             check_positive_int("FlaDeltaNetConfig.intermediate_size", self.intermediate_size)
-        if self.hidden_ratio is not None and (isinstance(self.hidden_ratio, bool) or not isinstance(
-                self.hidden_ratio, (int, float)) or not self.hidden_ratio > 0):
+        if self.hidden_ratio is not None and not (is_number(self.hidden_ratio)
+                                                  and self.hidden_ratio > 0):
             raise ValueError(f"FlaDeltaNetConfig.hidden_ratio must be a positive number or None, "
                              f"got {self.hidden_ratio!r}")
         if self.attn is not None:
@@ -166,12 +166,11 @@ class FlaDeltaNetConfig:
         if self.fuse_cross_entropy and self.fuse_linear_cross_entropy:
             raise ValueError("FlaDeltaNetConfig.fuse_cross_entropy and fuse_linear_cross_entropy "
                              "cannot both be True (fla refuses this too)")
-        if not isinstance(self.norm_eps, (int, float)) or isinstance(self.norm_eps, bool) \
-                or not 0 < self.norm_eps < 1:
+        if not is_number(self.norm_eps) or not 0 < self.norm_eps < 1:
             raise ValueError(f"FlaDeltaNetConfig.norm_eps must be a float in (0, 1), got "
                              f"{self.norm_eps!r}")
         if self.pad_token_id is not None and not (
-                isinstance(self.pad_token_id, int) and 0 <= self.pad_token_id < self.vocab_size):
+                is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size):
             raise ValueError(f"FlaDeltaNetConfig.pad_token_id must be None or an id in "
                              f"[0, {self.vocab_size}), got {self.pad_token_id!r}")
         if not self.use_output_norm:
