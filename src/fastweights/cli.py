@@ -271,35 +271,54 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
+def _quit_now(signum: int, frame: object) -> None:
+    """Start-up (importing torch): exit at once with one line. An exception raised here could be
+    swallowed by an extension's import (torch probes numpy and clears any error), leaving a
+    half-imported module behind, and nothing is written yet that a clean unwind would protect."""
+    word = b"terminated" if signum == signal.SIGTERM else b"interrupted"
+    os.write(sys.stderr.fileno(), b"fastweights: " + word + b"\n")
+    os._exit(128 + signum)
+
+
+def _handle_signals(on_int: Callable | int, on_term: Callable | int) -> None:
+    """Set the SIGINT and SIGTERM handlers (only the main thread can; elsewhere nothing)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_int)
+        signal.signal(signal.SIGTERM, on_term)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    # SIGTERM's default action kills at once, silently; as an exception it ends the command as
-    # Ctrl-C does (train saves a checkpoint first, see fastweights.train.trainer). Python can
-    # set handlers only in the main thread; elsewhere SIGTERM keeps its handler.
-    if threading.current_thread() is not threading.main_thread():
-        return _main(argv)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    """Run the command; its exit code. Ctrl-C (SIGINT) ends it with one line and exit code 130,
+    SIGTERM with 143 (``train`` saves a checkpoint first, see fastweights.train.trainer). The
+    caller's signal handlers are restored on return."""
+    previous = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     try:
         return _main(argv)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        _handle_signals(*(signal.SIG_DFL if h is None else h for h in previous))
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
+    prog = "fastweights"  # then "fastweights COMMAND" in messages once the command is known
+    _handle_signals(_quit_now, _quit_now)
     try:
-        args = parser.parse_args(argv)
-    except UserError as err:
-        print(f"fastweights: error: {err}", file=sys.stderr)
-        return 2
-    try:
+        parser = build_parser()  # imports torch (seconds)
+        # From here a signal unwinds as an exception (finally blocks run), and the default
+        # SIGTERM, which would kill silently, ends the command as Ctrl-C does.
+        _handle_signals(signal.default_int_handler, _raise_terminated)
+        try:
+            args = parser.parse_args(argv)
+        except UserError as err:
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return 2
+        prog = f"fastweights {args.command}"
         return int(args.func(args) or 0)
     except UserError as err:
-        print(f"fastweights {args.command}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (Terminated), before any work to save
         terminated = isinstance(err, Terminated)
-        print(f"fastweights {args.command}: {'terminated' if terminated else 'interrupted'}",
-              file=sys.stderr)
+        print(f"{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
         return 143 if terminated else 130
     except BrokenPipeError:  # e.g. `fastweights mixers | head`: the reader left, not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
