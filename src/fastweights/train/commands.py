@@ -246,6 +246,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                        progress=not args.quiet)
     except (ValueError, TrainingAnomaly, CheckpointWriteError) as err:
         raise UserError(str(err)) from None
+    except OSError as err:  # writing run.json or metrics.csv (disk full, permissions)
+        raise UserError(f"cannot write the run in {out}: {err}") from None
     except TrainingInterrupted as stop:
         if main:
             print(f"fastweights train: interrupted by {signal.Signals(stop.signum).name} after step "
