@@ -104,7 +104,7 @@ def test_resume_refuses_options_that_contradict_the_run(home, tmp_path, capsys, 
     capsys.readouterr()
     for option, value in [("--mixer", "delta"), ("--batch-size", "8"), ("--data", str(other)),
                           ("--d-model", "128"),  # the default, but not this run's 16
-                          ("--pack", None), ("--seed", "0")]:
+                          ("--pack", None), ("--seed", "0"), ("--steps", "2")]:
         args = [option] if value is None else [option, value]
         assert main(["train", "--out", str(run), "--resume", *args]) == 2
         err = capsys.readouterr().err.strip()

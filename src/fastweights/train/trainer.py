@@ -495,6 +495,9 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     if resumed:
         state = resumed[2]
         step, best, since_best = state["step"], state["best_val_loss"], state["since_best"]
+        if cfg.steps < step:
+            raise ValueError(f"steps {cfg.steps} is fewer than the {step} steps the run has "
+                             "trained already (a run can be extended, not shortened)")
     metrics = None
     if main:  # everything is checked: the new run starts writing here
         run_dir.mkdir(parents=True, exist_ok=True)
