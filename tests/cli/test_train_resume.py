@@ -108,7 +108,7 @@ def test_resume_refuses_options_that_contradict_the_run(home, tmp_path, capsys, 
         args = [option] if value is None else [option, value]
         assert main(["train", "--out", str(run), "--resume", *args]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and f"{option} " in err + " ", err
+        assert len(err.splitlines()) == 1 and f"{option.lstrip('-')} {value or ''}" in err, err
     assert snapshot(run) == before
     # The run's own values (not the defaults) are accepted, the data path relative or not.
     monkeypatch.chdir(home)
