@@ -23,8 +23,20 @@ real token with a fresh state; the rows then carry exactly the state of their un
 sequence. If all those states have the same structure (recurrent mixers: same shapes), they are
 concatenated and decoding runs the whole batch in one forward per token; otherwise (softmax KV
 caches of different lengths) each pad-length group keeps its own state and is decoded by its own
-forward. Logits at pad positions are zero and their labels are ignored by the loss. Only left
-padding is supported: a mask with a zero after a one raises ValueError.
+forward. Logits at pad positions are zero and their labels are ignored by the loss.
+
+Right padding and packed documents: forwards that carry no state (``use_cache=False`` and no
+``past_key_values``, as the ``Trainer`` runs them) also accept right padding (each row runs on
+its tokens only; causal, so trailing pads could not have changed them anyway) and packed
+documents in a batch of one, marked by ``cu_seqlens``, by FlashAttention's ``cu_seq_lens_q`` /
+``cu_seq_lens_k`` (with ``max_length_q`` / ``max_length_k`` checked against them), by
+``seq_idx``, or by ``position_ids`` restarting at 0 (what ``DataCollatorWithFlattening`` writes):
+every layer restarts from a fresh state at each document, so the result equals running the
+documents one by one, and no document's first token is a target of the previous one. Neither
+state could be continued by a later forward, so with a cache they raise ValueError (generation
+pads on the left). Packing needs a batch of one (a batch of several rows with position_ids
+restarting inside a row is refused, not split); otherwise ``position_ids`` must be the
+positions the model uses (0, 1, ... from each row's first token, continuing the cache).
 """
 
 from __future__ import annotations
@@ -340,11 +352,19 @@ def _check_positions(position_ids: torch.Tensor, expected: torch.Tensor,
 class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
     """A ``fastweights.LanguageModel`` behind the ``transformers`` model API.
 
-    ``forward(input_ids [B, T], attention_mask=None [B, past + T], past_key_values=None,
-    labels=None [B, T], use_cache=None) -> CausalLMOutputWithPast``: logits [B, T, V] (zero at
-    pad positions), ``loss`` the mean next-token cross-entropy over labels other than -100 and
-    positions the mask keeps, ``past_key_values`` a ``FastWeightsCache``. ``input_ids`` holds
-    only the positions the cache has not seen (``generate`` slices them so).
+    ``forward(input_ids [B, T], attention_mask=None [B, past + T], position_ids=None [B, T],
+    past_key_values=None, labels=None [B, T], use_cache=None, ...) -> CausalLMOutputWithPast``:
+    logits [B, T, V] (zero at pad positions; only the last ``logits_to_keep`` ones, or those
+    indexed, when it is given), ``loss`` the next-token cross-entropy over labels other than
+    -100 and positions the mask keeps (their mean, or their sum divided by
+    ``num_items_in_batch`` when the Trainer passes it, computed from all T positions whatever
+    ``logits_to_keep``), ``past_key_values`` a ``FastWeightsCache``, and with
+    ``output_hidden_states`` (True, or the indices to keep) ``n_layers + 1`` hidden states
+    [B, T, d]: the embeddings' output, the input of every later block, and last the final
+    norm's output (after the norm, as Llama returns it; zero at pads). ``input_ids`` holds only
+    the positions the cache has not seen (``generate`` slices them so). ``cache_position``, if
+    given, must be those positions; ``inputs_embeds`` and ``output_attentions=True`` are refused.
+    See the module docstring for padding and packed documents (``cu_seqlens``, ...).
     """
 
     config_class = FastWeightsConfig
@@ -651,11 +671,18 @@ def _weights(src: Path, what: str) -> dict[str, torch.Tensor]:
 
 
 def native_to_hf(src_dir: str | Path, dst_dir: str | Path) -> Path:
-    """Convert a native checkpoint folder (``LanguageModel.save_pretrained``) into a Hugging
-    Face one loadable by ``AutoModelForCausalLM.from_pretrained``. Tensors are copied unchanged
+    """Convert a native checkpoint folder (``LanguageModel.save_pretrained``, a training
+    checkpoint, or a training run folder, whose ``checkpoints/latest`` is taken as the CLI
+    does) into a Hugging Face one loadable by ``AutoModelForCausalLM.from_pretrained``. A
+    training checkpoint is verified against its manifest first. Tensors are copied unchanged
     (same dtype and values) under the names ``"model." + native name``; other files (optimizer,
     step) are not copied. Refuses a ``dst_dir`` that exists and is not empty. Returns dst_dir."""
-    src = Path(src_dir)
+    from .train.checkpoint import resolve_checkpoint  # the CLI's reading of a folder
+
+    try:
+        src = resolve_checkpoint(src_dir)
+    except ValueError as err:
+        raise ValueError(f"src_dir: {err}") from None
     if not (src / CONFIG_FILE).is_file():
         raise ValueError(f"src_dir {src} is not a native fastweights checkpoint (no {CONFIG_FILE})")
     dst = _empty_destination(dst_dir)
