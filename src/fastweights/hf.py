@@ -45,6 +45,7 @@ import json
 from collections.abc import Callable
 from dataclasses import field, fields
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -321,7 +322,7 @@ def _packed_bounds(T: int, device: torch.device, **sources: Any) -> list[int] | 
         starts = (pos == 0).nonzero().flatten().tolist()
         bounds = [*starts, T]
         if not starts or starts[0] != 0 or any(
-                not torch.equal(pos[a:b].cpu(), torch.arange(b - a)) for a, b in zip(bounds, bounds[1:])):
+                not torch.equal(pos[a:b].cpu(), torch.arange(b - a)) for a, b in pairwise(bounds)):
             raise ValueError(
                 "position_ids must count 0, 1, 2, ... within each document and restart at 0 where "
                 "a packed document begins (as DataCollatorWithFlattening writes them)")
@@ -530,7 +531,7 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
                 if attention_mask is not None else torch.arange(past, past + T).expand(B, T)
             _check_positions(position_ids, expected.to(position_ids.device),
                              None if attention_mask is None else attention_mask[:, past:])
-        longest = T if bounds is None else max(b - a for a, b in zip(bounds, bounds[1:]))
+        longest = T if bounds is None else max(b - a for a, b in pairwise(bounds))
         for name, value in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
             if value is not None and int(value) != longest:
                 raise ValueError(f"{name} is {int(value)} but the longest document has {longest} tokens")

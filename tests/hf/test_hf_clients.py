@@ -69,7 +69,7 @@ def test_packed_boundaries_need_no_separator_labels():
     # of the previous document.
     model = tiny_model("delta")
     docs = documents(seed=30)
-    ids = torch.tensor([sum(docs, [])])
+    ids = torch.tensor([[t for d in docs for t in d]])
     cu = torch.tensor([0, 5, 12, 15])
     total, count = doc_losses(model, docs)
     assert_close64(model(ids, labels=ids, cu_seqlens=cu, use_cache=False).loss, total / count,
@@ -125,6 +125,7 @@ def test_unknown_keywords_are_errors_and_generate_keywords_are_honoured():
     # return_dict=False gives the tuple
     loss, logits = model(ids, labels=ids, return_dict=False, use_cache=False)
     assert_close64(logits, full, what="tuple logits")
+    assert_close64(loss, total / 5, what="tuple loss")
 
 
 @pytest.mark.parametrize("mixer", ["delta", "softmax"])
