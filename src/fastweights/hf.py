@@ -469,6 +469,11 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         no catch-all, so an unknown one is a TypeError naming it."""
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds is not supported; pass input_ids")
+        # unset output_* flags take the config's, as transformers' models do
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
         if output_attentions:
             raise ValueError("output_attentions=True is not supported: fastweights mixers keep "
                              "no attention weights to return")

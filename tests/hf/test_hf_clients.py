@@ -153,6 +153,8 @@ def test_output_hidden_states_are_llamas_convention(mixer):
                          output_hidden_states=True, return_dict_in_generate=True)
     assert len(res.hidden_states) == 3 and all(len(step) == 3 for step in res.hidden_states)
     assert torch.equal(res.hidden_states[0][0], hs[0])
+    model.config.output_hidden_states = True  # the config's flag is the default
+    assert torch.equal(model(ids, attention_mask=(ids != PAD).long()).hidden_states[-1], hs[-1])
 
 
 @pytest.mark.parametrize("mixer", ["delta", "softmax"])
