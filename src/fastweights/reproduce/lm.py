@@ -95,12 +95,15 @@ def position_losses(model: LanguageModel, data: torch.Tensor, length: int, strea
 
 
 def log_buckets(length: int) -> list[tuple[int, int]]:
-    """Position buckets [lo, hi) (1-based positions) doubling in size: [1, 2), [2, 4), ...,
-    the last ending at ``length + 1``."""
+    """Position buckets [lo, hi) (1-based positions 1..length) doubling in size: [1, 2), [2, 4),
+    ..., the last one ending at ``length + 1`` (a lone last position ``length`` = 2^k joins the
+    bucket before it: [2^(k-1), 2^k])."""
     edges = [1]
     while edges[-1] * 2 <= length:
         edges.append(edges[-1] * 2)
-    if edges[-1] <= length:
+    if edges[-1] == length and len(edges) > 1:
+        edges[-1] = length + 1
+    else:
         edges.append(length + 1)
     return list(zip(edges, edges[1:]))
 
