@@ -107,43 +107,6 @@ def test_max_seq_len_sizes_the_aft_position_tables():
     assert explicit.layer_options()[0]["max_len"] == 64  # an explicit option wins
 
 
-@pytest.mark.parametrize("name", ["delta", "softmax"])
-def test_learned_absolute_positions(name, tmp_path):
-    """position='learned': a table of max_seq_len vectors added to the embeddings at absolute
-    positions; pieces == whole with the offset carried in the state, generate == greedy full
-    forwards, and the table changes the logits (a model without it differs)."""
-    model = tiny(name, position="learned", max_seq_len=20)
-    plain = tiny(name, max_seq_len=20)
-    assert model.num_parameters() == plain.num_parameters() + 20 * 16
-    x = ids()
-    whole, _ = model(x)
-    outs, state = [], None
-    for a, b in [(0, 1), (1, 6), (6, 13)]:
-        y, state = model(x[:, a:b], state)
-        outs.append(y)
-    assert state.offset == 13 and len(state) == 2
-    assert_close64(torch.cat(outs, 1), whole)
-    missing = plain.load_state_dict(model.state_dict(), strict=False)  # all but the table
-    assert missing.unexpected_keys == ["pos.weight"]
-    assert not torch.allclose(plain(x)[0], whole)
-    prompt = ids(T=5)
-    out = model.generate(prompt, max_new_tokens=6, temperature=0)
-    ref = prompt
-    for _ in range(6):
-        logits, _ = model(ref)
-        ref = torch.cat([ref, logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out, ref)
-    with pytest.raises(ValueError, match="exceeds the model's max_seq_len 20"):
-        model(ids(T=8), state)  # 13 + 8 > 20
-    with pytest.raises(ValueError, match="PositionedState"):
-        model(ids(T=2), list(state))
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        model(ids(B=1, T=6), cu_seqlens=torch.tensor([0, 2, 6]))
-    model.float().save_pretrained(tmp_path)
-    loaded = LanguageModel.from_pretrained(tmp_path)
-    assert loaded.config.position == "learned" and torch.equal(loaded(x)[0], model(x)[0])
-
-
 def test_tied_embeddings_share_one_tensor():
     tied, untied = tiny("linear"), tiny("linear", tie_embeddings=False)
     assert tied.head.weight is tied.embed.weight
@@ -169,8 +132,6 @@ def test_config_json_round_trip(tmp_path):
     ("norm", "batchnorm", "norm must be one of"),
     ("dropout", 1.5, "dropout"),
     ("max_seq_len", -3, "max_seq_len"),
-    ("position", "sinusoidal", "position must be one of"),
-    ("position", "learned", "needs max_seq_len"),
 ])
 def test_config_rejects_bad_fields(field, value, match):
     with pytest.raises(ValueError, match=match):

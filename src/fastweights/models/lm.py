@@ -29,15 +29,6 @@ CHECKSUM_FILE = "checksums.json"  # size and SHA-256 of the two files above
 LMState = list[Any]  # one layer state per block, in order
 
 
-class PositionedState(list):
-    """The state of a model with absolute positions (``LMConfig.position != "none"``): the list of
-    layer states plus ``offset``, the number of tokens already read (where positions resume)."""
-
-    def __init__(self, states: Any = (), offset: int = 0) -> None:
-        super().__init__(states)
-        self.offset = offset
-
-
 class LanguageModel(nn.Module):
     """Token embedding -> ``n_layers`` pre-norm blocks -> final norm -> logits (LMConfig).
 
@@ -63,8 +54,6 @@ class LanguageModel(nn.Module):
             raise TypeError(f"config must be an LMConfig, got {type(config).__name__}")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos = (nn.Embedding(config.max_seq_len, config.d_model)
-                    if config.position == "learned" else None)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             Block(config, name, opts)
@@ -74,8 +63,6 @@ class LanguageModel(nn.Module):
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # Small embedding init (GPT-2's 0.02) keeps tied output logits near uniform at start.
         nn.init.normal_(self.embed.weight, std=0.02)
-        if self.pos is not None:
-            nn.init.normal_(self.pos.weight, std=0.02)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.gradient_checkpointing = False
@@ -116,21 +103,8 @@ class LanguageModel(nn.Module):
     ) -> tuple[torch.Tensor, LMState]:
         """Logits for ``input_ids`` [B, T]; see the class docstring. With ``cu_seqlens``
         ([N + 1] boundaries of documents packed in a batch of one) every layer resets its state
-        at each boundary, and each layer's state is a list with one state per document. With
-        absolute positions (``config.position``) the state is a ``PositionedState`` that also
-        carries the position offset; packed documents are not supported there."""
+        at each boundary, and each layer's state is a list with one state per document."""
         self._check_ids(input_ids)
-        offset = 0
-        if self.pos is not None:
-            if cu_seqlens is not None:
-                raise ValueError("cu_seqlens (packed documents) is not supported with absolute "
-                                 f"positions (LMConfig.position={self.config.position!r})")
-            if state is not None:
-                if not isinstance(state, PositionedState):
-                    raise ValueError("this model has absolute positions: state must be the "
-                                     "PositionedState its forward returned (it holds the offset)")
-                offset = state.offset
-            self._check_length(offset + input_ids.shape[1])
         if cu_seqlens is not None:
             bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0],
                                       input_ids.device)
@@ -146,10 +120,7 @@ class LanguageModel(nn.Module):
                 f"(as returned by forward), got {type(state).__name__}"
                 + (f" of length {len(state)}" if isinstance(state, (list, tuple)) else "")
             )
-        x = self.embed(input_ids)  # [B, T, d]
-        if self.pos is not None:
-            x = x + self.pos(torch.arange(offset, offset + input_ids.shape[1], device=x.device))
-        x = self.drop(x)
+        x = self.drop(self.embed(input_ids))  # [B, T, d]
         new_state: LMState = []
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         run = (self._gradient_checkpointing_func or _checkpoint) if recompute else None
@@ -159,8 +130,6 @@ class LanguageModel(nn.Module):
             else:
                 x, s = block(x, s, cu_seqlens=cu_seqlens)
             new_state.append(s)
-        if self.pos is not None:
-            new_state = PositionedState(new_state, offset + input_ids.shape[1])
         return self.head(self.norm(x)), new_state  # [B, T, V]
 
     @torch.no_grad()

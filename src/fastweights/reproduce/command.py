@@ -10,7 +10,15 @@ import time
 from pathlib import Path
 
 from . import EXPERIMENTS
-from .common import Experiment, ReproduceError, judge, prepare_out, run_all, write_csv, write_markdown
+from .common import (
+    Experiment,
+    ReproduceError,
+    judge,
+    prepare_out,
+    run_all,
+    write_csv,
+    write_markdown,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

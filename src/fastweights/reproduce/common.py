@@ -260,9 +260,9 @@ def write_markdown(path: Path, *, title: str, intro: str, settings: dict[str, An
                    metrics: Sequence[str], notes: Sequence[str], plots: Sequence[str],
                    seeds: Sequence[int], seconds: float) -> None:
     parts = [f"# {title}", "", intro, "",
-             f"Seeds: {', '.join(map(str, seeds))}. Wall time of this invocation: {seconds:.0f} s "
+             (f"Seeds: {', '.join(map(str, seeds))}. Wall time of this invocation: {seconds:.0f} s "
              f"(runs finished earlier and reused are not included; see results.csv for each run's "
-             f"own time).", "",
+             f"own time)."), "",
              "Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), "",
              "## Claims", "", claims_table(judged), "", RULE_TEXT, "",
              "## Runs (mean ± sd over seeds)", "", models_table(rows, metrics), ""]

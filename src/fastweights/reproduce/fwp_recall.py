@@ -25,6 +25,10 @@ def _label(task: str, mixer: str, size: int) -> str:
     return f"{task} {mixer} S={size}"
 
 
+def _loss(task: str, mixer: str, size: int) -> tuple[str, str]:
+    return _label(task, mixer, size), "eval_loss"
+
+
 def plan(quick: bool, seeds: list[int], data: str) -> Plan:
     s = dict(QUICK if quick else DEFAULT)
     runs = [RunSpec(_label(task, mixer, size), seed, {"task": task, "mixer": mixer, "size": size})
@@ -53,14 +57,14 @@ def claims(p: Plan) -> list[Claim]:
         Claim(f"capacity: linear fails beyond d_dot = {d}",
               "sum-rule linear attention fails once S exceeds d_dot (S=20: 9e-4, S=100: .17 at "
               "d_dot 64)",
-              ("capacity linear S=%d" % small, "eval_loss"), ("capacity linear S=%d" % big, "eval_loss")),
+              _loss("capacity", "linear", small), _loss("capacity", "linear", big)),
         Claim(f"capacity: DPFP holds more keys (S = {big})",
               "DPFP-1 (d_dot 128) solves S up to ~100 where linear (64) has failed (.17 vs 2e-4)",
-              ("capacity dpfp S=%d" % big, "eval_loss"), ("capacity linear S=%d" % big, "eval_loss")),
+              _loss("capacity", "dpfp", big), _loss("capacity", "linear", big)),
         *[Claim(f"update: delta < sum rule (S = {size})",
                 "only the delta rule keeps the latest value; the sum rule plateaus at ~0.1 even at "
                 "S=20 (DPFP-1 sum .105 vs delta 8e-4)",
-                ("update delta S=%d" % size, "eval_loss"), ("update linear S=%d" % size, "eval_loss"))
+                _loss("update", "delta", size), _loss("update", "linear", size))
           for size in sizes[:-1] or sizes],
     ]
 
@@ -83,12 +87,12 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
-    return [f"d_key = {s['d_key']}, S in {s['sizes']}, at most {s['steps']} steps per model "
+    return [(f"d_key = {s['d_key']}, S in {s['sizes']}, at most {s['steps']} steps per model "
             "(SPEC 1.8's stopping rule: eval loss <= 1e-3 or 11 evaluations without a new best); "
-            "the plot shows the mean over seeds.",
-            "The paper's numbers are at d_key = 64 and S = 20...600 (SPEC 1.8); ours are scaled "
+            "the plot shows the mean over seeds."),
+            ("The paper's numbers are at d_key = 64 and S = 20...600 (SPEC 1.8); ours are scaled "
             "down so that S crosses d_dot within minutes. `fastweights recall` runs the same models "
-            "with its own options and output."]
+            "with its own options and output.")]
 
 
 EXPERIMENT = Experiment(

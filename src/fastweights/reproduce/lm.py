@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,7 @@ def log_buckets(length: int) -> list[tuple[int, int]]:
         edges[-1] = length + 1
     else:
         edges.append(length + 1)
-    return list(zip(edges, edges[1:]))
+    return list(itertools.pairwise(edges))
 
 
 def bucket_name(lo: int, hi: int) -> str:

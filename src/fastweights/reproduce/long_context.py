@@ -125,19 +125,19 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     params = sorted({r["parameters"] for r in rows})
     return [
-        f"Byte-level LM on `{s['data']}` ({s['n_layers']} layers, d_model {s['d_model']}, "
+        (f"Byte-level LM on `{s['data']}` ({s['n_layers']} layers, d_model {s['d_model']}, "
         f"{s['n_heads']} heads), trained on windows of {s['seq_len']} bytes ({lm.tokens(s)} bytes "
         f"per run); parameters matched to softmax's within {lm.MATCH_TOLERANCE:.0%} (counts: "
-        f"{', '.join(map(str, params))}).",
-        f"Evaluation: {s['streams']} consecutive streams of {s['factor']} x {s['seq_len']} = "
+        f"{', '.join(map(str, params))})."),
+        (f"Evaluation: {s['streams']} consecutive streams of {s['factor']} x {s['seq_len']} = "
         f"{s['factor'] * s['seq_len']} bytes from the start of the validation split, read in "
         f"pieces of {s['seq_len']} with the state carried; `loss@a-b` is the mean loss at "
-        "positions a..b (1-based), `loss_window` over the training length, `loss_beyond` after it.",
-        "Softmax is evaluated beyond its window too (growing cache, RoPE positions it never saw "
+        "positions a..b (1-based), `loss_window` over the training length, `loss_beyond` after it."),
+        ("Softmax is evaluated beyond its window too (growing cache, RoPE positions it never saw "
         "in training; dashed in the plot, as the sum-rule `linear`): the claim is that it cannot "
-        "use that context. Infini's segment and Diag's block are half the training length.",
-        "The paper's figure is at 125M-1.3B parameters and up to 32k tokens; ours is a "
-        "direction check at toy scale.",
+        "use that context. Infini's segment and Diag's block are half the training length."),
+        ("The paper's figure is at 125M-1.3B parameters and up to 32k tokens; ours is a "
+        "direction check at toy scale."),
     ]
 
 

@@ -16,13 +16,24 @@ TTT-Linear on model 4's configuration.
 from __future__ import annotations
 
 import csv
+import itertools
+import math
 from pathlib import Path
 from typing import Any
 
 from ..models import LMConfig
 from ..train.trainer import evaluate
 from . import lm
-from .common import Claim, Experiment, Plan, RunSpec, bar_plot, matplotlib_pyplot, mean_spread, values
+from .common import (
+    Claim,
+    Experiment,
+    Plan,
+    RunSpec,
+    bar_plot,
+    matplotlib_pyplot,
+    mean_spread,
+    values,
+)
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
            "steps": 300, "lr": 2e-3, "eval_windows": 64, "sweep": [1, 4, 16, 64]}
@@ -98,7 +109,7 @@ def claims(p: Plan) -> list[Claim]:
                  (WALK[i + 1], "loss"), (WALK[i], "loss"), "not_worse") for i in range(4)]
     sweep = sorted(p.settings["sweep"])
     out += [Claim(f"b sweep: b={a} < b={b}", "smaller mini-batch b gives lower perplexity",
-                  (sweep_label(a), "loss"), (sweep_label(b), "loss")) for a, b in zip(sweep, sweep[1:])]
+                  (sweep_label(a), "loss"), (sweep_label(b), "loss")) for a, b in itertools.pairwise(sweep)]
     out.append(Claim(f"b sweep: b={sweep[-1]} is faster than b={sweep[0]}",
                      "smaller b is slower (more sequential inner steps)",
                      (sweep_label(sweep[-1]), "ms_per_step"), (sweep_label(sweep[0]), "ms_per_step")))
@@ -124,7 +135,7 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
         for ax, metric, label in ((axes[0], "loss", "validation loss"),
                                   (axes[1], "ms_per_step", "ms per training step")):
             stats = [mean_spread(values(rows, sweep_label(b), metric)) for b in sweep]
-            ax.errorbar(sweep, [m for m, _ in stats], yerr=[sd if sd == sd else 0 for _, sd in stats],
+            ax.errorbar(sweep, [m for m, _ in stats], yerr=[sd if math.isfinite(sd) else 0 for _, sd in stats],
                         marker="o", capsize=3)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("inner mini-batch size b")
@@ -141,16 +152,16 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     params = sorted({r["parameters"] for r in rows})
     return [
-        f"Byte-level LM on `{s['data']}` ({s['n_layers']} layers, d_model {s['d_model']}, "
+        (f"Byte-level LM on `{s['data']}` ({s['n_layers']} layers, d_model {s['d_model']}, "
         f"{s['n_heads']} heads, seq_len {s['seq_len']}); feed-forward widths matched to "
         f"`{WALK[0]}`'s parameter count within {lm.MATCH_TOLERANCE:.0%} (counts: "
-        f"{', '.join(map(str, params))}); {lm.tokens(s)} training bytes per run.",
-        "Step 0 is the TTT layer in its linear-attention configuration (SPEC 2.8: batch GD over "
+        f"{', '.join(map(str, params))}); {lm.tokens(s)} training bytes per run."),
+        ("Step 0 is the TTT layer in its linear-attention configuration (SPEC 2.8: batch GD over "
         f"the whole window, b = seq_len = {s['seq_len']}, no LN/residual, fixed eta); it keeps "
         "the layer's learned initial weights and token scales. The paper's numbers are word-level "
-        "perplexities of 125M models on the Pile: only directions are comparable.",
-        "ms_per_step is the trainer's own clock (training only) on a shared CPU: compare within "
-        "one run of this experiment only.",
+        "perplexities of 125M models on the Pile: only directions are comparable."),
+        ("ms_per_step is the trainer's own clock (training only) on a shared CPU: compare within "
+        "one run of this experiment only."),
     ]
 
 
