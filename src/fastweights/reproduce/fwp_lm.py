@@ -112,14 +112,9 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
-    params = sorted({r["parameters"] for r in rows})
     return [
-        (f"Byte-level LM on `{s['data']}` ({s['n_layers']} layers, d_model {s['d_model']}, "
-        f"{s['n_heads']} heads); every model's feed-forward width is set so that its parameter "
-        f"count matches `{REFERENCE}` within {lm.MATCH_TOLERANCE:.0%} (counts: "
-        f"{', '.join(map(str, params))})."),
-        (f"Token budget per run: {lm.tokens(s)} bytes ({s['steps']} steps of {s['batch_size']} x "
-        f"{s['seq_len']}); validation on the first {s['eval_windows']} windows of {s['seq_len']} "
+        lm.setup_note(s, rows, REFERENCE),
+        (f"Validation on the first {s['eval_windows']} windows of {s['seq_len']} "
         "bytes of the validation split; `loss_carried` reads the same bytes as one stream with "
         "the state carried (softmax: its key/value cache grows, RoPE positions continue)."),
         ("Deviation from the paper's no-truncation setting: training is truncated to windows of "

@@ -138,3 +138,13 @@ def corpus(spec: str) -> Corpus:
         except (ValueError, OSError) as err:
             raise ReproduceError(str(err)) from None
     return _CORPORA[spec]
+
+
+def setup_note(s: dict[str, Any], rows: list[dict[str, Any]], reference: str) -> str:
+    """The results.md line describing an LM experiment's models, matching and token budget."""
+    params = ", ".join(map(str, sorted({r["parameters"] for r in rows})))
+    return (f"Byte-level LM on `{s['data']}` ({s['n_layers']} layers, d_model {s['d_model']}, "
+            f"{s['n_heads']} heads, trained on windows of {s['seq_len']} bytes); every model's "
+            f"feed-forward width is set so that its parameter count matches `{reference}`'s within "
+            f"{MATCH_TOLERANCE:.0%} (counts: {params}); {tokens(s)} training bytes per run "
+            f"({s['steps']} steps of {s['batch_size']} x {s['seq_len']}).")

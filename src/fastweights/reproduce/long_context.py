@@ -123,12 +123,8 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
-    params = sorted({r["parameters"] for r in rows})
     return [
-        (f"Byte-level LM on `{s['data']}` ({s['n_layers']} layers, d_model {s['d_model']}, "
-        f"{s['n_heads']} heads), trained on windows of {s['seq_len']} bytes ({lm.tokens(s)} bytes "
-        f"per run); parameters matched to softmax's within {lm.MATCH_TOLERANCE:.0%} (counts: "
-        f"{', '.join(map(str, params))})."),
+        lm.setup_note(s, rows, "softmax"),
         (f"Evaluation: {s['streams']} consecutive streams of {s['factor']} x {s['seq_len']} = "
         f"{s['factor'] * s['seq_len']} bytes from the start of the validation split, read in "
         f"pieces of {s['seq_len']} with the state carried; `loss@a-b` is the mean loss at "

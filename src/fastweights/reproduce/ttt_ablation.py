@@ -150,12 +150,8 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
-    params = sorted({r["parameters"] for r in rows})
     return [
-        (f"Byte-level LM on `{s['data']}` ({s['n_layers']} layers, d_model {s['d_model']}, "
-        f"{s['n_heads']} heads, seq_len {s['seq_len']}); feed-forward widths matched to "
-        f"`{WALK[0]}`'s parameter count within {lm.MATCH_TOLERANCE:.0%} (counts: "
-        f"{', '.join(map(str, params))}); {lm.tokens(s)} training bytes per run."),
+        lm.setup_note(s, rows, WALK[0]),
         ("Step 0 is the TTT layer in its linear-attention configuration (SPEC 2.8: batch GD over "
         f"the whole window, b = seq_len = {s['seq_len']}, no LN/residual, fixed eta); it keeps "
         "the layer's learned initial weights and token scales. The paper's numbers are word-level "
