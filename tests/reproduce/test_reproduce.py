@@ -176,3 +176,17 @@ def test_parameter_matching_and_buckets():
                          "softmax")
     assert log_buckets(128) == [(1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 129)]
     assert log_buckets(100)[-1] == (64, 101) and log_buckets(1) == [(1, 2)]
+
+
+def test_a_diverged_run_is_a_result_not_an_error(tmp_path, text_file):
+    """A run whose loss becomes NaN (here: an absurd learning rate) is stopped by the trainer's
+    anomaly guard and recorded with NaN metrics, which the verdict rule counts as infinitely bad."""
+    from fastweights.reproduce import fwp_lm
+    from fastweights.reproduce.common import Plan
+
+    plan = fwp_lm.plan(True, [0], text_file)
+    plan = Plan({**plan.settings, "lr": 1e30, "steps": 6}, plan.runs)
+    result = fwp_lm.execute(plan.runs[0], plan, tmp_path / "run")
+    assert result["diverged"] and math.isnan(result["metrics"]["loss"])
+    assert result["parameters"] == count_parameters(LMConfig.from_dict(plan.runs[0].options["config"]))
+    assert decide([result["metrics"]["loss"]], [5.0], "better").verdict == "not reproduced"

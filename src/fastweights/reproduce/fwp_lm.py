@@ -67,6 +67,8 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     config = LMConfig.from_dict(spec.options["config"])
     corpus = lm.corpus(s["data"])
     model = lm.train_run(workdir, config, lm.train_config(s, spec.seed), corpus)
+    if model is None:
+        return lm.diverged(config, s, ["loss", "ppl", "loss_carried"])
     loss = evaluate(model, corpus.val, s["seq_len"], s["eval_windows"])
     carried = evaluate(model, corpus.val, s["seq_len"], s["eval_windows"], carry_state=True)
     metrics = {"loss": loss, "ppl": lm.perplexity(loss), "loss_carried": carried}

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..models import LanguageModel, LMConfig
 from ..tasks.text import Corpus
 from ..train.checkpoint import load_model
-from ..train.trainer import RUN_FILE, TrainConfig, train
+from ..train.trainer import RUN_FILE, TrainConfig, TrainingAnomaly, train
 from .common import ReproduceError
 
 MATCH_TOLERANCE = 0.03  # every model within 3 % of the reference's parameter count
@@ -52,13 +52,25 @@ def match_parameters(configs: dict[str, LMConfig], reference: str,
     return matched
 
 
-def train_run(workdir: Path, config: LMConfig, tcfg: TrainConfig, corpus: Corpus) -> LanguageModel:
+def train_run(workdir: Path, config: LMConfig, tcfg: TrainConfig,
+              corpus: Corpus) -> LanguageModel | None:
     """Train ``config`` into ``workdir`` (a fastweights training run folder) and return the final
-    model in eval mode. An interrupted run in ``workdir`` is resumed from its latest checkpoint."""
+    model in eval mode, or None when training diverged (the trainer's anomaly guard stopped it at
+    the first NaN/inf loss or gradient: a result of the experiment, not an error). An interrupted
+    run in ``workdir`` is resumed from its latest checkpoint."""
     resume = (workdir / RUN_FILE).is_file()
-    with contextlib.redirect_stdout(io.StringIO()):  # the trainer's per-eval lines; we report
-        train(workdir, None if resume else config, tcfg, corpus, resume=resume, progress=False)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the trainer's per-eval lines
+            train(workdir, None if resume else config, tcfg, corpus, resume=resume, progress=False)
+    except TrainingAnomaly:
+        return None
     return load_model(workdir)
+
+
+def diverged(config: LMConfig, settings: dict[str, Any], metrics: list[str]) -> dict[str, Any]:
+    """The result of a run that diverged: every metric NaN (counted as infinitely bad)."""
+    return {"parameters": count_parameters(config), "steps": settings["steps"],
+            "tokens": tokens(settings), "diverged": True, "metrics": dict.fromkeys(metrics, math.nan)}
 
 
 def train_config(settings: dict[str, Any], seed: int) -> TrainConfig:
@@ -66,7 +78,8 @@ def train_config(settings: dict[str, Any], seed: int) -> TrainConfig:
     steps = settings["steps"]
     return TrainConfig(steps=steps, batch_size=settings["batch_size"], seq_len=settings["seq_len"],
                        lr=settings["lr"], warmup=min(30, max(1, steps // 10)), eval_every=steps,
-                       eval_windows=settings["eval_windows"], save_every=max(1, steps // 4), seed=seed)
+                       eval_windows=settings["eval_windows"], save_every=max(1, steps // 4), seed=seed,
+                       anomaly_guard=True)
 
 
 def tokens(settings: dict[str, Any]) -> int:
@@ -83,7 +96,8 @@ def position_losses(model: LanguageModel, data: torch.Tensor, length: int, strea
     if data.numel() < need:
         raise ReproduceError(f"the validation split has {data.numel()} bytes, fewer than the "
                              f"{need} the long-context evaluation reads")
-    x = data[:need].long().view(streams, length + 1)
+    device = next(model.parameters()).device
+    x = data[:need].long().view(streams, length + 1).to(device)
     model.eval()
     total = torch.zeros(length, dtype=torch.float64)
     state = None
@@ -91,7 +105,7 @@ def position_losses(model: LanguageModel, data: torch.Tensor, length: int, strea
         stop = min(length, start + piece)
         logits, state = model(x[:, start:stop], state)
         loss = F.cross_entropy(logits.float().transpose(1, 2), x[:, start + 1:stop + 1], reduction="none")
-        total[start:stop] = loss.double().mean(0)
+        total[start:stop] = loss.double().mean(0).cpu()
     return total
 
 

@@ -65,9 +65,12 @@ def _far_bucket(s: dict[str, Any]) -> str:
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     corpus = lm.corpus(s["data"])
-    model = lm.train_run(workdir, LMConfig.from_dict(spec.options["config"]),
-                         lm.train_config(s, spec.seed), corpus)
+    config = LMConfig.from_dict(spec.options["config"])
+    model = lm.train_run(workdir, config, lm.train_config(s, spec.seed), corpus)
     T, length = s["seq_len"], s["seq_len"] * s["factor"]
+    if model is None:
+        names = [lm.bucket_name(lo, hi) for lo, hi in lm.log_buckets(length)]
+        return lm.diverged(config, s, ["loss_window", "loss_beyond", *names])
     per_pos = lm.position_losses(model, corpus.val, length, s["streams"], piece=T)
     metrics = {"loss_window": float(per_pos[:T].mean()), "loss_beyond": float(per_pos[T:].mean()),
                **lm.bucket_losses(per_pos)}

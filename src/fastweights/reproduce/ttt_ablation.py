@@ -76,8 +76,10 @@ def plan(quick: bool, seeds: list[int], data: str) -> Plan:
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     corpus = lm.corpus(s["data"])
-    model = lm.train_run(workdir, LMConfig.from_dict(spec.options["config"]),
-                         lm.train_config(s, spec.seed), corpus)
+    config = LMConfig.from_dict(spec.options["config"])
+    model = lm.train_run(workdir, config, lm.train_config(s, spec.seed), corpus)
+    if model is None:
+        return lm.diverged(config, s, ["loss", "ppl", "ms_per_step"])
     loss = evaluate(model, corpus.val, s["seq_len"], s["eval_windows"])
     # The wall time of training alone: the trainer's own clock, from metrics.csv.
     seconds = _train_seconds(workdir)
