@@ -116,8 +116,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
         "reproduce", help="reproduce a paper's claims (fwp-recall, fwp-lm, ttt-ablation, long-context)",
         description="Train the small models an experiment needs and write results.csv, results.md "
         "(each claim: the paper, ours as mean +- sd over seeds, a verdict) and PNG plots into "
-        "--out. Rerunning the same command continues an interrupted reproduction.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "--out. Rerunning the same command continues an interrupted reproduction.")
     add_arguments(p)
     p.set_defaults(func=_cmd_reproduce)
 

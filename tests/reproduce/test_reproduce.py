@@ -190,3 +190,24 @@ def test_a_diverged_run_is_a_result_not_an_error(tmp_path, text_file):
     assert result["diverged"] and math.isnan(result["metrics"]["loss"])
     assert result["parameters"] == count_parameters(LMConfig.from_dict(plan.runs[0].options["config"]))
     assert decide([result["metrics"]["loss"]], [5.0], "better").verdict == "not reproduced"
+
+
+def test_a_run_cut_short_mid_training_continues_from_its_checkpoint(tmp_path, text_file):
+    """A run folder left by a killed process (checkpoints every quarter of the steps) is resumed,
+    not restarted, and ends with the uninterrupted run's model."""
+    import torch
+
+    from fastweights.reproduce import fwp_lm, lm
+    from fastweights.train.trainer import train
+
+    plan = fwp_lm.plan(True, [0], text_file)
+    settings = {**plan.settings, "steps": 8}
+    config = LMConfig.from_dict(plan.runs[1].options["config"])
+    corpus = lm.corpus(text_file)
+    whole = lm.train_run(tmp_path / "whole", config, lm.train_config(settings, 0), corpus)
+    train(tmp_path / "cut", config, lm.train_config(settings, 0), corpus, stop_after=5,
+          progress=False)
+    assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step-0000004"
+    resumed = lm.train_run(tmp_path / "cut", config, lm.train_config(settings, 0), corpus)
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

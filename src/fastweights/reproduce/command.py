@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CI-sized version: every run of the experiment in seconds")
     p.add_argument("--data", default="stdlib",
                    help="byte corpus of the language-model experiments: 'stdlib' or a text file "
-                        "or folder")
+                        "or folder (default: stdlib)")
     p.add_argument("--out", default=None, help="output folder (default runs/reproduce/NAME)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier reproduction's --out (the same command continues it)")
