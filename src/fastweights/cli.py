@@ -102,6 +102,28 @@ def _add_recall(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_recall)
 
 
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from .reproduce import ReproduceError
+    from .reproduce.command import run
+
+    try:
+        return run(args)
+    except ReproduceError as err:
+        raise UserError(str(err)) from None
+
+
+def _add_reproduce(sub: argparse._SubParsersAction) -> None:
+    from .reproduce.command import add_arguments
+
+    p = sub.add_parser(
+        "reproduce", help="reproduce a paper's claims (fwp-recall, fwp-lm, ttt-ablation, long-context)",
+        description="Train the small models an experiment needs and write results.csv, results.md "
+        "(each claim: the paper, ours as mean +- sd over seeds, a verdict) and PNG plots into "
+        "--out. Rerunning the same command continues an interrupted reproduction.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_reproduce)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train.commands import cmd_train
 
@@ -249,7 +271,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_mixers, _add_bench, _add_recall, _add_train, _add_eval, _add_generate,
+    _add_mixers, _add_bench, _add_recall, _add_reproduce, _add_train, _add_eval, _add_generate,
 ]
 
 

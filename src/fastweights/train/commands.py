@@ -44,7 +44,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
 
     from ..models.registry import mixer_names
     from ..models.retrieval import MEMORIES
-    from . import recall
+    from ..reproduce import recall
 
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
     for t in tasks:
