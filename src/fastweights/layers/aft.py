@@ -26,7 +26,7 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops.aft import aft_conv_stream, aft_full_stream, aft_local_stream, aft_simple_stream
-from .base import Mixer, State, merge_heads, split_heads
+from .base import Mixer, State, merge_heads, split_heads, token_positions
 
 MODES = ("chunk", "recurrent")
 
@@ -117,7 +117,12 @@ class AFTFull(_AFT):
         self.bias = _PositionBias(max_len, d_bias, bias_std)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is not None:
+            # aft_full_stream has no cu_seqlens: each document attends to its own cache of
+            # its own length, with its own rows of the position table.
+            return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
         self._check_state(state, 2)
         past = 0 if state is None else state[0].shape[1]
@@ -153,15 +158,28 @@ class AFTLocal(_AFT):
         self.mode = check_choice("mode", mode, MODES)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
-        self._check_state(state, 6)
-        past = 0 if state is None else state[-1]
-        w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is None:
+            check_layer_input(x, self.d_model)
+            self._check_state(state, 6)
+            past = 0 if state is None else state[-1]
+            w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
+        else:
+            bounds, states = self._packed_states(x, state, cu_seqlens)
+            for s in states:
+                self._check_state(s, 6)
+            # Every document counts positions from its own start (or its carried position):
+            # row i of the band depends only on the absolute position p of its token, so one
+            # band from position 0 to the furthest document end serves all documents.
+            starts = [0 if s is None else s[-1] for s in states]
+            stop = max(p + b - a for p, a, b in zip(starts, bounds, bounds[1:]))
+            w = self.bias.band(0, stop, self.window, self.chunk_size)
+            w = w[token_positions(bounds, starts, x.device)]  # [T, s]
         q, k, v = self._qkv(x)
         o, state = aft_local_stream(q, k, v, w, window=self.window, initial_state=state,
                                     output_final_state=True, mode=self.mode,
-                                    chunk_size=self.chunk_size)
+                                    chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -180,11 +198,12 @@ class AFTSimple(_AFT):
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
         self.mode = check_choice("mode", mode, MODES)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
         o, state = aft_simple_stream(q, k, v, initial_state=state, output_final_state=True,
-                                     mode=self.mode)
+                                     mode=self.mode, cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -231,13 +250,14 @@ class AFTConv(_AFT):
         var = w.var(dim=-1, unbiased=False, keepdim=True)
         return self.gamma[:, None] * (w - mean) / torch.sqrt(var + self.eps) + self.beta[:, None]
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
         H = self.n_heads
         o, state = aft_conv_stream(split_heads(q, H), k, split_heads(v, H), self.kernel_weight(),
                                    initial_state=state, output_final_state=True, mode=self.mode,
-                                   chunk_size=self.chunk_size)
+                                   chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self.out(merge_heads(o)), state
 
     def state_size(self, seq_len: int = 1) -> int:

@@ -97,8 +97,12 @@ class LinearAttention(Mixer):
                         projection=self.projection if self.feature_map == "favor" else None)
         return sum_norm(x, self.sum_norm_eps) if self.normalize == "sum" else x
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is None:
+            check_layer_input(x, self.d_model)
+        else:
+            _, docs = self._packed_states(x, state, cu_seqlens)
         if self.feature_map == "favor" and self.training and self.redraw:
             # A new buffer, not an in-place copy: the previous piece's graph (state carried
             # across calls) still holds the old projection for its backward pass.
@@ -111,19 +115,15 @@ class LinearAttention(Mixer):
         q, k = self._phi(q), self._phi(k)
         chunk = self.chunk_size or preferred_chunk_size(
             "delta_rule" if self.update == "delta" else "linear_attn", x.device)
-        opts = dict(output_final_state=True, mode=self.mode, chunk_size=chunk)
+        opts = {"output_final_state": True, "mode": self.mode, "chunk_size": chunk,
+                "cu_seqlens": cu_seqlens}
         if self.update == "delta":
-            # The delta rule's state is the 1-tuple (S,): reject other layers' states (a
-            # NormAttention (S, position) pair would otherwise pass the shape check on S).
-            if state is not None and not (isinstance(state, tuple) and len(state) == 1):
-                raise TypeError(
-                    "state must be None or the (S [B, H, Dk, Dv],) tuple this delta-rule layer "
-                    f"returned, got {type(state).__name__}"
-                    + (f" of length {len(state)}" if isinstance(state, tuple) else "")
-                )
+            # The layer carries the 1-tuple (S,), the op takes and returns S.
+            init = (_delta_matrix(state) if cu_seqlens is None
+                    else [_delta_matrix(s) for s in docs])
             beta = torch.sigmoid(proj[..., 3 * D])
-            o, S = delta_rule(q, k, v, beta, initial_state=None if state is None else state[0], **opts)
-            new_state: State = (S,)
+            o, S = delta_rule(q, k, v, beta, initial_state=init, **opts)
+            new_state: State = (S,) if cu_seqlens is None else [(s,) for s in S]
         else:
             o, new_state = linear_attn(
                 q, k, v, normalize=self.normalize == "attention", eps=self.eps,
@@ -137,6 +137,20 @@ class LinearAttention(Mixer):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, feature_map={self.feature_map}, normalize={self.normalize}, "
                 f"update={self.update}, feature_dim={self.feature_dim}")
+
+
+def _delta_matrix(state: State) -> torch.Tensor | None:
+    """S from the delta rule's state ``(S,)``; other layers' states are rejected (a
+    NormAttention (S, position) pair would otherwise pass the op's shape check on S)."""
+    if state is None:
+        return None
+    if not (isinstance(state, tuple) and len(state) == 1):
+        raise TypeError(
+            "state must be None or the (S [B, H, Dk, Dv],) tuple this delta-rule layer "
+            f"returned, got {type(state).__name__}"
+            + (f" of length {len(state)}" if isinstance(state, tuple) else "")
+        )
+    return state[0]
 
 
 class DeltaNet(LinearAttention):

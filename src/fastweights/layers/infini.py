@@ -16,7 +16,7 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops.infini import MODES, UPDATES, InfiniState, infini_attention
-from .base import Mixer, State, merge_heads, split_heads
+from .base import Mixer, State, merge_heads, split_heads, token_positions
 from .positional import RotaryFrequencies, apply_rotary
 
 
@@ -79,13 +79,23 @@ class InfiniAttention(RotaryFrequencies, Mixer):
         if rope:
             self._init_rotary(rope_base)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is None:
+            check_layer_input(x, self.d_model)
+        else:
+            bounds, docs = self._packed_states(x, state, cu_seqlens)
         q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)  # [B, T, H, D] each
         q_mem, k_mem = q, k
         if self.rope:
-            start = _open_segment_len(state)
-            pos = torch.arange(start, start + x.shape[1], device=x.device) % self.segment_len
+            # Segment-local positions, counted on from the open segment of the carried state
+            # (of each document's own state when packed).
+            if cu_seqlens is None:
+                start = _open_segment_len(state)
+                pos = torch.arange(start, start + x.shape[1], device=x.device)
+            else:
+                pos = token_positions(bounds, [_open_segment_len(s) for s in docs], x.device)
+            pos = pos % self.segment_len
             freq = self._rotary_freq(x)  # [D/2] float64
             q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
             if self.rope_memory:
@@ -93,10 +103,12 @@ class InfiniAttention(RotaryFrequencies, Mixer):
         o, new_state = infini_attention(
             q, k, v, self.gate, segment_len=self.segment_len, update=self.update,
             q_mem=q_mem, k_mem=k_mem, eps=self.eps, initial_state=state,
-            output_final_state=True, mode=self.mode)
+            output_final_state=True, mode=self.mode, cu_seqlens=cu_seqlens)
         # The layer carries the 5-tuple (M_closed, z_closed, k_seg, v_seg, k_mem_seg): plain
         # tensors in a tuple, as every layer state, for code that maps over states.
-        return self.out(merge_heads(o)), tuple(new_state.open_segment)
+        if cu_seqlens is None:
+            return self.out(merge_heads(o)), tuple(new_state.open_segment)
+        return self.out(merge_heads(o)), [tuple(s.open_segment) for s in new_state]
 
     def state_size(self, seq_len: int = 1) -> int:
         H, D = self.n_heads, self.head_dim

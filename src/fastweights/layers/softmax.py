@@ -26,7 +26,12 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
         if rope:
             self._init_rotary(rope_base)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is not None:
+            # softmax_attention has no document mask, and each document's KV cache has its
+            # own length: one call per document.
+            return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x)

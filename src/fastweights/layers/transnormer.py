@@ -25,7 +25,7 @@ from .._checks import (
 )
 from ..ops.fwp import linear_attn
 from ..ops.transnormer import block_attention, decay_linear_attn, srms_norm
-from .base import Mixer, State, merge_heads, split_heads
+from .base import Mixer, State, merge_heads, split_heads, token_positions
 from .positional import apply_rotary, rotary_inv_freq
 
 ACTIVATIONS = {
@@ -155,33 +155,45 @@ class NormAttention(Mixer):
         if decay:
             self.gate = nn.Linear(d_model, H * D)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
-        T = x.shape[1]
-        S, pos = _unpack_norm_state(state)
-        H = self.n_heads
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is None:
+            check_layer_input(x, self.d_model)
+            S, pos = _unpack_norm_state(state)
+        else:
+            bounds, docs = self._packed_states(x, state, cu_seqlens)
+            S, pos = map(list, zip(*(_unpack_norm_state(s) for s in docs)))
+        T, H = x.shape[1], self.n_heads
         act = ACTIVATIONS[self.activation]
         q = act(split_heads(self.q_proj(x), H))
         k = act(split_heads(self.k_proj(x), H))
         v = split_heads(self.v_proj(x), H)
         if self.lrpe is not None:
-            positions = torch.arange(pos, pos + T, device=x.device)
+            # Sequence-global positions, restarting at every document when packed.
+            positions = (torch.arange(pos, pos + T, device=x.device) if cu_seqlens is None
+                         else token_positions(bounds, pos, x.device))
             q, k = self.lrpe(q, positions), self.lrpe(k, positions)
         if x.dtype in HALF:
             # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
             # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences.
             q, k, v = q.float(), k.float(), v.float()
-        opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size}
+        opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size,
+                "cu_seqlens": cu_seqlens}
         if self.decay_values is not None:
             lam = torch.tensor(self.decay_values, dtype=state_dtype(q.dtype), device=q.device)
             o, S = decay_linear_attn(q, k, v, lam, initial_state=S, **opts)
         else:
-            init = None if S is None else (S, S.new_zeros(S.shape[:-1]))
-            o, (S, _) = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
+            # linear_attn carries (S, z); z is unused without the normaliser.
+            init = _with_z(S) if cu_seqlens is None else [_with_z(s) for s in S]
+            o, final = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
+            S = final[0] if cu_seqlens is None else [s for s, _ in final]
         o = srms_norm(merge_heads(o))
         if self.decay_values is not None:
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
-        return self.out(o.to(x.dtype)), (S, pos + T)
+        if cu_seqlens is None:
+            return self.out(o.to(x.dtype)), (S, pos + T)
+        return self.out(o.to(x.dtype)), [(s, p + b - a) for s, p, a, b
+                                         in zip(S, pos, bounds, bounds[1:])]
 
     def state_size(self, seq_len: int = 1) -> int:
         return self.n_heads * self.head_dim * self.head_dim
@@ -189,6 +201,11 @@ class NormAttention(Mixer):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, activation={self.activation}, "
                 f"lrpe={self.lrpe is not None}, decay={self.decay_values is not None}")
+
+
+def _with_z(S: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """linear_attn's (S, z) state for NormAttention's S (no normaliser, so z = 0)."""
+    return None if S is None else (S, S.new_zeros(S.shape[:-1]))
 
 
 def _unpack_norm_state(state: State) -> tuple[torch.Tensor | None, int]:
@@ -228,7 +245,12 @@ class DiagAttention(Mixer):
         _qkv_projections(self, d_model, n_heads * self.head_dim)
         self.lrpe = LRPE(self.head_dim) if lrpe else None
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is not None:
+            # block_attention has no document boundaries, blocks start at each document's start
+            # and every document has its own open block: one call per document.
+            return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
         B, T, _ = x.shape
         H, D, w = self.n_heads, self.head_dim, self.block_size
