@@ -35,8 +35,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     - ``eta_base``: inner learning rate eta_t = eta_base * eta_scale * sigmoid(x_t w_lr + b_lr) /
       head_dim per head (w_lr ~ N(0, 0.02), b_lr = 0). ``eta_scale`` (attribute, 1.0) is the
       training schedule's multiplier: TTT-MLP's recipe (SPEC 2.6) ramps it linearly from
-      ``eta_warmup_from`` = 0.1 to 1 over the outer warm-up, which ``fastweights.train`` applies
-      to every layer with an ``eta_warmup_from`` (None for TTT-Linear: no ramp).
+      ``eta_warmup_from`` = 0.1 to 1 over the outer warm-up, which the training loop applies
+      through ``set_inner_lr_warmup`` (``eta_warmup_from`` None for TTT-Linear: no ramp).
     - ``checkpoint_group`` (None): in training, recompute the inner scan in groups of this many
       mini-batches in the backward pass instead of storing every mini-batch's inner weights
       (SPEC 2.6's gradient checkpointing; 4 in the paper): same results, much less memory.
@@ -59,6 +59,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     """
 
     op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
+    eta_warmup_from: float | None = None  # start of the inner learning-rate ramp, None: no ramp
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
@@ -107,6 +108,12 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     def _inner_shapes(self, D: int) -> dict[str, tuple[int, ...]]:
         """Per-head shapes of the inner weights, in the ops' state order."""
         raise NotImplementedError
+
+    def set_inner_lr_warmup(self, progress: float) -> None:
+        """eta_scale = r + (1 - r) * progress with r = ``eta_warmup_from``: the ramp from r to 1
+        over the outer warm-up (SPEC 2.6); no change when the layer has no ramp (r None)."""
+        if self.eta_warmup_from is not None:
+            self.eta_scale = self.eta_warmup_from + (1.0 - self.eta_warmup_from) * progress
 
     def token_scale(self) -> torch.Tensor:
         """tau [b]: max(0, 1/i + delta_i), 1/i in the parameters' dtype (exact in float64)."""
