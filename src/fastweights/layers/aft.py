@@ -26,7 +26,7 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops.aft import aft_conv_stream, aft_full_stream, aft_local_stream, aft_simple_stream
-from .base import Mixer, State, merge_heads, split_heads, token_positions
+from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
 
 MODES = ("chunk", "recurrent")
 
@@ -110,6 +110,10 @@ class AFTFull(_AFT):
     bias has no constant-size state), so ``state_size(seq_len)`` grows linearly.
     """
 
+    options = declare_options(d_hidden=Option(int | None, None), max_len=Option(int, 1024),
+                              d_bias=Option(int, 128), bias_std=Option(float, 0.01),
+                              chunk_size=Option(int, 64))
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  max_len: int = 1024, d_bias: int = 128, bias_std: float = 0.01,
                  chunk_size: int = 64) -> None:
@@ -148,6 +152,11 @@ class AFTLocal(_AFT):
     that have left the window, the last c = min(pos, s - 1) tokens and the absolute position.
     ``state_size`` counts its floats once the cache is full: 3 d' + 2 (s - 1) d'.
     """
+
+    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
+                              max_len=Option(int, 1024), d_bias=Option(int, 128),
+                              bias_std=Option(float, 0.01), mode=Option(str, "chunk"),
+                              chunk_size=Option(int, 64))
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, max_len: int = 1024, d_bias: int = 128,
@@ -193,6 +202,8 @@ class AFTSimple(_AFT):
     """AFT-simple (SPEC 4.2): no position bias, Y_t = sigmoid(Q_t) * sum_{t' <= t} softmax_t'(K) V.
     State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence length."""
 
+    options = declare_options(d_hidden=Option(int | None, None), mode=Option(str, "chunk"))
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  mode: str = "chunk") -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
@@ -223,6 +234,9 @@ class AFTConv(_AFT):
     """
 
     eps = 1e-5
+    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
+                              reparam=Option(bool, True), mode=Option(str, "chunk"),
+                              chunk_size=Option(int, 64))
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, reparam: bool = True, mode: str = "chunk",

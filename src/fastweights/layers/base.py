@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -15,9 +16,28 @@ from ..ops._varlen import check_cu_seqlens, check_packed_states
 State = Any  # a tuple of tensors (and ints) owned by the layer; None means "start of sequence"
 
 
+class Option(NamedTuple):
+    """One keyword option of a mixer's constructor: its type (a class or a union such as
+    ``int | None``) and its default."""
+
+    type: Any
+    default: Any
+
+
+def declare_options(**options: Option) -> Mapping[str, Option]:
+    """A mixer class's option declaration, read-only since every instance shares it."""
+    return MappingProxyType(options)
+
+
 class Mixer(nn.Module):
     """Base class of every sequence-mixing layer: ``forward`` and ``state_size`` below are the
-    contract; ``set_inner_lr_warmup`` is a training-schedule hook (a no-op unless overridden)."""
+    contract; ``set_inner_lr_warmup`` is a training-schedule hook (a no-op unless overridden).
+
+    ``options`` declares the keyword options of the subclass's constructor (beyond d_model and
+    n_heads) with their types and defaults; the registry validates and lists them from it.
+    """
+
+    options: ClassVar[Mapping[str, Option]] = declare_options()
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None) -> None:
         super().__init__()

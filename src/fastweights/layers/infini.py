@@ -16,7 +16,7 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops.infini import MODES, UPDATES, InfiniState, infini_attention
-from .base import Mixer, State, merge_heads, split_heads, token_positions
+from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
 from .positional import RotaryFrequencies, apply_rotary
 
 
@@ -49,6 +49,14 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     the paper's memory-footprint count; the open-segment cache adds at most
     (segment_len - 1) * 3 * H * D floats on top.
     """
+
+    options = declare_options(
+        head_dim=Option(int | None, None), segment_len=Option(int, 64),
+        update=Option(str, "linear"), rope=Option(bool, True),
+        rope_memory=Option(bool, False), rope_base=Option(float, 10000.0),
+        gate_init=Option(float, 0.0), eps=Option(float, 1e-6), mode=Option(str, "chunk"),
+        bias=Option(bool, False),
+    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, segment_len: int = 64,

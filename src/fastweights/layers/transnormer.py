@@ -25,7 +25,7 @@ from .._checks import (
 )
 from ..ops.fwp import linear_attn
 from ..ops.transnormer import block_attention, decay_linear_attn, srms_norm
-from .base import Mixer, State, merge_heads, split_heads, token_positions
+from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
 from .positional import apply_rotary, rotary_inv_freq
 
 ACTIVATIONS = {
@@ -133,6 +133,13 @@ class NormAttention(Mixer):
     sequence-global when the sequence is fed in pieces. ``decay_values`` holds the lambda_h.
     """
 
+    options = declare_options(
+        head_dim=Option(int | None, None), activation=Option(str, "1+elu"),
+        lrpe=Option(bool, True), decay=Option(bool, False),
+        decay_scale=Option(float, 1.0), mode=Option(str, "chunk"),
+        chunk_size=Option(int, 64),
+    )
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         activation: str = "1+elu", lrpe: bool = True, decay: bool = False,
@@ -233,6 +240,9 @@ class DiagAttention(Mixer):
     the beginning of the sequence, so r is also the position inside the block.
     ``state_size()`` reports the largest such state, 2 H D (block_size - 1).
     """
+
+    options = declare_options(head_dim=Option(int | None, None), block_size=Option(int, 64),
+                              kernel=Option(str, "softmax"), lrpe=Option(bool, True))
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, block_size: int = 64,

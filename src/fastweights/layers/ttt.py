@@ -18,7 +18,7 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops.ttt import MODES, ttt_linear, ttt_mlp
-from .base import Mixer, State, merge_heads, split_heads, token_positions
+from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
 from .positional import RotaryFrequencies, apply_rotary
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
@@ -60,6 +60,14 @@ class _TTTLayer(RotaryFrequencies, Mixer):
 
     op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
     eta_warmup_from: float | None = None  # start of the inner learning-rate ramp, None: no ramp
+
+    options = declare_options(
+        head_dim=Option(int | None, None), mini_batch_size=Option(int, 16),
+        eta_base=Option(float, 1.0), rope=Option(bool, True),
+        rope_base=Option(float, 10000.0), inner_norm=Option(bool, True),
+        residual=Option(bool, True), mamba_backbone=Option(bool, False),
+        mode=Option(str, "dual"), checkpoint_group=Option(int | None, None),
+    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
@@ -246,6 +254,7 @@ class TTTMLP(_TTTLayer):
 
     op = staticmethod(ttt_mlp)
     eta_warmup_from: float | None = 0.1  # SPEC 2.6: eta ramps from 10% to 100% over warm-up
+    options = declare_options(**{**_TTTLayer.options, "eta_base": Option(float, 0.1)})
 
     def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 0.1, **options) -> None:
         super().__init__(d_model, n_heads, eta_base=eta_base, **options)
