@@ -175,7 +175,7 @@ class AFTLocal(_AFT):
             past = 0 if state is None else state[-1]
             w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
         else:
-            bounds, states = self._packed_states(x, state, cu_seqlens)
+            bounds, states = self._documents(x, state, cu_seqlens)
             for s in states:
                 self._check_state(s, 6)
             # Every document counts positions from its own start (or its carried position):

@@ -82,10 +82,13 @@ class Mixer(nn.Module):
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}"
 
-    def _packed_states(self, x: torch.Tensor, state: State,
-                       cu_seqlens: torch.Tensor) -> tuple[list[int], list[State]]:
-        """Check a packed call; return the document boundaries and one state per document."""
+    def _documents(self, x: torch.Tensor, state: State,
+                   cu_seqlens: torch.Tensor | None) -> tuple[list[int], list[State]]:
+        """Check a call's input; return the document boundaries and one state per document
+        (without ``cu_seqlens``: the single document [0, T] with ``state``)."""
         check_layer_input(x, self.d_model)
+        if cu_seqlens is None:
+            return [0, x.shape[1]], [state]
         bounds = check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
         return bounds, check_packed_states(state, len(bounds) - 1)
 
@@ -94,13 +97,24 @@ class Mixer(nn.Module):
         """A packed forward as one unpacked forward per document, for the layers whose op has no
         ``cu_seqlens`` (softmax attention, AFT-full, DiagAttention: per-document caches of
         different lengths cannot share one call of their op)."""
-        bounds, states = self._packed_states(x, state, cu_seqlens)
+        bounds, states = self._documents(x, state, cu_seqlens)
         outs, finals = [], []
         for (start, stop), s in zip(pairwise(bounds), states):
             y, s = self.forward(x[:, start:stop], s)
             outs.append(y)
             finals.append(s)
         return torch.cat(outs, dim=1), finals
+
+
+def per_document(value: Any, cu_seqlens: torch.Tensor | None) -> list[Any]:
+    """What a call with(out) ``cu_seqlens`` passes or returns (a list of per-document states, or
+    one state) as a list with one item per document."""
+    return list(value) if cu_seqlens is not None else [value]
+
+
+def packed_or_single(values: Sequence[Any], cu_seqlens: torch.Tensor | None) -> Any:
+    """The inverse of ``per_document``: the list with ``cu_seqlens``, its single item without."""
+    return list(values) if cu_seqlens is not None else values[0]
 
 
 def token_positions(bounds: Sequence[int], starts: Sequence[int],

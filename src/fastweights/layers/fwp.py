@@ -11,7 +11,6 @@ from torch import nn
 from .._checks import (
     check_bool,
     check_choice,
-    check_layer_input,
     check_nonneg_float,
     check_positive_int,
 )
@@ -24,7 +23,16 @@ from ..ops.fwp import (
     preferred_chunk_size,
     sum_norm,
 )
-from .base import Mixer, Option, State, declare_options, merge_heads, split_heads
+from .base import (
+    Mixer,
+    Option,
+    State,
+    declare_options,
+    merge_heads,
+    packed_or_single,
+    per_document,
+    split_heads,
+)
 
 NORMALIZATIONS = ("none", "attention", "sum")
 UPDATES = ("sum", "delta")
@@ -108,10 +116,7 @@ class LinearAttention(Mixer):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
-        if cu_seqlens is None:
-            check_layer_input(x, self.d_model)
-        else:
-            _, docs = self._packed_states(x, state, cu_seqlens)
+        _, docs = self._documents(x, state, cu_seqlens)
         if self.feature_map == "favor" and self.training and self.redraw:
             # A new buffer, not an in-place copy: the previous piece's graph (state carried
             # across calls) still holds the old projection for its backward pass.
@@ -128,11 +133,11 @@ class LinearAttention(Mixer):
                 "cu_seqlens": cu_seqlens}
         if self.update == "delta":
             # The layer carries the 1-tuple (S,), the op takes and returns S.
-            init = (_delta_matrix(state) if cu_seqlens is None
-                    else [_delta_matrix(s) for s in docs])
+            init = packed_or_single([_delta_matrix(s) for s in docs], cu_seqlens)
             beta = torch.sigmoid(proj[..., 3 * D])
             o, S = delta_rule(q, k, v, beta, initial_state=init, **opts)
-            new_state: State = (S,) if cu_seqlens is None else [(s,) for s in S]
+            new_state: State = packed_or_single([(s,) for s in per_document(S, cu_seqlens)],
+                                                cu_seqlens)
         else:
             o, new_state = linear_attn(
                 q, k, v, normalize=self.normalize == "attention", eps=self.eps,

@@ -11,12 +11,21 @@ from .._checks import (
     check_bool,
     check_choice,
     check_finite_float,
-    check_layer_input,
     check_nonneg_float,
     check_positive_int,
 )
 from ..ops.infini import MODES, UPDATES, InfiniState, infini_attention
-from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
+from .base import (
+    Mixer,
+    Option,
+    State,
+    declare_options,
+    merge_heads,
+    packed_or_single,
+    per_document,
+    split_heads,
+    token_positions,
+)
 from .positional import RotaryFrequencies, apply_rotary
 
 
@@ -89,21 +98,14 @@ class InfiniAttention(RotaryFrequencies, Mixer):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
-        if cu_seqlens is None:
-            check_layer_input(x, self.d_model)
-        else:
-            bounds, docs = self._packed_states(x, state, cu_seqlens)
+        bounds, docs = self._documents(x, state, cu_seqlens)
         q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)  # [B, T, H, D] each
         q_mem, k_mem = q, k
         if self.rope:
             # Segment-local positions, counted on from the open segment of the carried state
             # (of each document's own state when packed).
-            if cu_seqlens is None:
-                start = _open_segment_len(state)
-                pos = torch.arange(start, start + x.shape[1], device=x.device)
-            else:
-                pos = token_positions(bounds, [_open_segment_len(s) for s in docs], x.device)
-            pos = pos % self.segment_len
+            starts = [_open_segment_len(s) for s in docs]
+            pos = token_positions(bounds, starts, x.device) % self.segment_len
             freq = self._rotary_freq(x)  # [D/2] float64
             q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
             if self.rope_memory:
@@ -114,9 +116,8 @@ class InfiniAttention(RotaryFrequencies, Mixer):
             output_final_state=True, mode=self.mode, cu_seqlens=cu_seqlens)
         # The layer carries the 5-tuple (M_closed, z_closed, k_seg, v_seg, k_mem_seg): plain
         # tensors in a tuple, as every layer state, for code that maps over states.
-        if cu_seqlens is None:
-            return self.out(merge_heads(o)), tuple(new_state.open_segment)
-        return self.out(merge_heads(o)), [tuple(s.open_segment) for s in new_state]
+        finals = [tuple(s.open_segment) for s in per_document(new_state, cu_seqlens)]
+        return self.out(merge_heads(o)), packed_or_single(finals, cu_seqlens)
 
     def state_size(self, seq_len: int = 1) -> int:
         H, D = self.n_heads, self.head_dim

@@ -25,7 +25,17 @@ from .._checks import (
 )
 from ..ops.fwp import linear_attn
 from ..ops.transnormer import block_attention, decay_linear_attn, srms_norm
-from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
+from .base import (
+    Mixer,
+    Option,
+    State,
+    declare_options,
+    merge_heads,
+    packed_or_single,
+    per_document,
+    split_heads,
+    token_positions,
+)
 from .positional import apply_rotary, rotary_inv_freq
 
 ACTIVATIONS = {
@@ -164,21 +174,16 @@ class NormAttention(Mixer):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
-        if cu_seqlens is None:
-            check_layer_input(x, self.d_model)
-            S, pos = _unpack_norm_state(state)
-        else:
-            bounds, docs = self._packed_states(x, state, cu_seqlens)
-            S, pos = map(list, zip(*(_unpack_norm_state(s) for s in docs)))
-        T, H = x.shape[1], self.n_heads
+        bounds, docs = self._documents(x, state, cu_seqlens)
+        S, pos = zip(*(_unpack_norm_state(s) for s in docs))  # per document
+        H = self.n_heads
         act = ACTIVATIONS[self.activation]
         q = act(split_heads(self.q_proj(x), H))
         k = act(split_heads(self.k_proj(x), H))
         v = split_heads(self.v_proj(x), H)
         if self.lrpe is not None:
             # Sequence-global positions, restarting at every document when packed.
-            positions = (torch.arange(pos, pos + T, device=x.device) if cu_seqlens is None
-                         else token_positions(bounds, pos, x.device))
+            positions = token_positions(bounds, pos, x.device)
             q, k = self.lrpe(q, positions), self.lrpe(k, positions)
         if x.dtype in HALF:
             # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
@@ -188,19 +193,19 @@ class NormAttention(Mixer):
                 "cu_seqlens": cu_seqlens}
         if self.decay_values is not None:
             lam = torch.tensor(self.decay_values, dtype=state_dtype(q.dtype), device=q.device)
-            o, S = decay_linear_attn(q, k, v, lam, initial_state=S, **opts)
+            o, final = decay_linear_attn(q, k, v, lam, initial_state=packed_or_single(S, cu_seqlens),
+                                         **opts)
+            S = per_document(final, cu_seqlens)
         else:
             # linear_attn carries (S, z); z is unused without the normaliser.
-            init = _with_z(S) if cu_seqlens is None else [_with_z(s) for s in S]
+            init = packed_or_single([_with_z(s) for s in S], cu_seqlens)
             o, final = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
-            S = final[0] if cu_seqlens is None else [s for s, _ in final]
+            S = [s for s, _ in per_document(final, cu_seqlens)]
         o = srms_norm(merge_heads(o))
         if self.decay_values is not None:
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
-        if cu_seqlens is None:
-            return self.out(o.to(x.dtype)), (S, pos + T)
-        return self.out(o.to(x.dtype)), [(s, p + b - a) for s, p, a, b
-                                         in zip(S, pos, bounds, bounds[1:])]
+        finals = [(s, p + b - a) for s, p, a, b in zip(S, pos, bounds, bounds[1:])]
+        return self.out(o.to(x.dtype)), packed_or_single(finals, cu_seqlens)
 
     def state_size(self, seq_len: int = 1) -> int:
         return self.n_heads * self.head_dim * self.head_dim

@@ -13,12 +13,21 @@ from torch import nn
 from .._checks import (
     check_bool,
     check_choice,
-    check_layer_input,
     check_nonneg_float,
     check_positive_int,
 )
 from ..ops.ttt import MODES, ttt_linear, ttt_mlp
-from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
+from .base import (
+    Mixer,
+    Option,
+    State,
+    declare_options,
+    merge_heads,
+    packed_or_single,
+    per_document,
+    split_heads,
+    token_positions,
+)
 from .positional import RotaryFrequencies, apply_rotary
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
@@ -175,12 +184,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
-        # One code path: an unpacked call is a single document.
-        if cu_seqlens is None:
-            check_layer_input(x, self.d_model)
-            bounds, docs = [0, x.shape[1]], [state]
-        else:
-            bounds, docs = self._packed_states(x, state, cu_seqlens)
+        bounds, docs = self._documents(x, state, cu_seqlens)  # unpacked: one document
         B = x.shape[0]
         H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
         pos, caches, inners = zip(*(self._split_state(s, B) for s in docs))
@@ -198,12 +202,10 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             q, k = apply_rotary(q, positions, freq), apply_rotary(k, positions, freq)
         eta = self.eta_base * self.eta_scale * torch.sigmoid(self.lr(x)) / D  # [B, T, H]
         learned = tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)
-        if cu_seqlens is None:
-            inner = learned if inners[0] is None else inners[0]
-        elif all(s is None for s in inners):
-            inner = learned  # the op shares one start state among the documents
+        if all(s is None for s in inners):
+            inner = learned  # the op shares one start state among packed documents
         else:
-            inner = [learned if s is None else s for s in inners]
+            inner = packed_or_single([learned if s is None else s for s in inners], cu_seqlens)
         o, inner = self.op(
             q, k, v, eta, initial_state=inner,
             ln_weight=self.ln_weight if self.inner_norm else None,
@@ -214,9 +216,9 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         if self.mamba_backbone:
             y = y * F.gelu(self.gate(x), approximate="tanh")
         finals = [((p + stop - start) % b, c if self.mamba_backbone else None, s)
-                  for p, c, s, start, stop in zip(pos, caches, [inner] if cu_seqlens is None
-                                                  else inner, bounds, bounds[1:])]
-        return self.out(y), finals[0] if cu_seqlens is None else finals
+                  for p, c, s, start, stop
+                  in zip(pos, caches, per_document(inner, cu_seqlens), bounds, bounds[1:])]
+        return self.out(y), packed_or_single(finals, cu_seqlens)
 
     def state_size(self, seq_len: int = 1) -> int:
         """Floats carried at most: the inner weights, and while a mini-batch is partly filled also
