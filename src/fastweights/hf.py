@@ -132,12 +132,18 @@ class _Mismatch(Exception):
     """Group states that cannot be concatenated into one batch."""
 
 
+def _rebuild(like: list | tuple, items: Any) -> Any:
+    """A list/tuple of ``like``'s type holding ``items`` (typed states are NamedTuples, built
+    from fields rather than from one iterable)."""
+    return type(like)._make(items) if hasattr(like, "_fields") else type(like)(items)
+
+
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], state: Any) -> Any:
     """Apply ``fn`` to every tensor of a (nested list/tuple) layer state, keeping the rest."""
     if isinstance(state, torch.Tensor):
         return fn(state)
     if isinstance(state, (list, tuple)):
-        return type(state)(_map_tensors(fn, s) for s in state)
+        return _rebuild(state, (_map_tensors(fn, s) for s in state))
     return state
 
 
@@ -168,7 +174,7 @@ def _concat(states: list[Any], sizes: list[int]) -> Any:
     if isinstance(first, (list, tuple)):
         if any(type(s) is not type(first) or len(s) != len(first) for s in states):
             raise _Mismatch
-        return type(first)(_concat([s[i] for s in states], sizes) for i in range(len(first)))
+        return _rebuild(first, (_concat([s[i] for s in states], sizes) for i in range(len(first))))
     if any(isinstance(s, torch.Tensor) or not (s is first or s == first) for s in states):
         raise _Mismatch
     return first

@@ -249,7 +249,8 @@ def _detach(state):
     if isinstance(state, torch.Tensor):
         return state.detach()
     if isinstance(state, (list, tuple)):
-        return type(state)(_detach(s) for s in state)
+        items = [_detach(s) for s in state]
+        return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
     if isinstance(state, dict):
         return {k: _detach(v) for k, v in state.items()}
     return state

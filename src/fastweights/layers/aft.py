@@ -25,10 +25,16 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops.aft import aft_conv_stream, aft_full_stream, aft_local_stream, aft_simple_stream
+from ..ops.aft import (
+    AFTFullState,
+    AFTLocalState,
+    aft_conv_stream,
+    aft_full_stream,
+    aft_local_stream,
+    aft_simple_stream,
+)
+from ..ops.aft.common import MODES
 from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
-
-MODES = ("chunk", "recurrent")
 
 
 class _AFT(Mixer):
@@ -44,13 +50,16 @@ class _AFT(Mixer):
         self.qkv = nn.Linear(d_model, 2 * self.d_hidden + self.d_key)
         self.out = nn.Linear(self.d_hidden, d_model)
 
-    def _check_state(self, state: State, length: int) -> None:
-        """A carried state is the tuple of ``length`` items this layer returned."""
-        if state is not None and (not isinstance(state, (tuple, list)) or len(state) != length):
+    def _typed_state(self, state: State, cls: type) -> State:
+        """A carried state as the op's typed state ``cls`` (its items are checked by the op)."""
+        if state is None:
+            return None
+        if not isinstance(state, (tuple, list)) or len(state) != len(cls._fields):
             raise TypeError(
-                f"state must be None or the {length}-tuple returned by a previous call of this "
-                f"{type(self).__name__}, got {type(state).__name__}"
+                f"state must be None or the {len(cls._fields)}-tuple returned by a previous call "
+                f"of this {type(self).__name__}, got {type(state).__name__}"
             )
+        return cls(*state)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d_model] -> q [B, T, d'], k [B, T, d_key], v [B, T, d']."""
@@ -128,8 +137,8 @@ class AFTFull(_AFT):
             # its own length, with its own rows of the position table.
             return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
-        self._check_state(state, 2)
-        past = 0 if state is None else state[0].shape[1]
+        state = self._typed_state(state, AFTFullState)
+        past = 0 if state is None else state.k_cache.shape[1]
         w = self.bias.rows(past, past + x.shape[1])
         q, k, v = self._qkv(x)
         o, state = aft_full_stream(q, k, v, w, initial_state=state, output_final_state=True,
@@ -171,17 +180,16 @@ class AFTLocal(_AFT):
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         if cu_seqlens is None:
             check_layer_input(x, self.d_model)
-            self._check_state(state, 6)
-            past = 0 if state is None else state[-1]
+            state = self._typed_state(state, AFTLocalState)
+            past = 0 if state is None else state.pos
             w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
         else:
             bounds, states = self._documents(x, state, cu_seqlens)
-            for s in states:
-                self._check_state(s, 6)
+            state = [self._typed_state(s, AFTLocalState) for s in states]
             # Every document counts positions from its own start (or its carried position):
             # row i of the band depends only on the absolute position p of its token, so one
             # band from position 0 to the furthest document end serves all documents.
-            starts = [0 if s is None else s[-1] for s in states]
+            starts = [0 if s is None else s.pos for s in state]
             stop = max(p + b - a for p, a, b in zip(starts, bounds, bounds[1:]))
             w = self.bias.band(0, stop, self.window, self.chunk_size)
             w = w[token_positions(bounds, starts, x.device)]  # [T, s]

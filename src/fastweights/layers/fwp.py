@@ -13,9 +13,11 @@ from .._checks import (
     check_choice,
     check_nonneg_float,
     check_positive_int,
+    is_int,
 )
 from ..ops.fwp import (
     FEATURE_MAPS,
+    MODES,
     delta_rule,
     draw_favor_projection,
     feature_map,
@@ -83,7 +85,7 @@ class LinearAttention(Mixer):
                 "normalize='attention' cannot be combined with update='delta' (the normaliser z "
                 "would keep accumulating overwritten keys, SPEC 1.4); use normalize='sum' or 'none'"
             )
-        if isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
+        if not is_int(nu) or nu < 1:
             raise ValueError(f"nu must be an int >= 1, got {nu!r}")
         check_positive_int("m", m)
         self.nu, self.m = nu, m
@@ -92,7 +94,7 @@ class LinearAttention(Mixer):
         self.out_scale = 1.0 / math.sqrt(self.head_dim) if out_scale is None else float(out_scale)
         self.redraw = check_bool("redraw", redraw)
         self.orthogonal = check_bool("orthogonal", orthogonal)
-        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.mode = check_choice("mode", mode, MODES)
         # None: the size measured fastest for this op on the input's device kind
         # (ops.fwp.preferred_chunk_size: 32 for the delta rule on CPU, else 64).
         self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)

@@ -14,7 +14,7 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops.infini import MODES, UPDATES, InfiniState, infini_attention
+from ..ops.infini import MODES, UPDATES, InfiniSegmentState, infini_attention
 from .base import (
     Mixer,
     Option,
@@ -50,7 +50,7 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     A_mem = 0 and the gate is still applied (SPEC binding choice). ``eps`` clamps the memory
     denominators (see ``infini_attention``); ``mode`` picks the op's algorithm.
 
-    State: the op's ``InfiniState.open_segment``, ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg,
+    State: the op's ``InfiniState.open_segment``, an ``InfiniSegmentState`` ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg,
     k_mem_seg)`` with M, z the memory of the complete segments; the last three
     cache the open segment's (rotated) keys, values and memory keys ``[B, n, H, D]``, n <
     segment_len, so pieces and single-token steps equal the whole sequence. ``state_size()``
@@ -104,7 +104,7 @@ class InfiniAttention(RotaryFrequencies, Mixer):
         if self.rope:
             # Segment-local positions, counted on from the open segment of the carried state
             # (of each document's own state when packed).
-            starts = [_open_segment_len(s) for s in docs]
+            starts = [InfiniSegmentState.open_len(s) for s in docs]
             pos = token_positions(bounds, starts, x.device) % self.segment_len
             freq = self._rotary_freq(x)  # [D/2] float64
             q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
@@ -114,9 +114,9 @@ class InfiniAttention(RotaryFrequencies, Mixer):
             q, k, v, self.gate, segment_len=self.segment_len, update=self.update,
             q_mem=q_mem, k_mem=k_mem, eps=self.eps, initial_state=state,
             output_final_state=True, mode=self.mode, cu_seqlens=cu_seqlens)
-        # The layer carries the 5-tuple (M_closed, z_closed, k_seg, v_seg, k_mem_seg): plain
-        # tensors in a tuple, as every layer state, for code that maps over states.
-        finals = [tuple(s.open_segment) for s in per_document(new_state, cu_seqlens)]
+        # The layer carries the 5 tensors (M_closed, z_closed, k_seg, v_seg, k_mem_seg) as a
+        # NamedTuple, without InfiniState's extra attribute, for code that maps over states.
+        finals = [s.open_segment for s in per_document(new_state, cu_seqlens)]
         return self.out(merge_heads(o)), packed_or_single(finals, cu_seqlens)
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -126,14 +126,3 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, segment_len={self.segment_len}, update={self.update}, "
                 f"rope={self.rope}, rope_memory={self.rope_memory}")
-
-
-def _open_segment_len(state: State) -> int:
-    """Tokens already in the open segment of a carried state (0 for None or a bare (M, z));
-    a malformed state is left for ``infini_attention`` to reject with a clear message."""
-    if isinstance(state, InfiniState):
-        state = state.open_segment
-    if isinstance(state, (tuple, list)) and len(state) == 5 and isinstance(state[2], torch.Tensor) \
-            and state[2].dim() == 4:
-        return state[2].shape[1]
-    return 0

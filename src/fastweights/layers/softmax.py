@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_bool, check_layer_input, check_state_tensor
+from .._checks import check_arg, check_bool, check_layer_input
 from ..ops.softmax import softmax_attention
 from .base import Mixer, Option, State, declare_options, merge_heads, split_heads
 from .positional import RotaryFrequencies, apply_rotary
@@ -62,7 +62,7 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
         expected = [x.shape[0], state[0].shape[1] if state[0].dim() == 4 else None,
                     self.n_heads, self.head_dim]
         for name, s in zip(("state[0] (k_cache)", "state[1] (v_cache)"), state):
-            check_state_tensor(name, s, expected, "[B, t, H, D]", x)
+            check_arg(name, s, expected, "[B, t, H, D]", x)
 
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.n_heads * self.head_dim * seq_len

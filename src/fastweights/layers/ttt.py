@@ -4,7 +4,7 @@ The inner loop lives in ``fastweights.ops.ttt``; this module holds the outer par
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,15 @@ from .positional import RotaryFrequencies, apply_rotary
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
 INIT_STD = 0.02  # SPEC 2.6
+
+
+class TTTLayerState(NamedTuple):
+    """A TTT layer's state: ``pos`` tokens into the current mini-batch, ``conv_cache``
+    [B, 3, H * D] (Mamba backbone, else None) and ``inner``, the ops' state."""
+
+    pos: int
+    conv_cache: torch.Tensor | None
+    inner: tuple[Any, ...]
 
 
 class _TTTLayer(RotaryFrequencies, Mixer):
@@ -215,7 +224,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         y = self.post_norm(merge_heads(o))
         if self.mamba_backbone:
             y = y * F.gelu(self.gate(x), approximate="tanh")
-        finals = [((p + stop - start) % b, c if self.mamba_backbone else None, s)
+        finals = [TTTLayerState((p + stop - start) % b, c if self.mamba_backbone else None, s)
                   for p, c, s, start, stop
                   in zip(pos, caches, per_document(inner, cu_seqlens), bounds, bounds[1:])]
         return self.out(y), packed_or_single(finals, cu_seqlens)

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from .._checks import is_int, is_number
 from .._files import file_listing, listing_problem
 from ..ops._varlen import check_cu_seqlens
 from .block import Block, make_norm
@@ -156,14 +157,13 @@ class LanguageModel(nn.Module):
         """
         squeeze = isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 1
         ids = self._check_ids(prompt_ids[None] if squeeze else prompt_ids, "prompt_ids")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if not is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not temperature >= 0 or temperature == float("inf"):
+        if not is_number(temperature) or not temperature >= 0 or temperature == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        if top_k is not None and (not is_int(top_k) or top_k < 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and not is_int(seed):
             raise ValueError(f"seed must be None or an int, got {seed!r}")
         self._check_length(ids.shape[1] + max_new_tokens)
         if max_new_tokens == 0:
