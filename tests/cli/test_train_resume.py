@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fastweights import cli
 from fastweights.cli import main
+from fastweights.cli.main import build_parser
 from fastweights.train import trainer
 from fastweights.train.trainer import RUN_FILE, TrainConfig, lr_factor
 
@@ -121,8 +121,15 @@ def test_resume_refuses_options_that_contradict_the_run(home, tmp_path, capsys, 
 
 
 def test_resumable_options_are_the_trainers(home):
-    assert set(cli.TRAIN_RESUMABLE) == set(trainer.RESUMABLE)
+    """Every setting the trainer lets a resumed run change is a `train` run setting (one the
+    parser can tell given from left out) and a TrainConfig field, and --help names each."""
+    parser = build_parser()
+    args = parser.parse_args(["train"])
+    assert set(trainer.RESUMABLE) <= set(args.setting_defaults)
     assert set(trainer.RESUMABLE) <= {f for f in TrainConfig.__dataclass_fields__}
+    train_parser = parser._subparsers._group_actions[0].choices["train"]
+    for dest in trainer.RESUMABLE:
+        assert "--" + dest.replace("_", "-") in train_parser.description
 
 
 def test_eval_defaults_to_the_runs_data(home, capsys):
