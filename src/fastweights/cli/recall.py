@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from ..models.registry import mixer_names
 from ..models.retrieval import MEMORIES
-from ..train import recall
+from ..reproduce import recall
 from .common import UserError, parse_int_list, parse_mixer_list, positive_int, prepare_out
 
 NAME = "recall"

@@ -28,7 +28,7 @@ from ..ops.fwp import (
 )
 from .base import Mixer, State, merge_heads, split_heads
 
-NORMALIZATIONS = ("none", "attention", "sum")
+NORMALIZATIONS = ("none", "attention", "sum", "sum+attention")
 UPDATES = ("sum", "delta")
 
 
@@ -38,8 +38,9 @@ class LinearAttention(Mixer):
     One bias-free projection gives per head q, k, v (and a write-strength logit for the delta
     rule, beta = sigmoid(logit)); q and k go through the feature map phi (``elu`` = ELU+1,
     ``relu``, ``dpfp`` with ``nu``, ``favor`` with ``m`` random features, ``identity``);
-    ``normalize`` is ``none``, ``attention`` (divide by phi(q).z + eps) or ``sum`` (phi / sum phi,
-    as DeltaNet); ``update`` is ``sum`` (W += k^T v) or ``delta``. Heads are concatenated,
+    ``normalize`` is ``none``, ``attention`` (divide by phi(q).z + eps), ``sum`` (phi / sum phi,
+    as DeltaNet) or ``sum+attention`` (both: sum-normalised features, then the attention
+    normaliser; the fast weight paper's ablation); ``update`` is ``sum`` (W += k^T v) or ``delta``. Heads are concatenated,
     multiplied by ``out_scale`` (default 1/sqrt(head_dim), as every lmtool fast-weight layer) and
     projected back to d_model. FAVOR+ redraws its projection on every training forward and keeps
     the last draw in eval mode (``redraw=False`` keeps it fixed always). ``chunk_size`` None (the
@@ -63,9 +64,9 @@ class LinearAttention(Mixer):
         self.feature_map = check_choice("feature_map", feature_map, FEATURE_MAPS)
         self.normalize = check_choice("normalize", normalize, NORMALIZATIONS)
         self.update = check_choice("update", update, UPDATES)
-        if update == "delta" and normalize == "attention":
+        if update == "delta" and normalize in ("attention", "sum+attention"):
             raise ValueError(
-                "normalize='attention' cannot be combined with update='delta' (the normaliser z "
+                f"normalize={normalize!r} cannot be combined with update='delta' (the normaliser z "
                 "would keep accumulating overwritten keys, SPEC 1.4); use normalize='sum' or 'none'"
             )
         if not is_int(nu) or nu < 1:
@@ -97,7 +98,7 @@ class LinearAttention(Mixer):
     def _phi(self, x: torch.Tensor) -> torch.Tensor:
         x = feature_map(x, self.feature_map, nu=self.nu,
                         projection=self.projection if self.feature_map == "favor" else None)
-        return sum_norm(x, self.sum_norm_eps) if self.normalize == "sum" else x
+        return sum_norm(x, self.sum_norm_eps) if self.normalize.startswith("sum") else x
 
     def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
@@ -128,7 +129,7 @@ class LinearAttention(Mixer):
             new_state: State = (S,)
         else:
             o, new_state = linear_attn(
-                q, k, v, normalize=self.normalize == "attention", eps=self.eps,
+                q, k, v, normalize=self.normalize.endswith("attention"), eps=self.eps,
                 initial_state=state, **opts)
         return self.out(merge_heads(o) * self.out_scale), new_state
 

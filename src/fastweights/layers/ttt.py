@@ -45,6 +45,9 @@ class _TTTLayer(RotaryFrequencies, Mixer):
       training schedule's multiplier: TTT-MLP's recipe (SPEC 2.6) ramps it linearly from
       ``eta_warmup_from`` = 0.1 to 1 over the outer warm-up, which ``fastweights.train`` applies
       to every layer with an ``eta_warmup_from`` (None for TTT-Linear: no ramp).
+    - ``learn_eta`` (True): the token-dependent learned gate above; False fixes eta_t =
+      eta_base * eta_scale * 0.5 / head_dim (the gate's value at sigmoid(0), no w_lr, b_lr): the
+      TTT paper's ablation step before "+ learnable inner learning rate".
     - ``checkpoint_group`` (None): in training, recompute the inner scan in groups of this many
       mini-batches in the backward pass instead of storing every mini-batch's inner weights
       (SPEC 2.6's gradient checkpointing; 4 in the paper): same results, much less memory.
@@ -73,6 +76,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         mini_batch_size: int = 16, eta_base: float = 1.0, rope: bool = True,
         rope_base: float = 10000.0, inner_norm: bool = True, residual: bool = True,
         mamba_backbone: bool = False, mode: str = "dual", checkpoint_group: int | None = None,
+        learn_eta: bool = True,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
         self.mini_batch_size = check_positive_int("mini_batch_size", mini_batch_size)
@@ -84,6 +88,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         self.inner_norm = check_bool("inner_norm", inner_norm)
         self.residual = check_bool("residual", residual)
         self.mamba_backbone = check_bool("mamba_backbone", mamba_backbone)
+        self.learn_eta = check_bool("learn_eta", learn_eta)
         self.mode = check_choice("mode", mode, MODES)
         H, D, b = n_heads, self.head_dim, mini_batch_size
         width = H * D
@@ -95,7 +100,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             self.conv_q = nn.Conv1d(width, width, CONV_KERNEL, groups=width, bias=True)
             self.conv_k = nn.Conv1d(width, width, CONV_KERNEL, groups=width, bias=True)
             self.gate = nn.Linear(d_model, width, bias=False)
-        self.lr = nn.Linear(d_model, H)
+        self.lr = nn.Linear(d_model, H) if learn_eta else None
         self.token_offset = nn.Parameter(torch.zeros(b))
         self.inner_shapes = self._inner_shapes(D)
         for name, shape in self.inner_shapes.items():
@@ -108,9 +113,11 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         self.post_norm = nn.LayerNorm(width, eps=1e-6)
         self.out = nn.Linear(width, d_model, bias=False)
         with torch.no_grad():
-            for lin in (self.qkv, self.lr, self.out) + ((self.gate,) if mamba_backbone else ()):
+            for lin in (self.qkv, self.out) + ((self.gate,) if mamba_backbone else ()) \
+                    + ((self.lr,) if learn_eta else ()):
                 lin.weight.normal_(0.0, INIT_STD)
-            self.lr.bias.zero_()
+            if learn_eta:
+                self.lr.bias.zero_()
 
     def _inner_shapes(self, D: int) -> dict[str, tuple[int, ...]]:
         """Per-head shapes of the inner weights, in the ops' state order."""
@@ -162,7 +169,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             positions = (pos + torch.arange(T, device=x.device)) % b  # restart every mini-batch
             freq = self._rotary_freq(x)  # [D/2] float64
             q, k = apply_rotary(q, positions, freq), apply_rotary(k, positions, freq)
-        eta = self.eta_base * self.eta_scale * torch.sigmoid(self.lr(x)) / D  # [B, T, H]
+        gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((B, T, H), 0.5)
+        eta = self.eta_base * self.eta_scale * gate / D  # [B, T, H]
         if inner is None:
             inner = tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)
         o, inner = self.op(
@@ -189,7 +197,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, mini_batch_size={self.mini_batch_size}, "
                 f"eta_base={self.eta_base}, rope={self.rope}, inner_norm={self.inner_norm}, "
-                f"residual={self.residual}, mamba_backbone={self.mamba_backbone}, mode={self.mode}")
+                f"residual={self.residual}, mamba_backbone={self.mamba_backbone}, "
+                f"learn_eta={self.learn_eta}, mode={self.mode}")
 
 
 class TTTLinear(_TTTLayer):
