@@ -43,7 +43,7 @@ def _imports(path: Path, modules: set[str]) -> dict[str, bool]:
             targets: list[str] = []
             if isinstance(child, ast.ImportFrom):
                 base = package.split(".")[:len(package.split(".")) - child.level + 1]
-                module = ".".join(base + [child.module] if child.module else base) if child.level \
+                module = ".".join([*base, child.module] if child.module else base) if child.level \
                     else child.module or ""
                 targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module
                            for a in child.names]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ class Mixer(nn.Module):
         bounds = check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
         states = check_packed_states(state, len(bounds) - 1)
         outs, finals = [], []
-        for (start, stop), s in zip(zip(bounds, bounds[1:]), states):
+        for (start, stop), s in zip(itertools.pairwise(bounds), states):
             y, s = forward(self, x[:, start:stop], s)
             outs.append(y)
             finals.append(s)
