@@ -4,8 +4,9 @@ Importing this module registers the model type ``"fastweights"`` with ``AutoConf
 ``AutoModelForCausalLM``, so a folder written by ``FastWeightsForCausalLM.save_pretrained`` (or
 by ``native_to_hf``) loads with ``AutoModelForCausalLM.from_pretrained(folder)``.
 
-- ``FastWeightsConfig``: a ``PreTrainedConfig`` with exactly the fields of ``LMConfig`` (plus
-  the usual ``use_cache`` and special token ids), validated by building the ``LMConfig``.
+- ``FastWeightsConfig``: a ``PreTrainedConfig`` with exactly the fields of ``LMConfig``
+  (generated from them, plus the usual ``use_cache`` and special token ids), validated by
+  building the ``LMConfig``.
 - ``FastWeightsForCausalLM``: ``PreTrainedModel`` + ``GenerationMixin`` around the native
   ``LanguageModel`` (held as ``self.model``, so every weight name is the native one prefixed by
   ``"model."``); ``forward`` returns ``CausalLMOutputWithPast`` with the loss when ``labels``
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import field, fields
+from dataclasses import MISSING, Field, field, fields, make_dataclass
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -84,11 +85,24 @@ __all__ = [
 ]
 
 
-class FastWeightsConfig(PreTrainedConfig):
-    """The Hugging Face twin of ``LMConfig`` (same field names, defaults and validation; see
-    ``LMConfig`` for their meaning). ``hidden_size``, ``num_hidden_layers``,
-    ``num_attention_heads`` and ``tie_word_embeddings`` are aliases of ``d_model``, ``n_layers``,
-    ``n_heads`` and ``tie_embeddings``."""
+def _field_like(f: Field) -> Field:
+    """A new dataclass field with ``f``'s default (or default factory)."""
+    if f.default_factory is not MISSING:
+        return field(default_factory=f.default_factory)
+    return field(default=f.default)
+
+
+# LMConfig's fields (names, types, defaults) as a dataclass base of FastWeightsConfig, generated
+# so the two configurations cannot drift apart.
+_LMConfigFields = make_dataclass(
+    "_LMConfigFields", [(f.name, f.type, _field_like(f)) for f in fields(LMConfig)], kw_only=True)
+
+
+class FastWeightsConfig(PreTrainedConfig, _LMConfigFields):
+    """The Hugging Face twin of ``LMConfig``: its fields are LMConfig's (same names, types and
+    defaults; see ``LMConfig`` for their meaning), validated by building the ``LMConfig``.
+    ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` and ``tie_word_embeddings``
+    are aliases of ``d_model``, ``n_layers``, ``n_heads`` and ``tie_embeddings``."""
 
     model_type = "fastweights"
     keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
@@ -99,20 +113,6 @@ class FastWeightsConfig(PreTrainedConfig):
         "tie_word_embeddings": "tie_embeddings",
     }
 
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    mixer: str | list[str] = "delta"
-    mixer_options: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
-    ffn: str = "mlp"
-    ffn_hidden: int | None = None
-    norm: str = "rmsnorm"
-    norm_eps: float | int = 1e-6
-    tie_embeddings: bool = True
-    dropout: float | int = 0.0
-    max_seq_len: int | None = None
-    glu_activation: str = "silu"
     use_cache: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None

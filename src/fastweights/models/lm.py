@@ -77,6 +77,14 @@ class LanguageModel(nn.Module):
         self.gradient_checkpointing = enable
         return self
 
+    def set_inner_lr_warmup(self, progress: float) -> None:
+        """Tell every layer how far the outer warm-up has come (``progress`` in [0, 1], 1 once
+        warmed up); layers with an inner learning-rate schedule (TTT-MLP, SPEC 2.6) follow it."""
+        if not is_number(progress) or not 0.0 <= progress <= 1.0:
+            raise ValueError(f"progress must be a number in [0, 1], got {progress!r}")
+        for block in self.blocks:
+            block.mixer.set_inner_lr_warmup(float(progress))
+
     def _check_ids(self, input_ids: Any, name: str = "input_ids") -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(input_ids).__name__}")

@@ -193,15 +193,10 @@ def _try_forward(model: LanguageModel, seq_len: int, device: torch.device) -> No
         model.train(was_training)
 
 
-def set_inner_lr_ramp(model: torch.nn.Module, step: int, warmup: int) -> None:
-    """The inner-learning-rate warm-up of TTT-MLP (SPEC 2.6): every layer with an
-    ``eta_warmup_from`` r gets ``eta_scale`` = r + (1 - r) * min(1, step / warmup) at optimiser
-    step ``step`` (0-based), i.e. the ramp from r to 1 over the outer warm-up (1 without one)."""
-    ramp = 1.0 if warmup <= 0 else min(1.0, step / warmup)
-    for module in model.modules():
-        start = getattr(module, "eta_warmup_from", None)
-        if start is not None:
-            module.eta_scale = start + (1.0 - start) * ramp
+def set_inner_lr_ramp(model: LanguageModel, step: int, warmup: int) -> None:
+    """The inner-learning-rate warm-up of TTT-MLP (SPEC 2.6) at optimiser step ``step``
+    (0-based): the layers follow progress min(1, step / warmup) (1 without a warm-up)."""
+    model.set_inner_lr_warmup(1.0 if warmup <= 0 else min(1.0, step / warmup))
 
 
 @torch.no_grad()
