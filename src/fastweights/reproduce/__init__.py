@@ -12,6 +12,7 @@ EXPERIMENTS = {
     "fwp-lm": "fwp_lm",
     "ttt-ablation": "ttt_ablation",
     "long-context": "long_context",
+    "infini-passkey": "infini_passkey",
     "transnormer": "transnormer",
     "aft": "aft",
 }
