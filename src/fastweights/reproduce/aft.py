@@ -13,7 +13,6 @@ contributes.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,7 @@ from .common import (
     Plan,
     RunSpec,
     bar_plot,
-    matplotlib_pyplot,
-    mean_spread,
-    values,
+    sweep_plot,
 )
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
@@ -116,26 +113,11 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
     written = []
     if bar_plot(out / "loss.png", rows, "loss", "validation loss (nats/byte)", "aft: every model"):
         written.append("loss.png")
-    plt = matplotlib_pyplot()
-    if plt is None:
-        return written
-    windows = sorted(p.settings["windows"])
-    stats = [mean_spread(values(rows, local_label(w), "loss")) for w in windows]
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    ax.errorbar(windows, [m for m, _ in stats], yerr=[sd if math.isfinite(sd) else 0 for _, sd in stats],
-                marker="o", capsize=3, label="aft-local")
-    for label, ls in (("aft-full", "--"), ("aft-simple", ":"), ("softmax", "-.")):
-        mean = mean_spread(values(rows, label, "loss"))[0]
-        ax.axhline(mean, ls=ls, color="grey", lw=1)
-        ax.text(windows[-1], mean, f" {label}", va="bottom", ha="right", fontsize=8, color="grey")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("AFT-local window s")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title("AFT-local window sweep", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "window_sweep.png", dpi=110)
-    plt.close(fig)
-    return [*written, "window_sweep.png"]
+    if sweep_plot(out / "window_sweep.png", rows, {w: local_label(w) for w in p.settings["windows"]},
+                  "loss", xlabel="AFT-local window s", ylabel="validation loss (nats/byte)",
+                  title="AFT-local window sweep", references=("aft-full", "aft-simple", "softmax")):
+        written.append("window_sweep.png")
+    return written
 
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from .common import (
     bar_plot,
     matplotlib_pyplot,
     mean_spread,
+    sweep_plot,
     values,
 )
 
@@ -252,20 +252,11 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
     plt.close(fig)
     written.append("dilution.png")
     # (d) block sweep
-    sizes = sorted([s["block"], *s["blocks"]])
-    stats = [mean_spread(values(rows, REFERENCE if w == s["block"] else block_label(w), "loss"))
-             for w in sizes]
-    fig, ax = plt.subplots(figsize=(5, 3.6))
-    ax.errorbar(sizes, [m for m, _ in stats], yerr=[sd if math.isfinite(sd) else 0 for _, sd in stats],
-                marker="o", capsize=3)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("DiagAttention block size w")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title("diag/norm: block-size sweep", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "block_sweep.png", dpi=110)
-    plt.close(fig)
-    return [*written, "block_sweep.png"]
+    points = {w: REFERENCE if w == s["block"] else block_label(w) for w in [s["block"], *s["blocks"]]}
+    if sweep_plot(out / "block_sweep.png", rows, points, "loss", xlabel="DiagAttention block size w",
+                  ylabel="validation loss (nats/byte)", title="diag/norm: block-size sweep"):
+        written.append("block_sweep.png")
+    return written
 
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
