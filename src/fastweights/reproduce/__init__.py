@@ -13,6 +13,9 @@ EXPERIMENTS = {
     "fwp-lm": "fwp_lm",
     "ttt-ablation": "ttt_ablation",
     "long-context": "long_context",
+    "infini-passkey": "infini_passkey",
+    "transnormer": "transnormer",
+    "aft": "aft",
 }
 
 __all__ = ["EXPERIMENTS", "ReproduceError"]

@@ -63,7 +63,9 @@ OUTPUTS = (RUN_FILE, METRICS_FILE, "checkpoints", "tensorboard")  # what a run w
 # validate and save, checkpoint retention and the anomaly guard. None of them changes what a
 # step computes, so a resumed run still reproduces the uninterrupted run's steps.
 RESUMABLE = ("steps", "eval_every", "save_every", "keep_last", "patience", "anomaly_guard")
-METRIC_FIELDS = ("step", "split", "loss", "perplexity", "lr", "tokens_per_s", "seconds")
+# grad_norm: the total gradient norm before clipping (train rows), last so that the rows of
+# files written before it existed still read (restval "").
+METRIC_FIELDS = ("step", "split", "loss", "perplexity", "lr", "tokens_per_s", "seconds", "grad_norm")
 
 
 @dataclass
@@ -268,7 +270,7 @@ def _metrics_rows(path: Path, resume_step: int) -> list[dict[str, str]]:
     fields) is dropped, so the file ends up with every step exactly once."""
     lines = [line for line in path.read_text(errors="replace").splitlines(keepends=True)
              if line.endswith("\n")]
-    rows = csv.DictReader(lines, fieldnames=METRIC_FIELDS)
+    rows = csv.DictReader(lines, fieldnames=METRIC_FIELDS, restval="")
     return [r for r in rows if None not in r and None not in r.values()
             and r["step"].isdigit() and int(r["step"]) <= resume_step]
 
@@ -634,7 +636,7 @@ class Trainer:
         if self.main:
             rate = self.tokens / self.elapsed
             self.metrics.log(self.step, "train", loss_value, lr=lr, tokens_per_s=rate,
-                             seconds=self.elapsed)
+                             seconds=self.elapsed, grad_norm=grad_norm.item())
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
         return loss_value
