@@ -21,8 +21,8 @@ same rows of the global batch (data-parallel replica d's slice), each on a conti
 seq_len / N tokens of every row, and every mixer runs on its shard through
 ``fastweights.parallel.context_parallel_forward`` on that group (installed with
 ``LanguageModel.set_mixer_runner``; embeddings, norms, feed-forwards and the head are per
-token). Each rank's loss is the mean over its B/D x T/N tokens, all equal in number, and DDP
-averages the gradients over the whole world (the parameters are replicated on every rank, so
+token). Each rank's loss is the mean over its B/D x T/N tokens, all equal in number, and the
+gradients are averaged over the whole world after the backward pass, as DDP would (the parameters are replicated on every rank, so
 the context-parallel ranks' shares must be summed as well as the replicas averaged): the
 result is the gradient of the global batch's mean loss, one process's. Validation runs sharded
 the same way. Checkpoints and resuming are unchanged (rank 0 writes); N is a launch setting
@@ -386,6 +386,18 @@ def _all_finite(loss: torch.Tensor, grad_norm: torch.Tensor, world: int) -> bool
     return bool(ok.item())
 
 
+def _average_gradients(model: torch.nn.Module, world: int) -> None:
+    """Every parameter's gradient summed over all ranks and divided by ``world``, as DDP does
+    (a parameter without a gradient on a rank contributes zero there), in one all-reduce."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+    dist.all_reduce(flat)
+    flat /= world
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
+
+
 def _rng_states(data_gen: torch.Generator) -> dict[str, Any]:
     return {"data": data_gen.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -518,8 +530,12 @@ class Trainer:
         if self.main:  # everything is checked: the new run starts writing here
             self._open_run()
         self._build_optimizer(resumed[1] if resumed else None)
-        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1
-                    else self.model)
+        # Context parallelism averages the gradients itself after the backward pass
+        # (_average_gradients): DDP's reducer would run its all-reduces during the backward,
+        # interleaved with the context-parallel collectives, and wait forever for the gradients
+        # of parameters that only some ranks use (TTT's initial state, read by the first shard).
+        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model)
+                    if self.world > 1 and self.cp == 1 else self.model)
         self.local = self.cfg.batch_size // self.dp  # rows of the global batch per replica
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
@@ -693,6 +709,8 @@ class Trainer:
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.cp > 1:
+            _average_gradients(self.model, self.world)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if cfg.anomaly_guard and not _all_finite(loss, grad_norm, self.world):
             raise self._anomaly(loss.item(), grad_norm.item())
