@@ -40,13 +40,13 @@ def free_port() -> int:
 
 
 def model_cfg(mixer: str, options: dict) -> LMConfig:
-    return LMConfig(d_model=16, n_layers=2, n_heads=2, mixer=mixer, mixer_options=options,
+    return LMConfig(d_model=16, n_layers=1, n_heads=2, mixer=mixer, mixer_options=options,
                     ffn_hidden=32)
 
 
 def train_cfg(**kw) -> TrainConfig:
     base = {"steps": 3, "batch_size": 4, "seq_len": 16, "lr": 3e-3, "warmup": 1, "eval_every": 3,
-            "eval_windows": 3, "seed": 5}
+            "eval_windows": 2, "seed": 5}
     return TrainConfig(**{**base, **kw})
 
 
@@ -137,7 +137,8 @@ def test_context_parallel_2_equals_one_process(world2, single, case_id):
     for rec in records:
         _assert_same(rec[case_id], losses)
     got_val = _val_losses(root / f"cp-{case_id}")
-    assert len(got_val) == len(val) == 1 and abs(got_val[0] - val[0]) < TOL
+    # metrics.csv writes 6 decimals: one unit of the last place on top of TOL
+    assert len(got_val) == len(val) == 1 and abs(got_val[0] - val[0]) < TOL + 1e-6
     a = LanguageModel.from_pretrained(resolve_checkpoint(root / f"cp-{case_id}"))
     b = LanguageModel.from_pretrained(resolve_checkpoint(run))
     for p, q in zip(a.parameters(), b.parameters()):
