@@ -24,7 +24,14 @@ from ..train.trainer import (
     same_data,
     train,
 )
-from .common import UserError, check_out, make_folder, parse_mixer_list, user_errors
+from .common import (
+    UserError,
+    check_out,
+    make_folder,
+    parse_mixer_list,
+    positive_int,
+    user_errors,
+)
 
 NAME = "train"
 HELP = "train a byte-level language model on a corpus"
@@ -107,6 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "gradient checkpointing: keep only each block's input and recompute its activations "
              "in the backward pass (less memory, about one more forward)", action="store_true")
     _setting(p, "--seed", 0, "", type=int)
+    p.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
+                   help="under torchrun, split every sequence into N contiguous shards held by N "
+                   "consecutive processes (world = N x data-parallel replicas); --seq-len must be "
+                   "divisible by N and --pack is refused. A launch setting like the number of "
+                   "processes: not recorded, a run may resume with another N")
     p.add_argument("--out", default="runs/train", help="run folder")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint (the newest older one "
@@ -210,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         corpus = load_corpus(_data_name(data))
     try:
         losses = train(out, mcfg, tcfg, corpus, resume=args.resume, overwrite=args.overwrite,
-                       progress=not args.quiet)
+                       progress=not args.quiet, context_parallel=args.context_parallel)
     except (ValueError, TrainingAnomaly, CheckpointWriteError) as err:
         raise UserError(str(err)) from None
     except OSError as err:  # writing run.json or metrics.csv (disk full, permissions)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,6 +14,9 @@ from ..layers.base import State
 from ..layers.transnormer import SRMSNorm
 from .config import LMConfig
 from .registry import build_mixer
+
+# How a block calls its mixer: (mixer, x [B, T, d_model], state, cu_seqlens) -> (y, state).
+MixerRunner = Callable[[nn.Module, torch.Tensor, State, "torch.Tensor | None"], tuple[torch.Tensor, State]]
 
 
 class RMSNorm(nn.Module):
@@ -53,7 +57,14 @@ def make_norm(config: LMConfig) -> nn.Module:
 class Block(nn.Module):
     """One layer of the language model: the mixer ``mixer_name`` with ``options`` and the
     configured feed-forward, each behind a pre-norm and a residual connection.
-    ``forward(x [B, T, d_model], state) -> (x [B, T, d_model], state)``."""
+    ``forward(x [B, T, d_model], state) -> (x [B, T, d_model], state)``.
+
+    ``mixer_runner`` (None: call the mixer directly) is how the block calls its mixer, the one
+    place where the sequence dimension matters (the norms and the feed-forward are per token):
+    context-parallel training installs one that runs the mixer on this process's shard
+    (``LanguageModel.set_mixer_runner``)."""
+
+    mixer_runner: MixerRunner | None = None
 
     def __init__(self, config: LMConfig, mixer_name: str, options: dict[str, Any]) -> None:
         super().__init__()
@@ -70,7 +81,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
-        y, state = self.mixer(self.norm1(x), state, cu_seqlens=cu_seqlens)
+        h = self.norm1(x)
+        if self.mixer_runner is None:
+            y, state = self.mixer(h, state, cu_seqlens=cu_seqlens)
+        else:
+            y, state = self.mixer_runner(self.mixer, h, state, cu_seqlens)
         x = x + self.drop(y)
         if self.ffn is not None:
             x = x + self.drop(self.ffn(self.norm2(x)))

@@ -21,7 +21,7 @@ from torch import nn
 from .._checks import is_int, is_number
 from .._files import file_listing, listing_problem
 from ..ops._varlen import check_cu_seqlens
-from .block import Block, make_norm
+from .block import Block, MixerRunner, make_norm
 from .config import LMConfig
 
 CONFIG_FILE = "config.json"
@@ -75,6 +75,18 @@ class LanguageModel(nn.Module):
         if not isinstance(enable, bool):
             raise TypeError(f"enable must be a bool, got {enable!r}")
         self.gradient_checkpointing = enable
+        return self
+
+    def set_mixer_runner(self, runner: MixerRunner | None) -> LanguageModel:
+        """Make every block call its mixer through ``runner(mixer, x, state, cu_seqlens) ->
+        (y, state)`` (None: directly, the default); returns the model. Context-parallel training
+        installs one that runs each mixer on this process's shard of the sequence
+        (``fastweights.parallel.context_parallel_forward``); the embeddings, norms,
+        feed-forwards and head are per token and run on the shard as they are."""
+        if runner is not None and not callable(runner):
+            raise TypeError(f"runner must be callable or None, got {type(runner).__name__}")
+        for block in self.blocks:
+            block.mixer_runner = runner
         return self
 
     def set_inner_lr_warmup(self, progress: float) -> None:

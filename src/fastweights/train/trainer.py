@@ -15,6 +15,19 @@ new total: its first new step uses that schedule's value at that step, not the o
 final rate. SIGINT and SIGTERM during training save a checkpoint of the last finished step and
 raise ``TrainingInterrupted`` (a second signal interrupts at once).
 
+Context parallelism (``context_parallel`` N > 1, under torchrun): the world is N x the
+data-parallel size D. Ranks d*N .. d*N + N - 1 form context-parallel group d: they train on the
+same rows of the global batch (data-parallel replica d's slice), each on a contiguous shard of
+seq_len / N tokens of every row, and every mixer runs on its shard through
+``fastweights.parallel.context_parallel_forward`` on that group (installed with
+``LanguageModel.set_mixer_runner``; embeddings, norms, feed-forwards and the head are per
+token). Each rank's loss is the mean over its B/D x T/N tokens, all equal in number, and the
+gradients are averaged over the whole world after the backward pass, as DDP would (the parameters are replicated on every rank, so
+the context-parallel ranks' shares must be summed as well as the replicas averaged): the
+result is the gradient of the global batch's mean loss, one process's. Validation runs sharded
+the same way. Checkpoints and resuming are unchanged (rank 0 writes); N is a launch setting
+like the world size, not recorded in run.json, so a run may resume with another N.
+
 ``train`` is the entry point; ``Trainer`` holds one session's phases as methods (``setup``,
 ``train_step``, ``validate``, ``save``, ``teardown``), so a change to one phase (gradient
 accumulation in ``train_step``, another logger in ``_Metrics``) stays local.
@@ -47,6 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models import LanguageModel, LMConfig
+from ..parallel import context_parallel_forward
 from ..tasks.text import Corpus, eval_windows, packed_windows, random_windows
 from .checkpoint import (
     load_checkpoint,
@@ -184,7 +198,8 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 def _try_forward(model: LanguageModel, seq_len: int, device: torch.device) -> None:
     """One forward of a [1, seq_len] batch in eval mode, without gradients and with the random
     streams untouched, so that combinations only a forward can check (a position table shorter
-    than seq_len, ...) raise their ValueError before the run folder is written."""
+    than seq_len, a context-parallel shard off a block border (``seq_len`` is then the shard's
+    length), ...) raise their ValueError before the run folder is written."""
     was_training = model.training
     model.eval()
     try:
@@ -203,14 +218,26 @@ def set_inner_lr_ramp(model: LanguageModel, step: int, warmup: int) -> None:
 
 @torch.no_grad()
 def evaluate(model: LanguageModel, data: torch.Tensor, seq_len: int, max_windows: int,
-             carry_state: bool = False, batch_size: int = 16) -> float:
+             carry_state: bool = False, batch_size: int = 16, *,
+             shard: tuple[int, int, Any] | None = None) -> float:
     """Mean next-byte cross-entropy (nats) on the first ``max_windows * seq_len`` bytes of
     ``data``. Independent windows by default; with ``carry_state`` the same bytes are one stream
-    read segment by segment with the recurrent state carried (no truncation of the context)."""
+    read segment by segment with the recurrent state carried (no truncation of the context).
+
+    ``shard`` = (rank, size, group): context parallelism; ``model`` runs its mixers on shards
+    (``set_mixer_runner``) and this process feeds columns [rank T/size, (rank + 1) T/size) of
+    every window; the sums are all-reduced over ``group``, so every rank returns the loss of
+    the whole windows."""
+    if shard is not None and carry_state:
+        raise ValueError("evaluate: carry_state is not supported with shard (context parallelism)")
     was = model.training
     model.eval()
     device = next(model.parameters()).device
     x, y = eval_windows(data, seq_len, max_windows)  # [n, T]
+    if shard is not None:
+        rank, size, _ = shard
+        cols = slice(rank * seq_len // size, (rank + 1) * seq_len // size)
+        x, y = x[:, cols], y[:, cols]  # [n, T / size]
     total, count = 0.0, 0
     if carry_state:
         state = None
@@ -225,6 +252,10 @@ def evaluate(model: LanguageModel, data: torch.Tensor, seq_len: int, max_windows
             total += F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="sum").item()
             count += tgt.numel()
     model.train(was)
+    if shard is not None:
+        sums = torch.tensor([total, float(count)], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, group=shard[2])
+        total, count = sums.tolist()
     return total / count
 
 
@@ -357,6 +388,18 @@ def _all_finite(loss: torch.Tensor, grad_norm: torch.Tensor, world: int) -> bool
     return bool(ok.item())
 
 
+def _average_gradients(model: torch.nn.Module, world: int) -> None:
+    """Every parameter's gradient summed over all ranks and divided by ``world``, as DDP does
+    (a parameter without a gradient on a rank contributes zero there), in one all-reduce."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+    dist.all_reduce(flat)
+    flat /= world
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
+
+
 def _rng_states(data_gen: torch.Generator) -> dict[str, Any]:
     return {"data": data_gen.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -437,9 +480,16 @@ class Trainer:
 
     def __init__(self, run_dir: str | Path, model_config: LMConfig | None,
                  train_config: TrainConfig | None, corpus: Corpus, *, resume: bool = False,
-                 overwrite: bool = False, progress: bool = True) -> None:
+                 overwrite: bool = False, progress: bool = True, context_parallel: int = 1) -> None:
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other")
+        cp = context_parallel
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise ValueError(f"context_parallel must be a positive int, got {cp!r}")
+        # context-parallel group size, this rank's place in it and its group (None: no CP)
+        self.cp, self.cp_rank, self.cp_group = cp, 0, None
+        self.dp, self.dp_rank = 1, 0  # data-parallel replicas and this rank's replica
+        self._groups: list[Any] = []  # the subgroups this session created
         self.run_dir, self.corpus = Path(run_dir), corpus
         self.resume, self.overwrite, self.progress = resume, overwrite, progress
         self.model_config, self.train_config = model_config, train_config
@@ -447,6 +497,7 @@ class Trainer:
         self.metrics: _Metrics | None = None
         self.bar: Any = None
         self.ddp: torch.nn.Module | None = None
+        self.model: LanguageModel | None = None
         self.step, self.best, self.since_best = 0, float("inf"), 0
         self.losses: list[tuple[int, float]] = []  # (step, train loss) of this session
         self.tokens, self.elapsed = 0, 0.0  # trained this session, seconds since its first step
@@ -462,21 +513,32 @@ class Trainer:
         self.rank, self.world, self.device, self._owns_group = _dist_info()
         resumed = self._configure()
         self._check()
+        self._split_world()
         torch.manual_seed(self.cfg.seed)
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
         self.data_gen = torch.Generator().manual_seed(self.cfg.seed)
         self.model = resumed[0] if resumed else LanguageModel(self.model_config)
         self.model.to(self.device)
-        _try_forward(self.model, self.cfg.seq_len, self.device)  # before anything is written
+        if self.cp_group is not None:
+            group = self.cp_group
+            self.model.set_mixer_runner(
+                lambda mixer, x, state, cu: context_parallel_forward(mixer, x, group=group,
+                                                                     state=state, cu_seqlens=cu))
+        # before anything is written
+        _try_forward(self.model, self.cfg.seq_len // self.cp, self.device)
         if resumed:
             self._restore_progress(resumed[2])
         if self.main:  # everything is checked: the new run starts writing here
             self._open_run()
         self._build_optimizer(resumed[1] if resumed else None)
-        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1
-                    else self.model)
-        self.local = self.cfg.batch_size // self.world  # rows of the global batch per rank
+        # Context parallelism averages the gradients itself after the backward pass
+        # (_average_gradients): DDP's reducer would run its all-reduces during the backward,
+        # interleaved with the context-parallel collectives, and wait forever for the gradients
+        # of parameters that only some ranks use (TTT's initial state, read by the first shard).
+        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model)
+                    if self.world > 1 and self.cp == 1 else self.model)
+        self.local = self.cfg.batch_size // self.dp  # rows of the global batch per replica
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
     def _configure(self) -> tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None:
@@ -512,13 +574,39 @@ class Trainer:
 
     def _check(self) -> None:
         """The settings must fit the world size, the model and the data."""
-        cfg, limit = self.cfg, self.model_config.max_seq_len
-        if cfg.batch_size % self.world:
-            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the world size "
-                             f"{self.world}")
+        cfg, limit, cp = self.cfg, self.model_config.max_seq_len, self.cp
+        if cp > 1:
+            if cfg.pack:
+                raise ValueError(f"pack is not supported with context_parallel {cp}: context "
+                                 "parallelism carries one sequence's state across processes, not "
+                                 "per-document states")
+            if cfg.seq_len % cp:
+                raise ValueError(f"seq_len {cfg.seq_len} must be divisible by context_parallel {cp} "
+                                 "(every process holds an equal shard of each sequence)")
+            if self.world % cp:
+                raise ValueError(f"the world size {self.world} must be a multiple of "
+                                 f"context_parallel {cp} (world = context_parallel x data-parallel "
+                                 "replicas)")
+        dp = self.world // cp
+        if cfg.batch_size % dp:
+            what = "world size" if cp == 1 else "number of data-parallel replicas (world / context_parallel)"
+            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {what} {dp}")
         if limit is not None and cfg.seq_len > limit:
             raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {limit}")
         _check_corpus(self.corpus, cfg)
+
+    def _split_world(self) -> None:
+        """The data-parallel and context-parallel coordinates of this rank; with context
+        parallelism, the process group of its N consecutive ranks (every rank creates every
+        group, in the same order, as ``new_group`` requires)."""
+        self.dp, self.dp_rank, self.cp_rank = self.world // self.cp, self.rank // self.cp, self.rank % self.cp
+        if self.cp == 1:
+            return
+        for d in range(self.dp):
+            group = dist.new_group(list(range(d * self.cp, (d + 1) * self.cp)))
+            self._groups.append(group)
+            if d == self.dp_rank:
+                self.cp_group = group
 
     def _restore_progress(self, state: dict[str, Any]) -> None:
         """Step and early-stopping counters of the resumed checkpoint."""
@@ -598,18 +686,23 @@ class Trainer:
         return self.losses
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """This rank's rows of the next global batch: (x, y, cu_seqlens or None), on device."""
-        cfg, corpus, rows = self.cfg, self.corpus, (self.rank * self.local, (self.rank + 1) * self.local)
+        """This rank's rows of the next global batch (its data-parallel replica's; every rank
+        draws the whole global batch, so the random stream is the same everywhere) and, under
+        context parallelism, its shard of their columns: (x, y, cu_seqlens or None), on device."""
+        cfg, corpus = self.cfg, self.corpus
+        rows = (self.dp_rank * self.local, (self.dp_rank + 1) * self.local)
         if cfg.pack:
             x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size,
                                       cfg.seq_len, self.data_gen, rows=rows)
             return x.to(self.device), y.to(self.device), cu.to(self.device)
         x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, self.data_gen)
-        return x[rows[0]:rows[1]].to(self.device), y[rows[0]:rows[1]].to(self.device), None
+        width = cfg.seq_len // self.cp
+        part = (slice(*rows), slice(self.cp_rank * width, (self.cp_rank + 1) * width))
+        return x[part].to(self.device), y[part].to(self.device), None
 
     def train_step(self) -> float:
-        """One optimiser step on the next global batch; its loss (the global batch's under DDP,
-        identical to one process's), logged."""
+        """One optimiser step on the next global batch; its loss (the global batch's under DDP
+        and context parallelism, identical to one process's), logged."""
         cfg = self.cfg
         set_inner_lr_ramp(self.model, self.step, cfg.warmup)
         x, y, cu = self._next_batch()
@@ -618,6 +711,8 @@ class Trainer:
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.cp > 1:
+            _average_gradients(self.model, self.world)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if cfg.anomaly_guard and not _all_finite(loss, grad_norm, self.world):
             raise self._anomaly(loss.item(), grad_norm.item())
@@ -654,7 +749,9 @@ class Trainer:
     def validate(self) -> bool:
         """Validation loss (logged by rank 0) and the early-stopping count: whether patience
         has run out."""
-        val = evaluate(self.model, self.corpus.val, self.cfg.seq_len, self.cfg.eval_windows)
+        shard = (self.cp_rank, self.cp, self.cp_group) if self.cp_group is not None else None
+        val = evaluate(self.model, self.corpus.val, self.cfg.seq_len, self.cfg.eval_windows,
+                       shard=shard)
         if self.main:
             self.metrics.log(self.step, "val", val, seconds=self.elapsed)
             self.bar.write(f"step {self.step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
@@ -693,14 +790,24 @@ class Trainer:
             # interpreter shutdown, gloo may abort the process (SIGABRT) while freeing them.
             self.ddp = None
             gc.collect()
+            if self.model is not None:
+                self.model.set_mixer_runner(None)
+            for group in self._groups:
+                dist.destroy_process_group(group)
+            self._groups = []
             if self._owns_group:
                 dist.destroy_process_group()
 
 
 def train(run_dir: str | Path, model_config: LMConfig | None, train_config: TrainConfig | None,
           corpus: Corpus, *, resume: bool = False, overwrite: bool = False,
-          stop_after: int | None = None, progress: bool = True) -> list[tuple[int, float]]:
+          stop_after: int | None = None, progress: bool = True,
+          context_parallel: int = 1) -> list[tuple[int, float]]:
     """Train a LanguageModel into ``run_dir``; returns this process's ``(step, train loss)``.
+
+    ``context_parallel`` N > 1 (under torchrun, world = N x data-parallel replicas) splits every
+    sequence of the batch into N contiguous shards held by N processes (module docstring);
+    ``seq_len`` must be divisible by N, ``pack`` is refused, and the losses are one process's.
 
     With ``resume`` the model and training configs are read from ``run_dir/run.json``; the
     arguments may be None, and a ``train_config`` given changes only the ``RESUMABLE`` fields
@@ -721,7 +828,7 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     had been killed (time-boxed sessions, tests).
     """
     trainer = Trainer(run_dir, model_config, train_config, corpus, resume=resume,
-                      overwrite=overwrite, progress=progress)
+                      overwrite=overwrite, progress=progress, context_parallel=context_parallel)
     try:
         trainer.setup()
         return trainer.run(stop_after)
