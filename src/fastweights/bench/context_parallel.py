@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..models.registry import build_mixer, check_mixer, mixer_names
+from ..models.registry import build_mixer, check_mixer, mixer_names, split_mixer_spec
 from ..parallel import context_parallel_forward, counting, strategy_name
-from ..train.specs import SpecError, parse_mixer_spec
 from .measure import PeakMemory, prepare_cpu_memory_accounting
 
 FIELDS = ["mixer", "strategy", "world", "T", "shard_T", "time_s", "peak_bytes_per_rank",
@@ -100,7 +99,7 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
                                 world_size=world, timeout=timedelta(seconds=opts["timeout"]))
     rows = []
     for spec in opts["mixers"]:
-        name, options = parse_mixer_spec(spec)
+        name, options = split_mixer_spec(spec)
         for T in opts["lengths"]:
             torch.manual_seed(0)
             mixer = build_mixer(name, opts["d_model"], opts["n_heads"], **options)
@@ -202,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     mixers = [m for m in args.mixers.split(",") if m]
     try:
         for spec in mixers:
-            name, options = parse_mixer_spec(spec)
+            name, options = split_mixer_spec(spec)
             check_mixer(name, args.d_model, args.n_heads, **options)
             with torch.device("meta"):
                 unit = _unit(build_mixer(name, args.d_model, args.n_heads, **options))
             for T in args.lengths:
                 for world in args.world:
                     shard_lengths(T, world, unit)
-    except (SpecError, TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:
         p.error(f"--mixers {spec}: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
     opts = {"mixers": mixers, "lengths": args.lengths, "d_model": args.d_model,
