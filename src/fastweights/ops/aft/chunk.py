@@ -353,18 +353,10 @@ def _full_summary(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Summary:
     info = torch.finfo(den.dtype)
     lossy = (den.detach() < info.tiny * k.shape[1] / info.eps).any(dim=2).any(dim=0)  # [R]
     if torch.compiler.is_compiling():
-        # Traced: no data-dependent row count, so every row is redone when any is lossy (rows
-        # are independent: the same values as redoing only those).
-        def redo(ell: torch.Tensor, y: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 w: torch.Tensor, lossy: torch.Tensor) -> Summary:
-            ell_x, y_x = _exact_rows(k, v, w)
-            return (torch.where(lossy[:, None], ell_x, ell),
-                    torch.where(lossy[:, None, None], y_x, y))
-
-        def keep(ell: torch.Tensor, y: torch.Tensor, *_: torch.Tensor) -> Summary:
-            return ell.clone(), y.clone()
-
-        return _select(lossy.any(), redo, keep, ell, y, k, v, w, lossy)
+        # Traced: no data-dependent row count, so every row also takes the exact form, used
+        # where lossy (rows are independent: the values of redoing only those).
+        ell_x, y_x = _exact_rows(k, v, w)
+        return torch.where(lossy[:, None], ell_x, ell), torch.where(lossy[:, None, None], y_x, y)
     if bool(lossy.any()):
         rows = lossy.nonzero().squeeze(1)
         ell_x, y_x = _exact_rows(k, v, w.index_select(0, rows))
@@ -377,7 +369,9 @@ def _exact_rows(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
     """``_full_summary`` for rows w [r, S] with the maximum of K + w taken per (row, channel):
     exact for any range, O(r S G) work, in blocks of rows of at most ``budget`` logits."""
     B, S, G = k.shape
-    step = max(1, budget // max(1, B * S * G))
+    # A symbolic size (a traced dynamic length) takes every row at once: a block count that
+    # depends on it would pin the traced program to one length.
+    step = w.shape[0] if isinstance(B * S * G, torch.SymInt) else max(1, budget // max(1, B * S * G))
     ells, ys = [], []
     for r0 in range(0, w.shape[0], step):
         logits = k.unsqueeze(1) + w[r0:r0 + step, :, None]  # [B, r, S, G]
