@@ -14,8 +14,8 @@ its structure and its non-tensor leaves (the position counters some mixers carry
 What an exported program covers, per mixer (the tests check every claim; ``export_step``
 reports it as ``reusable``):
 
-- Forward, static T: every registered mixer. Dynamic T (``dynamic=True``): softmax and diag,
-  whose forms have no loop over chunks; the chunked recurrent forms (linear, dpfp, favor, delta,
+- Forward, static T: every registered mixer. Dynamic T (``dynamic=True``): softmax (any T)
+  and diag (T a multiple of its block size, ``multiple=``), whose forms have no loop over chunks; the chunked recurrent forms (linear, dpfp, favor, delta,
   norm, infini, ttt-*) loop over chunks / mini-batches / segments in Python, and the AFT forms'
   exact fallback scans in log2(T) steps, so their programs are specialised to the traced T.
 - Decoding step: every mixer's step exports from a given state and equals eager there
@@ -41,6 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .._checks import check_positive_int
 from .lm import LanguageModel, LMState
 
 
@@ -140,17 +141,26 @@ def _check_ids(input_ids: Any, model: LanguageModel, name: str) -> torch.Tensor:
 
 
 def export_forward(model: LanguageModel, input_ids: torch.Tensor, *,
-                   dynamic: bool = False) -> torch.export.ExportedProgram:
+                   dynamic: bool = False, multiple: int = 1) -> torch.export.ExportedProgram:
     """``torch.export`` of ``ForwardModule(model)`` traced on ``input_ids`` [B, T].
 
-    ``dynamic``: T is a dynamic dimension (the mixers that allow it: module docstring); a mixer
-    that specialises T makes ``torch.export`` raise. The model is exported in eval mode."""
+    ``dynamic``: T is a dynamic dimension, any multiple of ``multiple`` (diag needs its block
+    size; the mixers that allow it: module docstring); a mixer that would specialise T makes
+    ``torch.export`` raise. The model is exported in eval mode."""
     model = _check_model(model)
     ids = _check_ids(input_ids, model, "input_ids")
     if not isinstance(dynamic, bool):
         raise TypeError(f"dynamic must be a bool, got {dynamic!r}")
-    shapes = ({1: torch.export.Dim("T", min=1, max=model.config.max_seq_len or 2**20)},) \
-        if dynamic else None
+    check_positive_int("multiple", multiple)
+    shapes = None
+    if dynamic:
+        if ids.shape[1] % multiple:
+            raise ValueError(f"input_ids must have a length that is a multiple of multiple="
+                             f"{multiple} for a dynamic export, got {ids.shape[1]}")
+        top = (model.config.max_seq_len or 2**20) // multiple
+        T = torch.export.Dim("T_blocks", min=1, max=max(top, 2)) * multiple if multiple > 1 \
+            else torch.export.Dim("T", min=1, max=max(top, 2))
+        shapes = ({1: T},)
     with _eval(model):
         return torch.export.export(ForwardModule(model), (ids,), dynamic_shapes=shapes)
 
@@ -198,7 +208,7 @@ def export_step_onnx(model: LanguageModel, state: LMState, input_ids: torch.Tens
                      path: str) -> None:
     """The decoding step of ``export_step`` written as an ONNX model to ``path`` through the
     dynamo exporter (``torch.onnx.export(..., dynamo=True)``; needs onnx and onnxscript).
-    Inputs are named ``input_ids, state_0, state_1, ...``, outputs ``logits, state_0, ...``."""
+    Inputs are named ``input_ids, state_0, state_1, ...``, outputs ``logits, new_state_0, ...``."""
     model = _check_model(model)
     ids = _check_ids(input_ids, model, "input_ids")
     tensors, layout = flatten_state(state)
@@ -206,7 +216,7 @@ def export_step_onnx(model: LanguageModel, state: LMState, input_ids: torch.Tens
         _, new = model(ids, state)
         after, out_layout = flatten_state(new)
         names = [f"state_{i}" for i in range(len(tensors))]
-        out_names = [f"state_{i}" for i in range(len(after))]
+        out_names = [f"new_state_{i}" for i in range(len(after))]
         torch.onnx.export(
             StepModule(model, layout), (ids, *tensors), path, dynamo=True,
             input_names=["input_ids", *names], output_names=["logits", *out_names],
