@@ -205,10 +205,13 @@ def export_step(model: LanguageModel, state: LMState, input_ids: torch.Tensor, *
 
 
 def export_step_onnx(model: LanguageModel, state: LMState, input_ids: torch.Tensor,
-                     path: str) -> None:
+                     path: str, *, dynamic: bool = True) -> None:
     """The decoding step of ``export_step`` written as an ONNX model to ``path`` through the
     dynamo exporter (``torch.onnx.export(..., dynamo=True)``; needs onnx and onnxscript).
-    Inputs are named ``input_ids, state_0, state_1, ...``, outputs ``logits, new_state_0, ...``."""
+    Inputs are named ``input_ids, state_0, state_1, ...``, outputs ``logits, new_state_0, ...``;
+    ``dynamic`` as in ``export_step``. Checked with onnxruntime for linear, dpfp, favor, delta,
+    norm, softmax, diag and ttt-linear; the AFT forms (``torch.cond``, ``cummax``) and infini do
+    not convert with torch 2.13's exporter."""
     model = _check_model(model)
     ids = _check_ids(input_ids, model, "input_ids")
     tensors, layout = flatten_state(state)
@@ -220,7 +223,7 @@ def export_step_onnx(model: LanguageModel, state: LMState, input_ids: torch.Tens
         torch.onnx.export(
             StepModule(model, layout), (ids, *tensors), path, dynamo=True,
             input_names=["input_ids", *names], output_names=["logits", *out_names],
-            dynamic_shapes=_step_shapes(layout, tensors, after), verbose=False)
+            dynamic_shapes=_step_shapes(layout, tensors, after) if dynamic else None, verbose=False)
 
 
 def layout_json(layout: StateLayout, tensors: list[torch.Tensor]) -> str:
