@@ -57,9 +57,12 @@ def decay_linear_attn(
     check_shape("decay", decay, (H,), "[H]")
     if decay.device != q.device:
         raise ValueError(f"decay is on device {decay.device} but q is on {q.device}; they must match")
-    with torch.no_grad():
-        ok = bool(((decay > 0) & (decay <= 1)).all())
-    if not ok:
+    # A check of decay's values is a data-dependent branch: torch.compile(fullgraph=True) and
+    # torch.export cannot trace it, so traced programs skip it (the layers build decay in range).
+    if not torch.compiler.is_compiling():
+        with torch.no_grad():
+            ok = bool(((decay > 0) & (decay <= 1)).all())
+    if not torch.compiler.is_compiling() and not ok:
         raise ValueError(
             f"decay must lie in (0, 1] for every head, got values {decay.detach().cpu().tolist()}"
         )
@@ -99,8 +102,11 @@ def block_attention(
     check_qkv(q, k, v)
     check_positive_int("block_size", block_size)
     if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    check_finite_float("scale", scale)
+        # q.shape[-1] ** -0.5, not math.sqrt: a symbolic head size under torch.compile stays
+        # traceable (the default needs no finiteness check).
+        scale = q.shape[-1] ** -0.5
+    else:
+        check_finite_float("scale", scale)
     check_choice("kernel", kernel, KERNELS)
     # scaled_dot_product_attention accumulates in float32 for half inputs and a softmax average
     # cannot overflow, so the softmax kernel keeps the input dtype (and the fused GPU kernels);
