@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from fastweights.models import LMConfig, LanguageModel
+from fastweights.models import LanguageModel, LMConfig
 from fastweights.models.export import flatten_state
 
 

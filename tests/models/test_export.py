@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastweights.models import LMConfig, LanguageModel
+from fastweights.models import LanguageModel, LMConfig
 from fastweights.models.export import (
     export_forward,
     export_step,

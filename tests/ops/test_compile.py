@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-import fastweights.ops as ops
+from fastweights import ops
 
 B, H, D = 2, 3, 8  # B != H: see the issue 16 report (duck-sized equal dims trip torch.cond)
 

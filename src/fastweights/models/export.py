@@ -217,7 +217,7 @@ def export_step_onnx(model: LanguageModel, state: LMState, input_ids: torch.Tens
     tensors, layout = flatten_state(state)
     with _eval(model), torch.no_grad():
         _, new = model(ids, state)
-        after, out_layout = flatten_state(new)
+        after, _ = flatten_state(new)
         names = [f"state_{i}" for i in range(len(tensors))]
         out_names = [f"new_state_{i}" for i in range(len(after))]
         torch.onnx.export(

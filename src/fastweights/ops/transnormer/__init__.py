@@ -8,8 +8,6 @@ outputs in the input dtype with float32-or-wider states.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..._checks import (
