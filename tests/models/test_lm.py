@@ -145,7 +145,7 @@ def test_config_from_dict_rejects_unknown_keys():
 
 def test_forward_rejects_bad_inputs():
     model = tiny("delta", max_seq_len=20)
-    with pytest.raises(TypeError, match="torch.long"):
+    with pytest.raises(TypeError, match=r"torch.long"):
         model(torch.zeros(1, 3))
     with pytest.raises(ValueError, match=r"\[0, 31\)"):
         model(torch.full((1, 3), 31))
@@ -177,7 +177,7 @@ def test_from_pretrained_rejects_missing_and_corrupt(tmp_path):
         LanguageModel.from_pretrained(tmp_path / "foreign")
     tiny("linear").save_pretrained(tmp_path / "bad")
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(ValueError, match="model.safetensors is truncated or altered"):
+    with pytest.raises(ValueError, match=r"model.safetensors is truncated or altered"):
         LanguageModel.from_pretrained(tmp_path / "bad")
     (tmp_path / "bad" / "checksums.json").unlink()  # a folder from another tool: no checksums
     with pytest.raises(ValueError, match="cannot load weights"):
@@ -197,7 +197,7 @@ def test_from_pretrained_detects_a_flipped_byte_and_returns_eval_mode(tmp_path):
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x01  # same size, one bit of one weight
     weights.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="model.safetensors is corrupted: its SHA-256 differs"):
+    with pytest.raises(ValueError, match=r"model.safetensors is corrupted: its SHA-256 differs"):
         LanguageModel.from_pretrained(tmp_path / "m")
 
 
@@ -249,7 +249,8 @@ def _detach(state):
     if isinstance(state, torch.Tensor):
         return state.detach()
     if isinstance(state, (list, tuple)):
-        return type(state)(_detach(s) for s in state)
+        items = [_detach(s) for s in state]
+        return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
     if isinstance(state, dict):
         return {k: _detach(v) for k, v in state.items()}
     return state
@@ -284,9 +285,25 @@ def test_gradient_checkpointing_is_off_in_eval_and_no_grad_and_packed_works():
     assert_close64(model(x)[0], ref, what="eval mode")
     model.train()
     cu = torch.tensor([0, 3, 11])
-    loss, grads, state = _loss_and_grads(model, x, cu_seqlens=cu)
+    loss, grads, _state = _loss_and_grads(model, x, cu_seqlens=cu)
     model.set_gradient_checkpointing(False)
     loss2, grads2, _ = _loss_and_grads(model, x, cu_seqlens=cu)
     assert torch.equal(loss, loss2) and all(torch.allclose(grads[n], grads2[n]) for n in grads)
     with pytest.raises(TypeError, match="enable must be a bool"):
         model.set_gradient_checkpointing("yes")
+
+
+def test_inner_lr_warmup_reaches_the_layers_that_have_one():
+    """set_inner_lr_warmup(progress) ramps TTT-MLP's eta_scale from 0.1 to 1 (SPEC 2.6) and
+    leaves layers without an inner learning-rate schedule as they are."""
+    model = tiny(["ttt-mlp", "ttt-linear", "delta"])
+    mlp, lin, delta = (b.mixer for b in model.blocks)
+    before = {n: p.clone() for n, p in delta.named_parameters()}
+    for progress, expected in [(0.0, 0.1), (0.5, 0.55), (1, 1.0)]:
+        model.set_inner_lr_warmup(progress)
+        assert abs(mlp.eta_scale - expected) < 1e-12 and lin.eta_scale == 1.0
+    assert all(torch.equal(p, before[n]) for n, p in delta.named_parameters())
+    assert not hasattr(delta, "eta_scale")
+    for bad in (-0.1, 1.5, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match="progress must be a number in"):
+            model.set_inner_lr_warmup(bad)

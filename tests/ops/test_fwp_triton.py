@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from fastweights.ops import delta_rule, fwp, linear_attn, sum_norm
+from fastweights.ops.fwp import backend, delta, linear_attention
 from fastweights.ops.fwp.naive import delta_rule_naive, linear_attn_naive
 
 # (B, T, H, Dk, Dv): odd sizes; T never a multiple of the chunk; Dv 70 spans two value blocks.
@@ -140,10 +141,10 @@ def test_gradients_match_naive(kernels, use_state):
 
 def test_dispatch_uses_pytorch_on_cpu(kernels, monkeypatch):
     calls = []
-    monkeypatch.setattr(fwp, "linear_attn_chunk",
-                        lambda *a: calls.append("la") or fwp.chunk.linear_attn_chunk(*a))
-    monkeypatch.setattr(fwp, "delta_rule_chunk",
-                        lambda *a: calls.append("dr") or fwp.chunk.delta_rule_chunk(*a))
+    monkeypatch.setattr(linear_attention, "linear_attn_chunk",
+                        lambda **kw: calls.append("la") or fwp.chunk.linear_attn_chunk(**kw))
+    monkeypatch.setattr(delta, "delta_rule_chunk",
+                        lambda **kw: calls.append("dr") or fwp.chunk.delta_rule_chunk(**kw))
 
     def forbidden(*args):
         raise AssertionError("the Triton path ran for a CPU tensor")
@@ -155,25 +156,25 @@ def test_dispatch_uses_pytorch_on_cpu(kernels, monkeypatch):
         linear_attn(q.to(dtype), k.to(dtype), v.to(dtype), chunk_size=4)
         delta_rule(q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), chunk_size=4)
     assert calls == ["la", "dr", "la", "dr"]
-    assert not fwp._use_triton(q.float())
+    assert not backend._use_triton(q.float())
 
 
 def test_use_triton_decision(kernels, monkeypatch, caplog):
     """CUDA float16/bfloat16/float32 -> Triton; float64, FASTWEIGHTS_TRITON=0 or no triton ->
     PyTorch, the latter two logged once each (a stand-in object plays the CUDA tensor)."""
-    monkeypatch.setattr(fwp, "_fallbacks_logged", set())
+    monkeypatch.setattr(backend, "_fallbacks_logged", set())
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        assert fwp._use_triton(SimpleNamespace(is_cuda=True, dtype=dtype))
+        assert backend._use_triton(SimpleNamespace(is_cuda=True, dtype=dtype))
     cuda16 = SimpleNamespace(is_cuda=True, dtype=torch.float16)
-    assert not fwp._use_triton(SimpleNamespace(is_cuda=True, dtype=torch.float64))
-    assert not fwp._use_triton(SimpleNamespace(is_cuda=False, dtype=torch.float16))
+    assert not backend._use_triton(SimpleNamespace(is_cuda=True, dtype=torch.float64))
+    assert not backend._use_triton(SimpleNamespace(is_cuda=False, dtype=torch.float16))
     with caplog.at_level(logging.INFO, logger="fastweights.ops.fwp"):
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "0")
-        assert not fwp._use_triton(cuda16) and not fwp._use_triton(cuda16)
+        assert not backend._use_triton(cuda16) and not backend._use_triton(cuda16)
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "1")
-        monkeypatch.setattr(fwp, "_triton_module", lambda: None)
-        assert not fwp._use_triton(cuda16) and not fwp._use_triton(cuda16)
+        monkeypatch.setattr(backend, "_triton_module", lambda: None)
+        assert not backend._use_triton(cuda16) and not backend._use_triton(cuda16)
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
     assert "FASTWEIGHTS_TRITON=0" in messages[0] and "triton is not installed" in messages[1]
@@ -186,7 +187,7 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     for name in ("linear_attn_triton", "delta_rule_triton"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
-    monkeypatch.setattr(fwp, "_use_triton", lambda q: True)
+    monkeypatch.setattr(backend, "_use_triton", lambda q: True)
     B, T, H, Dk, Dv = SHAPES[0]
     q, k, v, beta, S0, z0 = inputs(B, T, H, Dk, Dv)
     k = sum_norm(k)
@@ -213,10 +214,11 @@ def test_works_without_triton(monkeypatch):
     (checked in a fresh interpreter where ``import triton`` fails)."""
     monkeypatch.setitem(sys.modules, "fastweights.ops.fwp.triton", None)
     monkeypatch.delattr(fwp, "triton", raising=False)  # `from . import` reads this attribute first
-    assert fwp._triton_module() is None
+    assert backend._triton_module() is None
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, fastweights\n"
-            "from fastweights.ops.fwp import _triton_module, linear_attn\n"
+            "from fastweights.ops.fwp import linear_attn\n"
+            "from fastweights.ops.fwp.backend import _triton_module\n"
             "assert _triton_module() is None\n"
             "linear_attn(*torch.rand(3, 1, 5, 1, 4).unbind(0))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
