@@ -112,7 +112,9 @@ def check_finite_float(name: str, value: Any) -> float:
     """Any finite float."""
     if not is_number(value):
         raise TypeError(f"{name} must be a float, got {value!r}")
-    if not math.isfinite(value):
+    # Comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float argument
+    # may be a SymFloat, which math.isfinite cannot take (NaN fails both comparisons).
+    if not -math.inf < value < math.inf:
         raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
 

@@ -21,12 +21,12 @@ from .common import HelpFormatter, Parser, UserError
 def build_parser() -> argparse.ArgumentParser:
     """The ``fastweights`` parser. Imports the subcommands, and so torch (seconds): ``main``
     calls it under its quit-now signal handler, so that a Ctrl-C during start-up is one line."""
-    from . import bench, eval, generate, mixers, recall, reproduce, train
+    from . import bench, eval, export, generate, mixers, recall, reproduce, train
 
     parser = Parser(
         prog="fastweights", description="Linear-complexity sequence mixers: experiments and tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in (mixers, bench, recall, reproduce, train, eval, generate):
+    for command in (mixers, bench, recall, reproduce, train, eval, generate, export):
         p = sub.add_parser(command.NAME, help=command.HELP, description=command.DESCRIPTION,
                            formatter_class=HelpFormatter)
         command.add_arguments(p)

@@ -121,10 +121,11 @@ def token_positions(bounds: Sequence[int], starts: Sequence[int],
                     device: torch.device) -> torch.Tensor:
     """[T] int64: the position of every token of a packed batch, document d's tokens
     (bounds[d] .. bounds[d+1] - 1) counting on from ``starts[d]`` (its tokens seen before)."""
-    lengths = torch.tensor([b - a for a, b in pairwise(bounds)])
-    shift = torch.tensor(list(starts)) - torch.tensor(list(bounds[:-1]))  # [N]
-    positions = torch.arange(bounds[-1]) + shift.repeat_interleave(lengths)
-    return positions.to(device)
+    # One arange per document from Python ints: the sizes stay static, so torch.export and
+    # torch.compile(fullgraph=True) trace it (a repeat_interleave by tensor lengths would have
+    # a data-dependent size).
+    return torch.cat([torch.arange(s, s + b - a, device=device)
+                      for (a, b), s in zip(pairwise(bounds), starts)])
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -105,6 +105,11 @@ class LanguageModel(nn.Module):
         if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
             raise ValueError(f"{name} must have shape [B, T] with B, T >= 1, got {tuple(input_ids.shape)}")
         V = self.config.vocab_size
+        # The range check reads the ids' values, a data-dependent branch that torch.export and
+        # torch.compile(fullgraph=True) cannot trace; traced programs leave it to the embedding
+        # lookup, which fails on an out-of-range id (IndexError on CPU, a device assert on CUDA).
+        if torch.compiler.is_compiling():
+            return input_ids
         if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= V):
             raise ValueError(
                 f"{name} must hold ids in [0, {V}), got values in "

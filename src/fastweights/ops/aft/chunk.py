@@ -31,17 +31,44 @@ and every sum is held as a (log-sum-exp, weighted mean) pair or an (a, n, m) tri
   query rows (rows whose products underflow are redone with the maximum of K + w per row and
   channel), and treats the block's own keys per row: exact for any bias and key range, like
   AFT-local/simple/conv.
+
+The choices between a fast form and an exact fallback above read tensor values. In eager mode
+they are Python branches (one device sync each); under torch.compile / torch.export they are
+``torch.cond`` (``_select``), so a traced graph holds both forms and picks at run time with
+the same test: no graph break, no data-dependent guard, the same exactness.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 Summary = tuple[torch.Tensor, torch.Tensor]  # (log-sum-exp [B, G], weighted mean [B, G, E])
 PrefixState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (a, n, m)
+
+
+def _select(pred: torch.Tensor, fast: Callable[..., Any], exact: Callable[..., Any],
+            *operands: torch.Tensor) -> Any:
+    """``fast(*operands)`` where the 0-d bool ``pred`` holds, else ``exact(*operands)``.
+
+    Eager mode reads ``pred`` and runs one function. Traced (torch.compile, torch.export) it is a
+    ``torch.cond``: a Python branch on a tensor's value would break the graph or fail to export.
+    Both functions return tensors of the same shapes and dtypes."""
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, _dense(fast), _dense(exact), operands)
+    return fast(*operands) if bool(pred) else exact(*operands)
+
+
+def _dense(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with contiguous outputs: torch.cond needs both branches' outputs laid out alike."""
+    def run(*args: torch.Tensor) -> Any:
+        out = fn(*args)
+        return tuple(x.contiguous() for x in out) if isinstance(out, tuple) else out.contiguous()
+    return run
 
 
 def empty_prefix(k: torch.Tensor, v: torch.Tensor) -> PrefixState:
@@ -98,17 +125,25 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
     # normal float (then every sum keeps full relative precision); the margin leaves room for
     # numerators that cancel. Keys spread wider than that take the doubling scan instead.
     margin = -math.log(torch.finfo(k.dtype).tiny) - 25.0  # 62 nats in float32, 683 in float64
-    if bool((top[:, 1:] - ref).amin() >= -margin):
+
+    # Entry 0 may be the empty sum: it is taken from init, never through a 0 / 0.
+    def plain(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor) -> Summary:
         e = torch.exp(k - ref)
         den = e.cumsum(dim=1)[:, 1:]
-        ell = torch.log(den) + ref
         y = (e.unsqueeze(-1) * v).cumsum(dim=1)[:, 1:] / den.unsqueeze(-1)
-    else:
+        return _with_first(k, v, torch.log(den) + ref, y)
+
+    def scan(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor) -> Summary:
         a, n, m = _doubling_scan(k[:, 1:], v[:, 1:])
-        a, n, m = merge((init[0].unsqueeze(1), init[1].unsqueeze(1), torch.ones_like(a)), (a, n, m))
-        ell, y = a + torch.log(m), n / m.unsqueeze(-1)
-    # Entry 0 may be the empty sum: it is taken from init, never through a 0 / 0.
-    return torch.cat([init[0].unsqueeze(1), ell], dim=1), torch.cat([init[1].unsqueeze(1), y], dim=1)
+        a, n, m = merge((k[:, :1], v[:, :1], torch.ones_like(a[:, :1])), (a, n, m))
+        return _with_first(k, v, a + torch.log(m), n / m.unsqueeze(-1))
+
+    return _select((top[:, 1:] - ref).amin() >= -margin, plain, scan, k, v, ref)
+
+
+def _with_first(k: torch.Tensor, v: torch.Tensor, ell: torch.Tensor, y: torch.Tensor) -> Summary:
+    """Prefix summaries of entries 1.. preceded by entry 0 (k, v's first row, the init)."""
+    return torch.cat([k[:, :1], ell], dim=1), torch.cat([v[:, :1], y], dim=1)
 
 
 Terms = list[tuple[torch.Tensor, torch.Tensor]]  # per window position: (logits, values)
@@ -134,9 +169,9 @@ def _windows(
 def _window_blocks(
     k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, r_left: int, r_right: int, first: int,
     chunk_size: int,
-) -> Summary | None:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The window sums of rows ``first``..L-1 as banded matrix products (SPEC 4.3's "cumsum +
-    banded matmul"), as (ell [B, Tr, G], y [B, Tr, G, E]); None where that could lose precision.
+    banded matmul"), as (ell [B, Tr, G], y [B, Tr, G, E], ok).
 
     Rows go in blocks of C = ``chunk_size``: per block (and head, for a per-head band) one
     [C, C + J - 1] band matrix exp(b - row max b) times exp(K - max K) V over the block's key
@@ -145,6 +180,7 @@ def _window_blocks(
     below its block's maximum (a key spread over ~60 in float32) would underflow: the caller then
     sums the window position by position (``_windows``) instead.
     k [B, L, G], v [B, L, G, E], band [Tr|1, Gb, J] (Gb = 1 or G), window [t - r_left, t + r_right].
+    Returns (ell, y, ok): ``ok`` (a 0-d bool tensor) is False where that could lose precision.
     """
     B, L, G = k.shape
     E = v.shape[-1]
@@ -172,10 +208,9 @@ def _window_blocks(
     out = out.reshape(B, N * C, G, E + 1)[:, :Tr]
     num, den = out[..., :E], out[..., E]
     margin = -math.log(torch.finfo(den.dtype).tiny) - 25.0  # as in _prefix
-    if not bool(den.detach().amin() >= math.exp(-margin)):
-        return None
+    ok = den.detach().amin() >= math.exp(-margin)
     ref = b_max + k_max.squeeze(-1).repeat_interleave(C, dim=1)[:, :Tr]  # [B, Tr, G]
-    return torch.log(den) + ref, num / den.unsqueeze(-1)
+    return torch.log(den) + ref, num / den.unsqueeze(-1), ok
 
 
 def _window_sums(
@@ -184,10 +219,18 @@ def _window_sums(
 ) -> torch.Tensor:
     """R of rows ``first``..L-1: their windows (banded matrix products, or position by position
     where those could lose precision) combined with the summaries of the tokens outside them."""
-    window = _window_blocks(k, v, band, r_left, r_right, first, chunk_size)
-    if window is None:
-        return _combine(_windows(k, v, band, r_left, r_right, first), outside)
-    return _combine([], [window, *outside])
+    ell, y, ok = _window_blocks(k, v, band, r_left, r_right, first, chunk_size)
+    flat = [x for pair in outside for x in pair]
+
+    def blocks(ell: torch.Tensor, y: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               band: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
+        return _combine([], [(ell, y), *zip(flat[::2], flat[1::2])])
+
+    def positions(ell: torch.Tensor, y: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  band: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
+        return _combine(_windows(k, v, band, r_left, r_right, first), list(zip(flat[::2], flat[1::2])))
+
+    return _select(ok, blocks, positions, ell, y, k, v, band, *flat)
 
 
 def _combine(terms: Terms, outside: list[Summary], signs: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,6 +363,11 @@ def _full_summary(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Summary:
     # itself is within S / eps of that.
     info = torch.finfo(den.dtype)
     lossy = (den.detach() < info.tiny * k.shape[1] / info.eps).any(dim=2).any(dim=0)  # [R]
+    if torch.compiler.is_compiling():
+        # Traced: no data-dependent row count, so every row also takes the exact form, used
+        # where lossy (rows are independent: the values of redoing only those).
+        ell_x, y_x = _exact_rows(k, v, w)
+        return torch.where(lossy[:, None], ell_x, ell), torch.where(lossy[:, None, None], y_x, y)
     if bool(lossy.any()):
         rows = lossy.nonzero().squeeze(1)
         ell_x, y_x = _exact_rows(k, v, w.index_select(0, rows))
@@ -332,7 +380,9 @@ def _exact_rows(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
     """``_full_summary`` for rows w [r, S] with the maximum of K + w taken per (row, channel):
     exact for any range, O(r S G) work, in blocks of rows of at most ``budget`` logits."""
     B, S, G = k.shape
-    step = max(1, budget // max(1, B * S * G))
+    # A symbolic size (a traced dynamic length) takes every row at once: a block count that
+    # depends on it would pin the traced program to one length.
+    step = w.shape[0] if isinstance(B * S * G, torch.SymInt) else max(1, budget // max(1, B * S * G))
     ells, ys = [], []
     for r0 in range(0, w.shape[0], step):
         logits = k.unsqueeze(1) + w[r0:r0 + step, :, None]  # [B, r, S, G]

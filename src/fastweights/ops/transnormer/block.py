@@ -5,8 +5,6 @@ Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..._checks import (
@@ -38,8 +36,11 @@ def block_attention(
     check_qkv(q, k, v)
     check_positive_int("block_size", block_size)
     if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    check_finite_float("scale", scale)
+        # q.shape[-1] ** -0.5, not math.sqrt: a symbolic head size under torch.compile stays
+        # traceable (the default needs no finiteness check).
+        scale = q.shape[-1] ** -0.5
+    else:
+        check_finite_float("scale", scale)
     check_choice("kernel", kernel, KERNELS)
     # scaled_dot_product_attention accumulates in float32 for half inputs and a softmax average
     # cannot overflow, so the softmax kernel keeps the input dtype (and the fused GPU kernels);

@@ -1,0 +1,80 @@
+"""``fastweights export``: a checkpoint's forward or one-token decoding step as a torch.export
+program (.pt2), the step also as ONNX."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..models import export as ex
+from ..train.checkpoint import load_model
+from .common import UserError, make_folder, positive_int, user_errors
+
+NAME = "export"
+HELP = "torch.export (.pt2) / ONNX program of a checkpoint"
+DESCRIPTION = ("Export a checkpoint's forward (input_ids [B, T] -> logits, state tensors) or its "
+               "one-token decoding step (input_ids [B, 1], state tensors -> logits, state tensors) "
+               "with torch.export, saved by torch.export.save; the step also as ONNX.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a checkpoint folder or a training run folder")
+    p.add_argument("--out", default="model.pt2", help="the .pt2 file written")
+    p.add_argument("--onnx", default=None, help="also write the decoding step as ONNX (with --step)")
+    p.add_argument("--step", action="store_true",
+                   help="export the decoding step from the state after --seq-len tokens")
+    p.add_argument("--seq-len", type=positive_int, default=64,
+                   help="T traced for the forward; prompt length before the step")
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--dynamic", action="store_true",
+                   help="dynamic T (forward) or dynamic cache lengths (step), where the mixer allows")
+    p.add_argument("--multiple", type=positive_int, default=1,
+                   help="with --dynamic forward: T is any multiple of this (diag: its block size)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    onnx = Path(args.onnx) if args.onnx else None
+    if onnx is not None and not args.step:
+        raise UserError("--onnx is supported for the decoding step only: add --step")
+    for flag, path in (("--out", out), ("--onnx", onnx)):
+        if path is not None and path.exists() and not args.overwrite:
+            raise UserError(f"{flag} {path} already exists (add --overwrite to replace it)")
+    with user_errors():
+        model = load_model(args.checkpoint)
+    ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
+    meta = {"checkpoint": str(args.checkpoint), "step": args.step, "batch_size": args.batch_size,
+            "seq_len": args.seq_len, "dynamic": args.dynamic}
+    try:
+        if args.step:
+            with torch.no_grad():
+                _, state = model(ids)
+            tensors, layout = ex.flatten_state(state)
+            step = ex.export_step(model, state, ids[:, :1], dynamic=args.dynamic)
+            program = step.program
+            meta.update(json.loads(ex.layout_json(layout, tensors)), reusable=step.reusable)
+        else:
+            program = ex.export_forward(model, ids, dynamic=args.dynamic, multiple=args.multiple)
+        if onnx is not None:
+            make_folder(onnx.parent, "--onnx")
+            ex.export_step_onnx(model, state, ids[:, :1], str(onnx), dynamic=args.dynamic)
+    except ImportError as err:
+        raise UserError(f"{err.name or err} is not installed (pip install onnx onnxscript)") from None
+    except UserError:
+        raise
+    except Exception as err:  # torch.export raises many kinds: one line for the user
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        hint = " (try without --dynamic)" if args.dynamic else ""
+        raise UserError(f"cannot export this model{hint}: {type(err).__name__}: {first}") from None
+    make_folder(out.parent)
+    torch.export.save(program, str(out), extra_files={"fastweights.json": json.dumps(meta)})
+    what = "decoding step" if args.step else "forward"
+    print(f"wrote {out} ({what}, {'dynamic' if args.dynamic else 'static'} shapes)"
+          + (f" and {onnx}" if onnx else "")
+          + ("" if not args.step or meta["reusable"] else
+             "; this mixer's state holds a position, so the program serves this position only"))
+    return 0
