@@ -103,6 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _setting(p, "--pack", False,
              "pack each batch into one row with the state reset at document (file) boundaries "
              "(cu_seqlens), no padding and no prediction across documents", action="store_true")
+    _setting(p, "--carry-state", False,
+             "truncated backpropagation through time: each batch row reads consecutive windows "
+             "of one long stream and starts from the previous step's state, detached (no "
+             "truncation of the context; fixed-size-state mixers only, not with --pack)",
+             action="store_true")
     _setting(p, "--recompute", False,
              "gradient checkpointing: keep only each block's input and recompute its activations "
              "in the backward pass (less memory, about one more forward)", action="store_true")

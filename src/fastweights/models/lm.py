@@ -307,6 +307,19 @@ def _flatten_state(state: Any) -> tuple[list[torch.Tensor], Callable[[list[torch
     return leaves, lambda tensors: build(iter(tensors))
 
 
+def map_state(fn: Callable[[torch.Tensor], torch.Tensor], state: Any) -> Any:
+    """The state (a ``LanguageModel`` state, or any nested list/tuple/NamedTuple of tensors and
+    other values) with ``fn`` applied to every tensor: ``map_state(torch.Tensor.detach, s)``
+    cuts the graph of a carried state (truncated backpropagation through time)."""
+    leaves, rebuild = _flatten_state(state)
+    return rebuild([fn(t) for t in leaves])
+
+
+def state_tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors of a state (as ``map_state`` visits them), in order."""
+    return _flatten_state(state)[0]
+
+
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
           gen: torch.Generator | None) -> torch.Tensor:
     """Next token ids [B, 1] from last-position logits [B, V]."""
