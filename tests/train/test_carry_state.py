@@ -124,6 +124,18 @@ def test_carry_state_refuses_a_growing_state(tmp_path, corpus, mixer):
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
+def test_carry_state_refuses_a_learned_position_table_and_takes_sinusoidal(tmp_path, corpus):
+    learned = model_cfg(position="learned", max_seq_len=16)
+    with pytest.raises(ValueError, match=r"carry_state: the model cannot continue .* beyond the "
+                                         "learned position table"):
+        train(tmp_path / "run", learned, train_cfg(), corpus, progress=False)
+    cfg = train_cfg(steps=3, eval_every=3)
+    losses = train(tmp_path / "sin", model_cfg(position="sinusoidal"), cfg, corpus, progress=False)
+    _, opt, _ = load_checkpoint(tmp_path / "sin")
+    assert len(losses) == 3
+    assert torch.equal(opt["carry"]["state"][-1], torch.full((4,), 3 * 16))  # positions continue
+
+
 def test_carry_state_refuses_pack_and_short_streams(tmp_path, corpus):
     with pytest.raises(ValueError, match="pack and carry_state exclude each other"):
         train_cfg(pack=True)

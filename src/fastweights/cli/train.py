@@ -48,7 +48,7 @@ DESCRIPTION = (
 
 # Command-line settings of `train` that are LMConfig fields of the same name (--mixer aside).
 _MODEL_SETTINGS = ("d_model", "n_layers", "n_heads", "ffn", "glu_activation", "norm", "dropout",
-                   "max_seq_len")
+                   "max_seq_len", "position")
 
 
 def _setting(p: argparse.ArgumentParser, flag: str, default: object, text: str,
@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _setting(p, "--max-seq-len", None,
              "longest sequence the model accepts (mixers with absolute position tables)",
              shown="no limit", type=int)
+    _setting(p, "--position", "none",
+             "absolute position encoding added to the embeddings (learned needs --max-seq-len)",
+             choices=["none", "learned", "sinusoidal"])
     _setting(p, "--lr", 2e-3, "peak AdamW learning rate", type=float)
     _setting(p, "--warmup", 30, "linear warm-up steps before cosine decay", type=int)
     _setting(p, "--eval-every", 100, "validation period in steps", type=int)
