@@ -52,7 +52,7 @@ def test_no_position_keeps_the_layer_state_list():
     model = tiny("delta")
     _, state = model(ids())
     assert len(state) == 2
-    with pytest.raises(ValueError, match="list of 3 items"):
+    with pytest.raises(ValueError, match="list of 2 layer states and then the position offsets"):
         model_with("sinusoidal")(ids(), state)
 
 

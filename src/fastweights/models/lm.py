@@ -148,9 +148,9 @@ class LanguageModel(nn.Module):
             state = [None] * n_state
         elif not isinstance(state, (list, tuple)) or len(state) != n_state:
             raise ValueError(
-                f"state must be None or a list of {n_state} items ({len(self.blocks)} layer "
-                f"states{', then the position offsets' if n_state > len(self.blocks) else ''}; "
-                f"as returned by forward), got {type(state).__name__}"
+                f"state must be None or a list of {len(self.blocks)} layer states"
+                f"{' and then the position offsets' if n_state > len(self.blocks) else ''} "
+                f"(as returned by forward), got {type(state).__name__}"
                 + (f" of length {len(state)}" if isinstance(state, (list, tuple)) else "")
             )
         x = self.embed(input_ids)  # [B, T, d]
