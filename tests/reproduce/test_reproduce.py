@@ -41,6 +41,10 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
 
 
+CARRIED = {"fwp-lm": {"linear_sum_carried", "linear_delta_carried"},
+           "long-context": {"linear", "delta", "ttt-linear", "ttt-mlp", "infini", "diag_norm"}}
+
+
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_quick_end_to_end(name, tmp_path, text_file):
     out = tmp_path / name
@@ -66,6 +70,10 @@ def test_quick_end_to_end(name, tmp_path, text_file):
     assert len(verdicts) == table.count("\n| ") - 1 and verdicts  # one verdict per claim row
     assert "± " in table  # two seeds: a spread
     assert "## Claims" in res.stdout
+    if name in CARRIED:  # which runs trained with the state carried across windows
+        recorded = {p.parent.name.rsplit("__", 1)[0]: json.loads(p.read_text())["train"]["carry_state"]
+                    for p in (out / "runs").glob("*/run.json")}
+        assert recorded and {k for k, v in recorded.items() if v} == CARRIED[name], recorded
     pytest.importorskip("matplotlib")
     pngs = list(out.glob("*.png"))
     assert pngs and all(p.stat().st_size > 1000 for p in pngs)
