@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from fastweights.models import LanguageModel, LMConfig
 from fastweights.tasks import load_corpus
 from fastweights.train.checkpoint import load_checkpoint
 from fastweights.train.trainer import TrainConfig, lr_factor, train
+from tests.train.test_trainer import _free_port
 
 # Short enough that each of the 4 rows' streams (about 350 bytes) wraps within 12 steps of 16.
 TEXT = "".join(f"def g{i}(x):\n    return x - {i % 9}\n\n" for i in range(45))
@@ -144,12 +144,6 @@ def test_carry_state_refuses_pack_and_short_streams(tmp_path, corpus):
     with pytest.raises(ValueError, match=r"streams of .* fewer than seq_len"):
         train(tmp_path / "run", model_cfg(), train_cfg(batch_size=128, seq_len=16), corpus,
               progress=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ddp_worker(rank: int, world: int, port: int, run_dir: str, corpus_path: str) -> None:
