@@ -164,3 +164,20 @@ def test_unwritable_out_is_one_line(tmp_path, capsys):
         assert main([*args, "--out", str(blocker / "sub")]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "cannot create this folder" in err
+
+
+def test_train_carry_state_and_positions(tmp_path, text_file, capsys):
+    run = tmp_path / "run"
+    small = ["--data", text_file, "--steps", "2", "--seq-len", "8", "--batch-size", "2",
+             "--d-model", "8", "--n-heads", "2", "--n-layers", "1", "--eval-windows", "1",
+             "--quiet"]
+    assert main(["train", *small, "--carry-state", "--position", "sinusoidal",
+                 "--out", str(run)]) == 0
+    record = json.loads((run / "run.json").read_text())
+    assert record["train"]["carry_state"] is True and record["model"]["position"] == "sinusoidal"
+    bad(["train", *small, "--carry-state", "--pack", "--out", str(tmp_path / "p")], capsys,
+        "pack and carry_state exclude each other")
+    bad(["train", *small, "--carry-state", "--mixer", "softmax", "--out", str(tmp_path / "s")],
+        capsys, "fixed-size state")
+    bad(["train", *small, "--position", "learned", "--out", str(tmp_path / "l")], capsys,
+        "needs max_seq_len")

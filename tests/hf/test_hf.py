@@ -40,9 +40,9 @@ def tiny_config(mixer: str | list[str], **extra) -> FastWeightsConfig:
                              mixer_options=options, pad_token_id=PAD, **extra)
 
 
-def tiny_model(mixer: str | list[str], seed: int = 0) -> FastWeightsForCausalLM:
+def tiny_model(mixer: str | list[str], seed: int = 0, **extra) -> FastWeightsForCausalLM:
     torch.manual_seed(seed)
-    return FastWeightsForCausalLM(tiny_config(mixer)).double().eval()
+    return FastWeightsForCausalLM(tiny_config(mixer, **extra)).double().eval()
 
 
 def prompt(T: int, seed: int) -> torch.Tensor:
@@ -221,6 +221,31 @@ def test_save_load_round_trip(tmp_path, mixer):
         assert torch.equal(loaded(ids).logits, model(ids).logits), cls.__name__
         assert torch.equal(loaded.generate(ids, max_new_tokens=4, do_sample=False),
                            model.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+POSITIONED = {"learned": {"position": "learned", "max_seq_len": 32},
+              "sinusoidal": {"position": "sinusoidal"}}
+
+
+@pytest.mark.parametrize("extra", POSITIONED.values(), ids=POSITIONED.keys())
+def test_absolute_positions_round_trip_and_continue_in_decoding(tmp_path, extra):
+    """LMConfig.position flows through FastWeightsConfig: saved and loaded, and its positions
+    continue across the cache in generation, also for left-padded rows (counted from their
+    first real token)."""
+    model = tiny_model("delta", **extra)
+    assert model.config.position == extra["position"]
+    ids = torch.cat([prompt(7, seed=2), prompt(7, seed=3)])
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, argmax_by_full_forwards(model, ids, 6))
+    short, long = prompt(4, seed=4), prompt(9, seed=5)
+    padded = torch.cat([torch.cat([torch.full((1, 5), PAD), short], 1), long])
+    out = model.generate(padded, attention_mask=(padded != PAD).long(), max_new_tokens=5,
+                         do_sample=False)
+    assert torch.equal(out[0, 5:], argmax_by_full_forwards(model, short, 5)[0])
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.to_lm_config() == model.config.to_lm_config()
+    assert torch.equal(loaded(long).logits, model(long).logits)
 
 
 def test_from_pretrained_refuses_mismatched_weights(tmp_path):

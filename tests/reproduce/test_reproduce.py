@@ -41,6 +41,10 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
 
 
+CARRIED = {"fwp-lm": {"linear_sum_carried", "linear_delta_carried"},
+           "long-context": {"linear", "delta", "ttt-linear", "ttt-mlp", "infini", "diag_norm"}}
+
+
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_quick_end_to_end(name, tmp_path, text_file):
     out = tmp_path / name
@@ -66,6 +70,10 @@ def test_quick_end_to_end(name, tmp_path, text_file):
     assert len(verdicts) == table.count("\n| ") - 1 and verdicts  # one verdict per claim row
     assert "± " in table  # two seeds: a spread
     assert "## Claims" in res.stdout
+    if name in CARRIED:  # which runs trained with the state carried across windows
+        recorded = {p.parent.name.rsplit("__", 1)[0]: json.loads(p.read_text())["train"]["carry_state"]
+                    for p in (out / "runs").glob("*/run.json")}
+        assert recorded and {k for k, v in recorded.items() if v} == CARRIED[name], recorded
     pytest.importorskip("matplotlib")
     pngs = list(out.glob("*.png"))
     assert pngs and all(p.stat().st_size > 1000 for p in pngs)
@@ -95,7 +103,8 @@ def test_resume_after_kill_keeps_finished_runs(tmp_path, text_file):
     assert "1 finished run(s) reused" in res.stderr
     assert first.read_text() == kept and first.stat().st_mtime_ns == mtime  # not retrained
     rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
-    assert len(rows) == 9 and json.loads(kept)["model"] in {r["model"] for r in rows}
+    # 13 fwp-lm models: 9, the two +positions models (b) and the two carried ones (c)
+    assert len(rows) == 13 and json.loads(kept)["model"] in {r["model"] for r in rows}
 
 
 def test_foreign_out_is_refused_and_overwrite_keeps_other_files(tmp_path, text_file, capsys):

@@ -55,7 +55,7 @@ DESCRIPTION = (
 
 # Command-line settings of `train` that are LMConfig fields of the same name (--mixer aside).
 _MODEL_SETTINGS = ("d_model", "n_layers", "n_heads", "ffn", "glu_activation", "norm", "dropout",
-                   "max_seq_len")
+                   "max_seq_len", "position")
 
 
 def _setting(p: argparse.ArgumentParser, flag: str, default: object, text: str,
@@ -92,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _setting(p, "--max-seq-len", None,
              "longest sequence the model accepts (mixers with absolute position tables)",
              shown="no limit", type=int)
+    _setting(p, "--position", "none",
+             "absolute position encoding added to the embeddings (learned needs --max-seq-len)",
+             choices=["none", "learned", "sinusoidal"])
     _setting(p, "--lr", 2e-3, "peak AdamW learning rate", type=float)
     _setting(p, "--warmup", 30, "linear warm-up steps before cosine decay", type=int)
     _setting(p, "--eval-every", 100, "validation period in steps", type=int)
@@ -110,6 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _setting(p, "--pack", False,
              "pack each batch into one row with the state reset at document (file) boundaries "
              "(cu_seqlens), no padding and no prediction across documents", action="store_true")
+    _setting(p, "--carry-state", False,
+             "truncated backpropagation through time: each batch row reads consecutive windows "
+             "of one long stream and starts from the previous step's state, detached (no "
+             "truncation of the context; fixed-size-state mixers only, not with --pack)",
+             action="store_true")
     _setting(p, "--recompute", False,
              "gradient checkpointing: keep only each block's input and recompute its activations "
              "in the backward pass (less memory, about one more forward)", action="store_true")

@@ -14,6 +14,7 @@ from .registry import check_mixer, mixer_names, mixer_options
 FFNS = ("mlp", "glu", "none")
 NORMS = ("rmsnorm", "layernorm", "srmsnorm")
 GLU_ACTIVATIONS = ("silu", "gelu", "identity")
+POSITIONS = ("none", "learned", "sinusoidal")
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -38,6 +39,12 @@ class LMConfig:
     each with ``norm_eps``. ``max_seq_len`` (optional) is the
     longest sequence the model accepts; it is passed on as the option ``max_len`` to mixers
     that take one (absolute position tables) and checked in ``forward``/``generate``.
+    ``position`` adds an absolute position encoding to the token embeddings: ``"none"`` (the
+    default; order comes from the mixers alone), ``"learned"`` (a trained table of
+    ``max_seq_len`` rows, which it requires; std 0.02 init) or ``"sinusoidal"`` (Vaswani et
+    al.'s fixed sin/cos of the position, no parameters, any length). Positions count the tokens
+    of each sequence since the start of its state: they continue across a carried state and in
+    decoding, restart at every packed document.
     """
 
     vocab_size: int = 256
@@ -54,6 +61,7 @@ class LMConfig:
     dropout: float = 0.0
     max_seq_len: int | None = None
     glu_activation: str = "silu"
+    position: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -67,6 +75,12 @@ class LMConfig:
         if self.glu_activation not in GLU_ACTIVATIONS:
             raise ValueError(f"LMConfig.glu_activation must be one of {list(GLU_ACTIVATIONS)}, "
                              f"got {self.glu_activation!r}")
+        if self.position not in POSITIONS:
+            raise ValueError(f"LMConfig.position must be one of {list(POSITIONS)}, "
+                             f"got {self.position!r}")
+        if self.position == "learned" and self.max_seq_len is None:
+            raise ValueError("LMConfig.position 'learned' needs max_seq_len (the rows of its "
+                             "position table)")
         if self.norm not in NORMS:
             raise ValueError(f"LMConfig.norm must be one of {list(NORMS)}, got {self.norm!r}")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) \

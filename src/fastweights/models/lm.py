@@ -20,6 +20,7 @@ from torch import nn
 
 from .._checks import is_int, is_number
 from .._files import file_listing, listing_problem
+from ..layers.base import token_positions
 from ..ops._varlen import check_cu_seqlens
 from .block import Block, MixerRunner, make_norm
 from .config import LMConfig
@@ -28,14 +29,18 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CHECKSUM_FILE = "checksums.json"  # size and SHA-256 of the two files above
 
-LMState = list[Any]  # one layer state per block, in order
+# One layer state per block, in order; with an absolute position encoding (LMConfig.position)
+# one more item last: the tokens each sequence has consumed (a long tensor [B], or [N] per
+# document with cu_seqlens), where its next positions start.
+LMState = list[Any]
 
 
 class LanguageModel(nn.Module):
     """Token embedding -> ``n_layers`` pre-norm blocks -> final norm -> logits (LMConfig).
 
     ``forward(input_ids [B, T] long, state=None) -> (logits [B, T, V], state)``: ``state`` is a
-    list with every layer's recurrent state (None = start of sequence); feeding a sequence in
+    list with every layer's recurrent state (None = start of sequence), followed by the position
+    offsets [B] when ``config.position`` is not ``"none"`` (``LMState``); feeding a sequence in
     pieces with the state carried gives the logits of feeding it whole. ``generate`` prefills the
     prompt in one forward and then decodes one token per step from the carried state.
 
@@ -57,6 +62,8 @@ class LanguageModel(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
+        self.pos_embed = (nn.Embedding(config.max_seq_len, config.d_model)
+                          if config.position == "learned" else None)
         self.blocks = nn.ModuleList(
             Block(config, name, opts)
             for name, opts in zip(config.layer_mixers(), config.layer_options())
@@ -65,6 +72,8 @@ class LanguageModel(nn.Module):
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # Small embedding init (GPT-2's 0.02) keeps tied output logits near uniform at start.
         nn.init.normal_(self.embed.weight, std=0.02)
+        if self.pos_embed is not None:
+            nn.init.normal_(self.pos_embed.weight, std=0.02)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.gradient_checkpointing = False
@@ -151,16 +160,22 @@ class LanguageModel(nn.Module):
                 self._check_length(max(b - a for a, b in itertools.pairwise(bounds)))
         elif state is None:
             self._check_length(input_ids.shape[1])
+        n_state = len(self.blocks) + (self.config.position != "none")
         if state is None:
-            state = [None] * len(self.blocks)
-        elif not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
+            state = [None] * n_state
+        elif not isinstance(state, (list, tuple)) or len(state) != n_state:
             raise ValueError(
-                f"state must be None or a list of {len(self.blocks)} layer states "
+                f"state must be None or a list of {len(self.blocks)} layer states"
+                f"{' and then the position offsets' if n_state > len(self.blocks) else ''} "
                 f"(as returned by forward), got {type(state).__name__}"
                 + (f" of length {len(state)}" if isinstance(state, (list, tuple)) else "")
             )
-        x = self.drop(self.embed(input_ids))  # [B, T, d]
+        x = self.embed(input_ids)  # [B, T, d]
         new_state: LMState = []
+        if self.config.position != "none":
+            positions, offsets = self._positions(input_ids, state[-1], cu_seqlens)
+            x = x + self._position_encoding(positions).to(x.dtype)
+        x = self.drop(x)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         run = (self._gradient_checkpointing_func or _checkpoint) if recompute else None
         for block, s in zip(self.blocks, state):
@@ -171,10 +186,54 @@ class LanguageModel(nn.Module):
             else:
                 x, s = block(x, s, cu_seqlens)
             new_state.append(s)
+        if self.config.position != "none":
+            new_state.append(offsets)
         h = self.norm(x)  # [B, T, d]
         if collect is not None:
             collect.append(h)
         return h, new_state
+
+    def _positions(self, input_ids: torch.Tensor, offsets: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absolute positions of ``input_ids``'s tokens ([B, T], or [1, T] for a packed batch)
+        counting on from ``offsets`` (the state's; zeros when None), and the offsets after them."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        if cu_seqlens is None:
+            n = B
+            lengths = torch.full((B,), T, dtype=torch.long, device=device)
+        else:
+            bounds = cu_seqlens.tolist()
+            n = len(bounds) - 1
+            lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)], device=device)
+        if offsets is None:
+            offsets = torch.zeros(n, dtype=torch.long, device=device)
+        elif not (isinstance(offsets, torch.Tensor) and offsets.dtype == torch.long
+                  and offsets.shape == (n,)):
+            got = (f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor)
+                   else type(offsets).__name__)
+            raise ValueError(f"state[-1] (position offsets) must be a long tensor of shape [{n}], "
+                             f"got {got}")
+        if cu_seqlens is None:
+            positions = offsets[:, None] + torch.arange(T, device=device)  # [B, T]
+        else:
+            positions = token_positions(bounds, offsets.tolist(), device)[None]  # [1, T]
+        limit = self.config.max_seq_len
+        if self.pos_embed is not None and int(positions.max()) >= limit:
+            raise ValueError(f"position {int(positions.max())} is beyond the learned position "
+                             f"table of max_seq_len {limit} rows")
+        return positions, offsets.to(device) + lengths
+
+    def _position_encoding(self, positions: torch.Tensor) -> torch.Tensor:
+        """[..., d] encoding of integer ``positions``: the learned table's rows, or
+        PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(p / 10000^(2i/d))."""
+        if self.pos_embed is not None:
+            return self.pos_embed(positions)
+        d = self.config.d_model
+        freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d)
+        angle = positions[..., None].double() * freq  # [..., ceil(d/2)]
+        pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)[..., :d]
+        return pe
 
     @torch.no_grad()
     def generate(
@@ -322,6 +381,19 @@ def _flatten_state(state: Any) -> tuple[list[torch.Tensor], Callable[[list[torch
 
     build = spec(state)
     return leaves, lambda tensors: build(iter(tensors))
+
+
+def map_state(fn: Callable[[torch.Tensor], torch.Tensor], state: Any) -> Any:
+    """The state (a ``LanguageModel`` state, or any nested list/tuple/NamedTuple of tensors and
+    other values) with ``fn`` applied to every tensor: ``map_state(torch.Tensor.detach, s)``
+    cuts the graph of a carried state (truncated backpropagation through time)."""
+    leaves, rebuild = _flatten_state(state)
+    return rebuild([fn(t) for t in leaves])
+
+
+def state_tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors of a state (as ``map_state`` visits them), in order."""
+    return _flatten_state(state)[0]
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,

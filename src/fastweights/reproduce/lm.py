@@ -73,13 +73,15 @@ def diverged(config: LMConfig, settings: dict[str, Any], metrics: list[str]) -> 
             "tokens": tokens(settings), "diverged": True, "metrics": dict.fromkeys(metrics, math.nan)}
 
 
-def train_config(settings: dict[str, Any], seed: int) -> TrainConfig:
-    """The TrainConfig of one run; checkpoints every quarter so an interrupted run resumes."""
+def train_config(settings: dict[str, Any], seed: int, carry_state: bool = False) -> TrainConfig:
+    """The TrainConfig of one run; checkpoints every quarter so an interrupted run resumes.
+    ``carry_state``: truncated backpropagation through time over consecutive windows of each
+    row's stream (``TrainConfig.carry_state``) instead of independent random windows."""
     steps = settings["steps"]
     return TrainConfig(steps=steps, batch_size=settings["batch_size"], seq_len=settings["seq_len"],
                        lr=settings["lr"], warmup=min(30, max(1, steps // 10)), eval_every=steps,
                        eval_windows=settings["eval_windows"], save_every=max(1, steps // 4), seed=seed,
-                       anomaly_guard=True)
+                       anomaly_guard=True, carry_state=carry_state)
 
 
 def tokens(settings: dict[str, Any]) -> int:

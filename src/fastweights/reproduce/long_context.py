@@ -1,7 +1,11 @@
 """``long-context``: does the loss keep falling with more context? (the TTT paper's per-position
 figure, Sun et al. 2024, SPEC.md 2.9), on the bytes of ``stdlib``.
 
-Every model is trained on windows of ``seq_len`` bytes, then reads held-out streams of
+Every recurrent model is trained with its state carried across consecutive windows of
+``seq_len`` bytes of each row's stream (``TrainConfig.carry_state``, truncated backpropagation
+through time: it sees long contexts in training, as the paper's models do); softmax attention,
+whose cache cannot be carried, is trained on independent windows. Each model then reads
+held-out streams of
 ``factor * seq_len`` bytes in pieces of ``seq_len`` with its state carried (softmax: its
 key/value cache grows and RoPE positions continue past the training window). The loss at each
 position is averaged over the streams and over log-spaced position buckets [1, 2), [2, 4), ...
@@ -21,9 +25,12 @@ from . import lm
 from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_spread, values
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 400, "lr": 2e-3, "eval_windows": 16, "factor": 16, "streams": 16}
+           "steps": 400, "lr": 2e-3, "eval_windows": 16, "factor": 16, "streams": 16,
+           "carry_state": "all but softmax"}
 QUICK = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "eval_windows": 2, "factor": 8, "streams": 2}
+         "steps": 3, "lr": 2e-3, "eval_windows": 2, "factor": 8, "streams": 2,
+         "carry_state": "all but softmax"}
+WINDOWED = ("softmax",)  # trained on independent windows; every other model with carry_state
 RECURRENT = ("delta", "ttt-linear", "ttt-mlp", "infini", "diag/norm")
 
 
@@ -48,8 +55,9 @@ def plan(quick: bool, seeds: list[int], data: str) -> Plan:
     s = {**(QUICK if quick else DEFAULT), "data": data}
     lm.corpus(data)  # a missing corpus fails here, before --out is touched
     configs = _models(s)
-    return Plan(s, [RunSpec(label, seed, {"config": cfg.to_dict()}) for seed in seeds
-                    for label, cfg in configs.items()])
+    return Plan(s, [RunSpec(label, seed, {"config": cfg.to_dict(),
+                                          "carry_state": label not in WINDOWED})
+                    for seed in seeds for label, cfg in configs.items()])
 
 
 def _window_bucket(s: dict[str, Any]) -> str:
@@ -66,7 +74,8 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     corpus = lm.corpus(s["data"])
     config = LMConfig.from_dict(spec.options["config"])
-    model = lm.train_run(workdir, config, lm.train_config(s, spec.seed), corpus)
+    tcfg = lm.train_config(s, spec.seed, carry_state=spec.options.get("carry_state", False))
+    model = lm.train_run(workdir, config, tcfg, corpus)
     T, length = s["seq_len"], s["seq_len"] * s["factor"]
     if model is None:
         names = [lm.bucket_name(lo, hi) for lo, hi in lm.log_buckets(length)]
@@ -128,6 +137,11 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     return [
         lm.setup_note(s, rows, "softmax"),
+        ("Training: every model but softmax trains with its state carried across consecutive "
+        f"windows of {s['seq_len']} bytes (`train --carry-state`: each batch row reads one "
+        "contiguous shard of the training split, the state detached at every window boundary), "
+        "so it has seen contexts far longer than one window; softmax trains on independent "
+        "windows (its cache cannot be carried)."),
         (f"Evaluation: {s['streams']} consecutive streams of {s['factor']} x {s['seq_len']} = "
         f"{s['factor'] * s['seq_len']} bytes from the start of the validation split, read in "
         f"pieces of {s['seq_len']} with the state carried; `loss@a-b` is the mean loss at "

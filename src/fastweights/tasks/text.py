@@ -146,6 +146,25 @@ def packed_windows(data: torch.Tensor, doc_starts: torch.Tensor, batch_size: int
     return x.reshape(1, -1), y.reshape(1, -1), torch.tensor(cuts, dtype=torch.long)
 
 
+def stream_shard_len(data: torch.Tensor, batch_size: int) -> int:
+    """Bytes of each row's stream in carried-state training: ``data`` cut into ``batch_size``
+    contiguous shards of this length (the remainder at the end is not read)."""
+    return data.numel() // batch_size
+
+
+def stream_windows(data: torch.Tensor, batch_size: int, seq_len: int,
+                   position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Carried-state training batches: row r reads shard r of ``data`` (``stream_shard_len``
+    bytes from r times that length) at offset ``position``, so consecutive positions
+    (``position + seq_len``, ...) give consecutive windows of one long stream per row. Inputs
+    [N, T] and next-byte targets [N, T] (long); ``position + seq_len + 1`` must fit in a shard."""
+    shard = stream_shard_len(data, batch_size)
+    if not 0 <= position <= shard - seq_len - 1:
+        raise ValueError(f"position must be in [0, {shard - seq_len - 1}] (shards of {shard} "
+                         f"bytes, windows of seq_len + 1 = {seq_len + 1}), got {position}")
+    return _windows(data, torch.arange(batch_size) * shard + position, seq_len)
+
+
 def eval_windows(data: torch.Tensor, seq_len: int, max_windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Consecutive non-overlapping windows from the start of ``data`` (deterministic):
     inputs [n, T] and targets [n, T]; at most ``max_windows``."""

@@ -60,8 +60,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models import LanguageModel, LMConfig
+from ..models.lm import LMState, map_state, state_tensors
 from ..parallel import context_parallel_forward
-from ..tasks.text import Corpus, eval_windows, packed_windows, random_windows
+from ..tasks.text import (
+    Corpus,
+    eval_windows,
+    packed_windows,
+    random_windows,
+    stream_shard_len,
+    stream_windows,
+)
 from .checkpoint import (
     load_checkpoint,
     prune_checkpoints,
@@ -90,7 +98,18 @@ class TrainConfig:
     early stopping (else stop after that many validations without a new best). ``anomaly_guard`` stops training with
     ``TrainingAnomaly`` as soon as the loss or the gradient norm is NaN or inf, before that step
     changes the weights, so the last checkpoint stays the last good one. ``recompute`` turns on
-    the model's gradient checkpointing (less activation memory, same losses)."""
+    the model's gradient checkpointing (less activation memory, same losses).
+
+    ``carry_state`` trains without truncating the context at window boundaries (truncated
+    backpropagation through time, the fast weight paper's carried fast weights): the training
+    split is cut into ``batch_size`` contiguous shards, row r reads shard r as one stream in
+    consecutive windows of ``seq_len`` (``tasks.text.stream_windows``; all rows at the same
+    offset, a random start drawn from ``seed``), and each step starts from the previous step's
+    final state, detached (gradients stop at the window boundary). When the next window no
+    longer fits in the shards every row restarts at offset 0 from a fresh state. Validation then
+    reads its windows as one stream with the state carried too (``evaluate(carry_state=True)``).
+    Mixers whose state grows with the context (softmax attention's cache, AFT-full) or that
+    cannot continue past a position table are refused, as is ``pack``."""
 
     steps: int = 300
     batch_size: int = 16
@@ -110,6 +129,7 @@ class TrainConfig:
     anomaly_guard: bool = False
     pack: bool = False  # one packed row per step, state reset at document boundaries
     recompute: bool = False  # gradient checkpointing per block
+    carry_state: bool = False  # truncated BPTT: each row reads one stream, state carried (detached)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows"):
@@ -129,9 +149,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.min_lr_ratio <= 1 or not self.weight_decay >= 0:
             raise ValueError("min_lr_ratio must be in [0, 1] and weight_decay >= 0")
-        for name in ("anomaly_guard", "pack", "recompute", "bf16"):
+        for name in ("anomaly_guard", "pack", "recompute", "bf16", "carry_state"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.pack and self.carry_state:
+            raise ValueError("pack and carry_state exclude each other: packed rows restart the "
+                             "state at every document and window, carry_state continues it")
 
 
 class TrainingAnomaly(RuntimeError):
@@ -195,17 +218,34 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _try_forward(model: LanguageModel, seq_len: int, device: torch.device) -> None:
+def _try_forward(model: LanguageModel, seq_len: int, device: torch.device,
+                 carry_state: bool = False) -> None:
     """One forward of a [1, seq_len] batch in eval mode, without gradients and with the random
     streams untouched, so that combinations only a forward can check (a position table shorter
     than seq_len, a context-parallel shard off a block border (``seq_len`` is then the shard's
-    length), ...) raise their ValueError before the run folder is written."""
+    length), ...) raise their ValueError before the run folder is written. With
+    ``carry_state`` the model must be able to continue: every mixer's state has a fixed size
+    (not a cache growing with the context) and a second window from the carried state runs."""
+    if carry_state:
+        growing = sorted({type(b.mixer).__name__ for b in model.blocks
+                          if b.mixer.state_size(2 * seq_len) != b.mixer.state_size(seq_len)})
+        if growing:
+            raise ValueError(f"carry_state needs mixers with a fixed-size state; the state of "
+                             f"{', '.join(growing)} grows with the context (a cache), so carried "
+                             "training would attend over the whole stream")
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(
                 devices=[device] if device.type == "cuda" else []):
-            model(torch.zeros(1, seq_len, dtype=torch.long, device=device))
+            x = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+            _, state = model(x)
+            if carry_state:
+                try:
+                    model(x, state)
+                except ValueError as err:
+                    raise ValueError(f"carry_state: the model cannot continue its state past "
+                                     f"a window of seq_len {seq_len}: {err}") from None
     finally:
         model.train(was_training)
 
@@ -501,6 +541,10 @@ class Trainer:
         self.step, self.best, self.since_best = 0, float("inf"), 0
         self.losses: list[tuple[int, float]] = []  # (step, train loss) of this session
         self.tokens, self.elapsed = 0, 0.0  # trained this session, seconds since its first step
+        # carry_state: the stream offset of the next window (None before the first step) and
+        # this rank's detached state after the last step (None: a fresh state).
+        self.stream_pos: int | None = None
+        self.carry: LMState | None = None
 
     @property
     def main(self) -> bool:
@@ -526,11 +570,12 @@ class Trainer:
                 lambda mixer, x, state, cu: context_parallel_forward(mixer, x, group=group,
                                                                      state=state, cu_seqlens=cu))
         # before anything is written
-        _try_forward(self.model, self.cfg.seq_len // self.cp, self.device)
+        _try_forward(self.model, self.cfg.seq_len // self.cp, self.device, self.cfg.carry_state)
         if resumed:
             self._restore_progress(resumed[2])
         if self.main:  # everything is checked: the new run starts writing here
             self._open_run()
+        self.local = self.cfg.batch_size // self.dp  # rows of the global batch per replica
         self._build_optimizer(resumed[1] if resumed else None)
         # Context parallelism averages the gradients itself after the backward pass
         # (_average_gradients): DDP's reducer would run its all-reduces during the backward,
@@ -538,7 +583,6 @@ class Trainer:
         # of parameters that only some ranks use (TTT's initial state, read by the first shard).
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model)
                     if self.world > 1 and self.cp == 1 else self.model)
-        self.local = self.cfg.batch_size // self.dp  # rows of the global batch per replica
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
     def _configure(self) -> tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None:
@@ -576,6 +620,10 @@ class Trainer:
         """The settings must fit the world size, the model and the data."""
         cfg, limit, cp = self.cfg, self.model_config.max_seq_len, self.cp
         if cp > 1:
+            if cfg.carry_state:
+                raise ValueError(f"carry_state is not supported with context_parallel {cp}: the "
+                                 "carried states are gathered and checkpointed per batch row, "
+                                 "not per sequence shard")
             if cfg.pack:
                 raise ValueError(f"pack is not supported with context_parallel {cp}: context "
                                  "parallelism carries one sequence's state across processes, not "
@@ -594,6 +642,13 @@ class Trainer:
         if limit is not None and cfg.seq_len > limit:
             raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {limit}")
         _check_corpus(self.corpus, cfg)
+        if cfg.carry_state:
+            shard = stream_shard_len(self.corpus.train, cfg.batch_size)
+            if shard < cfg.seq_len + 1:
+                raise ValueError(
+                    f"carry_state cuts the training split of data {self.corpus.name} "
+                    f"({self.corpus.train.numel()} bytes) into batch_size {cfg.batch_size} "
+                    f"streams of {shard} bytes, fewer than seq_len + 1 = {cfg.seq_len + 1}")
 
     def _split_world(self) -> None:
         """The data-parallel and context-parallel coordinates of this rank; with context
@@ -655,6 +710,22 @@ class Trainer:
         for group, base in zip(self.opt.param_groups, self.sched.base_lrs):
             group["lr"] = base * lr_factor(self.step, cfg)
         _set_rng_states(saved["rng"], self.data_gen)
+        if self.cfg.carry_state:
+            self._restore_carry(saved.get("carry"))
+
+    def _restore_carry(self, carry: dict[str, Any] | None) -> None:
+        """The stream offset and this rank's rows of the saved global carried state."""
+        if carry is None:
+            raise ValueError("the checkpoint holds no carried state, but the run trains with "
+                             "carry_state")
+        self.stream_pos = carry["position"]
+        state, rows = carry["state"], self.cfg.batch_size
+        leaves = [] if state is None else state_tensors(state)
+        if any(t.dim() == 0 or t.shape[0] != rows for t in leaves):
+            raise ValueError(f"the checkpoint's carried state does not hold batch_size {rows} "
+                             "rows")
+        first = self.rank * self.local
+        self.carry = map_state(lambda t: t[first:first + self.local].to(self.device), state)
 
     def run(self, stop_after: int | None = None) -> list[tuple[int, float]]:
         """Train until ``cfg.steps`` (or early stopping, or ``stop_after`` without the final
@@ -695,10 +766,27 @@ class Trainer:
             x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size,
                                       cfg.seq_len, self.data_gen, rows=rows)
             return x.to(self.device), y.to(self.device), cu.to(self.device)
-        x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, self.data_gen)
+        if cfg.carry_state:
+            x, y = self._next_stream_windows()
+        else:
+            x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, self.data_gen)
         width = cfg.seq_len // self.cp
         part = (slice(*rows), slice(self.cp_rank * width, (self.cp_rank + 1) * width))
         return x[part].to(self.device), y[part].to(self.device), None
+
+    def _next_stream_windows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """carry_state: the global batch's next consecutive windows (``stream_windows``); the
+        first offset is drawn from the data generator, and where the next window does not fit
+        every row restarts at offset 0 with a fresh state."""
+        cfg = self.cfg
+        last = stream_shard_len(self.corpus.train, cfg.batch_size) - cfg.seq_len - 1
+        if self.stream_pos is None:
+            self.stream_pos = int(torch.randint(0, last + 1, (1,), generator=self.data_gen))
+        elif self.stream_pos > last:
+            self.stream_pos, self.carry = 0, None
+        x, y = stream_windows(self.corpus.train, cfg.batch_size, cfg.seq_len, self.stream_pos)
+        self.stream_pos += cfg.seq_len
+        return x, y
 
     def train_step(self) -> float:
         """One optimiser step on the next global batch; its loss (the global batch's under DDP
@@ -707,7 +795,9 @@ class Trainer:
         set_inner_lr_ramp(self.model, self.step, cfg.warmup)
         x, y, cu = self._next_batch()
         with self.autocast:
-            logits, _ = self.ddp(x, cu_seqlens=cu)
+            logits, state = self.ddp(x, self.carry, cu_seqlens=cu)
+        if cfg.carry_state:  # the next step continues from here; gradients stop at the boundary
+            self.carry = map_state(torch.Tensor.detach, state)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -751,7 +841,7 @@ class Trainer:
         has run out."""
         shard = (self.cp_rank, self.cp, self.cp_group) if self.cp_group is not None else None
         val = evaluate(self.model, self.corpus.val, self.cfg.seq_len, self.cfg.eval_windows,
-                       shard=shard)
+                       shard=shard, carry_state=self.cfg.carry_state)
         if self.main:
             self.metrics.log(self.step, "val", val, seconds=self.elapsed)
             self.bar.write(f"step {self.step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
@@ -765,11 +855,13 @@ class Trainer:
         """Checkpoint of the current step (rank 0; the others wait for it), then ``keep_last``
         retention; the checkpoint's folder on rank 0, else None."""
         path = None
+        carry = self._gathered_carry() if self.cfg.carry_state else None
         if self.main:
+            extra = {} if carry is None else {"carry": carry}
             path = save_checkpoint(
                 self.run_dir, self.step, self.model,
                 {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                 "rng": _rng_states(self.data_gen)},
+                 "rng": _rng_states(self.data_gen), **extra},
                 {"step": self.step, "best_val_loss": self.best, "since_best": self.since_best,
                  "train": dataclasses.asdict(self.cfg)})
             if self.cfg.keep_last is not None:
@@ -777,6 +869,20 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
         return path
+
+    def _gathered_carry(self) -> dict[str, Any]:
+        """carry_state: the stream offset and the carried state of the whole global batch, on
+        the CPU (every rank's rows, gathered in rank order; every rank takes part), so that a
+        resumed run, on any number of ranks, continues each row's stream exactly."""
+        state = map_state(lambda t: t.detach().cpu(), self.carry)
+        if self.world > 1:
+            parts: list[Any] = [None] * self.world
+            dist.all_gather_object(parts, state)
+            if state is not None:
+                leaves = [state_tensors(p) for p in parts]
+                merged = iter([torch.cat(ts) for ts in zip(*leaves)])
+                state = map_state(lambda _: next(merged), state)
+        return {"position": self.stream_pos, "state": state}
 
     def teardown(self) -> None:
         """Close the progress bar and metrics; under DDP free DDP's reducer and end the process
