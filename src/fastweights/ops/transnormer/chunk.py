@@ -2,8 +2,8 @@
 block-diagonal attention (SPEC.md 3.2).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, C chunk size,
-w block size, N number of chunks/blocks. Inputs ``[B, T, H, D]`` in the compute dtype, q already
-scaled (decay op); state ``S [B, H, Dk, Dv]``; ``decay`` ``[H]``. T need not be a multiple of
+w block size, N number of chunks/blocks. Inputs ``[B, T, H, D]`` in the compute dtype (the
+decay form applies its ``scale`` itself); state ``S [B, H, Dk, Dv]``; ``decay`` ``[H]``. T need not be a multiple of
 C or w: the tail is zero-padded (see the comments on why padding changes nothing).
 """
 
@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fwp.chunk import _from_chunks, _to_chunks
+from ..fwp.chunk import (
+    _entering_states,
+    _from_chunks,
+    _head_slices,
+    _merge_heads,
+    _per_head,
+    _to_chunks,
+)
 
 
 def decay_linear_attn_chunk(
@@ -27,17 +34,14 @@ def decay_linear_attn_chunk(
 
     Every decay factor is a power lambda^e with 0 <= e <= C (never lambda^-e, which overflows
     for small lambda), and D and Λ_q are the same for every chunk: built once per call as small
-    tables, never as a T x T matrix. No layout copy of q, k, v: viewed as [B*N, C, H, D], each
-    head's slice is a batch of C x D matrices with one batch stride, which a batched matmul
-    reads in place; so every product is one call per head over all chunks, and only the state
-    hand-off between chunks is a loop. The output is returned as a [B, T, H, Dv] view of a
-    head-major tensor (its consumer merges heads with one copy either way)."""
+    tables, never as a T x T matrix. As in the sum rule's chunk form (fwp/chunk.py), every
+    product is one batched matmul per head over all chunks, read in place from the inputs, and
+    only the state hand-off between chunks is a loop."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     C = min(chunk_size, T)
     N = -(-T // C)
-    if N * C != T:  # zero keys and values write nothing; the weights below ignore the pad
-        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, N * C - T)) for x in (q, k, v))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, decay, S))
     lam = decay.view(H, 1, 1)
     idx = torch.arange(C, device=q.device)
     gap = idx.view(C, 1) - idx.view(1, C)  # i - j
@@ -50,25 +54,23 @@ def decay_linear_attn_chunk(
     length[-1] = T - (N - 1) * C
     v_w = lam ** (length - 1 - idx).clamp(min=0)  # [H, N, C]
     chunk_decay = lam.view(1, H, 1, 1, 1) ** length.view(N, 1, 1, 1, 1)  # [N, H, 1, 1, 1]
-    # unbind, not indexing: its backward is one stack, not H scatters into zeros.
-    qs, ks, vs = (x.reshape(B * N, C, H, x.shape[-1]).unbind(2) for x in (q, k, v))  # H x [BN, C, D]
-    U = torch.stack([  # [H, B, N, Dk, Dv]: each chunk's own writes
-        ks[h].transpose(-1, -2) @ (vs[h].view(B, N, C, Dv) * v_w[h].unsqueeze(-1)).view(B * N, C, Dv)
-        for h in range(H)
-    ]).view(H, B, N, Dk, Dv)
-    S = S.transpose(0, 1)  # [H, B, Dk, Dv]
-    entering = []
-    for n in range(N):
-        entering.append(S)
-        S = torch.addcmul(U[:, :, n], chunk_decay[n], S)  # lambda^L S + U
-    S_in = torch.stack(entering, dim=2).view(H, B * N, Dk, Dv)
-    outs = []
-    for h in range(H):
-        scores = qs[h] @ ks[h].transpose(-1, -2)  # [BN, C, C]
+    qs, ks, vs = (_head_slices(x, C) for x in (q, k, v))  # H x [B*N, C, D]
+
+    def writes(h: int, out: torch.Tensor | None) -> torch.Tensor:  # K^T diag(v_w) V per chunk
+        weighted = (vs[h].view(B, N, C, Dv) * v_w[h].unsqueeze(-1)).view(B * N, C, Dv)
+        return torch.matmul(ks[h].transpose(-1, -2), weighted, out=out)
+
+    U = _per_head(H, (B * N, Dk, Dv), q, grad, writes).view(H, B, N, Dk, Dv)
+    S_in, S = _entering_states(S.transpose(0, 1), U, chunk_decay)  # lambda^L S + U
+    S_in = S_in.view(H, B * N, Dk, Dv)
+
+    def head(h: int, out: torch.Tensor | None) -> torch.Tensor:
+        scores = qs[h] @ ks[h].transpose(-1, -2)  # [B*N, C, C]
         # In place on the fresh product unless autograd needs it intact for the decay's gradient.
         scores = scores * D[h] if D.requires_grad else scores.mul_(D[h])
-        outs.append(torch.baddbmm((qs[h] * q_w[h]) @ S_in[h], scores, vs[h]))
-    o = torch.stack(outs).view(H, B, N * C, Dv)[:, :, :T].permute(1, 2, 0, 3)
+        return torch.matmul(qs[h] * q_w[h], S_in[h], out=out).baddbmm_(scores, vs[h])
+
+    o = _merge_heads(_per_head(H, (B * N, C, Dv), q, grad, head), B, T)
     return o, S.transpose(0, 1)
 
 
