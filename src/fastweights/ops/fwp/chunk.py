@@ -32,13 +32,15 @@ def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def _chunk_major(x: torch.Tensor, C: int) -> torch.Tensor:
-    """[B, T, H, D] -> [N, B*H, C, D] (one copy), zero-padding T up to N*C. Chunk-major so that
-    each chunk of the sequential state hand-off is one contiguous batch of matrices."""
+    """[B, T, H, D] -> [N, B*H, C, D] (one copy, contiguous), zero-padding T up to N*C.
+    Chunk-major so that each chunk of the sequential state hand-off is one contiguous batch of
+    matrices. Contiguous also for B = 1, where the reshape alone would be a strided view: every
+    matmul folding [N, B*H] into one batch dimension would then copy it again."""
     B, T, H, D = x.shape
     N = -(-T // C)
     if N * C != T:
         x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
-    return x.reshape(B, N, C, H, D).permute(1, 0, 3, 2, 4).reshape(N, B * H, C, D)
+    return x.reshape(B, N, C, H, D).permute(1, 0, 3, 2, 4).reshape(N, B * H, C, D).contiguous()
 
 
 def _from_chunk_major(x: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -206,20 +208,32 @@ class _DeltaRuleChunk(torch.autograd.Function):
         """X and the states entering every chunk, (X, S_in [N, BH, Dk, Dv], U, S_final)."""
         X = _delta_wy(kc, bc)
         Tm = X * bc.transpose(-1, -2)  # X diag(beta)
-        W, U0 = Tm @ kc, Tm @ vc  # [N, BH, C, Dk], [N, BH, C, Dv]
-        S, entering, Us = S0, [], []
-        for n in range(kc.shape[0]):
-            U = torch.baddbmm(U0[n], W[n], S, alpha=-1)  # U0 - W S
-            entering.append(S)
-            S = torch.baddbmm(S, kc[n].transpose(-1, -2), U)  # S + K^T U
-            Us.append(U)
-        return X, torch.stack(entering), torch.stack(Us), S
+        W, U = Tm @ kc, Tm @ vc  # [N, BH, C, Dk]; U holds U0 until the loop reaches its chunk
+        N = kc.shape[0]
+        kT = kc.transpose(-1, -2)
+        if torch.is_grad_enabled():  # double backward: a graph through every step
+            S, entering, Us = S0, [], []
+            for n in range(N):
+                Un = torch.baddbmm(U[n], W[n], S, alpha=-1)  # U0 - W S
+                entering.append(S)
+                S = torch.baddbmm(S, kT[n], Un)  # S + K^T U
+                Us.append(Un)
+            return X, torch.stack(entering), torch.stack(Us), S
+        # Without autograd every step writes in place: U0 becomes U, and each state goes
+        # straight into its slot of S_in (no copies of addends, no stacking).
+        S_in = S0.new_empty(N, *S0.shape)
+        S_in[0] = S0
+        for n in range(N):
+            U[n].baddbmm_(W[n], S_in[n], alpha=-1)
+            if n + 1 < N:
+                torch.baddbmm(S_in[n], kT[n], U[n], out=S_in[n + 1])
+        return X, S_in, U, torch.baddbmm(S_in[N - 1], kT[N - 1], U[N - 1])
 
     @staticmethod
     def forward(ctx, qc, kc, vc, bc, S0):  # type: ignore[override]
         X, S_in, U, S = _DeltaRuleChunk._states(kc, vc, bc, S0)
         qk = (qc @ kc.transpose(-1, -2)).tril_()
-        o = torch.baddbmm((qc @ S_in).flatten(0, 1), qk.flatten(0, 1), U.flatten(0, 1))
+        o = (qc @ S_in).flatten(0, 1).baddbmm_(qk.flatten(0, 1), U.flatten(0, 1))
         ctx.save_for_backward(qc, kc, vc, bc, S0, X, S_in)
         return o.unflatten(0, qc.shape[:2]), S
 
