@@ -15,6 +15,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,11 +23,12 @@ from ..cli import UserError, make_folder
 from ..models.registry import check_mixer, mixer_names
 from ..train.specs import SpecError, parse_mixer_spec
 from . import measure
-from .report import OUTPUT_FILES, write_csv, write_markdown, write_plots
+from .peers import peer_table, run_peers
+from .report import OUTPUT_FILES, write_csv, write_markdown, write_peer_csv, write_plots
 from .runner import PASSES, run_targets
 from .targets import Setting, mixer_targets, op_targets
 
-__all__ = ["BenchOptions", "add_arguments", "parse_options", "run"]
+__all__ = ["BenchOptions", "add_arguments", "cpu_info", "parse_options", "run"]
 
 DEFAULT_LENGTHS = "512..16384"
 FULL_LENGTHS = "512..65536"
@@ -50,6 +52,7 @@ class BenchOptions:
     repeats: int
     time_budget: float
     ops: bool
+    peers: bool
     compile: bool
     out: Path
     overwrite: bool
@@ -83,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CI-sized preset: lengths 16,32, d_model 32, 2 heads, 2 repeats")
     p.add_argument("--ops", action="store_true",
                    help="also benchmark the op-level forms (every mode of every op)")
+    p.add_argument("--peers", action="store_true",
+                   help="also time the installed peers' CPU references (flash-linear-attention's "
+                        "pure-PyTorch chunked forms, torch SDPA) next to our ops, forward, "
+                        "float32, same process; written to peers.csv and results.md")
     p.add_argument("--compile", action="store_true",
                    help="also torch.compile each mixer: max |compiled - eager| and its time")
     p.add_argument("--out", default="bench_results", help="output folder (default bench_results/)")
@@ -141,8 +148,8 @@ def parse_options(args: argparse.Namespace) -> BenchOptions:
 
     if mixers and "softmax" in registered and not any(m.split(":")[0] == "softmax" for m in mixers):
         mixers = ["softmax", *mixers]  # the baseline every report compares against
-    if not mixers and not args.ops:
-        raise UserError("--mixers none needs --ops (nothing to benchmark otherwise)")
+    if not mixers and not args.ops and not args.peers:
+        raise UserError("--mixers none needs --ops or --peers (nothing to benchmark otherwise)")
     lengths = _lengths(raw["lengths"] or (FULL_LENGTHS if args.full else DEFAULT_LENGTHS))
     passes = [p.strip() for p in raw["passes"].split(",") if p.strip()]
     bad = [p for p in passes if p not in PASSES]
@@ -188,8 +195,10 @@ def parse_options(args: argparse.Namespace) -> BenchOptions:
             raise UserError(f"--mixers {spec}: {err}") from None
     make_folder(out)  # before measuring: a bad --out must not cost the measurements
     setting = Setting(batch, d_model, n_heads, _DTYPES[raw["dtype"]], device)
-    return BenchOptions(mixers, lengths, passes, setting, repeats, budget, args.ops, args.compile,
-                        out, args.overwrite, args.quick, not args.no_progress)
+    if args.peers and device.type != "cpu":
+        raise UserError("--peers compares CPU references: it needs --device cpu")
+    return BenchOptions(mixers, lengths, passes, setting, repeats, budget, args.ops, args.peers,
+                        args.compile, out, args.overwrite, args.quick, not args.no_progress)
 
 
 def _machine() -> str:
@@ -201,6 +210,31 @@ def _machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"
+
+
+# Instruction-set flags (as /proc/cpuinfo spells them) that decide CPU matmul speed: vector
+# width (AVX2/FMA, AVX-512 families), bfloat16/int8 dot products (AVX512_BF16, VNNI) and AMX.
+_ISA_PREFIXES = ("avx", "fma", "amx", "f16c")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
+    """{"model": CPU model name or None, "isa": sorted vector/matrix instruction-set flags}, read
+    from /proc/cpuinfo (or the given text); empty where the file is unavailable (not Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return {"model": None, "isa": []}
+    model, flags = None, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    return {"model": model, "isa": sorted(f for f in flags if f.startswith(_ISA_PREFIXES))}
 
 
 def _available_memory(device: torch.device) -> float:
@@ -263,7 +297,8 @@ def _command_line(opts: BenchOptions) -> str:
              "--dtype", str(s.dtype).removeprefix("torch."), "--device", str(s.device),
              "--repeats", str(opts.repeats), "--passes", ",".join(opts.passes),
              "--time-budget", f"{opts.time_budget:g}"]
-    parts += [flag for flag, on in (("--ops", opts.ops), ("--compile", opts.compile)) if on]
+    parts += [flag for flag, on in (("--ops", opts.ops), ("--peers", opts.peers),
+                                    ("--compile", opts.compile)) if on]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -288,21 +323,32 @@ def run(args: argparse.Namespace) -> int:
     rows = run_targets(targets, opts.lengths, opts.passes, s, opts.repeats, opts.time_budget,
                        memory_limit=0.5 * _available_memory(s.device), memory=memory_ok,
                        compile_check=opts.compile, progress=opts.progress)
+    peer_rows, peers_missing = [], {}
+    if opts.peers:
+        peer_rows, peers_missing = run_peers(opts.lengths, s.batch, s.n_heads,
+                                             s.d_model // s.n_heads, opts.repeats,
+                                             opts.time_budget)
+    cpu = cpu_info()
     meta = {
         "command": _command_line(opts),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": _machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": _machine(), "cpu_model": cpu["model"], "cpu_isa": cpu["isa"],
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
         "device": str(s.device), "dtype": str(s.dtype).removeprefix("torch."),
         "batch": s.batch, "d_model": s.d_model, "n_heads": s.n_heads,
         "repeats": opts.repeats, "time_budget": opts.time_budget,
         "matmul_gflops_per_s": peak, "matmul_n": peak_n, "matmul_dtype": str(matmul_dtype),
         "left_out_ops": left_out,
+        "peers_missing": peers_missing,
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     for name in OUTPUT_FILES:  # --overwrite: drop stale files (e.g. plots without matplotlib)
         (opts.out / name).unlink(missing_ok=True)
     write_csv(opts.out / "results.csv", rows, meta)
-    write_markdown(opts.out / "results.md", rows, meta, method_notes(opts, memory_ok))
+    if opts.peers:
+        write_peer_csv(opts.out / "peers.csv", peer_rows)
+    write_markdown(opts.out / "results.md", rows, meta, method_notes(opts, memory_ok),
+                   peer_table(peer_rows, peers_missing) if opts.peers else None)
     (opts.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     written = write_plots(opts.out, rows)
     n_ok = sum(r.status == "ok" for r in rows)
