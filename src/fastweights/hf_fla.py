@@ -103,9 +103,16 @@ class FlaDeltaNetForCausalLM(FastWeightsForCausalLM):
         kwargs.setdefault("local_files_only", True)
         return super().from_pretrained(folder, *args, **kwargs)
 
-    def _logits_and_state(self, input_ids: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        hidden, state = self.model(input_ids, state)  # [b, t, d]
-        return self.lm_head(hidden), state
+    def _hidden_and_state(self, input_ids: torch.Tensor, state: Any,
+                          cu_seqlens: torch.Tensor | None = None,
+                          collect: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+        # fla's backbone has neither packed documents nor hidden-state capture here
+        if cu_seqlens is not None:
+            raise ValueError("packed documents (cu_seqlens, position_ids restarting at 0, ...) "
+                             "are not supported by FlaDeltaNetForCausalLM")
+        if collect is not None:
+            raise ValueError("output_hidden_states is not supported by FlaDeltaNetForCausalLM")
+        return self.model(input_ids, state)  # [b, t, d] after the final norm
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("labels") is not None and self.config.use_l2warp:

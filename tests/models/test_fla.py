@@ -289,3 +289,20 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     scope = {"__name__": "__readme__"}
     exec(compile(block, "README.md", "exec"), scope)
     assert scope["greedy"].shape == scope["sampled"].shape == scope["beam"].shape == (1, 24)
+
+
+def test_packed_documents_and_hidden_states_are_refused_right_padding_works(checkpoint):
+    m = load(checkpoint)
+    x = prompt(6)
+    with pytest.raises(ValueError, match="packed documents"):
+        m(x, cu_seqlens=torch.tensor([0, 2, 6]), use_cache=False)
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        m(x, output_hidden_states=True)
+    with pytest.raises(TypeError, match="foo"):
+        m(x, foo=1)
+    # a right-padded row equals its unpadded self (no cache in a training forward)
+    ids = torch.cat([x, torch.cat([x[:, :4], torch.zeros(1, 2, dtype=torch.long)], 1)])
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    out = m(ids, attention_mask=mask, use_cache=False).logits
+    assert torch.allclose(out[1, :4], m(x[:, :4]).logits[0], atol=1e-10)
+    assert torch.allclose(out[0], m(x).logits[0], atol=1e-10)

@@ -1,4 +1,5 @@
-"""nn.Modules, one per mixer, all with ``forward(x, state=None) -> (y, state)`` and ``state_size()``."""
+"""nn.Modules, one per mixer, all with ``forward(x, state=None, cu_seqlens=None) -> (y, state)``,
+``state_size()`` and an ``options`` declaration (see ``base.Mixer``)."""
 
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer

@@ -34,7 +34,7 @@ from ..ops.aft import (
     aft_simple_stream,
 )
 from ..ops.aft.common import MODES
-from .base import Mixer, State, merge_heads, split_heads
+from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
 
 
 class _AFT(Mixer):
@@ -119,6 +119,10 @@ class AFTFull(_AFT):
     bias has no constant-size state), so ``state_size(seq_len)`` grows linearly.
     """
 
+    options = declare_options(d_hidden=Option(int | None, None), max_len=Option(int, 1024),
+                              d_bias=Option(int, 128), bias_std=Option(float, 0.01),
+                              chunk_size=Option(int, 64))
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  max_len: int = 1024, d_bias: int = 128, bias_std: float = 0.01,
                  chunk_size: int = 64) -> None:
@@ -126,7 +130,12 @@ class AFTFull(_AFT):
         self.bias = _PositionBias(max_len, d_bias, bias_std)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is not None:
+            # aft_full_stream has no cu_seqlens: each document attends to its own cache of
+            # its own length, with its own rows of the position table.
+            return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
         state = self._typed_state(state, AFTFullState)
         past = 0 if state is None else state.k_cache.shape[1]
@@ -153,6 +162,11 @@ class AFTLocal(_AFT):
     ``state_size`` counts its floats once the cache is full: 3 d' + 2 (s - 1) d'.
     """
 
+    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
+                              max_len=Option(int, 1024), d_bias=Option(int, 128),
+                              bias_std=Option(float, 0.01), mode=Option(str, "chunk"),
+                              chunk_size=Option(int, 64))
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, max_len: int = 1024, d_bias: int = 128,
                  bias_std: float = 0.01, mode: str = "chunk", chunk_size: int = 64) -> None:
@@ -162,15 +176,27 @@ class AFTLocal(_AFT):
         self.mode = check_choice("mode", mode, MODES)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
-        state = self._typed_state(state, AFTLocalState)
-        past = 0 if state is None else state.pos
-        w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is None:
+            check_layer_input(x, self.d_model)
+            state = self._typed_state(state, AFTLocalState)
+            past = 0 if state is None else state.pos
+            w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
+        else:
+            bounds, states = self._documents(x, state, cu_seqlens)
+            state = [self._typed_state(s, AFTLocalState) for s in states]
+            # Every document counts positions from its own start (or its carried position):
+            # row i of the band depends only on the absolute position p of its token, so one
+            # band from position 0 to the furthest document end serves all documents.
+            starts = [0 if s is None else s.pos for s in state]
+            stop = max(p + b - a for p, a, b in zip(starts, bounds, bounds[1:]))
+            w = self.bias.band(0, stop, self.window, self.chunk_size)
+            w = w[token_positions(bounds, starts, x.device)]  # [T, s]
         q, k, v = self._qkv(x)
         o, state = aft_local_stream(q, k, v, w, window=self.window, initial_state=state,
                                     output_final_state=True, mode=self.mode,
-                                    chunk_size=self.chunk_size)
+                                    chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -184,16 +210,19 @@ class AFTSimple(_AFT):
     """AFT-simple (SPEC 4.2): no position bias, Y_t = sigmoid(Q_t) * sum_{t' <= t} softmax_t'(K) V.
     State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence length."""
 
+    options = declare_options(d_hidden=Option(int | None, None), mode=Option(str, "chunk"))
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  mode: str = "chunk") -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
         self.mode = check_choice("mode", mode, MODES)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
         o, state = aft_simple_stream(q, k, v, initial_state=state, output_final_state=True,
-                                     mode=self.mode)
+                                     mode=self.mode, cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -213,6 +242,9 @@ class AFTConv(_AFT):
     """
 
     eps = 1e-5
+    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
+                              reparam=Option(bool, True), mode=Option(str, "chunk"),
+                              chunk_size=Option(int, 64))
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, reparam: bool = True, mode: str = "chunk",
@@ -240,13 +272,14 @@ class AFTConv(_AFT):
         var = w.var(dim=-1, unbiased=False, keepdim=True)
         return self.gamma[:, None] * (w - mean) / torch.sqrt(var + self.eps) + self.beta[:, None]
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
         H = self.n_heads
         o, state = aft_conv_stream(split_heads(q, H), k, split_heads(v, H), self.kernel_weight(),
                                    initial_state=state, output_final_state=True, mode=self.mode,
-                                   chunk_size=self.chunk_size)
+                                   chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self.out(merge_heads(o)), state
 
     def state_size(self, seq_len: int = 1) -> int:

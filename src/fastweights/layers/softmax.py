@@ -7,7 +7,7 @@ from torch import nn
 
 from .._checks import check_arg, check_bool, check_layer_input
 from ..ops.softmax import softmax_attention
-from .base import Mixer, State, merge_heads, split_heads
+from .base import Mixer, Option, State, declare_options, merge_heads, split_heads
 from .positional import RotaryFrequencies, apply_rotary
 
 
@@ -15,6 +15,9 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
     """Causal multi-head softmax attention with optional rotary positions (``rope``, base
     ``rope_base``). State: ``(k_cache [B, t, H, D], v_cache [B, t, H, D])`` of every token seen
     (keys stored after rotation), so ``state_size(seq_len)`` grows linearly with ``seq_len``."""
+
+    options = declare_options(head_dim=Option(int | None, None), rope=Option(bool, True),
+                              rope_base=Option(float, 10000.0), bias=Option(bool, False))
 
     def __init__(self, d_model: int, n_heads: int, *, head_dim: int | None = None,
                  rope: bool = True, rope_base: float = 10000.0, bias: bool = False) -> None:
@@ -26,7 +29,12 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
         if rope:
             self._init_rotary(rope_base)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is not None:
+            # softmax_attention has no document mask, and each document's KV cache has its
+            # own length: one call per document.
+            return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x)

@@ -27,7 +27,17 @@ from .._checks import (
 )
 from ..ops.fwp import MODES, elu_plus_one, linear_attn
 from ..ops.transnormer import KERNELS, block_attention, decay_linear_attn, srms_norm
-from .base import Mixer, State, merge_heads, split_heads
+from .base import (
+    Mixer,
+    Option,
+    State,
+    declare_options,
+    merge_heads,
+    packed_or_single,
+    per_document,
+    split_heads,
+    token_positions,
+)
 from .positional import apply_rotary, rotary_inv_freq
 
 ACTIVATIONS = {
@@ -134,6 +144,13 @@ class NormAttention(Mixer):
     sequence-global when the sequence is fed in pieces. ``decay_values`` holds the lambda_h.
     """
 
+    options = declare_options(
+        head_dim=Option(int | None, None), activation=Option(str, "1+elu"),
+        lrpe=Option(bool, True), decay=Option(bool, False),
+        decay_scale=Option(float, 1.0), mode=Option(str, "chunk"),
+        chunk_size=Option(int, 64),
+    )
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         activation: str = "1+elu", lrpe: bool = True, decay: bool = False,
@@ -156,33 +173,40 @@ class NormAttention(Mixer):
         if decay:
             self.gate = nn.Linear(d_model, H * D)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
-        T = x.shape[1]
-        S, pos = NormState.check(state)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        bounds, docs = self._documents(x, state, cu_seqlens)
+        S, pos = zip(*(NormState.check(s) for s in docs))  # per document
         H = self.n_heads
         act = ACTIVATIONS[self.activation]
         q = act(split_heads(self.q_proj(x), H))
         k = act(split_heads(self.k_proj(x), H))
         v = split_heads(self.v_proj(x), H)
         if self.lrpe is not None:
-            positions = torch.arange(pos, pos + T, device=x.device)
+            # Sequence-global positions, restarting at every document when packed.
+            positions = token_positions(bounds, pos, x.device)
             q, k = self.lrpe(q, positions), self.lrpe(k, positions)
         if x.dtype in HALF:
             # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
             # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences.
             q, k, v = q.float(), k.float(), v.float()
-        opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size}
+        opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size,
+                "cu_seqlens": cu_seqlens}
         if self.decay_values is not None:
             lam = torch.tensor(self.decay_values, dtype=state_dtype(q.dtype), device=q.device)
-            o, S = decay_linear_attn(q, k, v, lam, initial_state=S, **opts)
+            o, final = decay_linear_attn(q, k, v, lam, initial_state=packed_or_single(S, cu_seqlens),
+                                         **opts)
+            S = per_document(final, cu_seqlens)
         else:
-            init = None if S is None else (S, S.new_zeros(S.shape[:-1]))
-            o, (S, _) = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
+            # linear_attn carries (S, z); z is unused without the normaliser.
+            init = packed_or_single([_with_z(s) for s in S], cu_seqlens)
+            o, final = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
+            S = [s for s, _ in per_document(final, cu_seqlens)]
         o = srms_norm(merge_heads(o))
         if self.decay_values is not None:
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
-        return self.out(o.to(x.dtype)), NormState(S, pos + T)
+        finals = [NormState(s, p + b - a) for s, p, a, b in zip(S, pos, bounds, bounds[1:])]
+        return self.out(o.to(x.dtype)), packed_or_single(finals, cu_seqlens)
 
     def state_size(self, seq_len: int = 1) -> int:
         return self.n_heads * self.head_dim * self.head_dim
@@ -190,6 +214,11 @@ class NormAttention(Mixer):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, activation={self.activation}, "
                 f"lrpe={self.lrpe is not None}, decay={self.decay_values is not None}")
+
+
+def _with_z(S: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """linear_attn's (S, z) state for NormAttention's S (no normaliser, so z = 0)."""
+    return None if S is None else (S, S.new_zeros(S.shape[:-1]))
 
 
 class NormState(NamedTuple):
@@ -247,6 +276,9 @@ class DiagAttention(Mixer):
     ``state_size()`` reports the largest such state, 2 H D (block_size - 1).
     """
 
+    options = declare_options(head_dim=Option(int | None, None), block_size=Option(int, 64),
+                              kernel=Option(str, "softmax"), lrpe=Option(bool, True))
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, block_size: int = 64,
         kernel: str = "softmax", lrpe: bool = True,
@@ -258,7 +290,12 @@ class DiagAttention(Mixer):
         _qkv_projections(self, d_model, n_heads * self.head_dim)
         self.lrpe = LRPE(self.head_dim) if lrpe else None
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is not None:
+            # block_attention has no document boundaries, blocks start at each document's start
+            # and every document has its own open block: one call per document.
+            return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
         B, T, _ = x.shape
         H, D, w = self.n_heads, self.head_dim, self.block_size
