@@ -121,6 +121,8 @@ def token_positions(bounds: Sequence[int], starts: Sequence[int],
                     device: torch.device) -> torch.Tensor:
     """[T] int64: the position of every token of a packed batch, document d's tokens
     (bounds[d] .. bounds[d+1] - 1) counting on from ``starts[d]`` (its tokens seen before)."""
+    if len(bounds) == 2:  # one document (every unpacked call, every decoding step)
+        return torch.arange(starts[0], starts[0] + bounds[1], device=device)
     lengths = torch.tensor([b - a for a, b in pairwise(bounds)])
     shift = torch.tensor(list(starts)) - torch.tensor(list(bounds[:-1]))  # [N]
     positions = torch.arange(bounds[-1]) + shift.repeat_interleave(lengths)
