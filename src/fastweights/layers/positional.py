@@ -42,10 +42,13 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     are cos, sin [(B,) T, D/2] (float64 for float64 x, else float32)."""
     if cos.dim() == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B|1, T, 1, D/2]
-    xc = x.to(cos.dtype)
-    even, odd = xc[..., 0::2], xc[..., 1::2]
-    out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    rot = torch.complex(cos, sin).unsqueeze(2)  # [B|1, T, 1, D/2]
+    # As one complex product (even + i odd) * (cos + i sin): the same arithmetic as
+    # (even cos - odd sin, even sin + odd cos) in one pass over x instead of six and a stack.
+    pairs = x.to(cos.dtype).unflatten(-1, (-1, 2))  # [B, T, H, D/2, 2]
+    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()  # a complex view needs whole (re, im) pairs
+    out = torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2)
     return out.to(x.dtype)
 
 
