@@ -10,7 +10,7 @@ import importlib.util
 import json
 
 from fastweights.bench import peers
-from fastweights.bench.command import cpu_info
+from fastweights.bench.suite import cpu_info
 from fastweights.cli import main
 
 HAVE_FLA = importlib.util.find_spec("fla") is not None

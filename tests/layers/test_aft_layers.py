@@ -74,7 +74,7 @@ def test_max_len_is_enforced_including_the_streamed_past(cls):
         layer(x_in(T=9))
     _, state = layer(x_in(T=5))
     layer(x_in(T=3), state)  # 8 tokens in total: fine
-    with pytest.raises(ValueError, match="sequence length 9 .* exceeds max_len=8"):
+    with pytest.raises(ValueError, match=r"sequence length 9 .* exceeds max_len=8"):
         layer(x_in(T=4), state)
 
 
@@ -158,6 +158,9 @@ BAD_OPTIONS = [
     ("aft-local", {"bias_std": -1.0}, ValueError, "bias_std"),
     ("aft-conv", {"d_hidden": 7}, ValueError, "divisible by n_heads"),
     ("aft-conv", {"reparam": 1}, TypeError, "reparam must be a bool"),
+    ("aft-conv", {"nonneg": "no"}, TypeError, "nonneg must be a bool"),
+    ("aft-conv", {"global_context": False, "mode": "recurrent"}, ValueError, "need mode='chunk'"),
+    ("aft-conv", {"nonneg": False, "mode": "recurrent"}, ValueError, "need mode='chunk'"),
     ("aft-full", {"chunk_size": 0}, ValueError, "chunk_size must be >= 1"),
 ]
 
@@ -174,3 +177,34 @@ def test_foreign_state_is_rejected(name):
     layer = build_mixer(name, D_MODEL, 2).double()
     with pytest.raises(TypeError, match="state"):
         layer(x_in(), torch.zeros(3))
+
+
+@pytest.mark.parametrize("opts", [{"global_context": False}, {"nonneg": False}, {"gating": False}],
+                         ids=["local-only", "signed", "ungated"])
+def test_conv_ablations_at_layer_level(opts):
+    """Each ablation is the op's flag on the same projections: at initialisation (kernel weight
+    1 everywhere) the signed layer equals AFT-conv; pieces with the state carried equal the
+    whole sequence; without gating there is no Q projection."""
+    ref = noisy(AFTConv(D_MODEL, 2, window=4))
+    layer = AFTConv(D_MODEL, 2, window=4, **opts).double()
+    x = x_in()
+    if opts.get("gating") is False:
+        assert layer.qkv.out_features == ref.qkv.out_features - D_MODEL
+        with torch.no_grad():
+            layer.qkv.weight.copy_(ref.qkv.weight[D_MODEL:])
+            layer.qkv.bias.copy_(ref.qkv.bias[D_MODEL:])
+            layer.kernel.copy_(ref.kernel), layer.gamma.copy_(ref.gamma), layer.beta.copy_(ref.beta)
+            for m in (layer, ref):  # identity output maps: compare the mixed channels
+                m.out.weight.copy_(torch.eye(D_MODEL)), m.out.bias.zero_()
+        assert_close64(ref(x)[0], torch.sigmoid(ref._qkv(x)[0]) * layer(x)[0])
+    else:
+        layer.load_state_dict(ref.state_dict())
+        if opts.get("nonneg") is False:
+            with torch.no_grad():
+                layer.gamma.zero_(), layer.beta.zero_(), ref.gamma.zero_(), ref.beta.zero_()
+            assert_close64(layer(x)[0], ref(x)[0])  # weight 1 + 0 = e^0
+    whole = layer(x)[0]
+    y1, st = layer(x[:, :5])
+    y2, _ = layer(x[:, 5:], st)
+    assert_close64(torch.cat([y1, y2], 1), whole)
+    assert f"{next(iter(opts))}=False" in repr(layer)

@@ -61,7 +61,7 @@ def toeplitz(kernel, T, causal):
 def run_pieces(step, T, splits):
     """Run ``step(start, stop, state) -> (o, state)`` over the pieces split at ``splits``."""
     outs, state, start = [], None, 0
-    for stop in list(splits) + [T]:
+    for stop in [*splits, T]:
         o, state = step(start, stop, state)
         outs.append(o)
         start = stop
@@ -349,7 +349,8 @@ def test_large_keys_stay_close_to_float64(dtype, keys, tol, causal):
     k = widen(k.double(), keys).to(dtype)
     qc, kc, vc, wc = (x.to(dtype) for x in make_conv(2, 37, 4, 2, 5))
     kc = widen(kc.double(), keys).to(dtype)
-    d = lambda *xs: [x.double() for x in xs]
+    def d(*xs):
+        return [x.double() for x in xs]
     cases = [
         ("full", aft(q, k, v, w, causal=causal, chunk_size=8), aft_naive(*d(q, k, v, w[:37, :37]), causal)),
         ("simple", aft(q, k, v, causal=causal), aft_naive(*d(q, k, v), None, causal)),
@@ -478,3 +479,73 @@ def test_gradients_match_naive(causal):
             grads.append([x.grad for x in leaves])
         for a, b in zip(*grads):
             assert_close64(a, b)
+
+
+# ------------------------------------------------------------- AFT-conv ablations (aft reproduce)
+
+ABLATIONS = [{"global_context": False}, {"signed": True}, {"gating": False},
+             {"global_context": False, "signed": True, "gating": False}]
+ABLATION_IDS = ["local-only", "signed", "ungated", "all-three"]
+
+
+@pytest.mark.parametrize("flags", ABLATIONS, ids=ABLATION_IDS)
+@pytest.mark.parametrize("splits", SPLITS, ids=SPLIT_IDS)
+@pytest.mark.parametrize("s", [1, 4, 50], ids=lambda s: f"s{s}")
+def test_conv_ablations_stream_match_naive(flags, splits, s):
+    q, k, v, w = make_conv(2, 37, 3, 4, s, seed=3)
+    if flags.get("signed"):
+        w = w * 2 - 0.5  # weights of both signs
+        assert (w < 0).any() and (w > 0).any()
+    o, _ = run_pieces(lambda i, j, st: aft_conv_stream(
+        q[:, i:j], k[:, i:j], v[:, i:j], w, initial_state=st, output_final_state=True,
+        chunk_size=6, **flags), 37, splits)
+    assert_close64(o, aft_conv_naive(q, k, v, w, True, **flags))
+
+
+def test_conv_ablations_reduce_to_their_definitions():
+    q, k, v, w = make_conv(2, 23, 3, 4, 5, seed=4)
+    plain = aft_conv_stream(q, k, v, w)[0]
+    # signed weights c = e^w are AFT-conv with biases w
+    assert_close64(aft_conv_stream(q, k, v, torch.exp(w), signed=True)[0], plain)
+    # no gating: the output is the ratio, i.e. AFT-conv divided by sigmoid(Q)
+    assert_close64(aft_conv_stream(q, k, v, w, gating=False)[0], plain / torch.sigmoid(q))
+    # local only: a kernel covering the whole sequence sees everything, as AFT-conv does
+    wide = torch.cat([w, torch.zeros(3, 30, dtype=w.dtype)], dim=1)
+    assert_close64(aft_conv_stream(q, k, v, wide, global_context=False)[0],
+                   aft_conv_stream(q, k, v, wide)[0])
+    # ... while a short kernel ignores a change far outside it
+    k2 = k.clone()
+    k2[:, 0] += 5.0
+    far = aft_conv_stream(q, k2, v, w, global_context=False)[0][:, 10:]
+    assert_close64(far, aft_conv_stream(q, k, v, w, global_context=False)[0][:, 10:])
+    assert not torch.allclose(aft_conv_stream(q, k2, v, w)[0][:, 10:], plain[:, 10:])
+    # a negative weight subtracts: one token, weight -1 at offset 0 gives -sigmoid(q) v
+    o = aft_conv_stream(q[:, :1], k[:, :1], v[:, :1], -torch.ones(3, 1, dtype=w.dtype), signed=True)[0]
+    assert_close64(o, -torch.sigmoid(q[:, :1]) * v[:, :1])
+
+
+def test_conv_ablations_refuse_recurrent_mode_and_bad_flags():
+    q, k, v, w = make_conv(1, 5, 2, 2, 3)
+    for flags in ({"global_context": False}, {"signed": True}):
+        with pytest.raises(ValueError, match="chunk form only"):
+            aft_conv_stream(q, k, v, w, mode="recurrent", **flags)
+    with pytest.raises(TypeError, match="gating"):
+        aft_conv_stream(q, k, v, w, gating=1)
+    # gating alone has both forms
+    assert_close64(aft_conv_stream(q, k, v, w, mode="recurrent", gating=False)[0],
+                   aft_conv_stream(q, k, v, w, gating=False)[0])
+
+
+def test_conv_ablation_gradients_match_naive():
+    q, k, v, w = make_conv(1, 9, 2, 3, 4, seed=5)
+    w = w - 0.3
+    for flags in ABLATIONS:
+        ins = [t.clone().requires_grad_() for t in (q, k, v, w)]
+        ref = [t.clone().requires_grad_() for t in (q, k, v, w)]
+        aft_conv_stream(*ins, **flags)[0].square().sum().backward()
+        aft_conv_naive(*ref, True, **flags).square().sum().backward()
+        for a, b in zip(ins, ref):
+            if a.grad is None:  # q when ungated: unused by both
+                assert b.grad is None and not flags.get("gating", True)
+                continue
+            assert_close64(a.grad, b.grad)

@@ -43,11 +43,12 @@ class _AFT(Mixer):
     (SPEC 4.1), so ``n_heads`` only matters to AFT-conv."""
 
     def __init__(self, d_model: int, n_heads: int, d_hidden: int | None, d_key: int | None,
-                 head_dim: int) -> None:
+                 head_dim: int, with_q: bool = True) -> None:
         super().__init__(d_model, n_heads, head_dim)
         self.d_hidden = d_model if d_hidden is None else check_positive_int("d_hidden", d_hidden)
         self.d_key = self.d_hidden if d_key is None else d_key
-        self.qkv = nn.Linear(d_model, 2 * self.d_hidden + self.d_key)
+        self.d_query = self.d_hidden if with_q else 0  # no Q without the sigmoid(Q) gate
+        self.qkv = nn.Linear(d_model, self.d_query + self.d_hidden + self.d_key)
         self.out = nn.Linear(self.d_hidden, d_model)
 
     def _typed_state(self, state: State, cls: type) -> State:
@@ -62,8 +63,9 @@ class _AFT(Mixer):
         return cls(*state)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d_model] -> q [B, T, d'], k [B, T, d_key], v [B, T, d']."""
-        return self.qkv(x).split([self.d_hidden, self.d_key, self.d_hidden], dim=-1)
+        """x [B, T, d_model] -> q [B, T, d'] ([B, T, 0] without a query), k [B, T, d_key],
+        v [B, T, d']."""
+        return self.qkv(x).split([self.d_query, self.d_key, self.d_hidden], dim=-1)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_hidden={self.d_hidden}"
@@ -144,6 +146,12 @@ class AFTFull(_AFT):
         o, state = aft_full_stream(q, k, v, w, initial_state=state, output_final_state=True,
                                    chunk_size=self.chunk_size)
         return self.out(o), state
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What x's tokens add to the (k_cache, v_cache) state: k, v [B, T, d'] (no position
+        enters them; the bias rows do). Context parallelism gathers them across shards."""
+        _, k, v = self._qkv(x)
+        return k, v
 
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.d_hidden * seq_len
@@ -239,23 +247,39 @@ class AFTConv(_AFT):
 
     State ``(a [B, H], n [B, H, Dh], m [B, H], k_cache [B, c, H], v_cache [B, c, H, Dh])``;
     ``state_size`` counts it once the cache is full: 2 H + d' + (s - 1)(H + d').
+
+    Ablations of the paper's three ingredients (``aft_conv_stream``; all on by default):
+    ``global_context=False`` weighs tokens outside the kernel 0 (a local convolution);
+    ``nonneg=False`` uses signed kernel weights c = 1 + w (w the kernel after the
+    reparameterisation: the first-order expansion of AFT-conv's e^w, so both start at weight 1,
+    as AFT-simple) instead of e^w; ``gating=False`` drops sigmoid(Q) and the Q projection with
+    it. The first two need ``mode="chunk"``.
     """
 
     eps = 1e-5
     options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
                               reparam=Option(bool, True), mode=Option(str, "chunk"),
-                              chunk_size=Option(int, 64))
+                              chunk_size=Option(int, 64), global_context=Option(bool, True),
+                              nonneg=Option(bool, True), gating=Option(bool, True))
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, reparam: bool = True, mode: str = "chunk",
-                 chunk_size: int = 64) -> None:
+                 chunk_size: int = 64, global_context: bool = True, nonneg: bool = True,
+                 gating: bool = True) -> None:
         d_hidden = d_model if d_hidden is None else check_positive_int("d_hidden", d_hidden)
         if d_hidden % n_heads:
             raise ValueError(f"d_hidden ({d_hidden}) must be divisible by n_heads ({n_heads})")
-        super().__init__(d_model, n_heads, d_hidden, n_heads, head_dim=d_hidden // n_heads)
+        self.global_context = check_bool("global_context", global_context)
+        self.nonneg = check_bool("nonneg", nonneg)
+        self.gating = check_bool("gating", gating)
+        super().__init__(d_model, n_heads, d_hidden, n_heads, head_dim=d_hidden // n_heads,
+                         with_q=gating)
         self.window = check_positive_int("window", window)
         self.reparam = check_bool("reparam", reparam)
         self.mode = check_choice("mode", mode, MODES)
+        if mode != "chunk" and not (global_context and nonneg):
+            raise ValueError(f"global_context=False and nonneg=False need mode='chunk', got "
+                             f"mode={mode!r}")
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         init = torch.randn(n_heads, window) if reparam else torch.zeros(n_heads, window)
         self.kernel = nn.Parameter(init)
@@ -277,9 +301,14 @@ class AFTConv(_AFT):
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
         H = self.n_heads
-        o, state = aft_conv_stream(split_heads(q, H), k, split_heads(v, H), self.kernel_weight(),
+        v = split_heads(v, H)
+        q = split_heads(q, H) if self.gating else torch.zeros_like(v)  # ignored by the op
+        w = self.kernel_weight()
+        o, state = aft_conv_stream(q, k, v, w if self.nonneg else 1.0 + w,
                                    initial_state=state, output_final_state=True, mode=self.mode,
-                                   chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
+                                   chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
+                                   global_context=self.global_context, signed=not self.nonneg,
+                                   gating=self.gating)
         return self.out(merge_heads(o)), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -287,5 +316,7 @@ class AFTConv(_AFT):
         return 2 * H + d + (self.window - 1) * (H + d)
 
     def extra_repr(self) -> str:
+        ablations = "".join(f", {name}=False" for name in ("global_context", "nonneg", "gating")
+                            if not getattr(self, name))
         return (f"{super().extra_repr()}, n_heads={self.n_heads}, window={self.window}, "
-                f"reparam={self.reparam}")
+                f"reparam={self.reparam}{ablations}")

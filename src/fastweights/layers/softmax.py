@@ -38,17 +38,26 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
         check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x)
-        q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)
-        past = 0 if state is None else state[0].shape[1]
-        if self.rope:
-            pos = torch.arange(past, past + x.shape[1], device=x.device)
-            freq = self._rotary_freq(x)  # [D/2] float64
-            q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
+        q, k, v = self._project(x, 0 if state is None else state[0].shape[1])
         if state is not None:
             k = torch.cat([state[0].to(k.dtype), k], dim=1)
             v = torch.cat([state[1].to(v.dtype), v], dim=1)
         o = softmax_attention(q, k, v, causal=True)
         return self.out(merge_heads(o)), (k, v)
+
+    def _project(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+        """q, k, v [B, T, H, D] of x's tokens at absolute positions start.. (q, k rotated)."""
+        q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)
+        if self.rope:
+            pos = torch.arange(start, start + x.shape[1], device=x.device)
+            freq = self._rotary_freq(x)  # [D/2] float64
+            q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
+        return q, k, v
+
+    def keys_values(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What x's tokens, at absolute positions start.., add to the (k_cache, v_cache) state:
+        k, v [B, T, H, D] (k rotated). Context parallelism gathers them across shards."""
+        return self._project(x, start)[1:]
 
     def _check_state(self, state: State, x: torch.Tensor) -> None:
         """``state`` is the ``(k_cache, v_cache)`` pair a previous call returned for this batch."""

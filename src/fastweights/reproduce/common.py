@@ -8,6 +8,7 @@ No mathematics here: models come from ``LMConfig`` / the retrieval model, traini
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -159,10 +160,8 @@ def prepare_out(out: Path, manifest: dict[str, Any], overwrite: bool) -> bool:
         raise ReproduceError(f"--out {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
         saved = None
-        try:
+        with contextlib.suppress(OSError, ValueError):
             saved = json.loads((out / MANIFEST).read_text())
-        except (OSError, ValueError):
-            pass
         if not overwrite:
             if saved == manifest:
                 return True
@@ -300,6 +299,33 @@ def bar_plot(path: Path, rows: list[dict[str, Any]], metric: str, ylabel: str, t
     if finite:
         lo, hi = min(finite), max(finite)
         ax.set_ylim(lo - 0.15 * (hi - lo + 1e-9) - 0.01, hi + 0.15 * (hi - lo + 1e-9) + 0.01)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def sweep_plot(path: Path, rows: list[dict[str, Any]], points: dict[int, str], metric: str, *,
+               xlabel: str, ylabel: str, title: str, references: Sequence[str] = ()) -> bool:
+    """Mean ± sd of ``metric`` against a swept size (``points``: size -> model label, log2 x
+    axis), with each ``references`` model's mean as a labelled horizontal line; False without
+    matplotlib."""
+    plt = matplotlib_pyplot()
+    if plt is None:
+        return False
+    xs = sorted(points)
+    stats = [mean_spread(values(rows, points[x], metric)) for x in xs]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    ax.errorbar(xs, [m for m, _ in stats], yerr=[sd if math.isfinite(sd) else 0 for _, sd in stats],
+                marker="o", capsize=3)
+    for label, ls in zip(references, ("--", ":", "-.", (0, (1, 3)))):
+        mean = mean_spread(values(rows, label, metric))[0]
+        ax.axhline(mean, ls=ls, color="grey", lw=1)
+        ax.text(xs[-1], mean, f" {label}", va="bottom", ha="right", fontsize=8, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()

@@ -190,9 +190,11 @@ def _window_sums(
     return _combine([], [window, *outside])
 
 
-def _combine(terms: Terms, outside: list[Summary]) -> torch.Tensor:
+def _combine(terms: Terms, outside: list[Summary], signs: torch.Tensor | None = None) -> torch.Tensor:
     """The ratio of a row's window terms (logits [B, T, G] and values [B, T, G, E] per window
     position) plus the summaries (ell [B, T, G], y [B, T, G, E]) of the tokens outside it (bias 0).
+    ``signs`` [1|T, G|1, len(terms)] (signed AFT-conv kernels): window term j counts with sign
+    signs[..., j] in the numerator only, its magnitude e^logits in both sums.
 
     Everything is scaled by the row's largest term rho (the window maximum or a log-sum-exp,
     which bounds its terms), a constant along t': no term exceeds 1 and the largest is 1.
@@ -202,9 +204,10 @@ def _combine(terms: Terms, outside: list[Summary]) -> torch.Tensor:
     for logits, _ in parts[1:]:
         rho = torch.maximum(rho, logits.detach())
     num, den = 0.0, 0.0
-    for logits, values in parts:
+    for j, (logits, values) in enumerate(parts):
         e = torch.exp(logits - rho)  # 0 for a position outside the sequence or an empty side
-        num = num + e.unsqueeze(-1) * values
+        signed = e * signs[..., j] if signs is not None and j < len(terms) else e
+        num = num + signed.unsqueeze(-1) * values
         den = den + e
     return num / den.unsqueeze(-1)
 
@@ -229,7 +232,8 @@ def simple_bidirectional(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def banded_causal(
     k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, window: int,
-    state: tuple[torch.Tensor, ...] | None, chunk_size: int,
+    state: tuple[torch.Tensor, ...] | None, chunk_size: int, *, global_context: bool = True,
+    signs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Causal AFT-local / AFT-conv (SPEC 4.3): row t adds e^{K_t' + b} V_t' over the window
     t - s < t' <= t (biases b from ``band``) to the prefix G_{t-s} of every token that has left
@@ -238,6 +242,9 @@ def banded_causal(
     k [B, T, G], v [B, T, G, E]; band [T|1, G|1, Jb] with band[..., -1 - o] the bias at offset
     o = t - t' (so the last entry is t itself), Jb >= min(s, c + T) (offsets that can exist);
     state as in the module docstring, or None.
+    AFT-conv's ablations: ``global_context=False`` drops the prefix (tokens outside the window
+    weigh 0 instead of e^{K_t'}); ``signs`` (laid out as ``band``) makes the window weights
+    signed, numerator sign * e^{K + b}, denominator e^{K + b} (summed position by position).
     Returns R [B, T, G, E] and the state after the last token.
     """
     s = window
@@ -255,8 +262,12 @@ def banded_causal(
     # Row e of the view reaches tokens <= e - s through the prefix: entry e - s + 1 (0 = none).
     out = (torch.arange(c, L, device=k.device) - s + 1).clamp_min(0)
     J = min(s, L)  # window positions that can exist
-    ratio = _window_sums(k_rel, vx, band[..., -J:], J - 1, 0, c, chunk_size,
-                         [(ell[:, out], y[:, out])])
+    outside = [(ell[:, out], y[:, out])] if global_context else []
+    if signs is None:
+        ratio = _window_sums(k_rel, vx, band[..., -J:], J - 1, 0, c, chunk_size, outside)
+    else:
+        ratio = _combine(_windows(k_rel, vx, band[..., -J:], J - 1, 0, c), outside,
+                         signs[..., -J:])
     i = L - s + 1  # prefix entry of the next row: everything but the last s - 1 tokens
     if i > 0:
         prefix = (ell[:, i] + ref, y[:, i], torch.ones_like(ref))

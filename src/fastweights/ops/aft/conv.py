@@ -82,7 +82,8 @@ def aft_conv(
 def aft_conv_stream(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *,
     initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
-    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, global_context: bool = True,
+    signed: bool = False, gating: bool = True,
 ) -> tuple[torch.Tensor, AFTConvState | None]:
     """Causal AFT-conv with a carried state (the streaming form of ``aft_conv``, causal=True).
 
@@ -90,15 +91,41 @@ def aft_conv_stream(
     State: an ``AFTConvState`` (a, n, m, k_cache, v_cache).
     Returns (o [B, T, H, Dh] in q's dtype, state in float32/float64 or None).
     ``cu_seqlens``: packed documents in a batch of one, as in ``aft_simple_stream``.
+
+    Ablations of AFT-conv's three ingredients (the paper's reading of it as a convnet with global
+    connectivity, non-negative weights and divisive/multiplicative gating; defaults = AFT-conv):
+    - ``global_context=False``: pairs outside the kernel weigh 0 (a purely local, normalised
+      convolution) instead of e^{K_t'};
+    - ``signed=True``: ``w`` holds the kernel's weights c themselves, not biases: pair (t, t')
+      weighs c[h, t - t'] e^{K_t'} in the numerator and |c[h, t - t']| e^{K_t'} in the
+      denominator (weight 1 outside the kernel), so c = e^{w} gives AFT-conv with biases w and a
+      negative c subtracts its values;
+    - ``gating=False``: o = the ratio itself, q is ignored (not gated by sigmoid(Q)).
+    The first two have the chunked form only (``mode="recurrent"`` raises ValueError).
     """
     B, _, H, Dh = check_conv_qkv(q, k, v)
     s = check_kernel(w, H, q)
     check_stream_flags(output_final_state, mode, chunk_size)
+    for name, flag in (("global_context", global_context), ("signed", signed), ("gating", gating)):
+        check_bool(name, flag)
+    ablated = signed or not global_context
+    if ablated and mode != "chunk":
+        raise ValueError(f"global_context=False and signed=True have the chunk form only, got "
+                         f"mode={mode!r}; use mode='chunk'")
     if cu_seqlens is not None:
         return run_packed(aft_conv_stream, (q, k, v), cu_seqlens, initial_state,
-                          output_final_state, w=w, mode=mode, chunk_size=chunk_size)
+                          output_final_state, w=w, mode=mode, chunk_size=chunk_size,
+                          global_context=global_context, signed=signed, gating=gating)
     carried = None if initial_state is None else AFTConvState.check(initial_state, B, H, Dh, s, q)
     cdtype = state_dtype(q.dtype)
-    band = w.to(cdtype).flip(-1).unsqueeze(0)  # [1, H, s], band[..., -1 - o] = w[:, o]
-    ratio, final = banded_stream(k.to(cdtype), v.to(cdtype), band, s, carried, mode, chunk_size)
-    return gate(q, ratio), (AFTConvState(*final) if output_final_state else None)
+    kernel = w.to(cdtype).flip(-1).unsqueeze(0)  # [1, H, s], kernel[..., -1 - o] = w[:, o]
+    kc, vc = k.to(cdtype), v.to(cdtype)
+    if ablated:
+        signs = torch.sign(kernel).detach() if signed else None
+        band = torch.log(kernel.abs()) if signed else kernel
+        ratio, final = banded_causal(kc, vc, band, s, carried, chunk_size,
+                                     global_context=global_context, signs=signs)
+    else:
+        ratio, final = banded_stream(kc, vc, kernel, s, carried, mode, chunk_size)
+    o = gate(q, ratio) if gating else ratio.to(q.dtype)
+    return o, (AFTConvState(*final) if output_final_state else None)

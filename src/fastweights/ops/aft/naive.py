@@ -46,12 +46,16 @@ def aft_local_naive(
 
 
 def aft_conv_naive(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool, *,
+    global_context: bool = True, signed: bool = False, gating: bool = True,
 ) -> torch.Tensor:
     """AFT-conv (SPEC 4.2), per head h with one key channel k[..., h] shared by its Dh value
     channels: the bias of pair (t, t') is w[h, t - t'] for offsets 0..s-1 (causal) or
     w[h, t - t' + (s-1)/2] for |t - t'| <= (s-1)/2 (bidirectional, odd s), and 0 elsewhere.
-    q, v [B, T, H, Dh]; k [B, T, H]; w [H, s]. Returns [B, T, H, Dh]."""
+    q, v [B, T, H, Dh]; k [B, T, H]; w [H, s]. Returns [B, T, H, Dh].
+    Ablations (``aft_conv_stream``): ``global_context=False`` gives pairs outside the kernel
+    weight 0; ``signed`` reads w as weights c (pair weight c e^{K} in the numerator, |c| e^{K} in
+    the denominator, c = 1 outside the kernel); ``gating=False`` drops sigmoid(Q)."""
     T = q.shape[1]
     s = w.shape[1]
     centre = 0 if causal else (s - 1) // 2
@@ -60,9 +64,16 @@ def aft_conv_naive(
         n = t + 1 if causal else T
         j = t - torch.arange(n, device=w.device) + centre  # kernel index of each t'
         inside = (j >= 0) & (j < s)
-        bias = torch.where(inside, w[:, j.clamp(0, s - 1)], torch.zeros_like(w[:, :1]))  # [H, n]
-        logits = k[:, :n] + bias.T  # [B, n, H]
+        if signed:  # weights c inside the kernel, 1 (= bias 0) outside
+            c = torch.where(inside, w[:, j.clamp(0, s - 1)], torch.ones_like(w[:, :1])).T  # [n, H]
+            logits, sign = k[:, :n] + torch.log(c.abs()), torch.sign(c)
+        else:
+            bias = torch.where(inside, w[:, j.clamp(0, s - 1)], torch.zeros_like(w[:, :1]))  # [H, n]
+            logits, sign = k[:, :n] + bias.T, 1.0  # [B, n, H]
+        if not global_context:
+            logits = logits.masked_fill(~inside[None, :, None], float("-inf"))
         e = torch.exp(logits - logits.amax(dim=1, keepdim=True))
-        num = (e.unsqueeze(-1) * v[:, :n]).sum(1)  # [B, H, Dh]
-        outs.append(torch.sigmoid(q[:, t]) * num / e.sum(1).unsqueeze(-1))
+        num = ((e * sign).unsqueeze(-1) * v[:, :n]).sum(1)  # [B, H, Dh]
+        g = torch.sigmoid(q[:, t]) if gating else 1.0
+        outs.append(g * num / e.sum(1).unsqueeze(-1))
     return torch.stack(outs, dim=1)

@@ -230,7 +230,7 @@ def _grads(outputs: tuple[torch.Tensor, ...], grad_outputs: tuple[torch.Tensor |
     got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                    allow_unused=True))
     out: list[torch.Tensor | None] = []
-    for x, orig, need in zip(inputs, originals, needs):
+    for _x, orig, need in zip(inputs, originals, needs):
         g = next(got) if need else None
         out.append(None if g is None else g.to(orig.dtype))
     return out
