@@ -36,3 +36,18 @@ def test_float64_softmax_layer_matches_exact_rotary_attention():
     s = s.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
     o = torch.einsum("bhts,bshd->bthd", s.softmax(-1), v).reshape(2, 9, H * D)
     assert (y - layer.out(o)).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("name,period_attr", [("ttt-linear", "mini_batch_size"),
+                                              ("infini", "segment_len")])
+def test_periodic_rotary_table_equals_apply_rotary(name, period_attr):
+    """The cached cos/sin table of mini-batch/segment-local positions gives exactly what
+    apply_rotary computes, in each dtype (the cache is per dtype: float64 first, then float32)."""
+    layer = build_mixer(name, 24, 2)
+    period = getattr(layer, period_attr)
+    positions = torch.tensor([0, 5, period - 1, 3, 0, 7]) % period
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        x = torch.randn(2, 6, 2, layer.head_dim).to(dtype)
+        ref = apply_rotary(x, positions, layer.inv_freq)
+        (got,) = layer._rotate_periodic((x,), positions, period)
+        assert got.dtype == dtype and torch.equal(got, ref), dtype

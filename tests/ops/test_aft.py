@@ -115,8 +115,8 @@ def test_conv_matches_naive(shape, s, causal, chunk):
 
 # ----------------------------------------------------------------------------- streaming forms
 
-SPLITS = [(), (1, 2, 3), (5, 20, 21), (36,)]
-SPLIT_IDS = ["whole", "1-2-3", "5-20-21", "36"]
+SPLITS = [(), (1, 2, 3), (5, 20, 21), (36,), tuple(range(1, 37))]
+SPLIT_IDS = ["whole", "1-2-3", "5-20-21", "36", "token-by-token"]
 
 
 @pytest.mark.parametrize("splits", SPLITS, ids=SPLIT_IDS)

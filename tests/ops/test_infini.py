@@ -120,7 +120,8 @@ def test_gradcheck(mode, update):
 
 @pytest.mark.parametrize("mode", ["naive", "chunk", "recurrent"])
 @pytest.mark.parametrize("update", UPDATES)
-@pytest.mark.parametrize("splits", [(3,), (1, 2, 9, 10), (6, 18)], ids=str)
+@pytest.mark.parametrize("splits", [(3,), (1, 2, 9, 10), (6, 18), tuple(range(1, 29))],
+                         ids=["3", "1-2-9-10", "6-18", "token-by-token"])
 def test_pieces_equal_whole(mode, update, splits):
     q, k, v, qm, km, gate = make(2, 29, 2, 5, 4, seed=5)
     opts = {"segment_len": 6, "update": update, "output_final_state": True, "mode": mode}

@@ -158,6 +158,29 @@ def test_decay_chunk_gradients_match_naive():
         assert_close64(gc, gn, atol=1e-9, what=f"grad {name}")
 
 
+@pytest.mark.parametrize("chunk", [3, 7, 64], ids=lambda c: f"C{c}")
+def test_decay_chunk_odd_sizes_strided_inputs_and_gradients(chunk):
+    # Odd B, T, H, Dk != Dv, a chunk size that does not divide T, inputs that are strided views
+    # (the chunk form reads heads in place), a constant decay (its in-place mask path under
+    # autograd) and an initial state: outputs, state and input gradients equal the naive form.
+    B, T, H, Dk, Dv = 3, 50, 3, 5, 6
+    g = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(B, H, T, Dk, generator=g, dtype=torch.float64).transpose(1, 2)
+            for _ in range(2))
+    v = torch.randn(B, T, H, 2 * Dv, generator=g, dtype=torch.float64)[..., ::2]
+    S0 = torch.randn(B, H, Dk, Dv, generator=g, dtype=torch.float64)
+    lam = torch.tensor([0.97, 0.4, 1.0], dtype=torch.float64)
+    res = {}
+    for mode in ("naive", "chunk"):
+        args = [x.detach().clone().requires_grad_() for x in (q, k, v, S0)]
+        o, S = decay_linear_attn(args[0], args[1], args[2], lam, scale=0.6, initial_state=args[3],
+                                 output_final_state=True, mode=mode, chunk_size=chunk)
+        (o.cos().sum() + (S * S.detach().sin()).sum()).backward()
+        res[mode] = [o, S] + [a.grad for a in args]
+    for name, a, b in zip(["o", "S", "dq", "dk", "dv", "dS0"], res["chunk"], res["naive"]):
+        assert_close64(a, b, atol=1e-9, what=name)
+
+
 def test_decay_keeps_float32_state_for_bfloat16():
     q, k, v = make(1, 10, 2, 4, 4, dtype=torch.bfloat16)
     o, S = decay_linear_attn(q, k, v, decays(2, dtype=torch.float32), output_final_state=True)

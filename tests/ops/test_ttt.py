@@ -118,6 +118,69 @@ def test_pieces_equal_whole(kind, mode, splits):
     assert_states_close(state, whole_state, what=mode)
 
 
+def gradcheck_call(kind, args, kw, carried, start, stop, **call):
+    """gradcheck (float64) of one call on tokens start..stop-1 w.r.t. the tokens, eta,
+    LayerNorm, token_scale and every tensor of the state reached after the first ``carried``
+    tokens (start weights and gradient sums when that is mid-mini-batch)."""
+    if carried:
+        _, state = OPS[kind](*(x[:, :carried] for x in args), output_final_state=True, **kw)
+        kw["initial_state"] = tuple(s.detach() if isinstance(s, torch.Tensor) else s for s in state)
+    init = list(kw.pop("initial_state"))
+    tensor_idx = [i for i, s in enumerate(init) if isinstance(s, torch.Tensor)]
+    ln_w, ln_b, tau = kw.pop("ln_weight"), kw.pop("ln_bias"), kw.pop("token_scale")
+    inputs = [x.clone().requires_grad_() for x in (*(x[:, start:stop] for x in args), ln_w, ln_b,
+                                                      tau, *(init[i] for i in tensor_idx))]
+
+    def fn(q, k, v, eta, lw, lb, ts, *weights):
+        st = list(init)
+        for i, w in zip(tensor_idx, weights):
+            st[i] = w
+        o, s = OPS[kind](q, k, v, eta, initial_state=tuple(st), ln_weight=lw, ln_bias=lb,
+                         token_scale=ts, output_final_state=True, **call, **kw)
+        return o, *(x for x in s if isinstance(x, torch.Tensor))
+
+    return torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+
+
+STEP_CASES = [
+    (kind, b, ln, res, bias, tau)
+    for kind, b, ln, res, bias, tau in itertools.product(
+        ["linear", "mlp"], [1, 4, 16], [True, False], [True, False], [True, False],
+        ["rand", "per-head"])
+]
+
+
+@pytest.mark.parametrize(
+    "kind,b,ln,res,bias,tau", STEP_CASES,
+    ids=[f"{k}-b{b}-{'ln' if ln else 'noln'}-{'res' if r else 'nores'}-"
+         f"{'bias' if bi else 'nobias'}-{t}" for k, b, ln, r, bi, t in STEP_CASES])
+def test_decoding_steps_equal_naive_whole(kind, b, ln, res, bias, tau):
+    """The T = 1 form of mode="dual" (ops/ttt/step.py), fed token by token with the state
+    carried across mini-batch boundaries (T = 13 > b), equals the naive form on the whole
+    sequence: outputs and final state. Batch-1 initial weights broadcast over B = 2; Dk != Dv
+    without the residual."""
+    Dv = 5 if res else 6
+    args, kw = make_case(kind, b=b, ln=ln, residual=res, bias=bias, tau=tau, Dv=Dv, seed=7)
+    kw["initial_state"] = tuple(None if w is None else w[:1] for w in kw["initial_state"])
+    ref, ref_state = OPS[kind](*args, mode="naive", output_final_state=True, **kw)
+    outs, state = [], kw.pop("initial_state")
+    for t in range(13):
+        o, state = OPS[kind](*(x[:, t:t + 1] for x in args), initial_state=state,
+                             output_final_state=True, **kw)
+        outs.append(o)
+    assert_close64(torch.cat(outs, 1), ref, what="steps")
+    assert_states_close(state, ref_state, what="steps")
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("pos", [0, 1], ids=["fresh", "mid-minibatch"])
+def test_decoding_step_gradcheck(kind, pos):
+    """gradcheck of one decoding step (float64) w.r.t. the token, eta, LayerNorm, token_scale
+    and every carried tensor (start weights and gradient sums when mid-mini-batch)."""
+    args, kw = make_case(kind, B=1, T=2, H=2, Dk=2, Dv=2, b=3, seed=9)
+    assert gradcheck_call(kind, args, kw, pos, pos, pos + 1)
+
+
 def test_mid_minibatch_state_layout():
     """A call ending inside a mini-batch returns (W, b, W_0, b_0, S_W, S_b, pos) with
     W = W_0 - tau_pos S_W; a call ending on a boundary returns just (W, b)."""
@@ -172,24 +235,7 @@ def test_gradcheck(kind, mode, carried):
     """torch.autograd.gradcheck (float64) on B1-T5-H1-D2, mini-batch 2, everything switched on;
     ``carried`` starts from a mid-mini-batch state so the carried sums are differentiated too."""
     args, kw = make_case(kind, B=1, T=5, H=1, Dk=2, Dv=2, b=2, seed=5)
-    if carried:
-        _, state = OPS[kind](*(x[:, :1] for x in args), output_final_state=True, **kw)
-        kw["initial_state"] = tuple(s.detach() if isinstance(s, torch.Tensor) else s for s in state)
-    init = list(kw.pop("initial_state"))
-    tensor_idx = [i for i, s in enumerate(init) if isinstance(s, torch.Tensor)]
-    ln_w, ln_b, tau = kw.pop("ln_weight"), kw.pop("ln_bias"), kw.pop("token_scale")
-    inputs = [x.clone().requires_grad_() for x in (*args, ln_w, ln_b, tau,
-                                                      *(init[i] for i in tensor_idx))]
-
-    def fn(q, k, v, eta, lw, lb, ts, *weights):
-        st = list(init)
-        for i, w in zip(tensor_idx, weights):
-            st[i] = w
-        o, s = OPS[kind](q, k, v, eta, initial_state=tuple(st), ln_weight=lw, ln_bias=lb,
-                         token_scale=ts, mode=mode, output_final_state=True, **kw)
-        return o, *(x for x in s if isinstance(x, torch.Tensor))
-
-    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+    assert gradcheck_call(kind, args, kw, 1 if carried else 0, 0, 5, mode=mode)
 
 
 def test_inner_gradient_formula_matches_autograd():

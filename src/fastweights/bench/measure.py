@@ -7,11 +7,12 @@ Method notes (also written into every report):
 - **FLOPs**: ``torch.utils.flop_counter.FlopCounterMode`` on one extra call. It counts only
   matrix-multiply-type ATen ops (mm, bmm, addmm, baddbmm, matmul via those, convolutions,
   scaled-dot-product attention) at 2 FLOPs per multiply-add, and nothing elementwise (exp, sums,
-  norms, softmax, cumsum). We add two formulas it lacks: the CPU flash-attention kernel
+  norms, softmax, cumsum). We add formulas it lacks: the CPU flash-attention kernel
   (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, with the dense formula:
   masked blocks are counted as computed) and ``linalg_solve_triangular`` (n^2 k FLOPs for an
-  n x n triangle and k right-hand sides). The count is of the algorithm actually run: a chunked
-  form that builds a full C x C score block and then masks it is charged for the full block.
+  n x n triangle and k right-hand sides), and count the in-place ``baddbmm_`` like ``baddbmm``.
+  The count is of the algorithm actually run: a chunked form that builds a full C x C score
+  block and then masks it is charged for the full block.
 - **Peak memory on CPU**: torch keeps no CPU allocator statistics, so we read the kernel's
   resident-set high-water mark. Before a measured call we reset the high-water
   mark (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0) and note VmRSS; after it we read
@@ -68,10 +69,17 @@ def _solve_triangular_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) ->
     return batch * n * n * k
 
 
+def _baddbmm_inplace_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    # The in-place accumulation the chunked forms use: as baddbmm, 2 b m k n.
+    b, m, k = a_shape
+    return 2 * b * m * k * b_shape[-1]
+
+
 _EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     _aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
     _aten.linalg_solve_triangular: _solve_triangular_flop,
+    _aten.baddbmm_: _baddbmm_inplace_flop,
 }
 
 

@@ -7,11 +7,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .peers import PEER_COLUMNS, PeerRow
 from .runner import Row
 
-__all__ = ["OUTPUT_FILES", "softmax_ratio", "write_csv", "write_markdown", "write_plots"]
+__all__ = ["OUTPUT_FILES", "softmax_ratio", "write_csv", "write_markdown", "write_peer_csv",
+           "write_plots"]
 
-OUTPUT_FILES = ("results.csv", "results.md", "meta.json", "time_vs_T.png", "memory_vs_T.png")
+OUTPUT_FILES = ("results.csv", "results.md", "meta.json", "time_vs_T.png", "memory_vs_T.png",
+                "peers.csv")
 
 CSV_COLUMNS = (
     "target", "kind", "pass", "T", "status", "time_s", "tokens_per_s", "peak_mib", "flops",
@@ -78,7 +81,19 @@ def _pivot(rows: list[Row], pass_name: str, value) -> list[str]:
     return lines
 
 
-def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], method: str) -> None:
+def write_peer_csv(path: Path, rows: list[PeerRow]) -> None:
+    """peers.csv: one line per (comparison, T) of ``bench --peers``."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(PEER_COLUMNS)
+        for r in rows:
+            w.writerow([r.op, r.peer, r.T, r.status, f"{r.ours_s:.6g}", f"{r.peer_s:.6g}",
+                        f"{r.ratio:.4g}", r.repeats])
+
+
+def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], method: str,
+                   peers: list[str] | None = None) -> None:
+    """results.md; ``peers``: the ``--peers`` section's lines, placed after the tables."""
     peak = meta["matmul_gflops_per_s"]
     ratios = softmax_ratio(rows)
     ratio_of = {id(r): ratios.get(i, math.nan) for i, r in enumerate(rows)}
@@ -89,6 +104,8 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], method: st
         f"{meta['threads']} threads; device {meta['device']}, dtype {meta['dtype']}",
         f"- batch {meta['batch']}, d_model {meta['d_model']}, {meta['n_heads']} heads; "
         f"repeats {meta['repeats']} (median), time budget {meta['time_budget']} s per config",
+        f"- CPU: {meta.get('cpu_model') or 'unknown'}; vector/matrix instruction sets: "
+        f"{', '.join(meta.get('cpu_isa') or []) or 'none reported'}",
         f"- measured matrix-multiply rate: **{peak:.1f} GFLOP/s** "
         f"(square {meta['dtype']} matmul, best size n={meta['matmul_n']})",
         "",
@@ -110,6 +127,7 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], method: st
             lines += ["", "max |compiled - eager|:", ""]
             lines += _pivot(rows, pass_name, lambda r: f"{r.max_abs_diff:.2g}")
         lines.append("")
+    lines += peers or []
     notes = sorted({(r.target, r.pass_name, r.T, r.status) for r in rows if r.status != "ok"},
                    key=lambda x: (x[0], x[1], x[2]))
     if notes or meta.get("left_out_ops"):
@@ -133,6 +151,8 @@ def write_plots(folder: Path, rows: list[Row]) -> list[Path]:
 
     written = []
     passes = list(dict.fromkeys(r.pass_name for r in rows))
+    if not passes:  # e.g. --mixers none --peers: nothing to plot
+        return written
     for fname, value, label in (
         ("time_vs_T.png", lambda r: r.time_s, "seconds (decode: per token)"),
         ("memory_vs_T.png", lambda r: r.peak_bytes / 2**20, "peak MiB above baseline"),

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from . import measure
-from .report import OUTPUT_FILES, write_csv, write_markdown, write_plots
+from .peers import peer_table, run_peers
+from .report import OUTPUT_FILES, write_csv, write_markdown, write_peer_csv, write_plots
 from .runner import run_targets
 from .targets import Setting, mixer_targets, op_targets
 
-__all__ = ["BenchOptions", "method_notes", "run"]
+__all__ = ["BenchOptions", "cpu_info", "method_notes", "run"]
 
 
 @dataclass
@@ -36,6 +37,7 @@ class BenchOptions:
     repeats: int
     time_budget: float
     ops: bool
+    peers: bool
     compile: bool
     out: Path
     quick: bool
@@ -52,6 +54,31 @@ def _machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"
+
+
+# Instruction-set flags (as /proc/cpuinfo spells them) that decide CPU matmul speed: vector
+# width (AVX2/FMA, AVX-512 families), bfloat16/int8 dot products (AVX512_BF16, VNNI) and AMX.
+_ISA_PREFIXES = ("avx", "fma", "amx", "f16c")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
+    """{"model": CPU model name or None, "isa": sorted vector/matrix instruction-set flags}, read
+    from /proc/cpuinfo (or the given text); empty where the file is unavailable (not Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return {"model": None, "isa": []}
+    model, flags = None, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    return {"model": model, "isa": sorted(f for f in flags if f.startswith(_ISA_PREFIXES))}
 
 
 def _available_memory(device: torch.device) -> float:
@@ -126,21 +153,32 @@ def run(opts: BenchOptions) -> None:
     rows = run_targets(targets, opts.lengths, opts.passes, s, opts.repeats, opts.time_budget,
                        memory_limit=0.5 * _available_memory(s.device), memory=memory_ok,
                        compile_check=opts.compile, progress=opts.progress)
+    peer_rows, peers_missing = [], {}
+    if opts.peers:
+        peer_rows, peers_missing = run_peers(opts.lengths, s.batch, s.n_heads,
+                                             s.d_model // s.n_heads, opts.repeats,
+                                             opts.time_budget)
+    cpu = cpu_info()
     meta = {
         "command": opts.command,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": _machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": _machine(), "cpu_model": cpu["model"], "cpu_isa": cpu["isa"],
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
         "device": str(s.device), "dtype": str(s.dtype).removeprefix("torch."),
         "batch": s.batch, "d_model": s.d_model, "n_heads": s.n_heads,
         "repeats": opts.repeats, "time_budget": opts.time_budget,
         "matmul_gflops_per_s": peak, "matmul_n": peak_n, "matmul_dtype": str(matmul_dtype),
         "left_out_ops": left_out,
+        "peers_missing": peers_missing,
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     for name in OUTPUT_FILES:  # --overwrite: drop stale files (e.g. plots without matplotlib)
         (opts.out / name).unlink(missing_ok=True)
     write_csv(opts.out / "results.csv", rows, meta)
-    write_markdown(opts.out / "results.md", rows, meta, method_notes(opts, memory_ok))
+    if opts.peers:
+        write_peer_csv(opts.out / "peers.csv", peer_rows)
+    write_markdown(opts.out / "results.md", rows, meta, method_notes(opts, memory_ok),
+                   peer_table(peer_rows, peers_missing) if opts.peers else None)
     (opts.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     written = write_plots(opts.out, rows)
     n_ok = sum(r.status == "ok" for r in rows)

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CI-sized preset: lengths 16,32, d_model 32, 2 heads, 2 repeats")
     p.add_argument("--ops", action="store_true",
                    help="also benchmark the op-level forms (every mode of every op)")
+    p.add_argument("--peers", action="store_true",
+                   help="also time the installed peers' CPU references (flash-linear-attention's "
+                        "pure-PyTorch chunked forms, torch SDPA) next to our ops, forward, "
+                        "float32, same process; written to peers.csv and results.md")
     p.add_argument("--compile", action="store_true",
                    help="also torch.compile each mixer: max |compiled - eager| and its time")
     p.add_argument("--out", default="bench_results", help="output folder")
@@ -101,7 +105,7 @@ def _lengths(text: str) -> list[int]:
     return sorted({_length(s, "entry") for s in items})
 
 
-def _mixers(text: str, ops: bool) -> list[tuple[str, str, dict]]:
+def _mixers(text: str, ops: bool, peers: bool) -> list[tuple[str, str, dict]]:
     """(label, name, options) of every mixer ``--mixers`` names, the softmax baseline first
     unless named."""
     registered = mixer_names()
@@ -115,8 +119,8 @@ def _mixers(text: str, ops: bool) -> list[tuple[str, str, dict]]:
                             f"registered: {', '.join(registered)} (or 'all', 'none')")
     if specs and "softmax" in registered and all(name != "softmax" for _, name, _ in specs):
         specs = [("softmax", "softmax", {}), *specs]  # the baseline every report compares against
-    if not specs and not ops:
-        raise UserError("--mixers none needs --ops (nothing to benchmark otherwise)")
+    if not specs and not ops and not peers:
+        raise UserError("--mixers none needs --ops or --peers (nothing to benchmark otherwise)")
     return specs
 
 
@@ -148,7 +152,7 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     d_model, n_heads, repeats, budget = (
         _PRESETS[key][preset] if getattr(args, key) is None else getattr(args, key)
         for key in ("d_model", "n_heads", "repeats", "time_budget"))
-    mixers = _mixers(args.mixers, args.ops)
+    mixers = _mixers(args.mixers, args.ops, args.peers)
     lengths = _lengths(args.lengths or ("16,32" if args.quick else
                                         FULL_LENGTHS if args.full else DEFAULT_LENGTHS))
     passes = [p.strip() for p in args.passes.split(",") if p.strip()]
@@ -159,6 +163,8 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     if d_model % n_heads:
         raise UserError(f"--d-model ({d_model}) must be divisible by --n-heads ({n_heads})")
     device = _device(args.device)
+    if args.peers and device.type != "cpu":
+        raise UserError("--peers compares CPU references: it needs --device cpu")
     out = Path(args.out)
     _check_out(out, args.overwrite)
     for label, name, opts in mixers:  # option names and values, up front
@@ -169,7 +175,8 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     make_folder(out)  # before measuring: a bad --out must not cost the measurements
     setting = Setting(args.batch, d_model, n_heads, _DTYPES[args.dtype], device)
     opts = suite.BenchOptions(mixers, lengths, passes, setting, repeats, budget, args.ops,
-                              args.compile, out, args.quick, not args.no_progress, command="")
+                              args.peers, args.compile, out, args.quick, not args.no_progress,
+                              command="")
     return dataclasses.replace(opts, command=_command_line(opts))
 
 
@@ -182,7 +189,8 @@ def _command_line(opts: suite.BenchOptions) -> str:
              "--dtype", str(s.dtype).removeprefix("torch."), "--device", str(s.device),
              "--repeats", str(opts.repeats), "--passes", ",".join(opts.passes),
              "--time-budget", f"{opts.time_budget:g}"]
-    parts += [flag for flag, on in (("--ops", opts.ops), ("--compile", opts.compile)) if on]
+    parts += [flag for flag, on in (("--ops", opts.ops), ("--peers", opts.peers),
+                                    ("--compile", opts.compile)) if on]
     return " ".join(shlex.quote(p) for p in parts)
 
 

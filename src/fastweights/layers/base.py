@@ -121,6 +121,8 @@ def token_positions(bounds: Sequence[int], starts: Sequence[int],
                     device: torch.device) -> torch.Tensor:
     """[T] int64: the position of every token of a packed batch, document d's tokens
     (bounds[d] .. bounds[d+1] - 1) counting on from ``starts[d]`` (its tokens seen before)."""
+    if len(bounds) == 2:  # one document (every unpacked call, every decoding step)
+        return torch.arange(starts[0], starts[0] + bounds[1], device=device)
     # One arange per document from Python ints: the sizes stay static, so torch.export and
     # torch.compile(fullgraph=True) trace it (a repeat_interleave by tensor lengths would have
     # a data-dependent size).

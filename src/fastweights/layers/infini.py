@@ -26,7 +26,7 @@ from .base import (
     split_heads,
     token_positions,
 )
-from .positional import RotaryFrequencies, apply_rotary
+from .positional import RotaryFrequencies
 
 
 class InfiniAttention(RotaryFrequencies, Mixer):
@@ -106,8 +106,7 @@ class InfiniAttention(RotaryFrequencies, Mixer):
             # (of each document's own state when packed).
             starts = [InfiniSegmentState.open_len(s) for s in docs]
             pos = token_positions(bounds, starts, x.device) % self.segment_len
-            freq = self._rotary_freq(x)  # [D/2] float64
-            q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
+            q, k = self._rotate_periodic((q, k), pos, self.segment_len)
             if self.rope_memory:
                 q_mem, k_mem = q, k
         o, new_state = infini_attention(

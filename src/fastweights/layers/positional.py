@@ -28,14 +28,27 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
 
     positions: [T] or [B, T] (any numeric dtype); inv_freq: [D/2].
     """
-    cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cdtype = _angle_dtype(x)
     angles = positions.to(cdtype).unsqueeze(-1) * inv_freq.to(cdtype)  # [(B,) T, D/2]
-    if angles.dim() == 2:
-        angles = angles.unsqueeze(0)
-    cos, sin = angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)  # [B|1, T, 1, D/2]
-    xc = x.to(cdtype)
-    even, odd = xc[..., 0::2], xc[..., 1::2]
-    out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return rotate_pairs(x, angles.cos(), angles.sin())
+
+
+def _angle_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_{2i}, x_{2i+1}) of x [B, T, H, D] by the angles whose cosines and sines
+    are cos, sin [(B,) T, D/2] (float64 for float64 x, else float32)."""
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    rot = torch.complex(cos, sin).unsqueeze(2)  # [B|1, T, 1, D/2]
+    # As one complex product (even + i odd) * (cos + i sin): the same arithmetic as
+    # (even cos - odd sin, even sin + odd cos) in one pass over x instead of six and a stack.
+    pairs = x.to(cos.dtype).unflatten(-1, (-1, 2))  # [B, T, H, D/2, 2]
+    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()  # a complex view needs whole (re, im) pairs
+    out = torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2)
     return out.to(x.dtype)
 
 
@@ -59,3 +72,21 @@ class RotaryFrequencies:
     def _rotary_freq(self, x: torch.Tensor) -> torch.Tensor:
         """``inv_freq`` on x's device."""
         return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)
+
+    def _rotate_periodic(self, xs: tuple[torch.Tensor, ...], positions: torch.Tensor,
+                         period: int) -> tuple[torch.Tensor, ...]:
+        """``apply_rotary`` of every x in xs at ``positions`` in [0, period) (positions that
+        restart every mini-batch or segment), reading cos/sin from a [period, D/2] table kept
+        per (device, dtype): the same values apply_rotary computes, without recomputing them
+        on every call (the cost that dominates a decoding step's position encoding)."""
+        x = xs[0]
+        key = (period, self.rope_base, x.device, _angle_dtype(x))
+        cache = self.__dict__.setdefault("_rotary_tables", {})
+        if key not in cache:
+            cdtype = _angle_dtype(x)
+            angles = (torch.arange(period, device=x.device).to(cdtype).unsqueeze(-1)
+                      * self._rotary_freq(x).to(cdtype))  # [period, D/2]
+            cache[key] = (angles.cos(), angles.sin())
+        cos, sin = cache[key]
+        cos, sin = cos[positions], sin[positions]
+        return tuple(rotate_pairs(x, cos, sin) for x in xs)

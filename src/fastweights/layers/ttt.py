@@ -28,7 +28,7 @@ from .base import (
     split_heads,
     token_positions,
 )
-from .positional import RotaryFrequencies, apply_rotary
+from .positional import RotaryFrequencies
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
 INIT_STD = 0.02  # SPEC 2.6
@@ -215,8 +215,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         if self.rope:
             # Restart every mini-batch; every document starts its own mini-batches.
             positions = token_positions(bounds, pos, x.device) % b
-            freq = self._rotary_freq(x)  # [D/2] float64
-            q, k = apply_rotary(q, positions, freq), apply_rotary(k, positions, freq)
+            q, k = self._rotate_periodic((q, k), positions, b)
         gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((*x.shape[:2], H), 0.5)
         eta = self.eta_base * self.eta_scale * gate / D  # [B, T, H]
         learned = tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)

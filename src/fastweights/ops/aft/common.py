@@ -93,8 +93,10 @@ def check_stream_flags(output_final_state: Any, mode: Any, chunk_size: Any = 1) 
 
 def banded_stream(k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, window: int,
                   state: tuple | None, mode: str, chunk_size: int) -> tuple[torch.Tensor, tuple]:
-    """The causal banded sums of AFT-local/conv in the chosen ``mode`` (chunk.py/recurrent.py)."""
-    if mode == "chunk":
+    """The causal banded sums of AFT-local/conv in the chosen ``mode`` (chunk.py/recurrent.py).
+    One token (a decoding step) always takes the recurrent form: it reads the cached window as
+    it is, where the chunked form would rebuild prefix sums over cache and token."""
+    if mode == "chunk" and k.shape[1] > 1:
         return banded_causal(k, v, band, window, state, chunk_size)
     return banded_recurrent(k, v, band, window, state)
 

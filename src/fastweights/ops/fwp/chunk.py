@@ -8,6 +8,8 @@ and zero keys/values/betas write nothing, so padding never changes the state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -30,13 +32,15 @@ def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def _chunk_major(x: torch.Tensor, C: int) -> torch.Tensor:
-    """[B, T, H, D] -> [N, B*H, C, D] (one copy), zero-padding T up to N*C. Chunk-major so that
-    each chunk of the sequential state hand-off is one contiguous batch of matrices."""
+    """[B, T, H, D] -> [N, B*H, C, D] (one copy, contiguous), zero-padding T up to N*C.
+    Chunk-major so that each chunk of the sequential state hand-off is one contiguous batch of
+    matrices. Contiguous also for B = 1, where the reshape alone would be a strided view: every
+    matmul folding [N, B*H] into one batch dimension would then copy it again."""
     B, T, H, D = x.shape
     N = -(-T // C)
     if N * C != T:
         x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
-    return x.reshape(B, N, C, H, D).permute(1, 0, 3, 2, 4).reshape(N, B * H, C, D)
+    return x.reshape(B, N, C, H, D).permute(1, 0, 3, 2, 4).reshape(N, B * H, C, D).contiguous()
 
 
 def _from_chunk_major(x: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -46,41 +50,112 @@ def _from_chunk_major(x: torch.Tensor, B: int, T: int) -> torch.Tensor:
     return x.reshape(N, B, H, C, D).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, D)[:, :T]
 
 
-def _exclusive_prefix(
-    first: torch.Tensor, per_chunk: torch.Tensor,
+def _head_slices(x: torch.Tensor, C: int) -> tuple[torch.Tensor, ...]:
+    """[B, T, H, D] -> H tensors [B*N, C, D]: per head, every chunk of every sequence as one
+    batch of C x D matrices. Views with a single batch stride, which batched matmuls read in
+    place, so no layout copy is made (zero-padding T up to N*C, where needed, is the only one).
+    ``unbind`` rather than indexing: its backward is one stack, not H scatters into zeros."""
+    B, T, H, D = x.shape
+    N = -(-T // C)
+    if N * C != T:
+        x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
+    return x.reshape(B * N, C, H, D).unbind(2)
+
+
+def _per_head(
+    H: int, shape: tuple[int, ...], like: torch.Tensor, differentiable: bool,
+    fn: Callable[[int, torch.Tensor | None], torch.Tensor],
+) -> torch.Tensor:
+    """[H, *shape]: the stack of ``fn(h, out)`` over heads. Without autograd every head's
+    result is written by ``fn`` straight into its slot ``out`` of one buffer (no stack copy);
+    with it ``out`` is None and the results are stacked."""
+    if differentiable:
+        return torch.stack([fn(h, None) for h in range(H)])
+    buf = like.new_empty(H, *shape)
+    for h in range(H):
+        fn(h, buf[h])
+    return buf
+
+
+def _merge_heads(o: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """[H, B*N, C, D] -> [B, T, H, D]: a view, dropping the padded tail. Its consumer merges
+    the heads with one copy either way."""
+    H, D = o.shape[0], o.shape[-1]
+    return o.view(H, B, -1, D)[:, :, :T].permute(1, 2, 0, 3)
+
+
+def _entering_states(
+    first: torch.Tensor, per_chunk: torch.Tensor, decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """States entering each chunk and the final state: first + cumsum of per_chunk (dim 2).
-    The exclusive sum is the cumsum of [first, per_chunk[:-1]]: one copy and one scan."""
-    entering = torch.cat([first.unsqueeze(2), per_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
-    return entering, entering[:, :, -1] + per_chunk[:, :, -1]
+    """The states entering each chunk and the final one, for S_{n+1} = decay_n S_n + U_n:
+    first [H, B, *s], per_chunk U [H, B, N, *s], decay None (1) or [N, H, 1, ...] broadcasting
+    against [H, B, *s]. Returns (entering [H, B, N, *s], final [H, B, *s]).
+
+    A loop of N elementwise steps: cumsum along a middle dimension is several times slower on
+    CPU. Without autograd the steps write straight into the stacked result."""
+    N = per_chunk.shape[2]
+
+    def step(n: int, S: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if decay is None:
+            return torch.add(per_chunk[:, :, n], S, out=out)
+        return torch.addcmul(per_chunk[:, :, n], decay[n], S, out=out)
+
+    if torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (first, per_chunk, decay)
+    ):
+        if decay is None:  # one cumsum: a short autograd graph (its backward is one more)
+            entering = torch.cat([first.unsqueeze(2), per_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
+            return entering, entering[:, :, -1] + per_chunk[:, :, -1]
+        states = [first]
+        for n in range(N):
+            states.append(step(n, states[-1]))
+        return torch.stack(states[:-1], dim=2), states[-1]
+    entering = per_chunk.new_empty(per_chunk.shape)
+    entering[:, :, 0] = first
+    for n in range(N - 1):
+        step(n, entering[:, :, n], out=entering[:, :, n + 1])
+    return entering, step(N - 1, entering[:, :, N - 1])
 
 
 def linear_attn_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor, z0: torch.Tensor,
     normalize: bool, eps: float, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Intra-chunk tril(Q_c K_c^T) V_c plus inter-chunk Q_c S_prev (and likewise for z).
+    """Intra-chunk tril(Q_c K_c^T) V_c plus inter-chunk Q_c S_prev; with ``normalize`` the
+    denominator is q_t . z_prev + the row sum of tril(Q_c K_c^T) (the same scores).
 
-    With ``normalize`` the normaliser rides along as an extra value column of ones: z is then
-    the last column of the augmented state [S | z] and the denominator the last output column,
-    so one set of matmuls and one prefix scan serve both."""
-    T, Dv = q.shape[1], v.shape[-1]
+    Per head, each product is one batched matmul over all chunks, read in place from the
+    [B, T, H, D] inputs (``_head_slices``); only the prefix sum of the chunk states is a loop."""
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    C = chunk_size
+    N = -(-T // C)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, S0, z0))
+    qs, ks, vs = (_head_slices(x, C) for x in (q, k, v))  # H x [B*N, C, D]
+    U = _per_head(H, (B * N, Dk, Dv), q, grad,  # each chunk's K^T V
+                  lambda h, out: torch.matmul(ks[h].transpose(-1, -2), vs[h], out=out))
+    S_in, S = _entering_states(S0.transpose(0, 1), U.view(H, B, N, Dk, Dv))
+    S_in = S_in.view(H, B * N, Dk, Dv)
     if normalize:
-        v = F.pad(v, (0, 1), value=1.0)
-        S0 = torch.cat([S0, z0.unsqueeze(-1)], dim=-1)  # [B, H, Dk, Dv + 1]
-    qc, kc, vc = (_to_chunks(x, chunk_size) for x in (q, k, v))
-    # tril_ in place on a fresh matmul output: autograd keeps qc and kc, not this product.
-    scores = (qc @ kc.transpose(-1, -2)).tril_()  # [B, H, N, C, C]
-    S_prev, S = _exclusive_prefix(S0, kc.transpose(-1, -2) @ vc)  # [B, H, N, Dk, Dv(+1)]
-    # o = Q S_prev + scores V as one fused multiply-add over all (batch, head, chunk) matrices.
-    o = torch.baddbmm((qc @ S_prev).flatten(0, 2), scores.flatten(0, 2), vc.flatten(0, 2))
-    o = o.unflatten(0, qc.shape[:3])
-    if normalize:
-        o = o[..., :Dv] / (o[..., Dv:] + eps)
-        S, z = S[..., :Dv], S[..., Dv]
-    else:
-        z = z0 + k.sum(dim=1)
-    return _from_chunks(o, T), S, z
+        z_per = torch.stack([kh.sum(dim=1) for kh in ks]).view(H, B, N, Dk)  # chunk key sums
+        z_in, z = _entering_states(z0.transpose(0, 1), z_per)
+        z_in = z_in.view(H, B * N, 1, Dk)
+
+    def head(h: int, out: torch.Tensor | None) -> torch.Tensor:
+        scores = (qs[h] @ ks[h].transpose(-1, -2)).tril_()  # [B*N, C, C]
+        # Q S_prev + tril(Q K^T) V, accumulated in place: baddbmm into a separate output
+        # would first copy its addend there.
+        o = torch.matmul(qs[h], S_in[h], out=out).baddbmm_(scores, vs[h])
+        if not normalize:
+            return o
+        # q . z_prev as a product and a sum: a [C, Dk] x [Dk, 1] matmul per chunk is slower.
+        den = (qs[h] * z_in[h]).sum(dim=-1, keepdim=True) + scores.sum(dim=-1, keepdim=True)
+        return o.div_(den.add_(eps)) if out is not None else o / (den + eps)
+
+    o = _merge_heads(_per_head(H, (B * N, C, Dv), q, grad, head), B, T)
+    S = S.transpose(0, 1)
+    z = z.transpose(0, 1) if normalize else z0 + k.sum(dim=1)
+    return o, S, z
 
 
 def delta_rule_chunk(
@@ -133,20 +208,32 @@ class _DeltaRuleChunk(torch.autograd.Function):
         """X and the states entering every chunk, (X, S_in [N, BH, Dk, Dv], U, S_final)."""
         X = _delta_wy(kc, bc)
         Tm = X * bc.transpose(-1, -2)  # X diag(beta)
-        W, U0 = Tm @ kc, Tm @ vc  # [N, BH, C, Dk], [N, BH, C, Dv]
-        S, entering, Us = S0, [], []
-        for n in range(kc.shape[0]):
-            U = torch.baddbmm(U0[n], W[n], S, alpha=-1)  # U0 - W S
-            entering.append(S)
-            S = torch.baddbmm(S, kc[n].transpose(-1, -2), U)  # S + K^T U
-            Us.append(U)
-        return X, torch.stack(entering), torch.stack(Us), S
+        W, U = Tm @ kc, Tm @ vc  # [N, BH, C, Dk]; U holds U0 until the loop reaches its chunk
+        N = kc.shape[0]
+        kT = kc.transpose(-1, -2)
+        if torch.is_grad_enabled():  # double backward: a graph through every step
+            S, entering, Us = S0, [], []
+            for n in range(N):
+                Un = torch.baddbmm(U[n], W[n], S, alpha=-1)  # U0 - W S
+                entering.append(S)
+                S = torch.baddbmm(S, kT[n], Un)  # S + K^T U
+                Us.append(Un)
+            return X, torch.stack(entering), torch.stack(Us), S
+        # Without autograd every step writes in place: U0 becomes U, and each state goes
+        # straight into its slot of S_in (no copies of addends, no stacking).
+        S_in = S0.new_empty(N, *S0.shape)
+        S_in[0] = S0
+        for n in range(N):
+            U[n].baddbmm_(W[n], S_in[n], alpha=-1)
+            if n + 1 < N:
+                torch.baddbmm(S_in[n], kT[n], U[n], out=S_in[n + 1])
+        return X, S_in, U, torch.baddbmm(S_in[N - 1], kT[N - 1], U[N - 1])
 
     @staticmethod
     def forward(ctx, qc, kc, vc, bc, S0):  # type: ignore[override]
         X, S_in, U, S = _DeltaRuleChunk._states(kc, vc, bc, S0)
         qk = (qc @ kc.transpose(-1, -2)).tril_()
-        o = torch.baddbmm((qc @ S_in).flatten(0, 1), qk.flatten(0, 1), U.flatten(0, 1))
+        o = (qc @ S_in).flatten(0, 1).baddbmm_(qk.flatten(0, 1), U.flatten(0, 1))
         ctx.save_for_backward(qc, kc, vc, bc, S0, X, S_in)
         return o.unflatten(0, qc.shape[:2]), S
 

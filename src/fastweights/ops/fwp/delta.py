@@ -58,7 +58,7 @@ def delta_rule(
         o, S = kernels.delta_rule_triton(q * scale if scale != 1.0 else q, k, v, beta, S0,
                                          min(chunk_size, T))
         return o.to(q.dtype), (S if output_final_state else None)
-    args = {"q": q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
+    args = {"q": q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
             "beta": beta.to(cdtype)}
     if mode == "chunk" and T > 1:
         o, S = delta_rule_chunk(**args, S=S0, chunk_size=min(chunk_size, T))

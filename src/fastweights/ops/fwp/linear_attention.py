@@ -90,7 +90,7 @@ def linear_attn(
         o, S, z = kernels.linear_attn_triton(q * scale if scale != 1.0 else q, k, v, S0, z0,
                                              normalize, eps, min(chunk_size, T))
         return o.to(q.dtype), (LinearAttnState(S, z) if output_final_state else None)
-    args = {"q": q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
+    args = {"q": q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
             "normalize": normalize, "eps": eps}
     if mode == "chunk" and T > 1:
         o, S, z = linear_attn_chunk(**args, S0=S0, z0=z0, chunk_size=min(chunk_size, T))

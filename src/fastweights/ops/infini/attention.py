@@ -211,7 +211,9 @@ def infini_attention(
     qmc = qc if q_mem is None else q_mem.to(cdtype)
     kmc = kc if k_mem is None else k_mem.to(cdtype)
     g = torch.sigmoid(gate.to(cdtype))
-    if mode == "recurrent":
+    if mode == "recurrent" or T == 1:
+        # T = 1 in the parallel modes is a decoding step: the streaming form attends over the
+        # cached open segment instead of re-running the segment with zero queries in front.
         o, M, z, *cache = infini_attention_recurrent(
             q=qc, k=kc, v=vc, q_mem=qmc, k_mem=kmc, g=g, M=M0, z=z0, k_seg=cache[0],
             v_seg=cache[1], k_mem_seg=cache[2], segment_len=N, update=update, scale=scale, eps=eps)

@@ -63,10 +63,12 @@ def decay_linear_attn(
                           chunk_size=chunk_size)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
+    if mode == "chunk":  # the chunk form applies the scale itself, on its small tables
+        o, S = decay_linear_attn_chunk(q.to(cdtype), k.to(cdtype), v.to(cdtype),
+                                       decay.to(cdtype), S0, chunk_size, scale)
+        return o.to(q.dtype), (S if output_final_state else None)
     args = (q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype), decay.to(cdtype), S0)
-    if mode == "chunk":
-        o, S = decay_linear_attn_chunk(*args, chunk_size)
-    elif mode == "recurrent":
+    if mode == "recurrent":
         o, S = decay_linear_attn_recurrent(*args)
     else:
         o, S = decay_linear_attn_naive(*args)

@@ -88,12 +88,15 @@ class Carry(NamedTuple):
             )
         return cls(tuple(items[n:2 * n]), tuple(items[2 * n:]), pos)
 
-    def final_state(self, tau: torch.Tensor) -> tuple[Any, ...]:
+    def final_state(self, tau: torch.Tensor, current: Weights | None = None) -> tuple[Any, ...]:
         """The public state after the call: the weights, and when the call ended inside a
-        mini-batch also (*start weights, *gradient sums, pos) (see ``ttt_linear``)."""
+        mini-batch also (*start weights, *gradient sums, pos) (see ``ttt_linear``).
+        ``current``: the current weights, where the caller already has them (else computed)."""
         if self.pos == 0:
             return self.start
-        return (*current_weights(self, tau), *self.start, *self.grads, self.pos)
+        if current is None:
+            current = current_weights(self, tau)
+        return (*current, *self.start, *self.grads, self.pos)
 
 
 def weight_specs(kind: str, Dk: int, Dv: int) -> list[tuple[str, tuple[int, ...], str]]:

@@ -29,6 +29,7 @@ from .common import Carry
 from .dual import ttt_linear_dual, ttt_mlp_dual
 from .naive import linear_f_res, mlp_f_res, ttt_naive
 from .primal import ttt_linear_primal, ttt_mlp_primal
+from .step import ttt_linear_step, ttt_mlp_step
 
 MODES = TTT_MODES
 TTTState = tuple[Any, ...]  # (*weights) or (*weights, *start weights, *gradient sums, pos)
@@ -44,6 +45,9 @@ _KERNELS = {
         "naive": functools.partial(ttt_naive, mlp_f_res),
     },
 }
+
+
+_STEPS = {"linear": ttt_linear_step, "mlp": ttt_mlp_step}
 
 
 def _ttt(
@@ -102,11 +106,16 @@ def _ttt(
     else:
         tau = token_scale.to(cdtype).expand(H, b)
     ln_w, ln_b = (None if x is None else x.to(cdtype) for x in (ln_weight, ln_bias))
-    extra = {"checkpoint_group": checkpoint_group} if mode == "dual" else {}
-    o, carry = _KERNELS[kind][mode](
-        q=q.to(cdtype), k=k.to(cdtype), v=v.to(cdtype), eta=eta.to(cdtype), carry=carry,
-        ln_weight=ln_w, ln_bias=ln_b, residual=residual, tau=tau, **extra)
-    return o.to(q.dtype), (carry.final_state(tau) if output_final_state else None)
+    inputs = {"q": q.to(cdtype), "k": k.to(cdtype), "v": v.to(cdtype), "eta": eta.to(cdtype),
+              "carry": carry, "ln_weight": ln_w, "ln_bias": ln_b, "residual": residual, "tau": tau}
+    current = None
+    if mode == "dual" and T == 1:
+        # A decoding step: the token as one row, not a zero-padded b x b mini-batch (step.py).
+        o, (carry, current) = _STEPS[kind](**inputs)
+    else:
+        extra = {"checkpoint_group": checkpoint_group} if mode == "dual" else {}
+        o, carry = _KERNELS[kind][mode](**inputs, **extra)
+    return o.to(q.dtype), (carry.final_state(tau, current) if output_final_state else None)
 
 
 @float32_compute
