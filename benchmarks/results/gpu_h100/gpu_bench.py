@@ -50,8 +50,39 @@ if MODE in ("all", "correct"):
                         o, S = fk.delta_rule_triton(q, k, v, beta, S0, C)
                         ro, rS = fch.delta_rule_chunk(f32(q), f32(k), f32(v), f32(beta), S0, C)
                     torch.cuda.synchronize()
+                    row["S_max"] = rS.abs().max().item()
                     row["o_err"] = ((o.float() - ro).abs().max() / ro.abs().max()).item()
                     row["S_err"] = ((S - rS).abs().max() / rS.abs().max()).item()
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(row, flush=True); res["correct"].append(row)
+
+# ---- gradients on CUDA: triton vs torch chunk float32 ----
+if MODE in ("all", "correct"):
+    g = torch.Generator(device=dev).manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        for (B, T, H, Dk, Dv, C) in ((2, 333, 3, 64, 64, 64), (1, 200, 2, 37, 70, 32)):
+            q, k, v, beta = rnd(B, T, H, Dk, dtype, g); v = torch.randn(B, T, H, Dv, device=dev, generator=g).to(dtype)
+            S0 = torch.randn(B, H, Dk, Dv, device=dev, generator=g); z0 = torch.rand(B, H, Dk, device=dev, generator=g)
+            wo = torch.randn(B, T, H, Dv, device=dev, generator=g); wS = torch.randn(B, H, Dk, Dv, device=dev, generator=g)
+            for op in ("linear", "linear_norm", "delta"):
+                row = dict(op=op + "_grad", dtype=str(dtype), shape=(B, T, H, Dk, Dv, C))
+                try:
+                    nz = op == "linear_norm"
+                    base = [x.abs() if nz and i < 2 else x for i, x in enumerate((q, k, v, beta, S0, z0))]
+                    a = [x.detach().clone().requires_grad_() for x in base]
+                    r = [x.detach().float().clone().requires_grad_() for x in base]
+                    if op == "delta":
+                        o, S = fk.delta_rule_triton(a[0], a[1], a[2], a[3], a[4], C)
+                        ro, rS = fch.delta_rule_chunk(r[0], r[1], r[2], r[3], r[4], C)
+                        idx = (0, 1, 2, 3, 4)
+                    else:
+                        o, S, z = fk.linear_attn_triton(a[0], a[1], a[2], a[4], a[5], nz, 1e-6, C)
+                        ro, rS, rz = fch.linear_attn_chunk(r[0], r[1], r[2], r[4], r[5], nz, 1e-6, C)
+                        idx = (0, 1, 2, 4, 5) if nz else (0, 1, 2, 4)
+                    ((o.float() * wo).sum() + (S * wS).sum()).backward()
+                    ((ro * wo).sum() + (rS * wS).sum()).backward()
+                    row["grad_rel_err"] = [round(((a[i].grad.float() - r[i].grad).abs().max() / r[i].grad.abs().max()).item(), 6) for i in idx]
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(row, flush=True); res["correct"].append(row)

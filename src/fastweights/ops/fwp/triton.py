@@ -20,8 +20,9 @@ backward  (d) ``_local_du_kernel``     grid (Dv/BV, N, B*H)   dU_n = tril(Q_n K_
           (e) ``_state_bwd_kernel``    grid (Dv/BV, B*H)      sequential, last chunk first:
               stores dh_n (the gradient of the state leaving chunk n), completes
               dU_n += K_n dh_n, and carries dh <- dh + Q_n^T dO_n - W_n^T dU_n; returns dS0
-          (f) ``_grad_kernel``         grid (N, B*H)          dQ, dK (and dV, dbeta through the
-              UT solve for the delta rule); for linear attention dV = dU from (e)
+          (f) ``_grad_kernel``         grid (N, B*H)          dQ, dK; for linear attention dV = dU
+          (g) ``_ut_bwd_kernel``       grid (N, B*H)          delta only: dV, dbeta and the rest of
+              dK through U = U0 - W h and the UT solve
 The backward recomputes (a) and (b) from the saved inputs instead of keeping W, U0, h.
 Normalised linear attention runs as the unnormalised one with a column of ones appended to V
 (its state column is z, SPEC 1.3), and divides by that column plus eps in PyTorch, so the
@@ -84,19 +85,22 @@ class TileConfig(NamedTuple):
     BV: int
     num_warps: int
     loop_stages: int
+    ut_bwd_warps: int  # the UT backward holds about ten [BT, BT] float32 tiles at once
 
 
-def tile_config(arch: int, BK: int) -> TileConfig:
+def tile_config(arch: int, BK: int, dtype: torch.dtype) -> TileConfig | None:
     """The tiles for a compute capability ``arch`` (80 = sm_80 A100, 90 = sm_90 H100; others use
-    the closest lower one) and key tile BK. tests/ops/test_fwp_triton_compile.py compiles every
-    kernel for every configuration this returns and checks shared memory and spills."""
+    the closest lower one), key tile BK and input dtype, or None where no tiling compiles
+    without register spills (the dispatcher then takes the PyTorch path).
+    tests/ops/test_fwp_triton_compile.py compiles every kernel for every configuration this
+    returns and checks shared memory and spills."""
     if BK not in (16, 32, 64, 128):
         raise ValueError(f"BK must be 16, 32, 64 or 128, got {BK}")
     # Smaller value blocks give the state pass more programs (it is latency bound, B*H*Dv/BV
-    # programs) at the price of reloading k, W per block; 32 keeps Dk=128 float32 in registers.
-    BV = 32
-    num_warps = 8 if BK == 128 else 4
-    return TileConfig(BV=BV, num_warps=num_warps, loop_stages=2 if arch >= 90 else 1)
+    # programs) at the price of reloading k, W per block. Exact float32 products ("ieee") are
+    # FMA loops that hold both operands in registers: float32 inputs take half the block.
+    BV = 16 if dtype == torch.float32 else 32
+    return TileConfig(BV=BV, num_warps=8, loop_stages=2 if arch >= 90 else 1, ut_bwd_warps=8)
 
 
 def key_tile(Dk: int) -> int:
@@ -329,7 +333,10 @@ def _state_bwd_kernel(
         du = _load_rows(du_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
         du += tl.dot(kb.to(tl.float32), dS, input_precision=F32_PREC)
         _store_rows(du_ptr, du, b, h, rt, mt, T, H, Dv, BV, v0)
-        dS += tl.dot(tl.trans(qb), dob, input_precision=IN_PREC)
+        if do_ptr.dtype.element_ty == tl.float32:  # normalised linear attention's dO
+            dS += tl.dot(tl.trans(qb.to(tl.float32)), dob, input_precision=F32_PREC)
+        else:
+            dS += tl.dot(tl.trans(qb), dob, input_precision=IN_PREC)
         if HAS_W:
             wb = _load_rows(w_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
             dS -= tl.dot(tl.trans(wb), du, input_precision=F32_PREC)
@@ -339,36 +346,22 @@ def _state_bwd_kernel(
 
 @triton.jit
 def _grad_kernel(
-    q_ptr, k_ptr, v_ptr, u_ptr, beta_ptr, x_ptr, h_ptr, dh_ptr, do_ptr, du_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dbeta_ptr,
+    q_ptr, k_ptr, u_ptr, h_ptr, dh_ptr, do_ptr, dq_ptr, dk_ptr,
     T, H, N, Dk, Dv, C,
-    HAS_W: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """(f) Per chunk (all Dk, value blocks in a loop): with P = tril(Q K^T), h = h_n and
-    dh = dh_n (leaving), dU from (e):
-      dQ = dO h^T + tril(dO U^T) K,  dK = U dh^T + tril(dO U^T)^T Q
-    and with HAS_W, through U = U0 - W h and the UT solve (Tm = Xinv diag(beta)):
-      dW = -dU h^T, dV = Tm^T dU, dK += Tm^T dW, dTm = dU V^T + dW K^T,
-      dXinv = dTm diag(beta), dbeta_j = sum_i Xinv_ij dTm_ij, dA = stril(-Xinv^T dXinv Xinv^T),
-      dbeta_i += sum_j dA_ij (K K^T)_ij, dK += G K + G^T K with G = diag(beta) dA.
-    u is U (float32) with HAS_W, else v. Gradients are stored in float32."""
+    """(f) Per chunk (all Dk, value blocks in a loop), with h = h_n, dh = dh_n (leaving):
+      dQ = dO h^T + tril(dO U^T) K,  dK = U dh^T + tril(dO U^T)^T Q  (float32)
+    u is U (float32) for the delta rule, v for linear attention. q, k load after the loop:
+    fewer tiles live across it (registers)."""
     i_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
     rc, rt, mt = _rows(i_n, T, C, BT)
-    qf = _load_rows(q_ptr, b, h, rt, mt, T, H, Dk, BK, 0).to(tl.float32)
-    kf = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0).to(tl.float32)
     dq = tl.zeros([BT, BK], dtype=tl.float32)
     dk = tl.zeros([BT, BK], dtype=tl.float32)
     dP = tl.zeros([BT, BT], dtype=tl.float32)
-    if HAS_W:
-        dw = tl.zeros([BT, BK], dtype=tl.float32)
-        dT = tl.zeros([BT, BT], dtype=tl.float32)
-        Xi = _load_rows(x_ptr, b, h, rt, mt, T, H, BT, BT, 0)
-        beta = tl.load(beta_ptr + (b * T + rt) * H + h, mask=mt, other=0.0).to(tl.float32)
-        Tm = Xi * beta[None, :]
     for v0 in range(0, Dv, BV):
         h_ptrs, ms = _state_ptrs(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
         S = tl.load(h_ptrs, mask=ms, other=0.0)
@@ -379,32 +372,62 @@ def _grad_kernel(
         dq += tl.dot(dob, tl.trans(S), input_precision=F32_PREC)
         dP += tl.dot(dob, tl.trans(ub), input_precision=F32_PREC)
         dk += tl.dot(ub, tl.trans(dS), input_precision=F32_PREC)
-        if HAS_W:
-            du = _load_rows(du_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
-            dw -= tl.dot(du, tl.trans(S), input_precision=F32_PREC)
-            vb = _load_rows(v_ptr, b, h, rt, mt, T, H, Dv, BV, v0).to(tl.float32)
-            dT += tl.dot(du, tl.trans(vb), input_precision=F32_PREC)
-            _store_rows(dv_ptr, tl.dot(tl.trans(Tm), du, input_precision=F32_PREC), b, h, rt, mt,
-                        T, H, Dv, BV, v0)
     dP = tl.where(rc[:, None] >= rc[None, :], dP, 0.0)
+    kf = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0).to(tl.float32)
     dq += tl.dot(dP, kf, input_precision=F32_PREC)
-    dk += tl.dot(tl.trans(dP), qf, input_precision=F32_PREC)
-    if HAS_W:
-        dk += tl.dot(tl.trans(Tm), dw, input_precision=F32_PREC)
-        dT += tl.dot(dw, tl.trans(kf), input_precision=F32_PREC)
-        dbeta = tl.sum(Xi * dT, axis=0)
-        dXi = dT * beta[None, :]
-        dX = -tl.dot(tl.trans(Xi), tl.dot(dXi, tl.trans(Xi), input_precision=F32_PREC),
-                     input_precision=F32_PREC)
-        dA = tl.where(rc[:, None] > rc[None, :], dX, 0.0)
-        kk = tl.dot(kf, tl.trans(kf), input_precision=F32_PREC)
-        dbeta += tl.sum(dA * kk, axis=1)
-        G = dA * beta[:, None]
-        dk += tl.dot(G, kf, input_precision=F32_PREC)
-        dk += tl.dot(tl.trans(G), kf, input_precision=F32_PREC)
-        tl.store(dbeta_ptr + (b * T + rt) * H + h, dbeta, mask=mt)
     _store_rows(dq_ptr, dq, b, h, rt, mt, T, H, Dk, BK, 0)
+    qf = _load_rows(q_ptr, b, h, rt, mt, T, H, Dk, BK, 0).to(tl.float32)
+    dk += tl.dot(tl.trans(dP), qf, input_precision=F32_PREC)
     _store_rows(dk_ptr, dk, b, h, rt, mt, T, H, Dk, BK, 0)
+
+
+@triton.jit
+def _ut_bwd_kernel(
+    k_ptr, v_ptr, beta_ptr, x_ptr, h_ptr, du_ptr, dk_ptr, dv_ptr, dbeta_ptr,
+    T, H, N, Dk, Dv, C,
+    F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """(g) Delta rule, per chunk: the gradient through U = U0 - W h and the UT solve
+    (Tm = Xinv diag(beta), W = Tm K, U0 = Tm V), added to dK from (f):
+      dW = -dU h^T, dV = Tm^T dU, dK += Tm^T dW, dTm = dU V^T + dW K^T,
+      dXinv = dTm diag(beta), dbeta_j = sum_i Xinv_ij dTm_ij, dA = stril(-Xinv^T dXinv Xinv^T),
+      dbeta_i += sum_j dA_ij (K K^T)_ij, dK += G K + G^T K with G = diag(beta) dA."""
+    i_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    rc, rt, mt = _rows(i_n, T, C, BT)
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, Dv, BV):
+        h_ptrs, ms = _state_ptrs(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
+        S = tl.load(h_ptrs, mask=ms, other=0.0)
+        du = _load_rows(du_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
+        vb = _load_rows(v_ptr, b, h, rt, mt, T, H, Dv, BV, v0).to(tl.float32)
+        dw -= tl.dot(du, tl.trans(S), input_precision=F32_PREC)
+        dT += tl.dot(du, tl.trans(vb), input_precision=F32_PREC)
+    Xi = _load_rows(x_ptr, b, h, rt, mt, T, H, BT, BT, 0)
+    beta = tl.load(beta_ptr + (b * T + rt) * H + h, mask=mt, other=0.0).to(tl.float32)
+    Tm = Xi * beta[None, :]
+    for v0 in range(0, Dv, BV):
+        du = _load_rows(du_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
+        _store_rows(dv_ptr, tl.dot(tl.trans(Tm), du, input_precision=F32_PREC), b, h, rt, mt,
+                    T, H, Dv, BV, v0)
+    kf = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0).to(tl.float32)
+    dk = tl.dot(tl.trans(Tm), dw, input_precision=F32_PREC)
+    dT += tl.dot(dw, tl.trans(kf), input_precision=F32_PREC)
+    dbeta = tl.sum(Xi * dT, axis=0)
+    dX = -tl.dot(tl.trans(Xi), tl.dot(dT * beta[None, :], tl.trans(Xi), input_precision=F32_PREC),
+                 input_precision=F32_PREC)
+    dA = tl.where(rc[:, None] > rc[None, :], dX, 0.0)
+    kk = tl.dot(kf, tl.trans(kf), input_precision=F32_PREC)
+    dbeta += tl.sum(dA * kk, axis=1)
+    G = dA * beta[:, None]
+    dk += tl.dot(G, kf, input_precision=F32_PREC)
+    dk += tl.dot(tl.trans(G), kf, input_precision=F32_PREC)
+    dk += _load_rows(dk_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
+    _store_rows(dk_ptr, dk, b, h, rt, mt, T, H, Dk, BK, 0)
+    tl.store(dbeta_ptr + (b * T + rt) * H + h, dbeta, mask=mt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,7 +461,9 @@ def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> _Launch:
         major, minor = torch.cuda.get_device_capability(q.device)
         arch = 10 * major + minor
     BK = key_tile(Dk)
-    cfg = tile_config(arch, BK)
+    cfg = tile_config(arch, BK, q.dtype)
+    if cfg is None:
+        raise ValueError(f"no Triton tiling for {q.dtype} at Dk={Dk} on sm_{arch}")
     in_prec, f32_prec = precisions(q.dtype)
     consts = dict(UPCAST=_upcast_tiles(q.dtype), IN_PREC=in_prec, F32_PREC=f32_prec, BT=BT,
                   BK=BK)
@@ -493,12 +518,17 @@ def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS):
         HAS_W=has_w, BV=L.cfg.BV, STAGES=L.cfg.loop_stages, num_warps=L.cfg.num_warps, **L.consts)
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty_like(dq)
-    dv = torch.empty_like(du) if has_w else du
-    dbeta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if has_w else None
-    _grad_kernel[(L.N, L.BH)](
-        q, k, v, U if has_w else v, beta if has_w else q, X if has_w else q, h, dh, do, du,
-        dq, dk, dv, dbeta if has_w else dq, L.T, L.H, L.N, L.Dk, L.Dv, L.C, HAS_W=has_w,
-        BV=L.cfg.BV, num_warps=L.cfg.num_warps, **L.consts)
+    consts = dict(F32_PREC=L.consts["F32_PREC"], BT=BT, BK=L.consts["BK"], BV=L.cfg.BV,
+                  num_warps=L.cfg.num_warps)
+    _grad_kernel[(L.N, L.BH)](q, k, U if has_w else v, h, dh, do, dq, dk, L.T, L.H, L.N, L.Dk,
+                              L.Dv, L.C, **consts)
+    if not has_w:  # linear attention: dV is dU
+        return dq, dk, du, None, dS0
+    dv = torch.empty_like(du)
+    dbeta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    consts["num_warps"] = L.cfg.ut_bwd_warps
+    _ut_bwd_kernel[(L.N, L.BH)](k, v, beta, X, h, du, dk, dv, dbeta, L.T, L.H, L.N, L.Dk, L.Dv,
+                                L.C, **consts)
     return dq, dk, dv, dbeta, dS0
 
 
@@ -578,7 +608,8 @@ def delta_rule_triton(
     S0 [B, H, Dk, Dv] float32; chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's
     dtype, S float32)."""
     B, T, H, Dk = q.shape
-    q, k, v, beta = _prepare(q, k, v, beta)
+    q, k, v = _prepare(q, k, v)
+    beta = beta.to(torch.float32).contiguous()  # [B, T, H]: small; one kernel signature
     o, S = _FastWeightsTriton.apply(q, k, v, beta, S0.to(torch.float32).reshape(B * H, Dk, -1),
                                     chunk_size, q.dtype)
     return o, S.reshape(B, H, Dk, -1)
