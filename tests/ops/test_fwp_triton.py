@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from fastweights.ops import backend as backends
 from fastweights.ops import delta_rule, fwp, linear_attn, sum_norm
 from fastweights.ops.fwp.naive import delta_rule_naive, linear_attn_naive
 
@@ -150,30 +151,47 @@ def test_dispatch_uses_pytorch_on_cpu(kernels, monkeypatch):
 
     monkeypatch.setattr(kernels, "linear_attn_triton", forbidden)
     monkeypatch.setattr(kernels, "delta_rule_triton", forbidden)
+    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     q, k, v, beta, _, _ = inputs(1, 9, 1, 4, 4)
     for dtype in (torch.float32, torch.bfloat16):
         linear_attn(q.to(dtype), k.to(dtype), v.to(dtype), chunk_size=4)
         delta_rule(q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), chunk_size=4)
     assert calls == ["la", "dr", "la", "dr"]
-    assert not fwp._use_triton(q.float())
+    assert backends.choose_backend("linear_attn", q.float(), None, "chunk", 64) == "torch"
+
+
+def cuda_like(dtype, T=8, Dk=16):
+    """A stand-in for a CUDA tensor [1, T, 1, Dk] (``_on_cuda`` reads ``is_cuda``)."""
+    return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(1, T, 1, Dk), device="cuda:0")
 
 
 def test_use_triton_decision(kernels, monkeypatch, caplog):
-    """CUDA float16/bfloat16/float32 -> Triton; float64, FASTWEIGHTS_TRITON=0 or no triton ->
-    PyTorch, the latter two logged once each (a stand-in object plays the CUDA tensor)."""
-    monkeypatch.setattr(fwp, "_fallbacks_logged", set())
+    """CUDA float16/bfloat16/float32 -> Triton (fla absent); float64, FASTWEIGHTS_TRITON=0 or no
+    triton -> PyTorch, each reason logged once; Dk > 64 or chunk_size > 64 -> PyTorch."""
+    monkeypatch.setattr(backends, "_logged", set())
+    monkeypatch.setattr(backends, "fla_ops", lambda: None)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
+    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
+
+    def choose(x, chunk=64):
+        return backends.choose_backend("linear_attn", x, None, "chunk", chunk)
+
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        assert fwp._use_triton(SimpleNamespace(is_cuda=True, dtype=dtype))
-    cuda16 = SimpleNamespace(is_cuda=True, dtype=torch.float16)
-    assert not fwp._use_triton(SimpleNamespace(is_cuda=True, dtype=torch.float64))
-    assert not fwp._use_triton(SimpleNamespace(is_cuda=False, dtype=torch.float16))
-    with caplog.at_level(logging.INFO, logger="fastweights.ops.fwp"):
+        assert choose(cuda_like(dtype)) == "triton"
+    cuda16 = cuda_like(torch.float16)
+    assert choose(cuda_like(torch.float64)) == "torch"
+    assert choose(SimpleNamespace(is_cuda=False, dtype=torch.float16, shape=(1, 8, 1, 16),
+                                  device="cpu")) == "torch"
+    assert choose(cuda_like(torch.float16, Dk=65)) == "torch"
+    assert choose(cuda16, chunk=65) == "torch"
+    assert choose(cuda_like(torch.float16, T=1)) == "torch"  # decoding step
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.backend"):
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "0")
-        assert not fwp._use_triton(cuda16) and not fwp._use_triton(cuda16)
+        assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "1")
-        monkeypatch.setattr(fwp, "_triton_module", lambda: None)
-        assert not fwp._use_triton(cuda16) and not fwp._use_triton(cuda16)
+        monkeypatch.setattr(backends, "triton_kernels", lambda: None)
+        assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
     assert "FASTWEIGHTS_TRITON=0" in messages[0] and "triton is not installed" in messages[1]
@@ -186,7 +204,10 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     for name in ("linear_attn_triton", "delta_rule_triton"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
-    monkeypatch.setattr(fwp, "_use_triton", lambda q: True)
+    monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(backends, "fla_ops", lambda: None)
+    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
+    monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
     B, T, H, Dk, Dv = SHAPES[0]
     q, k, v, beta, S0, z0 = inputs(B, T, H, Dk, Dv)
     k = sum_norm(k)
@@ -206,6 +227,11 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     # A decoding step (T = 1) stays on the recurrent form.
     linear_attn(q32[:, :1], k32[:, :1], v32[:, :1])
     assert ran == ["linear_attn_triton", "delta_rule_triton"]
+    # backend="torch" and FASTWEIGHTS_BACKEND=torch keep the kernels out.
+    linear_attn(q32, k32, v32, backend="torch")
+    monkeypatch.setenv("FASTWEIGHTS_BACKEND", "torch")
+    delta_rule(q32, k32, v32, b32)
+    assert ran == ["linear_attn_triton", "delta_rule_triton"]
 
 
 def test_works_without_triton(monkeypatch):
@@ -213,11 +239,12 @@ def test_works_without_triton(monkeypatch):
     (checked in a fresh interpreter where ``import triton`` fails)."""
     monkeypatch.setitem(sys.modules, "fastweights.ops.fwp.triton", None)
     monkeypatch.delattr(fwp, "triton", raising=False)  # `from . import` reads this attribute first
-    assert fwp._triton_module() is None
+    assert backends.triton_kernels() is None
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, fastweights\n"
-            "from fastweights.ops.fwp import _triton_module, linear_attn\n"
-            "assert _triton_module() is None\n"
+            "from fastweights.ops.backend import triton_kernels\n"
+            "from fastweights.ops.fwp import linear_attn\n"
+            "assert triton_kernels() is None\n"
             "linear_attn(*torch.rand(3, 1, 5, 1, 4).unbind(0))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)

@@ -3,15 +3,11 @@
 SPEC.md 1.3 (sum rule, with/without attention normalisation) and 1.4 (delta rule, read after
 write). Public functions validate their arguments, upcast to float32 (float64 stays float64),
 dispatch on ``mode`` and return outputs in the input dtype with float32-or-wider states.
-On CUDA, mode="chunk" runs the Triton kernels of ``triton.py`` (see ``_use_triton``; the
-environment variable ``FASTWEIGHTS_TRITON=0`` turns them off); everywhere else, PyTorch.
+On CUDA, mode="chunk" runs fla's or this project's Triton kernels (``backend=``, chosen by
+ops/backend.py); everywhere else, PyTorch.
 """
 
 from __future__ import annotations
-
-import logging
-import os
-from types import ModuleType
 
 import torch
 
@@ -30,6 +26,7 @@ from ..._checks import (
 )
 from .._autocast import float32_compute
 from .._varlen import run_packed
+from ..backend import choose_backend, fla_delta_rule, fla_linear_attn, triton_kernels
 from .chunk import delta_rule_chunk, linear_attn_chunk
 from .feature_maps import (
     FEATURE_MAPS,
@@ -59,7 +56,6 @@ __all__ = [
 ]
 
 MODES = ("chunk", "recurrent", "naive")
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Chunk sizes measured per device kind (forward and forward+backward, B1 H8 T4096 D64 float32;
 # `python -m fastweights.bench.fwp_forms --backward --chunk-sizes 16,32,64,128 --modes chunk`,
@@ -79,44 +75,13 @@ def preferred_chunk_size(op: str, device: torch.device | str) -> int:
     return PREFERRED_CHUNK_SIZES.get(torch.device(device).type, {}).get(op, 64)
 
 
-_logger = logging.getLogger(__name__)
-_fallbacks_logged: set[str] = set()
-
-
-def _triton_module() -> ModuleType | None:
-    """``ops/fwp/triton.py``, imported on first use; None where triton is not installed."""
-    try:
-        from . import triton as kernels
-    except ImportError:
-        return None
-    return kernels
-
-
-def _use_triton(q: torch.Tensor) -> bool:
-    """Whether mode="chunk" runs the Triton kernels: q on CUDA in float16/bfloat16/float32,
-    ``FASTWEIGHTS_TRITON`` not "0" and triton importable. float64 and CPU always use PyTorch.
-    A CUDA tensor that falls back for another reason says why once per reason (logging info)."""
-    if not q.is_cuda or q.dtype not in TRITON_DTYPES:
-        return False
-    if os.environ.get("FASTWEIGHTS_TRITON", "1") == "0":
-        reason = "FASTWEIGHTS_TRITON=0"
-    elif _triton_module() is None:
-        reason = "triton is not installed (pip install fastweights[triton])"
-    else:
-        return True
-    if reason not in _fallbacks_logged:
-        _fallbacks_logged.add(reason)
-        _logger.info("fastweights.ops.fwp: CUDA input, using the PyTorch chunk path: %s", reason)
-    return False
-
-
 @float32_compute
 def linear_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, normalize: bool = False,
     eps: float = 1e-6, scale: float = 1.0,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Causal linear attention / sum-rule fast weights (SPEC 1.3).
 
@@ -126,6 +91,7 @@ def linear_attn(
     Returns (o [B, T, H, Dv] in q's dtype, (S, z) in float32/float64 or None).
     ``cu_seqlens`` [N + 1]: packed documents in a batch of one, state reset at each boundary;
     initial/final states are then lists with one state per document (see ops/_varlen.py).
+    ``backend``: "fla", "triton", "torch" or None (automatic); see ops/backend.py.
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_bool("normalize", normalize)
@@ -136,7 +102,8 @@ def linear_attn(
     check_positive_int("chunk_size", chunk_size)
     if cu_seqlens is not None:
         return run_packed(linear_attn, (q, k, v), cu_seqlens, initial_state, output_final_state,
-                          normalize=normalize, eps=eps, scale=scale, mode=mode, chunk_size=chunk_size)
+                          normalize=normalize, eps=eps, scale=scale, mode=mode, chunk_size=chunk_size,
+                          backend=backend)
     cdtype = state_dtype(q.dtype)
     if initial_state is None:
         S0 = q.new_zeros(B, H, Dk, Dv, dtype=cdtype)
@@ -148,10 +115,13 @@ def linear_attn(
         check_state_tensor("initial_state[0] (S)", S0, (B, H, Dk, Dv), "[B, H, Dk, Dv]", q)
         check_state_tensor("initial_state[1] (z)", z0, (B, H, Dk), "[B, H, Dk]", q)
         S0, z0 = S0.to(cdtype), z0.to(cdtype)
-    if mode == "chunk" and T > 1 and _use_triton(q):
+    chosen = choose_backend("linear_attn", q, backend, mode, chunk_size)
+    if chosen == "fla":
+        return fla_linear_attn(q, k, v, normalize=normalize, eps=eps, scale=scale, S0=S0, z0=z0,
+                               output_final_state=output_final_state)
+    if chosen == "triton":
         # The kernels take the inputs in their own dtype and upcast on chip (states float32).
-        kernels = _triton_module()
-        o, S, z = kernels.linear_attn_triton(q * scale if scale != 1.0 else q, k, v, S0, z0,
+        o, S, z = triton_kernels().linear_attn_triton(q * scale if scale != 1.0 else q, k, v, S0, z0,
                                              normalize, eps, min(chunk_size, T))
         return o.to(q.dtype), ((S, z) if output_final_state else None)
     qc, kc, vc = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype)
@@ -173,6 +143,7 @@ def delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, scale: float = 1.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
     mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Delta-rule fast weights, read after write (SPEC 1.4).
 
@@ -181,7 +152,8 @@ def delta_rule(
     compute dtype, float32 or float64, so a float32 gate may drive bfloat16 q, k, v).
     S_t = S_{t-1} + k_t^T beta_t (v_t - k_t S_{t-1}); o_t = (scale q_t) S_t. State S [B, H, Dk, Dv].
     Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
-    ``cu_seqlens`` [N + 1]: packed documents in a batch of one (see linear_attn).
+    ``cu_seqlens`` [N + 1]: packed documents in a batch of one (see linear_attn); ``backend``
+    as for linear_attn.
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_tensor("beta", beta)
@@ -194,12 +166,16 @@ def delta_rule(
     check_positive_int("chunk_size", chunk_size)
     if cu_seqlens is not None:
         return run_packed(delta_rule, (q, k, v, beta), cu_seqlens, initial_state,
-                          output_final_state, scale=scale, mode=mode, chunk_size=chunk_size)
+                          output_final_state, scale=scale, mode=mode, chunk_size=chunk_size,
+                          backend=backend)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
-    if mode == "chunk" and T > 1 and _use_triton(q):  # see linear_attn
-        kernels = _triton_module()
-        o, S = kernels.delta_rule_triton(q * scale if scale != 1.0 else q, k, v, beta, S0,
+    chosen = choose_backend("delta_rule", q, backend, mode, chunk_size)
+    if chosen == "fla":
+        return fla_delta_rule(q, k, v, beta, scale=scale, S0=S0,
+                              output_final_state=output_final_state)
+    if chosen == "triton":  # see linear_attn
+        o, S = triton_kernels().delta_rule_triton(q * scale if scale != 1.0 else q, k, v, beta, S0,
                                          min(chunk_size, T))
         return o.to(q.dtype), (S if output_final_state else None)
     qc, kc, vc, bc = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype), beta.to(cdtype)

@@ -226,7 +226,7 @@ def _state_fwd_kernel(
     for i_n in tl.range(0, N, num_stages=STAGES):
         h_ptrs, _ = _state_ptrs(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
         tl.store(h_ptrs, S, mask=ms)
-        rc, rt, mt = _rows(i_n, T, C, BT)
+        _, rt, mt = _rows(i_n, T, C, BT)
         kb = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
         ub = _load_rows(u_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
         if HAS_W:
@@ -324,7 +324,7 @@ def _state_bwd_kernel(
         i_n = N - 1 - j
         dh_ptrs, _ = _state_ptrs(dh_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
         tl.store(dh_ptrs, dS, mask=ms)
-        rc, rt, mt = _rows(i_n, T, C, BT)
+        _, rt, mt = _rows(i_n, T, C, BT)
         qb = _load_rows(q_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
         kb = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
         dob = _load_rows(do_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
@@ -465,8 +465,8 @@ def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> _Launch:
     if cfg is None:
         raise ValueError(f"no Triton tiling for {q.dtype} at Dk={Dk} on sm_{arch}")
     in_prec, f32_prec = precisions(q.dtype)
-    consts = dict(UPCAST=_upcast_tiles(q.dtype), IN_PREC=in_prec, F32_PREC=f32_prec, BT=BT,
-                  BK=BK)
+    consts = {"UPCAST": _upcast_tiles(q.dtype), "IN_PREC": in_prec, "F32_PREC": f32_prec,
+              "BT": BT, "BK": BK}
     return _Launch(T, H, triton.cdiv(T, chunk_size), Dk, Dv, chunk_size, B * H, consts, cfg)
 
 
@@ -518,8 +518,8 @@ def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS):
         HAS_W=has_w, BV=L.cfg.BV, STAGES=L.cfg.loop_stages, num_warps=L.cfg.num_warps, **L.consts)
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty_like(dq)
-    consts = dict(F32_PREC=L.consts["F32_PREC"], BT=BT, BK=L.consts["BK"], BV=L.cfg.BV,
-                  num_warps=L.cfg.num_warps)
+    consts = {"F32_PREC": L.consts["F32_PREC"], "BT": BT, "BK": L.consts["BK"], "BV": L.cfg.BV,
+              "num_warps": L.cfg.num_warps}
     _grad_kernel[(L.N, L.BH)](q, k, U if has_w else v, h, dh, do, dq, dk, L.T, L.H, L.N, L.Dk,
                               L.Dv, L.C, **consts)
     if not has_w:  # linear attention: dV is dU
@@ -607,7 +607,7 @@ def delta_rule_triton(
     q (scaled), k [B, T, H, Dk], v [B, T, H, Dv], beta [B, T, H] in float16/bfloat16/float32;
     S0 [B, H, Dk, Dv] float32; chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's
     dtype, S float32)."""
-    B, T, H, Dk = q.shape
+    B, _, H, Dk = q.shape
     q, k, v = _prepare(q, k, v)
     beta = beta.to(torch.float32).contiguous()  # [B, T, H]: small; one kernel signature
     o, S = _FastWeightsTriton.apply(q, k, v, beta, S0.to(torch.float32).reshape(B * H, Dk, -1),

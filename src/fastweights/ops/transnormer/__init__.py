@@ -26,6 +26,7 @@ from ..._checks import (
 )
 from .._autocast import float32_compute
 from .._varlen import run_packed
+from ..backend import choose_backend, fla_decay_linear_attn
 from .chunk import block_attention_chunk, decay_linear_attn_chunk
 from .naive import decay_linear_attn_naive
 from .norm import srms_norm
@@ -42,6 +43,7 @@ def decay_linear_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, *, scale: float = 1.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
     mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention with a per-head decay, no denominator (SPEC 3.5).
 
@@ -51,6 +53,7 @@ def decay_linear_attn(
     Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
     ``cu_seqlens`` [N + 1]: packed documents in a batch of one, the state reset at each boundary;
     initial/final states are then lists with one state per document (ops/_varlen.py).
+    ``backend``: "fla" (simple GLA kernels), "torch" or None (automatic); see ops/backend.py.
     """
     B, _, H, Dk, Dv = check_qkv(q, k, v)
     check_tensor("decay", decay, 1, "[H]")
@@ -70,9 +73,12 @@ def decay_linear_attn(
     if cu_seqlens is not None:
         return run_packed(decay_linear_attn, (q, k, v), cu_seqlens, initial_state,
                           output_final_state, decay=decay, scale=scale, mode=mode,
-                          chunk_size=chunk_size)
+                          chunk_size=chunk_size, backend=backend)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
+    if choose_backend("decay_linear_attn", q, backend, mode, chunk_size) == "fla":
+        return fla_decay_linear_attn(q, k, v, decay, scale=scale, S0=S0,
+                                     output_final_state=output_final_state)
     qc, kc, vc, lam = q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype), decay.to(cdtype)
     if mode == "chunk":
         o, S = decay_linear_attn_chunk(qc, kc, vc, lam, S0, chunk_size)
