@@ -35,7 +35,7 @@ def kernels():
 
     from fastweights.ops.fwp import triton as module
 
-    if not isinstance(module._linear_attn_fwd_kernel, InterpretedFunction):
+    if not isinstance(module._state_fwd_kernel, InterpretedFunction):
         pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
                     "(or it is set to 0): these CPU tests need the Triton interpreter")
     return module

@@ -2,8 +2,8 @@
 forward and backward, shaped so that only the state hand-off between chunks is sequential.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, C chunk size
-(C <= 64), N = ceil(T / C) chunks; BT = 64 the chunk tile, BK the key tile (a power of two
->= 16 covering Dk <= 128, one tile), BV a block of value columns (chosen per GPU target by
+(C <= 64), N = ceil(T / C) chunks; BT = 64 the chunk tile, BK the key tile (64, or 128 for
+64 < Dk <= 128, one tile), BV a block of value columns (chosen per GPU target by
 ``tile_config``). Rows past C or T and columns past Dk or Dv load as zeros and are never
 stored, so neither T, C, Dk nor Dv has to be a power of two.
 
@@ -104,8 +104,11 @@ def tile_config(arch: int, BK: int, dtype: torch.dtype) -> TileConfig | None:
 
 
 def key_tile(Dk: int) -> int:
-    """The key tile for Dk (<= MAX_DK): the smallest power of two >= max(Dk, 16)."""
-    return max(16, triton.next_power_of_2(Dk))
+    """The key tile for Dk (<= MAX_DK): 64 up to Dk = 64 (one tiling to compile and check per
+    target and dtype; smaller heads are padded with masked zeros), else 128. The dispatcher
+    (ops/backend.py) sends Dk <= 64 only: at BK = 128 the state passes and the backward spill
+    registers (measured with tests/ops/triton_aot.py); calling the kernels directly still works."""
+    return 64 if Dk <= 64 else 128
 
 
 def _upcast_tiles(dtype: torch.dtype) -> bool:
