@@ -165,6 +165,19 @@ def _state_ptrs(ptr, bh, i_n, N, Dk, Dv, BK: tl.constexpr, BV: tl.constexpr, v0)
     return ptr + offs, (rk < Dk)[:, None] & (rv < Dv)[None, :]
 
 
+@triton.jit
+def _chunk_scores(q_ptr, k_ptr, b, h, i_n, T, H, Dk, C, UPCAST: tl.constexpr,
+                  IN_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Q_n (input dtype, or float32 if UPCAST) and the causal scores tril(Q_n K_n^T) (float32)."""
+    rc, rt, mt = _rows(i_n, T, C, BT)
+    qb = _load_rows(q_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
+    kb = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
+    if UPCAST:
+        qb, kb = qb.to(tl.float32), kb.to(tl.float32)
+    scores = tl.dot(qb, tl.trans(kb), input_precision=IN_PREC)
+    return qb, tl.where(rc[:, None] >= rc[None, :], scores, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 
@@ -260,16 +273,11 @@ def _output_kernel(
     b = bh // H
     h = bh % H
     v0 = i_v * BV
-    rc, rt, mt = _rows(i_n, T, C, BT)
-    qb = _load_rows(q_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-    kb = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-    if UPCAST:
-        qb, kb = qb.to(tl.float32), kb.to(tl.float32)
+    _, rt, mt = _rows(i_n, T, C, BT)
+    qb, scores = _chunk_scores(q_ptr, k_ptr, b, h, i_n, T, H, Dk, C, UPCAST, IN_PREC, BT, BK)
     h_ptrs, ms = _state_ptrs(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
     S = tl.load(h_ptrs, mask=ms, other=0.0)
     ub = _load_rows(u_ptr, b, h, rt, mt, T, H, Dv, BV, v0).to(tl.float32)
-    scores = tl.where(rc[:, None] >= rc[None, :], tl.dot(qb, tl.trans(kb), input_precision=IN_PREC),
-                      0.0)
     ob = tl.dot(qb.to(tl.float32), S, input_precision=F32_PREC)
     ob += tl.dot(scores, ub, input_precision=F32_PREC)
     _store_rows(o_ptr, ob, b, h, rt, mt, T, H, Dv, BV, v0)
@@ -292,17 +300,11 @@ def _local_du_kernel(
     bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
-    rc, rt, mt = _rows(i_n, T, C, BT)
-    qb = _load_rows(q_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-    kb = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-    if UPCAST:
-        qb, kb = qb.to(tl.float32), kb.to(tl.float32)
-    # K Q^T is the transpose of the scores; keep its upper triangle (s <= t).
-    st = tl.where(rc[:, None] <= rc[None, :], tl.dot(kb, tl.trans(qb), input_precision=IN_PREC),
-                  0.0)
+    _, rt, mt = _rows(i_n, T, C, BT)
+    _, scores = _chunk_scores(q_ptr, k_ptr, b, h, i_n, T, H, Dk, C, UPCAST, IN_PREC, BT, BK)
     dob = _load_rows(do_ptr, b, h, rt, mt, T, H, Dv, BV, i_v * BV).to(tl.float32)
-    _store_rows(du_ptr, tl.dot(st, dob, input_precision=F32_PREC), b, h, rt, mt, T, H, Dv, BV,
-                i_v * BV)
+    _store_rows(du_ptr, tl.dot(tl.trans(scores), dob, input_precision=F32_PREC), b, h, rt, mt, T,
+                H, Dv, BV, i_v * BV)
 
 
 @triton.jit
