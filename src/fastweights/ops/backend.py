@@ -26,7 +26,9 @@ functions in tests/ops/test_backend.py):
   z_t = z0 + cumsum(k) (SPEC 1.3); the final (S, z) keep our layout [B, H, Dk, Dv], [B, H, Dk]
   (fla's z is [B, 1, H, Dk]);
 - the delta rule: fla's ``use_qk_l2norm_in_kernel`` stays False: our callers normalise keys
-  (sum_norm or L2) themselves and the op uses k as given;
+  (sum_norm or L2) themselves and the op uses k as given; beta is passed in q's dtype (fla's
+  kernels read beta like q), so a float32 beta driving bfloat16 q, k, v is rounded to bfloat16
+  there, unlike the torch and triton backends;
 - decay: decay_linear_attn's per-head lambda is simple GLA's log-decay g = log(lambda),
   broadcast over [B, T, H];
 - states are float32 [B, H, Dk, Dv] on both sides; inputs are [B, T, H, D] on both sides
