@@ -72,18 +72,36 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             )
 
 
+def is_int(value: Any) -> bool:
+    """A Python int that is not a bool (``True`` is an int to Python, never a size to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A Python int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """A Python int >= ``minimum`` (bools rejected): TypeError for another type, ValueError
+    below the minimum."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 def check_positive_int(name: str, value: Any) -> int:
     """A strictly positive Python int (bools rejected)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+    return check_int(name, value, 1)
 
 
 def check_nonneg_float(name: str, value: Any) -> float:
     """A finite float >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{name} must be a float, got {value!r}")
     if not (value >= 0.0) or value == float("inf"):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -92,7 +110,7 @@ def check_nonneg_float(name: str, value: Any) -> float:
 
 def check_finite_float(name: str, value: Any) -> float:
     """Any finite float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{name} must be a float, got {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
@@ -155,14 +173,20 @@ def check_qkv(q: Any, k: Any, v: Any) -> tuple[int, int, int, int, int]:
     return B, T, H, Dk, v.shape[-1]
 
 
-def check_state_tensor(
-    name: str, x: Any, expected: Sequence[int], layout: str, ref: torch.Tensor
+def check_device(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str = "q") -> None:
+    """``x`` lives on the device of ``ref`` (the op's first input, ``q`` unless named)."""
+    check_same_device(**{ref_name: ref, name: x})
+
+
+def check_arg(
+    name: str, x: Any, expected: Sequence[int | None], layout: str, ref: torch.Tensor,
 ) -> torch.Tensor:
-    """A state tensor of exact shape ``expected`` on ``ref``'s device (any float dtype)."""
+    """The tensor-argument check of every op: ``x`` is a floating-point tensor of shape
+    ``expected`` (None matches any size) on ``ref``'s device; its dtype may differ from q's
+    (parameters and states are upcast to the compute dtype with the inputs)."""
     check_tensor(name, x)
     check_shape(name, x, expected, layout)
-    if x.device != ref.device:
-        raise ValueError(f"{name} is on device {x.device} but q is on {ref.device}; they must match")
+    check_device(name, x, ref)
     return x
 
 
@@ -176,7 +200,7 @@ def matrix_state(
         return ref.new_zeros(shape, dtype=dtype)
     if isinstance(initial_state, (tuple, list)) and len(initial_state) == 1:
         initial_state = initial_state[0]
-    check_state_tensor("initial_state", initial_state, shape, "[B, H, Dk, Dv]", ref)
+    check_arg("initial_state", initial_state, shape, "[B, H, Dk, Dv]", ref)
     return initial_state.to(dtype)
 
 

@@ -4,8 +4,9 @@ Importing this module registers the model type ``"fastweights"`` with ``AutoConf
 ``AutoModelForCausalLM``, so a folder written by ``FastWeightsForCausalLM.save_pretrained`` (or
 by ``native_to_hf``) loads with ``AutoModelForCausalLM.from_pretrained(folder)``.
 
-- ``FastWeightsConfig``: a ``PreTrainedConfig`` with exactly the fields of ``LMConfig`` (plus
-  the usual ``use_cache`` and special token ids), validated by building the ``LMConfig``.
+- ``FastWeightsConfig``: a ``PreTrainedConfig`` with exactly the fields of ``LMConfig``
+  (generated from them, plus the usual ``use_cache`` and special token ids), validated by
+  building the ``LMConfig``.
 - ``FastWeightsForCausalLM``: ``PreTrainedModel`` + ``GenerationMixin`` around the native
   ``LanguageModel`` (held as ``self.model``, so every weight name is the native one prefixed by
   ``"model."``); ``forward`` returns ``CausalLMOutputWithPast`` with the loss when ``labels``
@@ -23,16 +24,29 @@ real token with a fresh state; the rows then carry exactly the state of their un
 sequence. If all those states have the same structure (recurrent mixers: same shapes), they are
 concatenated and decoding runs the whole batch in one forward per token; otherwise (softmax KV
 caches of different lengths) each pad-length group keeps its own state and is decoded by its own
-forward. Logits at pad positions are zero and their labels are ignored by the loss. Only left
-padding is supported: a mask with a zero after a one raises ValueError.
+forward. Logits at pad positions are zero and their labels are ignored by the loss.
+
+Right padding and packed documents: forwards that carry no state (``use_cache=False`` and no
+``past_key_values``, as the ``Trainer`` runs them) also accept right padding (each row runs on
+its tokens only; causal, so trailing pads could not have changed them anyway) and packed
+documents in a batch of one, marked by ``cu_seqlens``, by FlashAttention's ``cu_seq_lens_q`` /
+``cu_seq_lens_k`` (with ``max_length_q`` / ``max_length_k`` checked against them), by
+``seq_idx``, or by ``position_ids`` restarting at 0 (what ``DataCollatorWithFlattening`` writes):
+every layer restarts from a fresh state at each document, so the result equals running the
+documents one by one, and no document's first token is a target of the previous one. Neither
+state could be continued by a later forward, so with a cache they raise ValueError (generation
+pads on the left). Packing needs a batch of one (a batch of several rows with position_ids
+restarting inside a row is refused, not split); otherwise ``position_ids`` must be the
+positions the model uses (0, 1, ... from each row's first token, continuing the cache).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import field, fields
+from dataclasses import MISSING, Field, field, fields, make_dataclass
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +56,7 @@ from safetensors.torch import load_file, save_file
 
 from .models.config import LMConfig
 from .models.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel, LMState
+from .ops._varlen import check_cu_seqlens
 
 try:
     from transformers import (
@@ -70,11 +85,24 @@ __all__ = [
 ]
 
 
-class FastWeightsConfig(PreTrainedConfig):
-    """The Hugging Face twin of ``LMConfig`` (same field names, defaults and validation; see
-    ``LMConfig`` for their meaning). ``hidden_size``, ``num_hidden_layers``,
-    ``num_attention_heads`` and ``tie_word_embeddings`` are aliases of ``d_model``, ``n_layers``,
-    ``n_heads`` and ``tie_embeddings``."""
+def _field_like(f: Field) -> Field:
+    """A new dataclass field with ``f``'s default (or default factory)."""
+    if f.default_factory is not MISSING:
+        return field(default_factory=f.default_factory)
+    return field(default=f.default)
+
+
+# LMConfig's fields (names, types, defaults) as a dataclass base of FastWeightsConfig, generated
+# so the two configurations cannot drift apart.
+_LMConfigFields = make_dataclass(
+    "_LMConfigFields", [(f.name, f.type, _field_like(f)) for f in fields(LMConfig)], kw_only=True)
+
+
+class FastWeightsConfig(PreTrainedConfig, _LMConfigFields):
+    """The Hugging Face twin of ``LMConfig``: its fields are LMConfig's (same names, types and
+    defaults; see ``LMConfig`` for their meaning), validated by building the ``LMConfig``.
+    ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` and ``tie_word_embeddings``
+    are aliases of ``d_model``, ``n_layers``, ``n_heads`` and ``tie_embeddings``."""
 
     model_type = "fastweights"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -85,20 +113,6 @@ class FastWeightsConfig(PreTrainedConfig):
         "tie_word_embeddings": "tie_embeddings",
     }
 
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    mixer: str | list[str] = "delta"
-    mixer_options: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
-    ffn: str = "mlp"
-    ffn_hidden: int | None = None
-    norm: str = "rmsnorm"
-    norm_eps: float | int = 1e-6
-    tie_embeddings: bool = True
-    dropout: float | int = 0.0
-    max_seq_len: int | None = None
-    glu_activation: str = "silu"
     use_cache: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -132,12 +146,18 @@ class _Mismatch(Exception):
     """Group states that cannot be concatenated into one batch."""
 
 
+def _rebuild(like: list | tuple, items: Any) -> Any:
+    """A list/tuple of ``like``'s type holding ``items`` (typed states are NamedTuples, built
+    from fields rather than from one iterable)."""
+    return type(like)._make(items) if hasattr(like, "_fields") else type(like)(items)
+
+
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], state: Any) -> Any:
     """Apply ``fn`` to every tensor of a (nested list/tuple) layer state, keeping the rest."""
     if isinstance(state, torch.Tensor):
         return fn(state)
     if isinstance(state, (list, tuple)):
-        return type(state)(_map_tensors(fn, s) for s in state)
+        return _rebuild(state, (_map_tensors(fn, s) for s in state))
     return state
 
 
@@ -168,7 +188,7 @@ def _concat(states: list[Any], sizes: list[int]) -> Any:
     if isinstance(first, (list, tuple)):
         if any(type(s) is not type(first) or len(s) != len(first) for s in states):
             raise _Mismatch
-        return type(first)(_concat([s[i] for s in states], sizes) for i in range(len(first)))
+        return _rebuild(first, (_concat([s[i] for s in states], sizes) for i in range(len(first))))
     if any(isinstance(s, torch.Tensor) or not (s is first or s == first) for s in states):
         raise _Mismatch
     return first
@@ -262,30 +282,90 @@ class FastWeightsCache(Cache):
 # The model
 
 
-def _pad_lengths(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
-    """Left-pad length of every row [B] (of the last T positions), after checking that the mask
-    is 0/1 with only left padding."""
+def _pad_lengths(attention_mask: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left and right pad lengths of every row ([B] each, of the last T positions), after
+    checking that the mask is 0/1 with the tokens of each row contiguous (no hole)."""
     m = attention_mask
     if not ((m == 0) | (m == 1)).all():
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
-    if (m[:, 1:] < m[:, :-1]).any():
-        raise ValueError(
-            "attention_mask has a 0 after a 1: only left padding is supported "
-            "(pad the prompts on the left, as for any decoder-only generation)")
-    pads = T - m[:, -T:].sum(dim=1)
-    if (pads >= T).any():
+    m = m.long()
+    runs = (m[:, 1:] > m[:, :-1]).sum(dim=1) + m[:, 0]  # runs of ones per row
+    if (runs > 1).any():
+        raise ValueError("attention_mask has a 0 between two 1s: only left padding (and right "
+                         "padding in forwards without a cache) is supported")
+    m = m[:, -T:]
+    if (m.sum(dim=1) == 0).any():
         raise ValueError("attention_mask has a row with no token (all padding)")
-    return pads
+    left = m.cumsum(dim=1).eq(0).sum(dim=1)
+    right = m.flip(1).cumsum(dim=1).eq(0).sum(dim=1)
+    return left, right
+
+
+def _packed_bounds(T: int, device: torch.device, **sources: Any) -> list[int] | None:
+    """The document boundaries [0, ..., T] of a batch of one, from whichever of ``cu_seqlens``,
+    ``cu_seq_lens_q``, ``cu_seq_lens_k``, ``seq_idx`` (a [1, T] document index per token) and
+    ``position_ids`` ([1, T], restarting at 0 at each document) are given; they must agree.
+    None when none is given."""
+    found: dict[str, list[int]] = {}
+    for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
+        if sources.get(name) is not None:
+            found[name] = check_cu_seqlens(sources[name], T, 1, device)
+    seq_idx = sources.get("seq_idx")
+    if seq_idx is not None:
+        if not isinstance(seq_idx, torch.Tensor) or seq_idx.shape != (1, T):
+            raise ValueError(f"seq_idx must have shape [1, T] = [1, {T}], got {_describe(seq_idx)}")
+        change = (seq_idx[0, 1:] != seq_idx[0, :-1]).nonzero().flatten() + 1
+        found["seq_idx"] = [0, *change.tolist(), T]
+    pos = sources.get("position_ids")
+    if pos is not None:
+        pos = pos[0]
+        starts = (pos == 0).nonzero().flatten().tolist()
+        bounds = [*starts, T]
+        if not starts or starts[0] != 0 or any(
+                not torch.equal(pos[a:b].cpu(), torch.arange(b - a)) for a, b in pairwise(bounds)):
+            raise ValueError(
+                "position_ids must count 0, 1, 2, ... within each document and restart at 0 where "
+                "a packed document begins (as DataCollatorWithFlattening writes them)")
+        found["position_ids"] = bounds
+    if not found:
+        return None
+    (first, bounds), *rest = found.items()
+    for name, other in rest:
+        if other != bounds:
+            raise ValueError(f"{name} marks documents {other} but {first} marks {bounds}")
+    return bounds
+
+
+def _check_positions(position_ids: torch.Tensor, expected: torch.Tensor,
+                     mask: torch.Tensor | None) -> None:
+    """position_ids [B, T] must be the positions the model uses (its tokens are numbered from
+    the first real token of each row); pad positions are not compared."""
+    same = position_ids.to(expected.device) == expected
+    if mask is not None:
+        same = same | (mask == 0)
+    if not bool(same.all()):
+        raise ValueError(
+            "position_ids disagree with the positions the model uses (0, 1, 2, ... from each "
+            "row's first token, continuing the cache); a restart at 0 marks packed documents, "
+            "which need a batch of one without padding")
 
 
 class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
     """A ``fastweights.LanguageModel`` behind the ``transformers`` model API.
 
-    ``forward(input_ids [B, T], attention_mask=None [B, past + T], past_key_values=None,
-    labels=None [B, T], use_cache=None) -> CausalLMOutputWithPast``: logits [B, T, V] (zero at
-    pad positions), ``loss`` the mean next-token cross-entropy over labels other than -100 and
-    positions the mask keeps, ``past_key_values`` a ``FastWeightsCache``. ``input_ids`` holds
-    only the positions the cache has not seen (``generate`` slices them so).
+    ``forward(input_ids [B, T], attention_mask=None [B, past + T], position_ids=None [B, T],
+    past_key_values=None, labels=None [B, T], use_cache=None, ...) -> CausalLMOutputWithPast``:
+    logits [B, T, V] (zero at pad positions; only the last ``logits_to_keep`` ones, or those
+    indexed, when it is given), ``loss`` the next-token cross-entropy over labels other than
+    -100 and positions the mask keeps (their mean, or their sum divided by
+    ``num_items_in_batch`` when the Trainer passes it, computed from all T positions whatever
+    ``logits_to_keep``), ``past_key_values`` a ``FastWeightsCache``, and with
+    ``output_hidden_states`` (True, or the indices to keep) ``n_layers + 1`` hidden states
+    [B, T, d]: the embeddings' output, the input of every later block, and last the final
+    norm's output (after the norm, as Llama returns it; zero at pads). ``input_ids`` holds only
+    the positions the cache has not seen (``generate`` slices them so). ``cache_position``, if
+    given, must be those positions; ``inputs_embeds`` and ``output_attentions=True`` are refused.
+    See the module docstring for padding and packed documents (``cu_seqlens``, ...).
     """
 
     config_class = FastWeightsConfig
@@ -295,6 +375,8 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
     # gradient_checkpointing_enable() switches LanguageModel.gradient_checkpointing (per block)
     supports_gradient_checkpointing = True
     _no_split_modules = ["Block"]
+    # forward takes num_items_in_batch (the Trainer then leaves the loss scaling to it)
+    accepts_loss_kwargs = True
     _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
 
     def __init__(self, config: FastWeightsConfig) -> None:
@@ -352,23 +434,57 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         owner, _, attr = name.rpartition(".")
         return attr not in self.model.get_submodule(owner)._non_persistent_buffers_set
 
+    def _hidden_and_state(self, input_ids: torch.Tensor, state: Any,
+                          cu_seqlens: torch.Tensor | None = None,
+                          collect: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+        """The native model's final-norm output h [b, t, d] (the logits are
+        ``get_output_embeddings()(h)``) and state for ``input_ids`` [b, t] from ``state``, with
+        packed documents (``cu_seqlens``) and the hidden states appended to ``collect`` as
+        ``LanguageModel.hidden`` does; models of another layout (``hf_fla``) override it."""
+        return self.model.hidden(input_ids, state, cu_seqlens, collect=collect)
+
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         past_key_values: FastWeightsCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | int | list[int] | None = None,
         return_dict: bool | None = None,
-        **kwargs: Any,
+        cache_position: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        seq_idx: torch.Tensor | None = None,
     ) -> CausalLMOutputWithPast | tuple:
-        if kwargs.get("inputs_embeds") is not None:
+        """See the class docstring. Every keyword is honoured or refused with an error; there is
+        no catch-all, so an unknown one is a TypeError naming it."""
+        if inputs_embeds is not None:
             raise ValueError("inputs_embeds is not supported; pass input_ids")
+        # unset output_* flags take the config's, as transformers' models do
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        if output_attentions:
+            raise ValueError("output_attentions=True is not supported: fastweights mixers keep "
+                             "no attention weights to return")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a [B, T] tensor, got {_describe(input_ids)}")
         B, T = input_ids.shape
+        asked_cache = use_cache
         use_cache = self.config.use_cache if use_cache is None else use_cache
         return_dict = self.config.return_dict if return_dict is None else return_dict
+        keep = _check_logits_to_keep(logits_to_keep, T)
+        hidden_keep = _hidden_selection(output_hidden_states, self.config.num_hidden_layers + 1)
         if past_key_values is not None and not isinstance(past_key_values, FastWeightsCache):
             raise TypeError(
                 "past_key_values must be a FastWeightsCache (as returned by this model), got "
@@ -378,51 +494,163 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         if cache.groups and cache.batch_size != B:
             raise ValueError(
                 f"input_ids has batch {B} but past_key_values holds {cache.batch_size} rows")
+        if cache_position is not None and not (
+                isinstance(cache_position, torch.Tensor) and cache_position.shape == (T,)
+                and torch.equal(cache_position.cpu(), torch.arange(past, past + T))):
+            raise ValueError(f"cache_position must be arange({past}, {past + T}) (the positions "
+                             f"after the {past} the cache has seen), got {_describe(cache_position)}")
 
-        pads = torch.zeros(B, dtype=torch.long)
+        pads = right = torch.zeros(B, dtype=torch.long)
         if attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, past + T):
                 raise ValueError(
                     f"attention_mask must have shape [B, past + T] = [{B}, {past + T}], "
                     f"got {_describe(attention_mask)}")
-            pads = _pad_lengths(attention_mask, T).cpu()
-            if past and pads.any():
+            pads, right = (p.cpu() for p in _pad_lengths(attention_mask, T))
+            if past and (pads.any() or right.any()):
                 raise ValueError("attention_mask pads a position after the prefill; only left "
                                  "padding of the first forward is supported")
+        if position_ids is not None and (
+                not isinstance(position_ids, torch.Tensor) or position_ids.shape != (B, T)
+                or position_ids.dtype.is_floating_point):
+            raise ValueError(f"position_ids must be an integer tensor [B, T] = [{B}, {T}], "
+                             f"got {_describe(position_ids)}")
+
+        # Packed documents (a batch of one): from cu_seqlens & co, or position_ids restarting at 0
+        packing = {"cu_seqlens": cu_seqlens, "cu_seq_lens_q": cu_seq_lens_q,
+                   "cu_seq_lens_k": cu_seq_lens_k, "seq_idx": seq_idx}
+        given = [name for name, v in packing.items() if v is not None]
+        bounds = None
+        restarts = (position_ids is not None and B == 1 and not past
+                    and bool((position_ids[0, 1:] == 0).any()))
+        if given or restarts:
+            if B != 1 or past or pads.any() or right.any():
+                raise ValueError(
+                    f"packed documents ({', '.join(given) or 'position_ids restarting at 0'}) "
+                    "need a batch of one without padding or cache (as DataCollatorWithFlattening "
+                    f"makes), got batch {B}" + (", padding" if pads.any() or right.any() else "")
+                    + (", a cache" if past else ""))
+            bounds = _packed_bounds(T, input_ids.device, position_ids=position_ids, **packing)
+        elif position_ids is not None:
+            expected = (attention_mask.long().cumsum(dim=1) - 1)[:, past:] \
+                if attention_mask is not None else torch.arange(past, past + T).expand(B, T)
+            _check_positions(position_ids, expected.to(position_ids.device),
+                             None if attention_mask is None else attention_mask[:, past:])
+        longest = T if bounds is None else max(b - a for a, b in pairwise(bounds))
+        for name, value in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+            if value is not None and int(value) != longest:
+                raise ValueError(f"{name} is {int(value)} but the longest document has {longest} tokens")
+
+        # Forwards whose state cannot be continued (packed documents, right padding) keep none.
+        stateless = (bounds is not None and len(bounds) > 2) or bool(right.any())
+        if stateless and (use_cache or past_key_values is not None):
+            what = "packed documents" if bounds is not None and len(bounds) > 2 else \
+                "right padding (a 0 after a 1 in attention_mask)"
+            raise ValueError(
+                f"{what}: only in forwards that carry no state (use_cache=False, no "
+                f"past_key_values, as in training; use_cache is {asked_cache}, config.use_cache "
+                f"{self.config.use_cache}); for generation, only left padding is supported")
 
         if cache.groups:
-            work = [(rows, 0, state) for rows, state in cache.groups]
-        else:  # prefill: rows sharing a pad length start together from a fresh state
-            work = [((pads == p).nonzero().flatten(), p, None) for p in pads.unique().tolist()]
-        logits = None
+            work = [(rows, (0, 0), state) for rows, state in cache.groups]
+        else:  # prefill: rows sharing their pad lengths start together from a fresh state
+            spans = torch.stack([pads, right], dim=1).unique(dim=0).tolist()
+            work = [(((pads == p) & (right == r)).nonzero().flatten(), (p, r), None) for p, r in spans]
+        packed = torch.tensor(bounds, device=input_ids.device) \
+            if bounds is not None and len(bounds) > 2 else None
+        h_all = None
+        hidden: list[torch.Tensor] | None = [] if hidden_keep is not None else None
         new_groups = []
-        for rows, p, state in work:
+        for rows, (p, r), state in work:
             idx = rows.to(input_ids.device)
-            out, state = self.model(input_ids[idx, p:], state)  # [b, T - p, V]
-            if logits is None:
-                logits = out.new_zeros(B, T, out.shape[-1])
-            logits[idx, p:] = out
+            collect = [] if hidden is not None else None
+            h, state = self._hidden_and_state(input_ids[idx, p:T - r], state, packed,
+                                              collect)  # [b, T - p - r, d]
+            if h_all is None:
+                h_all = h.new_zeros(B, T, h.shape[-1])
+                if hidden is not None:
+                    hidden.extend(h.new_zeros(B, T, h.shape[-1]) for _ in collect)
+            h_all[idx, p:T - r] = h
+            for full, part in zip(hidden or (), collect or ()):
+                full[idx, p:T - r] = part
             new_groups.append((rows, state))
+        # The bias-free head maps the zero rows at pads to zero logits.
+        logits = self.get_output_embeddings()(h_all)  # [B, T, V]
 
         loss = None
         if labels is not None:
-            if not isinstance(labels, torch.Tensor) or labels.shape != (B, T):
-                raise ValueError(f"labels must have shape [{B}, {T}], got {_describe(labels)}")
-            target = labels[:, 1:]
-            if attention_mask is not None:  # nothing is predicted from a pad (left padding:
-                # the positions after a real token are real)
-                target = target.masked_fill(attention_mask[:, past:past + T - 1] == 0, IGNORE_INDEX)
-            # float32 or wider for the log-softmax: bfloat16 logits lose the small probabilities
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                target.flatten(), ignore_index=IGNORE_INDEX)
+            loss = self._loss(logits, labels, attention_mask, past, bounds, num_items_in_batch)
 
         if use_cache:
             cache.set_groups(new_groups)
             cache.seen_tokens = past + T
-        out = CausalLMOutputWithPast(loss=loss, logits=logits,
-                                     past_key_values=cache if use_cache else None)
+        hidden_states = None
+        if hidden is not None:
+            hidden_states = tuple(t if hidden_keep is True or i in hidden_keep else None
+                                  for i, t in enumerate(hidden))
+        out = CausalLMOutputWithPast(loss=loss, logits=logits[:, keep],
+                                     past_key_values=cache if use_cache else None,
+                                     hidden_states=hidden_states)
         return out if return_dict else out.to_tuple()
+
+    def _loss(self, logits: torch.Tensor, labels: Any, attention_mask: torch.Tensor | None,
+              past: int, bounds: list[int] | None,
+              num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
+        """Next-token cross-entropy: the mean over the targets kept, or their sum divided by
+        ``num_items_in_batch`` (the Trainer's count over the accumulated batches)."""
+        B, T = logits.shape[:2]
+        if not isinstance(labels, torch.Tensor) or labels.shape != (B, T):
+            raise ValueError(f"labels must have shape [{B}, {T}], got {_describe(labels)}")
+        target = labels[:, 1:]
+        if attention_mask is not None:  # nothing is predicted from a pad, and no pad is a target
+            new = attention_mask[:, past:past + T] == 0
+            target = target.masked_fill(new[:, :-1] | new[:, 1:], IGNORE_INDEX)
+        if bounds is not None and len(bounds) > 2:
+            # a document's first token is not predicted from the previous document
+            starts = torch.tensor(bounds[1:-1], device=target.device) - 1
+            target = target.index_fill(1, starts, IGNORE_INDEX)
+        # float32 or wider for the log-softmax: bfloat16 logits lose the small probabilities
+        flat = logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+        if num_items_in_batch is None:
+            return F.cross_entropy(flat, target.flatten(), ignore_index=IGNORE_INDEX)
+        total = F.cross_entropy(flat, target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> torch.nn.Embedding:
+        """``PreTrainedModel.resize_token_embeddings``, keeping the wrapped native model's
+        ``LMConfig`` (its vocab_size bounds the ids forward accepts) in step with the config."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        if isinstance(self.model, LanguageModel):  # hf_fla's backbone keeps no config
+            self.model.config = self.config.to_lm_config()
+        return embeddings
+
+
+def _check_logits_to_keep(logits_to_keep: Any, T: int) -> slice | torch.Tensor:
+    """The time index of the logits returned: the last ``n`` (0 = all) or the given positions."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() == 1 \
+            and not logits_to_keep.dtype.is_floating_point:
+        return logits_to_keep
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be an int >= 0 (0 = all) or a 1-D tensor of "
+                         f"positions, got {logits_to_keep!r}")
+    return slice(-logits_to_keep if logits_to_keep else 0, None)
+
+
+def _hidden_selection(output_hidden_states: Any, n: int) -> bool | set[int] | None:
+    """None (no hidden states), True (all ``n``) or the indices selected by an int or a list
+    of ints (negative ones count from the end), as transformers 5 reads the argument."""
+    if output_hidden_states is None or output_hidden_states is False:
+        return None
+    if output_hidden_states is True:
+        return True
+    chosen = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
+    if not isinstance(chosen, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n for i in chosen):
+        raise ValueError(f"output_hidden_states must be a bool, or an int or list of ints in "
+                         f"[-{n}, {n}) selecting hidden states, got {output_hidden_states!r}")
+    return {i % n for i in chosen}
 
 
 def _describe(x: Any) -> str:
@@ -449,11 +677,18 @@ def _weights(src: Path, what: str) -> dict[str, torch.Tensor]:
 
 
 def native_to_hf(src_dir: str | Path, dst_dir: str | Path) -> Path:
-    """Convert a native checkpoint folder (``LanguageModel.save_pretrained``) into a Hugging
-    Face one loadable by ``AutoModelForCausalLM.from_pretrained``. Tensors are copied unchanged
+    """Convert a native checkpoint folder (``LanguageModel.save_pretrained``, a training
+    checkpoint, or a training run folder, whose ``checkpoints/latest`` is taken as the CLI
+    does) into a Hugging Face one loadable by ``AutoModelForCausalLM.from_pretrained``. A
+    training checkpoint is verified against its manifest first. Tensors are copied unchanged
     (same dtype and values) under the names ``"model." + native name``; other files (optimizer,
     step) are not copied. Refuses a ``dst_dir`` that exists and is not empty. Returns dst_dir."""
-    src = Path(src_dir)
+    from .train.checkpoint import resolve_checkpoint  # the CLI's reading of a folder
+
+    try:
+        src = resolve_checkpoint(src_dir)
+    except ValueError as err:
+        raise ValueError(f"src_dir: {err}") from None
     if not (src / CONFIG_FILE).is_file():
         raise ValueError(f"src_dir {src} is not a native fastweights checkpoint (no {CONFIG_FILE})")
     dst = _empty_destination(dst_dir)

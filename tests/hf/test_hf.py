@@ -63,6 +63,7 @@ def test_config_mirrors_lmconfig():
     default = FastWeightsConfig()
     for f in fields(LMConfig):
         assert f.name in hf_fields, f"FastWeightsConfig lacks LMConfig.{f.name}"
+        assert hf_fields[f.name].type == f.type, f"FastWeightsConfig.{f.name} type"
         assert getattr(default, f.name) == getattr(LMConfig(), f.name), f.name
     lm = LMConfig(vocab_size=40, d_model=8, n_layers=3, n_heads=2, mixer=["delta", "softmax", "delta"],
                   mixer_options=[{}, {"rope": False}, {}], ffn="glu", tie_embeddings=False)
@@ -281,3 +282,25 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     tiny_model("delta").float().save_pretrained(tmp_path / "checkpoints" / "hf")
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_config_json_written_before_generated_fields_loads():
+    """A config.json saved when FastWeightsConfig listed LMConfig's fields by hand (ints where
+    floats are meant included) loads to the same LMConfig and saves back unchanged."""
+    saved = {
+        "architectures": ["FastWeightsForCausalLM"], "bos_token_id": None, "d_model": 8,
+        "dropout": 0, "dtype": "float32", "eos_token_id": None, "ffn": "mlp", "ffn_hidden": None,
+        "glu_activation": "silu", "max_seq_len": None, "mixer": ["delta", "softmax"],
+        "mixer_options": [{}, {"rope": False}], "model_type": "fastweights", "n_heads": 2,
+        "n_layers": 2, "norm": "rmsnorm", "norm_eps": 1e-05, "pad_token_id": 0,
+        "tie_embeddings": True, "transformers_version": "5.23.0", "use_cache": True,
+        "vocab_size": 40,
+    }
+    cfg = FastWeightsConfig.from_dict(saved)
+    assert cfg.to_lm_config() == LMConfig(vocab_size=40, d_model=8, n_heads=2,
+                                          mixer=["delta", "softmax"],
+                                          mixer_options=[{}, {"rope": False}], norm_eps=1e-5)
+    assert cfg.pad_token_id == 0 and cfg.use_cache
+    again = cfg.to_dict()
+    assert {k: again[k] for k in saved if k != "transformers_version"} == \
+        {k: v for k, v in saved.items() if k != "transformers_version"}

@@ -4,11 +4,14 @@ settings (block/segment/mini-batch sizes that do not divide the test length) in 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from fastweights import build_mixer, mixer_names
 from fastweights.layers import Mixer
+from fastweights.models.registry import MIXERS, mixer_option_specs
 from tests.helpers import assert_close64
 
 D_MODEL, N_HEADS, T = 16, 2, 13
@@ -160,3 +163,37 @@ def test_packed_documents_equal_separate(name):
     y2, _ = layer(nxt, states[:1] + states[1:2], cu_seqlens=torch.tensor([0, 2, 3]))
     assert_close64(y2[:, :2], layer(nxt[:, :2], states[0])[0], atol=1e-9, what=name)
     assert_close64(y2[:, 2:], layer(nxt[:, 2:], states[1])[0], atol=1e-9, what=name)
+
+
+def test_declared_options_are_the_constructor_defaults(name):
+    """Passing every declared option at its declared default builds the same layer as passing
+    none, so the declaration the registry validates and lists matches the constructor."""
+    specs = mixer_option_specs(name)
+    assert specs, name
+    torch.manual_seed(0)
+    plain = build_mixer(name, D_MODEL, N_HEADS)
+    torch.manual_seed(0)
+    explicit = build_mixer(name, D_MODEL, N_HEADS, **{k: o.default for k, o in specs.items()})
+    assert repr(plain) == repr(explicit)
+    a, b = plain.state_dict(), explicit.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randn(1, 5, D_MODEL)
+    torch.testing.assert_close(plain.eval()(x)[0], explicit.eval()(x)[0], rtol=0, atol=0)
+    for option in specs.values():
+        if option.default is not None:
+            assert isinstance(option.default, option.type), (name, option)
+
+
+PINNED = {"delta": {"update"}}  # base-class options a registered class fixes
+
+
+def test_every_constructor_option_is_declared(name):
+    """A keyword option added to a constructor (the class's or a base's it forwards to) must be
+    declared in the class's ``options``, else build_mixer would reject it."""
+    cls = MIXERS[name].cls
+    for klass in cls.__mro__:
+        if issubclass(klass, Mixer) and klass is not Mixer and "__init__" in vars(klass):
+            params = inspect.signature(klass.__init__).parameters.values()
+            kw_only = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+            missing = kw_only - PINNED.get(name, set()) - set(cls.options)
+            assert not missing, (name, klass.__name__, missing)

@@ -14,8 +14,9 @@ from tests.helpers import assert_close64
 COMBOS = [
     (fm, norm, upd)
     for fm, norm, upd in itertools.product(
-        ["elu", "relu", "dpfp", "favor", "identity"], ["none", "attention", "sum"], ["sum", "delta"])
-    if not (upd == "delta" and norm == "attention")
+        ["elu", "relu", "dpfp", "favor", "identity"], ["none", "attention", "sum", "sum+attention"],
+        ["sum", "delta"])
+    if not (upd == "delta" and norm.endswith("attention"))
 ]
 
 
@@ -33,6 +34,25 @@ def test_every_configuration_streams(fm, norm, upd):
                           mode="naive").double().eval()
     ref.load_state_dict(layer.state_dict())
     assert_close64(ref(x)[0], whole)
+
+
+def test_sum_plus_attention_normalisation_is_both_normalisers():
+    """normalize='sum+attention' (the fast weight paper's ablation): sum-normalised features fed
+    to the attention-normalised sum rule, checked against the ops composed by hand (float64)."""
+    from fastweights.ops import elu_plus_one, linear_attn, sum_norm
+
+    torch.manual_seed(1)
+    layer = LinearAttention(15, 3, normalize="sum+attention").double()
+    x = torch.randn(2, 9, 15, dtype=torch.float64)
+    proj = layer.qkvb(x).unflatten(-1, (3, 15))  # [B, T, H, 3D]
+    q, k, v = proj[..., :5], proj[..., 5:10], proj[..., 10:]
+    q, k = sum_norm(elu_plus_one(q)), sum_norm(elu_plus_one(k))
+    o, _ = linear_attn(q, k, v, normalize=True, mode="naive")
+    expected = layer.out(o.flatten(2) / 5 ** 0.5)
+    assert_close64(layer(x)[0], expected)
+    only_sum = LinearAttention(15, 3, normalize="sum").double()
+    only_sum.load_state_dict(layer.state_dict())
+    assert not torch.allclose(only_sum(x)[0], expected)  # the attention normaliser matters
 
 
 def test_feature_dims_and_state_size():
@@ -61,6 +81,8 @@ def test_bad_layer_options():
         LinearAttention(8, 2, feature_map="gelu")
     with pytest.raises(ValueError, match="normalize='attention' cannot be combined"):
         LinearAttention(8, 2, normalize="attention", update="delta")
+    with pytest.raises(ValueError, match="normalize='sum\\+attention' cannot be combined"):
+        LinearAttention(8, 2, normalize="sum+attention", update="delta")
     with pytest.raises(ValueError, match="nu must be"):
         LinearAttention(8, 2, feature_map="dpfp", nu=0)
     with pytest.raises(ValueError, match="divisible by n_heads"):

@@ -97,6 +97,26 @@ def test_forward_follows_the_spec(kind, mamba):
     assert_close64(y, z @ layer.out.weight.T)
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_fixed_inner_learning_rate(kind):
+    """learn_eta=False: no w_lr, b_lr; the layer equals the learned-gate layer whose gate is
+    sigmoid(0) everywhere (w_lr = 0, b_lr = 0), and still streams."""
+    fixed = make(kind, mini_batch_size=3, learn_eta=False)
+    assert fixed.lr is None and not any(n.startswith("lr.") for n, _ in fixed.named_parameters())
+    learned = LAYERS[kind](D_MODEL, N_HEADS, mini_batch_size=3).double().eval()
+    state = dict(fixed.state_dict(), **{"lr.weight": torch.zeros(N_HEADS, D_MODEL, dtype=torch.float64),
+                                        "lr.bias": torch.zeros(N_HEADS, dtype=torch.float64)})
+    learned.load_state_dict(state)
+    x = inputs()
+    whole, _ = fixed(x)
+    assert_close64(whole, learned(x)[0])
+    a, s = fixed(x[:, :5])
+    b, _ = fixed(x[:, 5:], s)
+    assert_close64(torch.cat([a, b], 1), whole)
+    with pytest.raises(TypeError, match="learn_eta must be a bool"):
+        TTTLinear(12, 2, learn_eta=1)
+
+
 def test_defaults_follow_spec_2_6():
     lin, mlp = build_mixer("ttt-linear", 64, 4), build_mixer("ttt-mlp", 64, 4)
     assert lin.mini_batch_size == mlp.mini_batch_size == 16

@@ -249,7 +249,8 @@ def _detach(state):
     if isinstance(state, torch.Tensor):
         return state.detach()
     if isinstance(state, (list, tuple)):
-        return type(state)(_detach(s) for s in state)
+        items = [_detach(s) for s in state]
+        return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
     if isinstance(state, dict):
         return {k: _detach(v) for k, v in state.items()}
     return state
@@ -290,3 +291,19 @@ def test_gradient_checkpointing_is_off_in_eval_and_no_grad_and_packed_works():
     assert torch.equal(loss, loss2) and all(torch.allclose(grads[n], grads2[n]) for n in grads)
     with pytest.raises(TypeError, match="enable must be a bool"):
         model.set_gradient_checkpointing("yes")
+
+
+def test_inner_lr_warmup_reaches_the_layers_that_have_one():
+    """set_inner_lr_warmup(progress) ramps TTT-MLP's eta_scale from 0.1 to 1 (SPEC 2.6) and
+    leaves layers without an inner learning-rate schedule as they are."""
+    model = tiny(["ttt-mlp", "ttt-linear", "delta"])
+    mlp, lin, delta = (b.mixer for b in model.blocks)
+    before = {n: p.clone() for n, p in delta.named_parameters()}
+    for progress, expected in [(0.0, 0.1), (0.5, 0.55), (1, 1.0)]:
+        model.set_inner_lr_warmup(progress)
+        assert abs(mlp.eta_scale - expected) < 1e-12 and lin.eta_scale == 1.0
+    assert all(torch.equal(p, before[n]) for n, p in delta.named_parameters())
+    assert not hasattr(delta, "eta_scale")
+    for bad in (-0.1, 1.5, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match="progress must be a number in"):
+            model.set_inner_lr_warmup(bad)

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from fastweights.ops import backend as backends
 from fastweights.ops import delta_rule, fwp, linear_attn, sum_norm
+from fastweights.ops.fwp import delta, linear_attention
 from fastweights.ops.fwp.naive import delta_rule_naive, linear_attn_naive
 
 # (B, T, H, Dk, Dv): odd sizes; T never a multiple of the chunk; Dv 70 spans two value blocks.
@@ -141,10 +142,10 @@ def test_gradients_match_naive(kernels, use_state):
 
 def test_dispatch_uses_pytorch_on_cpu(kernels, monkeypatch):
     calls = []
-    monkeypatch.setattr(fwp, "linear_attn_chunk",
-                        lambda *a: calls.append("la") or fwp.chunk.linear_attn_chunk(*a))
-    monkeypatch.setattr(fwp, "delta_rule_chunk",
-                        lambda *a: calls.append("dr") or fwp.chunk.delta_rule_chunk(*a))
+    monkeypatch.setattr(linear_attention, "linear_attn_chunk",
+                        lambda **kw: calls.append("la") or fwp.chunk.linear_attn_chunk(**kw))
+    monkeypatch.setattr(delta, "delta_rule_chunk",
+                        lambda **kw: calls.append("dr") or fwp.chunk.delta_rule_chunk(**kw))
 
     def forbidden(*args):
         raise AssertionError("the Triton path ran for a CPU tensor")

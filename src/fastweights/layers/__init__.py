@@ -1,7 +1,9 @@
-"""nn.Modules, one per mixer, all with ``forward(x, state=None) -> (y, state)`` and ``state_size()``."""
+"""nn.Modules, one per mixer, all with ``forward(x, state=None, cu_seqlens=None) -> (y, state)``,
+``state_size()`` and an ``options`` declaration (see ``base.Mixer``)."""
 
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer
+from .fla_deltanet import FlaDeltaNet
 from .fwp import DeltaNet, LinearAttention
 from .glu import GLU
 from .infini import InfiniAttention
@@ -18,6 +20,7 @@ __all__ = [
            "AFTSimple",
            "DeltaNet",
            "DiagAttention",
+           "FlaDeltaNet",
            "InfiniAttention",
            "LinearAttention",
            "Mixer",

@@ -25,10 +25,16 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops.aft import aft_conv_stream, aft_full_stream, aft_local_stream, aft_simple_stream
-from .base import Mixer, State, merge_heads, split_heads
-
-MODES = ("chunk", "recurrent")
+from ..ops.aft import (
+    AFTFullState,
+    AFTLocalState,
+    aft_conv_stream,
+    aft_full_stream,
+    aft_local_stream,
+    aft_simple_stream,
+)
+from ..ops.aft.common import MODES
+from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
 
 
 class _AFT(Mixer):
@@ -44,13 +50,16 @@ class _AFT(Mixer):
         self.qkv = nn.Linear(d_model, 2 * self.d_hidden + self.d_key)
         self.out = nn.Linear(self.d_hidden, d_model)
 
-    def _check_state(self, state: State, length: int) -> None:
-        """A carried state is the tuple of ``length`` items this layer returned."""
-        if state is not None and (not isinstance(state, (tuple, list)) or len(state) != length):
+    def _typed_state(self, state: State, cls: type) -> State:
+        """A carried state as the op's typed state ``cls`` (its items are checked by the op)."""
+        if state is None:
+            return None
+        if not isinstance(state, (tuple, list)) or len(state) != len(cls._fields):
             raise TypeError(
-                f"state must be None or the {length}-tuple returned by a previous call of this "
-                f"{type(self).__name__}, got {type(state).__name__}"
+                f"state must be None or the {len(cls._fields)}-tuple returned by a previous call "
+                f"of this {type(self).__name__}, got {type(state).__name__}"
             )
+        return cls(*state)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d_model] -> q [B, T, d'], k [B, T, d_key], v [B, T, d']."""
@@ -110,6 +119,10 @@ class AFTFull(_AFT):
     bias has no constant-size state), so ``state_size(seq_len)`` grows linearly.
     """
 
+    options = declare_options(d_hidden=Option(int | None, None), max_len=Option(int, 1024),
+                              d_bias=Option(int, 128), bias_std=Option(float, 0.01),
+                              chunk_size=Option(int, 64))
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  max_len: int = 1024, d_bias: int = 128, bias_std: float = 0.01,
                  chunk_size: int = 64) -> None:
@@ -117,15 +130,26 @@ class AFTFull(_AFT):
         self.bias = _PositionBias(max_len, d_bias, bias_std)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is not None:
+            # aft_full_stream has no cu_seqlens: each document attends to its own cache of
+            # its own length, with its own rows of the position table.
+            return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
-        self._check_state(state, 2)
-        past = 0 if state is None else state[0].shape[1]
+        state = self._typed_state(state, AFTFullState)
+        past = 0 if state is None else state.k_cache.shape[1]
         w = self.bias.rows(past, past + x.shape[1])
         q, k, v = self._qkv(x)
         o, state = aft_full_stream(q, k, v, w, initial_state=state, output_final_state=True,
                                    chunk_size=self.chunk_size)
         return self.out(o), state
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What x's tokens add to the (k_cache, v_cache) state: k, v [B, T, d'] (no position
+        enters them; the bias rows do). Context parallelism gathers them across shards."""
+        _, k, v = self._qkv(x)
+        return k, v
 
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.d_hidden * seq_len
@@ -144,6 +168,11 @@ class AFTLocal(_AFT):
     ``state_size`` counts its floats once the cache is full: 3 d' + 2 (s - 1) d'.
     """
 
+    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
+                              max_len=Option(int, 1024), d_bias=Option(int, 128),
+                              bias_std=Option(float, 0.01), mode=Option(str, "chunk"),
+                              chunk_size=Option(int, 64))
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, max_len: int = 1024, d_bias: int = 128,
                  bias_std: float = 0.01, mode: str = "chunk", chunk_size: int = 64) -> None:
@@ -153,15 +182,27 @@ class AFTLocal(_AFT):
         self.mode = check_choice("mode", mode, MODES)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
-        self._check_state(state, 6)
-        past = 0 if state is None else state[-1]
-        w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is None:
+            check_layer_input(x, self.d_model)
+            state = self._typed_state(state, AFTLocalState)
+            past = 0 if state is None else state.pos
+            w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
+        else:
+            bounds, states = self._documents(x, state, cu_seqlens)
+            state = [self._typed_state(s, AFTLocalState) for s in states]
+            # Every document counts positions from its own start (or its carried position):
+            # row i of the band depends only on the absolute position p of its token, so one
+            # band from position 0 to the furthest document end serves all documents.
+            starts = [0 if s is None else s.pos for s in state]
+            stop = max(p + b - a for p, a, b in zip(starts, bounds, bounds[1:]))
+            w = self.bias.band(0, stop, self.window, self.chunk_size)
+            w = w[token_positions(bounds, starts, x.device)]  # [T, s]
         q, k, v = self._qkv(x)
         o, state = aft_local_stream(q, k, v, w, window=self.window, initial_state=state,
                                     output_final_state=True, mode=self.mode,
-                                    chunk_size=self.chunk_size)
+                                    chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -175,16 +216,19 @@ class AFTSimple(_AFT):
     """AFT-simple (SPEC 4.2): no position bias, Y_t = sigmoid(Q_t) * sum_{t' <= t} softmax_t'(K) V.
     State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence length."""
 
+    options = declare_options(d_hidden=Option(int | None, None), mode=Option(str, "chunk"))
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  mode: str = "chunk") -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
         self.mode = check_choice("mode", mode, MODES)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
         o, state = aft_simple_stream(q, k, v, initial_state=state, output_final_state=True,
-                                     mode=self.mode)
+                                     mode=self.mode, cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -204,6 +248,9 @@ class AFTConv(_AFT):
     """
 
     eps = 1e-5
+    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
+                              reparam=Option(bool, True), mode=Option(str, "chunk"),
+                              chunk_size=Option(int, 64))
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, reparam: bool = True, mode: str = "chunk",
@@ -231,13 +278,14 @@ class AFTConv(_AFT):
         var = w.var(dim=-1, unbiased=False, keepdim=True)
         return self.gamma[:, None] * (w - mean) / torch.sqrt(var + self.eps) + self.beta[:, None]
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
         H = self.n_heads
         o, state = aft_conv_stream(split_heads(q, H), k, split_heads(v, H), self.kernel_weight(),
                                    initial_state=state, output_final_state=True, mode=self.mode,
-                                   chunk_size=self.chunk_size)
+                                   chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self.out(merge_heads(o)), state
 
     def state_size(self, seq_len: int = 1) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from collections.abc import Mapping, Sequence
+from itertools import pairwise
+from types import MappingProxyType
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -14,47 +16,28 @@ from ..ops._varlen import check_cu_seqlens, check_packed_states
 State = Any  # a tuple of tensors (and ints) owned by the layer; None means "start of sequence"
 
 
+class Option(NamedTuple):
+    """One keyword option of a mixer's constructor: its type (a class or a union such as
+    ``int | None``) and its default."""
+
+    type: Any
+    default: Any
+
+
+def declare_options(**options: Option) -> Mapping[str, Option]:
+    """A mixer class's option declaration, read-only since every instance shares it."""
+    return MappingProxyType(options)
+
+
 class Mixer(nn.Module):
-    """Base class of every sequence-mixing layer.
+    """Base class of every sequence-mixing layer: ``forward`` and ``state_size`` below are the
+    contract; ``set_inner_lr_warmup`` is a training-schedule hook (a no-op unless overridden).
 
-    ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], state)``: feeding a sequence
-    in pieces with the state carried equals feeding it whole, and T = 1 is the decoding step.
-    ``state_size(seq_len)`` counts the floats of recurrent state per sequence after ``seq_len``
-    tokens (constant for recurrent mixers, growing with ``seq_len`` for softmax attention).
-
-    Every subclass's ``forward`` also accepts ``cu_seqlens`` ([N + 1] boundaries of documents
-    packed in a batch of one): the state is reset at each boundary, the result equals running
-    the documents one by one, and ``state`` in and out is a list with one state per document.
+    ``options`` declares the keyword options of the subclass's constructor (beyond d_model and
+    n_heads) with their types and defaults; the registry validates and lists them from it.
     """
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        forward = cls.__dict__.get("forward")
-        if forward is None or getattr(forward, "_accepts_cu_seqlens", False):
-            return
-
-        @functools.wraps(forward)
-        def forward_with_packing(self: Mixer, x: torch.Tensor, state: State = None,
-                                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
-            if cu_seqlens is None:
-                return forward(self, x, state)
-            return self._forward_packed(forward, x, state, cu_seqlens)
-
-        forward_with_packing._accepts_cu_seqlens = True  # type: ignore[attr-defined]
-        cls.forward = forward_with_packing  # type: ignore[method-assign]
-
-    def _forward_packed(self, forward: Any, x: torch.Tensor, state: State,
-                        cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, list[State]]:
-        """Run ``forward`` once per packed document; states are per-document lists."""
-        check_layer_input(x, self.d_model)
-        bounds = check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
-        states = check_packed_states(state, len(bounds) - 1)
-        outs, finals = [], []
-        for (start, stop), s in zip(zip(bounds, bounds[1:]), states):
-            y, s = forward(self, x[:, start:stop], s)
-            outs.append(y)
-            finals.append(s)
-        return torch.cat(outs, dim=1), finals
+    options: ClassVar[Mapping[str, Option]] = declare_options()
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None) -> None:
         super().__init__()
@@ -72,14 +55,76 @@ class Mixer(nn.Module):
         self.n_heads = n_heads
         self.head_dim = head_dim
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        """x [B, T, d_model] -> (y [B, T, d_model], state).
+
+        ``state`` None starts a sequence; a returned state continues it, so feeding a sequence
+        in pieces with the state carried equals feeding it whole, and T = 1 is the decoding step.
+
+        ``cu_seqlens`` ([N + 1] boundaries of documents packed in a batch of one, see
+        ``ops/_varlen.py``): every document starts afresh (state, positions, caches), the result
+        equals running the documents one by one, and ``state`` in and out is a list with one
+        state per document (each as for a batch of one; None entries start a document).
+        """
         raise NotImplementedError
 
     def state_size(self, seq_len: int = 1) -> int:
+        """Floats of recurrent state per sequence after ``seq_len`` tokens (constant for
+        recurrent mixers, growing with ``seq_len`` for softmax attention)."""
         raise NotImplementedError
+
+    def set_inner_lr_warmup(self, progress: float) -> None:
+        """Set the layer's inner learning rate for ``progress`` in [0, 1] of the outer warm-up
+        (1 = warmed up). Only layers that learn at test time (TTT) have one; the default does
+        nothing."""
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}"
+
+    def _documents(self, x: torch.Tensor, state: State,
+                   cu_seqlens: torch.Tensor | None) -> tuple[list[int], list[State]]:
+        """Check a call's input; return the document boundaries and one state per document
+        (without ``cu_seqlens``: the single document [0, T] with ``state``)."""
+        check_layer_input(x, self.d_model)
+        if cu_seqlens is None:
+            return [0, x.shape[1]], [state]
+        bounds = check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
+        return bounds, check_packed_states(state, len(bounds) - 1)
+
+    def _forward_per_document(self, x: torch.Tensor, state: State,
+                              cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, list[State]]:
+        """A packed forward as one unpacked forward per document, for the layers whose op has no
+        ``cu_seqlens`` (softmax attention, AFT-full, DiagAttention: per-document caches of
+        different lengths cannot share one call of their op)."""
+        bounds, states = self._documents(x, state, cu_seqlens)
+        outs, finals = [], []
+        for (start, stop), s in zip(pairwise(bounds), states):
+            y, s = self.forward(x[:, start:stop], s)
+            outs.append(y)
+            finals.append(s)
+        return torch.cat(outs, dim=1), finals
+
+
+def per_document(value: Any, cu_seqlens: torch.Tensor | None) -> list[Any]:
+    """What a call with(out) ``cu_seqlens`` passes or returns (a list of per-document states, or
+    one state) as a list with one item per document."""
+    return list(value) if cu_seqlens is not None else [value]
+
+
+def packed_or_single(values: Sequence[Any], cu_seqlens: torch.Tensor | None) -> Any:
+    """The inverse of ``per_document``: the list with ``cu_seqlens``, its single item without."""
+    return list(values) if cu_seqlens is not None else values[0]
+
+
+def token_positions(bounds: Sequence[int], starts: Sequence[int],
+                    device: torch.device) -> torch.Tensor:
+    """[T] int64: the position of every token of a packed batch, document d's tokens
+    (bounds[d] .. bounds[d+1] - 1) counting on from ``starts[d]`` (its tokens seen before)."""
+    lengths = torch.tensor([b - a for a, b in pairwise(bounds)])
+    shift = torch.tensor(list(starts)) - torch.tensor(list(bounds[:-1]))  # [N]
+    positions = torch.arange(bounds[-1]) + shift.repeat_interleave(lengths)
+    return positions.to(device)
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:

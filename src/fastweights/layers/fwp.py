@@ -11,12 +11,13 @@ from torch import nn
 from .._checks import (
     check_bool,
     check_choice,
-    check_layer_input,
     check_nonneg_float,
     check_positive_int,
+    is_int,
 )
 from ..ops.fwp import (
     FEATURE_MAPS,
+    MODES,
     delta_rule,
     draw_favor_projection,
     feature_map,
@@ -24,9 +25,18 @@ from ..ops.fwp import (
     preferred_chunk_size,
     sum_norm,
 )
-from .base import Mixer, State, merge_heads, split_heads
+from .base import (
+    Mixer,
+    Option,
+    State,
+    declare_options,
+    merge_heads,
+    packed_or_single,
+    per_document,
+    split_heads,
+)
 
-NORMALIZATIONS = ("none", "attention", "sum")
+NORMALIZATIONS = ("none", "attention", "sum", "sum+attention")
 UPDATES = ("sum", "delta")
 
 
@@ -36,8 +46,9 @@ class LinearAttention(Mixer):
     One bias-free projection gives per head q, k, v (and a write-strength logit for the delta
     rule, beta = sigmoid(logit)); q and k go through the feature map phi (``elu`` = ELU+1,
     ``relu``, ``dpfp`` with ``nu``, ``favor`` with ``m`` random features, ``identity``);
-    ``normalize`` is ``none``, ``attention`` (divide by phi(q).z + eps) or ``sum`` (phi / sum phi,
-    as DeltaNet); ``update`` is ``sum`` (W += k^T v) or ``delta``. Heads are concatenated,
+    ``normalize`` is ``none``, ``attention`` (divide by phi(q).z + eps), ``sum`` (phi / sum phi,
+    as DeltaNet) or ``sum+attention`` (both: sum-normalised features, then the attention
+    normaliser; the fast weight paper's ablation); ``update`` is ``sum`` (W += k^T v) or ``delta``. Heads are concatenated,
     multiplied by ``out_scale`` (default 1/sqrt(head_dim), as every lmtool fast-weight layer) and
     projected back to d_model. FAVOR+ redraws its projection on every training forward and keeps
     the last draw in eval mode (``redraw=False`` keeps it fixed always). ``chunk_size`` None (the
@@ -50,6 +61,15 @@ class LinearAttention(Mixer):
     State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule, ``(S,)`` for delta.
     """
 
+    options = declare_options(
+        head_dim=Option(int | None, None), feature_map=Option(str, "elu"),
+        normalize=Option(str, "attention"), update=Option(str, "sum"), nu=Option(int, 2),
+        m=Option(int, 16), eps=Option(float, 1e-6), sum_norm_eps=Option(float, 1e-6),
+        out_scale=Option(float | None, None), redraw=Option(bool, True),
+        orthogonal=Option(bool, True), mode=Option(str, "chunk"),
+        chunk_size=Option(int | None, None),
+    )
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         feature_map: str = "elu", normalize: str = "attention", update: str = "sum",
@@ -61,12 +81,12 @@ class LinearAttention(Mixer):
         self.feature_map = check_choice("feature_map", feature_map, FEATURE_MAPS)
         self.normalize = check_choice("normalize", normalize, NORMALIZATIONS)
         self.update = check_choice("update", update, UPDATES)
-        if update == "delta" and normalize == "attention":
+        if update == "delta" and normalize in ("attention", "sum+attention"):
             raise ValueError(
-                "normalize='attention' cannot be combined with update='delta' (the normaliser z "
+                f"normalize={normalize!r} cannot be combined with update='delta' (the normaliser z "
                 "would keep accumulating overwritten keys, SPEC 1.4); use normalize='sum' or 'none'"
             )
-        if isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
+        if not is_int(nu) or nu < 1:
             raise ValueError(f"nu must be an int >= 1, got {nu!r}")
         check_positive_int("m", m)
         self.nu, self.m = nu, m
@@ -75,7 +95,7 @@ class LinearAttention(Mixer):
         self.out_scale = 1.0 / math.sqrt(self.head_dim) if out_scale is None else float(out_scale)
         self.redraw = check_bool("redraw", redraw)
         self.orthogonal = check_bool("orthogonal", orthogonal)
-        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.mode = check_choice("mode", mode, MODES)
         # None: the size measured fastest for this op on the input's device kind
         # (ops.fwp.preferred_chunk_size: 32 for the delta rule on CPU, else 64).
         self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
@@ -95,10 +115,11 @@ class LinearAttention(Mixer):
     def _phi(self, x: torch.Tensor) -> torch.Tensor:
         x = feature_map(x, self.feature_map, nu=self.nu,
                         projection=self.projection if self.feature_map == "favor" else None)
-        return sum_norm(x, self.sum_norm_eps) if self.normalize == "sum" else x
+        return sum_norm(x, self.sum_norm_eps) if self.normalize.startswith("sum") else x
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        _, docs = self._documents(x, state, cu_seqlens)
         if self.feature_map == "favor" and self.training and self.redraw:
             # A new buffer, not an in-place copy: the previous piece's graph (state carried
             # across calls) still holds the old projection for its backward pass.
@@ -111,22 +132,18 @@ class LinearAttention(Mixer):
         q, k = self._phi(q), self._phi(k)
         chunk = self.chunk_size or preferred_chunk_size(
             "delta_rule" if self.update == "delta" else "linear_attn", x.device)
-        opts = dict(output_final_state=True, mode=self.mode, chunk_size=chunk)
+        opts = {"output_final_state": True, "mode": self.mode, "chunk_size": chunk,
+                "cu_seqlens": cu_seqlens}
         if self.update == "delta":
-            # The delta rule's state is the 1-tuple (S,): reject other layers' states (a
-            # NormAttention (S, position) pair would otherwise pass the shape check on S).
-            if state is not None and not (isinstance(state, tuple) and len(state) == 1):
-                raise TypeError(
-                    "state must be None or the (S [B, H, Dk, Dv],) tuple this delta-rule layer "
-                    f"returned, got {type(state).__name__}"
-                    + (f" of length {len(state)}" if isinstance(state, tuple) else "")
-                )
+            # The layer carries the 1-tuple (S,), the op takes and returns S.
+            init = packed_or_single([_delta_matrix(s) for s in docs], cu_seqlens)
             beta = torch.sigmoid(proj[..., 3 * D])
-            o, S = delta_rule(q, k, v, beta, initial_state=None if state is None else state[0], **opts)
-            new_state: State = (S,)
+            o, S = delta_rule(q, k, v, beta, initial_state=init, **opts)
+            new_state: State = packed_or_single([(s,) for s in per_document(S, cu_seqlens)],
+                                                cu_seqlens)
         else:
             o, new_state = linear_attn(
-                q, k, v, normalize=self.normalize == "attention", eps=self.eps,
+                q, k, v, normalize=self.normalize.endswith("attention"), eps=self.eps,
                 initial_state=state, **opts)
         return self.out(merge_heads(o) * self.out_scale), new_state
 
@@ -139,11 +156,28 @@ class LinearAttention(Mixer):
                 f"update={self.update}, feature_dim={self.feature_dim}")
 
 
+def _delta_matrix(state: State) -> torch.Tensor | None:
+    """S from the delta rule's state ``(S,)``; other layers' states are rejected (a
+    NormAttention (S, position) pair would otherwise pass the op's shape check on S)."""
+    if state is None:
+        return None
+    if not (isinstance(state, tuple) and len(state) == 1):
+        raise TypeError(
+            "state must be None or the (S [B, H, Dk, Dv],) tuple this delta-rule layer "
+            f"returned, got {type(state).__name__}"
+            + (f" of length {len(state)}" if isinstance(state, tuple) else "")
+        )
+    return state[0]
+
+
 class DeltaNet(LinearAttention):
     """DeltaNet (Schlag et al. 2021): the delta rule with sum-normalised ELU+1 features and a
     learned per-head write strength beta = sigmoid(x w_beta), the paper's best configuration."""
 
-    fixed_options = ("update",)  # options of LinearAttention that DeltaNet pins
+    # LinearAttention's options but ``update``, which DeltaNet pins to "delta".
+    options = declare_options(**{
+        **{k: o for k, o in LinearAttention.options.items() if k != "update"},
+        "normalize": Option(str, "sum")})
 
     def __init__(self, d_model: int, n_heads: int, *, feature_map: str = "elu",
                  normalize: str = "sum", **options) -> None:

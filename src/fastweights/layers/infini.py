@@ -11,12 +11,21 @@ from .._checks import (
     check_bool,
     check_choice,
     check_finite_float,
-    check_layer_input,
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops.infini import MODES, UPDATES, InfiniState, infini_attention
-from .base import Mixer, State, merge_heads, split_heads
+from ..ops.infini import MODES, UPDATES, InfiniSegmentState, infini_attention
+from .base import (
+    Mixer,
+    Option,
+    State,
+    declare_options,
+    merge_heads,
+    packed_or_single,
+    per_document,
+    split_heads,
+    token_positions,
+)
 from .positional import RotaryFrequencies, apply_rotary
 
 
@@ -41,7 +50,7 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     A_mem = 0 and the gate is still applied (SPEC binding choice). ``eps`` clamps the memory
     denominators (see ``infini_attention``); ``mode`` picks the op's algorithm.
 
-    State: the op's ``InfiniState.open_segment``, ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg,
+    State: the op's ``InfiniState.open_segment``, an ``InfiniSegmentState`` ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg,
     k_mem_seg)`` with M, z the memory of the complete segments; the last three
     cache the open segment's (rotated) keys, values and memory keys ``[B, n, H, D]``, n <
     segment_len, so pieces and single-token steps equal the whole sequence. ``state_size()``
@@ -49,6 +58,14 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     the paper's memory-footprint count; the open-segment cache adds at most
     (segment_len - 1) * 3 * H * D floats on top.
     """
+
+    options = declare_options(
+        head_dim=Option(int | None, None), segment_len=Option(int, 64),
+        update=Option(str, "linear"), rope=Option(bool, True),
+        rope_memory=Option(bool, False), rope_base=Option(float, 10000.0),
+        gate_init=Option(float, 0.0), eps=Option(float, 1e-6), mode=Option(str, "chunk"),
+        bias=Option(bool, False),
+    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, segment_len: int = 64,
@@ -79,13 +96,16 @@ class InfiniAttention(RotaryFrequencies, Mixer):
         if rope:
             self._init_rotary(rope_base)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        bounds, docs = self._documents(x, state, cu_seqlens)
         q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)  # [B, T, H, D] each
         q_mem, k_mem = q, k
         if self.rope:
-            start = _open_segment_len(state)
-            pos = torch.arange(start, start + x.shape[1], device=x.device) % self.segment_len
+            # Segment-local positions, counted on from the open segment of the carried state
+            # (of each document's own state when packed).
+            starts = [InfiniSegmentState.open_len(s) for s in docs]
+            pos = token_positions(bounds, starts, x.device) % self.segment_len
             freq = self._rotary_freq(x)  # [D/2] float64
             q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
             if self.rope_memory:
@@ -93,10 +113,11 @@ class InfiniAttention(RotaryFrequencies, Mixer):
         o, new_state = infini_attention(
             q, k, v, self.gate, segment_len=self.segment_len, update=self.update,
             q_mem=q_mem, k_mem=k_mem, eps=self.eps, initial_state=state,
-            output_final_state=True, mode=self.mode)
-        # The layer carries the 5-tuple (M_closed, z_closed, k_seg, v_seg, k_mem_seg): plain
-        # tensors in a tuple, as every layer state, for code that maps over states.
-        return self.out(merge_heads(o)), tuple(new_state.open_segment)
+            output_final_state=True, mode=self.mode, cu_seqlens=cu_seqlens)
+        # The layer carries the 5 tensors (M_closed, z_closed, k_seg, v_seg, k_mem_seg) as a
+        # NamedTuple, without InfiniState's extra attribute, for code that maps over states.
+        finals = [s.open_segment for s in per_document(new_state, cu_seqlens)]
+        return self.out(merge_heads(o)), packed_or_single(finals, cu_seqlens)
 
     def state_size(self, seq_len: int = 1) -> int:
         H, D = self.n_heads, self.head_dim
@@ -105,14 +126,3 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, segment_len={self.segment_len}, update={self.update}, "
                 f"rope={self.rope}, rope_memory={self.rope_memory}")
-
-
-def _open_segment_len(state: State) -> int:
-    """Tokens already in the open segment of a carried state (0 for None or a bare (M, z));
-    a malformed state is left for ``infini_attention`` to reject with a clear message."""
-    if isinstance(state, InfiniState):
-        state = state.open_segment
-    if isinstance(state, (tuple, list)) and len(state) == 5 and isinstance(state[2], torch.Tensor) \
-            and state[2].dim() == 4:
-        return state[2].shape[1]
-    return 0

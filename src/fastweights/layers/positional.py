@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import is_number
+
 
 def rotary_inv_freq(dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32,
                     device: torch.device | str | None = None) -> torch.Tensor:
@@ -16,7 +18,7 @@ def rotary_inv_freq(dim: int, base: float = 10000.0, dtype: torch.dtype = torch.
     float32-accurate angles; a bfloat16 module would get 3-digit frequencies)."""
     if dim % 2:
         raise ValueError(f"rotary positions need an even head dim, got {dim}")
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < float("inf"):
+    if not is_number(base) or not 0 < base < float("inf"):
         raise ValueError(f"rope_base (the rotary base) must be a finite number > 0, got {base!r}")
     return (base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)).to(dtype)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_bool, check_layer_input, check_state_tensor
+from .._checks import check_arg, check_bool, check_layer_input
 from ..ops.softmax import softmax_attention
-from .base import Mixer, State, merge_heads, split_heads
+from .base import Mixer, Option, State, declare_options, merge_heads, split_heads
 from .positional import RotaryFrequencies, apply_rotary
 
 
@@ -15,6 +15,9 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
     """Causal multi-head softmax attention with optional rotary positions (``rope``, base
     ``rope_base``). State: ``(k_cache [B, t, H, D], v_cache [B, t, H, D])`` of every token seen
     (keys stored after rotation), so ``state_size(seq_len)`` grows linearly with ``seq_len``."""
+
+    options = declare_options(head_dim=Option(int | None, None), rope=Option(bool, True),
+                              rope_base=Option(float, 10000.0), bias=Option(bool, False))
 
     def __init__(self, d_model: int, n_heads: int, *, head_dim: int | None = None,
                  rope: bool = True, rope_base: float = 10000.0, bias: bool = False) -> None:
@@ -26,21 +29,35 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
         if rope:
             self._init_rotary(rope_base)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is not None:
+            # softmax_attention has no document mask, and each document's KV cache has its
+            # own length: one call per document.
+            return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x)
-        q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)
-        past = 0 if state is None else state[0].shape[1]
-        if self.rope:
-            pos = torch.arange(past, past + x.shape[1], device=x.device)
-            freq = self._rotary_freq(x)  # [D/2] float64
-            q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
+        q, k, v = self._project(x, 0 if state is None else state[0].shape[1])
         if state is not None:
             k = torch.cat([state[0].to(k.dtype), k], dim=1)
             v = torch.cat([state[1].to(v.dtype), v], dim=1)
         o = softmax_attention(q, k, v, causal=True)
         return self.out(merge_heads(o)), (k, v)
+
+    def _project(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+        """q, k, v [B, T, H, D] of x's tokens at absolute positions start.. (q, k rotated)."""
+        q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)
+        if self.rope:
+            pos = torch.arange(start, start + x.shape[1], device=x.device)
+            freq = self._rotary_freq(x)  # [D/2] float64
+            q, k = apply_rotary(q, pos, freq), apply_rotary(k, pos, freq)
+        return q, k, v
+
+    def keys_values(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What x's tokens, at absolute positions start.., add to the (k_cache, v_cache) state:
+        k, v [B, T, H, D] (k rotated). Context parallelism gathers them across shards."""
+        return self._project(x, start)[1:]
 
     def _check_state(self, state: State, x: torch.Tensor) -> None:
         """``state`` is the ``(k_cache, v_cache)`` pair a previous call returned for this batch."""
@@ -54,7 +71,7 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
         expected = [x.shape[0], state[0].shape[1] if state[0].dim() == 4 else None,
                     self.n_heads, self.head_dim]
         for name, s in zip(("state[0] (k_cache)", "state[1] (v_cache)"), state):
-            check_state_tensor(name, s, expected, "[B, t, H, D]", x)
+            check_arg(name, s, expected, "[B, t, H, D]", x)
 
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.n_heads * self.head_dim * seq_len

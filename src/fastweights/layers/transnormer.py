@@ -8,6 +8,7 @@ Dimension legend: B batch, T time, H heads, D head dim, w block size.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,21 +22,31 @@ from .._checks import (
     check_positive_int,
     check_shape,
     check_tensor,
+    is_int,
     state_dtype,
 )
-from ..ops.fwp import linear_attn
-from ..ops.transnormer import block_attention, decay_linear_attn, srms_norm
-from .base import Mixer, State, merge_heads, split_heads
+from ..ops.fwp import MODES, elu_plus_one, linear_attn
+from ..ops.transnormer import KERNELS, block_attention, decay_linear_attn, srms_norm
+from .base import (
+    Mixer,
+    Option,
+    State,
+    declare_options,
+    merge_heads,
+    packed_or_single,
+    per_document,
+    split_heads,
+    token_positions,
+)
 from .positional import apply_rotary, rotary_inv_freq
 
 ACTIVATIONS = {
-    "1+elu": lambda x: F.elu(x) + 1.0,
+    "1+elu": elu_plus_one,
     "elu": F.elu,
     "silu": F.silu,
     "relu": F.relu,
     "identity": lambda x: x,
 }
-KERNELS = ("softmax", "relu")
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -133,6 +144,13 @@ class NormAttention(Mixer):
     sequence-global when the sequence is fed in pieces. ``decay_values`` holds the lambda_h.
     """
 
+    options = declare_options(
+        head_dim=Option(int | None, None), activation=Option(str, "1+elu"),
+        lrpe=Option(bool, True), decay=Option(bool, False),
+        decay_scale=Option(float, 1.0), mode=Option(str, "chunk"),
+        chunk_size=Option(int, 64),
+    )
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         activation: str = "1+elu", lrpe: bool = True, decay: bool = False,
@@ -143,7 +161,7 @@ class NormAttention(Mixer):
         check_bool("lrpe", lrpe)
         check_bool("decay", decay)
         self.decay_scale = check_nonneg_float("decay_scale", decay_scale)
-        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.mode = check_choice("mode", mode, MODES)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         H, D = n_heads, self.head_dim
         _qkv_projections(self, d_model, H * D)
@@ -155,33 +173,40 @@ class NormAttention(Mixer):
         if decay:
             self.gate = nn.Linear(d_model, H * D)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
-        T = x.shape[1]
-        S, pos = _unpack_norm_state(state)
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        bounds, docs = self._documents(x, state, cu_seqlens)
+        S, pos = zip(*(NormState.check(s) for s in docs))  # per document
         H = self.n_heads
         act = ACTIVATIONS[self.activation]
         q = act(split_heads(self.q_proj(x), H))
         k = act(split_heads(self.k_proj(x), H))
         v = split_heads(self.v_proj(x), H)
         if self.lrpe is not None:
-            positions = torch.arange(pos, pos + T, device=x.device)
+            # Sequence-global positions, restarting at every document when packed.
+            positions = token_positions(bounds, pos, x.device)
             q, k = self.lrpe(q, positions), self.lrpe(k, positions)
         if x.dtype in HALF:
             # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
             # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences.
             q, k, v = q.float(), k.float(), v.float()
-        opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size}
+        opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size,
+                "cu_seqlens": cu_seqlens}
         if self.decay_values is not None:
             lam = torch.tensor(self.decay_values, dtype=state_dtype(q.dtype), device=q.device)
-            o, S = decay_linear_attn(q, k, v, lam, initial_state=S, **opts)
+            o, final = decay_linear_attn(q, k, v, lam, initial_state=packed_or_single(S, cu_seqlens),
+                                         **opts)
+            S = per_document(final, cu_seqlens)
         else:
-            init = None if S is None else (S, S.new_zeros(S.shape[:-1]))
-            o, (S, _) = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
+            # linear_attn carries (S, z); z is unused without the normaliser.
+            init = packed_or_single([_with_z(s) for s in S], cu_seqlens)
+            o, final = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
+            S = [s for s, _ in per_document(final, cu_seqlens)]
         o = srms_norm(merge_heads(o))
         if self.decay_values is not None:
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
-        return self.out(o.to(x.dtype)), (S, pos + T)
+        finals = [NormState(s, p + b - a) for s, p, a, b in zip(S, pos, bounds, bounds[1:])]
+        return self.out(o.to(x.dtype)), packed_or_single(finals, cu_seqlens)
 
     def state_size(self, seq_len: int = 1) -> int:
         return self.n_heads * self.head_dim * self.head_dim
@@ -191,16 +216,50 @@ class NormAttention(Mixer):
                 f"lrpe={self.lrpe is not None}, decay={self.decay_values is not None}")
 
 
-def _unpack_norm_state(state: State) -> tuple[torch.Tensor | None, int]:
-    if state is None:
-        return None, 0
-    if not isinstance(state, (tuple, list)) or len(state) != 2:
-        raise TypeError("state must be None or the (S [B, H, D, D], position) tuple NormAttention returned")
-    S, pos = state
-    check_tensor("state[0] (S)", S, 4, "[B, H, D, D]")
-    if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
-        raise TypeError(f"state[1] (position) must be an int >= 0, got {pos!r}")
-    return S, pos
+def _with_z(S: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """linear_attn's (S, z) state for NormAttention's S (no normaliser, so z = 0)."""
+    return None if S is None else (S, S.new_zeros(S.shape[:-1]))
+
+
+class NormState(NamedTuple):
+    """NormAttention's state: the fast weights S [B, H, D, D] (float32 or wider) and the
+    absolute position of the next token, which keeps LRPE sequence-global across pieces."""
+
+    S: torch.Tensor | None
+    pos: int
+
+    @classmethod
+    def check(cls, state: Any) -> NormState:
+        """A carried state, or the empty one for None (S is then None, position 0)."""
+        if state is None:
+            return cls(None, 0)
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise TypeError("state must be None or the (S [B, H, D, D], position) tuple NormAttention returned")
+        S, pos = state
+        check_tensor("state[0] (S)", S, 4, "[B, H, D, D]")
+        if not is_int(pos) or pos < 0:
+            raise TypeError(f"state[1] (position) must be an int >= 0, got {pos!r}")
+        return cls(S, pos)
+
+
+class DiagState(NamedTuple):
+    """DiagAttention's state: the keys (after LRPE) and values of the r < block_size tokens of
+    the still open block, k_open and v_open [B, r, H, D] in float32 or wider."""
+
+    k_open: torch.Tensor
+    v_open: torch.Tensor
+
+    @classmethod
+    def check(cls, state: Any, B: int, H: int, D: int) -> DiagState | None:
+        """A carried state for a batch of B (None stays None)."""
+        if state is None:
+            return None
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise TypeError("state must be None or the (k_open, v_open) tuple DiagAttention returned")
+        for i, name in enumerate(cls._fields):
+            check_tensor(f"state[{i}] ({name})", state[i], 4, "[B, r, H, D]")
+            check_shape(f"state[{i}] ({name})", state[i], (B, None, H, D), "[B, r, H, D]")
+        return cls(*state)
 
 
 class DiagAttention(Mixer):
@@ -217,6 +276,9 @@ class DiagAttention(Mixer):
     ``state_size()`` reports the largest such state, 2 H D (block_size - 1).
     """
 
+    options = declare_options(head_dim=Option(int | None, None), block_size=Option(int, 64),
+                              kernel=Option(str, "softmax"), lrpe=Option(bool, True))
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, block_size: int = 64,
         kernel: str = "softmax", lrpe: bool = True,
@@ -228,17 +290,17 @@ class DiagAttention(Mixer):
         _qkv_projections(self, d_model, n_heads * self.head_dim)
         self.lrpe = LRPE(self.head_dim) if lrpe else None
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if cu_seqlens is not None:
+            # block_attention has no document boundaries, blocks start at each document's start
+            # and every document has its own open block: one call per document.
+            return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
         B, T, _ = x.shape
         H, D, w = self.n_heads, self.head_dim, self.block_size
-        if state is not None:
-            if not isinstance(state, (tuple, list)) or len(state) != 2:
-                raise TypeError("state must be None or the (k_open, v_open) tuple DiagAttention returned")
-            for i, name in enumerate(("k_open", "v_open")):
-                check_tensor(f"state[{i}] ({name})", state[i], 4, "[B, r, H, D]")
-                check_shape(f"state[{i}] ({name})", state[i], (B, None, H, D), "[B, r, H, D]")
-        r = 0 if state is None else state[0].shape[1]
+        state = DiagState.check(state, B, H, D)
+        r = 0 if state is None else state.k_open.shape[1]
         q = split_heads(self.q_proj(x), H)
         k = split_heads(self.k_proj(x), H)
         v = split_heads(self.v_proj(x), H)
@@ -251,8 +313,8 @@ class DiagAttention(Mixer):
         if r:
             # Re-run the open block from its start: the cached tokens get zero queries whose
             # outputs are dropped, so the block alignment matches the one-shot forward.
-            k = torch.cat([state[0].to(k.dtype), k], dim=1)
-            v = torch.cat([state[1].to(v.dtype), v], dim=1)
+            k = torch.cat([state.k_open.to(k.dtype), k], dim=1)
+            v = torch.cat([state.v_open.to(v.dtype), v], dim=1)
             q = torch.cat([q.new_zeros(B, r, H, D), q], dim=1)
         o = block_attention(q, k, v, block_size=w, kernel=self.kernel)[:, r:]
         o = merge_heads(o)
@@ -260,7 +322,7 @@ class DiagAttention(Mixer):
             o = srms_norm(o)
         n_open = (r + T) % w
         sdtype = state_dtype(x.dtype)
-        new_state = (k[:, r + T - n_open:].to(sdtype), v[:, r + T - n_open:].to(sdtype))
+        new_state = DiagState(k[:, r + T - n_open:].to(sdtype), v[:, r + T - n_open:].to(sdtype))
         return self.out(o.to(x.dtype)), new_state
 
     def state_size(self, seq_len: int = 1) -> int:

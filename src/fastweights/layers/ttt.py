@@ -3,6 +3,9 @@ The inner loop lives in ``fastweights.ops.ttt``; this module holds the outer par
 
 from __future__ import annotations
 
+from itertools import pairwise
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,16 +13,34 @@ from torch import nn
 from .._checks import (
     check_bool,
     check_choice,
-    check_layer_input,
     check_nonneg_float,
     check_positive_int,
 )
 from ..ops.ttt import MODES, ttt_linear, ttt_mlp
-from .base import Mixer, State, merge_heads, split_heads
+from .base import (
+    Mixer,
+    Option,
+    State,
+    declare_options,
+    merge_heads,
+    packed_or_single,
+    per_document,
+    split_heads,
+    token_positions,
+)
 from .positional import RotaryFrequencies, apply_rotary
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
 INIT_STD = 0.02  # SPEC 2.6
+
+
+class TTTLayerState(NamedTuple):
+    """A TTT layer's state: ``pos`` tokens into the current mini-batch, ``conv_cache``
+    [B, 3, H * D] (Mamba backbone, else None) and ``inner``, the ops' state."""
+
+    pos: int
+    conv_cache: torch.Tensor | None
+    inner: tuple[Any, ...]
 
 
 class _TTTLayer(RotaryFrequencies, Mixer):
@@ -32,8 +53,11 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     - ``eta_base``: inner learning rate eta_t = eta_base * eta_scale * sigmoid(x_t w_lr + b_lr) /
       head_dim per head (w_lr ~ N(0, 0.02), b_lr = 0). ``eta_scale`` (attribute, 1.0) is the
       training schedule's multiplier: TTT-MLP's recipe (SPEC 2.6) ramps it linearly from
-      ``eta_warmup_from`` = 0.1 to 1 over the outer warm-up, which ``fastweights.train`` applies
-      to every layer with an ``eta_warmup_from`` (None for TTT-Linear: no ramp).
+      ``eta_warmup_from`` = 0.1 to 1 over the outer warm-up, which the training loop applies
+      through ``set_inner_lr_warmup`` (``eta_warmup_from`` None for TTT-Linear: no ramp).
+    - ``learn_eta`` (True): the token-dependent learned gate above; False fixes eta_t =
+      eta_base * eta_scale * 0.5 / head_dim (the gate's value at sigmoid(0), no w_lr, b_lr): the
+      TTT paper's ablation step before "+ learnable inner learning rate".
     - ``checkpoint_group`` (None): in training, recompute the inner scan in groups of this many
       mini-batches in the backward pass instead of storing every mini-batch's inner weights
       (SPEC 2.6's gradient checkpointing; 4 in the paper): same results, much less memory.
@@ -56,12 +80,23 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     """
 
     op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
+    eta_warmup_from: float | None = None  # start of the inner learning-rate ramp, None: no ramp
+
+    options = declare_options(
+        head_dim=Option(int | None, None), mini_batch_size=Option(int, 16),
+        eta_base=Option(float, 1.0), rope=Option(bool, True),
+        rope_base=Option(float, 10000.0), inner_norm=Option(bool, True),
+        residual=Option(bool, True), mamba_backbone=Option(bool, False),
+        mode=Option(str, "dual"), checkpoint_group=Option(int | None, None),
+        learn_eta=Option(bool, True),
+    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         mini_batch_size: int = 16, eta_base: float = 1.0, rope: bool = True,
         rope_base: float = 10000.0, inner_norm: bool = True, residual: bool = True,
         mamba_backbone: bool = False, mode: str = "dual", checkpoint_group: int | None = None,
+        learn_eta: bool = True,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
         self.mini_batch_size = check_positive_int("mini_batch_size", mini_batch_size)
@@ -73,6 +108,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         self.inner_norm = check_bool("inner_norm", inner_norm)
         self.residual = check_bool("residual", residual)
         self.mamba_backbone = check_bool("mamba_backbone", mamba_backbone)
+        self.learn_eta = check_bool("learn_eta", learn_eta)
         self.mode = check_choice("mode", mode, MODES)
         H, D, b = n_heads, self.head_dim, mini_batch_size
         width = H * D
@@ -84,7 +120,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             self.conv_q = nn.Conv1d(width, width, CONV_KERNEL, groups=width, bias=True)
             self.conv_k = nn.Conv1d(width, width, CONV_KERNEL, groups=width, bias=True)
             self.gate = nn.Linear(d_model, width, bias=False)
-        self.lr = nn.Linear(d_model, H)
+        self.lr = nn.Linear(d_model, H) if learn_eta else None
         self.token_offset = nn.Parameter(torch.zeros(b))
         self.inner_shapes = self._inner_shapes(D)
         for name, shape in self.inner_shapes.items():
@@ -97,13 +133,21 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         self.post_norm = nn.LayerNorm(width, eps=1e-6)
         self.out = nn.Linear(width, d_model, bias=False)
         with torch.no_grad():
-            for lin in (self.qkv, self.lr, self.out) + ((self.gate,) if mamba_backbone else ()):
+            for lin in (self.qkv, self.out) + ((self.gate,) if mamba_backbone else ()) \
+                    + ((self.lr,) if learn_eta else ()):
                 lin.weight.normal_(0.0, INIT_STD)
-            self.lr.bias.zero_()
+            if learn_eta:
+                self.lr.bias.zero_()
 
     def _inner_shapes(self, D: int) -> dict[str, tuple[int, ...]]:
         """Per-head shapes of the inner weights, in the ops' state order."""
         raise NotImplementedError
+
+    def set_inner_lr_warmup(self, progress: float) -> None:
+        """eta_scale = r + (1 - r) * progress with r = ``eta_warmup_from``: the ramp from r to 1
+        over the outer warm-up (SPEC 2.6); no change when the layer has no ramp (r None)."""
+        if self.eta_warmup_from is not None:
+            self.eta_scale = self.eta_warmup_from + (1.0 - self.eta_warmup_from) * progress
 
     def token_scale(self) -> torch.Tensor:
         """tau [b]: max(0, 1/i + delta_i), 1/i in the parameters' dtype (exact in float64)."""
@@ -112,58 +156,87 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         return (base + delta).clamp_min(0.0)
 
     def _conv(self, conv: nn.Conv1d, seq: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise convolution of seq [B, T + 3, C] (3 carried inputs first) -> [B, T, C]."""
+        """Causal depthwise convolution of seq [B, L + 3, C] (3 carried inputs first) -> [B, L, C]."""
         y = F.conv1d(seq.transpose(1, 2), conv.weight, conv.bias, groups=conv.in_channels)
         return y.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, state: State = None) -> tuple[torch.Tensor, State]:
-        check_layer_input(x, self.d_model)
-        B, T, _ = x.shape
-        H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
+    def _split_state(self, state: State, B: int) -> tuple[int, torch.Tensor | None, Any]:
+        """(pos, conv_cache, inner) of a carried state (None: the start of a sequence)."""
         if state is None:
-            pos, cache, inner = 0, None, None
-        elif not isinstance(state, tuple) or len(state) != 3:
+            return 0, None, None
+        if not isinstance(state, tuple) or len(state) != 3:
             raise TypeError("state must be None or the (pos, conv_cache, inner) tuple this layer returned")
-        else:
-            pos, cache, inner = state
-            if self.mamba_backbone and cache is not None:
-                shape = (CONV_KERNEL - 1, H * D)
-                if not isinstance(cache, torch.Tensor) or cache.dim() != 3 \
-                        or tuple(cache.shape[1:]) != shape or cache.shape[0] not in (1, B):
-                    got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
-                    raise ValueError(
-                        f"state[1] (conv_cache) must have shape [B, {shape[0]}, {shape[1]}] with "
-                        f"B = {B} (x's batch) or 1, got {got}")
-                cache = cache.expand(B, *shape)  # a batch of 1 broadcasts, as the inner state
+        pos, cache, inner = state
+        if self.mamba_backbone and cache is not None:
+            shape = (CONV_KERNEL - 1, self.n_heads * self.head_dim)
+            if not isinstance(cache, torch.Tensor) or cache.dim() != 3 \
+                    or tuple(cache.shape[1:]) != shape or cache.shape[0] not in (1, B):
+                got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+                raise ValueError(
+                    f"state[1] (conv_cache) must have shape [B, {shape[0]}, {shape[1]}] with "
+                    f"B = {B} (x's batch) or 1, got {got}")
+            cache = cache.expand(B, *shape)  # a batch of 1 broadcasts, as the inner state
+        return pos, cache, inner
+
+    def _backbone_convs(self, qk: torch.Tensor, caches: list[torch.Tensor | None],
+                        bounds: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The Mamba backbone's convolutions of qk [B, T, C] for the documents ``bounds``, each
+        behind its own 3 carried inputs (zeros at a start, as a causally padded convolution sees
+        before the sequence). Returns XQ, XK [B, T, C] and each document's last 3 inputs."""
+        K1 = CONV_KERNEL - 1
+        pieces = []
+        for (a, b), cache in zip(pairwise(bounds), caches):
+            pieces += [qk.new_zeros(qk.shape[0], K1, qk.shape[2]) if cache is None
+                       else cache.to(qk.dtype), qk[:, a:b]]
+        seq = torch.cat(pieces, dim=1)  # [B, T + 3N, C]
+        q, k = self._conv(self.conv_q, seq), self._conv(self.conv_k, seq)  # [B, T + 3N - 3, C]
+        n_docs = len(bounds) - 1
+        # Output i is the window ending at input i + 3: document d's tokens come out at
+        # bounds[d] + 3 d onwards, its last 3 inputs sit at bounds[d + 1] + 3 d onwards.
+        if n_docs > 1:
+            keep = token_positions(bounds, [a + K1 * d for d, a in enumerate(bounds[:-1])], qk.device)
+            q, k = q[:, keep], k[:, keep]
+        ends = [b + K1 * d for d, b in enumerate(bounds[1:])]
+        return q, k, [seq[:, e:e + K1] for e in ends]
+
+    def forward(self, x: torch.Tensor, state: State = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        bounds, docs = self._documents(x, state, cu_seqlens)  # unpacked: one document
+        B = x.shape[0]
+        H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
+        pos, caches, inners = zip(*(self._split_state(s, B) for s in docs))
         proj = self.qkv(x)
         if self.mamba_backbone:
             qk, v = proj.chunk(2, dim=-1)
-            if cache is None:
-                # zero inputs before the sequence start, as a causally padded convolution sees
-                cache = qk.new_zeros(B, CONV_KERNEL - 1, H * D)
-            seq = torch.cat([cache.to(qk.dtype), qk], dim=1)  # [B, T + 3, H * D]
-            q, k = self._conv(self.conv_q, seq), self._conv(self.conv_k, seq)
-            cache = seq[:, -(CONV_KERNEL - 1):]
+            q, k, caches = self._backbone_convs(qk, list(caches), bounds)
         else:
             q, k, v = proj.chunk(3, dim=-1)
         q, k, v = (split_heads(t, H) for t in (q, k, v))  # [B, T, H, D]
         if self.rope:
-            positions = (pos + torch.arange(T, device=x.device)) % b  # restart every mini-batch
+            # Restart every mini-batch; every document starts its own mini-batches.
+            positions = token_positions(bounds, pos, x.device) % b
             freq = self._rotary_freq(x)  # [D/2] float64
             q, k = apply_rotary(q, positions, freq), apply_rotary(k, positions, freq)
-        eta = self.eta_base * self.eta_scale * torch.sigmoid(self.lr(x)) / D  # [B, T, H]
-        if inner is None:
-            inner = tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)
+        gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((*x.shape[:2], H), 0.5)
+        eta = self.eta_base * self.eta_scale * gate / D  # [B, T, H]
+        learned = tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)
+        if all(s is None for s in inners):
+            inner = learned  # the op shares one start state among packed documents
+        else:
+            inner = packed_or_single([learned if s is None else s for s in inners], cu_seqlens)
         o, inner = self.op(
             q, k, v, eta, initial_state=inner,
             ln_weight=self.ln_weight if self.inner_norm else None,
             ln_bias=self.ln_bias if self.inner_norm else None, residual=self.residual,
             mini_batch_size=b, token_scale=self.token_scale(), output_final_state=True,
-            mode=self.mode, checkpoint_group=self.checkpoint_group)
+            mode=self.mode, checkpoint_group=self.checkpoint_group, cu_seqlens=cu_seqlens)
         y = self.post_norm(merge_heads(o))
         if self.mamba_backbone:
             y = y * F.gelu(self.gate(x), approximate="tanh")
-        return self.out(y), ((pos + T) % b, cache if self.mamba_backbone else None, inner)
+        finals = [TTTLayerState((p + stop - start) % b, c if self.mamba_backbone else None, s)
+                  for p, c, s, start, stop
+                  in zip(pos, caches, per_document(inner, cu_seqlens), bounds, bounds[1:])]
+        return self.out(y), packed_or_single(finals, cu_seqlens)
 
     def state_size(self, seq_len: int = 1) -> int:
         """Floats carried at most: the inner weights, and while a mini-batch is partly filled also
@@ -178,7 +251,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, mini_batch_size={self.mini_batch_size}, "
                 f"eta_base={self.eta_base}, rope={self.rope}, inner_norm={self.inner_norm}, "
-                f"residual={self.residual}, mamba_backbone={self.mamba_backbone}, mode={self.mode}")
+                f"residual={self.residual}, mamba_backbone={self.mamba_backbone}, "
+                f"learn_eta={self.learn_eta}, mode={self.mode}")
 
 
 class TTTLinear(_TTTLayer):
@@ -201,6 +275,7 @@ class TTTMLP(_TTTLayer):
 
     op = staticmethod(ttt_mlp)
     eta_warmup_from: float | None = 0.1  # SPEC 2.6: eta ramps from 10% to 100% over warm-up
+    options = declare_options(**{**_TTTLayer.options, "eta_base": Option(float, 0.1)})
 
     def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 0.1, **options) -> None:
         super().__init__(d_model, n_heads, eta_base=eta_base, **options)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._checks import is_int, is_number
 from .registry import check_mixer, mixer_names, mixer_options
 
 FFNS = ("mlp", "glu", "none")
@@ -16,7 +17,7 @@ GLU_ACTIVATIONS = ("silu", "gelu", "identity")
 
 
 def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
 
 
@@ -73,8 +74,7 @@ class LMConfig:
             raise ValueError(f"LMConfig.norm_eps must be a float in (0, 1), got {self.norm_eps!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"LMConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
-                or not 0.0 <= self.dropout < 1.0:
+        if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LMConfig.dropout must be a float in [0, 1), got {self.dropout!r}")
         names = self.layer_mixers()
         options = self.layer_options()

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from .._checks import is_int, is_number
 from .._files import file_listing, listing_problem
 from ..ops._varlen import check_cu_seqlens
 from .block import Block, make_norm
@@ -75,6 +76,14 @@ class LanguageModel(nn.Module):
         self.gradient_checkpointing = enable
         return self
 
+    def set_inner_lr_warmup(self, progress: float) -> None:
+        """Tell every layer how far the outer warm-up has come (``progress`` in [0, 1], 1 once
+        warmed up); layers with an inner learning-rate schedule (TTT-MLP, SPEC 2.6) follow it."""
+        if not is_number(progress) or not 0.0 <= progress <= 1.0:
+            raise ValueError(f"progress must be a number in [0, 1], got {progress!r}")
+        for block in self.blocks:
+            block.mixer.set_inner_lr_warmup(float(progress))
+
     def _check_ids(self, input_ids: Any, name: str = "input_ids") -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
@@ -104,6 +113,18 @@ class LanguageModel(nn.Module):
         """Logits for ``input_ids`` [B, T]; see the class docstring. With ``cu_seqlens``
         ([N + 1] boundaries of documents packed in a batch of one) every layer resets its state
         at each boundary, and each layer's state is a list with one state per document."""
+        h, state = self.hidden(input_ids, state, cu_seqlens)
+        return self.head(h), state  # [B, T, V]
+
+    def hidden(
+        self, input_ids: torch.Tensor, state: LMState | None = None,
+        cu_seqlens: torch.Tensor | None = None, *, collect: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, LMState]:
+        """``forward`` without the output head: the final norm's output h [B, T, d] (the logits
+        are ``head(h)``) and the state. With ``collect`` (a list), appends ``n_layers + 1``
+        tensors [B, T, d], the convention of transformers' ``output_hidden_states`` (Llama's):
+        the input of every block (the first is the embeddings' output after dropout) and, last,
+        the final norm's output h itself (after the norm)."""
         self._check_ids(input_ids)
         if cu_seqlens is not None:
             bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0],
@@ -125,12 +146,17 @@ class LanguageModel(nn.Module):
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         run = (self._gradient_checkpointing_func or _checkpoint) if recompute else None
         for block, s in zip(self.blocks, state):
+            if collect is not None:
+                collect.append(x)
             if run is not None:
-                x, s = run(block.__call__, x, s, cu_seqlens=cu_seqlens)
+                x, s = _checkpointed_block(run, block, x, s, cu_seqlens)
             else:
-                x, s = block(x, s, cu_seqlens=cu_seqlens)
+                x, s = block(x, s, cu_seqlens)
             new_state.append(s)
-        return self.head(self.norm(x)), new_state  # [B, T, V]
+        h = self.norm(x)  # [B, T, d]
+        if collect is not None:
+            collect.append(h)
+        return h, new_state
 
     @torch.no_grad()
     def generate(
@@ -147,14 +173,13 @@ class LanguageModel(nn.Module):
         """
         squeeze = isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 1
         ids = self._check_ids(prompt_ids[None] if squeeze else prompt_ids, "prompt_ids")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if not is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not temperature >= 0 or temperature == float("inf"):
+        if not is_number(temperature) or not temperature >= 0 or temperature == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        if top_k is not None and (not is_int(top_k) or top_k < 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and not is_int(seed):
             raise ValueError(f"seed must be None or an int, got {seed!r}")
         self._check_length(ids.shape[1] + max_new_tokens)
         if max_new_tokens == 0:
@@ -231,9 +256,54 @@ def _verify_checksums(directory: Path) -> None:
         raise ValueError(problem)
 
 
-# Non-reentrant checkpointing: works with nested state outputs and inputs that need no grad;
-# the RNG state is restored for the recomputation so dropout and FAVOR+ redraws repeat exactly.
+# Non-reentrant checkpointing by default; the RNG state is restored for the recomputation so
+# dropout and FAVOR+ redraws repeat exactly. Hugging Face's gradient_checkpointing_enable may
+# substitute the reentrant form (use_reentrant=True), hence _checkpointed_block.
 _checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+
+def _checkpointed_block(run: Callable[..., Any], block: nn.Module, x: torch.Tensor, state: Any,
+                        cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+    """``block(x, state, cu_seqlens)`` through the checkpoint function ``run``.
+
+    The reentrant checkpoint takes positional arguments only and tracks gradients only through
+    tensors that are direct arguments and direct outputs, so the layer states (nested
+    lists/tuples of tensors, ints and None) travel flattened: their tensors as positional
+    arguments and outputs, their structure in this closure. Gradients through a carried state
+    (in and out) are then those of the plain forward with either form of checkpointing."""
+    leaves, rebuild = _flatten_state(state)
+    structure: list[Callable[[list[torch.Tensor]], Any]] = []
+
+    def step(x: torch.Tensor, cu_seqlens: torch.Tensor | None,
+             *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y, out = block(x, rebuild(list(leaves)), cu_seqlens)
+        out_leaves, out_rebuild = _flatten_state(out)
+        structure.append(out_rebuild)  # again at the recomputation; the structure is the same
+        return (y, *out_leaves)
+
+    y, *out_leaves = run(step, x, cu_seqlens, *leaves)
+    return y, structure[0](out_leaves)
+
+
+def _flatten_state(state: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
+    """The tensors of a layer state (nested lists/tuples/NamedTuples of tensors and other
+    values) in order, and a function building the same structure from replacement tensors."""
+    leaves: list[torch.Tensor] = []
+
+    def spec(s: Any) -> Callable[[Any], Any]:
+        if isinstance(s, torch.Tensor):
+            leaves.append(s)
+            return lambda it: next(it)
+        if type(s) in (list, tuple) or (isinstance(s, tuple) and hasattr(s, "_fields")):
+            parts = [spec(item) for item in s]
+            make = s._make if hasattr(s, "_fields") else type(s)
+            return lambda it: make([p(it) for p in parts])
+        if isinstance(s, (list, tuple)):  # a subclass with extra attributes would lose them
+            raise TypeError(f"cannot checkpoint a layer state of type {type(s).__name__}")
+        return lambda it: s
+
+    build = spec(state)
+    return leaves, lambda tensors: build(iter(tensors))
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,

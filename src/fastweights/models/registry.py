@@ -1,14 +1,15 @@
-"""The mixer registry: names -> layer factories, and ``build_mixer``.
+"""The mixer registry: names -> layer classes with preset options, and ``build_mixer``.
 
-Each entry is a layer class or a ``functools.partial`` fixing its defaults; options given to
-``build_mixer`` override those defaults. Add a family by adding rows to ``MIXERS``.
+Each entry is a ``MixerEntry``: a layer class, whose ``options`` declare its keyword options
+with types and defaults, and the option values the name presets (``dpfp`` is LinearAttention with
+``feature_map="dpfp"``). Options given to ``build_mixer`` override the presets. Add a family by
+adding rows to ``MIXERS``.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,22 +30,46 @@ from ..layers import (
     SoftmaxAttention,
     TTTLinear,
 )
+from ..layers.base import Option
 
-MIXERS: dict[str, Callable[..., Mixer]] = {
-    "softmax": SoftmaxAttention,
-    "linear": partial(LinearAttention, feature_map="elu", normalize="attention", update="sum"),
-    "dpfp": partial(LinearAttention, feature_map="dpfp", nu=2, normalize="attention", update="sum"),
-    "favor": partial(LinearAttention, feature_map="favor", m=16, normalize="attention", update="sum"),
-    "delta": DeltaNet,
-    "infini": InfiniAttention,
-    "norm": NormAttention,
-    "diag": DiagAttention,
-    "aft-full": AFTFull,
-    "aft-local": AFTLocal,
-    "aft-simple": AFTSimple,
-    "aft-conv": AFTConv,
-    "ttt-linear": TTTLinear,
-    "ttt-mlp": TTTMLP,
+
+@dataclass(frozen=True)
+class MixerEntry:
+    """A registered mixer: the layer class and the option values its name presets."""
+
+    cls: type[Mixer]
+    preset: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.preset) - set(self.cls.options))
+        if unknown:  # a registry typo, caught at import
+            raise ValueError(f"preset option(s) {unknown} are not options of {self.cls.__name__}")
+
+    def options(self) -> dict[str, Option]:
+        """The keyword options with their types and defaults (the presets as defaults)."""
+        return {k: o._replace(default=self.preset.get(k, o.default))
+                for k, o in self.cls.options.items()}
+
+    def __call__(self, d_model: int, n_heads: int, **options: Any) -> Mixer:
+        return self.cls(d_model, n_heads, **{**self.preset, **options})
+
+
+_LINEAR = {"normalize": "attention", "update": "sum"}
+MIXERS: dict[str, MixerEntry] = {
+    "softmax": MixerEntry(SoftmaxAttention),
+    "linear": MixerEntry(LinearAttention, {"feature_map": "elu", **_LINEAR}),
+    "dpfp": MixerEntry(LinearAttention, {"feature_map": "dpfp", "nu": 2, **_LINEAR}),
+    "favor": MixerEntry(LinearAttention, {"feature_map": "favor", "m": 16, **_LINEAR}),
+    "delta": MixerEntry(DeltaNet),
+    "infini": MixerEntry(InfiniAttention),
+    "norm": MixerEntry(NormAttention),
+    "diag": MixerEntry(DiagAttention),
+    "aft-full": MixerEntry(AFTFull),
+    "aft-local": MixerEntry(AFTLocal),
+    "aft-simple": MixerEntry(AFTSimple),
+    "aft-conv": MixerEntry(AFTConv),
+    "ttt-linear": MixerEntry(TTTLinear),
+    "ttt-mlp": MixerEntry(TTTMLP),
 }
 
 
@@ -53,25 +78,17 @@ def mixer_names() -> list[str]:
     return list(MIXERS)
 
 
+def mixer_option_specs(name: str) -> dict[str, Option]:
+    """The keyword options ``name`` accepts, with their types and defaults (after presets)."""
+    return _entry(name).options()
+
+
 def mixer_options(name: str) -> dict[str, Any]:
     """The keyword options ``name`` accepts, with their defaults (after the registry's presets)."""
-    factory = _factory(name)
-    func, preset = (factory.func, factory.keywords) if isinstance(factory, partial) else (factory, {})
-    params: dict[str, Any] = {}
-    for cls in (func.__mro__ if inspect.isclass(func) else (func,)):
-        init = cls.__init__ if inspect.isclass(cls) else cls
-        for p in inspect.signature(init).parameters.values():
-            if p.kind is p.KEYWORD_ONLY and p.name not in params:
-                params[p.name] = p.default
-        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
-            break
-    params.update(preset)
-    for fixed in getattr(func, "fixed_options", ()):
-        params.pop(fixed, None)
-    return params
+    return {k: o.default for k, o in mixer_option_specs(name).items()}
 
 
-def _factory(name: str) -> Callable[..., Mixer]:
+def _entry(name: str) -> MixerEntry:
     if not isinstance(name, str) or name not in MIXERS:
         raise ValueError(f"unknown mixer {name!r}; registered mixers: {', '.join(MIXERS)}")
     return MIXERS[name]
@@ -83,16 +100,16 @@ def build_mixer(name: str, d_model: int, n_heads: int, **options: Any) -> Mixer:
     ``options`` are the layer's keyword options (feature map, normalisation, nu, m, window, ...);
     an unknown option raises ValueError listing the valid ones.
     """
-    factory = _factory(name)
+    entry = _entry(name)
     check_positive_int("d_model", d_model)
     check_positive_int("n_heads", n_heads)
-    valid = mixer_options(name)
+    valid = entry.options()
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(
             f"unknown option(s) {unknown} for mixer {name!r}; valid options: {sorted(valid)}"
         )
-    return factory(d_model, n_heads, **options)
+    return entry(d_model, n_heads, **options)
 
 
 def check_mixer(name: str, d_model: int, n_heads: int, **options: Any) -> None:

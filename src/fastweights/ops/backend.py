@@ -1,4 +1,7 @@
-"""Which implementation runs a chunked fast-weight op, and the flash-linear-attention adapter.
+"""Which implementation runs a chunked fast-weight op, the flash-linear-attention adapter, and
+the chunk sizes measured fastest per device kind. The one place that decides backends: the ops
+(ops/fwp/linear_attention.py, ops/fwp/delta.py, ops/transnormer/decay.py) call
+``choose_backend`` and run what it names.
 
 ``linear_attn``, ``delta_rule`` and ``decay_linear_attn`` take ``backend=``:
   "fla"     flash-linear-attention's maintained chunk kernels (``pip install
@@ -44,8 +47,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "choose_backend", "fla_decay_linear_attn", "fla_delta_rule",
-           "fla_linear_attn"]
+__all__ = ["BACKENDS", "PREFERRED_CHUNK_SIZES", "choose_backend", "fla_decay_linear_attn",
+           "fla_delta_rule", "fla_linear_attn", "preferred_chunk_size", "triton_kernels"]
 
 BACKENDS = ("fla", "triton", "torch")
 ENV = "FASTWEIGHTS_BACKEND"
@@ -53,6 +56,24 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLA_CHUNK = 64
 TRITON_MAX_DK = 64  # the tilings compiled spill-free for sm_80/sm_90 (see ops/fwp/triton.py)
 TRITON_OPS = ("linear_attn", "delta_rule")
+
+# Chunk sizes measured per device kind (forward and forward+backward, B1 H8 T4096 D64 float32;
+# `python -m fastweights.bench.fwp_forms --backward --chunk-sizes 16,32,64,128 --modes chunk`,
+# recorded in benchmarks/results/chunk_sizes/). Devices not measured here keep 64, the size
+# flash-linear-attention's GPU kernels use (FLA_CHUNK).
+PREFERRED_CHUNK_SIZES: dict[str, dict[str, int]] = {
+    "cpu": {"linear_attn": 64, "delta_rule": 32},
+}
+
+
+def preferred_chunk_size(op: str, device: torch.device | str) -> int:
+    """The measured fastest ``chunk_size`` of ``op`` (``"linear_attn"`` or ``"delta_rule"``) on
+    this kind of device (see ``PREFERRED_CHUNK_SIZES``); 64 where nothing was measured. Layers
+    built with ``chunk_size=None`` use it; the ops themselves keep DESIGN's default of 64."""
+    if op not in ("linear_attn", "delta_rule"):
+        raise ValueError(f"op must be 'linear_attn' or 'delta_rule', got {op!r}")
+    return PREFERRED_CHUNK_SIZES.get(torch.device(device).type, {}).get(op, FLA_CHUNK)
+
 
 _logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str, str]] = set()

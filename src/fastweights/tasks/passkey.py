@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import is_int, is_number
+
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 QUESTION = "What is the pass key? The pass key is "
@@ -15,9 +17,9 @@ def passkey_prompt(n_filler: int, depth: float, generator: torch.Generator) -> t
     "The pass key is NNNNN. Remember it. NNNNN is the pass key." inserted after
     ``round(depth * n_filler)`` of them (depth 0 = start, 1 = end), then the question.
     ``answer`` is the 5 digits."""
-    if isinstance(n_filler, bool) or not isinstance(n_filler, int) or n_filler < 0:
+    if not is_int(n_filler) or n_filler < 0:
         raise ValueError(f"n_filler must be an int >= 0, got {n_filler!r}")
-    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
+    if not is_number(depth) or not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a number in [0, 1], got {depth!r}")
     key = str(int(torch.randint(10000, 100000, (1,), generator=generator)))
     at = round(depth * n_filler)

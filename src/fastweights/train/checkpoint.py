@@ -9,8 +9,9 @@ file and the folder are fsync'ed, and only then is the folder renamed and ``late
 ``latest`` naming a complete checkpoint (or no ``latest`` before the first save); a failed write
 (disk full) removes its temporary folder, leaves the previous checkpoint as it was and raises
 ``CheckpointWriteError``. Loading re-reads every file against the manifest, so a truncated or
-corrupted file is reported by name instead of being half-loaded. Every checkpoint is kept (no
-pruning), which lets a resumed run fall back to an older one when the newest is damaged
+corrupted file is reported by name instead of being half-loaded. Every checkpoint is kept unless
+the run asks for retention (``prune_checkpoints``, ``--keep-last K``: the K newest complete
+ones), which lets a resumed run fall back to an older one when the newest is damaged
 (``resume_point``).
 
 Test hook: the environment variable ``FASTWEIGHTS_TEST_SLOW_SAVE=<seconds>`` sleeps that long
@@ -243,6 +244,47 @@ def resume_point(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     if problems:
         raise ValueError(f"no complete checkpoint to resume from in {root}: " + "; ".join(problems))
     return None, problems
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete the checkpoints of ``run_dir`` older than its ``keep_last`` newest complete ones;
+    returns the deleted folders, oldest first.
+
+    Complete means verified against the manifest (``checkpoint_problem``), so that a damaged
+    newer checkpoint does not count and the newest intact one always stays. Only folders up to
+    the one ``latest`` names are candidates: that one and any newer folder (saved but never
+    published) are never deleted, nor is anything without a valid ``latest``. A damaged folder
+    newer than the last kept complete one is left for ``resume_point`` to report. A folder is
+    first renamed to a temporary name (then removed), so a crash mid-deletion leaves no
+    half-deleted ``step-*`` folder, only a temporary one that the next save removes.
+    """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be a positive int, got {keep_last!r}")
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / LATEST
+    name = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
+    m = _STEP_DIR.fullmatch(name)
+    if m is None or not (root / name).is_dir():
+        return []
+    limit = int(m.group(1))
+    candidates = sorted(((int(n.group(1)), p) for p in root.glob("step-*")
+                         if (n := _STEP_DIR.fullmatch(p.name)) and p.is_dir() and int(n.group(1)) <= limit),
+                        reverse=True)
+    intact = 0
+    for i, (_, ckpt) in enumerate(candidates):
+        intact += checkpoint_problem(ckpt) is None
+        if intact == keep_last:
+            doomed = [p for _, p in reversed(candidates[i + 1:])]
+            break
+    else:
+        return []
+    for ckpt in doomed:
+        tmp = root / f".tmp-{ckpt.name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        os.rename(ckpt, tmp)
+        shutil.rmtree(tmp)
+    return doomed
 
 
 def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], dict[str, Any]]:

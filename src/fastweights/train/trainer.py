@@ -8,6 +8,13 @@ trains on its own contiguous slice, so the averaged gradient equals one process'
 stores model, optimizer, scheduler, step, the data generator and the torch / python / numpy RNG
 states, so a resumed run reproduces the uninterrupted run's losses.
 
+Resuming takes every setting from ``run.json``; only the ``RESUMABLE`` training settings may
+change (``steps`` extends a run). The learning-rate schedule is a function of the step and the
+*current* total ``steps`` (``lr_factor``), so an extended run continues on the schedule of its
+new total: its first new step uses that schedule's value at that step, not the old schedule's
+final rate. SIGINT and SIGTERM during training save a checkpoint of the last finished step and
+raise ``TrainingInterrupted`` (a second signal interrupts at once).
+
 Dimension legend: N batch, T sequence length, V vocabulary.
 """
 
@@ -21,11 +28,14 @@ import json
 import math
 import os
 import random
+import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -34,18 +44,30 @@ import torch.nn.functional as F
 
 from ..models import LanguageModel, LMConfig
 from ..tasks.text import Corpus, eval_windows, packed_windows, random_windows
-from .checkpoint import load_checkpoint, resume_point, save_checkpoint, write_atomic
+from .checkpoint import (
+    load_checkpoint,
+    prune_checkpoints,
+    resume_point,
+    save_checkpoint,
+    write_atomic,
+)
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.csv"
+OUTPUTS = (RUN_FILE, METRICS_FILE, "checkpoints", "tensorboard")  # what a run writes in run_dir
+# TrainConfig fields a resumed run may change (applied and recorded in run.json): when to stop,
+# validate and save, checkpoint retention and the anomaly guard. None of them changes what a
+# step computes, so a resumed run still reproduces the uninterrupted run's steps.
+RESUMABLE = ("steps", "eval_every", "save_every", "keep_last", "patience", "anomaly_guard")
 METRIC_FIELDS = ("step", "split", "loss", "perplexity", "lr", "tokens_per_s", "seconds")
 
 
 @dataclass
 class TrainConfig:
     """Optimisation settings. ``batch_size`` is the global batch (split across DDP ranks);
-    ``save_every`` 0 saves only at the end; ``patience`` 0 disables early stopping (else stop
-    after that many validations without a new best). ``anomaly_guard`` stops training with
+    ``save_every`` 0 saves only at the end; ``keep_last`` K keeps only the K newest complete
+    checkpoints (None: every one; ``checkpoint.prune_checkpoints``); ``patience`` 0 disables
+    early stopping (else stop after that many validations without a new best). ``anomaly_guard`` stops training with
     ``TrainingAnomaly`` as soon as the loss or the gradient norm is NaN or inf, before that step
     changes the weights, so the last checkpoint stays the last good one. ``recompute`` turns on
     the model's gradient checkpointing (less activation memory, same losses)."""
@@ -61,6 +83,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_windows: int = 64
     save_every: int = 0
+    keep_last: int | None = None
     patience: int = 0
     bf16: bool = False
     seed: int = 0
@@ -77,6 +100,10 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        k = self.keep_last
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"keep_last must be a positive int (or None to keep every checkpoint), "
+                             f"got {k!r}")
         for name in ("lr", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -91,9 +118,57 @@ class TrainingAnomaly(RuntimeError):
     """The anomaly guard stopped training: the loss or the gradient norm became NaN or inf."""
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM (``signum``) stopped training at ``step`` after the checkpoint
+    ``checkpoint`` of that step was saved (None on a DDP rank other than 0, which saves nothing)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        name = signal.Signals(signum).name
+        where = f"checkpoint {checkpoint} saved" if checkpoint is not None else "checkpoint saved by rank 0"
+        super().__init__(f"{name} at step {step}: {where}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+class _Signals:
+    """While active, SIGINT and SIGTERM only record their number in ``signum`` (the training loop
+    then saves and stops at the next step boundary, so no step is half done); a second signal
+    raises KeyboardInterrupt at once. The previous handlers come back on exit. Outside the main
+    thread, where Python cannot set handlers, nothing is installed."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def _record(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    def agreed(self, world: int, device: torch.device) -> int | None:
+        """The signal number if any rank was signalled (one decision for all ranks, so that
+        they save and stop at the same step), else None."""
+        if world == 1:
+            return self.signum
+        t = torch.tensor([self.signum or 0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item()) or None
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of ``lr`` at optimiser step ``step`` (0-based): linear warm-up over ``warmup``
-    steps, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    steps, then cosine decay to ``min_lr_ratio`` at ``steps``. A function of (step, total steps)
+    alone: a run extended to more steps follows the schedule of its new total from its next
+    step on (the rate goes back up from the old schedule's final value)."""
     if step < cfg.warmup:
         return (step + 1) / cfg.warmup
     progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
@@ -114,15 +189,10 @@ def _try_forward(model: LanguageModel, seq_len: int, device: torch.device) -> No
         model.train(was_training)
 
 
-def set_inner_lr_ramp(model: torch.nn.Module, step: int, warmup: int) -> None:
-    """The inner-learning-rate warm-up of TTT-MLP (SPEC 2.6): every layer with an
-    ``eta_warmup_from`` r gets ``eta_scale`` = r + (1 - r) * min(1, step / warmup) at optimiser
-    step ``step`` (0-based), i.e. the ramp from r to 1 over the outer warm-up (1 without one)."""
-    ramp = 1.0 if warmup <= 0 else min(1.0, step / warmup)
-    for module in model.modules():
-        start = getattr(module, "eta_warmup_from", None)
-        if start is not None:
-            module.eta_scale = start + (1.0 - start) * ramp
+def set_inner_lr_ramp(model: LanguageModel, step: int, warmup: int) -> None:
+    """The inner-learning-rate warm-up of TTT-MLP (SPEC 2.6) at optimiser step ``step``
+    (0-based): the layers follow progress min(1, step / warmup) (1 without a warm-up)."""
+    model.set_inner_lr_warmup(1.0 if warmup <= 0 else min(1.0, step / warmup))
 
 
 @torch.no_grad()
@@ -199,13 +269,26 @@ def _metrics_rows(path: Path, resume_step: int) -> list[dict[str, str]]:
             and r["step"].isdigit() and int(r["step"]) <= resume_step]
 
 
-def _read_run_file(path: Path, steps: int | None) -> tuple[LMConfig, TrainConfig]:
-    """Model and training configs of ``run.json`` (``steps`` overrides the saved number);
-    ValueError naming the file when it is missing, truncated or not a run file."""
+@dataclass(frozen=True)
+class RunRecord:
+    """What a run folder's ``run.json`` records: the model and training configs and the name of
+    the data (``Corpus.name``: ``stdlib`` or the path it was loaded from)."""
+
+    model: LMConfig
+    train: TrainConfig
+    data: str
+
+
+def read_run(run_dir: str | Path) -> RunRecord:
+    """The record of the run in ``run_dir``; ValueError naming ``run.json`` when it is missing,
+    truncated or not a run file."""
+    path = Path(run_dir) / RUN_FILE
     try:
         saved = json.loads(path.read_text())
-        train = dict(saved["train"])
-        return LMConfig.from_dict(saved["model"]), TrainConfig(**{**train, "steps": steps or train["steps"]})
+        data = saved["data"]
+        if not isinstance(data, str):
+            raise TypeError(f"data must be a string, got {data!r}")
+        return RunRecord(LMConfig.from_dict(saved["model"]), TrainConfig(**saved["train"]), data)
     except FileNotFoundError:
         raise ValueError(f"{path} does not exist: {path.parent} holds no training run to resume") from None
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
@@ -213,15 +296,48 @@ def _read_run_file(path: Path, steps: int | None) -> tuple[LMConfig, TrainConfig
                          f"({type(err).__name__}: {err})") from None
 
 
+def same_data(a: str, b: str) -> bool:
+    """Whether two data names (``stdlib`` or paths, relative ones from the working folder) name
+    the same corpus."""
+    if a == b:
+        return True
+    return "stdlib" not in (a, b) and Path(a).resolve() == Path(b).resolve()
+
+
+def _resumed_config(record: RunRecord, model_config: LMConfig | None,
+                    train_config: TrainConfig | None, corpus: Corpus) -> TrainConfig:
+    """The training config of a resumed run: the record's, with ``train_config``'s RESUMABLE
+    fields when given. A ``model_config``, a ``train_config`` field outside RESUMABLE or a
+    corpus that disagrees with the record is a ValueError naming every difference (resuming
+    with other settings would not continue the same run)."""
+    differ = []
+    if model_config is not None:
+        given = model_config.to_dict()
+        differ += [f"model.{k} ({given[k]!r}, the run has {v!r})"
+                   for k, v in record.model.to_dict().items() if given[k] != v]
+    cfg = record.train
+    if train_config is not None:
+        differ += [f"train.{k} ({getattr(train_config, k)!r}, the run has {v!r})"
+                   for k, v in dataclasses.asdict(cfg).items()
+                   if k not in RESUMABLE and getattr(train_config, k) != v]
+        cfg = dataclasses.replace(cfg, **{k: getattr(train_config, k) for k in RESUMABLE})
+    if not same_data(corpus.name, record.data):
+        differ.append(f"data ({corpus.name!r}, the run has {record.data!r})")
+    if differ:
+        raise ValueError(f"resume: {', '.join(differ)} differ from the run's {RUN_FILE}; only "
+                         f"{', '.join(RESUMABLE)} may change when a run is resumed")
+    return cfg
+
+
 def _check_run_file(path: Path, ckpt: Path, model_config: LMConfig, cfg: TrainConfig,
                     model: LanguageModel, state: dict[str, Any]) -> None:
     """``run.json`` must describe the checkpoint it resumes (whose files are checksummed): a
     disagreement means run.json was edited or corrupted, and resuming would not reproduce the
-    run. ``steps`` may differ (a run can be extended)."""
+    run. The RESUMABLE fields may differ (a run can be extended, ...)."""
     differ = [f"model.{k}" for k, v in model.config.to_dict().items() if model_config.to_dict().get(k) != v]
     saved = state.get("train", {})
     differ += [f"train.{k}" for k, v in dataclasses.asdict(cfg).items()
-               if k != "steps" and k in saved and saved[k] != v]
+               if k not in RESUMABLE and k in saved and saved[k] != v]
     if differ:
         raise ValueError(f"{path} disagrees with checkpoint {ckpt} on {', '.join(differ)}: "
                          "run.json was edited or corrupted")
@@ -267,25 +383,78 @@ def _dist_info() -> tuple[int, int, torch.device, bool]:
     return rank, world, device, created
 
 
+def _check_corpus(corpus: Corpus, cfg: TrainConfig) -> None:
+    """Both splits must hold at least one window of ``seq_len + 1`` bytes (checked before the run
+    folder is written, rather than at the first step or validation)."""
+    for split, data in (("training", corpus.train), ("validation", corpus.val)):
+        if data.numel() < cfg.seq_len + 1:
+            raise ValueError(f"the {split} split of data {corpus.name} has {data.numel()} bytes, "
+                             f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
+
+
+def _set_aside(run_dir: Path) -> Path | None:
+    """Move the outputs of an earlier run (``OUTPUTS``) into a hidden folder of ``run_dir``, by
+    renames (nothing copied or deleted yet); the folder, or None when there were none. Other
+    files in ``run_dir`` stay where they are."""
+    present = [n for n in OUTPUTS if (run_dir / n).exists() or (run_dir / n).is_symlink()]
+    if not present:
+        return None
+    aside = run_dir / f".replaced-{os.getpid()}"
+    aside.mkdir()
+    try:
+        for name in present:
+            os.rename(run_dir / name, aside / name)
+    except BaseException:
+        _put_back(aside, run_dir)
+        raise
+    return aside
+
+
+def _put_back(aside: Path, run_dir: Path) -> None:
+    """Undo ``_set_aside``: what the new run wrote in its place is removed."""
+    for old in aside.iterdir():
+        new = run_dir / old.name
+        if new.is_dir() and not new.is_symlink():
+            shutil.rmtree(new)
+        elif new.exists() or new.is_symlink():
+            new.unlink()
+        os.rename(old, new)
+    aside.rmdir()
+
+
 def train(run_dir: str | Path, model_config: LMConfig | None, train_config: TrainConfig | None,
-          corpus: Corpus, *, resume: bool = False, stop_after: int | None = None,
-          progress: bool = True) -> list[tuple[int, float]]:
+          corpus: Corpus, *, resume: bool = False, overwrite: bool = False,
+          stop_after: int | None = None, progress: bool = True) -> list[tuple[int, float]]:
     """Train a LanguageModel into ``run_dir``; returns this process's ``(step, train loss)``.
 
-    With ``resume`` the model and training configs are read from ``run_dir/run.json`` (the
-    arguments may then be None, except that ``train_config.steps`` may extend the run) and
-    training continues from ``checkpoints/latest``, or from the newest older checkpoint that
-    verifies when that one is damaged (a warning on stderr names the bad file), or from step 0
-    when the run was stopped before its first save. ``stop_after`` ends the session after that
-    step without the final save, as if the process had been killed (time-boxed sessions, tests).
+    With ``resume`` the model and training configs are read from ``run_dir/run.json``; the
+    arguments may be None, and a ``train_config`` given changes only the ``RESUMABLE`` fields
+    (any other difference, from ``model_config`` too, or a ``corpus`` other than the recorded
+    data is a ValueError). Training continues from ``checkpoints/latest``, or from the newest
+    older checkpoint that verifies when that one is damaged (a warning on stderr names the bad
+    file), or from step 0 when the run was stopped before its first save.
+
+    Without ``resume``, a ``run_dir`` that holds an earlier run's outputs (``OUTPUTS``) is a
+    ValueError unless ``overwrite``; then they are replaced only after everything is checked
+    (configs, data, the first forward), when the new run is about to write: they are moved
+    aside, and deleted once the new run.json and metrics.csv are written (put back if writing
+    them fails). Other files in ``run_dir`` are never touched.
+
+    SIGINT or SIGTERM (main thread) during training saves a checkpoint of the last finished step
+    and raises ``TrainingInterrupted``; resuming from it reproduces the uninterrupted run.
+    ``stop_after`` ends the session after that step without the final save, as if the process
+    had been killed (time-boxed sessions, tests).
     """
     run_dir = Path(run_dir)
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other")
     rank, world, device, owns_group = _dist_info()
     main = rank == 0
     resumed: tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None = None
     if resume:
-        model_config, train_config = _read_run_file(
-            run_dir / RUN_FILE, train_config.steps if train_config is not None else None)
+        record = read_run(run_dir)
+        cfg = _resumed_config(record, model_config, train_config, corpus)
+        model_config = record.model
         ckpt, problems = resume_point(run_dir)
         if main:
             for problem in problems:
@@ -296,14 +465,20 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
                 print(f"resuming from the newest complete checkpoint, {ckpt}", file=sys.stderr)
         if ckpt is not None:
             resumed = load_checkpoint(ckpt)
-            _check_run_file(run_dir / RUN_FILE, ckpt, model_config, train_config, resumed[0], resumed[2])
-    if model_config is None or train_config is None:
-        raise ValueError("model_config and train_config are required unless resume=True")
-    cfg = train_config
+            _check_run_file(run_dir / RUN_FILE, ckpt, model_config, cfg, resumed[0], resumed[2])
+    else:
+        if model_config is None or train_config is None:
+            raise ValueError("model_config and train_config are required unless resume=True")
+        cfg = train_config
+        earlier = [n for n in OUTPUTS if (run_dir / n).exists()] if main else []
+        if earlier and not overwrite:
+            raise ValueError(f"{run_dir} holds an earlier run ({', '.join(earlier)}); pass "
+                             "overwrite=True to replace it, or resume=True to continue it")
     if cfg.batch_size % world:
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the world size {world}")
     if model_config.max_seq_len is not None and cfg.seq_len > model_config.max_seq_len:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
+    _check_corpus(corpus, cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -311,11 +486,28 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     model = resumed[0] if resumed else LanguageModel(model_config)
     model.to(device)
     _try_forward(model, cfg.seq_len, device)  # before anything is written into run_dir
-    if main:
+    step, best, since_best = 0, float("inf"), 0
+    if resumed:
+        state = resumed[2]
+        step, best, since_best = state["step"], state["best_val_loss"], state["since_best"]
+        if cfg.steps < step:
+            raise ValueError(f"steps {cfg.steps} is fewer than the {step} steps the run has "
+                             "trained already (a run can be extended, not shortened)")
+    metrics = None
+    if main:  # everything is checked: the new run starts writing here
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / RUN_FILE, (json.dumps(
-            {"model": model_config.to_dict(), "train": dataclasses.asdict(cfg), "data": corpus.name},
-            indent=2) + "\n").encode())
+        aside = _set_aside(run_dir) if overwrite else None
+        try:
+            write_atomic(run_dir / RUN_FILE, (json.dumps(
+                {"model": model_config.to_dict(), "train": dataclasses.asdict(cfg), "data": corpus.name},
+                indent=2) + "\n").encode())
+            metrics = _Metrics(run_dir, step if resume else None)
+        except BaseException:
+            if aside is not None:
+                _put_back(aside, run_dir)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside)
     model.train()
     model.set_gradient_checkpointing(cfg.recompute)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -323,27 +515,33 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    step, best, since_best = 0, float("inf"), 0
     if resumed:
-        _, opt_state, state = resumed
+        opt_state = resumed[1]
         opt.load_state_dict(opt_state["optimizer"])
         sched.load_state_dict(opt_state["scheduler"])
+        # The optimizer state holds the rate the *saved* schedule set for this step; the
+        # schedule is a function of (step, cfg.steps), and cfg.steps may have grown (an extended
+        # run), so the rate is recomputed: the same value when steps is unchanged.
+        for group, base in zip(opt.param_groups, sched.base_lrs):
+            group["lr"] = base * lr_factor(step, cfg)
         _set_rng_states(opt_state["rng"], data_gen)
-        step, best, since_best = state["step"], state["best_val_loss"], state["since_best"]
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    metrics = _Metrics(run_dir, step if resume else None) if main else None
     local = cfg.batch_size // world
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
 
-    def save() -> None:
+    def save() -> Path | None:
+        path = None
         if main:
-            save_checkpoint(run_dir, step, model,
-                            {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                             "rng": _rng_states(data_gen)},
-                            {"step": step, "best_val_loss": best, "since_best": since_best,
-                             "train": dataclasses.asdict(cfg)})
+            path = save_checkpoint(run_dir, step, model,
+                                   {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                    "rng": _rng_states(data_gen)},
+                                   {"step": step, "best_val_loss": best, "since_best": since_best,
+                                    "train": dataclasses.asdict(cfg)})
+            if cfg.keep_last is not None:
+                prune_checkpoints(run_dir, cfg.keep_last)
         if world > 1:
             dist.barrier()
+        return path
 
     from tqdm import tqdm
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not (main and progress))
@@ -351,64 +549,68 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     start, tokens = time.perf_counter(), 0
     stopped_early = False
     try:
-        while step < cfg.steps:
-            set_inner_lr_ramp(model, step, cfg.warmup)
-            if cfg.pack:
-                x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size, cfg.seq_len,
-                                          data_gen, rows=(rank * local, (rank + 1) * local))
-                x, y, cu = x.to(device), y.to(device), cu.to(device)
-            else:
-                x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
-                x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
-                cu = None
-            with autocast:
-                logits, _ = ddp(x, cu_seqlens=cu)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if cfg.anomaly_guard and not _all_finite(loss, grad_norm, world):
-                pointer = run_dir / "checkpoints" / "latest"
-                kept = (f"the last good checkpoint, {pointer.read_text().strip()}, is kept in {pointer.parent}"
-                        if pointer.is_file() else "no checkpoint had been saved yet")
-                raise TrainingAnomaly(
-                    f"anomaly guard: at step {step + 1} the training loss is {loss.item():.6g} and the "
-                    f"gradient norm {grad_norm.item():.6g}; training stopped before this step changed "
-                    f"the weights, {kept}")
-            lr = opt.param_groups[0]["lr"]
-            opt.step()
-            sched.step()
-            step += 1
-            tokens += cfg.batch_size * cfg.seq_len
-            loss_value = loss.item()
-            if world > 1:  # report the global-batch loss, identical to one process's
-                t = torch.tensor([loss_value], device=device)
-                dist.all_reduce(t)
-                loss_value = t.item() / world
-            losses.append((step, loss_value))
-            elapsed = time.perf_counter() - start
-            if main:
-                metrics.log(step, "train", loss_value, lr=lr, tokens_per_s=tokens / elapsed, seconds=elapsed)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens / elapsed:.0f}")
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                val = evaluate(model, corpus.val, cfg.seq_len, cfg.eval_windows)
-                if main:
-                    metrics.log(step, "val", val, seconds=elapsed)
-                    bar.write(f"step {step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
-                if val < best:
-                    best, since_best = val, 0
+        with _Signals() as signals:
+            while step < cfg.steps and not signals.agreed(world, device):
+                set_inner_lr_ramp(model, step, cfg.warmup)
+                if cfg.pack:
+                    x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size, cfg.seq_len,
+                                              data_gen, rows=(rank * local, (rank + 1) * local))
+                    x, y, cu = x.to(device), y.to(device), cu.to(device)
                 else:
-                    since_best += 1
-                    stopped_early = cfg.patience > 0 and since_best >= cfg.patience
-            if stop_after is not None and step >= stop_after and step < cfg.steps:
-                break
-            if stopped_early or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                save()
-            if stopped_early:
+                    x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
+                    x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
+                    cu = None
+                with autocast:
+                    logits, _ = ddp(x, cu_seqlens=cu)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                if cfg.anomaly_guard and not _all_finite(loss, grad_norm, world):
+                    pointer = run_dir / "checkpoints" / "latest"
+                    kept = (f"the last good checkpoint, {pointer.read_text().strip()}, is kept in {pointer.parent}"
+                            if pointer.is_file() else "no checkpoint had been saved yet")
+                    raise TrainingAnomaly(
+                        f"anomaly guard: at step {step + 1} the training loss is {loss.item():.6g} and the "
+                        f"gradient norm {grad_norm.item():.6g}; training stopped before this step changed "
+                        f"the weights, {kept}")
+                lr = opt.param_groups[0]["lr"]
+                opt.step()
+                sched.step()
+                step += 1
+                tokens += cfg.batch_size * cfg.seq_len
+                loss_value = loss.item()
+                if world > 1:  # report the global-batch loss, identical to one process's
+                    t = torch.tensor([loss_value], device=device)
+                    dist.all_reduce(t)
+                    loss_value = t.item() / world
+                losses.append((step, loss_value))
+                elapsed = time.perf_counter() - start
                 if main:
-                    bar.write(f"early stop at step {step}: {since_best} validations without a new best")
-                break
+                    metrics.log(step, "train", loss_value, lr=lr, tokens_per_s=tokens / elapsed, seconds=elapsed)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    val = evaluate(model, corpus.val, cfg.seq_len, cfg.eval_windows)
+                    if main:
+                        metrics.log(step, "val", val, seconds=elapsed)
+                        bar.write(f"step {step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
+                    if val < best:
+                        best, since_best = val, 0
+                    else:
+                        since_best += 1
+                        stopped_early = cfg.patience > 0 and since_best >= cfg.patience
+                if stop_after is not None and step >= stop_after and step < cfg.steps:
+                    break
+                if stopped_early or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                    save()
+                if stopped_early:
+                    if main:
+                        bar.write(f"early stop at step {step}: {since_best} validations without a new best")
+                    break
+            signum = signals.agreed(world, device)
+            if signum is not None:  # a signal during the loop, or during its last step's save
+                raise TrainingInterrupted(signum, step, save())
     finally:
         bar.close()
         if metrics is not None:

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from ..._checks import (
     FLOAT_DTYPES,
     check_bool,
+    check_device,
+    check_int,
     check_nonneg_float,
     check_positive_int,
     check_tensor,
@@ -40,10 +42,7 @@ def dpfp(x: torch.Tensor, nu: int = 1) -> torch.Tensor:
     roll(r, j)_i = r_{(i - j) mod 2d}.
     """
     check_tensor("x", x)
-    if isinstance(nu, bool) or not isinstance(nu, int):
-        raise TypeError(f"nu must be an int >= 1, got {nu!r}")
-    if nu < 1:
-        raise ValueError(f"nu must be >= 1, got {nu}")
+    check_int("nu", nu, 1)
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
     r = torch.cat([F.relu(x), F.relu(-x)], dim=-1)
@@ -116,10 +115,7 @@ def favor_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
             f"projection must have shape [m, d] with d = x.shape[-1] = {x.shape[-1]}, "
             f"got {tuple(projection.shape)}"
         )
-    if projection.device != x.device:
-        raise ValueError(
-            f"projection is on device {projection.device} but x is on {x.device}; they must match"
-        )
+    check_device("projection", projection, x, ref_name="x")
     m = projection.shape[0]
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(cdtype)

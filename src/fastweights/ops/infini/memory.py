@@ -9,12 +9,13 @@ leading dims (e.g. [B, H] or [B, H, S] with S segments). Memory: ``M [..., Dk, D
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from ..fwp.feature_maps import elu_plus_one
 
 
 def sigma(x: torch.Tensor) -> torch.Tensor:
     """The memory's feature map, ELU + 1 (SPEC 5.1), elementwise and > 0."""
-    return F.elu(x) + 1.0
+    return elu_plus_one(x)
 
 
 def retrieve(sq: torch.Tensor, M: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,10 +9,12 @@ earlier call already consumed. Internal mini-batch layout: ``[B, H, N, b, D]``.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from ..._checks import check_arg, check_tensor, is_int, state_dtype
 
 LN_EPS = 1e-6
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -33,6 +35,77 @@ class Carry(NamedTuple):
     start: Weights
     grads: Weights | None
     pos: int
+
+    @classmethod
+    def check(cls, initial_state: Any, kind: str, B: int, H: int, Dk: int, Dv: int,
+              mini_batch_size: int, q: torch.Tensor) -> Carry:
+        """Check ``initial_state`` = (*weights) or (*weights, *start weights, *gradient sums, pos)
+        (``kind`` "linear" or "mlp") and return it as a Carry of [B, H, ...] tensors (a batch dim
+        of 1 is broadcast) in the compute dtype. The leading (current) weights of a
+        mid-mini-batch state are implied by the rest."""
+        specs = weight_specs(kind, Dk, Dv)
+        n = len(specs)
+        names = ", ".join(name for name, _, _ in specs)
+        if initial_state is None:
+            raise ValueError(
+                f"initial_state is required: the inner model's starting weights ({names}), "
+                "biases may be None; a leading batch dim of 1 broadcasts"
+            )
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) not in (n, 3 * n + 1):
+            got = (f"a {type(initial_state).__name__} of length {len(initial_state)}"
+                   if isinstance(initial_state, (tuple, list)) else type(initial_state).__name__)
+            raise TypeError(
+                f"initial_state must be a tuple ({names}) or a state returned by an earlier call "
+                f"({3 * n + 1} items when it ends inside a mini-batch), got {got}"
+            )
+        groups = ["", "start ", "gradient-sum "]
+        items = []
+        for i, x in enumerate(initial_state[: (n if len(initial_state) == n else 3 * n)]):
+            name, shape, layout = specs[i % n]
+            label = f"initial_state[{i}] ({groups[i // n]}{name})"
+            is_bias = i % 2 == 1
+            if x is None:
+                if not is_bias:
+                    raise ValueError(f"{label} must be a tensor {layout}, got None")
+                if initial_state[i % n] is not None:
+                    raise ValueError(f"{label} is None but the bias initial_state[{i % n}] is not")
+                items.append(None)
+                continue
+            check_tensor(label, x)
+            check_arg(label, x, (None, H, *shape), layout.replace("B or 1", "*"), q)
+            if x.shape[0] not in (1, B):
+                raise ValueError(f"{label} must have batch size 1 or B={B}, got shape {tuple(x.shape)}")
+            if is_bias and initial_state[i % n] is None:
+                raise ValueError(f"{label} is a tensor but the bias initial_state[{i % n}] is None")
+            items.append(x.to(state_dtype(q.dtype)).expand(B, *x.shape[1:]))
+        if len(initial_state) == n:
+            return cls(tuple(items), None, 0)
+        pos = initial_state[-1]
+        if not is_int(pos) or not 1 <= pos < mini_batch_size:
+            raise ValueError(
+                f"initial_state[{3 * n}] (position in the mini-batch) must be an int in "
+                f"[1, mini_batch_size={mini_batch_size}), got {pos!r}"
+            )
+        return cls(tuple(items[n:2 * n]), tuple(items[2 * n:]), pos)
+
+    def final_state(self, tau: torch.Tensor) -> tuple[Any, ...]:
+        """The public state after the call: the weights, and when the call ended inside a
+        mini-batch also (*start weights, *gradient sums, pos) (see ``ttt_linear``)."""
+        if self.pos == 0:
+            return self.start
+        return (*current_weights(self, tau), *self.start, *self.grads, self.pos)
+
+
+def weight_specs(kind: str, Dk: int, Dv: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, per-head shape, layout) of each inner weight of ``kind`` ("linear" or "mlp"), in
+    the state's order; odd positions are the biases."""
+    if kind == "linear":
+        return [("W", (Dk, Dv), "[B or 1, H, Dk, Dv]"), ("b", (Dv,), "[B or 1, H, Dv]")]
+    Dh = 4 * Dk
+    return [
+        ("W1", (Dk, Dh), "[B or 1, H, Dk, 4*Dk]"), ("b1", (Dh,), "[B or 1, H, 4*Dk]"),
+        ("W2", (Dh, Dv), "[B or 1, H, 4*Dk, Dv]"), ("b2", (Dv,), "[B or 1, H, Dv]"),
+    ]
 
 
 def per_head(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The ``fastweights recall`` experiment: memory capacity and updating on synthetic retrieval.
+"""Memory capacity and updating on synthetic retrieval: the runs behind ``fastweights recall``
+and ``fastweights reproduce fwp-recall``.
 
 For ``capacity`` / ``update`` (SPEC.md 1.8 settings 1 and 2) each mixer name picks a memory
 variant of the single-layer ``RetrievalModel`` (linear, dpfp, favor, delta, softmax, with

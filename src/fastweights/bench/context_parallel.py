@@ -1,0 +1,248 @@
+"""Context-parallel benchmark: one layer's training step (forward + backward) on one sequence of
+T tokens split over N processes (gloo on 127.0.0.1, CPU), for N in ``--world`` and T in
+``--lengths``:
+
+- time per step: wall time of the slowest rank, median of ``--repeats`` after one warm-up;
+- peak memory per rank: the largest over ranks of what the step adds to the resident set
+  (``bench.measure.PeakMemory``, same method as ``fastweights bench``);
+- bytes communicated per layer per step, counted by the collectives themselves
+  (``parallel.comm.TRAFFIC``: tensor payloads sent, forward and backward, summed over ranks;
+  the small pickled shard-length/state-structure messages are not counted);
+- the longest T one machine of ``--memory-gib`` (24) fits per layer and N: peak(T) extended
+  linearly through the two longest measured T (``longest_T``), solved for the budget.
+
+N = 1 is the plain layer on the whole sequence (no process group), the baseline. Every rank
+runs with ``--threads`` threads; on a machine with fewer cores than N x threads the times
+mostly measure contention, the memory and byte counts do not depend on it.
+
+Run: ``python -m fastweights.bench.context_parallel --world 1,2,4 --lengths 1024,2048,4096
+--out benchmarks/results/context_parallel``. Writes results.csv, longest_T.csv, summary.md and
+run.json (the command and machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..models.registry import build_mixer, check_mixer, mixer_names
+from ..parallel import context_parallel_forward, counting, strategy_name
+from ..train.specs import SpecError, parse_mixer_spec
+from .measure import PeakMemory, prepare_cpu_memory_accounting
+
+FIELDS = ["mixer", "strategy", "world", "T", "shard_T", "time_s", "peak_bytes_per_rank",
+          "comm_forward_bytes", "comm_backward_bytes", "comm_bytes_max_rank"]
+GIB = 2**30
+
+
+def shard_lengths(T: int, world: int, unit: int) -> list[int]:
+    """T split into ``world`` contiguous shards, each a multiple of ``unit`` but the last,
+    as equal as that allows."""
+    blocks = T // unit
+    base, extra = divmod(blocks, world)
+    out = [(base + (r < extra)) * unit for r in range(world)]
+    out[-1] += T - sum(out)
+    if min(out) < 1:
+        raise ValueError(f"T={T} is too short to give {world} shards of whole {unit}-token blocks")
+    return out
+
+
+def _unit(mixer: Any) -> int:
+    return getattr(mixer, "block_size", None) or getattr(mixer, "segment_len", None) or 1
+
+
+def _measure(step: Any, repeats: int, world: int) -> tuple[float, int | None, int, int]:
+    """(median time, peak bytes, forward bytes, backward bytes) of ``step`` on this rank."""
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        if world > 1:
+            dist.barrier()  # the step ends when the slowest rank's does
+        times.append(time.perf_counter() - start)
+    with PeakMemory(torch.device("cpu")) as peak:
+        step()
+    with counting() as traffic:
+        step()
+    return statistics.median(times), peak.peak, traffic.forward, traffic.backward
+
+
+def _train_step(mixer: Any, x: torch.Tensor, world: int) -> None:
+    """Forward and backward of one layer on this rank's shard (the whole sequence for N = 1)."""
+    y = mixer(x)[0] if world == 1 else context_parallel_forward(mixer, x)[0]
+    y.sum().backward()
+    mixer.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
+    torch.set_num_threads(opts["threads"])
+    prepare_cpu_memory_accounting()
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=opts["timeout"]))
+    rows = []
+    for spec in opts["mixers"]:
+        name, options = parse_mixer_spec(spec)
+        for T in opts["lengths"]:
+            torch.manual_seed(0)
+            mixer = build_mixer(name, opts["d_model"], opts["n_heads"], **options)
+            lengths = shard_lengths(T, world, _unit(mixer))
+            x = torch.randn(opts["batch"], lengths[rank], opts["d_model"], requires_grad=True)
+
+            step = functools.partial(_train_step, mixer, x, world)
+            t, peak, fwd, bwd = _measure(step, opts["repeats"], world)
+            mine = (t, peak, fwd, bwd)
+            every = [mine]
+            if world > 1:
+                every = [None] * world
+                dist.all_gather_object(every, mine)
+            if rank == 0:
+                peaks = [e[1] for e in every]
+                rows.append({
+                    "mixer": spec, "strategy": "single" if world == 1 else strategy_name(mixer),
+                    "world": world, "T": T, "shard_T": max(lengths),
+                    "time_s": max(e[0] for e in every),
+                    "peak_bytes_per_rank": None if None in peaks else max(peaks),
+                    "comm_forward_bytes": sum(e[2] for e in every),
+                    "comm_backward_bytes": sum(e[3] for e in every),
+                    "comm_bytes_max_rank": max(e[2] + e[3] for e in every),
+                })
+    if rank == 0:
+        Path(path).write_text(json.dumps(rows))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def longest_T(rows: list[dict], budget: float) -> list[dict]:
+    """Per (mixer, world): the T where peak(T), extended linearly through the two longest
+    measured T (the asymptotic slope), reaches ``budget`` bytes; None when memory was not
+    measured or did not grow. An extrapolation: quadratic parts beyond the measured range
+    (softmax without a flash kernel) make it optimistic."""
+    out = []
+    for mixer, world in sorted({(r["mixer"], r["world"]) for r in rows}):
+        pts = sorted((r["T"], r["peak_bytes_per_rank"]) for r in rows
+                     if r["mixer"] == mixer and r["world"] == world and r["peak_bytes_per_rank"])
+        T_max = None
+        if len(pts) >= 2:
+            (T1, p1), (T2, p2) = pts[-2:]
+            if p2 > p1:
+                T_max = int(T2 + (budget - p2) * (T2 - T1) / (p2 - p1))
+        out.append({"mixer": mixer, "world": world, "longest_T": T_max})
+    return out
+
+
+def _summary(rows: list[dict], longest: list[dict], budget_gib: float) -> str:
+    lines = ["| mixer | strategy | N | T | time/step (s) | peak/rank (MiB) | comm/step (KiB, fwd+bwd) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peak = "-" if r["peak_bytes_per_rank"] is None else f"{r['peak_bytes_per_rank'] / 2**20:.1f}"
+        comm = (r["comm_forward_bytes"] + r["comm_backward_bytes"]) / 1024
+        lines.append(f"| {r['mixer']} | {r['strategy']} | {r['world']} | {r['T']} | "
+                     f"{r['time_s']:.4f} | {peak} | {comm:.1f} |")
+    lines += ["", f"Longest T per layer in {budget_gib:g} GiB (fitted, extrapolated):", "",
+              "| mixer | N | longest T |", "|---|---|---|"]
+    lines += [f"| {r['mixer']} | {r['world']} | {r['longest_T'] if r['longest_T'] else '-'} |"
+              for r in longest]
+    return "\n".join(lines) + "\n"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastweights.bench.context_parallel",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world", type=_int_list, default=[1, 2, 4], help="process counts N")
+    p.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096], help="total T")
+    p.add_argument("--mixers", default=",".join(mixer_names()),
+                   help="comma-separated mixer specs (name or name:opt=value)")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--memory-gib", type=float, default=24.0, help="machine budget for longest T")
+    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    mixers = [m for m in args.mixers.split(",") if m]
+    try:
+        for spec in mixers:
+            name, options = parse_mixer_spec(spec)
+            check_mixer(name, args.d_model, args.n_heads, **options)
+            with torch.device("meta"):
+                unit = _unit(build_mixer(name, args.d_model, args.n_heads, **options))
+            for T in args.lengths:
+                for world in args.world:
+                    shard_lengths(T, world, unit)
+    except (SpecError, TypeError, ValueError) as exc:
+        p.error(f"--mixers {spec}: {exc}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    opts = {"mixers": mixers, "lengths": args.lengths, "d_model": args.d_model,
+            "n_heads": args.n_heads, "batch": args.batch, "repeats": args.repeats,
+            "threads": args.threads, "timeout": args.timeout}
+    rows: list[dict] = []
+    for world in args.world:
+        path = str(args.out / f".rows_{world}.json")
+        if world == 1:
+            _rank_main(0, 1, 0, opts, path)
+        else:
+            mp.spawn(_rank_main, args=(world, _free_port(), opts, path), nprocs=world, join=True)
+        rows += json.loads(Path(path).read_text())
+        Path(path).unlink()
+    rows.sort(key=lambda r: (r["mixer"], r["T"], r["world"]))
+    with open(args.out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    longest = longest_T(rows, args.memory_gib * GIB)
+    with open(args.out / "longest_T.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["mixer", "world", "longest_T"])
+        writer.writeheader()
+        writer.writerows(longest)
+    (args.out / "summary.md").write_text(_summary(rows, longest, args.memory_gib))
+    (args.out / "run.json").write_text(json.dumps({
+        "command": "python -m fastweights.bench.context_parallel "
+                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "machine": platform.platform(), "cpu_count": torch.get_num_threads(),
+        "torch": torch.__version__}, indent=2))
+    print(_summary(rows, longest, args.memory_gib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""CPU decoding of fla's DeltaNet (on fastweights' ops) against a transformers Llama of the same shape.
+
+``python -m fastweights.bench.fla_decode`` builds, for each shape (``340M``: fla's flame config
+delta_net_340M, hidden 1024, 8 heads, 24 layers; ``1.3B``: fla-hub's delta_net-1.3B, hidden
+2048, 16 heads, 24 layers; vocabulary 32000, untied, SwiGLU width by fla's rule) and each dtype,
+two models with random weights:
+
+- ``deltanet``: ``fastweights.models.fla.FlaDeltaNetLM`` (fla's DeltaNetForCausalLM: short
+  convolutions, L2-normalised SiLU q/k, sigmoid beta, output RMSNorm), decoding from its
+  recurrent state;
+- ``llama``: ``transformers.LlamaForCausalLM`` with the same hidden size, heads (as many KV
+  heads), layers, MLP width and vocabulary, decoding from its ``DynamicCache`` (KV cache).
+
+For each context length it prefills random tokens in pieces of ``--prefill-chunk`` (the state or
+cache carried; equal to one whole forward), then decodes ``--new-tokens`` tokens greedily one at
+a time, and reports the parameter bytes, the bytes of recurrent state / KV cache after the
+prefill and its growth per decoded token, the resident-set high-water mark of the decode loop
+above what was resident before it, the process RSS, prefill seconds and decoded tokens per
+second (after one untimed warm-up step). One process, one setting after another, batch 1;
+``--threads`` sets torch's intra-op threads. Results print as a Markdown table and are written as
+JSON with ``--out``. ``--shapes tiny`` (hidden 64, 2 layers, vocabulary 1000) checks the command
+in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models.fla import FlaDeltaNetConfig, FlaDeltaNetLM
+from .decode import MIB, _fmt, _reset_rss_peak, _return_freed_memory, _status_kib, state_bytes
+
+SHAPES: dict[str, dict[str, int]] = {
+    "340M": {"hidden_size": 1024, "num_heads": 8, "num_hidden_layers": 24, "vocab_size": 32000},
+    "1.3B": {"hidden_size": 2048, "num_heads": 16, "num_hidden_layers": 24, "vocab_size": 32000},
+    "tiny": {"hidden_size": 64, "num_heads": 4, "num_hidden_layers": 2, "vocab_size": 1000},
+}
+MODELS = ("deltanet", "llama")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class _LlamaStepper:
+    """``(logits, cache) = step(ids, cache)`` for a transformers causal LM with a DynamicCache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return out.logits, out.past_key_values
+
+
+def _cache_bytes(cache: Any) -> int:
+    """Bytes of a recurrent state (nested tuples) or of a transformers cache's keys and values."""
+    if hasattr(cache, "layers"):
+        return sum(state_bytes((layer.keys, layer.values)) for layer in cache.layers)
+    return state_bytes(cache)
+
+
+def build(model: str, shape: str, dtype: torch.dtype, max_len: int, seed: int = 0
+          ) -> tuple[torch.nn.Module, Any, Any]:
+    """(module, step function ``(ids, state) -> (logits, state)``, empty state) of ``model``
+    ("deltanet" or "llama") at ``shape`` with random weights in ``dtype``."""
+    torch.manual_seed(seed)
+    config = FlaDeltaNetConfig(**SHAPES[shape], tie_word_embeddings=False)
+    if model == "deltanet":
+        net = FlaDeltaNetLM(config).to(dtype).eval()
+        return net, net, None
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    llama_config = LlamaConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.mlp_hidden_size(),
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads,
+        num_hidden_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
+        max_position_embeddings=max_len, rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=False)
+    net = LlamaForCausalLM(llama_config).to(dtype).eval()
+    return net, _LlamaStepper(net), DynamicCache(config=llama_config)
+
+
+@torch.no_grad()
+def measure(model: str, shape: str, dtype: str, context: int, *, new_tokens: int,
+            prefill_chunk: int, seed: int = 0) -> dict[str, Any]:
+    """Prefill ``context`` random tokens, then decode ``new_tokens``; see the module docstring."""
+    net, step, state = build(model, shape, DTYPES[dtype], context + new_tokens + 1, seed)
+    params = sum(p.numel() for p in net.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    vocab = SHAPES[shape]["vocab_size"]
+    ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
+    t0 = time.perf_counter()
+    for piece in ids.split(prefill_chunk, dim=1):
+        logits, state = step(piece, state)
+    prefill_s = time.perf_counter() - t0
+    prefill_state = _cache_bytes(state)
+
+    logits, state = step(logits[:, -1:].argmax(-1), state)  # warm-up step, untimed
+    gc.collect()
+    rss_before = _status_kib("VmRSS")
+    tracked = _reset_rss_peak() and rss_before is not None
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        logits, state = step(logits[:, -1:].argmax(-1), state)
+    decode_s = time.perf_counter() - t0
+    hwm, rss_after = _status_kib("VmHWM"), _status_kib("VmRSS")
+    result = {
+        "model": model, "shape": shape, "dtype": dtype, "context": context,
+        "new_tokens": new_tokens, "params": params, "param_mib": param_bytes / MIB,
+        "state_mib_after_prefill": prefill_state / MIB,
+        "state_bytes_per_new_token": (_cache_bytes(state) - prefill_state) / (new_tokens + 1),
+        "decode_peak_rss_mib": (hwm - rss_before) / 1024 if tracked and hwm else None,
+        "rss_mib": rss_after / 1024 if rss_after else None,
+        "prefill_s": prefill_s, "tokens_per_s": new_tokens / decode_s,
+    }
+    del net, step, state, logits
+    gc.collect()
+    return result
+
+
+HEADER = ("model", "shape", "dtype", "context", "params (M)", "weights MiB", "state MiB",
+          "state B/token", "decode peak RSS MiB", "RSS MiB", "prefill s", "tokens/s")
+
+
+def _row(r: dict[str, Any]) -> str:
+    return "| " + " | ".join([
+        r["model"], r["shape"], r["dtype"], str(r["context"]), _fmt(r["params"] / 1e6, ".1f"),
+        _fmt(r["param_mib"], ".0f"), _fmt(r["state_mib_after_prefill"], ".2f"),
+        _fmt(r["state_bytes_per_new_token"], ".0f"), _fmt(r["decode_peak_rss_mib"], ".1f"),
+        _fmt(r["rss_mib"], ".0f"), _fmt(r["prefill_s"], ".1f"), _fmt(r["tokens_per_s"], ".2f"),
+    ]) + " |"
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(prog="python -m fastweights.bench.fla_decode",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["340M", "1.3B"])
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    p.add_argument("--contexts", nargs="+", type=int, default=[1024, 16384])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    for name in ("new_tokens", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(c < 1 for c in args.contexts):
+        p.error(f"--contexts must all be >= 1, got {args.contexts}")
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if "llama" in args.models:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            p.error("--models llama needs transformers (pip install 'fastweights[hf]')")
+
+    _return_freed_memory()
+    machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+               "threads": torch.get_num_threads(), "torch": torch.__version__}
+    print(f"# {machine['processor']}, {machine['cpus']} CPUs, torch {machine['torch']}, "
+          f"{machine['threads']} threads; batch 1, {args.new_tokens} decoded tokens, prefill in "
+          f"pieces of {args.prefill_chunk}")
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER))
+    rows = []
+    for shape in args.shapes:
+        for dtype in args.dtypes:
+            for model in args.models:
+                for context in args.contexts:
+                    r = measure(model, shape, dtype, context, new_tokens=args.new_tokens,
+                                prefill_chunk=args.prefill_chunk, seed=args.seed)
+                    rows.append(r)
+                    print(_row(r), flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "machine": machine, "results": rows}, indent=2) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

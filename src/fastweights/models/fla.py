@@ -1,0 +1,353 @@
+"""flash-linear-attention's DeltaNet language model on fastweights' ops, for fla checkpoints on CPU.
+
+fla (flash-linear-attention) publishes its models as Hugging Face folders whose every kernel is
+Triton, so they do not run without a GPU. ``FlaDeltaNetLM`` is fla 0.6's ``DeltaNetForCausalLM``
+rebuilt from ``fastweights.layers.FlaDeltaNet`` with the same parameter names, so the tensors of
+an fla checkpoint load unchanged, and the same arithmetic (equal in float64 to fla's own model
+code run with its PyTorch references, tests/models/test_fla.py):
+
+    embeddings -> num_hidden_layers x [x + DeltaNet(RMSNorm(x)); x + SwiGLU(RMSNorm(x))]
+               -> RMSNorm -> lm_head (tied to the embeddings with tie_word_embeddings)
+
+SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)), no biases, intermediate_size (default: the
+multiple of 256 at or above int(hidden_size * hidden_ratio * 2 / 3), fla's rule).
+
+``from_fla(folder)`` opens an fla checkpoint folder (config.json with model_type "delta_net",
+safetensors, sharded or not, any dtype) as a ``transformers`` model whose ``generate()`` decodes
+from the recurrent state (``fastweights.hf_fla``). Every option of fla's ``DeltaNetConfig`` is
+listed in ``FLA_OPTIONS`` as supported, accepted (changes no output) or refused.
+
+Dimension legend: B batch, T tokens, V vocabulary, d hidden_size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_positive_int, is_int, is_number
+from ..layers.fla_deltanet import FlaDeltaNet, FlaRMSNorm
+
+MODEL_TYPE = "delta_net"  # fla's model_type for DeltaNet
+
+# Every argument of fla 0.6's DeltaNetConfig and what fastweights does with it.
+FLA_OPTIONS: dict[str, str] = {
+    "hidden_size": "supported",
+    "num_hidden_layers": "supported",
+    "num_heads": "supported",
+    "vocab_size": "supported",
+    "expand_k": "supported",
+    "expand_v": "supported",
+    "use_gate": "supported (g_proj and the SiLU-gated output RMSNorm)",
+    "use_short_conv": "supported (causal depthwise convolutions with SiLU, carried in the state)",
+    "conv_size": "supported",
+    "use_beta": "supported (beta = 1 when False)",
+    "allow_neg_eigval": "supported (beta doubled)",
+    "qk_norm": "supported: 'l2', 'sum'",
+    "qk_activation": "supported: 'silu', 'relu', 'elu' (ELU + 1), 'identity'",
+    "hidden_ratio": "supported",
+    "intermediate_size": "supported",
+    "hidden_act": "supported: 'swish'; refused: 'powlu'",
+    "norm_eps": "supported (every RMSNorm of the model, the layers' output norm included)",
+    "tie_word_embeddings": "supported",
+    "pad_token_id": "supported (the embedding's padding_idx, as fla)",
+    "bos_token_id": "supported (generation default)",
+    "eos_token_id": "supported (generation default)",
+    "use_cache": "supported (generate() decodes from the recurrent state)",
+    "attn_mode": "accepted, no effect: 'chunk' and 'fused_recurrent' pick fla's GPU kernel for "
+                 "the same delta rule; refused: 'fused_chunk' (fla refuses it too)",
+    "fuse_norm": "accepted, no effect: fused and unfused RMSNorm + residual are the same maths",
+    "fuse_swiglu": "accepted, no effect: the fused SwiGLU + down projection is the same maths",
+    "fuse_cross_entropy": "accepted, no effect: the same cross-entropy (fastweights computes it "
+                          "in float32 or wider)",
+    "fuse_linear_cross_entropy": "accepted, no effect: the same cross-entropy computed without "
+                                 "materialising logits on GPU; fastweights returns the logits",
+    "use_l2warp": "accepted for inference (it changes no forward value); refused in a forward "
+                  "with labels, whose gradient it would change",
+    "use_output_norm": "accepted, no effect: fla 0.6's DeltaNet layer ignores it and always "
+                       "applies its output RMSNorm, and so does fastweights (warning when False)",
+    "initializer_range": "accepted: initialisation of fresh models only",
+    "max_position_embeddings": "accepted, no effect: DeltaNet layers have no positions",
+    "attn": "refused unless None: hybrid softmax-attention layers are not implemented",
+    "attnres_block_size": "refused unless None: attention residuals are not implemented",
+}
+
+# Keys every transformers config.json may hold besides the model's own fields (read, not used).
+_GENERIC_KEYS = frozenset({
+    "model_type", "architectures", "transformers_version", "dtype", "torch_dtype",
+    "_name_or_path", "name_or_path", "output_hidden_states", "output_attentions", "return_dict",
+    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+    "tokenizer_class", "task_specific_params", "auto_map", "_commit_hash",
+    "_attn_implementation_autoset", "_attn_implementation", "tie_encoder_decoder",
+    "keys_to_ignore_at_inference", "cross_attention_hidden_size", "add_cross_attention",
+    "finetuning_task", "prefix", "sep_token_id", "decoder_start_token_id", "pruned_heads",
+})
+
+
+@dataclass
+class FlaDeltaNetConfig:
+    """fla 0.6's ``DeltaNetConfig`` fields with its defaults (a config.json that omits a key
+    means fla's default). ``FLA_OPTIONS`` says what each field does here; refused values raise
+    ValueError naming the field."""
+
+    attn_mode: str = "chunk"
+    hidden_size: int = 2048
+    expand_k: float = 1.0
+    expand_v: float = 1.0
+    use_gate: bool = False
+    use_short_conv: bool = True
+    allow_neg_eigval: bool = False
+    conv_size: int = 4
+    use_beta: bool = True
+    use_output_norm: bool = True
+    num_heads: int = 16
+    qk_norm: str = "l2"
+    qk_activation: str = "silu"
+    max_position_embeddings: int = 2048
+    hidden_ratio: int | float | None = 4
+    intermediate_size: int | None = None
+    hidden_act: str = "swish"
+    num_hidden_layers: int = 24
+    norm_eps: float = 1e-6
+    attn: Any = None
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | list[int] | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    fuse_norm: bool = True
+    fuse_swiglu: bool = True
+    fuse_cross_entropy: bool = True
+    fuse_linear_cross_entropy: bool = False
+    use_l2warp: bool = False
+    vocab_size: int = 32000
+    attnres_block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_heads", "vocab_size", "conv_size"):
+            check_positive_int(f"FlaDeltaNetConfig.{name}", getattr(self, name))
+        if self.intermediate_size is not None:
+            check_positive_int("FlaDeltaNetConfig.intermediate_size", self.intermediate_size)
+        if self.hidden_ratio is not None and not (is_number(self.hidden_ratio)
+                                                  and self.hidden_ratio > 0):
+            raise ValueError(f"FlaDeltaNetConfig.hidden_ratio must be a positive number or None, "
+                             f"got {self.hidden_ratio!r}")
+        if self.attn is not None:
+            raise ValueError(
+                "FlaDeltaNetConfig.attn must be None: fla's hybrid softmax-attention layers "
+                f"(attn={self.attn!r}) are not supported by fastweights")
+        if self.attnres_block_size is not None:
+            raise ValueError(
+                "FlaDeltaNetConfig.attnres_block_size must be None: fla's attention residuals "
+                f"(attnres_block_size={self.attnres_block_size!r}) are not supported by fastweights")
+        if self.hidden_act != "swish":
+            raise ValueError(f"FlaDeltaNetConfig.hidden_act must be 'swish' (SwiGLU), got "
+                             f"{self.hidden_act!r}; fla's 'powlu' MLP is not supported")
+        if self.attn_mode not in ("chunk", "fused_recurrent"):
+            raise ValueError(
+                f"FlaDeltaNetConfig.attn_mode must be 'chunk' or 'fused_recurrent' (fla's kernel "
+                f"choice; the maths is the same), got {self.attn_mode!r}")
+        for name in ("use_gate", "use_short_conv", "allow_neg_eigval", "use_beta",
+                     "use_output_norm", "tie_word_embeddings", "use_cache", "fuse_norm",
+                     "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy",
+                     "use_l2warp"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"FlaDeltaNetConfig.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
+        if self.fuse_cross_entropy and self.fuse_linear_cross_entropy:
+            raise ValueError("FlaDeltaNetConfig.fuse_cross_entropy and fuse_linear_cross_entropy "
+                             "cannot both be True (fla refuses this too)")
+        if not is_number(self.norm_eps) or not 0 < self.norm_eps < 1:
+            raise ValueError(f"FlaDeltaNetConfig.norm_eps must be a float in (0, 1), got "
+                             f"{self.norm_eps!r}")
+        if self.pad_token_id is not None and not (
+                is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size):
+            raise ValueError(f"FlaDeltaNetConfig.pad_token_id must be None or an id in "
+                             f"[0, {self.vocab_size}), got {self.pad_token_id!r}")
+        if not self.use_output_norm:
+            warnings.warn(
+                "use_output_norm=False: fla 0.6's DeltaNet layer ignores this option and always "
+                "applies its output RMSNorm (its checkpoints have o_norm weights); fastweights "
+                "does the same to stay equal to fla", stacklevel=3)
+        # The layer's own checks (qk options, expand ratios, head split), on the meta device.
+        with torch.device("meta"):
+            self.layer()
+
+    def layer(self) -> FlaDeltaNet:
+        """A fresh DeltaNet layer of this config (fla's ``DeltaNetBlock`` arguments)."""
+        return FlaDeltaNet(
+            self.hidden_size, self.num_heads, expand_k=self.expand_k, expand_v=self.expand_v,
+            use_beta=self.use_beta, use_gate=self.use_gate, use_short_conv=self.use_short_conv,
+            conv_size=self.conv_size, allow_neg_eigval=self.allow_neg_eigval,
+            qk_activation=self.qk_activation, qk_norm=self.qk_norm, norm_eps=self.norm_eps)
+
+    def mlp_hidden_size(self) -> int:
+        """The SwiGLU width: ``intermediate_size``, else fla's rule from ``hidden_ratio``."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        ratio = 4 if self.hidden_ratio is None else self.hidden_ratio
+        size = int(self.hidden_size * ratio * 2 / 3)
+        return 256 * ((size + 255) // 256)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FlaDeltaNetConfig:
+        """From an fla config.json's contents. ``model_type`` must be "delta_net"; transformers'
+        generic keys are skipped; keys that are not DeltaNetConfig options of fla 0.6 are
+        ignored with a warning naming them (fla ignores them too)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"an fla config must be a dict, got {type(data).__name__}")
+        if data.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+            raise ValueError(f"model_type must be {MODEL_TYPE!r} (fla's DeltaNet), got "
+                             f"{data.get('model_type')!r}; only fla's DeltaNet is supported")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in data if k not in known and k not in _GENERIC_KEYS)
+        if unknown:
+            warnings.warn(f"fla config keys {unknown} are not DeltaNetConfig options of fla 0.6; "
+                          "ignored (fla ignores them too)", stacklevel=2)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load(cls, folder: str | Path) -> FlaDeltaNetConfig:
+        """Read ``folder``/config.json; ValueError naming the file when it is missing or bad."""
+        path = Path(folder) / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{folder} is not an fla checkpoint folder (no config.json)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read {path}: {err}") from None
+        return cls.from_dict(data)
+
+
+class SwiGLU(nn.Module):
+    """fla's GatedMLP with hidden_act 'swish': down_proj(silu(gate_proj(x)) * up_proj(x)),
+    bias-free. [..., d] -> [..., d]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FlaDeltaNetBlock(nn.Module):
+    """fla's DeltaNetBlock: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)).
+    ``forward(x [B, T, d], state) -> (x [B, T, d], state)`` (state: the attn layer's)."""
+
+    def __init__(self, config: FlaDeltaNetConfig) -> None:
+        super().__init__()
+        self.attn_norm = FlaRMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = config.layer()
+        self.mlp_norm = FlaRMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.mlp_hidden_size())
+
+    def forward(self, x: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
+        y, state = self.attn(self.attn_norm(x), state)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), state
+
+
+class FlaDeltaNetModel(nn.Module):
+    """fla's DeltaNetModel: embeddings, layers, final norm.
+    ``forward(input_ids [B, T], state=None) -> (hidden [B, T, d], state: list per layer)``."""
+
+    def __init__(self, config: FlaDeltaNetConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
+                                       padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(FlaDeltaNetBlock(config) for _ in range(config.num_hidden_layers))
+        self.norm = FlaRMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, state: list[Any] | None = None
+                ) -> tuple[torch.Tensor, list[Any]]:
+        if state is None:
+            state = [None] * len(self.layers)
+        elif not isinstance(state, (list, tuple)) or len(state) != len(self.layers):
+            raise ValueError(f"state must be None or a list of {len(self.layers)} layer states "
+                             f"(as returned by forward), got {type(state).__name__}")
+        x = self.embeddings(input_ids)  # [B, T, d]
+        new_state = []
+        for layer, s in zip(self.layers, state):
+            x, s = layer(x, s)
+            new_state.append(s)
+        return self.norm(x), new_state
+
+
+class FlaDeltaNetLM(nn.Module):
+    """fla's DeltaNetForCausalLM on fastweights' ops: ``model`` (FlaDeltaNetModel) and
+    ``lm_head``; ``state_dict()`` keys are fla's checkpoint names.
+
+    ``forward(input_ids [B, T] long, state=None) -> (logits [B, T, V], state)``: feeding a
+    sequence in pieces with the state carried gives the logits of feeding it whole.
+    """
+
+    def __init__(self, config: FlaDeltaNetConfig) -> None:
+        super().__init__()
+        if not isinstance(config, FlaDeltaNetConfig):
+            raise TypeError(f"config must be a FlaDeltaNetConfig, got {type(config).__name__}")
+        self.config = config
+        self.model = FlaDeltaNetModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embeddings.weight
+
+    def reset_parameters(self) -> None:
+        """fla's initialisation of fresh models: normal(0, initializer_range) for every linear
+        map and embedding, zero padding row, unit norm gains; convolutions keep nn.Conv1d's."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        if self.config.pad_token_id is not None:
+            with torch.no_grad():
+                self.model.embeddings.weight[self.config.pad_token_id].zero_()
+
+    def forward(self, input_ids: torch.Tensor, state: list[Any] | None = None
+                ) -> tuple[torch.Tensor, list[Any]]:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long \
+                or input_ids.dim() != 2 or min(input_ids.shape) < 1:
+            raise ValueError("input_ids must be a [B, T] long tensor with B, T >= 1, got "
+                             + (f"{input_ids.dtype} {tuple(input_ids.shape)}"
+                                if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__))
+        hidden, state = self.model(input_ids, state)
+        return self.lm_head(hidden), state
+
+    def num_parameters(self) -> int:
+        """Parameters, counting tied weights once."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def from_fla(folder: str | Path, *, dtype: str | torch.dtype = "auto") -> Any:
+    """Open an fla DeltaNet checkpoint folder as a ``transformers`` model on CPU.
+
+    ``folder`` holds fla's config.json (model_type "delta_net") and its weights as
+    model.safetensors or sharded (model.safetensors.index.json); ``dtype`` "auto" keeps the
+    checkpoint's dtype (bfloat16 for fla's releases), or give e.g. ``torch.float32``.
+    Returns a ``fastweights.hf_fla.FlaDeltaNetForCausalLM`` in eval mode: ``generate()``
+    (greedy, sampling, beam search) decodes from the recurrent state; ``save_pretrained``
+    writes an fla checkpoint folder again. Needs transformers (the ``[hf]`` extra).
+
+    Why not ``AutoModelForCausalLM.from_pretrained(folder)``: fla registers its own classes for
+    model_type "delta_net" when it is imported; registering fastweights' under the same name
+    would replace fla's (or be replaced, depending on import order), so the entry point is
+    explicit. ``FlaDeltaNetForCausalLM.from_pretrained(folder)`` is the same as this function.
+    """
+    from ..hf_fla import FlaDeltaNetForCausalLM  # transformers is an optional extra
+
+    return FlaDeltaNetForCausalLM.from_pretrained(folder, dtype=dtype).eval()

@@ -1,0 +1,39 @@
+"""What every typed state shares: the check that a carried ``initial_state`` is a tuple of the
+state's fields, and the check of its tensors (shape, q's device) with the cast to the compute
+dtype. Each family's state is a NamedTuple (DESIGN.md, "Conventions") whose ``check`` builds on
+these; a plain tuple in the same order is accepted everywhere a state is."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+
+from .._checks import check_arg
+
+S = TypeVar("S", bound=NamedTuple)
+Spec = tuple[tuple[int | None, ...], str]  # (expected shape, None = any size; layout for messages)
+
+
+def check_items(state: Any, cls: type, what: str | None = None, name: str = "initial_state") -> None:
+    """``state`` is a tuple (or list) with one item per field of ``cls``; ``what`` describes the
+    expected tuple in the message (default: the field names)."""
+    fields = cls._fields  # type: ignore[attr-defined]
+    if not isinstance(state, (tuple, list)) or len(state) != len(fields):
+        got = type(state).__name__
+        if isinstance(state, (tuple, list)):
+            got += f" of length {len(state)}"
+        raise TypeError(f"{name} must be a tuple ({what or ', '.join(fields)}) or None, got {got}")
+
+
+def checked_tensors(
+    state: Any, cls: type, specs: dict[str, Spec], ref: torch.Tensor, dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """The fields named in ``specs``, each checked (``initial_state[i] (name)`` in messages) and
+    cast to ``dtype``."""
+    out = {}
+    for i, field in enumerate(cls._fields):  # type: ignore[attr-defined]
+        if field in specs:
+            shape, layout = specs[field]
+            out[field] = check_arg(f"initial_state[{i}] ({field})", state[i], shape, layout, ref).to(dtype)
+    return out

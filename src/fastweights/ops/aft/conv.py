@@ -1,0 +1,104 @@
+"""AFT-conv (SPEC.md 4.2): ``aft_conv`` over a whole sequence and ``aft_conv_stream``, its causal
+form with a carried state.
+
+Dimension legend: B batch, T time, H heads, Dh channels per head, s kernel size,
+c = min(tokens seen, s - 1) cached tokens. ``w`` is the [H, s] kernel in both ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..._checks import check_bool, check_positive_int, check_tensor, state_dtype
+from .._autocast import float32_compute
+from .._state import check_items, checked_tensors
+from .._varlen import run_packed
+from .chunk import banded_bidirectional, banded_causal
+from .common import banded_stream, check_conv_qkv, check_kernel, check_stream_flags, gate
+
+
+class AFTConvState(NamedTuple):
+    """The past of causal AFT-conv: the prefix that has left the kernel (a [B, H],
+    n [B, H, Dh], m [B, H]) and the last c tokens (k_cache [B, c, H], v_cache [B, c, H, Dh]);
+    no position is needed since the bias depends on offsets only."""
+
+    a: torch.Tensor
+    n: torch.Tensor
+    m: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    @classmethod
+    def check(cls, state: Any, B: int, H: int, Dh: int, s: int, q: torch.Tensor) -> AFTConvState:
+        """A carried state for q [B, T, H, Dh] and a kernel of size s, in the compute dtype."""
+        check_items(state, cls)
+        check_tensor("initial_state[3] (k_cache)", state[3], 3, "[B, c, H]")
+        c = state[3].shape[1]
+        if c > s - 1:
+            raise ValueError(
+                f"initial_state[3] (k_cache) must have shape [B, c, H] with c <= s - 1 = {s - 1}, "
+                f"got {tuple(state[3].shape)}")
+        specs = {"a": ((B, H), "[B, H]"), "n": ((B, H, Dh), "[B, H, Dh]"), "m": ((B, H), "[B, H]"),
+                 "k_cache": ((B, c, H), "[B, c, H]"), "v_cache": ((B, c, H, Dh), "[B, c, H, Dh]")}
+        return cls(**checked_tensors(state, cls, specs, q, state_dtype(q.dtype)))
+
+
+@float32_compute
+def aft_conv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, causal: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """AFT-conv (SPEC 4.2): per head h, one key channel k[..., h] shared by the head's Dh value
+    channels and a bias depending only on the offset t - t':
+
+    - causal: w[h, j] is the bias at t - t' = j for j = 0..s-1 (a causal convolution kernel);
+    - bidirectional: s must be odd and w[h, j] is the bias at t - t' = j - (s - 1) / 2 (a centred
+      kernel, index (s - 1) / 2 being t itself).
+
+    Pairs at other offsets count with bias 0, so this equals AFT-local with window s (causal) or
+    (s + 1) / 2 (bidirectional) and the per-head Toeplitz bias. O(T s H Dh), as banded matrix
+    products over blocks of ``chunk_size`` rows.
+    q, v: [B, T, H, Dh]; k: [B, T, H]; w: [H, s]. Returns o [B, T, H, Dh] in q's dtype.
+    """
+    H = check_conv_qkv(q, k, v)[2]
+    s = check_kernel(w, H, q)
+    check_bool("causal", causal)
+    check_positive_int("chunk_size", chunk_size)
+    if not causal and s % 2 == 0:
+        raise ValueError(f"w must have an odd kernel size s for causal=False (centred kernel), got s = {s}")
+    cdtype = state_dtype(q.dtype)
+    band = w.to(cdtype).flip(-1).unsqueeze(0)  # [1, H, s]: offset s-1-j for causal, r-j centred
+    if causal:
+        ratio = banded_causal(k.to(cdtype), v.to(cdtype), band, s, None, chunk_size)[0]
+    else:
+        r = (s - 1) // 2
+        ratio = banded_bidirectional(k.to(cdtype), v.to(cdtype), band, r, r, chunk_size)
+    return gate(q, ratio)
+
+
+@float32_compute
+def aft_conv_stream(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *,
+    initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
+    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, AFTConvState | None]:
+    """Causal AFT-conv with a carried state (the streaming form of ``aft_conv``, causal=True).
+
+    q, v: [B, T, H, Dh]; k: [B, T, H]; w: [H, s] (w[h, j] is the bias at offset t - t' = j).
+    State: an ``AFTConvState`` (a, n, m, k_cache, v_cache).
+    Returns (o [B, T, H, Dh] in q's dtype, state in float32/float64 or None).
+    ``cu_seqlens``: packed documents in a batch of one, as in ``aft_simple_stream``.
+    """
+    B, _, H, Dh = check_conv_qkv(q, k, v)
+    s = check_kernel(w, H, q)
+    check_stream_flags(output_final_state, mode, chunk_size)
+    if cu_seqlens is not None:
+        return run_packed(aft_conv_stream, (q, k, v), cu_seqlens, initial_state,
+                          output_final_state, w=w, mode=mode, chunk_size=chunk_size)
+    carried = None if initial_state is None else AFTConvState.check(initial_state, B, H, Dh, s, q)
+    cdtype = state_dtype(q.dtype)
+    band = w.to(cdtype).flip(-1).unsqueeze(0)  # [1, H, s], band[..., -1 - o] = w[:, o]
+    ratio, final = banded_stream(k.to(cdtype), v.to(cdtype), band, s, carried, mode, chunk_size)
+    return gate(q, ratio), (AFTConvState(*final) if output_final_state else None)

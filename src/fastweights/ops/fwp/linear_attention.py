@@ -1,0 +1,109 @@
+"""Linear attention, the sum rule of fast weight programmers (SPEC.md 1.3): ``linear_attn``
+and its state.
+
+Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..._checks import (
+    check_bool,
+    check_finite_float,
+    check_mode,
+    check_nonneg_float,
+    check_positive_int,
+    check_qkv,
+    state_dtype,
+)
+from .._autocast import float32_compute
+from .._modes import RECURRENT_MODES
+from .._state import check_items, checked_tensors
+from .._varlen import run_packed
+from ..backend import choose_backend, fla_linear_attn, triton_kernels
+from .chunk import linear_attn_chunk
+from .naive import linear_attn_naive
+from .recurrent import linear_attn_recurrent
+
+MODES = RECURRENT_MODES
+
+
+class LinearAttnState(NamedTuple):
+    """The fast weights S [B, H, Dk, Dv] = sum_t k_t^T v_t and the normaliser z [B, H, Dk] =
+    sum_t k_t, in float32 (float64 for float64 inputs)."""
+
+    S: torch.Tensor
+    z: torch.Tensor
+
+    @classmethod
+    def zeros(cls, B: int, H: int, Dk: int, Dv: int, q: torch.Tensor) -> LinearAttnState:
+        """The empty state for q [B, T, H, Dk] and values of size Dv."""
+        cdtype = state_dtype(q.dtype)
+        return cls(q.new_zeros(B, H, Dk, Dv, dtype=cdtype), q.new_zeros(B, H, Dk, dtype=cdtype))
+
+    @classmethod
+    def check(cls, state: Any, B: int, H: int, Dk: int, Dv: int, q: torch.Tensor) -> LinearAttnState:
+        """A carried state for q [B, T, H, Dk] and values of size Dv, in the compute dtype."""
+        check_items(state, cls, "S [B, H, Dk, Dv], z [B, H, Dk]")
+        specs = {"S": ((B, H, Dk, Dv), "[B, H, Dk, Dv]"), "z": ((B, H, Dk), "[B, H, Dk]")}
+        return cls(**checked_tensors(state, cls, specs, q, state_dtype(q.dtype)))
+
+
+@float32_compute
+def linear_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, normalize: bool = False,
+    eps: float = 1e-6, scale: float = 1.0,
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
+) -> tuple[torch.Tensor, LinearAttnState | None]:
+    """Causal linear attention / sum-rule fast weights (SPEC 1.3).
+
+    q, k: [B, T, H, Dk] (already feature-mapped); v: [B, T, H, Dv].
+    State: a ``LinearAttnState`` (S [B, H, Dk, Dv], z [B, H, Dk]), S_t = S_{t-1} + k_t^T v_t, z_t = z_{t-1} + k_t.
+    o_t = (scale q_t) S_t, divided by ((scale q_t) . z_t + eps) when ``normalize``.
+    Returns (o [B, T, H, Dv] in q's dtype, (S, z) in float32/float64 or None).
+    ``cu_seqlens`` [N + 1]: packed documents in a batch of one, state reset at each boundary;
+    initial/final states are then lists with one state per document (see ops/_varlen.py).
+    ``backend``: "fla", "triton", "torch" or None (automatic); see ops/backend.py.
+    """
+    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    check_bool("normalize", normalize)
+    check_nonneg_float("eps", eps)
+    check_finite_float("scale", scale)
+    check_bool("output_final_state", output_final_state)
+    check_mode(mode, MODES)
+    check_positive_int("chunk_size", chunk_size)
+    if cu_seqlens is not None:
+        return run_packed(linear_attn, (q, k, v), cu_seqlens, initial_state, output_final_state,
+                          normalize=normalize, eps=eps, scale=scale, mode=mode, chunk_size=chunk_size,
+                          backend=backend)
+    cdtype = state_dtype(q.dtype)
+    if initial_state is None:
+        S0, z0 = LinearAttnState.zeros(B, H, Dk, Dv, q)
+    else:
+        S0, z0 = LinearAttnState.check(initial_state, B, H, Dk, Dv, q)
+    chosen = choose_backend("linear_attn", q, backend, mode, chunk_size)
+    if chosen == "fla":
+        o, state = fla_linear_attn(q, k, v, normalize=normalize, eps=eps, scale=scale, S0=S0,
+                                   z0=z0, output_final_state=output_final_state)
+        return o, (LinearAttnState(*state) if state is not None else None)
+    if chosen == "triton":
+        # The kernels take the inputs in their own dtype and upcast on chip (states float32).
+        o, S, z = triton_kernels().linear_attn_triton(q * scale if scale != 1.0 else q, k, v,
+                                                      S0, z0, normalize, eps, min(chunk_size, T))
+        return o.to(q.dtype), (LinearAttnState(S, z) if output_final_state else None)
+    args = {"q": q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
+            "normalize": normalize, "eps": eps}
+    if mode == "chunk" and T > 1:
+        o, S, z = linear_attn_chunk(**args, S0=S0, z0=z0, chunk_size=min(chunk_size, T))
+    elif mode == "naive":
+        o, S, z = linear_attn_naive(**args, S0=S0, z0=z0)
+    else:
+        # mode="recurrent", or a decoding step (T = 1) of mode="chunk": one token of the
+        # recurrence is the same arithmetic without padding the token to a whole chunk.
+        o, S, z = linear_attn_recurrent(**args, S=S0, z=z0)
+    return o.to(q.dtype), (LinearAttnState(S, z) if output_final_state else None)

@@ -1,0 +1,79 @@
+"""Decayed linear attention of TransNormerLLM / Lightning Attention (SPEC.md 3.5):
+``decay_linear_attn``. Its state is the single matrix S [B, H, Dk, Dv], a plain tensor.
+
+Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._checks import (
+    check_arg,
+    check_bool,
+    check_finite_float,
+    check_mode,
+    check_positive_int,
+    check_qkv,
+    check_tensor,
+    matrix_state,
+    state_dtype,
+)
+from .._autocast import float32_compute
+from .._modes import RECURRENT_MODES
+from .._varlen import run_packed
+from ..backend import choose_backend, fla_decay_linear_attn
+from .chunk import decay_linear_attn_chunk
+from .naive import decay_linear_attn_naive
+from .recurrent import decay_linear_attn_recurrent
+
+MODES = RECURRENT_MODES
+
+
+@float32_compute
+def decay_linear_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, *, scale: float = 1.0,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal linear attention with a per-head decay, no denominator (SPEC 3.5).
+
+    q, k: [B, T, H, Dk] (already activated); v: [B, T, H, Dv]; decay: [H], lambda_h in (0, 1]
+    (lambda = 1 is plain un-normalised linear attention). S_t = lambda_h S_{t-1} + k_t^T v_t,
+    o_t = (scale q_t) S_t. State S [B, H, Dk, Dv]. Differentiable in q, k, v, decay and the state.
+    Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
+    ``cu_seqlens`` [N + 1]: packed documents in a batch of one, the state reset at each boundary;
+    initial/final states are then lists with one state per document (ops/_varlen.py).
+    ``backend``: "fla" (simple GLA kernels), "torch" or None (automatic); see ops/backend.py.
+    """
+    B, _, H, Dk, Dv = check_qkv(q, k, v)
+    check_tensor("decay", decay, 1, "[H]")
+    check_arg("decay", decay, (H,), "[H]", q)
+    with torch.no_grad():
+        ok = bool(((decay > 0) & (decay <= 1)).all())
+    if not ok:
+        raise ValueError(
+            f"decay must lie in (0, 1] for every head, got values {decay.detach().cpu().tolist()}"
+        )
+    check_finite_float("scale", scale)
+    check_bool("output_final_state", output_final_state)
+    check_mode(mode, MODES)
+    check_positive_int("chunk_size", chunk_size)
+    if cu_seqlens is not None:
+        return run_packed(decay_linear_attn, (q, k, v), cu_seqlens, initial_state,
+                          output_final_state, decay=decay, scale=scale, mode=mode,
+                          chunk_size=chunk_size, backend=backend)
+    cdtype = state_dtype(q.dtype)
+    S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
+    if choose_backend("decay_linear_attn", q, backend, mode, chunk_size) == "fla":
+        return fla_decay_linear_attn(q, k, v, decay, scale=scale, S0=S0,
+                                     output_final_state=output_final_state)
+    args = (q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype), decay.to(cdtype), S0)
+    if mode == "chunk":
+        o, S = decay_linear_attn_chunk(*args, chunk_size)
+    elif mode == "recurrent":
+        o, S = decay_linear_attn_recurrent(*args)
+    else:
+        o, S = decay_linear_attn_naive(*args)
+    return o.to(q.dtype), (S if output_final_state else None)

@@ -1,0 +1,172 @@
+"""The public TTT ops ``ttt_linear`` and ``ttt_mlp`` (SPEC.md 2.2-2.4): argument checks, the
+``mode=`` switch over dual.py / primal.py / naive.py, and the state in and out (``Carry``).
+
+Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mini-batch size.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..._checks import (
+    check_arg,
+    check_bool,
+    check_device,
+    check_mode,
+    check_positive_int,
+    check_qkv,
+    check_tensor,
+    state_dtype,
+)
+from .._autocast import float32_compute
+from .._modes import TTT_MODES
+from .._varlen import check_cu_seqlens, run_packed
+from .common import Carry
+from .dual import ttt_linear_dual, ttt_mlp_dual
+from .naive import linear_f_res, mlp_f_res, ttt_naive
+from .primal import ttt_linear_primal, ttt_mlp_primal
+
+MODES = TTT_MODES
+TTTState = tuple[Any, ...]  # (*weights) or (*weights, *start weights, *gradient sums, pos)
+
+# The forms, called with keywords (q, k, v, eta, carry, ln_weight, ln_bias, residual, tau).
+_KERNELS = {
+    "linear": {
+        "dual": ttt_linear_dual, "primal": ttt_linear_primal,
+        "naive": functools.partial(ttt_naive, linear_f_res),
+    },
+    "mlp": {
+        "dual": ttt_mlp_dual, "primal": ttt_mlp_primal,
+        "naive": functools.partial(ttt_naive, mlp_f_res),
+    },
+}
+
+
+def _ttt(
+    kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
+    initial_state: Sequence[Any], ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
+    residual: bool, mini_batch_size: int, token_scale: torch.Tensor | None,
+    output_final_state: bool, mode: str, cu_seqlens: torch.Tensor | None = None,
+    checkpoint_group: int | None = None,
+) -> tuple[torch.Tensor, TTTState | None]:
+    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    if checkpoint_group is not None:
+        check_positive_int("checkpoint_group", checkpoint_group)
+    check_arg("eta", eta, (B, T, H), "[B, T, H]", q)
+    check_mode(mode, MODES)
+    b = check_positive_int("mini_batch_size", mini_batch_size)
+    check_bool("residual", residual)
+    check_bool("output_final_state", output_final_state)
+    if residual and Dk != Dv:
+        raise ValueError(
+            f"residual=True adds q to the output and moves k into the target, so it needs "
+            f"Dk == Dv; got Dk={Dk}, Dv={Dv}"
+        )
+    if ln_weight is not None:
+        check_arg("ln_weight", ln_weight, (H, Dv), "[H, Dv]", q)
+    if ln_bias is not None:
+        if ln_weight is None:
+            raise ValueError("ln_bias was given without ln_weight; ln_weight=None means no LayerNorm")
+        check_arg("ln_bias", ln_bias, (H, Dv), "[H, Dv]", q)
+    if token_scale is not None:
+        check_tensor("token_scale", token_scale)
+        if tuple(token_scale.shape) not in ((b,), (H, b)):
+            raise ValueError(
+                f"token_scale must have shape [mini_batch_size] = [{b}] or "
+                f"[H, mini_batch_size] = [{H}, {b}], got {tuple(token_scale.shape)}"
+            )
+        check_device("token_scale", token_scale, q)
+    if cu_seqlens is not None:
+        n_docs = len(check_cu_seqlens(cu_seqlens, T, B, q.device)) - 1
+        if not isinstance(initial_state, list):
+            # One start state (the learned initial weights, batch 1) shared by every document.
+            initial_state = [initial_state] * n_docs
+
+        def one_document(q, k, v, eta, *, initial_state, output_final_state):
+            return _ttt(kind, q, k, v, eta, initial_state=initial_state, ln_weight=ln_weight,
+                        ln_bias=ln_bias, residual=residual, mini_batch_size=mini_batch_size,
+                        token_scale=token_scale, output_final_state=output_final_state,
+                        mode=mode, checkpoint_group=checkpoint_group)
+
+        return run_packed(one_document, (q, k, v, eta), cu_seqlens, initial_state,
+                          output_final_state)
+    carry = Carry.check(initial_state, kind, B, H, Dk, Dv, b, q)
+
+    cdtype = state_dtype(q.dtype)
+    if token_scale is None:
+        tau = q.new_ones(H, b, dtype=cdtype)
+    else:
+        tau = token_scale.to(cdtype).expand(H, b)
+    ln_w, ln_b = (None if x is None else x.to(cdtype) for x in (ln_weight, ln_bias))
+    extra = {"checkpoint_group": checkpoint_group} if mode == "dual" else {}
+    o, carry = _KERNELS[kind][mode](
+        q=q.to(cdtype), k=k.to(cdtype), v=v.to(cdtype), eta=eta.to(cdtype), carry=carry,
+        ln_weight=ln_w, ln_bias=ln_b, residual=residual, tau=tau, **extra)
+    return o.to(q.dtype), (carry.final_state(tau) if output_final_state else None)
+
+
+@float32_compute
+def ttt_linear(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
+    initial_state: Sequence[Any], ln_weight: torch.Tensor | None = None,
+    ln_bias: torch.Tensor | None = None, residual: bool = False, mini_batch_size: int = 16,
+    token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
+    cu_seqlens: torch.Tensor | None = None, checkpoint_group: int | None = None,
+) -> tuple[torch.Tensor, TTTState | None]:
+    """TTT-Linear (SPEC 2.2-2.4): inner model f_res(z) = z W + b per head.
+
+    q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; eta: [B, T, H] inner learning rates.
+    initial_state (required): (W [B or 1, H, Dk, Dv], b [B or 1, H, Dv] or None for no bias), or
+        a state returned by an earlier call. A batch dim of 1 broadcasts over B.
+    ln_weight, ln_bias: [H, Dv] inner LayerNorm (eps 1e-6); ln_weight=None means no LayerNorm,
+        ln_bias=None with a weight means a zero shift.
+    residual: f(z) = z + ..., i.e. target v - k and output q + ... (needs Dk == Dv).
+    mini_batch_size: b; gradients of a mini-batch are all taken at its start weights. T need not
+        be a multiple of b: a last, shorter mini-batch uses tau_1.. again.
+    token_scale: tau [b] (shared by the heads) or [H, b], the scale tau_i of the running gradient
+        sum at position i of a mini-batch (E_ij = tau_i eta_j); None means ones (plain sums).
+    mode: "dual" (default), "primal" or "naive"; they agree to rounding.
+    Returns (o [B, T, H, Dv] in q's dtype, final state or None). The final state is (W, b) after
+    the last token, in float32 (float64 for float64 inputs), with batch B. When the call ends
+    inside a mini-batch (pos = (p + T) mod b != 0) it is (W, b, W_0, b_0, S_W, S_b, pos): the
+    current weights W = W_0 - tau_pos S_W, the mini-batch's start weights, the sums
+    S = sum_j eta_j grad_j(W_0) so far and the int pos; feeding it back continues the mini-batch
+    exactly (its leading W, b are then ignored, being implied by the rest).
+    cu_seqlens: [N + 1] boundaries of documents packed in a batch of one; each document starts
+    from ``initial_state`` (one state shared by all, batch 1) or from its own entry of a list of
+    N states, and the final state is a list with one state per document (ops/_varlen.py).
+    checkpoint_group: dual mode, while gradients are recorded: run the mini-batch scan in groups
+    of this many mini-batches, each recomputed in the backward pass instead of keeping every
+    mini-batch's weights (SPEC 2.6: the paper uses 4); same results, less memory, one more
+    forward of the scan. None (default) keeps everything.
+    """
+    return _ttt("linear", q, k, v, eta, initial_state=initial_state, ln_weight=ln_weight,
+                ln_bias=ln_bias, residual=residual, mini_batch_size=mini_batch_size,
+                token_scale=token_scale, output_final_state=output_final_state, mode=mode,
+                cu_seqlens=cu_seqlens, checkpoint_group=checkpoint_group)
+
+
+@float32_compute
+def ttt_mlp(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
+    initial_state: Sequence[Any], ln_weight: torch.Tensor | None = None,
+    ln_bias: torch.Tensor | None = None, residual: bool = False, mini_batch_size: int = 16,
+    token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
+    cu_seqlens: torch.Tensor | None = None, checkpoint_group: int | None = None,
+) -> tuple[torch.Tensor, TTTState | None]:
+    """TTT-MLP (SPEC 2.2-2.4): inner model f_res(z) = gelu_tanh(z W1 + b1) W2 + b2 per head,
+    hidden size 4 Dk.
+
+    initial_state (required): (W1 [B or 1, H, Dk, 4Dk], b1 [B or 1, H, 4Dk] or None,
+    W2 [B or 1, H, 4Dk, Dv], b2 [B or 1, H, Dv] or None), or a state returned by an earlier call;
+    mid-mini-batch states are (W1, b1, W2, b2, start W1, b1, W2, b2, sums W1, b1, W2, b2, pos).
+    Every other argument, the output and the state semantics are as in ``ttt_linear``.
+    """
+    return _ttt("mlp", q, k, v, eta, initial_state=initial_state, ln_weight=ln_weight,
+                ln_bias=ln_bias, residual=residual, mini_batch_size=mini_batch_size,
+                token_scale=token_scale, output_final_state=output_final_state, mode=mode,
+                cu_seqlens=cu_seqlens, checkpoint_group=checkpoint_group)

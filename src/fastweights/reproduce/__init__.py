@@ -1,0 +1,17 @@
+"""``fastweights reproduce NAME``: the papers' claims, one command each (see ``command.py``).
+
+Each experiment module defines ``EXPERIMENT`` (``common.Experiment``); ``EXPERIMENTS`` maps the
+names to their modules, imported when run."""
+
+from __future__ import annotations
+
+from .common import ReproduceError
+
+EXPERIMENTS = {
+    "fwp-recall": "fwp_recall",
+    "fwp-lm": "fwp_lm",
+    "ttt-ablation": "ttt_ablation",
+    "long-context": "long_context",
+}
+
+__all__ = ["EXPERIMENTS", "ReproduceError"]

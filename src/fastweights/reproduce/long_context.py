@@ -1,0 +1,147 @@
+"""``long-context``: does the loss keep falling with more context? (the TTT paper's per-position
+figure, Sun et al. 2024, SPEC.md 2.9), on the bytes of ``stdlib``.
+
+Every model is trained on windows of ``seq_len`` bytes, then reads held-out streams of
+``factor * seq_len`` bytes in pieces of ``seq_len`` with its state carried (softmax: its
+key/value cache grows and RoPE positions continue past the training window). The loss at each
+position is averaged over the streams and over log-spaced position buckets [1, 2), [2, 4), ...
+Claims: the recurrent-state models' loss beyond the training window is no higher than at its end
+(it keeps falling or stays flat); softmax cannot go beyond its training window; the sum-rule
+linear transformer degrades.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ..models import LMConfig
+from . import lm
+from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_spread, values
+
+DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
+           "steps": 400, "lr": 2e-3, "eval_windows": 16, "factor": 16, "streams": 16}
+QUICK = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 16, "batch_size": 2,
+         "steps": 3, "lr": 2e-3, "eval_windows": 2, "factor": 8, "streams": 2}
+RECURRENT = ("delta", "ttt-linear", "ttt-mlp", "infini", "diag/norm")
+
+
+def _models(s: dict[str, Any]) -> dict[str, LMConfig]:
+    local = max(1, s["seq_len"] // 2)  # Infini's segment and Diag's block: inside one window
+    mixers: dict[str, tuple[Any, Any]] = {
+        "softmax": ("softmax", {}), "linear": ("linear", {}), "delta": ("delta", {}),
+        "ttt-linear": ("ttt-linear", {}), "ttt-mlp": ("ttt-mlp", {}),
+        "infini": ("infini", {"segment_len": local}),
+        # TransNormer's schedule: DiagAttention below, NormAttention above
+        "diag/norm": ([*["diag"] * (s["n_layers"] // 2), *["norm"] * (s["n_layers"] - s["n_layers"] // 2)],
+                      [*[{"block_size": local}] * (s["n_layers"] // 2),
+                       *[{}] * (s["n_layers"] - s["n_layers"] // 2)]),
+    }
+    configs = {label: LMConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["n_layers"],
+                               n_heads=s["n_heads"], mixer=name, mixer_options=opts)
+               for label, (name, opts) in mixers.items()}
+    return lm.match_parameters(configs, "softmax")
+
+
+def plan(quick: bool, seeds: list[int], data: str) -> Plan:
+    s = {**(QUICK if quick else DEFAULT), "data": data}
+    lm.corpus(data)  # a missing corpus fails here, before --out is touched
+    configs = _models(s)
+    return Plan(s, [RunSpec(label, seed, {"config": cfg.to_dict()}) for seed in seeds
+                    for label, cfg in configs.items()])
+
+
+def _window_bucket(s: dict[str, Any]) -> str:
+    """The last bucket inside the training window (ending at position seq_len or before)."""
+    T = s["seq_len"]
+    return lm.bucket_name(*[b for b in lm.log_buckets(T * s["factor"]) if b[1] <= T + 1][-1])
+
+
+def _far_bucket(s: dict[str, Any]) -> str:
+    return lm.bucket_name(*lm.log_buckets(s["seq_len"] * s["factor"])[-1])
+
+
+def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
+    s = p.settings
+    corpus = lm.corpus(s["data"])
+    config = LMConfig.from_dict(spec.options["config"])
+    model = lm.train_run(workdir, config, lm.train_config(s, spec.seed), corpus)
+    T, length = s["seq_len"], s["seq_len"] * s["factor"]
+    if model is None:
+        names = [lm.bucket_name(lo, hi) for lo, hi in lm.log_buckets(length)]
+        return lm.diverged(config, s, ["loss_window", "loss_beyond", *names])
+    per_pos = lm.position_losses(model, corpus.val, length, s["streams"], piece=T)
+    metrics = {"loss_window": float(per_pos[:T].mean()), "loss_beyond": float(per_pos[T:].mean()),
+               **lm.bucket_losses(per_pos)}
+    return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
+            "metrics": metrics}
+
+
+def claims(p: Plan) -> list[Claim]:
+    s = p.settings
+    win, far = _window_bucket(s), _far_bucket(s)
+    paper = ("TTT-Linear/MLP keep reducing perplexity with more context (Books, up to 32k), "
+             "where Mamba plateaus after ~16k")
+    out = [Claim(f"{m}: loss at {far} <= at {win}", paper, (m, far), (m, win), "not_worse")
+           for m in RECURRENT]
+    out.append(Claim(f"softmax: loss at {win} < at {far}",
+                     "softmax attention cannot go beyond its training window",
+                     ("softmax", win), ("softmax", far)))
+    out.append(Claim(f"linear (sum rule): loss at {win} < at {far}",
+                     "the sum-rule linear transformer degrades on long streams (fast weight paper)",
+                     ("linear", win), ("linear", far)))
+    return out
+
+
+def metrics(p: Plan) -> list[str]:
+    s = p.settings
+    return ["loss_window", "loss_beyond", _window_bucket(s), _far_bucket(s)]
+
+
+def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
+    plt = matplotlib_pyplot()
+    if plt is None:
+        return []
+    s = p.settings
+    buckets = lm.log_buckets(s["seq_len"] * s["factor"])
+    centers = [math.sqrt(lo * (hi - 1)) for lo, hi in buckets]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        means = [mean_spread(values(rows, model, lm.bucket_name(lo, hi)))[0] for lo, hi in buckets]
+        ax.plot(centers, means, marker="o", ms=3, label=model,
+                ls="--" if model in ("softmax", "linear") else "-")
+    ax.axvline(s["seq_len"], color="grey", lw=0.8, ls=":")
+    ax.text(s["seq_len"], ax.get_ylim()[1], " training length", va="top", fontsize=8, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("position in the stream (log-spaced buckets)")
+    ax.set_ylabel("loss (nats/byte), mean over streams")
+    ax.set_title("loss vs position, state carried", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "loss_vs_position.png", dpi=110)
+    plt.close(fig)
+    return ["loss_vs_position.png"]
+
+
+def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
+    s = p.settings
+    return [
+        lm.setup_note(s, rows, "softmax"),
+        (f"Evaluation: {s['streams']} consecutive streams of {s['factor']} x {s['seq_len']} = "
+        f"{s['factor'] * s['seq_len']} bytes from the start of the validation split, read in "
+        f"pieces of {s['seq_len']} with the state carried; `loss@a-b` is the mean loss at "
+        "positions a..b (1-based), `loss_window` over the training length, `loss_beyond` after it."),
+        ("Softmax is evaluated beyond its window too (growing cache, RoPE positions it never saw "
+        "in training; dashed in the plot, as the sum-rule `linear`): the claim is that it cannot "
+        "use that context. Infini's segment and Diag's block are half the training length."),
+        ("The paper's figure is at 125M-1.3B parameters and up to 32k tokens; ours is a "
+        "direction check at toy scale."),
+    ]
+
+
+EXPERIMENT = Experiment(
+    "long-context", "long-context: loss vs position with the state carried",
+    "Train at one context length, evaluate the per-position loss far beyond it with the state "
+    "carried (TTT paper's long-context figure; SPEC.md 2.9).",
+    plan, execute, claims, metrics, plots, notes)

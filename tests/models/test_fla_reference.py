@@ -1,0 +1,262 @@
+"""fastweights' fla DeltaNet equals fla's own model code, in float64, on the same checkpoint.
+
+fla's kernels are Triton only (its forward fails on a CPU-only machine), so the reference is
+fla 0.6's own model and layer code with each kernel it calls replaced by a pure-PyTorch
+reference: the delta rule by a float64 transcription of ``fla.ops.delta_rule.naive``'s
+recurrence (itself checked against that function, which computes in float32), RMSNorm and the
+gated RMSNorm by ``fla.modules.norm.layernorm_gated.rms_norm_ref``, the short convolution by a
+plain causal depthwise ``conv1d``, SwiGLU and ELU+1 by their formulas. Weights are drawn in
+float32 (``rms_norm_ref`` rounds weights to float32) and both models run in float64.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+with warnings.catch_warnings():  # fla warns that Triton has no CPU driver here
+    warnings.simplefilter("ignore")
+    fla = pytest.importorskip("fla", reason="flash-linear-attention is not installed "
+                                            "(pip install 'fastweights[dev]')")
+    import fla.layers.delta_net as fla_layer
+    import fla.modules.mlp as fla_mlp
+    from fla.models import DeltaNetConfig
+    from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
+    from fla.modules.norm.layernorm_gated import rms_norm_ref
+    from fla.ops.delta_rule.naive import delta_rule_recurrence
+    from transformers import AutoModelForCausalLM
+
+from fastweights.models.fla import FLA_OPTIONS, from_fla
+from tests.helpers import assert_close64
+
+V, T = 53, 37  # T > 32 (fastweights' CPU chunk) and > 64 is not needed: fla's modes are patched
+
+
+# ---------------------------------------------------------------------------------------------
+# fla's kernels -> references
+
+
+def delta_rule_ref64(q, k, v, beta, initial_state=None):
+    """fla's naive ``delta_rule_recurrence`` written out in the inputs' dtype (fla's function
+    casts to float32). Layout [b, h, l, d]; q scaled by d_k ** -0.5; returns (o, S)."""
+    b, h, l, d_k = q.shape
+    S = q.new_zeros(b, h, d_k, v.shape[-1])
+    if initial_state is not None:
+        S = S + initial_state
+    q = q * d_k ** -0.5
+    o = torch.zeros_like(v)
+    for i in range(l):
+        k_i, v_i = k[:, :, i], v[:, :, i]
+        u = (v_i - (S * k_i[..., None]).sum(-2)) * beta[:, :, i, None]
+        S = S + k_i[..., None] * u[..., None, :]
+        o[:, :, i] = torch.einsum("bhd,bhdm->bhm", q[:, :, i], S)
+    return o, S
+
+
+def l2norm_ref(x, eps=1e-6):
+    """fla's L2-norm kernel: x / sqrt(sum x^2 + eps) over the last dim."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def fla_delta_rule_ref(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """Stand-in for fla's chunk/fused_recurrent_delta_rule ([B, T, H, D] layout)."""
+    assert scale is None and cu_seqlens is None and not kwargs
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_ref(q), l2norm_ref(k)
+    tr = lambda x: x.transpose(1, 2)  # [B, T, H, ...] <-> [B, H, T, ...]
+    o, S = delta_rule_ref64(tr(q), tr(k), tr(v), tr(beta), initial_state)
+    return tr(o), (S if output_final_state else None)
+
+
+def rmsnorm_ref(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+    if residual is not None:
+        x = x + residual
+    y = rms_norm_ref(x, self.weight, self.bias, eps=self.eps, upcast=False)
+    return (y, x) if prenorm else y
+
+
+def gated_rmsnorm_ref(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+    assert residual is None and self.activation in ("swish", "silu")
+    return rms_norm_ref(x, self.weight, self.bias, z=g, eps=self.eps, norm_before_gate=True,
+                        upcast=False)
+
+
+def short_conv_ref(self, x, residual=None, mask=None, cache=None, output_final_state=False,
+                   cu_seqlens=None, **kwargs):
+    assert residual is None and mask is None and cache is None and cu_seqlens is None
+    W = self.kernel_size[0]
+    y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, padding=W - 1,
+                 groups=self.hidden_size)[..., :x.shape[1]].transpose(1, 2)
+    return (F.silu(y) if self.activation is not None else y), None
+
+
+@pytest.fixture
+def fla_on_pytorch(monkeypatch):
+    """fla's model code with every kernel it calls replaced by a PyTorch reference."""
+    monkeypatch.setattr(fla_layer, "chunk_delta_rule", fla_delta_rule_ref)
+    monkeypatch.setattr(fla_layer, "fused_recurrent_delta_rule", fla_delta_rule_ref)
+    monkeypatch.setattr(fla_layer, "elu_p1", lambda x: torch.where(x >= 0, x + 1, torch.exp(x)))
+    monkeypatch.setattr(RMSNorm, "forward", rmsnorm_ref)
+    monkeypatch.setattr(FusedRMSNormGated, "forward", gated_rmsnorm_ref)
+    monkeypatch.setattr(ShortConvolution, "forward", short_conv_ref)
+    monkeypatch.setattr(fla_mlp, "swiglu", lambda x, y: F.silu(x) * y)
+    monkeypatch.setattr(fla_mlp, "swiglu_linear", lambda x, y, w, b: F.linear(F.silu(x) * y, w, b))
+
+
+def test_float64_delta_rule_reference_is_flas_naive_recurrence():
+    g = torch.Generator().manual_seed(0)
+    b, h, l, dk, dv = 2, 3, 11, 5, 7
+    q, k = torch.randn(b, h, l, dk, generator=g), F.normalize(torch.randn(b, h, l, dk, generator=g), dim=-1)
+    v, beta = torch.randn(b, h, l, dv, generator=g), torch.rand(b, h, l, generator=g)
+    S0 = torch.randn(b, h, dk, dv, generator=g)
+    o32, S32 = delta_rule_recurrence(q, k, v, beta, S0.clone(), output_final_state=True)
+    o64, S64 = delta_rule_ref64(q.double(), k.double(), v.double(), beta.double(), S0.double())
+    assert_close64(o64, o32.double(), atol=1e-5, what="o")
+    assert_close64(S64, S32.double(), atol=1e-5, what="S")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints made by fla
+
+
+CONFIGS = {
+    "base": {},
+    "no-conv": {"use_short_conv": False},
+    "sum-norm": {"qk_norm": "sum"},
+    "relu-sum": {"qk_activation": "relu", "qk_norm": "sum"},
+    "elu-l2": {"qk_activation": "elu"},
+    "identity-l2": {"qk_activation": "identity"},
+    "identity-sum-no-conv": {"qk_activation": "identity", "qk_norm": "sum", "use_short_conv": False},
+    "heads1": {"num_heads": 1},
+    "tied": {"tie_word_embeddings": True},
+    "gate": {"use_gate": True},
+    "gate-tied-heads1": {"use_gate": True, "tie_word_embeddings": True, "num_heads": 1},
+    "no-beta-negeig": {"use_beta": False, "allow_neg_eigval": True},
+    "negeig-conv3": {"allow_neg_eigval": True, "conv_size": 3},
+    "expand-k0.5-v2": {"expand_k": 0.5, "expand_v": 2.0},
+    "unfused-norm-mlp": {"fuse_norm": False, "fuse_swiglu": False, "intermediate_size": 40},
+}
+
+
+def fla_config(**overrides) -> DeltaNetConfig:
+    base = {"hidden_size": 32, "num_heads": 4, "num_hidden_layers": 2, "vocab_size": V,
+            "norm_eps": 1e-5, "pad_token_id": 0, "tie_word_embeddings": False}
+    return DeltaNetConfig(**{**base, **overrides})
+
+
+def make_fla_checkpoint(folder, seed: int = 0, dtype: torch.dtype = torch.float32,
+                        max_shard_size: str | None = None, **overrides):
+    """An fla model with random float32 weights of order one (norm gains and convolutions
+    included, which fla initialises to ones / near zero), saved by fla's save_pretrained."""
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fla: "ShortConvolution is crucial ..." without conv
+        model = AutoModelForCausalLM.from_config(fla_config(**overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif "conv1d" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "embeddings" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model = model.to(dtype)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    return model.eval()
+
+
+def ids(B: int = 2, length: int = T, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, V, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("overrides", CONFIGS.values(), ids=CONFIGS.keys())
+def test_float64_logits_equal_flas_model(tmp_path, fla_on_pytorch, overrides):
+    ref = make_fla_checkpoint(tmp_path, **overrides).double()
+    ours = from_fla(tmp_path, dtype=torch.float64)
+    x = ids()
+    with torch.no_grad():
+        expected = ref(x, use_cache=False).logits
+        got = ours(x, use_cache=False).logits
+    assert expected.dtype == got.dtype == torch.float64
+    assert expected.abs().max() > 1  # logits of order one: an absolute 1e-10 means something
+    assert_close64(got, expected, what="logits")
+
+
+@pytest.mark.parametrize("overrides", [CONFIGS["base"], CONFIGS["gate-tied-heads1"]],
+                         ids=["base", "gate-tied-heads1"])
+def test_float32_logits_match_flas_model_with_its_float32_naive_recurrence(
+        tmp_path, fla_on_pytorch, monkeypatch, overrides):
+    """The same comparison with fla's own naive function (float32) in place of the transcription."""
+    def naive(q, k, v, beta, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **kwargs):
+        if use_qk_l2norm_in_kernel:
+            q, k = l2norm_ref(q), l2norm_ref(k)
+        tr = lambda x: x.transpose(1, 2)
+        o, S = delta_rule_recurrence(tr(q), tr(k), tr(v), tr(beta), initial_state, output_final_state)
+        return tr(o), S
+
+    monkeypatch.setattr(fla_layer, "chunk_delta_rule", naive)
+    monkeypatch.setattr(fla_layer, "fused_recurrent_delta_rule", naive)
+    ref = make_fla_checkpoint(tmp_path, **overrides)
+    ours = from_fla(tmp_path)
+    assert ours.dtype == torch.float32
+    x = ids()
+    with torch.no_grad():
+        assert_close64(ours(x).logits, ref(x, use_cache=False).logits, atol=2e-4, what="logits")
+
+
+@pytest.mark.parametrize("overrides", [CONFIGS["base"], CONFIGS["no-conv"], CONFIGS["gate"]],
+                         ids=["base", "no-conv", "gate"])
+def test_decoding_from_the_cache_equals_flas_full_forward(tmp_path, fla_on_pytorch, overrides):
+    ref = make_fla_checkpoint(tmp_path, **overrides).double()
+    ours = from_fla(tmp_path, dtype=torch.float64)
+    x = ids(length=12)
+    with torch.no_grad():
+        expected = ref(x, use_cache=False).logits
+        out = ours(x[:, :5], use_cache=True)
+        steps = [out.logits]
+        for t in range(5, x.shape[1]):
+            out = ours(x[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits)
+    assert_close64(torch.cat(steps, dim=1), expected, what="prefill + one-token steps")
+
+
+def test_sharded_bfloat16_tied_checkpoint_loads_unchanged(tmp_path):
+    ref = make_fla_checkpoint(tmp_path, dtype=torch.bfloat16, max_shard_size="20KB",
+                              tie_word_embeddings=True, use_gate=True)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours = from_fla(tmp_path)
+    assert ours.dtype == torch.bfloat16
+    theirs = ref.state_dict()
+    mine = ours.state_dict()
+    assert set(mine) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name], tensor), name
+    assert ours.lm_head.weight is ours.model.embeddings.weight
+
+
+def test_every_deltanet_config_option_is_classified():
+    params = set(inspect.signature(DeltaNetConfig.__init__).parameters) - {"self", "kwargs"}
+    assert params == set(FLA_OPTIONS), (sorted(params - set(FLA_OPTIONS)),
+                                        sorted(set(FLA_OPTIONS) - params))
+
+
+def test_our_save_pretrained_is_an_fla_checkpoint(tmp_path, fla_on_pytorch):
+    """A folder written by fastweights loads in fla with the same logits."""
+    make_fla_checkpoint(tmp_path / "a", use_gate=True)
+    ours = from_fla(tmp_path / "a", dtype=torch.float64)
+    ours.save_pretrained(tmp_path / "b")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float64)
+    assert type(theirs).__module__.startswith("fla.")
+    x = ids()
+    with torch.no_grad():
+        assert_close64(ours(x).logits, theirs(x, use_cache=False).logits, what="logits")
