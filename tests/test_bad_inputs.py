@@ -1,4 +1,4 @@
-"""Bad inputs across the whole public API and the CLI (issue 8): every one raises a clear
+"""Bad inputs across the whole public API and the CLI: every one raises a clear
 ValueError/TypeError naming the argument before any computation, or, on the command line, exits
 with code 2 and one line on stderr.
 
@@ -354,7 +354,7 @@ CLI_CASES = [
 @pytest.mark.parametrize("argv,words", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
 def test_cli_bad_input(argv, words, capsys, tmp_path):
     if argv[:1] in (["train"], ["recall"]):
-        argv = argv + ["--out", str(tmp_path / "run")]
+        argv = [*argv, "--out", str(tmp_path / "run")]
     rc = main(argv)
     captured = capsys.readouterr()
     assert rc == 2
@@ -366,5 +366,5 @@ def test_cli_bad_input(argv, words, capsys, tmp_path):
 
 
 def test_table_size():
-    """The issue asks for at least 60 bad inputs across the API and the CLI."""
+    """At least 60 bad inputs across the API and the CLI are covered."""
     assert len(API_CASES) + len(CLI_CASES) >= 60

@@ -1,4 +1,4 @@
-"""Numerics (issue 8): bfloat16 autocast training steps, long streams with carried state, and
+"""Numerics: bfloat16 autocast training steps, long streams with carried state, and
 inputs of extreme magnitude stay finite; states and normalisers stay float32.
 
 The million-token streams are marked ``slow`` (skipped by default; ``python -m pytest -m slow``).

@@ -1,4 +1,4 @@
-"""Property-based tests (issue 8): for every op, over random shapes, chunk / block / segment /
+"""Property-based tests: for every op, over random shapes, chunk / block / segment /
 mini-batch sizes, split points and dtypes, the fast forms equal the naive (float64) form and a
 sequence run in two pieces with the state carried equals the sequence run whole.
 

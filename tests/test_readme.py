@@ -25,3 +25,14 @@ def test_readme_section_runs(title, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for code in blocks:
         exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+
+
+def test_ci_runs_the_readmes_test_command_and_it_lints():
+    """.ci/run ends with the README's set-up-and-test command, exactly, and that command runs
+    ruff on src and tests before pytest."""
+    root = Path(__file__).resolve().parents[1]
+    body = README[README.index("Set up, lint and run the test suite"):]
+    command = re.search(r"```bash\n(.*?)\n```", body, flags=re.DOTALL).group(1)
+    ci = (root / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == command
+    assert "ruff check src tests && python -m pytest" in command

@@ -48,7 +48,7 @@ from dataclasses import MISSING, Field, field, fields, make_dataclass
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -105,8 +105,8 @@ class FastWeightsConfig(PreTrainedConfig, _LMConfigFields):
     are aliases of ``d_model``, ``n_layers``, ``n_heads`` and ``tie_embeddings``."""
 
     model_type = "fastweights"
-    keys_to_ignore_at_inference = ["past_key_values"]
-    attribute_map = {
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    attribute_map: ClassVar[dict[str, str]] = {
         "hidden_size": "d_model",
         "num_hidden_layers": "n_layers",
         "num_attention_heads": "n_heads",
@@ -374,10 +374,10 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
     _is_stateful = True  # no rollback: assisted generation is refused by generate()
     # gradient_checkpointing_enable() switches LanguageModel.gradient_checkpointing (per block)
     supports_gradient_checkpointing = True
-    _no_split_modules = ["Block"]
+    _no_split_modules: ClassVar[list[str]] = ["Block"]
     # forward takes num_items_in_batch (the Trainer then leaves the loss scaling to it)
     accepts_loss_kwargs = True
-    _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"model.head.weight": "model.embed.weight"}
 
     def __init__(self, config: FastWeightsConfig) -> None:
         super().__init__(config)

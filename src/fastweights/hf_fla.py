@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
@@ -40,7 +40,7 @@ class FlaDeltaNetHFConfig(PreTrainedConfig):
     validated on creation; ``to_native()`` gives the ``FlaDeltaNetConfig``."""
 
     model_type = MODEL_TYPE
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
 
     def __init__(self, **kwargs: Any) -> None:
         values = {name: kwargs.pop(name) for name in _FIELDS if name in kwargs}
@@ -68,8 +68,8 @@ class FlaDeltaNetForCausalLM(FastWeightsForCausalLM):
     config_class = FlaDeltaNetHFConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
-    _no_split_modules = ["FlaDeltaNetBlock"]
-    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+    _no_split_modules: ClassVar[list[str]] = ["FlaDeltaNetBlock"]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embeddings.weight"}
 
     def __init__(self, config: FlaDeltaNetHFConfig) -> None:
         # PreTrainedModel's constructor, not FastWeightsForCausalLM's (which builds a

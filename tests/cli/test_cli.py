@@ -119,7 +119,7 @@ def test_refuses_to_overwrite_an_earlier_run(tmp_path, text_file, capsys):
             "--d-key", "4", "--out", str(out), "--quiet"]
     bad(args, capsys, "--overwrite")
     assert (out / "results.csv").read_text() == "old"
-    assert main(args + ["--overwrite"]) == 0
+    assert main([*args, "--overwrite"]) == 0
 
 
 def test_sequence_longer_than_the_model_supports(tmp_path, text_file, capsys):

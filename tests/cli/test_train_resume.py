@@ -1,5 +1,5 @@
 """`fastweights train --resume`, `--overwrite` and `eval` on a folder of the user's own text files,
-as a user runs them: the CLI in a subprocess (issue 11, items 1, 3 and 6).
+as a user runs them: the CLI in a subprocess.
 
 Resuming takes every setting from run.json (data included) and refuses an option that
 contradicts it; --overwrite touches the earlier run only once the new one is checked; an
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fastweights import cli
 from fastweights.cli import main
+from fastweights.cli.main import build_parser
 from fastweights.train import trainer
 from fastweights.train.trainer import RUN_FILE, TrainConfig, lr_factor
 
@@ -68,7 +68,7 @@ def losses(run: Path) -> list[tuple[str, ...]]:
 
 
 def test_resume_takes_the_runs_own_data_and_settings(home, tmp_path):
-    """Item 1: `--resume` without --data, from another working folder, continues on the run's
+    """`--resume` without --data, from another working folder, continues on the run's
     own texts with its own settings: the rows after the checkpoint are the uninterrupted run's."""
     res = fastweights("train", "--data", "my_texts", "--out", "run", "--steps", "6",
                       "--save-every", "2", *TINY, cwd=home)
@@ -90,7 +90,7 @@ def test_resume_takes_the_runs_own_data_and_settings(home, tmp_path):
 
 
 def test_resume_refuses_options_that_contradict_the_run(home, tmp_path, capsys, monkeypatch):
-    """Item 1: an option given on resume that differs from run.json is one line naming it, exit
+    """An option given on resume that differs from run.json is one line naming it, exit
     2, and the run is untouched; one equal to the record is accepted; the resumable ones are
     applied and recorded. "Given" means on the command line, not "different from the default"."""
     run = home / "run"
@@ -121,12 +121,19 @@ def test_resume_refuses_options_that_contradict_the_run(home, tmp_path, capsys, 
 
 
 def test_resumable_options_are_the_trainers(home):
-    assert set(cli.TRAIN_RESUMABLE) == set(trainer.RESUMABLE)
+    """Every setting the trainer lets a resumed run change is a `train` run setting (one the
+    parser can tell given from left out) and a TrainConfig field, and --help names each."""
+    parser = build_parser()
+    args = parser.parse_args(["train"])
+    assert set(trainer.RESUMABLE) <= set(args.setting_defaults)
     assert set(trainer.RESUMABLE) <= {f for f in TrainConfig.__dataclass_fields__}
+    train_parser = parser._subparsers._group_actions[0].choices["train"]
+    for dest in trainer.RESUMABLE:
+        assert "--" + dest.replace("_", "-") in train_parser.description
 
 
 def test_eval_defaults_to_the_runs_data(home, capsys):
-    """Item 1: `eval --checkpoint RUN` (or one of its checkpoint folders) reads the run's data."""
+    """`eval --checkpoint RUN` (or one of its checkpoint folders) reads the run's data."""
     run = home / "run"
     assert main(["train", "--data", str(home / "my_texts"), "--out", str(run), "--steps", "2",
                  "--save-every", "1", *TINY]) == 0
@@ -143,7 +150,7 @@ def test_eval_defaults_to_the_runs_data(home, capsys):
 
 
 def test_overwrite_keeps_the_earlier_run_until_the_new_one_is_checked(home, capsys):
-    """Item 3: `--overwrite` with a mistake (missing data, a config only the first forward
+    """`--overwrite` with a mistake (missing data, a config only the first forward
     rejects, data too short for --seq-len) exits 2 and leaves the earlier run as it was."""
     run = home / "run"
     assert main(["train", "--data", str(home / "my_texts"), "--out", str(run), "--steps", "2",
@@ -170,7 +177,7 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_is_checked(home, caps
 
 
 def test_overwrite_puts_the_earlier_run_back_when_writing_fails(home, monkeypatch, capsys):
-    """Item 3: a failure while the new run writes its first files (disk full) restores the
+    """A failure while the new run writes its first files (disk full) restores the
     earlier run's files."""
     run = home / "run"
     assert main(["train", "--data", str(home / "my_texts"), "--out", str(run), "--steps", "2",
@@ -191,7 +198,7 @@ def test_overwrite_puts_the_earlier_run_back_when_writing_fails(home, monkeypatc
 
 
 def test_extended_run_uses_the_new_totals_schedule(home):
-    """Item 6: `--resume --steps 12` after a finished 6-step run: the learning rate of step 7 is
+    """`--resume --steps 12` after a finished 6-step run: the learning rate of step 7 is
     the 12-step schedule's value at step index 6, not the 6-step schedule's final rate."""
     res = fastweights("train", "--data", "my_texts", "--out", "run", "--steps", "6", *TINY, cwd=home)
     assert res.returncode == 0, res.stderr

@@ -1,4 +1,4 @@
-"""The Hugging Face integration driven by transformers' own clients (issue 11): packed batches
+"""The Hugging Face integration driven by transformers' own clients: packed batches
 from DataCollatorWithFlattening, the Trainer (packing, gradient accumulation, reentrant gradient
 checkpointing, right padding), resize_token_embeddings, hidden states, keyword handling, and
 native_to_hf on a training run folder."""

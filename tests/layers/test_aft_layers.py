@@ -74,7 +74,7 @@ def test_max_len_is_enforced_including_the_streamed_past(cls):
         layer(x_in(T=9))
     _, state = layer(x_in(T=5))
     layer(x_in(T=3), state)  # 8 tokens in total: fine
-    with pytest.raises(ValueError, match="sequence length 9 .* exceeds max_len=8"):
+    with pytest.raises(ValueError, match=r"sequence length 9 .* exceeds max_len=8"):
         layer(x_in(T=4), state)
 
 

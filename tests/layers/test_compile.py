@@ -1,4 +1,4 @@
-"""torch.compile of every layer gives the layer's own outputs and input gradients (issue 6).
+"""torch.compile of every layer gives the layer's own outputs and input gradients.
 
 Compiling takes 5-50 s per mixer on a 2-core CPU, so the full sweep is marked slow (about 4
 minutes; run with ``python -m pytest -m slow tests/layers/test_compile.py``); the delta layer,

@@ -71,7 +71,7 @@ def test_pieces_equal_whole(name, splits):
     x = inputs()
     whole, _ = layer(x)
     outs, state, start = [], None, 0
-    for stop in list(splits) + [T]:
+    for stop in [*splits, T]:
         y, state = layer(x[:, start:stop], state)
         outs.append(y)
         start = stop
@@ -155,7 +155,7 @@ def test_packed_documents_equal_separate(name):
     cu = torch.tensor([0, 4, 5, T])
     y, states = layer(x, cu_seqlens=cu)
     assert isinstance(states, list) and len(states) == 3
-    for (a, b), state in zip([(0, 4), (4, 5), (5, T)], states):
+    for a, b in [(0, 4), (4, 5), (5, T)]:
         y_doc, _ = layer(x[:, a:b])
         assert_close64(y[:, a:b], y_doc, atol=1e-9, what=name)
     # Continuing every document from its own state equals continuing it alone.

@@ -67,7 +67,7 @@ def _docs():
     prefixes = [torch.randn(1, n, D_MODEL, generator=g, dtype=torch.float64) if n else None
                 for n in PREFIXES]
     docs = [torch.randn(1, n, D_MODEL, generator=g, dtype=torch.float64) for n in LENGTHS]
-    cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist())
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
     return prefixes, docs, cu
 
 

@@ -65,7 +65,7 @@ NORM_CASES = [("1+elu", True, False), ("elu", True, False), ("1+elu", False, Fal
 
 
 @pytest.mark.parametrize("act,lrpe,decay", NORM_CASES,
-                         ids=[f"{a}-lrpe{int(l)}-decay{int(d)}" for a, l, d in NORM_CASES])
+                         ids=[f"{a}-lrpe{int(lrpe)}-decay{int(d)}" for a, lrpe, d in NORM_CASES])
 def test_norm_attention_equals_explicit_formula(act, lrpe, decay):
     layer = perturbed(NormAttention(D_MODEL, H, activation=act, lrpe=lrpe, decay=decay,
                                     decay_scale=0.5, chunk_size=4))
@@ -217,7 +217,7 @@ DIAG_CASES = [(kern, lrpe, w) for kern in ("softmax", "relu") for lrpe in (True,
 
 
 @pytest.mark.parametrize("kernel,lrpe,block", DIAG_CASES,
-                         ids=[f"{k}-lrpe{int(l)}-w{w}" for k, l, w in DIAG_CASES])
+                         ids=[f"{k}-lrpe{int(lrpe)}-w{w}" for k, lrpe, w in DIAG_CASES])
 def test_diag_attention_equals_explicit_formula(kernel, lrpe, block):
     layer = perturbed(DiagAttention(D_MODEL, H, block_size=block, kernel=kernel, lrpe=lrpe))
     x = x_in(T=17)
@@ -249,7 +249,7 @@ def test_diag_attention_streams(block, splits):
     x = x_in(T=14)
     whole, _ = layer(x)
     outs, state, start = [], None, 0
-    for stop in list(splits) + [14]:
+    for stop in [*splits, 14]:
         y, state = layer(x[:, start:stop], state)
         outs.append(y)
         start = stop

@@ -46,7 +46,7 @@ def test_every_configuration_streams_and_modes_agree(kind, mamba, rope, norm_res
     whole, _ = layer(x)
     for splits in [(2, 7), tuple(range(1, T))]:
         outs, state, start = [], None, 0
-        for stop in list(splits) + [T]:
+        for stop in [*splits, T]:
             y, state = layer(x[:, start:stop], state)
             outs.append(y)
             start = stop

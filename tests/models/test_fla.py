@@ -258,7 +258,7 @@ def test_from_fla_refuses_bad_folders(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="does not exist"):
         load(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config.json"):
         load(tmp_path / "empty")
     cfg = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**cfg, "attn": {"layers": [0], "num_heads": 3}}))

@@ -43,14 +43,14 @@ V, T = 53, 37  # T > 32 (fastweights' CPU chunk) and > 64 is not needed: fla's m
 
 def delta_rule_ref64(q, k, v, beta, initial_state=None):
     """fla's naive ``delta_rule_recurrence`` written out in the inputs' dtype (fla's function
-    casts to float32). Layout [b, h, l, d]; q scaled by d_k ** -0.5; returns (o, S)."""
-    b, h, l, d_k = q.shape
+    casts to float32). Layout [b, h, t, d]; q scaled by d_k ** -0.5; returns (o, S)."""
+    b, h, t, d_k = q.shape
     S = q.new_zeros(b, h, d_k, v.shape[-1])
     if initial_state is not None:
         S = S + initial_state
     q = q * d_k ** -0.5
     o = torch.zeros_like(v)
-    for i in range(l):
+    for i in range(t):
         k_i, v_i = k[:, :, i], v[:, :, i]
         u = (v_i - (S * k_i[..., None]).sum(-2)) * beta[:, :, i, None]
         S = S + k_i[..., None] * u[..., None, :]
@@ -69,7 +69,8 @@ def fla_delta_rule_ref(q, k, v, beta, scale=None, initial_state=None, output_fin
     assert scale is None and cu_seqlens is None and not kwargs
     if use_qk_l2norm_in_kernel:
         q, k = l2norm_ref(q), l2norm_ref(k)
-    tr = lambda x: x.transpose(1, 2)  # [B, T, H, ...] <-> [B, H, T, ...]
+    def tr(x):
+        return x.transpose(1, 2)  # [B, T, H, ...] <-> [B, H, T, ...]
     o, S = delta_rule_ref64(tr(q), tr(k), tr(v), tr(beta), initial_state)
     return tr(o), (S if output_final_state else None)
 
@@ -111,9 +112,9 @@ def fla_on_pytorch(monkeypatch):
 
 def test_float64_delta_rule_reference_is_flas_naive_recurrence():
     g = torch.Generator().manual_seed(0)
-    b, h, l, dk, dv = 2, 3, 11, 5, 7
-    q, k = torch.randn(b, h, l, dk, generator=g), F.normalize(torch.randn(b, h, l, dk, generator=g), dim=-1)
-    v, beta = torch.randn(b, h, l, dv, generator=g), torch.rand(b, h, l, generator=g)
+    b, h, t, dk, dv = 2, 3, 11, 5, 7
+    q, k = torch.randn(b, h, t, dk, generator=g), F.normalize(torch.randn(b, h, t, dk, generator=g), dim=-1)
+    v, beta = torch.randn(b, h, t, dv, generator=g), torch.rand(b, h, t, generator=g)
     S0 = torch.randn(b, h, dk, dv, generator=g)
     o32, S32 = delta_rule_recurrence(q, k, v, beta, S0.clone(), output_final_state=True)
     o64, S64 = delta_rule_ref64(q.double(), k.double(), v.double(), beta.double(), S0.double())
@@ -200,7 +201,8 @@ def test_float32_logits_match_flas_model_with_its_float32_naive_recurrence(
               use_qk_l2norm_in_kernel=False, **kwargs):
         if use_qk_l2norm_in_kernel:
             q, k = l2norm_ref(q), l2norm_ref(k)
-        tr = lambda x: x.transpose(1, 2)
+        def tr(x):
+            return x.transpose(1, 2)
         o, S = delta_rule_recurrence(tr(q), tr(k), tr(v), tr(beta), initial_state, output_final_state)
         return tr(o), S
 

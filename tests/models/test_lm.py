@@ -145,7 +145,7 @@ def test_config_from_dict_rejects_unknown_keys():
 
 def test_forward_rejects_bad_inputs():
     model = tiny("delta", max_seq_len=20)
-    with pytest.raises(TypeError, match="torch.long"):
+    with pytest.raises(TypeError, match=r"torch.long"):
         model(torch.zeros(1, 3))
     with pytest.raises(ValueError, match=r"\[0, 31\)"):
         model(torch.full((1, 3), 31))
@@ -177,7 +177,7 @@ def test_from_pretrained_rejects_missing_and_corrupt(tmp_path):
         LanguageModel.from_pretrained(tmp_path / "foreign")
     tiny("linear").save_pretrained(tmp_path / "bad")
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(ValueError, match="model.safetensors is truncated or altered"):
+    with pytest.raises(ValueError, match=r"model.safetensors is truncated or altered"):
         LanguageModel.from_pretrained(tmp_path / "bad")
     (tmp_path / "bad" / "checksums.json").unlink()  # a folder from another tool: no checksums
     with pytest.raises(ValueError, match="cannot load weights"):
@@ -197,7 +197,7 @@ def test_from_pretrained_detects_a_flipped_byte_and_returns_eval_mode(tmp_path):
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x01  # same size, one bit of one weight
     weights.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="model.safetensors is corrupted: its SHA-256 differs"):
+    with pytest.raises(ValueError, match=r"model.safetensors is corrupted: its SHA-256 differs"):
         LanguageModel.from_pretrained(tmp_path / "m")
 
 
@@ -285,7 +285,7 @@ def test_gradient_checkpointing_is_off_in_eval_and_no_grad_and_packed_works():
     assert_close64(model(x)[0], ref, what="eval mode")
     model.train()
     cu = torch.tensor([0, 3, 11])
-    loss, grads, state = _loss_and_grads(model, x, cu_seqlens=cu)
+    loss, grads, _state = _loss_and_grads(model, x, cu_seqlens=cu)
     model.set_gradient_checkpointing(False)
     loss2, grads2, _ = _loss_and_grads(model, x, cu_seqlens=cu)
     assert torch.equal(loss, loss2) and all(torch.allclose(grads[n], grads2[n]) for n in grads)

@@ -61,7 +61,7 @@ def toeplitz(kernel, T, causal):
 def run_pieces(step, T, splits):
     """Run ``step(start, stop, state) -> (o, state)`` over the pieces split at ``splits``."""
     outs, state, start = [], None, 0
-    for stop in list(splits) + [T]:
+    for stop in [*splits, T]:
         o, state = step(start, stop, state)
         outs.append(o)
         start = stop
@@ -349,7 +349,8 @@ def test_large_keys_stay_close_to_float64(dtype, keys, tol, causal):
     k = widen(k.double(), keys).to(dtype)
     qc, kc, vc, wc = (x.to(dtype) for x in make_conv(2, 37, 4, 2, 5))
     kc = widen(kc.double(), keys).to(dtype)
-    d = lambda *xs: [x.double() for x in xs]
+    def d(*xs):
+        return [x.double() for x in xs]
     cases = [
         ("full", aft(q, k, v, w, causal=causal, chunk_size=8), aft_naive(*d(q, k, v, w[:37, :37]), causal)),
         ("simple", aft(q, k, v, causal=causal), aft_naive(*d(q, k, v), None, causal)),

@@ -30,7 +30,7 @@ def make(B, T, H, Dk, Dv, seed=0, dtype=torch.float64, positive=True):
 def test_linear_attn_forms_agree(shape, normalize, chunk):
     q, k, v, _ = make(*shape)
     g = torch.Generator().manual_seed(1)
-    B, T, H, Dk, Dv = shape
+    B, _T, H, Dk, Dv = shape
     S0 = torch.randn(B, H, Dk, Dv, generator=g, dtype=torch.float64)
     z0 = torch.rand(B, H, Dk, generator=g, dtype=torch.float64)
     ref, (Sr, zr) = linear_attn(q, k, v, normalize=normalize, scale=0.7, initial_state=(S0, z0),
@@ -48,7 +48,7 @@ def test_linear_attn_forms_agree(shape, normalize, chunk):
 def test_delta_rule_forms_agree(shape, chunk):
     q, k, v, beta = make(*shape)
     k = sum_norm(k)
-    B, T, H, Dk, Dv = shape
+    B, _T, H, Dk, Dv = shape
     S0 = torch.randn(B, H, Dk, Dv, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     ref, Sr = delta_rule(q, k, v, beta, scale=1.3, initial_state=S0, output_final_state=True, mode="naive")
     for mode in ("recurrent", "chunk"):
@@ -88,7 +88,7 @@ def test_pieces_equal_whole(op, splits):
 
     whole, sw = run(slice(None), None)
     outs, state, start = [], None, 0
-    for stop in list(splits) + [29]:
+    for stop in [*splits, 29]:
         o, state = run(slice(start, stop), state)
         outs.append(o)
         start = stop
@@ -176,7 +176,7 @@ def test_chunk_backward_matches_naive_autograd(chunk, use):
         loss = {"o": (o * wo).sum(), "S": (S * wS).sum(), "both": (o * wo).sum() + (S * wS).sum()}[use]
         got = torch.autograd.grad(loss, xs, allow_unused=True)
         grads[mode] = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, got)]
-    for name, a, b in zip("q k v beta S0".split(), grads["chunk"], grads["naive"]):
+    for name, a, b in zip(["q", "k", "v", "beta", "S0"], grads["chunk"], grads["naive"]):
         assert_close64(a, b, what=f"d{name}")
 
 
@@ -199,7 +199,7 @@ def test_linear_attn_chunk_backward_matches_naive_autograd(normalize, chunk, use
         loss = {"o": (o * wo).sum(), "S": on_state, "both": (o * wo).sum() + on_state}[use]
         got = torch.autograd.grad(loss, xs, allow_unused=True)
         grads[mode] = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, got)]
-    for name, a, b in zip("q k v S0 z0".split(), grads["chunk"], grads["naive"]):
+    for name, a, b in zip(["q", "k", "v", "S0", "z0"], grads["chunk"], grads["naive"]):
         assert_close64(a, b, what=f"d{name}")
 
 
@@ -271,7 +271,7 @@ def test_low_precision_close_to_float64(dtype, tol, op):
             return linear_attn(*xs[:3], normalize=True, output_final_state=True, chunk_size=16)
         return delta_rule(*xs, output_final_state=True, chunk_size=16)
 
-    ref, sref = run(q, k, v, beta)
+    ref, _sref = run(q, k, v, beta)
     low, slow = run(*(x.to(dtype) for x in (q, k, v, beta)))
     assert low.dtype == dtype
     S = slow[0] if isinstance(slow, tuple) else slow

@@ -126,7 +126,7 @@ def test_pieces_equal_whole(mode, update, splits):
     opts = {"segment_len": 6, "update": update, "output_final_state": True, "mode": mode}
     whole, sw = infini_attention(q, k, v, gate, q_mem=qm, k_mem=km, **opts)
     outs, state, start = [], None, 0
-    for stop in list(splits) + [29]:
+    for stop in [*splits, 29]:
         sl = slice(start, stop)
         o, state = infini_attention(q[:, sl], k[:, sl], v[:, sl], gate, q_mem=qm[:, sl],
                                     k_mem=km[:, sl], initial_state=state, **opts)

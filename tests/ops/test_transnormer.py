@@ -121,7 +121,7 @@ def test_decay_pieces_equal_whole(mode, splits):
     lam = decays(2, seed=3)
     whole, S_whole = decay_linear_attn(q, k, v, lam, output_final_state=True, mode=mode, chunk_size=4)
     outs, S, start = [], None, 0
-    for stop in list(splits) + [29]:
+    for stop in [*splits, 29]:
         o, S = decay_linear_attn(q[:, start:stop], k[:, start:stop], v[:, start:stop], lam,
                                  initial_state=S, output_final_state=True, mode=mode, chunk_size=4)
         outs.append(o)

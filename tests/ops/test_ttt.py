@@ -109,7 +109,7 @@ def test_pieces_equal_whole(kind, mode, splits):
     args, kw = make_case(kind, b=4)
     whole, whole_state = OPS[kind](*args, mode="dual", output_final_state=True, **kw)
     outs, state, start = [], kw.pop("initial_state"), 0
-    for stop in list(splits) + [13]:
+    for stop in [*splits, 13]:
         o, state = OPS[kind](*(x[:, start:stop] for x in args), initial_state=state, mode=mode,
                              output_final_state=True, **kw)
         outs.append(o)

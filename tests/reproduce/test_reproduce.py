@@ -171,7 +171,7 @@ def test_parameter_matching_and_buckets():
         assert abs(count_parameters(cfg) - target) <= 0.03 * target
     # AFT-full's position tables (2 x 64 x 128 per layer here) double the model: no feed-forward
     # width brings it within 3 %, which is an error naming the model, not a silent mismatch
-    with pytest.raises(ReproduceError, match="'aft-full' has .* parameters"):
+    with pytest.raises(ReproduceError, match=r"'aft-full' has .* parameters"):
         match_parameters({**configs, "aft-full": LMConfig(**base, mixer="aft-full", max_seq_len=64)},
                          "softmax")
     assert log_buckets(128) == [(1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 129)]

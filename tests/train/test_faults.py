@@ -308,7 +308,7 @@ def test_resume_with_every_checkpoint_corrupt_says_so(tmp_path, corpus):
     train(run, model_cfg(), train_cfg(steps=4, save_every=2), corpus, progress=False)
     for step in (2, 4):
         _damage(run / "checkpoints" / f"step-{step:07d}" / "model.safetensors", "truncated")
-    with pytest.raises(ValueError, match="no complete checkpoint to resume from.*step-0000004"
+    with pytest.raises(ValueError, match=r"no complete checkpoint to resume from.*step-0000004"
                                          ".*truncated.*step-0000002.*truncated"):
         train(run, None, None, corpus, resume=True, progress=False)
 
@@ -383,7 +383,7 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
         monkeypatch.setattr(ckpt_module, "_write_bytes", fail_for(MANIFEST_FILE))
     else:
         monkeypatch.setattr(ckpt_module, "_write_bytes", fail_for(f".{LATEST}.tmp-{os.getpid()}"))
-    with pytest.raises(CheckpointWriteError, match="cannot write checkpoint step-0000010 .*No space "
+    with pytest.raises(CheckpointWriteError, match=r"cannot write checkpoint step-0000010 .*No space "
                                                    "left on device; latest still names step-0000005") as info:
         _saved(tmp_path, 10)
     assert info.value.errno == errno.ENOSPC
@@ -440,7 +440,7 @@ def nan_from_step_7(monkeypatch):
 
 def test_anomaly_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus, nan_from_step_7):
     run = tmp_path / "run"
-    with pytest.raises(TrainingAnomaly, match="at step 7 the training loss is nan.*the last good "
+    with pytest.raises(TrainingAnomaly, match=r"at step 7 the training loss is nan.*the last good "
                                               "checkpoint, step-0000006, is kept"):
         train(run, model_cfg(), train_cfg(save_every=2, anomaly_guard=True), corpus, progress=False)
     assert latest(run) == "step-0000006"
@@ -453,7 +453,7 @@ def test_anomaly_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus
 
 def test_without_the_guard_nonfinite_weights_are_never_saved(tmp_path, corpus, nan_from_step_7):
     run = tmp_path / "run"
-    with pytest.raises(ValueError, match="refusing to save checkpoint step-0000008.*NaN or inf"):
+    with pytest.raises(ValueError, match=r"refusing to save checkpoint step-0000008.*NaN or inf"):
         train(run, model_cfg(), train_cfg(save_every=2), corpus, progress=False)
     assert latest(run) == "step-0000006"
     assert not (run / "checkpoints" / "step-0000008").exists()

@@ -3,6 +3,8 @@ document, and training on packed rows works."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -17,7 +19,7 @@ def test_packed_windows_cut_at_documents():
     starts = torch.tensor([0, 7, 9, 30])
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     x, y, cu = packed_windows(data, starts, 3, 10, g1)
-    xr, yr = random_windows(data, 3, 10, g2)
+    xr, _yr = random_windows(data, 3, 10, g2)
     assert torch.equal(x, xr.reshape(1, -1))  # same draws as unpacked windows
     for row in range(3):
         s = int(xr[row, 0])
@@ -49,7 +51,7 @@ def test_packed_loss_equals_per_document_loss(tmp_path):
     x, y, cu = packed_windows(corpus.train, corpus.train_starts, 2, 12, torch.Generator().manual_seed(2))
     logits, _ = model(x, cu_seqlens=cu)
     bounds = cu.tolist()
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         ref, _ = model(x[:, a:b])
         assert (logits[:, a:b] - ref).abs().max().item() < 1e-10
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)

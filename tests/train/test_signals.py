@@ -1,5 +1,5 @@
 """Ctrl-C (SIGINT) and SIGTERM sent to a real `fastweights train` process, and checkpoint
-retention (`--keep-last`) (issue 11, item 7).
+retention (`--keep-last`).
 
 A signal during training saves a checkpoint of the last finished step (with the default
 --save-every 0, the only checkpoint) and exits 130 (SIGINT) or 143 (SIGTERM) with one line;
@@ -54,7 +54,8 @@ def launch(*args: str) -> subprocess.Popen:
 
 def rows(run: Path) -> list[tuple[str, str, str]]:
     """(step, split, loss) of every complete metrics.csv row."""
-    lines = [l for l in (run / "metrics.csv").read_text().splitlines(keepends=True) if l.endswith("\n")]
+    lines = [line for line in (run / "metrics.csv").read_text().splitlines(keepends=True)
+             if line.endswith("\n")]
     return [(r["step"], r["split"], r["loss"]) for r in csv.DictReader(lines)]
 
 

@@ -46,7 +46,7 @@ def train_cfg(**kw) -> TrainConfig:
 def test_tiny_training_lowers_the_loss(tmp_path, corpus):
     losses = train(tmp_path / "run", model_cfg(), train_cfg(steps=40, eval_every=40), corpus,
                    progress=False)
-    first, last = sum(l for _, l in losses[:5]) / 5, sum(l for _, l in losses[-5:]) / 5
+    first, last = sum(x for _, x in losses[:5]) / 5, sum(x for _, x in losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("step,split,loss") and any(",val," in r for r in rows)
@@ -136,7 +136,7 @@ def test_recompute_trains_to_the_same_losses(tmp_path, corpus):
 def test_bf16_autocast_trains_with_float32_weights(tmp_path, corpus):
     losses = train(tmp_path / "bf16", model_cfg(), train_cfg(steps=3, eval_every=3, bf16=True),
                    corpus, progress=False)
-    assert len(losses) == 3 and all(math.isfinite(l) for _, l in losses)
+    assert len(losses) == 3 and all(math.isfinite(x) for _, x in losses)
     model = LanguageModel.from_pretrained(resolve_checkpoint(tmp_path / "bf16"))
     assert all(p.dtype == torch.float32 for p in model.parameters())
 

@@ -24,6 +24,7 @@ written as JSON with ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -64,10 +65,9 @@ def _status_kib(field: str) -> int | None:
 def _return_freed_memory() -> None:
     """Make glibc give every freed block above 64 KiB back to the kernel (M_MMAP_THRESHOLD), so
     the resident set shows what decoding allocates instead of a heap that only grows."""
-    try:
+    # Not glibc: RSS figures then include the allocator's cached blocks.
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
-    except (OSError, AttributeError):
-        pass  # not glibc: RSS figures then include the allocator's cached blocks
 
 
 def _reset_rss_peak() -> bool:

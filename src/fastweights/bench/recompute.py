@@ -74,10 +74,12 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              "above the model and its gradients.", "",
              "| mixer | T | step ms | step ms (recompute) | time x | peak MiB | peak MiB (recompute) | memory saved |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    def pk(r: dict[str, Any]) -> str:
+        return "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+
     for off, on in zip(rows[::2], rows[1::2]):
         saved = (f"{1 - on['peak_mib'] / off['peak_mib']:.0%}"
                  if off["peak_mib"] and on["peak_mib"] is not None else "n/a")
-        pk = (lambda r: "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}")
         lines.append(f"| {off['mixer']} | {off['T']} | {off['ms']:.0f} | {on['ms']:.0f} | "
                      f"{on['ms'] / off['ms']:.2f} | {pk(off)} | {pk(on)} | {saved} |")
     return "\n".join(lines) + "\n"

@@ -99,7 +99,7 @@ def _compile_row(row: Row, work: Workload, T: int, budget: float, repeats: int,
     eager = work.forward()
     try:
         got = call()  # the compilation happens here
-    except Exception as err:  # noqa: BLE001  a compiler failure is a result to report, not a crash
+    except Exception as err:  # a compiler failure is a result to report, not a crash
         row.status = f"failed: compile: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
         return
     row.max_abs_diff = (got.double() - eager.double()).abs().max().item()
@@ -177,8 +177,9 @@ def run_targets(targets: list[Target], lengths: list[int], passes: list[str], se
                          setting.device, memory)
             else:
                 _compile_row(row, work, T, budget, repeats, setting)
-        except Exception as err:  # noqa: BLE001  out of memory, a kernel or layer error: one
-            # config's failure is a result to record; the rest of the run goes on
+        except Exception as err:
+            # out of memory, a kernel or layer error: one config's failure is a result to
+            # record; the rest of the run goes on
             row.status = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             failed[key] = T
             work_cache.clear()

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..models.registry import build_mixer, mixer_names, mixer_options
-from ..train.specs import parse_mixer_spec
 
 __all__ = ["Setting", "Target", "Workload", "mixer_targets", "op_targets"]
 
@@ -80,11 +79,11 @@ class Target:
 # ----------------------------------------------------------------------------- mixers
 
 
-def _mixer_workload(spec: str, T: int, s: Setting) -> Workload:
-    # ``spec`` is a name with optional options (``ttt-mlp:checkpoint_group=4``). Mixers with
-    # absolute position tables (AFT-full/local) are sized for the benchmarked length plus the
-    # decoding steps unless the spec sets max_len; every other option keeps its default.
-    name, opts = parse_mixer_spec(spec)
+def _mixer_workload(name: str, options: dict[str, Any], T: int, s: Setting) -> Workload:
+    # Mixers with absolute position tables (AFT-full/local) are sized for the benchmarked length
+    # plus the decoding steps unless ``options`` set max_len; every other option not in
+    # ``options`` keeps its default.
+    opts = dict(options)  # a copy per length: max_len depends on T
     if "max_len" in mixer_options(name):
         opts.setdefault("max_len", T + _DECODE_STEPS)
     layer = build_mixer(name, s.d_model, s.n_heads, **opts).to(device=s.device, dtype=s.dtype)
@@ -118,10 +117,13 @@ def _mixer_workload(spec: str, T: int, s: Setting) -> Workload:
     return Workload(forward, forward_backward, prefill, step, _DECODE_STEPS, module=layer, x=x)
 
 
-def mixer_targets(names: list[str] | None = None) -> list[Target]:
-    """One target per registered mixer (all of them when ``names`` is None)."""
-    names = mixer_names() if names is None else names
-    return [Target(name, "mixer", lambda T, s, n=name: _mixer_workload(n, T, s)) for name in names]
+def mixer_targets(mixers: list[tuple[str, str, dict[str, Any]]] | None = None) -> list[Target]:
+    """One target per ``(label, registered name, options)`` of ``mixers``, named by its label
+    (None: every registered mixer, named by its name, with its default options)."""
+    if mixers is None:
+        mixers = [(name, name, {}) for name in mixer_names()]
+    return [Target(label, "mixer", lambda T, s, n=name, o=opts: _mixer_workload(n, o, T, s))
+            for label, name, opts in mixers]
 
 
 # ----------------------------------------------------------------------------- ops

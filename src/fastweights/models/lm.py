@@ -6,6 +6,7 @@ Dimension legend: B batch, T tokens, V vocabulary, d d_model.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -130,7 +131,7 @@ class LanguageModel(nn.Module):
             bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0],
                                       input_ids.device)
             if state is None:
-                self._check_length(max(b - a for a, b in zip(bounds, bounds[1:])))
+                self._check_length(max(b - a for a, b in itertools.pairwise(bounds)))
         elif state is None:
             self._check_length(input_ids.shape[1])
         if state is None:

@@ -25,6 +25,7 @@ from .transnormer import block_attention, decay_linear_attn
 from .ttt import ttt_linear, ttt_mlp
 
 __all__ = [
+    "InfiniState",
     "aft",
     "aft_conv",
     "aft_conv_stream",
@@ -39,7 +40,6 @@ __all__ = [
     "draw_favor_projection",
     "elu_plus_one",
     "favor_features",
-    "InfiniState",
     "infini_attention",
     "linear_attn",
     "relu",

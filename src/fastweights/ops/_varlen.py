@@ -10,6 +10,7 @@ structure (an open TTT mini-batch or Infini segment has a per-document fill leve
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ def check_cu_seqlens(cu_seqlens: Any, T: int, batch: int, device: torch.device) 
     bounds = [int(c) for c in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {bounds[0]} ... {bounds[-1]}")
-    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+    if any(b <= a for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"cu_seqlens must be strictly increasing (no empty documents), got {bounds}")
     return bounds
 
@@ -64,7 +65,7 @@ def run_packed(
     bounds = check_cu_seqlens(cu_seqlens, T, time_args[0].shape[0], time_args[0].device)
     states = check_packed_states(initial_state, len(bounds) - 1)
     outs, finals = [], []
-    for (start, stop), state in zip(zip(bounds, bounds[1:]), states):
+    for (start, stop), state in zip(itertools.pairwise(bounds), states):
         o, final = op(*(x[:, start:stop] for x in time_args), initial_state=state,
                       output_final_state=output_final_state, **kwargs)
         outs.append(o)

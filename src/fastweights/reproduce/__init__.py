@@ -1,4 +1,5 @@
-"""``fastweights reproduce NAME``: the papers' claims, one command each (see ``command.py``).
+"""``fastweights reproduce NAME``: the papers' claims, one command each (``driver.reproduce``; the
+command line is ``fastweights.cli.reproduce``).
 
 Each experiment module defines ``EXPERIMENT`` (``common.Experiment``); ``EXPERIMENTS`` maps the
 names to their modules, imported when run."""

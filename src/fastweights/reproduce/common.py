@@ -8,6 +8,7 @@ No mathematics here: models come from ``LMConfig`` / the retrieval model, traini
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -159,10 +160,8 @@ def prepare_out(out: Path, manifest: dict[str, Any], overwrite: bool) -> bool:
         raise ReproduceError(f"--out {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
         saved = None
-        try:
+        with contextlib.suppress(OSError, ValueError):
             saved = json.loads((out / MANIFEST).read_text())
-        except (OSError, ValueError):
-            pass
         if not overwrite:
             if saved == manifest:
                 return True

@@ -80,7 +80,7 @@ def _fit(model: torch.nn.Module, train_loss: Callable[[], torch.Tensor],
 
 
 def run_retrieval(setting: str, size: int, name: str, options: dict[str, Any], *, d_key: int,
-                  steps: int, seed: int, report: Callable[[int, float], None] = lambda s, l: None,
+                  steps: int, seed: int, report: Callable[[int, float], None] = lambda step, loss: None,
                   ) -> RecallResult:
     """Train and evaluate one RetrievalModel on setting ``capacity`` or ``update``."""
     torch.manual_seed(seed)
@@ -105,7 +105,7 @@ def run_retrieval(setting: str, size: int, name: str, options: dict[str, Any], *
 
 
 def run_mqar(size: int, name: str, options: dict[str, Any], *, d_key: int, steps: int, seed: int,
-             report: Callable[[int, float], None] = lambda s, l: None) -> RecallResult:
+             report: Callable[[int, float], None] = lambda step, loss: None) -> RecallResult:
     """Train and evaluate a two-layer LM with mixer ``name`` on MQAR with ``size`` pairs, every
     key queried once (cross-entropy on the answers)."""
     torch.manual_seed(seed)

@@ -15,6 +15,10 @@ new total: its first new step uses that schedule's value at that step, not the o
 final rate. SIGINT and SIGTERM during training save a checkpoint of the last finished step and
 raise ``TrainingInterrupted`` (a second signal interrupts at once).
 
+``train`` is the entry point; ``Trainer`` holds one session's phases as methods (``setup``,
+``train_step``, ``validate``, ``save``, ``teardown``), so a change to one phase (gradient
+accumulation in ``train_step``, another logger in ``_Metrics``) stays local.
+
 Dimension legend: N batch, T sequence length, V vocabulary.
 """
 
@@ -422,6 +426,275 @@ def _put_back(aside: Path, run_dir: Path) -> None:
     aside.rmdir()
 
 
+class Trainer:
+    """One training session in ``run_dir`` (``train`` is the public entry point and documents
+    the behaviour): ``setup`` (configs, checks, model, run folder, optimizer; nothing is written
+    before every check has passed), ``run`` (the loop of ``train_step``, ``validate`` and
+    ``save``), and ``teardown``, always, even after a setup that failed part-way. Every rank
+    computes; rank 0 alone writes."""
+
+    def __init__(self, run_dir: str | Path, model_config: LMConfig | None,
+                 train_config: TrainConfig | None, corpus: Corpus, *, resume: bool = False,
+                 overwrite: bool = False, progress: bool = True) -> None:
+        if resume and overwrite:
+            raise ValueError("resume and overwrite exclude each other")
+        self.run_dir, self.corpus = Path(run_dir), corpus
+        self.resume, self.overwrite, self.progress = resume, overwrite, progress
+        self.model_config, self.train_config = model_config, train_config
+        self.rank, self.world, self.device, self._owns_group = 0, 1, torch.device("cpu"), False
+        self.metrics: _Metrics | None = None
+        self.bar: Any = None
+        self.ddp: torch.nn.Module | None = None
+        self.step, self.best, self.since_best = 0, float("inf"), 0
+        self.losses: list[tuple[int, float]] = []  # (step, train loss) of this session
+        self.tokens, self.elapsed = 0, 0.0  # trained this session, seconds since its first step
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def setup(self) -> None:
+        """Everything before the first step, in the order that makes a resumed run exact: the
+        process group, the configs, the checks, the seeds, the model (its first forward tried),
+        the run folder, the optimizer and the saved random states."""
+        self.rank, self.world, self.device, self._owns_group = _dist_info()
+        resumed = self._configure()
+        self._check()
+        torch.manual_seed(self.cfg.seed)
+        random.seed(self.cfg.seed)
+        np.random.seed(self.cfg.seed)
+        self.data_gen = torch.Generator().manual_seed(self.cfg.seed)
+        self.model = resumed[0] if resumed else LanguageModel(self.model_config)
+        self.model.to(self.device)
+        _try_forward(self.model, self.cfg.seq_len, self.device)  # before anything is written
+        if resumed:
+            self._restore_progress(resumed[2])
+        if self.main:  # everything is checked: the new run starts writing here
+            self._open_run()
+        self._build_optimizer(resumed[1] if resumed else None)
+        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1
+                    else self.model)
+        self.local = self.cfg.batch_size // self.world  # rows of the global batch per rank
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
+
+    def _configure(self) -> tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None:
+        """Sets ``cfg`` and ``model_config``: the given ones, or the run's with ``resume`` (then
+        the checkpoint to resume is loaded and returned, None when none was saved yet)."""
+        if not self.resume:
+            if self.model_config is None or self.train_config is None:
+                raise ValueError("model_config and train_config are required unless resume=True")
+            self.cfg = self.train_config
+            earlier = [n for n in OUTPUTS if (self.run_dir / n).exists()] if self.main else []
+            if earlier and not self.overwrite:
+                raise ValueError(f"{self.run_dir} holds an earlier run ({', '.join(earlier)}); pass "
+                                 "overwrite=True to replace it, or resume=True to continue it")
+            return None
+        record = read_run(self.run_dir)
+        self.cfg = _resumed_config(record, self.model_config, self.train_config, self.corpus)
+        self.model_config = record.model
+        ckpt, problems = resume_point(self.run_dir)
+        if self.main:
+            for problem in problems:
+                print(f"warning: {problem}", file=sys.stderr)
+            if ckpt is None:
+                print(f"{self.run_dir} holds no checkpoint yet: training restarts from step 0",
+                      file=sys.stderr)
+            elif problems:
+                print(f"resuming from the newest complete checkpoint, {ckpt}", file=sys.stderr)
+        if ckpt is None:
+            return None
+        resumed = load_checkpoint(ckpt)
+        _check_run_file(self.run_dir / RUN_FILE, ckpt, self.model_config, self.cfg, resumed[0],
+                        resumed[2])
+        return resumed
+
+    def _check(self) -> None:
+        """The settings must fit the world size, the model and the data."""
+        cfg, limit = self.cfg, self.model_config.max_seq_len
+        if cfg.batch_size % self.world:
+            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the world size "
+                             f"{self.world}")
+        if limit is not None and cfg.seq_len > limit:
+            raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {limit}")
+        _check_corpus(self.corpus, cfg)
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
+        """Step and early-stopping counters of the resumed checkpoint."""
+        self.step, self.best, self.since_best = (state["step"], state["best_val_loss"],
+                                                 state["since_best"])
+        if self.cfg.steps < self.step:
+            raise ValueError(f"steps {self.cfg.steps} is fewer than the {self.step} steps the run "
+                             "has trained already (a run can be extended, not shortened)")
+
+    def _open_run(self) -> None:
+        """Write run.json and open metrics.csv (rank 0). With ``overwrite`` the earlier run's
+        outputs are set aside first, deleted once both are written, put back if that fails."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        aside = _set_aside(self.run_dir) if self.overwrite else None
+        record = {"model": self.model_config.to_dict(), "train": dataclasses.asdict(self.cfg),
+                  "data": self.corpus.name}
+        try:
+            write_atomic(self.run_dir / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode())
+            self.metrics = _Metrics(self.run_dir, self.step if self.resume else None)
+        except BaseException:
+            if aside is not None:
+                _put_back(aside, self.run_dir)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside)
+
+    def _build_optimizer(self, saved: dict[str, Any] | None) -> None:
+        """AdamW (no weight decay on vectors) and the schedule; with ``saved`` (a checkpoint's
+        optimizer state) their state and the random states are restored."""
+        cfg, model = self.cfg, self.model
+        model.train()
+        model.set_gradient_checkpointing(cfg.recompute)
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=cfg.lr, betas=(0.9, 0.95))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
+        if saved is None:
+            return
+        self.opt.load_state_dict(saved["optimizer"])
+        self.sched.load_state_dict(saved["scheduler"])
+        # The optimizer state holds the rate the *saved* schedule set for this step; the
+        # schedule is a function of (step, cfg.steps), and cfg.steps may have grown (an extended
+        # run), so the rate is recomputed: the same value when steps is unchanged.
+        for group, base in zip(self.opt.param_groups, self.sched.base_lrs):
+            group["lr"] = base * lr_factor(self.step, cfg)
+        _set_rng_states(saved["rng"], self.data_gen)
+
+    def run(self, stop_after: int | None = None) -> list[tuple[int, float]]:
+        """Train until ``cfg.steps`` (or early stopping, or ``stop_after`` without the final
+        save); a signal saves and raises ``TrainingInterrupted``. The session's losses."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self.bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step",
+                        disable=not (self.main and self.progress))
+        self._start = time.perf_counter()
+        with _Signals() as signals:
+            while self.step < cfg.steps and not signals.agreed(self.world, self.device):
+                self.train_step()
+                due = self.step % cfg.eval_every == 0 or self.step == cfg.steps
+                stopped_early = self.validate() if due else False
+                if stop_after is not None and stop_after <= self.step < cfg.steps:
+                    break
+                if stopped_early or self.step == cfg.steps or (
+                        cfg.save_every and self.step % cfg.save_every == 0):
+                    self.save()
+                if stopped_early:
+                    if self.main:
+                        self.bar.write(f"early stop at step {self.step}: {self.since_best} "
+                                       "validations without a new best")
+                    break
+            signum = signals.agreed(self.world, self.device)
+            if signum is not None:  # a signal during the loop, or during its last step's save
+                raise TrainingInterrupted(signum, self.step, self.save())
+        return self.losses
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's rows of the next global batch: (x, y, cu_seqlens or None), on device."""
+        cfg, corpus, rows = self.cfg, self.corpus, (self.rank * self.local, (self.rank + 1) * self.local)
+        if cfg.pack:
+            x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size,
+                                      cfg.seq_len, self.data_gen, rows=rows)
+            return x.to(self.device), y.to(self.device), cu.to(self.device)
+        x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, self.data_gen)
+        return x[rows[0]:rows[1]].to(self.device), y[rows[0]:rows[1]].to(self.device), None
+
+    def train_step(self) -> float:
+        """One optimiser step on the next global batch; its loss (the global batch's under DDP,
+        identical to one process's), logged."""
+        cfg = self.cfg
+        set_inner_lr_ramp(self.model, self.step, cfg.warmup)
+        x, y, cu = self._next_batch()
+        with self.autocast:
+            logits, _ = self.ddp(x, cu_seqlens=cu)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if cfg.anomaly_guard and not _all_finite(loss, grad_norm, self.world):
+            raise self._anomaly(loss.item(), grad_norm.item())
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        self.tokens += cfg.batch_size * cfg.seq_len
+        loss_value = loss.item()
+        if self.world > 1:
+            t = torch.tensor([loss_value], device=self.device)
+            dist.all_reduce(t)
+            loss_value = t.item() / self.world
+        self.losses.append((self.step, loss_value))
+        self.elapsed = time.perf_counter() - self._start
+        if self.main:
+            rate = self.tokens / self.elapsed
+            self.metrics.log(self.step, "train", loss_value, lr=lr, tokens_per_s=rate,
+                             seconds=self.elapsed)
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
+        return loss_value
+
+    def _anomaly(self, loss: float, grad_norm: float) -> TrainingAnomaly:
+        """The anomaly guard's error for the step about to be taken, naming the checkpoint kept."""
+        pointer = self.run_dir / "checkpoints" / "latest"
+        kept = (f"the last good checkpoint, {pointer.read_text().strip()}, is kept in "
+                f"{pointer.parent}" if pointer.is_file() else "no checkpoint had been saved yet")
+        return TrainingAnomaly(
+            f"anomaly guard: at step {self.step + 1} the training loss is {loss:.6g} and the "
+            f"gradient norm {grad_norm:.6g}; training stopped before this step changed the "
+            f"weights, {kept}")
+
+    def validate(self) -> bool:
+        """Validation loss (logged by rank 0) and the early-stopping count: whether patience
+        has run out."""
+        val = evaluate(self.model, self.corpus.val, self.cfg.seq_len, self.cfg.eval_windows)
+        if self.main:
+            self.metrics.log(self.step, "val", val, seconds=self.elapsed)
+            self.bar.write(f"step {self.step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
+        if val < self.best:
+            self.best, self.since_best = val, 0
+            return False
+        self.since_best += 1
+        return self.cfg.patience > 0 and self.since_best >= self.cfg.patience
+
+    def save(self) -> Path | None:
+        """Checkpoint of the current step (rank 0; the others wait for it), then ``keep_last``
+        retention; the checkpoint's folder on rank 0, else None."""
+        path = None
+        if self.main:
+            path = save_checkpoint(
+                self.run_dir, self.step, self.model,
+                {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                 "rng": _rng_states(self.data_gen)},
+                {"step": self.step, "best_val_loss": self.best, "since_best": self.since_best,
+                 "train": dataclasses.asdict(self.cfg)})
+            if self.cfg.keep_last is not None:
+                prune_checkpoints(self.run_dir, self.cfg.keep_last)
+        if self.world > 1:
+            dist.barrier()
+        return path
+
+    def teardown(self) -> None:
+        """Close the progress bar and metrics; under DDP free DDP's reducer and end the process
+        group this session created (on success or error)."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.world > 1:
+            # DDP's reducer keeps the backend's work objects (and their tensors) alive; left to
+            # interpreter shutdown, gloo may abort the process (SIGABRT) while freeing them.
+            self.ddp = None
+            gc.collect()
+            if self._owns_group:
+                dist.destroy_process_group()
+
+
 def train(run_dir: str | Path, model_config: LMConfig | None, train_config: TrainConfig | None,
           corpus: Corpus, *, resume: bool = False, overwrite: bool = False,
           stop_after: int | None = None, progress: bool = True) -> list[tuple[int, float]]:
@@ -445,181 +718,10 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     ``stop_after`` ends the session after that step without the final save, as if the process
     had been killed (time-boxed sessions, tests).
     """
-    run_dir = Path(run_dir)
-    if resume and overwrite:
-        raise ValueError("resume and overwrite exclude each other")
-    rank, world, device, owns_group = _dist_info()
-    main = rank == 0
-    resumed: tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None = None
-    if resume:
-        record = read_run(run_dir)
-        cfg = _resumed_config(record, model_config, train_config, corpus)
-        model_config = record.model
-        ckpt, problems = resume_point(run_dir)
-        if main:
-            for problem in problems:
-                print(f"warning: {problem}", file=sys.stderr)
-            if ckpt is None:
-                print(f"{run_dir} holds no checkpoint yet: training restarts from step 0", file=sys.stderr)
-            elif problems:
-                print(f"resuming from the newest complete checkpoint, {ckpt}", file=sys.stderr)
-        if ckpt is not None:
-            resumed = load_checkpoint(ckpt)
-            _check_run_file(run_dir / RUN_FILE, ckpt, model_config, cfg, resumed[0], resumed[2])
-    else:
-        if model_config is None or train_config is None:
-            raise ValueError("model_config and train_config are required unless resume=True")
-        cfg = train_config
-        earlier = [n for n in OUTPUTS if (run_dir / n).exists()] if main else []
-        if earlier and not overwrite:
-            raise ValueError(f"{run_dir} holds an earlier run ({', '.join(earlier)}); pass "
-                             "overwrite=True to replace it, or resume=True to continue it")
-    if cfg.batch_size % world:
-        raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the world size {world}")
-    if model_config.max_seq_len is not None and cfg.seq_len > model_config.max_seq_len:
-        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
-    _check_corpus(corpus, cfg)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    data_gen = torch.Generator().manual_seed(cfg.seed)
-    model = resumed[0] if resumed else LanguageModel(model_config)
-    model.to(device)
-    _try_forward(model, cfg.seq_len, device)  # before anything is written into run_dir
-    step, best, since_best = 0, float("inf"), 0
-    if resumed:
-        state = resumed[2]
-        step, best, since_best = state["step"], state["best_val_loss"], state["since_best"]
-        if cfg.steps < step:
-            raise ValueError(f"steps {cfg.steps} is fewer than the {step} steps the run has "
-                             "trained already (a run can be extended, not shortened)")
-    metrics = None
-    if main:  # everything is checked: the new run starts writing here
-        run_dir.mkdir(parents=True, exist_ok=True)
-        aside = _set_aside(run_dir) if overwrite else None
-        try:
-            write_atomic(run_dir / RUN_FILE, (json.dumps(
-                {"model": model_config.to_dict(), "train": dataclasses.asdict(cfg), "data": corpus.name},
-                indent=2) + "\n").encode())
-            metrics = _Metrics(run_dir, step if resume else None)
-        except BaseException:
-            if aside is not None:
-                _put_back(aside, run_dir)
-            raise
-        if aside is not None:
-            shutil.rmtree(aside)
-    model.train()
-    model.set_gradient_checkpointing(cfg.recompute)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    if resumed:
-        opt_state = resumed[1]
-        opt.load_state_dict(opt_state["optimizer"])
-        sched.load_state_dict(opt_state["scheduler"])
-        # The optimizer state holds the rate the *saved* schedule set for this step; the
-        # schedule is a function of (step, cfg.steps), and cfg.steps may have grown (an extended
-        # run), so the rate is recomputed: the same value when steps is unchanged.
-        for group, base in zip(opt.param_groups, sched.base_lrs):
-            group["lr"] = base * lr_factor(step, cfg)
-        _set_rng_states(opt_state["rng"], data_gen)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    local = cfg.batch_size // world
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
-
-    def save() -> Path | None:
-        path = None
-        if main:
-            path = save_checkpoint(run_dir, step, model,
-                                   {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                    "rng": _rng_states(data_gen)},
-                                   {"step": step, "best_val_loss": best, "since_best": since_best,
-                                    "train": dataclasses.asdict(cfg)})
-            if cfg.keep_last is not None:
-                prune_checkpoints(run_dir, cfg.keep_last)
-        if world > 1:
-            dist.barrier()
-        return path
-
-    from tqdm import tqdm
-    bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not (main and progress))
-    losses: list[tuple[int, float]] = []
-    start, tokens = time.perf_counter(), 0
-    stopped_early = False
+    trainer = Trainer(run_dir, model_config, train_config, corpus, resume=resume,
+                      overwrite=overwrite, progress=progress)
     try:
-        with _Signals() as signals:
-            while step < cfg.steps and not signals.agreed(world, device):
-                set_inner_lr_ramp(model, step, cfg.warmup)
-                if cfg.pack:
-                    x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size, cfg.seq_len,
-                                              data_gen, rows=(rank * local, (rank + 1) * local))
-                    x, y, cu = x.to(device), y.to(device), cu.to(device)
-                else:
-                    x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
-                    x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
-                    cu = None
-                with autocast:
-                    logits, _ = ddp(x, cu_seqlens=cu)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                if cfg.anomaly_guard and not _all_finite(loss, grad_norm, world):
-                    pointer = run_dir / "checkpoints" / "latest"
-                    kept = (f"the last good checkpoint, {pointer.read_text().strip()}, is kept in {pointer.parent}"
-                            if pointer.is_file() else "no checkpoint had been saved yet")
-                    raise TrainingAnomaly(
-                        f"anomaly guard: at step {step + 1} the training loss is {loss.item():.6g} and the "
-                        f"gradient norm {grad_norm.item():.6g}; training stopped before this step changed "
-                        f"the weights, {kept}")
-                lr = opt.param_groups[0]["lr"]
-                opt.step()
-                sched.step()
-                step += 1
-                tokens += cfg.batch_size * cfg.seq_len
-                loss_value = loss.item()
-                if world > 1:  # report the global-batch loss, identical to one process's
-                    t = torch.tensor([loss_value], device=device)
-                    dist.all_reduce(t)
-                    loss_value = t.item() / world
-                losses.append((step, loss_value))
-                elapsed = time.perf_counter() - start
-                if main:
-                    metrics.log(step, "train", loss_value, lr=lr, tokens_per_s=tokens / elapsed, seconds=elapsed)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens / elapsed:.0f}")
-                if step % cfg.eval_every == 0 or step == cfg.steps:
-                    val = evaluate(model, corpus.val, cfg.seq_len, cfg.eval_windows)
-                    if main:
-                        metrics.log(step, "val", val, seconds=elapsed)
-                        bar.write(f"step {step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
-                    if val < best:
-                        best, since_best = val, 0
-                    else:
-                        since_best += 1
-                        stopped_early = cfg.patience > 0 and since_best >= cfg.patience
-                if stop_after is not None and step >= stop_after and step < cfg.steps:
-                    break
-                if stopped_early or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                    save()
-                if stopped_early:
-                    if main:
-                        bar.write(f"early stop at step {step}: {since_best} validations without a new best")
-                    break
-            signum = signals.agreed(world, device)
-            if signum is not None:  # a signal during the loop, or during its last step's save
-                raise TrainingInterrupted(signum, step, save())
+        trainer.setup()
+        return trainer.run(stop_after)
     finally:
-        bar.close()
-        if metrics is not None:
-            metrics.close()
-        if world > 1:
-            # DDP's reducer keeps the backend's work objects (and their tensors) alive; left to
-            # interpreter shutdown, gloo may abort the process (SIGABRT) while freeing them.
-            del ddp
-            gc.collect()
-            if owns_group:  # the group this call created ends with it, on success or error
-                dist.destroy_process_group()
-    return losses
+        trainer.teardown()

@@ -58,7 +58,7 @@ def banded_recurrent(
         f = torch.exp(a - rho)  # weight of the prefix; 0 while it is empty
         num = torch.einsum("bgj,bjge->bge", e, v_cache) + f.unsqueeze(-1) * n
         outs.append(num / (e.sum(dim=-1) + f * m).unsqueeze(-1))
-        if J == s:  # the oldest token is outside the next token's window
+        if s == J:  # the oldest token is outside the next token's window
             prefix = _absorb(prefix, k_cache[:, 0], v_cache[:, 0])
             k_cache, v_cache = k_cache[:, 1:], v_cache[:, 1:]
     return torch.stack(outs, dim=1), (*prefix, k_cache, v_cache)

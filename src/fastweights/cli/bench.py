@@ -1,0 +1,191 @@
+"""``fastweights bench``: time, memory and FLOP rate of every mixer (and op) against T."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from pathlib import Path
+
+import torch
+
+from ..bench import suite
+from ..bench.report import OUTPUT_FILES
+from ..bench.runner import PASSES
+from ..bench.targets import Setting
+from ..models.registry import check_mixer, mixer_names
+from .common import UserError, make_folder, parse_mixer_spec, positive_int
+
+NAME = "bench"
+HELP = "time, memory and FLOP rate of every mixer (and op) vs T"
+DESCRIPTION = ("Benchmark every registered mixer (and with --ops every form of every op) over "
+               "sequence lengths T: forward, forward+backward and per-token decoding time, peak "
+               "memory and GFLOP/s, against the softmax baseline. Writes results.csv, results.md, "
+               "meta.json and plots into --out.")
+
+DEFAULT_LENGTHS = "512..16384"
+FULL_LENGTHS = "512..65536"
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+# Options with a preset: their default, and --quick's (a CI-sized end-to-end check: all code
+# paths, tiny shapes, well under a minute). An option given explicitly wins over both.
+_PRESETS = {"d_model": (512, 32), "n_heads": (8, 2), "repeats": (5, 2), "time_budget": (4.0, 2.0)}
+
+
+def _positive_float(text: str) -> float:
+    """argparse ``type`` of a positive, finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    def preset(key: str) -> str:
+        return f" (default: {_PRESETS[key][0]:g}; --quick: {_PRESETS[key][1]:g})"
+
+    p.add_argument("--mixers", default="all",
+                   help="comma-separated registered mixer names with options as name:opt=value "
+                        "(e.g. ttt-mlp:checkpoint_group=4), or 'all'; the softmax baseline is "
+                        "always added; 'none' benchmarks only --ops")
+    p.add_argument("--lengths", default=None,
+                   help=f"comma-separated T values, or A..B for the powers of two from A to B "
+                        f"(default: {DEFAULT_LENGTHS}; --full: {FULL_LENGTHS}; --quick: 16,32)")
+    p.add_argument("--full", action="store_true", help=f"lengths {FULL_LENGTHS}")
+    p.add_argument("--d-model", type=positive_int, default=None, help=preset("d_model"))
+    p.add_argument("--n-heads", type=positive_int, default=None, help=preset("n_heads"))
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size B")
+    p.add_argument("--dtype", default="float32", choices=list(_DTYPES), help="inputs and weights")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="timed calls per config (median reported)" + preset("repeats"))
+    p.add_argument("--passes", default=",".join(PASSES),
+                   help="comma-separated subset of " + ",".join(PASSES))
+    p.add_argument("--time-budget", type=_positive_float, default=None,
+                   help="seconds per (target, T, pass); configs predicted to take longer are "
+                        "skipped and recorded as such" + preset("time_budget"))
+    p.add_argument("--quick", action="store_true",
+                   help="CI-sized preset: lengths 16,32, d_model 32, 2 heads, 2 repeats")
+    p.add_argument("--ops", action="store_true",
+                   help="also benchmark the op-level forms (every mode of every op)")
+    p.add_argument("--compile", action="store_true",
+                   help="also torch.compile each mixer: max |compiled - eager| and its time")
+    p.add_argument("--out", default="bench_results", help="output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _length(text: str, what: str) -> int:
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as err:
+        raise UserError(f"--lengths {what} {err}") from None
+
+
+def _lengths(text: str) -> list[int]:
+    if ".." in text:
+        lo_text, hi_text = text.split("..", 1)
+        lo, hi = _length(lo_text, "start"), _length(hi_text, "end")
+        if hi < lo:
+            raise UserError(f"--lengths range {text!r} must go from small to large")
+        out = [lo]
+        while out[-1] * 2 <= hi:
+            out.append(out[-1] * 2)
+        return out
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise UserError("--lengths must name at least one length")
+    return sorted({_length(s, "entry") for s in items})
+
+
+def _mixers(text: str, ops: bool) -> list[tuple[str, str, dict]]:
+    """(label, name, options) of every mixer ``--mixers`` names, the softmax baseline first
+    unless named."""
+    registered = mixer_names()
+    if text in ("all", "none"):
+        specs = [(name, name, {}) for name in registered] if text == "all" else []
+    else:
+        specs = [(m.strip(), *parse_mixer_spec("--mixers", m)) for m in text.split(",") if m.strip()]
+        unknown = [name for _, name, _ in specs if name not in registered]
+        if unknown or not specs:
+            raise UserError(f"unknown mixer(s) {unknown or text!r} in --mixers; "
+                            f"registered: {', '.join(registered)} (or 'all', 'none')")
+    if specs and "softmax" in registered and all(name != "softmax" for _, name, _ in specs):
+        specs = [("softmax", "softmax", {}), *specs]  # the baseline every report compares against
+    if not specs and not ops:
+        raise UserError("--mixers none needs --ops (nothing to benchmark otherwise)")
+    return specs
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UserError(f"--device {text!r} is not a device (cpu, cuda, cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device must be cpu or cuda[:N], got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {text!r} asked for, but CUDA is not available")
+    return device
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if not overwrite:
+        existing = [f for f in OUTPUT_FILES if (out / f).exists()]
+        if existing:
+            raise UserError(f"--out {str(out)!r} already holds results ({', '.join(existing)}); "
+                            "pass --overwrite to replace them or choose another folder")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {str(out)!r} exists and is not a folder")
+
+
+def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
+    """The validated options of the run (UserError naming the option); creates ``--out``."""
+    preset = 1 if args.quick else 0
+    d_model, n_heads, repeats, budget = (
+        _PRESETS[key][preset] if getattr(args, key) is None else getattr(args, key)
+        for key in ("d_model", "n_heads", "repeats", "time_budget"))
+    mixers = _mixers(args.mixers, args.ops)
+    lengths = _lengths(args.lengths or ("16,32" if args.quick else
+                                        FULL_LENGTHS if args.full else DEFAULT_LENGTHS))
+    passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    bad = [p for p in passes if p not in PASSES]
+    if bad or not passes:
+        raise UserError(f"unknown pass(es) {bad or args.passes!r} in --passes; "
+                        f"choose from {','.join(PASSES)}")
+    if d_model % n_heads:
+        raise UserError(f"--d-model ({d_model}) must be divisible by --n-heads ({n_heads})")
+    device = _device(args.device)
+    out = Path(args.out)
+    _check_out(out, args.overwrite)
+    for label, name, opts in mixers:  # option names and values, up front
+        try:
+            check_mixer(name, d_model, n_heads, **opts)
+        except (ValueError, TypeError) as err:
+            raise UserError(f"--mixers {label}: {err}") from None
+    make_folder(out)  # before measuring: a bad --out must not cost the measurements
+    setting = Setting(args.batch, d_model, n_heads, _DTYPES[args.dtype], device)
+    opts = suite.BenchOptions(mixers, lengths, passes, setting, repeats, budget, args.ops,
+                              args.compile, out, args.quick, not args.no_progress, command="")
+    return dataclasses.replace(opts, command=_command_line(opts))
+
+
+def _command_line(opts: suite.BenchOptions) -> str:
+    """The run's options spelled out in full, to repeat it exactly."""
+    s = opts.setting
+    parts = ["fastweights", "bench", "--mixers", ",".join(m[0] for m in opts.mixers) or "none",
+             "--lengths", ",".join(map(str, opts.lengths)), "--d-model", str(s.d_model),
+             "--n-heads", str(s.n_heads), "--batch", str(s.batch),
+             "--dtype", str(s.dtype).removeprefix("torch."), "--device", str(s.device),
+             "--repeats", str(opts.repeats), "--passes", ",".join(opts.passes),
+             "--time-budget", f"{opts.time_budget:g}"]
+    parts += [flag for flag, on in (("--ops", opts.ops), ("--compile", opts.compile)) if on]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    suite.run(parse_options(args))
+    return 0

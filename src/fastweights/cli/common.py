@@ -1,0 +1,142 @@
+"""What the subcommands share: user errors (one line, exit 2), the parser and help format, number
+and mixer-specification parsing, and output-folder handling.
+
+Imports no torch: ``main`` imports this module before it can handle a Ctrl-C during start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported as one line, exit code 2."""
+
+
+@contextmanager
+def user_errors(kinds: tuple[type[Exception], ...] = (ValueError,), prefix: str = "") -> Iterator[None]:
+    """Inside, an exception of ``kinds`` (raised by the library for a bad setting or file)
+    becomes a UserError with the same message after ``prefix``."""
+    try:
+        yield
+    except kinds as err:
+        raise UserError(f"{prefix}{err}") from None
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's own errors (bad int, unknown choice) become a UserError too, so they are one
+    line on stderr and exit code 2 rather than the usage block and SystemExit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: ...)`` after every option's help, except where the default is None (the
+    option's help says what leaving it out means) or False (a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` of an option that takes a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def parse_int_list(flag: str, text: str) -> list[int]:
+    """``"20,40,60"`` -> [20, 40, 60], every item a positive int; else a UserError naming
+    ``flag``."""
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{flag} must be comma-separated positive integers, got {text!r}")
+    return values
+
+
+def parse_value(text: str) -> Any:
+    """A mixer option's value: ``true``/``false``/``none`` (any case), ints, floats, else the
+    string itself."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_mixer_spec(flag: str, spec: str) -> tuple[str, dict[str, Any]]:
+    """A mixer specification, ``name`` or ``name:opt=value:opt=value``: ``"dpfp:nu=2"`` ->
+    ``("dpfp", {"nu": 2})``; a malformed one is a UserError naming ``flag``."""
+    name, *opts = spec.strip().split(":")
+    if not name:
+        raise UserError(f"{flag}: empty mixer name in {spec!r}")
+    options: dict[str, Any] = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or not key:
+            raise UserError(f"{flag}: mixer option {opt!r} in {spec!r} must look like name=value")
+        options[key.strip()] = parse_value(value.strip())
+    return name, options
+
+
+def parse_mixer_list(flag: str, text: str) -> list[tuple[str, dict[str, Any]]]:
+    """Comma-separated mixer specifications (``dpfp:nu=2,favor:m=128``), in order."""
+    specs = [s for s in text.split(",") if s.strip()]
+    if not specs:
+        raise UserError(f"{flag}: no mixer given in {text!r}")
+    return [parse_mixer_spec(flag, s) for s in specs]
+
+
+def make_folder(path: Path, flag: str = "--out") -> None:
+    """Create the output folder ``path`` (and its parents) or raise a UserError naming ``flag``
+    and the reason (a parent that is a file, no permission, a read-only file system)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UserError(f"{flag} {path}: cannot create this folder ({reason})") from None
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an ``out`` that is a file, or a non-empty folder unless ``overwrite``; changes
+    nothing."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"--out {out} already holds results of an earlier run; "
+                        "pass --overwrite or choose another folder")
+
+
+def prepare_out(out: Path, overwrite: bool, outputs: tuple[str, ...]) -> None:
+    """Create ``out`` (``check_out`` first); with ``overwrite`` an earlier run's ``outputs``
+    (the files and folders the command writes) are deleted, never anything else a mistyped
+    ``--out`` might hold. Call it once everything else is validated."""
+    check_out(out, overwrite)
+    for name in outputs if overwrite else ():
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    make_folder(out)

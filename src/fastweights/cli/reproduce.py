@@ -1,0 +1,56 @@
+"""``fastweights reproduce NAME``: reproduce a paper's claims (``fastweights.reproduce``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..reproduce import EXPERIMENTS, ReproduceError
+from ..reproduce.driver import experiment, reproduce
+from .common import UserError, user_errors
+
+NAME = "reproduce"
+HELP = "reproduce a paper's claims (fwp-recall, fwp-lm, ttt-ablation, long-context)"
+DESCRIPTION = ("Train the small models an experiment needs and write results.csv, results.md "
+               "(each claim: the paper, ours as mean +- sd over seeds, a verdict) and PNG plots "
+               "into --out. Rerunning the same command continues an interrupted reproduction.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="NAME", help=f"the experiment: {', '.join(EXPERIMENTS)}")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds, e.g. 0,1,2 (default: 0,1; --quick: 0)")
+    p.add_argument("--quick", action="store_true",
+                   help="CI-sized version: every run of the experiment in seconds")
+    p.add_argument("--data", default="stdlib",
+                   help="byte corpus of the language-model experiments: 'stdlib' or a text file "
+                        "or folder")
+    p.add_argument("--out", default=None, help="output folder (default: runs/reproduce/NAME)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier reproduction's --out (the same command continues it)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> [0, 1, 2]: distinct non-negative ints."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--seeds must be comma-separated non-negative integers, got {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds must be distinct non-negative integers, got {text!r}")
+    return seeds
+
+
+def run(args: argparse.Namespace) -> int:
+    with user_errors((ReproduceError,)):
+        exp = experiment(args.name)
+        seeds = parse_seeds(args.seeds) if args.seeds is not None else ([0] if args.quick else [0, 1])
+        out = Path(args.out) if args.out else Path("runs") / "reproduce" / exp.name
+        md = reproduce(exp.name, out, seeds, quick=args.quick, data=args.data,
+                       overwrite=args.overwrite, progress=not args.quiet)
+    text = md.read_text()
+    claims = text[text.index("## Claims"):text.index("## Runs")].strip()
+    print(claims.split("\n\nVerdict rule")[0])
+    print(f"\nresults in {md.parent} (results.md, results.csv, plots)")
+    return 0

@@ -1,0 +1,231 @@
+"""``fastweights train``: train a byte-level language model; ``--resume`` continues a run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..models import LMConfig
+from ..tasks import load_corpus
+from ..train.checkpoint import CheckpointWriteError
+from ..train.trainer import (
+    RESUMABLE,
+    RUN_FILE,
+    RunRecord,
+    TrainConfig,
+    TrainingAnomaly,
+    TrainingInterrupted,
+    read_run,
+    same_data,
+    train,
+)
+from .common import UserError, check_out, make_folder, parse_mixer_list, user_errors
+
+NAME = "train"
+HELP = "train a byte-level language model on a corpus"
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+DESCRIPTION = (
+    "Train a LanguageModel on bytes of --data (default: this Python's standard library source). "
+    "Writes run.json (every setting of the run), metrics.csv and atomic checkpoints "
+    "(checkpoints/step-N, checkpoints/latest) into --out. Under torchrun, --batch-size is the "
+    "global batch, split across processes. With --resume every setting comes from the run's "
+    "run.json (its data included); of the options, only " + ", ".join(map(_flag, RESUMABLE))
+    + " may change on resume (the new values are recorded); any other option that contradicts "
+    "the run is refused. The learning-rate schedule is a function of the step and --steps, so a "
+    "run extended with a larger --steps continues on the schedule of the new total. Ctrl-C "
+    "(SIGINT) or SIGTERM saves a checkpoint of the last finished step and exits with 130 or 143; "
+    "a second signal quits without waiting.")
+
+# Command-line settings of `train` that are LMConfig fields of the same name (--mixer aside).
+_MODEL_SETTINGS = ("d_model", "n_layers", "n_heads", "ffn", "glu_activation", "norm", "dropout",
+                   "max_seq_len")
+
+
+def _setting(p: argparse.ArgumentParser, flag: str, default: object, text: str,
+             shown: str | None = None, **kw) -> None:
+    """A run setting: its argparse default is None so that ``train --resume`` can tell an option
+    given on the command line from one left out (which then comes from run.json); ``default``,
+    the value of a new run, is kept in the parser's ``setting_defaults`` and shown in --help
+    (as ``shown`` when given)."""
+    shown = str(default) if shown is None else shown
+    action = p.add_argument(flag, default=None, help=f"{text} (default: {shown})".lstrip(), **kw)
+    p.get_default("setting_defaults")[action.dest] = default
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(setting_defaults={})
+    _setting(p, "--mixer", "delta",
+             "one registered mixer for every layer, or a comma-separated list with one per layer; "
+             "options as name:opt=value (e.g. delta:chunk_size=32)")
+    _setting(p, "--data", "stdlib", "'stdlib' or a text file or folder")
+    _setting(p, "--steps", 300, "optimiser steps (with --resume: the run's own unless given)",
+             type=int)
+    _setting(p, "--seq-len", 128, "", type=int)
+    _setting(p, "--batch-size", 16, "global batch size", type=int)
+    _setting(p, "--d-model", 128, "", type=int)
+    _setting(p, "--n-layers", 2, "", type=int)
+    _setting(p, "--n-heads", 4, "", type=int)
+    _setting(p, "--ffn", "mlp", "", choices=["mlp", "glu", "none"])
+    _setting(p, "--glu-activation", "silu",
+             "the GLU's activation with --ffn glu (identity: TransNormer's published models)",
+             choices=["silu", "gelu", "identity"])
+    _setting(p, "--norm", "rmsnorm", "pre-norm of every block (srmsnorm: TransNormer's, no gain)",
+             choices=["rmsnorm", "layernorm", "srmsnorm"])
+    _setting(p, "--dropout", 0.0, "", type=float)
+    _setting(p, "--max-seq-len", None,
+             "longest sequence the model accepts (mixers with absolute position tables)",
+             shown="no limit", type=int)
+    _setting(p, "--lr", 2e-3, "peak AdamW learning rate", type=float)
+    _setting(p, "--warmup", 30, "linear warm-up steps before cosine decay", type=int)
+    _setting(p, "--eval-every", 100, "validation period in steps", type=int)
+    _setting(p, "--eval-windows", 64, "validation windows of --seq-len", type=int)
+    _setting(p, "--save-every", 0, "checkpoint period (0: only at the end)", type=int)
+    _setting(p, "--keep-last", None,
+             "checkpoint retention: after each save, delete the checkpoints older than the K "
+             "newest complete ones (the one checkpoints/latest names is always kept)",
+             shown="keep every checkpoint", type=int, metavar="K")
+    _setting(p, "--patience", 0, "stop after this many validations without a new best (0: never)",
+             type=int)
+    _setting(p, "--bf16", False, "bfloat16 autocast", action="store_true")
+    _setting(p, "--anomaly-guard", False,
+             "stop with an error when the loss or gradient norm becomes NaN or inf, before that "
+             "step changes the weights (the last good checkpoint is kept)", action="store_true")
+    _setting(p, "--pack", False,
+             "pack each batch into one row with the state reset at document (file) boundaries "
+             "(cu_seqlens), no padding and no prediction across documents", action="store_true")
+    _setting(p, "--recompute", False,
+             "gradient checkpointing: keep only each block's input and recompute its activations "
+             "in the backward pass (less memory, about one more forward)", action="store_true")
+    _setting(p, "--seed", 0, "", type=int)
+    p.add_argument("--out", default="runs/train", help="run folder")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint (the newest older one "
+                   "that verifies if it is damaged; step 0 if none was saved yet), with the run's "
+                   "own settings")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run's outputs in --out (only once the new run is "
+                   "checked and about to write)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def model_config(settings: dict[str, Any]) -> LMConfig:
+    """The LMConfig of the run settings (``mixer`` as written on the command line); UserError for
+    a bad mixer specification or config."""
+    specs = parse_mixer_list("--mixer", settings["mixer"])
+    names: str | list[str] = [n for n, _ in specs]
+    options: dict[str, Any] | list[dict[str, Any]] = [o for _, o in specs]
+    if len(specs) == 1:
+        names, options = names[0], options[0]
+    try:
+        # LMConfig runs every layer's own option checks, before any output
+        return LMConfig(vocab_size=256, mixer=names, mixer_options=options,
+                        **{k: settings[k] for k in _MODEL_SETTINGS})
+    except (TypeError, ValueError) as err:
+        raise UserError(str(err).removeprefix("LMConfig.")) from None
+
+
+def _recorded(dest: str, record: RunRecord) -> Any:
+    """The run's value of the setting ``dest``, as the command line would spell it."""
+    if dest == "data":
+        return record.data
+    if dest == "mixer":
+        return ",".join(":".join([n, *(f"{k}={v}" for k, v in o.items())]) for n, o in zip(
+            record.model.layer_mixers(), record.model.layer_options()))
+    return getattr(record.model if dest in _MODEL_SETTINGS else record.train, dest)
+
+
+def _agrees(dest: str, value: Any, record: RunRecord) -> bool:
+    """Whether the option ``dest`` given as ``value`` names the run's own setting."""
+    if dest == "data":
+        return same_data(value, record.data)
+    if dest == "mixer":
+        try:
+            mine = model_config({**record.model.to_dict(), "mixer": value})
+        except UserError:
+            return False
+        return (mine.layer_mixers(), mine.layer_options()) == (
+            record.model.layer_mixers(), record.model.layer_options())
+    return value == _recorded(dest, record)
+
+
+def resume_settings(given: dict[str, Any], record: RunRecord) -> dict[str, Any]:
+    """The training settings of ``train --resume``: the options ``given`` on the command line
+    that may change on resume (``RESUMABLE``). Any other option given must agree with the
+    record, else one UserError names every disagreement."""
+    differ = [f"{_flag(dest)} {value} (the run has {_recorded(dest, record)})"
+              for dest, value in given.items()
+              if dest not in RESUMABLE and not _agrees(dest, value, record)]
+    if differ:
+        raise UserError(f"--resume: {'; '.join(differ)}: a resumed run keeps its own settings "
+                        f"(only {', '.join(map(_flag, RESUMABLE))} may change); leave the "
+                        "option out, or train a new run with another --out")
+    return {k: given[k] for k in RESUMABLE if k in given}
+
+
+def _data_name(spec: str) -> str:
+    """``--data`` as recorded in run.json: an existing path made absolute, so that resuming or
+    evaluating from another working folder reads the same corpus; else as given."""
+    return spec if spec == "stdlib" or not Path(spec).exists() else str(Path(spec).resolve())
+
+
+def _configs(args: argparse.Namespace, main: bool) -> tuple[LMConfig | None, TrainConfig, str]:
+    """(model config, None on resume; training config; data) of the run the options ask for."""
+    out = Path(args.out)
+    given = {k: getattr(args, k) for k in args.setting_defaults if getattr(args, k) is not None}
+    if args.resume:
+        if args.overwrite:
+            raise UserError("--resume continues the run in --out and --overwrite replaces it: "
+                            "give one of them")
+        if not (out / RUN_FILE).is_file():  # a run killed before its first save restarts at step 0
+            raise UserError(f"--resume: {out} holds no training run to resume (no {RUN_FILE})")
+        with user_errors():
+            record = read_run(out)
+            return None, dataclasses.replace(record.train, **resume_settings(given, record)), record.data
+    settings = {**args.setting_defaults, **given}
+    with user_errors():
+        tcfg = TrainConfig(**{f.name: settings[f.name] for f in dataclasses.fields(TrainConfig)
+                              if f.name in settings})
+    mcfg = model_config(settings)
+    if main:
+        check_out(out, args.overwrite)  # the earlier run is replaced only by train() itself
+        make_folder(out)
+    return mcfg, tcfg, settings["data"]
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    main = int(os.environ.get("RANK", "0")) == 0
+    mcfg, tcfg, data = _configs(args, main)
+    with user_errors((ValueError, OSError)):
+        corpus = load_corpus(_data_name(data))
+    try:
+        losses = train(out, mcfg, tcfg, corpus, resume=args.resume, overwrite=args.overwrite,
+                       progress=not args.quiet)
+    except (ValueError, TrainingAnomaly, CheckpointWriteError) as err:
+        raise UserError(str(err)) from None
+    except OSError as err:  # writing run.json or metrics.csv (disk full, permissions)
+        raise UserError(f"cannot write the run in {out}: {err}") from None
+    except TrainingInterrupted as stop:
+        if main:
+            print(f"fastweights train: interrupted by {signal.Signals(stop.signum).name} after step "
+                  f"{stop.step}; checkpoint {stop.checkpoint} saved; continue with "
+                  f"fastweights train --out {out} --resume", file=sys.stderr)
+        return 143 if stop.signum == signal.SIGTERM else 130
+    if main:
+        if losses:
+            print(f"trained to step {losses[-1][0]}: last train loss {losses[-1][1]:.4f}; "
+                  f"metrics in {out / 'metrics.csv'}, checkpoint in {out / 'checkpoints'}")
+        else:
+            print(f"the run in {out} has already trained its {tcfg.steps} steps; pass a larger "
+                  "--steps to extend it")
+    return 0
