@@ -290,7 +290,7 @@ def test_backward_kernels_match_naive(kernels, case):
 
 def test_kernel_limits_are_errors(kernels):
     q, k, v, beta, S0, z0 = (x.float() for x in inputs(1, 5, 1, 4, 4))
-    with pytest.raises(ValueError, match="chunk_size must be in 1..64"):
+    with pytest.raises(ValueError, match=r"chunk_size must be in 1\.\.64"):
         kernels.linear_attn_triton(q, k, v, S0, z0, False, 1e-6, 65)
     big = torch.zeros(1, 5, 1, 129)
     with pytest.raises(ValueError, match="Dk <= 128"):

@@ -54,27 +54,45 @@ KNOWN_SPILLS = {
     ("ut_bwd", "float32", 80): 57344,  # 54,596 B measured: the worst debt (float32 delta bwd, A100)
     ("ut_bwd", "float32", 90): 12288,
 }
+# Bounds for one variant (full record name), looked up before its family's bound above. The
+# delta rule's float32 reverse state pass was first compiled when the variants were derived from
+# the host's launches (1,060 B measured on sm_80, 1,364 B on sm_90); its family keeps 1024.
+KNOWN_VARIANT_SPILLS = {
+    ("state_bwd[HAS_W=True,dO=*fp32]", "float32", 80): 1536,
+    ("state_bwd[HAS_W=True,dO=*fp32]", "float32", 90): 1536,
+}
+
+
+def expected_variants(dtype: str) -> set[str]:
+    """The distinct launches of linear attention (plain and normalised) and the delta rule,
+    forward and backward, as the host code of ops/fwp/triton.py makes them."""
+    x, f = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}[dtype], "*fp32"
+    names = set()
+    for has_w, u, o in ((False, x, x), (False, x, f), (True, f, x)):
+        names |= {f"state_fwd[HAS_W={has_w}]", f"output[U={u},o={o}]", f"local_du[dO={o}]",
+                  f"state_bwd[HAS_W={has_w},dO={o}]", f"grad[U={u},dO={o}]"}
+    return names | {"ut_fwd[STORE_X=False]", "ut_fwd[STORE_X=True]", "ut_bwd"}
 
 
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory) -> list[dict]:
-    """All records, compiled once per session (both targets at once)."""
-    out = tmp_path_factory.mktemp("aot")
+    """All records, compiled once per session by one script run (its worker pool covers both
+    targets and every dtype)."""
+    out = tmp_path_factory.mktemp("aot") / "records.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1] / "src"), env.get("PYTHONPATH", "")])
-    procs = [subprocess.Popen([sys.executable, str(HERE / "triton_aot.py"), str(out / f"{a}.json"),
-                               str(a)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for a in ARCHS]
-    records = []
-    for arch, proc in zip(ARCHS, procs):
-        _, err = proc.communicate()
-        assert proc.returncode == 0, f"sm_{arch} compile script failed:\n{err[-3000:]}"
-        records += json.loads((out / f"{arch}.json").read_text())
-    return records
+    done = subprocess.run([sys.executable, str(HERE / "triton_aot.py"), str(out),
+                           *(str(a) for a in ARCHS)], env=env, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, f"compile script failed:\n{done.stderr[-3000:]}"
+    return json.loads(out.read_text())
 
 
 def allowed_spill(rec: dict) -> int:
     family = "float32" if rec["dtype"] == "float32" else "half"
+    variant = (rec["kernel"], rec["dtype"], rec["arch"])
+    if variant in KNOWN_VARIANT_SPILLS:
+        return KNOWN_VARIANT_SPILLS[variant]
     return KNOWN_SPILLS.get((rec["kernel"].split("[")[0], family, rec["arch"]), 0)
 
 
@@ -85,6 +103,9 @@ def test_every_kernel_compiles_within_limits(compiled, arch, dtype):
     kernels = {r["kernel"].split("[")[0] for r in recs}
     assert kernels == {"ut_fwd", "state_fwd", "output", "local_du", "state_bwd", "grad",
                        "ut_bwd"}, kernels
+    names = [r["kernel"] for r in recs]
+    assert len(names) == len(set(names)), f"a launch compiled twice: {sorted(names)}"
+    assert set(names) == expected_variants(dtype), sorted(names)
     problems = []
     for r in recs:
         name = f"{r['kernel']} {dtype} sm_{arch} BK={r['BK']} BV={r['BV']}"
