@@ -19,8 +19,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from fastweights.ops import backend as backends
 from fastweights.ops import delta_rule, fwp, linear_attn, sum_norm
-from fastweights.ops.fwp import backend, delta, linear_attention
+from fastweights.ops.fwp import delta, linear_attention
 from fastweights.ops.fwp.naive import delta_rule_naive, linear_attn_naive
 
 # (B, T, H, Dk, Dv): odd sizes; T never a multiple of the chunk; Dv 70 spans two value blocks.
@@ -35,7 +36,7 @@ def kernels():
 
     from fastweights.ops.fwp import triton as module
 
-    if not isinstance(module._linear_attn_fwd_kernel, InterpretedFunction):
+    if not isinstance(module._state_fwd_kernel, InterpretedFunction):
         pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
                     "(or it is set to 0): these CPU tests need the Triton interpreter")
     return module
@@ -151,30 +152,47 @@ def test_dispatch_uses_pytorch_on_cpu(kernels, monkeypatch):
 
     monkeypatch.setattr(kernels, "linear_attn_triton", forbidden)
     monkeypatch.setattr(kernels, "delta_rule_triton", forbidden)
+    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     q, k, v, beta, _, _ = inputs(1, 9, 1, 4, 4)
     for dtype in (torch.float32, torch.bfloat16):
         linear_attn(q.to(dtype), k.to(dtype), v.to(dtype), chunk_size=4)
         delta_rule(q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), chunk_size=4)
     assert calls == ["la", "dr", "la", "dr"]
-    assert not backend._use_triton(q.float())
+    assert backends.choose_backend("linear_attn", q.float(), None, "chunk", 64) == "torch"
+
+
+def cuda_like(dtype, T=8, Dk=16):
+    """A stand-in for a CUDA tensor [1, T, 1, Dk] (``_on_cuda`` reads ``is_cuda``)."""
+    return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(1, T, 1, Dk), device="cuda:0")
 
 
 def test_use_triton_decision(kernels, monkeypatch, caplog):
-    """CUDA float16/bfloat16/float32 -> Triton; float64, FASTWEIGHTS_TRITON=0 or no triton ->
-    PyTorch, the latter two logged once each (a stand-in object plays the CUDA tensor)."""
-    monkeypatch.setattr(backend, "_fallbacks_logged", set())
+    """CUDA float16/bfloat16/float32 -> Triton (fla absent); float64, FASTWEIGHTS_TRITON=0 or no
+    triton -> PyTorch, each reason logged once; Dk > 64 or chunk_size > 64 -> PyTorch."""
+    monkeypatch.setattr(backends, "_logged", set())
+    monkeypatch.setattr(backends, "fla_ops", lambda: None)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
+    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
+
+    def choose(x, chunk=64):
+        return backends.choose_backend("linear_attn", x, None, "chunk", chunk)
+
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        assert backend._use_triton(SimpleNamespace(is_cuda=True, dtype=dtype))
-    cuda16 = SimpleNamespace(is_cuda=True, dtype=torch.float16)
-    assert not backend._use_triton(SimpleNamespace(is_cuda=True, dtype=torch.float64))
-    assert not backend._use_triton(SimpleNamespace(is_cuda=False, dtype=torch.float16))
-    with caplog.at_level(logging.INFO, logger="fastweights.ops.fwp"):
+        assert choose(cuda_like(dtype)) == "triton"
+    cuda16 = cuda_like(torch.float16)
+    assert choose(cuda_like(torch.float64)) == "torch"
+    assert choose(SimpleNamespace(is_cuda=False, dtype=torch.float16, shape=(1, 8, 1, 16),
+                                  device="cpu")) == "torch"
+    assert choose(cuda_like(torch.float16, Dk=65)) == "torch"
+    assert choose(cuda16, chunk=65) == "torch"
+    assert choose(cuda_like(torch.float16, T=1)) == "torch"  # decoding step
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.backend"):
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "0")
-        assert not backend._use_triton(cuda16) and not backend._use_triton(cuda16)
+        assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "1")
-        monkeypatch.setattr(backend, "_triton_module", lambda: None)
-        assert not backend._use_triton(cuda16) and not backend._use_triton(cuda16)
+        monkeypatch.setattr(backends, "triton_kernels", lambda: None)
+        assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
     assert "FASTWEIGHTS_TRITON=0" in messages[0] and "triton is not installed" in messages[1]
@@ -187,7 +205,10 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     for name in ("linear_attn_triton", "delta_rule_triton"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
-    monkeypatch.setattr(backend, "_use_triton", lambda q: True)
+    monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(backends, "fla_ops", lambda: None)
+    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
+    monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
     B, T, H, Dk, Dv = SHAPES[0]
     q, k, v, beta, S0, z0 = inputs(B, T, H, Dk, Dv)
     k = sum_norm(k)
@@ -207,6 +228,11 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     # A decoding step (T = 1) stays on the recurrent form.
     linear_attn(q32[:, :1], k32[:, :1], v32[:, :1])
     assert ran == ["linear_attn_triton", "delta_rule_triton"]
+    # backend="torch" and FASTWEIGHTS_BACKEND=torch keep the kernels out.
+    linear_attn(q32, k32, v32, backend="torch")
+    monkeypatch.setenv("FASTWEIGHTS_BACKEND", "torch")
+    delta_rule(q32, k32, v32, b32)
+    assert ran == ["linear_attn_triton", "delta_rule_triton"]
 
 
 def test_works_without_triton(monkeypatch):
@@ -214,13 +240,58 @@ def test_works_without_triton(monkeypatch):
     (checked in a fresh interpreter where ``import triton`` fails)."""
     monkeypatch.setitem(sys.modules, "fastweights.ops.fwp.triton", None)
     monkeypatch.delattr(fwp, "triton", raising=False)  # `from . import` reads this attribute first
-    assert backend._triton_module() is None
+    assert backends.triton_kernels() is None
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, fastweights\n"
+            "from fastweights.ops.backend import triton_kernels\n"
             "from fastweights.ops.fwp import linear_attn\n"
-            "from fastweights.ops.fwp.backend import _triton_module\n"
-            "assert _triton_module() is None\n"
+            "assert triton_kernels() is None\n"
             "linear_attn(*torch.rand(3, 1, 5, 1, 4).unbind(0))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("case", ["two-value-blocks-C64", "bfloat16"])
+def test_backward_kernels_match_naive(kernels, case):
+    """The backward kernels (local dU, reverse state pass, dQ/dK, the UT-solve backward) against
+    autograd of the float64 oracle: Dv = 70 spans three value blocks with one partial chunk;
+    bfloat16 inputs give bfloat16 gradients within bfloat16 rounding of the oracle's."""
+    shape, chunk, dtype = (((1, 9, 2, 7, 70), 64, torch.float32) if case.startswith("two")
+                           else ((1, 21, 1, 6, 5), 8, torch.bfloat16))
+    q, k, v, beta, S0, z0 = inputs(*shape, seed=3)
+    k = sum_norm(k)
+    g = torch.Generator().manual_seed(7)
+    wo = torch.randn(*shape[:3], shape[4], generator=g, dtype=torch.float64)
+    wS = torch.randn(shape[0], shape[2], shape[3], shape[4], generator=g, dtype=torch.float64)
+    tol = TOL32 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    for name in ("linear", "linear_norm", "delta"):
+        base = (q, k, v, beta, S0) if name == "delta" else (q, k, v, S0, z0)
+        xd = [x.to(dtype) if i < (4 if name == "delta" else 3) else x.float()
+              for i, x in enumerate(base)]
+        x_fast = [x.detach().clone().requires_grad_() for x in xd]
+        x_ref = [x.detach().double().requires_grad_() for x in xd]
+        if name == "delta":
+            o, S = kernels.delta_rule_triton(*x_fast, chunk)
+            ro, rS = delta_rule_naive(*x_ref)
+        else:
+            o, S, _ = kernels.linear_attn_triton(*x_fast, name == "linear_norm", 1e-6, chunk)
+            ro, rS, _ = linear_attn_naive(*x_ref, name == "linear_norm", 1e-6)
+        ((o.double() * wo).sum() + (S.double() * wS).sum()).backward()
+        ((ro * wo).sum() + (rS * wS).sum()).backward()
+        for i, (a, b) in enumerate(zip(x_fast, x_ref)):
+            if b.grad is None:  # z0 of unnormalised linear attention: unused by this loss
+                assert a.grad is None or not a.grad.any()
+                continue
+            assert a.grad.dtype == a.dtype
+            scale = max(1.0, b.grad.abs().max().item())
+            assert max_err(a.grad, b.grad) <= tol * scale, f"{name} grad {i}: {max_err(a.grad, b.grad)}"
+
+
+def test_kernel_limits_are_errors(kernels):
+    q, k, v, beta, S0, z0 = (x.float() for x in inputs(1, 5, 1, 4, 4))
+    with pytest.raises(ValueError, match=r"chunk_size must be in 1\.\.64"):
+        kernels.linear_attn_triton(q, k, v, S0, z0, False, 1e-6, 65)
+    big = torch.zeros(1, 5, 1, 129)
+    with pytest.raises(ValueError, match="Dk <= 128"):
+        kernels.delta_rule_triton(big, big, v, beta, torch.zeros(1, 1, 129, 4), 16)

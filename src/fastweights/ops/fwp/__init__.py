@@ -1,13 +1,13 @@
 """Fast weight programmers: linear attention (sum rule) and the delta rule (DeltaNet).
 
 SPEC.md 1.3 (sum rule, with/without attention normalisation) and 1.4 (delta rule, read after
-write). The public functions (``linear_attention.py``, ``delta.py``) validate their arguments, upcast to float32 (float64 stays float64),
-dispatch on ``mode`` and return outputs in the input dtype with float32-or-wider states.
-On CUDA, mode="chunk" runs the Triton kernels of ``triton.py`` (see ``backend.py``; the
-environment variable ``FASTWEIGHTS_TRITON=0`` turns them off); everywhere else, PyTorch.
+write). The public functions (``linear_attention.py``, ``delta.py``) validate their arguments,
+upcast to float32 (float64 stays float64), dispatch on ``mode`` and return outputs in the input
+dtype with float32-or-wider states. On CUDA, mode="chunk" runs fla's or this project's Triton
+kernels (``triton.py``; ``backend=``, chosen by ops/backend.py); everywhere else, PyTorch.
 """
 
-from .backend import PREFERRED_CHUNK_SIZES, preferred_chunk_size
+from ..backend import PREFERRED_CHUNK_SIZES, preferred_chunk_size
 from .delta import delta_rule
 from .feature_maps import (
     FEATURE_MAPS,

@@ -20,7 +20,7 @@ from ..._checks import (
 )
 from .._autocast import float32_compute
 from .._varlen import run_packed
-from . import backend
+from ..backend import choose_backend, fla_delta_rule, triton_kernels
 from .chunk import delta_rule_chunk
 from .linear_attention import MODES
 from .naive import delta_rule_naive
@@ -32,6 +32,7 @@ def delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, scale: float = 1.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
     mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Delta-rule fast weights, read after write (SPEC 1.4).
 
@@ -40,7 +41,8 @@ def delta_rule(
     compute dtype, float32 or float64, so a float32 gate may drive bfloat16 q, k, v).
     S_t = S_{t-1} + k_t^T beta_t (v_t - k_t S_{t-1}); o_t = (scale q_t) S_t. State S [B, H, Dk, Dv].
     Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
-    ``cu_seqlens`` [N + 1]: packed documents in a batch of one (see linear_attn).
+    ``cu_seqlens`` [N + 1]: packed documents in a batch of one (see linear_attn); ``backend``
+    as for linear_attn.
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_arg("beta", beta, (B, T, H), "[B, T, H]", q)
@@ -50,13 +52,17 @@ def delta_rule(
     check_positive_int("chunk_size", chunk_size)
     if cu_seqlens is not None:
         return run_packed(delta_rule, (q, k, v, beta), cu_seqlens, initial_state,
-                          output_final_state, scale=scale, mode=mode, chunk_size=chunk_size)
+                          output_final_state, scale=scale, mode=mode, chunk_size=chunk_size,
+                          backend=backend)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
-    if mode == "chunk" and T > 1 and backend._use_triton(q):  # see linear_attn
-        kernels = backend._triton_module()
-        o, S = kernels.delta_rule_triton(q * scale if scale != 1.0 else q, k, v, beta, S0,
-                                         min(chunk_size, T))
+    chosen = choose_backend("delta_rule", q, backend, mode, chunk_size)
+    if chosen == "fla":
+        return fla_delta_rule(q, k, v, beta, scale=scale, S0=S0,
+                              output_final_state=output_final_state)
+    if chosen == "triton":  # see linear_attn
+        o, S = triton_kernels().delta_rule_triton(q * scale if scale != 1.0 else q, k, v, beta,
+                                                  S0, min(chunk_size, T))
         return o.to(q.dtype), (S if output_final_state else None)
     args = {"q": q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
             "beta": beta.to(cdtype)}

@@ -23,7 +23,7 @@ from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed
-from . import backend
+from ..backend import choose_backend, fla_linear_attn, triton_kernels
 from .chunk import linear_attn_chunk
 from .naive import linear_attn_naive
 from .recurrent import linear_attn_recurrent
@@ -58,7 +58,7 @@ def linear_attn(
     eps: float = 1e-6, scale: float = 1.0,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, LinearAttnState | None]:
     """Causal linear attention / sum-rule fast weights (SPEC 1.3).
 
@@ -68,6 +68,7 @@ def linear_attn(
     Returns (o [B, T, H, Dv] in q's dtype, (S, z) in float32/float64 or None).
     ``cu_seqlens`` [N + 1]: packed documents in a batch of one, state reset at each boundary;
     initial/final states are then lists with one state per document (see ops/_varlen.py).
+    ``backend``: "fla", "triton", "torch" or None (automatic); see ops/backend.py.
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_bool("normalize", normalize)
@@ -78,17 +79,22 @@ def linear_attn(
     check_positive_int("chunk_size", chunk_size)
     if cu_seqlens is not None:
         return run_packed(linear_attn, (q, k, v), cu_seqlens, initial_state, output_final_state,
-                          normalize=normalize, eps=eps, scale=scale, mode=mode, chunk_size=chunk_size)
+                          normalize=normalize, eps=eps, scale=scale, mode=mode, chunk_size=chunk_size,
+                          backend=backend)
     cdtype = state_dtype(q.dtype)
     if initial_state is None:
         S0, z0 = LinearAttnState.zeros(B, H, Dk, Dv, q)
     else:
         S0, z0 = LinearAttnState.check(initial_state, B, H, Dk, Dv, q)
-    if mode == "chunk" and T > 1 and backend._use_triton(q):
+    chosen = choose_backend("linear_attn", q, backend, mode, chunk_size)
+    if chosen == "fla":
+        o, state = fla_linear_attn(q, k, v, normalize=normalize, eps=eps, scale=scale, S0=S0,
+                                   z0=z0, output_final_state=output_final_state)
+        return o, (LinearAttnState(*state) if state is not None else None)
+    if chosen == "triton":
         # The kernels take the inputs in their own dtype and upcast on chip (states float32).
-        kernels = backend._triton_module()
-        o, S, z = kernels.linear_attn_triton(q * scale if scale != 1.0 else q, k, v, S0, z0,
-                                             normalize, eps, min(chunk_size, T))
+        o, S, z = triton_kernels().linear_attn_triton(q * scale if scale != 1.0 else q, k, v,
+                                                      S0, z0, normalize, eps, min(chunk_size, T))
         return o.to(q.dtype), (LinearAttnState(S, z) if output_final_state else None)
     args = {"q": q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
             "normalize": normalize, "eps": eps}

@@ -22,6 +22,7 @@ from ..._checks import (
 from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._varlen import run_packed
+from ..backend import choose_backend, fla_decay_linear_attn
 from .chunk import decay_linear_attn_chunk
 from .naive import decay_linear_attn_naive
 from .recurrent import decay_linear_attn_recurrent
@@ -34,6 +35,7 @@ def decay_linear_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, *, scale: float = 1.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
     mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention with a per-head decay, no denominator (SPEC 3.5).
 
@@ -43,6 +45,7 @@ def decay_linear_attn(
     Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
     ``cu_seqlens`` [N + 1]: packed documents in a batch of one, the state reset at each boundary;
     initial/final states are then lists with one state per document (ops/_varlen.py).
+    ``backend``: "fla" (simple GLA kernels), "torch" or None (automatic); see ops/backend.py.
     """
     B, _, H, Dk, Dv = check_qkv(q, k, v)
     check_tensor("decay", decay, 1, "[H]")
@@ -60,9 +63,12 @@ def decay_linear_attn(
     if cu_seqlens is not None:
         return run_packed(decay_linear_attn, (q, k, v), cu_seqlens, initial_state,
                           output_final_state, decay=decay, scale=scale, mode=mode,
-                          chunk_size=chunk_size)
+                          chunk_size=chunk_size, backend=backend)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
+    if choose_backend("decay_linear_attn", q, backend, mode, chunk_size) == "fla":
+        return fla_decay_linear_attn(q, k, v, decay, scale=scale, S0=S0,
+                                     output_final_state=output_final_state)
     if mode == "chunk":  # the chunk form applies the scale itself, on its small tables
         o, S = decay_linear_attn_chunk(q.to(cdtype), k.to(cdtype), v.to(cdtype),
                                        decay.to(cdtype), S0, chunk_size, scale)

@@ -1,0 +1,207 @@
+"""backend= dispatch (ops/backend.py) and the flash-linear-attention adapter.
+
+fla's kernels need a GPU; its pure-PyTorch reference forms (fla.ops.*.naive) import and run on
+CPU. The tests put those references in place of fla's chunk functions (``fla_ops``), with the
+chunk functions' own signatures (scale, initial_state, output_final_state, normalize,
+use_qk_l2norm_in_kernel, g, layouts), mark CPU tensors as "CUDA" for the device check, and
+compare the public ops with backend="fla" against our float64 oracles. fla's references compute
+in float32 whatever the input dtype, so the inputs are float32 and the tolerance float32's.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastweights.ops import backend as backends
+from fastweights.ops import decay_linear_attn, delta_rule, linear_attn, sum_norm
+
+fla_naive_la = pytest.importorskip("fla.ops.linear_attn.naive")
+fla_naive_dr = pytest.importorskip("fla.ops.delta_rule.naive")
+fla_naive_gla = pytest.importorskip("fla.ops.simple_gla.naive")
+
+TOL = 2e-5
+
+
+def ref_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
+                    normalize=True, cu_seqlens=None):
+    """fla.ops.linear_attn.chunk_linear_attn's signature over fla's recurrent reference."""
+    assert cu_seqlens is None
+    return fla_naive_la.naive_recurrent_linear_attn(q, k, v, scale, initial_state,
+                                                    output_final_state, normalize)
+
+
+def ref_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """chunk_delta_rule's signature ([B, T, H, D], scale default 1/sqrt(Dk)) over fla's
+    head-first reference, whose scale is fixed at 1/sqrt(Dk)."""
+    assert cu_seqlens is None
+    Dk = q.shape[-1]
+    if scale is None:
+        scale = Dk ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    q = q * (scale / Dk ** -0.5)
+    o, S = fla_naive_dr.delta_rule_recurrence(
+        *(x.transpose(1, 2) for x in (q, k, v, beta)), initial_state=initial_state,
+        output_final_state=output_final_state)
+    return o.transpose(1, 2), S
+
+
+def ref_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                   output_final_state=False, cu_seqlens=None):
+    assert cu_seqlens is None and g_gamma is None
+    return fla_naive_gla.naive_recurrent_simple_gla(q, k, v, g, scale, initial_state,
+                                                    output_final_state)
+
+
+REFS = SimpleNamespace(linear_attn=ref_linear_attn, delta_rule=ref_delta_rule,
+                       simple_gla=ref_simple_gla)
+
+
+@pytest.fixture
+def fla_on_cpu(monkeypatch):
+    """fla's references in place of its kernels; CPU tensors pass the CUDA check."""
+    calls = []
+
+    def recording(name):
+        fn = getattr(REFS, name)
+        return lambda *a, **kw: calls.append(name) or fn(*a, **kw)
+
+    stand_ins = SimpleNamespace(**{n: recording(n) for n in vars(REFS)})
+    monkeypatch.setattr(backends, "fla_ops", lambda: stand_ins)
+    monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(backends, "_logged", set())
+    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
+    return calls
+
+
+def data(B=2, T=45, H=3, Dk=8, Dv=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, T, H, Dk, generator=g)
+    k = torch.rand(B, T, H, Dk, generator=g)
+    v = torch.randn(B, T, H, Dv, generator=g)
+    beta = torch.rand(B, T, H, generator=g)
+    S0 = torch.randn(B, H, Dk, Dv, generator=g)
+    z0 = torch.rand(B, H, Dk, generator=g)
+    return q, k, v, beta, S0, z0
+
+
+def err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def test_fla_references_import_without_a_gpu():
+    assert backends.fla_ops() is not None  # fla imports on a CPU-only machine
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["unnorm", "norm"])
+def test_linear_attn_fla_matches_oracle(fla_on_cpu, normalize):
+    """scale 0.7 (fla's default would be 1/sqrt(Dk)), our eps 1e-3 (fla's is 1e-10), initial and
+    final (S, z) in our layout."""
+    q, k, v, _, S0, z0 = data()
+    kw = {"normalize": normalize, "eps": 1e-3, "scale": 0.7, "output_final_state": True,
+          "initial_state": (S0, z0)}
+    o, (S, z) = linear_attn(q, k, v, backend="fla", **kw)
+    ref, (Sr, zr) = linear_attn(q.double(), k.double(), v.double(), mode="naive",
+                                **{**kw, "initial_state": (S0.double(), z0.double())})
+    assert fla_on_cpu == ["linear_attn"]
+    assert o.dtype == q.dtype and S.dtype == z.dtype == torch.float32
+    assert S.shape == S0.shape and z.shape == z0.shape
+    assert max(err(o, ref), err(S, Sr), err(z, zr)) <= TOL * max(1.0, ref.abs().max().item())
+
+
+def test_fla_own_normalisation_differs_from_ours():
+    """Why the adapter does not use fla's normalize=True: its eps is fixed at 1e-10 (ours is an
+    argument) and it takes no z0 without a tuple state; with eps=1e-2 the outputs differ."""
+    q, k, v, _, _, _ = data(T=9)
+    q, k = q * 1e-2, k * 1e-2  # small denominators: eps matters
+    fla_o, _ = ref_linear_attn(q, k, v, scale=1.0, normalize=True)
+    ours, _ = linear_attn(q.double(), k.double(), v.double(), normalize=True, eps=1e-2,
+                          mode="naive")
+    assert err(fla_o, ours) > 1e-2
+
+
+@pytest.mark.parametrize("keys", ["sum_norm", "l2"])
+def test_delta_rule_fla_matches_oracle(fla_on_cpu, keys):
+    """Keys as the caller normalised them (fla's in-kernel L2 norm stays off), scale explicit,
+    a float32 beta for float32 inputs, initial and final state."""
+    q, k, v, beta, S0, _ = data()
+    k = sum_norm(k) if keys == "sum_norm" else F.normalize(k, dim=-1)
+    kw = {"scale": 0.5, "output_final_state": True}
+    o, S = delta_rule(q, k, v, beta, backend="fla", initial_state=S0, **kw)
+    ref, Sr = delta_rule(*(x.double() for x in (q, k, v, beta)), initial_state=S0.double(),
+                         mode="naive", **kw)
+    assert fla_on_cpu == ["delta_rule"]
+    assert S.dtype == torch.float32
+    assert max(err(o, ref), err(S, Sr)) <= TOL * max(1.0, ref.abs().max().item())
+
+
+def test_decay_linear_attn_fla_matches_oracle(fla_on_cpu):
+    """decay lambda_h as simple GLA's log-decay g = log(lambda_h) at every token."""
+    q, k, v, _, S0, _ = data()
+    decay = torch.tensor([0.9, 0.5, 1.0])
+    kw = {"scale": 1.3, "output_final_state": True}
+    o, S = decay_linear_attn(q, k, v, decay, backend="fla", initial_state=S0, **kw)
+    ref, Sr = decay_linear_attn(q.double(), k.double(), v.double(), decay.double(),
+                                initial_state=S0.double(), mode="naive", **kw)
+    assert fla_on_cpu == ["simple_gla"]
+    assert max(err(o, ref), err(S, Sr)) <= TOL * max(1.0, ref.abs().max().item())
+
+
+def test_fla_gradients_match_oracle(fla_on_cpu):
+    """The adapter's own pieces (the normaliser, z) are differentiable like the oracle."""
+    q, k, v, _, S0, z0 = data(T=20)
+    xs = [x.clone().requires_grad_() for x in (q, k, v, S0, z0)]
+    x64 = [x.double().clone().requires_grad_() for x in (q, k, v, S0, z0)]
+    w = torch.randn(2, 20, 3, 11, dtype=torch.float64)
+    for inp, mode in ((xs, "chunk"), (x64, "naive")):
+        o, (S, z) = linear_attn(*inp[:3], normalize=True, initial_state=(inp[3], inp[4]),
+                                output_final_state=True, mode=mode,
+                                **({"backend": "fla"} if mode == "chunk" else {}))
+        ((o.double() * w).sum() + S.double().sum() + z.double().square().sum()).backward()
+    for a, b in zip(xs, x64):
+        assert err(a.grad, b.grad) <= 1e-4 * max(1.0, b.grad.abs().max().item())
+
+
+def test_automatic_choice_prefers_fla_and_logs_once(fla_on_cpu, caplog):
+    q, k, v, beta, _, _ = data(T=12)
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.backend"):
+        linear_attn(q, k, v)
+        linear_attn(q, k, v)
+        delta_rule(q, sum_norm(k), v, beta)
+    assert fla_on_cpu == ["linear_attn", "linear_attn", "delta_rule"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and all("fla backend" in m for m in messages)
+    # chunk_size other than fla's 64: the automatic choice moves on (fla's chunk is fixed).
+    assert backends.choose_backend("linear_attn", q, None, "chunk", 32) != "fla"
+    linear_attn(q, k, v, mode="naive")
+    assert fla_on_cpu == ["linear_attn", "linear_attn", "delta_rule"]
+
+
+def test_explicit_backend_that_cannot_run_is_an_error(fla_on_cpu, monkeypatch):
+    q, k, v, beta, _, _ = data(T=12)
+    with pytest.raises(ValueError, match="chunks of 64"):
+        linear_attn(q, k, v, backend="fla", chunk_size=32)
+    with pytest.raises(ValueError, match="mode='chunk'"):
+        delta_rule(q, k, v, beta, backend="fla", mode="recurrent")
+    with pytest.raises(ValueError, match="no Triton kernel for decay_linear_attn"):
+        decay_linear_attn(q, k, v, torch.ones(3), backend="triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        linear_attn(q, k, v, backend="cuda")
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        linear_attn(q.double(), k.double(), v.double(), backend="fla")
+    monkeypatch.setenv("FASTWEIGHTS_BACKEND", "nope")
+    with pytest.raises(ValueError, match="FASTWEIGHTS_BACKEND must be one of"):
+        linear_attn(q, k, v)
+    monkeypatch.setenv("FASTWEIGHTS_BACKEND", "torch")
+    linear_attn(q, k, v)
+    assert fla_on_cpu == []
+    monkeypatch.setattr(backends, "_on_cuda", lambda q: q.is_cuda)
+    monkeypatch.setenv("FASTWEIGHTS_BACKEND", "fla")
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        linear_attn(q, k, v)
