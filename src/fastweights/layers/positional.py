@@ -46,6 +46,11 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     # As one complex product (even + i odd) * (cos + i sin): the same arithmetic as
     # (even cos - odd sin, even sin + odd cos) in one pass over x instead of six and a stack.
     pairs = x.to(cos.dtype).unflatten(-1, (-1, 2))  # [B, T, H, D/2, 2]
+    if torch.compiler.is_compiling():
+        # Traced (torch.export / torch.compile): complex views do not trace, the real form does.
+        even, odd = pairs.unbind(-1)
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+        return torch.stack((even * c - odd * s, even * s + odd * c), -1).flatten(-2).to(x.dtype)
     if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
         pairs = pairs.contiguous()  # a complex view needs whole (re, im) pairs
     out = torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2)
@@ -81,7 +86,8 @@ class RotaryFrequencies:
         on every call (the cost that dominates a decoding step's position encoding)."""
         x = xs[0]
         key = (period, self.rope_base, x.device, _angle_dtype(x))
-        cache = self.__dict__.setdefault("_rotary_tables", {})
+        # No table kept while tracing: it would hold the tracer's tensors.
+        cache = {} if torch.compiler.is_compiling() else self.__dict__.setdefault("_rotary_tables", {})
         if key not in cache:
             cdtype = _angle_dtype(x)
             angles = (torch.arange(period, device=x.device).to(cdtype).unsqueeze(-1)
