@@ -62,12 +62,7 @@ def _models(s: dict[str, Any]) -> dict[str, LMConfig]:
 
 
 def plan(quick: bool, seeds: list[int], data: str) -> Plan:
-    s = {**(QUICK if quick else DEFAULT), "data": data}
-    lm.corpus(data)  # a missing corpus fails here, before --out is touched
-    configs = _models(s)
-    runs = [RunSpec(label, seed, {"config": cfg.to_dict(), "carry_state": label in CARRIED})
-            for seed in seeds for label, cfg in configs.items()]
-    return Plan(s, runs)
+    return lm.lm_plan(quick, seeds, data, (DEFAULT, QUICK), _models, carried=lambda label: label in CARRIED)
 
 
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from ..models import LanguageModel, LMConfig
 from ..tasks.text import Corpus
 from ..train.checkpoint import load_model
 from ..train.trainer import RUN_FILE, TrainConfig, TrainingAnomaly, train
-from .common import ReproduceError
+from .common import Plan, ReproduceError, RunSpec
 
 MATCH_TOLERANCE = 0.03  # every model within 3 % of the reference's parameter count
 
@@ -164,3 +164,23 @@ def setup_note(s: dict[str, Any], rows: list[dict[str, Any]], reference: str) ->
             f"feed-forward width is set so that its parameter count matches `{reference}`'s within "
             f"{MATCH_TOLERANCE:.0%} (counts: {params}); {tokens(s)} training bytes per run "
             f"({s['steps']} steps of {s['batch_size']} x {s['seq_len']}).")
+
+
+def lm_plan(quick: bool, seeds: list[int], data: str, settings: tuple[dict[str, Any], dict[str, Any]],
+            models: Any, carried: Any = None) -> Plan:
+    """The plan of a language-model experiment: its ``settings`` (default, quick) with the corpus
+    name, and one run per (seed, model) of ``models(settings)`` (label -> LMConfig, the
+    experiment's parameter-matched configs); ``carried(label)``, when given, says which runs
+    train with the state carried across windows. A missing corpus fails here, before --out is
+    touched."""
+    default, quick_settings = settings
+    s = {**(quick_settings if quick else default), "data": data}
+    corpus(data)
+    configs = models(s)
+
+    def options(label: str, cfg: LMConfig) -> dict[str, Any]:
+        extra = {} if carried is None else {"carry_state": carried(label)}
+        return {"config": cfg.to_dict(), **extra}
+
+    return Plan(s, [RunSpec(label, seed, options(label, cfg)) for seed in seeds
+                    for label, cfg in configs.items()])

@@ -52,12 +52,7 @@ def _models(s: dict[str, Any]) -> dict[str, LMConfig]:
 
 
 def plan(quick: bool, seeds: list[int], data: str) -> Plan:
-    s = {**(QUICK if quick else DEFAULT), "data": data}
-    lm.corpus(data)  # a missing corpus fails here, before --out is touched
-    configs = _models(s)
-    return Plan(s, [RunSpec(label, seed, {"config": cfg.to_dict(),
-                                          "carry_state": label not in WINDOWED})
-                    for seed in seeds for label, cfg in configs.items()])
+    return lm.lm_plan(quick, seeds, data, (DEFAULT, QUICK), _models, carried=lambda label: label not in WINDOWED)
 
 
 def _window_bucket(s: dict[str, Any]) -> str:

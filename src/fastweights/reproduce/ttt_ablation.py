@@ -66,11 +66,7 @@ def sweep_label(b: int) -> str:
 
 
 def plan(quick: bool, seeds: list[int], data: str) -> Plan:
-    s = {**(QUICK if quick else DEFAULT), "data": data}
-    lm.corpus(data)  # a missing corpus fails here, before --out is touched
-    configs = _models(s)
-    return Plan(s, [RunSpec(label, seed, {"config": cfg.to_dict()}) for seed in seeds
-                    for label, cfg in configs.items()])
+    return lm.lm_plan(quick, seeds, data, (DEFAULT, QUICK), _models)
 
 
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
