@@ -100,9 +100,11 @@ def _entering_states(
             return torch.add(per_chunk[:, :, n], S, out=out)
         return torch.addcmul(per_chunk[:, :, n], decay[n], S, out=out)
 
-    if torch.is_grad_enabled() and any(
+    # The in-place path below writes through non-contiguous out= views, which torch.compile
+    # cannot trace: traced programs take the out-of-place path (same values).
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (first, per_chunk, decay)
-    ):
+    )):
         if decay is None:  # one cumsum: a short autograd graph (its backward is one more)
             entering = torch.cat([first.unsqueeze(2), per_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
             return entering, entering[:, :, -1] + per_chunk[:, :, -1]
