@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from ._checks import is_int
 from .models.config import LMConfig
 from .models.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel, LMState
 from .ops._varlen import check_cu_seqlens
@@ -632,7 +633,7 @@ def _check_logits_to_keep(logits_to_keep: Any, T: int) -> slice | torch.Tensor:
     if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() == 1 \
             and not logits_to_keep.dtype.is_floating_point:
         return logits_to_keep
-    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+    if not is_int(logits_to_keep) or logits_to_keep < 0:
         raise ValueError(f"logits_to_keep must be an int >= 0 (0 = all) or a 1-D tensor of "
                          f"positions, got {logits_to_keep!r}")
     return slice(-logits_to_keep if logits_to_keep else 0, None)
@@ -647,7 +648,7 @@ def _hidden_selection(output_hidden_states: Any, n: int) -> bool | set[int] | No
         return True
     chosen = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
     if not isinstance(chosen, (list, tuple)) or any(
-            isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n for i in chosen):
+            not is_int(i) or not -n <= i < n for i in chosen):
         raise ValueError(f"output_hidden_states must be a bool, or an int or list of ints in "
                          f"[-{n}, {n}) selecting hidden states, got {output_hidden_states!r}")
     return {i % n for i in chosen}

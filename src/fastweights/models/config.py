@@ -83,7 +83,7 @@ class LMConfig:
                              "position table)")
         if self.norm not in NORMS:
             raise ValueError(f"LMConfig.norm must be one of {list(NORMS)}, got {self.norm!r}")
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) \
+        if not is_number(self.norm_eps) \
                 or not 0 < self.norm_eps < 1:
             raise ValueError(f"LMConfig.norm_eps must be a float in (0, 1), got {self.norm_eps!r}")
         if not isinstance(self.tie_embeddings, bool):

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from .._checks import is_int
 from .._files import file_listing, listing_problem
 from ..models import LanguageModel
 from ..models.lm import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE
@@ -258,7 +259,7 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
     first renamed to a temporary name (then removed), so a crash mid-deletion leaves no
     half-deleted ``step-*`` folder, only a temporary one that the next save removes.
     """
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+    if not is_int(keep_last) or keep_last < 1:
         raise ValueError(f"keep_last must be a positive int, got {keep_last!r}")
     root = Path(run_dir) / "checkpoints"
     pointer = root / LATEST

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .._checks import is_int
 from ..models import LanguageModel, LMConfig
 from ..models.lm import LMState, map_state, state_tensors
 from ..parallel import context_parallel_forward
@@ -134,14 +135,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         for name in ("warmup", "save_every", "patience"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if not is_int(v) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         k = self.keep_last
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        if k is not None and (not is_int(k) or k < 1):
             raise ValueError(f"keep_last must be a positive int (or None to keep every checkpoint), "
                              f"got {k!r}")
         for name in ("lr", "grad_clip"):
@@ -524,7 +525,7 @@ class Trainer:
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other")
         cp = context_parallel
-        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        if not is_int(cp) or cp < 1:
             raise ValueError(f"context_parallel must be a positive int, got {cp!r}")
         # context-parallel group size, this rank's place in it and its group (None: no CP)
         self.cp, self.cp_rank, self.cp_group = cp, 0, None
