@@ -10,3 +10,9 @@ setting affects that module only; an explicit TRITON_INTERPRET in the environmen
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist (the README's test command runs one worker per core), each worker gets one
+# intra-op thread: two workers with two threads each on a 2-core machine would oversubscribe it.
+# Set before torch is imported by any test module; an explicit OMP_NUM_THREADS wins.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
