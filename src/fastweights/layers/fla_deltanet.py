@@ -52,27 +52,33 @@ class FlaRMSNorm(nn.Module):
     """RMSNorm over the last dim as fla computes it, optionally gated by SiLU of a second input:
     ``y = x / sqrt(mean(x^2) + eps) * weight [* silu(gate)]``, in float32 (float64 stays
     float64) and cast back to x's dtype once at the end (fla's fused kernels round once too).
-    The parameter is ``weight`` [dim]."""
+    The parameter is ``weight`` [dim]; ``elementwise_affine=False`` leaves it out (weight 1)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True) -> None:
         super().__init__()
         check_positive_int("dim", dim)
         if not is_number(eps) or not 0 < eps < 1:
             raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
         self.dim, self.eps = dim, float(eps)
-        self.weight = nn.Parameter(torch.ones(dim))
+        if check_bool("elementwise_affine", elementwise_affine):
+            self.weight = nn.Parameter(torch.ones(dim))
+        else:
+            self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., dim], gate None or [..., dim] -> [..., dim] in x's dtype."""
         cdtype = _compute_dtype(x)
         xf = x.to(cdtype)
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(cdtype)
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.to(cdtype)
         if gate is not None:
             y = y * F.silu(gate.to(cdtype))
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}"
+        return f"{self.dim}, eps={self.eps}" + ("" if self.weight is not None
+                                                 else ", elementwise_affine=False")
 
 
 class ShortConvolution(nn.Module):
