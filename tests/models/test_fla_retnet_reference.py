@@ -1,0 +1,268 @@
+"""fastweights' fla RetNet equals fla's own model code, in float64, on the same checkpoint.
+
+As for DeltaNet (test_fla_reference.py), the reference is fla 0.6's own RetNet model and
+MultiScaleRetention layer code with each Triton kernel it calls replaced by a pure-PyTorch
+reference: the retention by a float64 transcription of ``fla.ops.retention.naive``'s
+``naive_retention`` extended with an initial and final state (checked against that function,
+which computes in float32), the rotary embedding by ``fla.modules.rotary.ops.rotary_embedding_ref``
+(fla's own cos/sin tables are kept), RMSNorm and the gated RMSNorm by
+``fla.modules.norm.layernorm_gated.rms_norm_ref``, SwiGLU by its formula. Weights are drawn in
+float32 and both models run in float64.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+with warnings.catch_warnings():  # fla warns that Triton has no CPU driver here
+    warnings.simplefilter("ignore")
+    pytest.importorskip("fla", reason="flash-linear-attention is not installed "
+                                      "(pip install 'fastweights[dev]')")
+    import fla.layers.multiscale_retention as fla_layer
+    import fla.modules.mlp as fla_mlp
+    import fla.modules.rotary.ops as fla_rotary
+    from fla.models import RetNetConfig
+    from fla.modules import FusedRMSNormGated, RMSNorm
+    from fla.modules.norm.layernorm_gated import rms_norm_ref
+    from fla.modules.rotary.ops import rotary_embedding_ref
+    from fla.ops.retention.naive import naive_retention
+    from transformers import AutoModelForCausalLM
+
+from fastweights.layers.fla_retnet import FEATURE_MAPS, retention_decay
+from fastweights.models.fla import from_fla
+from fastweights.models.fla_retnet import FLA_RETNET_OPTIONS
+from tests.helpers import assert_close64
+
+V, T = 53, 37
+
+
+# ---------------------------------------------------------------------------------------------
+# fla's kernels -> references
+
+
+def retention_ref64(q, k, v, initial_state=None):
+    """fla's ``naive_retention`` as a recurrence in the inputs' dtype, with a state: per head
+    gamma_h = 1 - 2^(-5 - h) (computed in float32, as fla does), S_t = gamma S_{t-1} + k_t^T v_t,
+    o_t = Dk^-0.5 q_t S_t. Layout [B, T, H, D]; returns (o, S [B, H, Dk, Dv])."""
+    B, T_, H, Dk = q.shape
+    gamma = (1 - torch.tensor(2.0).pow(-5.0 - torch.arange(H, dtype=torch.float32))).to(q.dtype)
+    S = q.new_zeros(B, H, Dk, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
+    o = torch.empty_like(v)
+    for t in range(T_):
+        S = gamma.view(1, H, 1, 1) * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        o[:, t] = torch.einsum("bhd,bhde->bhe", q[:, t] * Dk ** -0.5, S)
+    return o, S
+
+
+def fla_retention_ref(q, k, v, scale=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None, **kwargs):
+    """Stand-in for fla's chunk/fused_chunk/fused_recurrent/parallel_retention."""
+    assert scale is None and cu_seqlens is None and not kwargs.get("reverse")
+    o, S = retention_ref64(q, k, v, initial_state)
+    return o, (S if output_final_state else None)
+
+
+def _weight(norm, x):
+    return norm.weight if norm.weight is not None else x.new_ones(x.shape[-1])
+
+
+def rmsnorm_ref(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+    if residual is not None:
+        x = x + residual
+    y = rms_norm_ref(x, _weight(self, x), self.bias, eps=self.eps, upcast=False)
+    return (y, x) if prenorm else y
+
+
+def gated_rmsnorm_ref(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+    assert residual is None and self.activation in ("swish", "silu")
+    return rms_norm_ref(x, _weight(self, x), self.bias, z=g, eps=self.eps, norm_before_gate=True,
+                        upcast=False)
+
+
+def rotary_ref(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+               chunk_indices=None):
+    assert isinstance(seqlen_offsets, int) and cu_seqlens is None
+    T_ = x.shape[1]
+    return rotary_embedding_ref(x, cos[seqlen_offsets:seqlen_offsets + T_],
+                                sin[seqlen_offsets:seqlen_offsets + T_], interleaved)
+
+
+@pytest.fixture
+def fla_on_pytorch(monkeypatch):
+    """fla's RetNet code with every kernel it calls replaced by a PyTorch reference."""
+    for name in ("chunk_retention", "fused_chunk_retention", "fused_recurrent_retention",
+                 "parallel_retention"):
+        monkeypatch.setattr(fla_layer, name, fla_retention_ref)
+    monkeypatch.setattr(fla_rotary, "rotary_embedding", rotary_ref)
+    monkeypatch.setattr(RMSNorm, "forward", rmsnorm_ref)
+    monkeypatch.setattr(FusedRMSNormGated, "forward", gated_rmsnorm_ref)
+    monkeypatch.setattr(fla_mlp, "swiglu", lambda x, y: F.silu(x) * y)
+    monkeypatch.setattr(fla_mlp, "swiglu_linear", lambda x, y, w, b: F.linear(F.silu(x) * y, w, b))
+
+
+def test_float64_retention_reference_is_flas_naive_retention():
+    g = torch.Generator().manual_seed(0)
+    b, h, t, dk, dv = 2, 3, 11, 6, 5
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for d in (dk, dk, dv))
+    o32 = naive_retention(q, k, v)  # [b, h, t, dv], float32
+
+    def tr(x):
+        return x.transpose(1, 2).double()
+
+    o64, _ = retention_ref64(tr(q), tr(k), tr(v))
+    assert_close64(o64.transpose(1, 2), o32.double(), atol=1e-5, what="o")
+
+
+def test_decays_are_flas():
+    """fla's kernels take g_gamma = log(1 - 2^(-5 - h)) in float32: heads from 20 on have
+    gamma = 1 there (float32 rounding), as here."""
+    H = 24
+    fla_gamma = (1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float))).log().exp()
+    gamma = retention_decay(H)
+    assert gamma.dtype == torch.float32
+    assert torch.equal(gamma, 1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float)))
+    assert_close64(gamma.double(), fla_gamma.double(), atol=1e-7, what="gamma")
+    assert (gamma[20:] == 1).all() and (gamma[:20] < 1).all()
+
+
+def test_feature_maps_are_transformers_activations():
+    from transformers.activations import ACT2FN
+
+    x = torch.linspace(-6, 6, 97, dtype=torch.float64)
+    for name, fn in FEATURE_MAPS.items():
+        assert_close64(fn(x), ACT2FN[name](x), atol=1e-15, what=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints made by fla
+
+
+CONFIGS = {
+    "base": {},
+    "heads1": {"num_heads": 1},
+    "gqa-4q-2kv": {"num_kv_heads": 2},
+    "mqa-expand-k0.5-v1": {"num_kv_heads": 1, "expand_k": 0.5, "expand_v": 1.0},
+    "no-gate": {"use_output_gate": False},
+    "unfused-norm-mlp": {"fuse_norm": False, "fuse_swiglu": False, "intermediate_size": 40},
+    "no-affine-unfused": {"elementwise_affine": False, "fuse_norm": False},
+    "no-affine-tied": {"elementwise_affine": False, "tie_word_embeddings": True},
+    "relu-map": {"feature_map": "relu"},
+    "silu-map-gqa": {"feature_map": "swish", "num_kv_heads": 2, "use_output_gate": False},
+    "heads24": {"hidden_size": 48, "num_heads": 24},
+}
+
+
+def fla_config(**overrides) -> RetNetConfig:
+    base = {"hidden_size": 32, "num_heads": 4, "num_hidden_layers": 2, "vocab_size": V,
+            "norm_eps": 1e-5, "pad_token_id": 0, "tie_word_embeddings": False}
+    return RetNetConfig(**{**base, **overrides})
+
+
+def make_fla_checkpoint(folder, seed: int = 0, dtype: torch.dtype = torch.float32,
+                        max_shard_size: str | None = None, **overrides):
+    """An fla RetNet with random float32 weights of order one, saved by fla's save_pretrained."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(fla_config(**overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif "embeddings" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model = model.to(dtype)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    return model.eval()
+
+
+def ids(B: int = 2, length: int = T, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, V, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("overrides", CONFIGS.values(), ids=CONFIGS.keys())
+def test_float64_logits_equal_flas_model(tmp_path, fla_on_pytorch, overrides):
+    ref = make_fla_checkpoint(tmp_path, **overrides).double()
+    ours = from_fla(tmp_path, dtype=torch.float64)
+    assert type(ours).__name__ == "FlaRetNetForCausalLM"
+    x = ids()
+    with torch.no_grad():
+        expected = ref(x, use_cache=False).logits
+        got = ours(x, use_cache=False).logits
+    assert expected.dtype == got.dtype == torch.float64
+    assert expected.abs().max() > 1  # logits of order one: an absolute 1e-10 means something
+    assert_close64(got, expected, what="logits")
+
+
+@pytest.mark.parametrize("overrides", [CONFIGS["base"], CONFIGS["gqa-4q-2kv"]],
+                         ids=["base", "gqa-4q-2kv"])
+def test_float32_logits_match_flas_model_with_its_float32_naive_retention(
+        tmp_path, fla_on_pytorch, monkeypatch, overrides):
+    """The same comparison with fla's own naive function (float32) in place of the transcription."""
+    def naive(q, k, v, scale=None, initial_state=None, output_final_state=False, **kwargs):
+        assert initial_state is None and not output_final_state
+        return naive_retention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2), None
+
+    for name in ("chunk_retention", "fused_recurrent_retention"):
+        monkeypatch.setattr(fla_layer, name, naive)
+    ref = make_fla_checkpoint(tmp_path, **overrides)
+    ours = from_fla(tmp_path)
+    assert ours.dtype == torch.float32
+    x = ids()
+    with torch.no_grad():
+        assert_close64(ours(x).logits, ref(x, use_cache=False).logits, atol=2e-4, what="logits")
+
+
+@pytest.mark.parametrize("overrides", [CONFIGS["base"], CONFIGS["gqa-4q-2kv"],
+                                       CONFIGS["no-affine-unfused"]],
+                         ids=["base", "gqa-4q-2kv", "no-affine-unfused"])
+def test_decoding_from_the_cache_equals_flas_full_forward(tmp_path, fla_on_pytorch, overrides):
+    ref = make_fla_checkpoint(tmp_path, **overrides).double()
+    ours = from_fla(tmp_path, dtype=torch.float64)
+    x = ids(length=12)
+    with torch.no_grad():
+        expected = ref(x, use_cache=False).logits
+        out = ours(x[:, :5], use_cache=True)
+        steps = [out.logits]
+        for t in range(5, x.shape[1]):
+            out = ours(x[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits)
+    assert_close64(torch.cat(steps, dim=1), expected, what="prefill + one-token steps")
+
+
+def test_sharded_bfloat16_tied_checkpoint_loads_unchanged(tmp_path):
+    ref = make_fla_checkpoint(tmp_path, dtype=torch.bfloat16, max_shard_size="20KB",
+                              tie_word_embeddings=True, num_kv_heads=2)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours = from_fla(tmp_path)
+    assert ours.dtype == torch.bfloat16
+    theirs, mine = ref.state_dict(), ours.state_dict()
+    assert set(mine) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name], tensor), name
+    assert ours.lm_head.weight is ours.model.embeddings.weight
+
+
+def test_every_retnet_config_option_is_classified():
+    params = set(inspect.signature(RetNetConfig.__init__).parameters) - {"self", "kwargs"}
+    assert params == set(FLA_RETNET_OPTIONS), (sorted(params - set(FLA_RETNET_OPTIONS)),
+                                               sorted(set(FLA_RETNET_OPTIONS) - params))
+
+
+def test_our_save_pretrained_is_an_fla_checkpoint(tmp_path, fla_on_pytorch):
+    """A folder written by fastweights loads in fla with the same logits."""
+    make_fla_checkpoint(tmp_path / "a", num_kv_heads=2)
+    ours = from_fla(tmp_path / "a", dtype=torch.float64)
+    ours.save_pretrained(tmp_path / "b")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float64)
+    assert type(theirs).__module__.startswith("fla.")
+    x = ids()
+    with torch.no_grad():
+        assert_close64(ours(x).logits, theirs(x, use_cache=False).logits, what="logits")
