@@ -11,7 +11,7 @@ import torch
 
 from fastweights.layers.fla_deltanet import FlaDeltaNet, FlaRMSNorm, ShortConvolution
 from fastweights.models.fla import FLA_OPTIONS, FlaDeltaNetConfig, FlaDeltaNetLM
-from tests.helpers import assert_close64
+from tests.helpers import assert_close64, assert_pieces_and_steps_equal_whole
 
 V = 41
 LAYER_OPTIONS = {
@@ -37,19 +37,8 @@ def layer(seed: int = 0, **options) -> FlaDeltaNet:
 
 @pytest.mark.parametrize("options", LAYER_OPTIONS.values(), ids=LAYER_OPTIONS.keys())
 def test_layer_pieces_and_steps_equal_whole(options):
-    m = layer(**options)
-    x = torch.randn(2, 11, 24, dtype=torch.float64)
-    y, state = m(x)
-    y1, s = m(x[:, :5])
-    y2, s = m(x[:, 5:], s)
-    assert_close64(torch.cat([y1, y2], 1), y, what="pieces")
-    steps, s = [], None
-    for t in range(x.shape[1]):
-        yt, s = m(x[:, t:t + 1], s)
-        steps.append(yt)
-    assert_close64(torch.cat(steps, 1), y, what="one-token steps")
-    for a, b in zip(s, state):
-        assert_close64(a, b, what="final state")
+    assert_pieces_and_steps_equal_whole(layer(**options),
+                                        torch.randn(2, 11, 24, dtype=torch.float64), 5)
 
 
 @pytest.mark.parametrize("mode", ["naive", "recurrent"])

@@ -15,7 +15,7 @@ from fastweights.layers.fla_retnet import FlaMultiScaleRetention, fla_rotary_tab
 from fastweights.layers.positional import rotate_halves
 from fastweights.models.fla_retnet import FLA_RETNET_OPTIONS, FlaRetNetConfig, FlaRetNetLM
 from fastweights.ops.transnormer import decay_linear_attn
-from tests.helpers import assert_close64
+from tests.helpers import assert_close64, assert_pieces_and_steps_equal_whole
 
 LAYER_OPTIONS = {
     "base": {},
@@ -40,17 +40,8 @@ def layer(seed: int = 0, **options) -> FlaMultiScaleRetention:
 def test_layer_pieces_and_steps_equal_whole(options):
     m = layer(**options)
     x = torch.randn(2, 11, 24, dtype=torch.float64)
-    y, (S, offset) = m(x)
-    assert offset.tolist() == [11, 11]
-    y1, s = m(x[:, :5])
-    y2, s = m(x[:, 5:], s)
-    assert_close64(torch.cat([y1, y2], 1), y, what="pieces")
-    steps, s = [], None
-    for t in range(x.shape[1]):
-        yt, s = m(x[:, t:t + 1], s)
-        steps.append(yt)
-    assert_close64(torch.cat(steps, 1), y, what="one-token steps")
-    assert_close64(s[0], S, what="final state")
+    assert m(x)[1][1].tolist() == [11, 11]  # the offset: tokens consumed per row
+    assert_pieces_and_steps_equal_whole(m, x, 5)
 
 
 @pytest.mark.parametrize("mode", ["naive", "recurrent"])

@@ -128,7 +128,22 @@ class ShortConvolution(nn.Module):
                 f"activation={'silu' if self.activation else None}")
 
 
-class FlaDeltaNet(Mixer):
+class FlaMixer(Mixer):
+    """What fla's layers share here: ``key_dim = round(d_model * expand_k)`` and
+    ``value_dim = round(d_model * expand_v)``, each an integer divisible by n_heads (fla's
+    rule), split into ``head_k_dim`` / ``head_v_dim`` per head."""
+
+    def __init__(self, d_model: int, n_heads: int, expand_k: float, expand_v: float) -> None:
+        check_positive_int("d_model", d_model)
+        check_positive_int("n_heads", n_heads)
+        key_dim = _expanded("expand_k", d_model, expand_k, n_heads)
+        value_dim = _expanded("expand_v", d_model, expand_v, n_heads)
+        super().__init__(d_model, n_heads, head_dim=key_dim // n_heads)
+        self.key_dim, self.value_dim = key_dim, value_dim
+        self.head_k_dim, self.head_v_dim = key_dim // n_heads, value_dim // n_heads
+
+
+class FlaDeltaNet(FlaMixer):
     """fla's DeltaNet layer (see the module docstring for the maths).
 
     Options carry fla's names and defaults (``DeltaNet.__init__`` of fla 0.6): ``expand_k``,
@@ -149,13 +164,8 @@ class FlaDeltaNet(Mixer):
         qk_activation: str = "silu", qk_norm: str = "l2", norm_eps: float = 1e-5,
         mode: str = "chunk", chunk_size: int | None = None,
     ) -> None:
-        check_positive_int("d_model", d_model)
-        check_positive_int("n_heads", n_heads)
-        key_dim = _expanded("expand_k", d_model, expand_k, n_heads)
-        value_dim = _expanded("expand_v", d_model, expand_v, n_heads)
-        super().__init__(d_model, n_heads, head_dim=key_dim // n_heads)
-        self.key_dim, self.value_dim = key_dim, value_dim
-        self.head_k_dim, self.head_v_dim = key_dim // n_heads, value_dim // n_heads
+        super().__init__(d_model, n_heads, expand_k, expand_v)
+        key_dim, value_dim = self.key_dim, self.value_dim
         self.use_beta = check_bool("use_beta", use_beta)
         self.use_gate = check_bool("use_gate", use_gate)
         self.use_short_conv = check_bool("use_short_conv", use_short_conv)

@@ -42,8 +42,8 @@ from torch import nn
 
 from .._checks import check_bool, check_choice, check_layer_input, check_positive_int
 from ..ops.transnormer import decay_linear_attn
-from .base import Mixer, State, merge_heads, split_heads
-from .fla_deltanet import FlaRMSNorm, _expanded
+from .base import State, merge_heads, split_heads
+from .fla_deltanet import FlaMixer, FlaRMSNorm
 from .positional import rotate_halves
 
 ROPE_BASE = 10000.0  # fla's RotaryEmbedding default, which MultiScaleRetention keeps
@@ -86,7 +86,7 @@ def fla_rotary_tables(positions: torch.Tensor, dim: int, dtype: torch.dtype
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-class FlaMultiScaleRetention(Mixer):
+class FlaMultiScaleRetention(FlaMixer):
     """fla's MultiScaleRetention layer (see the module docstring for the maths).
 
     Options carry fla's names and defaults (``MultiScaleRetention.__init__`` of fla 0.6):
@@ -109,13 +109,8 @@ class FlaMultiScaleRetention(Mixer):
         use_output_gate: bool = True, elementwise_affine: bool = True, norm_eps: float = 1e-5,
         fuse_norm: bool = True, mode: str = "chunk", chunk_size: int = 64,
     ) -> None:
-        check_positive_int("d_model", d_model)
-        check_positive_int("n_heads", n_heads)
-        key_dim = _expanded("expand_k", d_model, expand_k, n_heads)
-        value_dim = _expanded("expand_v", d_model, expand_v, n_heads)
-        super().__init__(d_model, n_heads, head_dim=key_dim // n_heads)
-        self.key_dim, self.value_dim = key_dim, value_dim
-        self.head_k_dim, self.head_v_dim = key_dim // n_heads, value_dim // n_heads
+        super().__init__(d_model, n_heads, expand_k, expand_v)
+        key_dim, value_dim = self.key_dim, self.value_dim
         if self.head_k_dim % 2:
             raise ValueError(f"the key head dim (hidden size * expand_k / num_heads = "
                              f"{self.head_k_dim}) must be even for the rotary positions")

@@ -44,12 +44,36 @@ from ..layers.fla_deltanet import FlaDeltaNet, FlaRMSNorm
 
 MODEL_TYPE = "delta_net"  # fla's model_type for DeltaNet
 
-# Every argument of fla 0.6's DeltaNetConfig and what fastweights does with it.
-FLA_OPTIONS: dict[str, str] = {
+# The options every fla 0.6 causal-LM config has, with the same meaning in every family, and
+# what fastweights does with each (each family's dict adds its own).
+COMMON_FLA_OPTIONS: dict[str, str] = {
     "hidden_size": "supported",
     "num_hidden_layers": "supported",
     "num_heads": "supported",
     "vocab_size": "supported",
+    "hidden_ratio": "supported",
+    "intermediate_size": "supported",
+    "norm_eps": "supported (every RMSNorm of the model, the layers' output norm included)",
+    "tie_word_embeddings": "supported",
+    "pad_token_id": "supported (the embedding's padding_idx, as fla)",
+    "bos_token_id": "supported (generation default)",
+    "eos_token_id": "supported (generation default)",
+    "use_cache": "supported (generate() decodes from the recurrent state)",
+    "fuse_swiglu": "accepted, no effect: the fused SwiGLU + down projection is the same maths",
+    "fuse_cross_entropy": "accepted, no effect: the same cross-entropy (fastweights computes it "
+                          "in float32 or wider)",
+    "fuse_linear_cross_entropy": "accepted, no effect: the same cross-entropy computed without "
+                                 "materialising logits on GPU; fastweights returns the logits",
+    "use_l2warp": "accepted for inference (it changes no forward value); refused in a forward "
+                  "with labels, whose gradient it would change",
+    "initializer_range": "accepted: initialisation of fresh models only",
+    "attn": "refused unless None: hybrid softmax-attention layers are not implemented",
+    "attnres_block_size": "refused unless None: attention residuals are not implemented",
+}
+
+# Every argument of fla 0.6's DeltaNetConfig and what fastweights does with it.
+FLA_OPTIONS: dict[str, str] = {
+    **COMMON_FLA_OPTIONS,
     "expand_k": "supported",
     "expand_v": "supported",
     "use_gate": "supported (g_proj and the SiLU-gated output RMSNorm)",
@@ -59,31 +83,13 @@ FLA_OPTIONS: dict[str, str] = {
     "allow_neg_eigval": "supported (beta doubled)",
     "qk_norm": "supported: 'l2', 'sum'",
     "qk_activation": "supported: 'silu', 'relu', 'elu' (ELU + 1), 'identity'",
-    "hidden_ratio": "supported",
-    "intermediate_size": "supported",
     "hidden_act": "supported: 'swish'; refused: 'powlu'",
-    "norm_eps": "supported (every RMSNorm of the model, the layers' output norm included)",
-    "tie_word_embeddings": "supported",
-    "pad_token_id": "supported (the embedding's padding_idx, as fla)",
-    "bos_token_id": "supported (generation default)",
-    "eos_token_id": "supported (generation default)",
-    "use_cache": "supported (generate() decodes from the recurrent state)",
     "attn_mode": "accepted, no effect: 'chunk' and 'fused_recurrent' pick fla's GPU kernel for "
                  "the same delta rule; refused: 'fused_chunk' (fla refuses it too)",
     "fuse_norm": "accepted, no effect: fused and unfused RMSNorm + residual are the same maths",
-    "fuse_swiglu": "accepted, no effect: the fused SwiGLU + down projection is the same maths",
-    "fuse_cross_entropy": "accepted, no effect: the same cross-entropy (fastweights computes it "
-                          "in float32 or wider)",
-    "fuse_linear_cross_entropy": "accepted, no effect: the same cross-entropy computed without "
-                                 "materialising logits on GPU; fastweights returns the logits",
-    "use_l2warp": "accepted for inference (it changes no forward value); refused in a forward "
-                  "with labels, whose gradient it would change",
     "use_output_norm": "accepted, no effect: fla 0.6's DeltaNet layer ignores it and always "
                        "applies its output RMSNorm, and so does fastweights (warning when False)",
-    "initializer_range": "accepted: initialisation of fresh models only",
     "max_position_embeddings": "accepted, no effect: DeltaNet layers have no positions",
-    "attn": "refused unless None: hybrid softmax-attention layers are not implemented",
-    "attnres_block_size": "refused unless None: attention residuals are not implemented",
 }
 
 # Keys every transformers config.json may hold besides the model's own fields (read, not used).
@@ -98,31 +104,46 @@ _GENERIC_KEYS = frozenset({
 })
 
 
+@dataclass
 class FlaConfig:
-    """What the fla model configs share (each family's dataclass declares fla's fields with
-    fla's defaults; a config.json that omits a key means fla's default): the checks of the
-    common fields, the MLP width, reading config.json. Subclasses set ``MODEL_TYPE``, ``FAMILY``
-    (fla's name, as in ``<FAMILY>Config``), ``OPTIONS`` (every field: supported, accepted or
-    refused), ``BOOL_FIELDS`` and ``SIZE_FIELDS`` (positive ints), and ``layer()``."""
+    """What the fla model configs share: the fields every fla 0.6 causal-LM config has, with
+    the defaults they have in every family (a config.json that omits a key means fla's
+    default), their checks, the MLP width, reading config.json. Each family's dataclass adds
+    its own fields (those whose defaults differ between families included) and sets
+    ``MODEL_TYPE``, ``FAMILY`` (fla's name, as in ``<FAMILY>Config``), ``OPTIONS`` (every
+    field: supported, accepted or refused), ``BOOL_FIELDS``, ``SIZE_FIELDS`` (positive ints)
+    and ``layer()``; its ``__post_init__`` calls ``_check_common()``."""
 
     MODEL_TYPE: ClassVar[str]
     FAMILY: ClassVar[str]
     OPTIONS: ClassVar[dict[str, str]]
-    BOOL_FIELDS: ClassVar[tuple[str, ...]]
+    BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
+        "tie_word_embeddings", "use_cache", "fuse_norm", "fuse_swiglu", "fuse_cross_entropy",
+        "fuse_linear_cross_entropy", "use_l2warp")
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("hidden_size", "num_hidden_layers", "num_heads",
                                               "vocab_size")
-    # the fields every fla causal-LM config has (declared by the subclasses' dataclasses)
-    hidden_size: int
-    hidden_ratio: int | float | None
-    intermediate_size: int | None
-    hidden_act: str
-    norm_eps: float
-    attn: Any
-    attnres_block_size: int | None
-    fuse_cross_entropy: bool
-    fuse_linear_cross_entropy: bool
-    pad_token_id: int | None
-    vocab_size: int
+
+    hidden_size: int = 2048
+    num_hidden_layers: int = 24
+    intermediate_size: int | None = None
+    hidden_act: str = "swish"
+    max_position_embeddings: int = 2048
+    norm_eps: float = 1e-6
+    attn: Any = None
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | list[int] | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    fuse_norm: bool = True
+    fuse_swiglu: bool = True
+    fuse_cross_entropy: bool = True
+    fuse_linear_cross_entropy: bool = False
+    use_l2warp: bool = False
+    vocab_size: int = 32000
+    attnres_block_size: int | None = None
+    # Every family also has num_heads and hidden_ratio, with different defaults.
 
     def _check_common(self) -> None:
         """The checks of the fields every fla causal-LM config has; ValueError/TypeError naming
@@ -220,13 +241,11 @@ class FlaDeltaNetConfig(FlaConfig):
     FAMILY: ClassVar[str] = "DeltaNet"
     OPTIONS: ClassVar[dict[str, str]] = FLA_OPTIONS
     BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
-        "use_gate", "use_short_conv", "allow_neg_eigval", "use_beta", "use_output_norm",
-        "tie_word_embeddings", "use_cache", "fuse_norm", "fuse_swiglu", "fuse_cross_entropy",
-        "fuse_linear_cross_entropy", "use_l2warp")
+        *FlaConfig.BOOL_FIELDS, "use_gate", "use_short_conv", "allow_neg_eigval", "use_beta",
+        "use_output_norm")
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = (*FlaConfig.SIZE_FIELDS, "conv_size")
 
     attn_mode: str = "chunk"
-    hidden_size: int = 2048
     expand_k: float = 1.0
     expand_v: float = 1.0
     use_gate: bool = False
@@ -238,26 +257,7 @@ class FlaDeltaNetConfig(FlaConfig):
     num_heads: int = 16
     qk_norm: str = "l2"
     qk_activation: str = "silu"
-    max_position_embeddings: int = 2048
     hidden_ratio: int | float | None = 4
-    intermediate_size: int | None = None
-    hidden_act: str = "swish"
-    num_hidden_layers: int = 24
-    norm_eps: float = 1e-6
-    attn: Any = None
-    use_cache: bool = True
-    pad_token_id: int | None = None
-    bos_token_id: int | list[int] | None = 1
-    eos_token_id: int | list[int] | None = 2
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    fuse_norm: bool = True
-    fuse_swiglu: bool = True
-    fuse_cross_entropy: bool = True
-    fuse_linear_cross_entropy: bool = False
-    use_l2warp: bool = False
-    vocab_size: int = 32000
-    attnres_block_size: int | None = None
 
     def __post_init__(self) -> None:
         self._check_common()

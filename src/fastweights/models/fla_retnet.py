@@ -13,24 +13,21 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..layers.fla_retnet import FEATURE_MAPS, FlaMultiScaleRetention
-from .fla import FlaConfig, FlaLM
+from .fla import COMMON_FLA_OPTIONS, FlaConfig, FlaLM
 
 RETNET_MODEL_TYPE = "retnet"  # fla's model_type for RetNet
 ATTN_MODES = ("chunk", "fused_chunk", "parallel", "fused_recurrent")  # fla's retention kernels
 
 # Every argument of fla 0.6's RetNetConfig and what fastweights does with it.
 FLA_RETNET_OPTIONS: dict[str, str] = {
-    "hidden_size": "supported",
-    "num_hidden_layers": "supported",
-    "num_heads": "supported",
+    **COMMON_FLA_OPTIONS,
     "num_kv_heads": "supported (grouped keys/values: each serves num_heads / num_kv_heads "
                     "consecutive query heads)",
-    "vocab_size": "supported",
     "expand_k": "supported (the key head dim must be even: rotary pairs)",
     "expand_v": "supported",
     "feature_map": "supported: None, " + ", ".join(repr(n) for n in FEATURE_MAPS)
@@ -38,35 +35,17 @@ FLA_RETNET_OPTIONS: dict[str, str] = {
                      "variant GELU formulas)",
     "use_output_gate": "supported (g_proj and the SiLU-gated output RMSNorm)",
     "elementwise_affine": "supported (False or None: the output RMSNorm has no weight)",
-    "norm_eps": "supported (every RMSNorm of the model, the layers' output norm included)",
-    "hidden_ratio": "supported",
-    "intermediate_size": "supported",
     "hidden_act": "supported: 'swish' (the SwiGLU MLP and the output gate's SiLU); refused: "
                   "'powlu'",
-    "tie_word_embeddings": "supported",
-    "pad_token_id": "supported (the embedding's padding_idx, as fla)",
-    "bos_token_id": "supported (generation default)",
-    "eos_token_id": "supported (generation default)",
-    "use_cache": "supported (generate() decodes from the recurrent state)",
     "attn_mode": "accepted, no effect: 'chunk', 'fused_chunk', 'parallel' and 'fused_recurrent' "
                  "pick fla's GPU kernel for the same retention; other values refused",
     "fuse_norm": "accepted, no effect on outputs: fused and unfused RMSNorm (+ residual, + gate) "
                  "are the same maths; it names the output norm as fla does (g_norm_swish_gate "
                  "when fused with the gate, else g_norm)",
-    "fuse_swiglu": "accepted, no effect: the fused SwiGLU + down projection is the same maths",
-    "fuse_cross_entropy": "accepted, no effect: the same cross-entropy (fastweights computes it "
-                          "in float32 or wider)",
-    "fuse_linear_cross_entropy": "accepted, no effect: the same cross-entropy computed without "
-                                 "materialising logits on GPU; fastweights returns the logits",
-    "use_l2warp": "accepted for inference (it changes no forward value); refused in a forward "
-                  "with labels, whose gradient it would change",
     "use_short_conv": "accepted, no effect: fla 0.6's RetNetBlock does not pass it to its layer, "
                       "so fla's RetNet models have no short convolutions (warning when True)",
     "conv_size": "accepted, no effect (as use_short_conv)",
-    "initializer_range": "accepted: initialisation of fresh models only",
     "max_position_embeddings": "accepted, no effect: fla's rotary tables grow with the sequence",
-    "attn": "refused unless None: hybrid softmax-attention layers are not implemented",
-    "attnres_block_size": "refused unless None: attention residuals are not implemented",
 }
 
 
@@ -79,41 +58,20 @@ class FlaRetNetConfig(FlaConfig):
     MODEL_TYPE: ClassVar[str] = RETNET_MODEL_TYPE
     FAMILY: ClassVar[str] = "RetNet"
     OPTIONS: ClassVar[dict[str, str]] = FLA_RETNET_OPTIONS
-    BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
-        "use_short_conv", "use_output_gate", "tie_word_embeddings", "use_cache", "fuse_norm",
-        "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp")
+    BOOL_FIELDS: ClassVar[tuple[str, ...]] = (*FlaConfig.BOOL_FIELDS, "use_short_conv",
+                                              "use_output_gate")
 
     attn_mode: str = "chunk"
-    hidden_size: int = 2048
     expand_k: float = 1.0
     expand_v: float = 2.0
     hidden_ratio: int | float | None = 2
-    intermediate_size: int | None = None
-    num_hidden_layers: int = 24
     num_heads: int = 8
     num_kv_heads: int | None = None
     feature_map: str | None = None
-    hidden_act: str = "swish"
     use_short_conv: bool = False
     conv_size: int = 4
     use_output_gate: bool = True
-    max_position_embeddings: int = 2048
     elementwise_affine: bool | None = True
-    norm_eps: float = 1e-6
-    attn: Any = None
-    use_cache: bool = True
-    pad_token_id: int | None = None
-    bos_token_id: int | list[int] | None = 1
-    eos_token_id: int | list[int] | None = 2
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    fuse_norm: bool = True
-    fuse_swiglu: bool = True
-    fuse_cross_entropy: bool = True
-    fuse_linear_cross_entropy: bool = False
-    use_l2warp: bool = False
-    vocab_size: int = 32000
-    attnres_block_size: int | None = None
 
     def __post_init__(self) -> None:
         self._check_common()
