@@ -17,3 +17,21 @@ def assert_close64(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL64, what:
 def shape_id(B: int, T: int, H: int, Dk: int, Dv: int | None = None, dtype: torch.dtype = torch.float64) -> str:
     dv = "" if Dv is None else f"-Dv{Dv}"
     return f"B{B}-T{T}-H{H}-Dk{Dk}{dv}-{str(dtype).removeprefix('torch.')}"
+
+
+def assert_pieces_and_steps_equal_whole(layer, x: torch.Tensor, split: int) -> None:
+    """A mixer layer fed ``x`` [B, T, d] in two pieces (cut at ``split``) and token by token,
+    with its state carried, gives the outputs and the final state (a tuple of tensors) of
+    feeding it whole."""
+    y, state = layer(x)
+    y1, s = layer(x[:, :split])
+    y2, s = layer(x[:, split:], s)
+    assert_close64(torch.cat([y1, y2], 1), y, what="pieces")
+    steps, s = [], None
+    for t in range(x.shape[1]):
+        yt, s = layer(x[:, t:t + 1], s)
+        steps.append(yt)
+    assert_close64(torch.cat(steps, 1), y, what="one-token steps")
+    assert len(s) == len(state)
+    for a, b in zip(s, state):
+        assert_close64(a, b, what="final state")

@@ -1,5 +1,6 @@
 """fastweights.bench.fla_decode on its tiny shape: the rows it reports and their invariants
-(recurrent state constant in the context, KV cache growing). No assertion depends on speed."""
+(recurrent state constant in the context, KV cache growing), with the context prefilled or
+synthetic. No assertion depends on speed."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import pytest
 
 pytest.importorskip("transformers", reason="the Llama baseline needs the [hf] extra")
 
-from fastweights.bench.fla_decode import SHAPES, main
+import torch
+
+from fastweights.bench.fla_decode import SHAPES, build, main, synthetic_context
 
 
-def test_tiny_run_reports_state_and_speed(tmp_path):
+@pytest.mark.parametrize("fill", ["prefill", "synthetic"])
+def test_tiny_run_reports_state_and_speed(tmp_path, fill):
     out = tmp_path / "decode.json"
     rows = main(["--shapes", "tiny", "--contexts", "5", "40", "--new-tokens", "3",
-                 "--prefill-chunk", "16", "--dtypes", "float32", "--out", str(out)])
+                 "--prefill-chunk", "16", "--dtypes", "float32", "--out", str(out),
+                 "--context-fill", fill])
+    assert all(r["context_fill"] == fill for r in rows)
+    assert all((r["prefill_s"] is None) == (fill == "synthetic") for r in rows)
     assert [(r["model"], r["context"]) for r in rows] == [
         ("deltanet", 5), ("deltanet", 40), ("llama", 5), ("llama", 40)]
     by = {(r["model"], r["context"]): r for r in rows}
@@ -39,3 +46,29 @@ def test_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as err:
         main(["--contexts", "0"])
     assert err.value.code == 2 and "--contexts" in capsys.readouterr().err
+
+
+def test_synthetic_context_has_the_shapes_of_a_real_one():
+    """The random state / KV cache has exactly the structure a prefill leaves, random values,
+    and the models decode from it (Llama at position ``context``)."""
+    g = torch.Generator().manual_seed(0)
+
+    def tensors(model, state):
+        if model == "llama":
+            return [t for layer in state.layers for t in (layer.keys, layer.values)]
+        return [t for layer in state for t in layer]
+
+    for model in ("deltanet", "llama"):
+        net, step, empty = build(model, "tiny", torch.bfloat16, 64)
+        with torch.no_grad():
+            _, real = step(torch.ones(1, 9, dtype=torch.long), empty)
+            fake = synthetic_context(model, net, step, build(model, "tiny", torch.bfloat16, 64)[2],
+                                     9, g)
+            assert [(t.shape, t.dtype) for t in tensors(model, fake)] == \
+                [(t.shape, t.dtype) for t in tensors(model, real)]
+            assert all(t.abs().sum() > 0 for t in tensors(model, fake))
+            if model == "llama":
+                assert fake.get_seq_length() == 9
+            logits, _ = step(torch.ones(1, 1, dtype=torch.long), fake)
+            assert logits.shape == (1, 1, SHAPES["tiny"]["vocab_size"])
+            assert torch.isfinite(logits).all()

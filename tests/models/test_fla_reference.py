@@ -11,7 +11,6 @@ float32 (``rms_norm_ref`` rounds weights to float32) and both models run in floa
 
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import pytest
@@ -24,12 +23,11 @@ with warnings.catch_warnings():  # fla warns that Triton has no CPU driver here
     fla = pytest.importorskip("fla", reason="flash-linear-attention is not installed "
                                             "(pip install 'fastweights[dev]')")
     import fla.layers.delta_net as fla_layer
-    import fla.modules.mlp as fla_mlp
     from fla.models import DeltaNetConfig
-    from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
-    from fla.modules.norm.layernorm_gated import rms_norm_ref
+    from fla.modules import ShortConvolution
     from fla.ops.delta_rule.naive import delta_rule_recurrence
-    from transformers import AutoModelForCausalLM
+
+    from tests.models import fla_common
 
 from fastweights.models.fla import FLA_OPTIONS, from_fla
 from tests.helpers import assert_close64
@@ -75,19 +73,6 @@ def fla_delta_rule_ref(q, k, v, beta, scale=None, initial_state=None, output_fin
     return tr(o), (S if output_final_state else None)
 
 
-def rmsnorm_ref(self, x, residual=None, prenorm=False, residual_in_fp32=False):
-    if residual is not None:
-        x = x + residual
-    y = rms_norm_ref(x, self.weight, self.bias, eps=self.eps, upcast=False)
-    return (y, x) if prenorm else y
-
-
-def gated_rmsnorm_ref(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
-    assert residual is None and self.activation in ("swish", "silu")
-    return rms_norm_ref(x, self.weight, self.bias, z=g, eps=self.eps, norm_before_gate=True,
-                        upcast=False)
-
-
 def short_conv_ref(self, x, residual=None, mask=None, cache=None, output_final_state=False,
                    cu_seqlens=None, **kwargs):
     assert residual is None and mask is None and cache is None and cu_seqlens is None
@@ -103,11 +88,8 @@ def fla_on_pytorch(monkeypatch):
     monkeypatch.setattr(fla_layer, "chunk_delta_rule", fla_delta_rule_ref)
     monkeypatch.setattr(fla_layer, "fused_recurrent_delta_rule", fla_delta_rule_ref)
     monkeypatch.setattr(fla_layer, "elu_p1", lambda x: torch.where(x >= 0, x + 1, torch.exp(x)))
-    monkeypatch.setattr(RMSNorm, "forward", rmsnorm_ref)
-    monkeypatch.setattr(FusedRMSNormGated, "forward", gated_rmsnorm_ref)
     monkeypatch.setattr(ShortConvolution, "forward", short_conv_ref)
-    monkeypatch.setattr(fla_mlp, "swiglu", lambda x, y: F.silu(x) * y)
-    monkeypatch.setattr(fla_mlp, "swiglu_linear", lambda x, y, w, b: F.linear(F.silu(x) * y, w, b))
+    fla_common.patch_norms_and_mlp(monkeypatch)
 
 
 def test_float64_delta_rule_reference_is_flas_naive_recurrence():
@@ -153,43 +135,19 @@ def fla_config(**overrides) -> DeltaNetConfig:
 
 def make_fla_checkpoint(folder, seed: int = 0, dtype: torch.dtype = torch.float32,
                         max_shard_size: str | None = None, **overrides):
-    """An fla model with random float32 weights of order one (norm gains and convolutions
-    included, which fla initialises to ones / near zero), saved by fla's save_pretrained."""
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fla: "ShortConvolution is crucial ..." without conv
-        model = AutoModelForCausalLM.from_config(fla_config(**overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif "conv1d" in name:
-                p.copy_(0.5 * torch.randn_like(p))
-            elif "embeddings" in name:
-                p.copy_(torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model = model.to(dtype)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(folder, **kwargs)
-    return model.eval()
+    """An fla DeltaNet with random float32 weights of order one, saved by fla's save_pretrained."""
+    return fla_common.make_fla_checkpoint(folder, fla_config(**overrides), seed=seed, dtype=dtype,
+                                          max_shard_size=max_shard_size)
 
 
 def ids(B: int = 2, length: int = T, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, V, (B, length), generator=torch.Generator().manual_seed(seed))
+    return fla_common.token_ids(V, B, length, seed)
 
 
 @pytest.mark.parametrize("overrides", CONFIGS.values(), ids=CONFIGS.keys())
 def test_float64_logits_equal_flas_model(tmp_path, fla_on_pytorch, overrides):
-    ref = make_fla_checkpoint(tmp_path, **overrides).double()
-    ours = from_fla(tmp_path, dtype=torch.float64)
-    x = ids()
-    with torch.no_grad():
-        expected = ref(x, use_cache=False).logits
-        got = ours(x, use_cache=False).logits
-    assert expected.dtype == got.dtype == torch.float64
-    assert expected.abs().max() > 1  # logits of order one: an absolute 1e-10 means something
-    assert_close64(got, expected, what="logits")
+    ref = make_fla_checkpoint(tmp_path, **overrides)
+    fla_common.assert_float64_logits_equal(ref, tmp_path, ids())
 
 
 @pytest.mark.parametrize("overrides", [CONFIGS["base"], CONFIGS["gate-tied-heads1"]],
@@ -219,46 +177,22 @@ def test_float32_logits_match_flas_model_with_its_float32_naive_recurrence(
 @pytest.mark.parametrize("overrides", [CONFIGS["base"], CONFIGS["no-conv"], CONFIGS["gate"]],
                          ids=["base", "no-conv", "gate"])
 def test_decoding_from_the_cache_equals_flas_full_forward(tmp_path, fla_on_pytorch, overrides):
-    ref = make_fla_checkpoint(tmp_path, **overrides).double()
-    ours = from_fla(tmp_path, dtype=torch.float64)
-    x = ids(length=12)
-    with torch.no_grad():
-        expected = ref(x, use_cache=False).logits
-        out = ours(x[:, :5], use_cache=True)
-        steps = [out.logits]
-        for t in range(5, x.shape[1]):
-            out = ours(x[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
-            steps.append(out.logits)
-    assert_close64(torch.cat(steps, dim=1), expected, what="prefill + one-token steps")
+    ref = make_fla_checkpoint(tmp_path, **overrides)
+    fla_common.assert_decoding_equals_full_forward(ref, tmp_path, ids(length=12))
 
 
 def test_sharded_bfloat16_tied_checkpoint_loads_unchanged(tmp_path):
     ref = make_fla_checkpoint(tmp_path, dtype=torch.bfloat16, max_shard_size="20KB",
                               tie_word_embeddings=True, use_gate=True)
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    ours = from_fla(tmp_path)
-    assert ours.dtype == torch.bfloat16
-    theirs = ref.state_dict()
-    mine = ours.state_dict()
-    assert set(mine) == set(theirs)
-    for name, tensor in theirs.items():
-        assert torch.equal(mine[name], tensor), name
-    assert ours.lm_head.weight is ours.model.embeddings.weight
+    fla_common.assert_loads_unchanged(ref, tmp_path, torch.bfloat16)
 
 
 def test_every_deltanet_config_option_is_classified():
-    params = set(inspect.signature(DeltaNetConfig.__init__).parameters) - {"self", "kwargs"}
-    assert params == set(FLA_OPTIONS), (sorted(params - set(FLA_OPTIONS)),
-                                        sorted(set(FLA_OPTIONS) - params))
+    fla_common.assert_every_option_classified(DeltaNetConfig, FLA_OPTIONS)
 
 
 def test_our_save_pretrained_is_an_fla_checkpoint(tmp_path, fla_on_pytorch):
     """A folder written by fastweights loads in fla with the same logits."""
     make_fla_checkpoint(tmp_path / "a", use_gate=True)
-    ours = from_fla(tmp_path / "a", dtype=torch.float64)
-    ours.save_pretrained(tmp_path / "b")
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float64)
-    assert type(theirs).__module__.startswith("fla.")
-    x = ids()
-    with torch.no_grad():
-        assert_close64(ours(x).logits, theirs(x, use_cache=False).logits, what="logits")
+    fla_common.assert_fla_reads_our_save(tmp_path / "a", tmp_path / "b", ids())

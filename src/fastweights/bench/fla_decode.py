@@ -11,15 +11,27 @@ two models with random weights:
 - ``llama``: ``transformers.LlamaForCausalLM`` with the same hidden size, heads (as many KV
   heads), layers, MLP width and vocabulary, decoding from its ``DynamicCache`` (KV cache).
 
-For each context length it prefills random tokens in pieces of ``--prefill-chunk`` (the state or
-cache carried; equal to one whole forward), then decodes ``--new-tokens`` tokens greedily one at
-a time, and reports the parameter bytes, the bytes of recurrent state / KV cache after the
-prefill and its growth per decoded token, the resident-set high-water mark of the decode loop
-above what was resident before it, the process RSS, prefill seconds and decoded tokens per
-second (after one untimed warm-up step). One process, one setting after another, batch 1;
-``--threads`` sets torch's intra-op threads. Results print as a Markdown table and are written as
-JSON with ``--out``. ``--shapes tiny`` (hidden 64, 2 layers, vocabulary 1000) checks the command
-in seconds.
+For each context length it puts the model in the state of having read that many tokens, then
+decodes ``--new-tokens`` tokens greedily one at a time, and reports the parameter bytes, the
+bytes of recurrent state / KV cache after the context and its growth per decoded token, the
+resident-set high-water mark of the decode loop above what was resident before it, the process
+RSS, prefill seconds and decoded tokens per second (after one untimed warm-up step). One process,
+one setting after another, batch 1; ``--threads`` sets torch's intra-op threads. Results print as
+a Markdown table and are written as JSON with ``--out``. ``--shapes tiny`` (hidden 64, 2 layers,
+vocabulary 1000) checks the command in seconds.
+
+``--context-fill`` says how the context is put in place:
+
+- ``synthetic`` (the default, at every length): the state a context leaves, filled with random
+  values of the right shapes and dtypes, without running the prefill (a real 16k-token prefill
+  takes far longer on a CPU than the decoding measured): DeltaNet's delta-rule matrices
+  (float32) and short-convolution inputs (the model dtype), the same for any context length;
+  Llama's ``DynamicCache`` with random keys and values of ``context`` positions in every layer.
+  A decoding step's work and memory depend on these shapes, not on the values, so tokens/s and
+  memory are those of decoding after a real context of that length; prefill seconds are not
+  reported. The first decoded token is a random id.
+- ``prefill``: random tokens fed in pieces of ``--prefill-chunk`` (the state or cache carried;
+  equal to one whole forward), timed, and decoding continues from the last logits.
 """
 
 from __future__ import annotations
@@ -45,6 +57,10 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 MODELS = ("deltanet", "llama")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FILLS = ("synthetic", "prefill")
+# Random states are drawn at this scale: values of the order real ones have (no denormals, no
+# overflow on the way through a few decoding steps).
+SYNTHETIC_STD = 0.1
 
 
 class _LlamaStepper:
@@ -63,6 +79,37 @@ def _cache_bytes(cache: Any) -> int:
     if hasattr(cache, "layers"):
         return sum(state_bytes((layer.keys, layer.values)) for layer in cache.layers)
     return state_bytes(cache)
+
+
+def _random_like(state: Any, generator: torch.Generator) -> Any:
+    """``state`` (a tensor or nested tuples/lists of them) with every floating tensor replaced by
+    random values of the same shape and dtype (normal, std ``SYNTHETIC_STD``)."""
+    if isinstance(state, torch.Tensor):
+        if not state.dtype.is_floating_point:
+            return state
+        return (SYNTHETIC_STD * torch.randn(state.shape, generator=generator)).to(state.dtype)
+    if isinstance(state, (list, tuple)):
+        return type(state)(_random_like(s, generator) for s in state)
+    return state
+
+
+def synthetic_context(model: str, net: torch.nn.Module, step: Any, state: Any, context: int,
+                      generator: torch.Generator) -> Any:
+    """The state ``model`` holds after ``context`` tokens, with random values (see the module
+    docstring): for "deltanet" the recurrent state (its structure taken from one step, which a
+    context of any length leaves the same), for "llama" ``state`` (an empty DynamicCache)
+    filled with ``context`` random keys and values per layer."""
+    if model == "deltanet":
+        _, fresh = step(torch.zeros(1, 1, dtype=torch.long), None)
+        return _random_like(fresh, generator)
+    cfg = net.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(net.parameters()).dtype
+    for layer in range(cfg.num_hidden_layers):
+        k, v = (SYNTHETIC_STD * torch.randn(1, cfg.num_key_value_heads, context, head_dim,
+                                            generator=generator) for _ in range(2))
+        state.update(k.to(dtype), v.to(dtype), layer)
+    return state
 
 
 def build(model: str, shape: str, dtype: torch.dtype, max_len: int, seed: int = 0
@@ -88,20 +135,30 @@ def build(model: str, shape: str, dtype: torch.dtype, max_len: int, seed: int = 
 
 @torch.no_grad()
 def measure(model: str, shape: str, dtype: str, context: int, *, new_tokens: int,
-            prefill_chunk: int, seed: int = 0) -> dict[str, Any]:
-    """Prefill ``context`` random tokens, then decode ``new_tokens``; see the module docstring."""
+            prefill_chunk: int, seed: int = 0, fill: str = "synthetic") -> dict[str, Any]:
+    """Put ``context`` tokens in place (``fill``: "synthetic" or "prefill"), then decode
+    ``new_tokens``; see the module docstring."""
+    if fill not in FILLS:
+        raise ValueError(f"fill must be one of {FILLS}, got {fill!r}")
     net, step, state = build(model, shape, DTYPES[dtype], context + new_tokens + 1, seed)
     params = sum(p.numel() for p in net.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     vocab = SHAPES[shape]["vocab_size"]
-    ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
-    t0 = time.perf_counter()
-    for piece in ids.split(prefill_chunk, dim=1):
-        logits, state = step(piece, state)
-    prefill_s = time.perf_counter() - t0
+    generator = torch.Generator().manual_seed(seed)
+    prefill_s = None
+    if fill == "prefill":
+        ids = torch.randint(0, vocab, (1, context), generator=generator)
+        t0 = time.perf_counter()
+        for piece in ids.split(prefill_chunk, dim=1):
+            logits, state = step(piece, state)
+        prefill_s = time.perf_counter() - t0
+        first = logits[:, -1:].argmax(-1)
+    else:
+        state = synthetic_context(model, net, step, state, context, generator)
+        first = torch.randint(0, vocab, (1, 1), generator=generator)
     prefill_state = _cache_bytes(state)
 
-    logits, state = step(logits[:, -1:].argmax(-1), state)  # warm-up step, untimed
+    logits, state = step(first, state)  # warm-up step, untimed
     gc.collect()
     rss_before = _status_kib("VmRSS")
     tracked = _reset_rss_peak() and rss_before is not None
@@ -111,7 +168,7 @@ def measure(model: str, shape: str, dtype: str, context: int, *, new_tokens: int
     decode_s = time.perf_counter() - t0
     hwm, rss_after = _status_kib("VmHWM"), _status_kib("VmRSS")
     result = {
-        "model": model, "shape": shape, "dtype": dtype, "context": context,
+        "model": model, "shape": shape, "dtype": dtype, "context": context, "context_fill": fill,
         "new_tokens": new_tokens, "params": params, "param_mib": param_bytes / MIB,
         "state_mib_after_prefill": prefill_state / MIB,
         "state_bytes_per_new_token": (_cache_bytes(state) - prefill_state) / (new_tokens + 1),
@@ -124,13 +181,14 @@ def measure(model: str, shape: str, dtype: str, context: int, *, new_tokens: int
     return result
 
 
-HEADER = ("model", "shape", "dtype", "context", "params (M)", "weights MiB", "state MiB",
+HEADER = ("model", "shape", "dtype", "context", "fill", "params (M)", "weights MiB", "state MiB",
           "state B/token", "decode peak RSS MiB", "RSS MiB", "prefill s", "tokens/s")
 
 
 def _row(r: dict[str, Any]) -> str:
     return "| " + " | ".join([
-        r["model"], r["shape"], r["dtype"], str(r["context"]), _fmt(r["params"] / 1e6, ".1f"),
+        r["model"], r["shape"], r["dtype"], str(r["context"]), r["context_fill"],
+        _fmt(r["params"] / 1e6, ".1f"),
         _fmt(r["param_mib"], ".0f"), _fmt(r["state_mib_after_prefill"], ".2f"),
         _fmt(r["state_bytes_per_new_token"], ".0f"), _fmt(r["decode_peak_rss_mib"], ".1f"),
         _fmt(r["rss_mib"], ".0f"), _fmt(r["prefill_s"], ".1f"), _fmt(r["tokens_per_s"], ".2f"),
@@ -145,7 +203,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 16384])
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--context-fill", choices=FILLS, default="synthetic",
+                   help="synthetic: random state/KV cache of the context's shapes, no prefill "
+                        "(default); prefill: run the context through the model first")
+    p.add_argument("--prefill-chunk", type=int, default=1024,
+                   help="tokens per forward of the prefill (--context-fill prefill)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -168,20 +230,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     _return_freed_memory()
     machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                "threads": torch.get_num_threads(), "torch": torch.__version__}
+    how = (f"prefill in pieces of {args.prefill_chunk}" if args.context_fill == "prefill"
+           else "synthetic context (random state / KV cache, no prefill)")
     print(f"# {machine['processor']}, {machine['cpus']} CPUs, torch {machine['torch']}, "
-          f"{machine['threads']} threads; batch 1, {args.new_tokens} decoded tokens, prefill in "
-          f"pieces of {args.prefill_chunk}")
+          f"{machine['threads']} threads; batch 1, {args.new_tokens} decoded tokens, {how}")
     print("| " + " | ".join(HEADER) + " |")
     print("|" + "---|" * len(HEADER))
     rows = []
-    for shape in args.shapes:
-        for dtype in args.dtypes:
-            for model in args.models:
-                for context in args.contexts:
-                    r = measure(model, shape, dtype, context, new_tokens=args.new_tokens,
-                                prefill_chunk=args.prefill_chunk, seed=args.seed)
-                    rows.append(r)
-                    print(_row(r), flush=True)
+    # The objects alive now (imported libraries) are set aside from the collector: the full
+    # collections between settings then cost milliseconds instead of a pass over every module.
+    gc.freeze()
+    try:
+        for shape in args.shapes:
+            for dtype in args.dtypes:
+                for model in args.models:
+                    for context in args.contexts:
+                        r = measure(model, shape, dtype, context, new_tokens=args.new_tokens,
+                                    prefill_chunk=args.prefill_chunk, seed=args.seed,
+                                    fill=args.context_fill)
+                        rows.append(r)
+                        print(_row(r), flush=True)
+    finally:
+        gc.unfreeze()
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({

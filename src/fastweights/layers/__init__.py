@@ -4,6 +4,7 @@
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer
 from .fla_deltanet import FlaDeltaNet
+from .fla_retnet import FlaMultiScaleRetention
 from .fwp import DeltaNet, LinearAttention
 from .glu import GLU
 from .infini import InfiniAttention
@@ -21,6 +22,7 @@ __all__ = [
            "DeltaNet",
            "DiagAttention",
            "FlaDeltaNet",
+           "FlaMultiScaleRetention",
            "InfiniAttention",
            "LinearAttention",
            "Mixer",

@@ -52,27 +52,33 @@ class FlaRMSNorm(nn.Module):
     """RMSNorm over the last dim as fla computes it, optionally gated by SiLU of a second input:
     ``y = x / sqrt(mean(x^2) + eps) * weight [* silu(gate)]``, in float32 (float64 stays
     float64) and cast back to x's dtype once at the end (fla's fused kernels round once too).
-    The parameter is ``weight`` [dim]."""
+    The parameter is ``weight`` [dim]; ``elementwise_affine=False`` leaves it out (weight 1)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True) -> None:
         super().__init__()
         check_positive_int("dim", dim)
         if not is_number(eps) or not 0 < eps < 1:
             raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
         self.dim, self.eps = dim, float(eps)
-        self.weight = nn.Parameter(torch.ones(dim))
+        if check_bool("elementwise_affine", elementwise_affine):
+            self.weight = nn.Parameter(torch.ones(dim))
+        else:
+            self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., dim], gate None or [..., dim] -> [..., dim] in x's dtype."""
         cdtype = _compute_dtype(x)
         xf = x.to(cdtype)
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(cdtype)
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.to(cdtype)
         if gate is not None:
             y = y * F.silu(gate.to(cdtype))
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}"
+        return f"{self.dim}, eps={self.eps}" + ("" if self.weight is not None
+                                                 else ", elementwise_affine=False")
 
 
 class ShortConvolution(nn.Module):
@@ -122,7 +128,22 @@ class ShortConvolution(nn.Module):
                 f"activation={'silu' if self.activation else None}")
 
 
-class FlaDeltaNet(Mixer):
+class FlaMixer(Mixer):
+    """What fla's layers share here: ``key_dim = round(d_model * expand_k)`` and
+    ``value_dim = round(d_model * expand_v)``, each an integer divisible by n_heads (fla's
+    rule), split into ``head_k_dim`` / ``head_v_dim`` per head."""
+
+    def __init__(self, d_model: int, n_heads: int, expand_k: float, expand_v: float) -> None:
+        check_positive_int("d_model", d_model)
+        check_positive_int("n_heads", n_heads)
+        key_dim = _expanded("expand_k", d_model, expand_k, n_heads)
+        value_dim = _expanded("expand_v", d_model, expand_v, n_heads)
+        super().__init__(d_model, n_heads, head_dim=key_dim // n_heads)
+        self.key_dim, self.value_dim = key_dim, value_dim
+        self.head_k_dim, self.head_v_dim = key_dim // n_heads, value_dim // n_heads
+
+
+class FlaDeltaNet(FlaMixer):
     """fla's DeltaNet layer (see the module docstring for the maths).
 
     Options carry fla's names and defaults (``DeltaNet.__init__`` of fla 0.6): ``expand_k``,
@@ -143,13 +164,8 @@ class FlaDeltaNet(Mixer):
         qk_activation: str = "silu", qk_norm: str = "l2", norm_eps: float = 1e-5,
         mode: str = "chunk", chunk_size: int | None = None,
     ) -> None:
-        check_positive_int("d_model", d_model)
-        check_positive_int("n_heads", n_heads)
-        key_dim = _expanded("expand_k", d_model, expand_k, n_heads)
-        value_dim = _expanded("expand_v", d_model, expand_v, n_heads)
-        super().__init__(d_model, n_heads, head_dim=key_dim // n_heads)
-        self.key_dim, self.value_dim = key_dim, value_dim
-        self.head_k_dim, self.head_v_dim = key_dim // n_heads, value_dim // n_heads
+        super().__init__(d_model, n_heads, expand_k, expand_v)
+        key_dim, value_dim = self.key_dim, self.value_dim
         self.use_beta = check_bool("use_beta", use_beta)
         self.use_gate = check_bool("use_gate", use_gate)
         self.use_short_conv = check_bool("use_short_conv", use_short_conv)

@@ -57,6 +57,20 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.to(x.dtype)
 
 
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i + D/2}) of x [B, T, H, D] (the GPT-NeoX layout, which
+    flash-linear-attention's rotary embedding uses; the layers of this project pair (2i, 2i+1))
+    by the angles whose cosines and sines are cos, sin [(B,) T, D/2] (any float dtype):
+    (x_i cos - x_{i+D/2} sin, x_{i+D/2} cos + x_i sin). Computed in cos's dtype promoted with
+    x's compute dtype (float32, or float64 for float64 x), returned in x's dtype."""
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    cdtype = torch.promote_types(cos.dtype, _angle_dtype(x))
+    c, s = cos.to(cdtype).unsqueeze(2), sin.to(cdtype).unsqueeze(2)  # [B|1, T, 1, D/2]
+    first, second = x.to(cdtype).chunk(2, dim=-1)
+    return torch.cat((first * c - second * s, second * c + first * s), dim=-1).to(x.dtype)
+
+
 class RotaryFrequencies:
     """Mixin for layers with rotary positions: ``inv_freq`` [head_dim / 2] from the layer's
     ``head_dim`` and ``rope_base``, always float64 (exact whatever the module's dtype; made on

@@ -2,6 +2,7 @@
 
 from .config import LMConfig
 from .fla import FlaDeltaNetConfig, FlaDeltaNetLM, from_fla
+from .fla_retnet import FlaRetNetConfig, FlaRetNetLM
 from .lm import LanguageModel
 from .registry import MIXERS, build_mixer, mixer_names, mixer_options
 
@@ -9,6 +10,8 @@ __all__ = [
     "MIXERS",
     "FlaDeltaNetConfig",
     "FlaDeltaNetLM",
+    "FlaRetNetConfig",
+    "FlaRetNetLM",
     "LMConfig",
     "LanguageModel",
     "build_mixer",
