@@ -153,8 +153,10 @@ def stack_inner_states(states: Sequence[Sequence[Any]], places: Sequence[torch.T
     a mini-batch is just starting; tau [b] or [H, b] gives the current weights."""
     if len(states) != len(places):
         raise ValueError(f"need one places tensor per state, got {len(places)} for {len(states)}")
-    n = min(len(s) for s in states)
-    if any(len(s) not in (n, 3 * n + 1) for s in states) or n not in (2, 4):
+    # (W, b) and (W1, b1, W2, b2) at a boundary; 7 and 13 items inside a mini-batch.
+    kinds = {len(s) if len(s) in (2, 4) else (len(s) - 1) // 3 for s in states}
+    n = kinds.pop()
+    if kinds or any(len(s) not in (n, 3 * n + 1) for s in states) or n not in (2, 4):
         raise ValueError("states must be ttt_linear/ttt_mlp states of one kind: (*weights) or "
                          f"(*weights, *start, *sums, pos), got lengths {[len(s) for s in states]}")
     starts, sums = [], []
