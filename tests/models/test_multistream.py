@@ -50,7 +50,11 @@ def test_batched_steps_equal_separate_streams(name):
     """N = 4 streams prefilled with 5, 8, 2, 7 tokens, stacked, then 5 batched one-token steps
     (crossing mini-batch / segment / block boundaries at different steps per row) equal each
     stream decoded alone."""
-    layer = _layer(name)
+    _check_stacked(_layer(name), name)
+
+
+def _check_stacked(layer, what: str) -> None:
+    """The stacked streams' batched steps equal their separate steps."""
     with torch.no_grad():
         states, xs, ref = _streams(layer)
         state = layer.stack_states(states)
@@ -58,7 +62,7 @@ def test_batched_steps_equal_separate_streams(name):
         for t in range(STEPS):
             y, state = layer(xs[:, t:t + 1], state)
             ys.append(y)
-    assert_close64(torch.cat(ys, dim=1), ref, atol=1e-10, what=name)
+    assert_close64(torch.cat(ys, dim=1), ref, atol=1e-10, what=what)
 
 
 @pytest.mark.parametrize("name", ["ttt-mlp", "diag"])
@@ -66,15 +70,7 @@ def test_stacked_variants(name):
     """The options whose per-row paths differ: TTT's Mamba backbone (convolution cache) and
     DiagAttention's ReLU kernel."""
     extra = {"ttt-mlp": {"mamba_backbone": True}, "diag": {"kernel": "relu"}}[name]
-    layer = _layer(name, **extra)
-    with torch.no_grad():
-        states, xs, ref = _streams(layer)
-        state = layer.stack_states(states)
-        ys = []
-        for t in range(STEPS):
-            y, state = layer(xs[:, t:t + 1], state)
-            ys.append(y)
-    assert_close64(torch.cat(ys, dim=1), ref, atol=1e-10, what=name)
+    _check_stacked(_layer(name, **extra), name)
 
 
 def test_language_model_stacked_streams():

@@ -64,7 +64,7 @@ from ..models.lm import LanguageModel, LMState
 from ..models.registry import check_mixer, mixer_names, split_mixer_spec
 from .decode import state_bytes
 from .measure import PeakMemory, prepare_cpu_memory_accounting, synchronize
-from .suite import _machine, cpu_info
+from .suite import _available_memory, _machine, cpu_info
 
 PERIOD = 64  # a multiple of every mixer's period at the default options (checked per model)
 MODES = ("eager", "default", "reduce-overhead")
@@ -196,19 +196,6 @@ def measure(step: Any, model: LanguageModel, row: Row, *, steps: int, warmup: in
             step(ids, state)
         if peak.peak is not None:
             row.step_peak_mib_per_stream = peak.peak / MIB / row.streams
-
-
-def _available_bytes(device: torch.device) -> float:
-    if device.type == "cuda":
-        return float(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024.0
-    except OSError:
-        pass
-    return math.inf
 
 
 def _predicted_bytes(model: LanguageModel, context: int, streams: int, steps: int) -> float:
@@ -352,7 +339,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     modes = COMPILE_CHOICES[args.compile]
     max_len = max(contexts) + args.steps + args.warmup + 8
-    budget = 0.5 * _available_bytes(device)
+    budget = 0.5 * _available_memory(device)
     rows: list[Row] = []
     for label, name, opts in specs:
         model = build_model(name, opts, d_model=args.d_model, n_layers=args.n_layers,
