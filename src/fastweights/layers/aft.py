@@ -14,6 +14,8 @@ streamed past included, raises ValueError.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,7 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops.aft import (
+    AFTConvState,
     AFTFullState,
     AFTLocalState,
     aft_conv_stream,
@@ -34,7 +37,17 @@ from ..ops.aft import (
     aft_simple_stream,
 )
 from ..ops.aft.common import MODES
-from .base import Mixer, Option, State, declare_options, merge_heads, split_heads, token_positions
+from .base import (
+    Mixer,
+    Option,
+    State,
+    cat_rows,
+    check_stackable,
+    declare_options,
+    merge_heads,
+    split_heads,
+    token_positions,
+)
 
 
 class _AFT(Mixer):
@@ -93,6 +106,14 @@ class _PositionBias(nn.Module):
         """w[start:stop, :stop], the biases of rows start..stop-1 against every key so far."""
         self.check_length(stop)
         return self.u[start:stop] @ self.v[:stop].T
+
+    def rows_at(self, positions: torch.Tensor, window: int) -> torch.Tensor:
+        """[B, 1, s] with [b, 0, o] = w[p_b, p_b - o] for the positions p [B] (each >= s - 1):
+        one token's window biases per row, for rows at their own positions."""
+        if not torch.compiler.is_compiling():
+            self.check_length(int(positions.max()) + 1)
+        keys = positions.unsqueeze(1) - torch.arange(window, device=positions.device)  # [B, s]
+        return torch.einsum("bd,bsd->bs", self.u[positions], self.v[keys]).unsqueeze(1)
 
     def band(self, start: int, stop: int, window: int, block: int) -> torch.Tensor:
         """[T, s] with [i, o] = w[start + i, start + i - o], T = stop - start (o = t - t'; keys
@@ -190,7 +211,10 @@ class AFTLocal(_AFT):
             check_layer_input(x, self.d_model)
             state = self._typed_state(state, AFTLocalState)
             past = 0 if state is None else state.pos
-            w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
+            if isinstance(past, torch.Tensor):  # rows at their own positions (stack_states)
+                w = self.bias.rows_at(past, self.window)
+            else:
+                w = self.bias.band(past, past + x.shape[1], self.window, self.chunk_size)
         else:
             bounds, states = self._documents(x, state, cu_seqlens)
             state = [self._typed_state(s, AFTLocalState) for s in states]
@@ -209,6 +233,18 @@ class AFTLocal(_AFT):
 
     def state_size(self, seq_len: int = 1) -> int:
         return (3 + 2 * (self.window - 1)) * self.d_hidden
+
+    def stack_states(self, states: Sequence[State]) -> AFTLocalState:
+        """An ``AFTLocalState`` whose row i continues ``states[i]``, pos a long tensor [N] of
+        the rows' own positions; every stream must have seen at least window - 1 tokens (full
+        caches: rows still filling theirs would need padding the stable sums cannot hold)."""
+        parts = [self._typed_state(s, AFTLocalState) for s in check_stackable(states)]
+        _check_full_caches(parts, self.window)
+        tensors = cat_rows([s[:5] for s in parts], "states")
+        device = tensors[0].device
+        pos = torch.cat([torch.as_tensor(s.pos, device=device).reshape(-1).expand(s.a.shape[0])
+                         for s in parts])
+        return AFTLocalState(*tensors, pos)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}, max_len={self.bias.max_len}"
@@ -315,8 +351,24 @@ class AFTConv(_AFT):
         H, d = self.n_heads, self.d_hidden
         return 2 * H + d + (self.window - 1) * (H + d)
 
+    def stack_states(self, states: Sequence[State]) -> AFTConvState:
+        """An ``AFTConvState`` whose row i continues ``states[i]`` (no position to track: the
+        bias depends on offsets only); every stream must have seen at least window - 1 tokens
+        (full caches)."""
+        parts = [self._typed_state(s, AFTConvState) for s in check_stackable(states)]
+        _check_full_caches(parts, self.window)
+        return cat_rows(parts, "states")
+
     def extra_repr(self) -> str:
         ablations = "".join(f", {name}=False" for name in ("global_context", "nonneg", "gating")
                             if not getattr(self, name))
         return (f"{super().extra_repr()}, n_heads={self.n_heads}, window={self.window}, "
                 f"reparam={self.reparam}{ablations}")
+
+
+def _check_full_caches(states: list[tuple], window: int) -> None:
+    """Streams stacked for AFT-local/conv decoding hold full caches (window - 1 tokens)."""
+    short = [i for i, s in enumerate(states) if s[3].shape[1] != window - 1]
+    if short:
+        raise ValueError(f"stack_states needs streams that have seen at least window - 1 = "
+                         f"{window - 1} tokens (full caches); states {short} have fewer")

@@ -74,6 +74,19 @@ class Mixer(nn.Module):
         recurrent mixers, growing with ``seq_len`` for softmax attention)."""
         raise NotImplementedError
 
+    def stack_states(self, states: Sequence[State]) -> State:
+        """One state for a batch whose row i continues ``states[i]``, each a state ``forward``
+        returned for a batch of one (or of B_i rows: the rows follow in order): N streams at
+        their own positions, decoded together by one call per token (T = 1) and each row then
+        exactly as if decoded alone.
+
+        This default concatenates the states' tensors along the batch: right for states without
+        a position (linear attention, the delta rule, AFT-simple), and for any state when the
+        streams sit at the same position. Where positions differ (a different int, a cache of
+        another length) it raises ValueError; layers whose state tracks a position override it
+        with per-row positions."""
+        return cat_rows(check_stackable(states), "states")
+
     def set_inner_lr_warmup(self, progress: float) -> None:
         """Set the layer's inner learning rate for ``progress`` in [0, 1] of the outer warm-up
         (1 = warmed up). Only layers that learn at test time (TTT) have one; the default does
@@ -128,6 +141,45 @@ def token_positions(bounds: Sequence[int], starts: Sequence[int],
     # a data-dependent size).
     return torch.cat([torch.arange(s, s + b - a, device=device)
                       for (a, b), s in zip(pairwise(bounds), starts)])
+
+
+def check_stackable(states: Any) -> list[State]:
+    """``stack_states``'s argument: a non-empty list or tuple of carried states (not None)."""
+    if not isinstance(states, (list, tuple)) or not states:
+        raise ValueError(f"states must be a non-empty list of layer states, got "
+                         f"{type(states).__name__}" + (" (empty)" if isinstance(states, (list, tuple)) else ""))
+    if any(s is None for s in states):
+        raise ValueError("states must all be states returned by forward; None (a sequence not "
+                         "yet started) has no rows to stack")
+    return list(states)
+
+
+def cat_rows(items: Sequence[Any], what: str) -> Any:
+    """Items of one structure (tensors with batch first, nested tuples/lists/NamedTuples of
+    them, ints, None) concatenated row-wise: tensors along dim 0, every other leaf required to
+    be equal in all items. ValueError naming ``what`` when the structures, the tensors' other
+    dims or the other leaves differ (streams at different positions)."""
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(x, torch.Tensor) and x.dim() == first.dim() and x.dim() >= 1
+                   and x.shape[1:] == first.shape[1:] for x in items):
+            shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                      for x in items]
+            raise ValueError(f"cannot stack {what}: tensors of shapes {shapes} differ beyond "
+                             "the batch dim (streams at different positions, which this layer "
+                             "cannot hold per row)")
+        return torch.cat(list(items))
+    if isinstance(first, (tuple, list)):
+        if not all(type(x) is type(first) and len(x) == len(first) for x in items):
+            raise ValueError(f"cannot stack {what}: the states differ in structure")
+        parts = [cat_rows([x[i] for x in items], f"{what}[{i}]") for i in range(len(first))]
+        if hasattr(first, "_fields"):
+            return type(first)(*parts)
+        return type(first)(parts)
+    if any(not (x is first or x == first) for x in items):
+        raise ValueError(f"cannot stack {what}: values {list(items)} differ (streams at "
+                         "different positions, which this layer cannot hold per row)")
+    return first
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:

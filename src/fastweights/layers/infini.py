@@ -4,7 +4,10 @@ mathematics lives in ``fastweights.ops.infini``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .._checks import (
@@ -14,11 +17,13 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops.infini import MODES, UPDATES, InfiniSegmentState, infini_attention
+from ..ops.infini import MODES, UPDATES, InfiniRowsState, InfiniSegmentState, infini_attention
 from .base import (
     Mixer,
     Option,
     State,
+    cat_rows,
+    check_stackable,
     declare_options,
     merge_heads,
     packed_or_single,
@@ -99,13 +104,17 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         bounds, docs = self._documents(x, state, cu_seqlens)
+        rows = isinstance(state, InfiniRowsState)  # rows at their own places (stack_states)
         q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)  # [B, T, H, D] each
         q_mem, k_mem = q, k
         if self.rope:
-            # Segment-local positions, counted on from the open segment of the carried state
-            # (of each document's own state when packed).
-            starts = [InfiniSegmentState.open_len(s) for s in docs]
-            pos = token_positions(bounds, starts, x.device) % self.segment_len
+            if rows:
+                pos = state.fill.unsqueeze(1)  # [B, 1] (T = 1, checked by the op)
+            else:
+                # Segment-local positions, counted on from the open segment of the carried
+                # state (of each document's own state when packed).
+                starts = [InfiniSegmentState.open_len(s) for s in docs]
+                pos = token_positions(bounds, starts, x.device) % self.segment_len
             q, k = self._rotate_periodic((q, k), pos, self.segment_len)
             if self.rope_memory:
                 q_mem, k_mem = q, k
@@ -113,6 +122,8 @@ class InfiniAttention(RotaryFrequencies, Mixer):
             q, k, v, self.gate, segment_len=self.segment_len, update=self.update,
             q_mem=q_mem, k_mem=k_mem, eps=self.eps, initial_state=state,
             output_final_state=True, mode=self.mode, cu_seqlens=cu_seqlens)
+        if rows:
+            return self.out(merge_heads(o)), new_state
         # The layer carries the 5 tensors (M_closed, z_closed, k_seg, v_seg, k_mem_seg) as a
         # NamedTuple, without InfiniState's extra attribute, for code that maps over states.
         finals = [s.open_segment for s in per_document(new_state, cu_seqlens)]
@@ -121,6 +132,26 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     def state_size(self, seq_len: int = 1) -> int:
         H, D = self.n_heads, self.head_dim
         return H * (D * D + D)
+
+    def stack_states(self, states: Sequence[State]) -> InfiniRowsState:
+        """An ``InfiniRowsState`` whose row i continues ``states[i]`` (an InfiniSegmentState or
+        InfiniRowsState from ``forward``): each open segment left-padded with zeros to
+        segment_len - 1 tokens, its length in ``fill``."""
+        N = self.segment_len
+        parts = []
+        for i, state in enumerate(check_stackable(states)):
+            if isinstance(state, InfiniRowsState):
+                parts.append(state)
+                continue
+            if not (isinstance(state, tuple) and len(state) == 5):
+                raise TypeError(f"states[{i}] must be a state InfiniAttention returned")
+            M, z, *cache = state
+            n = cache[0].shape[1]
+            cache = [F.pad(c, (0, 0, 0, 0, N - 1 - n, 0)) for c in cache]
+            parts.append(InfiniRowsState(M, z, *cache, torch.full((M.shape[0],), n,
+                                                                 device=M.device)))
+        return InfiniRowsState(*cat_rows([p[:5] for p in parts], "states"),
+                               torch.cat([p.fill for p in parts]))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, segment_len={self.segment_len}, update={self.update}, "

@@ -42,19 +42,26 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     are cos, sin [(B,) T, D/2] (float64 for float64 x, else float32)."""
     if cos.dim() == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    rot = torch.complex(cos, sin).unsqueeze(2)  # [B|1, T, 1, D/2]
-    # As one complex product (even + i odd) * (cos + i sin): the same arithmetic as
-    # (even cos - odd sin, even sin + odd cos) in one pass over x instead of six and a stack.
-    pairs = x.to(cos.dtype).unflatten(-1, (-1, 2))  # [B, T, H, D/2, 2]
     if torch.compiler.is_compiling():
         # Traced (torch.export / torch.compile): complex views do not trace, the real form does.
-        even, odd = pairs.unbind(-1)
+        even, odd = x.to(cos.dtype).unflatten(-1, (-1, 2)).unbind(-1)
         c, s = cos.unsqueeze(2), sin.unsqueeze(2)
         return torch.stack((even * c - odd * s, even * s + odd * c), -1).flatten(-2).to(x.dtype)
+    return _rotate_complex(x, torch.complex(cos, sin))
+
+
+def _rotate_complex(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """``rotate_pairs`` with the rotations as unit complex numbers rot [(B,) T, D/2] (eager)."""
+    if rot.dim() == 2:
+        rot = rot.unsqueeze(0)
+    # As one complex product (even + i odd) * (cos + i sin): the same arithmetic as
+    # (even cos - odd sin, even sin + odd cos) in one pass over x instead of six and a stack.
+    real = torch.float64 if rot.dtype == torch.complex128 else torch.float32
+    pairs = (x if x.dtype == real else x.to(real)).unflatten(-1, (-1, 2))  # [B, T, H, D/2, 2]
     if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
         pairs = pairs.contiguous()  # a complex view needs whole (re, im) pairs
-    out = torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2)
-    return out.to(x.dtype)
+    out = torch.view_as_real(torch.view_as_complex(pairs) * rot.unsqueeze(2)).flatten(-2)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,16 +104,23 @@ class RotaryFrequencies:
         """``apply_rotary`` of every x in xs at ``positions`` in [0, period) (positions that
         restart every mini-batch or segment), reading cos/sin from a [period, D/2] table kept
         per (device, dtype): the same values apply_rotary computes, without recomputing them
-        on every call (the cost that dominates a decoding step's position encoding)."""
+        on every call (the cost that dominates a decoding step's position encoding).
+        ``positions``: [T], [B, T] for rows at different places, or a slice of [0, period)
+        (consecutive places, read from the table without an index tensor)."""
         x = xs[0]
         key = (period, self.rope_base, x.device, _angle_dtype(x))
+        compiling = torch.compiler.is_compiling()
         # No table kept while tracing: it would hold the tracer's tensors.
-        cache = {} if torch.compiler.is_compiling() else self.__dict__.setdefault("_rotary_tables", {})
+        cache = {} if compiling else self.__dict__.setdefault("_rotary_tables", {})
         if key not in cache:
             cdtype = _angle_dtype(x)
             angles = (torch.arange(period, device=x.device).to(cdtype).unsqueeze(-1)
                       * self._rotary_freq(x).to(cdtype))  # [period, D/2]
-            cache[key] = (angles.cos(), angles.sin())
-        cos, sin = cache[key]
-        cos, sin = cos[positions], sin[positions]
-        return tuple(rotate_pairs(x, cos, sin) for x in xs)
+            cos, sin = angles.cos(), angles.sin()
+            cache[key] = (cos, sin, None if compiling else torch.complex(cos, sin))
+        cos, sin, rot = cache[key]
+        if compiling:
+            cos, sin = cos[positions], sin[positions]
+            return tuple(rotate_pairs(x, cos, sin) for x in xs)
+        rot = rot[positions]
+        return tuple(_rotate_complex(x, rot) for x in xs)

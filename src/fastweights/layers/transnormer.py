@@ -8,6 +8,7 @@ Dimension legend: B batch, T time, H heads, D head dim, w block size.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -26,11 +27,19 @@ from .._checks import (
     state_dtype,
 )
 from ..ops.fwp import MODES, elu_plus_one, linear_attn
-from ..ops.transnormer import KERNELS, block_attention, decay_linear_attn, srms_norm
+from ..ops.transnormer import (
+    KERNELS,
+    block_attention,
+    decay_linear_attn,
+    open_block_attention,
+    srms_norm,
+)
 from .base import (
     Mixer,
     Option,
     State,
+    cat_rows,
+    check_stackable,
     declare_options,
     merge_heads,
     packed_or_single,
@@ -183,8 +192,14 @@ class NormAttention(Mixer):
         k = act(split_heads(self.k_proj(x), H))
         v = split_heads(self.v_proj(x), H)
         if self.lrpe is not None:
-            # Sequence-global positions, restarting at every document when packed.
-            positions = token_positions(bounds, pos, x.device)
+            if isinstance(pos[0], torch.Tensor):
+                if cu_seqlens is not None:
+                    raise ValueError("states with per-row positions (stack_states) cannot be "
+                                     "packed with cu_seqlens")
+                positions = pos[0].unsqueeze(1) + torch.arange(x.shape[1], device=x.device)
+            else:
+                # Sequence-global positions, restarting at every document when packed.
+                positions = token_positions(bounds, pos, x.device)
             q, k = self.lrpe(q, positions), self.lrpe(k, positions)
         if x.dtype in HALF:
             # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
@@ -211,6 +226,15 @@ class NormAttention(Mixer):
     def state_size(self, seq_len: int = 1) -> int:
         return self.n_heads * self.head_dim * self.head_dim
 
+    def stack_states(self, states: Sequence[State]) -> NormState:
+        """A ``NormState`` whose row i continues ``states[i]``: S stacked, the positions a long
+        tensor [N] (each row's own LRPE position)."""
+        parts = [NormState.check(s) for s in check_stackable(states)]
+        S = cat_rows([s.S for s in parts], "S")
+        pos = torch.cat([torch.as_tensor(s.pos, device=S.device).reshape(-1).expand(s.S.shape[0])
+                         for s in parts])
+        return NormState(S, pos)
+
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, activation={self.activation}, "
                 f"lrpe={self.lrpe is not None}, decay={self.decay_values is not None}")
@@ -223,10 +247,11 @@ def _with_z(S: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 class NormState(NamedTuple):
     """NormAttention's state: the fast weights S [B, H, D, D] (float32 or wider) and the
-    absolute position of the next token, which keeps LRPE sequence-global across pieces."""
+    absolute position of the next token, which keeps LRPE sequence-global across pieces: an
+    int, or a long tensor [B] for rows at their own positions (``stack_states``)."""
 
     S: torch.Tensor | None
-    pos: int
+    pos: int | torch.Tensor
 
     @classmethod
     def check(cls, state: Any) -> NormState:
@@ -237,8 +262,13 @@ class NormState(NamedTuple):
             raise TypeError("state must be None or the (S [B, H, D, D], position) tuple NormAttention returned")
         S, pos = state
         check_tensor("state[0] (S)", S, 4, "[B, H, D, D]")
-        if not is_int(pos) or pos < 0:
-            raise TypeError(f"state[1] (position) must be an int >= 0, got {pos!r}")
+        if isinstance(pos, torch.Tensor):
+            if pos.dtype != torch.long or pos.shape != S.shape[:1]:
+                raise TypeError(f"state[1] (position) given per row must be a long tensor [B] = "
+                                f"[{S.shape[0]}], got {pos.dtype} {tuple(pos.shape)}")
+        elif not is_int(pos) or pos < 0:
+            raise TypeError(f"state[1] (position) must be an int >= 0 or a long tensor [B] of "
+                            f"per-row positions, got {pos!r}")
         return cls(S, pos)
 
 
@@ -250,8 +280,8 @@ class DiagState(NamedTuple):
     v_open: torch.Tensor
 
     @classmethod
-    def check(cls, state: Any, B: int, H: int, D: int) -> DiagState | None:
-        """A carried state for a batch of B (None stays None)."""
+    def check(cls, state: Any, B: int | None, H: int, D: int) -> DiagState | None:
+        """A carried state for a batch of B (None: any; a None state stays None)."""
         if state is None:
             return None
         if not isinstance(state, (tuple, list)) or len(state) != 2:
@@ -260,6 +290,18 @@ class DiagState(NamedTuple):
             check_tensor(f"state[{i}] ({name})", state[i], 4, "[B, r, H, D]")
             check_shape(f"state[{i}] ({name})", state[i], (B, None, H, D), "[B, r, H, D]")
         return cls(*state)
+
+
+class DiagRowsState(NamedTuple):
+    """DiagAttention's state for rows at different places in their blocks (streams decoded
+    together, ``DiagAttention.stack_states``): the keys (after LRPE) and values of the last
+    block_size - 1 tokens, k_open and v_open [B, block_size - 1, H, D] (float32 or wider), of
+    which row b's open block is the last ``fill[b]`` (long [B], 0 <= fill < block_size); the
+    rest is padding. It continues one token per call (T = 1)."""
+
+    k_open: torch.Tensor
+    v_open: torch.Tensor
+    fill: torch.Tensor
 
 
 class DiagAttention(Mixer):
@@ -297,16 +339,14 @@ class DiagAttention(Mixer):
             # and every document has its own open block: one call per document.
             return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
+        if isinstance(state, DiagRowsState):
+            return self._step_rows(x, state)
         B, T, _ = x.shape
         H, D, w = self.n_heads, self.head_dim, self.block_size
         state = DiagState.check(state, B, H, D)
         r = 0 if state is None else state.k_open.shape[1]
-        q = split_heads(self.q_proj(x), H)
-        k = split_heads(self.k_proj(x), H)
-        v = split_heads(self.v_proj(x), H)
-        if self.lrpe is not None:
-            positions = torch.arange(r, r + T, device=x.device) % w  # restart in every block
-            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
+        # Block-local positions: LRPE restarts in every block.
+        q, k, v = self._project(x, torch.arange(r, r + T, device=x.device) % w)
         if self.kernel == "relu" and x.dtype in HALF:
             # Unnormalised ReLU sums: keep them in float32 until SRMSNorm rescales them.
             q, k, v = q.float(), k.float(), v.float()
@@ -324,6 +364,59 @@ class DiagAttention(Mixer):
         sdtype = state_dtype(x.dtype)
         new_state = DiagState(k[:, r + T - n_open:].to(sdtype), v[:, r + T - n_open:].to(sdtype))
         return self.out(o.to(x.dtype)), new_state
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v [B, T, H, D] (q, k through LRPE at block-local ``positions`` when on)."""
+        H = self.n_heads
+        q, k, v = (split_heads(proj(x), H) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.lrpe is not None:
+            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
+        return q, k, v
+
+    def _step_rows(self, x: torch.Tensor, state: DiagRowsState) -> tuple[torch.Tensor, State]:
+        """One token per row, each row at its own place ``state.fill`` in its block."""
+        B, T, _ = x.shape
+        H, D, w = self.n_heads, self.head_dim, self.block_size
+        if T != 1:
+            raise ValueError(f"a DiagRowsState (rows at different places in their blocks) "
+                             f"continues one token per call, got T={T}")
+        for i, name in enumerate(("k_open", "v_open")):
+            check_tensor(f"state[{i}] ({name})", state[i], 4, "[B, block_size - 1, H, D]")
+            check_shape(f"state[{i}] ({name})", state[i], (B, w - 1, H, D),
+                        "[B, block_size - 1, H, D]")
+        fill = state.fill
+        if not (isinstance(fill, torch.Tensor) and fill.dtype == torch.long and fill.shape == (B,)):
+            raise ValueError(f"state[2] (fill) must be a long tensor [B] = [{B}]")
+        q, k, v = self._project(x, fill.unsqueeze(1))
+        sdtype = state_dtype(x.dtype)
+        keys = torch.cat([state.k_open.to(sdtype), k.to(sdtype)], dim=1)  # [B, w, H, D]
+        values = torch.cat([state.v_open.to(sdtype), v.to(sdtype)], dim=1)
+        o = open_block_attention(q, keys, values, fill + 1, kernel=self.kernel)
+        o = merge_heads(o)
+        if self.kernel == "relu":
+            o = srms_norm(o.to(sdtype))
+        new = DiagRowsState(keys[:, 1:], values[:, 1:], (fill + 1) % w)
+        return self.out(o.to(x.dtype)), new
+
+    def stack_states(self, states: Sequence[State]) -> DiagRowsState:
+        """A ``DiagRowsState`` whose row i continues ``states[i]`` (a DiagState or DiagRowsState
+        from ``forward``): the open blocks left-padded with zeros to block_size - 1 tokens."""
+        H, D, w = self.n_heads, self.head_dim, self.block_size
+        keys, values, fills = [], [], []
+        for state in check_stackable(states):
+            if isinstance(state, DiagRowsState):
+                keys.append(state.k_open)
+                values.append(state.v_open)
+                fills.append(state.fill)
+                continue
+            state = DiagState.check(state, None, H, D)  # any batch
+            r = state.k_open.shape[1]
+            pad = (0, 0, 0, 0, w - 1 - r, 0)
+            keys.append(F.pad(state.k_open, pad))
+            values.append(F.pad(state.v_open, pad))
+            fills.append(torch.full((state.k_open.shape[0],), r, device=state.k_open.device))
+        return DiagRowsState(cat_rows(keys, "k_open"), cat_rows(values, "v_open"),
+                             torch.cat(fills))
 
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.n_heads * self.head_dim * (self.block_size - 1)

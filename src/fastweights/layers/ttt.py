@@ -3,6 +3,7 @@ The inner loop lives in ``fastweights.ops.ttt``; this module holds the outer par
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any, NamedTuple
 
@@ -16,11 +17,13 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops.ttt import MODES, ttt_linear, ttt_mlp
+from ..ops.ttt import MODES, stack_inner_states, ttt_linear, ttt_mlp
 from .base import (
     Mixer,
     Option,
     State,
+    cat_rows,
+    check_stackable,
     declare_options,
     merge_heads,
     packed_or_single,
@@ -152,7 +155,13 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     def token_scale(self) -> torch.Tensor:
         """tau [b]: max(0, 1/i + delta_i), 1/i in the parameters' dtype (exact in float64)."""
         delta = self.token_offset
-        base = 1.0 / torch.arange(1, delta.shape[0] + 1, dtype=delta.dtype, device=delta.device)
+        key = (delta.shape[0], delta.dtype, delta.device)
+        # The constant 1/i is kept per (b, dtype, device): rebuilding it cost a decoding step two
+        # operations. Not while tracing (the table would hold the tracer's tensors).
+        cache = {} if torch.compiler.is_compiling() else self.__dict__.setdefault("_inv_index", {})
+        base = cache.get(key)
+        if base is None:
+            base = cache[key] = 1.0 / torch.arange(1, key[0] + 1, dtype=key[1], device=key[2])
         return (base + delta).clamp_min(0.0)
 
     def _conv(self, conv: nn.Conv1d, seq: torch.Tensor) -> torch.Tensor:
@@ -202,27 +211,45 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         bounds, docs = self._documents(x, state, cu_seqlens)  # unpacked: one document
-        B = x.shape[0]
+        B, T = x.shape[:2]
         H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
         pos, caches, inners = zip(*(self._split_state(s, B) for s in docs))
+        per_row = isinstance(pos[0], torch.Tensor)  # rows at their own places (stack_states)
+        if per_row and T != 1:
+            raise ValueError(f"a state whose rows sit at different places in their mini-batches "
+                             f"(stack_states) continues one token per call, got T={T}")
         proj = self.qkv(x)
         if self.mamba_backbone:
             qk, v = proj.chunk(2, dim=-1)
             q, k, caches = self._backbone_convs(qk, list(caches), bounds)
+            qk = None
         else:
-            q, k, v = proj.chunk(3, dim=-1)
-        q, k, v = (split_heads(t, H) for t in (q, k, v))  # [B, T, H, D]
+            # q and k side by side as 2H heads: rotated in one call.
+            qk, v = split_heads(proj[..., :2 * H * D], 2 * H), proj[..., 2 * H * D:]
+        v = split_heads(v, H)  # [B, T, H, D]
         if self.rope:
             # Restart every mini-batch; every document starts its own mini-batches.
-            positions = token_positions(bounds, pos, x.device) % b
-            q, k = self._rotate_periodic((q, k), positions, b)
+            if per_row:
+                positions = pos[0].unsqueeze(1)  # [B, 1], already in [0, b)
+            elif len(pos) == 1 and pos[0] % b + T <= b:
+                positions = slice(pos[0] % b, pos[0] % b + T)  # e.g. every decoding step
+            else:
+                positions = token_positions(bounds, pos, x.device) % b
+            if qk is None:
+                q, k = self._rotate_periodic((split_heads(q, H), split_heads(k, H)), positions, b)
+            else:
+                (qk,) = self._rotate_periodic((qk,), positions, b)
+        if qk is not None:
+            q, k = qk[:, :, :H], qk[:, :, H:]
+        elif not self.rope:
+            q, k = split_heads(q, H), split_heads(k, H)
         gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((*x.shape[:2], H), 0.5)
         eta = self.eta_base * self.eta_scale * gate / D  # [B, T, H]
-        learned = tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)
         if all(s is None for s in inners):
-            inner = learned  # the op shares one start state among packed documents
+            inner = self._learned()  # the op shares one start state among packed documents
         else:
-            inner = packed_or_single([learned if s is None else s for s in inners], cu_seqlens)
+            inner = packed_or_single([self._learned() if s is None else s for s in inners],
+                                     cu_seqlens)
         o, inner = self.op(
             q, k, v, eta, initial_state=inner,
             ln_weight=self.ln_weight if self.inner_norm else None,
@@ -236,6 +263,27 @@ class _TTTLayer(RotaryFrequencies, Mixer):
                   for p, c, s, start, stop
                   in zip(pos, caches, per_document(inner, cu_seqlens), bounds, bounds[1:])]
         return self.out(y), packed_or_single(finals, cu_seqlens)
+
+    def _learned(self) -> tuple[torch.Tensor, ...]:
+        """The learned initial inner weights, [1, H, ...] each (the op broadcasts the batch)."""
+        return tuple(getattr(self, f"init_{n}").unsqueeze(0) for n in self.inner_shapes)
+
+    def stack_states(self, states: Sequence[State]) -> TTTLayerState:
+        """One state for a batch whose row i continues ``states[i]`` (each a state of a batch of
+        one from ``forward``), each row at its own place in its mini-batch: ``pos`` and the op's
+        place become long tensors [N], and every row carries its mini-batch's start weights and
+        gradient sums (zero where the mini-batch is just starting). Such a state continues one
+        token per call (T = 1) and stays per row; row i then equals continuing ``states[i]``
+        alone."""
+        states = check_stackable(states)
+        parts = [self._split_state(state, 1) for state in states]
+        if any(inner is None for _, _, inner in parts):
+            raise ValueError("stack_states needs states returned by forward (not None)")
+        places = [torch.as_tensor(p, device=self.token_offset.device).reshape(-1)
+                  for p, _, _ in parts]
+        inner = stack_inner_states([inner for _, _, inner in parts], places, self.token_scale())
+        conv = None if parts[0][1] is None else cat_rows([c for _, c, _ in parts], "conv_cache")
+        return TTTLayerState(inner[-1], conv, inner)
 
     def state_size(self, seq_len: int = 1) -> int:
         """Floats carried at most: the inner weights, and while a mini-batch is partly filled also

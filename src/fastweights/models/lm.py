@@ -235,6 +235,32 @@ class LanguageModel(nn.Module):
         pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)[..., :d]
         return pe
 
+    def stack_states(self, states: list[LMState]) -> LMState:
+        """One state for a batch whose row i continues ``states[i]`` (each a state ``forward``
+        returned, for a batch of one or of B_i rows, which follow in order): N streams, each at
+        its own position, decoded together one token per call (``forward(ids [N, 1], state)``),
+        every row's logits and state then those of decoding its stream alone. Each layer stacks
+        its states (``Mixer.stack_states``: per-row positions and left-padded caches where
+        needed); the position offsets stack too.
+
+        Stacking copies the states; decoding the stacked state continues one token per call for
+        the mixers whose rows keep their own places in a mini-batch, segment or block (ttt-*,
+        infini, diag) or window (aft-local); softmax takes any T. ValueError when a layer cannot
+        hold its streams' positions per row (aft-full at different lengths)."""
+        if not isinstance(states, (list, tuple)) or not states:
+            raise ValueError("states must be a non-empty list of LanguageModel states")
+        n_state = len(self.blocks) + (self.config.position != "none")
+        for i, state in enumerate(states):
+            if not isinstance(state, (list, tuple)) or len(state) != n_state:
+                raise ValueError(f"states[{i}] must be a LanguageModel state (a list of "
+                                 f"{n_state} items, as forward returns), got "
+                                 f"{type(state).__name__}")
+        stacked: LMState = [block.mixer.stack_states([s[i] for s in states])
+                            for i, block in enumerate(self.blocks)]
+        if self.config.position != "none":
+            stacked.append(torch.cat([s[-1] for s in states]))
+        return stacked
+
     @torch.no_grad()
     def generate(
         self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -22,25 +22,38 @@ from .common import banded_stream, check_btd, check_stream_flags, gate
 class AFTLocalState(NamedTuple):
     """The past of causal AFT-local: e^a n and e^a m (a, n, m [B, D]) sum the tokens that have
     left the window (bias 0), the caches (k_cache, v_cache [B, c, D]) hold the last
-    c = min(pos, s - 1) tokens and ``pos`` is the absolute position of the next token (an int)."""
+    c = min(pos, s - 1) tokens and ``pos`` is the absolute position of the next token: an int,
+    or a long tensor [B] for rows at their own positions (every one >= s - 1, so that every
+    row's cache is full)."""
 
     a: torch.Tensor
     n: torch.Tensor
     m: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    pos: int
+    pos: int | torch.Tensor
 
     @classmethod
     def check(cls, state: Any, B: int, D: int, window: int, q: torch.Tensor) -> AFTLocalState:
         """A carried state for q [B, T, D] and this window, tensors in the compute dtype."""
         check_items(state, cls)
         pos = state[5]
-        if not is_int(pos):
+        if isinstance(pos, torch.Tensor):
+            if pos.dtype != torch.long or pos.shape != (B,) or pos.device != q.device:
+                raise ValueError(f"initial_state[5] (pos) given per row must be a long tensor "
+                                 f"[B] = [{B}] on {q.device}, got {pos.dtype} "
+                                 f"{tuple(pos.shape)} on {pos.device}")
+            # Data-dependent: eager only (a traced program cannot branch on it).
+            if not torch.compiler.is_compiling() and bool((pos < window - 1).any()):
+                raise ValueError(f"initial_state[5] (pos) per row must be >= window - 1 = "
+                                 f"{window - 1} (full caches), got {pos.tolist()}")
+            c = window - 1
+        elif not is_int(pos):
             raise TypeError(f"initial_state[5] (pos) must be an int, got {pos!r}")
-        if pos < 0:
+        elif pos < 0:
             raise ValueError(f"initial_state[5] (pos) must be >= 0, got {pos}")
-        c = min(pos, window - 1)
+        else:
+            c = min(pos, window - 1)
         row, cache = ((B, D), "[B, D]"), ((B, c, D), "[B, min(pos, window - 1), D]")
         specs = {"a": row, "n": row, "m": row, "k_cache": cache, "v_cache": cache}
         return cls(**checked_tensors(state, cls, specs, q, state_dtype(q.dtype)), pos=pos)
@@ -58,7 +71,9 @@ def aft_local_stream(
     w: [T, s], the window biases of these tokens: w[i, o] = W[p + i, p + i - o], the bias at
     offset o = t - t' of the token at p + i (entries reaching before position 0 are ignored).
     Only the band is passed, so a layer never builds the O(T^2) matrix W.
-    State: an ``AFTLocalState`` (a, n, m, k_cache, v_cache, pos).
+    State: an ``AFTLocalState`` (a, n, m, k_cache, v_cache, pos). With pos per row (a long
+    tensor [B], rows at their own positions) the call takes one token (T = 1) and w is
+    [B, 1, s], each row's own biases.
     Returns (o [B, T, D] in q's dtype, state in float32/float64 or None).
     ``cu_seqlens``: packed documents in a batch of one, as in ``aft_simple_stream``; the rows of
     ``w`` stay aligned with the packed tokens (each document's rows are its own window biases,
@@ -81,10 +96,18 @@ def aft_local_stream(
     if initial_state is not None:
         a, n, m, k_cache, v_cache, pos = AFTLocalState.check(initial_state, B, D, window, q)
         carried = (a, n.unsqueeze(-1), m, k_cache, v_cache.unsqueeze(-1))
-    check_tensor("w", w, 2, "[T, window]")
-    check_arg("w", w, (T, window), "[T, window]", q)
     cdtype = state_dtype(q.dtype)
-    band = w.to(cdtype).flip(-1).unsqueeze(1)  # [T, 1, s], band[..., -1 - o] = w[:, o]
+    if isinstance(pos, torch.Tensor):
+        if T != 1:
+            raise ValueError(f"a state with per-row positions continues one token per call, "
+                             f"got T={T}")
+        check_tensor("w", w, 3, "[B, 1, window] (per-row positions)")
+        check_arg("w", w, (B, 1, window), "[B, 1, window]", q)
+        band = w.to(cdtype).flip(-1).transpose(0, 1).unsqueeze(2)  # [1, B, 1, s], per row
+    else:
+        check_tensor("w", w, 2, "[T, window]")
+        check_arg("w", w, (T, window), "[T, window]", q)
+        band = w.to(cdtype).flip(-1).unsqueeze(1)  # [T, 1, s], band[..., -1 - o] = w[:, o]
     ratio, (a, n, m, k_cache, v_cache) = banded_stream(
         k.to(cdtype), v.to(cdtype).unsqueeze(-1), band, window, carried, mode, chunk_size)
     final = (AFTLocalState(a, n.squeeze(-1), m, k_cache, v_cache.squeeze(-1), pos + T)

@@ -38,7 +38,7 @@ def banded_recurrent(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Causal AFT-local / AFT-conv one token at a time: read the window (cache + token, biases
     from band [T|1, G|1, Jb], band[..., -1 - o] the bias at offset o = t - t', as in
-    ``chunk.banded_causal``) plus the prefix, then move the oldest cached token into the prefix
+    ``chunk.banded_causal``; or [T|1, B, G|1, Jb], per row) plus the prefix, then move the oldest cached token into the prefix
     once it leaves the next token's window.
     Returns R [B, T, G, E] and the state after the last token."""
     s = window
@@ -51,7 +51,7 @@ def banded_recurrent(
         k_cache = torch.cat([k_cache, k[:, t:t + 1]], dim=1)  # [B, J, G], J <= s
         v_cache = torch.cat([v_cache, v[:, t:t + 1]], dim=1)
         J = k_cache.shape[1]
-        logits = k_cache.transpose(1, 2) + band[t if band.shape[0] > 1 else 0, :, -J:]
+        logits = k_cache.transpose(1, 2) + band[t if band.shape[0] > 1 else 0][..., -J:]
         a, n, m = prefix
         rho = torch.maximum(logits.detach().amax(dim=-1), a.detach())  # [B, G]
         e = torch.exp(logits - rho.unsqueeze(-1))  # [B, G, J]

@@ -5,6 +5,14 @@ The public function (``attention.py``) validates its arguments, upcasts to float
 dispatches on ``mode`` and returns outputs in the input dtype with float32-or-wider states.
 """
 
-from .attention import MODES, UPDATES, InfiniSegmentState, InfiniState, infini_attention
+from .attention import (
+    MODES,
+    UPDATES,
+    InfiniRowsState,
+    InfiniSegmentState,
+    InfiniState,
+    infini_attention,
+)
 
-__all__ = ["MODES", "UPDATES", "InfiniSegmentState", "InfiniState", "infini_attention"]
+__all__ = ["MODES", "UPDATES", "InfiniRowsState", "InfiniSegmentState", "InfiniState",
+           "infini_attention"]

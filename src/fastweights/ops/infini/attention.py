@@ -33,7 +33,7 @@ from .._varlen import run_packed
 from .chunk import infini_attention_chunk
 from .memory import sigma, write
 from .naive import infini_attention_naive
-from .recurrent import infini_attention_recurrent
+from .recurrent import infini_attention_recurrent, infini_attention_rows
 
 MODES = RECURRENT_MODES
 UPDATES = ("linear", "delta")
@@ -94,6 +94,40 @@ class InfiniSegmentState(NamedTuple):
                 and state[2].dim() == 4:
             return state[2].shape[1]
         return 0
+
+
+class InfiniRowsState(NamedTuple):
+    """The state of a batch whose rows sit at different places in their segments (streams
+    decoded together; ``InfiniAttention.stack_states``): M [B, H, Dk, Dv], z [B, H, Dk] the
+    memory of each row's complete segments; k_seg, k_mem_seg [B, N - 1, H, Dk] and
+    v_seg [B, N - 1, H, Dv] the last N - 1 tokens, of which row b's open segment is the last
+    ``fill[b]`` (long [B], 0 <= fill < N; the entries before are padding, never read).
+    ``infini_attention`` continues it one token per call and returns it in the same form."""
+
+    M: torch.Tensor
+    z: torch.Tensor
+    k_seg: torch.Tensor
+    v_seg: torch.Tensor
+    k_mem_seg: torch.Tensor
+    fill: torch.Tensor
+
+    @classmethod
+    def check(cls, state: Any, B: int, H: int, Dk: int, Dv: int, N: int,
+              q: torch.Tensor) -> InfiniRowsState:
+        """A carried per-row state for q [B, 1, H, Dk], tensors in the compute dtype."""
+        fill = state[5]
+        if not (isinstance(fill, torch.Tensor) and fill.dtype == torch.long
+                and fill.shape == (B,) and fill.device == q.device):
+            raise ValueError(f"initial_state.fill must be a long tensor [B] = [{B}] on {q.device}")
+        if not torch.compiler.is_compiling() and bool(((fill < 0) | (fill >= N)).any()):
+            raise ValueError(f"initial_state.fill must lie in [0, segment_len = {N}), got "
+                             f"{fill.tolist()}")
+        seg = N - 1
+        specs = {"M": ((B, H, Dk, Dv), "[B, H, Dk, Dv]"), "z": ((B, H, Dk), "[B, H, Dk]"),
+                 "k_seg": ((B, seg, H, Dk), "[B, N - 1, H, Dk]"),
+                 "v_seg": ((B, seg, H, Dv), "[B, N - 1, H, Dv]"),
+                 "k_mem_seg": ((B, seg, H, Dk), "[B, N - 1, H, Dk]")}
+        return cls(**checked_tensors(state, cls, specs, q, state_dtype(q.dtype)), fill=fill)
 
 
 class InfiniState(tuple):
@@ -170,6 +204,8 @@ def infini_attention(
     ``cu_seqlens`` [N + 1]: packed documents in a batch of one, memory and open segment reset at
     each boundary; initial/final states are then lists with one state per document
     (ops/_varlen.py).
+    An ``InfiniRowsState`` (rows at different places in their segments) is continued one token
+    per call (T = 1, any mode: the streaming form) and the final state is again one.
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_arg("gate", gate, (H,), "[H]", q)
@@ -200,6 +236,18 @@ def infini_attention(
         return run_packed(one_document, (q, k, v, *mem), cu_seqlens, initial_state,
                           output_final_state)
     cdtype = state_dtype(q.dtype)
+    if isinstance(initial_state, InfiniRowsState):
+        if T != 1:
+            raise ValueError(f"an InfiniRowsState (rows at different places in their segments) "
+                             f"continues one token per call, got T={T}")
+        rows = InfiniRowsState.check(initial_state, B, H, Dk, Dv, N, q)
+        qc = q.to(cdtype)
+        o, final = infini_attention_rows(
+            q=qc, k=k.to(cdtype), v=v.to(cdtype), q_mem=qc if q_mem is None else q_mem.to(cdtype),
+            k_mem=k.to(cdtype) if k_mem is None else k_mem.to(cdtype),
+            g=torch.sigmoid(gate.to(cdtype)), state=rows, segment_len=N, update=update,
+            scale=scale, eps=eps)
+        return o.to(q.dtype), (InfiniRowsState(*final) if output_final_state else None)
     if initial_state is None:
         carried = InfiniSegmentState.empty(q.new_zeros(B, H, Dk, Dv, dtype=cdtype),
                                            q.new_zeros(B, H, Dk, dtype=cdtype), B, H, Dk, Dv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..softmax import softmax_attention
 from .memory import retrieve, sigma, write
 
 
@@ -38,3 +39,32 @@ def infini_attention_recurrent(
             M, z = write(sk, v_seg.transpose(1, 2), M, z, update, eps)
             k_seg, v_seg, k_mem_seg = k_seg[:, :0], v_seg[:, :0], k_mem_seg[:, :0]
     return torch.stack(outs, dim=1), M, z, k_seg, v_seg, k_mem_seg
+
+
+def infini_attention_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_mem: torch.Tensor, k_mem: torch.Tensor,
+    g: torch.Tensor, state: tuple[torch.Tensor, ...], segment_len: int, update: str,
+    scale: float, eps: float,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One token per row, each row at its own place in its segment: ``state`` is (M, z, k_seg,
+    v_seg, k_mem_seg [B, N - 1, H, D], fill [B]) with row b's open segment the last fill[b]
+    cache entries (``InfiniRowsState``). The token joins the cache, attends over its row's
+    segment (the padding before it masked), reads the memory as it was before the segment, and
+    rows whose segment it completes fold that segment into their (M, z).
+    Returns (o [B, 1, H, Dv], the state after the token in the same form)."""
+    M, z, k_seg, v_seg, k_mem_seg, fill = state
+    ks, vs, kms = (torch.cat([c, x], dim=1) for c, x in ((k_seg, k), (v_seg, v), (k_mem_seg, k_mem)))
+    n = fill + 1  # [B] tokens of each row's segment, this one included
+    a_dot = softmax_attention(q, ks, vs, causal=True, scale=scale, kv_lengths=n)[:, 0]
+    a_mem = retrieve(sigma(q_mem[:, 0]).unsqueeze(-2), M, z, eps).squeeze(-2)  # [B, H, Dv]
+    gate = g[:, None]
+    o = gate * a_mem + (1.0 - gate) * a_dot
+    closed = n == segment_len
+    # Only the rows whose segment closes are written (the others' windows hold padding): an
+    # index of those rows, a data-dependent branch (eager sync; a graph break when compiled).
+    if bool(closed.any()):
+        rows = closed.nonzero().squeeze(1)
+        sk = sigma(kms[rows]).transpose(1, 2)  # [r, H, N, Dk]: the whole window is the segment
+        M_r, z_r = write(sk, vs[rows].transpose(1, 2), M[rows], z[rows], update, eps)
+        M, z = M.index_copy(0, rows, M_r), z.index_copy(0, rows, z_r)
+    return o.unsqueeze(1), (M, z, ks[:, 1:], vs[:, 1:], kms[:, 1:], n % segment_len)

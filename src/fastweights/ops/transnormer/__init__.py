@@ -6,8 +6,9 @@ Public functions (``decay.py``, ``block.py``, ``norm.py``) validate their argume
 outputs in the input dtype with float32-or-wider states.
 """
 
-from .block import KERNELS, block_attention
+from .block import KERNELS, block_attention, open_block_attention
 from .decay import MODES, decay_linear_attn
 from .norm import srms_norm
 
-__all__ = ["KERNELS", "MODES", "block_attention", "decay_linear_attn", "srms_norm"]
+__all__ = ["KERNELS", "MODES", "block_attention", "decay_linear_attn", "open_block_attention",
+           "srms_norm"]

@@ -1,4 +1,5 @@
-"""Block-diagonal attention of TransNormer's DiagAttention (SPEC.md 3.2): ``block_attention``.
+"""Block-diagonal attention of TransNormer's DiagAttention (SPEC.md 3.2): ``block_attention``,
+and ``open_block_attention``, its last row for rows at different places in their blocks.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 """
@@ -8,13 +9,16 @@ from __future__ import annotations
 import torch
 
 from ..._checks import (
+    check_arg,
     check_choice,
     check_finite_float,
     check_positive_int,
     check_qkv,
+    check_tensor,
     state_dtype,
 )
 from .._autocast import float32_compute
+from ..softmax import check_kv_lengths, softmax_attention
 from .chunk import block_attention_chunk
 
 KERNELS = ("softmax", "relu")
@@ -48,3 +52,39 @@ def block_attention(
     cdtype = q.dtype if kernel == "softmax" else state_dtype(q.dtype)
     qc, kc, vc = q.to(cdtype), k.to(cdtype), v.to(cdtype)
     return block_attention_chunk(qc, kc, vc, block_size, scale, kernel).to(q.dtype)
+
+
+@float32_compute
+def open_block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
+    scale: float | None = None, kernel: str = "softmax",
+) -> torch.Tensor:
+    """``block_attention``'s last row of each open block, for a batch whose rows sit at
+    different places in their blocks (DiagAttention decoding streams together): one query per
+    row against its block so far.
+
+    q: [B, 1, H, Dk]; k: [B, L, H, Dk], v: [B, L, H, Dv] with row b's block the last
+    ``lengths[b]`` entries (the query's own key last; the entries before are padding, never
+    seen); lengths: long [B] in [1, L]. Returns o [B, 1, H, Dv] in q's dtype, the kernels and
+    ``scale`` as in ``block_attention``.
+    """
+    check_tensor("q", q, 4, "[B, 1, H, Dk]")
+    B, _, H, Dk = q.shape
+    check_arg("q", q, (B, 1, H, Dk), "[B, 1, H, Dk]", q)
+    check_arg("k", k, (B, None, H, Dk), "[B, L, H, Dk]", q)
+    check_arg("v", v, (B, k.shape[1], H, None), "[B, L, H, Dv]", q)
+    check_choice("kernel", kernel, KERNELS)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    else:
+        check_finite_float("scale", scale)
+    L = k.shape[1]
+    check_kv_lengths(lengths, B, 1, L, q.device)
+    if kernel == "softmax":
+        return softmax_attention(q, k.to(q.dtype), v.to(q.dtype), causal=True, scale=scale,
+                                 kv_lengths=lengths)
+    cdtype = state_dtype(q.dtype)  # unnormalised sums, as in block_attention
+    logits = scale * torch.einsum("bqhd,bkhd->bhqk", q.to(cdtype), k.to(cdtype))
+    padding = torch.arange(L, device=q.device) < (L - lengths).view(-1, 1, 1, 1)
+    weights = torch.relu(logits).masked_fill(padding, 0.0)  # [B, H, 1, L]
+    return torch.einsum("bhqk,bkhe->bqhe", weights, v.to(cdtype)).to(q.dtype)

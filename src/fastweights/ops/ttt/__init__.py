@@ -12,7 +12,7 @@ The public functions (``inner_loop.py``) validate every argument first, compute 
 and return outputs in the input dtype with float32-or-wider states.
 """
 
-from .common import Carry
+from .common import Carry, stack_inner_states
 from .inner_loop import MODES, ttt_linear, ttt_mlp
 
-__all__ = ["MODES", "Carry", "ttt_linear", "ttt_mlp"]
+__all__ = ["MODES", "Carry", "stack_inner_states", "ttt_linear", "ttt_mlp"]

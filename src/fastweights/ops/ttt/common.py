@@ -9,6 +9,7 @@ earlier call already consumed. Internal mini-batch layout: ``[B, H, N, b, D]``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -28,13 +29,15 @@ class Carry(NamedTuple):
     start: inner weights at the start of the current mini-batch (after the last full one).
     grads: sum over the current mini-batch so far of eta_j * grad_j (all taken at ``start``);
         None when ``pos`` is 0.
-    pos: tokens of the current mini-batch already consumed, 0 <= pos < b.
+    pos: tokens of the current mini-batch already consumed, 0 <= pos < b: one int for every row,
+        or a long tensor [B] with each row's own count (rows decoded together from different
+        places, one token per call); ``grads`` is then always given, zero in rows at place 0.
     The weights after the last token are ``start - tau_pos * grads`` (SPEC 2.3).
     """
 
     start: Weights
     grads: Weights | None
-    pos: int
+    pos: int | torch.Tensor
 
     @classmethod
     def check(cls, initial_state: Any, kind: str, B: int, H: int, Dk: int, Dv: int,
@@ -58,6 +61,12 @@ class Carry(NamedTuple):
                 f"initial_state must be a tuple ({names}) or a state returned by an earlier call "
                 f"({3 * n + 1} items when it ends inside a mini-batch), got {got}"
             )
+        plain = _plain_items(initial_state, specs, B, H, state_dtype(q.dtype), q.device)
+        if plain is not None and len(initial_state) == n:
+            return cls(plain, None, 0)
+        if plain is not None:
+            pos = _check_pos(initial_state[-1], 3 * n, B, mini_batch_size, q)
+            return cls(plain[n:2 * n], plain[2 * n:], pos)
         groups = ["", "start ", "gradient-sum "]
         items = []
         for i, x in enumerate(initial_state[: (n if len(initial_state) == n else 3 * n)]):
@@ -80,23 +89,92 @@ class Carry(NamedTuple):
             items.append(x.to(state_dtype(q.dtype)).expand(B, *x.shape[1:]))
         if len(initial_state) == n:
             return cls(tuple(items), None, 0)
-        pos = initial_state[-1]
-        if not is_int(pos) or not 1 <= pos < mini_batch_size:
-            raise ValueError(
-                f"initial_state[{3 * n}] (position in the mini-batch) must be an int in "
-                f"[1, mini_batch_size={mini_batch_size}), got {pos!r}"
-            )
+        pos = _check_pos(initial_state[-1], 3 * n, B, mini_batch_size, q)
         return cls(tuple(items[n:2 * n]), tuple(items[2 * n:]), pos)
 
     def final_state(self, tau: torch.Tensor, current: Weights | None = None) -> tuple[Any, ...]:
         """The public state after the call: the weights, and when the call ended inside a
-        mini-batch also (*start weights, *gradient sums, pos) (see ``ttt_linear``).
+        mini-batch also (*start weights, *gradient sums, pos) (see ``ttt_linear``); with
+        per-row places always the latter, pos a long tensor [B].
         ``current``: the current weights, where the caller already has them (else computed)."""
-        if self.pos == 0:
+        if isinstance(self.pos, int) and self.pos == 0:
             return self.start
         if current is None:
             current = current_weights(self, tau)
         return (*current, *self.start, *self.grads, self.pos)
+
+
+def _plain_items(state: tuple[Any, ...] | list[Any], specs: list[tuple[str, tuple[int, ...], str]],
+                 B: int, H: int, dtype: torch.dtype, device: torch.device) -> Weights | None:
+    """The weight items of ``state`` (all 3n of a mid-mini-batch state, else n) as they are,
+    when every one is already what ``Carry.check`` would make of it: a tensor [B, H, ...] of
+    ``dtype`` on ``device``, biases None in every group or in none. None otherwise, and the
+    item-by-item check then explains what is wrong or casts. This is the path of every state the
+    ops return, checked in a few attribute reads per item (a decoding step's budget)."""
+    n = len(specs)
+    items = tuple(state[: n if len(state) == n else 3 * n])
+    for i, x in enumerate(items):
+        if x is None:
+            if i % 2 == 0 or items[i % n] is not None:
+                return None
+        elif not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.device == device
+                  and x.shape[0] == B and x.shape[1] == H and x.shape[2:] == specs[i % n][1]
+                  and (i % 2 == 0 or items[i % n] is not None)):
+            return None
+    return items
+
+
+def _check_pos(pos: Any, index: int, B: int, b: int, q: torch.Tensor) -> int | torch.Tensor:
+    """The place in the mini-batch of a mid-mini-batch state: an int in [1, b), or a long tensor
+    [B] of per-row places in [0, b) on q's device."""
+    what = f"initial_state[{index}] (position in the mini-batch)"
+    if isinstance(pos, torch.Tensor):
+        if pos.dtype != torch.long or pos.shape != (B,) or pos.device != q.device:
+            raise ValueError(f"{what} given per row must be a long tensor [B] = [{B}] on "
+                             f"{q.device}, got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
+        # A value check reads the tensor (a sync, and a data-dependent branch a traced program
+        # cannot hold): eager calls only.
+        if not torch.compiler.is_compiling() and bool(((pos < 0) | (pos >= b)).any()):
+            raise ValueError(f"{what} per row must lie in [0, mini_batch_size={b}), got "
+                             f"{pos.tolist()}")
+        return pos
+    if not is_int(pos) or not 1 <= pos < b:
+        raise ValueError(f"{what} must be an int in [1, mini_batch_size={b}) or a long tensor "
+                         f"[B] of per-row places in [0, {b}), got {pos!r}")
+    return pos
+
+
+def stack_inner_states(states: Sequence[Sequence[Any]], places: Sequence[torch.Tensor],
+                       tau: torch.Tensor) -> tuple[Any, ...]:
+    """One op state for a batch whose rows continue the given op states (``ttt_linear`` or
+    ``ttt_mlp`` final states, batch B_i each), rows at their own places in their mini-batches:
+    (*current, *start weights, *gradient sums, pos) with pos a long tensor [sum B_i] (from
+    ``places``, [B_i] each: the states' places, 0 at a mini-batch boundary) and zero sums where
+    a mini-batch is just starting; tau [b] or [H, b] gives the current weights."""
+    if len(states) != len(places):
+        raise ValueError(f"need one places tensor per state, got {len(places)} for {len(states)}")
+    # (W, b) and (W1, b1, W2, b2) at a boundary; 7 and 13 items inside a mini-batch.
+    kinds = {len(s) if len(s) in (2, 4) else (len(s) - 1) // 3 for s in states}
+    n = kinds.pop()
+    if kinds or any(len(s) not in (n, 3 * n + 1) for s in states) or n not in (2, 4):
+        raise ValueError("states must be ttt_linear/ttt_mlp states of one kind: (*weights) or "
+                         f"(*weights, *start, *sums, pos), got lengths {[len(s) for s in states]}")
+    starts, sums = [], []
+    for state in states:
+        if len(state) == n:  # at a mini-batch boundary: the sums start from zero
+            starts.append(tuple(state))
+            sums.append(tuple(None if w is None else torch.zeros_like(w) for w in state))
+        else:
+            starts.append(tuple(state[n:2 * n]))
+            sums.append(tuple(state[2 * n:3 * n]))
+    start = tuple(None if w is None else torch.cat([s[i] for s in starts])
+                  for i, w in enumerate(starts[0]))
+    grads = tuple(None if w is None else torch.cat([s[i] for s in sums])
+                  for i, w in enumerate(sums[0]))
+    pos = torch.cat([p.to(device=start[0].device, dtype=torch.long) for p in places])
+    tau = tau if tau.dim() == 2 else tau.expand(start[0].shape[1], -1)
+    current = current_weights(Carry(start, grads, pos), tau.to(start[0].dtype))
+    return (*current, *start, *grads, pos)
 
 
 def weight_specs(kind: str, Dk: int, Dv: int) -> list[tuple[str, tuple[int, ...], str]]:
@@ -178,9 +256,14 @@ def from_minibatches(x: torch.Tensor, p: int, T: int) -> torch.Tensor:
 
 def current_weights(carry: Carry, tau: torch.Tensor) -> Weights:
     """Weights after the last consumed token: start - tau_pos * grads (SPEC 2.3); tau [H, b]."""
-    if carry.pos == 0:
-        return carry.start
-    t = tau[:, carry.pos - 1]  # [H]
-    return tuple(
-        None if w is None else w - per_head(t, w) * g for w, g in zip(carry.start, carry.grads)
-    )
+    if isinstance(carry.pos, int):
+        if carry.pos == 0:
+            return carry.start
+        t = tau[:, carry.pos - 1]  # [H]
+        return tuple(
+            None if w is None else w - per_head(t, w) * g for w, g in zip(carry.start, carry.grads)
+        )
+    # Per row: rows at place 0 have zero sums, so any tau gives their start weights.
+    t = tau.t()[carry.pos - 1]  # [B, H]
+    return tuple(None if w is None else w - t.view(*t.shape, *[1] * (w.dim() - 2)) * g
+                 for w, g in zip(carry.start, carry.grads))

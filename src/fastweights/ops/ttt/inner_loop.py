@@ -99,15 +99,27 @@ def _ttt(
         return run_packed(one_document, (q, k, v, eta), cu_seqlens, initial_state,
                           output_final_state)
     carry = Carry.check(initial_state, kind, B, H, Dk, Dv, b, q)
+    if isinstance(carry.pos, torch.Tensor) and (T != 1 or mode != "dual"):
+        raise ValueError(
+            "an initial_state with per-row places in the mini-batch (a long tensor pos) is "
+            f"continued one token per call in mode='dual', got T={T}, mode={mode!r}; run rows "
+            "at different places with more tokens as separate calls")
 
     cdtype = state_dtype(q.dtype)
+
+    def cast(x: torch.Tensor | None) -> torch.Tensor | None:
+        # Skipping .to() where the dtype already matches saves a dispatch per tensor: a decoding
+        # step is a chain of small operations, where each one counts.
+        return x if x is None or x.dtype == cdtype else x.to(cdtype)
+
     if token_scale is None:
         tau = q.new_ones(H, b, dtype=cdtype)
     else:
-        tau = token_scale.to(cdtype).expand(H, b)
-    ln_w, ln_b = (None if x is None else x.to(cdtype) for x in (ln_weight, ln_bias))
-    inputs = {"q": q.to(cdtype), "k": k.to(cdtype), "v": v.to(cdtype), "eta": eta.to(cdtype),
-              "carry": carry, "ln_weight": ln_w, "ln_bias": ln_b, "residual": residual, "tau": tau}
+        tau = cast(token_scale)
+        tau = tau if tau.dim() == 2 else tau.expand(H, b)
+    inputs = {"q": cast(q), "k": cast(k), "v": cast(v), "eta": cast(eta), "carry": carry,
+              "ln_weight": cast(ln_weight), "ln_bias": cast(ln_bias), "residual": residual,
+              "tau": tau}
     current = None
     if mode == "dual" and T == 1:
         # A decoding step: the token as one row, not a zero-padded b x b mini-batch (step.py).
@@ -115,7 +127,8 @@ def _ttt(
     else:
         extra = {"checkpoint_group": checkpoint_group} if mode == "dual" else {}
         o, carry = _KERNELS[kind][mode](**inputs, **extra)
-    return o.to(q.dtype), (carry.final_state(tau, current) if output_final_state else None)
+    o = o if o.dtype == q.dtype else o.to(q.dtype)
+    return o, (carry.final_state(tau, current) if output_final_state else None)
 
 
 @float32_compute
@@ -144,7 +157,10 @@ def ttt_linear(
     inside a mini-batch (pos = (p + T) mod b != 0) it is (W, b, W_0, b_0, S_W, S_b, pos): the
     current weights W = W_0 - tau_pos S_W, the mini-batch's start weights, the sums
     S = sum_j eta_j grad_j(W_0) so far and the int pos; feeding it back continues the mini-batch
-    exactly (its leading W, b are then ignored, being implied by the rest).
+    exactly (its leading W, b are then ignored, being implied by the rest). Rows at different
+    places (streams decoded together, see ``TTTLinear.stack_states``): pos may be a long tensor
+    [B] of per-row places in [0, b), the sums zero in rows at place 0; such a state continues
+    one token per call (T = 1, mode "dual") and stays in this per-row form.
     cu_seqlens: [N + 1] boundaries of documents packed in a batch of one; each document starts
     from ``initial_state`` (one state shared by all, batch 1) or from its own entry of a list of
     N states, and the final state is a list with one state per document (ops/_varlen.py).

@@ -1,0 +1,125 @@
+"""Streams at their own positions decoded together (``stack_states``): one batched step equals
+every stream's own step, for every mixer, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastweights import build_mixer
+from fastweights.models import LanguageModel, LMConfig
+from fastweights.models.registry import mixer_names
+from tests.helpers import assert_close64
+
+# Small periods so that the streams sit at different places and cross boundaries while stepping.
+OPTIONS = {
+    "ttt-linear": {"mini_batch_size": 4}, "ttt-mlp": {"mini_batch_size": 4},
+    "infini": {"segment_len": 4}, "diag": {"block_size": 4},
+    "aft-local": {"window": 3, "max_len": 64}, "aft-conv": {"window": 3},
+    "aft-full": {"max_len": 64},
+}
+STACKABLE = [m for m in mixer_names() if m != "aft-full"]
+PREFILLS = (5, 8, 2, 7)  # stream lengths: every place of a period of 4, and >= window - 1
+STEPS = 5
+
+
+def _layer(name: str, **extra) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_mixer(name, 8, 2, **{**OPTIONS.get(name, {}), **extra}).double().eval()
+
+
+def _streams(layer, prefills=PREFILLS, steps=STEPS, d=8):
+    """Each stream prefilled on its own, then ``steps`` tokens decoded alone: (states after the
+    prefills, step inputs [N, steps, d], outputs [N, steps, d])."""
+    gen = torch.Generator().manual_seed(1)
+    xs = torch.randn(len(prefills), steps, d, generator=gen, dtype=torch.float64)
+    states, outs = [], []
+    for i, n in enumerate(prefills):
+        _, state = layer(torch.randn(1, n, d, generator=gen, dtype=torch.float64))
+        states.append(state)
+        ys = []
+        for t in range(steps):
+            y, state = layer(xs[i:i + 1, t:t + 1], state)
+            ys.append(y)
+        outs.append(torch.cat(ys, dim=1))
+    return states, xs, torch.cat(outs)
+
+
+@pytest.mark.parametrize("name", STACKABLE)
+def test_batched_steps_equal_separate_streams(name):
+    """N = 4 streams prefilled with 5, 8, 2, 7 tokens, stacked, then 5 batched one-token steps
+    (crossing mini-batch / segment / block boundaries at different steps per row) equal each
+    stream decoded alone."""
+    _check_stacked(_layer(name), name)
+
+
+def _check_stacked(layer, what: str) -> None:
+    """The stacked streams' batched steps equal their separate steps."""
+    with torch.no_grad():
+        states, xs, ref = _streams(layer)
+        state = layer.stack_states(states)
+        ys = []
+        for t in range(STEPS):
+            y, state = layer(xs[:, t:t + 1], state)
+            ys.append(y)
+    assert_close64(torch.cat(ys, dim=1), ref, atol=1e-10, what=what)
+
+
+@pytest.mark.parametrize("name", ["ttt-mlp", "diag"])
+def test_stacked_variants(name):
+    """The options whose per-row paths differ: TTT's Mamba backbone (convolution cache) and
+    DiagAttention's ReLU kernel."""
+    extra = {"ttt-mlp": {"mamba_backbone": True}, "diag": {"kernel": "relu"}}[name]
+    _check_stacked(_layer(name, **extra), name)
+
+
+def test_language_model_stacked_streams():
+    """A model mixing per-row layers with sinusoidal absolute positions: the stacked step's
+    logits equal each stream's own."""
+    torch.manual_seed(0)
+    config = LMConfig(vocab_size=17, d_model=8, n_layers=3, n_heads=2,
+                      mixer=["softmax", "ttt-linear", "infini"], position="sinusoidal",
+                      mixer_options=[{}, {"mini_batch_size": 4}, {"segment_len": 4}])
+    model = LanguageModel(config).double().eval()
+    gen = torch.Generator().manual_seed(2)
+    nxt = torch.randint(0, 17, (3, STEPS), generator=gen)
+    states, ref = [], []
+    with torch.no_grad():
+        for i, n in enumerate((6, 3, 9)):
+            _, state = model(torch.randint(0, 17, (1, n), generator=gen))
+            states.append(state)
+            logits = []
+            for t in range(STEPS):
+                out, state = model(nxt[i:i + 1, t:t + 1], state)
+                logits.append(out)
+            ref.append(torch.cat(logits, dim=1))
+        state = model.stack_states(states)
+        got = []
+        for t in range(STEPS):
+            out, state = model(nxt[:, t:t + 1], state)
+            got.append(out)
+    assert_close64(torch.cat(got, dim=1), torch.cat(ref), atol=1e-10, what="logits")
+    assert state[-1].tolist() == [6 + STEPS, 3 + STEPS, 9 + STEPS]
+
+
+def test_stacking_refusals():
+    """What cannot be stacked or continued per row says so: aft-full at different lengths,
+    AFT windows not yet full, several tokens per call on a per-row state, no states."""
+    with torch.no_grad():
+        full = _layer("aft-full")
+        states = [full(torch.randn(1, n, 8, dtype=torch.float64))[1] for n in (3, 4)]
+        with pytest.raises(ValueError, match="different positions"):
+            full.stack_states(states)
+        local = _layer("aft-local")
+        states = [local(torch.randn(1, n, 8, dtype=torch.float64))[1] for n in (1, 4)]
+        with pytest.raises(ValueError, match="window - 1"):
+            local.stack_states(states)
+        ttt = _layer("ttt-linear")
+        state = ttt.stack_states([ttt(torch.randn(1, n, 8, dtype=torch.float64))[1]
+                                  for n in (3, 5)])
+        with pytest.raises(ValueError, match="one token per call"):
+            ttt(torch.randn(2, 2, 8, dtype=torch.float64), state)
+        with pytest.raises(ValueError, match="non-empty"):
+            ttt.stack_states([])
+        with pytest.raises(ValueError, match="None"):
+            ttt.stack_states([None])
