@@ -72,6 +72,22 @@ def test_short_convolution_is_a_causal_depthwise_conv():
     assert_close64(state[0], x[0, -3:].T, what="state = last W - 1 inputs")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_short_convolution_half_precision_rounds_once_like_conv1d(dtype):
+    """The taps accumulate in float32 and round once: equal to conv1d on the same inputs in
+    float64 rounded to the dtype (to one rounding), as a kernel with float32 accumulation gives."""
+    torch.manual_seed(0)
+    conv = ShortConvolution(5, 4, bias=True, activation=True).to(dtype)
+    x, past = torch.randn(2, 9, 5).to(dtype), torch.randn(2, 5, 3).to(dtype)
+    y, state = conv(x, past)
+    full = torch.cat([past, x.transpose(1, 2)], 2).double()
+    exact = torch.nn.functional.conv1d(full, conv.weight.double(), conv.bias.double(), groups=5)
+    expect = torch.nn.functional.silu(exact.to(dtype)).transpose(1, 2)
+    assert y.dtype == dtype and state.dtype == dtype
+    torch.testing.assert_close(y, expect, rtol=torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
+    assert torch.equal(state, x[:, -3:].transpose(1, 2))
+
+
 def test_rmsnorm_gate():
     norm = FlaRMSNorm(5, eps=1e-5).double()
     with torch.no_grad():
