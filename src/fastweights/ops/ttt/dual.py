@@ -35,6 +35,7 @@ from .common import (
     per_head,
     to_minibatches,
 )
+from .mlp_scan import MLPScan
 
 
 def _layout(
@@ -152,7 +153,48 @@ def ttt_mlp_dual(
 ) -> tuple[torch.Tensor, Carry]:
     """TTT-MLP, f_res(z) = gelu(z W1 + b1) W2 + b2, in the dual form (the second layer's
     A2 = tril(Xbar2 X2^T) pairs the queries' hidden rows with the keys' hidden rows at W1_0).
-    Returns (o [B, T, H, Dv], carry)."""
+    Returns (o [B, T, H, Dv], carry).
+
+    The mini-batch scan is one autograd node with a hand-written backward pass (mlp_scan.py);
+    ``checkpoint_group`` is its memory trade. Traced programs (torch.compile) take the plain
+    PyTorch scan below it (``_ttt_mlp_dual_traced``), differentiated by autograd."""
+    if torch.compiler.is_compiling():
+        return _ttt_mlp_dual_traced(q, k, v, eta, carry, ln_weight, ln_bias, residual, tau,
+                                    checkpoint_group)
+    T, b, p = q.shape[1], tau.shape[-1], carry.pos
+    Q, K, target, eta_mb, E = _layout(q, k, v, eta, p, residual, tau)
+    B, H, N = Q.shape[:3]
+    has_b1, has_b2 = carry.start[1] is not None, carry.start[3] is not None
+    W1, W2 = (_join(*carry.start[i:i + 2]).flatten(0, 1) for i in (0, 2))  # [BH, ...]
+    P1, P2 = (None, None) if carry.grads is None else (
+        _join(*carry.grads[i:i + 2]).flatten(0, 1) for i in (0, 2))
+
+    def steps(x: torch.Tensor) -> torch.Tensor:  # [B, H, N, b, *] -> [N, B*H, b, *], one copy
+        return x.movedim(2, 0).flatten(1, 2).contiguous()
+
+    per_row = [None if w is None else w.repeat(B, 1) for w in (tau, ln_weight, ln_bias)]
+    tail = (p + T) % b
+    Zbar, W1, W2, S1, S2 = MLPScan.apply(
+        steps(_ones(K, has_b1)), steps(_ones(Q, has_b1)), steps(target), steps(eta_mb), steps(E),
+        per_row[0], W1, W2, P1, P2, per_row[1], per_row[2], has_b2, bool(tail), checkpoint_group)
+    Zbar = Zbar.unflatten(1, (B, H)).movedim(0, 2)  # [B, H, N, b, Dv]
+    out = Zbar if ln_weight is None else layer_norm(Zbar, ln_weight, ln_bias)
+    if residual:
+        out = out + Q
+    W1, W2 = W1.unflatten(0, (B, H)), W2.unflatten(0, (B, H))
+    grads = None if S1 is None else (
+        _split(S1.unflatten(0, (B, H)), has_b1) + _split(S2.unflatten(0, (B, H)), has_b2))
+    return from_minibatches(out, p, T), Carry(
+        _split(W1, has_b1) + _split(W2, has_b2), grads, tail)
+
+
+def _ttt_mlp_dual_traced(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
+    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
+    tau: torch.Tensor, checkpoint_group: int | None = None,
+) -> tuple[torch.Tensor, Carry]:
+    """``ttt_mlp_dual`` as plain PyTorch operations (autograd differentiates the scan; with
+    ``checkpoint_group`` each group of steps runs under torch.utils.checkpoint)."""
     T, b, p = q.shape[1], tau.shape[-1], carry.pos
     Q, K, target, eta_mb, E = _layout(q, k, v, eta, p, residual, tau)
     has_b1, has_b2 = carry.start[1] is not None, carry.start[3] is not None
