@@ -299,9 +299,8 @@ def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
     else:
         acc["dtgt"][sl] = -lw * dgs
         y = lw * st["xh"] if x.lb is None else torch.addcmul(x.lb, lw, st["xh"])
-        acc["dlw"] += (dgs * (y - x.tgt[sl] + lw * st["xh"])).sum((0, 2))
-        if x.lb is not None:
-            acc["dlb"] += (lw * dgs).sum((0, 2))
+        # per row here, summed once at the end: the same sums whatever the checkpoint groups
+        acc["dlw_rows"][sl] = dgs * (y - x.tgt[sl] + lw * st["xh"])
     return D1, D2
 
 
@@ -355,7 +354,7 @@ class MLPScan(torch.autograd.Function):
         acc: dict[str, Any] = {
             "dKa": torch.empty_like(Ka), "dQa": torch.empty_like(Qa), "dE": torch.empty_like(E),
             "deta": torch.empty_like(eta), "dtgt": torch.empty_like(tgt), "dtau": z(tau),
-            "dlw": None if lw is None else z(lw), "dlb": None if lb is None else z(lb),
+            "dlw_rows": None if lw is None else torch.empty_like(tgt),
             "dP1": None if P1 is None else z(P1), "dP2": None if P2 is None else z(P2),
         }
         if tail:  # the last step hands on its gradient sums; its weights leave unchanged
@@ -377,8 +376,10 @@ class MLPScan(torch.autograd.Function):
             del st
         if P1 is not None:
             acc["dQa"][0] += acc["dQa0"]
+        dlw = None if lw is None else acc["dlw_rows"].sum((0, 2))
+        dlb = None if lb is None else -acc["dtgt"].sum((0, 2))  # d/dbeta = gamma dg = -d/dtgt
         return (acc["dKa"], acc["dQa"], acc["dtgt"], acc["deta"], acc["dE"], acc["dtau"], D1, D2,
-                acc["dP1"], acc["dP2"], acc["dlw"], acc["dlb"], None, None, None)
+                acc["dP1"], acc["dP2"], dlw, dlb, None, None, None)
 
 
 def _double_backward_ready(ctx: Any, inputs: tuple[Any, ...], grads: tuple[Any, ...]
