@@ -344,6 +344,17 @@ def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
     return D1, D2
 
 
+def _segments(N: int, size: int) -> list[tuple[int, int]]:
+    """(n0, n1) of consecutive runs of ``size`` steps covering 0..N-1."""
+    return [(n0, min(n0 + size, N)) for n0 in range(0, N, size)]
+
+
+# Saved rows are kept per segment of steps with buffers of at most about this many floats
+# (per weight buffer; 16 MB in float32): buffers beyond the C allocator's mmap threshold (32 MB)
+# come back as fresh pages on every call, whose first-touch faults cost as much as the copies.
+_SEGMENT_FLOATS = 1 << 22
+
+
 class MLPScan(torch.autograd.Function):
     """The scan as one autograd node (module docstring). ``apply(Ka, Qa, tgt, eta, E, tau, W1,
     W2, P1, P2, lw, lb, has_b2, tail, group)`` with the layouts of ``_Inputs`` and W1
@@ -358,31 +369,31 @@ class MLPScan(torch.autograd.Function):
         x = _Inputs(Ka, Qa, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
         N = x.N
         ctx.set_materialize_grads(False)
-        ctx.meta = (Dh, has_b2, tail, group)
         out = tgt.new_empty(N, *tgt.shape[1:])
         if not any(ctx.needs_input_grad):
             W1f, W2f, S1, S2 = _run(x, 0, N, W1, W2, None, out)
             return out, W1f, W2f, S1, S2
-        if group is None or group >= N:
-            store = _alloc(x, N, W1, W2)
-            W1f, W2f, S1, S2 = _run(x, 0, N, W1, W2, store, out)
-            saved = [store[k] for k in _SAVED]
-        else:  # keep only the weights entering each group (recomputed from there in backward)
-            starts = range(0, N, group)
-            W1g, W2g = W1.new_empty(len(starts), *W1.shape), W2.new_empty(len(starts), *W2.shape)
-            W1f, W2f = W1, W2
-            for i, n0 in enumerate(starts):
-                W1g[i].copy_(W1f)
-                W2g[i].copy_(W2f)
-                W1f, W2f, S1, S2 = _run(x, n0, min(n0 + group, N), W1f, W2f, None, out)
-            saved = [W1g, W2g]
+        W1f, W2f, saved = W1, W2, []
+        if group is None:  # keep every step's rows, in segments of steps
+            segments = _segments(N, max(1, _SEGMENT_FLOATS // max(W1[0].numel(), W2[0].numel())
+                                        // W1.shape[0]))
+            for n0, n1 in segments:
+                store = _alloc(x, n1 - n0, W1, W2)
+                W1f, W2f, S1, S2 = _run(x, n0, n1, W1f, W2f, store, out)
+                saved += [store[k] for k in _SAVED]
+        else:  # keep only the weights entering each group (its steps run again in backward)
+            segments = _segments(N, group)
+            for n0, n1 in segments:
+                saved += [W1f, W2f]  # _run never writes into the weights it is given
+                W1f, W2f, S1, S2 = _run(x, n0, n1, W1f, W2f, None, out)
+        ctx.meta = (Dh, has_b2, tail, group, segments)
         ctx.save_for_backward(Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, *saved)
         return out, W1f, W2f, S1, S2
 
     @staticmethod
     def backward(ctx, dO, dW1f, dW2f, dS1, dS2):  # type: ignore[override]
         Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, *saved = ctx.saved_tensors
-        Dh, has_b2, tail, group = ctx.meta
+        Dh, has_b2, tail, group, segments = ctx.meta
         x = _Inputs(Ka, Qa, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
         if torch.is_grad_enabled():  # create_graph: differentiate a plain re-run instead
             return _double_backward_ready(ctx, x, W1, W2, (dO, dW1f, dW2f, dS1, dS2))
@@ -401,20 +412,18 @@ class MLPScan(torch.autograd.Function):
             tail_base = (D1, D2)
             D1 = z(W1) if dS1 is None else dS1.clone()
             D2 = z(W2) if dS2 is None else dS2.clone()
-        if group is None or group >= N:
-            groups = [(0, N, dict(zip(_SAVED, saved)))]
-        else:
-            W1g, W2g = saved
-            groups = [(n0, min(n0 + group, N), (W1g[i], W2g[i]))
-                      for i, n0 in enumerate(range(0, N, group))]
-        for n0, n1, st in reversed(groups):
-            if isinstance(st, tuple):  # checkpointed: this group's forward steps again
-                store = _alloc(x, n1 - n0, W1, W2)
-                _run(x, n0, n1, *st, store, None)
-                st = store
+        per = 2 if group is not None else len(_SAVED)
+        for i in reversed(range(len(segments))):
+            n0, n1 = segments[i]
+            items = saved[i * per:(i + 1) * per]
+            if group is not None:  # checkpointed: this group's forward steps again
+                st = _alloc(x, n1 - n0, W1, W2)
+                _run(x, n0, n1, *items, st, None)
+            else:
+                st = dict(zip(_SAVED, items))
             D1, D2 = _backward_group(x, n0, n1, st, dO, D1, D2,
                                      tail_base if tail and n1 == N else None, acc)
-            del st
+            del st, items
         if P1 is not None:
             acc["dQa"][0] += acc["dQa0"]
         dlw = None if lw is None else acc["dlw_rows"].sum((0, 2))
