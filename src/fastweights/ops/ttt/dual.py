@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from .common import (
+    LN_EPS,
     Carry,
     from_minibatches,
     gelu,
@@ -34,6 +35,7 @@ from .common import (
     loss_grad,
     per_head,
     to_minibatches,
+    to_steps,
 )
 from .mlp_scan import MLPScan
 
@@ -161,31 +163,42 @@ def ttt_mlp_dual(
     if torch.compiler.is_compiling():
         return _ttt_mlp_dual_traced(q, k, v, eta, carry, ln_weight, ln_bias, residual, tau,
                                     checkpoint_group)
-    T, b, p = q.shape[1], tau.shape[-1], carry.pos
-    Q, K, target, eta_mb, E = _layout(q, k, v, eta, p, residual, tau)
-    B, H, N = Q.shape[:3]
+    (B, T, H, Dk), Dv, b, p = q.shape, v.shape[-1], tau.shape[-1], carry.pos
     has_b1, has_b2 = carry.start[1] is not None, carry.start[3] is not None
     W1, W2 = (_join(*carry.start[i:i + 2]).flatten(0, 1) for i in (0, 2))  # [BH, ...]
     P1, P2 = (None, None) if carry.grads is None else (
         _join(*carry.grads[i:i + 2]).flatten(0, 1) for i in (0, 2))
-
-    def steps(x: torch.Tensor) -> torch.Tensor:  # [B, H, N, b, *] -> [N, B*H, b, *], one copy
-        return x.movedim(2, 0).flatten(1, 2).contiguous()
-
-    per_row = [None if w is None else w.repeat(B, 1) for w in (tau, ln_weight, ln_bias)]
+    # Step-major [N, B*H, b, D] (common.to_steps): every step reads contiguous blocks.
+    Ka, Qa = to_steps(k, p, b, has_b1), to_steps(q, p, b, has_b1)
+    target = to_steps(v, p, b)
+    if residual:  # SPEC 2.2: the residual moves into the target
+        target = target - Ka[..., :Dk]
+    # Padding rows get eta = 0, so they never contribute to any gradient sum.
+    eta_s = to_steps(eta.unsqueeze(-1), p, b).squeeze(-1)  # [N, BH, b]
+    tau_r = tau.repeat(B, 1)  # [BH, b], per row of the steps' batch dim
+    E = (tau_r.unsqueeze(-1) * eta_s.unsqueeze(-2)).tril()  # E_ij = tau_i eta_j, j <= i
+    per_row = [None if w is None else w.repeat(B, 1) for w in (ln_weight, ln_bias)]
     tail = (p + T) % b
-    Zbar, W1, W2, S1, S2 = MLPScan.apply(
-        steps(_ones(K, has_b1)), steps(_ones(Q, has_b1)), steps(target), steps(eta_mb), steps(E),
-        per_row[0], W1, W2, P1, P2, per_row[1], per_row[2], has_b2, bool(tail), checkpoint_group)
-    Zbar = Zbar.unflatten(1, (B, H)).movedim(0, 2)  # [B, H, N, b, Dv]
-    out = Zbar if ln_weight is None else layer_norm(Zbar, ln_weight, ln_bias)
+    Zbar, W1, W2, S1, S2 = MLPScan.apply(Ka, Qa, target, eta_s, E, tau_r, W1, W2, P1, P2,
+                                         *per_row, has_b2, bool(tail), checkpoint_group)
+    N = Zbar.shape[0]
+    if ln_weight is not None:  # the affine part is applied per head in the output layout
+        Zbar = F.layer_norm(Zbar, (Dv,), eps=LN_EPS)
+    out = Zbar.unflatten(1, (B, H)).permute(1, 0, 3, 2, 4)  # [B, N, b, H, Dv], a view
     if residual:
-        out = out + Q
+        qp = q if not p and N * b == T else F.pad(q, (0, 0, 0, 0, p, N * b - p - T))
+        qp = qp.unflatten(1, (N, b))
+        # q first: the result is laid out like q (contiguous), so the reshape below is a view
+        out = qp + out if ln_weight is None else torch.addcmul(qp, out, ln_weight)
+    elif ln_weight is not None:
+        out = out * ln_weight
+    if ln_bias is not None:
+        out = out + ln_bias
+    out = out.reshape(B, N * b, H, Dv)[:, p:p + T]
     W1, W2 = W1.unflatten(0, (B, H)), W2.unflatten(0, (B, H))
     grads = None if S1 is None else (
         _split(S1.unflatten(0, (B, H)), has_b1) + _split(S2.unflatten(0, (B, H)), has_b2))
-    return from_minibatches(out, p, T), Carry(
-        _split(W1, has_b1) + _split(W2, has_b2), grads, tail)
+    return out, Carry(_split(W1, has_b1) + _split(W2, has_b2), grads, tail)
 
 
 def _ttt_mlp_dual_traced(
