@@ -88,6 +88,21 @@ def _ln_grad(z: torch.Tensor, tgt: torch.Tensor, lw: torch.Tensor | None,
     return G, xh, r
 
 
+def _ln_grad_fast(z: torch.Tensor, tgt: torch.Tensor, lw: torch.Tensor | None,
+                  lb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``_ln_grad`` from ATen's fused LayerNorm kernels (the gradient through a LayerNorm
+    without affine is its backward kernel applied to g = gamma (LN(Z) - tgt))."""
+    if lw is None:
+        return z - tgt, None, None
+    shape = z.shape[-1:]
+    xh, mean, r = torch.native_layer_norm(z, shape, None, None, LN_EPS)
+    y = lw * xh if lb is None else torch.addcmul(lb, lw, xh)
+    g = y.sub_(tgt).mul_(lw)
+    G = torch.ops.aten.native_layer_norm_backward(g, z, shape, mean, r, None, None,
+                                                  [True, False, False])[0]
+    return G, xh, r
+
+
 def _ln_grad_backward(dG: torch.Tensor, G: torch.Tensor, xh: torch.Tensor, r: torch.Tensor,
                       tgt: torch.Tensor, lw: torch.Tensor, lb: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +143,11 @@ class _Inputs:
         self.tau_rows = tau.unsqueeze(-1)  # [BH, b, 1]
         self.tau_b = tau[:, -1:].unsqueeze(-1)  # [BH, 1, 1]
         self.prior = P1 is not None
+        # Per-step views, taken once (indexing in the loops costs more than it seems).
+        self.eta_tb = self.eta_c * self.tau_b  # eta_j tau_b: a step's update weights
+        self.steps = list(zip(self.KQ.unbind(0), tgt.unbind(0), self.M1.unbind(0),
+                              E.unbind(0), self.eta_c.unbind(0), self.eta_tb.unbind(0),
+                              (Ka * self.eta_tb).transpose(-1, -2).unbind(0)))
 
     def hands_on_sums(self, n: int) -> bool:
         """Whether step n is a last, partly filled mini-batch (its sums go out, not an update)."""
@@ -167,22 +187,24 @@ def _run(x: _Inputs, n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor,
     S1 = S2 = None
     if store is None:  # scratch rows with the bias's column of ones, reused by every step
         scratch = W2.new_ones(2, W2.shape[0], b, W2.shape[-2])
+        per_step = [{}] * (n1 - n0)
+    else:
+        per_step = [dict(zip(store, v)) for v in zip(*(t.unbind(0) for t in store.values()))]
     for n in range(n0, n1):
-        j = n - n0
+        st = per_step[n - n0]
+        kq, tgt, m1, e, eta_c, eta_tb, ka_tb_t = x.steps[n]
         if store is not None:
-            st = {k: v[j] for k, v in store.items()}
             st["W1"].copy_(W1)
             st["W2"].copy_(W2)
             X2, Xbar2 = st["X2"], st["Xbar2"]
         else:
-            st = {}
             X2, Xbar2 = scratch[0], scratch[1]
-        Z = torch.matmul(x.KQ[n], W1)  # [BH, 2b, Dh]: keys' and queries' hidden rows
+        Z = torch.matmul(kq, W1)  # [BH, 2b, Dh]: keys' and queries' hidden rows
         g1p, g1pp = _gelu_parts(Z[:, :b], X2[..., :Dh], st.get("g1p"), second=store is not None)
-        G2, xh, r = _ln_grad(torch.matmul(X2, W2), x.tgt[n], x.lw, x.lb)  # [BH, b, Dv]
+        G2, xh, r = _ln_grad_fast(torch.matmul(X2, W2), tgt, x.lw, x.lb)  # [BH, b, Dv]
         A = torch.matmul(G2, W2[:, :Dh].transpose(-1, -2))  # [BH, b, Dh]
         G1 = torch.mul(A, g1p, out=st.get("G1"))
-        Zbar1 = torch.baddbmm(Z[:, b:], x.M1[n], G1, alpha=-1)
+        Zbar1 = torch.baddbmm(Z[:, b:], m1, G1, alpha=-1)
         if n == 0 and x.prior:
             Zbar1.sub_(x.tau_rows * (x.Qa[0] @ x.P1))
         _gelu_parts(Zbar1, Xbar2[..., :Dh], st.get("gbp"))
@@ -191,25 +213,24 @@ def _run(x: _Inputs, n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor,
             o = torch.matmul(Xbar2, W2, out=out[n])
             if n == 0 and x.prior:
                 o.sub_(x.tau_rows * (Xbar2 @ x.P2))
-            o.baddbmm_(x.E[n] * XX, G2, alpha=-1)
+            o.baddbmm_(e * XX, G2, alpha=-1)
         if store is not None:
             torch.mul(A, g1pp, out=st["Ag1pp"])
             st["G2"].copy_(G2)
             if xh is not None:
                 st["xh"].copy_(xh)
                 st["r"].copy_(r)
-        X2_eta = X2 * x.eta_c[n]
         if x.hands_on_sums(n):
-            S1 = x.Ka[n].transpose(-1, -2) @ (G1 * x.eta_c[n])
-            S2 = X2_eta.transpose(-1, -2) @ G2
+            S1 = x.Ka[n].transpose(-1, -2) @ (G1 * eta_c)
+            S2 = (X2 * eta_c).transpose(-1, -2) @ G2
             if n == 0 and x.prior:
                 S1, S2 = S1 + x.P1, S2 + x.P2
             break
         if n == 0 and x.prior:  # SPEC 2.3: W_b = W_0 - tau_b (carried sums + this call's)
             W1.sub_(x.tau_b * x.P1)
             W2.sub_(x.tau_b * x.P2)
-        W1.baddbmm_((x.Ka[n] * (x.eta_c[n] * x.tau_b)).transpose(-1, -2), G1, alpha=-1)
-        W2.baddbmm_(X2_eta.mul_(x.tau_b).transpose(-1, -2), G2, alpha=-1)
+        W1.baddbmm_(ka_tb_t, G1, alpha=-1)
+        W2.baddbmm_((X2 * eta_tb).transpose(-1, -2), G2, alpha=-1)
     return W1, W2, S1, S2
 
 
