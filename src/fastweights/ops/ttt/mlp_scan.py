@@ -277,84 +277,99 @@ def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
     weights leaving step n1-1, or, when that is a partial last mini-batch (``tail_base``
     given), w.r.t. its gradient sums, ``tail_base`` then being the gradient w.r.t. its
     unchanged weights. Writes the per-token gradients into ``acc`` and returns the gradient
-    w.r.t. the weights entering step n0."""
-    b, Dh = x.b, x.Dh
+    w.r.t. the weights entering step n0.
+
+    Step n's sums S = sum_j eta_j (Ka_j^T G1_j, X2_j^T G2_j) reach what it hands on with the
+    factor c = -tau_b (1 on a partial last step): with D the gradient of that, the sums give
+    G1 c eta_j Ka_j D1, G2 c eta_j X2_j D2, Ka_j c eta_j G1_j D1^T, X2_j c eta_j G2_j D2^T, and
+    eta_j, tau_b the rows r_j = (Ka_j D1) . G1_j + (X2_j D2) . G2_j."""
+    b, Dh, n = x.b, x.Dh, n1 - n0
     sl = slice(n0, n1)
     E, dOs = x.E[sl], dO[sl]
     G1, G2, X2, Xbar2, XX = st["G1"], st["G2"], st["X2"], st["Xbar2"], st["XX"]
+    # c eta_j per step and row: -tau_b eta_j, or eta_j on a partial last mini-batch
+    last = tail_base is not None
+    ce = x.eta_c[sl] * -x.tau_b
+    if last:
+        ce[-1] = x.eta_c[n1 - 1]
     # Batched over the group: Zbar2's b x b term -(E * Xbar2 X2^T) G2 (no weights in it).
     dM2 = -(dOs @ G2.transpose(-1, -2))  # [n, BH, b, b]
     R2 = dM2 * E
     dXbar2 = R2 @ X2  # [n, BH, b, Dh1]; the loop adds dO W2^T
     dX2 = R2.transpose(-1, -2) @ Xbar2  # the loop adds the rest
-    dG2_pre = -((E * XX).transpose(-1, -2) @ dOs)  # [n, BH, b, Dv]
+    dG2 = -((E * XX).transpose(-1, -2) @ dOs)  # [n, BH, b, Dv]; the loop adds the rest
     dE = dM2 * XX
     del R2, dM2
+    ceG2 = ce * G2
     BH, Dk1 = x.KQ.shape[1], x.KQ.shape[-1]
-    dZcat = dOs.new_empty(n1 - n0, BH, 2 * b, Dh)  # [dZ1; dZbar1] per step
-    dKQ = dOs.new_empty(n1 - n0, BH, 2 * b, Dk1)
-    dKa2 = dOs.new_empty(n1 - n0, BH, b, Dk1)
-    deta = x.eta.new_empty(n1 - n0, BH, b)
+    dZcat = dOs.new_empty(n, BH, 2 * b, Dh)  # [dZ1; dZbar1] per step
+    dKQ = dOs.new_empty(n, BH, 2 * b, Dk1)
+    V1 = dOs.new_empty(n, BH, b, Dk1)  # G1 D1^T per step
+    r2 = x.eta.new_empty(n, BH, b)
     dgs = torch.empty_like(G2)
     dA = dOs.new_zeros(BH, b, X2.shape[-1])  # scratch; a bias column stays 0
-    dtau = acc["dtau"]
-    tau_b, lw = x.tau_b, x.lw
-    for n in range(n1 - 1, n0 - 1, -1):
-        j = n - n0
-        W1, W2 = st["W1"][j], st["W2"][j]
-        last = tail_base is not None and n == n1 - 1
-        # ce: the factor on eta_j of step n's gradient sums in what the step hands on
-        ce = x.eta_c[n] if last else x.eta_c[n] * -tau_b  # [BH, b, 1]
-        dOn = dOs[j]
-        dXb = dXbar2[j].baddbmm_(dOn, W2.transpose(-1, -2))
-        if n == 0 and x.prior:
+    lw = x.lw
+    views = [t.unbind(0) for t in (st["W1"], st["W2"], dOs, dXbar2, dX2, dG2, dZcat, dKQ, V1, r2,
+                                   st["gbp"], st["g1p"], st["Ag1pp"], G1, G2, X2, Xbar2, ce, ceG2,
+                                   x.Ka[sl], x.KQ[sl], x.M1[sl], x.tgt[sl], dgs)]
+    views += [st["xh"].unbind(0), st["r"].unbind(0)] if lw is not None else [[None] * n] * 2
+    for j in range(n - 1, -1, -1):
+        (W1, W2, dOn, dXb, dXk, dG2n, dZc, dKQn, V1n, r2n, gbp, g1p, Ag1pp, G1n, G2n, X2n, Xb2n,
+         cen, ceG2n, Kan, KQn, M1n, tgtn, dg_n, xhn, rn) = (v[j] for v in views)
+        prior = x.prior and n0 + j == 0
+        dXb.baddbmm_(dOn, W2.transpose(-1, -2))
+        if prior:
             tdO = x.tau_rows * dOn
             dXb.sub_(tdO @ x.P2.transpose(-1, -2))
-            acc["dP2"] -= Xbar2[j].transpose(-1, -2) @ tdO
-            dtau -= (dOn * (Xbar2[j] @ x.P2)).sum(-1)
-        dZ1, dZbar1 = dZcat[j, :, :b], dZcat[j, :, b:]
-        torch.mul(dXb[..., :Dh], st["gbp"][j], out=dZbar1)
-        U1 = x.Ka[n] @ D1  # [BH, b, Dh]
-        U2 = X2[j] @ D2  # [BH, b, Dv]
-        r12 = (U1 * G1[j]).sum(-1) + (U2 * G2[j]).sum(-1)  # [BH, b]
-        dG1 = U1.mul_(ce).baddbmm_(x.M1[n].transpose(-1, -2), dZbar1, alpha=-1)
-        torch.mul(dG1, st["g1p"][j], out=dA[..., :Dh])
-        torch.mul(dG1, st["Ag1pp"][j], out=dZ1)
-        dG2 = U2.mul_(ce).add_(dG2_pre[j]).baddbmm_(dA, W2)
+            acc["dP2"] -= Xb2n.transpose(-1, -2) @ tdO
+            acc["dtau"] -= (dOn * (Xb2n @ x.P2)).sum(-1)
+        dZ1, dZbar1 = dZc[:, :b], dZc[:, b:]
+        torch.mul(dXb[..., :Dh], gbp, out=dZbar1)
+        U2 = X2n @ D2  # [BH, b, Dv]
+        torch.sum(torch.mul(U2, G2n, out=dg_n), -1, out=r2n)  # dg_n: scratch until the LN
+        dG1 = (Kan @ D1).mul_(cen).baddbmm_(M1n.transpose(-1, -2), dZbar1, alpha=-1)
+        torch.mul(dG1, g1p, out=dA[..., :Dh])
+        torch.mul(dG1, Ag1pp, out=dZ1)
+        dG2n.addcmul_(U2, cen).baddbmm_(dA, W2)
         if lw is None:
-            dZ2 = dgs[j].copy_(dG2)
+            dZ2 = dg_n.copy_(dG2n)
         else:
-            dZ2, dg = _ln_grad_backward(dG2, G2[j], st["xh"][j], st["r"][j], x.tgt[n], lw, x.lb)
-            dgs[j].copy_(dg)
-        dXk = dX2[j].baddbmm_(ce * G2[j], D2.transpose(-1, -2)).baddbmm_(dZ2, W2.transpose(-1, -2))
-        dZ1.addcmul_(dXk[..., :Dh], st["g1p"][j])
-        torch.matmul(dZcat[j], W1.transpose(-1, -2), out=dKQ[j])
-        torch.matmul(ce * G1[j], D1.transpose(-1, -2), out=dKa2[j])
-        torch.mul(r12, 1 if last else -tau_b.view(-1, 1), out=deta[j])  # via the sums
-        if n == 0 and x.prior:
-            coef = 1 if last else -tau_b
+            dZ2, dg = _ln_grad_backward(dG2n, G2n, xhn, rn, tgtn, lw, x.lb)
+            dg_n.copy_(dg)
+        dXk.baddbmm_(ceG2n, D2.transpose(-1, -2)).baddbmm_(dZ2, W2.transpose(-1, -2))
+        dZ1.addcmul_(dXk[..., :Dh], g1p)
+        torch.matmul(dZc, W1.transpose(-1, -2), out=dKQn)
+        torch.matmul(G1n, D1.transpose(-1, -2), out=V1n)
+        if prior:
+            coef = 1 if last and j == n - 1 else -x.tau_b
             acc["dP1"] += coef * D1
             acc["dP2"] += coef * D2
             tdZ = x.tau_rows * dZbar1
             acc["dQa0"] = -(tdZ @ x.P1.transpose(-1, -2))
             acc["dP1"] -= x.Qa[0].transpose(-1, -2) @ tdZ
-            dtau -= (dZbar1 * (x.Qa[0] @ x.P1)).sum(-1)
-            if not last:
-                dtau[:, -1] -= (D1 * x.P1).sum((-1, -2)) + (D2 * x.P2).sum((-1, -2))
-        if last:  # the sums' gradient is used up; the weights' own path continues
+            acc["dtau"] -= (dZbar1 * (x.Qa[0] @ x.P1)).sum(-1)
+            if not (last and j == n - 1):
+                acc["dtau"][:, -1] -= (D1 * x.P1).sum((-1, -2)) + (D2 * x.P2).sum((-1, -2))
+        if last and j == n - 1:  # the sums' gradient is used up; the weights' own path goes on
             D1, D2 = tail_base[0].clone(), tail_base[1].clone()
-        else:
-            dtau[:, -1] -= (r12 * x.eta[n]).sum(-1)
-        D1.baddbmm_(x.KQ[n].transpose(-1, -2), dZcat[j])
-        D2.baddbmm_(Xbar2[j].transpose(-1, -2), dOn).baddbmm_(X2[j].transpose(-1, -2), dZ2)
-        D2.baddbmm_(dA.transpose(-1, -2), G2[j])
-    # Batched again: the keys' and queries' share through M1 = E * Qa Ka^T.
+        D1.baddbmm_(KQn.transpose(-1, -2), dZc)
+        D2.baddbmm_(Xb2n.transpose(-1, -2), dOn).baddbmm_(X2n.transpose(-1, -2), dZ2)
+        D2.baddbmm_(dA.transpose(-1, -2), G2n)
+    # Batched again: eta's and tau_b's share through the sums, and the keys' and queries'
+    # through the sums and M1 = E * Qa Ka^T.
+    Ka, Qa = x.Ka[sl], x.Qa[sl]
+    r = (V1 * Ka).sum(-1).add_(r2)  # [n, BH, b]
+    acc["deta"][sl] = r * -x.tau_b.squeeze(-1)
+    if last:
+        acc["deta"][n1 - 1] = r[-1]
+    steps_b = r[:-1] if last else r
+    acc["dtau"][:, -1] -= (steps_b * x.eta[n0:n0 + steps_b.shape[0]]).sum((0, 2))
     dM1 = -(dZcat[:, :, b:] @ G1.transpose(-1, -2))  # [n, BH, b, b]
     dE += dM1 * x.QK[sl]
     R1 = dM1 * E
-    acc["dKa"][sl] = dKQ[:, :, :b] + dKa2 + R1.transpose(-1, -2) @ x.Qa[sl]
-    acc["dQa"][sl] = dKQ[:, :, b:] + R1 @ x.Ka[sl]
-    acc["dE"][sl], acc["deta"][sl] = dE, deta
+    acc["dKa"][sl] = torch.addcmul(dKQ[:, :, :b], V1, ce) + R1.transpose(-1, -2) @ Qa
+    acc["dQa"][sl] = dKQ[:, :, b:] + R1 @ Ka
+    acc["dE"][sl] = dE
     if lw is None:
         acc["dtgt"][sl] = -dgs
     else:
