@@ -143,6 +143,9 @@ class _Inputs:
         self.tau_rows = tau.unsqueeze(-1)  # [BH, b, 1]
         self.tau_b = tau[:, -1:].unsqueeze(-1)  # [BH, 1, 1]
         self.prior = P1 is not None
+        # Every ``anchor``-th step's entering weights are kept exactly (``_Walk``); a function
+        # of the shapes only, so that checkpoint groups change no result.
+        self.anchor = max(1, min(64, _SEGMENT_FLOATS // (Ka.shape[1] * self.b * (Dh + 1))))
         # Per-step views, taken once (indexing in the loops costs more than it seems).
         self.eta_tb = self.eta_c * self.tau_b  # eta_j tau_b: a step's update weights
         self.steps = list(zip(self.KQ.unbind(0), tgt.unbind(0), self.M1.unbind(0),
@@ -155,7 +158,7 @@ class _Inputs:
 
 
 # The rows the backward pass reads, per step: [N, BH, ...] each (``_alloc``).
-_SAVED = ("W1", "W2", "X2", "Xbar2", "g1p", "Ag1pp", "G1", "gbp", "G2", "xh", "r", "XX")
+_SAVED = ("X2", "Xbar2", "g1p", "Ag1pp", "G1", "gbp", "G2", "xh", "r", "XX")
 
 
 def _alloc(x: _Inputs, n: int, W1: torch.Tensor, W2: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -163,7 +166,7 @@ def _alloc(x: _Inputs, n: int, W1: torch.Tensor, W2: torch.Tensor) -> dict[str, 
     BH, b, Dh, Dh1, Dv = W1.shape[0], x.b, x.Dh, W2.shape[-2], W2.shape[-1]
     ln = x.lw is not None
     shapes = {
-        "W1": W1.shape[1:], "W2": W2.shape[1:], "X2": (b, Dh1), "Xbar2": (b, Dh1),
+        "X2": (b, Dh1), "Xbar2": (b, Dh1),
         "g1p": (b, Dh), "Ag1pp": (b, Dh), "G1": (b, Dh), "gbp": (b, Dh), "G2": (b, Dv),
         "xh": (b, Dv) if ln else (0,), "r": (b, 1) if ln else (0,), "XX": (b, b),
     }
@@ -175,11 +178,13 @@ def _alloc(x: _Inputs, n: int, W1: torch.Tensor, W2: torch.Tensor) -> dict[str, 
 
 
 def _run(x: _Inputs, n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor,
-         store: dict[str, torch.Tensor] | None, out: torch.Tensor | None
+         store: dict[str, torch.Tensor] | None, out: torch.Tensor | None,
+         snaps: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
          ) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
     """Forward steps n0..n1-1 from the weights (W1, W2) entering step n0, without autograd.
     Writes Zbar2 of step n into out[n] (when ``out`` is given) and, with ``store`` (buffers
-    [n1 - n0, ...] from ``_alloc``), the entering weights and the rows the backward pass reads.
+    [n1 - n0, ...] from ``_alloc``), the rows the backward pass reads; ``snaps``: copies of the
+    weights entering each step n0 < n < n1 that is a multiple of ``x.anchor`` (``_Walk``).
     Returns (W1, W2 after the steps, gradient sums S1, S2 of a last partial mini-batch or None).
     """
     b, Dh = x.b, x.Dh
@@ -193,9 +198,9 @@ def _run(x: _Inputs, n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor,
     for n in range(n0, n1):
         st = per_step[n - n0]
         kq, tgt, m1, e, eta_c, eta_tb, ka_tb_t = x.steps[n]
+        if snaps is not None and n > n0 and n % x.anchor == 0:
+            snaps[n] = (W1.clone(), W2.clone())
         if store is not None:
-            st["W1"].copy_(W1)
-            st["W2"].copy_(W2)
             X2, Xbar2 = st["X2"], st["Xbar2"]
         else:
             X2, Xbar2 = scratch[0], scratch[1]
@@ -268,10 +273,38 @@ def _reference(x: _Inputs, W1: torch.Tensor, W2: torch.Tensor) -> tuple[Any, ...
     return torch.stack(outs), W1, W2, S1, S2
 
 
+class _Walk:
+    """The weights entering each step, rebuilt in reverse order in the backward pass instead of
+    being kept: W_n = W_{n+1} + tau_b (Ka_n eta_n)^T G1_n (likewise W2 with X2, G2), the
+    forward's update undone with the same product, from the exact weights entering every
+    ``x.anchor``-th step (``anchors``) or leaving the last one (``final``). Rounding can differ
+    from the forward's weights by a few units in the last place (at most ``anchor`` additions);
+    no weight matrix per step is stored (2 x Dh x Dk floats per head and step otherwise)."""
+
+    def __init__(self, x: _Inputs, anchors: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 final: tuple[torch.Tensor, torch.Tensor]):
+        self.x, self.anchors, self.final, self.W = x, anchors, final, None
+
+    def at(self, n: int, G1: torch.Tensor, X2: torch.Tensor, G2: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W1, W2) entering step n (called for n = N-1 down to 0, with step n's rows)."""
+        x = self.x
+        if n in self.anchors:
+            self.W = tuple(w.clone() for w in self.anchors[n])
+        else:
+            if self.W is None:  # n = N-1: start from the weights the last step leaves
+                self.W = tuple(w.clone() for w in self.final)
+            if not x.hands_on_sums(n):  # a partial last mini-batch leaves its weights as is
+                _, _, _, _, _, eta_tb, ka_tb_t = x.steps[n]
+                self.W[0].baddbmm_(ka_tb_t, G1)
+                self.W[1].baddbmm_((X2 * eta_tb).transpose(-1, -2), G2)
+        return self.W
+
+
 def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
                     dO: torch.Tensor, D1: torch.Tensor, D2: torch.Tensor,
                     tail_base: tuple[torch.Tensor, torch.Tensor] | None,
-                    acc: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+                    acc: dict[str, Any], walk: _Walk) -> tuple[torch.Tensor, torch.Tensor]:
     """Reverse steps n1-1..n0 with the saved rows ``st`` of these steps and the gradient
     dO [N, BH, b, Dv] of every Zbar2. D1, D2 (owned, updated in place): the gradient w.r.t. the
     weights leaving step n1-1, or, when that is a partial last mini-batch (``tail_base``
@@ -309,13 +342,14 @@ def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
     dgs = torch.empty_like(G2)
     dA = dOs.new_zeros(BH, b, X2.shape[-1])  # scratch; a bias column stays 0
     lw = x.lw
-    views = [t.unbind(0) for t in (st["W1"], st["W2"], dOs, dXbar2, dX2, dG2, dZcat, dKQ, V1, r2,
+    views = [t.unbind(0) for t in (dOs, dXbar2, dX2, dG2, dZcat, dKQ, V1, r2,
                                    st["gbp"], st["g1p"], st["Ag1pp"], G1, G2, X2, Xbar2, ce, ceG2,
                                    x.Ka[sl], x.KQ[sl], x.M1[sl], x.tgt[sl], dgs)]
     views += [st["xh"].unbind(0), st["r"].unbind(0)] if lw is not None else [[None] * n] * 2
     for j in range(n - 1, -1, -1):
-        (W1, W2, dOn, dXb, dXk, dG2n, dZc, dKQn, V1n, r2n, gbp, g1p, Ag1pp, G1n, G2n, X2n, Xb2n,
+        (dOn, dXb, dXk, dG2n, dZc, dKQn, V1n, r2n, gbp, g1p, Ag1pp, G1n, G2n, X2n, Xb2n,
          cen, ceG2n, Kan, KQn, M1n, tgtn, dg_n, xhn, rn) = (v[j] for v in views)
+        W1, W2 = walk.at(n0 + j, G1n, X2n, G2n)
         prior = x.prior and n0 + j == 0
         dXb.baddbmm_(dOn, W2.transpose(-1, -2))
         if prior:
@@ -409,27 +443,34 @@ class MLPScan(torch.autograd.Function):
         if not any(ctx.needs_input_grad):
             W1f, W2f, S1, S2 = _run(x, 0, N, W1, W2, None, out)
             return out, W1f, W2f, S1, S2
-        W1f, W2f, saved = W1, W2, []
-        if group is None:  # keep every step's rows, in segments of steps
-            segments = _segments(N, max(1, _SEGMENT_FLOATS // max(W1[0].numel(), W2[0].numel())
-                                        // W1.shape[0]))
+        W1f, W2f, saved, anchors = W1, W2, [], {}
+        if group is None:  # keep every step's rows, in segments of ``anchor`` steps
+            segments = _segments(N, x.anchor)
             for n0, n1 in segments:
+                anchors[n0] = (W1f, W2f)  # _run never writes into the weights it is given
                 store = _alloc(x, n1 - n0, W1, W2)
                 W1f, W2f, S1, S2 = _run(x, n0, n1, W1f, W2f, store, out)
                 saved += [store[k] for k in _SAVED]
-        else:  # keep only the weights entering each group (its steps run again in backward)
+        else:  # keep the weights entering each group (its steps run again in backward)
             segments = _segments(N, group)
             for n0, n1 in segments:
-                saved += [W1f, W2f]  # _run never writes into the weights it is given
-                W1f, W2f, S1, S2 = _run(x, n0, n1, W1f, W2f, None, out)
-        ctx.meta = (Dh, has_b2, tail, group, segments)
-        ctx.save_for_backward(Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, *saved)
+                anchors[n0] = (W1f, W2f)
+                saved += [W1f, W2f]
+                W1f, W2f, S1, S2 = _run(x, n0, n1, W1f, W2f, None, out, anchors)
+            # the same anchors as without groups: every anchor-th step's entering weights
+            anchors = {n: w for n, w in anchors.items() if n % x.anchor == 0}
+        ctx.meta = (Dh, has_b2, tail, group, segments, sorted(anchors))
+        ctx.save_for_backward(Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, W1f, W2f,
+                              *(w for n in sorted(anchors) for w in anchors[n]), *saved)
         return out, W1f, W2f, S1, S2
 
     @staticmethod
     def backward(ctx, dO, dW1f, dW2f, dS1, dS2):  # type: ignore[override]
-        Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, *saved = ctx.saved_tensors
-        Dh, has_b2, tail, group, segments = ctx.meta
+        Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, W1f, W2f, *saved = ctx.saved_tensors
+        Dh, has_b2, tail, group, segments, anchor_steps = ctx.meta
+        na = 2 * len(anchor_steps)
+        anchors = {n: (saved[2 * i], saved[2 * i + 1]) for i, n in enumerate(anchor_steps)}
+        saved = saved[na:]
         x = _Inputs(Ka, Qa, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
         if torch.is_grad_enabled():  # create_graph: differentiate a plain re-run instead
             return _double_backward_ready(ctx, x, W1, W2, (dO, dW1f, dW2f, dS1, dS2))
@@ -449,6 +490,7 @@ class MLPScan(torch.autograd.Function):
             D1 = z(W1) if dS1 is None else dS1.clone()
             D2 = z(W2) if dS2 is None else dS2.clone()
         per = 2 if group is not None else len(_SAVED)
+        walk = _Walk(x, anchors, (W1f, W2f))
         for i in reversed(range(len(segments))):
             n0, n1 = segments[i]
             items = saved[i * per:(i + 1) * per]
@@ -458,7 +500,7 @@ class MLPScan(torch.autograd.Function):
             else:
                 st = dict(zip(_SAVED, items))
             D1, D2 = _backward_group(x, n0, n1, st, dO, D1, D2,
-                                     tail_base if tail and n1 == N else None, acc)
+                                     tail_base if tail and n1 == N else None, acc, walk)
             del st, items
         if P1 is not None:
             acc["dQa"][0] += acc["dQa0"]
