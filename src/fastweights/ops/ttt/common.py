@@ -175,7 +175,7 @@ def to_steps(x: torch.Tensor, p: int, b: int, ones: bool = False) -> torch.Tenso
     sequence and head is one contiguous block), with the padding of ``to_minibatches``;
     ``ones`` appends a column of ones (a bias's input) to the last dim. One copy, two when T
     needs padding."""
-    B, T, H = x.shape[:3]
+    T = x.shape[1]
     N = -(-(p + T) // b)
     if p or N * b != p + T:
         x = F.pad(x, [0, 0] * (x.dim() - 2) + [p, N * b - p - T])
