@@ -96,7 +96,7 @@ def test_ln_without_bias():
 @pytest.mark.parametrize("segment_floats", [1, 400], ids=["anchor-every-step", "anchor-2"])
 def test_reverse_walk_anchors_and_groups(monkeypatch, segment_floats):
     """The backward pass rebuilds each step's weights in reverse from exact anchors; with
-    anchors every step or every 2nd (instead of every 64th) the gradients still equal
+    anchors every step or every 2nd (instead of every 16th) the gradients still equal
     autograd through the plain scan, and checkpoint groups change no bit."""
     monkeypatch.setattr(mlp_scan, "_SEGMENT_FLOATS", segment_floats)
     args, kw = make_case("mlp", B=1, T=23, H=2, Dk=3, Dv=3, b=3, seed=8)

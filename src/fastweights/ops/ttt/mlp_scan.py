@@ -20,18 +20,24 @@ filled mini-batch returns its gradient sums instead of updating the weights).
 
 The backward pass runs the steps in reverse with the gradient of the weights leaving each step
 (D) as its carried state. Everything that needs neither a step's weights nor D (the b x b
-products with E, the LayerNorm's affine gradients, the keys' and queries' share through M1) is
-batched over all mini-batches before or after the loop; per step the loop does the products
-with the step's weights and with D. It differentiates twice through the LayerNorm (dl/dZ2 is a
-gradient already) and through gelu' (gelu'' appears).
+products with E, the LayerNorm's affine gradients, eta's, tau's and the keys' and queries'
+shares through the gradient sums and M1) is batched over a segment of steps before or after
+the loop; per step the loop does the products with the step's weights and with D. It
+differentiates twice through the LayerNorm (dl/dZ2 is a gradient already) and through gelu'
+(gelu'' appears). The weights entering each step are not stored but rebuilt in reverse from
+the weights leaving it, by undoing the forward's rank-b update (``_Walk``), starting afresh
+from exact copies every ``anchor`` (at most 16) steps; they can differ from the forward's in
+the last few bits, never more (tests: float64 against autograd through the oracle).
 
-Memory trade (``checkpoint_group``): by default the forward pass keeps the weights entering
-every mini-batch (Dk1 Dh + Dh1 Dv floats per head per mini-batch, about 2 x 64 x 256 for head
-dim 64; 268 MB for T 4096, 8 heads, b 16) and the per-token rows the backward pass reads
-(about 6 Dh + 3 Dv floats per token and head, ~230 MB there); nothing of the step is computed
-twice. With ``checkpoint_group=g`` it keeps only the weights entering every g-th mini-batch and
-the backward pass runs each group's forward steps again (one more forward of the scan), holding
-one group's rows at a time. Results are bit-identical either way.
+Memory trade (``checkpoint_group``): by default the forward pass keeps the per-token rows the
+backward pass reads (about 6 Dh + 3 Dv floats per token and head: ~230 MB for T 4096, 8 heads,
+head dim 64) and the weights every ``anchor`` steps; nothing of a step is computed twice. (Kept
+per step, the weights alone would be 2 x 64 x 256 floats per head and mini-batch, 268 MB there;
+autograd through the plain scan keeps both and more: 1.4 GB peak against 0.39 GB, measured.)
+With ``checkpoint_group=g`` it keeps only the weights entering every g-th mini-batch (and the
+anchors) and the backward pass runs each group's forward steps again, one more forward of the
+scan, holding one group's rows at a time (0.20 GB peak for g = 4 there). Results are
+bit-identical either way.
 
 Double backward (create_graph=True): the backward pass then differentiates a plain re-run of
 the same steps with autograd, so second derivatives are exact too (slow, for tests).
@@ -145,7 +151,7 @@ class _Inputs:
         self.prior = P1 is not None
         # Every ``anchor``-th step's entering weights are kept exactly (``_Walk``); a function
         # of the shapes only, so that checkpoint groups change no result.
-        self.anchor = max(1, min(64, _SEGMENT_FLOATS // (Ka.shape[1] * self.b * (Dh + 1))))
+        self.anchor = max(1, min(16, _SEGMENT_FLOATS // (Ka.shape[1] * self.b * (Dh + 1))))
         # Per-step views, taken once (indexing in the loops costs more than it seems).
         self.eta_tb = self.eta_c * self.tau_b  # eta_j tau_b: a step's update weights
         self.steps = list(zip(self.KQ.unbind(0), tgt.unbind(0), self.M1.unbind(0),
@@ -235,7 +241,7 @@ def _run(x: _Inputs, n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor,
             W1.sub_(x.tau_b * x.P1)
             W2.sub_(x.tau_b * x.P2)
         W1.baddbmm_(ka_tb_t, G1, alpha=-1)
-        W2.baddbmm_((X2 * eta_tb).transpose(-1, -2), G2, alpha=-1)
+        W2.baddbmm_(X2.transpose(-1, -2), G2 * eta_tb, alpha=-1)
     return W1, W2, S1, S2
 
 
@@ -297,7 +303,7 @@ class _Walk:
             if not x.hands_on_sums(n):  # a partial last mini-batch leaves its weights as is
                 _, _, _, _, _, eta_tb, ka_tb_t = x.steps[n]
                 self.W[0].baddbmm_(ka_tb_t, G1)
-                self.W[1].baddbmm_((X2 * eta_tb).transpose(-1, -2), G2)
+                self.W[1].baddbmm_(X2.transpose(-1, -2), G2 * eta_tb)
         return self.W
 
 
@@ -419,9 +425,10 @@ def _segments(N: int, size: int) -> list[tuple[int, int]]:
     return [(n0, min(n0 + size, N)) for n0 in range(0, N, size)]
 
 
-# Saved rows are kept per segment of steps with buffers of at most about this many floats
-# (per weight buffer; 16 MB in float32): buffers beyond the C allocator's mmap threshold (32 MB)
-# come back as fresh pages on every call, whose first-touch faults cost as much as the copies.
+# Saved rows and the backward pass's scratch are kept per segment of ``anchor`` steps (at most
+# 16, measured fastest at T 4096: 8 -> 64 steps cost 5-10% more backward time), with buffers of
+# at most about this many floats per row kind: large buffers come back from the C allocator as
+# fresh pages on every call, whose first-touch faults cost as much as filling them.
 _SEGMENT_FLOATS = 1 << 22
 
 
