@@ -94,39 +94,57 @@ def _ln_grad(z: torch.Tensor, tgt: torch.Tensor, lw: torch.Tensor | None,
     return G, xh, r
 
 
+def _ln_backward(v: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, r: torch.Tensor
+                 ) -> torch.Tensor:
+    """ATen's LayerNorm backward kernel (no affine) applied to v:
+    r (v - mean(v) - x_hat mean(v x_hat)), x_hat = (z - mean) r."""
+    return torch.ops.aten.native_layer_norm_backward(v, z, z.shape[-1:], mean, r, None, None,
+                                                     [True, False, False])[0]
+
+
 def _ln_grad_fast(z: torch.Tensor, tgt: torch.Tensor, lw: torch.Tensor | None,
-                  lb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                  lb: torch.Tensor | None) -> tuple[torch.Tensor, Any, Any]:
     """``_ln_grad`` from ATen's fused LayerNorm kernels (the gradient through a LayerNorm
-    without affine is its backward kernel applied to g = gamma (LN(Z) - tgt))."""
+    without affine is its backward kernel applied to g = gamma (LN(Z) - tgt)). Returns
+    (dl/dZ, mean, 1/s) (the statistics None without LayerNorm)."""
     if lw is None:
         return z - tgt, None, None
-    shape = z.shape[-1:]
-    xh, mean, r = torch.native_layer_norm(z, shape, None, None, LN_EPS)
+    xh, mean, r = torch.native_layer_norm(z, z.shape[-1:], None, None, LN_EPS)
     y = lw * xh if lb is None else torch.addcmul(lb, lw, xh)
-    g = y.sub_(tgt).mul_(lw)
-    G = torch.ops.aten.native_layer_norm_backward(g, z, shape, mean, r, None, None,
-                                                  [True, False, False])[0]
-    return G, xh, r
+    return _ln_backward(y.sub_(tgt).mul_(lw), z, mean, r), mean, r
 
 
-def _ln_grad_backward(dG: torch.Tensor, G: torch.Tensor, xh: torch.Tensor, r: torch.Tensor,
-                      tgt: torch.Tensor, lw: torch.Tensor, lb: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vector-Jacobian product of ``_ln_grad`` w.r.t. Z: returns (dZ, dg), where dg is the
-    gradient w.r.t. g = gamma (LN(Z) - tgt), from which the target's and gamma/beta's come.
+class _LNRows:
+    """What the backward pass of ``_ln_grad`` needs that does not depend on the incoming
+    gradient, for a segment of steps at once: x_hat, e = LN(Z) - tgt, g = gamma e, r x_hat,
+    c = r mean(g x_hat) and gamma^2 ([n, BH, b, *] from z2, mean, r [n, BH, b, Dv / 1])."""
 
-    With h = g - mean(g) - x_hat mean(g x_hat) and G = r h:
-    dg = P(r dG) (P the same projection), dx_hat = gamma^2 dg - r dG mean(g x_hat)
-    - g mean(r dG x_hat), dZ = r (dx_hat - mean(dx_hat) - x_hat (mean(dG G) + mean(dx_hat x_hat)))."""
-    y = lw * xh if lb is None else torch.addcmul(lb, lw, xh)
-    g = lw * (y - tgt)
-    dh = r * dG
-    m_dh_xh = (dh * xh).mean(-1, keepdim=True)
-    dg = dh - dh.mean(-1, keepdim=True) - xh * m_dh_xh
-    dxh = lw * lw * dg - dh * (g * xh).mean(-1, keepdim=True) - g * m_dh_xh
-    coef = (dG * G).mean(-1, keepdim=True) + (dxh * xh).mean(-1, keepdim=True)
-    dZ = r * (dxh - dxh.mean(-1, keepdim=True) - xh * coef)
-    return dZ, dg
+    def __init__(self, z: torch.Tensor, mean: torch.Tensor, r: torch.Tensor, tgt: torch.Tensor,
+                 lw: torch.Tensor, lb: torch.Tensor | None):
+        self.xh = (z - mean).mul_(r)
+        self.e = (lw * self.xh if lb is None else torch.addcmul(lb, lw, self.xh)).sub_(tgt)
+        self.g = lw * self.e
+        self.rxh = r * self.xh
+        self.c = (self.g * self.xh).mean(-1, keepdim=True).mul_(r)
+        self.lw2 = lw * lw
+
+
+def _ln_grad_backward(dG: torch.Tensor, G: torch.Tensor, z: torch.Tensor, mean: torch.Tensor,
+                      r: torch.Tensor, g: torch.Tensor, rxh: torch.Tensor, c: torch.Tensor,
+                      lw2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vector-Jacobian product of ``_ln_grad`` w.r.t. Z, one step's rows (``_LNRows``): returns
+    (dZ, dg), dg being the gradient w.r.t. g = gamma (LN(Z) - tgt), from which the target's and
+    gamma/beta's come.
+
+    With P(v) = v - mean(v) - x_hat mean(v x_hat), LNB(v) = r P(v) (ATen's kernel) and
+    G = r P(g): dg = LNB(dG), dx_hat = gamma^2 dg - r mean(g x_hat) dG - g mean(dG r x_hat),
+    dZ = r (dx_hat - mean(dx_hat) - x_hat (mean(dG G) + mean(dx_hat x_hat)))
+       = LNB(dx_hat) - r x_hat mean(dG G)."""
+    dg = _ln_backward(dG, z, mean, r)
+    dxh = (lw2 * dg).addcmul_(c, dG, value=-1).addcmul_(g, (dG * rxh).mean(-1, keepdim=True),
+                                                       value=-1)
+    return _ln_backward(dxh, z, mean, r).addcmul_(rxh, (dG * G).mean(-1, keepdim=True),
+                                                  value=-1), dg
 
 
 class _Inputs:
@@ -164,7 +182,7 @@ class _Inputs:
 
 
 # The rows the backward pass reads, per step: [N, BH, ...] each (``_alloc``).
-_SAVED = ("X2", "Xbar2", "g1p", "Ag1pp", "G1", "gbp", "G2", "xh", "r", "XX")
+_SAVED = ("X2", "Xbar2", "g1p", "Ag1pp", "G1", "gbp", "G2", "z2", "mean", "r", "XX")
 
 
 def _alloc(x: _Inputs, n: int, W1: torch.Tensor, W2: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -174,7 +192,8 @@ def _alloc(x: _Inputs, n: int, W1: torch.Tensor, W2: torch.Tensor) -> dict[str, 
     shapes = {
         "X2": (b, Dh1), "Xbar2": (b, Dh1),
         "g1p": (b, Dh), "Ag1pp": (b, Dh), "G1": (b, Dh), "gbp": (b, Dh), "G2": (b, Dv),
-        "xh": (b, Dv) if ln else (0,), "r": (b, 1) if ln else (0,), "XX": (b, b),
+        "z2": (b, Dv) if ln else (0,), "mean": (b, 1) if ln else (0,),
+        "r": (b, 1) if ln else (0,), "XX": (b, b),
     }
     bufs = {k: W1.new_empty(n, BH, *s) for k, s in shapes.items()}
     if x.has_b2:  # the bias's column of ones, written once
@@ -195,42 +214,49 @@ def _run(x: _Inputs, n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor,
     """
     b, Dh = x.b, x.Dh
     W1, W2 = W1.clone(), W2.clone()  # updated in place
+    W2h_t = W2[:, :Dh].transpose(-1, -2)  # a view of the working copy
     S1 = S2 = None
+    n_st = n1 - n0
     if store is None:  # scratch rows with the bias's column of ones, reused by every step
-        scratch = W2.new_ones(2, W2.shape[0], b, W2.shape[-2])
-        per_step = [{}] * (n1 - n0)
+        store = dict(zip(("X2", "Xbar2"), W2.new_ones(2, 1, W2.shape[0], b, W2.shape[-2])))
+        keep, steps = False, [0] * n_st  # every step reads slot 0 of the scratch
     else:
-        per_step = [dict(zip(store, v)) for v in zip(*(t.unbind(0) for t in store.values()))]
+        keep, steps = True, range(n_st)
+    # per-step views of the buffers (and of their gelu part, without the bias's column), once
+    X2s, Xbar2s = store["X2"].unbind(0), store["Xbar2"].unbind(0)
+    X2hs, Xbar2hs = store["X2"][..., :Dh].unbind(0), store["Xbar2"][..., :Dh].unbind(0)
+    names = ("g1p", "G1", "gbp", "XX", "Ag1pp", "G2", "z2", "mean", "r")
+    rows = list(zip(*(store[k].unbind(0) if keep and store[k].numel() else [None] * n_st
+                      for k in names)))
     for n in range(n0, n1):
-        st = per_step[n - n0]
+        j, s = n - n0, steps[n - n0]
         kq, tgt, m1, e, eta_c, eta_tb, ka_tb_t = x.steps[n]
+        g1p_o, G1_o, gbp_o, XX_o, Ag1pp_o, G2_o, z2_o, mean_o, r_o = rows[j]
         if snaps is not None and n > n0 and n % x.anchor == 0:
             snaps[n] = (W1.clone(), W2.clone())
-        if store is not None:
-            X2, Xbar2 = st["X2"], st["Xbar2"]
-        else:
-            X2, Xbar2 = scratch[0], scratch[1]
+        X2, Xbar2 = X2s[s], Xbar2s[s]
         Z = torch.matmul(kq, W1)  # [BH, 2b, Dh]: keys' and queries' hidden rows
-        g1p, g1pp = _gelu_parts(Z[:, :b], X2[..., :Dh], st.get("g1p"), second=store is not None)
-        G2, xh, r = _ln_grad_fast(torch.matmul(X2, W2), tgt, x.lw, x.lb)  # [BH, b, Dv]
-        A = torch.matmul(G2, W2[:, :Dh].transpose(-1, -2))  # [BH, b, Dh]
-        G1 = torch.mul(A, g1p, out=st.get("G1"))
+        g1p, g1pp = _gelu_parts(Z[:, :b], X2hs[s], g1p_o, second=keep)
+        Z2 = torch.matmul(X2, W2, out=z2_o)  # [BH, b, Dv]
+        G2, mean, r = _ln_grad_fast(Z2, tgt, x.lw, x.lb)
+        A = torch.matmul(G2, W2h_t)  # [BH, b, Dh]
+        G1 = torch.mul(A, g1p, out=G1_o)
         Zbar1 = torch.baddbmm(Z[:, b:], m1, G1, alpha=-1)
         if n == 0 and x.prior:
             Zbar1.sub_(x.tau_rows * (x.Qa[0] @ x.P1))
-        _gelu_parts(Zbar1, Xbar2[..., :Dh], st.get("gbp"))
-        XX = torch.matmul(Xbar2, X2.transpose(-1, -2), out=st.get("XX"))  # [BH, b, b]
+        _gelu_parts(Zbar1, Xbar2hs[s], gbp_o)
+        XX = torch.matmul(Xbar2, X2.transpose(-1, -2), out=XX_o)  # [BH, b, b]
         if out is not None:
             o = torch.matmul(Xbar2, W2, out=out[n])
             if n == 0 and x.prior:
                 o.sub_(x.tau_rows * (Xbar2 @ x.P2))
             o.baddbmm_(e * XX, G2, alpha=-1)
-        if store is not None:
-            torch.mul(A, g1pp, out=st["Ag1pp"])
-            st["G2"].copy_(G2)
-            if xh is not None:
-                st["xh"].copy_(xh)
-                st["r"].copy_(r)
+        if keep:
+            torch.mul(A, g1pp, out=Ag1pp_o)
+            G2_o.copy_(G2)
+            if mean is not None:
+                mean_o.copy_(mean)
+                r_o.copy_(r)
         if x.hands_on_sums(n):
             S1 = x.Ka[n].transpose(-1, -2) @ (G1 * eta_c)
             S2 = (X2 * eta_c).transpose(-1, -2) @ G2
@@ -291,19 +317,25 @@ class _Walk:
                  final: tuple[torch.Tensor, torch.Tensor]):
         self.x, self.anchors, self.final, self.W = x, anchors, final, None
 
-    def at(self, n: int, G1: torch.Tensor, X2: torch.Tensor, G2: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W1, W2) entering step n (called for n = N-1 down to 0, with step n's rows)."""
+    def _start(self, W: tuple[torch.Tensor, torch.Tensor]) -> None:
+        W1, W2 = (w.clone() for w in W)
+        # buffers updated in place, with views of their transposes for the backward's products
+        self.W = (W1, W2, W1.transpose(-1, -2), W2.transpose(-1, -2))
+
+    def at(self, n: int, G1: torch.Tensor, X2t: torch.Tensor, G2: torch.Tensor
+           ) -> tuple[torch.Tensor, ...]:
+        """(W1, W2, W1^T, W2^T) entering step n (called for n = N-1 down to 0, with step n's
+        rows G1, X2^T, G2)."""
         x = self.x
         if n in self.anchors:
-            self.W = tuple(w.clone() for w in self.anchors[n])
+            self._start(self.anchors[n])
         else:
             if self.W is None:  # n = N-1: start from the weights the last step leaves
-                self.W = tuple(w.clone() for w in self.final)
+                self._start(self.final)
             if not x.hands_on_sums(n):  # a partial last mini-batch leaves its weights as is
                 _, _, _, _, _, eta_tb, ka_tb_t = x.steps[n]
                 self.W[0].baddbmm_(ka_tb_t, G1)
-                self.W[1].baddbmm_(X2.transpose(-1, -2), G2 * eta_tb)
+                self.W[1].baddbmm_(X2t, G2 * eta_tb)
         return self.W
 
 
@@ -347,38 +379,44 @@ def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
     r2 = x.eta.new_empty(n, BH, b)
     dgs = torch.empty_like(G2)
     dA = dOs.new_zeros(BH, b, X2.shape[-1])  # scratch; a bias column stays 0
+    dAh, dAt = dA[..., :Dh], dA.transpose(-1, -2)
     lw = x.lw
-    views = [t.unbind(0) for t in (dOs, dXbar2, dX2, dG2, dZcat, dKQ, V1, r2,
-                                   st["gbp"], st["g1p"], st["Ag1pp"], G1, G2, X2, Xbar2, ce, ceG2,
-                                   x.Ka[sl], x.KQ[sl], x.M1[sl], x.tgt[sl], dgs)]
-    views += [st["xh"].unbind(0), st["r"].unbind(0)] if lw is not None else [[None] * n] * 2
+    ln = None if lw is None else _LNRows(st["z2"], st["mean"], st["r"], x.tgt[sl], lw, x.lb)
+    t = (-1, -2)
+    # per-step views, taken once for the whole group
+    views = [v.unbind(0) for v in (
+        dOs, dXbar2[..., :Dh], dX2[..., :Dh], dG2, dZcat, dZcat[:, :, :b], dZcat[:, :, b:], dKQ,
+        V1, r2, st["gbp"], st["g1p"], st["Ag1pp"], G1, G2, X2.transpose(*t), Xbar2.transpose(*t),
+        ce, ceG2, x.Ka[sl], x.KQ[sl].transpose(*t), x.M1[sl].transpose(*t), dgs, dXbar2, dX2)]
+    views += [v.unbind(0) for v in (st["z2"], st["mean"], st["r"], ln.g, ln.rxh, ln.c)] \
+        if ln is not None else [[None] * n] * 6
     for j in range(n - 1, -1, -1):
-        (dOn, dXb, dXk, dG2n, dZc, dKQn, V1n, r2n, gbp, g1p, Ag1pp, G1n, G2n, X2n, Xb2n,
-         cen, ceG2n, Kan, KQn, M1n, tgtn, dg_n, xhn, rn) = (v[j] for v in views)
-        W1, W2 = walk.at(n0 + j, G1n, X2n, G2n)
+        (dOn, dXbh, dXkh, dG2n, dZc, dZ1, dZbar1, dKQn, V1n, r2n, gbp, g1p, Ag1pp, G1n, G2n,
+         X2t, Xb2t, cen, ceG2n, Kan, KQt, M1t, dg_n, dXb, dXk, z2n, meann, rn, gn, rxhn, cn,
+         ) = (v[j] for v in views)
+        _, W2, W1t, W2t = walk.at(n0 + j, G1n, X2t, G2n)
         prior = x.prior and n0 + j == 0
-        dXb.baddbmm_(dOn, W2.transpose(-1, -2))
+        dXb.baddbmm_(dOn, W2t)
         if prior:
             tdO = x.tau_rows * dOn
             dXb.sub_(tdO @ x.P2.transpose(-1, -2))
-            acc["dP2"] -= Xb2n.transpose(-1, -2) @ tdO
-            acc["dtau"] -= (dOn * (Xb2n @ x.P2)).sum(-1)
-        dZ1, dZbar1 = dZc[:, :b], dZc[:, b:]
-        torch.mul(dXb[..., :Dh], gbp, out=dZbar1)
-        U2 = X2n @ D2  # [BH, b, Dv]
+            acc["dP2"] -= Xb2t @ tdO
+            acc["dtau"] -= (dOn * (Xb2t.transpose(-1, -2) @ x.P2)).sum(-1)
+        torch.mul(dXbh, gbp, out=dZbar1)
+        U2 = torch.matmul(X2t.transpose(-1, -2), D2)  # [BH, b, Dv]
         torch.sum(torch.mul(U2, G2n, out=dg_n), -1, out=r2n)  # dg_n: scratch until the LN
-        dG1 = (Kan @ D1).mul_(cen).baddbmm_(M1n.transpose(-1, -2), dZbar1, alpha=-1)
-        torch.mul(dG1, g1p, out=dA[..., :Dh])
+        dG1 = torch.matmul(Kan, D1).mul_(cen).baddbmm_(M1t, dZbar1, alpha=-1)
+        torch.mul(dG1, g1p, out=dAh)
         torch.mul(dG1, Ag1pp, out=dZ1)
         dG2n.addcmul_(U2, cen).baddbmm_(dA, W2)
-        if lw is None:
+        if ln is None:
             dZ2 = dg_n.copy_(dG2n)
         else:
-            dZ2, dg = _ln_grad_backward(dG2n, G2n, xhn, rn, tgtn, lw, x.lb)
+            dZ2, dg = _ln_grad_backward(dG2n, G2n, z2n, meann, rn, gn, rxhn, cn, ln.lw2)
             dg_n.copy_(dg)
-        dXk.baddbmm_(ceG2n, D2.transpose(-1, -2)).baddbmm_(dZ2, W2.transpose(-1, -2))
-        dZ1.addcmul_(dXk[..., :Dh], g1p)
-        torch.matmul(dZc, W1.transpose(-1, -2), out=dKQn)
+        dXk.baddbmm_(ceG2n, D2.transpose(-1, -2)).baddbmm_(dZ2, W2t)
+        dZ1.addcmul_(dXkh, g1p)
+        torch.matmul(dZc, W1t, out=dKQn)
         torch.matmul(G1n, D1.transpose(-1, -2), out=V1n)
         if prior:
             coef = 1 if last and j == n - 1 else -x.tau_b
@@ -392,9 +430,8 @@ def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
                 acc["dtau"][:, -1] -= (D1 * x.P1).sum((-1, -2)) + (D2 * x.P2).sum((-1, -2))
         if last and j == n - 1:  # the sums' gradient is used up; the weights' own path goes on
             D1, D2 = tail_base[0].clone(), tail_base[1].clone()
-        D1.baddbmm_(KQn.transpose(-1, -2), dZc)
-        D2.baddbmm_(Xb2n.transpose(-1, -2), dOn).baddbmm_(X2n.transpose(-1, -2), dZ2)
-        D2.baddbmm_(dA.transpose(-1, -2), G2n)
+        D1.baddbmm_(KQt, dZc)
+        D2.baddbmm_(Xb2t, dOn).baddbmm_(X2t, dZ2).baddbmm_(dAt, G2n)
     # Batched again: eta's and tau_b's share through the sums, and the keys' and queries'
     # through the sums and M1 = E * Qa Ka^T.
     Ka, Qa = x.Ka[sl], x.Qa[sl]
@@ -410,13 +447,12 @@ def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
     acc["dKa"][sl] = torch.addcmul(dKQ[:, :, :b], V1, ce) + R1.transpose(-1, -2) @ Qa
     acc["dQa"][sl] = dKQ[:, :, b:] + R1 @ Ka
     acc["dE"][sl] = dE
-    if lw is None:
+    if ln is None:
         acc["dtgt"][sl] = -dgs
     else:
         acc["dtgt"][sl] = -lw * dgs
-        y = lw * st["xh"] if x.lb is None else torch.addcmul(x.lb, lw, st["xh"])
         # per row here, summed once at the end: the same sums whatever the checkpoint groups
-        acc["dlw_rows"][sl] = dgs * (y - x.tgt[sl] + lw * st["xh"])
+        acc["dlw_rows"][sl] = dgs * torch.addcmul(ln.e, lw, ln.xh)  # dg dg/dgamma
     return D1, D2
 
 
