@@ -7,9 +7,11 @@ layer in thread CPU time (``time.thread_time``: on a machine shared with other j
 only this thread's work), the variants interleaved round by round in this one process, one
 warm-up call each, median of ``--repeats``. The "autograd" row runs the plain PyTorch scan
 (``ops/ttt/dual.py``'s ``_ttt_mlp_dual_traced``, the path torch.compile traces) with autograd
-doing the backward pass, i.e. TTT-MLP before the hand-written backward. It also reports the
-bytes each variant keeps for the backward pass (tensors saved by autograd, counted once per
-storage). Run with ``OMP_NUM_THREADS=1`` for the single-thread figures.
+doing the backward pass, i.e. TTT-MLP before the hand-written backward; ``--group G`` adds a
+row of the hand-written backward with ``checkpoint_group=G`` (autograd's checkpointed scan is
+left out: torch.utils.checkpoint keeps its tensors out of sight of the byte count). It also reports the bytes each variant
+keeps for the backward pass (tensors saved by autograd, counted once per storage). Run with
+``OMP_NUM_THREADS=1`` for the single-thread figures.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--group", type=int, default=None,
+                        help="also the TTT-MLP rows with checkpoint_group=GROUP")
     parser.add_argument("--json", type=str, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -69,6 +73,11 @@ def main(argv: list[str] | None = None) -> dict:
     variants = {"softmax (SDPA)": ("softmax", contextlib.nullcontext),
                 "ttt-mlp": ("ttt-mlp", contextlib.nullcontext),
                 "ttt-mlp autograd": ("ttt-mlp", _autograd_scan)}
+    if args.group is not None:
+        grouped = build_mixer("ttt-mlp", args.d_model, args.heads, checkpoint_group=args.group)
+        grouped.load_state_dict(layers["ttt-mlp"].state_dict())
+        layers[f"ttt-mlp g{args.group}"] = grouped
+        variants[f"ttt-mlp g{args.group}"] = (f"ttt-mlp g{args.group}", contextlib.nullcontext)
     cpu = cpu_info()
     print(f"CPU {cpu['model']}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"float32, batch 1, d_model {args.d_model}, {args.heads} heads; thread CPU time, "
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
                for name, t in times.items()}
         base = row["softmax (SDPA)"]["ms"]
         for name, r in row.items():
-            print(f"T={T:6d} {name:17s} fwd+bwd {r['ms']:8.0f} ms  ({r['ms'] / base:4.2f}x "
+            print(f"T={T:6d} {name:20s} fwd+bwd {r['ms']:8.0f} ms  ({r['ms'] / base:4.2f}x "
                   f"softmax)  saved for backward {r['saved_MiB']:7.0f} MiB")
         results[str(T)] = row
     if args.json:
