@@ -26,18 +26,19 @@ the loop; per step the loop does the products with the step's weights and with D
 differentiates twice through the LayerNorm (dl/dZ2 is a gradient already) and through gelu'
 (gelu'' appears). The weights entering each step are not stored but rebuilt in reverse from
 the weights leaving it, by undoing the forward's rank-b update (``_Walk``), starting afresh
-from exact copies every ``anchor`` (at most 16) steps; they can differ from the forward's in
-the last few bits, never more (tests: float64 against autograd through the oracle).
+from exact copies every ``anchor`` (at most 16) steps; they differ from the forward's by the
+rounding of at most ``anchor`` additions (tests: float64 against autograd through the oracle).
 
 Memory trade (``checkpoint_group``): by default the forward pass keeps the per-token rows the
 backward pass reads (about 6 Dh + 3 Dv floats per token and head: ~230 MB for T 4096, 8 heads,
 head dim 64) and the weights every ``anchor`` steps; nothing of a step is computed twice. (Kept
 per step, the weights alone would be 2 x 64 x 256 floats per head and mini-batch, 268 MB there;
-autograd through the plain scan keeps both and more: 1.4 GB peak against 0.39 GB, measured.)
+autograd through the plain scan keeps both and more: a peak of 1.39 GB against 0.35 GB for one
+call there, ``benchmarks/results/cpu_ttt_mlp_backward``.)
 With ``checkpoint_group=g`` it keeps only the weights entering every g-th mini-batch (and the
 anchors) and the backward pass runs each group's forward steps again, one more forward of the
-scan, holding one group's rows at a time (0.20 GB peak for g = 4 there). Results are
-bit-identical either way.
+scan, holding one group's rows at a time (0.20 GB peak for g = 4 there, 0.76 GB with
+autograd's). Results are bit-identical either way.
 
 Double backward (create_graph=True): the backward pass then differentiates a plain re-run of
 the same steps with autograd, so second derivatives are exact too (slow, for tests).
