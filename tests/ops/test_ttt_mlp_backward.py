@@ -168,3 +168,16 @@ def test_gelu_parts_and_layernorm_gradient_backward():
                                         rows.lw2)
     assert_close64(dz, dz_ref)
     assert_close64((dg * (rows.e + lw * rows.xh)).sum(1, keepdim=True), dlw_ref)
+
+
+def test_recording_gradients_changes_no_output_bit():
+    """With gradients recorded the scan runs as one autograd node that keeps its rows; without
+    (no_grad, though the inputs require grad) it runs straight: the same outputs and state."""
+    args, kw = make_case("mlp", T=10, b=4, seed=10)
+    args = [x.requires_grad_() for x in args]
+    o, s = ttt_mlp(*args, output_final_state=True, **kw)
+    assert _uses_scan(o)
+    with torch.no_grad():
+        o2, s2 = ttt_mlp(*args, output_final_state=True, **kw)
+    assert o2.grad_fn is None and torch.equal(o, o2)
+    assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(s, s2))

@@ -37,7 +37,7 @@ from .common import (
     to_minibatches,
     to_steps,
 )
-from .mlp_scan import MLPScan
+from .mlp_scan import mlp_scan
 
 
 def _layout(
@@ -179,8 +179,8 @@ def ttt_mlp_dual(
     E = (tau_r.unsqueeze(-1) * eta_s.unsqueeze(-2)).tril()  # E_ij = tau_i eta_j, j <= i
     per_row = [None if w is None else w.repeat(B, 1) for w in (ln_weight, ln_bias)]
     tail = (p + T) % b
-    Zbar, W1, W2, S1, S2 = MLPScan.apply(Ka, Qa, target, eta_s, E, tau_r, W1, W2, P1, P2,
-                                         *per_row, has_b2, bool(tail), checkpoint_group)
+    Zbar, W1, W2, S1, S2 = mlp_scan(Ka, Qa, target, eta_s, E, tau_r, W1, W2, P1, P2, *per_row,
+                                    has_b2, bool(tail), checkpoint_group)
     N = Zbar.shape[0]
     if ln_weight is not None:  # the affine part is applied per head in the output layout
         Zbar = F.layer_norm(Zbar, (Dv,), eps=LN_EPS)

@@ -182,7 +182,7 @@ class _Inputs:
         return self.tail and n == self.N - 1
 
 
-# The rows the backward pass reads, per step: [N, BH, ...] each (``_alloc``).
+# The rows the backward pass reads, per step: [n, BH, ...] each per segment of n steps (``_alloc``).
 _SAVED = ("X2", "Xbar2", "g1p", "Ag1pp", "G1", "gbp", "G2", "z2", "mean", "r", "XX")
 
 
@@ -517,7 +517,7 @@ class MLPScan(torch.autograd.Function):
         saved = saved[na:]
         x = _Inputs(Ka, Qa, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
         if torch.is_grad_enabled():  # create_graph: differentiate a plain re-run instead
-            return _double_backward_ready(ctx, x, W1, W2, (dO, dW1f, dW2f, dS1, dS2))
+            return _double_backward(ctx, x, W1, W2, (dO, dW1f, dW2f, dS1, dS2))
         N = x.N
         z = torch.zeros_like
         dO = z(tgt) if dO is None else dO
@@ -554,7 +554,23 @@ class MLPScan(torch.autograd.Function):
                 acc["dP1"], acc["dP2"], dlw, dlb, None, None, None)
 
 
-def _double_backward_ready(ctx: Any, x: _Inputs, W1: torch.Tensor, W2: torch.Tensor,
+def mlp_scan(Ka: torch.Tensor, Qa: torch.Tensor, tgt: torch.Tensor, eta: torch.Tensor,
+             E: torch.Tensor, tau: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor,
+             P1: torch.Tensor | None, P2: torch.Tensor | None, lw: torch.Tensor | None,
+             lb: torch.Tensor | None, has_b2: bool, tail: bool, group: int | None
+             ) -> tuple[Any, ...]:
+    """The scan (``MLPScan``'s arguments and results): through the autograd node when a
+    gradient is being recorded, else straight (nothing kept; inside a Function's forward the
+    caller's grad mode cannot be seen, so an inference call would keep the rows for nothing)."""
+    inputs = (Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return MLPScan.apply(*inputs, has_b2, tail, group)
+    x = _Inputs(Ka, Qa, tgt, eta, E, tau, P1, P2, lw, lb, W1.shape[-1], has_b2, tail)
+    out = tgt.new_empty(tgt.shape)
+    return out, *_run(x, 0, x.N, W1, W2, None, out)
+
+
+def _double_backward(ctx: Any, x: _Inputs, W1: torch.Tensor, W2: torch.Tensor,
                            grads: tuple[Any, ...]) -> tuple[Any, ...]:
     """The backward pass under create_graph: autograd through ``_reference``, so that the
     gradients are themselves differentiable."""
