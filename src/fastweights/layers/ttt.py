@@ -62,8 +62,9 @@ class _TTTLayer(RotaryFrequencies, Mixer):
       eta_base * eta_scale * 0.5 / head_dim (the gate's value at sigmoid(0), no w_lr, b_lr): the
       TTT paper's ablation step before "+ learnable inner learning rate".
     - ``checkpoint_group`` (None): in training, recompute the inner scan in groups of this many
-      mini-batches in the backward pass instead of storing every mini-batch's inner weights
-      (SPEC 2.6's gradient checkpointing; 4 in the paper): same results, much less memory.
+      mini-batches in the backward pass instead of storing what every mini-batch's backward
+      reads (TTT-Linear: its inner weights; TTT-MLP: its per-token rows) (SPEC 2.6's gradient
+      checkpointing; 4 in the paper): same results, much less memory.
     - tau_i = max(0, 1/i + delta_i) with a learned offset delta [b] (init 0), the scale of the
       running gradient sum at position i of a mini-batch (the ops' ``token_scale``).
     - ``rope`` (True): rotary positions (base ``rope_base``) on XQ, XK with the position counted

@@ -248,6 +248,20 @@ def to_minibatches(x: torch.Tensor, p: int, b: int) -> torch.Tensor:
     return F.pad(x, pad).reshape(B, H, N, b, *x.shape[3:])
 
 
+def to_steps(x: torch.Tensor, p: int, b: int, ones: bool = False) -> torch.Tensor:
+    """[B, T, H, *rest] -> [N, B*H, b, *rest], step-major and contiguous (mini-batch n of every
+    sequence and head is one contiguous block), with the padding of ``to_minibatches``;
+    ``ones`` appends a column of ones (a bias's input) to the last dim. One copy, two when T
+    needs padding."""
+    T = x.shape[1]
+    N = -(-(p + T) // b)
+    if p or N * b != p + T:
+        x = F.pad(x, [0, 0] * (x.dim() - 2) + [p, N * b - p - T])
+    x = x.unflatten(1, (N, b)).permute(1, 0, 3, 2, *range(4, x.dim() + 1))  # [N, B, H, b, ...]
+    x = F.pad(x, (0, 1), value=1.0) if ones else x.contiguous()
+    return x.flatten(1, 2)
+
+
 def from_minibatches(x: torch.Tensor, p: int, T: int) -> torch.Tensor:
     """[B, H, N, b, D] -> [B, T, H, D], dropping the padding rows."""
     B, H, N, b, D = x.shape

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from .common import (
+    LN_EPS,
     Carry,
     from_minibatches,
     gelu,
@@ -34,7 +35,9 @@ from .common import (
     loss_grad,
     per_head,
     to_minibatches,
+    to_steps,
 )
+from .mlp_scan import mlp_scan
 
 
 def _layout(
@@ -152,7 +155,59 @@ def ttt_mlp_dual(
 ) -> tuple[torch.Tensor, Carry]:
     """TTT-MLP, f_res(z) = gelu(z W1 + b1) W2 + b2, in the dual form (the second layer's
     A2 = tril(Xbar2 X2^T) pairs the queries' hidden rows with the keys' hidden rows at W1_0).
-    Returns (o [B, T, H, Dv], carry)."""
+    Returns (o [B, T, H, Dv], carry).
+
+    The mini-batch scan is one autograd node with a hand-written backward pass (mlp_scan.py);
+    ``checkpoint_group`` is its memory trade. Traced programs (torch.compile) take the plain
+    PyTorch scan below it (``_ttt_mlp_dual_traced``), differentiated by autograd."""
+    if torch.compiler.is_compiling():
+        return _ttt_mlp_dual_traced(q, k, v, eta, carry, ln_weight, ln_bias, residual, tau,
+                                    checkpoint_group)
+    (B, T, H, Dk), Dv, b, p = q.shape, v.shape[-1], tau.shape[-1], carry.pos
+    has_b1, has_b2 = carry.start[1] is not None, carry.start[3] is not None
+    W1, W2 = (_join(*carry.start[i:i + 2]).flatten(0, 1) for i in (0, 2))  # [BH, ...]
+    P1, P2 = (None, None) if carry.grads is None else (
+        _join(*carry.grads[i:i + 2]).flatten(0, 1) for i in (0, 2))
+    # Step-major [N, B*H, b, D] (common.to_steps): every step reads contiguous blocks.
+    Ka, Qa = to_steps(k, p, b, has_b1), to_steps(q, p, b, has_b1)
+    target = to_steps(v, p, b)
+    if residual:  # SPEC 2.2: the residual moves into the target
+        target = target - Ka[..., :Dk]
+    # Padding rows get eta = 0, so they never contribute to any gradient sum.
+    eta_s = to_steps(eta.unsqueeze(-1), p, b).squeeze(-1)  # [N, BH, b]
+    tau_r = tau.repeat(B, 1)  # [BH, b], per row of the steps' batch dim
+    E = (tau_r.unsqueeze(-1) * eta_s.unsqueeze(-2)).tril()  # E_ij = tau_i eta_j, j <= i
+    per_row = [None if w is None else w.repeat(B, 1) for w in (ln_weight, ln_bias)]
+    tail = (p + T) % b
+    Zbar, W1, W2, S1, S2 = mlp_scan(Ka, Qa, target, eta_s, E, tau_r, W1, W2, P1, P2, *per_row,
+                                    has_b2, bool(tail), checkpoint_group)
+    N = Zbar.shape[0]
+    if ln_weight is not None:  # the affine part is applied per head in the output layout
+        Zbar = F.layer_norm(Zbar, (Dv,), eps=LN_EPS)
+    out = Zbar.unflatten(1, (B, H)).permute(1, 0, 3, 2, 4)  # [B, N, b, H, Dv], a view
+    if residual:
+        qp = q if not p and N * b == T else F.pad(q, (0, 0, 0, 0, p, N * b - p - T))
+        qp = qp.unflatten(1, (N, b))
+        # q first: the result is laid out like q (contiguous), so the reshape below is a view
+        out = qp + out if ln_weight is None else torch.addcmul(qp, out, ln_weight)
+    elif ln_weight is not None:
+        out = out * ln_weight
+    if ln_bias is not None:
+        out = out + ln_bias
+    out = out.reshape(B, N * b, H, Dv)[:, p:p + T]
+    W1, W2 = W1.unflatten(0, (B, H)), W2.unflatten(0, (B, H))
+    grads = None if S1 is None else (
+        _split(S1.unflatten(0, (B, H)), has_b1) + _split(S2.unflatten(0, (B, H)), has_b2))
+    return out, Carry(_split(W1, has_b1) + _split(W2, has_b2), grads, tail)
+
+
+def _ttt_mlp_dual_traced(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
+    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
+    tau: torch.Tensor, checkpoint_group: int | None = None,
+) -> tuple[torch.Tensor, Carry]:
+    """``ttt_mlp_dual`` as plain PyTorch operations (autograd differentiates the scan; with
+    ``checkpoint_group`` each group of steps runs under torch.utils.checkpoint)."""
     T, b, p = q.shape[1], tau.shape[-1], carry.pos
     Q, K, target, eta_mb, E = _layout(q, k, v, eta, p, residual, tau)
     has_b1, has_b2 = carry.start[1] is not None, carry.start[3] is not None

@@ -190,6 +190,10 @@ def ttt_mlp(
     W2 [B or 1, H, 4Dk, Dv], b2 [B or 1, H, Dv] or None), or a state returned by an earlier call;
     mid-mini-batch states are (W1, b1, W2, b2, start W1, b1, W2, b2, sums W1, b1, W2, b2, pos).
     Every other argument, the output and the state semantics are as in ``ttt_linear``.
+    In dual mode the mini-batch scan has a hand-written backward pass (ops/ttt/mlp_scan.py)
+    that keeps per-token rows, not per-mini-batch weights; ``checkpoint_group`` then keeps the
+    weights entering each group and runs its steps again in the backward pass. Under
+    torch.compile the plain scan, differentiated by autograd, is traced instead.
     """
     return _ttt("mlp", q, k, v, eta, initial_state=initial_state, ln_weight=ln_weight,
                 ln_bias=ln_bias, residual=residual, mini_batch_size=mini_batch_size,
