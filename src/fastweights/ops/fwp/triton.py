@@ -77,6 +77,11 @@ BT = 64  # the chunk tile: chunk sizes 1..64 run in it (fla's chunk size is 64 t
 MAX_CHUNK = BT
 BK = 64  # the key tile: Dk runs in blocks of 64 (masked past Dk)
 MAX_DK = 2 * BK  # the delta rule's state passes hold at most two key blocks per program
+# Column width of the products whose right operand is a float32 [64, *] tile: on sm_80 (mma, warps
+# stacked along the 64 rows of a chain of products) such an operand costs 64 registers per thread
+# at 32 columns, 128 at 64, whence most of the spills of a 64-wide tiling.
+BN = 32
+_BN = tl.constexpr(BN)  # BN as the kernels read it
 
 
 class Tiles(NamedTuple):
@@ -110,11 +115,16 @@ def tile_config(arch: int, dtype: torch.dtype) -> TileConfig | None:
     register spills (the dispatcher then takes the PyTorch path).
     tests/ops/test_fwp_triton_compile.py compiles every kernel the host launches with it, for
     Dk = 64 and 128, and checks shared memory and spills."""
-    BV = 16 if dtype == torch.float32 else 32
-    t = Tiles(BV, 8)
-    st = Tiles(BV, 8, 2 if arch >= 90 else 1)
-    return TileConfig(ut_fwd=t, state_fwd=st, state_fwd2=st, output=t, local_du=t, state_bwd=st,
-                      state_bwd2=st, ut_bwd=t, grad=t)
+    stages = 2 if arch >= 90 else 1
+    if dtype == torch.float32:
+        t = Tiles(16, 8)
+        st = Tiles(16, 8, stages)
+        return TileConfig(ut_fwd=t, state_fwd=st, state_fwd2=st, output=t, local_du=t,
+                          state_bwd=st, state_bwd2=st, ut_bwd=t, grad=t)
+    wide, narrow = Tiles(32, 8), Tiles(16, 8)
+    return TileConfig(ut_fwd=wide, state_fwd=Tiles(32, 8, stages), state_fwd2=Tiles(16, 8, stages),
+                      output=wide, local_du=wide, state_bwd=Tiles(32, 8, stages),
+                      state_bwd2=Tiles(16, 8, stages), ut_bwd=narrow, grad=narrow)
 
 
 def _upcast_tiles(dtype: torch.dtype) -> bool:
@@ -161,6 +171,15 @@ def _tile(ptr, b, h, i_n, mt, T, H, D, C, BT: tl.constexpr, BD: tl.constexpr, co
 def _load(ptr, b, h, i_n, mt, T, H, D, C, BT: tl.constexpr, BD: tl.constexpr, col0):
     ptrs, mask = _tile(ptr, b, h, i_n, mt, T, H, D, C, BT, BD, col0)
     return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_rows(ptr, b, h, i_n, r0, T, H, D, C, BR: tl.constexpr, BD: tl.constexpr, col0):
+    """Rows r0..r0+BR of chunk i_n, columns col0.., of a [B, T, H, D] tensor."""
+    rr = r0 + tl.arange(0, BR)
+    mr = (rr < C) & (i_n * C + rr < T)
+    ptrs, mask = _tile(ptr, b, h, i_n, mr, T, H, D, C, BR, BD, col0)
+    return tl.load(ptrs + r0 * (H * D), mask=mask, other=0.0)
 
 
 @triton.jit
@@ -233,10 +252,10 @@ def _ut_fwd_kernel(
     if STORE_X:
         _store(x_ptr, Xi, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
     Tm = Xi * beta[None, :]
-    for k0 in range(0, Dk, BK):
-        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0).to(tl.float32)
+    for k0 in range(0, Dk, _BN):
+        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, _BN, k0).to(tl.float32)
         _store(w_ptr, tl.dot(Tm, kb, input_precision=F32_PREC), b, h, i_n, mt, T, H, Dk, C, BT,
-               BK, k0)
+               _BN, k0)
     for v0 in range(0, Dv, BV):
         vb = _load(v_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
         _store(u_ptr, tl.dot(Tm, vb, input_precision=F32_PREC), b, h, i_n, mt, T, H, Dv, C, BT,
@@ -436,16 +455,15 @@ def _ut_bwd_kernel(
     diag(beta), W = Tm K, U0 = Tm V), with h = h_n and dU complete from (e). With dW = -dU h^T:
       dV = Tm^T dU,  dTm = dU V^T + dW K^T = dU (V - K h)^T,
       dXinv = dTm diag(beta), dbeta_j = sum_i Xinv_ij dTm_ij, dA = stril(-Xinv^T dXinv Xinv^T),
-      dbeta_i += sum_j dA_ij (K K^T)_ij, G = diag(beta) dA, stored as g = G + G^T [B, T, H, BT].
-    The rest of dK, Tm^T dW + G K + G^T K = -dV h^T + g K, is added by (g), which reads h and the
-    key blocks anyway."""
+      dbeta_i += sum_j dA_ij (K K^T)_ij, G = diag(beta) dA, stored to g [B, T, H, BT].
+    The rest of dK, Tm^T dW + G K + G^T K = -dV h^T + (G + G^T) K, is added by (g), which reads
+    h and the key blocks anyway."""
     i_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
     rc, mt = _rows(i_n, T, C, BT)
     beta = _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT)
-    Xi = _load(x_ptr, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     for v0 in range(0, Dv, BV):
         r = _load(v_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
@@ -455,22 +473,33 @@ def _ut_bwd_kernel(
             r -= tl.dot(kf, S, input_precision=F32_PREC)
         du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
         dT += tl.dot(du, tl.trans(r), input_precision=F32_PREC)
-        _store(dv_ptr, tl.dot(tl.trans(Xi * beta[None, :]), du, input_precision=F32_PREC),
-               b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
-    kk = tl.zeros([BT, BT], dtype=tl.float32)
-    for k0 in range(0, Dk, BK):
-        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
-        if UPCAST:
-            kb = kb.to(tl.float32)
-        kk += tl.dot(kb, tl.trans(kb), input_precision=IN_PREC)
+    # dA = stril(-Xinv^T dXinv Xinv^T), _BN columns at a time: column block j of Xinv^T is row
+    # block j of Xinv, and K K^T's column block is K (K's rows of block j)^T.
+    Xi = _load(x_ptr, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
     dbeta = tl.sum(Xi * dT, axis=0)
-    dX = -tl.dot(tl.trans(Xi), tl.dot(dT * beta[None, :], tl.trans(Xi), input_precision=F32_PREC),
-                 input_precision=F32_PREC)
-    dA = tl.where(rc[:, None] > rc[None, :], dX, 0.0)
-    dbeta += tl.sum(dA * kk, axis=1)
-    tl.store(dbeta_ptr + (b * T + i_n * C + rc) * H + h, dbeta, mask=mt)
-    G = dA * beta[:, None]
-    _store(g_ptr, G + tl.trans(G), b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
+    dXb = dT * beta[None, :]
+    Xt = tl.trans(Xi)
+    dbeta2 = tl.zeros([BT], dtype=tl.float32)
+    for j0 in range(0, BT, _BN):
+        cj = j0 + tl.arange(0, _BN)
+        Xj = _load_rows(x_ptr, b, h, i_n, j0, T, H, BT, C, _BN, BT, 0)
+        Mj = tl.dot(dXb, tl.trans(Xj), input_precision=F32_PREC)  # [BT, _BN]
+        dA = tl.where(rc[:, None] > cj[None, :], -tl.dot(Xt, Mj, input_precision=F32_PREC), 0.0)
+        kk = tl.zeros([BT, _BN], dtype=tl.float32)
+        for k0 in range(0, Dk, BK):
+            kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+            kj = _load_rows(k_ptr, b, h, i_n, j0, T, H, Dk, C, _BN, BK, k0)
+            if UPCAST:
+                kb, kj = kb.to(tl.float32), kj.to(tl.float32)
+            kk += tl.dot(kb, tl.trans(kj), input_precision=IN_PREC)
+        dbeta2 += tl.sum(dA * kk, axis=1)
+        _store(g_ptr, dA * beta[:, None], b, h, i_n, mt, T, H, BT, C, BT, _BN, j0)
+    tl.store(dbeta_ptr + (b * T + i_n * C + rc) * H + h, dbeta + dbeta2, mask=mt)
+    Tt = tl.trans(Xi * beta[None, :])
+    for v0 in range(0, Dv, BV):
+        du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+        _store(dv_ptr, tl.dot(Tt, du, input_precision=F32_PREC), b, h, i_n, mt, T, H, Dv, C, BT,
+               BV, v0)
 
 
 @triton.jit
@@ -484,7 +513,7 @@ def _grad_kernel(
     tril(dO U^T) over all value blocks:
       dQ = dO h^T + dP K,  dK = U dh^T + dP^T Q  (float32)
     u is U (float32) for the delta rule, v for linear attention. For the delta rule (HAS_W) dK
-    also gets the UT solve's part from (f): -dV h^T + g K."""
+    also gets the UT solve's part from (f): -dV h^T + (G + G^T) K."""
     i_n = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     b = bh // H
@@ -513,7 +542,7 @@ def _grad_kernel(
     dk += tl.dot(tl.trans(dP), qf, input_precision=F32_PREC)
     if HAS_W:
         g = _load(g_ptr, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
-        dk += tl.dot(g, kf, input_precision=F32_PREC)
+        dk += tl.dot(g + tl.trans(g), kf, input_precision=F32_PREC)
     _store(dk_ptr, dk, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
 
 
@@ -643,9 +672,9 @@ def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS):
         _ut_bwd_kernel[(L.N, L.BH)](k, v, beta, X, h, du, dv, dbeta, G, *L.dims,
                                     **L.tiles(L.cfg.ut_bwd))
     grad = L.tiles(L.cfg.grad)
-    _grad_kernel[(L.NK, L.N, L.BH)](q, k, U if has_w else v, h, dh, do, dv, G, dq, dk, *L.dims,
-                                    HAS_W=has_w, F32_PREC=grad["F32_PREC"], BT=BT, BK=BK,
-                                    BV=grad["BV"], num_warps=grad["num_warps"])
+    _grad_kernel[(triton.cdiv(L.Dk, BN), L.N, L.BH)](
+        q, k, U if has_w else v, h, dh, do, dv, G, dq, dk, *L.dims, HAS_W=has_w,
+        F32_PREC=grad["F32_PREC"], BT=BT, BK=BN, BV=grad["BV"], num_warps=grad["num_warps"])
     return dq, dk, dv, dbeta, dS0
 
 
