@@ -16,8 +16,9 @@ the automatic choice says once per (op, backend, reason), at logging level INFO,
 
 What each backend accepts: fla and triton run mode="chunk" only, on CUDA tensors of float16,
 bfloat16 or float32; fla's kernels use chunks of 64, so fla runs chunk_size=64 (the default)
-only; triton runs chunk_size <= 64 and Dk <= 64 (the tilings tests/ops/test_fwp_triton_compile.py
-compiles for sm_80/sm_90; larger heads take fla or torch). The automatic choice keeps a
+only; triton runs chunk_size <= 64 and Dk <= 128, and float32 inputs for linear_attn only (the
+tilings ``tile_config`` gives, which tests/ops/test_fwp_triton_compile.py compiles for sm_80 and
+sm_90 without register spills; the float32 delta rule takes fla or torch). The automatic choice keeps a
 one-token call (decoding, T = 1) on torch's recurrent step. Packed batches (cu_seqlens) are
 split per document before the backend is chosen (ops/_varlen.py) on every backend.
 
@@ -54,7 +55,7 @@ BACKENDS = ("fla", "triton", "torch")
 ENV = "FASTWEIGHTS_BACKEND"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLA_CHUNK = 64
-TRITON_MAX_DK = 64  # the tilings compiled spill-free for sm_80/sm_90 (see ops/fwp/triton.py)
+TRITON_MAX_DK = 128  # the key blocks the kernels hold (ops/fwp/triton.py MAX_DK)
 TRITON_OPS = ("linear_attn", "delta_rule")
 
 # Chunk sizes measured per device kind (forward and forward+backward, B1 H8 T4096 D64 float32;
@@ -129,8 +130,12 @@ def _why_not(name: str, op: str, q: torch.Tensor, mode: str, chunk_size: int) ->
         return f"Dk={q.shape[-1]}: the Triton kernels take Dk <= {TRITON_MAX_DK}"
     if os.environ.get("FASTWEIGHTS_TRITON", "1") == "0":
         return "FASTWEIGHTS_TRITON=0"
-    if triton_kernels() is None:
+    kernels = triton_kernels()
+    if kernels is None:
         return "triton is not installed (pip install fastweights[triton])"
+    if not kernels.supports(op, q.dtype):
+        return (f"{q.dtype} {op}: no Triton tiling compiles without register spills "
+                f"(ops/fwp/triton.py tile_config)")
     return None
 
 

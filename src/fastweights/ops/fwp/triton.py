@@ -70,8 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_CHUNK", "MAX_DK", "TileConfig", "delta_rule_triton", "linear_attn_triton",
-           "tile_config"]
+__all__ = ["MAX_CHUNK", "MAX_DK", "OPS", "TileConfig", "Tiles", "delta_rule_triton",
+           "linear_attn_triton", "supports", "tile_config"]
 
 BT = 64  # the chunk tile: chunk sizes 1..64 run in it (fla's chunk size is 64 too)
 MAX_CHUNK = BT
@@ -86,45 +86,71 @@ _BN = tl.constexpr(BN)  # BN as the kernels read it
 
 class Tiles(NamedTuple):
     """One kernel's launch choice: BV value columns per step (the grid's value blocks in (b) to
-    (e), the step of an inner loop over values in (a), (f), (g)), warps, and the software
-    pipeline stages of the state passes' loop over chunks (1: none)."""
+    (e), the step of an inner loop over values in (a), (f), (g)), warps, the software pipeline
+    stages of the state passes' loop over chunks (1: none), and BK the key columns per program of
+    (g) (the other kernels run the key dimension in blocks of 64)."""
 
     BV: int
     warps: int
     stages: int = 1
+    BK: int = BN
 
 
 class TileConfig(NamedTuple):
-    """The tiles of every kernel for one target and input dtype; the state passes of the delta
-    rule at two key blocks (64 < Dk <= 128) have their own."""
+    """The tiles of every kernel for one target, input dtype and op; the state passes of the
+    delta rule at two key blocks (64 < Dk <= 128) have their own. The delta rule's own kernels
+    (UT solve, two key blocks) are None for linear attention."""
 
-    ut_fwd: Tiles
     state_fwd: Tiles
-    state_fwd2: Tiles
     output: Tiles
     local_du: Tiles
     state_bwd: Tiles
-    state_bwd2: Tiles
-    ut_bwd: Tiles
     grad: Tiles
+    ut_fwd: Tiles | None = None
+    state_fwd2: Tiles | None = None
+    state_bwd2: Tiles | None = None
+    ut_bwd: Tiles | None = None
 
 
-def tile_config(arch: int, dtype: torch.dtype) -> TileConfig | None:
-    """The launch choice for a compute capability ``arch`` (80 = sm_80 A100, 90 = sm_90 H100;
-    others use the closest lower one) and input dtype, or None where nothing compiles without
-    register spills (the dispatcher then takes the PyTorch path).
-    tests/ops/test_fwp_triton_compile.py compiles every kernel the host launches with it, for
-    Dk = 64 and 128, and checks shared memory and spills."""
-    stages = 2 if arch >= 90 else 1
+OPS = ("linear_attn", "delta_rule")
+
+
+def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
+    """The launch choice for ``op`` (one of OPS) on compute capability ``arch`` (80 = sm_80 A100,
+    90 = sm_90 H100; others use the closest lower one) with ``dtype`` inputs, or None where no
+    tiling compiles without register spills (the dispatcher then takes another backend).
+    tests/ops/test_fwp_triton_compile.py compiles every kernel the host launches with these, at
+    Dk = 64 and 128, for sm_80 and sm_90, and asserts no spills and shared memory in bounds.
+
+    Half inputs: value blocks of 32, 8 warps; 16 columns where a program holds more float32
+    tiles (the state passes at two key blocks, the UT backward, dQ/dK). Float32 inputs multiply
+    in exact float32 (FMA loops, no tensor cores), whose operands live in registers whole (rows
+    times the contraction length): only linear attention fits, with 16 warps where the output
+    tiles are [64, 64] x [64, 16] and dQ/dK in 16 key columns per program; the delta rule's
+    state passes hold the state as a register operand of a 64-long contraction and spill at
+    every tiling tried (8 or 16 warps, 16 or 32 columns, exact or 3xTF32 products), so float32
+    delta rule inputs take fla or PyTorch."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    stages = 2 if arch >= 90 else 1  # sm_90 pipelines the state passes' loads (cp.async)
     if dtype == torch.float32:
-        t = Tiles(16, 8)
-        st = Tiles(16, 8, stages)
-        return TileConfig(ut_fwd=t, state_fwd=st, state_fwd2=st, output=t, local_du=t,
-                          state_bwd=st, state_bwd2=st, ut_bwd=t, grad=t)
+        if op == "delta_rule":
+            return None
+        return TileConfig(state_fwd=Tiles(16, 8, stages), output=Tiles(16, 16),
+                          local_du=Tiles(16, 16), state_bwd=Tiles(16, 8, stages),
+                          grad=Tiles(16, 8, BK=16))
     wide, narrow = Tiles(32, 8), Tiles(16, 8)
-    return TileConfig(ut_fwd=wide, state_fwd=Tiles(32, 8, stages), state_fwd2=Tiles(16, 8, stages),
-                      output=wide, local_du=wide, state_bwd=Tiles(32, 8, stages),
-                      state_bwd2=Tiles(16, 8, stages), ut_bwd=narrow, grad=narrow)
+    cfg = TileConfig(state_fwd=Tiles(32, 8, stages), output=wide, local_du=wide,
+                     state_bwd=Tiles(32, 8, stages), grad=narrow)
+    if op == "linear_attn":
+        return cfg
+    return cfg._replace(ut_fwd=wide, state_fwd2=Tiles(16, 8, stages), ut_bwd=narrow,
+                        state_bwd2=Tiles(16, 8, stages))
+
+
+def supports(op: str, dtype: torch.dtype) -> bool:
+    """Whether ``op`` with ``dtype`` inputs has a tiling on every target (sm_80 and up)."""
+    return all(tile_config(arch, dtype, op) is not None for arch in (80, 90))
 
 
 def _upcast_tiles(dtype: torch.dtype) -> bool:
@@ -596,7 +622,7 @@ class _Launch(NamedTuple):
         return {"BV": tiles.BV, "num_warps": tiles.warps, **self.consts}
 
 
-def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> _Launch:
+def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int, op: str) -> _Launch:
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     if not 1 <= chunk_size <= MAX_CHUNK:
@@ -605,9 +631,9 @@ def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> _Launch:
     if Dk > MAX_DK:
         raise ValueError(f"the Triton kernels take Dk <= {MAX_DK}, got {Dk}")
     arch = _arch(q.device)
-    cfg = tile_config(arch, q.dtype)
-    if cfg is None:
-        raise ValueError(f"no Triton tiling for {q.dtype} on sm_{arch}")
+    # A direct call where no tiling is spill-free (float32 delta rule) runs the half tiling: the
+    # same arithmetic, correct, with spilled registers; the dispatcher does not send it here.
+    cfg = tile_config(arch, q.dtype, op) or tile_config(arch, torch.bfloat16, op)
     in_prec, f32_prec = precisions(q.dtype)
     consts = {"UPCAST": _upcast_tiles(q.dtype), "IN_PREC": in_prec, "F32_PREC": f32_prec,
               "BT": BT, "BK": BK}
@@ -672,9 +698,10 @@ def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS):
         _ut_bwd_kernel[(L.N, L.BH)](k, v, beta, X, h, du, dv, dbeta, G, *L.dims,
                                     **L.tiles(L.cfg.ut_bwd))
     grad = L.tiles(L.cfg.grad)
-    _grad_kernel[(triton.cdiv(L.Dk, BN), L.N, L.BH)](
+    _grad_kernel[(triton.cdiv(L.Dk, L.cfg.grad.BK), L.N, L.BH)](
         q, k, U if has_w else v, h, dh, do, dv, G, dq, dk, *L.dims, HAS_W=has_w,
-        F32_PREC=grad["F32_PREC"], BT=BT, BK=BN, BV=grad["BV"], num_warps=grad["num_warps"])
+        F32_PREC=grad["F32_PREC"], BT=BT, BK=L.cfg.grad.BK, BV=grad["BV"],
+        num_warps=grad["num_warps"])
     return dq, dk, dv, dbeta, dS0
 
 
@@ -684,7 +711,7 @@ class _FastWeightsTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, S0, chunk_size, out_dtype):  # type: ignore[override]
-        L = _launch(q, v, chunk_size)
+        L = _launch(q, v, chunk_size, "linear_attn" if beta is None else "delta_rule")
         S0 = S0.to(torch.float32).contiguous()
         if beta is None:
             W, U0 = None, v
