@@ -3,14 +3,17 @@ machine without a GPU (Triton's own ptxas compiles PTX to a cubin).
 
 Run as a script (``python tests/ops/triton_aot.py OUT.json [arch ...]``) in a process where
 TRITON_INTERPRET is unset: tests/conftest.py turns the interpreter on for the test session, and
-interpreted kernels cannot be compiled. Writes one record per distinct compiled kernel (kernel
-variant, dtype, target, BK): the shared memory the launch needs, registers, spill bytes (from
+interpreted kernels cannot be compiled. Writes one record per compile (kernel variant, dtype,
+target, specialisation): the shared memory the launch needs, registers, spill bytes (from
 ptxas's -v log, which Triton prints with TRITON_DUMP_PTXAS_LOG=1), or the error.
 
-The variants are the launches the host code of ops/fwp/triton.py makes for each op (linear
-attention, normalised linear attention, delta rule), forward and backward; a launch two ops share
-(the same kernel, pointer dtypes and constexprs) is compiled once. The compiles run in a pool of
-worker processes, one per available core, longest first.
+The variants are recorded from the host code itself: ``_FastWeightsTriton`` runs forward and
+backward on small CPU tensors for each op (linear attention, normalised linear attention, delta
+rule) and head size (one and two key blocks) with its kernels replaced by recorders, so the
+compiled launches are exactly the ones it makes (grids aside); a launch two ops share (the same
+kernel, pointer dtypes, constexprs and warps) is compiled once. Each is compiled twice: without
+argument attributes and with the alignment/divisibility ones of the usual training shapes. The
+compiles run in a pool of worker processes, one per available core, longest first.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ DKS = (64, 128)  # head sizes that cover every launch: one key block, two key bl
 # The ops the host code runs through the kernels: linear attention, normalised linear attention
 # (v gains a column of ones, o and dO are float32), the delta rule.
 OPS = ("linear", "linear_norm", "delta")
+# Triton specialises each launch on its arguments (16-byte alignment, integers divisible by 16):
+# the two ends of that range are compiled, see ``specialization``.
+SPECS = ("generic", "aligned")
 # Relative compile cost by kernel family (measured, float32 about twice half), for the order.
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1}
@@ -116,8 +122,19 @@ def _name(kernel: str, sig: dict, const: dict) -> str:
     return f"{family}[{','.join(parts)}]" if parts else family
 
 
-def tasks(archs=ARCHS, dtypes=tuple(DTYPES)) -> list[tuple[int, str, int]]:
-    """(arch, dtype, index into ``signatures``) of every compile, the costliest first."""
+def specialization(sig: dict, spec: str) -> dict:
+    """Triton's argument attributes for a launch: "generic" none; "aligned" what a launch gets
+    whose pointers are 16-byte aligned and whose sizes T, N, Dk, Dv, C are multiples of 16 (the
+    usual training shapes: torch allocations are aligned; H is left free)."""
+    if spec == "generic":
+        return {}
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+            if ty.startswith("*") or name in ("T", "N", "Dk", "Dv", "C")}
+
+
+def tasks(archs=ARCHS, dtypes=tuple(DTYPES)) -> list[tuple[int, str, int, str]]:
+    """(arch, dtype, index into ``signatures``, specialization) of every compile, the costliest
+    first."""
     from fastweights.ops.fwp import triton as kernels
 
     out = []
@@ -125,7 +142,8 @@ def tasks(archs=ARCHS, dtypes=tuple(DTYPES)) -> list[tuple[int, str, int]]:
         for dtype in dtypes:
             for i, (_, name, *_) in enumerate(signatures(kernels, dtype, arch)):
                 cost = COST[name.split("[")[0]] * (2 if dtype == "float32" else 1)
-                out.append((cost, (arch, dtype, i)))
+                for spec in SPECS:
+                    out.append((cost * (1 if spec == "generic" else 0.5), (arch, dtype, i, spec)))
     return [task for _, task in sorted(out, key=lambda c: -c[0])]
 
 
@@ -137,15 +155,16 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
 
     from fastweights.ops.fwp import triton as kernels
 
-    arch, dtype, i = task
+    arch, dtype, i, spec = task
     fn, name, sig, const, warps = signatures(kernels, dtype, arch)[i]
-    rec = {"kernel": name, "dtype": dtype, "arch": arch, "BV": const["BV"], "num_warps": warps,
-           "stages": const.get("STAGES")}
+    rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "BV": const["BV"],
+           "BK": const["BK"], "num_warps": warps, "stages": const.get("STAGES")}
     start = time.perf_counter()
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
-            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const,
+                                          attrs=specialization(sig, spec)),
                                 target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
         text = log.getvalue()
         rec["shared"] = ck.metadata.shared

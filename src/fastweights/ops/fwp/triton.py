@@ -87,13 +87,13 @@ _BN = tl.constexpr(BN)  # BN as the kernels read it
 class Tiles(NamedTuple):
     """One kernel's launch choice: BV value columns per step (the grid's value blocks in (b) to
     (e), the step of an inner loop over values in (a), (f), (g)), warps, the software pipeline
-    stages of the state passes' loop over chunks (1: none), and BK the key columns per program of
-    (g) (the other kernels run the key dimension in blocks of 64)."""
+    stages of the state passes' loop over chunks (1: none), and BK the key columns per step of
+    (c), (d) and per program of (g) (the state passes and the UT kernels run blocks of 64)."""
 
     BV: int
     warps: int
     stages: int = 1
-    BK: int = BN
+    BK: int = BK
 
 
 class TileConfig(NamedTuple):
@@ -122,26 +122,26 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
     tests/ops/test_fwp_triton_compile.py compiles every kernel the host launches with these, at
     Dk = 64 and 128, for sm_80 and sm_90, and asserts no spills and shared memory in bounds.
 
-    Half inputs: value blocks of 32, 8 warps; 16 columns where a program holds more float32
-    tiles (the state passes at two key blocks, the UT backward, dQ/dK). Float32 inputs multiply
-    in exact float32 (FMA loops, no tensor cores), whose operands live in registers whole (rows
-    times the contraction length): only linear attention fits, with 16 warps where the output
-    tiles are [64, 64] x [64, 16] and dQ/dK in 16 key columns per program; the delta rule's
-    state passes hold the state as a register operand of a 64-long contraction and spill at
-    every tiling tried (8 or 16 warps, 16 or 32 columns, exact or 3xTF32 products), so float32
-    delta rule inputs take fla or PyTorch."""
+    Half inputs: value blocks of 32 and 8 warps; 16 columns where a program holds more float32
+    tiles (the state passes at two key blocks, the UT backward, dQ/dK, whose programs take 32 key
+    columns each). Float32 inputs multiply in exact float32: FMA loops whose operands a thread
+    holds whole (its rows or columns times the contraction length), so the contractions are kept
+    short: key steps of 32 (16 per dQ/dK program) and 16 warps in the output kernels. Only linear
+    attention fits: the delta rule's state passes contract the register-held state over 64 rows
+    and spill at every tiling tried (8 or 16 warps, 16 or 32 columns, exact or 3xTF32 products),
+    so float32 delta rule inputs take fla or PyTorch."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     stages = 2 if arch >= 90 else 1  # sm_90 pipelines the state passes' loads (cp.async)
     if dtype == torch.float32:
         if op == "delta_rule":
             return None
-        return TileConfig(state_fwd=Tiles(16, 8, stages), output=Tiles(16, 16),
-                          local_du=Tiles(16, 16), state_bwd=Tiles(16, 8, stages),
+        return TileConfig(state_fwd=Tiles(16, 8, stages), output=Tiles(16, 16, BK=32),
+                          local_du=Tiles(16, 16, BK=32), state_bwd=Tiles(16, 8, stages),
                           grad=Tiles(16, 8, BK=16))
     wide, narrow = Tiles(32, 8), Tiles(16, 8)
     cfg = TileConfig(state_fwd=Tiles(32, 8, stages), output=wide, local_du=wide,
-                     state_bwd=Tiles(32, 8, stages), grad=narrow)
+                     state_bwd=Tiles(32, 8, stages), grad=Tiles(16, 8, BK=BN))
     if op == "linear_attn":
         return cfg
     return cfg._replace(ut_fwd=wide, state_fwd2=Tiles(16, 8, stages), ut_bwd=narrow,
@@ -619,7 +619,7 @@ class _Launch(NamedTuple):
 
     def tiles(self, tiles: Tiles) -> dict:
         """Launch arguments of a kernel without a loop over chunks."""
-        return {"BV": tiles.BV, "num_warps": tiles.warps, **self.consts}
+        return {**self.consts, "BV": tiles.BV, "BK": tiles.BK, "num_warps": tiles.warps}
 
 
 def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int, op: str) -> _Launch:
@@ -700,8 +700,7 @@ def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS):
     grad = L.tiles(L.cfg.grad)
     _grad_kernel[(triton.cdiv(L.Dk, L.cfg.grad.BK), L.N, L.BH)](
         q, k, U if has_w else v, h, dh, do, dv, G, dq, dk, *L.dims, HAS_W=has_w,
-        F32_PREC=grad["F32_PREC"], BT=BT, BK=L.cfg.grad.BK, BV=grad["BV"],
-        num_warps=grad["num_warps"])
+        **{n: grad[n] for n in ("F32_PREC", "BT", "BK", "BV", "num_warps")})
     return dq, dk, dv, dbeta, dS0
 
 
