@@ -126,7 +126,7 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
     tiles (the state passes at two key blocks, the UT backward, dQ/dK, whose programs take 32 key
     columns each). Float32 inputs multiply in exact float32: FMA loops whose operands a thread
     holds whole (its rows or columns times the contraction length), so the contractions are kept
-    short: key steps of 32 (16 per dQ/dK program) and 16 warps in the output kernels. Only linear
+    short: key steps of 32 with 16 warps in (c), of 16 in (d) and per (g) program. Only linear
     attention fits: the delta rule's state passes contract the register-held state over 64 rows
     and spill at every tiling tried (8 or 16 warps, 16 or 32 columns, exact or 3xTF32 products),
     so float32 delta rule inputs take fla or PyTorch."""
@@ -137,7 +137,7 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
         if op == "delta_rule":
             return None
         return TileConfig(state_fwd=Tiles(16, 8, stages), output=Tiles(16, 16, BK=32),
-                          local_du=Tiles(16, 16, BK=32), state_bwd=Tiles(16, 8, stages),
+                          local_du=Tiles(16, 8, BK=16), state_bwd=Tiles(16, 8, stages),
                           grad=Tiles(16, 8, BK=16))
     wide, narrow = Tiles(32, 8), Tiles(16, 8)
     cfg = TileConfig(state_fwd=Tiles(32, 8, stages), output=wide, local_du=wide,
@@ -248,13 +248,13 @@ def _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT: tl.constexpr):
 @triton.jit
 def _ut_fwd_kernel(
     k_ptr, v_ptr, beta_ptr, w_ptr, u_ptr, x_ptr,
-    T, H, Dk, Dv, C,
-    STORE_X: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+    T, H, Dk, Dv, C, store_x,
+    UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """(a) Per chunk: Xinv = (I + A)^-1, A = stril(diag(beta) K K^T); W = Xinv diag(beta) K,
     U0 = Xinv diag(beta) V (float32, [B, T, H, Dk] / [B, T, H, Dv]); Xinv [B, T, H, BT] if
-    STORE_X (the backward needs it)."""
+    ``store_x`` (the backward needs it; a runtime flag: one compiled kernel for both)."""
     i_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -275,7 +275,7 @@ def _ut_fwd_kernel(
         a_i = tl.sum(tl.where(rc[:, None] == i, A, 0.0), axis=0)  # row i of A, [BT]
         row = tl.where(rc == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Xi, axis=0)
         Xi = tl.where(rc[:, None] == i, row[None, :], Xi)
-    if STORE_X:
+    if store_x:
         _store(x_ptr, Xi, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
     Tm = Xi * beta[None, :]
     for k0 in range(0, Dk, _BN):
@@ -377,12 +377,13 @@ def _output_kernel(
 @triton.jit
 def _local_du_kernel(
     q_ptr, k_ptr, do_ptr, dh_ptr, du_ptr,
-    T, H, N, Dk, Dv, C,
-    ADD_DH: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+    T, H, N, Dk, Dv, C, add_dh,
+    UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """(d) dU_n = tril(Q_n K_n^T)^T dO_n (float32), plus K_n dh_n with ADD_DH (linear attention,
-    after the reverse state pass: then dU_n is dV_n)."""
+    """(d) dU_n = tril(Q_n K_n^T)^T dO_n (float32), plus K_n dh_n if ``add_dh`` (linear
+    attention, after the reverse state pass: then dU_n is dV_n; a runtime flag, one compiled
+    kernel for both)."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
@@ -398,7 +399,7 @@ def _local_du_kernel(
         if UPCAST:
             qb, kb = qb.to(tl.float32), kb.to(tl.float32)
         scores += tl.dot(qb, tl.trans(kb), input_precision=IN_PREC)
-        if ADD_DH:
+        if add_dh:
             dS = _load_state(dh_ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
             du += tl.dot(kb.to(tl.float32), dS, input_precision=F32_PREC)
     scores = tl.where(rc[:, None] >= rc[None, :], scores, 0.0)
@@ -645,8 +646,8 @@ def _ut_forward(L: _Launch, k, v, beta, store_x: bool):
     W = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     U0 = torch.empty(v.shape, dtype=torch.float32, device=k.device)
     X = torch.empty(*k.shape[:3], BT, dtype=torch.float32, device=k.device) if store_x else W
-    _ut_fwd_kernel[(L.N, L.BH)](k, v, beta, W, U0, X, L.T, L.H, L.Dk, L.Dv, L.C,
-                                STORE_X=store_x, **L.tiles(L.cfg.ut_fwd))
+    _ut_fwd_kernel[(L.N, L.BH)](k, v, beta, W, U0, X, L.T, L.H, L.Dk, L.Dv, L.C, store_x,
+                                **L.tiles(L.cfg.ut_fwd))
     return W, U0, X
 
 
@@ -681,12 +682,12 @@ def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS):
     local_grid = (L.nv(L.cfg.local_du), L.N, L.BH)
     grid, args = L.state(has_w, backward=True)
     if has_w:  # the local part of dU first: the reverse state pass completes it
-        _local_du_kernel[local_grid](q, k, do, dh, du, *L.dims, ADD_DH=False,
+        _local_du_kernel[local_grid](q, k, do, dh, du, *L.dims, False,
                                      **L.tiles(L.cfg.local_du))
         _state_bwd_kernel[grid](q, k, W, do, du, dS, dh, dS0, *L.dims, **args)
     else:  # dh first (no dU in the recurrence); then dU = dV in one parallel pass
         _state_bwd_kernel[grid](q, k, k, do, dh, dS, dh, dS0, *L.dims, **args)
-        _local_du_kernel[local_grid](q, k, do, dh, du, *L.dims, ADD_DH=True,
+        _local_du_kernel[local_grid](q, k, do, dh, du, *L.dims, True,
                                      **L.tiles(L.cfg.local_du))
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty_like(dq)
