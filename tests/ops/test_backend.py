@@ -10,6 +10,7 @@ in float32 whatever the input dtype, so the inputs are float32 and the tolerance
 
 from __future__ import annotations
 
+import itertools
 import logging
 from types import SimpleNamespace
 
@@ -43,7 +44,7 @@ def per_document(fn):
         if cu_seqlens_cpu is not None:
             assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == bounds
         outs, finals = [], []
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
             sliced = [x[:, a:b] if isinstance(x, torch.Tensor) else x for x in args]
             sliced_kw = {n: x[:, a:b] if n == "g" else x for n, x in kw.items()}
             o, S = fn(q[:, a:b], k[:, a:b], v[:, a:b], *sliced,
@@ -266,26 +267,20 @@ def test_packed_batch_reaches_fla_whole(fla_on_cpu, op):
         q, k, v = (x.half() for x in (q, k, v))
         beta = beta.half().float()  # the adapter passes beta in q's dtype
     n = len(bounds) - 1
-    S0s = [S0 * (i + 1) for i in range(n)]
-    if op.startswith("linear"):
-        init = [(S, z0) for S in S0s]
-    else:
-        init = list(S0s)
-    init[1] = None
     kw = {"scale": 0.7, "output_final_state": True, "cu_seqlens": cu}
+
+    def initial(dtype):  # one per document, the second None
+        S = [None if i == 1 else (S0 * (i + 1)).to(dtype) for i in range(n)]
+        return [s if s is None or not op.startswith("linear") else (s, z0.to(dtype)) for s in S]
 
     def run(x, **extra):
         x = list(x)
-        states = [None if s is None else
-                  (tuple(t.to(x[0].dtype if x[0].dtype == torch.float64 else torch.float32)
-                         for t in s) if isinstance(s, tuple) else s.to(torch.float64)
-                   if x[0].dtype == torch.float64 else s) for s in init]
+        init = initial(torch.float64 if x[0].dtype == torch.float64 else torch.float32)
         if op.startswith("linear"):
             return linear_attn(*x[:3], normalize=op == "linear_norm", eps=1e-3,
-                               initial_state=states, **kw, **extra)
-        if op == "delta":
-            return delta_rule(*x[:3], x[3], initial_state=states, **kw, **extra)
-        return decay_linear_attn(*x[:3], x[3], initial_state=states, **kw, **extra)
+                               initial_state=init, **kw, **extra)
+        op_fn = delta_rule if op == "delta" else decay_linear_attn
+        return op_fn(*x, initial_state=init, **kw, **extra)
 
     last = beta if op == "delta" else torch.tensor([0.9, 0.5, 1.0])
     o, states = run((q, k, v, last), backend="fla")

@@ -15,12 +15,14 @@ the automatic choice says once per (op, backend, reason), at logging level INFO,
 ``FASTWEIGHTS_TRITON=0`` (older switch) still keeps the automatic choice off Triton.
 
 What each backend accepts: fla and triton run mode="chunk" only, on CUDA tensors of float16,
-bfloat16 or float32; fla's kernels use chunks of 64, so fla runs chunk_size=64 (the default)
-only; triton runs chunk_size <= 64 and Dk <= 128, and float32 inputs for linear_attn only (the
-tilings ``tile_config`` gives, which tests/ops/test_fwp_triton_compile.py compiles for sm_80 and
-sm_90 without register spills; the float32 delta rule takes fla or torch). The automatic choice keeps a
-one-token call (decoding, T = 1) on torch's recurrent step. Packed batches (cu_seqlens) are
-split per document before the backend is chosen (ops/_varlen.py) on every backend.
+bfloat16 or float32, except the delta rule's float32 inputs, which neither takes (fla 0.6's
+chunk_delta_rule refuses them; triton has no spill-free tiling for them: torch runs them).
+fla's kernels use chunks of 64, so fla runs chunk_size=64 (the default) only; triton runs
+chunk_size <= 64 and Dk <= 128 (the tilings ``tile_config`` gives, which
+tests/ops/test_fwp_triton_compile.py compiles for sm_80 and sm_90 without register spills).
+The automatic choice keeps a one-token call (decoding, T = 1) on torch's recurrent step. Packed
+batches (cu_seqlens) go to fla whole, with fla's own cu_seqlens; triton and torch run them one
+document at a time (ops/_varlen.py).
 
 The fla adapter maps the two conventions exactly (checked against fla's own reference
 functions in tests/ops/test_backend.py):
@@ -36,7 +38,12 @@ functions in tests/ops/test_backend.py):
 - decay: decay_linear_attn's per-head lambda is simple GLA's log-decay g = log(lambda),
   broadcast over [B, T, H];
 - states are float32 [B, H, Dk, Dv] on both sides; inputs are [B, T, H, D] on both sides
-  (fla 0.6 has no head-first layout).
+  (fla 0.6 has no head-first layout);
+- packed batches: our cu_seqlens (any integer dtype) goes to fla as int64, with its CPU copy
+  (``cu_seqlens_cpu``, spares fla a device synchronisation) where fla takes one; our
+  per-document initial states (a list, None for zeros) are stacked into fla's [N, H, Dk, Dv]
+  and its final states split back into one per document; the normaliser's running sum z_t
+  restarts at each document from that document's z0.
 """
 
 from __future__ import annotations
