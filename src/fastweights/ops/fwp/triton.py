@@ -269,6 +269,29 @@ def _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT: tl.constexpr):
     return tl.load(beta_ptr + (b * T + rt) * H + h, mask=mt, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _scores_and_state(q_ptr, k_ptr, s_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C, v0, with_state,
+                      BY_K: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+                      F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr):
+    """Over the key blocks of chunk i_n: tril(Q_n K_n^T) [BT, BT] and, if ``with_state``,
+    X_n s[n][:, v0:v0+BV] [BT, BV] with X = K (BY_K) or Q, s a [B*H, N, Dk, Dv] state (float32)."""
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    scores = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, Dk, BK):
+        qb = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+        if UPCAST:
+            qb, kb = qb.to(tl.float32), kb.to(tl.float32)
+        scores += tl.dot(qb, tl.trans(kb), input_precision=IN_PREC)
+        if with_state:
+            S = _load_state(s_ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
+            x = kb if BY_K else qb
+            acc += tl.dot(x.to(tl.float32), S, input_precision=F32_PREC)
+    rc = tl.arange(0, BT)
+    return tl.where(rc[:, None] >= rc[None, :], scores, 0.0), acc
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 
@@ -381,18 +404,9 @@ def _output_kernel(
     b = bh // H
     h = bh % H
     v0 = i_v * BV
-    rc, mt = _rows(i_n, T, C, BT)
-    ob = tl.zeros([BT, BV], dtype=tl.float32)
-    scores = tl.zeros([BT, BT], dtype=tl.float32)
-    for k0 in range(0, Dk, BK):
-        qb = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
-        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
-        if UPCAST:
-            qb, kb = qb.to(tl.float32), kb.to(tl.float32)
-        scores += tl.dot(qb, tl.trans(kb), input_precision=IN_PREC)
-        S = _load_state(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
-        ob += tl.dot(qb.to(tl.float32), S, input_precision=F32_PREC)
-    scores = tl.where(rc[:, None] >= rc[None, :], scores, 0.0)
+    _, mt = _rows(i_n, T, C, BT)
+    scores, ob = _scores_and_state(q_ptr, k_ptr, h_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C, v0,
+                                   True, False, UPCAST, IN_PREC, F32_PREC, BT, BK, BV)
     ub = _load(u_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
     ob += tl.dot(scores, ub, input_precision=F32_PREC)
     _store(o_ptr, ob, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
@@ -418,19 +432,9 @@ def _local_du_kernel(
     b = bh // H
     h = bh % H
     v0 = i_v * BV
-    rc, mt = _rows(i_n, T, C, BT)
-    du = tl.zeros([BT, BV], dtype=tl.float32)
-    scores = tl.zeros([BT, BT], dtype=tl.float32)
-    for k0 in range(0, Dk, BK):
-        qb = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
-        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
-        if UPCAST:
-            qb, kb = qb.to(tl.float32), kb.to(tl.float32)
-        scores += tl.dot(qb, tl.trans(kb), input_precision=IN_PREC)
-        if add_dh:
-            dS = _load_state(dh_ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
-            du += tl.dot(kb.to(tl.float32), dS, input_precision=F32_PREC)
-    scores = tl.where(rc[:, None] >= rc[None, :], scores, 0.0)
+    _, mt = _rows(i_n, T, C, BT)
+    scores, du = _scores_and_state(q_ptr, k_ptr, dh_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C,
+                                   v0, add_dh, True, UPCAST, IN_PREC, F32_PREC, BT, BK, BV)
     dob = _load(do_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
     du += tl.dot(tl.trans(scores), dob, input_precision=F32_PREC)
     _store(du_ptr, du, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
@@ -528,7 +532,7 @@ def _ut_bwd_kernel(
             r -= tl.dot(kf, S, input_precision=F32_PREC)
         du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
         dT += tl.dot(du, tl.trans(r), input_precision=F32_PREC)
-    # dA = stril(-Xinv^T dXinv Xinv^T), _BN columns at a time: column block j of Xinv^T is row
+    # dA = stril(-Xinv^T dXinv Xinv^T), BN columns at a time: column block j of Xinv^T is row
     # block j of Xinv, and K K^T's column block is K (K's rows of block j)^T.
     Xi = _load(x_ptr, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
     dbeta = tl.sum(Xi * dT, axis=0)
@@ -538,7 +542,7 @@ def _ut_bwd_kernel(
     for j0 in range(0, BT, _BN):
         cj = j0 + tl.arange(0, _BN)
         Xj = _load_rows(x_ptr, b, h, i_n, j0, T, H, BT, C, _BN, BT, 0)
-        Mj = tl.dot(dXb, tl.trans(Xj), input_precision=F32_PREC)  # [BT, _BN]
+        Mj = tl.dot(dXb, tl.trans(Xj), input_precision=F32_PREC)  # [BT, BN]
         dA = tl.where(rc[:, None] > cj[None, :], -tl.dot(Xt, Mj, input_precision=F32_PREC), 0.0)
         kk = tl.zeros([BT, _BN], dtype=tl.float32)
         for k0 in range(0, Dk, BK):
