@@ -10,6 +10,7 @@ in float32 whatever the input dtype, so the inputs are float32 and the tolerance
 
 from __future__ import annotations
 
+import itertools
 import logging
 from types import SimpleNamespace
 
@@ -27,34 +28,65 @@ fla_naive_gla = pytest.importorskip("fla.ops.simple_gla.naive")
 TOL = 2e-5
 
 
+def per_document(fn):
+    """fla's variable-length convention over a reference without one: with ``cu_seqlens`` (B = 1)
+    run each document on its own (its row of ``initial_state``), outputs joined along T and
+    final states stacked along dim 0 ([N, ...]), as fla's kernels return them."""
+
+    def run(q, k, v, *args, initial_state=None, output_final_state=False, cu_seqlens=None,
+            cu_seqlens_cpu=None, **kw):
+        if cu_seqlens is None:
+            assert cu_seqlens_cpu is None
+            return fn(q, k, v, *args, initial_state=initial_state,
+                      output_final_state=output_final_state, **kw)
+        assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long
+        bounds = cu_seqlens.tolist()
+        if cu_seqlens_cpu is not None:
+            assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == bounds
+        outs, finals = [], []
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            sliced = [x[:, a:b] if isinstance(x, torch.Tensor) else x for x in args]
+            sliced_kw = {n: x[:, a:b] if n == "g" else x for n, x in kw.items()}
+            o, S = fn(q[:, a:b], k[:, a:b], v[:, a:b], *sliced,
+                      initial_state=None if initial_state is None else initial_state[i:i + 1],
+                      output_final_state=output_final_state, **sliced_kw)
+            outs.append(o)
+            finals.append(S)
+        return torch.cat(outs, dim=1), (torch.cat(finals) if output_final_state else None)
+
+    return run
+
+
+@per_document
 def ref_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                    normalize=True, cu_seqlens=None):
+                    normalize=True):
     """fla.ops.linear_attn.chunk_linear_attn's signature over fla's recurrent reference."""
-    assert cu_seqlens is None
     return fla_naive_la.naive_recurrent_linear_attn(q, k, v, scale, initial_state,
                                                     output_final_state, normalize)
 
 
+@per_document
 def ref_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                   use_qk_l2norm_in_kernel=False):
     """chunk_delta_rule's signature ([B, T, H, D], scale default 1/sqrt(Dk)) over fla's
-    head-first reference, whose scale is fixed at 1/sqrt(Dk)."""
-    assert cu_seqlens is None
+    head-first reference, whose scale is fixed at 1/sqrt(Dk). fla's kernel refuses float32."""
+    assert q.dtype != torch.float32, "ChunkDeltaRuleFunction does not support float32"
     Dk = q.shape[-1]
     if scale is None:
         scale = Dk ** -0.5
     if use_qk_l2norm_in_kernel:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    q = q * (scale / Dk ** -0.5)
+    q = q.float() * (scale / Dk ** -0.5)
     o, S = fla_naive_dr.delta_rule_recurrence(
         *(x.transpose(1, 2) for x in (q, k, v, beta)), initial_state=initial_state,
         output_final_state=output_final_state)
-    return o.transpose(1, 2), S
+    return o.transpose(1, 2).to(v.dtype), S
 
 
+@per_document
 def ref_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
-                   output_final_state=False, cu_seqlens=None):
-    assert cu_seqlens is None and g_gamma is None
+                   output_final_state=False):
+    assert g_gamma is None
     return fla_naive_gla.naive_recurrent_simple_gla(q, k, v, g, scale, initial_state,
                                                     output_final_state)
 
@@ -129,16 +161,20 @@ def test_fla_own_normalisation_differs_from_ours():
 @pytest.mark.parametrize("keys", ["sum_norm", "l2"])
 def test_delta_rule_fla_matches_oracle(fla_on_cpu, keys):
     """Keys as the caller normalised them (fla's in-kernel L2 norm stays off), scale explicit,
-    a float32 beta for float32 inputs, initial and final state."""
+    a float32 beta for float16 inputs (fla's delta rule refuses float32 ones), initial and final
+    state. The oracle runs on the same float16-rounded inputs: what differs is o's rounding."""
     q, k, v, beta, S0, _ = data()
     k = sum_norm(k) if keys == "sum_norm" else F.normalize(k, dim=-1)
+    q, k, v = (x.half() for x in (q, k, v))
     kw = {"scale": 0.5, "output_final_state": True}
     o, S = delta_rule(q, k, v, beta, backend="fla", initial_state=S0, **kw)
-    ref, Sr = delta_rule(*(x.double() for x in (q, k, v, beta)), initial_state=S0.double(),
-                         mode="naive", **kw)
+    ref, Sr = delta_rule(*(x.double() for x in (q, k, v, beta.half())),
+                         initial_state=S0.double(), mode="naive", **kw)
     assert fla_on_cpu == ["delta_rule"]
-    assert S.dtype == torch.float32
-    assert max(err(o, ref), err(S, Sr)) <= TOL * max(1.0, ref.abs().max().item())
+    assert o.dtype == torch.float16 and S.dtype == torch.float32
+    scale = max(1.0, ref.abs().max().item())
+    assert err(o, ref) <= torch.finfo(torch.float16).eps * scale
+    assert err(S, Sr) <= TOL * max(1.0, Sr.abs().max().item())
 
 
 def test_decay_linear_attn_fla_matches_oracle(fla_on_cpu):
@@ -173,10 +209,15 @@ def test_automatic_choice_prefers_fla_and_logs_once(fla_on_cpu, caplog):
     with caplog.at_level(logging.INFO, logger="fastweights.ops.backend"):
         linear_attn(q, k, v)
         linear_attn(q, k, v)
-        delta_rule(q, sum_norm(k), v, beta)
+        delta_rule(q.half(), sum_norm(k).half(), v.half(), beta)
     assert fla_on_cpu == ["linear_attn", "linear_attn", "delta_rule"]
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and all("fla backend" in m for m in messages)
+    # fla's delta rule refuses float32 inputs: the automatic choice passes it over, saying why.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.backend"):
+        assert backends.choose_backend("delta_rule", q, None, "chunk", 64) != "fla"
+    assert "fla's chunk_delta_rule refuses them" in caplog.records[0].getMessage()
     # chunk_size other than fla's 64: the automatic choice moves on (fla's chunk is fixed).
     assert backends.choose_backend("linear_attn", q, None, "chunk", 32) != "fla"
     linear_attn(q, k, v, mode="naive")
@@ -189,6 +230,8 @@ def test_explicit_backend_that_cannot_run_is_an_error(fla_on_cpu, monkeypatch):
         linear_attn(q, k, v, backend="fla", chunk_size=32)
     with pytest.raises(ValueError, match="mode='chunk'"):
         delta_rule(q, k, v, beta, backend="fla", mode="recurrent")
+    with pytest.raises(ValueError, match="float32 inputs: fla's chunk_delta_rule refuses"):
+        delta_rule(q, k, v, beta, backend="fla")
     with pytest.raises(ValueError, match="no Triton kernel for decay_linear_attn"):
         decay_linear_attn(q, k, v, torch.ones(3), backend="triton")
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -205,3 +248,50 @@ def test_explicit_backend_that_cannot_run_is_an_error(fla_on_cpu, monkeypatch):
     monkeypatch.setenv("FASTWEIGHTS_BACKEND", "fla")
     with pytest.raises(ValueError, match="need CUDA tensors"):
         linear_attn(q, k, v)
+
+
+@pytest.mark.parametrize("op", ["linear", "linear_norm", "delta", "decay"])
+def test_packed_batch_reaches_fla_whole(fla_on_cpu, op):
+    """A packed batch goes to fla in one call with its cu_seqlens (int64, with the CPU copy where
+    fla takes one) and the initial states stacked per document ([N, ...], zeros for a None);
+    the outputs and the per-document final states match the float64 oracle run one document at
+    a time. The normaliser's running sum restarts per document: the first document's keys are
+    1000 times larger, so a float32 running sum over the whole batch would lose the later
+    documents' digits."""
+    bounds = [0, 7, 8, 30, 45]  # a one-token document too
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    q, k, v, beta, S0, z0 = data(B=1, T=45)
+    k[:, :7] *= 1e3 if op == "linear_norm" else 1.0
+    if op == "delta":
+        k = sum_norm(k)
+        q, k, v = (x.half() for x in (q, k, v))
+        beta = beta.half().float()  # the adapter passes beta in q's dtype
+    n = len(bounds) - 1
+    kw = {"scale": 0.7, "output_final_state": True, "cu_seqlens": cu}
+
+    def initial(dtype):  # one per document, the second None
+        S = [None if i == 1 else (S0 * (i + 1)).to(dtype) for i in range(n)]
+        return [s if s is None or not op.startswith("linear") else (s, z0.to(dtype)) for s in S]
+
+    def run(x, **extra):
+        x = list(x)
+        init = initial(torch.float64 if x[0].dtype == torch.float64 else torch.float32)
+        if op.startswith("linear"):
+            return linear_attn(*x[:3], normalize=op == "linear_norm", eps=1e-3,
+                               initial_state=init, **kw, **extra)
+        op_fn = delta_rule if op == "delta" else decay_linear_attn
+        return op_fn(*x, initial_state=init, **kw, **extra)
+
+    last = beta if op == "delta" else torch.tensor([0.9, 0.5, 1.0])
+    o, states = run((q, k, v, last), backend="fla")
+    ref, ref_states = run((x.double() for x in (q, k, v, last)), mode="naive")
+    assert fla_on_cpu == [{"linear": "linear_attn", "linear_norm": "linear_attn",
+                           "delta": "delta_rule", "decay": "simple_gla"}[op]]
+    assert o.dtype == q.dtype and len(states) == n
+    tol = (torch.finfo(torch.float16).eps if op == "delta" else TOL) * max(1.0, ref.abs().max().item())
+    assert err(o, ref) <= tol
+    for got, want in zip(states, ref_states):
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for g, w in zip(got, want):
+            assert g.dtype == torch.float32 and g.shape[0] == 1
+            assert err(g, w) <= TOL * max(1.0, w.abs().max().item())

@@ -168,7 +168,8 @@ def cuda_like(dtype, T=8, Dk=16):
 
 def test_use_triton_decision(kernels, monkeypatch, caplog):
     """CUDA float16/bfloat16/float32 -> Triton (fla absent); float64, FASTWEIGHTS_TRITON=0 or no
-    triton -> PyTorch, each reason logged once; Dk > 64 or chunk_size > 64 -> PyTorch."""
+    triton -> PyTorch, each reason logged once; Dk > 128 or chunk_size > 64 -> PyTorch; the
+    float32 delta rule -> PyTorch (no spill-free tiling)."""
     monkeypatch.setattr(backends, "_logged", set())
     monkeypatch.setattr(backends, "fla_ops", lambda: None)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
@@ -183,7 +184,11 @@ def test_use_triton_decision(kernels, monkeypatch, caplog):
     assert choose(cuda_like(torch.float64)) == "torch"
     assert choose(SimpleNamespace(is_cuda=False, dtype=torch.float16, shape=(1, 8, 1, 16),
                                   device="cpu")) == "torch"
-    assert choose(cuda_like(torch.float16, Dk=65)) == "torch"
+    assert choose(cuda_like(torch.float16, Dk=128)) == "triton"
+    assert choose(cuda_like(torch.float16, Dk=129)) == "torch"
+    for dtype, want in ((torch.bfloat16, "triton"), (torch.float32, "torch")):
+        got = backends.choose_backend("delta_rule", cuda_like(dtype), None, "chunk", 64)
+        assert got == want, (dtype, got)
     assert choose(cuda16, chunk=65) == "torch"
     assert choose(cuda_like(torch.float16, T=1)) == "torch"  # decoding step
     caplog.clear()
@@ -220,10 +225,16 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
                                 initial_state=(S0, z0), mode="naive", **kw)
     assert o.dtype == torch.float32
     assert max(max_err(o, ref), max_err(S, Sr), max_err(z, zr)) <= TOL32
-    o, S = delta_rule(q32, k32, v32, b32, initial_state=S0.float(), chunk_size=16, **kw)
-    ref, Sr = delta_rule(*(x.double() for x in (q32, k32, v32, b32)), initial_state=S0,
+    # The delta rule takes Triton for half inputs (float32 ones have no spill-free tiling).
+    delta_rule(q32, k32, v32, b32, initial_state=S0.float(), chunk_size=16, **kw)
+    assert ran == ["linear_attn_triton"]
+    q16, k16, v16 = (x.half() for x in (q32, k32, v32))
+    o, S = delta_rule(q16, k16, v16, b32, initial_state=S0.float(), chunk_size=16, **kw)
+    ref, Sr = delta_rule(*(x.double() for x in (q16, k16, v16, b32)), initial_state=S0,
                          mode="naive", **kw)
-    assert max(max_err(o, ref), max_err(S, Sr)) <= TOL32
+    assert o.dtype == torch.float16
+    assert max_err(o, ref) <= torch.finfo(torch.float16).eps * ref.abs().max().item()
+    assert max_err(S, Sr) <= TOL32
     assert ran == ["linear_attn_triton", "delta_rule_triton"]
     # A decoding step (T = 1) stays on the recurrent form.
     linear_attn(q32[:, :1], k32[:, :1], v32[:, :1])
@@ -295,3 +306,32 @@ def test_kernel_limits_are_errors(kernels):
     big = torch.zeros(1, 5, 1, 129)
     with pytest.raises(ValueError, match="Dk <= 128"):
         kernels.delta_rule_triton(big, big, v, beta, torch.zeros(1, 1, 129, 4), 16)
+
+
+@pytest.mark.parametrize("op", ["delta", "linear_norm"])
+def test_two_key_blocks_match_naive(kernels, op):
+    """Dk = 128, the head size of most released DeltaNet models: two key blocks of 64 (the delta
+    rule's state passes hold both in one program, linear attention runs one program per block),
+    Dv = 40 spanning value blocks; forward and gradients against the float64 oracle."""
+    B, T, H, Dk, Dv = 1, 11, 1, 128, 40
+    q, k, v, beta, S0, z0 = inputs(B, T, H, Dk, Dv, seed=4)
+    k = sum_norm(k)
+    g = torch.Generator().manual_seed(9)
+    wo = torch.randn(B, T, H, Dv, generator=g, dtype=torch.float64)
+    wS = torch.randn(B, H, Dk, Dv, generator=g, dtype=torch.float64)
+    base = (q, k, v, beta, S0) if op == "delta" else (q, k, v, S0, z0)
+    x32 = [x.float().requires_grad_() for x in base]
+    x64 = [x.detach().clone().requires_grad_() for x in base]
+    if op == "delta":
+        (o, S), (ro, rS) = kernels.delta_rule_triton(*x32, 8), delta_rule_naive(*x64)
+    else:
+        o, S, _ = kernels.linear_attn_triton(*x32, True, 1e-6, 8)
+        ro, rS, _ = linear_attn_naive(*x64, True, 1e-6)
+    assert max(max_err(o, ro), max_err(S, rS)) <= TOL32
+    ((o.double() * wo).sum() + (S.double() * wS).sum()).backward()
+    ((ro * wo).sum() + (rS * wS).sum()).backward()
+    for i, (a, b) in enumerate(zip(x32, x64)):
+        if b.grad is None:
+            continue
+        scale = max(1.0, b.grad.abs().max().item())
+        assert max_err(a.grad, b.grad) <= TOL32 * scale, f"{op} grad {i}: {max_err(a.grad, b.grad)}"

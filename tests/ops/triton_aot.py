@@ -3,14 +3,17 @@ machine without a GPU (Triton's own ptxas compiles PTX to a cubin).
 
 Run as a script (``python tests/ops/triton_aot.py OUT.json [arch ...]``) in a process where
 TRITON_INTERPRET is unset: tests/conftest.py turns the interpreter on for the test session, and
-interpreted kernels cannot be compiled. Writes one record per distinct compiled kernel (kernel
-variant, dtype, target, BK): the shared memory the launch needs, registers, spill bytes (from
+interpreted kernels cannot be compiled. Writes one record per compile (kernel variant, dtype,
+target, specialisation): the shared memory the launch needs, registers, spill bytes (from
 ptxas's -v log, which Triton prints with TRITON_DUMP_PTXAS_LOG=1), or the error.
 
-The variants are the launches the host code of ops/fwp/triton.py makes for each op (linear
-attention, normalised linear attention, delta rule), forward and backward; a launch two ops share
-(the same kernel, pointer dtypes and constexprs) is compiled once. The compiles run in a pool of
-worker processes, one per available core, longest first.
+The variants are recorded from the host code itself: ``_FastWeightsTriton`` runs forward and
+backward on small CPU tensors for each op (linear attention, normalised linear attention, delta
+rule) and head size (one and two key blocks) with its kernels replaced by recorders, so the
+compiled launches are exactly the ones it makes (grids aside); a launch two ops share (the same
+kernel, pointer dtypes, constexprs and warps) is compiled once. Each is compiled twice: without
+argument attributes and with the alignment/divisibility ones of the usual training shapes. The
+compiles run in a pool of worker processes, one per available core, longest first.
 """
 
 from __future__ import annotations
@@ -27,85 +30,128 @@ import time
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 ARCHS = (80, 90)
-BKS = (64,)  # the key tile the dispatcher uses (Dk <= 64; see triton.key_tile)
-# The ops the host code runs through the kernels, as (name, has_w, U dtype, o and dO dtype):
-# "x" is the input dtype, "f" float32. Linear attention passes v as U; the normalised one appends
-# a column of ones to v and produces o (hence dO) in float32; the delta rule's U is float32.
-OPS = (("linear", False, "x", "x"), ("linear_norm", False, "x", "f"), ("delta", True, "f", "x"))
+DKS = (64, 128)  # head sizes that cover every launch: one key block, two key blocks
+# The ops the host code runs through the kernels: linear attention, normalised linear attention
+# (v gains a column of ones, o and dO are float32), the delta rule.
+OPS = ("linear", "linear_norm", "delta")
+# Triton specialises each launch on its arguments (16-byte alignment, integers divisible by 16):
+# the two ends of that range are compiled, see ``specialization``.
+SPECS = ("generic", "aligned")
+# The aligned specialisation is compiled for bfloat16 (the usual training dtype; float16 kernels
+# are the same code with another input element type, within 16 registers of bfloat16's in the
+# generic compiles) and float32 (other kernels): the compile budget of the test session.
+ALIGNED_DTYPES = ("bfloat16", "float32")
 # Relative compile cost by kernel family (measured, float32 about twice half), for the order.
-COST = {"ut_bwd": 5, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
+COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1}
 
 
-def signatures(kernels, tdtype: str, dtype, arch: int, BK: int):
-    """(kernel, name, signature, constexprs, num_warps) for every distinct launch the host code
-    makes with these settings: the same pointer dtypes and constexprs that ``_FastWeightsTriton``
-    passes (``_launch``/``tile_config``), for each op of OPS, forward and backward."""
+class _Recorder:
+    """Stands in for a @triton.jit kernel: records what the host code launches it with."""
+
+    def __init__(self, fn, out: list):
+        self.fn, self.out = fn, out
+
+    def __getitem__(self, grid):
+        from triton.runtime.jit import mangle_type
+
+        def launch(*args, num_warps: int, **constexprs):
+            sig = {}
+            for name, arg in zip(self.fn.arg_names, args):
+                # Triton's own argument types, unspecialised (no constexpr for an int equal to 1)
+                sig[name] = mangle_type(arg)
+            self.out.append((self.fn, sig, constexprs, num_warps))
+        return launch
+
+
+def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
+    """One forward and backward of ``op`` through the host code of ops/fwp/triton.py on small
+    CPU tensors, every kernel launch recorded into ``out`` instead of run."""
     import torch
 
-    cfg = kernels.tile_config(arch, BK, getattr(torch, dtype))
-    if cfg is None:
-        return []
-    in_prec, f32_prec = kernels.precisions(getattr(torch, dtype))
-    base = {"UPCAST": False, "IN_PREC": in_prec, "F32_PREC": f32_prec, "BT": kernels.BT,
-            "BK": BK, "BV": cfg.BV}
-    grad_consts = {"F32_PREC": f32_prec, "BT": kernels.BT, "BK": BK, "BV": cfg.BV}
-    ptr = {"x": f"*{tdtype}", "f": "*fp32"}
-    x, f = ptr["x"], ptr["f"]
-    dims = {"T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "C": "i32"}
-    dimsN = {"T": "i32", "H": "i32", "N": "i32", "Dk": "i32", "Dv": "i32", "C": "i32"}
-    out = []
-    for _, has_w, u_kind, o_kind in OPS:
-        u, o = ptr[u_kind], ptr[o_kind]  # U as the state pass reads it; o and dO
-        w = f if has_w else x  # without W the host passes k in its place
-        u0 = f if has_w else x  # the state pass's input U0: the UT solve's (float32) or v
-        if has_w:  # (a) forward, and again in the backward storing Xinv
-            for store_x in (False, True):
-                sig = {"k_ptr": x, "v_ptr": x, "beta_ptr": f, "w_ptr": f, "u_ptr": f,
-                       "x_ptr": f, **dims}
-                out.append((kernels._ut_fwd_kernel, f"ut_fwd[STORE_X={store_x}]", sig,
-                            {**base, "STORE_X": store_x}, cfg.num_warps))
-        sig = {"k_ptr": x, "w_ptr": w, "u_ptr": u0, "s0_ptr": f, "h_ptr": f, "unew_ptr": f,
-               "sT_ptr": f, **dimsN}
-        out.append((kernels._state_fwd_kernel, f"state_fwd[HAS_W={has_w}]", sig,
-                    {**base, "HAS_W": has_w, "STAGES": cfg.loop_stages}, cfg.num_warps))
-        sig = {"q_ptr": x, "k_ptr": x, "u_ptr": u, "h_ptr": f, "o_ptr": o, **dimsN}
-        out.append((kernels._output_kernel, f"output[U={u},o={o}]", sig, base, cfg.num_warps))
-        sig = {"q_ptr": x, "k_ptr": x, "do_ptr": o, "du_ptr": f, **dims}
-        out.append((kernels._local_du_kernel, f"local_du[dO={o}]", sig, base, cfg.num_warps))
-        sig = {"q_ptr": x, "k_ptr": x, "w_ptr": w, "do_ptr": o, "du_ptr": f, "dsT_ptr": f,
-               "dh_ptr": f, "ds0_ptr": f, **dimsN}
-        out.append((kernels._state_bwd_kernel, f"state_bwd[HAS_W={has_w},dO={o}]", sig,
-                    {**base, "HAS_W": has_w, "STAGES": cfg.loop_stages}, cfg.num_warps))
-        sig = {"q_ptr": x, "k_ptr": x, "u_ptr": u, "h_ptr": f, "dh_ptr": f, "do_ptr": o,
-               "dq_ptr": f, "dk_ptr": f, **dimsN}
-        out.append((kernels._grad_kernel, f"grad[U={u},dO={o}]", sig, grad_consts,
-                    cfg.num_warps))
-        if has_w:
-            sig = {"k_ptr": x, "v_ptr": x, "beta_ptr": f, "x_ptr": f, "h_ptr": f, "du_ptr": f,
-                   "dk_ptr": f, "dv_ptr": f, "dbeta_ptr": f, **dimsN}
-            out.append((kernels._ut_bwd_kernel, "ut_bwd", sig, grad_consts, cfg.ut_bwd_warps))
+    B, T, H, Dv = 1, 5, 1, 8
+    q, k = (torch.zeros(B, T, H, Dk, dtype=dtype) for _ in range(2))
+    v = torch.zeros(B, T, H, Dv, dtype=dtype)
+    beta = torch.zeros(B, T, H, dtype=dtype) if op == "delta" else None
+    S0 = torch.zeros(B * H, Dk, Dv + (op == "linear_norm"), dtype=torch.float32)
+    if op == "linear_norm":  # linear_attn_triton's normalisation: a column of ones on v
+        v = torch.cat([v, v.new_ones(B, T, H, 1)], dim=-1)
+    ctx = type("Ctx", (), {"save_for_backward": lambda self, *t: setattr(self, "saved_tensors", t)})()
+    fwd = kernels._FastWeightsTriton
+    out_dtype = torch.float32 if op == "linear_norm" else dtype
+    beta32 = None if beta is None else beta.to(torch.float32)
+    o, _ = fwd.forward(ctx, q, k, v, beta32, S0, 4, out_dtype)
+    fwd.backward(ctx, torch.zeros_like(o), torch.zeros_like(S0))
+
+
+def signatures(kernels, dtype: str, arch: int):
+    """(kernel, name, signature, constexprs, num_warps) of every distinct launch the host code
+    makes for ``dtype`` on sm_``arch``: the ops of OPS at each Dk of DKS, forward and backward,
+    recorded from ``_FastWeightsTriton`` itself (launch shapes, pointer dtypes, constexprs and
+    warps exactly as it passes them). Integer arguments compile unspecialised (i32)."""
+    import torch
+
+    out: list = []
+    names = [n for n in vars(kernels) if n.startswith("_") and n.endswith("_kernel")]
+    saved = {n: getattr(kernels, n) for n in names}
+    saved_arch = kernels._arch
+    try:
+        for n in names:
+            setattr(kernels, n, _Recorder(saved[n], out))
+        kernels._arch = lambda device: arch
+        for op in OPS:
+            if not kernels.supports("delta_rule" if op == "delta" else "linear_attn",
+                                    getattr(torch, dtype)):
+                continue  # the dispatcher does not launch it (float32 delta rule)
+            for Dk in DKS:
+                _run_host(kernels, op, getattr(torch, dtype), Dk, out)
+    finally:
+        for n in names:
+            setattr(kernels, n, saved[n])
+        kernels._arch = saved_arch
     seen, unique = set(), []
-    for k, name, sig, const, warps in out:  # ops share launches; float32 inputs merge more
-        key = (k.__name__, tuple(sig.items()), tuple(const.items()), warps)
+    for fn, sig, const, warps in out:  # ops and head sizes share launches
+        key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps)
         if key not in seen:
             seen.add(key)
-            unique.append((k, name, sig, const, warps))
+            unique.append((fn, _name(fn.__name__, sig, const), sig, const, warps))
     return unique
 
 
-def tasks(archs=ARCHS, dtypes=tuple(DTYPES), bks=BKS) -> list[tuple[int, str, int, int]]:
-    """(arch, dtype, BK, index into ``signatures``) of every compile, the costliest first."""
+def _name(kernel: str, sig: dict, const: dict) -> str:
+    """A record's name: the kernel family and what tells its launches apart (flags, NK, and the
+    pointer dtypes that differ between ops)."""
+    family = kernel.strip("_").removesuffix("_kernel")
+    parts = [f"{k}={const[k]}" for k in ("HAS_W", "NK") if k in const]
+    parts += [f"{p[:-4]}={sig[p]}" for p in ("u_ptr", "o_ptr", "do_ptr") if p in sig
+              and family in ("output", "local_du", "state_bwd", "grad")]
+    return f"{family}[{','.join(parts)}]" if parts else family
+
+
+def specialization(sig: dict, spec: str) -> dict:
+    """Triton's argument attributes for a launch: "generic" none; "aligned" what a launch gets
+    whose pointers are 16-byte aligned and whose sizes T, N, Dk, Dv, C are multiples of 16 (the
+    usual training shapes: torch allocations are aligned; H is left free)."""
+    if spec == "generic":
+        return {}
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+            if ty.startswith("*") or name in ("T", "N", "Dk", "Dv", "C")}
+
+
+def tasks(archs=ARCHS, dtypes=tuple(DTYPES)) -> list[tuple[int, str, int, str]]:
+    """(arch, dtype, index into ``signatures``, specialization) of every compile, the costliest
+    first."""
     from fastweights.ops.fwp import triton as kernels
 
     out = []
     for arch in archs:
         for dtype in dtypes:
-            for BK in bks:
-                for i, (_, name, *_) in enumerate(signatures(kernels, DTYPES[dtype], dtype,
-                                                             arch, BK)):
-                    cost = COST[name.split("[")[0]] * (2 if dtype == "float32" else 1)
-                    out.append((cost, (arch, dtype, BK, i)))
+            for i, (_, name, *_) in enumerate(signatures(kernels, dtype, arch)):
+                cost = COST[name.split("[")[0]] * (2 if dtype == "float32" else 1)
+                for spec in SPECS:
+                    if spec == "aligned" and dtype not in ALIGNED_DTYPES:
+                        continue
+                    out.append((cost, (arch, dtype, i, spec)))
     return [task for _, task in sorted(out, key=lambda c: -c[0])]
 
 
@@ -117,15 +163,16 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
 
     from fastweights.ops.fwp import triton as kernels
 
-    arch, dtype, BK, i = task
-    fn, name, sig, const, warps = signatures(kernels, DTYPES[dtype], dtype, arch, BK)[i]
-    rec = {"kernel": name, "dtype": dtype, "arch": arch, "BK": BK, "BV": const["BV"],
-           "num_warps": warps}
+    arch, dtype, i, spec = task
+    fn, name, sig, const, warps = signatures(kernels, dtype, arch)[i]
+    rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "BV": const["BV"],
+           "BK": const["BK"], "num_warps": warps, "stages": const.get("STAGES")}
     start = time.perf_counter()
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
-            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const,
+                                          attrs=specialization(sig, spec)),
                                 target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
         text = log.getvalue()
         rec["shared"] = ck.metadata.shared
@@ -160,10 +207,9 @@ def workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), bks=BKS, processes: int | None = None,
-                ) -> list[dict]:
+def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), processes: int | None = None) -> list[dict]:
     """Every record, compiled in ``processes`` (default ``workers()``) worker processes."""
-    todo = tasks(archs, dtypes, bks)
+    todo = tasks(archs, dtypes)
     cache_dir = tempfile.mkdtemp(prefix="fastweights-aot-")
     processes = min(processes or workers(), len(todo))
     if processes == 1:

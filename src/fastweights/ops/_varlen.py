@@ -71,3 +71,16 @@ def run_packed(
         outs.append(o)
         finals.append(final)
     return torch.cat(outs, dim=1), (finals if output_final_state else None)
+
+
+def stack_packed_states(
+    initial_state: Any, cu_seqlens: Any, q: torch.Tensor,
+    check: Callable[[Any], tuple[torch.Tensor, ...]],
+) -> tuple[list[int], tuple[torch.Tensor, ...]]:
+    """For a backend that takes ``cu_seqlens`` itself (fla): the checked boundaries, and the
+    per-document initial states, each checked by ``check`` (one document's state, or None, to
+    its tensors for a batch of one) and stacked along dim 0 ([N, ...] each)."""
+    bounds = check_cu_seqlens(cu_seqlens, q.shape[1], q.shape[0], q.device)
+    states = check_packed_states(initial_state, len(bounds) - 1)
+    parts = [check(state) for state in states]
+    return bounds, tuple(torch.cat(tensors, dim=0) for tensors in zip(*parts))

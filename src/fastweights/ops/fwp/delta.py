@@ -19,7 +19,7 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_compute
-from .._varlen import run_packed
+from .._varlen import run_packed, stack_packed_states
 from ..backend import choose_backend, fla_delta_rule, triton_kernels
 from .chunk import delta_rule_chunk
 from .linear_attention import MODES
@@ -51,6 +51,14 @@ def delta_rule(
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
     if cu_seqlens is not None:
+        if choose_backend("delta_rule", q, backend, mode, chunk_size) == "fla":  # whole batch
+            bounds, (S0,) = stack_packed_states(
+                initial_state, cu_seqlens, q,
+                lambda st: (matrix_state(st, (1, H, Dk, Dv), q, state_dtype(q.dtype)),))
+            o, S = fla_delta_rule(q, k, v, beta, scale=scale, S0=S0,
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                  bounds=bounds)
+            return o, (list(S.split(1)) if output_final_state else None)
         return run_packed(delta_rule, (q, k, v, beta), cu_seqlens, initial_state,
                           output_final_state, scale=scale, mode=mode, chunk_size=chunk_size,
                           backend=backend)

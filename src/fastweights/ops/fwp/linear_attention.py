@@ -22,7 +22,7 @@ from ..._checks import (
 from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._state import check_items, checked_tensors
-from .._varlen import run_packed
+from .._varlen import run_packed, stack_packed_states
 from ..backend import choose_backend, fla_linear_attn, triton_kernels
 from .chunk import linear_attn_chunk
 from .naive import linear_attn_naive
@@ -78,6 +78,17 @@ def linear_attn(
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
     if cu_seqlens is not None:
+        if choose_backend("linear_attn", q, backend, mode, chunk_size) == "fla":  # whole batch
+            bounds, (S0, z0) = stack_packed_states(
+                initial_state, cu_seqlens, q,
+                lambda st: (LinearAttnState.zeros(1, H, Dk, Dv, q) if st is None
+                            else LinearAttnState.check(st, 1, H, Dk, Dv, q)))
+            o, state = fla_linear_attn(q, k, v, normalize=normalize, eps=eps, scale=scale, S0=S0,
+                                       z0=z0, output_final_state=output_final_state,
+                                       cu_seqlens=cu_seqlens, bounds=bounds)
+            if state is None:
+                return o, None
+            return o, [LinearAttnState(S, z) for S, z in zip(state[0].split(1), state[1].split(1))]
         return run_packed(linear_attn, (q, k, v), cu_seqlens, initial_state, output_final_state,
                           normalize=normalize, eps=eps, scale=scale, mode=mode, chunk_size=chunk_size,
                           backend=backend)

@@ -1,28 +1,34 @@
 """Triton kernels for the chunked fast-weight forms (SPEC.md 1.3 and the WY/UT form of 1.4),
 forward and backward, shaped so that only the state hand-off between chunks is sequential.
 
-Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, C chunk size
-(C <= 64), N = ceil(T / C) chunks; BT = 64 the chunk tile, BK the key tile (64, or 128 for
-64 < Dk <= 128, one tile), BV a block of value columns (chosen per GPU target by
-``tile_config``). Rows past C or T and columns past Dk or Dv load as zeros and are never
-stored, so neither T, C, Dk nor Dv has to be a power of two.
+Dimension legend: B batch, T time, H heads, Dk key/query dim (<= 128), Dv value dim, C chunk
+size (C <= 64), N = ceil(T / C) chunks; BT = 64 the chunk tile, BK = 64 the key block (Dk runs
+in one or two of them, NK = ceil(Dk / 64)), BV a block of value columns; per-kernel BV, warps,
+pipeline stages and key steps are chosen per GPU target and dtype by ``tile_config``. Rows past
+C or T and columns past Dk or Dv load as zeros and are never stored, so neither T, C, Dk nor Dv
+has to be a power of two.
 
 Linear attention is the delta rule with W = 0 and U0 = V (SPEC 1.3 vs 1.4 in the UT form:
 S_{n+1} = S_n + K_n^T U_n, U_n = U0_n - W_n S_n, o_n = Q_n S_n + tril(Q_n K_n^T) U_n), so both
 ops share the kernels below, with ``HAS_W`` off for linear attention:
 
-forward   (a) ``_ut_fwd_kernel``       grid (N, B*H)          delta only: the per-chunk solve
+forward   (a) ``_ut_fwd_kernel``     grid (N, B*H)           delta only: the per-chunk solve
               Xinv = (I + stril(diag(beta) K K^T))^-1, W = Xinv diag(beta) K, U0 = Xinv diag(beta) V
-          (b) ``_state_fwd_kernel``    grid (Dv/BV, B*H)      sequential over chunks: stores the
-              chunk-entering states h_n (and U_n for the delta rule), the final state
-          (c) ``_output_kernel``       grid (Dv/BV, N, B*H)   o_n = Q_n h_n + tril(Q_n K_n^T) U_n
-backward  (d) ``_local_du_kernel``     grid (Dv/BV, N, B*H)   dU_n = tril(Q_n K_n^T)^T dO_n
-          (e) ``_state_bwd_kernel``    grid (Dv/BV, B*H)      sequential, last chunk first:
-              stores dh_n (the gradient of the state leaving chunk n), completes
-              dU_n += K_n dh_n, and carries dh <- dh + Q_n^T dO_n - W_n^T dU_n; returns dS0
-          (f) ``_grad_kernel``         grid (N, B*H)          dQ, dK; for linear attention dV = dU
-          (g) ``_ut_bwd_kernel``       grid (N, B*H)          delta only: dV, dbeta and the rest of
-              dK through U = U0 - W h and the UT solve
+          (b) ``_state_fwd_kernel``  grid (Dv/BV, *, B*H)    sequential over chunks: stores the
+              chunk-entering states h_n (and U_n for the delta rule), the final state. Linear
+              attention's key blocks are independent (* = NK programs); the delta rule's are not
+              (U_n reads all of S): one program holds NK = 1 or 2 state blocks (* = 1)
+          (c) ``_output_kernel``     grid (Dv/BV, N, B*H)    o_n = Q_n h_n + tril(Q_n K_n^T) U_n
+backward  (d) ``_local_du_kernel``   grid (Dv/BV, N, B*H)    dU_n = tril(Q_n K_n^T)^T dO_n, plus
+              K_n dh_n for linear attention (run after (e): then dU_n is dV_n)
+          (e) ``_state_bwd_kernel``  grid (Dv/BV, *, B*H)    sequential, last chunk first:
+              stores dh_n (the gradient of the state leaving chunk n) and carries
+              dh <- dh + Q_n^T dO_n; for the delta rule first completes dU_n += K_n dh_n (after
+              (d)) and carries dh -= W_n^T dU_n; returns dS0. Key blocks as in (b)
+          (f) ``_ut_bwd_kernel``     grid (N, B*H)           delta only: dV = Tm^T dU, dbeta and
+              G for the UT solve (Tm = Xinv diag(beta)); dTm = dU (V - K h)^T needs no dW
+          (g) ``_grad_kernel``       grid (Dk/BKg, N, B*H)   dQ, dK for BKg key columns; for the
+              delta rule dK also gets -dV h^T + (G + G^T) K (= Tm^T dW + the solve's part)
 The backward recomputes (a) and (b) from the saved inputs instead of keeping W, U0, h.
 Normalised linear attention runs as the unnormalised one with a column of ones appended to V
 (its state column is z, SPEC 1.3), and divides by that column plus eps in PyTorch, so the
@@ -35,9 +41,27 @@ accumulation. Products with a float32 operand run in exact float32 (``"ieee"``) 
 inputs, and in TF32 (10-bit mantissa, the precision of a float16 input, finer than bfloat16's)
 for half inputs, where exact float32 would leave the tensor cores idle.
 
+Tiles (``tile_config``), the same on sm_80 and sm_90 but for the state passes' software
+pipelining (1 stage on sm_80, 2 on sm_90). Half inputs: BV = 32 and 8 warps for (a) to (e),
+BV = 16 for the delta rule's state passes at NK = 2 and for (f); (g) takes 32 key columns per
+program and BV = 16. Float32 inputs, linear attention only: BV = 16; (c) in key steps of 32
+with 16 warps, (d) and (g) in steps of 16 with 8. The float32 delta rule has no tiling that
+compiles without register spills (exact float32 products are FMA loops holding whole operand
+rows in registers, and the state passes contract a register-held state over 64 rows), so the
+dispatcher sends it to fla or PyTorch; ``delta_rule_triton`` called directly still runs it, on
+the half tiling, spilling. The tiles follow from the register file (64K 32-bit registers per
+SM, 255 per thread at 8 warps): on sm_80 a chain of products over 64 rows stacks the warps
+along the rows, and a float32 [64, 64] right operand then costs 128 registers per thread,
+hence the 32-column products (``BN``) and the UT backward solved in column blocks.
+tests/ops/test_fwp_triton_compile.py compiles every launch the host makes (Dk = 64 and 128,
+each dtype and op the dispatcher sends here) for sm_80 and sm_90, generic and with the
+alignment hints of the usual training shapes, and asserts no spills and shared memory within
+the target's limit (the most: 135,168 B, the delta rule's reverse state pass at Dk = 128 on
+sm_90 with its pipeline buffers; 227 KiB allowed).
+
 Launch shape and roofline, B1 H8 Dk=Dv=64, C=64, bfloat16 inputs, H100 SXM (132 SMs, about
-3.35 TB/s HBM3; BV=32 on sm_90, so Dv/BV=2). Programs per launch, and HBM bytes each kernel
-moves (inputs 2 B/element, float32 intermediates 4 B; h is [B, H, N, Dk, Dv] float32):
+3.35 TB/s HBM3; BV = 32, so Dv/BV = 2). Programs per launch, and HBM bytes each kernel moves
+(inputs 2 B/element, float32 intermediates 4 B; h is [B, H, N, Dk, Dv] float32):
 
   T      N     (a) ut (N*8)  (b) state (2*8)  (c) output (2*N*8)   bytes fwd, delta (linear)
   4k     64        512            16              1024              36 MB (17 MB)
@@ -50,12 +74,16 @@ q, k, U, h 1024 B and writes o 128 B: about 3.4 KB per token-head, 570 MB at 64k
 3.35 TB/s. Linear attention skips (a) and U: about 1.6 KB, 0.08 ms at 64k. The parallel kernels
 (a), (c) fill the GPU (>= 512 programs on 132 SMs); the state pass (b) runs 16 programs, and its
 time is latency: N steps of two 64x64x32 products each, about 1 us a step on one SM, so 1 ms at
-64k, 0.25 ms at 16k, and this step, not HBM, bounds the forward. Expectations (forward; the
-backward is about 2-3x): PyTorch chunk path, one launch per op per chunk for the delta rule's
-hand-off (N Python-side steps, ~20 us each: 80 ms at 64k, measured 79 ms), linear attention's
-cumsum form ~3 ms at 64k; FlashAttention (SDPA) causal softmax O(T^2 D): 2 T^2 H D FLOPs at
-~400 TFLOP/s effective: 0.07 / 0.7 / 9 ms at 4k / 16k / 64k (measured 0.07 / 0.64 / 9.4 ms).
-Measured figures: benchmarks/results/gpu_h100/README.md.
+64k, 0.25 ms at 16k, and this step, not HBM, bounds the forward. At Dk = Dv = 128 (BV = 16 in
+the delta rule's state passes, 32 in (c)): (b) runs 8*8 = 64 programs, each step two 64x128x16
+products; (c) 4*N*8; about 8 KB per token-head (h is 1 KiB per token, (c) reads q, k once per
+value block), 1.3 ms of HBM traffic at 64k, so there HBM and the state pass's latency are on a
+par. Expectations (forward; the backward is about 2-3x): PyTorch chunk path, one launch per op
+per chunk for the delta rule's hand-off (N Python-side steps, ~20 us each: 80 ms at 64k,
+measured 79 ms), linear attention's cumsum form ~3 ms at 64k; FlashAttention (SDPA) causal
+softmax O(T^2 D): 2 T^2 H D FLOPs at ~400 TFLOP/s effective: 0.07 / 0.7 / 9 ms at 4k / 16k /
+64k (measured 0.07 / 0.64 / 9.4 ms). Measured figures (of the earlier kernels, not these):
+benchmarks/results/gpu_h100/README.md.
 
 Variable-length batches (cu_seqlens) do not reach these kernels: the public ops run each
 document through them in turn (ops/_varlen.py), a loop on the host.
@@ -70,45 +98,87 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_CHUNK", "MAX_DK", "TileConfig", "delta_rule_triton", "linear_attn_triton",
-           "tile_config"]
+__all__ = ["MAX_CHUNK", "MAX_DK", "OPS", "TileConfig", "Tiles", "delta_rule_triton",
+           "linear_attn_triton", "supports", "tile_config"]
 
 BT = 64  # the chunk tile: chunk sizes 1..64 run in it (fla's chunk size is 64 too)
 MAX_CHUNK = BT
-MAX_DK = 128  # the key tile is one BK = next power of two of Dk; above 128 the tiles spill
+BK = 64  # the key tile: Dk runs in blocks of 64 (masked past Dk)
+MAX_DK = 2 * BK  # the delta rule's state passes hold at most two key blocks per program
+# Column width of the products whose right operand is a float32 [64, *] tile: on sm_80 (mma, warps
+# stacked along the 64 rows of a chain of products) such an operand costs 64 registers per thread
+# at 32 columns, 128 at 64, whence most of the spills of a 64-wide tiling.
+BN = 32
+_BN = tl.constexpr(BN)  # BN as the kernels read it
+
+
+class Tiles(NamedTuple):
+    """One kernel's launch choice: BV value columns per step (the grid's value blocks in (b) to
+    (e), the step of an inner loop over values in (a), (f), (g)), warps, the software pipeline
+    stages of the state passes' loop over chunks (1: none), and BK the key columns per step of
+    (c), (d) and per program of (g) (the state passes and the UT kernels run blocks of 64)."""
+
+    BV: int
+    warps: int
+    stages: int = 1
+    BK: int = BK
 
 
 class TileConfig(NamedTuple):
-    """Per-target tile choice: BV value columns per program, warps and pipeline stages of the
-    looping (state-pass) kernels and of the parallel kernels."""
+    """The tiles of every kernel for one target, input dtype and op; the state passes of the
+    delta rule at two key blocks (64 < Dk <= 128) have their own. The delta rule's own kernels
+    (UT solve, two key blocks) are None for linear attention."""
 
-    BV: int
-    num_warps: int
-    loop_stages: int
-    ut_bwd_warps: int  # the UT backward holds about ten [BT, BT] float32 tiles at once
-
-
-def tile_config(arch: int, BK: int, dtype: torch.dtype) -> TileConfig | None:
-    """The tiles for a compute capability ``arch`` (80 = sm_80 A100, 90 = sm_90 H100; others use
-    the closest lower one), key tile BK and input dtype, or None where no tiling compiles
-    without register spills (the dispatcher then takes the PyTorch path).
-    tests/ops/test_fwp_triton_compile.py compiles every kernel for every configuration this
-    returns and checks shared memory and spills."""
-    if BK not in (16, 32, 64, 128):
-        raise ValueError(f"BK must be 16, 32, 64 or 128, got {BK}")
-    # Smaller value blocks give the state pass more programs (it is latency bound, B*H*Dv/BV
-    # programs) at the price of reloading k, W per block. Exact float32 products ("ieee") are
-    # FMA loops that hold both operands in registers: float32 inputs take half the block.
-    BV = 16 if dtype == torch.float32 else 32
-    return TileConfig(BV=BV, num_warps=8, loop_stages=2 if arch >= 90 else 1, ut_bwd_warps=8)
+    state_fwd: Tiles
+    output: Tiles
+    local_du: Tiles
+    state_bwd: Tiles
+    grad: Tiles
+    ut_fwd: Tiles | None = None
+    state_fwd2: Tiles | None = None
+    state_bwd2: Tiles | None = None
+    ut_bwd: Tiles | None = None
 
 
-def key_tile(Dk: int) -> int:
-    """The key tile for Dk (<= MAX_DK): 64 up to Dk = 64 (one tiling to compile and check per
-    target and dtype; smaller heads are padded with masked zeros), else 128. The dispatcher
-    (ops/backend.py) sends Dk <= 64 only: at BK = 128 the state passes and the backward spill
-    registers (measured with tests/ops/triton_aot.py); calling the kernels directly still works."""
-    return 64 if Dk <= 64 else 128
+OPS = ("linear_attn", "delta_rule")
+
+
+def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
+    """The launch choice for ``op`` (one of OPS) on compute capability ``arch`` (80 = sm_80 A100,
+    90 = sm_90 H100; others use the closest lower one) with ``dtype`` inputs, or None where no
+    tiling compiles without register spills (the dispatcher then takes another backend).
+    tests/ops/test_fwp_triton_compile.py compiles every kernel the host launches with these, at
+    Dk = 64 and 128, for sm_80 and sm_90, and asserts no spills and shared memory in bounds.
+
+    Half inputs: value blocks of 32 and 8 warps; 16 columns where a program holds more float32
+    tiles (the state passes at two key blocks, the UT backward, dQ/dK, whose programs take 32 key
+    columns each). Float32 inputs multiply in exact float32: FMA loops whose operands a thread
+    holds whole (its rows or columns times the contraction length), so the contractions are kept
+    short: key steps of 32 with 16 warps in (c), of 16 in (d) and per (g) program. Only linear
+    attention fits: the delta rule's state passes contract the register-held state over 64 rows
+    and spill at every tiling tried (8 or 16 warps, 16 or 32 columns, exact or 3xTF32 products),
+    so float32 delta rule inputs take fla or PyTorch."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    stages = 2 if arch >= 90 else 1  # sm_90 pipelines the state passes' loads (cp.async)
+    if dtype == torch.float32:
+        if op == "delta_rule":
+            return None
+        return TileConfig(state_fwd=Tiles(16, 8, stages), output=Tiles(16, 16, BK=32),
+                          local_du=Tiles(16, 8, BK=16), state_bwd=Tiles(16, 8, stages),
+                          grad=Tiles(16, 8, BK=16))
+    wide, narrow = Tiles(32, 8), Tiles(16, 8)
+    cfg = TileConfig(state_fwd=Tiles(32, 8, stages), output=wide, local_du=wide,
+                     state_bwd=Tiles(32, 8, stages), grad=Tiles(16, 8, BK=BN))
+    if op == "linear_attn":
+        return cfg
+    return cfg._replace(ut_fwd=wide, state_fwd2=Tiles(16, 8, stages), ut_bwd=narrow,
+                        state_bwd2=Tiles(16, 8, stages))
+
+
+def supports(op: str, dtype: torch.dtype) -> bool:
+    """Whether ``op`` with ``dtype`` inputs has a tiling on every target (sm_80 and up)."""
+    return all(tile_config(arch, dtype, op) is not None for arch in (80, 90))
 
 
 def _upcast_tiles(dtype: torch.dtype) -> bool:
@@ -130,52 +200,96 @@ def precisions(dtype: torch.dtype) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared index helpers. Row t of a [B, T, H, D] tensor for (b, h) is at ((b*T + t)*H + h)*D.
+# Shared index helpers. Row t of a [B, T, H, D] tensor for (b, h) is at ((b*T + t)*H + h)*D:
+# the chunk's first row is a scalar int64 base, offsets inside a tile are int32 (fewer registers
+# than a tile of 64-bit offsets; a chunk tile spans BT*H*D < 2^31 elements).
 
 
 @triton.jit
 def _rows(i_n, T, C, BT: tl.constexpr):
-    """Time indices of chunk i_n in a BT tile and the mask of its real rows."""
+    """Row indices 0..BT-1 of chunk i_n and the mask of its real rows (< C and < T)."""
     rc = tl.arange(0, BT)
-    rt = i_n * C + rc
-    return rc, rt, (rc < C) & (rt < T)
+    return rc, (rc < C) & (i_n * C + rc < T)
 
 
 @triton.jit
-def _load_rows(ptr, b, h, rt, mt, T, H, D, BD: tl.constexpr, col0):
-    """Tile [BT, BD] of a [B, T, H, D] tensor: rows rt, columns col0 + arange(BD)."""
-    rd = col0 + tl.arange(0, BD)
-    offs = ((b * T + rt[:, None]) * H + h) * D + rd[None, :]
-    return tl.load(ptr + offs, mask=mt[:, None] & (rd < D)[None, :], other=0.0)
+def _tile(ptr, b, h, i_n, mt, T, H, D, C, BT: tl.constexpr, BD: tl.constexpr, col0):
+    """Pointers and mask of the [BT, BD] tile of chunk i_n, columns col0.., of [B, T, H, D]."""
+    base = ptr + ((b * T + i_n * C) * H + h) * D + col0
+    rd = tl.arange(0, BD)
+    offs = tl.arange(0, BT)[:, None] * (H * D) + rd[None, :]
+    return base + offs, mt[:, None] & (col0 + rd < D)[None, :]
 
 
 @triton.jit
-def _store_rows(ptr, x, b, h, rt, mt, T, H, D, BD: tl.constexpr, col0):
-    rd = col0 + tl.arange(0, BD)
-    offs = ((b * T + rt[:, None]) * H + h) * D + rd[None, :]
-    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mt[:, None] & (rd < D)[None, :])
+def _load(ptr, b, h, i_n, mt, T, H, D, C, BT: tl.constexpr, BD: tl.constexpr, col0):
+    ptrs, mask = _tile(ptr, b, h, i_n, mt, T, H, D, C, BT, BD, col0)
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
-def _state_ptrs(ptr, bh, i_n, N, Dk, Dv, BK: tl.constexpr, BV: tl.constexpr, v0):
-    """Pointers and mask of block [:, v0:v0+BV] of state n of a [B*H, N, Dk, Dv] tensor."""
+def _load_rows(ptr, b, h, i_n, r0, T, H, D, C, BR: tl.constexpr, BD: tl.constexpr, col0):
+    """Rows r0..r0+BR of chunk i_n, columns col0.., of a [B, T, H, D] tensor."""
+    rr = r0 + tl.arange(0, BR)
+    mr = (rr < C) & (i_n * C + rr < T)
+    ptrs, mask = _tile(ptr, b, h, i_n, mr, T, H, D, C, BR, BD, col0)
+    return tl.load(ptrs + r0 * (H * D), mask=mask, other=0.0)
+
+
+@triton.jit
+def _store(ptr, x, b, h, i_n, mt, T, H, D, C, BT: tl.constexpr, BD: tl.constexpr, col0):
+    ptrs, mask = _tile(ptr, b, h, i_n, mt, T, H, D, C, BT, BD, col0)
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _state(ptr, bh, i_n, N, Dk, Dv, BK: tl.constexpr, BV: tl.constexpr, k0, v0):
+    """Pointers and mask of block [k0:k0+BK, v0:v0+BV] of state n of [B*H, N, Dk, Dv]."""
+    base = ptr + (bh * N + i_n) * Dk * Dv + k0 * Dv + v0
     rk = tl.arange(0, BK)
-    rv = v0 + tl.arange(0, BV)
-    offs = (bh * N + i_n) * Dk * Dv + rk[:, None] * Dv + rv[None, :]
-    return ptr + offs, (rk < Dk)[:, None] & (rv < Dv)[None, :]
+    rv = tl.arange(0, BV)
+    return base + rk[:, None] * Dv + rv[None, :], (k0 + rk < Dk)[:, None] & (v0 + rv < Dv)[None, :]
 
 
 @triton.jit
-def _chunk_scores(q_ptr, k_ptr, b, h, i_n, T, H, Dk, C, UPCAST: tl.constexpr,
-                  IN_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Q_n (input dtype, or float32 if UPCAST) and the causal scores tril(Q_n K_n^T) (float32)."""
-    rc, rt, mt = _rows(i_n, T, C, BT)
-    qb = _load_rows(q_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-    kb = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-    if UPCAST:
-        qb, kb = qb.to(tl.float32), kb.to(tl.float32)
-    scores = tl.dot(qb, tl.trans(kb), input_precision=IN_PREC)
-    return qb, tl.where(rc[:, None] >= rc[None, :], scores, 0.0)
+def _load_state(ptr, bh, i_n, N, Dk, Dv, BK: tl.constexpr, BV: tl.constexpr, k0, v0):
+    ptrs, mask = _state(ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_state(ptr, x, bh, i_n, N, Dk, Dv, BK: tl.constexpr, BV: tl.constexpr, k0, v0):
+    ptrs, mask = _state(ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
+    tl.store(ptrs, x, mask=mask)
+
+
+@triton.jit
+def _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT: tl.constexpr):
+    rt = i_n * C + tl.arange(0, BT)
+    return tl.load(beta_ptr + (b * T + rt) * H + h, mask=mt, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scores_and_state(q_ptr, k_ptr, s_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C, v0, with_state,
+                      BY_K: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+                      F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr):
+    """Over the key blocks of chunk i_n: tril(Q_n K_n^T) [BT, BT] and, if ``with_state``,
+    X_n s[n][:, v0:v0+BV] [BT, BV] with X = K (BY_K) or Q, s a [B*H, N, Dk, Dv] state (float32)."""
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    scores = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, Dk, BK):
+        qb = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+        if UPCAST:
+            qb, kb = qb.to(tl.float32), kb.to(tl.float32)
+        scores += tl.dot(qb, tl.trans(kb), input_precision=IN_PREC)
+        if with_state:
+            S = _load_state(s_ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
+            x = kb if BY_K else qb
+            acc += tl.dot(x.to(tl.float32), S, input_precision=F32_PREC)
+    rc = tl.arange(0, BT)
+    return tl.where(rc[:, None] >= rc[None, :], scores, 0.0), acc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,23 +299,25 @@ def _chunk_scores(q_ptr, k_ptr, b, h, i_n, T, H, Dk, C, UPCAST: tl.constexpr,
 @triton.jit
 def _ut_fwd_kernel(
     k_ptr, v_ptr, beta_ptr, w_ptr, u_ptr, x_ptr,
-    T, H, Dk, Dv, C,
-    STORE_X: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+    T, H, Dk, Dv, C, store_x,
+    UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """(a) Per chunk: Xinv = (I + A)^-1, A = stril(diag(beta) K K^T); W = Xinv diag(beta) K,
     U0 = Xinv diag(beta) V (float32, [B, T, H, Dk] / [B, T, H, Dv]); Xinv [B, T, H, BT] if
-    STORE_X (the backward needs it)."""
+    ``store_x`` (the backward needs it; a runtime flag: one compiled kernel for both)."""
     i_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    rc, rt, mt = _rows(i_n, T, C, BT)
-    kb = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-    if UPCAST:
-        kb = kb.to(tl.float32)
-    beta = tl.load(beta_ptr + (b * T + rt) * H + h, mask=mt, other=0.0).to(tl.float32)
-    kk = tl.dot(kb, tl.trans(kb), input_precision=IN_PREC)  # [BT, BT]
+    rc, mt = _rows(i_n, T, C, BT)
+    beta = _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT)
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, Dk, BK):
+        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+        if UPCAST:
+            kb = kb.to(tl.float32)
+        kk += tl.dot(kb, tl.trans(kb), input_precision=IN_PREC)
     A = tl.where(rc[:, None] > rc[None, :], beta[:, None] * kk, 0.0)
     # Forward substitution, one row at a time: row i of Xinv is e_i - A[i, :i] Xinv[:i, :]
     # (rows below i are still identity rows, and A[i, j] = 0 for j >= i).
@@ -210,53 +326,68 @@ def _ut_fwd_kernel(
         a_i = tl.sum(tl.where(rc[:, None] == i, A, 0.0), axis=0)  # row i of A, [BT]
         row = tl.where(rc == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Xi, axis=0)
         Xi = tl.where(rc[:, None] == i, row[None, :], Xi)
+    if store_x:
+        _store(x_ptr, Xi, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
     Tm = Xi * beta[None, :]
-    _store_rows(w_ptr, tl.dot(Tm, kb.to(tl.float32), input_precision=F32_PREC), b, h, rt, mt,
-                T, H, Dk, BK, 0)
+    for k0 in range(0, Dk, _BN):
+        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, _BN, k0).to(tl.float32)
+        _store(w_ptr, tl.dot(Tm, kb, input_precision=F32_PREC), b, h, i_n, mt, T, H, Dk, C, BT,
+               _BN, k0)
     for v0 in range(0, Dv, BV):
-        vb = _load_rows(v_ptr, b, h, rt, mt, T, H, Dv, BV, v0).to(tl.float32)
-        _store_rows(u_ptr, tl.dot(Tm, vb, input_precision=F32_PREC), b, h, rt, mt, T, H, Dv, BV,
-                    v0)
-    if STORE_X:
-        _store_rows(x_ptr, Xi, b, h, rt, mt, T, H, BT, BT, 0)
+        vb = _load(v_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
+        _store(u_ptr, tl.dot(Tm, vb, input_precision=F32_PREC), b, h, i_n, mt, T, H, Dv, C, BT,
+               BV, v0)
 
 
 @triton.jit
 def _state_fwd_kernel(
     k_ptr, w_ptr, u_ptr, s0_ptr, h_ptr, unew_ptr, sT_ptr,
     T, H, N, Dk, Dv, C,
-    HAS_W: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+    HAS_W: tl.constexpr, NK: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """(b) Sequential over chunks for one (b*h, value block): h[n] = S entering chunk n;
-    U_n = U0_n - W_n S (HAS_W; stored to unew) or V_n; S += K_n^T U_n; final S to sT.
-    u is U0 (float32) with HAS_W, else v in the input dtype."""
+    """(b) Sequential over chunks for one (value block, key block(s), b*h): h[n] = S entering
+    chunk n; S += K_n^T U_n; the final S to sT. Linear attention (no W): U_n = V_n (u, input
+    dtype), and the key blocks are independent (grid axis 1, NK = 1). Delta rule (HAS_W): U_n =
+    U0_n - W_n S (u is U0, float32; U_n stored to unew) reads every key block of S: one program
+    holds the NK (1 or 2) blocks of BK rows."""
+    tl.static_assert(NK == 1 or (HAS_W and NK == 2))
     i_v = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
     v0 = i_v * BV
-    s0_ptrs, ms = _state_ptrs(s0_ptr, bh, 0, 1, Dk, Dv, BK, BV, v0)
-    S = tl.load(s0_ptrs, mask=ms, other=0.0)
+    k0 = tl.program_id(1) * BK
+    S1 = _load_state(s0_ptr, bh, 0, 1, Dk, Dv, BK, BV, k0, v0)
+    if NK == 2:
+        S2 = _load_state(s0_ptr, bh, 0, 1, Dk, Dv, BK, BV, BK, v0)
     for i_n in tl.range(0, N, num_stages=STAGES):
-        h_ptrs, _ = _state_ptrs(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
-        tl.store(h_ptrs, S, mask=ms)
-        _, rt, mt = _rows(i_n, T, C, BT)
-        kb = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-        ub = _load_rows(u_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
+        _store_state(h_ptr, S1, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
+        if NK == 2:
+            _store_state(h_ptr, S2, bh, i_n, N, Dk, Dv, BK, BV, BK, v0)
+        _, mt = _rows(i_n, T, C, BT)
+        ub = _load(u_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+        k1 = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
         if HAS_W:
-            wb = _load_rows(w_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
             # The only state-dependent step of the UT form: where the chunk reads the memory.
-            ub -= tl.dot(wb, S, input_precision=F32_PREC)
-            _store_rows(unew_ptr, ub, b, h, rt, mt, T, H, Dv, BV, v0)
-            S += tl.dot(tl.trans(kb.to(tl.float32)), ub, input_precision=F32_PREC)
+            w1 = _load(w_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+            ub -= tl.dot(w1, S1, input_precision=F32_PREC)
+            if NK == 2:
+                w2 = _load(w_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK)
+                ub -= tl.dot(w2, S2, input_precision=F32_PREC)
+            _store(unew_ptr, ub, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+            S1 += tl.dot(tl.trans(k1.to(tl.float32)), ub, input_precision=F32_PREC)
+            if NK == 2:
+                k2 = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK).to(tl.float32)
+                S2 += tl.dot(tl.trans(k2), ub, input_precision=F32_PREC)
         else:
             if UPCAST:
-                kb, ub = kb.to(tl.float32), ub.to(tl.float32)
-            S += tl.dot(tl.trans(kb), ub, input_precision=IN_PREC)
-    sT_ptrs, _ = _state_ptrs(sT_ptr, bh, 0, 1, Dk, Dv, BK, BV, v0)
-    tl.store(sT_ptrs, S, mask=ms)
+                k1, ub = k1.to(tl.float32), ub.to(tl.float32)
+            S1 += tl.dot(tl.trans(k1), ub, input_precision=IN_PREC)
+    _store_state(sT_ptr, S1, bh, 0, 1, Dk, Dv, BK, BV, k0, v0)
+    if NK == 2:
+        _store_state(sT_ptr, S2, bh, 0, 1, Dk, Dv, BK, BV, BK, v0)
 
 
 @triton.jit
@@ -273,14 +404,12 @@ def _output_kernel(
     b = bh // H
     h = bh % H
     v0 = i_v * BV
-    _, rt, mt = _rows(i_n, T, C, BT)
-    qb, scores = _chunk_scores(q_ptr, k_ptr, b, h, i_n, T, H, Dk, C, UPCAST, IN_PREC, BT, BK)
-    h_ptrs, ms = _state_ptrs(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
-    S = tl.load(h_ptrs, mask=ms, other=0.0)
-    ub = _load_rows(u_ptr, b, h, rt, mt, T, H, Dv, BV, v0).to(tl.float32)
-    ob = tl.dot(qb.to(tl.float32), S, input_precision=F32_PREC)
+    _, mt = _rows(i_n, T, C, BT)
+    scores, ob = _scores_and_state(q_ptr, k_ptr, h_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C, v0,
+                                   True, False, UPCAST, IN_PREC, F32_PREC, BT, BK, BV)
+    ub = _load(u_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
     ob += tl.dot(scores, ub, input_precision=F32_PREC)
-    _store_rows(o_ptr, ob, b, h, rt, mt, T, H, Dv, BV, v0)
+    _store(o_ptr, ob, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,154 +418,204 @@ def _output_kernel(
 
 @triton.jit
 def _local_du_kernel(
-    q_ptr, k_ptr, do_ptr, du_ptr,
-    T, H, Dk, Dv, C,
-    UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    q_ptr, k_ptr, do_ptr, dh_ptr, du_ptr,
+    T, H, N, Dk, Dv, C, add_dh,
+    UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+    F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """(d) dU_n = tril(Q_n K_n^T)^T dO_n (float32), the state-independent part of dU."""
+    """(d) dU_n = tril(Q_n K_n^T)^T dO_n (float32), plus K_n dh_n if ``add_dh`` (linear
+    attention, after the reverse state pass: then dU_n is dV_n; a runtime flag, one compiled
+    kernel for both)."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
-    _, rt, mt = _rows(i_n, T, C, BT)
-    _, scores = _chunk_scores(q_ptr, k_ptr, b, h, i_n, T, H, Dk, C, UPCAST, IN_PREC, BT, BK)
-    dob = _load_rows(do_ptr, b, h, rt, mt, T, H, Dv, BV, i_v * BV).to(tl.float32)
-    _store_rows(du_ptr, tl.dot(tl.trans(scores), dob, input_precision=F32_PREC), b, h, rt, mt, T,
-                H, Dv, BV, i_v * BV)
+    v0 = i_v * BV
+    _, mt = _rows(i_n, T, C, BT)
+    scores, du = _scores_and_state(q_ptr, k_ptr, dh_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C,
+                                   v0, add_dh, True, UPCAST, IN_PREC, F32_PREC, BT, BK, BV)
+    dob = _load(do_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
+    du += tl.dot(tl.trans(scores), dob, input_precision=F32_PREC)
+    _store(du_ptr, du, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+
+
+@triton.jit
+def _qt_do(qb, dob, UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.constexpr):
+    """Q^T dO [BK, BV] float32: on tensor cores in the input dtype, in float32 when dO is float32
+    (normalised linear attention's o is float32) or under UPCAST."""
+    if UPCAST or dob.dtype == tl.float32:
+        out = tl.dot(tl.trans(qb.to(tl.float32)), dob.to(tl.float32), input_precision=F32_PREC)
+    else:
+        out = tl.dot(tl.trans(qb), dob, input_precision=IN_PREC)
+    return out
 
 
 @triton.jit
 def _state_bwd_kernel(
     q_ptr, k_ptr, w_ptr, do_ptr, du_ptr, dsT_ptr, dh_ptr, ds0_ptr,
     T, H, N, Dk, Dv, C,
-    HAS_W: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+    HAS_W: tl.constexpr, NK: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """(e) Last chunk first, for one (b*h, value block): dh[n] = gradient of the state leaving
-    chunk n; dU_n += K_n dh (in place); dh += Q_n^T dO_n - W_n^T dU_n (W with HAS_W only).
-    dsT is the final state's gradient, ds0 receives the initial state's."""
+    """(e) Last chunk first, for one (value block, key block(s), b*h): dh[n] = gradient of the
+    state leaving chunk n; dS += Q_n^T dO_n, and for the delta rule (HAS_W) first dU_n += K_n dS
+    (in place; dU_n holds the local part from (d)), then dS -= W_n^T dU_n. dsT is the final
+    state's gradient, ds0 receives the initial state's. Key blocks as in (b)."""
+    tl.static_assert(NK == 1 or (HAS_W and NK == 2))
     i_v = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
     v0 = i_v * BV
-    dsT_ptrs, ms = _state_ptrs(dsT_ptr, bh, 0, 1, Dk, Dv, BK, BV, v0)
-    dS = tl.load(dsT_ptrs, mask=ms, other=0.0)
+    k0 = tl.program_id(1) * BK
+    dS1 = _load_state(dsT_ptr, bh, 0, 1, Dk, Dv, BK, BV, k0, v0)
+    if NK == 2:
+        dS2 = _load_state(dsT_ptr, bh, 0, 1, Dk, Dv, BK, BV, BK, v0)
     for j in tl.range(0, N, num_stages=STAGES):
         i_n = N - 1 - j
-        dh_ptrs, _ = _state_ptrs(dh_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
-        tl.store(dh_ptrs, dS, mask=ms)
-        _, rt, mt = _rows(i_n, T, C, BT)
-        qb = _load_rows(q_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-        kb = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-        dob = _load_rows(do_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
-        if UPCAST:
-            qb, dob = qb.to(tl.float32), dob.to(tl.float32)
-        du = _load_rows(du_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
-        du += tl.dot(kb.to(tl.float32), dS, input_precision=F32_PREC)
-        _store_rows(du_ptr, du, b, h, rt, mt, T, H, Dv, BV, v0)
-        if do_ptr.dtype.element_ty == tl.float32:  # normalised linear attention's dO
-            dS += tl.dot(tl.trans(qb.to(tl.float32)), dob, input_precision=F32_PREC)
-        else:
-            dS += tl.dot(tl.trans(qb), dob, input_precision=IN_PREC)
+        _store_state(dh_ptr, dS1, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
+        if NK == 2:
+            _store_state(dh_ptr, dS2, bh, i_n, N, Dk, Dv, BK, BV, BK, v0)
+        _, mt = _rows(i_n, T, C, BT)
+        dob = _load(do_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
         if HAS_W:
-            wb = _load_rows(w_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-            dS -= tl.dot(tl.trans(wb), du, input_precision=F32_PREC)
-    ds0_ptrs, _ = _state_ptrs(ds0_ptr, bh, 0, 1, Dk, Dv, BK, BV, v0)
-    tl.store(ds0_ptrs, dS, mask=ms)
-
-
-@triton.jit
-def _grad_kernel(
-    q_ptr, k_ptr, u_ptr, h_ptr, dh_ptr, do_ptr, dq_ptr, dk_ptr,
-    T, H, N, Dk, Dv, C,
-    F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-):
-    """(f) Per chunk (all Dk, value blocks in a loop), with h = h_n, dh = dh_n (leaving):
-      dQ = dO h^T + tril(dO U^T) K,  dK = U dh^T + tril(dO U^T)^T Q  (float32)
-    u is U (float32) for the delta rule, v for linear attention. q, k load after the loop:
-    fewer tiles live across it (registers)."""
-    i_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    rc, rt, mt = _rows(i_n, T, C, BT)
-    dq = tl.zeros([BT, BK], dtype=tl.float32)
-    dk = tl.zeros([BT, BK], dtype=tl.float32)
-    dP = tl.zeros([BT, BT], dtype=tl.float32)
-    for v0 in range(0, Dv, BV):
-        h_ptrs, ms = _state_ptrs(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
-        S = tl.load(h_ptrs, mask=ms, other=0.0)
-        dh_ptrs, _ = _state_ptrs(dh_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
-        dS = tl.load(dh_ptrs, mask=ms, other=0.0)
-        dob = _load_rows(do_ptr, b, h, rt, mt, T, H, Dv, BV, v0).to(tl.float32)
-        ub = _load_rows(u_ptr, b, h, rt, mt, T, H, Dv, BV, v0).to(tl.float32)
-        dq += tl.dot(dob, tl.trans(S), input_precision=F32_PREC)
-        dP += tl.dot(dob, tl.trans(ub), input_precision=F32_PREC)
-        dk += tl.dot(ub, tl.trans(dS), input_precision=F32_PREC)
-    dP = tl.where(rc[:, None] >= rc[None, :], dP, 0.0)
-    kf = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0).to(tl.float32)
-    dq += tl.dot(dP, kf, input_precision=F32_PREC)
-    _store_rows(dq_ptr, dq, b, h, rt, mt, T, H, Dk, BK, 0)
-    qf = _load_rows(q_ptr, b, h, rt, mt, T, H, Dk, BK, 0).to(tl.float32)
-    dk += tl.dot(tl.trans(dP), qf, input_precision=F32_PREC)
-    _store_rows(dk_ptr, dk, b, h, rt, mt, T, H, Dk, BK, 0)
+            du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+            k1 = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0).to(tl.float32)
+            du += tl.dot(k1, dS1, input_precision=F32_PREC)
+            if NK == 2:
+                k2 = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK).to(tl.float32)
+                du += tl.dot(k2, dS2, input_precision=F32_PREC)
+            _store(du_ptr, du, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+        q1 = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+        dS1 += _qt_do(q1, dob, UPCAST, IN_PREC, F32_PREC)
+        if HAS_W:
+            w1 = _load(w_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+            dS1 -= tl.dot(tl.trans(w1), du, input_precision=F32_PREC)
+            if NK == 2:
+                q2 = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK)
+                dS2 += _qt_do(q2, dob, UPCAST, IN_PREC, F32_PREC)
+                w2 = _load(w_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK)
+                dS2 -= tl.dot(tl.trans(w2), du, input_precision=F32_PREC)
+    _store_state(ds0_ptr, dS1, bh, 0, 1, Dk, Dv, BK, BV, k0, v0)
+    if NK == 2:
+        _store_state(ds0_ptr, dS2, bh, 0, 1, Dk, Dv, BK, BV, BK, v0)
 
 
 @triton.jit
 def _ut_bwd_kernel(
-    k_ptr, v_ptr, beta_ptr, x_ptr, h_ptr, du_ptr, dk_ptr, dv_ptr, dbeta_ptr,
+    k_ptr, v_ptr, beta_ptr, x_ptr, h_ptr, du_ptr, dv_ptr, dbeta_ptr, g_ptr,
     T, H, N, Dk, Dv, C,
-    F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """(g) Delta rule, per chunk: the gradient through U = U0 - W h and the UT solve
-    (Tm = Xinv diag(beta), W = Tm K, U0 = Tm V), added to dK from (f):
-      dW = -dU h^T, dV = Tm^T dU, dK += Tm^T dW, dTm = dU V^T + dW K^T,
+    """(f) Delta rule, per chunk: the gradient through U = U0 - W h and the UT solve (Tm = Xinv
+    diag(beta), W = Tm K, U0 = Tm V), with h = h_n and dU complete from (e). With dW = -dU h^T:
+      dV = Tm^T dU,  dTm = dU V^T + dW K^T = dU (V - K h)^T,
       dXinv = dTm diag(beta), dbeta_j = sum_i Xinv_ij dTm_ij, dA = stril(-Xinv^T dXinv Xinv^T),
-      dbeta_i += sum_j dA_ij (K K^T)_ij, dK += G K + G^T K with G = diag(beta) dA."""
+      dbeta_i += sum_j dA_ij (K K^T)_ij, G = diag(beta) dA, stored to g [B, T, H, BT].
+    The rest of dK, Tm^T dW + G K + G^T K = -dV h^T + (G + G^T) K, is added by (g), which reads
+    h and the key blocks anyway."""
     i_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    rc, rt, mt = _rows(i_n, T, C, BT)
-    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    rc, mt = _rows(i_n, T, C, BT)
+    beta = _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     for v0 in range(0, Dv, BV):
-        h_ptrs, ms = _state_ptrs(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, v0)
-        S = tl.load(h_ptrs, mask=ms, other=0.0)
-        du = _load_rows(du_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
-        vb = _load_rows(v_ptr, b, h, rt, mt, T, H, Dv, BV, v0).to(tl.float32)
-        dw -= tl.dot(du, tl.trans(S), input_precision=F32_PREC)
-        dT += tl.dot(du, tl.trans(vb), input_precision=F32_PREC)
-    Xi = _load_rows(x_ptr, b, h, rt, mt, T, H, BT, BT, 0)
-    beta = tl.load(beta_ptr + (b * T + rt) * H + h, mask=mt, other=0.0).to(tl.float32)
-    Tm = Xi * beta[None, :]
-    for v0 in range(0, Dv, BV):
-        du = _load_rows(du_ptr, b, h, rt, mt, T, H, Dv, BV, v0)
-        _store_rows(dv_ptr, tl.dot(tl.trans(Tm), du, input_precision=F32_PREC), b, h, rt, mt,
-                    T, H, Dv, BV, v0)
-    kf = _load_rows(k_ptr, b, h, rt, mt, T, H, Dk, BK, 0).to(tl.float32)
-    dk = tl.dot(tl.trans(Tm), dw, input_precision=F32_PREC)
-    dT += tl.dot(dw, tl.trans(kf), input_precision=F32_PREC)
+        r = _load(v_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
+        for k0 in range(0, Dk, BK):  # r = V - K h, this value block
+            kf = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0).to(tl.float32)
+            S = _load_state(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
+            r -= tl.dot(kf, S, input_precision=F32_PREC)
+        du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+        dT += tl.dot(du, tl.trans(r), input_precision=F32_PREC)
+    # dA = stril(-Xinv^T dXinv Xinv^T), BN columns at a time: column block j of Xinv^T is row
+    # block j of Xinv, and K K^T's column block is K (K's rows of block j)^T.
+    Xi = _load(x_ptr, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
     dbeta = tl.sum(Xi * dT, axis=0)
-    dX = -tl.dot(tl.trans(Xi), tl.dot(dT * beta[None, :], tl.trans(Xi), input_precision=F32_PREC),
-                 input_precision=F32_PREC)
-    dA = tl.where(rc[:, None] > rc[None, :], dX, 0.0)
-    kk = tl.dot(kf, tl.trans(kf), input_precision=F32_PREC)
-    dbeta += tl.sum(dA * kk, axis=1)
-    G = dA * beta[:, None]
-    dk += tl.dot(G, kf, input_precision=F32_PREC)
-    dk += tl.dot(tl.trans(G), kf, input_precision=F32_PREC)
-    dk += _load_rows(dk_ptr, b, h, rt, mt, T, H, Dk, BK, 0)
-    _store_rows(dk_ptr, dk, b, h, rt, mt, T, H, Dk, BK, 0)
-    tl.store(dbeta_ptr + (b * T + rt) * H + h, dbeta, mask=mt)
+    dXb = dT * beta[None, :]
+    Xt = tl.trans(Xi)
+    dbeta2 = tl.zeros([BT], dtype=tl.float32)
+    for j0 in range(0, BT, _BN):
+        cj = j0 + tl.arange(0, _BN)
+        Xj = _load_rows(x_ptr, b, h, i_n, j0, T, H, BT, C, _BN, BT, 0)
+        Mj = tl.dot(dXb, tl.trans(Xj), input_precision=F32_PREC)  # [BT, BN]
+        dA = tl.where(rc[:, None] > cj[None, :], -tl.dot(Xt, Mj, input_precision=F32_PREC), 0.0)
+        kk = tl.zeros([BT, _BN], dtype=tl.float32)
+        for k0 in range(0, Dk, BK):
+            kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+            kj = _load_rows(k_ptr, b, h, i_n, j0, T, H, Dk, C, _BN, BK, k0)
+            if UPCAST:
+                kb, kj = kb.to(tl.float32), kj.to(tl.float32)
+            kk += tl.dot(kb, tl.trans(kj), input_precision=IN_PREC)
+        dbeta2 += tl.sum(dA * kk, axis=1)
+        _store(g_ptr, dA * beta[:, None], b, h, i_n, mt, T, H, BT, C, BT, _BN, j0)
+    tl.store(dbeta_ptr + (b * T + i_n * C + rc) * H + h, dbeta + dbeta2, mask=mt)
+    Tt = tl.trans(Xi * beta[None, :])
+    for v0 in range(0, Dv, BV):
+        du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+        _store(dv_ptr, tl.dot(Tt, du, input_precision=F32_PREC), b, h, i_n, mt, T, H, Dv, C, BT,
+               BV, v0)
+
+
+@triton.jit
+def _grad_kernel(
+    q_ptr, k_ptr, u_ptr, h_ptr, dh_ptr, do_ptr, dv_ptr, g_ptr, dq_ptr, dk_ptr,
+    T, H, N, Dk, Dv, C,
+    HAS_W: tl.constexpr, F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """(g) For one (key block, chunk, b*h), with h = h_n, dh = dh_n (leaving) and dP =
+    tril(dO U^T) over all value blocks:
+      dQ = dO h^T + dP K,  dK = U dh^T + dP^T Q  (float32)
+    u is U (float32) for the delta rule, v for linear attention. For the delta rule (HAS_W) dK
+    also gets the UT solve's part from (f): -dV h^T + (G + G^T) K."""
+    i_n = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    k0 = tl.program_id(0) * BK
+    rc, mt = _rows(i_n, T, C, BT)
+    dq = tl.zeros([BT, BK], dtype=tl.float32)
+    dk = tl.zeros([BT, BK], dtype=tl.float32)
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, Dv, BV):
+        dob = _load(do_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
+        ub = _load(u_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
+        S = _load_state(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
+        dS = _load_state(dh_ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
+        dq += tl.dot(dob, tl.trans(S), input_precision=F32_PREC)
+        dP += tl.dot(dob, tl.trans(ub), input_precision=F32_PREC)
+        dk += tl.dot(ub, tl.trans(dS), input_precision=F32_PREC)
+        if HAS_W:
+            dvb = _load(dv_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+            dk -= tl.dot(dvb, tl.trans(S), input_precision=F32_PREC)
+    dP = tl.where(rc[:, None] >= rc[None, :], dP, 0.0)
+    kf = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0).to(tl.float32)
+    dq += tl.dot(dP, kf, input_precision=F32_PREC)
+    _store(dq_ptr, dq, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+    qf = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0).to(tl.float32)
+    dk += tl.dot(tl.trans(dP), qf, input_precision=F32_PREC)
+    if HAS_W:
+        g = _load(g_ptr, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
+        dk += tl.dot(g + tl.trans(g), kf, input_precision=F32_PREC)
+    _store(dk_ptr, dk, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side
+
+
+def _arch(device: torch.device) -> int:
+    """The compute capability the launch compiles for (10 * major + minor); 80 off CUDA (the
+    interpreter), so the tiling there is sm_80's."""
+    if device.type != "cuda":
+        return 80
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 class _Launch(NamedTuple):
@@ -449,11 +628,34 @@ class _Launch(NamedTuple):
     Dv: int
     C: int
     BH: int
+    NK: int  # key blocks of BK
     consts: dict
     cfg: TileConfig
 
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self.T, self.H, self.N, self.Dk, self.Dv, self.C
 
-def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> _Launch:
+    def nv(self, tiles: Tiles) -> int:
+        return triton.cdiv(self.Dv, tiles.BV)
+
+    def state(self, has_w: bool, backward: bool) -> tuple[tuple[int, int, int], dict]:
+        """Grid and launch arguments of a state pass: the delta rule holds all key blocks of a
+        value block in one program (NK of them), linear attention runs one per key block."""
+        if has_w and self.NK == 2:
+            tiles = self.cfg.state_bwd2 if backward else self.cfg.state_fwd2
+        else:
+            tiles = self.cfg.state_bwd if backward else self.cfg.state_fwd
+        grid = (self.nv(tiles), 1 if has_w else self.NK, self.BH)
+        return grid, {"HAS_W": has_w, "NK": self.NK if has_w else 1, "BV": tiles.BV,
+                      "STAGES": tiles.stages, "num_warps": tiles.warps, **self.consts}
+
+    def tiles(self, tiles: Tiles) -> dict:
+        """Launch arguments of a kernel without a loop over chunks."""
+        return {**self.consts, "BV": tiles.BV, "BK": tiles.BK, "num_warps": tiles.warps}
+
+
+def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int, op: str) -> _Launch:
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     if not 1 <= chunk_size <= MAX_CHUNK:
@@ -461,27 +663,23 @@ def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> _Launch:
                          f"got {chunk_size}")
     if Dk > MAX_DK:
         raise ValueError(f"the Triton kernels take Dk <= {MAX_DK}, got {Dk}")
-    arch = 80
-    if q.is_cuda:
-        major, minor = torch.cuda.get_device_capability(q.device)
-        arch = 10 * major + minor
-    BK = key_tile(Dk)
-    cfg = tile_config(arch, BK, q.dtype)
-    if cfg is None:
-        raise ValueError(f"no Triton tiling for {q.dtype} at Dk={Dk} on sm_{arch}")
+    arch = _arch(q.device)
+    # A direct call where no tiling is spill-free (float32 delta rule) runs the half tiling: the
+    # same arithmetic, correct, with spilled registers; the dispatcher does not send it here.
+    cfg = tile_config(arch, q.dtype, op) or tile_config(arch, torch.bfloat16, op)
     in_prec, f32_prec = precisions(q.dtype)
     consts = {"UPCAST": _upcast_tiles(q.dtype), "IN_PREC": in_prec, "F32_PREC": f32_prec,
               "BT": BT, "BK": BK}
-    return _Launch(T, H, triton.cdiv(T, chunk_size), Dk, Dv, chunk_size, B * H, consts, cfg)
+    return _Launch(T, H, triton.cdiv(T, chunk_size), Dk, Dv, chunk_size, B * H,
+                   triton.cdiv(Dk, BK), consts, cfg)
 
 
 def _ut_forward(L: _Launch, k, v, beta, store_x: bool):
     W = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     U0 = torch.empty(v.shape, dtype=torch.float32, device=k.device)
     X = torch.empty(*k.shape[:3], BT, dtype=torch.float32, device=k.device) if store_x else W
-    _ut_fwd_kernel[(L.N, L.BH)](k, v, beta, W, U0, X, L.T, L.H, L.Dk, L.Dv, L.C,
-                                STORE_X=store_x, BV=L.cfg.BV, num_warps=L.cfg.num_warps,
-                                **L.consts)
+    _ut_fwd_kernel[(L.N, L.BH)](k, v, beta, W, U0, X, L.T, L.H, L.Dk, L.Dv, L.C, store_x,
+                                **L.tiles(L.cfg.ut_fwd))
     return W, U0, X
 
 
@@ -491,49 +689,51 @@ def _state_forward(L: _Launch, k, W, U0, S0):
     h = torch.empty(L.BH, L.N, L.Dk, L.Dv, dtype=torch.float32, device=k.device)
     U = torch.empty(U0.shape, dtype=torch.float32, device=k.device) if has_w else None
     S = torch.empty_like(S0)
-    grid = (triton.cdiv(L.Dv, L.cfg.BV), L.BH)
-    _state_fwd_kernel[grid](k, W if has_w else k, U0, S0, h, U if has_w else h, S,
-                            L.T, L.H, L.N, L.Dk, L.Dv, L.C, HAS_W=has_w, BV=L.cfg.BV,
-                            STAGES=L.cfg.loop_stages, num_warps=L.cfg.num_warps, **L.consts)
+    grid, args = L.state(has_w, backward=False)
+    _state_fwd_kernel[grid](k, W if has_w else k, U0, S0, h, U if has_w else h, S, *L.dims,
+                            **args)
     return h, U, S
 
 
 def _forward(L: _Launch, q, k, U, h, out_dtype):
     o = torch.empty(*q.shape[:3], L.Dv, dtype=out_dtype, device=q.device)
-    grid = (triton.cdiv(L.Dv, L.cfg.BV), L.N, L.BH)
-    _output_kernel[grid](q, k, U, h, o, L.T, L.H, L.N, L.Dk, L.Dv, L.C, BV=L.cfg.BV,
-                         num_warps=L.cfg.num_warps, **L.consts)
+    _output_kernel[(L.nv(L.cfg.output), L.N, L.BH)](q, k, U, h, o, *L.dims,
+                                                     **L.tiles(L.cfg.output))
     return o
 
 
 def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS):
-    """(d), (e), (f): gradients of q, k, v, beta (None for linear attention) and S0, float32."""
+    """(d) to (g): gradients of q, k, v, beta (None for linear attention) and S0, float32."""
     has_w = W is not None
     do = do.contiguous()
     dS = (torch.zeros(L.BH, L.Dk, L.Dv, dtype=torch.float32, device=q.device) if dS is None
           else dS.to(torch.float32).contiguous())
     du = torch.empty(*q.shape[:3], L.Dv, dtype=torch.float32, device=q.device)
-    grid_v = (triton.cdiv(L.Dv, L.cfg.BV), L.N, L.BH)
-    _local_du_kernel[grid_v](q, k, do, du, L.T, L.H, L.Dk, L.Dv, L.C, BV=L.cfg.BV,
-                             num_warps=L.cfg.num_warps, **L.consts)
     dh = torch.empty_like(h)
     dS0 = torch.empty(L.BH, L.Dk, L.Dv, dtype=torch.float32, device=q.device)
-    _state_bwd_kernel[(triton.cdiv(L.Dv, L.cfg.BV), L.BH)](
-        q, k, W if has_w else k, do, du, dS, dh, dS0, L.T, L.H, L.N, L.Dk, L.Dv, L.C,
-        HAS_W=has_w, BV=L.cfg.BV, STAGES=L.cfg.loop_stages, num_warps=L.cfg.num_warps, **L.consts)
+    local_grid = (L.nv(L.cfg.local_du), L.N, L.BH)
+    grid, args = L.state(has_w, backward=True)
+    if has_w:  # the local part of dU first: the reverse state pass completes it
+        _local_du_kernel[local_grid](q, k, do, dh, du, *L.dims, False,
+                                     **L.tiles(L.cfg.local_du))
+        _state_bwd_kernel[grid](q, k, W, do, du, dS, dh, dS0, *L.dims, **args)
+    else:  # dh first (no dU in the recurrence); then dU = dV in one parallel pass
+        _state_bwd_kernel[grid](q, k, k, do, dh, dS, dh, dS0, *L.dims, **args)
+        _local_du_kernel[local_grid](q, k, do, dh, du, *L.dims, True,
+                                     **L.tiles(L.cfg.local_du))
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty_like(dq)
-    consts = {"F32_PREC": L.consts["F32_PREC"], "BT": BT, "BK": L.consts["BK"], "BV": L.cfg.BV,
-              "num_warps": L.cfg.num_warps}
-    _grad_kernel[(L.N, L.BH)](q, k, U if has_w else v, h, dh, do, dq, dk, L.T, L.H, L.N, L.Dk,
-                              L.Dv, L.C, **consts)
-    if not has_w:  # linear attention: dV is dU
-        return dq, dk, du, None, dS0
-    dv = torch.empty_like(du)
-    dbeta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    consts["num_warps"] = L.cfg.ut_bwd_warps
-    _ut_bwd_kernel[(L.N, L.BH)](k, v, beta, X, h, du, dk, dv, dbeta, L.T, L.H, L.N, L.Dk, L.Dv,
-                                L.C, **consts)
+    dv, dbeta, G = du, None, dq  # linear attention: dV is dU; no UT solve
+    if has_w:
+        dv = torch.empty_like(du)
+        dbeta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        G = torch.empty(*q.shape[:3], BT, dtype=torch.float32, device=q.device)
+        _ut_bwd_kernel[(L.N, L.BH)](k, v, beta, X, h, du, dv, dbeta, G, *L.dims,
+                                    **L.tiles(L.cfg.ut_bwd))
+    grad = L.tiles(L.cfg.grad)
+    _grad_kernel[(triton.cdiv(L.Dk, L.cfg.grad.BK), L.N, L.BH)](
+        q, k, U if has_w else v, h, dh, do, dv, G, dq, dk, *L.dims, HAS_W=has_w,
+        **{n: grad[n] for n in ("F32_PREC", "BT", "BK", "BV", "num_warps")})
     return dq, dk, dv, dbeta, dS0
 
 
@@ -543,7 +743,7 @@ class _FastWeightsTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, S0, chunk_size, out_dtype):  # type: ignore[override]
-        L = _launch(q, v, chunk_size)
+        L = _launch(q, v, chunk_size, "linear_attn" if beta is None else "delta_rule")
         S0 = S0.to(torch.float32).contiguous()
         if beta is None:
             W, U0 = None, v

@@ -21,7 +21,7 @@ from ..._checks import (
 )
 from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
-from .._varlen import run_packed
+from .._varlen import run_packed, stack_packed_states
 from ..backend import choose_backend, fla_decay_linear_attn
 from .chunk import decay_linear_attn_chunk
 from .naive import decay_linear_attn_naive
@@ -61,6 +61,14 @@ def decay_linear_attn(
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
     if cu_seqlens is not None:
+        if choose_backend("decay_linear_attn", q, backend, mode, chunk_size) == "fla":
+            bounds, (S0,) = stack_packed_states(  # fla takes the packed batch whole
+                initial_state, cu_seqlens, q,
+                lambda st: (matrix_state(st, (1, H, Dk, Dv), q, state_dtype(q.dtype)),))
+            o, S = fla_decay_linear_attn(q, k, v, decay, scale=scale, S0=S0,
+                                         output_final_state=output_final_state,
+                                         cu_seqlens=cu_seqlens, bounds=bounds)
+            return o, (list(S.split(1)) if output_final_state else None)
         return run_packed(decay_linear_attn, (q, k, v), cu_seqlens, initial_state,
                           output_final_state, decay=decay, scale=scale, mode=mode,
                           chunk_size=chunk_size, backend=backend)

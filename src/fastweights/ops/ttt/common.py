@@ -243,7 +243,10 @@ def to_minibatches(x: torch.Tensor, p: int, b: int) -> torch.Tensor:
     mini-batch an earlier call consumed) and zero rows at the tail up to N*b."""
     B, T, H = x.shape[:3]
     N = -(-(p + T) // b)
-    x = x.movedim(1, 2)  # [B, H, T, ...]
+    # [B, H, T, ...], contiguous before the pad: F.pad with nothing to add returns its input's
+    # strides in eager mode but contiguous ones in a traced graph, whose reshape then becomes a
+    # view that fails at run time (torch.compile(dynamic=True), T a multiple of b).
+    x = x.movedim(1, 2).contiguous()
     pad = [0, 0] * (x.dim() - 3) + [p, N * b - p - T]
     return F.pad(x, pad).reshape(B, H, N, b, *x.shape[3:])
 
