@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_layer_input, check_positive_int, is_number
+from ..ops._conv import causal_depthwise_conv
 from ..ops.fwp import delta_rule, elu_plus_one, preferred_chunk_size
 from .base import Mixer, State, merge_heads, split_heads
 
@@ -117,19 +118,7 @@ class ShortConvolution(nn.Module):
                     f"got {tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__}")
             past = state.to(xt.dtype)
         full = torch.cat([past, xt], dim=2)  # [B, C, W - 1 + T]
-        # The W taps as W shifted multiply-adds, accumulated in float32 (or wider) and rounded
-        # once, as a convolution kernel does: PyTorch's CPU conv1d has no fast depthwise
-        # bfloat16/float16 kernel (it loops over the C groups, ~75 % of a 340M DeltaNet's
-        # bfloat16 decoding step), and for float32 at T = 1 this is cheaper than its dispatch.
-        acc = torch.promote_types(x.dtype, torch.float32)
-        T = xt.shape[2]
-        w = self.weight[:, 0, :].to(acc)  # [C, W]
-        y = full[:, :, :T].to(acc) * w[:, :1]
-        for j in range(1, W):
-            y = y.addcmul(full[:, :, j:j + T].to(acc), w[:, j:j + 1])
-        if self.bias is not None:
-            y = y + self.bias.to(acc)[:, None]
-        y = y.to(x.dtype)  # [B, C, T]
+        y = causal_depthwise_conv(full, self.weight, self.bias)  # [B, C, T]
         if self.activation:
             y = F.silu(y)
         return y.transpose(1, 2), full[:, :, full.shape[2] - (W - 1):]

@@ -17,6 +17,7 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
+from ..ops._conv import causal_depthwise_conv
 from ..ops.ttt import MODES, stack_inner_states, ttt_linear, ttt_mlp
 from .base import (
     Mixer,
@@ -167,8 +168,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
 
     def _conv(self, conv: nn.Conv1d, seq: torch.Tensor) -> torch.Tensor:
         """Causal depthwise convolution of seq [B, L + 3, C] (3 carried inputs first) -> [B, L, C]."""
-        y = F.conv1d(seq.transpose(1, 2), conv.weight, conv.bias, groups=conv.in_channels)
-        return y.transpose(1, 2)
+        return causal_depthwise_conv(seq.transpose(1, 2), conv.weight, conv.bias).transpose(1, 2)
 
     def _split_state(self, state: State, B: int) -> tuple[int, torch.Tensor | None, Any]:
         """(pos, conv_cache, inner) of a carried state (None: the start of a sequence)."""
