@@ -4,6 +4,16 @@ Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, C ch
 N number of chunks. Inputs ``[B, T, H, D]`` in the compute dtype with q already scaled; states
 ``S [B, H, Dk, Dv]``, ``z [B, H, Dk]``. T need not be a multiple of C: the tail is zero-padded,
 and zero keys/values/betas write nothing, so padding never changes the state.
+
+``products``: None (every product in the compute dtype), or torch.bfloat16 for the CPU
+bfloat16 path (ops/_autocast.py, float32 inputs only): the large products that no state
+depends on recursively take bfloat16 operands, and their results are widened to float32 before
+anything is added to them. PyTorch's CPU matmul reduces bfloat16 products in float32 but rounds
+its result to bfloat16 (it has no wider output for bfloat16 operands: ``out_dtype`` is
+CUDA-only), so each product's result carries one bfloat16 rounding on top of its operands'.
+States, their hand-off between chunks, the delta rule's K K^T and triangular solve, and the
+normalisers stay float32: the error is that of one bfloat16 rounding per product, not one that
+grows with the number of chunks as a bfloat16 state's would.
 """
 
 from __future__ import annotations
@@ -84,6 +94,20 @@ def _merge_heads(o: torch.Tensor, B: int, T: int) -> torch.Tensor:
     return o.view(H, B, -1, D)[:, :, :T].permute(1, 2, 0, 3)
 
 
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b in float32/float64, into ``out`` when given. bfloat16 operands (the CPU bfloat16
+    path) give a bfloat16-rounded result, widened exactly here (see the module docstring)."""
+    if a.dtype != torch.bfloat16:
+        return torch.matmul(a, b, out=out)
+    ab = a @ b
+    return ab.float() if out is None else out.copy_(ab)
+
+
+def _low(x: torch.Tensor, products: torch.dtype | None) -> torch.Tensor:
+    """x as a product operand: rounded to ``products`` (None: unchanged)."""
+    return x if products is None else x.to(products)
+
+
 def _entering_states(
     first: torch.Tensor, per_chunk: torch.Tensor, decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,37 +145,51 @@ def _entering_states(
 
 def linear_attn_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor, z0: torch.Tensor,
-    normalize: bool, eps: float, chunk_size: int,
+    normalize: bool, eps: float, chunk_size: int, products: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Intra-chunk tril(Q_c K_c^T) V_c plus inter-chunk Q_c S_prev; with ``normalize`` the
     denominator is q_t . z_prev + the row sum of tril(Q_c K_c^T) (the same scores).
 
     Per head, each product is one batched matmul over all chunks, read in place from the
-    [B, T, H, D] inputs (``_head_slices``); only the prefix sum of the chunk states is a loop."""
+    [B, T, H, D] inputs (``_head_slices``); only the prefix sum of the chunk states is a loop.
+    With ``products`` (bfloat16) the four products (K^T V, Q K^T, scores V, Q S_prev) take
+    bfloat16 operands; the chunk states are summed in float32, and the denominator is
+    q_t . z_t with z_t = z_prev + the running key sum, all float32 (the scores it would
+    otherwise sum are bfloat16-rounded)."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     C = chunk_size
     N = -(-T // C)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, S0, z0))
     qs, ks, vs = (_head_slices(x, C) for x in (q, k, v))  # H x [B*N, C, D]
+    # The product operands (the same slices without ``products``): converted once, here.
+    ql, kl, vl = (qs, ks, vs) if products is None else (
+        _head_slices(x.to(products), C) for x in (q, k, v))
     U = _per_head(H, (B * N, Dk, Dv), q, grad,  # each chunk's K^T V
-                  lambda h, out: torch.matmul(ks[h].transpose(-1, -2), vs[h], out=out))
+                  lambda h, out: _matmul(kl[h].transpose(-1, -2), vl[h], out=out))
     S_in, S = _entering_states(S0.transpose(0, 1), U.view(H, B, N, Dk, Dv))
     S_in = S_in.view(H, B * N, Dk, Dv)
+    S_inl = _low(S_in, products)
     if normalize:
         z_per = torch.stack([kh.sum(dim=1) for kh in ks]).view(H, B, N, Dk)  # chunk key sums
         z_in, z = _entering_states(z0.transpose(0, 1), z_per)
         z_in = z_in.view(H, B * N, 1, Dk)
 
     def head(h: int, out: torch.Tensor | None) -> torch.Tensor:
-        scores = (qs[h] @ ks[h].transpose(-1, -2)).tril_()  # [B*N, C, C]
-        # Q S_prev + tril(Q K^T) V, accumulated in place: baddbmm into a separate output
-        # would first copy its addend there.
-        o = torch.matmul(qs[h], S_in[h], out=out).baddbmm_(scores, vs[h])
+        scores = (ql[h] @ kl[h].transpose(-1, -2)).tril_()  # [B*N, C, C]
+        if products is None:
+            # Q S_prev + tril(Q K^T) V, accumulated in place: baddbmm into a separate output
+            # would first copy its addend there.
+            o = torch.matmul(qs[h], S_in[h], out=out).baddbmm_(scores, vs[h])
+        else:  # both terms widened to float32 before they are added
+            o = _matmul(ql[h], S_inl[h], out=out).add_(scores @ vl[h])
         if not normalize:
             return o
-        # q . z_prev as a product and a sum: a [C, Dk] x [Dk, 1] matmul per chunk is slower.
-        den = (qs[h] * z_in[h]).sum(dim=-1, keepdim=True) + scores.sum(dim=-1, keepdim=True)
+        if products is None:
+            # q . z_prev as a product and a sum: a [C, Dk] x [Dk, 1] matmul per chunk is slower.
+            den = (qs[h] * z_in[h]).sum(dim=-1, keepdim=True) + scores.sum(dim=-1, keepdim=True)
+        else:
+            den = (qs[h] * (z_in[h] + ks[h].cumsum(dim=1))).sum(dim=-1, keepdim=True)
         return o.div_(den.add_(eps)) if out is not None else o / (den + eps)
 
     o = _merge_heads(_per_head(H, (B * N, C, Dv), q, grad, head), B, T)
@@ -162,7 +200,7 @@ def linear_attn_chunk(
 
 def delta_rule_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S: torch.Tensor,
-    chunk_size: int,
+    chunk_size: int, products: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """WY/UT form (SPEC 1.4): per chunk, with A = stril(diag(beta) K K^T), X = (I + A)^-1 and
     Tm = X diag(beta), W = Tm K and U0 = Tm V (batched over all chunks); then sequentially
@@ -171,12 +209,20 @@ def delta_rule_chunk(
 
     The backward pass is written out (``_DeltaRuleChunk``): autograd would keep about 19
     [T, H, D]-sized tensors per call; this keeps q, k, v, beta, X and the chunk-entering states
-    (about 5) and recomputes W, U0 and U with three batched products."""
+    (about 5) and recomputes W, U0 and U with three batched products.
+
+    With ``products`` (bfloat16) the batched products that feed no state recursively take
+    bfloat16 operands: U0 = Tm V, Q K^T, tril(Q K^T) U and Q S_entering, and in the backward
+    the matching ones (see ``_DeltaRuleChunk``). Float32 stay: K K^T and the solve X (the
+    solve's forward error is its condition number times its input's: keep the input exact),
+    W = Tm K and the sequential hand-off U = U0 - W S, S <- S + K^T U. W multiplies the state in
+    every hand-off, so its rounding would enter each chunk's transition (I - K^T W) and compound
+    over the chunks; U0 only adds to U, so its rounding is a per-chunk error like the others'."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     qc, kc, vc = (_chunk_major(x, chunk_size) for x in (q, k, v))  # [N, B*H, C, D]
     bc = _chunk_major(beta.unsqueeze(-1), chunk_size)  # [N, B*H, C, 1]
-    o, S = _DeltaRuleChunk.apply(qc, kc, vc, bc, S.reshape(B * H, Dk, Dv))
+    o, S = _DeltaRuleChunk.apply(qc, kc, vc, bc, S.reshape(B * H, Dk, Dv), products)
     return _from_chunk_major(o, B, T), S.reshape(B, H, Dk, Dv)
 
 
@@ -203,14 +249,20 @@ class _DeltaRuleChunk(torch.autograd.Function):
     dbeta_i = sum_j dA_ij (K K^T)_ij + sum_r dTm_ri X_ri. The backward is made of
     differentiable operations; under create_graph it recomputes X and the chunk states from the
     inputs, so double backward is exact too.
+
+    ``products`` (bfloat16 or None, see ``delta_rule_chunk``): in the backward every batched
+    product takes operands in that dtype except those of the solve (dL = -X^T dX X^T, the
+    K K^T of dbeta and the (G + G^T) K of dK, the mirror of the forward's K K^T) and the
+    recomputed W; the reverse loop over chunks stays float32.
     """
 
     @staticmethod
-    def _states(kc, vc, bc, S0):
+    def _states(kc, vc, bc, S0, products):
         """X and the states entering every chunk, (X, S_in [N, BH, Dk, Dv], U, S_final)."""
         X = _delta_wy(kc, bc)
         Tm = X * bc.transpose(-1, -2)  # X diag(beta)
-        W, U = Tm @ kc, Tm @ vc  # [N, BH, C, Dk]; U holds U0 until the loop reaches its chunk
+        # [N, BH, C, Dk]; U holds U0 until the loop reaches its chunk
+        W, U = Tm @ kc, _matmul(_low(Tm, products), _low(vc, products))
         N = kc.shape[0]
         kT = kc.transpose(-1, -2)
         if torch.is_grad_enabled():  # double backward: a graph through every step
@@ -232,20 +284,31 @@ class _DeltaRuleChunk(torch.autograd.Function):
         return X, S_in, U, torch.baddbmm(S_in[N - 1], kT[N - 1], U[N - 1])
 
     @staticmethod
-    def forward(ctx, qc, kc, vc, bc, S0):  # type: ignore[override]
-        X, S_in, U, S = _DeltaRuleChunk._states(kc, vc, bc, S0)
-        qk = (qc @ kc.transpose(-1, -2)).tril_()
-        o = (qc @ S_in).flatten(0, 1).baddbmm_(qk.flatten(0, 1), U.flatten(0, 1))
+    def forward(ctx, qc, kc, vc, bc, S0, products):  # type: ignore[override]
+        X, S_in, U, S = _DeltaRuleChunk._states(kc, vc, bc, S0, products)
+        ql = _low(qc, products)
+        qk = (ql @ _low(kc, products).transpose(-1, -2)).tril_()
+        if products is None:
+            o = (qc @ S_in).flatten(0, 1).baddbmm_(qk.flatten(0, 1), U.flatten(0, 1))
+        else:  # both terms widened to float32 before they are added
+            o = _matmul(ql, _low(S_in, products)).flatten(0, 1).add_(
+                qk.flatten(0, 1) @ _low(U, products).flatten(0, 1))
         ctx.save_for_backward(qc, kc, vc, bc, S0, X, S_in)
+        ctx.products = products
         return o.unflatten(0, qc.shape[:2]), S
 
     @staticmethod
     def backward(ctx, do, dS):  # type: ignore[override]
         qc, kc, vc, bc, S0, X, S_in = ctx.saved_tensors
+        products = ctx.products
         if torch.is_grad_enabled():
             # create_graph (double backward): X and S_in were made without a graph in forward;
             # recompute them from the inputs so that second derivatives flow through them too.
-            X, S_in, _, _ = _DeltaRuleChunk._states(kc, vc, bc, S0)
+            X, S_in, _, _ = _DeltaRuleChunk._states(kc, vc, bc, S0, products)
+
+        def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # a @ b, operands in products
+            return _matmul(_low(a, products), _low(b, products))
+
         if do is None:
             do = qc.new_zeros(*qc.shape[:-1], vc.shape[-1])
         if dS is None:
@@ -255,11 +318,11 @@ class _DeltaRuleChunk(torch.autograd.Function):
         bT = bc.transpose(-1, -2)
         Tm = X * bT
         W = Tm @ kc
-        U = torch.baddbmm((Tm @ vc).flatten(0, 1), W.flatten(0, 1), S_in.flatten(0, 1),
+        U = torch.baddbmm(mm(Tm, vc).flatten(0, 1), W.flatten(0, 1), S_in.flatten(0, 1),
                           alpha=-1).unflatten(0, qc.shape[:2])  # U0 - W S_in, all chunks
         kT = kc.transpose(-1, -2)
-        dU_out = (qc @ kT).tril().transpose(-1, -2) @ do  # [N, BH, C, Dv]
-        QtdO = qc.transpose(-1, -2) @ do  # [N, BH, Dk, Dv]
+        dU_out = mm(mm(qc, kT).tril().transpose(-1, -2), do)  # [N, BH, C, Dv]
+        QtdO = mm(qc.transpose(-1, -2), do)  # [N, BH, Dk, Dv]
         g, leaving, dUs = dS, [], []
         for n in range(qc.shape[0] - 1, -1, -1):
             leaving.append(g)
@@ -271,18 +334,18 @@ class _DeltaRuleChunk(torch.autograd.Function):
         del leaving
         dU = torch.stack(dUs[::-1])  # [N, BH, C, Dv]
         del dUs
-        dmask = (do @ U.transpose(-1, -2)).tril()  # [N, BH, C, C]
-        dq = do @ S_in.transpose(-1, -2) + dmask @ kc
-        dk = dmask.transpose(-1, -2) @ qc
+        dmask = mm(do, U.transpose(-1, -2)).tril()  # [N, BH, C, C]
+        dq = mm(do, S_in.transpose(-1, -2)) + mm(dmask, kc)
+        dk = mm(dmask.transpose(-1, -2), qc)
         del dmask
-        dk = dk + U @ G_out.transpose(-1, -2)
+        dk = dk + mm(U, G_out.transpose(-1, -2))
         del U, G_out
-        dW = -(dU @ S_in.transpose(-1, -2))  # [N, BH, C, Dk]
+        dW = -mm(dU, S_in.transpose(-1, -2))  # [N, BH, C, Dk]
         TmT = Tm.transpose(-1, -2)
-        dk = dk + TmT @ dW
-        dv = TmT @ dU
+        dk = dk + mm(TmT, dW)
+        dv = mm(TmT, dU)
         del Tm, TmT
-        dTm = dW @ kT + dU @ vc.transpose(-1, -2)  # [N, BH, C, C]
+        dTm = mm(dW, kT) + mm(dU, vc.transpose(-1, -2))  # [N, BH, C, C]
         del dW, dU
         db = (dTm * X).sum(dim=-2).unsqueeze(-1)  # through Tm = X diag(beta)
         XT = X.transpose(-1, -2)
@@ -292,4 +355,4 @@ class _DeltaRuleChunk(torch.autograd.Function):
         G = bc * dA
         del dA
         dk = dk + (G + G.transpose(-1, -2)) @ kc
-        return dq, dk, dv, db, g
+        return dq, dk, dv, db, g, None

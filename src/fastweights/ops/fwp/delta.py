@@ -18,7 +18,7 @@ from ..._checks import (
     matrix_state,
     state_dtype,
 )
-from .._autocast import float32_compute
+from .._autocast import float32_states, products_dtype
 from .._varlen import run_packed, stack_packed_states
 from ..backend import choose_backend, fla_delta_rule, triton_kernels
 from .chunk import delta_rule_chunk
@@ -27,7 +27,7 @@ from .naive import delta_rule_naive
 from .recurrent import delta_rule_recurrent
 
 
-@float32_compute
+@float32_states
 def delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, scale: float = 1.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -75,7 +75,8 @@ def delta_rule(
     args = {"q": q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
             "beta": beta.to(cdtype)}
     if mode == "chunk" and T > 1:
-        o, S = delta_rule_chunk(**args, S=S0, chunk_size=min(chunk_size, T))
+        o, S = delta_rule_chunk(**args, S=S0, chunk_size=min(chunk_size, T),
+                                products=products_dtype(cdtype))
     elif mode == "naive":
         o, S = delta_rule_naive(**args, S0=S0)
     else:  # mode="recurrent", or a decoding step of mode="chunk" (see linear_attn)

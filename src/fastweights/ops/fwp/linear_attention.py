@@ -19,7 +19,7 @@ from ..._checks import (
     check_qkv,
     state_dtype,
 )
-from .._autocast import float32_compute
+from .._autocast import float32_states, products_dtype
 from .._modes import RECURRENT_MODES
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed, stack_packed_states
@@ -52,7 +52,7 @@ class LinearAttnState(NamedTuple):
         return cls(**checked_tensors(state, cls, specs, q, state_dtype(q.dtype)))
 
 
-@float32_compute
+@float32_states
 def linear_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, normalize: bool = False,
     eps: float = 1e-6, scale: float = 1.0,
@@ -110,7 +110,8 @@ def linear_attn(
     args = {"q": q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
             "normalize": normalize, "eps": eps}
     if mode == "chunk" and T > 1:
-        o, S, z = linear_attn_chunk(**args, S0=S0, z0=z0, chunk_size=min(chunk_size, T))
+        o, S, z = linear_attn_chunk(**args, S0=S0, z0=z0, chunk_size=min(chunk_size, T),
+                                    products=products_dtype(cdtype))
     elif mode == "naive":
         o, S, z = linear_attn_naive(**args, S0=S0, z0=z0)
     else:
