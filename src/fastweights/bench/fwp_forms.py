@@ -6,6 +6,16 @@ chunked form at each chunk size, and prints them next to the machine's measured 
 rate and the FLOP rate each form achieves (counted as in ``fastweights.bench.measure``).
 ``--clock cpu`` times with the process's CPU time (all threads) instead of the wall clock: on a
 machine shared with other work it counts the work done, not the time spent waiting for a core.
+The calls are timed interleaved (one call of each form per round, ``--repeats`` rounds after one
+warm-up round), so that every form sees the same machine state; the median counts.
+
+``--autocast-bf16`` adds, next to each chunked row, the same call under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` with ``FASTWEIGHTS_CPU_BF16=on``: the CPU
+bfloat16 product path (ops/_autocast.py) whatever the CPU, with its largest difference from
+the float32 row's output (relative to that output's largest magnitude). The header then gives the
+CPU model, torch's vector capability (``torch.backends.cpu.get_cpu_capability()``), whether the
+CPU has AMX-BF16 / AVX512-BF16 (what ``auto`` decides by) and the bfloat16 matmul rate:
+``python -m fastweights.bench.fwp_forms --modes chunk --autocast-bf16``.
 
 Dimension legend: B batch, T time, H heads, D head dim.
 """
@@ -13,15 +23,21 @@ Dimension legend: B batch, T time, H heads, D head dim.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ..ops import delta_rule, elu_plus_one, linear_attn, sum_norm
+from ..ops._autocast import CPU_BF16_ENV, cpu_has_fast_bf16
 from .measure import count_flops, matmul_gflops
+from .suite import cpu_info
+
+BF16_TAG = " autocast-bf16"  # suffix of the rows that take the CPU bfloat16 product path
 
 
 def _timer(clock: str) -> Callable[[Callable[[], Any]], float]:
@@ -50,6 +66,41 @@ def _pass(backward: bool, call: Callable[[], Any]) -> Callable[[], Any]:
     return lambda: call()[0].sum().backward()
 
 
+def _autocast_bf16(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` under CPU bfloat16 autocast (with FASTWEIGHTS_CPU_BF16=on: the product path)."""
+    def run() -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return call()
+
+    return run
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` for the block, then restored."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _bf16_header() -> str:
+    caps = getattr(torch.cpu, "get_capabilities", lambda: {})()
+    flags = [f for f in ("amx_bf16", "avx512_bf16", "avx512_f", "avx2") if caps.get(f)]
+    peak, n = matmul_gflops(torch.device("cpu"), torch.bfloat16, sizes=(256, 512))
+    return (f"CPU {cpu_info()['model'] or 'unknown'}; torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}; flags {','.join(flags) or 'none'}; "
+            f"fast bfloat16 (AMX-BF16/AVX512-BF16): {'yes' if cpu_has_fast_bf16() else 'no'} "
+            f"({CPU_BF16_ENV}=auto takes the {'bfloat16' if cpu_has_fast_bf16() else 'float32'} "
+            f"path); bfloat16 matmul {peak:.1f} GFLOP/s (n={n}); rows{BF16_TAG}: "
+            f"{CPU_BF16_ENV}=on under torch.autocast('cpu', dtype=torch.bfloat16)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--B", type=int, default=1)
@@ -63,7 +114,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"))
     p.add_argument("--backward", action="store_true",
                    help="time forward+backward (gradients of q, k, v, beta) instead of forward")
+    p.add_argument("--autocast-bf16", action="store_true",
+                   help="add each chunked form under CPU bfloat16 autocast with "
+                        f"{CPU_BF16_ENV}=on (the bfloat16 product path), interleaved with it")
     args = p.parse_args(argv)
+    with _env(CPU_BF16_ENV, "on") if args.autocast_bf16 else contextlib.nullcontext():
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     device = torch.device("cpu")
     x = _inputs(args.B, args.T, args.H, args.D, dtype)
@@ -75,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
           f"threads, torch {torch.__version__}, {args.clock} clock; "
           f"matmul {peak:.1f} GFLOP/s (n={n}, wall clock); "
           f"{'forward+backward' if args.backward else 'forward'}")
+    if args.autocast_bf16:
+        print(_bf16_header())
     calls = {}
     for mode in args.modes.split(","):
         sizes = [int(c) for c in args.chunk_sizes.split(",")] if mode == "chunk" else [64]
@@ -84,17 +145,30 @@ def main(argv: list[str] | None = None) -> None:
                 x["q"], x["k"], x["v"], normalize=True, mode=m, chunk_size=c))
             calls[f"delta_rule{tag}"] = _pass(args.backward, lambda m=mode, c=C: delta_rule(
                 x["qn"], x["kn"], x["v"], x["beta"], mode=m, chunk_size=c))
+            if args.autocast_bf16 and mode == "chunk":
+                for op in ("linear_attn", "delta_rule"):
+                    calls[f"{op}{tag}{BF16_TAG}"] = _autocast_bf16(calls[f"{op}{tag}"])
+    names = sorted(calls)
     with torch.enable_grad() if args.backward else torch.no_grad():
-        for name, call in sorted(calls.items()):
-            timed(call)
-            times = [timed(call) for _ in range(args.repeats)]
-            flops = count_flops(call)
-            t = statistics.median(times)
+        notes = {}
+        for name in names:  # the warm-up round; the bfloat16 rows' difference from float32
+            out = calls[name]()
+            if name.endswith(BF16_TAG) and not args.backward:
+                ref = calls[name.removesuffix(BF16_TAG)]()[0]
+                err = (out[0] - ref).abs().max() / ref.abs().max()
+                notes[name] = f"  max|o - o_float32| / max|o_float32| = {err.item():.1e}"
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name in names:
+                times[name].append(timed(calls[name]))
+        for name in names:
+            flops = count_flops(calls[name])
+            t = statistics.median(times[name])
             rate = flops / t / 1e9
             # A CPU-clock rate is per CPU-second, not comparable with the wall-clock matmul rate.
             share = f"({100 * rate / peak:5.1f}% of matmul)" if args.clock == "wall" else "per CPU-s"
-            print(f"{name:<30} {t * 1e3:9.2f} ms  {rate:7.2f} GFLOP/s {share}  "
-                  f"min {min(times) * 1e3:.2f} ms")
+            print(f"{name:<44} {t * 1e3:9.2f} ms  {rate:7.2f} GFLOP/s {share}  "
+                  f"min {min(times[name]) * 1e3:.2f} ms{notes.get(name, '')}")
 
 
 if __name__ == "__main__":

@@ -216,8 +216,11 @@ def delta_rule_chunk(
     the matching ones (see ``_DeltaRuleChunk``). Float32 stay: K K^T and the solve X (the
     solve's forward error is its condition number times its input's: keep the input exact),
     W = Tm K and the sequential hand-off U = U0 - W S, S <- S + K^T U. W multiplies the state in
-    every hand-off, so its rounding would enter each chunk's transition (I - K^T W) and compound
-    over the chunks; U0 only adds to U, so its rounding is a per-chunk error like the others'."""
+    every hand-off, so its rounding enters each chunk's transition (I - K^T W), whose error the
+    state carries into every later chunk (in one measurement, L2-normalised keys, beta in
+    [0, 2), T 4096, D 32, chunks of 32: W in bfloat16 gave 25% more output error and 30% more
+    state error against float64); U0 only adds to U, so its rounding is a per-chunk error like
+    the others'."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     qc, kc, vc = (_chunk_major(x, chunk_size) for x in (q, k, v))  # [N, B*H, C, D]
