@@ -11,10 +11,11 @@ warm-up round), so that every form sees the same machine state; the median count
 
 ``--autocast-bf16`` adds, next to each chunked row, the same call under
 ``torch.autocast("cpu", dtype=torch.bfloat16)`` with ``FASTWEIGHTS_CPU_BF16=on``: the CPU
-bfloat16 product path (ops/_autocast.py) whatever the CPU, with its largest difference from
-the float32 row's output (relative to that output's largest magnitude). The header then gives the
-CPU model, torch's vector capability (``torch.backends.cpu.get_cpu_capability()``), whether the
-CPU has AMX-BF16 / AVX512-BF16 (what ``auto`` decides by) and the bfloat16 matmul rate:
+bfloat16 product path (ops/_autocast.py) whatever the CPU, with its largest difference from the
+float32 row's output (relative to that output's largest magnitude; "% of matmul" stays the
+share of the float32 matmul rate). The header then gives the CPU model, torch's vector
+capability (``torch.backends.cpu.get_cpu_capability()``), whether the CPU has AMX-BF16 /
+AVX512-BF16 (what ``auto`` decides by) and the bfloat16 matmul rate:
 ``python -m fastweights.bench.fwp_forms --modes chunk --autocast-bf16``.
 
 Dimension legend: B batch, T time, H heads, D head dim.

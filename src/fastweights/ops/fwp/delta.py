@@ -43,6 +43,12 @@ def delta_rule(
     Returns (o [B, T, H, Dv] in q's dtype, S in float32/float64 or None).
     ``cu_seqlens`` [N + 1]: packed documents in a batch of one (see linear_attn); ``backend``
     as for linear_attn.
+
+    Precision as for linear_attn: on the CPU bfloat16 product path (CPU bfloat16 autocast and
+    ``FASTWEIGHTS_CPU_BF16`` "on", or "auto" on a CPU with AMX-BF16 / AVX512-BF16) the chunked
+    form takes bfloat16 operands in U0 = Tm V, Q K^T, tril(Q K^T) U and Q S (and the matching
+    backward products); K K^T, the triangular solve, W = Tm K and the state hand-off between
+    chunks stay float32, as does the returned state (see ops/fwp/chunk.py).
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_arg("beta", beta, (B, T, H), "[B, T, H]", q)

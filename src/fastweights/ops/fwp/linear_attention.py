@@ -69,6 +69,16 @@ def linear_attn(
     ``cu_seqlens`` [N + 1]: packed documents in a batch of one, state reset at each boundary;
     initial/final states are then lists with one state per document (see ops/_varlen.py).
     ``backend``: "fla", "triton", "torch" or None (automatic); see ops/backend.py.
+
+    Precision: float32 (float64 stays float64), autocast switched off inside, except on the CPU
+    bfloat16 product path: under ``torch.autocast("cpu", dtype=torch.bfloat16)``, with
+    ``FASTWEIGHTS_CPU_BF16`` "on", or "auto"/unset on a CPU with AMX-BF16 or AVX512-BF16, the
+    chunked form (T > 1, torch backend, float32 compute) runs its four products (K^T V, Q K^T,
+    scores V, Q S_prev) with bfloat16 operands, each result widened to float32 before it is
+    added to anything; S, z, the sum of chunk states and the denominator stay float32 (within
+    about 6 bfloat16 roundings of the terms' magnitudes; ops/_autocast.py, ops/fwp/chunk.py).
+    Any other value of the variable is a ValueError. Outputs come back in q's dtype, states in
+    float32 either way.
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_bool("normalize", normalize)
