@@ -6,9 +6,9 @@ N number of chunks. Inputs ``[B, T, H, D]`` in the compute dtype with q already 
 and zero keys/values/betas write nothing, so padding never changes the state.
 
 ``products``: None (every product in the compute dtype), or torch.bfloat16 for the CPU
-bfloat16 path (ops/_autocast.py, float32 inputs only): the large products that no state
-depends on recursively take bfloat16 operands, and their results are widened to float32 before
-anything is added to them. PyTorch's CPU matmul reduces bfloat16 products in float32 but rounds
+bfloat16 path (ops/_autocast.py, float32 inputs only): the large products outside the state
+recursion (a chunk's K^T V or U0 is added to a state, never multiplied by it) take bfloat16
+operands, and their results are widened to float32 before anything is added to them. PyTorch's CPU matmul reduces bfloat16 products in float32 but rounds
 its result to bfloat16 (it has no wider output for bfloat16 operands: ``out_dtype`` is
 CUDA-only), so each product's result carries one bfloat16 rounding on top of its operands'.
 States, their hand-off between chunks, the delta rule's K K^T and triangular solve, and the
