@@ -419,3 +419,29 @@ def test_packed_documents_take_the_path_each(monkeypatch, op):
         docs = torch.cat([run(slice(0, 25)), run(slice(25, 60))], dim=1)
     assert torch.equal(packed, docs)
     assert not torch.equal(packed, plain)
+
+
+@pytest.mark.parametrize("name", ["linear", "delta", "norm"])
+def test_layers_under_autocast_take_the_path_with_float32_states(monkeypatch, name):
+    """The layers built on linear_attn / delta_rule inherit the choice: a training step under
+    CPU bfloat16 autocast, the sequence in two pieces with the state carried, has finite
+    gradients and float32 states, and differs from the float32 path (forced off)."""
+    from fastweights import build_mixer
+
+    def step(setting):
+        monkeypatch.setenv(CPU_BF16_ENV, setting)
+        torch.manual_seed(0)
+        layer = build_mixer(name, 16, 2, chunk_size=4)
+        x = torch.randn(2, 11, 16)
+        with autocast_bf16():
+            y1, state = layer(x[:, :6])
+            y2, state = layer(x[:, 6:], state)
+        y = torch.cat([y1, y2], 1)
+        y.float().square().mean().backward()
+        grads = [p.grad for p in layer.parameters() if p.grad is not None]
+        assert grads and all(g.isfinite().all() for g in grads)
+        states = [s for s in state if isinstance(s, torch.Tensor) and s.is_floating_point()]
+        assert states and all(s.dtype == torch.float32 for s in states)
+        return y
+
+    assert not torch.equal(step("on"), step("off"))
