@@ -174,7 +174,15 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         base = cache.get(key)
         if base is None:
             base = cache[key] = 1.0 / torch.arange(1, key[0] + 1, dtype=key[1], device=key[2])
-        return (base + delta).clamp_min(0.0)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return (base + delta).clamp_min(0.0)
+        # Without gradients (decoding), tau is kept until delta changes (its version counter
+        # moves with every in-place update, e.g. an optimizer step or load_state_dict).
+        version = (key, delta._version, delta.data_ptr())
+        kept = cache.get("tau")
+        if kept is None or kept[0] != version:
+            kept = cache["tau"] = (version, (base + delta).clamp_min(0.0))
+        return kept[1]
 
     def _conv(self, conv: nn.Conv1d, seq: torch.Tensor) -> torch.Tensor:
         """Causal depthwise convolution of seq [B, L + 3, C] (3 carried inputs first) -> [B, L, C]."""
@@ -255,7 +263,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         elif not self.rope:
             q, k = split_heads(q, H), split_heads(k, H)
         gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((*x.shape[:2], H), 0.5)
-        eta = self.eta_base * self.eta_scale * gate / D  # [B, T, H]
+        eta = gate * (self.eta_base * self.eta_scale / D)  # [B, T, H]
         norm = {"ln_weight": self.ln_weight if self.inner_norm else None,
                 "ln_bias": self.ln_bias if self.inner_norm else None}
         tau = self.token_scale()

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ..._checks import state_dtype
 from .._autocast import float32_compute
 from .common import Carry, Weights
-from .step import _apply, _finish, _loss_grad, _norm, _place, _rows
+from .step import _finish, _loss_grad, _norm
 
 Rows = tuple[torch.Tensor, ...]  # per inner layer (X [B, H, r, Din], EG [B, H, r, Dout])
 
@@ -142,21 +142,21 @@ def _append(rows: torch.Tensor, x: torch.Tensor, hot: torch.Tensor | None) -> to
 
 
 def _read(x: torch.Tensor, z0: torch.Tensor, X: torch.Tensor, EG: torch.Tensor, bias: bool,
-          prior: tuple[torch.Tensor | None, torch.Tensor | None] | None,
+          prior: tuple[torch.Tensor, torch.Tensor | None] | None,
           t: torch.Tensor) -> torch.Tensor:
     """x W_i + b_i for rows x [BH, 1, Din] given z0 = x W_0 + b_0 [BH, 1, Dout]:
-    z0 - t (x S_prior + s_prior + (x X^T [+ 1]) EG), X [BH, r, Din], EG [BH, r, Dout],
-    t [BH, 1, 1]."""
-    coef = torch.bmm(x, X.transpose(1, 2))  # [BH, 1, r]
+    z0 - t (x S_prior + s_prior + (x X^T [+ 1]) EG), X [B, H, r, Din], EG [B, H, r, Dout],
+    t [BH, 1, 1] or a scalar."""
+    coef = torch.bmm(x, X.flatten(0, 1).transpose(1, 2))  # [BH, 1, r]
     if bias:
         coef = coef + 1.0  # a bias's input is 1 (rows not yet written have EG = 0)
     if prior is None:
-        corr = torch.bmm(coef, EG)
+        corr = torch.bmm(coef, EG.flatten(0, 1))
     else:
         pW, pb = prior
-        base = torch.bmm(x, _rows(pW)) if pb is None else torch.baddbmm(
-            pb.reshape(x.shape[0], 1, -1), x, _rows(pW))
-        corr = torch.baddbmm(base, coef, EG)
+        base = torch.bmm(x, pW.flatten(0, 1)) if pb is None else torch.baddbmm(
+            pb.reshape(x.shape[0], 1, -1), x, pW.flatten(0, 1))
+        corr = torch.baddbmm(base, coef, EG.flatten(0, 1))
     return torch.addcmul(z0, t, corr, value=-1.0)
 
 
@@ -164,19 +164,19 @@ def _commit(carry: DecodeCarry, rows: Rows, tau: torch.Tensor, b: int) -> Decode
     """The carry after the token, ``rows`` holding it: a mini-batch the token completes makes
     W_0 - tau_b S its next start weights and clears its rows (and prior)."""
     pos = carry.pos + 1
-    prior, steps = carry.prior, max(carry.prior_steps - 1, 0)
-    if steps == 0:
-        prior = None  # zero in every row by now
+    prior, steps = carry.prior, carry.prior_steps - 1
+    if steps <= 0:
+        prior, steps = None, 0  # zero in every row by now
     if isinstance(pos, int):
         if pos < b:
             return DecodeCarry(carry.start, prior, rows, pos, steps)
         full = carry._replace(rows=rows)
-        t = tau[:, b - 1]
+        t = tau[..., b - 1]  # a scalar, or [H]
         start = tuple(None if w is None else w - t.view(1, -1, *[1] * (w.dim() - 2)) * s
                       for w, s in zip(carry.start, full.sums()))
         return DecodeCarry(start, None, _empty_rows(start, len(rows) // 2, 0), 0, 0)
     done = pos == b  # [B] rows whose mini-batch this token completes
-    t = tau[:, b - 1]
+    t = tau[..., b - 1]  # a scalar, or [H]
     if torch.compiler.is_compiling():
         return _commit_where(carry, rows, prior, done, pos, t, steps)
     idx = done.nonzero().squeeze(1)
@@ -212,57 +212,94 @@ def _commit_where(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: t
     return DecodeCarry(start, prior, rows, pos.masked_fill(done, 0), steps)
 
 
-def _hot(carry: DecodeCarry, b: int) -> torch.Tensor | None:
-    """[B, 1, b, 1] one-hot of each row's place (per-row places), else None."""
+def _scales(carry: DecodeCarry, tau: torch.Tensor, eta: torch.Tensor, B: int, H: int, b: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(t, e, hot): the token's tau_i as a scalar or [BH, 1, 1], eta as [BH, 1, 1] and, for
+    per-row places, the one-hot [B, 1, b, 1] of each row's place (else None)."""
+    e = eta.reshape(B * H, 1, 1)
     if isinstance(carry.pos, int):
-        return None
-    return (torch.arange(b, device=carry.pos.device) == carry.pos.unsqueeze(1)).to(
-        carry.rows[0].dtype).view(-1, 1, b, 1)
+        t = tau[carry.pos] if tau.dim() == 1 else tau[:, carry.pos].repeat(B).view(-1, 1, 1)
+        return t, e, None
+    pos = carry.pos
+    t = (tau[pos].unsqueeze(1) if tau.dim() == 1 else tau.t()[pos]).expand(B, H).reshape(-1, 1, 1)
+    hot = (torch.arange(b, device=pos.device) == pos.unsqueeze(1)).to(e.dtype).view(-1, 1, b, 1)
+    return t, e, hot
+
+
+def _layer_norm_grad(z: torch.Tensor, target: torch.Tensor, norm: Any) -> torch.Tensor:
+    """``step._loss_grad`` for rows z, target [BH, 1, Dv] with norm's gamma, beta [H, 1, Dv]
+    (viewed as [B, H, 1, Dv] to broadcast)."""
+    if norm is None:
+        return z - target
+    B_H, _, Dv = z.shape
+    z4, t4 = z.view(-1, norm[0].shape[0], 1, Dv), target.view(-1, norm[0].shape[0], 1, Dv)
+    return _loss_grad(z4, t4, norm).view(B_H, 1, Dv)
+
+
+def _out(z: torch.Tensor, q: torch.Tensor, norm: Any, residual: bool, B: int, H: int
+         ) -> torch.Tensor:
+    """Rows z [BH, 1, Dv] (q [BH, 1, Dk]) -> o [B, 1, H, Dv]: LayerNorm and residual."""
+    return _finish(z.view(B, H, 1, -1), q.view(B, H, 1, -1) if residual else q, norm, residual)
+
+
+def _bias_rows(w: torch.Tensor | None, BH: int) -> torch.Tensor | None:
+    return None if w is None else w.reshape(BH, 1, -1)
+
+
+def _linear_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor,
+                 carry: DecodeCarry, norm: Any, residual: bool, tau: torch.Tensor
+                 ) -> tuple[torch.Tensor, DecodeCarry]:
+    """TTT-Linear, one token: q, k [B, 1, H, Dk], v [B, 1, H, Dv], eta [B, 1, H]."""
+    B, _, H, Dk = q.shape
+    BH, b = B * H, tau.shape[-1]
+    W, bias = carry.start
+    t, e, hot = _scales(carry, tau, eta, B, H, b)
+    kq = torch.stack([k, q], dim=3).view(BH, 2, Dk)  # per (batch, head): the key, the query
+    z = torch.baddbmm(bias.reshape(BH, 1, -1), kq, W.flatten(0, 1)) if bias is not None \
+        else torch.bmm(kq, W.flatten(0, 1))  # [BH, 2, Dv]
+    kr, qr = kq.split(1, dim=1)
+    zk, zq = z.split(1, dim=1)
+    vr = v.reshape(BH, 1, -1)
+    eg = e * _layer_norm_grad(zk, vr - kr if residual else vr, norm)
+    X, EG = (_append(carry.rows[0], kr.view(B, H, 1, Dk), hot),
+             _append(carry.rows[1], eg.view(B, H, 1, -1), hot))
+    zq = _read(qr, zq, X, EG, bias is not None, _prior(carry, 0), t)
+    return _out(zq, qr, norm, residual, B, H), _commit(carry, (X, EG), tau, b)
 
 
 def _prior(carry: DecodeCarry, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     return None if carry.prior is None else (carry.prior[2 * layer], carry.prior[2 * layer + 1])
 
 
-def _linear_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor,
-                 carry: DecodeCarry, norm: Any, residual: bool, tau: torch.Tensor
-                 ) -> tuple[torch.Tensor, DecodeCarry]:
-    """TTT-Linear, one token: q, k [B, H, 1, Dk], v [B, H, 1, Dv], e = eta [B, H, 1, 1]."""
-    b = tau.shape[-1]
-    W, bias = carry.start
-    t = _place(carry, tau).expand(*q.shape[:2], 1, 1).reshape(-1, 1, 1)
-    z = _apply(_rows(torch.cat([k, q], dim=2)), W, bias)  # [BH, 2, Dv]: the key and query
-    G = _loss_grad(z[:, :1].view(v.shape), v - k if residual else v, norm)
-    hot = _hot(carry, b)
-    X, EG = _append(carry.rows[0], k, hot), _append(carry.rows[1], e * G, hot)
-    zq = _read(_rows(q), z[:, 1:], _rows(X), _rows(EG), bias is not None, _prior(carry, 0), t)
-    return _finish(zq.view(v.shape), q, norm, residual), _commit(carry, (X, EG), tau, b)
-
-
-def _mlp_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor,
+def _mlp_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor,
               carry: DecodeCarry, norm: Any, residual: bool, tau: torch.Tensor
               ) -> tuple[torch.Tensor, DecodeCarry]:
     """TTT-MLP, one token (shapes as ``_linear_step``)."""
-    b = tau.shape[-1]
-    B, H = q.shape[:2]
+    B, _, H, Dk = q.shape
+    BH, b = B * H, tau.shape[-1]
     W1, b1, W2, b2 = carry.start
-    t = _place(carry, tau).expand(B, H, 1, 1).reshape(-1, 1, 1)
-    Z1 = _apply(_rows(torch.cat([k, q], dim=2)), W1, b1)  # [BH, 2, Dh]: the key and query
-    Z1k = Z1[:, :1]
+    W1r, W2r, b2r = W1.flatten(0, 1), W2.flatten(0, 1), _bias_rows(b2, BH)
+    t, e, hot = _scales(carry, tau, eta, B, H, b)
+    kq = torch.stack([k, q], dim=3).view(BH, 2, Dk)  # per (batch, head): the key, the query
+    Z1 = torch.baddbmm(b1.reshape(BH, 1, -1), kq, W1r) if b1 is not None else torch.bmm(kq, W1r)
+    kr, qr = kq.split(1, dim=1)
+    Z1k, Z1q = Z1.split(1, dim=1)  # [BH, 1, Dh] each
     X2 = F.gelu(Z1k, approximate="tanh")
-    G2 = _loss_grad(_apply(X2, W2, b2).view(v.shape), v - k if residual else v, norm)
+    Z2 = torch.baddbmm(b2r, X2, W2r) if b2 is not None else torch.bmm(X2, W2r)
+    vr = v.reshape(BH, 1, -1)
+    G2 = _layer_norm_grad(Z2, vr - kr if residual else vr, norm)  # [BH, 1, Dv]
     # dl/dZ1 = (G2 W2^T) * gelu'(Z1): gelu_backward is exactly that product for the tanh GELU.
-    G1 = torch.ops.aten.gelu_backward(torch.bmm(_rows(G2), _rows(W2).transpose(-1, -2)), Z1k,
-                                      approximate="tanh")
-    hot = _hot(carry, b)
-    X1s, EG1s = _append(carry.rows[0], k, hot), _append(carry.rows[1], e * G1.view(B, H, 1, -1), hot)
-    X2s, EG2s = _append(carry.rows[2], X2.view(B, H, 1, -1), hot), _append(carry.rows[3], e * G2, hot)
-    z1 = _read(_rows(q), Z1[:, 1:], _rows(X1s), _rows(EG1s), b1 is not None, _prior(carry, 0), t)
+    G1 = torch.ops.aten.gelu_backward(torch.bmm(G2, W2r.transpose(1, 2)), Z1k, approximate="tanh")
+    rows = carry.rows
+    X1s = _append(rows[0], kr.view(B, H, 1, Dk), hot)
+    EG1s = _append(rows[1], (e * G1).view(B, H, 1, -1), hot)
+    X2s = _append(rows[2], X2.view(B, H, 1, -1), hot)
+    EG2s = _append(rows[3], (e * G2).view(B, H, 1, -1), hot)
+    z1 = _read(qr, Z1q, X1s, EG1s, b1 is not None, _prior(carry, 0), t)
     x2 = F.gelu(z1, approximate="tanh")
-    z2 = _read(x2, _apply(x2, W2, b2), _rows(X2s), _rows(EG2s), b2 is not None,
-               _prior(carry, 1), t)
-    return (_finish(z2.view(v.shape), q, norm, residual),
-            _commit(carry, (X1s, EG1s, X2s, EG2s), tau, b))
+    z2 = torch.baddbmm(b2r, x2, W2r) if b2 is not None else torch.bmm(x2, W2r)
+    z2 = _read(x2, z2, X2s, EG2s, b2 is not None, _prior(carry, 1), t)
+    return _out(z2, qr, norm, residual, B, H), _commit(carry, (X1s, EG1s, X2s, EG2s), tau, b)
 
 
 @float32_compute
@@ -290,12 +327,10 @@ def ttt_decode_step(
     def cast(x: torch.Tensor | None) -> torch.Tensor | None:
         return x if x is None or x.dtype == cdtype else x.to(cdtype)
 
-    tau = q.new_ones(H, b, dtype=cdtype) if token_scale is None else cast(token_scale)
-    tau = tau if tau.dim() == 2 else tau.expand(H, b)
-    qh, kh, vh = (cast(x).transpose(1, 2) for x in (q, k, v))  # [B, H, 1, D]
-    e = cast(eta).transpose(1, 2).unsqueeze(-1)  # [B, H, 1, 1]
+    tau = q.new_ones(b, dtype=cdtype) if token_scale is None else cast(token_scale)
     step = _linear_step if kind == "linear" else _mlp_step
-    o, carry = step(qh, kh, vh, e, carry, _norm(cast(ln_weight), cast(ln_bias)), residual, tau)
+    o, carry = step(cast(q), cast(k), cast(v), cast(eta), carry,
+                    _norm(cast(ln_weight), cast(ln_bias)), residual, tau)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), carry
 
 
