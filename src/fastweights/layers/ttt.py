@@ -18,7 +18,16 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops._conv import causal_depthwise_conv
-from ..ops.ttt import MODES, stack_inner_states, ttt_linear, ttt_mlp
+from ..ops.ttt import (
+    MODES,
+    DecodeCarry,
+    stack_decode_carries,
+    to_op_state,
+    ttt_decode_step,
+    ttt_linear,
+    ttt_mlp,
+)
+from ..ops.ttt.decode import decode_carry
 from .base import (
     Mixer,
     Option,
@@ -85,6 +94,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     """
 
     op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
+    kind = "linear"  # the op's kind for the decoding step; TTTMLP sets "mlp"
     eta_warmup_from: float | None = None  # start of the inner learning-rate ramp, None: no ramp
 
     options = declare_options(
@@ -164,7 +174,15 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         base = cache.get(key)
         if base is None:
             base = cache[key] = 1.0 / torch.arange(1, key[0] + 1, dtype=key[1], device=key[2])
-        return (base + delta).clamp_min(0.0)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return (base + delta).clamp_min(0.0)
+        # Without gradients (decoding), tau is kept until delta changes (its version counter
+        # moves with every in-place update, e.g. an optimizer step or load_state_dict).
+        version = (key, delta._version, delta.data_ptr())
+        kept = cache.get("tau")
+        if kept is None or kept[0] != version:
+            kept = cache["tau"] = (version, (base + delta).clamp_min(0.0))
+        return kept[1]
 
     def _conv(self, conv: nn.Conv1d, seq: torch.Tensor) -> torch.Tensor:
         """Causal depthwise convolution of seq [B, L + 3, C] (3 carried inputs first) -> [B, L, C]."""
@@ -245,18 +263,28 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         elif not self.rope:
             q, k = split_heads(q, H), split_heads(k, H)
         gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((*x.shape[:2], H), 0.5)
-        eta = self.eta_base * self.eta_scale * gate / D  # [B, T, H]
-        if all(s is None for s in inners):
-            inner = self._learned()  # the op shares one start state among packed documents
+        eta = gate * (self.eta_base * self.eta_scale / D)  # [B, T, H]
+        norm = {"ln_weight": self.ln_weight if self.inner_norm else None,
+                "ln_bias": self.ln_bias if self.inner_norm else None}
+        tau = self.token_scale()
+        if T == 1 and self.mode == "dual" and cu_seqlens is None:
+            # A decoding step: the mini-batch carried as rows, weights written only when it
+            # completes (ops/ttt/decode.py); the state stays a DecodeCarry while decoding.
+            o, inner = ttt_decode_step(
+                self.kind, q, k, v, eta, state=self._learned() if inners[0] is None else inners[0],
+                residual=self.residual, mini_batch_size=b, token_scale=tau, **norm)
         else:
-            inner = packed_or_single([self._learned() if s is None else s for s in inners],
-                                     cu_seqlens)
-        o, inner = self.op(
-            q, k, v, eta, initial_state=inner,
-            ln_weight=self.ln_weight if self.inner_norm else None,
-            ln_bias=self.ln_bias if self.inner_norm else None, residual=self.residual,
-            mini_batch_size=b, token_scale=self.token_scale(), output_final_state=True,
-            mode=self.mode, checkpoint_group=self.checkpoint_group, cu_seqlens=cu_seqlens)
+            inners = [to_op_state(s, tau) if isinstance(s, DecodeCarry) else s for s in inners]
+            if all(s is None for s in inners):
+                inner = self._learned()  # the op shares one start state among packed documents
+            else:
+                inner = packed_or_single([self._learned() if s is None else s for s in inners],
+                                         cu_seqlens)
+            o, inner = self.op(
+                q, k, v, eta, initial_state=inner, residual=self.residual,
+                mini_batch_size=b, token_scale=tau, output_final_state=True,
+                mode=self.mode, checkpoint_group=self.checkpoint_group, cu_seqlens=cu_seqlens,
+                **norm)
         y = self.post_norm(merge_heads(o))
         if self.mamba_backbone:
             y = y * F.gelu(self.gate(x), approximate="tanh")
@@ -280,11 +308,12 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         parts = [self._split_state(state, 1) for state in states]
         if any(inner is None for _, _, inner in parts):
             raise ValueError("stack_states needs states returned by forward (not None)")
-        places = [torch.as_tensor(p, device=self.token_offset.device).reshape(-1)
-                  for p, _, _ in parts]
-        inner = stack_inner_states([inner for _, _, inner in parts], places, self.token_scale())
+        H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
+        like = self.token_offset.new_empty(1, 1, H, D)
+        carries = [decode_carry(inner, self.kind, 1, H, D, D, b, like) for _, _, inner in parts]
+        inner = stack_decode_carries(carries, b)
         conv = None if parts[0][1] is None else cat_rows([c for _, c, _ in parts], "conv_cache")
-        return TTTLayerState(inner[-1], conv, inner)
+        return TTTLayerState(inner.pos, conv, inner)
 
     def state_size(self, seq_len: int = 1) -> int:
         """Floats carried at most: the inner weights, and while a mini-batch is partly filled also
@@ -322,6 +351,7 @@ class TTTMLP(_TTTLayer):
     size 4 D, eta_base 0.1 (SPEC 2.6). Options and state as described in ``_TTTLayer``."""
 
     op = staticmethod(ttt_mlp)
+    kind = "mlp"
     eta_warmup_from: float | None = 0.1  # SPEC 2.6: eta ramps from 10% to 100% over warm-up
     options = declare_options(**{**_TTTLayer.options, "eta_base": Option(float, 0.1)})
 

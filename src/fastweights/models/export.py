@@ -165,15 +165,18 @@ def export_forward(model: LanguageModel, input_ids: torch.Tensor, *,
         return torch.export.export(ForwardModule(model), (ids,), dynamic_shapes=shapes)
 
 
-def _step_shapes(layout: StateLayout, before: list[torch.Tensor],
-                 after: list[torch.Tensor]) -> tuple[Any, ...]:
+def _step_shapes(layout: StateLayout, before: list[torch.Tensor], after_layout: StateLayout,
+                 after: list[torch.Tensor]) -> tuple[Any, ...] | None:
     """Dynamic-shape spec of (input_ids, *state): every state dim that a step changes (a cache
-    that grows by one token) is ``Dim.DYNAMIC`` (export fails rather than specialise it); the rest is static."""
+    that grows by one token) is ``Dim.DYNAMIC`` (export fails rather than specialise it); the
+    rest is static. None (all static) when the step returns a state of another layout (a
+    position counter or the structure changes): no program could take its own output then, and
+    a shape tied to such a constant is one the trace specialises."""
+    if not after_layout.same_as(layout):
+        return None
     specs: list[Any] = []
-    same = [a.shape for a in after] if len(after) == len(before) else [None] * len(before)
-    for t, shape_after in zip(before, same):
-        dims = {d: torch.export.Dim.DYNAMIC for d in range(t.dim())
-                if shape_after is None or shape_after[d] != t.shape[d]}
+    for t, a in zip(before, after):
+        dims = {d: torch.export.Dim.DYNAMIC for d in range(t.dim()) if a.shape[d] != t.shape[d]}
         specs.append(dims or None)
     return (None, tuple(specs))  # StepModule.forward(input_ids, *state)
 
@@ -196,7 +199,7 @@ def export_step(model: LanguageModel, state: LMState, input_ids: torch.Tensor, *
     with _eval(model), torch.no_grad():
         _, new = model(ids, state)  # eager: checks the state and finds the growing dims
         after, out_layout = flatten_state(new)
-        shapes = _step_shapes(layout, tensors, after) if dynamic else None
+        shapes = _step_shapes(layout, tensors, out_layout, after) if dynamic else None
         program = torch.export.export(StepModule(model, layout), (ids, *tensors),
                                       dynamic_shapes=shapes)
     grows = any(a.shape != b.shape for a, b in zip(after, tensors))
@@ -217,13 +220,14 @@ def export_step_onnx(model: LanguageModel, state: LMState, input_ids: torch.Tens
     tensors, layout = flatten_state(state)
     with _eval(model), torch.no_grad():
         _, new = model(ids, state)
-        after, _ = flatten_state(new)
+        after, out_layout = flatten_state(new)
         names = [f"state_{i}" for i in range(len(tensors))]
         out_names = [f"new_state_{i}" for i in range(len(after))]
         torch.onnx.export(
             StepModule(model, layout), (ids, *tensors), path, dynamo=True,
             input_names=["input_ids", *names], output_names=["logits", *out_names],
-            dynamic_shapes=_step_shapes(layout, tensors, after) if dynamic else None, verbose=False)
+            dynamic_shapes=_step_shapes(layout, tensors, out_layout, after) if dynamic else None,
+            verbose=False)
 
 
 def layout_json(layout: StateLayout, tensors: list[torch.Tensor]) -> str:

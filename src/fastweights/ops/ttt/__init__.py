@@ -13,6 +13,8 @@ and return outputs in the input dtype with float32-or-wider states.
 """
 
 from .common import Carry, stack_inner_states
+from .decode import DecodeCarry, stack_decode_carries, to_op_state, ttt_decode_step
 from .inner_loop import MODES, ttt_linear, ttt_mlp
 
-__all__ = ["MODES", "Carry", "stack_inner_states", "ttt_linear", "ttt_mlp"]
+__all__ = ["MODES", "Carry", "DecodeCarry", "stack_decode_carries", "stack_inner_states",
+           "to_op_state", "ttt_decode_step", "ttt_linear", "ttt_mlp"]

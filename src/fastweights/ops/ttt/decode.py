@@ -1,0 +1,338 @@
+"""The TTT layers' decoding step (SPEC.md 2.3, one token at a time) in the dual form's terms:
+the current mini-batch is carried as rows, never as materialised weights.
+
+Within a mini-batch every gradient is taken at the start weights W_0, so the weights after
+token i are W_i = W_0 - tau_i S_i with S_i = sum_{j<=i} x_j^T (eta_j g_j), a sum of rank-one
+terms. A query reads x_q W_i = x_q W_0 - tau_i (x_q X^T) EG with X, EG the mini-batch's input
+rows and eta-scaled output gradients so far (SPEC 2.4's dual form, one row at a time); a bias
+adds 1 to every coefficient (its input is 1). The public ops' step (step.py) must return the
+current weights after every token, which costs ~15 passes over the inner weights per token for
+TTT-MLP (the sums and W_i are rewritten each time); this form reads the start weights four times
+(TTT-MLP: [k; q] through W1_0 in one product, then W2_0 for the key, its gradient and the query)
+and two for TTT-Linear, and writes weights only when a mini-batch completes.
+
+``DecodeCarry`` is a layer state, not an op state: the public ops' states stay as DESIGN.md fixes
+them (current weights first). ``to_op_state`` turns a carry back into one, ``decode_carry``
+turns an op state (or the learned initial weights) into one; an op state that ends inside a
+mini-batch holds only its sums, which the carry keeps as ``prior`` until that mini-batch
+completes.
+
+Dimension legend: B batch, H heads, Dk key/query dim, Dv value dim, Dh = 4 Dk (MLP hidden),
+b mini-batch size, r rows of the current mini-batch held (pos for one place, b for per-row
+places).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..._checks import state_dtype
+from .._autocast import float32_compute
+from .common import Carry, Weights
+from .step import _finish, _loss_grad, _norm
+
+Rows = tuple[torch.Tensor, ...]  # per inner layer (X [B, H, r, Din], EG [B, H, r, Dout])
+
+
+class DecodeCarry(NamedTuple):
+    """A TTT layer's inner state between decoding steps.
+
+    start: weights at the start of the current mini-batch, [B, H, ...] (biases may be None).
+    prior: gradient sums the carry was given by an op state that ended inside a mini-batch
+        (same layout as ``start``), or None; zero in rows whose mini-batch has since completed.
+    rows: (X, EG) per inner layer (TTT-Linear one, TTT-MLP two): the inputs [B, H, r, Din] and
+        eta * dl/d(output) [B, H, r, Dout] of the tokens of the current mini-batch consumed here.
+        With an int ``pos`` they hold the pos - (tokens covered by ``prior``) newest tokens;
+        with per-row places they are [B, H, b, D] buffers, zero in rows not yet written.
+    pos: tokens of the current mini-batch consumed, an int in [0, b) or a long tensor [B].
+    prior_steps: steps after which ``prior`` is zero in every row (it is then dropped).
+    """
+
+    start: Weights
+    prior: Weights | None
+    rows: Rows
+    pos: int | torch.Tensor
+    prior_steps: int
+
+    def sums(self) -> Weights:
+        """The gradient sums S of the current mini-batch so far (``prior`` + X^T EG), biases'
+        sums EG summed over rows; the op states' ``grads``."""
+        out = []
+        for i, w in enumerate(self.start):
+            X, EG = self.rows[i // 2 * 2], self.rows[i // 2 * 2 + 1]
+            if w is None:
+                out.append(None)
+                continue
+            s = EG.sum(2) if i % 2 else X.transpose(-1, -2) @ EG
+            out.append(s if self.prior is None else s + self.prior[i])
+        return tuple(out)
+
+
+def _empty_rows(start: Weights, n_layers: int, r: int) -> Rows:
+    """Zero rows [B, H, r, D] for every inner layer's inputs and output gradients."""
+    W = [w for w in start[::2]]
+    rows = []
+    for w in W[:n_layers]:
+        B, H, Din, Dout = w.shape
+        rows += [w.new_zeros(B, H, r, Din), w.new_zeros(B, H, r, Dout)]
+    return tuple(rows)
+
+
+def decode_carry(state: Any, kind: str, B: int, H: int, Dk: int, Dv: int, b: int,
+                 q: torch.Tensor) -> DecodeCarry:
+    """``state`` as a DecodeCarry: a DecodeCarry as it is, or an op state / initial weights
+    (checked by ``Carry.check``, a batch of 1 broadcast) without rows."""
+    if isinstance(state, DecodeCarry):
+        return state
+    carry = Carry.check(state, kind, B, H, Dk, Dv, b, q)
+    n_layers = len(carry.start) // 2
+    per_row = isinstance(carry.pos, torch.Tensor)
+    rows = _empty_rows(carry.start, n_layers, b if per_row else 0)
+    if carry.grads is None:
+        return DecodeCarry(carry.start, None, rows, carry.pos, 0)
+    steps = b - (int(carry.pos.min()) if per_row else carry.pos)
+    return DecodeCarry(carry.start, carry.grads, rows, carry.pos, steps)
+
+
+def to_op_state(carry: DecodeCarry, tau: torch.Tensor) -> tuple[Any, ...]:
+    """The op state (``ttt_linear`` / ``ttt_mlp`` layout) equal to ``carry``; tau [b] or [H, b]."""
+    per_row = isinstance(carry.pos, torch.Tensor)
+    if not per_row and carry.pos == 0:
+        return carry.start
+    tau = tau.to(carry.start[0].dtype)
+    tau = tau if tau.dim() == 2 else tau.expand(carry.start[0].shape[1], -1)
+    return Carry(carry.start, carry.sums(), carry.pos).final_state(tau)
+
+
+def stack_decode_carries(carries: Sequence[DecodeCarry], b: int) -> DecodeCarry:
+    """One carry whose row i continues ``carries[i]`` (batch B_i each) at its own place: per-row
+    places (long tensor [sum B_i]), rows padded to b-row buffers, ``prior`` zero where absent."""
+    def buffer(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        if isinstance(p, torch.Tensor) or x.shape[2] == b:
+            return x
+        return F.pad(x, (0, 0, 0, b - x.shape[2]))
+
+    def cat(items: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if items[0] is None else torch.cat(items)
+
+    start = tuple(cat([c.start[i] for c in carries]) for i in range(len(carries[0].start)))
+    rows = tuple(cat([buffer(c.rows[i], c.pos) for c in carries])
+                 for i in range(len(carries[0].rows)))
+    prior = None
+    if any(c.prior is not None for c in carries):
+        prior = tuple(None if w is None else cat(
+            [torch.zeros_like(c.start[i]) if c.prior is None else c.prior[i] for c in carries])
+            for i, w in enumerate(carries[0].start))
+    device = carries[0].start[0].device
+    pos = torch.cat([torch.as_tensor(c.pos, device=device, dtype=torch.long).reshape(-1).expand(
+        c.start[0].shape[0]) for c in carries])
+    return DecodeCarry(start, prior, rows, pos, max(c.prior_steps for c in carries))
+
+
+def _append(rows: torch.Tensor, x: torch.Tensor, hot: torch.Tensor | None) -> torch.Tensor:
+    """rows [B, H, r, D] with x [B, H, 1, D] as its next row: appended (one place for all
+    rows) or written at each row's place (``hot`` [B, 1, b, 1], the rows there are zero)."""
+    if hot is not None:
+        return torch.addcmul(rows, hot, x)
+    return x if rows.shape[2] == 0 else torch.cat([rows, x], dim=2)
+
+
+def _read(x: torch.Tensor, z0: torch.Tensor, X: torch.Tensor, EG: torch.Tensor, bias: bool,
+          prior: tuple[torch.Tensor, torch.Tensor | None] | None,
+          t: torch.Tensor) -> torch.Tensor:
+    """x W_i + b_i for rows x [BH, 1, Din] given z0 = x W_0 + b_0 [BH, 1, Dout]:
+    z0 - t (x S_prior + s_prior + (x X^T [+ 1]) EG), X [B, H, r, Din], EG [B, H, r, Dout],
+    t [BH, 1, 1] or a scalar."""
+    coef = torch.bmm(x, X.flatten(0, 1).transpose(1, 2))  # [BH, 1, r]
+    if bias:
+        coef = coef + 1.0  # a bias's input is 1 (rows not yet written have EG = 0)
+    if prior is None:
+        corr = torch.bmm(coef, EG.flatten(0, 1))
+    else:
+        pW, pb = prior
+        base = torch.bmm(x, pW.flatten(0, 1)) if pb is None else torch.baddbmm(
+            pb.reshape(x.shape[0], 1, -1), x, pW.flatten(0, 1))
+        corr = torch.baddbmm(base, coef, EG.flatten(0, 1))
+    return torch.addcmul(z0, t, corr, value=-1.0)
+
+
+def _commit(carry: DecodeCarry, rows: Rows, tau: torch.Tensor, b: int) -> DecodeCarry:
+    """The carry after the token, ``rows`` holding it: a mini-batch the token completes makes
+    W_0 - tau_b S its next start weights and clears its rows (and prior)."""
+    pos = carry.pos + 1
+    prior, steps = carry.prior, carry.prior_steps - 1
+    if steps <= 0:
+        prior, steps = None, 0  # zero in every row by now
+    if isinstance(pos, int):
+        if pos < b:
+            return DecodeCarry(carry.start, prior, rows, pos, steps)
+        full = carry._replace(rows=rows)
+        t = tau[..., b - 1]  # a scalar, or [H]
+        start = tuple(None if w is None else w - t.view(1, -1, *[1] * (w.dim() - 2)) * s
+                      for w, s in zip(carry.start, full.sums()))
+        return DecodeCarry(start, None, _empty_rows(start, len(rows) // 2, 0), 0, 0)
+    done = pos == b  # [B] rows whose mini-batch this token completes
+    t = tau[..., b - 1]  # a scalar, or [H]
+    if torch.compiler.is_compiling():
+        return _commit_where(carry, rows, prior, done, pos, t, steps)
+    idx = done.nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return DecodeCarry(carry.start, prior, rows, pos, steps)
+    # Only the completing rows: index them out, update, write back (one copy of each tensor).
+    sub = DecodeCarry(tuple(None if w is None else w.index_select(0, idx) for w in carry.start),
+                      None if carry.prior is None else tuple(
+                          None if w is None else w.index_select(0, idx) for w in carry.prior),
+                      tuple(r.index_select(0, idx) for r in rows), 0, 0)
+    start = tuple(None if w is None else w.index_copy(
+        0, idx, sw - t.view(1, -1, *[1] * (w.dim() - 2)) * s)
+        for w, sw, s in zip(carry.start, sub.start, sub.sums()))
+    rows = tuple(r.index_fill(0, idx, 0.0) for r in rows)
+    if prior is not None:
+        prior = tuple(None if w is None else w.index_fill(0, idx, 0.0) for w in prior)
+    return DecodeCarry(start, prior, rows, pos.masked_fill(done, 0), steps)
+
+
+def _commit_where(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: torch.Tensor,
+                  pos: torch.Tensor, t: torch.Tensor, steps: int) -> DecodeCarry:
+    """``_commit`` for per-row places without reading ``done`` on the host (a traced step):
+    every row's committed weights are formed and kept where the row completes."""
+    def where(x: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return torch.where(done.view(-1, *[1] * (x.dim() - 1)), new, x)
+
+    full = carry._replace(rows=rows)
+    start = tuple(None if w is None else where(w, w - t.view(1, -1, *[1] * (w.dim() - 2)) * s)
+                  for w, s in zip(carry.start, full.sums()))
+    rows = tuple(where(r, torch.zeros_like(r)) for r in rows)
+    if prior is not None:
+        prior = tuple(None if w is None else where(w, torch.zeros_like(w)) for w in prior)
+    return DecodeCarry(start, prior, rows, pos.masked_fill(done, 0), steps)
+
+
+def _scales(carry: DecodeCarry, tau: torch.Tensor, eta: torch.Tensor, B: int, H: int, b: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(t, e, hot): the token's tau_i as a scalar or [BH, 1, 1], eta as [BH, 1, 1] and, for
+    per-row places, the one-hot [B, 1, b, 1] of each row's place (else None)."""
+    e = eta.reshape(B * H, 1, 1)
+    if isinstance(carry.pos, int):
+        t = tau[carry.pos] if tau.dim() == 1 else tau[:, carry.pos].repeat(B).view(-1, 1, 1)
+        return t, e, None
+    pos = carry.pos
+    t = (tau[pos].unsqueeze(1) if tau.dim() == 1 else tau.t()[pos]).expand(B, H).reshape(-1, 1, 1)
+    hot = (torch.arange(b, device=pos.device) == pos.unsqueeze(1)).to(e.dtype).view(-1, 1, b, 1)
+    return t, e, hot
+
+
+def _layer_norm_grad(z: torch.Tensor, target: torch.Tensor, norm: Any) -> torch.Tensor:
+    """``step._loss_grad`` for rows z, target [BH, 1, Dv] with norm's gamma, beta [H, 1, Dv]
+    (viewed as [B, H, 1, Dv] to broadcast)."""
+    if norm is None:
+        return z - target
+    B_H, _, Dv = z.shape
+    z4, t4 = z.view(-1, norm[0].shape[0], 1, Dv), target.view(-1, norm[0].shape[0], 1, Dv)
+    return _loss_grad(z4, t4, norm).view(B_H, 1, Dv)
+
+
+def _out(z: torch.Tensor, q: torch.Tensor, norm: Any, residual: bool, B: int, H: int
+         ) -> torch.Tensor:
+    """Rows z [BH, 1, Dv] (q [BH, 1, Dk]) -> o [B, 1, H, Dv]: LayerNorm and residual."""
+    return _finish(z.view(B, H, 1, -1), q.view(B, H, 1, -1) if residual else q, norm, residual)
+
+
+def _bias_rows(w: torch.Tensor | None, BH: int) -> torch.Tensor | None:
+    return None if w is None else w.reshape(BH, 1, -1)
+
+
+def _linear_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor,
+                 carry: DecodeCarry, norm: Any, residual: bool, tau: torch.Tensor
+                 ) -> tuple[torch.Tensor, DecodeCarry]:
+    """TTT-Linear, one token: q, k [B, 1, H, Dk], v [B, 1, H, Dv], eta [B, 1, H]."""
+    B, _, H, Dk = q.shape
+    BH, b = B * H, tau.shape[-1]
+    W, bias = carry.start
+    t, e, hot = _scales(carry, tau, eta, B, H, b)
+    kq = torch.stack([k, q], dim=3).view(BH, 2, Dk)  # per (batch, head): the key, the query
+    z = torch.baddbmm(bias.reshape(BH, 1, -1), kq, W.flatten(0, 1)) if bias is not None \
+        else torch.bmm(kq, W.flatten(0, 1))  # [BH, 2, Dv]
+    kr, qr = kq.split(1, dim=1)
+    zk, zq = z.split(1, dim=1)
+    vr = v.reshape(BH, 1, -1)
+    eg = e * _layer_norm_grad(zk, vr - kr if residual else vr, norm)
+    X, EG = (_append(carry.rows[0], kr.view(B, H, 1, Dk), hot),
+             _append(carry.rows[1], eg.view(B, H, 1, -1), hot))
+    zq = _read(qr, zq, X, EG, bias is not None, _prior(carry, 0), t)
+    return _out(zq, qr, norm, residual, B, H), _commit(carry, (X, EG), tau, b)
+
+
+def _prior(carry: DecodeCarry, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    return None if carry.prior is None else (carry.prior[2 * layer], carry.prior[2 * layer + 1])
+
+
+def _mlp_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor,
+              carry: DecodeCarry, norm: Any, residual: bool, tau: torch.Tensor
+              ) -> tuple[torch.Tensor, DecodeCarry]:
+    """TTT-MLP, one token (shapes as ``_linear_step``)."""
+    B, _, H, Dk = q.shape
+    BH, b = B * H, tau.shape[-1]
+    W1, b1, W2, b2 = carry.start
+    W1r, W2r, b2r = W1.flatten(0, 1), W2.flatten(0, 1), _bias_rows(b2, BH)
+    t, e, hot = _scales(carry, tau, eta, B, H, b)
+    kq = torch.stack([k, q], dim=3).view(BH, 2, Dk)  # per (batch, head): the key, the query
+    Z1 = torch.baddbmm(b1.reshape(BH, 1, -1), kq, W1r) if b1 is not None else torch.bmm(kq, W1r)
+    kr, qr = kq.split(1, dim=1)
+    Z1k, Z1q = Z1.split(1, dim=1)  # [BH, 1, Dh] each
+    X2 = F.gelu(Z1k, approximate="tanh")
+    Z2 = torch.baddbmm(b2r, X2, W2r) if b2 is not None else torch.bmm(X2, W2r)
+    vr = v.reshape(BH, 1, -1)
+    G2 = _layer_norm_grad(Z2, vr - kr if residual else vr, norm)  # [BH, 1, Dv]
+    # dl/dZ1 = (G2 W2^T) * gelu'(Z1): gelu_backward is exactly that product for the tanh GELU.
+    G1 = torch.ops.aten.gelu_backward(torch.bmm(G2, W2r.transpose(1, 2)), Z1k, approximate="tanh")
+    rows = carry.rows
+    X1s = _append(rows[0], kr.view(B, H, 1, Dk), hot)
+    EG1s = _append(rows[1], (e * G1).view(B, H, 1, -1), hot)
+    X2s = _append(rows[2], X2.view(B, H, 1, -1), hot)
+    EG2s = _append(rows[3], (e * G2).view(B, H, 1, -1), hot)
+    z1 = _read(qr, Z1q, X1s, EG1s, b1 is not None, _prior(carry, 0), t)
+    x2 = F.gelu(z1, approximate="tanh")
+    z2 = torch.baddbmm(b2r, x2, W2r) if b2 is not None else torch.bmm(x2, W2r)
+    z2 = _read(x2, z2, X2s, EG2s, b2 is not None, _prior(carry, 1), t)
+    return _out(z2, qr, norm, residual, B, H), _commit(carry, (X1s, EG1s, X2s, EG2s), tau, b)
+
+
+@float32_compute
+def ttt_decode_step(
+    kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
+    state: Any, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
+    mini_batch_size: int, token_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, DecodeCarry]:
+    """One decoding step of TTT-Linear (``kind`` "linear") or TTT-MLP ("mlp") for the layers.
+
+    q, k: [B, 1, H, Dk]; v: [B, 1, H, Dv]; eta: [B, 1, H]; state: a DecodeCarry, an op state or
+    the initial weights (as ``ttt_linear``'s ``initial_state``); other arguments as the ops'.
+    Returns (o [B, 1, H, Dv] in q's dtype, DecodeCarry): the same output as the op's dual form,
+    to rounding, computed in float32 (float64 stays float64).
+    The caller (a TTT layer) has checked the shapes; an op state is checked by ``Carry.check``.
+    """
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    if T != 1:
+        raise ValueError(f"ttt_decode_step takes one token (q of shape [B, 1, H, D]), got T={T}")
+    b = mini_batch_size
+    carry = decode_carry(state, kind, B, H, Dk, Dv, b, q)
+    cdtype = state_dtype(q.dtype)
+
+    def cast(x: torch.Tensor | None) -> torch.Tensor | None:
+        return x if x is None or x.dtype == cdtype else x.to(cdtype)
+
+    tau = q.new_ones(b, dtype=cdtype) if token_scale is None else cast(token_scale)
+    step = _linear_step if kind == "linear" else _mlp_step
+    o, carry = step(cast(q), cast(k), cast(v), cast(eta), carry,
+                    _norm(cast(ln_weight), cast(ln_bias)), residual, tau)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), carry
+
+
+__all__ = ["DecodeCarry", "decode_carry", "stack_decode_carries", "to_op_state",
+           "ttt_decode_step"]
