@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from fastweights import build_mixer, mixer_names
-from fastweights.ops.ttt import DecodeCarry, to_op_state
 from tests.helpers import assert_close64
 from tests.layers.test_contract import D_MODEL, N_HEADS, SMALL_OPTIONS
 
@@ -46,10 +45,7 @@ def _make(name: str, opts: dict):
 
 
 def _leaves(state) -> list:
-    """The tensors and ints of a (nested) state, in order; a TTT layer's decoding-step state
-    (DecodeCarry: the current mini-batch as rows) as the op state it stands for."""
-    if isinstance(state, DecodeCarry):
-        return _leaves(to_op_state(state, TAU[0]))
+    """The tensors and ints of a (nested) state, in order."""
     if isinstance(state, (tuple, list)):
         return [x for s in state for x in _leaves(s)]
     return [] if state is None else [state]
@@ -75,13 +71,9 @@ def _docs():
     return prefixes, docs, cu
 
 
-TAU: list[torch.Tensor] = []  # the TTT layer's token_scale, for _leaves
-
-
 @pytest.mark.parametrize("variant", VARIANTS, ids=_id)
 def test_packed_equals_documents_with_states_in_and_out(variant):
     layer = _make(*variant)
-    TAU[:] = [layer.token_scale()] if hasattr(layer, "token_scale") else []
     prefixes, docs, cu = _docs()
     states_in = [None if p is None else layer(p)[1] for p in prefixes]
     y, states_out = layer(torch.cat(docs, dim=1), states_in, cu_seqlens=cu)

@@ -135,14 +135,25 @@ def test_defaults_follow_spec_2_6():
 def test_state_size_counts_carried_floats():
     H, D, b = 2, 8, 4
     lin = TTTLinear(H * D, H, mini_batch_size=b)
-    assert lin.state_size() == lin.state_size(1000) == 3 * H * (D * D + D)
+    # start weights and the rows of b - 1 tokens (2 D per head for TTT-Linear, 10 D for TTT-MLP)
+    assert lin.state_size() == lin.state_size(1000) == H * (D * D + D) + (b - 1) * H * 2 * D
     mlp = TTTMLP(H * D, H, mini_batch_size=b, mamba_backbone=True)
-    assert mlp.state_size() == 3 * H * (8 * D * D + 5 * D) + 3 * H * D
+    assert mlp.state_size() == H * (8 * D * D + 5 * D) + (b - 1) * H * 10 * D + 3 * H * D
     assert TTTLinear(H * D, H, mini_batch_size=1).state_size() == H * (D * D + D)
-    # the floats a mid-mini-batch state really holds
-    _, state = make("linear", mini_batch_size=4)(inputs(B=1, T=5))
-    floats = sum(s.numel() for s in state[2] if isinstance(s, torch.Tensor))
-    assert floats == make("linear", mini_batch_size=4).state_size()
+
+    # the floats the fullest states really hold (b - 1 = 3 tokens into a mini-batch), fed whole
+    # or token by token
+    def floats(state):
+        return sum(t.numel() for t in torch.utils._pytree.tree_leaves(state[2])
+                   if isinstance(t, torch.Tensor))
+
+    for kind in ("linear", "mlp"):
+        layer, x = make(kind, mini_batch_size=4), inputs(B=1, T=7)
+        _, whole = layer(x)
+        state = None
+        for t in range(7):
+            _, state = layer(x[:, t:t + 1], state)
+        assert floats(whole) == floats(state) == layer.state_size(), kind
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])

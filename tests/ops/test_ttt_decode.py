@@ -12,7 +12,7 @@ import torch
 
 import fastweights.ops.ttt.decode as decode_mod
 from fastweights.ops.ttt import DecodeCarry, stack_decode_carries, to_op_state, ttt_decode_step
-from fastweights.ops.ttt.decode import decode_carry
+from fastweights.ops.ttt.decode import decode_carry, layer_state_after
 from tests.helpers import assert_close64
 from tests.ops.test_ttt import OPS, assert_states_close, make_case
 
@@ -112,7 +112,7 @@ def test_stacked_rows_equal_streams_alone(kind, traced, tau, monkeypatch):
     plan = [(6, True), (4, True), (3, False), (5, True), (0, True)]
     carries, wholes, rows = [], [], []
     for r, (prefix, op_prefix) in enumerate(plan):
-        state, whole, one, kw1 = _alone(kind, args, kw, r, prefix, op_prefix)
+        state, whole, one, _ = _alone(kind, args, kw, r, prefix, op_prefix)
         carries.append(decode_carry(state, kind, 1, 3, 5, 5, 4, one[0]))
         wholes.append(whole)
         rows.append(one)
@@ -173,3 +173,43 @@ def test_dtypes_and_bad_length():
     with pytest.raises(ValueError, match="one token"):
         ttt_decode_step("mlp", *args, state=kw["initial_state"], residual=True,
                         mini_batch_size=4, **opts)
+
+
+def _assert_carries_close(a: DecodeCarry, b: DecodeCarry, what: str) -> None:
+    assert a.pos == b.pos and a.prior_steps == b.prior_steps, what
+    assert (a.prior is None) == (b.prior is None), what
+    for x, y in zip([*a.start, *(a.prior or ()), *a.rows], [*b.start, *(b.prior or ()), *b.rows]):
+        assert (x is None) == (y is None), what
+        if x is not None:
+            assert_close64(x, y, what=what)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_layer_state_after_equals_decoding(kind):
+    """The state after a multi-token call (``layer_state_after``, what the layers keep) equals
+    the carry of decoding the same tokens one at a time: from the start (b = 4, T = 6), from a
+    carry inside a mini-batch the call does not complete (rows kept) and from an op state
+    inside a mini-batch (its sums kept as prior)."""
+    args, kw = make_case(kind, T=13, b=4, seed=11)
+    opts = {"ln_weight": kw["ln_weight"], "ln_bias": kw["ln_bias"],
+            "residual": kw["residual"], "mini_batch_size": 4}
+    tau = _tau(kw, 3)
+
+    def after(state_in, a, z):
+        op_in = to_op_state(state_in, tau) if isinstance(state_in, DecodeCarry) else state_in
+        _, op_state = OPS[kind](*(x[:, a:z] for x in args), output_final_state=True,
+                                **dict(kw, initial_state=op_in))
+        return layer_state_after(kind, op_state, state_in, *(x[:, a:z] for x in args[1:]),
+                                 **opts)
+
+    _, decoded = _steps(kind, args, kw, kw["initial_state"], 0, 6)
+    whole = after(kw["initial_state"], 0, 6)
+    _assert_carries_close(whole, decoded, "from the start")
+    _, decoded8 = _steps(kind, args, kw, decoded, 6, 7)  # 6 -> 7: inside the mini-batch
+    _assert_carries_close(after(decoded, 6, 7), decoded8, "rows kept")
+    _, op_state = OPS[kind](*(x[:, :5] for x in args), output_final_state=True, **kw)
+    _, stepped = _steps(kind, args, kw, op_state, 5, 7)
+    got = after(op_state, 5, 7)
+    assert got.prior is not None and got.prior_steps == 1
+    _assert_carries_close(got, stepped, "prior kept")
+    assert after(kw["initial_state"], 0, 8).rows[0].shape[2] == 0  # a boundary: no rows

@@ -27,7 +27,7 @@ from ..ops.ttt import (
     ttt_linear,
     ttt_mlp,
 )
-from ..ops.ttt.decode import decode_carry
+from ..ops.ttt.decode import decode_carry, layer_state_after
 from .base import (
     Mixer,
     Option,
@@ -89,8 +89,12 @@ class _TTTLayer(RotaryFrequencies, Mixer):
 
     State: ``(pos, conv_cache, inner)``: pos (int) the position inside the current mini-batch,
     conv_cache [B, 3, H * D] the last three shared Q/K projections (Mamba backbone, else None),
-    inner the ops' state (the inner weights, plus the mini-batch's start weights and gradient sums
-    while a mini-batch is partly filled).
+    inner a ``DecodeCarry`` (ops/ttt/decode.py): the current mini-batch's start weights and the
+    rows (inputs, eta-scaled output gradients) of its tokens so far, the same however the
+    sequence was fed. ``fastweights.ops.ttt.to_op_state(inner, layer.token_scale())`` gives the
+    ops' state (current weights first); an op state is also accepted as ``inner``. The one-token
+    step (T = 1, mode "dual") reads the start weights and the rows and writes weights only when
+    a mini-batch completes, instead of the current weights after every token.
     """
 
     op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
@@ -274,17 +278,25 @@ class _TTTLayer(RotaryFrequencies, Mixer):
                 self.kind, q, k, v, eta, state=self._learned() if inners[0] is None else inners[0],
                 residual=self.residual, mini_batch_size=b, token_scale=tau, **norm)
         else:
-            inners = [to_op_state(s, tau) if isinstance(s, DecodeCarry) else s for s in inners]
-            if all(s is None for s in inners):
+            starts = [to_op_state(s, tau) if isinstance(s, DecodeCarry) else s for s in inners]
+            if all(s is None for s in starts):
                 inner = self._learned()  # the op shares one start state among packed documents
             else:
-                inner = packed_or_single([self._learned() if s is None else s for s in inners],
+                inner = packed_or_single([self._learned() if s is None else s for s in starts],
                                          cu_seqlens)
             o, inner = self.op(
                 q, k, v, eta, initial_state=inner, residual=self.residual,
                 mini_batch_size=b, token_scale=tau, output_final_state=True,
                 mode=self.mode, checkpoint_group=self.checkpoint_group, cu_seqlens=cu_seqlens,
                 **norm)
+            # The state as decoding the tokens one at a time would leave it (rows of the open
+            # mini-batch, not the op's sums): one form whichever way a sequence was fed.
+            inner = [layer_state_after(
+                self.kind, s, s_in, k[:, start:stop], v[:, start:stop], eta[:, start:stop],
+                residual=self.residual, mini_batch_size=b, **norm)
+                for s, s_in, start, stop
+                in zip(per_document(inner, cu_seqlens), inners, bounds, bounds[1:])]
+            inner = packed_or_single(inner, cu_seqlens)
         y = self.post_norm(merge_heads(o))
         if self.mamba_backbone:
             y = y * F.gelu(self.gate(x), approximate="tanh")
@@ -316,14 +328,17 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         return TTTLayerState(inner.pos, conv, inner)
 
     def state_size(self, seq_len: int = 1) -> int:
-        """Floats carried at most: the inner weights, and while a mini-batch is partly filled also
-        its start weights and gradient sums (3x), plus the Mamba backbone's convolution inputs.
-        Constant in ``seq_len``."""
+        """Floats carried at most: the current mini-batch's start weights and the rows of its
+        tokens so far (at most b - 1: inputs and output gradients of each inner layer, 2 D per
+        token for TTT-Linear, 10 D for TTT-MLP, per head), plus the Mamba backbone's convolution
+        inputs. Constant in ``seq_len``. (States stacked by ``stack_states`` hold b rows per
+        stream; a state continued from an op state that ends inside a mini-batch also holds that
+        state's gradient sums until the mini-batch completes.)"""
         H = self.n_heads
         weights = sum(H * torch.Size(s).numel() for s in self.inner_shapes.values())
-        copies = 3 if self.mini_batch_size > 1 else 1
+        row = sum(s[0] + s[1] for s in self.inner_shapes.values() if len(s) == 2)  # Din + Dout
         conv = (CONV_KERNEL - 1) * H * self.head_dim if self.mamba_backbone else 0
-        return copies * weights + conv
+        return weights + (self.mini_batch_size - 1) * H * row + conv
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, mini_batch_size={self.mini_batch_size}, "

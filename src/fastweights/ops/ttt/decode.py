@@ -87,7 +87,19 @@ def decode_carry(state: Any, kind: str, B: int, H: int, Dk: int, Dv: int, b: int
     """``state`` as a DecodeCarry: a DecodeCarry as it is, or an op state / initial weights
     (checked by ``Carry.check``, a batch of 1 broadcast) without rows."""
     if isinstance(state, DecodeCarry):
-        return state
+        n = state.start[0].shape[0]
+        if n == B:
+            return state
+        if n != 1 or isinstance(state.pos, torch.Tensor):
+            raise ValueError(f"a TTT decoding state of batch {n} cannot continue a batch of {B} "
+                             "(only a batch of 1 broadcasts)")
+
+        def grow(items: Any) -> Any:
+            return None if items is None else tuple(
+                None if x is None else x.expand(B, *x.shape[1:]) for x in items)
+
+        return DecodeCarry(grow(state.start), grow(state.prior), grow(state.rows), state.pos,
+                           state.prior_steps)
     carry = Carry.check(state, kind, B, H, Dk, Dv, b, q)
     n_layers = len(carry.start) // 2
     per_row = isinstance(carry.pos, torch.Tensor)
@@ -302,6 +314,63 @@ def _mlp_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tens
     return _out(z2, qr, norm, residual, B, H), _commit(carry, (X1s, EG1s, X2s, EG2s), tau, b)
 
 
+def minibatch_rows(kind: str, start: Weights, k: torch.Tensor, v: torch.Tensor,
+                   eta: torch.Tensor, norm: Any, residual: bool) -> Rows:
+    """The rows (X, EG per inner layer, [B, H, n, D]) of n tokens of one mini-batch whose start
+    weights are ``start``: every token's inputs and eta * dl/d(output), all at ``start`` (what
+    ``n`` decoding steps from the mini-batch's start would carry). k [B, n, H, Dk],
+    v [B, n, H, Dv], eta [B, n, H], norm from ``step._norm``; compute dtype throughout."""
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, D]
+    e = eta.transpose(1, 2).unsqueeze(-1)  # [B, H, n, 1]
+    target = vh - kh if residual else vh
+    if kind == "linear":
+        W, bias = start
+        z = kh @ W if bias is None else kh @ W + bias.unsqueeze(2)
+        return kh, e * _loss_grad(z, target, norm)
+    W1, b1, W2, b2 = start
+    Z1 = kh @ W1 if b1 is None else kh @ W1 + b1.unsqueeze(2)
+    X2 = F.gelu(Z1, approximate="tanh")
+    Z2 = X2 @ W2 if b2 is None else X2 @ W2 + b2.unsqueeze(2)
+    G2 = _loss_grad(Z2, target, norm)
+    G1 = torch.ops.aten.gelu_backward(G2 @ W2.transpose(-1, -2), Z1, approximate="tanh")
+    return kh, e * G1, X2, e * G2
+
+
+@float32_compute
+def layer_state_after(
+    kind: str, op_state: tuple[Any, ...], state_in: Any, k: torch.Tensor, v: torch.Tensor,
+    eta: torch.Tensor, *, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
+    residual: bool, mini_batch_size: int,
+) -> DecodeCarry:
+    """The TTT layers' state after a multi-token call, as a DecodeCarry: what decoding the
+    call's tokens one at a time would carry. ``op_state``: the op's final state for the call's
+    tokens k, v, eta ([B, T, H, D], [B, T, H], the op's inputs); ``state_in``: the state the call
+    started from (None, an op state, the initial weights or a DecodeCarry). The op's sums are
+    replaced by the rows of the current mini-batch's tokens, computed at its start weights; a
+    mini-batch that began before the call keeps ``state_in``'s rows (or its sums as ``prior``)."""
+    n = 2 if kind == "linear" else 4
+    if len(op_state) == n:  # the call ended on a mini-batch boundary
+        return DecodeCarry(tuple(op_state), None, _empty_rows(op_state, n // 2, 0), 0, 0)
+    start, pos, T = tuple(op_state[n:2 * n]), op_state[-1], k.shape[1]
+    cdtype = start[0].dtype
+
+    def cast(x: torch.Tensor | None) -> torch.Tensor | None:
+        return x if x is None or x.dtype == cdtype else x.to(cdtype)
+
+    m = min(pos, T)  # this call's tokens in the current mini-batch
+    rows = minibatch_rows(kind, start, cast(k[:, T - m:]), cast(v[:, T - m:]),
+                          cast(eta[:, T - m:]), _norm(cast(ln_weight), cast(ln_bias)), residual)
+    if m == pos:
+        return DecodeCarry(start, None, rows, pos, 0)
+    # The mini-batch began before the call: its earlier tokens are in state_in (its rows, or
+    # the sums of an op state, which become the prior).
+    before = decode_carry(state_in, kind, k.shape[0], k.shape[2], k.shape[-1], v.shape[-1],
+                          mini_batch_size, k)
+    rows = tuple(torch.cat([r0, r], dim=2) for r0, r in zip(before.rows, rows))
+    steps = max(before.prior_steps - T, 0)
+    return DecodeCarry(start, before.prior if steps else None, rows, pos, steps)
+
+
 @float32_compute
 def ttt_decode_step(
     kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
@@ -334,5 +403,5 @@ def ttt_decode_step(
     return (o if o.dtype == q.dtype else o.to(q.dtype)), carry
 
 
-__all__ = ["DecodeCarry", "decode_carry", "stack_decode_carries", "to_op_state",
-           "ttt_decode_step"]
+__all__ = ["DecodeCarry", "decode_carry", "layer_state_after", "minibatch_rows",
+           "stack_decode_carries", "to_op_state", "ttt_decode_step"]
