@@ -166,7 +166,7 @@ def test_norm_attention_step_checks_the_state():
         layer(x, (torch.zeros(2, 2, 4, 3), 5))
     with pytest.raises(ValueError, match="device"):
         layer(x, (torch.zeros(2, 2, 4, 4, device="meta"), 5))
-    y, (S, pos) = layer.double()(x.double(), (torch.zeros(2, 2, 4, 4), 5))  # float32 S upcast
+    _, (S, pos) = layer.double()(x.double(), (torch.zeros(2, 2, 4, 4), 5))  # float32 S upcast
     assert S.dtype == torch.float64 and pos == 6
 
 
