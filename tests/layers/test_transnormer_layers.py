@@ -335,6 +335,53 @@ def test_diag_attention_streams(block, splits):
     assert_close64(torch.cat(outs, 1), whole, atol=1e-9)
 
 
+STEP_DIAG = [(kern, lrpe, w) for kern in ("softmax", "relu") for lrpe, w in ((True, 1), (True, 4), (False, 5))]
+
+
+@pytest.mark.parametrize("kernel,lrpe,block", STEP_DIAG,
+                         ids=[f"{k}-lrpe{int(lrpe)}-w{w}" for k, lrpe, w in STEP_DIAG])
+def test_diag_attention_one_token_steps_equal_whole(kernel, lrpe, block):
+    """The one-token step (the query against the cached open block, no re-run) equals the
+    whole sequence's block attention, outputs and final state, from None and from a state
+    left by a longer piece."""
+    layer = perturbed(DiagAttention(D_MODEL, H, block_size=block, kernel=kernel, lrpe=lrpe))
+    x = x_in(T=11)
+    whole, final = layer(x)
+    for start in (0, 6):
+        state = layer(x[:, :start])[1] if start else None
+        ys = []
+        for t in range(start, 11):
+            y, state = layer(x[:, t:t + 1], state)
+            ys.append(y)
+        assert_close64(torch.cat(ys, 1), whole[:, start:], atol=1e-9, what=f"from {start}")
+        for a, b in zip(state, final):
+            assert_close64(a, b, what="state")
+
+
+def test_diag_attention_half_steps_follow_the_float64_layer():
+    layer = perturbed(DiagAttention(D_MODEL, H, block_size=3, kernel="relu"))
+    x = x_in(T=7)
+    ref, _ = layer(x)
+    half = DiagAttention(D_MODEL, H, block_size=3, kernel="relu").bfloat16()
+    half.load_state_dict(layer.state_dict())
+    ys, state = [], None
+    for t in range(7):
+        y, state = half(x[:, t:t + 1].bfloat16(), state)
+        ys.append(y)
+    assert state[0].dtype == torch.float32
+    assert (torch.cat(ys, 1).double() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_diag_attention_state_longer_than_a_block_is_rejected():
+    layer = DiagAttention(8, 2, block_size=3)
+    bad = (torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4))
+    for T in (1, 4):
+        with pytest.raises(ValueError, match="r must be < block_size = 3"):
+            layer(torch.randn(1, T, 8), bad)
+    with pytest.raises(ValueError, match=r"state\[1\] \(v_open\) must have shape"):
+        layer(torch.randn(1, 1, 8), (torch.zeros(1, 2, 2, 4), torch.zeros(1, 1, 2, 4)))
+
+
 def test_diag_attention_state_size_and_float32_state_for_half():
     layer = DiagAttention(16, 2, block_size=8)
     assert layer.state_size() == 2 * 2 * 8 * 7 == layer.state_size(10_000)

@@ -35,6 +35,7 @@ from ..ops.transnormer import (
     open_block_attention,
     srms_norm,
 )
+from ..ops.transnormer.block import attend_open_block
 from ..ops.transnormer.recurrent import decay_linear_attn_recurrent
 from .base import (
     Mixer,
@@ -342,15 +343,20 @@ class DiagState(NamedTuple):
     v_open: torch.Tensor
 
     @classmethod
-    def check(cls, state: Any, B: int | None, H: int, D: int) -> DiagState | None:
-        """A carried state for a batch of B (None: any; a None state stays None)."""
+    def check(cls, state: Any, B: int | None, H: int, D: int, w: int) -> DiagState | None:
+        """A carried state for a batch of B (None: any; a None state stays None) and blocks of
+        w tokens (so r < w)."""
         if state is None:
             return None
         if not isinstance(state, (tuple, list)) or len(state) != 2:
             raise TypeError("state must be None or the (k_open, v_open) tuple DiagAttention returned")
         for i, name in enumerate(cls._fields):
             check_tensor(f"state[{i}] ({name})", state[i], 4, "[B, r, H, D]")
-            check_shape(f"state[{i}] ({name})", state[i], (B, None, H, D), "[B, r, H, D]")
+            check_shape(f"state[{i}] ({name})", state[i], (B, state[0].shape[1], H, D),
+                        "[B, r, H, D]")
+        if state[0].shape[1] >= w:
+            raise ValueError(f"state[0] (k_open) holds the r tokens of the open block, so r must "
+                             f"be < block_size = {w}, got shape {tuple(state[0].shape)}")
         return cls(*state)
 
 
@@ -403,9 +409,11 @@ class DiagAttention(Mixer):
         check_layer_input(x, self.d_model)
         if isinstance(state, DiagRowsState):
             return self._step_rows(x, state)
+        if is_step(x, cu_seqlens):
+            return self._step(x, state)
         B, T, _ = x.shape
         H, D, w = self.n_heads, self.head_dim, self.block_size
-        state = DiagState.check(state, B, H, D)
+        state = DiagState.check(state, B, H, D, w)
         r = 0 if state is None else state.k_open.shape[1]
         # Block-local positions: LRPE restarts in every block.
         q, k, v = self._project(x, torch.arange(r, r + T, device=x.device) % w)
@@ -427,13 +435,35 @@ class DiagAttention(Mixer):
         new_state = DiagState(k[:, r + T - n_open:].to(sdtype), v[:, r + T - n_open:].to(sdtype))
         return self.out(o.to(x.dtype)), new_state
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _project(self, x: torch.Tensor,
+                 positions: torch.Tensor | int) -> tuple[torch.Tensor, ...]:
         """q, k, v [B, T, H, D] (q, k through LRPE at block-local ``positions`` when on)."""
         H = self.n_heads
         q, k, v = (split_heads(proj(x), H) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.lrpe is not None:
             q, k = self.lrpe.pair(q, k, positions)
         return q, k, v
+
+    def _step(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, DiagState]:
+        """One token per row, all rows at one place r of their blocks: the query attends to the
+        open block's cached keys and its own, without re-running the block."""
+        B, H, D, w = x.shape[0], self.n_heads, self.head_dim, self.block_size
+        state = DiagState.check(state, B, H, D, w)
+        r = 0 if state is None else state.k_open.shape[1]
+        q, k, v = self._project(x, r)  # LRPE at the block-local place r
+        sdtype = state_dtype(x.dtype)
+        # The cache is kept in the compute dtype; the ReLU kernel's q too (see forward).
+        q = q.to(sdtype) if self.kernel == "relu" and q.dtype != sdtype else q
+        k, v = (t if t.dtype == sdtype else t.to(sdtype) for t in (k, v))
+        if r:
+            k = torch.cat([state.k_open.to(sdtype), k], dim=1)  # [B, r + 1, H, D]
+            v = torch.cat([state.v_open.to(sdtype), v], dim=1)
+        o = merge_heads(attend_open_block(q, k, v, D ** -0.5, self.kernel))
+        if self.kernel == "relu":
+            o = srms_norm(o)
+        n_open = (r + 1) % w
+        return self.out(o if o.dtype == x.dtype else o.to(x.dtype)), DiagState(k[:, r + 1 - n_open:],
+                                                                              v[:, r + 1 - n_open:])
 
     def _step_rows(self, x: torch.Tensor, state: DiagRowsState) -> tuple[torch.Tensor, State]:
         """One token per row, each row at its own place ``state.fill`` in its block."""
@@ -471,7 +501,7 @@ class DiagAttention(Mixer):
                 values.append(state.v_open)
                 fills.append(state.fill)
                 continue
-            state = DiagState.check(state, None, H, D)  # any batch
+            state = DiagState.check(state, None, H, D, w)  # any batch
             r = state.k_open.shape[1]
             pad = (0, 0, 0, 0, w - 1 - r, 0)
             keys.append(F.pad(state.k_open, pad))
