@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .._steps import stack_time
+
 
 def outer_add(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """S + k^T v per batch row and head: S [B, H, Dk, Dv], k [B, H, Dk], v [B, H, Dv] ->
@@ -22,11 +24,6 @@ def read(q: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """q S per batch row and head: q [B, H, Dk], S [B, H, Dk, Dv] -> [B, H, Dv]."""
     B, H, Dk, Dv = S.shape
     return torch.bmm(q.reshape(B * H, 1, Dk), S.reshape(B * H, Dk, Dv)).view(B, H, Dv)
-
-
-def stack_time(outs: list[torch.Tensor]) -> torch.Tensor:
-    """The per-token outputs [B, H, Dv] as [B, T, H, Dv] (no copy for a one-token step)."""
-    return outs[0].unsqueeze(1) if len(outs) == 1 else torch.stack(outs, dim=1)
 
 
 def linear_attn_recurrent(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fwp.recurrent import stack_time
+from .._steps import stack_time
 from ..softmax import softmax_attention
 from .memory import retrieve, sigma, write
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..fwp.recurrent import outer_add, read, stack_time
+from .._steps import stack_time
+from ..fwp.recurrent import outer_add, read
 
 
 def decay_linear_attn_recurrent(
