@@ -2,7 +2,7 @@
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 Inputs ``[B, T, H, D]`` in the compute dtype, q already scaled; state ``S [B, H, Dk, Dv]``;
-``decay`` ``[H]``.
+``decay`` ``[H]`` or None (lambda = 1).
 """
 
 from __future__ import annotations
