@@ -9,7 +9,7 @@ import torch
 from fastweights import build_mixer
 from fastweights.layers import AFTConv, AFTFull, AFTLocal, AFTSimple
 from fastweights.ops import aft, aft_local
-from tests.helpers import assert_close64
+from tests.helpers import assert_close64, steps_from
 
 D_MODEL, T = 8, 11
 
@@ -76,12 +76,8 @@ def test_local_one_token_steps_equal_whole(window):
     x = x_in(T=13)
     whole, final = layer(x)
     for start in (0, 6):
-        state = layer(x[:, :start])[1] if start else None
-        ys = []
-        for t in range(start, 13):
-            y, state = layer(x[:, t:t + 1], state)
-            ys.append(y)
-        assert_close64(torch.cat(ys, 1), whole[:, start:], what=f"from {start}")
+        ys, state = steps_from(layer, x, start)
+        assert_close64(ys, whole[:, start:], what=f"from {start}")
         assert state.pos == final.pos == 13
         # (a, n, m) stand for e^a n and e^a m, a being any reference: compare what they mean
         # (nothing has left a window wider than the sequence: both sums are empty).

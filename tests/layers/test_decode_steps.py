@@ -9,7 +9,7 @@ import torch
 
 from fastweights import build_mixer
 from fastweights.layers.base import is_step
-from tests.helpers import assert_close64
+from tests.helpers import assert_close64, steps_from
 
 CASES = {
     "norm": {}, "norm-decay": {"decay": True, "decay_scale": 0.5},
@@ -41,15 +41,8 @@ def test_steps_give_the_whole_sequence_outputs_and_gradients(case):
         params = list(layer.parameters())
         return y, torch.autograd.grad((y * w).sum(), [xg, *params])
 
-    def steps(xg):
-        ys, state = [], None
-        for t in range(xg.shape[1]):
-            y, state = layer(xg[:, t:t + 1], state)
-            ys.append(y)
-        return torch.cat(ys, 1)
-
     y_whole, g_whole = grads(lambda xg: layer(xg)[0])
-    y_steps, g_steps = grads(steps)
+    y_steps, g_steps = grads(lambda xg: steps_from(layer, xg)[0])
     assert_close64(y_steps, y_whole, atol=1e-9, what="outputs")
     for i, (a, b) in enumerate(zip(g_steps, g_whole)):
         assert_close64(a, b, atol=1e-8, what=f"gradient {i}")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fastweights import build_mixer
 from fastweights.layers import GLU, DiagAttention, NormAttention, SRMSNorm
 from fastweights.layers.transnormer import LRPE, alibi_slopes
-from tests.helpers import assert_close64
+from tests.helpers import assert_close64, steps_from
 
 D_MODEL, H = 12, 3
 
@@ -348,12 +348,8 @@ def test_diag_attention_one_token_steps_equal_whole(kernel, lrpe, block):
     x = x_in(T=11)
     whole, final = layer(x)
     for start in (0, 6):
-        state = layer(x[:, :start])[1] if start else None
-        ys = []
-        for t in range(start, 11):
-            y, state = layer(x[:, t:t + 1], state)
-            ys.append(y)
-        assert_close64(torch.cat(ys, 1), whole[:, start:], atol=1e-9, what=f"from {start}")
+        ys, state = steps_from(layer, x, start)
+        assert_close64(ys, whole[:, start:], atol=1e-9, what=f"from {start}")
         for a, b in zip(state, final):
             assert_close64(a, b, what="state")
 
