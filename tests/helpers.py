@@ -35,3 +35,15 @@ def assert_pieces_and_steps_equal_whole(layer, x: torch.Tensor, split: int) -> N
     assert len(s) == len(state)
     for a, b in zip(s, state):
         assert_close64(a, b, what="final state")
+
+
+def steps_from(layer, x: torch.Tensor, start: int = 0, state=None):
+    """A mixer layer fed ``x[:, :start]`` whole (from ``state``), then the rest one token at a
+    time with its state carried: (the steps' outputs [B, T - start, d], the final state)."""
+    if start:
+        state = layer(x[:, :start], state)[1]
+    ys = []
+    for t in range(start, x.shape[1]):
+        y, state = layer(x[:, t:t + 1], state)
+        ys.append(y)
+    return torch.cat(ys, 1), state

@@ -9,7 +9,7 @@ import torch
 from fastweights import build_mixer
 from fastweights.layers import AFTConv, AFTFull, AFTLocal, AFTSimple
 from fastweights.ops import aft, aft_local
-from tests.helpers import assert_close64
+from tests.helpers import assert_close64, steps_from
 
 D_MODEL, T = 8, 11
 
@@ -67,6 +67,38 @@ def test_local_band_is_the_factorised_bias():
     assert_close64(full(x)[0], full.out(aft(q, k, v, full.bias.u @ full.bias.v.T)))
 
 
+@pytest.mark.parametrize("window", [1, 4, 20], ids=lambda w: f"s{w}")
+def test_local_one_token_steps_equal_whole(window):
+    """The decoding step (its token's biases alone, the recurrence on the checked state)
+    equals the whole sequence through the band, outputs and states, while the window fills
+    (p < s - 1) and after, from None and from a state left by a longer piece."""
+    layer = noisy(AFTLocal(D_MODEL, 2, window=window, max_len=16, d_bias=4))
+    x = x_in(T=13)
+    whole, final = layer(x)
+    for start in (0, 6):
+        ys, state = steps_from(layer, x, start)
+        assert_close64(ys, whole[:, start:], what=f"from {start}")
+        assert state.pos == final.pos == 13
+        # (a, n, m) stand for e^a n and e^a m, a being any reference: compare what they mean
+        # (nothing has left a window wider than the sequence: both sums are empty).
+        if window < 13:
+            assert_close64(state.a + state.m.log(), final.a + final.m.log(), what="log-sum")
+            assert_close64(state.n / state.m, final.n / final.m, what="ratio")
+        else:
+            assert (state.m == 0).all() and (final.m == 0).all()
+        for a, b in zip(state[3:5], final[3:5]):
+            assert_close64(a, b, what="cache")
+
+
+def test_local_keys_row_is_the_band_row():
+    bias = noisy(AFTLocal(D_MODEL, 2, window=5, max_len=16, d_bias=4)).bias
+    for p in (0, 2, 4, 9):
+        J = min(p + 1, 5)
+        assert_close64(bias.keys_row(p, 5), bias.band(p, p + 1, 5, 4)[0, :J].flip(0))
+    with pytest.raises(ValueError, match="exceeds max_len=16"):
+        bias.keys_row(16, 5)
+
+
 @pytest.mark.parametrize("cls", [AFTFull, AFTLocal], ids=lambda c: c.__name__)
 def test_max_len_is_enforced_including_the_streamed_past(cls):
     layer = cls(D_MODEL, 2, max_len=8, d_bias=4).double()
@@ -76,6 +108,9 @@ def test_max_len_is_enforced_including_the_streamed_past(cls):
     layer(x_in(T=3), state)  # 8 tokens in total: fine
     with pytest.raises(ValueError, match=r"sequence length 9 .* exceeds max_len=8"):
         layer(x_in(T=4), state)
+    _, state = layer(x_in(T=3), state)
+    with pytest.raises(ValueError, match=r"sequence length 9 .* exceeds max_len=8"):
+        layer(x_in(T=1), state)  # a decoding step
 
 
 @pytest.mark.parametrize("cls,opts", [(AFTSimple, {}), (AFTLocal, {"window": 4}), (AFTConv, {"window": 4})],

@@ -10,7 +10,8 @@ from fastweights.layers import InfiniAttention, SoftmaxAttention
 from fastweights.layers.base import merge_heads, split_heads
 from fastweights.layers.positional import apply_rotary
 from fastweights.ops import infini_attention
-from tests.helpers import assert_close64
+from fastweights.ops.infini import InfiniState
+from tests.helpers import assert_close64, steps_from
 
 D_MODEL, H, T = 12, 3, 17
 F64 = torch.float64
@@ -181,3 +182,31 @@ def test_bad_state_is_rejected():
     layer = make()
     with pytest.raises(ValueError, match=r"initial_state\[0\] \(M\)"):
         layer(inputs(), (torch.zeros(2, H, 3, 3), torch.zeros(2, H, 4)))
+
+
+@pytest.mark.parametrize("options", [{}, {"update": "delta", "rope_memory": True}],
+                         ids=["linear", "delta-rope_memory"])
+def test_step_path_states_equal_whole(options):
+    """One-token steps (the layer's own streaming path) from a state of every accepted form
+    (None, the layer's 5-tuple, the op's InfiniState, a bare (M, z) at a segment boundary)
+    end in the state of the whole sequence, across segment boundaries."""
+    layer = make(**options)
+    x = inputs(T=12)
+    whole, sw = layer(x)
+    _, s10 = layer(x[:, :10])  # 10 = two whole segments: the open segment is empty
+    starts = {"layer": (0, None), "boundary pair": (10, (s10.M, s10.z)),
+              "op state": (10, InfiniState(s10.M, s10.z, s10))}
+    for what, (start, state) in starts.items():
+        ys, state = steps_from(layer, x[:, start:], state=state)
+        assert_close64(ys, whole[:, start:], what=what)
+        for a, b in zip(state, sw):
+            assert_close64(a, b, what=f"{what} state")
+
+
+def test_bad_state_is_rejected_by_a_step():
+    layer = make()
+    with pytest.raises(ValueError, match=r"initial_state\[0\] \(M\)"):
+        layer(inputs(T=1), (torch.zeros(2, H, 3, 3), torch.zeros(2, H, 4)))
+    with pytest.raises(ValueError, match="segment_len"):
+        layer(inputs(T=1), (torch.zeros(2, H, 4, 4), torch.zeros(2, H, 4),
+                            *[torch.zeros(2, 5, H, 4)] * 3))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fastweights import build_mixer
 from fastweights.layers import GLU, DiagAttention, NormAttention, SRMSNorm
 from fastweights.layers.transnormer import LRPE, alibi_slopes
-from tests.helpers import assert_close64
+from tests.helpers import assert_close64, steps_from
 
 D_MODEL, H = 12, 3
 
@@ -117,6 +117,70 @@ def test_norm_attention_streams(decay):
     assert_close64(torch.cat(outs, 1), whole, atol=1e-9)
 
 
+STEP_CASES = [("1+elu", True, False), ("elu", True, True), ("silu", False, False),
+              ("1+elu", False, True)]
+
+
+@pytest.mark.parametrize("act,lrpe,decay", STEP_CASES,
+                         ids=[f"{a}-lrpe{int(lrpe)}-decay{int(d)}" for a, lrpe, d in STEP_CASES])
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_norm_attention_step_equals_oracle_path(act, lrpe, decay, mode):
+    """The one-token step (its own path for mode chunk/recurrent) equals the general path of
+    mode="naive" token by token from an empty state and from a carried one, outputs and
+    states, for an odd head dim and a batch of 3."""
+    ref = perturbed(NormAttention(15, 3, activation=act, lrpe=lrpe, decay=decay, decay_scale=0.5,
+                                  mode="naive"))
+    layer = NormAttention(15, 3, activation=act, lrpe=lrpe, decay=decay, decay_scale=0.5,
+                          mode=mode).double().eval()
+    layer.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 6, 15, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    s_ref = s = None
+    for t in range(6):
+        y_ref, s_ref = ref(x[:, t:t + 1], s_ref)
+        y, s = layer(x[:, t:t + 1], s)
+        assert_close64(y, y_ref, what=f"step {t}")
+        assert_close64(s.S, s_ref.S, what=f"state {t}")
+        assert s.pos == s_ref.pos == t + 1
+
+
+def test_norm_attention_step_rows_equal_whole_sequences():
+    """Rows at their own LRPE positions (stack_states), stepped together one token at a time,
+    equal each stream's prefill and continuation fed as one whole sequence (general path)."""
+    layer = perturbed(NormAttention(D_MODEL, H, decay=True, decay_scale=0.5, chunk_size=4))
+    gen = torch.Generator().manual_seed(4)
+    lengths, steps = (5, 1, 9), 4
+    seqs = [torch.randn(1, n + steps, D_MODEL, generator=gen, dtype=torch.float64) for n in lengths]
+    state = layer.stack_states([layer(s[:, :n])[1] for s, n in zip(seqs, lengths)])
+    assert state.pos.tolist() == list(lengths)
+    for t in range(steps):
+        y, state = layer(torch.cat([s[:, n + t:n + t + 1] for s, n in zip(seqs, lengths)]), state)
+        for i, (s, n) in enumerate(zip(seqs, lengths)):
+            assert_close64(y[i], layer(s[:, :n + t + 1])[0][0, -1:], atol=1e-9, what=f"row {i}")
+    assert state.pos.tolist() == [n + steps for n in lengths]
+
+
+def test_norm_attention_step_checks_the_state():
+    layer = NormAttention(8, 2)
+    x = torch.randn(2, 1, 8)
+    with pytest.raises(ValueError, match=r"state\[0\] \(S\) must have shape"):
+        layer(x, (torch.zeros(2, 2, 4, 3), 5))
+    with pytest.raises(ValueError, match="device"):
+        layer(x, (torch.zeros(2, 2, 4, 4, device="meta"), 5))
+    _, (S, pos) = layer.double()(x.double(), (torch.zeros(2, 2, 4, 4), 5))  # float32 S upcast
+    assert S.dtype == torch.float64 and pos == 6
+
+
+def test_norm_attention_step_under_autocast_takes_the_op():
+    """Under CPU autocast the step runs through the public op (float32 state and output norm)."""
+    layer = NormAttention(8, 2).eval()
+    x = torch.randn(1, 1, 8)
+    _, state = layer(torch.randn(1, 5, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, (S, _) = layer(x, state)
+    assert S.dtype == torch.float32
+    assert (y.float() - layer(x, state)[0]).abs().max() < 5e-2
+
+
 def test_decay_variant_uses_alibi_decays_and_gate():
     layer = NormAttention(32, 8, decay=True)
     expected = torch.exp(-2.0 ** -torch.arange(1, 9, dtype=torch.float64))
@@ -184,6 +248,20 @@ def test_lrpe_matches_explicit_and_is_relative(D):
             assert_close64(score(i + shift, j + shift), score(i, j), atol=1e-9)
     assert (score(3, 1) - score(3, 2)).abs().max() > 1e-3  # positions do matter
     assert_close64(lrpe(q, torch.tensor([4])).norm(dim=-1), q.norm(dim=-1))  # orthogonal
+
+
+def test_lrpe_int_positions_and_pair():
+    """An int position p means p, p+1, ... for every row; ``pair`` equals two calls (one fused
+    tensor at T = 1)."""
+    torch.manual_seed(0)
+    lrpe = LRPE(7).double()
+    for T in (1, 4):
+        q, k = torch.randn(2, 2, T, 3, 7, dtype=torch.float64).unbind(0)
+        assert_close64(lrpe(q, 11), lrpe(q, torch.arange(11, 11 + T)))
+        for pos in (11, torch.tensor([[3] * T, [8] * T]) + torch.arange(T)):
+            qr, kr = lrpe.pair(q, k, pos)
+            assert_close64(qr, lrpe(q, pos))
+            assert_close64(kr, lrpe(k, pos))
 
 
 def test_lrpe_frequencies_learn_and_householder_is_fixed():
@@ -255,6 +333,49 @@ def test_diag_attention_streams(block, splits):
         start = stop
         assert state[0].shape[1] == stop % block and state[0].dtype == torch.float64
     assert_close64(torch.cat(outs, 1), whole, atol=1e-9)
+
+
+STEP_DIAG = [(kern, lrpe, w) for kern in ("softmax", "relu") for lrpe, w in ((True, 1), (True, 4), (False, 5))]
+
+
+@pytest.mark.parametrize("kernel,lrpe,block", STEP_DIAG,
+                         ids=[f"{k}-lrpe{int(lrpe)}-w{w}" for k, lrpe, w in STEP_DIAG])
+def test_diag_attention_one_token_steps_equal_whole(kernel, lrpe, block):
+    """The one-token step (the query against the cached open block, no re-run) equals the
+    whole sequence's block attention, outputs and final state, from None and from a state
+    left by a longer piece."""
+    layer = perturbed(DiagAttention(D_MODEL, H, block_size=block, kernel=kernel, lrpe=lrpe))
+    x = x_in(T=11)
+    whole, final = layer(x)
+    for start in (0, 6):
+        ys, state = steps_from(layer, x, start)
+        assert_close64(ys, whole[:, start:], atol=1e-9, what=f"from {start}")
+        for a, b in zip(state, final):
+            assert_close64(a, b, what="state")
+
+
+def test_diag_attention_half_steps_follow_the_float64_layer():
+    layer = perturbed(DiagAttention(D_MODEL, H, block_size=3, kernel="relu"))
+    x = x_in(T=7)
+    ref, _ = layer(x)
+    half = DiagAttention(D_MODEL, H, block_size=3, kernel="relu").bfloat16()
+    half.load_state_dict(layer.state_dict())
+    ys, state = [], None
+    for t in range(7):
+        y, state = half(x[:, t:t + 1].bfloat16(), state)
+        ys.append(y)
+    assert state[0].dtype == torch.float32
+    assert (torch.cat(ys, 1).double() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_diag_attention_state_longer_than_a_block_is_rejected():
+    layer = DiagAttention(8, 2, block_size=3)
+    bad = (torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4))
+    for T in (1, 4):
+        with pytest.raises(ValueError, match="r must be < block_size = 3"):
+            layer(torch.randn(1, T, 8), bad)
+    with pytest.raises(ValueError, match=r"state\[1\] \(v_open\) must have shape"):
+        layer(torch.randn(1, 1, 8), (torch.zeros(1, 2, 2, 4), torch.zeros(1, 1, 2, 4)))
 
 
 def test_diag_attention_state_size_and_float32_state_for_half():

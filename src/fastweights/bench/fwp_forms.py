@@ -18,6 +18,11 @@ capability (``torch.backends.cpu.get_cpu_capability()``), whether the CPU has AM
 AVX512-BF16 (what ``auto`` decides by) and the bfloat16 matmul rate:
 ``python -m fastweights.bench.fwp_forms --modes chunk --autocast-bf16``.
 
+``--profile`` adds, under each form's line, where its time goes: the ``torch.profiler`` table
+of the ``--profile-top`` operators with the most self CPU time per call (calls, ms, share of
+the operators' total), and the wall time of a profiled call not spent in any operator (Python,
+dispatch); see ``profile_table``.
+
 Dimension legend: B batch, T time, H heads, D head dim.
 """
 
@@ -58,6 +63,39 @@ def _inputs(B: int, T: int, H: int, D: int, dtype: torch.dtype) -> dict[str, tor
     return {"q": elu_plus_one(q), "k": elu_plus_one(k), "v": v,
             "qn": sum_norm(elu_plus_one(q)), "kn": sum_norm(elu_plus_one(k)),
             "beta": torch.rand(B, T, H, generator=g, dtype=dtype)}
+
+
+def profile_table(call: Callable[[], Any], repeats: int, top: int) -> str:
+    """Where ``call``'s time goes: one warm-up call, then ``repeats`` calls under the CPU
+    profiler. Returns the table of the ``top`` ATen operators by self CPU time (time in the
+    operator itself, not in the operators it calls), per call: calls, milliseconds and share of
+    the summed self time of every operator; then that total, the profiled wall time per call
+    and their difference, the time outside any operator (Python, dispatch, profiler)."""
+    call()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        wall = (time.perf_counter() - start) / repeats
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in ops) / repeats / 1e3  # ms per call
+    ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    lines = [f"  {'operator':<44} {'calls':>7} {'self ms':>9} {'share':>7}"]
+    for e in ops[:top]:
+        ms = e.self_cpu_time_total / repeats / 1e3
+        lines.append(f"  {e.key:<44} {e.count / repeats:>7.0f} {ms:>9.2f} "
+                     f"{100 * ms / total if total else 0.0:>6.1f}%")
+    rest = ops[top:]
+    if rest:
+        ms = sum(e.self_cpu_time_total for e in rest) / repeats / 1e3
+        lines.append(f"  {f'({len(rest)} other operators)':<44} "
+                     f"{sum(e.count for e in rest) / repeats:>7.0f} {ms:>9.2f} "
+                     f"{100 * ms / total if total else 0.0:>6.1f}%")
+    lines.append(f"  {'all operators (self CPU)':<44} {sum(e.count for e in ops) / repeats:>7.0f} "
+                 f"{total:>9.2f}  100.0%")
+    lines.append(f"  profiled wall time {wall * 1e3:.2f} ms per call, "
+                 f"{max(wall * 1e3 - total, 0.0):.2f} ms of it outside the operators")
+    return "\n".join(lines)
 
 
 def _pass(backward: bool, call: Callable[[], Any]) -> Callable[[], Any]:
@@ -118,7 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--autocast-bf16", action="store_true",
                    help="add each chunked form under CPU bfloat16 autocast with "
                         f"{CPU_BF16_ENV}=on (the bfloat16 product path), interleaved with it")
+    p.add_argument("--profile", action="store_true",
+                   help="under each form, the profiler's table of its operators by self CPU "
+                        "time (per call, share of the total)")
+    p.add_argument("--profile-top", type=int, default=12,
+                   help="operators listed by --profile (the rest summed in one line)")
     args = p.parse_args(argv)
+    for name in ("B", "T", "H", "D", "repeats", "profile_top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     with _env(CPU_BF16_ENV, "on") if args.autocast_bf16 else contextlib.nullcontext():
         _run(args)
 
@@ -169,7 +215,9 @@ def _run(args: argparse.Namespace) -> None:
             # A CPU-clock rate is per CPU-second, not comparable with the wall-clock matmul rate.
             share = f"({100 * rate / peak:5.1f}% of matmul)" if args.clock == "wall" else "per CPU-s"
             print(f"{name:<44} {t * 1e3:9.2f} ms  {rate:7.2f} GFLOP/s {share}  "
-                  f"min {min(times[name]) * 1e3:.2f} ms{notes.get(name, '')}")
+                  f"min {min(times[name]) * 1e3:.2f} ms{notes.get(name, '')}", flush=True)
+            if args.profile:
+                print(profile_table(calls[name], args.repeats, args.profile_top), flush=True)
 
 
 if __name__ == "__main__":

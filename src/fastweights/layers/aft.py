@@ -26,6 +26,7 @@ from .._checks import (
     check_layer_input,
     check_nonneg_float,
     check_positive_int,
+    state_dtype,
 )
 from ..ops.aft import (
     AFTConvState,
@@ -37,6 +38,7 @@ from ..ops.aft import (
     aft_simple_stream,
 )
 from ..ops.aft.common import MODES
+from ..ops.aft.local_stream import local_stream
 from .base import (
     Mixer,
     Option,
@@ -44,6 +46,7 @@ from .base import (
     cat_rows,
     check_stackable,
     declare_options,
+    is_step,
     merge_heads,
     split_heads,
     token_positions,
@@ -106,6 +109,12 @@ class _PositionBias(nn.Module):
         """w[start:stop, :stop], the biases of rows start..stop-1 against every key so far."""
         self.check_length(stop)
         return self.u[start:stop] @ self.v[:stop].T
+
+    def keys_row(self, position: int, window: int) -> torch.Tensor:
+        """[J] with [j] = w[p, p - J + 1 + j], J = min(p + 1, s): one token's biases against the
+        keys of its window in time order (a decoding step's, without ``band``'s blocks)."""
+        self.check_length(position + 1)
+        return self.v[max(position + 1 - window, 0):position + 1] @ self.u[position]
 
     def rows_at(self, positions: torch.Tensor, window: int) -> torch.Tensor:
         """[B, 1, s] with [b, 0, o] = w[p_b, p_b - o] for the positions p [B] (each >= s - 1):
@@ -189,6 +198,8 @@ class AFTLocal(_AFT):
     State ``(a, n, m [B, d'], k_cache, v_cache [B, c, d'], pos)``: the stable sums of the tokens
     that have left the window, the last c = min(pos, s - 1) tokens and the absolute position.
     ``state_size`` counts its floats once the cache is full: 3 d' + 2 (s - 1) d'.
+    A decoding step (``is_step``: T = 1, not packed, one position for all rows) computes its
+    token's window biases alone and runs the op's recurrence on the state it checked.
     """
 
     options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
@@ -207,6 +218,11 @@ class AFTLocal(_AFT):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if is_step(x, cu_seqlens):
+            check_layer_input(x, self.d_model)
+            state = self._typed_state(state, AFTLocalState)
+            if state is None or not isinstance(state.pos, torch.Tensor):
+                return self._step(x, state)
         if cu_seqlens is None:
             check_layer_input(x, self.d_model)
             state = self._typed_state(state, AFTLocalState)
@@ -230,6 +246,19 @@ class AFTLocal(_AFT):
                                     output_final_state=True, mode=self.mode,
                                     chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self.out(o), state
+
+    def _step(self, x: torch.Tensor, state: AFTLocalState | None) -> tuple[torch.Tensor, State]:
+        """``forward`` for one token per row at one position (see the class docstring)."""
+        q, k, v = self._qkv(x)
+        pos, carried = 0, None
+        if state is not None:
+            a, n, m, k_cache, v_cache, pos = AFTLocalState.check(state, x.shape[0], self.d_hidden,
+                                                                 self.window, q)
+            carried = (a, n.unsqueeze(-1), m, k_cache, v_cache.unsqueeze(-1))
+        band = self.bias.keys_row(pos, self.window).to(state_dtype(x.dtype)).view(1, 1, -1)
+        o, final = local_stream(q, k, v, band, self.window, carried, pos, "recurrent",
+                                self.chunk_size)
+        return self.out(o), final
 
     def state_size(self, seq_len: int = 1) -> int:
         return (3 + 2 * (self.window - 1)) * self.d_hidden

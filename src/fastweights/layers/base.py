@@ -182,6 +182,16 @@ def cat_rows(items: Sequence[Any], what: str) -> Any:
     return first
 
 
+def is_step(x: Any, cu_seqlens: torch.Tensor | None) -> bool:
+    """Whether a call is a plain decoding step: x [B, 1, d] (one token per row), not packed,
+    autocast off. Layers serve it by a lean path that runs their op's recurrence directly on a
+    state they checked themselves: a step is a chain of tiny operations whose cost is their
+    number, and the public op would re-validate q, k, v the layer has just built. Under
+    autocast the public op (which switches autocast off for its float32 states) runs instead."""
+    return (cu_seqlens is None and isinstance(x, torch.Tensor) and x.dim() == 3
+            and x.shape[1] == 1 and not torch.is_autocast_enabled(x.device.type))
+
+
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """[B, T, H*D] -> [B, T, H, D]."""
     return x.unflatten(-1, (n_heads, -1))

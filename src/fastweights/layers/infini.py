@@ -4,6 +4,7 @@ mathematics lives in ``fastweights.ops.infini``."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -14,10 +15,12 @@ from .._checks import (
     check_bool,
     check_choice,
     check_finite_float,
+    check_layer_input,
     check_nonneg_float,
     check_positive_int,
 )
 from ..ops.infini import MODES, UPDATES, InfiniRowsState, InfiniSegmentState, infini_attention
+from ..ops.infini.recurrent import infini_attention_recurrent
 from .base import (
     Mixer,
     Option,
@@ -25,6 +28,7 @@ from .base import (
     cat_rows,
     check_stackable,
     declare_options,
+    is_step,
     merge_heads,
     packed_or_single,
     per_document,
@@ -62,6 +66,11 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     counts the compressive memory, H (D^2 + D) floats, independent of the context length as in
     the paper's memory-footprint count; the open-segment cache adds at most
     (segment_len - 1) * 3 * H * D floats on top.
+
+    A decoding step (``is_step``: T = 1, not packed) of mode "chunk" or "recurrent" from such a
+    state runs the op's streaming form itself on the state checked here (the op would also
+    write the open segment into a memory the layer does not carry); rows at their own places
+    (``stack_states``) and mode "naive" go through the op.
     """
 
     options = declare_options(
@@ -103,6 +112,9 @@ class InfiniAttention(RotaryFrequencies, Mixer):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if (self.mode != "naive" and not isinstance(state, InfiniRowsState)
+                and is_step(x, cu_seqlens)):
+            return self._step(x, state)
         bounds, docs = self._documents(x, state, cu_seqlens)
         rows = isinstance(state, InfiniRowsState)  # rows at their own places (stack_states)
         q, k, v = split_heads(self.qkv(x), self.n_heads).chunk(3, dim=-1)  # [B, T, H, D] each
@@ -128,6 +140,29 @@ class InfiniAttention(RotaryFrequencies, Mixer):
         # NamedTuple, without InfiniState's extra attribute, for code that maps over states.
         finals = [s.open_segment for s in per_document(new_state, cu_seqlens)]
         return self.out(merge_heads(o)), packed_or_single(finals, cu_seqlens)
+
+    def _step(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, InfiniSegmentState]:
+        """``forward`` for one token per row, x [B, 1, d_model] (see the class docstring)."""
+        check_layer_input(x, self.d_model)
+        B, H, D, N = x.shape[0], self.n_heads, self.head_dim, self.segment_len
+        q, k, v = split_heads(self.qkv(x), H).chunk(3, dim=-1)  # [B, 1, H, D] each
+        M, z, k_seg, v_seg, k_mem_seg = InfiniSegmentState.carried(state, B, H, D, D, N, q)
+        q_mem, k_mem = q, k
+        if self.rope:
+            r = k_seg.shape[1]  # the token's place in its segment
+            q, k = self._rotate_periodic((q, k), slice(r, r + 1), N)
+            if self.rope_memory:
+                q_mem, k_mem = q, k
+        # The compute dtype, as the op casts (after the rotation, as in forward).
+        cdtype = M.dtype
+        q, k, v, q_mem, k_mem = (t if t.dtype == cdtype else t.to(cdtype)
+                                 for t in (q, k, v, q_mem, k_mem))
+        o, *final = infini_attention_recurrent(
+            q=q, k=k, v=v, q_mem=q_mem, k_mem=k_mem, g=torch.sigmoid(self.gate.to(cdtype)),
+            M=M, z=z, k_seg=k_seg, v_seg=v_seg, k_mem_seg=k_mem_seg, segment_len=N,
+            update=self.update, scale=1.0 / math.sqrt(D), eps=self.eps)
+        o = merge_heads(o)
+        return self.out(o if o.dtype == x.dtype else o.to(x.dtype)), InfiniSegmentState(*final)
 
     def state_size(self, seq_len: int = 1) -> int:
         H, D = self.n_heads, self.head_dim

@@ -21,6 +21,7 @@ from .._checks import (
     check_layer_input,
     check_nonneg_float,
     check_positive_int,
+    check_same_device,
     check_shape,
     check_tensor,
     is_int,
@@ -34,6 +35,8 @@ from ..ops.transnormer import (
     open_block_attention,
     srms_norm,
 )
+from ..ops.transnormer.block import attend_open_block
+from ..ops.transnormer.recurrent import decay_linear_attn_recurrent
 from .base import (
     Mixer,
     Option,
@@ -41,13 +44,14 @@ from .base import (
     cat_rows,
     check_stackable,
     declare_options,
+    is_step,
     merge_heads,
     packed_or_single,
     per_document,
     split_heads,
     token_positions,
 )
-from .positional import apply_rotary, rotary_inv_freq
+from .positional import rotary_inv_freq, rotate_pairs
 
 ACTIVATIONS = {
     "1+elu": elu_plus_one,
@@ -98,19 +102,42 @@ class LRPE(nn.Module):
         self.register_buffer("householder", (v / v.norm()).float())
         self.theta = nn.Parameter(rotary_inv_freq(head_dim - head_dim % 2, base))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H, D], positions [T] or [B, T] -> [B, T, H, D] in x's dtype."""
-        xc = x.to(state_dtype(x.dtype))
-        u = self.householder.to(xc.dtype)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | int) -> torch.Tensor:
+        """x [B, T, H, D] -> [B, T, H, D] in x's dtype, token t at ``positions[t]`` ([T]), at
+        ``positions[b, t]`` ([B, T]: rows at their own places), or at ``positions + t`` (an
+        int: every row from one place, as a decoding step at a sequence-global position)."""
+        cdtype = state_dtype(x.dtype)
+        xc = x if x.dtype == cdtype else x.to(cdtype)
+        u = self.householder
+        u = u if u.dtype == cdtype else u.to(cdtype)
         # Renormalise in the compute dtype: the stored float32 v is unit only to ~1e-8, and
         # H = I - 2uu^T is orthogonal exactly when u is a unit vector.
         u = u / u.norm()
-        hx = xc - 2.0 * (xc @ u).unsqueeze(-1) * u
+        hx = torch.addcmul(xc, (xc @ u).unsqueeze(-1), u, value=-2.0)  # H x = x - 2 (x.u) u
         n = self.theta.shape[0] * 2
-        rotated = apply_rotary(hx[..., :n], positions, self.theta)
+        theta = self.theta if self.theta.dtype == cdtype else self.theta.to(cdtype)
+        if not isinstance(positions, torch.Tensor) and x.shape[1] == 1:
+            angles = (theta * positions).unsqueeze(0)  # [T = 1, D/2], no position tensor built
+        else:
+            if not isinstance(positions, torch.Tensor):
+                positions = torch.arange(positions, positions + x.shape[1], device=x.device)
+            angles = positions.to(cdtype).unsqueeze(-1) * theta  # [(B,) T, D/2]
         if n < x.shape[-1]:
-            rotated = torch.cat([rotated, hx[..., n:]], dim=-1)
-        return rotated.to(x.dtype)
+            rotated = torch.cat([rotate_pairs(hx[..., :n], angles.cos(), angles.sin()),
+                                 hx[..., n:]], dim=-1)
+        else:
+            rotated = rotate_pairs(hx, angles.cos(), angles.sin())
+        return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
+
+    def pair(self, q: torch.Tensor, k: torch.Tensor,
+             positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(q, positions), self(k, positions)) for q, k [B, T, H, D]. A one-token step
+        (T = 1) takes them through as one tensor [B, 1, 2H, D]: its cost is the number of
+        operations, not their size."""
+        if q.shape[1] != 1 or q.shape != k.shape:
+            return self(q, positions), self(k, positions)
+        both = self(torch.cat((q, k), dim=2), positions)
+        return both[:, :, :q.shape[2]], both[:, :, q.shape[2]:]
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -151,6 +178,9 @@ class NormAttention(Mixer):
 
     State: ``(S [B, H, D, D] float32/float64, position: int)``; the position keeps LRPE
     sequence-global when the sequence is fed in pieces. ``decay_values`` holds the lambda_h.
+    A decoding step (``is_step``: T = 1, not packed) of mode "chunk" or "recurrent" runs the
+    recurrence itself on the state checked here, q and k side by side through one activation
+    and one LRPE pass; mode "naive" always takes the op's oracle.
     """
 
     options = declare_options(
@@ -184,6 +214,8 @@ class NormAttention(Mixer):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if self.mode != "naive" and is_step(x, cu_seqlens):
+            return self._step(x, state)
         bounds, docs = self._documents(x, state, cu_seqlens)
         S, pos = zip(*(NormState.check(s) for s in docs))  # per document
         H = self.n_heads
@@ -196,11 +228,15 @@ class NormAttention(Mixer):
                 if cu_seqlens is not None:
                     raise ValueError("states with per-row positions (stack_states) cannot be "
                                      "packed with cu_seqlens")
-                positions = pos[0].unsqueeze(1) + torch.arange(x.shape[1], device=x.device)
+                positions = pos[0].unsqueeze(1)  # [B, 1]
+                if x.shape[1] > 1:
+                    positions = positions + torch.arange(x.shape[1], device=x.device)
+            elif cu_seqlens is None:
+                positions = pos[0]  # sequence-global: the first token's place
             else:
-                # Sequence-global positions, restarting at every document when packed.
+                # Sequence-global positions, restarting at every document.
                 positions = token_positions(bounds, pos, x.device)
-            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
+            q, k = self.lrpe.pair(q, k, positions)
         if x.dtype in HALF:
             # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
             # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences.
@@ -222,6 +258,33 @@ class NormAttention(Mixer):
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
         finals = [NormState(s, p + b - a) for s, p, a, b in zip(S, pos, bounds, bounds[1:])]
         return self.out(o.to(x.dtype)), packed_or_single(finals, cu_seqlens)
+
+    def _step(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, NormState]:
+        """``forward`` for one token per row, x [B, 1, d_model] (see the class docstring)."""
+        check_layer_input(x, self.d_model)
+        S, pos = NormState.check(state)
+        B, H, D = x.shape[0], self.n_heads, self.head_dim
+        sdtype = state_dtype(x.dtype)
+        if S is None:
+            S = x.new_zeros(B, H, D, D, dtype=sdtype)
+        else:  # what the op checks of a carried state
+            check_shape("state[0] (S)", S, (B, H, D, D), "[B, H, D, D]")
+            check_same_device(x=x, **{"state[0] (S)": S})
+            S = S if S.dtype == sdtype else S.to(sdtype)
+        qk = ACTIVATIONS[self.activation](
+            split_heads(torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1), 2 * H))
+        if self.lrpe is not None:
+            qk = self.lrpe(qk, pos.unsqueeze(1) if isinstance(pos, torch.Tensor) else pos)
+        v = split_heads(self.v_proj(x), H)
+        if qk.dtype != sdtype:  # half inputs: see forward
+            qk, v = qk.to(sdtype), v.to(sdtype)
+        lam = (None if self.decay_values is None
+               else torch.tensor(self.decay_values, dtype=sdtype, device=x.device))
+        o, S = decay_linear_attn_recurrent(qk[:, :, :H], qk[:, :, H:], v, lam, S)
+        o = srms_norm(merge_heads(o))
+        if self.decay_values is not None:
+            o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
+        return self.out(o if o.dtype == x.dtype else o.to(x.dtype)), NormState(S, pos + 1)
 
     def state_size(self, seq_len: int = 1) -> int:
         return self.n_heads * self.head_dim * self.head_dim
@@ -280,15 +343,20 @@ class DiagState(NamedTuple):
     v_open: torch.Tensor
 
     @classmethod
-    def check(cls, state: Any, B: int | None, H: int, D: int) -> DiagState | None:
-        """A carried state for a batch of B (None: any; a None state stays None)."""
+    def check(cls, state: Any, B: int | None, H: int, D: int, w: int) -> DiagState | None:
+        """A carried state for a batch of B (None: any; a None state stays None) and blocks of
+        w tokens (so r < w)."""
         if state is None:
             return None
         if not isinstance(state, (tuple, list)) or len(state) != 2:
             raise TypeError("state must be None or the (k_open, v_open) tuple DiagAttention returned")
         for i, name in enumerate(cls._fields):
             check_tensor(f"state[{i}] ({name})", state[i], 4, "[B, r, H, D]")
-            check_shape(f"state[{i}] ({name})", state[i], (B, None, H, D), "[B, r, H, D]")
+            check_shape(f"state[{i}] ({name})", state[i], (B, state[0].shape[1], H, D),
+                        "[B, r, H, D]")
+        if state[0].shape[1] >= w:
+            raise ValueError(f"state[0] (k_open) holds the r tokens of the open block, so r must "
+                             f"be < block_size = {w}, got shape {tuple(state[0].shape)}")
         return cls(*state)
 
 
@@ -341,9 +409,11 @@ class DiagAttention(Mixer):
         check_layer_input(x, self.d_model)
         if isinstance(state, DiagRowsState):
             return self._step_rows(x, state)
+        if is_step(x, cu_seqlens):
+            return self._step(x, state)
         B, T, _ = x.shape
         H, D, w = self.n_heads, self.head_dim, self.block_size
-        state = DiagState.check(state, B, H, D)
+        state = DiagState.check(state, B, H, D, w)
         r = 0 if state is None else state.k_open.shape[1]
         # Block-local positions: LRPE restarts in every block.
         q, k, v = self._project(x, torch.arange(r, r + T, device=x.device) % w)
@@ -365,13 +435,35 @@ class DiagAttention(Mixer):
         new_state = DiagState(k[:, r + T - n_open:].to(sdtype), v[:, r + T - n_open:].to(sdtype))
         return self.out(o.to(x.dtype)), new_state
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _project(self, x: torch.Tensor,
+                 positions: torch.Tensor | int) -> tuple[torch.Tensor, ...]:
         """q, k, v [B, T, H, D] (q, k through LRPE at block-local ``positions`` when on)."""
         H = self.n_heads
         q, k, v = (split_heads(proj(x), H) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.lrpe is not None:
-            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
+            q, k = self.lrpe.pair(q, k, positions)
         return q, k, v
+
+    def _step(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, DiagState]:
+        """One token per row, all rows at one place r of their blocks: the query attends to the
+        open block's cached keys and its own, without re-running the block."""
+        B, H, D, w = x.shape[0], self.n_heads, self.head_dim, self.block_size
+        state = DiagState.check(state, B, H, D, w)
+        r = 0 if state is None else state.k_open.shape[1]
+        q, k, v = self._project(x, r)  # LRPE at the block-local place r
+        sdtype = state_dtype(x.dtype)
+        # The cache is kept in the compute dtype; the ReLU kernel's q too (see forward).
+        q = q.to(sdtype) if self.kernel == "relu" and q.dtype != sdtype else q
+        k, v = (t if t.dtype == sdtype else t.to(sdtype) for t in (k, v))
+        if r:
+            k = torch.cat([state.k_open.to(sdtype), k], dim=1)  # [B, r + 1, H, D]
+            v = torch.cat([state.v_open.to(sdtype), v], dim=1)
+        o = merge_heads(attend_open_block(q, k, v, D ** -0.5, self.kernel))
+        if self.kernel == "relu":
+            o = srms_norm(o)
+        n_open = (r + 1) % w
+        return self.out(o if o.dtype == x.dtype else o.to(x.dtype)), DiagState(k[:, r + 1 - n_open:],
+                                                                              v[:, r + 1 - n_open:])
 
     def _step_rows(self, x: torch.Tensor, state: DiagRowsState) -> tuple[torch.Tensor, State]:
         """One token per row, each row at its own place ``state.fill`` in its block."""
@@ -409,7 +501,7 @@ class DiagAttention(Mixer):
                 values.append(state.v_open)
                 fills.append(state.fill)
                 continue
-            state = DiagState.check(state, None, H, D)  # any batch
+            state = DiagState.check(state, None, H, D, w)  # any batch
             r = state.k_open.shape[1]
             pad = (0, 0, 0, 0, w - 1 - r, 0)
             keys.append(F.pad(state.k_open, pad))

@@ -108,8 +108,23 @@ def aft_local_stream(
         check_tensor("w", w, 2, "[T, window]")
         check_arg("w", w, (T, window), "[T, window]", q)
         band = w.to(cdtype).flip(-1).unsqueeze(1)  # [T, 1, s], band[..., -1 - o] = w[:, o]
+    o, final = local_stream(q, k, v, band, window, carried, pos, mode, chunk_size)
+    return o, (final if output_final_state else None)
+
+
+def local_stream(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, window: int,
+    carried: tuple[torch.Tensor, ...] | None, pos: int | torch.Tensor, mode: str,
+    chunk_size: int,
+) -> tuple[torch.Tensor, AFTLocalState]:
+    """``aft_local_stream`` past its checks, also run directly by AFTLocal's decoding step on
+    the state it checked: ``band`` the biases in the compute dtype and time order ([T, 1, J],
+    or [1, B, 1, J] per row; band[..., -1 - o] at offset o, J >= the window the tokens see),
+    ``carried`` the checked state's (a, n [B, D, 1], m, k_cache, v_cache [B, c, D, 1]) or None.
+    Returns (o [B, T, D] in q's dtype, the state after the tokens)."""
+    cdtype = state_dtype(q.dtype)
+    k, v = (t if t.dtype == cdtype else t.to(cdtype) for t in (k, v))
     ratio, (a, n, m, k_cache, v_cache) = banded_stream(
-        k.to(cdtype), v.to(cdtype).unsqueeze(-1), band, window, carried, mode, chunk_size)
-    final = (AFTLocalState(a, n.squeeze(-1), m, k_cache, v_cache.squeeze(-1), pos + T)
-             if output_final_state else None)
+        k, v.unsqueeze(-1), band, window, carried, mode, chunk_size)
+    final = AFTLocalState(a, n.squeeze(-1), m, k_cache, v_cache.squeeze(-1), pos + k.shape[1])
     return gate(q, ratio.squeeze(-1)), final

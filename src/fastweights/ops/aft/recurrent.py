@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from .chunk import PrefixState, empty_prefix, merge
+from .._steps import stack_time
+from .chunk import PrefixState, empty_prefix
 
 
 def _absorb(prefix: PrefixState, k: torch.Tensor, v: torch.Tensor) -> PrefixState:
-    """Add one token (k [B, G], v [B, G, E]) to (a, n, m): the online log-sum-exp step."""
-    return merge(prefix, (k, v, torch.ones_like(k)))
+    """Add one token (k [B, G], v [B, G, E]) to (a, n, m): the online log-sum-exp step,
+    ``merge`` with the token's (k, v, 1) written out (its m = 1 needs no tensor, no product)."""
+    a, n, m = prefix
+    ref = torch.maximum(a, k).detach()  # a reference only: it cancels in n / m
+    f, g = torch.exp(a - ref), torch.exp(k - ref)
+    return ref, torch.addcmul(v * g.unsqueeze(-1), n, f.unsqueeze(-1)), torch.addcmul(g, m, f)
 
 
 def simple_recurrent(
@@ -29,7 +34,7 @@ def simple_recurrent(
     for t in range(k.shape[1]):
         prefix = _absorb(prefix, k[:, t], v[:, t])
         outs.append(prefix[1] / prefix[2].unsqueeze(-1))
-    return torch.stack(outs, dim=1), prefix
+    return stack_time(outs), prefix
 
 
 def banded_recurrent(
@@ -56,9 +61,12 @@ def banded_recurrent(
         rho = torch.maximum(logits.detach().amax(dim=-1), a.detach())  # [B, G]
         e = torch.exp(logits - rho.unsqueeze(-1))  # [B, G, J]
         f = torch.exp(a - rho)  # weight of the prefix; 0 while it is empty
-        num = torch.einsum("bgj,bjge->bge", e, v_cache) + f.unsqueeze(-1) * n
-        outs.append(num / (e.sum(dim=-1) + f * m).unsqueeze(-1))
+        # sum_j e_j v_j as a product and a sum (J <= s terms per channel): a batched matrix
+        # product of [1, J] x [J, E] per channel would first copy the permuted cache.
+        num = torch.addcmul((e.unsqueeze(-1) * v_cache.transpose(1, 2)).sum(dim=-2),
+                            f.unsqueeze(-1), n)  # [B, G, E]
+        outs.append(num / torch.addcmul(e.sum(dim=-1), f, m).unsqueeze(-1))
         if s == J:  # the oldest token is outside the next token's window
             prefix = _absorb(prefix, k_cache[:, 0], v_cache[:, 0])
             k_cache, v_cache = k_cache[:, 1:], v_cache[:, 1:]
-    return torch.stack(outs, dim=1), (*prefix, k_cache, v_cache)
+    return stack_time(outs), (*prefix, k_cache, v_cache)

@@ -79,6 +79,17 @@ class InfiniSegmentState(NamedTuple):
         return cls(**checked_tensors(state, cls, specs, q, cdtype))
 
     @classmethod
+    def carried(cls, state: Any, B: int, H: int, Dk: int, Dv: int, N: int,
+                q: torch.Tensor) -> InfiniSegmentState:
+        """``check`` of a carried state, or the empty memory (zeros in the compute dtype) for
+        None."""
+        if state is not None:
+            return cls.check(state, B, H, Dk, Dv, N, q)
+        cdtype = state_dtype(q.dtype)
+        return cls.empty(q.new_zeros(B, H, Dk, Dv, dtype=cdtype), q.new_zeros(B, H, Dk, dtype=cdtype),
+                         B, H, Dk, Dv)
+
+    @classmethod
     def empty(cls, M: torch.Tensor, z: torch.Tensor, B: int, H: int, Dk: int,
               Dv: int) -> InfiniSegmentState:
         """The memory (M, z) at a segment boundary: an empty open segment."""
@@ -248,12 +259,7 @@ def infini_attention(
             g=torch.sigmoid(gate.to(cdtype)), state=rows, segment_len=N, update=update,
             scale=scale, eps=eps)
         return o.to(q.dtype), (InfiniRowsState(*final) if output_final_state else None)
-    if initial_state is None:
-        carried = InfiniSegmentState.empty(q.new_zeros(B, H, Dk, Dv, dtype=cdtype),
-                                           q.new_zeros(B, H, Dk, dtype=cdtype), B, H, Dk, Dv)
-    else:
-        carried = InfiniSegmentState.check(initial_state, B, H, Dk, Dv, N, q)
-    M0, z0, *cache = carried
+    M0, z0, *cache = InfiniSegmentState.carried(initial_state, B, H, Dk, Dv, N, q)
 
     qc, kc, vc = q.to(cdtype), k.to(cdtype), v.to(cdtype)
     qmc = qc if q_mem is None else q_mem.to(cdtype)

@@ -9,7 +9,9 @@ open segment's cache holds its keys (dot-product path), values and memory keys a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from .._steps import stack_time
 from ..softmax import softmax_attention
 from .memory import retrieve, sigma, write
 
@@ -30,15 +32,19 @@ def infini_attention_recurrent(
         k_seg = torch.cat([k_seg, k[:, t:t + 1]], dim=1)
         v_seg = torch.cat([v_seg, v[:, t:t + 1]], dim=1)
         k_mem_seg = torch.cat([k_mem_seg, k_mem[:, t:t + 1]], dim=1)
-        scores = scale * torch.einsum("bhd,bjhd->bhj", q[:, t], k_seg)  # [B, H, n]
-        a_dot = torch.einsum("bhj,bjhe->bhe", scores.softmax(dim=-1), v_seg)
+        # The token attends to the whole open segment (itself the last): no mask. One fused
+        # call rather than scores, softmax and product as three (a decoding step is a chain of
+        # tiny operations).
+        a_dot = F.scaled_dot_product_attention(
+            q[:, t:t + 1].transpose(1, 2), k_seg.transpose(1, 2), v_seg.transpose(1, 2),
+            scale=scale).squeeze(2)  # [B, H, Dv]
         a_mem = retrieve(sq_all[:, t].unsqueeze(-2), M, z, eps).squeeze(-2)  # [B, H, Dv]
-        outs.append(gate * a_mem + (1.0 - gate) * a_dot)
+        outs.append(torch.lerp(a_dot, a_mem, gate))  # g a_mem + (1 - g) a_dot
         if k_seg.shape[1] == segment_len:
             sk = sigma(k_mem_seg).transpose(1, 2)  # [B, H, N, Dk]
             M, z = write(sk, v_seg.transpose(1, 2), M, z, update, eps)
             k_seg, v_seg, k_mem_seg = k_seg[:, :0], v_seg[:, :0], k_mem_seg[:, :0]
-    return torch.stack(outs, dim=1), M, z, k_seg, v_seg, k_mem_seg
+    return stack_time(outs), M, z, k_seg, v_seg, k_mem_seg
 
 
 def infini_attention_rows(
@@ -57,8 +63,7 @@ def infini_attention_rows(
     n = fill + 1  # [B] tokens of each row's segment, this one included
     a_dot = softmax_attention(q, ks, vs, causal=True, scale=scale, kv_lengths=n)[:, 0]
     a_mem = retrieve(sigma(q_mem[:, 0]).unsqueeze(-2), M, z, eps).squeeze(-2)  # [B, H, Dv]
-    gate = g[:, None]
-    o = gate * a_mem + (1.0 - gate) * a_dot
+    o = torch.lerp(a_dot, a_mem, g[:, None])  # g a_mem + (1 - g) a_dot
     closed = n == segment_len
     # Only the rows whose segment closes are written (the others' windows hold padding): an
     # index of those rows, a data-dependent branch (eager sync; a graph break when compiled).

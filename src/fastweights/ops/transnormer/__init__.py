@@ -1,7 +1,9 @@
 """TransNormer: block-diagonal attention (DiagAttention, SPEC.md 3.2), decayed linear attention
 (TransNormerLLM / Lightning Attention, SPEC.md 3.5) and SRMSNorm (SPEC.md 3.1).
 
-NormAttention's un-decayed core is ``fastweights.ops.linear_attn(..., normalize=False)``.
+NormAttention's un-decayed core is ``fastweights.ops.linear_attn(..., normalize=False)``; its
+decoding step runs ``recurrent.decay_linear_attn_recurrent`` (decay None: the same recurrence
+without a normaliser) on the state the layer checked.
 Public functions (``decay.py``, ``block.py``, ``norm.py``) validate their arguments, compute in float32 (float64 stays float64) and return
 outputs in the input dtype with float32-or-wider states.
 """

@@ -7,6 +7,7 @@ Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..._checks import (
     check_arg,
@@ -88,3 +89,21 @@ def open_block_attention(
     padding = torch.arange(L, device=q.device) < (L - lengths).view(-1, 1, 1, 1)
     weights = torch.relu(logits).masked_fill(padding, 0.0)  # [B, H, 1, L]
     return torch.einsum("bhqk,bkhe->bqhe", weights, v.to(cdtype)).to(q.dtype)
+
+
+def attend_open_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      kernel: str) -> torch.Tensor:
+    """``block_attention``'s row for one query per row against its whole open block so far, the
+    query's own key last: no mask (DiagAttention's decoding step). Unchecked, for a layer that
+    built its arguments: q [B, 1, H, Dk] in the input dtype, k [B, L, H, Dk] and v [B, L, H, Dv]
+    in the compute dtype (float32, float64 for float64 q). Returns [B, 1, H, Dv] in q's dtype,
+    computed as ``block_attention`` computes each kernel."""
+    if kernel == "softmax":  # in the input dtype, as block_attention
+        k, v = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (k, v))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), scale=scale)
+        return o.transpose(1, 2)
+    qc = q if q.dtype == k.dtype else q.to(k.dtype)  # unnormalised sums in float32 or wider
+    weights = torch.relu(scale * torch.einsum("bqhd,bkhd->bhqk", qc, k))  # [B, H, 1, L]
+    o = torch.einsum("bhqk,bkhe->bqhe", weights, v)
+    return o if o.dtype == q.dtype else o.to(q.dtype)

@@ -77,13 +77,14 @@ def decay_linear_attn(
     if choose_backend("decay_linear_attn", q, backend, mode, chunk_size) == "fla":
         return fla_decay_linear_attn(q, k, v, decay, scale=scale, S0=S0,
                                      output_final_state=output_final_state)
-    if mode == "chunk":  # the chunk form applies the scale itself, on its small tables
+    if mode == "chunk" and q.shape[1] > 1:  # the chunk form scales q itself, on its small tables
         o, S = decay_linear_attn_chunk(q.to(cdtype), k.to(cdtype), v.to(cdtype),
                                        decay.to(cdtype), S0, chunk_size, scale)
         return o.to(q.dtype), (S if output_final_state else None)
-    args = (q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype), decay.to(cdtype), S0)
-    if mode == "recurrent":
-        o, S = decay_linear_attn_recurrent(*args)
-    else:
+    args = (q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype),
+            decay.to(cdtype), S0)
+    if mode == "naive":
         o, S = decay_linear_attn_naive(*args)
+    else:  # mode="recurrent", or a decoding step (T = 1) of mode="chunk" (see linear_attn)
+        o, S = decay_linear_attn_recurrent(*args)
     return o.to(q.dtype), (S if output_final_state else None)

@@ -2,21 +2,26 @@
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 Inputs ``[B, T, H, D]`` in the compute dtype, q already scaled; state ``S [B, H, Dk, Dv]``;
-``decay`` ``[H]``.
+``decay`` ``[H]`` or None (lambda = 1).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._steps import stack_time
+from ..fwp.recurrent import outer_add, read
+
 
 def decay_linear_attn_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, S: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor | None, S: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """S_t = lambda_h S_{t-1} + k_t^T v_t, o_t = q_t S_t."""
-    lam = decay.view(1, -1, 1, 1)
+    """S_t = lambda_h S_{t-1} + k_t^T v_t, o_t = q_t S_t; ``decay`` None is lambda = 1 (the
+    un-normalised linear attention of NormAttention without decay, with no normaliser z to
+    carry). Unchecked: NormAttention's one-token step calls it on the state it checked."""
+    lam = None if decay is None else decay.view(1, -1, 1, 1)
     outs = []
     for t in range(q.shape[1]):
-        S = lam * S + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
-        outs.append(torch.einsum("bhd,bhde->bhe", q[:, t], S))
-    return torch.stack(outs, dim=1), S
+        S = outer_add(S if lam is None else lam * S, k[:, t], v[:, t])
+        outs.append(read(q[:, t], S))
+    return stack_time(outs), S
