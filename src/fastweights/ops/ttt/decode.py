@@ -172,6 +172,29 @@ def _read(x: torch.Tensor, z0: torch.Tensor, X: torch.Tensor, EG: torch.Tensor, 
     return torch.addcmul(z0, t, corr, value=-1.0)
 
 
+def _committed(start: Weights, prior: Weights | None, rows: Rows, t: torch.Tensor) -> Weights:
+    """W_0 - t S for every inner weight (the next mini-batch's start), S = prior + X^T EG; t a
+    scalar or [H]. One product per matrix writes the new weights (X^T (-t EG) added to W_0 in
+    the same call): each fresh matrix is one new allocation, not three."""
+    tt = t.view(1, -1, 1, 1) if t.dim() else t
+    out: list[torch.Tensor | None] = []
+    for i in range(0, len(start), 2):
+        W, bias = start[i], start[i + 1]
+        X, EG = rows[i], rows[i + 1]
+        EGs = EG * -tt  # [B, H, r, Dout], small
+        if prior is not None:
+            W = torch.addcmul(W, tt, prior[i], value=-1.0)
+        W = torch.baddbmm(W.flatten(0, 1), X.flatten(0, 1).transpose(1, 2),
+                          EGs.flatten(0, 1)).view(W.shape)
+        if bias is not None:
+            bias = bias + EGs.sum(2)
+            if prior is not None:
+                bias = torch.addcmul(bias, tt.view(*tt.shape[:-1]) if t.dim() else tt,
+                                     prior[i + 1], value=-1.0)
+        out += [W, bias]
+    return tuple(out)
+
+
 def _commit(carry: DecodeCarry, rows: Rows, tau: torch.Tensor, b: int) -> DecodeCarry:
     """The carry after the token, ``rows`` holding it: a mini-batch the token completes makes
     W_0 - tau_b S its next start weights and clears its rows (and prior)."""
@@ -179,29 +202,27 @@ def _commit(carry: DecodeCarry, rows: Rows, tau: torch.Tensor, b: int) -> Decode
     prior, steps = carry.prior, carry.prior_steps - 1
     if steps <= 0:
         prior, steps = None, 0  # zero in every row by now
+    t = tau[..., b - 1]  # a scalar, or [H]
     if isinstance(pos, int):
         if pos < b:
             return DecodeCarry(carry.start, prior, rows, pos, steps)
-        full = carry._replace(rows=rows)
-        t = tau[..., b - 1]  # a scalar, or [H]
-        start = tuple(None if w is None else w - t.view(1, -1, *[1] * (w.dim() - 2)) * s
-                      for w, s in zip(carry.start, full.sums()))
+        start = _committed(carry.start, carry.prior, rows, t)
         return DecodeCarry(start, None, _empty_rows(start, len(rows) // 2, 0), 0, 0)
     done = pos == b  # [B] rows whose mini-batch this token completes
-    t = tau[..., b - 1]  # a scalar, or [H]
     if torch.compiler.is_compiling():
         return _commit_where(carry, rows, prior, done, pos, t, steps)
     idx = done.nonzero().squeeze(1)
     if idx.numel() == 0:
         return DecodeCarry(carry.start, prior, rows, pos, steps)
+
+    def pick(items: Any) -> Any:
+        return None if items is None else tuple(
+            None if w is None else w.index_select(0, idx) for w in items)
+
     # Only the completing rows: index them out, update, write back (one copy of each tensor).
-    sub = DecodeCarry(tuple(None if w is None else w.index_select(0, idx) for w in carry.start),
-                      None if carry.prior is None else tuple(
-                          None if w is None else w.index_select(0, idx) for w in carry.prior),
-                      tuple(r.index_select(0, idx) for r in rows), 0, 0)
-    start = tuple(None if w is None else w.index_copy(
-        0, idx, sw - t.view(1, -1, *[1] * (w.dim() - 2)) * s)
-        for w, sw, s in zip(carry.start, sub.start, sub.sums()))
+    new = _committed(pick(carry.start), pick(carry.prior), pick(rows), t)
+    start = tuple(None if w is None else w.index_copy(0, idx, n)
+                  for w, n in zip(carry.start, new))
     rows = tuple(r.index_fill(0, idx, 0.0) for r in rows)
     if prior is not None:
         prior = tuple(None if w is None else w.index_fill(0, idx, 0.0) for w in prior)
@@ -215,9 +236,8 @@ def _commit_where(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: t
     def where(x: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         return torch.where(done.view(-1, *[1] * (x.dim() - 1)), new, x)
 
-    full = carry._replace(rows=rows)
-    start = tuple(None if w is None else where(w, w - t.view(1, -1, *[1] * (w.dim() - 2)) * s)
-                  for w, s in zip(carry.start, full.sums()))
+    new = _committed(carry.start, carry.prior, rows, t)
+    start = tuple(None if w is None else where(w, n) for w, n in zip(carry.start, new))
     rows = tuple(where(r, torch.zeros_like(r)) for r in rows)
     if prior is not None:
         prior = tuple(None if w is None else where(w, torch.zeros_like(w)) for w in prior)
