@@ -46,9 +46,16 @@ CASES = list(itertools.product(["linear", "mlp"], [(True, True), (False, True), 
     "kind,ln_bias,residual,tau", CASES,
     ids=[f"{k}-{'ln' if lb[0] else 'noln'}-{'bias' if lb[1] else 'nobias'}-"
          f"{'res' if r else 'nores'}-{t}" for k, lb, r, t in CASES])
-def test_steps_equal_dual(kind, ln_bias, residual, tau):
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_steps_equal_dual(kind, ln_bias, residual, tau, grad):
     """B2-T11-H3-D5, b = 4: every token's output and the carry after 6 (mid-mini-batch) and 11
-    tokens (as an op state) equal the dual form's."""
+    tokens (as an op state) equal the dual form's; with and without gradients recorded (the
+    step's LayerNorm gradient differs: a group norm's kernels without)."""
+    with torch.set_grad_enabled(grad):
+        _steps_equal_dual(kind, ln_bias, residual, tau)
+
+
+def _steps_equal_dual(kind, ln_bias, residual, tau):
     ln, bias = ln_bias
     args, kw = make_case(kind, T=11, ln=ln, residual=residual, bias=bias, tau=tau)
     ref, ref_state = OPS[kind](*args, output_final_state=True, **kw)
@@ -100,6 +107,7 @@ def _alone(kind, args, kw, row, prefix, op_prefix):
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced-commit"])
 @pytest.mark.parametrize("tau", ["rand", "per-head"])
+@torch.no_grad()
 def test_stacked_rows_equal_streams_alone(kind, traced, tau, monkeypatch):
     """Five streams at places 2 (op state: prior sums), 0 (op state at a boundary), 3 (decoded
     rows), 1 (op state) and 0 (initial weights) of b = 4, stacked and decoded together for 7

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from ..._checks import state_dtype
 from .._autocast import float32_compute
-from .common import Carry, Weights
-from .step import _finish, _loss_grad, _norm
+from .common import LN_EPS, Carry, Weights
+from .step import _loss_grad, _norm
 
 Rows = tuple[torch.Tensor, ...]  # per inner layer (X [B, H, r, Din], EG [B, H, r, Dout])
 
@@ -258,20 +258,49 @@ def _scales(carry: DecodeCarry, tau: torch.Tensor, eta: torch.Tensor, B: int, H:
     return t, e, hot
 
 
-def _layer_norm_grad(z: torch.Tensor, target: torch.Tensor, norm: Any) -> torch.Tensor:
-    """``step._loss_grad`` for rows z, target [BH, 1, Dv] with norm's gamma, beta [H, 1, Dv]
-    (viewed as [B, H, 1, Dv] to broadcast)."""
-    if norm is None:
+GroupNorm = tuple[torch.Tensor, torch.Tensor | None] | None  # (gamma, beta) [H * Dv] or None
+
+
+def _group_norm(ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None) -> GroupNorm:
+    """The inner LayerNorm's affine parameters [H, Dv] as one group norm's [H * Dv]: a
+    LayerNorm per head over a token's H * Dv values is a group norm with H groups."""
+    if ln_weight is None:
+        return None
+    return ln_weight.reshape(-1), None if ln_bias is None else ln_bias.reshape(-1)
+
+
+def _norm_grad(z: torch.Tensor, target: torch.Tensor, gn: GroupNorm, B: int, H: int
+               ) -> torch.Tensor:
+    """dl/dZ of l = 1/2 ||[LN](Z) - target||^2 for rows z, target [BH, 1, Dv] (as
+    ``common.loss_grad``): LN(Z) - target taken back through the affine normalisation, here one
+    group norm forward and its backward kernel over the token's heads (without gradients
+    recorded; the group norm's backward kernel has no derivative, so with them the LayerNorm
+    kernels of ``step._loss_grad``)."""
+    if gn is None:
         return z - target
-    B_H, _, Dv = z.shape
-    z4, t4 = z.view(-1, norm[0].shape[0], 1, Dv), target.view(-1, norm[0].shape[0], 1, Dv)
-    return _loss_grad(z4, t4, norm).view(B_H, 1, Dv)
+    Dv = z.shape[-1]
+    if torch.is_grad_enabled():
+        norm = (gn[0].view(H, 1, Dv), None if gn[1] is None else gn[1].view(H, 1, Dv))
+        return _loss_grad(z.view(B, H, 1, Dv), target.reshape(B, H, 1, Dv), norm).view(
+            B * H, 1, Dv)
+    zf = z.reshape(B, H * Dv)
+    y, mean, rstd = torch.native_group_norm(zf, gn[0], gn[1], B, H * Dv, 1, H, LN_EPS)
+    dz = torch.ops.aten.native_group_norm_backward(
+        y - target.reshape(B, H * Dv), zf, mean, rstd, gn[0], B, H * Dv, 1, H,
+        [True, False, False])[0]
+    return dz.view(B * H, 1, Dv)
 
 
-def _out(z: torch.Tensor, q: torch.Tensor, norm: Any, residual: bool, B: int, H: int
+def _out(z: torch.Tensor, q: torch.Tensor, gn: GroupNorm, residual: bool, B: int, H: int
          ) -> torch.Tensor:
-    """Rows z [BH, 1, Dv] (q [BH, 1, Dk]) -> o [B, 1, H, Dv]: LayerNorm and residual."""
-    return _finish(z.view(B, H, 1, -1), q.view(B, H, 1, -1) if residual else q, norm, residual)
+    """Rows z [BH, 1, Dv] -> o [B, 1, H, Dv]: LayerNorm per head (when given, as a group norm
+    with H groups) and the residual q [B, 1, H, Dk]."""
+    out = z.reshape(B, -1)
+    if gn is not None:
+        out = F.group_norm(out, H, gn[0], gn[1], LN_EPS)
+    if residual:
+        out = out + q.reshape(B, -1)
+    return out.view(B, 1, H, -1)
 
 
 def _bias_rows(w: torch.Tensor | None, BH: int) -> torch.Tensor | None:
@@ -292,11 +321,11 @@ def _linear_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.T
     kr, qr = kq.split(1, dim=1)
     zk, zq = z.split(1, dim=1)
     vr = v.reshape(BH, 1, -1)
-    eg = e * _layer_norm_grad(zk, vr - kr if residual else vr, norm)
+    eg = e * _norm_grad(zk, vr - kr if residual else vr, norm, B, H)
     X, EG = (_append(carry.rows[0], kr.view(B, H, 1, Dk), hot),
              _append(carry.rows[1], eg.view(B, H, 1, -1), hot))
     zq = _read(qr, zq, X, EG, bias is not None, _prior(carry, 0), t)
-    return _out(zq, qr, norm, residual, B, H), _commit(carry, (X, EG), tau, b)
+    return _out(zq, q, norm, residual, B, H), _commit(carry, (X, EG), tau, b)
 
 
 def _prior(carry: DecodeCarry, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -319,7 +348,7 @@ def _mlp_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tens
     X2 = F.gelu(Z1k, approximate="tanh")
     Z2 = torch.baddbmm(b2r, X2, W2r) if b2 is not None else torch.bmm(X2, W2r)
     vr = v.reshape(BH, 1, -1)
-    G2 = _layer_norm_grad(Z2, vr - kr if residual else vr, norm)  # [BH, 1, Dv]
+    G2 = _norm_grad(Z2, vr - kr if residual else vr, norm, B, H)  # [BH, 1, Dv]
     # dl/dZ1 = (G2 W2^T) * gelu'(Z1): gelu_backward is exactly that product for the tanh GELU.
     G1 = torch.ops.aten.gelu_backward(torch.bmm(G2, W2r.transpose(1, 2)), Z1k, approximate="tanh")
     rows = carry.rows
@@ -331,7 +360,7 @@ def _mlp_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tens
     x2 = F.gelu(z1, approximate="tanh")
     z2 = torch.baddbmm(b2r, x2, W2r) if b2 is not None else torch.bmm(x2, W2r)
     z2 = _read(x2, z2, X2s, EG2s, b2 is not None, _prior(carry, 1), t)
-    return _out(z2, qr, norm, residual, B, H), _commit(carry, (X1s, EG1s, X2s, EG2s), tau, b)
+    return _out(z2, q, norm, residual, B, H), _commit(carry, (X1s, EG1s, X2s, EG2s), tau, b)
 
 
 def minibatch_rows(kind: str, start: Weights, k: torch.Tensor, v: torch.Tensor,
@@ -419,7 +448,7 @@ def ttt_decode_step(
     tau = q.new_ones(b, dtype=cdtype) if token_scale is None else cast(token_scale)
     step = _linear_step if kind == "linear" else _mlp_step
     o, carry = step(cast(q), cast(k), cast(v), cast(eta), carry,
-                    _norm(cast(ln_weight), cast(ln_bias)), residual, tau)
+                    _group_norm(cast(ln_weight), cast(ln_bias)), residual, tau)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), carry
 
 
