@@ -219,3 +219,32 @@ def test_layer_checkpoint_group_changes_nothing_but_memory(name):
         outs.append((y, torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])))
     assert torch.equal(outs[0][0], outs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("options", [{}, {"rope": False, "inner_norm": False, "residual": False},
+                                     {"learn_eta": False}], ids=["default", "bare", "fixed-eta"])
+def test_lean_decoding_steps_equal_whole(kind, options, monkeypatch):
+    """Without gradients, one-token calls continuing the layer's own state take the lean step
+    (``_step``, checked by counting) and give the whole sequence's outputs and state (float64):
+    a prefill ending inside a mini-batch (b = 4), then 9 steps across two boundaries; with the
+    inner LayerNorm those steps use its group-norm form."""
+    layer = make(kind, mini_batch_size=4, **options)
+    x = inputs(B=2, T=14)
+    calls = []
+    lean = layer._step
+    monkeypatch.setattr(layer, "_step", lambda *a: calls.append(1) or lean(*a))
+    with torch.no_grad():
+        whole, whole_state = layer(x)
+        y, state = layer(x[:, :5])
+        ys = [y]
+        for t in range(5, 14):
+            y, state = layer(x[:, t:t + 1], state)
+            ys.append(y)
+    assert len(calls) == 9
+    assert_close64(torch.cat(ys, 1), whole, what="outputs")
+    for a, b in zip(torch.utils._pytree.tree_leaves(state), torch.utils._pytree.tree_leaves(whole_state)):
+        if isinstance(a, torch.Tensor):
+            assert_close64(a, b, what="state")
+        else:
+            assert a == b

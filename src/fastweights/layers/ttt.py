@@ -35,6 +35,7 @@ from .base import (
     cat_rows,
     check_stackable,
     declare_options,
+    is_step,
     merge_heads,
     packed_or_single,
     per_document,
@@ -233,6 +234,10 @@ class _TTTLayer(RotaryFrequencies, Mixer):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        if (self.mode == "dual" and not self.mamba_backbone and is_step(x, cu_seqlens)
+                and x.shape[-1] == self.d_model and isinstance(state, TTTLayerState)
+                and isinstance(state.inner, DecodeCarry) and isinstance(state.pos, int)):
+            return self._step(x, state)
         bounds, docs = self._documents(x, state, cu_seqlens)  # unpacked: one document
         B, T = x.shape[:2]
         H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
@@ -304,6 +309,25 @@ class _TTTLayer(RotaryFrequencies, Mixer):
                   for p, c, s, start, stop
                   in zip(pos, caches, per_document(inner, cu_seqlens), bounds, bounds[1:])]
         return self.out(y), packed_or_single(finals, cu_seqlens)
+
+    def _step(self, x: torch.Tensor, state: TTTLayerState) -> tuple[torch.Tensor, TTTLayerState]:
+        """``forward`` for one token per row continuing a state this layer returned (one place
+        for every row, no Mamba backbone, mode "dual", autocast off): the same arithmetic
+        without the general path's per-document bookkeeping, for a decoding step's budget."""
+        B = x.shape[0]
+        H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
+        proj = self.qkv(x)
+        qk, v = proj[..., :2 * H * D].view(B, 1, 2 * H, D), proj[..., 2 * H * D:].view(B, 1, H, D)
+        if self.rope:
+            (qk,) = self._rotate_periodic((qk,), slice(state.pos, state.pos + 1), b)
+        gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((B, 1, H), 0.5)
+        o, inner = ttt_decode_step(
+            self.kind, qk[:, :, :H], qk[:, :, H:], v, gate * (self.eta_base * self.eta_scale / D),
+            state=state.inner, ln_weight=self.ln_weight if self.inner_norm else None,
+            ln_bias=self.ln_bias if self.inner_norm else None, residual=self.residual,
+            mini_batch_size=b, token_scale=self.token_scale())
+        return self.out(self.post_norm(merge_heads(o))), TTTLayerState((state.pos + 1) % b, None,
+                                                                       inner)
 
     def _learned(self) -> tuple[torch.Tensor, ...]:
         """The learned initial inner weights, [1, H, ...] each (the op broadcasts the batch)."""
