@@ -65,6 +65,24 @@ def _check_stacked(layer, what: str) -> None:
     assert_close64(torch.cat(ys, dim=1), ref, atol=1e-10, what=what)
 
 
+@pytest.mark.parametrize("name", ["ttt-linear", "ttt-mlp"])
+def test_compiled_stacked_steps_equal_separate_streams(name):
+    """Under torch.compile (dynamo with the eager backend: the tracing, not code generation) the
+    stacked TTT steps still equal each stream alone; the commit of the rows that complete runs
+    eagerly at a graph break, as in an uncompiled step."""
+    layer = _layer(name)
+    torch._dynamo.reset()
+    step = torch.compile(layer, backend="eager")
+    with torch.no_grad():
+        states, xs, ref = _streams(layer)
+        state = layer.stack_states(states)
+        ys = []
+        for t in range(STEPS):
+            y, state = step(xs[:, t:t + 1], state)
+            ys.append(y)
+    assert_close64(torch.cat(ys, dim=1), ref, atol=1e-10, what=name)
+
+
 @pytest.mark.parametrize("name", ["ttt-mlp", "diag"])
 def test_stacked_variants(name):
     """The options whose per-row paths differ: TTT's Mamba backbone (convolution cache) and

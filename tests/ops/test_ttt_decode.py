@@ -105,16 +105,17 @@ def _alone(kind, args, kw, row, prefix, op_prefix):
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced-commit"])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "exported-commit"])
 @pytest.mark.parametrize("tau", ["rand", "per-head"])
 @torch.no_grad()
 def test_stacked_rows_equal_streams_alone(kind, traced, tau, monkeypatch):
     """Five streams at places 2 (op state: prior sums), 0 (op state at a boundary), 3 (decoded
     rows), 1 (op state) and 0 (initial weights) of b = 4, stacked and decoded together for 7
     steps (every row completes a mini-batch, some twice): each row equals its stream alone.
-    ``traced`` takes the commit path a traced step uses (no host read of the rows done)."""
+    ``traced`` takes the commit path an exported step uses (no host read of the rows done)."""
     if traced:
         monkeypatch.setattr(decode_mod.torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setattr(decode_mod.torch.compiler, "is_exporting", lambda: True)
     B, T = 5, 13
     args, kw = make_case(kind, B=B, T=T, b=4, seed=4, tau=tau)
     plan = [(6, True), (4, True), (3, False), (5, True), (0, True)]

@@ -209,8 +209,19 @@ def _commit(carry: DecodeCarry, rows: Rows, tau: torch.Tensor, b: int) -> Decode
         start = _committed(carry.start, carry.prior, rows, t)
         return DecodeCarry(start, None, _empty_rows(start, len(rows) // 2, 0), 0, 0)
     done = pos == b  # [B] rows whose mini-batch this token completes
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_exporting():
         return _commit_where(carry, rows, prior, done, pos, t, steps)
+    if torch.compiler.is_compiling():
+        # torch.compile: the commit runs eagerly (a graph break), so a compiled step forms
+        # committed weights only for the rows that complete, as the eager step does.
+        return _commit_rows_eagerly(carry, rows, prior, done, pos, t, steps)
+    return _commit_rows(carry, rows, prior, done, pos, t, steps)
+
+
+def _commit_rows(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: torch.Tensor,
+                 pos: torch.Tensor, t: torch.Tensor, steps: int) -> DecodeCarry:
+    """``_commit`` for per-row places: the rows ``done`` completes (read on the host) get their
+    committed weights; the others are copied as they are."""
     idx = done.nonzero().squeeze(1)
     if idx.numel() == 0:
         return DecodeCarry(carry.start, prior, rows, pos, steps)
@@ -229,10 +240,14 @@ def _commit(carry: DecodeCarry, rows: Rows, tau: torch.Tensor, b: int) -> Decode
     return DecodeCarry(start, prior, rows, pos.masked_fill(done, 0), steps)
 
 
+_commit_rows_eagerly = torch.compiler.disable(_commit_rows)
+
+
 def _commit_where(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: torch.Tensor,
                   pos: torch.Tensor, t: torch.Tensor, steps: int) -> DecodeCarry:
-    """``_commit`` for per-row places without reading ``done`` on the host (a traced step):
-    every row's committed weights are formed and kept where the row completes."""
+    """``_commit`` for per-row places without reading ``done`` on the host (an exported step,
+    which has no graph breaks): every row's committed weights are formed and kept where the
+    row completes."""
     def where(x: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         return torch.where(done.view(-1, *[1] * (x.dim() - 1)), new, x)
 
