@@ -23,6 +23,9 @@ def _steps(kind, args, kw, state, start, stop):
     """Decode tokens [start, stop) one at a time from ``state``; returns (o, carry)."""
     q, k, v, eta = args
     opts = {n: kw.get(n) for n in ("ln_weight", "ln_bias", "token_scale")}
+    tau = kw.get("token_scale")
+    if tau is not None and tau.dim() == 1:  # used without gradients (tau_i as a number)
+        opts["token_scale_values"] = tuple(tau.tolist())
     outs = []
     for t in range(start, stop):
         o, state = ttt_decode_step(kind, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
@@ -71,10 +74,16 @@ def _steps_equal_dual(kind, ln_bias, residual, tau):
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_from_and_to_op_states(kind):
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_from_and_to_op_states(kind, grad):
     """An op state ending inside a mini-batch continues as rows (its sums held as ``prior``
     until that mini-batch completes, then dropped); a carry converted back continues in the
     op: both equal the whole sequence."""
+    with torch.set_grad_enabled(grad):
+        _from_and_to_op_states(kind)
+
+
+def _from_and_to_op_states(kind):
     args, kw = make_case(kind, T=13, b=4, seed=2)
     ref, ref_state = OPS[kind](*args, output_final_state=True, **kw)
     o1, state = OPS[kind](*(x[:, :5] for x in args), output_final_state=True, **kw)  # pos 1

@@ -99,6 +99,21 @@ class RotaryFrequencies:
         """``inv_freq`` on x's device."""
         return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)
 
+    def _rotate_step(self, x: torch.Tensor, pos: int, period: int) -> torch.Tensor:
+        """``_rotate_periodic((x,), slice(pos, pos + 1), period)[0]`` for one token x [B, 1, *, D]
+        (float32/float64, pairs contiguous) outside tracing: the rotation of each place is kept
+        as its own tensor, so a decoding step multiplies without indexing the table."""
+        key = (period, self.rope_base, x.device, x.dtype)
+        kept = self.__dict__.setdefault("_rotary_steps", {})
+        rots = kept.get(key)
+        if rots is None:
+            self._rotate_periodic((x,), slice(0, 1), period)  # builds the table
+            table = self.__dict__["_rotary_tables"][(period, self.rope_base, x.device,
+                                                     _angle_dtype(x))][2]
+            rots = kept[key] = tuple(table[i] for i in range(period))  # [D/2] each
+        pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+        return torch.view_as_real(pairs * rots[pos]).flatten(-2)
+
     def _rotate_periodic(self, xs: tuple[torch.Tensor, ...], positions: torch.Tensor,
                          period: int) -> tuple[torch.Tensor, ...]:
         """``apply_rotary`` of every x in xs at ``positions`` in [0, period) (positions that

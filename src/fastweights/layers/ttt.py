@@ -171,22 +171,35 @@ class _TTTLayer(RotaryFrequencies, Mixer):
 
     def token_scale(self) -> torch.Tensor:
         """tau [b]: max(0, 1/i + delta_i), 1/i in the parameters' dtype (exact in float64)."""
-        delta = self.token_offset
-        key = (delta.shape[0], delta.dtype, delta.device)
         # The constant 1/i is kept per (b, dtype, device): rebuilding it cost a decoding step two
         # operations. Not while tracing (the table would hold the tracer's tensors).
         cache = {} if torch.compiler.is_compiling() else self.__dict__.setdefault("_inv_index", {})
+        base = self._inv_base(cache)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return (base + self.token_offset).clamp_min(0.0)
+        # Without gradients (decoding), tau is kept until delta changes (its version counter
+        # moves with every in-place update, e.g. an optimizer step or load_state_dict).
+        return self._kept_tau(cache, base)[0]
+
+    def _inv_base(self, cache: dict | None = None) -> torch.Tensor:
+        """1/i, i = 1..b, in token_offset's dtype and device, kept in ``cache`` (default: the
+        layer's table)."""
+        delta = self.token_offset
+        key = (delta.shape[0], delta.dtype, delta.device)
+        cache = self.__dict__.setdefault("_inv_index", {}) if cache is None else cache
         base = cache.get(key)
         if base is None:
             base = cache[key] = 1.0 / torch.arange(1, key[0] + 1, dtype=key[1], device=key[2])
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return (base + delta).clamp_min(0.0)
-        # Without gradients (decoding), tau is kept until delta changes (its version counter
-        # moves with every in-place update, e.g. an optimizer step or load_state_dict).
-        version = (key, delta._version, delta.data_ptr())
+        return base
+
+    def _kept_tau(self, cache: dict, base: torch.Tensor) -> tuple[torch.Tensor, tuple[float, ...]]:
+        """tau and its values as floats, kept while ``token_offset`` is unchanged (no gradients)."""
+        delta = self.token_offset
+        version = (base.shape[0], delta.dtype, delta.device, delta._version, delta.data_ptr())
         kept = cache.get("tau")
         if kept is None or kept[0] != version:
-            kept = cache["tau"] = (version, (base + delta).clamp_min(0.0))
+            tau = (base + delta).clamp_min(0.0)
+            kept = cache["tau"] = (version, (tau, tuple(tau.tolist())))
         return kept[1]
 
     def _conv(self, conv: nn.Conv1d, seq: torch.Tensor) -> torch.Tensor:
@@ -319,13 +332,20 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         proj = self.qkv(x)
         qk, v = proj[..., :2 * H * D].view(B, 1, 2 * H, D), proj[..., 2 * H * D:].view(B, 1, H, D)
         if self.rope:
-            (qk,) = self._rotate_periodic((qk,), slice(state.pos, state.pos + 1), b)
+            if qk.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
+                qk = self._rotate_step(qk, state.pos, b)
+            else:
+                (qk,) = self._rotate_periodic((qk,), slice(state.pos, state.pos + 1), b)
         gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((B, 1, H), 0.5)
+        tau, values = self.token_scale(), None
+        if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            base = self._inv_base()
+            tau, values = self._kept_tau(self.__dict__["_inv_index"], base)
         o, inner = ttt_decode_step(
             self.kind, qk[:, :, :H], qk[:, :, H:], v, gate * (self.eta_base * self.eta_scale / D),
             state=state.inner, ln_weight=self.ln_weight if self.inner_norm else None,
             ln_bias=self.ln_bias if self.inner_norm else None, residual=self.residual,
-            mini_batch_size=b, token_scale=self.token_scale())
+            mini_batch_size=b, token_scale=tau, token_scale_values=values)
         return self.out(self.post_norm(merge_heads(o))), TTTLayerState((state.pos + 1) % b, None,
                                                                        inner)
 

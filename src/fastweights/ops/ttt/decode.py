@@ -155,21 +155,32 @@ def _append(rows: torch.Tensor, x: torch.Tensor, hot: torch.Tensor | None) -> to
 
 def _read(x: torch.Tensor, z0: torch.Tensor, X: torch.Tensor, EG: torch.Tensor, bias: bool,
           prior: tuple[torch.Tensor, torch.Tensor | None] | None,
-          t: torch.Tensor) -> torch.Tensor:
+          t: torch.Tensor | float) -> torch.Tensor:
     """x W_i + b_i for rows x [BH, 1, Din] given z0 = x W_0 + b_0 [BH, 1, Dout]:
     z0 - t (x S_prior + s_prior + (x X^T [+ 1]) EG), X [B, H, r, Din], EG [B, H, r, Dout],
     t [BH, 1, 1] or a scalar."""
     coef = torch.bmm(x, X.flatten(0, 1).transpose(1, 2))  # [BH, 1, r]
     if bias:
         coef = coef + 1.0  # a bias's input is 1 (rows not yet written have EG = 0)
+    if isinstance(t, float):  # tau_i known as a number: folded into the product
+        if prior is None:
+            return torch.baddbmm(z0, coef, EG.flatten(0, 1), alpha=-t)
+        corr = torch.baddbmm(_prior_read(x, prior), coef, EG.flatten(0, 1))
+        return torch.add(z0, corr, alpha=-t)
     if prior is None:
         corr = torch.bmm(coef, EG.flatten(0, 1))
     else:
-        pW, pb = prior
-        base = torch.bmm(x, pW.flatten(0, 1)) if pb is None else torch.baddbmm(
-            pb.reshape(x.shape[0], 1, -1), x, pW.flatten(0, 1))
-        corr = torch.baddbmm(base, coef, EG.flatten(0, 1))
+        corr = torch.baddbmm(_prior_read(x, prior), coef, EG.flatten(0, 1))
     return torch.addcmul(z0, t, corr, value=-1.0)
+
+
+def _prior_read(x: torch.Tensor, prior: tuple[torch.Tensor, torch.Tensor | None]
+                ) -> torch.Tensor:
+    """x S_prior + s_prior for rows x [BH, 1, Din]."""
+    pW, pb = prior
+    if pb is None:
+        return torch.bmm(x, pW.flatten(0, 1))
+    return torch.baddbmm(pb.reshape(x.shape[0], 1, -1), x, pW.flatten(0, 1))
 
 
 def _committed(start: Weights, prior: Weights | None, rows: Rows, t: torch.Tensor) -> Weights:
@@ -259,12 +270,16 @@ def _commit_where(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: t
     return DecodeCarry(start, prior, rows, pos.masked_fill(done, 0), steps)
 
 
-def _scales(carry: DecodeCarry, tau: torch.Tensor, eta: torch.Tensor, B: int, H: int, b: int
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(t, e, hot): the token's tau_i as a scalar or [BH, 1, 1], eta as [BH, 1, 1] and, for
-    per-row places, the one-hot [B, 1, b, 1] of each row's place (else None)."""
+def _scales(carry: DecodeCarry, tau: torch.Tensor, eta: torch.Tensor, B: int, H: int, b: int,
+            values: Sequence[float] | None = None
+            ) -> tuple[torch.Tensor | float, torch.Tensor, torch.Tensor | None]:
+    """(t, e, hot): the token's tau_i as a scalar tensor, [BH, 1, 1] or (given ``values``, tau's
+    entries as floats, and one place for every row) a float, eta as [BH, 1, 1] and, for per-row
+    places, the one-hot [B, 1, b, 1] of each row's place (else None)."""
     e = eta.reshape(B * H, 1, 1)
     if isinstance(carry.pos, int):
+        if values is not None:
+            return values[carry.pos], e, None
         t = tau[carry.pos] if tau.dim() == 1 else tau[:, carry.pos].repeat(B).view(-1, 1, 1)
         return t, e, None
     pos = carry.pos
@@ -286,13 +301,13 @@ def _group_norm(ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None) ->
 
 def _norm_grad(z: torch.Tensor, target: torch.Tensor, gn: GroupNorm, B: int, H: int
                ) -> torch.Tensor:
-    """dl/dZ of l = 1/2 ||[LN](Z) - target||^2 for rows z, target [BH, 1, Dv] (as
+    """dl/dZ of l = 1/2 ||[LN](Z) - target||^2 for rows z [BH, 1, Dv], target [B, 1, H, Dv] (as
     ``common.loss_grad``): LN(Z) - target taken back through the affine normalisation, here one
     group norm forward and its backward kernel over the token's heads (without gradients
     recorded; the group norm's backward kernel has no derivative, so with them the LayerNorm
     kernels of ``step._loss_grad``)."""
     if gn is None:
-        return z - target
+        return z - target.reshape(z.shape)
     Dv = z.shape[-1]
     if torch.is_grad_enabled():
         norm = (gn[0].view(H, 1, Dv), None if gn[1] is None else gn[1].view(H, 1, Dv))
@@ -323,20 +338,21 @@ def _bias_rows(w: torch.Tensor | None, BH: int) -> torch.Tensor | None:
 
 
 def _linear_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor,
-                 carry: DecodeCarry, norm: Any, residual: bool, tau: torch.Tensor
-                 ) -> tuple[torch.Tensor, DecodeCarry]:
-    """TTT-Linear, one token: q, k [B, 1, H, Dk], v [B, 1, H, Dv], eta [B, 1, H]."""
+                 carry: DecodeCarry, norm: Any, residual: bool, tau: torch.Tensor,
+                 values: Sequence[float] | None = None) -> tuple[torch.Tensor, DecodeCarry]:
+    """TTT-Linear, one token: q, k [B, 1, H, Dk], v [B, 1, H, Dv], eta [B, 1, H]; ``values``
+    tau's entries as floats (or None)."""
     B, _, H, Dk = q.shape
     BH, b = B * H, tau.shape[-1]
     W, bias = carry.start
-    t, e, hot = _scales(carry, tau, eta, B, H, b)
+    t, e, hot = _scales(carry, tau, eta, B, H, b, values)
     kq = torch.stack([k, q], dim=3).view(BH, 2, Dk)  # per (batch, head): the key, the query
     z = torch.baddbmm(bias.reshape(BH, 1, -1), kq, W.flatten(0, 1)) if bias is not None \
         else torch.bmm(kq, W.flatten(0, 1))  # [BH, 2, Dv]
-    kr, qr = kq.split(1, dim=1)
-    zk, zq = z.split(1, dim=1)
-    vr = v.reshape(BH, 1, -1)
-    eg = e * _norm_grad(zk, vr - kr if residual else vr, norm, B, H)
+    # narrow, not Tensor.split: the Python wrapper of split costs a step more than two views
+    kr, qr = kq.narrow(1, 0, 1), kq.narrow(1, 1, 1)
+    zk, zq = z.narrow(1, 0, 1), z.narrow(1, 1, 1)
+    eg = e * _norm_grad(zk, v - k if residual else v, norm, B, H)
     X, EG = (_append(carry.rows[0], kr.view(B, H, 1, Dk), hot),
              _append(carry.rows[1], eg.view(B, H, 1, -1), hot))
     zq = _read(qr, zq, X, EG, bias is not None, _prior(carry, 0), t)
@@ -348,22 +364,21 @@ def _prior(carry: DecodeCarry, layer: int) -> tuple[torch.Tensor, torch.Tensor |
 
 
 def _mlp_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor,
-              carry: DecodeCarry, norm: Any, residual: bool, tau: torch.Tensor
-              ) -> tuple[torch.Tensor, DecodeCarry]:
-    """TTT-MLP, one token (shapes as ``_linear_step``)."""
+              carry: DecodeCarry, norm: Any, residual: bool, tau: torch.Tensor,
+              values: Sequence[float] | None = None) -> tuple[torch.Tensor, DecodeCarry]:
+    """TTT-MLP, one token (arguments as ``_linear_step``)."""
     B, _, H, Dk = q.shape
     BH, b = B * H, tau.shape[-1]
     W1, b1, W2, b2 = carry.start
     W1r, W2r, b2r = W1.flatten(0, 1), W2.flatten(0, 1), _bias_rows(b2, BH)
-    t, e, hot = _scales(carry, tau, eta, B, H, b)
+    t, e, hot = _scales(carry, tau, eta, B, H, b, values)
     kq = torch.stack([k, q], dim=3).view(BH, 2, Dk)  # per (batch, head): the key, the query
     Z1 = torch.baddbmm(b1.reshape(BH, 1, -1), kq, W1r) if b1 is not None else torch.bmm(kq, W1r)
-    kr, qr = kq.split(1, dim=1)
-    Z1k, Z1q = Z1.split(1, dim=1)  # [BH, 1, Dh] each
+    kr, qr = kq.narrow(1, 0, 1), kq.narrow(1, 1, 1)  # views (see _linear_step)
+    Z1k, Z1q = Z1.narrow(1, 0, 1), Z1.narrow(1, 1, 1)  # [BH, 1, Dh] each
     X2 = F.gelu(Z1k, approximate="tanh")
     Z2 = torch.baddbmm(b2r, X2, W2r) if b2 is not None else torch.bmm(X2, W2r)
-    vr = v.reshape(BH, 1, -1)
-    G2 = _norm_grad(Z2, vr - kr if residual else vr, norm, B, H)  # [BH, 1, Dv]
+    G2 = _norm_grad(Z2, v - k if residual else v, norm, B, H)  # [BH, 1, Dv]
     # dl/dZ1 = (G2 W2^T) * gelu'(Z1): gelu_backward is exactly that product for the tanh GELU.
     G1 = torch.ops.aten.gelu_backward(torch.bmm(G2, W2r.transpose(1, 2)), Z1k, approximate="tanh")
     rows = carry.rows
@@ -440,6 +455,7 @@ def ttt_decode_step(
     kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
     state: Any, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
     mini_batch_size: int, token_scale: torch.Tensor | None,
+    token_scale_values: Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, DecodeCarry]:
     """One decoding step of TTT-Linear (``kind`` "linear") or TTT-MLP ("mlp") for the layers.
 
@@ -447,6 +463,10 @@ def ttt_decode_step(
     the initial weights (as ``ttt_linear``'s ``initial_state``); other arguments as the ops'.
     Returns (o [B, 1, H, Dv] in q's dtype, DecodeCarry): the same output as the op's dual form,
     to rounding, computed in float32 (float64 stays float64).
+    ``token_scale_values``: the entries of a 1-D ``token_scale`` as floats, which a caller
+    decoding without gradients may pass (the TTT layers keep them): tau_i then scales the
+    products as a number instead of a tensor (ignored with gradients recorded, while tracing,
+    and for per-row places).
     The caller (a TTT layer) has checked the shapes; an op state is checked by ``Carry.check``.
     """
     B, T, H, Dk = q.shape
@@ -461,9 +481,13 @@ def ttt_decode_step(
         return x if x is None or x.dtype == cdtype else x.to(cdtype)
 
     tau = q.new_ones(b, dtype=cdtype) if token_scale is None else cast(token_scale)
+    values = token_scale_values
+    if values is not None and (tau.dim() != 1 or len(values) != b or torch.is_grad_enabled()
+                               or torch.compiler.is_compiling()):
+        values = None
     step = _linear_step if kind == "linear" else _mlp_step
     o, carry = step(cast(q), cast(k), cast(v), cast(eta), carry,
-                    _group_norm(cast(ln_weight), cast(ln_bias)), residual, tau)
+                    _group_norm(cast(ln_weight), cast(ln_bias)), residual, tau, values)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), carry
 
 
