@@ -329,16 +329,17 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         without the general path's per-document bookkeeping, for a decoding step's budget."""
         B = x.shape[0]
         H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
-        proj = self.qkv(x)
-        qk, v = proj[..., :2 * H * D].view(B, 1, 2 * H, D), proj[..., 2 * H * D:].view(B, 1, H, D)
+        proj = self.qkv(x).view(B, 1, 3 * H, D)
+        qk, v = proj[:, :, :2 * H], proj[:, :, 2 * H:]
         if self.rope:
             if qk.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
                 qk = self._rotate_step(qk, state.pos, b)
             else:
                 (qk,) = self._rotate_periodic((qk,), slice(state.pos, state.pos + 1), b)
         gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((B, 1, H), 0.5)
-        tau, values = self.token_scale(), None
-        if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            tau, values = self.token_scale(), None
+        else:  # tau and its values as numbers, kept while token_offset is unchanged
             base = self._inv_base()
             tau, values = self._kept_tau(self.__dict__["_inv_index"], base)
         o, inner = ttt_decode_step(
