@@ -53,14 +53,16 @@ def test_batched_steps_equal_separate_streams(name):
     _check_stacked(_layer(name), name)
 
 
-def _check_stacked(layer, what: str) -> None:
-    """The stacked streams' batched steps equal their separate steps."""
+def _check_stacked(layer, what: str, step=None) -> None:
+    """The stacked streams' batched steps (by ``step``, default the layer itself) equal their
+    separate steps."""
+    step = layer if step is None else step
     with torch.no_grad():
         states, xs, ref = _streams(layer)
         state = layer.stack_states(states)
         ys = []
         for t in range(STEPS):
-            y, state = layer(xs[:, t:t + 1], state)
+            y, state = step(xs[:, t:t + 1], state)
             ys.append(y)
     assert_close64(torch.cat(ys, dim=1), ref, atol=1e-10, what=what)
 
@@ -72,15 +74,7 @@ def test_compiled_stacked_steps_equal_separate_streams(name):
     eagerly at a graph break, as in an uncompiled step."""
     layer = _layer(name)
     torch._dynamo.reset()
-    step = torch.compile(layer, backend="eager")
-    with torch.no_grad():
-        states, xs, ref = _streams(layer)
-        state = layer.stack_states(states)
-        ys = []
-        for t in range(STEPS):
-            y, state = step(xs[:, t:t + 1], state)
-            ys.append(y)
-    assert_close64(torch.cat(ys, dim=1), ref, atol=1e-10, what=name)
+    _check_stacked(layer, name, torch.compile(layer, backend="eager"))
 
 
 @pytest.mark.parametrize("name", ["ttt-mlp", "diag"])
