@@ -74,9 +74,8 @@ class DecodeCarry(NamedTuple):
 
 def _empty_rows(start: Weights, n_layers: int, r: int) -> Rows:
     """Zero rows [B, H, r, D] for every inner layer's inputs and output gradients."""
-    W = [w for w in start[::2]]
     rows = []
-    for w in W[:n_layers]:
+    for w in start[::2][:n_layers]:
         B, H, Din, Dout = w.shape
         rows += [w.new_zeros(B, H, r, Din), w.new_zeros(B, H, r, Dout)]
     return tuple(rows)
