@@ -11,7 +11,13 @@ import pytest
 import torch
 
 import fastweights.ops.ttt.decode as decode_mod
-from fastweights.ops.ttt import DecodeCarry, stack_decode_carries, to_op_state, ttt_decode_step
+from fastweights.ops.ttt import (
+    DecodeCarry,
+    stack_decode_carries,
+    stack_inner_states,
+    to_op_state,
+    ttt_decode_step,
+)
 from fastweights.ops.ttt.decode import decode_carry, layer_state_after
 from tests.helpers import assert_close64
 from tests.ops.test_ttt import OPS, assert_states_close, make_case
@@ -231,3 +237,34 @@ def test_layer_state_after_equals_decoding(kind):
     assert got.prior is not None and got.prior_steps == 1
     _assert_carries_close(got, stepped, "prior kept")
     assert after(kw["initial_state"], 0, 8).rows[0].shape[2] == 0  # a boundary: no rows
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_op_states_at_their_own_places(kind):
+    """The ops' own per-row state (``stack_inner_states``: pos a long tensor) continues one token
+    per call with each row equal to its stream alone, and stacked decoding carries convert to
+    that same op state (``to_op_state``)."""
+    B, b, prefixes = 4, 4, [5, 4, 2, 7]
+    args, kw = make_case(kind, B=B, T=12, b=b, seed=6)
+    states, wholes, rows, carries = [], [], [], []
+    for r, p in enumerate(prefixes):
+        state, whole, one, _ = _alone(kind, args, kw, r, p, True)
+        states.append(state)
+        wholes.append(whole)
+        rows.append(one)
+        carries.append(decode_carry(state, kind, 1, 3, 5, 5, b, one[0]))
+    tau = kw["token_scale"]
+    stacked = stack_inner_states(states, [torch.tensor([p % b]) for p in prefixes], tau)
+    assert stacked[-1].tolist() == [1, 0, 2, 3]
+    converted = to_op_state(stack_decode_carries(carries, b), tau)
+    assert_states_close(converted, stacked, what="stacked carries as an op state")
+    kw_rows = {n: kw[n] for n in ("ln_weight", "ln_bias", "token_scale", "residual",
+                                  "mini_batch_size")}
+    state = stacked
+    for s in range(5):
+        toks = [torch.cat([rows[r][i][:, prefixes[r] + s:prefixes[r] + s + 1] for r in range(B)])
+                for i in range(4)]
+        o, state = OPS[kind](*toks, initial_state=state, output_final_state=True, **kw_rows)
+        for r in range(B):
+            t = prefixes[r] + s
+            assert_close64(o[r:r + 1], wholes[r][:, t:t + 1], what=f"step {s} row {r}")
