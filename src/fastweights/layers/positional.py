@@ -99,6 +99,21 @@ class RotaryFrequencies:
         """``inv_freq`` on x's device."""
         return rotary_inv_freq(self.head_dim, self.rope_base, torch.float64, x.device)
 
+    def _rotary_table(self, x: torch.Tensor, period: int) -> tuple[torch.Tensor, ...]:
+        """(cos, sin, cos + i sin) [period, D/2] of the places 0..period-1 in x's angle dtype,
+        kept per (period, base, device, dtype) outside tracing (the complex one is None while
+        tracing, where no table is kept: it would hold the tracer's tensors)."""
+        key = (period, self.rope_base, x.device, _angle_dtype(x))
+        compiling = torch.compiler.is_compiling()
+        cache = {} if compiling else self.__dict__.setdefault("_rotary_tables", {})
+        if key not in cache:
+            cdtype = _angle_dtype(x)
+            angles = (torch.arange(period, device=x.device).to(cdtype).unsqueeze(-1)
+                      * self._rotary_freq(x).to(cdtype))  # [period, D/2]
+            cos, sin = angles.cos(), angles.sin()
+            cache[key] = (cos, sin, None if compiling else torch.complex(cos, sin))
+        return cache[key]
+
     def _rotate_step(self, x: torch.Tensor, pos: int, period: int) -> torch.Tensor:
         """``_rotate_periodic((x,), slice(pos, pos + 1), period)[0]`` for one token x [B, 1, *, D]
         (float32/float64, pairs contiguous) outside tracing: the rotation of each place is kept
@@ -107,10 +122,7 @@ class RotaryFrequencies:
         kept = self.__dict__.setdefault("_rotary_steps", {})
         rots = kept.get(key)
         if rots is None:
-            self._rotate_periodic((x,), slice(0, 1), period)  # builds the table
-            table = self.__dict__["_rotary_tables"][(period, self.rope_base, x.device,
-                                                     _angle_dtype(x))][2]
-            rots = kept[key] = tuple(table[i] for i in range(period))  # [D/2] each
+            rots = kept[key] = self._rotary_table(x, period)[2].unbind(0)  # [D/2] each
         pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
         return torch.view_as_real(pairs * rots[pos]).flatten(-2)
 
@@ -122,19 +134,8 @@ class RotaryFrequencies:
         on every call (the cost that dominates a decoding step's position encoding).
         ``positions``: [T], [B, T] for rows at different places, or a slice of [0, period)
         (consecutive places, read from the table without an index tensor)."""
-        x = xs[0]
-        key = (period, self.rope_base, x.device, _angle_dtype(x))
-        compiling = torch.compiler.is_compiling()
-        # No table kept while tracing: it would hold the tracer's tensors.
-        cache = {} if compiling else self.__dict__.setdefault("_rotary_tables", {})
-        if key not in cache:
-            cdtype = _angle_dtype(x)
-            angles = (torch.arange(period, device=x.device).to(cdtype).unsqueeze(-1)
-                      * self._rotary_freq(x).to(cdtype))  # [period, D/2]
-            cos, sin = angles.cos(), angles.sin()
-            cache[key] = (cos, sin, None if compiling else torch.complex(cos, sin))
-        cos, sin, rot = cache[key]
-        if compiling:
+        cos, sin, rot = self._rotary_table(xs[0], period)
+        if rot is None:  # tracing
             cos, sin = cos[positions], sin[positions]
             return tuple(rotate_pairs(x, cos, sin) for x in xs)
         rot = rot[positions]

@@ -171,36 +171,42 @@ class _TTTLayer(RotaryFrequencies, Mixer):
 
     def token_scale(self) -> torch.Tensor:
         """tau [b]: max(0, 1/i + delta_i), 1/i in the parameters' dtype (exact in float64)."""
-        # The constant 1/i is kept per (b, dtype, device): rebuilding it cost a decoding step two
-        # operations. Not while tracing (the table would hold the tracer's tensors).
-        cache = {} if torch.compiler.is_compiling() else self.__dict__.setdefault("_inv_index", {})
-        base = self._inv_base(cache)
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return (base + self.token_offset).clamp_min(0.0)
-        # Without gradients (decoding), tau is kept until delta changes (its version counter
-        # moves with every in-place update, e.g. an optimizer step or load_state_dict).
-        return self._kept_tau(cache, base)[0]
+            return (self._inv_base() + self.token_offset).clamp_min(0.0)
+        return self._kept_tau()[0]
 
-    def _inv_base(self, cache: dict | None = None) -> torch.Tensor:
-        """1/i, i = 1..b, in token_offset's dtype and device, kept in ``cache`` (default: the
-        layer's table)."""
+    def _inv_base(self) -> torch.Tensor:
+        """1/i, i = 1..b, in token_offset's dtype and device. Kept per (b, dtype, device):
+        rebuilding it cost a decoding step two operations; not while tracing (the table would
+        hold the tracer's tensors)."""
         delta = self.token_offset
         key = (delta.shape[0], delta.dtype, delta.device)
-        cache = self.__dict__.setdefault("_inv_index", {}) if cache is None else cache
+        if torch.compiler.is_compiling():
+            return 1.0 / torch.arange(1, key[0] + 1, dtype=key[1], device=key[2])
+        cache = self.__dict__.setdefault("_inv_index", {})
         base = cache.get(key)
         if base is None:
             base = cache[key] = 1.0 / torch.arange(1, key[0] + 1, dtype=key[1], device=key[2])
         return base
 
-    def _kept_tau(self, cache: dict, base: torch.Tensor) -> tuple[torch.Tensor, tuple[float, ...]]:
-        """tau and its values as floats, kept while ``token_offset`` is unchanged (no gradients)."""
-        delta = self.token_offset
-        version = (base.shape[0], delta.dtype, delta.device, delta._version, delta.data_ptr())
+    def _kept_tau(self) -> tuple[torch.Tensor, tuple[float, ...]]:
+        """tau and its values as floats, for calls without gradients (decoding, outside
+        tracing): kept until delta changes (its version counter moves with every in-place update,
+        e.g. an optimizer step or load_state_dict)."""
+        delta, cache = self.token_offset, self.__dict__.setdefault("_inv_index", {})
+        version = (delta.shape[0], delta.dtype, delta.device, delta._version, delta.data_ptr())
         kept = cache.get("tau")
         if kept is None or kept[0] != version:
-            tau = (base + delta).clamp_min(0.0)
+            tau = (self._inv_base() + delta).clamp_min(0.0)
             kept = cache["tau"] = (version, (tau, tuple(tau.tolist())))
         return kept[1]
+
+    def _inner_lr(self, x: torch.Tensor) -> torch.Tensor:
+        """eta [B, T, H] of x [B, T, d_model]: eta_base * eta_scale * gate / head_dim with the
+        learned gate sigmoid(x w_lr + b_lr), or 0.5 without ``learn_eta``."""
+        H = self.n_heads
+        gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((*x.shape[:2], H), 0.5)
+        return gate * (self.eta_base * self.eta_scale / self.head_dim)
 
     def _conv(self, conv: nn.Conv1d, seq: torch.Tensor) -> torch.Tensor:
         """Causal depthwise convolution of seq [B, L + 3, C] (3 carried inputs first) -> [B, L, C]."""
@@ -284,8 +290,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             q, k = qk[:, :, :H], qk[:, :, H:]
         elif not self.rope:
             q, k = split_heads(q, H), split_heads(k, H)
-        gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((*x.shape[:2], H), 0.5)
-        eta = gate * (self.eta_base * self.eta_scale / D)  # [B, T, H]
+        eta = self._inner_lr(x)  # [B, T, H]
         norm = {"ln_weight": self.ln_weight if self.inner_norm else None,
                 "ln_bias": self.ln_bias if self.inner_norm else None}
         tau = self.token_scale()
@@ -336,14 +341,12 @@ class _TTTLayer(RotaryFrequencies, Mixer):
                 qk = self._rotate_step(qk, state.pos, b)
             else:
                 (qk,) = self._rotate_periodic((qk,), slice(state.pos, state.pos + 1), b)
-        gate = torch.sigmoid(self.lr(x)) if self.learn_eta else x.new_full((B, 1, H), 0.5)
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             tau, values = self.token_scale(), None
         else:  # tau and its values as numbers, kept while token_offset is unchanged
-            base = self._inv_base()
-            tau, values = self._kept_tau(self.__dict__["_inv_index"], base)
+            tau, values = self._kept_tau()
         o, inner = ttt_decode_step(
-            self.kind, qk[:, :, :H], qk[:, :, H:], v, gate * (self.eta_base * self.eta_scale / D),
+            self.kind, qk[:, :, :H], qk[:, :, H:], v, self._inner_lr(x),
             state=state.inner, ln_weight=self.ln_weight if self.inner_norm else None,
             ln_bias=self.ln_bias if self.inner_norm else None, residual=self.residual,
             mini_batch_size=b, token_scale=tau, token_scale_values=values)

@@ -189,6 +189,12 @@ def weight_specs(kind: str, Dk: int, Dv: int) -> list[tuple[str, tuple[int, ...]
     ]
 
 
+def to_dtype(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """x in ``dtype`` (None stays None). No ``.to()`` where x already has it: that saves a
+    dispatch per tensor, and a decoding step is a chain of small operations where each counts."""
+    return x if x is None or x.dtype == dtype else x.to(dtype)
+
+
 def per_head(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape a per-head tensor x [H, *s] to broadcast against like [B, H, ..., *s]."""
     extra = like.dim() - 2 - (x.dim() - 1)

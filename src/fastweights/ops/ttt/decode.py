@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..._checks import state_dtype
 from .._autocast import float32_compute
-from .common import LN_EPS, Carry, Weights
+from .common import LN_EPS, Carry, Weights, to_dtype
 from .step import _loss_grad, _norm
 
 Rows = tuple[torch.Tensor, ...]  # per inner layer (X [B, H, r, Din], EG [B, H, r, Dout])
@@ -433,7 +433,7 @@ def layer_state_after(
     cdtype = start[0].dtype
 
     def cast(x: torch.Tensor | None) -> torch.Tensor | None:
-        return x if x is None or x.dtype == cdtype else x.to(cdtype)
+        return to_dtype(x, cdtype)
 
     m = min(pos, T)  # this call's tokens in the current mini-batch
     rows = minibatch_rows(kind, start, cast(k[:, T - m:]), cast(v[:, T - m:]),
@@ -477,7 +477,7 @@ def ttt_decode_step(
     cdtype = state_dtype(q.dtype)
 
     def cast(x: torch.Tensor | None) -> torch.Tensor | None:
-        return x if x is None or x.dtype == cdtype else x.to(cdtype)
+        return to_dtype(x, cdtype)
 
     tau = q.new_ones(b, dtype=cdtype) if token_scale is None else cast(token_scale)
     values = token_scale_values

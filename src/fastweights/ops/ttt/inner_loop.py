@@ -25,7 +25,7 @@ from ..._checks import (
 from .._autocast import float32_compute
 from .._modes import TTT_MODES
 from .._varlen import check_cu_seqlens, run_packed
-from .common import Carry
+from .common import Carry, to_dtype
 from .dual import ttt_linear_dual, ttt_mlp_dual
 from .naive import linear_f_res, mlp_f_res, ttt_naive
 from .primal import ttt_linear_primal, ttt_mlp_primal
@@ -108,9 +108,7 @@ def _ttt(
     cdtype = state_dtype(q.dtype)
 
     def cast(x: torch.Tensor | None) -> torch.Tensor | None:
-        # Skipping .to() where the dtype already matches saves a dispatch per tensor: a decoding
-        # step is a chain of small operations, where each one counts.
-        return x if x is None or x.dtype == cdtype else x.to(cdtype)
+        return to_dtype(x, cdtype)
 
     if token_scale is None:
         tau = q.new_ones(H, b, dtype=cdtype)
