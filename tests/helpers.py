@@ -47,3 +47,45 @@ def steps_from(layer, x: torch.Tensor, start: int = 0, state=None):
         y, state = layer(x[:, t:t + 1], state)
         ys.append(y)
     return torch.cat(ys, 1), state
+
+
+# The generation settings whose forwards differ in what transformers passes (cache or not, beams,
+# sampling, a left-padded batch with its attention mask, dict outputs with hidden states).
+GENERATE_SETTINGS = {
+    "greedy": {"do_sample": False},
+    "no-cache": {"do_sample": False, "use_cache": False},
+    "beam": {"do_sample": False, "num_beams": 2},
+    "sample": {"do_sample": True, "top_k": 5},
+    "dict": {"do_sample": False, "return_dict_in_generate": True, "output_scores": True,
+             "output_logits": True},
+}
+
+
+def assert_generate_passes_declared_keywords(model, ids: torch.Tensor, **generate_kwargs) -> None:
+    """Drive a real ``model.generate(ids, ...)`` and check that every keyword transformers passes
+    to ``forward`` is one that ``forward`` declares. A new transformers release that renames or
+    adds an argument then fails here with its name, instead of as a TypeError deep inside
+    generation."""
+    import inspect
+
+    import transformers
+
+    passed: set[str] = set()
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: passed.update(kwargs), with_kwargs=True)
+    error = None
+    try:
+        model.generate(ids, max_new_tokens=3, **generate_kwargs)
+    except TypeError as err:  # reported below with the keywords' names when that is the cause
+        error = err
+    finally:
+        handle.remove()
+    declared = set(inspect.signature(type(model).forward).parameters) - {"self"}
+    unknown = sorted(passed - declared)
+    assert not unknown, (
+        f"transformers {transformers.__version__} passes {unknown} to "
+        f"{type(model).__name__}.forward during generate({generate_kwargs}), which does not "
+        "declare them: add each to forward, honoured or refused with an error")
+    if error is not None:
+        raise error
+    assert passed, "generate() never called forward"

@@ -11,7 +11,8 @@ by ``native_to_hf``) loads with ``AutoModelForCausalLM.from_pretrained(folder)``
   ``LanguageModel`` (held as ``self.model``, so every weight name is the native one prefixed by
   ``"model."``); ``forward`` returns ``CausalLMOutputWithPast`` with the loss when ``labels``
   are given and a ``FastWeightsCache`` when ``use_cache``.
-- ``FastWeightsCache``: the ``past_key_values`` object. It holds each layer's state exactly as
+- ``FastWeightsCache``: the cache object (``cache``; ``past_key_values`` before transformers
+  5.24). It holds each layer's state exactly as
   the layer returns it (fast-weight matrices for recurrent mixers, the KV cache for softmax), so
   ``generate()`` feeds one new token per step, and the memory held per sequence is constant for
   recurrent mixers.
@@ -27,7 +28,7 @@ caches of different lengths) each pad-length group keeps its own state and is de
 forward. Logits at pad positions are zero and their labels are ignored by the loss.
 
 Right padding and packed documents: forwards that carry no state (``use_cache=False`` and no
-``past_key_values``, as the ``Trainer`` runs them) also accept right padding (each row runs on
+cache, as the ``Trainer`` runs them) also accept right padding (each row runs on
 its tokens only; causal, so trailing pads could not have changed them anyway) and packed
 documents in a batch of one, marked by ``cu_seqlens``, by FlashAttention's ``cu_seq_lens_q`` /
 ``cu_seq_lens_k`` (with ``max_length_q`` / ``max_length_k`` checked against them), by
@@ -74,6 +75,11 @@ except ImportError as err:  # the core library works without the extra; this mod
         "fastweights.hf needs transformers 5: pip install 'fastweights[hf]' "
         "(or pip install 'transformers>=5,<6')") from err
 
+# transformers >= 5.24 names the cache ``cache`` (argument and output field, ``past_key_values``
+# kept as a deprecated alias); earlier 5.x releases name it ``past_key_values``. Outputs are built
+# with the installed release's field name so that no deprecation path is taken.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} \
+    else "past_key_values"
 PREFIX = "model."  # FastWeightsForCausalLM keeps the native LanguageModel as ``self.model``
 IGNORE_INDEX = -100
 
@@ -106,7 +112,7 @@ class FastWeightsConfig(PreTrainedConfig, _LMConfigFields):
     are aliases of ``d_model``, ``n_layers``, ``n_heads`` and ``tie_embeddings``."""
 
     model_type = "fastweights"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["cache", "past_key_values"]
     attribute_map: ClassVar[dict[str, str]] = {
         "hidden_size": "d_model",
         "num_hidden_layers": "n_layers",
@@ -196,7 +202,8 @@ def _concat(states: list[Any], sizes: list[int]) -> Any:
 
 
 class FastWeightsCache(Cache):
-    """``past_key_values`` of ``FastWeightsForCausalLM``: the native per-layer states.
+    """The cache of ``FastWeightsForCausalLM`` (``cache=``, ``past_key_values=`` before
+    transformers 5.24): the native per-layer states.
 
     The batch rows are split into groups (one per distinct left-pad length at prefill, merged
     into one group whenever their states have the same structure, see the module docstring);
@@ -355,16 +362,20 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
     """A ``fastweights.LanguageModel`` behind the ``transformers`` model API.
 
     ``forward(input_ids [B, T], attention_mask=None [B, past + T], position_ids=None [B, T],
-    past_key_values=None, labels=None [B, T], use_cache=None, ...) -> CausalLMOutputWithPast``:
+    cache=None, labels=None [B, T], use_cache=None, ...) -> CausalLMOutputWithPast``:
     logits [B, T, V] (zero at pad positions; only the last ``logits_to_keep`` ones, or those
     indexed, when it is given), ``loss`` the next-token cross-entropy over labels other than
     -100 and positions the mask keeps (their mean, or their sum divided by
     ``num_items_in_batch`` when the Trainer passes it, computed from all T positions whatever
-    ``logits_to_keep``), ``past_key_values`` a ``FastWeightsCache``, and with
+    ``logits_to_keep``), the ``FastWeightsCache`` under the installed transformers' name for it
+    (``cache`` from 5.24, where ``past_key_values`` reads it too; ``past_key_values`` before),
+    and with
     ``output_hidden_states`` (True, or the indices to keep) ``n_layers + 1`` hidden states
     [B, T, d]: the embeddings' output, the input of every later block, and last the final
     norm's output (after the norm, as Llama returns it; zero at pads). ``input_ids`` holds only
-    the positions the cache has not seen (``generate`` slices them so). ``cache_position``, if
+    the positions the cache has not seen (``generate`` slices them so). The cache is passed as
+    ``cache=`` (transformers >= 5.24) or ``past_key_values=`` (earlier releases and older
+    code), not both. ``cache_position``, if
     given, must be those positions; ``inputs_embeds`` and ``output_attentions=True`` are refused.
     See the module docstring for padding and packed documents (``cu_seqlens``, ...).
     """
@@ -449,7 +460,7 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: FastWeightsCache | None = None,
+        cache: FastWeightsCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
@@ -465,9 +476,16 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         max_length_q: int | None = None,
         max_length_k: int | None = None,
         seq_idx: torch.Tensor | None = None,
+        past_key_values: FastWeightsCache | None = None,
     ) -> CausalLMOutputWithPast | tuple:
         """See the class docstring. Every keyword is honoured or refused with an error; there is
         no catch-all, so an unknown one is a TypeError naming it."""
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the cache as cache= or as past_key_values= (its name before "
+                             "transformers 5.24), not both")
+        user_cache = cache if cache is not None else past_key_values
+        if labels is not None:
+            self._check_trainable()
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds is not supported; pass input_ids")
         # unset output_* flags take the config's, as transformers' models do
@@ -486,15 +504,15 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict = self.config.return_dict if return_dict is None else return_dict
         keep = _check_logits_to_keep(logits_to_keep, T)
         hidden_keep = _hidden_selection(output_hidden_states, self.config.num_hidden_layers + 1)
-        if past_key_values is not None and not isinstance(past_key_values, FastWeightsCache):
+        if user_cache is not None and not isinstance(user_cache, FastWeightsCache):
             raise TypeError(
-                "past_key_values must be a FastWeightsCache (as returned by this model), got "
-                f"{type(past_key_values).__name__}")
-        cache = past_key_values if past_key_values is not None else FastWeightsCache()
+                "cache (past_key_values) must be a FastWeightsCache (as returned by this model), "
+                f"got {type(user_cache).__name__}")
+        cache = user_cache if user_cache is not None else FastWeightsCache()
         past = cache.get_seq_length()
         if cache.groups and cache.batch_size != B:
             raise ValueError(
-                f"input_ids has batch {B} but past_key_values holds {cache.batch_size} rows")
+                f"input_ids has batch {B} but the cache holds {cache.batch_size} rows")
         if cache_position is not None and not (
                 isinstance(cache_position, torch.Tensor) and cache_position.shape == (T,)
                 and torch.equal(cache_position.cpu(), torch.arange(past, past + T))):
@@ -544,12 +562,12 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
 
         # Forwards whose state cannot be continued (packed documents, right padding) keep none.
         stateless = (bounds is not None and len(bounds) > 2) or bool(right.any())
-        if stateless and (use_cache or past_key_values is not None):
+        if stateless and (use_cache or user_cache is not None):
             what = "packed documents" if bounds is not None and len(bounds) > 2 else \
                 "right padding (a 0 after a 1 in attention_mask)"
             raise ValueError(
                 f"{what}: only in forwards that carry no state (use_cache=False, no "
-                f"past_key_values, as in training; use_cache is {asked_cache}, config.use_cache "
+                f"cache, as in training; use_cache is {asked_cache}, config.use_cache "
                 f"{self.config.use_cache}); for generation, only left padding is supported")
 
         if cache.groups:
@@ -590,9 +608,12 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
             hidden_states = tuple(t if hidden_keep is True or i in hidden_keep else None
                                   for i, t in enumerate(hidden))
         out = CausalLMOutputWithPast(loss=loss, logits=logits[:, keep],
-                                     past_key_values=cache if use_cache else None,
-                                     hidden_states=hidden_states)
+                                     hidden_states=hidden_states,
+                                     **{CACHE_FIELD: cache if use_cache else None})
         return out if return_dict else out.to_tuple()
+
+    def _check_trainable(self) -> None:
+        """Raise if this model cannot compute a training loss (a subclass's refusal)."""
 
     def _loss(self, logits: torch.Tensor, labels: Any, attention_mask: torch.Tensor | None,
               past: int, bounds: list[int] | None,

@@ -43,7 +43,7 @@ class _FlaHFConfig(PreTrainedConfig):
     see its ``OPTIONS``), validated on creation; ``to_native()`` gives the native config."""
 
     native: ClassVar[type[FlaConfig]]
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["cache", "past_key_values"]
 
     def __init__(self, **kwargs: Any) -> None:
         fields = self._fields()
@@ -93,7 +93,7 @@ class _FlaForCausalLM(FastWeightsForCausalLM):
     """An fla ``<Family>ForCausalLM`` on fastweights' ops (see the module docstring).
 
     ``forward`` and ``generate`` are ``FastWeightsForCausalLM``'s: logits [B, T, V], the loss with
-    ``labels``, ``past_key_values`` a ``FastWeightsCache`` holding every layer's state (constant
+    ``labels``, the cache a ``FastWeightsCache`` holding every layer's state (constant
     size per sequence). Subclasses set ``config_class`` and ``native_class``.
     """
 
@@ -146,12 +146,11 @@ class _FlaForCausalLM(FastWeightsForCausalLM):
             raise ValueError("output_hidden_states is not supported by fla models")
         return self.model(input_ids, state)  # [b, t, d] after the final norm
 
-    def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("labels") is not None and self.config.use_l2warp:
+    def _check_trainable(self) -> None:
+        if self.config.use_l2warp:
             raise ValueError(
                 "use_l2warp=True changes the training gradient (fla's L2Wrap penalty), which "
                 "fastweights does not implement; set config.use_l2warp = False to train")
-        return super().forward(input_ids, *args, **kwargs)
 
 
 class FlaDeltaNetForCausalLM(_FlaForCausalLM):

@@ -3,6 +3,7 @@ save/load through AutoModelForCausalLM, and lossless native <-> Hugging Face con
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from fastweights.hf import (
+    CACHE_FIELD,
     FastWeightsCache,
     FastWeightsConfig,
     FastWeightsForCausalLM,
@@ -26,7 +28,11 @@ from fastweights.hf import (
 )
 from fastweights.models.config import LMConfig
 from fastweights.models.lm import LanguageModel
-from tests.helpers import assert_close64
+from tests.helpers import (
+    GENERATE_SETTINGS,
+    assert_close64,
+    assert_generate_passes_declared_keywords,
+)
 
 V, PAD = 29, 0
 MIXERS = {"delta": "delta", "softmax": "softmax", "mixed": ["delta", "softmax"]}
@@ -118,7 +124,7 @@ def test_pad_groups_merge_when_states_agree(mixer, groups):
     # KV caches of different lengths are kept (and decoded) per pad length.
     model = tiny_model(mixer)
     ids = torch.cat([torch.cat([torch.full((1, 3), PAD), prompt(3, 6)], 1), prompt(6, 7)])
-    cache = model(ids, attention_mask=(ids != PAD).long()).past_key_values
+    cache = model(ids, attention_mask=(ids != PAD).long())[CACHE_FIELD]
     assert len(cache.groups) == groups
     assert sorted(torch.cat([rows for rows, _ in cache.groups]).tolist()) == [0, 1]
 
@@ -128,13 +134,13 @@ def test_delta_cache_is_constant_size_and_softmax_grows():
     for mixer in ("delta", "softmax"):
         model = tiny_model(mixer)
         out = model(prompt(5, seed=8))
-        cache, seen = out.past_key_values, []
+        cache, seen = out[CACHE_FIELD], []
         assert isinstance(cache, FastWeightsCache)
         for _ in range(4):
             seen.append(cache.state_bytes())
             nxt = out.logits[:, -1:].argmax(-1)
-            out = model(nxt, past_key_values=cache)
-            assert out.past_key_values is cache
+            out = model(nxt, cache=cache)
+            assert out[CACHE_FIELD] is cache
         sizes[mixer] = seen
         assert cache.get_seq_length() == 5 + 4
     assert len(set(sizes["delta"])) == 1 and sizes["delta"][0] > 0
@@ -146,8 +152,33 @@ def test_generate_returns_the_fastweights_cache():
     model = tiny_model("delta")
     res = model.generate(prompt(5, 9), max_new_tokens=3, do_sample=False,
                          return_dict_in_generate=True)
-    assert isinstance(res.past_key_values, FastWeightsCache)
-    assert res.past_key_values.get_seq_length() == 5 + 3 - 1  # the last token is not fed back
+    assert isinstance(res[CACHE_FIELD], FastWeightsCache)
+    assert res[CACHE_FIELD].get_seq_length() == 5 + 3 - 1  # the last token is not fed back
+
+
+@pytest.mark.parametrize("setting", GENERATE_SETTINGS)
+@pytest.mark.parametrize("mixer", ["delta", "softmax"])
+def test_generate_passes_only_declared_keywords(mixer, setting):
+    model = tiny_model(mixer)
+    ids = torch.cat([torch.cat([torch.full((1, 2), PAD), prompt(4, 3)], 1), prompt(6, 4)])
+    assert_generate_passes_declared_keywords(model, ids, attention_mask=(ids != PAD).long(),
+                                             **GENERATE_SETTINGS[setting])
+
+
+def test_cache_is_passed_by_either_name_and_returned_under_the_installed_one():
+    model = tiny_model("delta")
+    ids = prompt(7, seed=5)
+    with torch.no_grad():
+        cache = model(ids[:, :4])[CACHE_FIELD]
+    assert isinstance(cache, FastWeightsCache)
+    # the same continuation whichever name carries the cache in (copies: the cache is updated)
+    by_new = model(ids[:, 4:], cache=copy.deepcopy(cache))
+    by_old = model(ids[:, 4:], past_key_values=copy.deepcopy(cache))
+    assert_close64(by_new.logits, by_old.logits, what="cache= vs past_key_values=")
+    assert_close64(by_new.logits, model(ids).logits[:, 4:], what="continued vs whole")
+    if CACHE_FIELD == "cache":  # transformers >= 5.24 keeps the old name as a read-only alias
+        assert by_new.past_key_values is by_new.cache
+    assert getattr(model(ids, use_cache=False), CACHE_FIELD) is None
 
 
 @pytest.mark.parametrize("mixer", MIXERS.values(), ids=MIXERS.keys())
@@ -205,9 +236,13 @@ def test_bad_inputs_raise():
         model(ids, attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]]))
     with pytest.raises(TypeError, match="FastWeightsCache"):
         model(ids, past_key_values=object())
-    cache = model(ids).past_key_values
+    with pytest.raises(TypeError, match="FastWeightsCache"):
+        model(ids, cache=object())
+    cache = model(ids)[CACHE_FIELD]
     with pytest.raises(ValueError, match="batch 1"):
-        model(ids[:1, :1], past_key_values=cache)
+        model(ids[:1, :1], cache=cache)
+    with pytest.raises(ValueError, match=r"cache= or as past_key_values="):
+        model(ids[:, :1], cache=cache, past_key_values=cache)
 
 
 @pytest.mark.parametrize("mixer", ["delta", "softmax"])

@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not
 
 from transformers import DataCollatorWithFlattening
 
-from fastweights.hf import FastWeightsForCausalLM, native_to_hf
+from fastweights.hf import CACHE_FIELD, FastWeightsForCausalLM, native_to_hf
 from fastweights.models.config import LMConfig
 from fastweights.models.lm import LanguageModel
 from tests.helpers import assert_close64
@@ -100,7 +100,7 @@ def test_packed_batches_are_refused_where_they_cannot_be_honoured():
     out = model(ids, attention_mask=mask, position_ids=pos)
     nxt = out.logits[:, -1:].argmax(-1)
     model(nxt, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
-          position_ids=torch.tensor([[4], [6]]), past_key_values=out.past_key_values)
+          position_ids=torch.tensor([[4], [6]]), cache=out[CACHE_FIELD])
 
 
 def test_unknown_keywords_are_errors_and_generate_keywords_are_honoured():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fla.modules.norm.layernorm_gated import rms_norm_ref
 from transformers import AutoModelForCausalLM
 
+from fastweights.hf import CACHE_FIELD
 from fastweights.models.fla import from_fla
 from tests.helpers import assert_close64
 
@@ -103,7 +104,7 @@ def assert_decoding_equals_full_forward(ref, folder, x: torch.Tensor, prefill: i
         out = ours(x[:, :prefill], use_cache=True)
         steps = [out.logits]
         for t in range(prefill, x.shape[1]):
-            out = ours(x[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = ours(x[:, t:t + 1], cache=out[CACHE_FIELD], use_cache=True)
             steps.append(out.logits)
     assert_close64(torch.cat(steps, dim=1), expected, what="prefill + one-token steps")
 

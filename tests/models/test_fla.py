@@ -169,6 +169,7 @@ def test_native_lm_parameter_names_are_flas():
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
+from fastweights.hf import CACHE_FIELD  # noqa: E402  (needs transformers)
 
 # One small fla-format folder per family: the tests below hold for each.
 FAMILIES = {
@@ -225,10 +226,10 @@ def test_decoding_from_the_cache_equals_full_forward(checkpoint):
         out = m(x[:, :4])
         steps = [out.logits]
         for t in range(4, 13):
-            out = m(x[:, t:t + 1], past_key_values=out.past_key_values)
+            out = m(x[:, t:t + 1], cache=out[CACHE_FIELD])
             steps.append(out.logits)
     assert_close64(torch.cat(steps, 1), full, what="decoding")
-    assert out.past_key_values.get_seq_length() == 13
+    assert out[CACHE_FIELD].get_seq_length() == 13
 
 
 def test_generate_greedy_beam_and_sampling(checkpoint):
@@ -249,6 +250,17 @@ def test_generate_greedy_beam_and_sampling(checkpoint):
     torch.manual_seed(5)
     s2 = m.generate(x, max_new_tokens=6, do_sample=True, top_k=10, pad_token_id=0)
     assert torch.equal(s1, s2) and s1.shape == (1, 12)
+
+
+@pytest.mark.parametrize("setting", ["greedy", "beam", "dict"])
+def test_generate_passes_only_declared_keywords(checkpoint, setting):
+    from tests.helpers import GENERATE_SETTINGS, assert_generate_passes_declared_keywords
+
+    batch = torch.cat([prompt(6, seed=1), torch.cat([torch.zeros(1, 2, dtype=torch.long),
+                                                     prompt(4, seed=2)], 1)])
+    assert_generate_passes_declared_keywords(load(checkpoint), batch, pad_token_id=0,
+                                             attention_mask=(batch != 0).long(),
+                                             **GENERATE_SETTINGS[setting])
 
 
 def test_left_padded_batch_generates_like_single_rows(checkpoint):

@@ -70,8 +70,10 @@ class _LlamaStepper:
         self.model = model
 
     def __call__(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
+        from ..hf import CACHE_FIELD  # the installed transformers' name for the cache
+
+        out = self.model(input_ids=ids, use_cache=True, **{CACHE_FIELD: cache})
+        return out.logits, out[CACHE_FIELD]
 
 
 def _cache_bytes(cache: Any) -> int:
