@@ -612,6 +612,16 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
                                      **{CACHE_FIELD: cache if use_cache else None})
         return out if return_dict else out.to_tuple()
 
+    def _set_gradient_checkpointing(self, enable: bool = True,
+                                    gradient_checkpointing_func: Callable[..., Any] | None = None,
+                                    every_n_layers: int = 1) -> None:
+        """transformers' hook behind ``activation_checkpointing_enable`` (and
+        ``gradient_checkpointing_enable``) and their ``disable``: the native model recomputes
+        blocks 0, n, 2n, ... (``every_n_layers``, transformers >= 5.24) through
+        ``gradient_checkpointing_func`` (which carries ``use_reentrant``, ``offload``, ...)."""
+        self.model.set_gradient_checkpointing(enable, every_n_layers=every_n_layers)
+        self.model._gradient_checkpointing_func = gradient_checkpointing_func if enable else None
+
     def _check_trainable(self) -> None:
         """Raise if this model cannot compute a training loss (a subclass's refusal)."""
 

@@ -4,6 +4,7 @@ save/load through AutoModelForCausalLM, and lossless native <-> Hugging Face con
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import subprocess
 import sys
@@ -214,15 +215,53 @@ def test_gradient_checkpointing_enable_recomputes_with_the_same_gradients(mixer)
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = grads()
-    # transformers 5.x names it activation_checkpointing_enable (the old name warns)
+    # transformers >= 5.24 names it activation_checkpointing_enable (the old name warns)
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    assert model.is_activation_checkpointing and model.model.gradient_checkpointing
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    assert model.model.gradient_checkpointing
     recomputed = grads()
     assert plain.keys() == recomputed.keys() and plain
     for n in plain:
         assert_close64(recomputed[n], plain[n], what=n)
     (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     assert not model.model.gradient_checkpointing
+
+
+@pytest.mark.skipif(
+    "every_n_layers" not in inspect.signature(
+        getattr(FastWeightsForCausalLM, "activation_checkpointing_enable", lambda: None)).parameters,
+    reason="this transformers has no activation_checkpointing_enable(every_n_layers=...)")
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_activation_checkpointing_every_n_layers_recomputes_those_blocks(every, monkeypatch):
+    import fastweights.models.lm as lm
+
+    torch.manual_seed(0)
+    model = FastWeightsForCausalLM(FastWeightsConfig(
+        vocab_size=V, d_model=12, n_layers=4, n_heads=2, mixer="delta")).double().train()
+    ids = torch.cat([prompt(9, seed=3), prompt(9, seed=4)])
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads()
+    recomputed_blocks = []
+    block_index = {b: i for i, b in enumerate(model.model.blocks)}
+    real = lm._checkpointed_block
+    monkeypatch.setattr(lm, "_checkpointed_block", lambda run, block, *args: (
+        recomputed_blocks.append(block_index[block]), real(run, block, *args))[1])
+    model.activation_checkpointing_enable(every_n_layers=every)
+    recomputed = grads()
+    assert recomputed_blocks == list(range(0, 4, every))  # transformers' blocks 0, n, 2n, ...
+    for n in plain:
+        assert_close64(recomputed[n], plain[n], what=n)
+    model.activation_checkpointing_disable()
+    recomputed_blocks.clear()
+    grads()
+    assert recomputed_blocks == [] and model.model._gradient_checkpointing_func is None
+    with pytest.raises(ValueError, match="every_n_layers must be an int >= 1"):
+        model.activation_checkpointing_enable(every_n_layers=0)
 
 
 def test_bad_inputs_raise():

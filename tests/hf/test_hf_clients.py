@@ -5,6 +5,7 @@ native_to_hf on a training run folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
 
-from transformers import DataCollatorWithFlattening
+from transformers import DataCollatorWithFlattening, TrainingArguments
 
 from fastweights.hf import CACHE_FIELD, FastWeightsForCausalLM, native_to_hf
 from fastweights.models.config import LMConfig
@@ -326,8 +327,11 @@ def test_trainer_with_gradient_checkpointing_matches_plain_training(tmp_path, re
     docs = documents(seed=90) * 2
     collator = DataCollatorWithFlattening()
     plain = _trained(tmp_path / "plain", docs, collator)
-    ckpt = _trained(tmp_path / "ckpt", docs, collator, gradient_checkpointing=True,
-                    gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    # TrainingArguments' name for it: activation_checkpointing in later 5.x, the old one warns
+    name = ("activation_checkpointing" if "activation_checkpointing" in
+            {f.name for f in dataclasses.fields(TrainingArguments)} else "gradient_checkpointing")
+    ckpt = _trained(tmp_path / "ckpt", docs, collator,
+                    **{name: True, f"{name}_kwargs": {"use_reentrant": reentrant}})
     for n in plain:
         assert torch.allclose(ckpt[n], plain[n], atol=1e-6), n
     assert any(not torch.equal(p, q) for p, q in zip(plain.values(),

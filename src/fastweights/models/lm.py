@@ -48,7 +48,9 @@ class LanguageModel(nn.Module):
     for memory in training: each block keeps only its input for the backward pass and runs its
     forward again there, so activation memory holds one block's intermediates instead of
     ``n_layers`` of them. It applies in training mode with gradients enabled; results, gradients
-    and random draws (dropout, FAVOR+ redraws) are those of the plain forward.
+    and random draws (dropout, FAVOR+ redraws) are those of the plain forward. With
+    ``every_n_layers=n`` only blocks 0, n, 2n, ... recompute (transformers' convention), trading
+    memory back for speed.
     """
 
     #: Recompute each block's activations in the backward pass (see the class docstring). The
@@ -77,13 +79,19 @@ class LanguageModel(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.gradient_checkpointing = False
+        self.checkpoint_every = 1
         self._gradient_checkpointing_func: Callable[..., Any] | None = None
 
-    def set_gradient_checkpointing(self, enable: bool = True) -> LanguageModel:
-        """Switch activation recomputation in the backward pass on or off; returns the model."""
+    def set_gradient_checkpointing(self, enable: bool = True, *,
+                                   every_n_layers: int = 1) -> LanguageModel:
+        """Switch activation recomputation in the backward pass on or off, for every
+        ``every_n_layers``-th block (0, n, 2n, ...); returns the model."""
         if not isinstance(enable, bool):
             raise TypeError(f"enable must be a bool, got {enable!r}")
+        if not is_int(every_n_layers) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be an int >= 1, got {every_n_layers!r}")
         self.gradient_checkpointing = enable
+        self.checkpoint_every = int(every_n_layers)
         return self
 
     def set_mixer_runner(self, runner: MixerRunner | None) -> LanguageModel:
@@ -178,10 +186,10 @@ class LanguageModel(nn.Module):
         x = self.drop(x)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         run = (self._gradient_checkpointing_func or _checkpoint) if recompute else None
-        for block, s in zip(self.blocks, state):
+        for i, (block, s) in enumerate(zip(self.blocks, state)):
             if collect is not None:
                 collect.append(x)
-            if run is not None:
+            if run is not None and i % self.checkpoint_every == 0:
                 x, s = _checkpointed_block(run, block, x, s, cu_seqlens)
             else:
                 x, s = block(x, s, cu_seqlens)
