@@ -90,7 +90,8 @@ def _wy(kc: torch.Tensor, bc: torch.Tensor, Gam: torch.Tensor) -> torch.Tensor:
 
     Only the strictly lower triangle is read (unitriangular: the diagonal is taken as 1), so
     neither the mask nor the identity is built into A. No pivoting: the solve is exact."""
-    A = (kc @ kc.transpose(-1, -2)) * Gam * bc
+    A = kc @ kc.transpose(-1, -2)
+    A = A * Gam * bc if torch.is_grad_enabled() else A.mul_(Gam).mul_(bc)
     eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device).expand_as(A)
     return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
 
@@ -118,7 +119,8 @@ class _GatedDeltaRuleChunk(torch.autograd.Function):
 
     @staticmethod
     def _states(kc, vc, bc, gc, S0):
-        """X and the states entering every chunk: (X, S_in [N, BH, Dk, Dv], U, S_final)."""
+        """The decay tables, X and the states entering every chunk:
+        (Gam, gam, X, S_in [N, BH, Dk, Dv], U, S_final)."""
         Gam, gam = _decays(gc)
         X = _wy(kc, bc, Gam)
         Tm = X * bc.transpose(-1, -2)  # X diag(beta)
@@ -133,7 +135,7 @@ class _GatedDeltaRuleChunk(torch.autograd.Function):
                 entering.append(S)
                 S = torch.baddbmm(S * gL[n], KlT[n], Un)  # gam_L S + Kl^T U
                 Us.append(Un)
-            return X, torch.stack(entering), torch.stack(Us), S
+            return Gam, gam, X, torch.stack(entering), torch.stack(Us), S
         # Without autograd every step writes in place: U0 becomes U, and each state goes
         # straight into its slot of S_in (no copies of addends, no stacking).
         S_in = S0.new_empty(N, *S0.shape)
@@ -143,12 +145,11 @@ class _GatedDeltaRuleChunk(torch.autograd.Function):
             U[n].baddbmm_(W[n], S_in[n], alpha=-1)
             nxt = S_in[n + 1] if n + 1 < N else final
             torch.mul(S_in[n], gL[n], out=nxt).baddbmm_(KlT[n], U[n])
-        return X, S_in, U, final
+        return Gam, gam, X, S_in, U, final
 
     @staticmethod
     def forward(ctx, qc, kc, vc, bc, gc, S0):  # type: ignore[override]
-        X, S_in, U, S = _GatedDeltaRuleChunk._states(kc, vc, bc, gc, S0)
-        Gam, gam = _decays(gc)
+        Gam, gam, X, S_in, U, S = _GatedDeltaRuleChunk._states(kc, vc, bc, gc, S0)
         scores = (qc @ kc.transpose(-1, -2)).mul_(Gam)  # P = Q K^T * Gam (lower triangular)
         o = (qc @ S_in).mul_(gam).flatten(0, 1).baddbmm_(scores.flatten(0, 1), U.flatten(0, 1))
         ctx.save_for_backward(qc, kc, vc, bc, gc, S0, X, S_in)
@@ -160,12 +161,13 @@ class _GatedDeltaRuleChunk(torch.autograd.Function):
         if torch.is_grad_enabled():
             # create_graph (double backward): X and S_in were made without a graph in forward;
             # recompute them from the inputs so that second derivatives flow through them too.
-            X, S_in, _, _ = _GatedDeltaRuleChunk._states(kc, vc, bc, gc, S0)
+            Gam, gam, X, S_in, _, _ = _GatedDeltaRuleChunk._states(kc, vc, bc, gc, S0)
+        else:
+            Gam, gam = _decays(gc)
         if do is None:
             do = qc.new_zeros(*qc.shape[:-1], vc.shape[-1])
         if dS is None:
             dS = S_in.new_zeros(S_in.shape[1:])
-        Gam, gam = _decays(gc)
         last = Gam[..., -1:, :].transpose(-1, -2)  # [N, BH, C, 1]
         gL = gam[..., -1:, :]  # [N, BH, 1, 1]
         bT = bc.transpose(-1, -2)
