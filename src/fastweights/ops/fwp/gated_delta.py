@@ -31,7 +31,7 @@ from .._modes import RECURRENT_MODES
 from .._varlen import run_packed
 from .gated_delta_chunk import gated_delta_rule_chunk
 from .gated_delta_naive import gated_delta_rule_naive
-from .gated_delta_recurrent import gated_delta_rule_recurrent
+from .gated_delta_recurrent import gated_delta_rule_recurrent, gated_delta_rule_step
 
 MODES = RECURRENT_MODES
 
@@ -71,13 +71,13 @@ def check_log_decay(g: torch.Tensor) -> None:
     torch.export cannot trace it, so traced programs skip it (as decay_linear_attn's)."""
     if torch.compiler.is_compiling():
         return
-    bad = ~(g <= 0)  # NaN fails the comparison too
-    if bool(bad.any()):
-        first = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"g must be <= 0 everywhere (the log of a decay in [0, 1]; -inf is a full reset), "
-            f"got g{list(first)} = {g[first].item()}"
-        )
+    if bool((g <= 0).all()):  # NaN fails the comparison too
+        return
+    first = tuple(int(i) for i in (~(g <= 0)).nonzero()[0])
+    raise ValueError(
+        f"g must be <= 0 everywhere (the log of a decay in [0, 1]; -inf is a full reset), "
+        f"got g{list(first)} = {g[first].item()}"
+    )
 
 
 @float32_compute
@@ -137,12 +137,17 @@ def gated_delta_rule(
                           output_final_state, scale=scale, mode=mode, chunk_size=chunk_size)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
-    args = {"q": q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, "k": k.to(cdtype),
-            "v": v.to(cdtype), "beta": beta.to(cdtype), "g": g.to(cdtype)}
+    def wide(x: torch.Tensor) -> torch.Tensor:  # (a decoding step is short: skip no-op casts)
+        return x if x.dtype == cdtype else x.to(cdtype)
+
+    args = {"q": wide(q) if scale == 1.0 else wide(q) * scale, "k": wide(k), "v": wide(v),
+            "beta": wide(beta), "g": wide(g)}
     if mode == "chunk" and T > 1:
         o, S = gated_delta_rule_chunk(**args, S=S0, chunk_size=min(chunk_size, T))
     elif mode == "naive":
         o, S = gated_delta_rule_naive(**args, S0=S0)
-    else:  # mode="recurrent", or a decoding step (T = 1) of mode="chunk" (see linear_attn)
+    elif T == 1:  # a decoding step, of mode="chunk" or "recurrent" (see linear_attn)
+        o, S = gated_delta_rule_step(**args, S=S0)
+    else:
         o, S = gated_delta_rule_recurrent(**args, S=S0)
     return o.to(q.dtype), (S if output_final_state else None)

@@ -180,63 +180,79 @@ class _GatedDeltaRuleChunk(torch.autograd.Function):
         kT = kc.transpose(-1, -2)
         QK = qc @ kT
         dU_out = (QK * Gam).transpose(-1, -2) @ do  # P^T dO  [N, BH, C, Dv]
-        QtdO = (qc * gam).transpose(-1, -2) @ do  # [N, BH, Dk, Dv]
+        QtdO = qc.transpose(-1, -2) @ (do * gam)  # (diag(gam) Q)^T dO  [N, BH, Dk, Dv]
         dS_n, leaving, dUs = dS, [], []
         for n in range(qc.shape[0] - 1, -1, -1):
             leaving.append(dS_n)
             dU = torch.baddbmm(dU_out[n], kl[n], dS_n)  # P^T dO + Kl dS
-            dS_n = torch.baddbmm(dS_n * gL[n] + QtdO[n], W[n].transpose(-1, -2), dU, alpha=-1)
+            dS_n = torch.baddbmm(torch.addcmul(QtdO[n], dS_n, gL[n]), W[n].transpose(-1, -2),
+                                 dU, alpha=-1)
             dUs.append(dU)
         del dU_out, QtdO, W
         G_out = torch.stack(leaving[::-1])  # [N, BH, Dk, Dv], gradient of each leaving state
         del leaving
         dU = torch.stack(dUs[::-1])  # [N, BH, C, Dv]
         del dUs
-        # Output O = diag(gam) Q S_in + (Q K^T * Gam) U.
-        dOU = (do @ U.transpose(-1, -2)).tril()  # [N, BH, C, C]
+        # Intermediates are freed as soon as they are used up. Signs: dWm = -dW, dAm = -dA
+        # (the negations ride on alpha/value arguments instead of passes of their own).
+        # Output O = diag(gam) Q S_in + (Q K^T * Gam) U. The upper triangles of dOU and dGam
+        # are left unmasked: everything they reach is multiplied by Gam, zero there.
+        dOU = do @ U.transpose(-1, -2)  # [N, BH, C, C]
         dP = dOU * Gam
         dOS = do @ S_in.transpose(-1, -2)  # [N, BH, C, Dk]
-        dq = dOS * gam + dP @ kc
-        dk = dP.transpose(-1, -2) @ qc
         dgam = (qc * dOS).sum(dim=-1, keepdim=True)  # [N, BH, C, 1]
+        dq = _bmm_add(dOS * gam, dP, kc)
+        del dOS
+        dk = dP.transpose(-1, -2) @ qc
+        del dP
         dGam = dOU * QK
-        del dOU, dP, dOS, QK
+        del dOU, QK
         # State S_next = gam_L S_in + Kl^T U.
         UG = U @ G_out.transpose(-1, -2)  # d(Kl) = U dS^T  [N, BH, C, Dk]
-        dk = dk + UG * last
+        dk = torch.addcmul(dk, UG, last)
         dlast = (kc * UG).sum(dim=-1, keepdim=True)  # [N, BH, C, 1]
         dgL = (G_out * S_in).sum(dim=(-2, -1), keepdim=True)  # [N, BH, 1, 1]
         del UG, G_out, U
         # U = Tm V - W S_in with W = Tm diag(gam) K.
-        dW = -(dU @ S_in.transpose(-1, -2))  # [N, BH, C, Dk]
-        R = Tm.transpose(-1, -2) @ dW  # d(diag(gam) K)
-        dk = dk + R * gam
-        dgam = dgam + (kc * R).sum(dim=-1, keepdim=True)
+        dWm = dU @ S_in.transpose(-1, -2)  # [N, BH, C, Dk]
+        R = Tm.transpose(-1, -2) @ dWm  # -d(diag(gam) K)
+        dk = torch.addcmul(dk, R, gam, value=-1)
+        dgam = dgam - (kc * R).sum(dim=-1, keepdim=True)
         del R
         dv = Tm.transpose(-1, -2) @ dU
-        dTm = (dW @ kg.transpose(-1, -2)) + dU @ vc.transpose(-1, -2)  # [N, BH, C, C]
-        del dW, dU, Tm, kg
+        dTm = _bmm_add(dU @ vc.transpose(-1, -2), dWm, kg.transpose(-1, -2), alpha=-1)
+        del dWm, dU, Tm, kg
         db = (dTm * X).sum(dim=-2).unsqueeze(-1)  # through Tm = X diag(beta)
         XT = X.transpose(-1, -2)
-        dA = (-(XT @ (dTm * bT) @ XT)).tril(-1)  # stril(dL) of the solve
+        dAm = (XT @ (dTm * bT) @ XT).tril(-1)  # -stril(dL) of the solve
         del dTm, XT
         KK = kc @ kT
-        M = KK * Gam
-        db = db + (dA * M).sum(dim=-1, keepdim=True)
-        bdA = dA * bc  # d(K K^T * Gam) = diag(beta) dA
-        del dA, M
-        E = bdA * Gam
-        dk = dk + (E + E.transpose(-1, -2)) @ kc
-        dGam = dGam + bdA * KK
-        del E, bdA, KK
-        # The gates: dGam's last row also carries d(last); then through exp and the sums.
-        dGam = torch.cat([dGam[..., :-1, :], dGam[..., -1:, :] + dlast.transpose(-1, -2)], dim=-2)
-        dL = dGam * Gam  # [i, j]: through exp(L_ij), L_ij = sum_{j < m <= i} g_m
-        dG = dgam * gam  # [N, BH, C, 1]: through exp(G_i), G_i = sum_{m <= i} g_m
-        dG = torch.cat([dG[..., :-1, :], dG[..., -1:, :] + dgL * gL], dim=-2)
-        dg = dG.flip(-2).cumsum(dim=-2).flip(-2)  # sum_{i >= m} dG_i
-        # sum_{i >= m} sum_{j < m} dL_ij for m >= 1: the running row sums E_i,m-1 =
-        # sum_{j <= m-1} dL_ij, kept where i >= m, summed down each column.
-        rect = dL.cumsum(dim=-1)[..., :-1].tril(-1).sum(dim=-2)  # [N, BH, C - 1]
-        dg = dg + F.pad(rect, (1, 0)).unsqueeze(-1)
+        db = db - (dAm * KK * Gam).sum(dim=-1, keepdim=True)
+        bdAm = dAm * bc  # -d(K K^T * Gam) = -diag(beta) dA
+        del dAm
+        E = bdAm * Gam
+        dk = _bmm_add(dk, E + E.transpose(-1, -2), kc, alpha=-1)
+        del E
+        dGam = torch.addcmul(dGam, bdAm, KK, value=-1)
+        del bdAm, KK
+        # The gates, through exp(L_ij) (L_ij = sum_{j < m <= i} g_m, so dg_m gets every dL_ij
+        # with i >= m > j), through exp(G_i) (G_i = sum_{m <= i} g_m: dg_m gets every dG_i with
+        # i >= m), and through last_j = Gam_{C-1, j} and gam_L = gam_{C-1} (the state hand-off).
+        dL = dGam * Gam
+        del dGam
+        # sum_{i >= m} sum_{j < m} dL_ij for m >= 1: the running row sums sum_{j <= m-1} dL_ij,
+        # kept where i >= m, summed down each column.
+        rect = dL.cumsum(dim=-1)[..., :-1].tril(-1).sum(dim=-2).unsqueeze(-1)  # [N, BH, C-1, 1]
+        del dL
+        dG = dgam * gam
+        dg = dG.flip(-2).cumsum(dim=-2).flip(-2) + dgL * gL  # sum_{i >= m} dG_i (+ gam_L's)
+        # d(last) reaches dL's last row only: sum_{j < m} dlast_j last_j for m >= 1.
+        rect = rect + (dlast * last).cumsum(dim=-2)[..., :-1, :]
+        dg = dg + F.pad(rect, (0, 0, 1, 0))
         return dq, dk, dv, db, dg, dS_n
+
+
+def _bmm_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """x + alpha a @ b for [N, BH, ...] tensors: one baddbmm over N * BH, out of place."""
+    return torch.baddbmm(x.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1),
+                         alpha=alpha).unflatten(0, x.shape[:2])

@@ -11,7 +11,7 @@ mode="chunk" or "recurrent", and what a layer's decoding step calls directly on 
 checked (as NormAttention calls ``decay_linear_attn_recurrent``): unchecked, in the compute
 dtype. A step is a chain of small operations, so it is written for few passes over the state:
 one multiply (S' = exp(g) S, a new tensor, so a carried state stays valid), two batched
-matrix-vector products and one fused multiply-add written into S' itself.
+matrix-vector products (v - k S' in one) and the write k^T u added into S' itself.
 
 Dimension legend: B batch, T time, Hk query/key heads, H value heads (a multiple of Hk), Dk
 key/query dim, Dv value dim. q, k ``[B, T, Hk, Dk]``, v ``[B, T, H, Dv]``, beta and g
@@ -26,45 +26,40 @@ from .._steps import stack_time
 from .gated_delta_naive import expand_heads
 
 
-def _step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-    S: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token: q, k [B, H, Dk] (already expanded to the value heads), v [B, H, Dv],
-    beta, g [B, H], S [B, H, Dk, Dv] -> (o [B, H, Dv], the new state)."""
-    B, H, Dk, Dv = S.shape
-    S = S * torch.exp(g).view(B, H, 1, 1)  # S' (a new tensor: the carried S is left as it was)
-    v_bar = torch.bmm(k.reshape(B * H, 1, Dk), S.view(B * H, Dk, Dv)).view(B, H, Dv)
-    u = beta.unsqueeze(-1) * (v - v_bar)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, beta, g, S)):
-        S = torch.addcmul(S, k.unsqueeze(-1), u.unsqueeze(-2))  # autograd saved S' for dk
-    else:
-        S.addcmul_(k.unsqueeze(-1), u.unsqueeze(-2))  # S' + k^T u, in place on the fresh S'
-    o = torch.bmm(q.reshape(B * H, 1, Dk), S.view(B * H, Dk, Dv)).view(B, H, Dv)
-    return o, S
-
-
 def gated_delta_rule_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     S: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the recurrence: q, k [B, 1, Hk, Dk], v [B, 1, H, Dv], beta, g [B, 1, H],
-    S [B, H, Dk, Dv] -> (o [B, 1, H, Dv], S_1). Unchecked: see the module docstring."""
-    H = v.shape[2]
-    o, S = _step(expand_heads(q, H)[:, 0], expand_heads(k, H)[:, 0], v[:, 0], beta[:, 0],
-                 g[:, 0], S)
-    return o.unsqueeze(1), S
+    S [B, H, Dk, Dv] -> (o [B, 1, H, Dv], S_1). Unchecked: see the module docstring.
+
+    With T = 1 the inputs are already rows of the batched products: [B, 1, H, D] is [B H, 1, D]
+    in memory, so the reshapes below are views (copies only for a strided slice)."""
+    B, _, H, Dv = v.shape
+    Dk = q.shape[-1]
+    q, k = expand_heads(q, H), expand_heads(k, H)
+    kr = k.reshape(B * H, 1, Dk)
+    # S' = exp(g) S: a new tensor, so the carried S is left as it was.
+    Sd = S.reshape(B * H, Dk, Dv) * torch.exp(g).reshape(B * H, 1, 1)
+    u = torch.baddbmm(v.reshape(B * H, 1, Dv), kr, Sd, alpha=-1)  # v - k S'
+    u = u * beta.reshape(B * H, 1, 1)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, beta, g, S)):
+        Sd = torch.baddbmm(Sd, kr.transpose(1, 2), u)  # autograd saved S' for dk
+    else:
+        Sd.baddbmm_(kr.transpose(1, 2), u)  # S' + k^T u, in place on the fresh S'
+    o = torch.bmm(q.reshape(B * H, 1, Dk), Sd)
+    return o.view(B, 1, H, Dv), Sd.view(B, H, Dk, Dv)
 
 
 def gated_delta_rule_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     S: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence over T tokens: (o [B, T, H, Dv], S_T)."""
+    """The recurrence over T tokens, one ``gated_delta_rule_step`` each: (o [B, T, H, Dv], S_T)."""
     H = v.shape[2]
     q, k = expand_heads(q, H), expand_heads(k, H)
     outs = []
     for t in range(q.shape[1]):
-        o, S = _step(q[:, t], k[:, t], v[:, t], beta[:, t], g[:, t], S)
-        outs.append(o)
+        o, S = gated_delta_rule_step(*(x[:, t:t + 1] for x in (q, k, v, beta, g)), S)
+        outs.append(o[:, 0])
     return stack_time(outs), S
