@@ -178,8 +178,8 @@ class _GatedDeltaRuleChunk(torch.autograd.Function):
                           alpha=-1).unflatten(0, qc.shape[:2])  # U0 - W S_in, all chunks
         kl = kc * last
         kT = kc.transpose(-1, -2)
-        QK = qc @ kT
-        dU_out = (QK * Gam).transpose(-1, -2) @ do  # P^T dO  [N, BH, C, Dv]
+        P = _mul_(qc @ kT, Gam)  # Q K^T * Gam
+        dU_out = P.transpose(-1, -2) @ do  # [N, BH, C, Dv]
         QtdO = qc.transpose(-1, -2) @ (do * gam)  # (diag(gam) Q)^T dO  [N, BH, Dk, Dv]
         dS_n, leaving, dUs = dS, [], []
         for n in range(qc.shape[0] - 1, -1, -1):
@@ -195,18 +195,18 @@ class _GatedDeltaRuleChunk(torch.autograd.Function):
         del dUs
         # Intermediates are freed as soon as they are used up. Signs: dWm = -dW, dAm = -dA
         # (the negations ride on alpha/value arguments instead of passes of their own).
-        # Output O = diag(gam) Q S_in + (Q K^T * Gam) U. The upper triangles of dOU and dGam
-        # are left unmasked: everything they reach is multiplied by Gam, zero there.
+        # Output O = diag(gam) Q S_in + (Q K^T * Gam) U.
         dOU = do @ U.transpose(-1, -2)  # [N, BH, C, C]
         dP = dOU * Gam
+        # dL = dGam * Gam, the gradient of the exponents L_ij: through P it is dOU * Q K^T * Gam.
+        dL = _mul_(dOU, P)
+        del dOU, P
         dOS = do @ S_in.transpose(-1, -2)  # [N, BH, C, Dk]
         dgam = (qc * dOS).sum(dim=-1, keepdim=True)  # [N, BH, C, 1]
-        dq = _bmm_add(dOS * gam, dP, kc)
+        dq = _bmm_add(_mul_(dOS, gam), dP, kc)
         del dOS
         dk = dP.transpose(-1, -2) @ qc
         del dP
-        dGam = dOU * QK
-        del dOU, QK
         # State S_next = gam_L S_in + Kl^T U.
         UG = U @ G_out.transpose(-1, -2)  # d(Kl) = U dS^T  [N, BH, C, Dk]
         dk = torch.addcmul(dk, UG, last)
@@ -224,32 +224,41 @@ class _GatedDeltaRuleChunk(torch.autograd.Function):
         del dWm, dU, Tm, kg
         db = (dTm * X).sum(dim=-2).unsqueeze(-1)  # through Tm = X diag(beta)
         XT = X.transpose(-1, -2)
-        dAm = (XT @ (dTm * bT) @ XT).tril(-1)  # -stril(dL) of the solve
+        dAm = (XT @ _mul_(dTm, bT) @ XT).tril(-1)  # -stril(dL) of the solve
         del dTm, XT
-        KK = kc @ kT
-        db = db - (dAm * KK * Gam).sum(dim=-1, keepdim=True)
-        bdAm = dAm * bc  # -d(K K^T * Gam) = -diag(beta) dA
+        M = _mul_(kc @ kT, Gam)  # K K^T * Gam
+        db = db - (dAm * M).sum(dim=-1, keepdim=True)
+        bdAm = _mul_(dAm, bc)  # -d(K K^T * Gam) = -diag(beta) dA
         del dAm
         E = bdAm * Gam
         dk = _bmm_add(dk, E + E.transpose(-1, -2), kc, alpha=-1)
         del E
-        dGam = torch.addcmul(dGam, bdAm, KK, value=-1)
-        del bdAm, KK
-        # The gates, through exp(L_ij) (L_ij = sum_{j < m <= i} g_m, so dg_m gets every dL_ij
-        # with i >= m > j), through exp(G_i) (G_i = sum_{m <= i} g_m: dg_m gets every dG_i with
-        # i >= m), and through last_j = Gam_{C-1, j} and gam_L = gam_{C-1} (the state hand-off).
-        dL = dGam * Gam
-        del dGam
-        # sum_{i >= m} sum_{j < m} dL_ij for m >= 1: the running row sums sum_{j <= m-1} dL_ij,
-        # kept where i >= m, summed down each column.
-        rect = dL.cumsum(dim=-1)[..., :-1].tril(-1).sum(dim=-2).unsqueeze(-1)  # [N, BH, C-1, 1]
+        dL = _addcmul_(dL, bdAm, M, value=-1)  # ... and through A it is -diag(beta) dA * M
+        del bdAm, M
+        # The gates. L_ij = sum_{j < m <= i} g_m, so dg_m = sum_{i >= m > j} dL_ij: with dL's
+        # column sums c and row sums r (upper triangle 0; the diagonal cancels in c - r),
+        # sum_{i >= m, j < m} dL_ij = sum_{j < m} c_j - sum_{i < m} r_i (the block i, j < m
+        # holds every row i < m whole). last_j = Gam_{C-1, j} adds dlast_j last_j to c_j.
+        # G_i = sum_{m <= i} g_m: dg_m = sum_{i >= m} dG_i, with gam_L = gam_{C-1} in it.
+        cr = (dL.sum(dim=-2) - dL.sum(dim=-1)).unsqueeze(-1) + dlast * last  # [N, BH, C, 1]
         del dL
         dG = dgam * gam
         dg = dG.flip(-2).cumsum(dim=-2).flip(-2) + dgL * gL  # sum_{i >= m} dG_i (+ gam_L's)
-        # d(last) reaches dL's last row only: sum_{j < m} dlast_j last_j for m >= 1.
-        rect = rect + (dlast * last).cumsum(dim=-2)[..., :-1, :]
-        dg = dg + F.pad(rect, (0, 0, 1, 0))
+        dg = dg + F.pad(cr.cumsum(dim=-2)[..., :-1, :], (0, 0, 1, 0))  # sum_{j < m} (c - r)_j
         return dq, dk, dv, db, dg, dS_n
+
+
+def _mul_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a * b, written into ``a`` (a temporary of the backward) unless autograd records it
+    (double backward)."""
+    return a * b if torch.is_grad_enabled() else a.mul_(b)
+
+
+def _addcmul_(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float) -> torch.Tensor:
+    """x + value a * b, written into ``x`` (a temporary) unless autograd records it."""
+    if torch.is_grad_enabled():
+        return torch.addcmul(x, a, b, value=value)
+    return x.addcmul_(a, b, value=value)
 
 
 def _bmm_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
