@@ -107,15 +107,17 @@ def gated_delta_rule(
     Grouped heads: v, beta and g have H heads, a multiple of q's and k's Hk; value head h reads
     key head h // (H / Hk), i.e. each key head serves H / Hk consecutive value heads, as
     transformers' Qwen3.5 and Qwen3-Next (``repeat_interleave`` of q and k on the head dim)
-    and fla's GatedDeltaNet (num_v_heads > num_heads) lay them out. The state has the H value
-    heads. No hidden 1/sqrt(Dk): transformers' torch_chunk_gated_delta_rule(q, k, v, g, beta)
-    is gated_delta_rule(q, k, v, beta, g, scale=Dk ** -0.5) (with use_qk_l2norm_in_kernel, on
-    q and k L2-normalised as x / sqrt(sum x^2 + 1e-6)); tests/ops/test_gated_delta.py checks it.
+    and fla's GatedDeltaNet kernels (num_v_heads > num_heads: i_h = i_hv // (HV // H)) lay them
+    out. The state has the H value heads. No hidden 1/sqrt(Dk): transformers'
+    torch_chunk_gated_delta_rule(q, k, v, g, beta) is gated_delta_rule(q, k, v, beta, g,
+    scale=Dk ** -0.5) (with use_qk_l2norm_in_kernel, on q and k L2-normalised as
+    x / sqrt(sum x^2 + 1e-6)); tests/ops/test_gated_delta_transformers.py checks it.
 
-    ``mode``: "chunk" (default; chunk_size any size >= 1, T need not be a multiple; a one-token
-    call runs the recurrent step, as the decoding step of a layer), "recurrent" (token by
-    token, ``gated_delta_recurrent.gated_delta_rule_step`` per token, which a layer's decoding
-    step may call directly) or "naive" (the literal recurrence, the oracle). All three are
+    ``mode``: "chunk" (default; any chunk_size >= 1, T need not be a multiple; a one-token call
+    runs the recurrent step, as a layer's decoding step does; on the 2-core EPYC CPU of
+    benchmarks/results/gated_delta_epyc_avx2/ chunks of 32 ran faster than the default 64, as
+    for delta_rule), "recurrent" (token by token, ``gated_delta_rule_step`` per token, which a
+    layer's decoding step may call directly) or "naive" (the literal recurrence, the oracle). All three are
     differentiable in q, k, v, beta, g and the initial state; the chunked form has a
     hand-written backward. ``cu_seqlens`` [N + 1]: packed documents in a batch of one, the state
     reset at each boundary; initial/final states are then lists with one state per document
