@@ -1,10 +1,13 @@
-"""Fast weight programmers: linear attention (sum rule) and the delta rule (DeltaNet).
+"""Fast weight programmers: linear attention (sum rule), the delta rule (DeltaNet) and the gated
+delta rule (Gated DeltaNet, SPEC.md 5b).
 
-SPEC.md 1.3 (sum rule, with/without attention normalisation) and 1.4 (delta rule, read after
-write). The public functions (``linear_attention.py``, ``delta.py``) validate their arguments,
-upcast to float32 (float64 stays float64), dispatch on ``mode`` and return outputs in the input
-dtype with float32-or-wider states. On CUDA, mode="chunk" runs fla's or this project's Triton
-kernels (``triton.py``; ``backend=``, chosen by ops/backend.py); everywhere else, PyTorch.
+SPEC.md 1.3 (sum rule, with/without attention normalisation), 1.4 (delta rule, read after
+write) and 5b (the delta rule with a decay gate). The public functions (``linear_attention.py``,
+``delta.py``, ``gated_delta.py``) validate their arguments, upcast to float32 (float64 stays
+float64), dispatch on ``mode`` and return outputs in the input dtype with float32-or-wider
+states. On CUDA, mode="chunk" of linear_attn and delta_rule runs fla's or this project's Triton
+kernels (``triton.py``; ``backend=``, chosen by ops/backend.py); everywhere else, and for
+gated_delta_rule everywhere, PyTorch.
 """
 
 from ..backend import PREFERRED_CHUNK_SIZES, preferred_chunk_size
@@ -19,10 +22,12 @@ from .feature_maps import (
     relu,
     sum_norm,
 )
+from .gated_delta import gated_delta_rule
+from .gated_delta_recurrent import gated_delta_rule_step
 from .linear_attention import MODES, LinearAttnState, linear_attn
 
 __all__ = [
     "FEATURE_MAPS", "MODES", "PREFERRED_CHUNK_SIZES", "LinearAttnState", "delta_rule", "dpfp",
-    "draw_favor_projection", "elu_plus_one", "favor_features", "feature_map", "linear_attn",
-    "preferred_chunk_size", "relu", "sum_norm",
+    "draw_favor_projection", "elu_plus_one", "favor_features", "feature_map", "gated_delta_rule",
+    "gated_delta_rule_step", "linear_attn", "preferred_chunk_size", "relu", "sum_norm",
 ]
