@@ -44,7 +44,6 @@ positions the model uses (0, 1, ... from each row's first token, continuing the 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import MISSING, Field, field, fields, make_dataclass
 from functools import partial
 from itertools import pairwise
@@ -55,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from . import state_tree
 from ._checks import is_int
 from .models.config import LMConfig
 from .models.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel, LMState
@@ -149,56 +149,10 @@ class FastWeightsConfig(PreTrainedConfig, _LMConfigFields):
 # The cache: per-row-group layer states
 
 
-class _Mismatch(Exception):
-    """Group states that cannot be concatenated into one batch."""
-
-
-def _rebuild(like: list | tuple, items: Any) -> Any:
-    """A list/tuple of ``like``'s type holding ``items`` (typed states are NamedTuples, built
-    from fields rather than from one iterable)."""
-    return type(like)._make(items) if hasattr(like, "_fields") else type(like)(items)
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], state: Any) -> Any:
-    """Apply ``fn`` to every tensor of a (nested list/tuple) layer state, keeping the rest."""
-    if isinstance(state, torch.Tensor):
-        return fn(state)
-    if isinstance(state, (list, tuple)):
-        return _rebuild(state, (_map_tensors(fn, s) for s in state))
-    return state
-
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, (list, tuple)):
-        return [t for s in state for t in _tensors(s)]
-    return []
-
-
 def _take_rows(t: torch.Tensor, local: torch.Tensor, n: int) -> torch.Tensor:
     """Rows ``local`` of a group state tensor whose leading dim is the group's batch ``n``
     (tensors without that leading dim are shared by the rows and kept)."""
     return t.index_select(0, local.to(t.device)) if t.dim() and t.shape[0] == n else t
-
-
-def _concat(states: list[Any], sizes: list[int]) -> Any:
-    """Concatenate group states along the batch dimension, or raise _Mismatch when their
-    structures differ (shapes beyond the batch dimension, dtypes, non-tensor items)."""
-    first = states[0]
-    if isinstance(first, torch.Tensor):
-        for s, n in zip(states, sizes):
-            if not (isinstance(s, torch.Tensor) and s.dim() >= 1 and s.shape[0] == n
-                    and s.shape[1:] == first.shape[1:] and s.dtype == first.dtype):
-                raise _Mismatch
-        return torch.cat(states, dim=0)
-    if isinstance(first, (list, tuple)):
-        if any(type(s) is not type(first) or len(s) != len(first) for s in states):
-            raise _Mismatch
-        return _rebuild(first, (_concat([s[i] for s in states], sizes) for i in range(len(first))))
-    if any(isinstance(s, torch.Tensor) or not (s is first or s == first) for s in states):
-        raise _Mismatch
-    return first
 
 
 class FastWeightsCache(Cache):
@@ -243,7 +197,7 @@ class FastWeightsCache(Cache):
 
     def state_bytes(self) -> int:
         """Bytes of every tensor held (all layers, all rows)."""
-        return sum(t.numel() * t.element_size() for _, s in self.groups for t in _tensors(s))
+        return sum(state_tree.nbytes(s) for _, s in self.groups)
 
     def reset(self) -> None:
         self.groups = []
@@ -253,9 +207,10 @@ class FastWeightsCache(Cache):
         """Store the groups, concatenated into one when their states allow it."""
         if len(groups) > 1:
             try:
-                state = _concat([s for _, s in groups], [len(r) for r, _ in groups])
+                state = state_tree.cat_rows([s for _, s in groups], "cache",
+                                            [len(r) for r, _ in groups])
                 groups = [(torch.cat([r for r, _ in groups]), state)]
-            except _Mismatch:
+            except ValueError:  # structures differ (softmax caches of other lengths)
                 pass
         self.groups = groups
 
@@ -270,7 +225,7 @@ class FastWeightsCache(Cache):
             if new_rows.numel() == 0:
                 continue
             local = hit[new_rows].float().argmax(dim=1)  # position of each kept row in the group
-            state = _map_tensors(partial(_take_rows, local=local, n=len(rows)), state)
+            state = state_tree.map_tensors(partial(_take_rows, local=local, n=len(rows)), state)
             new_groups.append((new_rows, state))
         self.set_groups(new_groups)
 

@@ -39,11 +39,11 @@ from ..ops.aft import (
 )
 from ..ops.aft.common import MODES
 from ..ops.aft.local_stream import local_stream
+from ..state_tree import cat_rows
 from .base import (
     Mixer,
     Option,
     State,
-    cat_rows,
     check_stackable,
     declare_options,
     is_step,

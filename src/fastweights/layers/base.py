@@ -12,6 +12,7 @@ from torch import nn
 
 from .._checks import check_layer_input, check_positive_int
 from ..ops._varlen import check_cu_seqlens, check_packed_states
+from ..state_tree import cat_rows
 
 State = Any  # a tuple of tensors (and ints) owned by the layer; None means "start of sequence"
 
@@ -152,34 +153,6 @@ def check_stackable(states: Any) -> list[State]:
         raise ValueError("states must all be states returned by forward; None (a sequence not "
                          "yet started) has no rows to stack")
     return list(states)
-
-
-def cat_rows(items: Sequence[Any], what: str) -> Any:
-    """Items of one structure (tensors with batch first, nested tuples/lists/NamedTuples of
-    them, ints, None) concatenated row-wise: tensors along dim 0, every other leaf required to
-    be equal in all items. ValueError naming ``what`` when the structures, the tensors' other
-    dims or the other leaves differ (streams at different positions)."""
-    first = items[0]
-    if isinstance(first, torch.Tensor):
-        if not all(isinstance(x, torch.Tensor) and x.dim() == first.dim() and x.dim() >= 1
-                   and x.shape[1:] == first.shape[1:] for x in items):
-            shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                      for x in items]
-            raise ValueError(f"cannot stack {what}: tensors of shapes {shapes} differ beyond "
-                             "the batch dim (streams at different positions, which this layer "
-                             "cannot hold per row)")
-        return torch.cat(list(items))
-    if isinstance(first, (tuple, list)):
-        if not all(type(x) is type(first) and len(x) == len(first) for x in items):
-            raise ValueError(f"cannot stack {what}: the states differ in structure")
-        parts = [cat_rows([x[i] for x in items], f"{what}[{i}]") for i in range(len(first))]
-        if hasattr(first, "_fields"):
-            return type(first)(*parts)
-        return type(first)(parts)
-    if any(not (x is first or x == first) for x in items):
-        raise ValueError(f"cannot stack {what}: values {list(items)} differ (streams at "
-                         "different positions, which this layer cannot hold per row)")
-    return first
 
 
 def is_step(x: Any, cu_seqlens: torch.Tensor | None) -> bool:

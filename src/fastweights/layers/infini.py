@@ -21,11 +21,11 @@ from .._checks import (
 )
 from ..ops.infini import MODES, UPDATES, InfiniRowsState, InfiniSegmentState, infini_attention
 from ..ops.infini.recurrent import infini_attention_recurrent
+from ..state_tree import cat_rows
 from .base import (
     Mixer,
     Option,
     State,
-    cat_rows,
     check_stackable,
     declare_options,
     is_step,

@@ -11,11 +11,11 @@ from torch import nn
 
 from .._checks import check_arg, check_bool, check_layer_input
 from ..ops.softmax import softmax_attention
+from ..state_tree import cat_rows
 from .base import (
     Mixer,
     Option,
     State,
-    cat_rows,
     check_stackable,
     declare_options,
     merge_heads,

@@ -37,11 +37,11 @@ from ..ops.transnormer import (
 )
 from ..ops.transnormer.block import attend_open_block
 from ..ops.transnormer.recurrent import decay_linear_attn_recurrent
+from ..state_tree import cat_rows
 from .base import (
     Mixer,
     Option,
     State,
-    cat_rows,
     check_stackable,
     declare_options,
     is_step,

@@ -28,11 +28,11 @@ from ..ops.ttt import (
     ttt_mlp,
 )
 from ..ops.ttt.decode import decode_carry, layer_state_after
+from ..state_tree import cat_rows
 from .base import (
     Mixer,
     Option,
     State,
-    cat_rows,
     check_stackable,
     declare_options,
     is_step,

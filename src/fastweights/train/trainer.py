@@ -59,9 +59,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import state_tree
 from .._checks import is_int
 from ..models import LanguageModel, LMConfig
-from ..models.lm import LMState, map_state, state_tensors
+from ..models.lm import LMState
 from ..parallel import context_parallel_forward
 from ..tasks.text import (
     Corpus,
@@ -721,12 +722,12 @@ class Trainer:
                              "carry_state")
         self.stream_pos = carry["position"]
         state, rows = carry["state"], self.cfg.batch_size
-        leaves = [] if state is None else state_tensors(state)
-        if any(t.dim() == 0 or t.shape[0] != rows for t in leaves):
+        if any(t.dim() == 0 or t.shape[0] != rows for t in state_tree.tensors(state)):
             raise ValueError(f"the checkpoint's carried state does not hold batch_size {rows} "
                              "rows")
         first = self.rank * self.local
-        self.carry = map_state(lambda t: t[first:first + self.local].to(self.device), state)
+        self.carry = state_tree.map_tensors(
+            lambda t: t[first:first + self.local].to(self.device), state)
 
     def run(self, stop_after: int | None = None) -> list[tuple[int, float]]:
         """Train until ``cfg.steps`` (or early stopping, or ``stop_after`` without the final
@@ -798,7 +799,7 @@ class Trainer:
         with self.autocast:
             logits, state = self.ddp(x, self.carry, cu_seqlens=cu)
         if cfg.carry_state:  # the next step continues from here; gradients stop at the boundary
-            self.carry = map_state(torch.Tensor.detach, state)
+            self.carry = state_tree.map_tensors(torch.Tensor.detach, state)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -875,14 +876,12 @@ class Trainer:
         """carry_state: the stream offset and the carried state of the whole global batch, on
         the CPU (every rank's rows, gathered in rank order; every rank takes part), so that a
         resumed run, on any number of ranks, continues each row's stream exactly."""
-        state = map_state(lambda t: t.detach().cpu(), self.carry)
+        state = state_tree.map_tensors(lambda t: t.detach().cpu(), self.carry)
         if self.world > 1:
             parts: list[Any] = [None] * self.world
             dist.all_gather_object(parts, state)
             if state is not None:
-                leaves = [state_tensors(p) for p in parts]
-                merged = iter([torch.cat(ts) for ts in zip(*leaves)])
-                state = map_state(lambda _: next(merged), state)
+                state = state_tree.cat_rows(parts, "carried state")
         return {"position": self.stream_pos, "state": state}
 
     def teardown(self) -> None:
