@@ -56,8 +56,9 @@ from safetensors.torch import load_file, save_file
 
 from . import state_tree
 from ._checks import is_int
+from ._files import CONFIG_FILE, WEIGHTS_FILE, resolve_checkpoint
 from .models.config import LMConfig
-from .models.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel, LMState
+from .models.lm import LanguageModel, LMState
 from .ops._varlen import check_cu_seqlens
 
 try:
@@ -660,8 +661,6 @@ def native_to_hf(src_dir: str | Path, dst_dir: str | Path) -> Path:
     training checkpoint is verified against its manifest first. Tensors are copied unchanged
     (same dtype and values) under the names ``"model." + native name``; other files (optimizer,
     step) are not copied. Refuses a ``dst_dir`` that exists and is not empty. Returns dst_dir."""
-    from .train.checkpoint import resolve_checkpoint  # the CLI's reading of a folder
-
     try:
         src = resolve_checkpoint(src_dir)
     except ValueError as err:

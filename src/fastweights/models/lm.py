@@ -20,15 +20,11 @@ from torch import nn
 
 from .. import state_tree
 from .._checks import is_int, is_number
-from .._files import file_listing, listing_problem
+from .._files import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE, file_listing, listing_problem
 from ..layers.base import token_positions
 from ..ops._varlen import check_cu_seqlens
 from .block import Block, MixerRunner, make_norm
 from .config import LMConfig
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-CHECKSUM_FILE = "checksums.json"  # size and SHA-256 of the two files above
 
 # One layer state per block, in order; with an absolute position encoding (LMConfig.position)
 # one more item last: the tokens each sequence has consumed (a long tensor [B], or [N] per
