@@ -5,7 +5,7 @@ delta_net_340M, hidden 1024, 8 heads, 24 layers; ``1.3B``: fla-hub's delta_net-1
 2048, 16 heads, 24 layers; vocabulary 32000, untied, SwiGLU width by fla's rule) and each dtype,
 two models with random weights:
 
-- ``deltanet``: ``fastweights.models.fla.FlaDeltaNetLM`` (fla's DeltaNetForCausalLM: short
+- ``deltanet``: ``fastweights.fla.FlaDeltaNetLM`` (fla's DeltaNetForCausalLM: short
   convolutions, L2-normalised SiLU q/k, sigmoid beta, output RMSNorm), decoding from its
   recurrent state;
 - ``llama``: ``transformers.LlamaForCausalLM`` with the same hidden size, heads (as many KV
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from .. import state_tree
-from ..models.fla import FlaDeltaNetConfig, FlaDeltaNetLM
+from ..fla import FlaDeltaNetConfig, FlaDeltaNetLM
 from .decode import MIB, _fmt, _reset_rss_peak, _return_freed_memory, _status_kib
 
 SHAPES: dict[str, dict[str, int]] = {

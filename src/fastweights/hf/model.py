@@ -124,7 +124,7 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         """The native model's final-norm output h [b, t, d] (the logits are
         ``get_output_embeddings()(h)``) and state for ``input_ids`` [b, t] from ``state``, with
         packed documents (``cu_seqlens``) and the hidden states appended to ``collect`` as
-        ``LanguageModel.hidden`` does; models of another layout (``hf_fla``) override it."""
+        ``LanguageModel.hidden`` does; models of another layout (``fastweights.fla.hf``) override it."""
         return self.model.hidden(input_ids, state, cu_seqlens, collect=collect)
 
     def forward(
@@ -243,6 +243,6 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         """``PreTrainedModel.resize_token_embeddings``, keeping the wrapped native model's
         ``LMConfig`` (its vocab_size bounds the ids forward accepts) in step with the config."""
         embeddings = super().resize_token_embeddings(*args, **kwargs)
-        if isinstance(self.model, LanguageModel):  # hf_fla's backbone keeps no config
+        if isinstance(self.model, LanguageModel):  # fla models keep no LMConfig
             self.model.config = self.config.to_lm_config()
         return embeddings

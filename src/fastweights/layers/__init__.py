@@ -3,8 +3,6 @@
 
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer
-from .fla_deltanet import FlaDeltaNet
-from .fla_retnet import FlaMultiScaleRetention
 from .fwp import DeltaNet, LinearAttention
 from .glu import GLU
 from .infini import InfiniAttention
@@ -21,8 +19,6 @@ __all__ = [
            "AFTSimple",
            "DeltaNet",
            "DiagAttention",
-           "FlaDeltaNet",
-           "FlaMultiScaleRetention",
            "InfiniAttention",
            "LinearAttention",
            "Mixer",
