@@ -1,5 +1,6 @@
 """nn.Modules, one per mixer, all with ``forward(x, state=None, cu_seqlens=None) -> (y, state)``,
-``state_size()`` and an ``options`` declaration (see ``base.Mixer``)."""
+``state_size()``, its options (the keyword-only parameters of its constructor) and its
+context-parallel strategy (see ``base.Mixer``)."""
 
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer

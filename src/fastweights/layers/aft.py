@@ -42,10 +42,8 @@ from ..ops.aft.local_stream import local_stream
 from ..state_tree import cat_rows
 from .base import (
     Mixer,
-    Option,
     State,
     check_stackable,
-    declare_options,
     is_step,
     merge_heads,
     split_heads,
@@ -151,10 +149,6 @@ class AFTFull(_AFT):
     bias has no constant-size state), so ``state_size(seq_len)`` grows linearly.
     """
 
-    options = declare_options(d_hidden=Option(int | None, None), max_len=Option(int, 1024),
-                              d_bias=Option(int, 128), bias_std=Option(float, 0.01),
-                              chunk_size=Option(int, 64))
-
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  max_len: int = 1024, d_bias: int = 128, bias_std: float = 0.01,
                  chunk_size: int = 64) -> None:
@@ -201,11 +195,6 @@ class AFTLocal(_AFT):
     A decoding step (``is_step``: T = 1, not packed, one position for all rows) computes its
     token's window biases alone and runs the op's recurrence on the state it checked.
     """
-
-    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
-                              max_len=Option(int, 1024), d_bias=Option(int, 128),
-                              bias_std=Option(float, 0.01), mode=Option(str, "chunk"),
-                              chunk_size=Option(int, 64))
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, max_len: int = 1024, d_bias: int = 128,
@@ -283,8 +272,6 @@ class AFTSimple(_AFT):
     """AFT-simple (SPEC 4.2): no position bias, Y_t = sigmoid(Q_t) * sum_{t' <= t} softmax_t'(K) V.
     State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence length."""
 
-    options = declare_options(d_hidden=Option(int | None, None), mode=Option(str, "chunk"))
-
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  mode: str = "chunk") -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
@@ -322,11 +309,6 @@ class AFTConv(_AFT):
     """
 
     eps = 1e-5
-    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
-                              reparam=Option(bool, True), mode=Option(str, "chunk"),
-                              chunk_size=Option(int, 64), global_context=Option(bool, True),
-                              nonneg=Option(bool, True), gating=Option(bool, True))
-
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, reparam: bool = True, mode: str = "chunk",
                  chunk_size: int = 64, global_context: bool = True, nonneg: bool = True,

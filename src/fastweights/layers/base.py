@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from types import MappingProxyType
@@ -25,8 +26,23 @@ class Option(NamedTuple):
     default: Any
 
 
-def declare_options(**options: Option) -> Mapping[str, Option]:
-    """A mixer class's option declaration, read-only since every instance shares it."""
+def signature_options(cls: type) -> Mapping[str, Option]:
+    """The keyword options of ``cls``'s constructor, read off its signature: every keyword-only
+    parameter of ``__init__`` with its annotation (evaluated) and default. A ``**options``
+    parameter forwards to the base class's constructor: the base's options join, less those
+    ``cls`` names in ``fixed_options`` (it passes them itself); a parameter of ``cls`` with a
+    base option's name replaces it (a new default) where the base lists it."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    hints = inspect.get_annotations(cls.__init__, eval_str=True)
+    options: dict[str, Option] = {}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        base = next(b for b in cls.__mro__[1:] if issubclass(b, Mixer))
+        options = {k: o for k, o in base.options.items() if k not in cls.fixed_options}
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY:
+            if p.default is p.empty:
+                raise TypeError(f"{cls.__name__}: option {p.name!r} needs a default")
+            options[p.name] = Option(hints.get(p.name, Any), p.default)
     return MappingProxyType(options)
 
 
@@ -34,11 +50,20 @@ class Mixer(nn.Module):
     """Base class of every sequence-mixing layer: ``forward`` and ``state_size`` below are the
     contract; ``set_inner_lr_warmup`` is a training-schedule hook (a no-op unless overridden).
 
-    ``options`` declares the keyword options of the subclass's constructor (beyond d_model and
-    n_heads) with their types and defaults; the registry validates and lists them from it.
+    A mixer is one class: its options are the keyword-only parameters of its ``__init__``
+    (types and defaults written once there; ``options``, read off the signature when the class
+    is defined, is what the registry validates and lists).
     """
 
-    options: ClassVar[Mapping[str, Option]] = declare_options()
+    #: The keyword options of the constructor (beyond d_model and n_heads) with their types and
+    #: defaults, from its signature (``signature_options``).
+    options: ClassVar[Mapping[str, Option]] = MappingProxyType({})
+    #: Options of the base class's constructor that this class passes itself (not its options).
+    fixed_options: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.options = signature_options(cls)
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None) -> None:
         super().__init__()

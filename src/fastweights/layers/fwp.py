@@ -27,9 +27,7 @@ from ..ops.fwp import (
 )
 from .base import (
     Mixer,
-    Option,
     State,
-    declare_options,
     merge_heads,
     packed_or_single,
     per_document,
@@ -60,15 +58,6 @@ class LinearAttention(Mixer):
 
     State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule, ``(S,)`` for delta.
     """
-
-    options = declare_options(
-        head_dim=Option(int | None, None), feature_map=Option(str, "elu"),
-        normalize=Option(str, "attention"), update=Option(str, "sum"), nu=Option(int, 2),
-        m=Option(int, 16), eps=Option(float, 1e-6), sum_norm_eps=Option(float, 1e-6),
-        out_scale=Option(float | None, None), redraw=Option(bool, True),
-        orthogonal=Option(bool, True), mode=Option(str, "chunk"),
-        chunk_size=Option(int | None, None),
-    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
@@ -174,10 +163,7 @@ class DeltaNet(LinearAttention):
     """DeltaNet (Schlag et al. 2021): the delta rule with sum-normalised ELU+1 features and a
     learned per-head write strength beta = sigmoid(x w_beta), the paper's best configuration."""
 
-    # LinearAttention's options but ``update``, which DeltaNet pins to "delta".
-    options = declare_options(**{
-        **{k: o for k, o in LinearAttention.options.items() if k != "update"},
-        "normalize": Option(str, "sum")})
+    fixed_options = ("update",)  # LinearAttention's update rule, pinned to "delta"
 
     def __init__(self, d_model: int, n_heads: int, *, feature_map: str = "elu",
                  normalize: str = "sum", **options) -> None:

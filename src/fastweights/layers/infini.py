@@ -24,10 +24,8 @@ from ..ops.infini.recurrent import infini_attention_recurrent
 from ..state_tree import cat_rows
 from .base import (
     Mixer,
-    Option,
     State,
     check_stackable,
-    declare_options,
     is_step,
     merge_heads,
     packed_or_single,
@@ -72,14 +70,6 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     write the open segment into a memory the layer does not carry); rows at their own places
     (``stack_states``) and mode "naive" go through the op.
     """
-
-    options = declare_options(
-        head_dim=Option(int | None, None), segment_len=Option(int, 64),
-        update=Option(str, "linear"), rope=Option(bool, True),
-        rope_memory=Option(bool, False), rope_base=Option(float, 10000.0),
-        gate_init=Option(float, 0.0), eps=Option(float, 1e-6), mode=Option(str, "chunk"),
-        bias=Option(bool, False),
-    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, segment_len: int = 64,

@@ -14,10 +14,8 @@ from ..ops.softmax import softmax_attention
 from ..state_tree import cat_rows
 from .base import (
     Mixer,
-    Option,
     State,
     check_stackable,
-    declare_options,
     merge_heads,
     split_heads,
 )
@@ -42,9 +40,6 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
     (keys stored after rotation), so ``state_size(seq_len)`` grows linearly with ``seq_len``;
     or, for rows at different positions, a ``KVCacheRows`` (left padding and per-row lengths,
     from ``stack_states``), which continues for any T with every row at its own position."""
-
-    options = declare_options(head_dim=Option(int | None, None), rope=Option(bool, True),
-                              rope_base=Option(float, 10000.0), bias=Option(bool, False))
 
     def __init__(self, d_model: int, n_heads: int, *, head_dim: int | None = None,
                  rope: bool = True, rope_base: float = 10000.0, bias: bool = False) -> None:

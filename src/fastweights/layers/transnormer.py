@@ -40,10 +40,8 @@ from ..ops.transnormer.recurrent import decay_linear_attn_recurrent
 from ..state_tree import cat_rows
 from .base import (
     Mixer,
-    Option,
     State,
     check_stackable,
-    declare_options,
     is_step,
     merge_heads,
     packed_or_single,
@@ -182,13 +180,6 @@ class NormAttention(Mixer):
     recurrence itself on the state checked here, q and k side by side through one activation
     and one LRPE pass; mode "naive" always takes the op's oracle.
     """
-
-    options = declare_options(
-        head_dim=Option(int | None, None), activation=Option(str, "1+elu"),
-        lrpe=Option(bool, True), decay=Option(bool, False),
-        decay_scale=Option(float, 1.0), mode=Option(str, "chunk"),
-        chunk_size=Option(int, 64),
-    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
@@ -385,9 +376,6 @@ class DiagAttention(Mixer):
     the beginning of the sequence, so r is also the position inside the block.
     ``state_size()`` reports the largest such state, 2 H D (block_size - 1).
     """
-
-    options = declare_options(head_dim=Option(int | None, None), block_size=Option(int, 64),
-                              kernel=Option(str, "softmax"), lrpe=Option(bool, True))
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, block_size: int = 64,

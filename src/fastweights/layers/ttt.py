@@ -31,10 +31,8 @@ from ..ops.ttt.decode import decode_carry, layer_state_after
 from ..state_tree import cat_rows
 from .base import (
     Mixer,
-    Option,
     State,
     check_stackable,
-    declare_options,
     is_step,
     merge_heads,
     packed_or_single,
@@ -101,15 +99,6 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
     kind = "linear"  # the op's kind for the decoding step; TTTMLP sets "mlp"
     eta_warmup_from: float | None = None  # start of the inner learning-rate ramp, None: no ramp
-
-    options = declare_options(
-        head_dim=Option(int | None, None), mini_batch_size=Option(int, 16),
-        eta_base=Option(float, 1.0), rope=Option(bool, True),
-        rope_base=Option(float, 10000.0), inner_norm=Option(bool, True),
-        residual=Option(bool, True), mamba_backbone=Option(bool, False),
-        mode=Option(str, "dual"), checkpoint_group=Option(int | None, None),
-        learn_eta=Option(bool, True),
-    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
@@ -416,8 +405,6 @@ class TTTMLP(_TTTLayer):
     op = staticmethod(ttt_mlp)
     kind = "mlp"
     eta_warmup_from: float | None = 0.1  # SPEC 2.6: eta ramps from 10% to 100% over warm-up
-    options = declare_options(**{**_TTTLayer.options, "eta_base": Option(float, 0.1)})
-
     def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 0.1, **options) -> None:
         super().__init__(d_model, n_heads, eta_base=eta_base, **options)
 

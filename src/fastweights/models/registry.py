@@ -1,7 +1,8 @@
 """The mixer registry: names -> layer classes with preset options, and ``build_mixer``.
 
-Each entry is a ``MixerEntry``: a layer class, whose ``options`` declare its keyword options
-with types and defaults, and the option values the name presets (``dpfp`` is LinearAttention with
+Each entry is a ``MixerEntry``: a layer class, whose options are its constructor's keyword-only
+parameters (types and defaults read off the signature, ``Mixer.options``), and the option values
+the name presets (``dpfp`` is LinearAttention with
 ``feature_map="dpfp"``). Options given to ``build_mixer`` override the presets. Add a family by
 adding rows to ``MIXERS``.
 """
