@@ -15,6 +15,7 @@ streamed past included, raises ValueError.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +33,18 @@ from ..ops.aft import (
     AFTConvState,
     AFTFullState,
     AFTLocalState,
+    AFTSimpleState,
     aft_conv_stream,
     aft_full_stream,
     aft_local_stream,
     aft_simple_stream,
 )
+from ..ops.aft.chunk import merge
 from ..ops.aft.common import MODES
 from ..ops.aft.local_stream import local_stream
 from ..state_tree import cat_rows
 from .base import (
+    ContextParallel,
     Mixer,
     State,
     check_stackable,
@@ -177,6 +181,17 @@ class AFTFull(_AFT):
         _, k, v = self._qkv(x)
         return k, v
 
+    def context_parallel(self) -> ContextParallel:
+        """Its arbitrary T x T bias needs every earlier key: all-gathered (``aft_full_gather``),
+        O(T) memory, like the state itself."""
+        return ContextParallel("aft_full_gather", self._gather)
+
+    def _gather(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
+        K, V = shard.gather(*self.keys_values(x))
+        if state0 is not None:
+            K, V = torch.cat([state0[0].to(K.dtype), K], 1), torch.cat([state0[1].to(V.dtype), V], 1)
+        return shard.run(x, AFTFullState(K, V) if K.shape[1] else None)
+
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.d_hidden * seq_len
 
@@ -264,6 +279,10 @@ class AFTLocal(_AFT):
                          for s in parts])
         return AFTLocalState(*tensors, pos)
 
+    def context_parallel(self) -> ContextParallel:
+        """The window cache and the bias row's position are relayed rank to rank."""
+        return ContextParallel.relay()
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}, max_len={self.bias.max_len}"
 
@@ -287,6 +306,24 @@ class AFTSimple(_AFT):
 
     def state_size(self, seq_len: int = 1) -> int:
         return 3 * self.d_hidden
+
+    def context_parallel(self) -> ContextParallel:
+        """The max-stabilised sums (e^a n, e^a m) of the ranks before, merged
+        (``aft_simple_scan``)."""
+        return ContextParallel("aft_simple_scan", self._scan)
+
+    def _scan(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
+        _, part = shard.run(x, None)
+        gathered = shard.all_gather(list(part))
+        parts = [(a, n.unsqueeze(-1), m) for a, n, m in gathered[:shard.rank]]
+        if state0 is not None:
+            parts.insert(0, (state0[0], state0[1].unsqueeze(-1), state0[2]))
+        if not parts:
+            return shard.run(x, None)
+        prefix = parts[0]
+        for cur in parts[1:]:
+            prefix = merge(prefix, cur)
+        return shard.run(x, AFTSimpleState(prefix[0], prefix[1].squeeze(-1), prefix[2]))
 
 
 class AFTConv(_AFT):
@@ -369,6 +406,10 @@ class AFTConv(_AFT):
         parts = [self._typed_state(s, AFTConvState) for s in check_stackable(states)]
         _check_full_caches(parts, self.window)
         return cat_rows(parts, "states")
+
+    def context_parallel(self) -> ContextParallel:
+        """The convolution's cache of the last window is relayed rank to rank."""
+        return ContextParallel.relay()
 
     def extra_repr(self) -> str:
         ablations = "".join(f", {name}=False" for name in ("global_context", "nonneg", "gating")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
@@ -44,6 +44,32 @@ def signature_options(cls: type) -> Mapping[str, Option]:
                 raise TypeError(f"{cls.__name__}: option {p.name!r} needs a default")
             options[p.name] = Option(hints.get(p.name, Any), p.default)
     return MappingProxyType(options)
+
+
+class ContextParallel(NamedTuple):
+    """How a mixer runs under context parallelism (one sequence split across processes,
+    ``fastweights.parallel``), declared by the layer itself (``Mixer.context_parallel``).
+
+    ``name`` is reported by ``strategy_name``; ``forward(shard, x, state0) -> (y, final state)``
+    runs this rank's shard ``x`` [B, T_r, d] of the sequence that starts from ``state0`` (the
+    same on every rank), written with the mechanisms ``shard`` offers
+    (``fastweights.parallel.mechanisms.Shard``: ``run``, scans, ``gather``, ``relay``,
+    ``independent``); ``check(shards, state0) -> problem or None`` refuses shard layouts the
+    mixer cannot take (``shards``: ``fastweights.parallel.Shards``)."""
+
+    name: str
+    forward: Callable[[Any, torch.Tensor, State], tuple[torch.Tensor, State]]
+    check: Callable[[Any, State], str | None] | None = None
+
+    @classmethod
+    def relay(cls) -> ContextParallel:
+        """Rank r continues rank r-1's final state: exact for every mixer (sequential)."""
+        return cls("relay", lambda shard, x, state0: shard.relay(x, state0))
+
+    @classmethod
+    def sum_scan(cls) -> ContextParallel:
+        """For a state of tensors that add up over tokens: the sums of the ranks before."""
+        return cls("sum_scan", lambda shard, x, state0: shard.sum_scan(x, state0))
 
 
 class Mixer(nn.Module):
@@ -112,6 +138,11 @@ class Mixer(nn.Module):
         another length) it raises ValueError; layers whose state tracks a position override it
         with per-row positions."""
         return cat_rows(check_stackable(states), "states")
+
+    def context_parallel(self) -> ContextParallel:
+        """How this layer runs on a shard of a sequence split across processes (see
+        ``ContextParallel``); a layer without a strategy raises TypeError."""
+        raise TypeError(f"context parallelism has no strategy for mixer {type(self).__name__}")
 
     def set_inner_lr_warmup(self, progress: float) -> None:
         """Set the layer's inner learning rate for ``progress`` in [0, 1] of the outer warm-up

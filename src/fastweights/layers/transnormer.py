@@ -39,6 +39,7 @@ from ..ops.transnormer.block import attend_open_block
 from ..ops.transnormer.recurrent import decay_linear_attn_recurrent
 from ..state_tree import cat_rows
 from .base import (
+    ContextParallel,
     Mixer,
     State,
     check_stackable,
@@ -289,6 +290,24 @@ class NormAttention(Mixer):
                          for s in parts])
         return NormState(S, pos)
 
+    def context_parallel(self) -> ContextParallel:
+        """TransNormer's global attention: S_out = lambda^T S_in + B (lambda = 1 without
+        decay), a scan with per-head scalars; the state's position is the shard's global
+        offset."""
+        return ContextParallel("decay_scan", self._decay_scan)
+
+    def _decay_scan(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
+        B, H, D = x.shape[0], self.n_heads, self.head_dim
+        S0, pos0 = NormState.check(state0)
+        zero = x.new_zeros(B, H, D, D, dtype=state_dtype(x.dtype))
+        S0 = zero if S0 is None else S0.to(zero.dtype)
+        _, part = shard.run(x, NormState(zero, pos0 + shard.offset))
+        gathered = shard.all_gather([part.S])
+        lam = torch.tensor(self.decay_values or (1.0,) * H, dtype=zero.dtype, device=x.device)
+        As = [lam.pow(n)[:, None, None] for n in shard.lengths]
+        S_in = shard.fold(As, [g[0] for g in gathered], S0)
+        return shard.run(x, NormState(S_in, pos0 + shard.offset))
+
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, activation={self.activation}, "
                 f"lrpe={self.lrpe is not None}, decay={self.decay_values is not None}")
@@ -500,6 +519,16 @@ class DiagAttention(Mixer):
 
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.n_heads * self.head_dim * (self.block_size - 1)
+
+    def context_parallel(self) -> ContextParallel:
+        """Blocks never cross a block border, so shards starting on one need nothing from
+        other ranks (``aligned_blocks``); other layouts are refused."""
+        def check(shards: Any, state0: State) -> str | None:
+            already = 0 if state0 is None else state0[0].shape[1]
+            return shards.border_problem(type(self).__name__, "block", self.block_size, already)
+
+        return ContextParallel("aligned_blocks",
+                               lambda shard, x, state0: shard.independent(x, state0), check)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, block_size={self.block_size}, kernel={self.kernel}, "

@@ -30,6 +30,7 @@ from ..ops.ttt import (
 from ..ops.ttt.decode import decode_carry, layer_state_after
 from ..state_tree import cat_rows
 from .base import (
+    ContextParallel,
     Mixer,
     State,
     check_stackable,
@@ -376,6 +377,11 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         row = sum(s[0] + s[1] for s in self.inner_shapes.values() if len(s) == 2)  # Din + Dout
         conv = (CONV_KERNEL - 1) * H * self.head_dim if self.mamba_backbone else 0
         return weights + (self.mini_batch_size - 1) * H * row + conv
+
+    def context_parallel(self) -> ContextParallel:
+        """The inner LayerNorm makes the update non-affine: the state is relayed rank to
+        rank."""
+        return ContextParallel.relay()
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, mini_batch_size={self.mini_batch_size}, "

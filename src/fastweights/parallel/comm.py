@@ -79,6 +79,17 @@ class Shards:
     def total(self) -> int:
         return self.offsets[-1]
 
+    def border_problem(self, who: str, unit: str, size: int, already: int) -> str | None:
+        """Why this layout cannot run ``who``, a mixer whose ``unit``s of ``size`` tokens must
+        not cross a shard border (``already`` tokens of the carried state in the open one);
+        None when every shard starts on a border."""
+        bad = [r for r in range(1, self.world) if (already + self.offsets[r]) % size]
+        if not bad:
+            return None
+        return (f"{who} needs every shard to start on a {unit} border ({unit} size {size}, "
+                f"{already} token(s) already in the open {unit}); rank(s) {bad} start at global "
+                f"position(s) {[self.offsets[r] for r in bad]}; shard lengths {list(self.lengths)}")
+
 
 def agree(group: Any, local_error: str | None, payload: Any) -> list[Any]:
     """Exchange ``payload`` between all ranks and raise the same ValueError on every rank if any
