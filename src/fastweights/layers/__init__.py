@@ -7,8 +7,9 @@ from .base import Mixer
 from .fwp import DeltaNet, LinearAttention
 from .glu import GLU
 from .infini import InfiniAttention
+from .norms import RMSNorm, SRMSNorm
 from .softmax import SoftmaxAttention
-from .transnormer import DiagAttention, NormAttention, SRMSNorm
+from .transnormer import DiagAttention, NormAttention
 from .ttt import TTTMLP, TTTLinear
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
            "LinearAttention",
            "Mixer",
            "NormAttention",
+           "RMSNorm",
            "SRMSNorm",
            "SoftmaxAttention",
            "TTTLinear",

@@ -1,5 +1,6 @@
 """TransNormer layers (SPEC.md 3): NormAttention (global, linear), DiagAttention (local,
-block-diagonal), their LRPE positions, SRMSNorm, and the TransNormerLLM decay variant.
+block-diagonal), their LRPE positions and the TransNormerLLM decay variant (SRMSNorm is
+``layers/norms.py``'s).
 The mathematics lives in ``fastweights.ops.transnormer`` and ``fastweights.ops.linear_attn``.
 
 Dimension legend: B batch, T time, H heads, D head dim, w block size.
@@ -60,27 +61,6 @@ ACTIVATIONS = {
     "identity": lambda x: x,
 }
 HALF = (torch.float16, torch.bfloat16)
-
-
-class SRMSNorm(nn.Module):
-    """x / (||x||_2 / sqrt(d) + eps) over the last dim, no learnable gain (SPEC 3.1).
-
-    ``dim`` (optional) is checked against x's last dim. [..., d] -> [..., d].
-    """
-
-    def __init__(self, dim: int | None = None, eps: float = 1e-8) -> None:
-        super().__init__()
-        self.dim = None if dim is None else check_positive_int("dim", dim)
-        self.eps = check_nonneg_float("eps", eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_tensor("x", x)
-        if self.dim is not None and (x.dim() < 1 or x.shape[-1] != self.dim):
-            raise ValueError(f"x must have shape [..., {self.dim}], got {tuple(x.shape)}")
-        return srms_norm(x, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, eps={self.eps}"
 
 
 class LRPE(nn.Module):
