@@ -1,7 +1,7 @@
-"""The package's internal import graph: no cycles, and the command line on top of everything.
+"""The package's internal import graph: floors, no cycle, the command line on top of everything.
 
 ``python tests/test_imports.py`` prints the graph (each module's fastweights-internal imports,
-``*`` marking those made inside a function) and its cycles.
+``*`` marking those made inside a function), its cycles and its arrows up a floor.
 """
 
 from __future__ import annotations
@@ -10,18 +10,52 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 import fastweights
 
 ROOT = Path(fastweights.__file__).parent
-# The Hugging Face integration needs transformers (an optional extra): models.fla.from_fla
-# imports hf_fla when called, and hf_fla wraps models.fla. Cycles through such a deferred import
-# of the integration are the only ones allowed.
-OPTIONAL = {"fastweights.hf", "fastweights.hf_fla"}
+
+# The floors of the package, bottom to top (DESIGN.md, "Layers of the code"): a module imports
+# modules of its own floor and of the floors below, never one above, at module level or inside
+# a function alike. The root's modules (fastweights itself, _checks, _files, state_tree) are
+# the ground floor.
+FLOORS = (
+    ("ops",),
+    ("layers",),
+    ("models",),
+    ("parallel",),
+    ("hf",),
+    ("fla",),
+    ("tasks",),
+    ("train",),
+    ("bench", "reproduce"),
+    ("cli",),
+    ("__main__",),
+)
+
+# Old public import paths kept as thin re-exports of their new home (above them). They hold
+# imports only, and nothing in the package imports them but their own package's lazy
+# attribute lookup (``models.__getattr__`` for the fla names ``fastweights.models`` exported).
+ALIASES = {
+    "fastweights.hf_fla": "fastweights.fla.hf",
+    "fastweights.models.fla": "fastweights.fla",
+}
 
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def floor(module: str) -> int:
+    """The floor of ``module`` (0 for the root's own modules; an alias's is its home's)."""
+    module = ALIASES.get(module, module)
+    part = module.split(".")[1] if "." in module else ""
+    for i, names in enumerate(FLOORS, start=1):
+        if part in names:
+            return i
+    return 0
 
 
 def _is_type_checking(node: ast.AST) -> bool:
@@ -94,18 +128,53 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_module_level_imports_have_no_cycle():
-    graph = import_graph()
-    assert cycles({m: {t for t, late in imps.items() if not late} for m, imps in graph.items()}) == []
+def arrows_up(graph: dict[str, dict[str, bool]]) -> list[str]:
+    """Every import of a module on a higher floor, as ``a -> b`` (aliases aside: their own
+    test says who may import them)."""
+    return [f"{m} -> {t}{'*' if late else ''}" for m, imps in graph.items() if m not in ALIASES
+            for t, late in sorted(imps.items()) if t not in ALIASES and floor(t) > floor(m)]
 
 
-def test_function_level_imports_close_no_cycle_but_through_the_optional_integration():
+def test_no_cycle_with_function_level_imports_included():
     graph = import_graph()
-    for component in cycles({m: set(imps) for m, imps in graph.items()}):
-        assert component & OPTIONAL, f"import cycle {sorted(component)}"
-    # without the deferred imports of the integration, none at all
-    assert cycles({m: {t for t, late in imps.items() if not (late and t in OPTIONAL)}
-                   for m, imps in graph.items()}) == []
+    assert cycles({m: set(imps) for m, imps in graph.items()}) == []
+
+
+def test_no_arrow_up_a_floor_with_function_level_imports_included():
+    assert arrows_up(import_graph()) == []
+
+
+def test_every_top_level_part_has_a_floor():
+    parts = {p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    ground = {"__init__", "_checks", "_files", "state_tree"}
+    aliases = {a.split(".")[1] for a in ALIASES if a.count(".") == 1}
+    assert parts - ground - aliases == {name for names in FLOORS for name in names}
+
+
+def test_aliases_only_re_export_and_only_their_package_reaches_them():
+    graph = import_graph()
+    for alias, home in ALIASES.items():
+        tree = ast.parse((ROOT.parent / (alias.replace(".", "/") + ".py")).read_text())
+        body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        assert all(isinstance(n, (ast.ImportFrom, ast.Import, ast.Assign)) for n in body), alias
+        assert home in graph[alias], f"{alias} re-exports {home}"
+        importers = {m for m, imps in graph.items() if alias in imps}
+        assert importers <= {alias.rpartition(".")[0]}, f"{alias} imported by {importers}"
+        assert all(graph[m][alias] for m in importers), f"{alias} imported at module level"
+
+
+def test_old_public_paths_still_import():
+    import fastweights.fla as fla
+    import fastweights.models as models
+    from fastweights.models import fla as old_fla
+
+    assert old_fla.from_fla is fla.from_fla and models.FlaRetNetLM is fla.FlaRetNetLM
+    assert old_fla.FLA_OPTIONS is fla.FLA_OPTIONS and models.from_fla is fla.from_fla
+    pytest.importorskip("transformers")
+    from fastweights import hf_fla
+    from fastweights.fla import hf
+
+    assert hf_fla.fla_model_class is hf.fla_model_class
 
 
 def test_only_the_command_line_imports_it():
@@ -122,3 +191,4 @@ if __name__ == "__main__":
     for module, imps in graph.items():
         print(module, "->", ", ".join(f"{t}{'*' if late else ''}" for t, late in sorted(imps.items())))
     print("cycles:", cycles({m: set(imps) for m, imps in graph.items()}) or "none", file=sys.stderr)
+    print("arrows up a floor:", arrows_up(graph) or "none", file=sys.stderr)

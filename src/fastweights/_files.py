@@ -1,13 +1,28 @@
-"""File helpers shared by the model's save/load and the trainer's checkpoints: sizes and SHA-256
-digests of a folder's files, written as a listing ``{name: {"size": int, "sha256": str}}`` and
-checked against it."""
+"""Checkpoint folders on disk, below every user of them (the model's save/load, the trainer,
+the Hugging Face conversion, the command line): the files' names, sizes and SHA-256 digests
+written as a listing ``{name: {"size": int, "sha256": str}}`` and checked against it, and the
+reading of a checkpoint or training run folder (``resolve_checkpoint``). Writing training
+checkpoints is ``fastweights.train.checkpoint``'s.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+CHECKSUM_FILE = "checksums.json"  # size and SHA-256 of the two files above
+# A training checkpoint also holds these (manifest.json, written last, lists every other file).
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+LATEST = "latest"  # checkpoints/latest names a run's newest complete checkpoint
+STEP_DIR = re.compile(r"step-(\d{7,})")
 
 
 def file_digest(path: Path) -> tuple[int, str]:
@@ -51,3 +66,51 @@ def listing_problem(folder: Path, listing_path: Path, files: Any,
         if actual_sha != sha:
             return f"{path} is corrupted: its SHA-256 differs from the one in {listing_path.name}"
     return None
+
+
+def checkpoint_files() -> tuple[str, ...]:
+    """The files every complete training checkpoint holds."""
+    return (CONFIG_FILE, WEIGHTS_FILE, CHECKSUM_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE)
+
+
+def checkpoint_problem(ckpt: str | Path) -> str | None:
+    """What is wrong with training checkpoint folder ``ckpt`` (missing, truncated or corrupted
+    file, named with its path), checked against ``manifest.json``; None when it is complete."""
+    ckpt = Path(ckpt)
+    manifest = ckpt / MANIFEST_FILE
+    if not manifest.is_file():
+        return f"{ckpt} is incomplete: it has no {MANIFEST_FILE}"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        return f"{manifest} is corrupt ({type(err).__name__}: {err})"
+    return listing_problem(ckpt, manifest, files, set(checkpoint_files()) - {MANIFEST_FILE})
+
+
+def _verified(ckpt: Path) -> Path:
+    """``ckpt`` after checking a training checkpoint against its manifest (ValueError naming the
+    bad file). A model-only folder (``save_pretrained``, no trainer state) has no manifest."""
+    if (ckpt / MANIFEST_FILE).exists() or (ckpt / STATE_FILE).exists():
+        problem = checkpoint_problem(ckpt)
+        if problem is not None:
+            raise ValueError(f"checkpoint {problem}")
+    return ckpt
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder whose ``checkpoints/latest`` names one, verified
+    against its manifest. Raises ValueError naming the problem (and the bad file)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    if (path / CONFIG_FILE).is_file() or (path / MANIFEST_FILE).is_file():
+        return _verified(path)
+    pointer = path / "checkpoints" / LATEST
+    if pointer.is_file():
+        name = pointer.read_text(errors="replace").strip()
+        target = path / "checkpoints" / name
+        if STEP_DIR.fullmatch(name) and target.is_dir():
+            return _verified(target)
+        raise ValueError(f"{pointer} names {name!r}, which is not a checkpoint folder")
+    raise ValueError(f"{path} is neither a fastweights checkpoint (no {CONFIG_FILE}) nor a "
+                     f"training run folder (no checkpoints/{LATEST})")

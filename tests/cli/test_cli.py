@@ -181,3 +181,17 @@ def test_train_carry_state_and_positions(tmp_path, text_file, capsys):
         capsys, "fixed-size state")
     bad(["train", *small, "--position", "learned", "--out", str(tmp_path / "l")], capsys,
         "needs max_seq_len")
+
+
+def test_help_lists_every_registered_experiment_unbroken(monkeypatch):
+    """The experiments register themselves; `fastweights --help` and `reproduce --help` list
+    them from that registry, each name whole however narrow the terminal."""
+    from fastweights.cli.main import build_parser
+    from fastweights.reproduce import EXPERIMENTS
+
+    monkeypatch.setenv("COLUMNS", "50")
+    parser = build_parser()
+    reproduce = parser._subparsers._group_actions[0].choices["reproduce"]
+    for text in (parser.format_help(), reproduce.format_help()):
+        words = set(text.replace(",", " ").replace("(", " ").replace(")", " ").split())
+        assert set(EXPERIMENTS) <= words, text

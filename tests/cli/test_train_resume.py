@@ -21,7 +21,7 @@ import pytest
 
 from fastweights.cli import main
 from fastweights.cli.main import build_parser
-from fastweights.train import trainer
+from fastweights.train import metrics, trainer
 from fastweights.train.trainer import RUN_FILE, TrainConfig, lr_factor
 
 TINY = ["--seq-len", "16", "--batch-size", "4", "--d-model", "16", "--n-heads", "2",
@@ -183,14 +183,14 @@ def test_overwrite_puts_the_earlier_run_back_when_writing_fails(home, monkeypatc
     assert main(["train", "--data", str(home / "my_texts"), "--out", str(run), "--steps", "2",
                  *TINY]) == 0
     before = snapshot(run)
-    real = trainer.write_atomic
+    real = metrics.write_atomic
 
     def full_disk(path, data):
         if Path(path).name == "metrics.csv":
             raise OSError(28, "No space left on device")
         real(path, data)
 
-    monkeypatch.setattr(trainer, "write_atomic", full_disk)
+    monkeypatch.setattr(metrics, "write_atomic", full_disk)
     assert main(["train", "--data", str(home / "my_texts"), "--out", str(run), "--steps", "3",
                  "--overwrite", *TINY]) == 2
     assert "No space left on device" in capsys.readouterr().err

@@ -197,3 +197,29 @@ def test_every_constructor_option_is_declared(name):
             kw_only = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
             missing = kw_only - PINNED.get(name, set()) - set(cls.options)
             assert not missing, (name, klass.__name__, missing)
+
+
+def test_options_are_read_off_the_constructor_signature():
+    """A mixer writes its options once, as keyword-only constructor parameters; a ``**options``
+    forwarding to the base adds the base's, less its ``fixed_options``, new defaults in place."""
+
+    class Base(Mixer):
+        def __init__(self, d_model: int, n_heads: int, *, width: int | None = None,
+                     rule: str = "sum", eps: float = 1e-6) -> None:
+            super().__init__(d_model, n_heads)
+
+    class Child(Base):
+        fixed_options = ("rule",)
+
+        def __init__(self, d_model: int, n_heads: int, *, eps: float = 1e-3, extra: bool = True,
+                     **options) -> None:
+            super().__init__(d_model, n_heads, rule="delta", eps=eps, **options)
+
+    assert dict(Base.options) == {"width": (int | None, None), "rule": (str, "sum"),
+                                  "eps": (float, 1e-6)}
+    assert list(Child.options.items()) == [("width", (int | None, None)), ("eps", (float, 1e-3)),
+                                           ("extra", (bool, True))]
+    with pytest.raises(TypeError, match="option 'size' needs a default"):
+        class _NoDefault(Mixer):
+            def __init__(self, d_model: int, n_heads: int, *, size: int) -> None:
+                super().__init__(d_model, n_heads)

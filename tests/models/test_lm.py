@@ -81,7 +81,7 @@ def test_transnormer_block_choices_follow_spec_3_4():
     """Local-then-global schedule, SRMSNorm pre-norm (no gain), GLU with hidden int(8/3 d) and
     the activation as a choice (identity = the published models)."""
     from fastweights.layers import GLU
-    from fastweights.layers.transnormer import SRMSNorm
+    from fastweights.layers.norms import SRMSNorm
 
     model = tiny(["diag", "norm"], ffn="glu", norm="srmsnorm", glu_activation="identity")
     block = model.blocks[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastweights.ops import ttt_mlp
-from fastweights.ops.ttt import dual, mlp_scan
+from fastweights.ops.ttt import chunk, mlp_scan
 from fastweights.ops.ttt.common import Carry
 from tests.helpers import assert_close64
 from tests.ops.test_ttt import make_case
@@ -111,13 +111,13 @@ def test_reverse_walk_anchors_and_groups(monkeypatch, segment_floats):
         loss = o.square().sum() + sum(w.sum() for w in c.start) + sum(g.sum() for g in c.grads)
         return o, torch.autograd.grad(loss, leaves)
 
-    o_ref, g_ref = run(dual._ttt_mlp_dual_traced, None)
-    o, g = run(dual.ttt_mlp_dual, None)
+    o_ref, g_ref = run(chunk._ttt_mlp_dual_traced, None)
+    o, g = run(chunk.ttt_mlp_dual, None)
     assert_close64(o, o_ref)
     for i, (a, b) in enumerate(zip(g, g_ref)):
         assert_close64(a, b, atol=1e-9, what=f"gradient {i}")
     for group in (2, 3):
-        o_g, g_g = run(dual.ttt_mlp_dual, group)
+        o_g, g_g = run(chunk.ttt_mlp_dual, group)
         assert torch.equal(o_g, o)
         assert all(torch.equal(a, b) for a, b in zip(g_g, g))
 

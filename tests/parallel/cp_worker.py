@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from fastweights import build_mixer
+from fastweights import build_mixer, mixer_names
 from fastweights.layers import Mixer
 from fastweights.parallel import context_parallel_forward
 
 D_MODEL, HEADS, PREFIX = 8, 2, 2
 # (id, registered name, options, aligned): aligned mixers need shards on block/segment borders.
-MIXER_CASES: list[tuple[str, str, dict, bool]] = [
+_LISTED: list[tuple[str, str, dict, bool]] = [
     ("softmax", "softmax", {}, False),
     ("linear", "linear", {}, False),
     ("dpfp", "dpfp", {}, False),
@@ -40,6 +40,11 @@ MIXER_CASES: list[tuple[str, str, dict, bool]] = [
     ("infini", "infini", {"segment_len": 4}, True),
     ("infini-delta", "infini", {"segment_len": 4, "update": "delta"}, True),
 ]
+# Every registered mixer is a case: one not listed above runs with its defaults, aligned when
+# its strategy checks the shard layout.
+MIXER_CASES = _LISTED + [
+    (name, name, {}, build_mixer(name, D_MODEL, HEADS).context_parallel().check is not None)
+    for name in mixer_names() if name not in {c[1] for c in _LISTED}]
 # Shard lengths per world size: unequal, and (aligned) on multiples of 4 after the prefix.
 LENGTHS = {2: ([7, 13], [6, 10]), 4: ([5, 3, 7, 5], [2, 4, 8, 6])}
 

@@ -37,20 +37,12 @@ from typing import Any
 
 import torch
 
+from .. import state_tree
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
 from ..models.registry import mixer_options
 
 MIB = 2 ** 20
-
-
-def state_bytes(state: Any) -> int:
-    """Bytes of every tensor in a (nested list/tuple) model state."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(s) for s in state)
-    return 0
 
 
 def _status_kib(field: str) -> int | None:
@@ -101,7 +93,7 @@ def measure(mixer: str, context: int, *, d_model: int, n_layers: int, n_heads: i
     for piece in ids.split(prefill_chunk, dim=1):
         logits, state = model(piece, state)
     prefill_s = time.perf_counter() - t0
-    prefill_state = state_bytes(state)
+    prefill_state = state_tree.nbytes(state)
 
     token = logits[:, -1:].argmax(-1)
     logits, state = stepper(token, state)  # warm-up step, untimed
@@ -120,7 +112,7 @@ def measure(mixer: str, context: int, *, d_model: int, n_layers: int, n_heads: i
         "mixer": mixer, "context": context, "new_tokens": new_tokens, "decode_mode": decode_mode,
         "params": model.num_parameters(),
         "state_bytes_after_prefill": prefill_state,
-        "state_bytes_per_new_token": (state_bytes(state) - prefill_state) / decoded,
+        "state_bytes_per_new_token": (state_tree.nbytes(state) - prefill_state) / decoded,
         "decode_peak_rss_mib": (hwm - rss_before) / 1024 if tracked and hwm else None,
         "rss_mib": rss_after / 1024 if rss_after else None,
         "prefill_s": prefill_s,

@@ -5,7 +5,7 @@ delta_net_340M, hidden 1024, 8 heads, 24 layers; ``1.3B``: fla-hub's delta_net-1
 2048, 16 heads, 24 layers; vocabulary 32000, untied, SwiGLU width by fla's rule) and each dtype,
 two models with random weights:
 
-- ``deltanet``: ``fastweights.models.fla.FlaDeltaNetLM`` (fla's DeltaNetForCausalLM: short
+- ``deltanet``: ``fastweights.fla.FlaDeltaNetLM`` (fla's DeltaNetForCausalLM: short
   convolutions, L2-normalised SiLU q/k, sigmoid beta, output RMSNorm), decoding from its
   recurrent state;
 - ``llama``: ``transformers.LlamaForCausalLM`` with the same hidden size, heads (as many KV
@@ -47,8 +47,9 @@ from typing import Any
 
 import torch
 
-from ..models.fla import FlaDeltaNetConfig, FlaDeltaNetLM
-from .decode import MIB, _fmt, _reset_rss_peak, _return_freed_memory, _status_kib, state_bytes
+from .. import state_tree
+from ..fla import FlaDeltaNetConfig, FlaDeltaNetLM
+from .decode import MIB, _fmt, _reset_rss_peak, _return_freed_memory, _status_kib
 
 SHAPES: dict[str, dict[str, int]] = {
     "340M": {"hidden_size": 1024, "num_heads": 8, "num_hidden_layers": 24, "vocab_size": 32000},
@@ -79,20 +80,19 @@ class _LlamaStepper:
 def _cache_bytes(cache: Any) -> int:
     """Bytes of a recurrent state (nested tuples) or of a transformers cache's keys and values."""
     if hasattr(cache, "layers"):
-        return sum(state_bytes((layer.keys, layer.values)) for layer in cache.layers)
-    return state_bytes(cache)
+        return sum(state_tree.nbytes((layer.keys, layer.values)) for layer in cache.layers)
+    return state_tree.nbytes(cache)
 
 
 def _random_like(state: Any, generator: torch.Generator) -> Any:
     """``state`` (a tensor or nested tuples/lists of them) with every floating tensor replaced by
     random values of the same shape and dtype (normal, std ``SYNTHETIC_STD``)."""
-    if isinstance(state, torch.Tensor):
-        if not state.dtype.is_floating_point:
-            return state
-        return (SYNTHETIC_STD * torch.randn(state.shape, generator=generator)).to(state.dtype)
-    if isinstance(state, (list, tuple)):
-        return type(state)(_random_like(s, generator) for s in state)
-    return state
+    def draw(t: torch.Tensor) -> torch.Tensor:
+        if not t.dtype.is_floating_point:
+            return t
+        return (SYNTHETIC_STD * torch.randn(t.shape, generator=generator)).to(t.dtype)
+
+    return state_tree.map_tensors(draw, state)
 
 
 def synthetic_context(model: str, net: torch.nn.Module, step: Any, state: Any, context: int,

@@ -56,13 +56,13 @@ from typing import Any
 
 import torch
 
+from .. import state_tree
 from ..layers.aft import AFTLocalState
 from ..layers.softmax import KVCacheRows
 from ..layers.transnormer import NormState
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel, LMState
 from ..models.registry import check_mixer, mixer_names, split_mixer_spec
-from .decode import state_bytes
 from .measure import PeakMemory, prepare_cpu_memory_accounting, synchronize
 from .suite import _available_memory, _machine, cpu_info
 
@@ -178,7 +178,7 @@ def measure(step: Any, model: LanguageModel, row: Row, *, steps: int, warmup: in
     row.first_call_s = time.perf_counter() - start
     for _ in range(warmup):
         logits, state = step(logits[:, -1:].argmax(-1), state)
-    row.state_mib_per_stream = state_bytes(state) / MIB / row.streams
+    row.state_mib_per_stream = state_tree.nbytes(state) / MIB / row.streams
     times = []
     for _ in range(steps):
         ids = logits[:, -1:].argmax(-1)

@@ -6,7 +6,7 @@ the same scan differentiated by autograd, and against softmax attention (SDPA), 
 layer in thread CPU time (``time.thread_time``: on a machine shared with other jobs it counts
 only this thread's work), the variants interleaved round by round in this one process, one
 warm-up call each, median of ``--repeats``. The "autograd" row runs the plain PyTorch scan
-(``ops/ttt/dual.py``'s ``_ttt_mlp_dual_traced``, the path torch.compile traces) with autograd
+(``ops/ttt/chunk.py``'s ``_ttt_mlp_dual_traced``, the path torch.compile traces) with autograd
 doing the backward pass, i.e. TTT-MLP before the hand-written backward; ``--group G`` adds a
 row of the hand-written backward with ``checkpoint_group=G`` (autograd's checkpointed scan is
 left out: torch.utils.checkpoint keeps its tensors out of sight of the byte count). It also reports the bytes each variant
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..models.registry import build_mixer
-from ..ops.ttt import dual, inner_loop
+from ..ops.ttt import chunk, inner_loop
 from .suite import cpu_info
 
 
@@ -35,7 +35,7 @@ def _autograd_scan() -> Iterator[None]:
     """ttt_mlp's dual mode runs the plain scan (autograd backward) inside this block."""
     kernels = inner_loop._KERNELS["mlp"]
     saved = kernels["dual"]
-    kernels["dual"] = dual._ttt_mlp_dual_traced
+    kernels["dual"] = chunk._ttt_mlp_dual_traced
     try:
         yield
     finally:

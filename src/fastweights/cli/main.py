@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench, eval, export, generate, mixers, recall, reproduce, train
 
     parser = Parser(
-        prog="fastweights", description="Linear-complexity sequence mixers: experiments and tools.")
+        prog="fastweights", description="Linear-complexity sequence mixers: experiments and tools.",
+        formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in (mixers, bench, recall, reproduce, train, eval, generate, export):
         p = sub.add_parser(command.NAME, help=command.HELP, description=command.DESCRIPTION,

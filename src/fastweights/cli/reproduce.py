@@ -10,7 +10,7 @@ from ..reproduce.driver import experiment, reproduce
 from .common import UserError, user_errors
 
 NAME = "reproduce"
-HELP = "reproduce a paper's claims (fwp-recall, fwp-lm, ttt-ablation, long-context)"
+HELP = f"reproduce a paper's claims ({', '.join(EXPERIMENTS)})"
 DESCRIPTION = ("Train the small models an experiment needs and write results.csv, results.md "
                "(each claim: the paper, ours as mean +- sd over seeds, a verdict) and PNG plots "
                "into --out. Rerunning the same command continues an interrupted reproduction.")

@@ -13,15 +13,14 @@ from typing import Any
 from ..models import LMConfig
 from ..tasks import load_corpus
 from ..train.checkpoint import CheckpointWriteError
+from ..train.records import RunRecord, same_data
 from ..train.trainer import (
     RESUMABLE,
     RUN_FILE,
-    RunRecord,
     TrainConfig,
     TrainingAnomaly,
     TrainingInterrupted,
     read_run,
-    same_data,
     train,
 )
 from .common import (

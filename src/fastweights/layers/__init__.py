@@ -1,15 +1,15 @@
 """nn.Modules, one per mixer, all with ``forward(x, state=None, cu_seqlens=None) -> (y, state)``,
-``state_size()`` and an ``options`` declaration (see ``base.Mixer``)."""
+``state_size()``, its options (the keyword-only parameters of its constructor) and its
+context-parallel strategy (see ``base.Mixer``)."""
 
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer
-from .fla_deltanet import FlaDeltaNet
-from .fla_retnet import FlaMultiScaleRetention
 from .fwp import DeltaNet, LinearAttention
 from .glu import GLU
 from .infini import InfiniAttention
+from .norms import RMSNorm, SRMSNorm
 from .softmax import SoftmaxAttention
-from .transnormer import DiagAttention, NormAttention, SRMSNorm
+from .transnormer import DiagAttention, NormAttention
 from .ttt import TTTMLP, TTTLinear
 
 __all__ = [
@@ -21,12 +21,11 @@ __all__ = [
            "AFTSimple",
            "DeltaNet",
            "DiagAttention",
-           "FlaDeltaNet",
-           "FlaMultiScaleRetention",
            "InfiniAttention",
            "LinearAttention",
            "Mixer",
            "NormAttention",
+           "RMSNorm",
            "SRMSNorm",
            "SoftmaxAttention",
            "TTTLinear",

@@ -15,6 +15,7 @@ streamed past included, raises ValueError.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,20 +33,21 @@ from ..ops.aft import (
     AFTConvState,
     AFTFullState,
     AFTLocalState,
+    AFTSimpleState,
     aft_conv_stream,
     aft_full_stream,
     aft_local_stream,
     aft_simple_stream,
 )
+from ..ops.aft.chunk import merge
 from ..ops.aft.common import MODES
 from ..ops.aft.local_stream import local_stream
+from ..state_tree import cat_rows
 from .base import (
+    ContextParallel,
     Mixer,
-    Option,
     State,
-    cat_rows,
     check_stackable,
-    declare_options,
     is_step,
     merge_heads,
     split_heads,
@@ -151,10 +153,6 @@ class AFTFull(_AFT):
     bias has no constant-size state), so ``state_size(seq_len)`` grows linearly.
     """
 
-    options = declare_options(d_hidden=Option(int | None, None), max_len=Option(int, 1024),
-                              d_bias=Option(int, 128), bias_std=Option(float, 0.01),
-                              chunk_size=Option(int, 64))
-
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  max_len: int = 1024, d_bias: int = 128, bias_std: float = 0.01,
                  chunk_size: int = 64) -> None:
@@ -183,6 +181,17 @@ class AFTFull(_AFT):
         _, k, v = self._qkv(x)
         return k, v
 
+    def context_parallel(self) -> ContextParallel:
+        """Its arbitrary T x T bias needs every earlier key: all-gathered (``aft_full_gather``),
+        O(T) memory, like the state itself."""
+        return ContextParallel("aft_full_gather", self._gather)
+
+    def _gather(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
+        K, V = shard.gather(*self.keys_values(x))
+        if state0 is not None:
+            K, V = torch.cat([state0[0].to(K.dtype), K], 1), torch.cat([state0[1].to(V.dtype), V], 1)
+        return shard.run(x, AFTFullState(K, V) if K.shape[1] else None)
+
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.d_hidden * seq_len
 
@@ -201,11 +210,6 @@ class AFTLocal(_AFT):
     A decoding step (``is_step``: T = 1, not packed, one position for all rows) computes its
     token's window biases alone and runs the op's recurrence on the state it checked.
     """
-
-    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
-                              max_len=Option(int, 1024), d_bias=Option(int, 128),
-                              bias_std=Option(float, 0.01), mode=Option(str, "chunk"),
-                              chunk_size=Option(int, 64))
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, max_len: int = 1024, d_bias: int = 128,
@@ -275,6 +279,10 @@ class AFTLocal(_AFT):
                          for s in parts])
         return AFTLocalState(*tensors, pos)
 
+    def context_parallel(self) -> ContextParallel:
+        """The window cache and the bias row's position are relayed rank to rank."""
+        return ContextParallel.relay()
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}, max_len={self.bias.max_len}"
 
@@ -282,8 +290,6 @@ class AFTLocal(_AFT):
 class AFTSimple(_AFT):
     """AFT-simple (SPEC 4.2): no position bias, Y_t = sigmoid(Q_t) * sum_{t' <= t} softmax_t'(K) V.
     State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence length."""
-
-    options = declare_options(d_hidden=Option(int | None, None), mode=Option(str, "chunk"))
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  mode: str = "chunk") -> None:
@@ -300,6 +306,24 @@ class AFTSimple(_AFT):
 
     def state_size(self, seq_len: int = 1) -> int:
         return 3 * self.d_hidden
+
+    def context_parallel(self) -> ContextParallel:
+        """The max-stabilised sums (e^a n, e^a m) of the ranks before, merged
+        (``aft_simple_scan``)."""
+        return ContextParallel("aft_simple_scan", self._scan)
+
+    def _scan(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
+        _, part = shard.run(x, None)
+        gathered = shard.all_gather(list(part))
+        parts = [(a, n.unsqueeze(-1), m) for a, n, m in gathered[:shard.rank]]
+        if state0 is not None:
+            parts.insert(0, (state0[0], state0[1].unsqueeze(-1), state0[2]))
+        if not parts:
+            return shard.run(x, None)
+        prefix = parts[0]
+        for cur in parts[1:]:
+            prefix = merge(prefix, cur)
+        return shard.run(x, AFTSimpleState(prefix[0], prefix[1].squeeze(-1), prefix[2]))
 
 
 class AFTConv(_AFT):
@@ -322,11 +346,6 @@ class AFTConv(_AFT):
     """
 
     eps = 1e-5
-    options = declare_options(d_hidden=Option(int | None, None), window=Option(int, 32),
-                              reparam=Option(bool, True), mode=Option(str, "chunk"),
-                              chunk_size=Option(int, 64), global_context=Option(bool, True),
-                              nonneg=Option(bool, True), gating=Option(bool, True))
-
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, reparam: bool = True, mode: str = "chunk",
                  chunk_size: int = 64, global_context: bool = True, nonneg: bool = True,
@@ -387,6 +406,10 @@ class AFTConv(_AFT):
         parts = [self._typed_state(s, AFTConvState) for s in check_stackable(states)]
         _check_full_caches(parts, self.window)
         return cat_rows(parts, "states")
+
+    def context_parallel(self) -> ContextParallel:
+        """The convolution's cache of the last window is relayed rank to rank."""
+        return ContextParallel.relay()
 
     def extra_repr(self) -> str:
         ablations = "".join(f", {name}=False" for name in ("global_context", "nonneg", "gating")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
@@ -12,6 +13,7 @@ from torch import nn
 
 from .._checks import check_layer_input, check_positive_int
 from ..ops._varlen import check_cu_seqlens, check_packed_states
+from ..state_tree import cat_rows
 
 State = Any  # a tuple of tensors (and ints) owned by the layer; None means "start of sequence"
 
@@ -24,20 +26,70 @@ class Option(NamedTuple):
     default: Any
 
 
-def declare_options(**options: Option) -> Mapping[str, Option]:
-    """A mixer class's option declaration, read-only since every instance shares it."""
+def signature_options(cls: type) -> Mapping[str, Option]:
+    """The keyword options of ``cls``'s constructor, read off its signature: every keyword-only
+    parameter of ``__init__`` with its annotation (evaluated) and default. A ``**options``
+    parameter forwards to the base class's constructor: the base's options join, less those
+    ``cls`` names in ``fixed_options`` (it passes them itself); a parameter of ``cls`` with a
+    base option's name replaces it (a new default) where the base lists it."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    hints = inspect.get_annotations(cls.__init__, eval_str=True)
+    options: dict[str, Option] = {}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        base = next(b for b in cls.__mro__[1:] if issubclass(b, Mixer))
+        options = {k: o for k, o in base.options.items() if k not in cls.fixed_options}
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY:
+            if p.default is p.empty:
+                raise TypeError(f"{cls.__name__}: option {p.name!r} needs a default")
+            options[p.name] = Option(hints.get(p.name, Any), p.default)
     return MappingProxyType(options)
+
+
+class ContextParallel(NamedTuple):
+    """How a mixer runs under context parallelism (one sequence split across processes,
+    ``fastweights.parallel``), declared by the layer itself (``Mixer.context_parallel``).
+
+    ``name`` is reported by ``strategy_name``; ``forward(shard, x, state0) -> (y, final state)``
+    runs this rank's shard ``x`` [B, T_r, d] of the sequence that starts from ``state0`` (the
+    same on every rank), written with the mechanisms ``shard`` offers
+    (``fastweights.parallel.mechanisms.Shard``: ``run``, scans, ``gather``, ``relay``,
+    ``independent``); ``check(shards, state0) -> problem or None`` refuses shard layouts the
+    mixer cannot take (``shards``: ``fastweights.parallel.Shards``)."""
+
+    name: str
+    forward: Callable[[Any, torch.Tensor, State], tuple[torch.Tensor, State]]
+    check: Callable[[Any, State], str | None] | None = None
+
+    @classmethod
+    def relay(cls) -> ContextParallel:
+        """Rank r continues rank r-1's final state: exact for every mixer (sequential)."""
+        return cls("relay", lambda shard, x, state0: shard.relay(x, state0))
+
+    @classmethod
+    def sum_scan(cls) -> ContextParallel:
+        """For a state of tensors that add up over tokens: the sums of the ranks before."""
+        return cls("sum_scan", lambda shard, x, state0: shard.sum_scan(x, state0))
 
 
 class Mixer(nn.Module):
     """Base class of every sequence-mixing layer: ``forward`` and ``state_size`` below are the
     contract; ``set_inner_lr_warmup`` is a training-schedule hook (a no-op unless overridden).
 
-    ``options`` declares the keyword options of the subclass's constructor (beyond d_model and
-    n_heads) with their types and defaults; the registry validates and lists them from it.
+    A mixer is one class: its options are the keyword-only parameters of its ``__init__``
+    (types and defaults written once there; ``options``, read off the signature when the class
+    is defined, is what the registry validates and lists).
     """
 
-    options: ClassVar[Mapping[str, Option]] = declare_options()
+    #: The keyword options of the constructor (beyond d_model and n_heads) with their types and
+    #: defaults, from its signature (``signature_options``).
+    options: ClassVar[Mapping[str, Option]] = MappingProxyType({})
+    #: Options of the base class's constructor that this class passes itself (not its options).
+    fixed_options: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.options = signature_options(cls)
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None) -> None:
         super().__init__()
@@ -86,6 +138,11 @@ class Mixer(nn.Module):
         another length) it raises ValueError; layers whose state tracks a position override it
         with per-row positions."""
         return cat_rows(check_stackable(states), "states")
+
+    def context_parallel(self) -> ContextParallel:
+        """How this layer runs on a shard of a sequence split across processes (see
+        ``ContextParallel``); a layer without a strategy raises TypeError."""
+        raise TypeError(f"context parallelism has no strategy for mixer {type(self).__name__}")
 
     def set_inner_lr_warmup(self, progress: float) -> None:
         """Set the layer's inner learning rate for ``progress`` in [0, 1] of the outer warm-up
@@ -152,34 +209,6 @@ def check_stackable(states: Any) -> list[State]:
         raise ValueError("states must all be states returned by forward; None (a sequence not "
                          "yet started) has no rows to stack")
     return list(states)
-
-
-def cat_rows(items: Sequence[Any], what: str) -> Any:
-    """Items of one structure (tensors with batch first, nested tuples/lists/NamedTuples of
-    them, ints, None) concatenated row-wise: tensors along dim 0, every other leaf required to
-    be equal in all items. ValueError naming ``what`` when the structures, the tensors' other
-    dims or the other leaves differ (streams at different positions)."""
-    first = items[0]
-    if isinstance(first, torch.Tensor):
-        if not all(isinstance(x, torch.Tensor) and x.dim() == first.dim() and x.dim() >= 1
-                   and x.shape[1:] == first.shape[1:] for x in items):
-            shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                      for x in items]
-            raise ValueError(f"cannot stack {what}: tensors of shapes {shapes} differ beyond "
-                             "the batch dim (streams at different positions, which this layer "
-                             "cannot hold per row)")
-        return torch.cat(list(items))
-    if isinstance(first, (tuple, list)):
-        if not all(type(x) is type(first) and len(x) == len(first) for x in items):
-            raise ValueError(f"cannot stack {what}: the states differ in structure")
-        parts = [cat_rows([x[i] for x in items], f"{what}[{i}]") for i in range(len(first))]
-        if hasattr(first, "_fields"):
-            return type(first)(*parts)
-        return type(first)(parts)
-    if any(not (x is first or x == first) for x in items):
-        raise ValueError(f"cannot stack {what}: values {list(items)} differ (streams at "
-                         "different positions, which this layer cannot hold per row)")
-    return first
 
 
 def is_step(x: Any, cu_seqlens: torch.Tensor | None) -> bool:

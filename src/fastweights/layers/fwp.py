@@ -4,6 +4,7 @@ update rule, and DeltaNet (SPEC.md 1.1-1.4). The mathematics lives in ``fastweig
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
     is_int,
+    state_dtype,
 )
 from ..ops.fwp import (
     FEATURE_MAPS,
@@ -26,10 +28,9 @@ from ..ops.fwp import (
     sum_norm,
 )
 from .base import (
+    ContextParallel,
     Mixer,
-    Option,
     State,
-    declare_options,
     merge_heads,
     packed_or_single,
     per_document,
@@ -60,15 +61,6 @@ class LinearAttention(Mixer):
 
     State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule, ``(S,)`` for delta.
     """
-
-    options = declare_options(
-        head_dim=Option(int | None, None), feature_map=Option(str, "elu"),
-        normalize=Option(str, "attention"), update=Option(str, "sum"), nu=Option(int, 2),
-        m=Option(int, 16), eps=Option(float, 1e-6), sum_norm_eps=Option(float, 1e-6),
-        out_scale=Option(float | None, None), redraw=Option(bool, True),
-        orthogonal=Option(bool, True), mode=Option(str, "chunk"),
-        chunk_size=Option(int | None, None),
-    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
@@ -151,6 +143,27 @@ class LinearAttention(Mixer):
         H, dd, D = self.n_heads, self.feature_dim, self.head_dim
         return H * dd * D + (0 if self.update == "delta" else H * dd)
 
+    def context_parallel(self) -> ContextParallel:
+        """The sum rule's S, z add up over ranks (``sum_scan``, LASP-2); under the delta rule
+        the final S is affine in the incoming one, S_out = A S_in + B with
+        A = prod (I - beta k k^T), read off the layer (``delta_scan``)."""
+        if self.update == "delta":
+            return ContextParallel("delta_scan", self._delta_scan)
+        return ContextParallel.sum_scan()
+
+    def _delta_scan(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
+        B = x.shape[0]
+        like = x.new_zeros(B, self.n_heads, self.feature_dim, self.head_dim,
+                           dtype=state_dtype(x.dtype))
+
+        def run_batched(S: torch.Tensor) -> torch.Tensor:
+            reps = S.shape[0] // B
+            return shard.run(x.repeat(reps, 1, 1), (S,))[1][0]
+
+        S0 = like if state0 is None else state0[0].to(like.dtype)
+        S_in = shard.affine_scan(run_batched, like, S0)
+        return shard.run(x, (S_in,) if (shard.rank or state0 is not None) else None)
+
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, feature_map={self.feature_map}, normalize={self.normalize}, "
                 f"update={self.update}, feature_dim={self.feature_dim}")
@@ -174,10 +187,7 @@ class DeltaNet(LinearAttention):
     """DeltaNet (Schlag et al. 2021): the delta rule with sum-normalised ELU+1 features and a
     learned per-head write strength beta = sigmoid(x w_beta), the paper's best configuration."""
 
-    # LinearAttention's options but ``update``, which DeltaNet pins to "delta".
-    options = declare_options(**{
-        **{k: o for k, o in LinearAttention.options.items() if k != "update"},
-        "normalize": Option(str, "sum")})
+    fixed_options = ("update",)  # LinearAttention's update rule, pinned to "delta"
 
     def __init__(self, d_model: int, n_heads: int, *, feature_map: str = "elu",
                  normalize: str = "sum", **options) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,16 +19,16 @@ from .._checks import (
     check_layer_input,
     check_nonneg_float,
     check_positive_int,
+    state_dtype,
 )
 from ..ops.infini import MODES, UPDATES, InfiniRowsState, InfiniSegmentState, infini_attention
 from ..ops.infini.recurrent import infini_attention_recurrent
+from ..state_tree import cat_rows
 from .base import (
+    ContextParallel,
     Mixer,
-    Option,
     State,
-    cat_rows,
     check_stackable,
-    declare_options,
     is_step,
     merge_heads,
     packed_or_single,
@@ -72,14 +73,6 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     write the open segment into a memory the layer does not carry); rows at their own places
     (``stack_states``) and mode "naive" go through the op.
     """
-
-    options = declare_options(
-        head_dim=Option(int | None, None), segment_len=Option(int, 64),
-        update=Option(str, "linear"), rope=Option(bool, True),
-        rope_memory=Option(bool, False), rope_base=Option(float, 10000.0),
-        gate_init=Option(float, 0.0), eps=Option(float, 1e-6), mode=Option(str, "chunk"),
-        bias=Option(bool, False),
-    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, segment_len: int = 64,
@@ -187,6 +180,47 @@ class InfiniAttention(RotaryFrequencies, Mixer):
                                                                  device=M.device)))
         return InfiniRowsState(*cat_rows([p[:5] for p in parts], "states"),
                                torch.cat([p.fill for p in parts]))
+
+    def context_parallel(self) -> ContextParallel:
+        """On shards starting at segment borders (others are refused): the memory (M, z) is a
+        sum (linear update), or for the delta update z is a sum and, given z, M is affine in M
+        (``infini_scan``)."""
+        def check(shards: Any, state0: State) -> str | None:
+            already = InfiniSegmentState.open_len(state0)
+            return shards.border_problem(type(self).__name__, "segment", self.segment_len, already)
+
+        return ContextParallel("infini_scan", self._infini_scan, check)
+
+    def _infini_scan(self, shard: Any, x: torch.Tensor, state0: State
+                     ) -> tuple[torch.Tensor, State]:
+        B, H, D = x.shape[0], self.n_heads, self.head_dim
+        sdtype = state_dtype(x.dtype)
+        zeros = x.new_zeros(B, H, D, D, dtype=sdtype), x.new_zeros(B, H, D, dtype=sdtype)
+        if state0 is None:
+            M0, z0, first = zeros[0], zeros[1], None
+        else:
+            full = InfiniSegmentState.check(state0, B, H, D, D, self.segment_len, x)
+            M0, z0 = full.M, full.z
+            first = full._replace(M=zeros[0], z=zeros[1])  # rank 0 keeps the open segment
+        empty = first if shard.rank == 0 else None
+        _, part = shard.run(x, empty)
+        gathered = shard.all_gather([part.z] if self.update == "delta" else [part.M, part.z])
+        z_in = z0 + shard.prefix([g[-1] for g in gathered])
+        if self.update == "linear":
+            M_in = M0 + shard.prefix([g[0] for g in gathered])
+        else:
+            def run_batched(M: torch.Tensor) -> torch.Tensor:
+                reps = M.shape[0] // B
+                base = empty if empty is not None else InfiniSegmentState.empty(
+                    zeros[0], zeros[1], B, H, D, D)
+                start = InfiniSegmentState(
+                    M, z_in.repeat(reps, 1, 1), *(t.repeat(reps, 1, 1, 1) for t in base[2:]))
+                return shard.run(x.repeat(reps, 1, 1), start)[1].M
+
+            M_in = shard.affine_scan(run_batched, zeros[0], M0)
+        if shard.rank == 0 and state0 is not None:
+            return shard.run(x, first._replace(M=M_in, z=z_in))
+        return shard.run(x, (M_in, z_in))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, segment_len={self.segment_len}, update={self.update}, "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -11,13 +11,12 @@ from torch import nn
 
 from .._checks import check_arg, check_bool, check_layer_input
 from ..ops.softmax import softmax_attention
+from ..state_tree import cat_rows
 from .base import (
+    ContextParallel,
     Mixer,
-    Option,
     State,
-    cat_rows,
     check_stackable,
-    declare_options,
     merge_heads,
     split_heads,
 )
@@ -42,9 +41,6 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
     (keys stored after rotation), so ``state_size(seq_len)`` grows linearly with ``seq_len``;
     or, for rows at different positions, a ``KVCacheRows`` (left padding and per-row lengths,
     from ``stack_states``), which continues for any T with every row at its own position."""
-
-    options = declare_options(head_dim=Option(int | None, None), rope=Option(bool, True),
-                              rope_base=Option(float, 10000.0), bias=Option(bool, False))
 
     def __init__(self, d_model: int, n_heads: int, *, head_dim: int | None = None,
                  rope: bool = True, rope_base: float = 10000.0, bias: bool = False) -> None:
@@ -115,6 +111,18 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
         """What x's tokens, at absolute positions start.., add to the (k_cache, v_cache) state:
         k, v [B, T, H, D] (k rotated). Context parallelism gathers them across shards."""
         return self._project(x, start)[1:]
+
+    def context_parallel(self) -> ContextParallel:
+        """Every earlier (rotated) key and value, all-gathered (``softmax_gather``): O(T)
+        memory, like the state itself."""
+        return ContextParallel("softmax_gather", self._gather)
+
+    def _gather(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
+        past = 0 if state0 is None else state0[0].shape[1]
+        K, V = shard.gather(*self.keys_values(x, past + shard.offset))
+        if state0 is not None:
+            K, V = torch.cat([state0[0].to(K.dtype), K], 1), torch.cat([state0[1].to(V.dtype), V], 1)
+        return shard.run(x, (K, V) if K.shape[1] else None)
 
     def _check_state(self, state: State, x: torch.Tensor) -> None:
         """``state`` is the ``(k_cache, v_cache)`` pair a previous call returned for this batch."""

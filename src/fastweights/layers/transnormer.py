@@ -1,5 +1,6 @@
 """TransNormer layers (SPEC.md 3): NormAttention (global, linear), DiagAttention (local,
-block-diagonal), their LRPE positions, SRMSNorm, and the TransNormerLLM decay variant.
+block-diagonal), their LRPE positions and the TransNormerLLM decay variant (SRMSNorm is
+``layers/norms.py``'s).
 The mathematics lives in ``fastweights.ops.transnormer`` and ``fastweights.ops.linear_attn``.
 
 Dimension legend: B batch, T time, H heads, D head dim, w block size.
@@ -37,13 +38,12 @@ from ..ops.transnormer import (
 )
 from ..ops.transnormer.block import attend_open_block
 from ..ops.transnormer.recurrent import decay_linear_attn_recurrent
+from ..state_tree import cat_rows
 from .base import (
+    ContextParallel,
     Mixer,
-    Option,
     State,
-    cat_rows,
     check_stackable,
-    declare_options,
     is_step,
     merge_heads,
     packed_or_single,
@@ -61,27 +61,6 @@ ACTIVATIONS = {
     "identity": lambda x: x,
 }
 HALF = (torch.float16, torch.bfloat16)
-
-
-class SRMSNorm(nn.Module):
-    """x / (||x||_2 / sqrt(d) + eps) over the last dim, no learnable gain (SPEC 3.1).
-
-    ``dim`` (optional) is checked against x's last dim. [..., d] -> [..., d].
-    """
-
-    def __init__(self, dim: int | None = None, eps: float = 1e-8) -> None:
-        super().__init__()
-        self.dim = None if dim is None else check_positive_int("dim", dim)
-        self.eps = check_nonneg_float("eps", eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_tensor("x", x)
-        if self.dim is not None and (x.dim() < 1 or x.shape[-1] != self.dim):
-            raise ValueError(f"x must have shape [..., {self.dim}], got {tuple(x.shape)}")
-        return srms_norm(x, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, eps={self.eps}"
 
 
 class LRPE(nn.Module):
@@ -182,13 +161,6 @@ class NormAttention(Mixer):
     recurrence itself on the state checked here, q and k side by side through one activation
     and one LRPE pass; mode "naive" always takes the op's oracle.
     """
-
-    options = declare_options(
-        head_dim=Option(int | None, None), activation=Option(str, "1+elu"),
-        lrpe=Option(bool, True), decay=Option(bool, False),
-        decay_scale=Option(float, 1.0), mode=Option(str, "chunk"),
-        chunk_size=Option(int, 64),
-    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
@@ -298,6 +270,24 @@ class NormAttention(Mixer):
                          for s in parts])
         return NormState(S, pos)
 
+    def context_parallel(self) -> ContextParallel:
+        """TransNormer's global attention: S_out = lambda^T S_in + B (lambda = 1 without
+        decay), a scan with per-head scalars; the state's position is the shard's global
+        offset."""
+        return ContextParallel("decay_scan", self._decay_scan)
+
+    def _decay_scan(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
+        B, H, D = x.shape[0], self.n_heads, self.head_dim
+        S0, pos0 = NormState.check(state0)
+        zero = x.new_zeros(B, H, D, D, dtype=state_dtype(x.dtype))
+        S0 = zero if S0 is None else S0.to(zero.dtype)
+        _, part = shard.run(x, NormState(zero, pos0 + shard.offset))
+        gathered = shard.all_gather([part.S])
+        lam = torch.tensor(self.decay_values or (1.0,) * H, dtype=zero.dtype, device=x.device)
+        As = [lam.pow(n)[:, None, None] for n in shard.lengths]
+        S_in = shard.fold(As, [g[0] for g in gathered], S0)
+        return shard.run(x, NormState(S_in, pos0 + shard.offset))
+
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, activation={self.activation}, "
                 f"lrpe={self.lrpe is not None}, decay={self.decay_values is not None}")
@@ -385,9 +375,6 @@ class DiagAttention(Mixer):
     the beginning of the sequence, so r is also the position inside the block.
     ``state_size()`` reports the largest such state, 2 H D (block_size - 1).
     """
-
-    options = declare_options(head_dim=Option(int | None, None), block_size=Option(int, 64),
-                              kernel=Option(str, "softmax"), lrpe=Option(bool, True))
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, block_size: int = 64,
@@ -512,6 +499,16 @@ class DiagAttention(Mixer):
 
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.n_heads * self.head_dim * (self.block_size - 1)
+
+    def context_parallel(self) -> ContextParallel:
+        """Blocks never cross a block border, so shards starting on one need nothing from
+        other ranks (``aligned_blocks``); other layouts are refused."""
+        def check(shards: Any, state0: State) -> str | None:
+            already = 0 if state0 is None else state0[0].shape[1]
+            return shards.border_problem(type(self).__name__, "block", self.block_size, already)
+
+        return ContextParallel("aligned_blocks",
+                               lambda shard, x, state0: shard.independent(x, state0), check)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, block_size={self.block_size}, kernel={self.kernel}, "

@@ -28,13 +28,12 @@ from ..ops.ttt import (
     ttt_mlp,
 )
 from ..ops.ttt.decode import decode_carry, layer_state_after
+from ..state_tree import cat_rows
 from .base import (
+    ContextParallel,
     Mixer,
-    Option,
     State,
-    cat_rows,
     check_stackable,
-    declare_options,
     is_step,
     merge_heads,
     packed_or_single,
@@ -101,15 +100,6 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
     kind = "linear"  # the op's kind for the decoding step; TTTMLP sets "mlp"
     eta_warmup_from: float | None = None  # start of the inner learning-rate ramp, None: no ramp
-
-    options = declare_options(
-        head_dim=Option(int | None, None), mini_batch_size=Option(int, 16),
-        eta_base=Option(float, 1.0), rope=Option(bool, True),
-        rope_base=Option(float, 10000.0), inner_norm=Option(bool, True),
-        residual=Option(bool, True), mamba_backbone=Option(bool, False),
-        mode=Option(str, "dual"), checkpoint_group=Option(int | None, None),
-        learn_eta=Option(bool, True),
-    )
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
@@ -388,6 +378,11 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         conv = (CONV_KERNEL - 1) * H * self.head_dim if self.mamba_backbone else 0
         return weights + (self.mini_batch_size - 1) * H * row + conv
 
+    def context_parallel(self) -> ContextParallel:
+        """The inner LayerNorm makes the update non-affine: the state is relayed rank to
+        rank."""
+        return ContextParallel.relay()
+
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, mini_batch_size={self.mini_batch_size}, "
                 f"eta_base={self.eta_base}, rope={self.rope}, inner_norm={self.inner_norm}, "
@@ -416,8 +411,6 @@ class TTTMLP(_TTTLayer):
     op = staticmethod(ttt_mlp)
     kind = "mlp"
     eta_warmup_from: float | None = 0.1  # SPEC 2.6: eta ramps from 10% to 100% over warm-up
-    options = declare_options(**{**_TTTLayer.options, "eta_base": Option(float, 0.1)})
-
     def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 0.1, **options) -> None:
         super().__init__(d_model, n_heads, eta_base=eta_base, **options)
 

@@ -11,27 +11,12 @@ from torch import nn
 
 from ..layers import GLU
 from ..layers.base import State
-from ..layers.transnormer import SRMSNorm
+from ..layers.norms import RMSNorm, SRMSNorm
 from .config import LMConfig
 from .registry import build_mixer
 
 # How a block calls its mixer: (mixer, x [B, T, d_model], state, cu_seqlens) -> (y, state).
 MixerRunner = Callable[[nn.Module, torch.Tensor, State, "torch.Tensor | None"], tuple[torch.Tensor, State]]
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 or wider."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Mean of squares in float32 at least: bfloat16 loses the small-variance rows.
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.to(x.dtype) * self.weight.to(x.dtype)
 
 
 class MLP(nn.Module):

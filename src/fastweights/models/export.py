@@ -2,7 +2,8 @@
 
 A model's state is a list of per-layer states, each a (possibly nested) tuple of tensors, ints
 and None. Exported programs take and return flat tensors only, so the state crosses the program
-boundary as the list of its tensor leaves in ``torch.utils._pytree`` order (``flatten_state``);
+boundary as the list of its tensor leaves in ``torch.utils._pytree`` order (``flatten_state``,
+``fastweights.state_tree.flatten``);
 its structure and its non-tensor leaves (the position counters some mixers carry) are a
 ``StateLayout`` fixed when the program is exported.
 
@@ -38,49 +39,16 @@ import json
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from .. import state_tree
 from .._checks import check_positive_int
 from .lm import LanguageModel, LMState
 
-
-@dataclasses.dataclass(frozen=True)
-class StateLayout:
-    """How a model state flattens: its pytree structure, the position of every tensor leaf and
-    the values of the other leaves (ints, None), which an exported program keeps fixed."""
-
-    spec: pytree.TreeSpec
-    tensor_slots: tuple[int, ...]
-    constants: tuple[Any, ...]  # every leaf, tensors as None
-
-    @property
-    def num_tensors(self) -> int:
-        return len(self.tensor_slots)
-
-    def same_as(self, other: StateLayout) -> bool:
-        """Same structure and the same non-tensor leaves: one program serves both."""
-        return (self.spec == other.spec and self.tensor_slots == other.tensor_slots
-                and self.constants == other.constants)
-
-
-def flatten_state(state: LMState) -> tuple[list[torch.Tensor], StateLayout]:
-    """A model state -> (its tensor leaves in order, its layout)."""
-    leaves, spec = pytree.tree_flatten(state)
-    slots = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
-    constants = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
-    return [leaves[i] for i in slots], StateLayout(spec, slots, constants)
-
-
-def unflatten_state(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
-                    layout: StateLayout) -> LMState:
-    """Inverse of ``flatten_state``."""
-    if len(tensors) != layout.num_tensors:
-        raise ValueError(f"the state layout holds {layout.num_tensors} tensors, got {len(tensors)}")
-    leaves = list(layout.constants)
-    for i, t in zip(layout.tensor_slots, tensors):
-        leaves[i] = t
-    return pytree.tree_unflatten(leaves, layout.spec)
+# The flat form of a state is the state-tree module's (names kept for this module's users).
+StateLayout = state_tree.Layout
+flatten_state = state_tree.flatten
+unflatten_state = state_tree.unflatten
 
 
 class ForwardModule(nn.Module):

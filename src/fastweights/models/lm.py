@@ -18,16 +18,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from .. import state_tree
 from .._checks import is_int, is_number
-from .._files import file_listing, listing_problem
+from .._files import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE, file_listing, listing_problem
 from ..layers.base import token_positions
 from ..ops._varlen import check_cu_seqlens
 from .block import Block, MixerRunner, make_norm
 from .config import LMConfig
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-CHECKSUM_FILE = "checksums.json"  # size and SHA-256 of the two files above
 
 # One layer state per block, in order; with an absolute position encoding (LMConfig.position)
 # one more item last: the tokens each sequence has consumed (a long tensor [B], or [N] per
@@ -382,52 +379,18 @@ def _checkpointed_block(run: Callable[..., Any], block: nn.Module, x: torch.Tens
     lists/tuples of tensors, ints and None) travel flattened: their tensors as positional
     arguments and outputs, their structure in this closure. Gradients through a carried state
     (in and out) are then those of the plain forward with either form of checkpointing."""
-    leaves, rebuild = _flatten_state(state)
-    structure: list[Callable[[list[torch.Tensor]], Any]] = []
+    leaves, layout = state_tree.flatten(state)
+    layouts: list[state_tree.Layout] = []
 
     def step(x: torch.Tensor, cu_seqlens: torch.Tensor | None,
              *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y, out = block(x, rebuild(list(leaves)), cu_seqlens)
-        out_leaves, out_rebuild = _flatten_state(out)
-        structure.append(out_rebuild)  # again at the recomputation; the structure is the same
+        y, out = block(x, state_tree.unflatten(leaves, layout), cu_seqlens)
+        out_leaves, out_layout = state_tree.flatten(out)
+        layouts.append(out_layout)  # again at the recomputation; the layout is the same
         return (y, *out_leaves)
 
     y, *out_leaves = run(step, x, cu_seqlens, *leaves)
-    return y, structure[0](out_leaves)
-
-
-def _flatten_state(state: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
-    """The tensors of a layer state (nested lists/tuples/NamedTuples of tensors and other
-    values) in order, and a function building the same structure from replacement tensors."""
-    leaves: list[torch.Tensor] = []
-
-    def spec(s: Any) -> Callable[[Any], Any]:
-        if isinstance(s, torch.Tensor):
-            leaves.append(s)
-            return lambda it: next(it)
-        if type(s) in (list, tuple) or (isinstance(s, tuple) and hasattr(s, "_fields")):
-            parts = [spec(item) for item in s]
-            make = s._make if hasattr(s, "_fields") else type(s)
-            return lambda it: make([p(it) for p in parts])
-        if isinstance(s, (list, tuple)):  # a subclass with extra attributes would lose them
-            raise TypeError(f"cannot checkpoint a layer state of type {type(s).__name__}")
-        return lambda it: s
-
-    build = spec(state)
-    return leaves, lambda tensors: build(iter(tensors))
-
-
-def map_state(fn: Callable[[torch.Tensor], torch.Tensor], state: Any) -> Any:
-    """The state (a ``LanguageModel`` state, or any nested list/tuple/NamedTuple of tensors and
-    other values) with ``fn`` applied to every tensor: ``map_state(torch.Tensor.detach, s)``
-    cuts the graph of a carried state (truncated backpropagation through time)."""
-    leaves, rebuild = _flatten_state(state)
-    return rebuild([fn(t) for t in leaves])
-
-
-def state_tensors(state: Any) -> list[torch.Tensor]:
-    """The tensors of a state (as ``map_state`` visits them), in order."""
-    return _flatten_state(state)[0]
+    return y, state_tree.unflatten(out_leaves, layouts[0])
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,

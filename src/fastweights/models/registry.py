@@ -1,9 +1,12 @@
 """The mixer registry: names -> layer classes with preset options, and ``build_mixer``.
 
-Each entry is a ``MixerEntry``: a layer class, whose ``options`` declare its keyword options
-with types and defaults, and the option values the name presets (``dpfp`` is LinearAttention with
+Each entry is a ``MixerEntry``: a layer class, whose options are its constructor's keyword-only
+parameters (types and defaults read off the signature, ``Mixer.options``), and the option values
+the name presets (``dpfp`` is LinearAttention with
 ``feature_map="dpfp"``). Options given to ``build_mixer`` override the presets. Add a family by
-adding rows to ``MIXERS``.
+adding rows to ``MIXERS`` (importing the class from its family's module): a mixer over an
+existing op is its class in ``layers/<family>.py`` (options, state, context-parallel strategy)
+and its row here; the contract tests, context parallelism's included, pick it up.
 """
 
 from __future__ import annotations
@@ -15,22 +18,13 @@ from typing import Any
 import torch
 
 from .._checks import check_positive_int
-from ..layers import (
-    TTTMLP,
-    AFTConv,
-    AFTFull,
-    AFTLocal,
-    AFTSimple,
-    DeltaNet,
-    DiagAttention,
-    InfiniAttention,
-    LinearAttention,
-    Mixer,
-    NormAttention,
-    SoftmaxAttention,
-    TTTLinear,
-)
-from ..layers.base import Option
+from ..layers.aft import AFTConv, AFTFull, AFTLocal, AFTSimple
+from ..layers.base import Mixer, Option
+from ..layers.fwp import DeltaNet, LinearAttention
+from ..layers.infini import InfiniAttention
+from ..layers.softmax import SoftmaxAttention
+from ..layers.transnormer import DiagAttention, NormAttention
+from ..layers.ttt import TTTMLP, TTTLinear
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .. import state_tree
 
 
 @dataclass
@@ -77,6 +78,17 @@ class Shards:
     @property
     def total(self) -> int:
         return self.offsets[-1]
+
+    def border_problem(self, who: str, unit: str, size: int, already: int) -> str | None:
+        """Why this layout cannot run ``who``, a mixer whose ``unit``s of ``size`` tokens must
+        not cross a shard border (``already`` tokens of the carried state in the open one);
+        None when every shard starts on a border."""
+        bad = [r for r in range(1, self.world) if (already + self.offsets[r]) % size]
+        if not bad:
+            return None
+        return (f"{who} needs every shard to start on a {unit} border ({unit} size {size}, "
+                f"{already} token(s) already in the open {unit}); rank(s) {bad} start at global "
+                f"position(s) {[self.offsets[r] for r in bad]}; shard lengths {list(self.lengths)}")
 
 
 def agree(group: Any, local_error: str | None, payload: Any) -> list[Any]:
@@ -174,27 +186,6 @@ class _Recv(torch.autograd.Function):
         return None, None, None, torch.zeros(())
 
 
-class _Placeholder:
-    """Stands for a tensor in a pickled state structure."""
-
-    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
-        self.shape, self.dtype = tuple(shape), dtype
-
-
-def _split_state(state: Any) -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = tree_flatten(state)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    shell = tree_unflatten(
-        [_Placeholder(x.shape, x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-    return tensors, shell
-
-
-def _fill_state(shell: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    leaves, spec = tree_flatten(shell)
-    it = iter(tensors)
-    return tree_unflatten([next(it) if isinstance(x, _Placeholder) else x for x in leaves], spec)
-
-
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One 1-D buffer of ``tensors`` in their promoted dtype (one collective instead of many)."""
     dtype = tensors[0].dtype
@@ -245,7 +236,8 @@ class Channel:
 
     def send_state(self, state: Any, dst: int) -> None:
         """Send a layer state (tuple/NamedTuple of tensors, ints, None) to rank ``dst``."""
-        tensors, shell = _split_state(state)
+        tensors, layout = state_tree.flatten(state)
+        shell = layout, [(t.shape, t.dtype) for t in tensors]
         meta = torch.frombuffer(bytearray(pickle.dumps(shell)), dtype=torch.uint8)
         group = self.shards.group
         dist.send(torch.tensor([meta.numel()]), group_dst=dst, group=group)
@@ -260,29 +252,28 @@ class Channel:
         dist.recv(size, group_src=src, group=group)
         meta = torch.empty(int(size), dtype=torch.uint8)
         dist.recv(meta, group_src=src, group=group)
-        shell = pickle.loads(meta.numpy().tobytes())  # written by send_state of our own peer
-        specs = [(p.shape, p.dtype) for p in tree_flatten(shell)[0] if isinstance(p, _Placeholder)]
+        layout, specs = pickle.loads(meta.numpy().tobytes())  # sent by send_state of our peer
         if not specs:
-            return shell
+            return state_tree.unflatten([], layout)
         anchor = self._chain([torch.zeros((), device=device, requires_grad=True)])[0]
         received = list(_Recv.apply(group, src, specs, anchor))
         self._last = received
-        return _fill_state(shell, received)
+        return state_tree.unflatten(received, layout)
 
     def broadcast_state(self, state: Any, src: int, device: torch.device) -> Any:
         """Rank ``src``'s ``state`` on every rank (``state`` is ignored elsewhere); built on one
         all-gather, so gloo needs nothing more."""
         shards = self.shards
-        tensors, shell = _split_state(state) if shards.rank == src else ([], None)
+        tensors, layout = state_tree.flatten(state) if shards.rank == src else ([], None)
         shells: list[Any] = [None] * shards.world
+        shell = None if layout is None else (layout, [(t.shape, t.dtype) for t in tensors])
         dist.all_gather_object(shells, shell, group=shards.group)
-        shell = shells[src]
-        specs = [p for p in tree_flatten(shell)[0] if isinstance(p, _Placeholder)]
+        layout, specs = shells[src]
         if not specs:
-            return shell
+            return state_tree.unflatten([], layout)
         if shards.rank != src:
-            tensors = [torch.zeros(p.shape, dtype=p.dtype, device=device) for p in specs]
-        return _fill_state(shell, self.all_gather(tensors)[src])
+            tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+        return state_tree.unflatten(self.all_gather(tensors)[src], layout)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """The layer output, tied to the last collective (see the class docstring)."""

@@ -1,4 +1,5 @@
-"""``context_parallel_forward``: a mixer's forward on this process's shard of one sequence."""
+"""``context_parallel_forward``: a mixer's forward on this process's shard of one sequence,
+by the strategy the layer declares (``Mixer.context_parallel``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_bool, check_layer_input
-from ..layers import Mixer
+from ..layers.base import Mixer
 from .comm import Channel, Shards, agree
-from .strategies import SHARD_CHECKS, _strategy
+from .mechanisms import Shard
 
 
 def _replaying(mixer: Mixer) -> Any:
@@ -52,7 +53,7 @@ def context_parallel_forward(
     on every rank before any other communication. ``cu_seqlens`` (packed documents) is refused:
     the strategies carry one sequence's state across ranks, not per-document states.
     """
-    name, strategy = _strategy(mixer)  # TypeError for an unknown mixer, before any collective
+    plan = mixer.context_parallel()  # TypeError for a mixer without one, before any collective
     check_bool("output_final_state", output_final_state)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context_parallel_forward needs torch.distributed to be initialised "
@@ -76,12 +77,11 @@ def context_parallel_forward(
                          f"{[p[0] for p in payloads]} (rank order)")
     shards = Shards(group, dist.get_rank(group), dist.get_world_size(group),
                     tuple(p[1] for p in payloads))
-    check = SHARD_CHECKS.get(type(mixer))
-    problem = check(mixer, shards, state) if check is not None else None
+    problem = plan.check(shards, state) if plan.check is not None else None
     if problem is not None:
-        raise ValueError(f"context parallel forward ({name}) refused: {problem}")
+        raise ValueError(f"context parallel forward ({plan.name}) refused: {problem}")
     chan = Channel(shards)
-    y, final = strategy(mixer, _replaying(mixer), x, shards, chan, state)
+    y, final = plan.forward(Shard(shards, chan, _replaying(mixer)), x, state)
     if output_final_state:
         final = chan.broadcast_state(final, shards.world - 1, x.device)
     return chan.finish(y), (final if output_final_state else None)

@@ -1,21 +1,22 @@
 """``fastweights reproduce NAME``: the papers' claims, one command each (``driver.reproduce``; the
 command line is ``fastweights.cli.reproduce``).
 
-Each experiment module defines ``EXPERIMENT`` (``common.Experiment``); ``EXPERIMENTS`` maps the
-names to their modules, imported when run."""
+Each experiment module defines ``EXPERIMENT`` (``common.Experiment``) and registers it when
+imported (``registry.register``); importing this package imports them all, so ``EXPERIMENTS``
+(name -> experiment) lists every one. A new experiment is its module and its import here."""
 
 from __future__ import annotations
 
+from . import (  # noqa: F401  (each registers its EXPERIMENT)
+    aft,
+    fwp_lm,
+    fwp_recall,
+    infini_passkey,
+    long_context,
+    transnormer,
+    ttt_ablation,
+)
 from .common import ReproduceError
-
-EXPERIMENTS = {
-    "fwp-recall": "fwp_recall",
-    "fwp-lm": "fwp_lm",
-    "ttt-ablation": "ttt_ablation",
-    "long-context": "long_context",
-    "infini-passkey": "infini_passkey",
-    "transnormer": "transnormer",
-    "aft": "aft",
-}
+from .registry import EXPERIMENTS
 
 __all__ = ["EXPERIMENTS", "ReproduceError"]

@@ -27,6 +27,7 @@ from .common import (
     bar_plot,
     sweep_plot,
 )
+from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
            "steps": 500, "lr": 2e-3, "eval_windows": 64, "windows": [4, 16, 32, 64],
@@ -140,3 +141,4 @@ EXPERIMENT = Experiment(
     "biases help, a moderate window is best, AFT-simple is weakest, each of AFT-conv's "
     "ingredients contributes.",
     plan, execute, claims, metrics, plots, notes)
+register(EXPERIMENT)

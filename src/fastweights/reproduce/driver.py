@@ -3,7 +3,6 @@ its results. Raises ``ReproduceError`` (a ValueError) for every user mistake."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ def experiment(name: str) -> Experiment:
     """The experiment registered as ``name`` (``EXPERIMENTS``)."""
     if name not in EXPERIMENTS:
         raise ReproduceError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
-    return importlib.import_module(f".{EXPERIMENTS[name]}", __package__).EXPERIMENT
+    return EXPERIMENTS[name]
 
 
 def reproduce(name: str, out: Path, seeds: list[int], *, quick: bool = False, data: str = "stdlib",

@@ -26,6 +26,7 @@ from ..models import LMConfig
 from ..train.trainer import evaluate
 from . import lm
 from .common import Claim, Experiment, Plan, RunSpec, bar_plot
+from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
            "steps": 500, "lr": 2e-3, "eval_windows": 64}
@@ -150,3 +151,4 @@ EXPERIMENT = Experiment(
     "for each feature map the delta rule beats the sum rule, with ablations on normalisation and "
     "truncation.",
     plan, execute, claims, metrics, plots, notes)
+register(EXPERIMENT)

@@ -15,6 +15,7 @@ from typing import Any
 from ..models.retrieval import RetrievalModel
 from . import recall
 from .common import Claim, Experiment, Plan, RunSpec, mean_spread, values
+from .registry import register
 
 DEFAULT = {"sizes": [8, 16, 32], "d_key": 16, "steps": 1500}
 QUICK = {"sizes": [3, 5], "d_key": 4, "steps": 30}
@@ -100,3 +101,4 @@ EXPERIMENT = Experiment(
     "The fast weight paper's synthetic settings 1 (capacity) and 2 (updates) (Schlag, Irie, "
     "Schmidhuber 2021; SPEC.md 1.8).",
     plan, execute, claims, metrics, plots, notes)
+register(EXPERIMENT)

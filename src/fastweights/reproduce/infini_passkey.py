@@ -27,6 +27,7 @@ from ..tasks.passkey import passkey_prompt
 from ..train.trainer import TrainConfig, lr_factor
 from . import lm
 from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_spread, values
+from .registry import register
 
 # Training lengths 256-512 bytes put the needle up to 8 segments of 64 back. A first default of
 # 512-1024 bytes, 300 steps, lr 2e-3 and key weight 1 left every model at 0 % even within its
@@ -303,3 +304,4 @@ EXPERIMENT = Experiment(
     "Infini-attention's passkey claim (Munkhdalai et al. 2024; SPEC.md 5.6): with the compressive "
     "memory the model retrieves the key far beyond its training length.",
     plan, execute, claims, metrics, plots, notes)
+register(EXPERIMENT)

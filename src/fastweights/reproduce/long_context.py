@@ -23,6 +23,7 @@ from typing import Any
 from ..models import LMConfig
 from . import lm
 from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_spread, values
+from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
            "steps": 400, "lr": 2e-3, "eval_windows": 16, "factor": 16, "streams": 16,
@@ -154,3 +155,4 @@ EXPERIMENT = Experiment(
     "Train at one context length, evaluate the per-position loss far beyond it with the state "
     "carried (TTT paper's long-context figure; SPEC.md 2.9).",
     plan, execute, claims, metrics, plots, notes)
+register(EXPERIMENT)

@@ -38,6 +38,7 @@ from .common import (
     sweep_plot,
     values,
 )
+from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 4, "n_heads": 4, "seq_len": 128, "batch_size": 8,
            "steps": 400, "lr": 2e-3, "eval_windows": 64, "block": 32, "blocks": [8, 16, 64],
@@ -283,3 +284,4 @@ EXPERIMENT = Experiment(
     "TransNormer's design claims (Qin et al. 2022; SPEC.md 3): local-then-global layer order, "
     "bounded gradients of NormAttention, attention dilution of linear attention, block size.",
     plan, execute, claims, metrics, plots, notes)
+register(EXPERIMENT)

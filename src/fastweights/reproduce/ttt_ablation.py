@@ -34,6 +34,7 @@ from .common import (
     mean_spread,
     values,
 )
+from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
            "steps": 300, "lr": 2e-3, "eval_windows": 64, "sweep": [1, 4, 16, 64]}
@@ -164,3 +165,4 @@ EXPERIMENT = Experiment(
     "The TTT paper's ablation walk, mini-batch sweep and TTT-MLP vs TTT-Linear (Sun et al. 2024; "
     "SPEC.md 2.9).",
     plan, execute, claims, metrics, plots, notes)
+register(EXPERIMENT)

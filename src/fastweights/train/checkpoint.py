@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -33,16 +32,20 @@ import torch
 from safetensors import SafetensorError
 
 from .._checks import is_int
-from .._files import file_listing, listing_problem
+from .._files import (  # the folder format, shared with every reader of checkpoints
+    LATEST,
+    MANIFEST_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    STEP_DIR,
+    checkpoint_files,
+    checkpoint_problem,
+    file_listing,
+    resolve_checkpoint,
+)
 from ..models import LanguageModel
-from ..models.lm import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE
 
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "trainer_state.json"
-MANIFEST_FILE = "manifest.json"
-LATEST = "latest"
 SLOW_SAVE_ENV = "FASTWEIGHTS_TEST_SLOW_SAVE"
-_STEP_DIR = re.compile(r"step-(\d{7,})")
 
 
 class CheckpointWriteError(OSError):
@@ -169,49 +172,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LanguageModel,
     return final
 
 
-def checkpoint_problem(ckpt: str | Path) -> str | None:
-    """What is wrong with training checkpoint folder ``ckpt`` (missing, truncated or corrupted
-    file, named with its path), checked against ``manifest.json``; None when it is complete."""
-    ckpt = Path(ckpt)
-    manifest = ckpt / MANIFEST_FILE
-    if not manifest.is_file():
-        return f"{ckpt} is incomplete: it has no {MANIFEST_FILE}"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
-        return f"{manifest} is corrupt ({type(err).__name__}: {err})"
-    return listing_problem(ckpt, manifest, files, set(checkpoint_files()) - {MANIFEST_FILE})
-
-
-def _verified(ckpt: Path) -> Path:
-    """``ckpt`` after checking a training checkpoint against its manifest (ValueError naming the
-    bad file). A model-only folder (``save_pretrained``, no trainer state) has no manifest."""
-    if (ckpt / MANIFEST_FILE).exists() or (ckpt / STATE_FILE).exists():
-        problem = checkpoint_problem(ckpt)
-        if problem is not None:
-            raise ValueError(f"checkpoint {problem}")
-    return ckpt
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder whose ``checkpoints/latest`` names one, verified
-    against its manifest. Raises ValueError naming the problem (and the bad file)."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"checkpoint {path} does not exist")
-    if (path / CONFIG_FILE).is_file() or (path / MANIFEST_FILE).is_file():
-        return _verified(path)
-    pointer = path / "checkpoints" / LATEST
-    if pointer.is_file():
-        name = pointer.read_text(errors="replace").strip()
-        target = path / "checkpoints" / name
-        if _STEP_DIR.fullmatch(name) and target.is_dir():
-            return _verified(target)
-        raise ValueError(f"{pointer} names {name!r}, which is not a checkpoint folder")
-    raise ValueError(f"{path} is neither a fastweights checkpoint (no {CONFIG_FILE}) nor a "
-                     f"training run folder (no checkpoints/{LATEST})")
-
-
 def resume_point(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     """The checkpoint a resumed run continues from, and the problems met finding it.
 
@@ -225,12 +185,12 @@ def resume_point(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     root = Path(run_dir) / "checkpoints"
     problems: list[str] = []
     steps = sorted((int(m.group(1)), p) for p in root.glob("step-*")
-                   if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir())
+                   if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir())
     limit = None
     pointer = root / LATEST
     if pointer.is_file():
         name = pointer.read_text(errors="replace").strip()
-        m = _STEP_DIR.fullmatch(name)
+        m = STEP_DIR.fullmatch(name)
         if m and (root / name).is_dir():
             limit = int(m.group(1))
         else:
@@ -264,12 +224,12 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     pointer = root / LATEST
     name = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
-    m = _STEP_DIR.fullmatch(name)
+    m = STEP_DIR.fullmatch(name)
     if m is None or not (root / name).is_dir():
         return []
     limit = int(m.group(1))
     candidates = sorted(((int(n.group(1)), p) for p in root.glob("step-*")
-                         if (n := _STEP_DIR.fullmatch(p.name)) and p.is_dir() and int(n.group(1)) <= limit),
+                         if (n := STEP_DIR.fullmatch(p.name)) and p.is_dir() and int(n.group(1)) <= limit),
                         reverse=True)
     intact = 0
     for i, (_, ckpt) in enumerate(candidates):
@@ -309,8 +269,3 @@ def load_model(path: str | Path) -> LanguageModel:
     by the manifest of a training checkpoint, else by the folder's ``checksums.json``."""
     ckpt = resolve_checkpoint(path)
     return LanguageModel.from_pretrained(ckpt, verify=not (ckpt / MANIFEST_FILE).is_file())
-
-
-def checkpoint_files() -> tuple[str, ...]:
-    """The files every complete training checkpoint holds."""
-    return (CONFIG_FILE, WEIGHTS_FILE, CHECKSUM_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE)

@@ -20,8 +20,9 @@ from ..._checks import (
 )
 from .._autocast import float32_states, products_dtype
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend, fla_delta_rule, triton_kernels
+from ..backend import choose_backend, triton_kernels
 from .chunk import delta_rule_chunk
+from .fla import fla_delta_rule
 from .linear_attention import MODES
 from .naive import delta_rule_naive
 from .recurrent import delta_rule_recurrent

@@ -23,8 +23,9 @@ from .._autocast import float32_states, products_dtype
 from .._modes import RECURRENT_MODES
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend, fla_linear_attn, triton_kernels
+from ..backend import choose_backend, triton_kernels
 from .chunk import linear_attn_chunk
+from .fla import fla_linear_attn
 from .naive import linear_attn_naive
 from .recurrent import linear_attn_recurrent
 

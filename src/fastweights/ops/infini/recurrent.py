@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .._steps import stack_time
-from ..softmax import softmax_attention
+from ..softmax.attention import softmax_attention
 from .memory import retrieve, sigma, write
 
 

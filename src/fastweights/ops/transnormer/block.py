@@ -19,7 +19,7 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_compute
-from ..softmax import check_kv_lengths, softmax_attention
+from ..softmax.attention import check_kv_lengths, softmax_attention
 from .chunk import block_attention_chunk
 
 KERNELS = ("softmax", "relu")

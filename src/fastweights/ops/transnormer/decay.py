@@ -22,8 +22,9 @@ from ..._checks import (
 from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend, fla_decay_linear_attn
+from ..backend import choose_backend
 from .chunk import decay_linear_attn_chunk
+from .fla import fla_decay_linear_attn
 from .naive import decay_linear_attn_naive
 from .recurrent import decay_linear_attn_recurrent
 

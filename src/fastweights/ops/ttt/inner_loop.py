@@ -1,5 +1,5 @@
 """The public TTT ops ``ttt_linear`` and ``ttt_mlp`` (SPEC.md 2.2-2.4): argument checks, the
-``mode=`` switch over dual.py / primal.py / naive.py, and the state in and out (``Carry``).
+``mode=`` switch over chunk.py (the dual form) / primal.py / naive.py, and the state in and out (``Carry``).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mini-batch size.
 """
@@ -25,8 +25,8 @@ from ..._checks import (
 from .._autocast import float32_compute
 from .._modes import TTT_MODES
 from .._varlen import check_cu_seqlens, run_packed
+from .chunk import ttt_linear_dual, ttt_mlp_dual
 from .common import Carry, to_dtype
-from .dual import ttt_linear_dual, ttt_mlp_dual
 from .naive import linear_f_res, mlp_f_res, ttt_naive
 from .primal import ttt_linear_primal, ttt_mlp_primal
 from .step import ttt_linear_step, ttt_mlp_step

@@ -5,7 +5,7 @@ size, Dk1 = Dk (+1 with the bias b1), Dh = 4 Dk hidden size, Dh1 = Dh (+1 with t
 Dv value dim. Step-major layout: per-token tensors ``[N, BH, b, D]``, contiguous, so every
 step reads one contiguous batch of small matrices.
 
-Per mini-batch n with entering weights (W1, W2) (biases folded in as extra rows, dual.py's
+Per mini-batch n with entering weights (W1, W2) (biases folded in as extra rows, chunk.py's
 ``_join``), KQ = [Ka; Qa] the keys and queries with their column of ones, E the b x b step-size
 matrix and M1 = E * (Qa Ka^T), the forward step is
 

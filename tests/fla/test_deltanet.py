@@ -1,6 +1,6 @@
 """fla's DeltaNet on fastweights' ops, without fla installed: the layer's state contract, the
 config's supported/refused options, and the transformers model (loading, decoding, generate).
-Equality with fla's own code is tests/models/test_fla_reference.py."""
+Equality with fla's own code is tests/fla/test_deltanet_reference.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ import json
 import pytest
 import torch
 
-from fastweights.layers.fla_deltanet import FlaDeltaNet, FlaRMSNorm, ShortConvolution
-from fastweights.models.fla import FLA_OPTIONS, FlaDeltaNetConfig, FlaDeltaNetLM
+from fastweights.fla import (
+    FLA_OPTIONS,
+    FlaDeltaNet,
+    FlaDeltaNetConfig,
+    FlaDeltaNetLM,
+    FlaRMSNorm,
+    ShortConvolution,
+)
 from tests.helpers import assert_close64, assert_pieces_and_steps_equal_whole
 
 V = 41
@@ -181,7 +187,7 @@ FAMILIES = {
 @pytest.fixture(params=list(FAMILIES))
 def checkpoint(request, tmp_path):
     """An fla-format folder written by fastweights (untied, odd sizes), float64."""
-    from fastweights.hf_fla import fla_model_class
+    from fastweights.fla.hf import fla_model_class
 
     torch.manual_seed(0)
     cls = fla_model_class(request.param)
@@ -197,7 +203,7 @@ def checkpoint(request, tmp_path):
 
 
 def load(folder, dtype=torch.float64):
-    from fastweights.models.fla import from_fla
+    from fastweights.fla import from_fla
 
     return from_fla(folder, dtype=dtype)
 
@@ -309,7 +315,7 @@ def test_l2warp_training_is_refused(checkpoint):
 def test_readme_example_runs(tmp_path, monkeypatch):
     """The README's "Released fla checkpoints on CPU" example, on a small fla-format folder with
     the released models' vocabulary."""
-    from fastweights.hf_fla import FlaDeltaNetForCausalLM, FlaDeltaNetHFConfig
+    from fastweights.fla.hf import FlaDeltaNetForCausalLM, FlaDeltaNetHFConfig
     from tests.test_readme import section_blocks
 
     (block,) = section_blocks("## Released fla checkpoints on CPU")

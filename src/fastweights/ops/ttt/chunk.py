@@ -1,5 +1,5 @@
 """Dual form of TTT-Linear and TTT-MLP (SPEC.md 2.4), the default ``mode="dual"``: this family's
-fast parallel tier (what ``chunk.py`` is to the other families).
+chunk tier, the fast parallel form, by mini-batch (the "chunks" of TTT).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, Dh = 4 Dk (MLP hidden),
 b mini-batch size, N mini-batches in the call, p tokens of the first mini-batch consumed by an

@@ -1,5 +1,5 @@
-"""What the fla equality tests of every family share (test_fla_reference.py for DeltaNet,
-test_fla_retnet_reference.py for RetNet): fla checkpoints with random weights of order one, the
+"""What the fla equality tests of every family share (test_deltanet_reference.py for DeltaNet,
+test_retnet_reference.py for RetNet): fla checkpoints with random weights of order one, the
 checks of logits, cache decoding, loading and the option lists. Needs fla and transformers
 (the test modules skip without them before importing this)."""
 
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from fla.modules.norm.layernorm_gated import rms_norm_ref
 from transformers import AutoModelForCausalLM
 
+from fastweights.fla import from_fla
 from fastweights.hf import CACHE_FIELD
-from fastweights.models.fla import from_fla
 from tests.helpers import assert_close64
 
 

@@ -1,8 +1,10 @@
-"""flash-linear-attention's DeltaNet layer, rebuilt on ``fastweights.ops.delta_rule`` (SPEC 1.4).
+"""flash-linear-attention's DeltaNet: the layer ``FlaDeltaNet``, rebuilt on
+``fastweights.ops.delta_rule`` (SPEC 1.4), its config ``FlaDeltaNetConfig`` (fla 0.6's
+``DeltaNetConfig``; ``FLA_OPTIONS`` says what each field does here) and ``FlaDeltaNetLM``.
 
 The layer of fla's ``DeltaNet`` (fla 0.6, ``fla/layers/delta_net.py``) with the same parameter
 names, so an fla checkpoint's tensors load unchanged, and the same arithmetic, so float64 outputs
-equal fla's own layer code run with its pure-PyTorch references (tests/models/test_fla.py).
+equal fla's own layer code run with its pure-PyTorch references (tests/fla/test_deltanet.py).
 
 Dimension legend: B batch, T tokens, d hidden size, H heads, Dk = key_dim / H, Dv = value_dim / H,
 W the short-convolution width.
@@ -25,16 +27,19 @@ short convolutions the state is ``(S,)``.
 
 from __future__ import annotations
 
-import math
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_bool, check_choice, check_layer_input, check_positive_int, is_number
-from ..ops._conv import causal_depthwise_conv
+from .._checks import check_bool, check_choice, check_layer_input, check_positive_int
+from ..layers.base import State, merge_heads, split_heads
 from ..ops.fwp import delta_rule, elu_plus_one, preferred_chunk_size
-from .base import Mixer, State, merge_heads, split_heads
+from .model import COMMON_FLA_OPTIONS, FlaConfig, FlaLM
+from .modules import FlaMixer, FlaRMSNorm, ShortConvolution, compute_dtype
 
 QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
 QK_NORMS = ("l2", "sum")
@@ -42,105 +47,6 @@ QK_NORMS = ("l2", "sum")
 # (F.normalize(p=1, eps=1e-6)) of its sum_norm.
 L2_EPS = 1e-6
 SUM_EPS = 1e-6
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 for half precisions (as fla's kernels compute), float64 stays float64."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-class FlaRMSNorm(nn.Module):
-    """RMSNorm over the last dim as fla computes it, optionally gated by SiLU of a second input:
-    ``y = x / sqrt(mean(x^2) + eps) * weight [* silu(gate)]``, in float32 (float64 stays
-    float64) and cast back to x's dtype once at the end (fla's fused kernels round once too).
-    The parameter is ``weight`` [dim]; ``elementwise_affine=False`` leaves it out (weight 1)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True) -> None:
-        super().__init__()
-        check_positive_int("dim", dim)
-        if not is_number(eps) or not 0 < eps < 1:
-            raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
-        self.dim, self.eps = dim, float(eps)
-        if check_bool("elementwise_affine", elementwise_affine):
-            self.weight = nn.Parameter(torch.ones(dim))
-        else:
-            self.register_parameter("weight", None)
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., dim], gate None or [..., dim] -> [..., dim] in x's dtype."""
-        cdtype = _compute_dtype(x)
-        xf = x.to(cdtype)
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            y = y * self.weight.to(cdtype)
-        if gate is not None:
-            y = y * F.silu(gate.to(cdtype))
-        return y.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}" + ("" if self.weight is not None
-                                                 else ", elementwise_affine=False")
-
-
-class ShortConvolution(nn.Module):
-    """Causal depthwise convolution of width ``kernel_size`` over time, optionally followed by
-    SiLU: ``y_t = act(sum_j weight[:, 0, j] * x_{t - W + 1 + j} + bias)``, inputs before the first
-    token being the carried state (zeros at the start of a sequence).
-
-    ``forward(x [B, T, C], state=None [B, C, W - 1]) -> (y [B, T, C], state [B, C, W - 1])``;
-    the state is the last W - 1 inputs, so feeding a sequence in pieces equals feeding it whole.
-    Parameters ``weight [C, 1, W]`` and ``bias [C]`` (optional), fla's layout (nn.Conv1d's).
-    """
-
-    def __init__(self, channels: int, kernel_size: int, *, bias: bool = False,
-                 activation: bool = True) -> None:
-        super().__init__()
-        self.channels = check_positive_int("channels", channels)
-        self.kernel_size = check_positive_int("kernel_size", kernel_size)
-        self.activation = check_bool("activation", activation)
-        check_bool("bias", bias)
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
-        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
-        # nn.Conv1d's default initialisation (fresh layers only; checkpoints overwrite it)
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        B, _, C = x.shape
-        W = self.kernel_size
-        xt = x.transpose(1, 2)  # [B, C, T]
-        if state is None:
-            past = xt.new_zeros(B, C, W - 1)
-        else:
-            if not isinstance(state, torch.Tensor) or state.shape != (B, C, W - 1):
-                raise ValueError(
-                    f"short-convolution state must be a tensor [B, C, W - 1] = [{B}, {C}, {W - 1}], "
-                    f"got {tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__}")
-            past = state.to(xt.dtype)
-        full = torch.cat([past, xt], dim=2)  # [B, C, W - 1 + T]
-        y = causal_depthwise_conv(full, self.weight, self.bias)  # [B, C, T]
-        if self.activation:
-            y = F.silu(y)
-        return y.transpose(1, 2), full[:, :, full.shape[2] - (W - 1):]
-
-    def extra_repr(self) -> str:
-        return (f"{self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, "
-                f"activation={'silu' if self.activation else None}")
-
-
-class FlaMixer(Mixer):
-    """What fla's layers share here: ``key_dim = round(d_model * expand_k)`` and
-    ``value_dim = round(d_model * expand_v)``, each an integer divisible by n_heads (fla's
-    rule), split into ``head_k_dim`` / ``head_v_dim`` per head."""
-
-    def __init__(self, d_model: int, n_heads: int, expand_k: float, expand_v: float) -> None:
-        check_positive_int("d_model", d_model)
-        check_positive_int("n_heads", n_heads)
-        key_dim = _expanded("expand_k", d_model, expand_k, n_heads)
-        value_dim = _expanded("expand_v", d_model, expand_v, n_heads)
-        super().__init__(d_model, n_heads, head_dim=key_dim // n_heads)
-        self.key_dim, self.value_dim = key_dim, value_dim
-        self.head_k_dim, self.head_v_dim = key_dim // n_heads, value_dim // n_heads
 
 
 class FlaDeltaNet(FlaMixer):
@@ -200,7 +106,7 @@ class FlaDeltaNet(FlaMixer):
             x = F.relu(x)
         elif self.qk_activation == "elu":
             x = elu_plus_one(x)
-        xf = x.to(_compute_dtype(x))
+        xf = x.to(compute_dtype(x))
         if self.qk_norm == "l2":
             xf = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + L2_EPS)
         else:
@@ -251,14 +157,81 @@ class FlaDeltaNet(FlaMixer):
                 f"use_short_conv={self.use_short_conv}, conv_size={self.conv_size}")
 
 
-def _expanded(name: str, d_model: int, ratio: float, n_heads: int) -> int:
-    """round(d_model * ratio), checked to be an integer divisible by n_heads (fla's rule)."""
-    if not is_number(ratio) or not ratio > 0 or not math.isfinite(ratio):
-        raise ValueError(f"{name} must be a positive number, got {ratio!r}")
-    size = round(d_model * ratio)
-    if not math.isclose(d_model * ratio, size) or size < 1:
-        raise ValueError(f"hidden size * {name} must be a positive integer, got "
-                         f"{d_model} * {ratio} = {d_model * ratio}")
-    if size % n_heads:
-        raise ValueError(f"hidden size * {name} = {size} must be divisible by num_heads {n_heads}")
-    return size
+MODEL_TYPE = "delta_net"  # fla's model_type for DeltaNet
+
+# Every argument of fla 0.6's DeltaNetConfig and what fastweights does with it.
+FLA_OPTIONS: dict[str, str] = {
+    **COMMON_FLA_OPTIONS,
+    "expand_k": "supported",
+    "expand_v": "supported",
+    "use_gate": "supported (g_proj and the SiLU-gated output RMSNorm)",
+    "use_short_conv": "supported (causal depthwise convolutions with SiLU, carried in the state)",
+    "conv_size": "supported",
+    "use_beta": "supported (beta = 1 when False)",
+    "allow_neg_eigval": "supported (beta doubled)",
+    "qk_norm": "supported: 'l2', 'sum'",
+    "qk_activation": "supported: 'silu', 'relu', 'elu' (ELU + 1), 'identity'",
+    "hidden_act": "supported: 'swish'; refused: 'powlu'",
+    "attn_mode": "accepted, no effect: 'chunk' and 'fused_recurrent' pick fla's GPU kernel for "
+                 "the same delta rule; refused: 'fused_chunk' (fla refuses it too)",
+    "fuse_norm": "accepted, no effect: fused and unfused RMSNorm + residual are the same maths",
+    "use_output_norm": "accepted, no effect: fla 0.6's DeltaNet layer ignores it and always "
+                       "applies its output RMSNorm, and so does fastweights (warning when False)",
+    "max_position_embeddings": "accepted, no effect: DeltaNet layers have no positions",
+}
+
+@dataclass
+class FlaDeltaNetConfig(FlaConfig):
+    """fla 0.6's ``DeltaNetConfig`` fields with its defaults. ``FLA_OPTIONS`` says what each
+    field does here; refused values raise ValueError naming the field."""
+
+    MODEL_TYPE: ClassVar[str] = MODEL_TYPE
+    FAMILY: ClassVar[str] = "DeltaNet"
+    OPTIONS: ClassVar[dict[str, str]] = FLA_OPTIONS
+    BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
+        *FlaConfig.BOOL_FIELDS, "use_gate", "use_short_conv", "allow_neg_eigval", "use_beta",
+        "use_output_norm")
+    SIZE_FIELDS: ClassVar[tuple[str, ...]] = (*FlaConfig.SIZE_FIELDS, "conv_size")
+
+    attn_mode: str = "chunk"
+    expand_k: float = 1.0
+    expand_v: float = 1.0
+    use_gate: bool = False
+    use_short_conv: bool = True
+    allow_neg_eigval: bool = False
+    conv_size: int = 4
+    use_beta: bool = True
+    use_output_norm: bool = True
+    num_heads: int = 16
+    qk_norm: str = "l2"
+    qk_activation: str = "silu"
+    hidden_ratio: int | float | None = 4
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        if self.attn_mode not in ("chunk", "fused_recurrent"):
+            raise ValueError(
+                f"FlaDeltaNetConfig.attn_mode must be 'chunk' or 'fused_recurrent' (fla's kernel "
+                f"choice; the maths is the same), got {self.attn_mode!r}")
+        if not self.use_output_norm:
+            warnings.warn(
+                "use_output_norm=False: fla 0.6's DeltaNet layer ignores this option and always "
+                "applies its output RMSNorm (its checkpoints have o_norm weights); fastweights "
+                "does the same to stay equal to fla", stacklevel=3)
+        # The layer's own checks (qk options, expand ratios, head split), on the meta device.
+        with torch.device("meta"):
+            self.layer()
+
+    def layer(self) -> FlaDeltaNet:
+        """A fresh DeltaNet layer of this config (fla's ``DeltaNetBlock`` arguments)."""
+        return FlaDeltaNet(
+            self.hidden_size, self.num_heads, expand_k=self.expand_k, expand_v=self.expand_v,
+            use_beta=self.use_beta, use_gate=self.use_gate, use_short_conv=self.use_short_conv,
+            conv_size=self.conv_size, allow_neg_eigval=self.allow_neg_eigval,
+            qk_activation=self.qk_activation, qk_norm=self.qk_norm, norm_eps=self.norm_eps)
+
+
+class FlaDeltaNetLM(FlaLM):
+    """fla's DeltaNetForCausalLM on fastweights' ops (``FlaLM`` of a ``FlaDeltaNetConfig``)."""
+
+    config_class = FlaDeltaNetConfig

@@ -27,9 +27,9 @@ with warnings.catch_warnings():  # fla warns that Triton has no CPU driver here
     from fla.modules import ShortConvolution
     from fla.ops.delta_rule.naive import delta_rule_recurrence
 
-    from tests.models import fla_common
+    from tests.fla import common as fla_common
 
-from fastweights.models.fla import FLA_OPTIONS, from_fla
+from fastweights.fla import FLA_OPTIONS, from_fla
 from tests.helpers import assert_close64
 
 V, T = 53, 37  # T > 32 (fastweights' CPU chunk) and > 64 is not needed: fla's modes are patched

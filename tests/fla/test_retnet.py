@@ -1,7 +1,7 @@
 """fla's RetNet on fastweights' ops, without fla installed: the retention layer's state contract,
 its rotary positions and decays, the config's supported/refused options. Loading, decoding and
-generate() are tests/models/test_fla.py's (parametrised over families); equality with fla's own
-code is tests/models/test_fla_retnet_reference.py."""
+generate() are tests/fla/test_deltanet.py's (parametrised over families); equality with fla's own
+code is tests/fla/test_retnet_reference.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from fastweights.layers.fla_retnet import FlaMultiScaleRetention, fla_rotary_tables
+from fastweights.fla import FLA_RETNET_OPTIONS, FlaRetNetConfig, FlaRetNetLM
+from fastweights.fla.retnet import FlaMultiScaleRetention, fla_rotary_tables
 from fastweights.layers.positional import rotate_halves
-from fastweights.models.fla_retnet import FLA_RETNET_OPTIONS, FlaRetNetConfig, FlaRetNetLM
 from fastweights.ops.transnormer import decay_linear_attn
 from tests.helpers import assert_close64, assert_pieces_and_steps_equal_whole
 
@@ -185,7 +185,7 @@ def test_config_warns_about_ignored_short_conv_and_refuses_other_model_types():
 
 def test_from_fla_names_the_supported_families(tmp_path):
     pytest.importorskip("transformers", reason="the [hf] extra is not installed")
-    from fastweights.models.fla import from_fla
+    from fastweights.fla import from_fla
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gla", "hidden_size": 32}))
     with pytest.raises(ValueError, match=r"'gla'.*\['delta_net', 'retnet'\]"):

@@ -1,6 +1,6 @@
 """fastweights' fla RetNet equals fla's own model code, in float64, on the same checkpoint.
 
-As for DeltaNet (test_fla_reference.py), the reference is fla 0.6's own RetNet model and
+As for DeltaNet (test_deltanet_reference.py), the reference is fla 0.6's own RetNet model and
 MultiScaleRetention layer code with each Triton kernel it calls replaced by a pure-PyTorch
 reference: the retention by a float64 transcription of ``fla.ops.retention.naive``'s
 ``naive_retention`` extended with an initial and final state (checked against that function,
@@ -28,11 +28,10 @@ with warnings.catch_warnings():  # fla warns that Triton has no CPU driver here
     from fla.modules.rotary.ops import rotary_embedding_ref
     from fla.ops.retention.naive import naive_retention
 
-    from tests.models import fla_common
+    from tests.fla import common as fla_common
 
-from fastweights.layers.fla_retnet import FEATURE_MAPS, retention_decay
-from fastweights.models.fla import from_fla
-from fastweights.models.fla_retnet import FLA_RETNET_OPTIONS
+from fastweights.fla import FLA_RETNET_OPTIONS, from_fla
+from fastweights.fla.retnet import FEATURE_MAPS, retention_decay
 from tests.helpers import assert_close64
 
 V, T = 53, 70  # T > 64: fastweights' chunk form crosses a chunk border, fla takes its chunk mode

@@ -1,0 +1,44 @@
+"""flash-linear-attention (fla) compatibility: fla's models on fastweights' ops, for fla
+checkpoints on CPU.
+
+fla publishes its models as Hugging Face folders whose every kernel is Triton, so they do not
+run without a GPU. Here each family is rebuilt from a fastweights layer with fla's parameter
+names, so the tensors of an fla checkpoint load unchanged, and the same arithmetic (equal in
+float64 to fla's own model code run with its PyTorch references, tests/fla/test_*_reference.py).
+
+- ``modules.py``: fla's building blocks (``FlaRMSNorm``, ``ShortConvolution``, ``SwiGLU``,
+  the head split ``FlaMixer``);
+- ``model.py``: ``FlaConfig`` and ``FlaLM``, what every family's config and model share;
+- ``deltanet.py``, ``retnet.py``: one family each: the layer (``FlaDeltaNet``,
+  ``FlaMultiScaleRetention``), the config (``FlaDeltaNetConfig``, ``FlaRetNetConfig``, with
+  ``FLA_OPTIONS`` / ``FLA_RETNET_OPTIONS`` saying what each of fla's options does here:
+  supported, accepted or refused) and the language model (``FlaDeltaNetLM``, ``FlaRetNetLM``);
+- ``hf.py``: the families as ``transformers`` models (``FlaDeltaNetForCausalLM``, ...; needs
+  the ``[hf]`` extra);
+- ``load.py``: ``from_fla(folder)`` opens an fla checkpoint folder of any of these families
+  (config.json's model_type "delta_net" or "retnet") as such a ``transformers`` model.
+"""
+
+from .deltanet import FLA_OPTIONS, FlaDeltaNet, FlaDeltaNetConfig, FlaDeltaNetLM
+from .load import from_fla
+from .model import COMMON_FLA_OPTIONS, FlaConfig, FlaLM
+from .modules import FlaRMSNorm, ShortConvolution, SwiGLU
+from .retnet import FLA_RETNET_OPTIONS, FlaMultiScaleRetention, FlaRetNetConfig, FlaRetNetLM
+
+__all__ = [
+    "COMMON_FLA_OPTIONS",
+    "FLA_OPTIONS",
+    "FLA_RETNET_OPTIONS",
+    "FlaConfig",
+    "FlaDeltaNet",
+    "FlaDeltaNetConfig",
+    "FlaDeltaNetLM",
+    "FlaLM",
+    "FlaMultiScaleRetention",
+    "FlaRMSNorm",
+    "FlaRetNetConfig",
+    "FlaRetNetLM",
+    "ShortConvolution",
+    "SwiGLU",
+    "from_fla",
+]

@@ -1,0 +1,146 @@
+"""The distributed set-up of training: the process group from torchrun's environment
+(``dist_info``), the data-parallel and context-parallel coordinates of a rank and its
+context-parallel group (``split_world``), gradients averaged over the world, one decision for
+all ranks (finite losses, signals: ``Signals``), and the random states a checkpoint stores.
+
+Context parallelism (``context_parallel`` N > 1, under torchrun): the world is N x the
+data-parallel size D. Ranks d*N .. d*N + N - 1 form context-parallel group d: they train on the
+same rows of the global batch (data-parallel replica d's slice), each on a contiguous shard of
+seq_len / N tokens of every row, and every mixer runs on its shard through
+``fastweights.parallel.context_parallel_forward`` on that group (installed with
+``LanguageModel.set_mixer_runner``; embeddings, norms, feed-forwards and the head are per
+token). Each rank's loss is the mean over its B/D x T/N tokens, all equal in number, and the
+gradients are averaged over the whole world after the backward pass (``average_gradients``), as
+DDP would (the parameters are replicated on every rank, so the context-parallel ranks' shares
+must be summed as well as the replicas averaged): the result is the gradient of the global
+batch's mean loss, one process's. Validation runs sharded the same way. Checkpoints and
+resuming are unchanged (rank 0 writes); N is a launch setting like the world size, not
+recorded in run.json, so a run may resume with another N.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM (``signum``) stopped training at ``step`` after the checkpoint
+    ``checkpoint`` of that step was saved (None on a DDP rank other than 0, which saves nothing)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        name = signal.Signals(signum).name
+        where = f"checkpoint {checkpoint} saved" if checkpoint is not None else "checkpoint saved by rank 0"
+        super().__init__(f"{name} at step {step}: {where}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+class Signals:
+    """While active, SIGINT and SIGTERM only record their number in ``signum`` (the training loop
+    then saves and stops at the next step boundary, so no step is half done); a second signal
+    raises KeyboardInterrupt at once. The previous handlers come back on exit. Outside the main
+    thread, where Python cannot set handlers, nothing is installed."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def _record(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    def agreed(self, world: int, device: torch.device) -> int | None:
+        """The signal number if any rank was signalled (one decision for all ranks, so that
+        they save and stop at the same step), else None."""
+        if world == 1:
+            return self.signum
+        t = torch.tensor([self.signum or 0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item()) or None
+
+
+def all_finite(loss: torch.Tensor, grad_norm: torch.Tensor, world: int) -> bool:
+    """Whether loss and gradient norm are finite on every rank (one decision for all ranks)."""
+    ok = torch.isfinite(torch.stack([loss.detach().float(), grad_norm.float()])).all().float()
+    if world > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def average_gradients(model: torch.nn.Module, world: int) -> None:
+    """Every parameter's gradient summed over all ranks and divided by ``world``, as DDP does
+    (a parameter without a gradient on a rank contributes zero there), in one all-reduce."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+    dist.all_reduce(flat)
+    flat /= world
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
+
+
+def rng_states(data_gen: torch.Generator) -> dict[str, Any]:
+    return {"data": data_gen.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_states(states: dict[str, Any], data_gen: torch.Generator) -> None:
+    data_gen.set_state(states["data"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+
+
+def dist_info() -> tuple[int, int, torch.device, bool]:
+    """(rank, world size, device, whether this call created the process group) from torchrun's
+    environment; initialises the process group (nccl on GPU, gloo on CPU) when WORLD_SIZE > 1
+    and none exists yet."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    created = world > 1 and not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device, created
+
+
+def split_world(rank: int, world: int, cp: int) -> tuple[int, int, int, list[Any], Any]:
+    """(data-parallel replicas, this rank's replica, its place in its context-parallel group,
+    every context-parallel group created, its own group or None without context parallelism).
+    Every rank creates every group, in the same order, as ``new_group`` requires."""
+    dp, dp_rank, cp_rank = world // cp, rank // cp, rank % cp
+    groups: list[Any] = []
+    own = None
+    if cp > 1:
+        for d in range(dp):
+            group = dist.new_group(list(range(d * cp, (d + 1) * cp)))
+            groups.append(group)
+            if d == dp_rank:
+                own = group
+    return dp, dp_rank, cp_rank, groups, own
