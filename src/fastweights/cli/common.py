@@ -100,6 +100,12 @@ def parse_mixer_list(flag: str, text: str) -> list[tuple[str, dict[str, Any]]]:
     return [parse_mixer_spec(flag, s) for s in specs]
 
 
+def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """A benchmark's own settings as its results record them (paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+            if k in args.settings}
+
+
 def make_folder(path: Path, flag: str = "--out") -> None:
     """Create the output folder ``path`` (and its parents) or raise a UserError naming ``flag``
     and the reason (a parent that is a file, no permission, a read-only file system)."""
