@@ -7,6 +7,7 @@ Imports no torch: ``main`` imports this module before it can handle a Ctrl-C dur
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import textwrap
 from collections.abc import Iterator
@@ -104,6 +105,19 @@ def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
     """A benchmark's own settings as its results record them (paths as strings)."""
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
             if k in args.settings}
+
+
+def command_line(prefix: list[str], args: argparse.Namespace) -> str:
+    """The command that repeats a benchmark's run: ``prefix`` and every setting given a value
+    (``--flag`` for a flag that is on), shell-quoted."""
+    parts = list(prefix)
+    for key, value in recorded_settings(args).items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value is not None and value is not False:
+            parts += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 def make_folder(path: Path, flag: str = "--out") -> None:
