@@ -25,10 +25,11 @@ def test_recompute_bench_writes_both_settings(tmp_path):
 
 
 def test_fwp_forms_times_forward_and_backward(capsys):
-    from fastweights.bench.fwp_forms import main as forms
+    from fastweights.bench import fwp_forms
 
-    forms(["--T", "20", "--H", "1", "--D", "4", "--repeats", "1", "--chunk-sizes", "4,8",
-           "--modes", "chunk", "--backward"])
+    rows = fwp_forms.run(T=20, H=1, D=4, repeats=1, chunk_sizes=[4, 8], modes=["chunk"],
+                         backward=True)
+    assert len(rows) == 4 and all(r["ms"] > 0 and r["gflop_s"] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "forward+backward" in out.splitlines()[0]
     assert all(f"{op}[chunk C={c}]" in out for op in ("delta_rule", "linear_attn") for c in (4, 8))
