@@ -102,9 +102,10 @@ def parse_mixer_list(flag: str, text: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """A benchmark's own settings as its results record them (paths as strings)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-            if k in args.settings}
+    """A benchmark's own settings, in its options' order, as its results record them (paths as
+    strings)."""
+    return {k: str(v) if isinstance(v, Path) else v
+            for k, v in ((k, getattr(args, k)) for k in args.settings)}
 
 
 def command_line(prefix: list[str], args: argparse.Namespace) -> str:

@@ -9,12 +9,22 @@ from __future__ import annotations
 import argparse
 
 from ..common import HelpFormatter
-from . import decode, family_compare, fwp_forms, recompute, suite, ttt_mlp_backward, ttt_modes
+from . import (
+    context_parallel,
+    decode,
+    family_compare,
+    fwp_forms,
+    recompute,
+    suite,
+    ttt_mlp_backward,
+    ttt_modes,
+)
 
 NAME = "bench"
 HELP = suite.HELP
 # The focused benchmarks, in the order ``fastweights bench --help`` lists them.
-BENCHMARKS = (decode, recompute, fwp_forms, family_compare, ttt_modes, ttt_mlp_backward)
+BENCHMARKS = (decode, recompute, context_parallel, fwp_forms, family_compare, ttt_modes,
+              ttt_mlp_backward)
 DESCRIPTION = (suite.DESCRIPTION + " With a NAME, one of the focused benchmarks instead "
                "(fastweights bench NAME --help).")
 
