@@ -79,18 +79,36 @@ def parse_int_list(flag: str, text: str) -> list[int]:
     return values
 
 
+def _option_value(text: str) -> Any:
+    """A mixer option's value as written in a spec: ``true``/``false``/``none`` (any case),
+    ints, floats, else the string itself."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_mixer_spec(flag: str, spec: str) -> tuple[str, dict[str, Any]]:
     """A mixer specification, ``name`` or ``name:opt=value:opt=value``: ``"dpfp:nu=2"`` ->
-    ``("dpfp", {"nu": 2})`` (``models.registry.split_mixer_spec``); a malformed one is a
-    UserError naming ``flag``."""
-    # Imported here: this module stays free of torch, which the registry imports (main.py
-    # imports this module before its start-up signal handling).
-    from ..models.registry import split_mixer_spec
-
-    try:
-        return split_mixer_spec(spec)
-    except ValueError as err:
-        raise UserError(f"{flag}: {err}") from None
+    ``("dpfp", {"nu": 2})``; a malformed one is a UserError naming ``flag``. Names and options
+    are checked by ``build_mixer``/``check_mixer``, not here."""
+    name, *opts = spec.strip().split(":")
+    if not name:
+        raise UserError(f"{flag}: empty mixer name in {spec!r}")
+    options: dict[str, Any] = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or not key:
+            raise UserError(f"{flag}: mixer option {opt!r} in {spec!r} must look like name=value")
+        options[key.strip()] = _option_value(value.strip())
+    return name, options
 
 
 def parse_mixer_list(flag: str, text: str) -> list[tuple[str, dict[str, Any]]]:

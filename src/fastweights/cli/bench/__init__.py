@@ -15,6 +15,7 @@ from . import (
     family_compare,
     fla_decode,
     fwp_forms,
+    multistream,
     recompute,
     suite,
     ttt_mlp_backward,
@@ -24,8 +25,8 @@ from . import (
 NAME = "bench"
 HELP = suite.HELP
 # The focused benchmarks, in the order ``fastweights bench --help`` lists them.
-BENCHMARKS = (decode, fla_decode, recompute, context_parallel, fwp_forms, family_compare,
-              ttt_modes, ttt_mlp_backward)
+BENCHMARKS = (decode, multistream, fla_decode, recompute, context_parallel, fwp_forms,
+              family_compare, ttt_modes, ttt_mlp_backward)
 DESCRIPTION = (suite.DESCRIPTION + " With a NAME, one of the focused benchmarks instead "
                "(fastweights bench NAME --help).")
 
