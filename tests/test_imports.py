@@ -62,16 +62,24 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
+def _is_main_block(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":``: a script's entry point (``python -m fastweights.bench.X``
+    runs the command line), not an import of the library."""
+    return isinstance(node, ast.If) and ast.unparse(node.test) in (
+        "__name__ == '__main__'", '__name__ == "__main__"')
+
+
 def _imports(path: Path, modules: set[str]) -> dict[str, bool]:
     """fastweights-internal modules that ``path`` imports -> whether only inside a function
-    (imports under ``if TYPE_CHECKING`` are left out)."""
+    (imports under ``if TYPE_CHECKING`` and in ``if __name__ == "__main__"`` blocks are left
+    out)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: dict[str, bool] = {}
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if _is_type_checking(child):
+            if _is_type_checking(child) or _is_main_block(child):
                 continue
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             targets: list[str] = []

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
-from fastweights.bench.context_parallel import longest_T, main, shard_lengths
+from fastweights.bench.context_parallel import longest_T, shard_lengths
+from fastweights.cli import main
 
 
 def test_shard_lengths_whole_blocks_and_total():
@@ -25,7 +27,7 @@ def test_longest_T_extends_the_last_slope():
 
 def test_bench_runs_and_counts_bytes(tmp_path):
     out = tmp_path / "cp"
-    assert main(["--world", "1,2", "--lengths", "16,32", "--d-model", "8", "--n-heads", "2",
+    assert main(["bench", "context-parallel", "--world", "1,2", "--lengths", "16,32", "--d-model", "8", "--n-heads", "2",
                  "--repeats", "1", "--mixers", "linear,ttt-linear", "--out", str(out)]) == 0
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
@@ -40,10 +42,12 @@ def test_bench_runs_and_counts_bytes(tmp_path):
     assert {int(r["comm_forward_bytes"]) for r in lin} == {2 * state_bytes}
     assert {int(r["comm_backward_bytes"]) for r in lin} == {2 * 2 * state_bytes}
     assert (out / "summary.md").exists() and (out / "longest_T.csv").exists()
+    command = json.loads((out / "run.json").read_text())["command"]
+    assert command.startswith("fastweights bench context-parallel --world 1,2 --lengths 16,32")
 
 
 def test_bench_rejects_a_layout_it_cannot_split(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["--world", "2", "--lengths", "8", "--mixers", "diag:block_size=8",
-              "--out", str(tmp_path)])
-    assert "too short" in capsys.readouterr().err
+    assert main(["bench", "context-parallel", "--world", "2", "--lengths", "8", "--mixers",
+                 "diag:block_size=8", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "too short" in err and "--mixers diag:block_size=8" in err

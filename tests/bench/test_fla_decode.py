@@ -1,4 +1,4 @@
-"""fastweights.bench.fla_decode on its tiny shape: the rows it reports and their invariants
+"""`fastweights bench fla-decode` on its tiny shape: the rows it reports and their invariants
 (recurrent state constant in the context, KV cache growing), with the context prefilled or
 synthetic. No assertion depends on speed."""
 
@@ -12,15 +12,20 @@ pytest.importorskip("transformers", reason="the Llama baseline needs the [hf] ex
 
 import torch
 
-from fastweights.bench.fla_decode import SHAPES, build, main, synthetic_context
+from fastweights.bench import fla_decode
+from fastweights.bench.fla_decode import SHAPES, build, synthetic_context
+from fastweights.cli import main
 
 
 @pytest.mark.parametrize("fill", ["prefill", "synthetic"])
 def test_tiny_run_reports_state_and_speed(tmp_path, fill):
     out = tmp_path / "decode.json"
-    rows = main(["--shapes", "tiny", "--contexts", "5", "40", "--new-tokens", "3",
-                 "--prefill-chunk", "16", "--dtypes", "float32", "--out", str(out),
-                 "--context-fill", fill])
+    assert main(["bench", "fla-decode", "--shapes", "tiny", "--contexts", "5", "40",
+                 "--new-tokens", "3", "--prefill-chunk", "16", "--dtypes", "float32",
+                 "--out", str(out), "--context-fill", fill]) == 0
+    saved = json.loads(out.read_text())
+    rows = saved["results"]
+    assert saved["args"]["context_fill"] == fill and saved["machine"]["threads"] >= 1
     assert all(r["context_fill"] == fill for r in rows)
     assert all((r["prefill_s"] is None) == (fill == "synthetic") for r in rows)
     assert [(r["model"], r["context"]) for r in rows] == [
@@ -39,13 +44,16 @@ def test_tiny_run_reports_state_and_speed(tmp_path, fill):
         assert by[("llama", context)]["state_bytes_per_new_token"] == L * 2 * d * 4
     assert by[("deltanet", 5)]["params"] == by[("deltanet", 40)]["params"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert json.loads(out.read_text())["results"] == rows
+    # the function returns the rows the command writes
+    again = fla_decode.run(["tiny"], ["deltanet"], ["float32"], [5], new_tokens=3,
+                           prefill_chunk=16, fill=fill)
+    assert [set(r) for r in again] == [set(by[("deltanet", 5)])]
+    assert again[0]["state_mib_after_prefill"] == by[("deltanet", 5)]["state_mib_after_prefill"]
 
 
 def test_bad_arguments_exit_2(capsys):
-    with pytest.raises(SystemExit) as err:
-        main(["--contexts", "0"])
-    assert err.value.code == 2 and "--contexts" in capsys.readouterr().err
+    assert main(["bench", "fla-decode", "--contexts", "0"]) == 2
+    assert "--contexts" in capsys.readouterr().err
 
 
 def test_synthetic_context_has_the_shapes_of_a_real_one():

@@ -1,4 +1,4 @@
-"""``python -m fastweights.bench.fwp_forms``: with ``--autocast-bf16`` the float32 and CPU
+"""``fastweights bench fwp-forms``: with ``--autocast-bf16`` the float32 and CPU
 bfloat16 product rows side by side, with the CPU's capabilities in the header; with
 ``--profile`` the per-form table of operators."""
 
@@ -10,9 +10,13 @@ import re
 import pytest
 import torch
 
-from fastweights.bench.fwp_forms import main as forms
 from fastweights.bench.fwp_forms import profile_table
+from fastweights.cli import main
 from fastweights.ops._autocast import CPU_BF16_ENV
+
+
+def forms(argv: list[str]) -> None:
+    assert main(["bench", "fwp-forms", *argv]) == 0
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
@@ -76,6 +80,6 @@ def test_fwp_forms_profile_prints_a_table_under_each_form(capsys):
 
 
 @pytest.mark.parametrize("flag", ["--profile-top", "--repeats"])
-def test_fwp_forms_rejects_non_positive_counts(flag):
-    with pytest.raises(SystemExit):
-        forms(["--T", "8", flag, "0"])
+def test_fwp_forms_rejects_non_positive_counts(flag, capsys):
+    assert main(["bench", "fwp-forms", "--T", "8", flag, "0"]) == 2
+    assert flag in capsys.readouterr().err

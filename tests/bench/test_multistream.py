@@ -6,7 +6,9 @@ import json
 
 import torch
 
-from fastweights.bench.multistream import build_model, main, stream_lengths, synthetic_state
+from fastweights.bench import multistream
+from fastweights.bench.multistream import build_model, stream_lengths, synthetic_state
+from fastweights.cli import main
 from fastweights.layers.softmax import KVCacheRows
 from fastweights.layers.transnormer import NormState
 
@@ -33,10 +35,20 @@ def test_synthetic_state_sets_every_position():
     assert isinstance(state[0], NormState) and state[0].pos.tolist() == lengths
 
 
-def test_multistream_bench_writes_results(tmp_path):
-    rows = main(["--mixers", "ttt-linear", "--streams", "1,2", "--contexts", "70",
-                 "--compile", "none", "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
-                 "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+def test_multistream_bench_writes_results(tmp_path, capsys):
+    assert main(["bench", "multistream", "--mixers", "ttt-linear", "--streams", "1,2",
+                 "--contexts", "70", "--compile", "none", "--d-model", "16", "--n-heads", "2",
+                 "--n-layers", "1", "--steps", "1", "--warmup", "0", "--out",
+                 str(tmp_path / "cli")]) == 0
+    assert "| ttt-linear |" in (tmp_path / "cli" / "results.md").read_text()
+    command = json.loads((tmp_path / "cli" / "meta.json").read_text())["command"]
+    assert command.startswith("fastweights bench multistream --mixers ttt-linear --streams 1,2")
+    assert main(["bench", "multistream", "--mixers", "ttt-linear", "--out",
+                 str(tmp_path / "cli")]) == 2  # results there already, no --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+    rows = multistream.run([("ttt-linear", "ttt-linear", {})], [1, 2], [70], tmp_path,
+                           modes=("eager",), d_model=16, n_heads=2, n_layers=1, steps=1,
+                           warmup=0, command="fastweights bench multistream --streams 1,2")
     assert [(r.mixer, r.streams, r.status) for r in rows] == [
         ("softmax", 1, "ok"), ("softmax", 2, "ok"), ("ttt-linear", 1, "ok"),
         ("ttt-linear", 2, "ok")]

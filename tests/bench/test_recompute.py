@@ -4,26 +4,32 @@ from __future__ import annotations
 
 import json
 
-from fastweights.bench.recompute import main
+from fastweights.bench import recompute
+from fastweights.cli import main
 
 
 def test_recompute_bench_writes_both_settings(tmp_path):
-    rows = main(["--mixers", "delta,softmax", "--lengths", "16", "--d-model", "16", "--n-heads",
-                 "2", "--n-layers", "2", "--repeats", "1", "--out", str(tmp_path)])
+    assert main(["bench", "recompute", "--mixers", "delta,softmax", "--lengths", "16",
+                 "--d-model", "16", "--n-heads", "2", "--n-layers", "2", "--repeats", "1",
+                 "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    rows = saved["rows"]
     assert [(r["mixer"], r["recompute"]) for r in rows] == [
         ("delta", False), ("delta", True), ("softmax", False), ("softmax", True)]
     assert all(r["ms"] > 0 for r in rows)
-    saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["rows"] == rows and "--mixers delta,softmax" in saved["meta"]["command"]
+    assert saved["meta"]["command"].startswith("fastweights bench recompute --mixers delta,softmax")
+    again = recompute.run(["delta"], [16], d_model=16, n_heads=2, n_layers=2, repeats=1)
+    assert [(r["mixer"], r["recompute"]) for r in again] == [("delta", False), ("delta", True)]
     table = (tmp_path / "results.md").read_text()
     assert table.count("| delta | 16 |") == 1 and table.count("| softmax | 16 |") == 1
 
 
 def test_fwp_forms_times_forward_and_backward(capsys):
-    from fastweights.bench.fwp_forms import main as forms
+    from fastweights.bench import fwp_forms
 
-    forms(["--T", "20", "--H", "1", "--D", "4", "--repeats", "1", "--chunk-sizes", "4,8",
-           "--modes", "chunk", "--backward"])
+    rows = fwp_forms.run(T=20, H=1, D=4, repeats=1, chunk_sizes=[4, 8], modes=["chunk"],
+                         backward=True)
+    assert len(rows) == 4 and all(r["ms"] > 0 and r["gflop_s"] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "forward+backward" in out.splitlines()[0]
     assert all(f"{op}[chunk C={c}]" in out for op in ("delta_rule", "linear_attn") for c in (4, 8))

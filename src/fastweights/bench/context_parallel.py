@@ -15,19 +15,18 @@ N = 1 is the plain layer on the whole sequence (no process group), the baseline.
 runs with ``--threads`` threads; on a machine with fewer cores than N x threads the times
 mostly measure contention, the memory and byte counts do not depend on it.
 
-Run: ``python -m fastweights.bench.context_parallel --world 1,2,4 --lengths 1024,2048,4096
---out benchmarks/results/context_parallel``. Writes results.csv, longest_T.csv, summary.md and
+Run: ``fastweights bench context-parallel --world 1,2,4 --lengths 1024,2048,4096
+--out benchmarks/results/context_parallel`` (``python -m fastweights.bench.context_parallel`` is
+the same command). Writes results.csv, longest_T.csv, summary.md and
 run.json (the command and machine).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import functools
 import json
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..models.registry import build_mixer, check_mixer, mixer_names, split_mixer_spec
+from ..models.registry import build_mixer, check_mixer
 from ..parallel import context_parallel_forward, counting, strategy_name
 from .measure import PeakMemory, prepare_cpu_memory_accounting
 
@@ -98,8 +97,7 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=opts["timeout"]))
     rows = []
-    for spec in opts["mixers"]:
-        name, options = split_mixer_spec(spec)
+    for label, name, options in opts["mixers"]:
         for T in opts["lengths"]:
             torch.manual_seed(0)
             mixer = build_mixer(name, opts["d_model"], opts["n_heads"], **options)
@@ -116,7 +114,7 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
             if rank == 0:
                 peaks = [e[1] for e in every]
                 rows.append({
-                    "mixer": spec, "strategy": "single" if world == 1 else strategy_name(mixer),
+                    "mixer": label, "strategy": "single" if world == 1 else strategy_name(mixer),
                     "world": world, "T": T, "shard_T": max(lengths),
                     "time_s": max(e[0] for e in every),
                     "peak_bytes_per_rank": None if None in peaks else max(peaks),
@@ -171,52 +169,36 @@ def _summary(rows: list[dict], longest: list[dict], budget_gib: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.context_parallel",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--world", type=_int_list, default=[1, 2, 4], help="process counts N")
-    p.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096], help="total T")
-    p.add_argument("--mixers", default=",".join(mixer_names()),
-                   help="comma-separated mixer specs (name or name:opt=value)")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--memory-gib", type=float, default=24.0, help="machine budget for longest T")
-    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
-    mixers = [m for m in args.mixers.split(",") if m]
-    try:
-        for spec in mixers:
-            name, options = split_mixer_spec(spec)
-            check_mixer(name, args.d_model, args.n_heads, **options)
+def check(mixers: list[tuple[str, str, dict]], lengths: list[int], worlds: list[int], *,
+          d_model: int, n_heads: int) -> None:
+    """Every mixer ``(label, name, options)`` builds and splits every length over every world
+    size; ValueError (or TypeError) starting with the label of the first that does not."""
+    for label, name, options in mixers:
+        try:
+            check_mixer(name, d_model, n_heads, **options)
             with torch.device("meta"):
-                unit = _unit(build_mixer(name, args.d_model, args.n_heads, **options))
-            for T in args.lengths:
-                for world in args.world:
+                unit = _unit(build_mixer(name, d_model, n_heads, **options))
+            for T in lengths:
+                for world in worlds:
                     shard_lengths(T, world, unit)
-    except (TypeError, ValueError) as exc:
-        p.error(f"--mixers {spec}: {exc}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    opts = {"mixers": mixers, "lengths": args.lengths, "d_model": args.d_model,
-            "n_heads": args.n_heads, "batch": args.batch, "repeats": args.repeats,
-            "threads": args.threads, "timeout": args.timeout}
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{label}: {exc}") from None
+
+
+def run(mixers: list[tuple[str, str, dict]], lengths: list[int], worlds: list[int], out: Path,
+        *, d_model: int = 256, n_heads: int = 4, batch: int = 1, repeats: int = 3,
+        threads: int = 1, memory_gib: float = 24.0, timeout: float = 600.0,
+        command: str = "") -> list[dict]:
+    """Measure every mixer ``(label, name, options)`` at every length on every world size (one
+    group of processes per size); writes results.csv, longest_T.csv, summary.md and run.json
+    (``command`` and the machine) into ``out``, prints the summary, returns the rows."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    opts = {"mixers": mixers, "lengths": lengths, "d_model": d_model, "n_heads": n_heads,
+            "batch": batch, "repeats": repeats, "threads": threads, "timeout": timeout}
     rows: list[dict] = []
-    for world in args.world:
-        path = str(args.out / f".rows_{world}.json")
+    for world in worlds:
+        path = str(out / f".rows_{world}.json")
         if world == 1:
             _rank_main(0, 1, 0, opts, path)
         else:
@@ -224,24 +206,24 @@ def main(argv: list[str] | None = None) -> int:
         rows += json.loads(Path(path).read_text())
         Path(path).unlink()
     rows.sort(key=lambda r: (r["mixer"], r["T"], r["world"]))
-    with open(args.out / "results.csv", "w", newline="") as f:
+    with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    longest = longest_T(rows, args.memory_gib * GIB)
-    with open(args.out / "longest_T.csv", "w", newline="") as f:
+    longest = longest_T(rows, memory_gib * GIB)
+    with open(out / "longest_T.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["mixer", "world", "longest_T"])
         writer.writeheader()
         writer.writerows(longest)
-    (args.out / "summary.md").write_text(_summary(rows, longest, args.memory_gib))
-    (args.out / "run.json").write_text(json.dumps({
-        "command": "python -m fastweights.bench.context_parallel "
-                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-        "machine": platform.platform(), "cpu_count": torch.get_num_threads(),
+    (out / "summary.md").write_text(_summary(rows, longest, memory_gib))
+    (out / "run.json").write_text(json.dumps({
+        "command": command, "machine": platform.platform(), "cpu_count": torch.get_num_threads(),
         "torch": torch.__version__}, indent=2))
-    print(_summary(rows, longest, args.memory_gib))
-    return 0
+    print(_summary(rows, longest, memory_gib))
+    return rows
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the same as `fastweights bench context-parallel`
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "context-parallel", *sys.argv[1:]]))

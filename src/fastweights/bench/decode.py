@@ -1,6 +1,6 @@
 """Decode memory and speed of a recurrent (delta) language model vs softmax attention.
 
-``python -m fastweights.bench.decode`` builds one ``LanguageModel`` per mixer (default: 4 layers,
+``fastweights bench decode`` (``run``) builds one ``LanguageModel`` per mixer (default: 4 layers,
 d_model 256, 4 heads, float32), prefills a random context of each length (in pieces of
 ``--prefill-chunk`` tokens with the state carried, which equals one whole forward and bounds the
 softmax score blocks), then decodes ``--new-tokens`` tokens one T = 1 step at a time, greedily
@@ -18,17 +18,15 @@ mixers that have one, same weights), and reports per (mixer, context):
   untimed warm-up step).
 
 Everything runs in one process, one setting after another; results are printed as a table and
-written as JSON with ``--out``.
+written as JSON with ``--out``. ``python -m fastweights.bench.decode`` is the same command.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import dataclasses
 import gc
-import json
 import platform
 import re
 import time
@@ -124,56 +122,37 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.decode", description=__doc__.split("\n")[0])
-    p.add_argument("--mixers", nargs="+", default=["delta", "softmax"])
-    p.add_argument("--contexts", nargs="+", type=int, default=[1024, 16384])
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prefill-chunk", type=int, default=1024)
-    p.add_argument("--decode-mode", choices=["recurrent", "layer"], default="layer",
-                   help="recurrent: T = 1 steps in the token-by-token form of mixers that have "
-                        "one (same weights); layer: the mixers' configured form (chunk)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args = p.parse_args(argv)
-    for name in ("d_model", "n_layers", "n_heads", "vocab_size", "new_tokens", "prefill_chunk"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if any(c < 1 for c in args.contexts):
-        p.error(f"--contexts must all be >= 1, got {args.contexts}")
-
+def run(mixers: list[str], contexts: list[int], *, d_model: int = 256, n_layers: int = 4,
+        n_heads: int = 4, vocab_size: int = 256, new_tokens: int = 64, prefill_chunk: int = 1024,
+        seed: int = 0, decode_mode: str = "layer") -> list[dict[str, Any]]:
+    """``measure`` for every (mixer, context), one after another in this process; prints a
+    table row by row and returns the rows."""
     _return_freed_memory()
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.n_layers} layers, d_model {args.d_model}, "
-          f"{args.n_heads} heads, float32, batch 1, {args.new_tokens} decoded tokens, "
-          f"decode mode {args.decode_mode}")
+          f"{torch.get_num_threads()} threads; {n_layers} layers, d_model {d_model}, "
+          f"{n_heads} heads, float32, batch 1, {new_tokens} decoded tokens, "
+          f"decode mode {decode_mode}")
     header = ("mixer", "context", "state MiB", "state B/token", "decode peak RSS MiB",
               "RSS MiB", "prefill s", "tokens/s")
     print(" | ".join(header))
     rows = []
-    for mixer in args.mixers:
-        for context in args.contexts:
-            r = measure(mixer, context, d_model=args.d_model, n_layers=args.n_layers,
-                        n_heads=args.n_heads, vocab_size=args.vocab_size,
-                        new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
-                        seed=args.seed, decode_mode=args.decode_mode)
+    for mixer in mixers:
+        for context in contexts:
+            r = measure(mixer, context, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                        vocab_size=vocab_size, new_tokens=new_tokens,
+                        prefill_chunk=prefill_chunk, seed=seed, decode_mode=decode_mode)
             rows.append(r)
             print(" | ".join([
                 mixer, str(context), _fmt(r["state_bytes_after_prefill"] / MIB, ".2f"),
                 _fmt(r["state_bytes_per_new_token"], ".0f"), _fmt(r["decode_peak_rss_mib"], ".1f"),
                 _fmt(r["rss_mib"], ".0f"), _fmt(r["prefill_s"], ".2f"), _fmt(r["tokens_per_s"], ".1f"),
             ]), flush=True)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
-                                                 for k, v in vars(args).items()},
-                                        "torch": torch.__version__, "results": rows}, indent=2))
     return rows
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench decode`
+    import sys
+
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "decode", *sys.argv[1:]]))

@@ -1,7 +1,9 @@
 """Forward + backward time of the TransNormer / AFT / Infini-attention mixers against softmax
 attention, all measured in one process (the numbers of issue 4's closing note).
 
-    python -m fastweights.bench.family_compare [--mixers softmax norm diag] [--lengths 1024 4096]
+    fastweights bench family-compare [--mixers softmax norm diag] [--lengths 1024 4096]
+
+(``python -m fastweights.bench.family_compare`` is the same command.)
 
 Each mixer is built with its registry defaults at ``--d-model`` / ``--heads`` in float32; one
 timed call is ``y, _ = layer(x); y.sum().backward()`` on a fresh ``x`` of shape
@@ -14,7 +16,6 @@ Mixers of the default list that are not registered are reported as skipped.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -66,33 +67,20 @@ def compare(names: list[str], T: int, d_model: int, heads: int, batch: int, repe
     return rows
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.family_compare",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), help="registered mixer names")
-    p.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096], help="sequence lengths T")
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default="cpu")
-    args = p.parse_args(argv)
-    for flag in ("d_model", "heads", "batch", "repeats"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if any(T < 1 for T in args.lengths):
-        p.error(f"--lengths must all be >= 1, got {args.lengths}")
-    device = torch.device(args.device)
+def run(mixers: list[str], lengths: list[int], *, d_model: int = 512, heads: int = 8,
+        batch: int = 1, repeats: int = 5, device: torch.device | str = "cpu") -> list[dict]:
+    """``compare`` at every length for the registered ``mixers`` (others reported as skipped);
+    prints the table and returns the rows."""
+    device = torch.device(device)
     known = set(mixer_names())
-    names = [n for n in args.mixers if n in known]
-    skipped = [n for n in args.mixers if n not in known]
+    names = [n for n in mixers if n in known]
+    skipped = [n for n in mixers if n not in known]
     print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, float32, "
-          f"batch {args.batch}, d_model {args.d_model}, heads {args.heads}, "
-          f"{args.repeats} interleaved rounds after 1 warm-up")
+          f"batch {batch}, d_model {d_model}, heads {heads}, "
+          f"{repeats} interleaved rounds after 1 warm-up")
     if skipped:
         print(f"skipped (not registered): {', '.join(skipped)}")
-    rows = [r for T in args.lengths
-            for r in compare(names, T, args.d_model, args.heads, args.batch, args.repeats, device)]
+    rows = [r for T in lengths for r in compare(names, T, d_model, heads, batch, repeats, device)]
     print(f"{'mixer':<12}{'T':>7}{'min ms':>10}{'median ms':>11}{'min / softmax':>15}")
     for r in rows:
         ratio = "" if r["vs_softmax"] is None else f"{r['vs_softmax']:.2f}"
@@ -100,5 +88,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench family-compare`
+    import sys
+
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "family-compare", *sys.argv[1:]]))

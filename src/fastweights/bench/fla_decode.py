@@ -1,6 +1,6 @@
 """CPU decoding of fla's DeltaNet (on fastweights' ops) against a transformers Llama of the same shape.
 
-``python -m fastweights.bench.fla_decode`` builds, for each shape (``340M``: fla's flame config
+``fastweights bench fla-decode`` (or ``python -m fastweights.bench.fla_decode``) builds, for each shape (``340M``: fla's flame config
 delta_net_340M, hidden 1024, 8 heads, 24 layers; ``1.3B``: fla-hub's delta_net-1.3B, hidden
 2048, 16 heads, 24 layers; vocabulary 32000, untied, SwiGLU width by fla's rule) and each dtype,
 two models with random weights:
@@ -36,13 +36,10 @@ vocabulary 1000) checks the command in seconds.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -197,45 +194,23 @@ def _row(r: dict[str, Any]) -> str:
     ]) + " |"
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.fla_decode",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["340M", "1.3B"])
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
-    p.add_argument("--contexts", nargs="+", type=int, default=[1024, 16384])
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--context-fill", choices=FILLS, default="synthetic",
-                   help="synthetic: random state/KV cache of the context's shapes, no prefill "
-                        "(default); prefill: run the context through the model first")
-    p.add_argument("--prefill-chunk", type=int, default=1024,
-                   help="tokens per forward of the prefill (--context-fill prefill)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args = p.parse_args(argv)
-    for name in ("new_tokens", "prefill_chunk"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if any(c < 1 for c in args.contexts):
-        p.error(f"--contexts must all be >= 1, got {args.contexts}")
-    if args.threads is not None:
-        if args.threads < 1:
-            p.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    if "llama" in args.models:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            p.error("--models llama needs transformers (pip install 'fastweights[hf]')")
+def machine() -> dict[str, Any]:
+    """The processor, CPU count, torch threads and version the results record."""
+    return {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
 
+
+def run(shapes: list[str], models: list[str], dtypes: list[str], contexts: list[int], *,
+        new_tokens: int = 32, prefill_chunk: int = 1024, seed: int = 0,
+        fill: str = "synthetic") -> list[dict[str, Any]]:
+    """``measure`` for every (shape, dtype, model, context), one after another in this process;
+    prints a Markdown table row by row and returns the rows."""
     _return_freed_memory()
-    machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
-    how = (f"prefill in pieces of {args.prefill_chunk}" if args.context_fill == "prefill"
+    info = machine()
+    how = (f"prefill in pieces of {prefill_chunk}" if fill == "prefill"
            else "synthetic context (random state / KV cache, no prefill)")
-    print(f"# {machine['processor']}, {machine['cpus']} CPUs, torch {machine['torch']}, "
-          f"{machine['threads']} threads; batch 1, {args.new_tokens} decoded tokens, {how}")
+    print(f"# {info['processor']}, {info['cpus']} CPUs, torch {info['torch']}, "
+          f"{info['threads']} threads; batch 1, {new_tokens} decoded tokens, {how}")
     print("| " + " | ".join(HEADER) + " |")
     print("|" + "---|" * len(HEADER))
     rows = []
@@ -243,24 +218,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     # collections between settings then cost milliseconds instead of a pass over every module.
     gc.freeze()
     try:
-        for shape in args.shapes:
-            for dtype in args.dtypes:
-                for model in args.models:
-                    for context in args.contexts:
-                        r = measure(model, shape, dtype, context, new_tokens=args.new_tokens,
-                                    prefill_chunk=args.prefill_chunk, seed=args.seed,
-                                    fill=args.context_fill)
+        for shape in shapes:
+            for dtype in dtypes:
+                for model in models:
+                    for context in contexts:
+                        r = measure(model, shape, dtype, context, new_tokens=new_tokens,
+                                    prefill_chunk=prefill_chunk, seed=seed, fill=fill)
                         rows.append(r)
                         print(_row(r), flush=True)
     finally:
         gc.unfreeze()
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "machine": machine, "results": rows}, indent=2) + "\n")
     return rows
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench fla-decode`
+    import sys
+
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "fla-decode", *sys.argv[1:]]))

@@ -1,6 +1,7 @@
 """CPU/GPU time of the fast-weight op forms (chunk vs recurrent vs naive) in one process.
 
-``python -m fastweights.bench.fwp_forms [--T 4096] [--chunk-sizes 32,64,128]`` times the forward
+``fastweights bench fwp-forms [--T 4096] [--chunk-sizes 32,64,128]`` (or ``python -m
+fastweights.bench.fwp_forms``, the same command) times the forward
 of ``linear_attn`` and ``delta_rule`` at B1 H8 D64 (float32 by default) in every mode, the
 chunked form at each chunk size, and prints them next to the machine's measured square-matmul
 rate and the FLOP rate each form achieves (counted as in ``fastweights.bench.measure``).
@@ -16,7 +17,7 @@ float32 row's output (relative to that output's largest magnitude; "% of matmul"
 share of the float32 matmul rate). The header then gives the CPU model, torch's vector
 capability (``torch.backends.cpu.get_cpu_capability()``), whether the CPU has AMX-BF16 /
 AVX512-BF16 (what ``auto`` decides by) and the bfloat16 matmul rate:
-``python -m fastweights.bench.fwp_forms --modes chunk --autocast-bf16``.
+``fastweights bench fwp-forms --modes chunk --autocast-bf16``.
 
 ``--profile`` adds, under each form's line, where its time goes: the ``torch.profiler`` table
 of the ``--profile-top`` operators with the most self CPU time per call (calls, ms, share of
@@ -28,7 +29,6 @@ Dimension legend: B batch, T time, H heads, D head dim.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -140,72 +140,56 @@ def _bf16_header() -> str:
             f"{CPU_BF16_ENV}=on under torch.autocast('cpu', dtype=torch.bfloat16)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--T", type=int, default=4096)
-    p.add_argument("--H", type=int, default=8)
-    p.add_argument("--D", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--chunk-sizes", default="64", help="comma-separated chunk sizes")
-    p.add_argument("--modes", default="chunk,recurrent,naive")
-    p.add_argument("--clock", default="wall", choices=("wall", "cpu"))
-    p.add_argument("--backward", action="store_true",
-                   help="time forward+backward (gradients of q, k, v, beta) instead of forward")
-    p.add_argument("--autocast-bf16", action="store_true",
-                   help="add each chunked form under CPU bfloat16 autocast with "
-                        f"{CPU_BF16_ENV}=on (the bfloat16 product path), interleaved with it")
-    p.add_argument("--profile", action="store_true",
-                   help="under each form, the profiler's table of its operators by self CPU "
-                        "time (per call, share of the total)")
-    p.add_argument("--profile-top", type=int, default=12,
-                   help="operators listed by --profile (the rest summed in one line)")
-    args = p.parse_args(argv)
-    for name in ("B", "T", "H", "D", "repeats", "profile_top"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    with _env(CPU_BF16_ENV, "on") if args.autocast_bf16 else contextlib.nullcontext():
-        _run(args)
+def run(*, B: int = 1, T: int = 4096, H: int = 8, D: int = 64, dtype: str = "float32",
+        repeats: int = 5, chunk_sizes: tuple[int, ...] = (64,),
+        modes: tuple[str, ...] = ("chunk", "recurrent", "naive"), clock: str = "wall",
+        backward: bool = False, autocast_bf16: bool = False, profile: bool = False,
+        profile_top: int = 12) -> list[dict[str, Any]]:
+    """Time every form (module docstring); prints a line per form (and with ``profile`` its
+    operator table) and returns the rows: form, median and min ms, GFLOP/s."""
+    with _env(CPU_BF16_ENV, "on") if autocast_bf16 else contextlib.nullcontext():
+        return _run(B, T, H, D, getattr(torch, dtype), repeats, chunk_sizes, modes, clock,
+                    backward, autocast_bf16, profile, profile_top)
 
 
-def _run(args: argparse.Namespace) -> None:
-    dtype = getattr(torch, args.dtype)
+def _run(B: int, T: int, H: int, D: int, dtype: torch.dtype, repeats: int,
+         chunk_sizes: tuple[int, ...], modes: tuple[str, ...], clock: str, backward: bool,
+         autocast_bf16: bool, profile: bool, profile_top: int) -> list[dict[str, Any]]:
     device = torch.device("cpu")
-    x = _inputs(args.B, args.T, args.H, args.D, dtype)
-    if args.backward:
+    x = _inputs(B, T, H, D, dtype)
+    if backward:
         x = {n: t.requires_grad_() for n, t in x.items()}
     peak, n = matmul_gflops(device, dtype)
-    timed = _timer(args.clock)
-    print(f"B{args.B} H{args.H} T{args.T} D{args.D} {args.dtype}, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}, {args.clock} clock; "
+    timed = _timer(clock)
+    print(f"B{B} H{H} T{T} D{D} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
+          f"threads, torch {torch.__version__}, {clock} clock; "
           f"matmul {peak:.1f} GFLOP/s (n={n}, wall clock); "
-          f"{'forward+backward' if args.backward else 'forward'}")
-    if args.autocast_bf16:
+          f"{'forward+backward' if backward else 'forward'}")
+    if autocast_bf16:
         print(_bf16_header())
     calls = {}
-    for mode in args.modes.split(","):
-        sizes = [int(c) for c in args.chunk_sizes.split(",")] if mode == "chunk" else [64]
-        for C in sizes:
+    for mode in modes:
+        for C in (chunk_sizes if mode == "chunk" else [64]):
             tag = f"[chunk C={C}]" if mode == "chunk" else f"[{mode}]"
-            calls[f"linear_attn{tag}"] = _pass(args.backward, lambda m=mode, c=C: linear_attn(
+            calls[f"linear_attn{tag}"] = _pass(backward, lambda m=mode, c=C: linear_attn(
                 x["q"], x["k"], x["v"], normalize=True, mode=m, chunk_size=c))
-            calls[f"delta_rule{tag}"] = _pass(args.backward, lambda m=mode, c=C: delta_rule(
+            calls[f"delta_rule{tag}"] = _pass(backward, lambda m=mode, c=C: delta_rule(
                 x["qn"], x["kn"], x["v"], x["beta"], mode=m, chunk_size=c))
-            if args.autocast_bf16 and mode == "chunk":
+            if autocast_bf16 and mode == "chunk":
                 for op in ("linear_attn", "delta_rule"):
                     calls[f"{op}{tag}{BF16_TAG}"] = _autocast_bf16(calls[f"{op}{tag}"])
     names = sorted(calls)
-    with torch.enable_grad() if args.backward else torch.no_grad():
+    rows = []
+    with torch.enable_grad() if backward else torch.no_grad():
         notes = {}
         for name in names:  # the warm-up round; the bfloat16 rows' difference from float32
             out = calls[name]()
-            if name.endswith(BF16_TAG) and not args.backward:
+            if name.endswith(BF16_TAG) and not backward:
                 ref = calls[name.removesuffix(BF16_TAG)]()[0]
                 err = (out[0] - ref).abs().max() / ref.abs().max()
                 notes[name] = f"  max|o - o_float32| / max|o_float32| = {err.item():.1e}"
         times: dict[str, list[float]] = {name: [] for name in names}
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for name in names:
                 times[name].append(timed(calls[name]))
         for name in names:
@@ -213,12 +197,19 @@ def _run(args: argparse.Namespace) -> None:
             t = statistics.median(times[name])
             rate = flops / t / 1e9
             # A CPU-clock rate is per CPU-second, not comparable with the wall-clock matmul rate.
-            share = f"({100 * rate / peak:5.1f}% of matmul)" if args.clock == "wall" else "per CPU-s"
+            share = f"({100 * rate / peak:5.1f}% of matmul)" if clock == "wall" else "per CPU-s"
             print(f"{name:<44} {t * 1e3:9.2f} ms  {rate:7.2f} GFLOP/s {share}  "
                   f"min {min(times[name]) * 1e3:.2f} ms{notes.get(name, '')}", flush=True)
-            if args.profile:
-                print(profile_table(calls[name], args.repeats, args.profile_top), flush=True)
+            rows.append({"form": name, "ms": t * 1e3, "min_ms": min(times[name]) * 1e3,
+                         "gflop_s": rate})
+            if profile:
+                print(profile_table(calls[name], repeats, profile_top), flush=True)
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench fwp-forms`
+    import sys
+
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "fwp-forms", *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """Decoding many streams at once: N independent streams, each at its own position, one batched
 step for all of them, for every recurrent mixer against softmax attention with a KV cache.
 
-``python -m fastweights.bench.multistream`` builds one ``LanguageModel`` per mixer (default: 4
+``fastweights bench multistream`` (or ``python -m fastweights.bench.multistream``) builds one ``LanguageModel`` per mixer (default: 4
 layers, d_model 512, 8 heads, vocabulary 256, float32; every registered mixer but aft-full,
 whose cache grows like softmax's and whose position table stops at max_len) and, for every
 context length c and stream count N, measures one decoding step of N streams stacked with
@@ -41,12 +41,10 @@ results.csv, results.md and meta.json (machine, CPU model and instruction sets) 
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime
 import json
 import math
-import shlex
 import statistics
 import sys
 import time
@@ -62,7 +60,6 @@ from ..layers.softmax import KVCacheRows
 from ..layers.transnormer import NormState
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel, LMState
-from ..models.registry import check_mixer, mixer_names, split_mixer_spec
 from .measure import PeakMemory, prepare_cpu_memory_accounting, synchronize
 from .suite import _available_memory, _machine, cpu_info
 
@@ -278,87 +275,42 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     path.write_text("\n".join(lines))
 
 
-def _ints(text: str, flag: str, parser: argparse.ArgumentParser) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        parser.error(f"{flag} must be comma-separated integers, got {text!r}")
-    if not values or min(values) < 1:
-        parser.error(f"{flag} must list integers >= 1, got {text!r}")
-    return values
+OUTPUT_FILES = ("results.csv", "results.md", "meta.json")
 
 
-def main(argv: list[str] | None = None) -> list[Row]:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.multistream",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_mixers = ",".join(m for m in mixer_names() if m != "aft-full")
-    p.add_argument("--mixers", default=default_mixers,
-                   help="comma-separated mixer specs (name or name:opt=value); softmax, the "
-                        "baseline, is added unless named (default: every mixer but aft-full)")
-    p.add_argument("--streams", default="1,8,64", help="stream counts N")
-    p.add_argument("--contexts", default="1024,16384", help="context lengths c")
-    p.add_argument("--compile", default="both", choices=list(COMPILE_CHOICES))
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=8)
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first call")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = p.parse_args(argv)
-    streams = _ints(args.streams, "--streams", p)
-    contexts = _ints(args.contexts, "--contexts", p)
-    for name in ("d_model", "n_layers", "n_heads", "vocab_size", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0 or (args.threads is not None and args.threads < 1):
-        p.error("--warmup must be >= 0 and --threads >= 1")
-    specs = []
-    for text in (t.strip() for t in args.mixers.split(",") if t.strip()):
-        try:
-            name, opts = split_mixer_spec(text)
-            check_mixer(name, args.d_model, args.n_heads, **opts)
-        except (ValueError, TypeError) as err:
-            p.error(f"--mixers {text!r}: {err}")
-        specs.append((text, name, opts))
+def run(specs: list[tuple[str, str, dict[str, Any]]], streams: list[int], contexts: list[int],
+        out: Path, *, modes: tuple[str, ...] = MODES, d_model: int = 512, n_layers: int = 4,
+        n_heads: int = 8, vocab_size: int = 256, steps: int = 8, warmup: int = 2,
+        device: torch.device | str = "cpu", seed: int = 0, command: str = "") -> list[Row]:
+    """Every mixer ``(label, name, options)`` (softmax, the baseline, added first unless named)
+    in every compile mode at every (context, N); one line per configuration on stderr; writes
+    results.csv, results.md and meta.json (``command`` recorded as given) into ``out`` and
+    returns the rows."""
     if not any(name == "softmax" for _, name, _ in specs):
-        specs.insert(0, ("softmax", "softmax", {}))
-    existing = [f for f in ("results.csv", "results.md", "meta.json") if (args.out / f).exists()]
-    if existing and not args.overwrite:
-        p.error(f"--out {args.out} already holds {', '.join(existing)}; pass --overwrite")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+        specs = [("softmax", "softmax", {}), *specs]
+    device = torch.device(device)
     memory = device.type == "cuda" or prepare_cpu_memory_accounting()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    modes = COMPILE_CHOICES[args.compile]
-    max_len = max(contexts) + args.steps + args.warmup + 8
+    max_len = max(contexts) + steps + warmup + 8
     budget = 0.5 * _available_memory(device)
     rows: list[Row] = []
     for label, name, opts in specs:
-        model = build_model(name, opts, d_model=args.d_model, n_layers=args.n_layers,
-                            n_heads=args.n_heads, vocab_size=args.vocab_size, max_len=max_len,
-                            device=device)
+        model = build_model(name, opts, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                            vocab_size=vocab_size, max_len=max_len, device=device)
         for mode in modes:
             step = _compiled(model, mode)
             for context in contexts:
                 for n in streams:
                     row = Row(label, mode, context, n)
                     rows.append(row)
-                    need = _predicted_bytes(model, context, n, args.steps + args.warmup)
+                    need = _predicted_bytes(model, context, n, steps + warmup)
                     if need > budget:
                         row.status = (f"skipped: predicted {need / 2**30:.1f} GiB > half the "
                                       f"available {2 * budget / 2**30:.1f} GiB")
                     else:
                         try:
-                            measure(step, model, row, steps=args.steps, warmup=args.warmup,
-                                    device=device, memory=memory, seed=args.seed)
+                            measure(step, model, row, steps=steps, warmup=warmup,
+                                    device=device, memory=memory, seed=seed)
                         except Exception as err:  # one config's failure is a result to record
                             first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
                             row.status = f"failed: {type(err).__name__}: {first}"
@@ -368,21 +320,24 @@ def main(argv: list[str] | None = None) -> list[Row]:
                              if row.status == "ok" else row.status), file=sys.stderr, flush=True)
     cpu = cpu_info()
     meta = {
-        "command": "python -m fastweights.bench.multistream " + shlex.join(argv),
+        "command": command,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": _machine(), "cpu_model": cpu["model"], "cpu_isa": cpu["isa"],
         "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device),
-        "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
-        "vocab_size": args.vocab_size, "steps": args.steps, "warmup": args.warmup,
+        "d_model": d_model, "n_layers": n_layers, "n_heads": n_heads,
+        "vocab_size": vocab_size, "steps": steps, "warmup": warmup,
         "streams": streams, "contexts": contexts, "modes": list(modes), "memory": memory,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "results.csv", rows)
-    write_markdown(args.out / "results.md", rows, meta)
-    (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"wrote {args.out}/results.csv, results.md, meta.json", file=sys.stderr)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "results.csv", rows)
+    write_markdown(out / "results.md", rows, meta)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"wrote {out}/results.csv, results.md, meta.json", file=sys.stderr)
     return rows
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench multistream`
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "multistream", *sys.argv[1:]]))

@@ -1,6 +1,6 @@
 """Training-step time and peak memory with and without gradient checkpointing (recompute).
 
-``python -m fastweights.bench.recompute`` builds one ``LanguageModel`` per mixer (default: 4
+``fastweights bench recompute`` (or ``python -m fastweights.bench.recompute``) builds one ``LanguageModel`` per mixer (default: 4
 layers, d_model 512, 8 heads, MLP feed-forward, float32, batch 1) and, for every sequence
 length, times one training step (forward, loss, backward) with
 ``model.set_gradient_checkpointing(False)`` and ``(True)``: the median of ``--repeats`` after a
@@ -13,11 +13,9 @@ as JSON and markdown with ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,49 +83,36 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.recompute", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mixers", default="delta,linear,softmax")
-    p.add_argument("--lengths", default="1024,4096")
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", help="folder for results.json and results.md")
-    argv = sys.argv[1:] if argv is None else argv
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
-    try:
-        mixers = [m for m in args.mixers.split(",") if m]
-        lengths = [int(t) for t in args.lengths.split(",") if t]
-    except ValueError:
-        p.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
-    if any(t < 1 for t in lengths) or args.repeats < 1:
-        p.error("--lengths and --repeats must be positive")
+def run(mixers: list[str], lengths: list[int], *, d_model: int = 512, n_layers: int = 4,
+        n_heads: int = 8, repeats: int = 3, device: torch.device | str = "cpu",
+        out: Path | None = None, command: str = "") -> list[dict[str, Any]]:
+    """``measure`` for every (mixer, T); prints a table row per pair and returns the rows; with
+    ``out`` writes results.json and results.md there (``command`` recorded as given)."""
+    device = torch.device(device)
     memory = device.type == "cuda" or prepare_cpu_memory_accounting()
     rows: list[dict[str, Any]] = []
     for mixer in mixers:
         for T in lengths:
-            rows += measure(mixer, T, d_model=args.d_model, n_layers=args.n_layers,
-                            n_heads=args.n_heads, repeats=args.repeats, device=device,
-                            memory=memory)
-            print(_markdown(rows[-2:], {"machine": "", "command": "", "n_layers": args.n_layers,
-                                         "d_model": args.d_model, "n_heads": args.n_heads,
-                                         "repeats": args.repeats}).splitlines()[-1], flush=True)
+            rows += measure(mixer, T, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                            repeats=repeats, device=device, memory=memory)
+            print(_markdown(rows[-2:], {"machine": "", "command": "", "n_layers": n_layers,
+                                         "d_model": d_model, "n_heads": n_heads,
+                                         "repeats": repeats}).splitlines()[-1], flush=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, "
                        f"{torch.get_num_threads()} threads, torch {torch.__version__}, {device}",
-            "command": "python -m fastweights.bench.recompute " + " ".join(argv),
-            "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
-            "repeats": args.repeats}
-    if args.out:
-        out = Path(args.out)
+            "command": command, "d_model": d_model, "n_layers": n_layers, "n_heads": n_heads,
+            "repeats": repeats}
+    if out is not None:
+        out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
         (out / "results.md").write_text(_markdown(rows, meta))
     return rows
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench recompute`
+    import sys
+
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "recompute", *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """TTT-MLP layer forward+backward with the dual-form scan's hand-written backward pass, against
 the same scan differentiated by autograd, and against softmax attention (SDPA), on the CPU.
 
-``python -m fastweights.bench.ttt_mlp_backward`` builds the ``ttt-mlp`` and ``softmax`` mixers
+``fastweights bench ttt-mlp-backward`` (or ``python -m fastweights.bench.ttt_mlp_backward``) builds the ``ttt-mlp`` and ``softmax`` mixers
 (d_model 512, 8 heads, batch 1, float32, the defaults) and times one forward+backward of each
 layer in thread CPU time (``time.thread_time``: on a machine shared with other jobs it counts
 only this thread's work), the variants interleaved round by round in this one process, one
@@ -16,9 +16,7 @@ keeps for the backward pass (tensors saved by autograd, counted once per storage
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -56,36 +54,31 @@ def _saved_bytes(step: Callable[[], None]) -> int:
     return sum(storages.values())
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m fastweights.bench.ttt_mlp_backward",
-                                     description=__doc__)
-    parser.add_argument("--lengths", type=str, default="4096", help="comma-separated T values")
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--group", type=int, default=None,
-                        help="also the TTT-MLP rows with checkpoint_group=GROUP")
-    parser.add_argument("--json", type=str, default=None, help="also write the results here")
-    args = parser.parse_args(argv)
+def run(lengths: list[int], *, d_model: int = 512, heads: int = 8, repeats: int = 5,
+        group: int | None = None) -> dict:
+    """Every variant at every length (module docstring); prints a row per variant and returns
+    the results: ``config`` and, per length (as a string), each variant's ms and saved MiB."""
     torch.manual_seed(0)
-    layers = {"ttt-mlp": build_mixer("ttt-mlp", args.d_model, args.heads),
-              "softmax": build_mixer("softmax", args.d_model, args.heads)}
+    layers = {"ttt-mlp": build_mixer("ttt-mlp", d_model, heads),
+              "softmax": build_mixer("softmax", d_model, heads)}
     variants = {"softmax (SDPA)": ("softmax", contextlib.nullcontext),
                 "ttt-mlp": ("ttt-mlp", contextlib.nullcontext),
                 "ttt-mlp autograd": ("ttt-mlp", _autograd_scan)}
-    if args.group is not None:
-        grouped = build_mixer("ttt-mlp", args.d_model, args.heads, checkpoint_group=args.group)
+    if group is not None:
+        grouped = build_mixer("ttt-mlp", d_model, heads, checkpoint_group=group)
         grouped.load_state_dict(layers["ttt-mlp"].state_dict())
-        layers[f"ttt-mlp g{args.group}"] = grouped
-        variants[f"ttt-mlp g{args.group}"] = (f"ttt-mlp g{args.group}", contextlib.nullcontext)
+        layers[f"ttt-mlp g{group}"] = grouped
+        variants[f"ttt-mlp g{group}"] = (f"ttt-mlp g{group}", contextlib.nullcontext)
     cpu = cpu_info()
     print(f"CPU {cpu['model']}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"float32, batch 1, d_model {args.d_model}, {args.heads} heads; thread CPU time, "
-          f"median of {args.repeats} after 1 warm-up, variants interleaved")
-    results: dict = {"config": {**vars(args), "threads": torch.get_num_threads(),
+          f"float32, batch 1, d_model {d_model}, {heads} heads; thread CPU time, "
+          f"median of {repeats} after 1 warm-up, variants interleaved")
+    config = {"lengths": ",".join(map(str, lengths)), "d_model": d_model, "heads": heads,
+              "repeats": repeats, "group": group}
+    results: dict = {"config": {**config, "threads": torch.get_num_threads(),
                                 "torch": torch.__version__, "cpu": cpu["model"]}}
-    for T in (int(t) for t in args.lengths.split(",")):
-        x = torch.randn(1, T, args.d_model, requires_grad=True)
+    for T in lengths:
+        x = torch.randn(1, T, d_model, requires_grad=True)
         steps = {name: _step(layers[layer], x, ctx, backward=True)
                  for name, (layer, ctx) in variants.items()}
         saved = {name: _saved_bytes(_step(layers[layer], x, ctx, backward=False))
@@ -93,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         times: dict[str, list[float]] = {name: [] for name in steps}
         for step in steps.values():
             step()
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for name, step in steps.items():
                 start = time.thread_time()
                 step()
@@ -105,9 +98,6 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"T={T:6d} {name:20s} fwd+bwd {r['ms']:8.0f} ms  ({r['ms'] / base:4.2f}x "
                   f"softmax)  saved for backward {r['saved_MiB']:7.0f} MiB")
         results[str(T)] = row
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
     return results
 
 
@@ -122,5 +112,9 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, ctx: Callable, backward: bool
     return step
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench ttt-mlp-backward`
+    import sys
+
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "ttt-mlp-backward", *sys.argv[1:]]))

@@ -1,6 +1,6 @@
 """CPU time of the TTT dual form against the vectorised primal form (SPEC.md 2.4, 2.9 (a)).
 
-``python -m fastweights.bench.ttt_modes`` times ``ttt_linear`` and ``ttt_mlp`` in both modes at
+``fastweights bench ttt-modes`` (or ``python -m fastweights.bench.ttt_modes``) times ``ttt_linear`` and ``ttt_mlp`` in both modes at
 B1 H4 T2048 d64, mini-batch 16, float32 (the defaults), forward alone and forward + backward, all
 in this one process: one warm-up call per case, then the median of ``--repeats`` calls. It also
 reports the float64 max disagreement between the two modes on a shorter sequence. Prints a table;
@@ -11,8 +11,6 @@ the dual form's sequential loop into a wait for the scheduler.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -92,30 +90,21 @@ def max_disagreement(kind: str, B: int, T: int, H: int, d: int, mini_batch_size:
     return (outs[0] - outs[1]).abs().max().item()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m fastweights.bench.ttt_modes", description=__doc__)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--mini-batch-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
-    parser.add_argument("--json", type=str, default=None, help="also write the results here")
-    args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    B, T, H, d, b = args.batch, args.seq_len, args.heads, args.head_dim, args.mini_batch_size
+def run(ops: list[str], *, batch: int = 1, heads: int = 4, seq_len: int = 2048,
+        head_dim: int = 64, mini_batch_size: int = 16, repeats: int = 5) -> dict:
+    """Both modes of every op in ``ops`` (``OPS``), forward and forward + backward, and their
+    float64 disagreement at T = 256; prints the table and returns the results (``config`` and
+    one entry per op)."""
+    B, T, H, d, b = batch, seq_len, heads, head_dim, mini_batch_size
     print(f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, float32, "
-          f"B{B} H{H} T{T} d{d} mini-batch {b}, median of {args.repeats} after 1 warm-up")
+          f"B{B} H{H} T{T} d{d} mini-batch {b}, median of {repeats} after 1 warm-up")
     results: dict = {"config": {"B": B, "T": T, "H": H, "d": d, "mini_batch_size": b,
                                 "threads": torch.get_num_threads(), "torch": torch.__version__}}
-    for kind in args.ops:
+    for kind in ops:
         inputs = make_inputs(kind, B, T, H, d, torch.float32)
         row: dict = {}
         for what, backward in (("forward", False), ("forward+backward", True)):
-            secs = {m: time_mode(kind, m, inputs, b, backward, args.repeats) for m in ("dual", "primal")}
+            secs = {m: time_mode(kind, m, inputs, b, backward, repeats) for m in ("dual", "primal")}
             row[what] = {**secs, "speedup": secs["primal"] / secs["dual"]}
             print(f"{kind:10s} {what:17s} dual {1e3 * secs['dual']:8.1f} ms   primal "
                   f"{1e3 * secs['primal']:8.1f} ms   primal/dual {row[what]['speedup']:5.2f}x")
@@ -123,11 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{kind:10s} float64 max |dual - primal| (T=256): "
               f"{row['float64_max_abs_dual_minus_primal_T256']:.2e}")
         results[kind] = row
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
     return results
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench ttt-modes`
+    import sys
+
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "ttt-modes", *sys.argv[1:]]))

@@ -7,6 +7,7 @@ Imports no torch: ``main`` imports this module before it can handle a Ctrl-C dur
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import textwrap
 from collections.abc import Iterator
@@ -78,18 +79,36 @@ def parse_int_list(flag: str, text: str) -> list[int]:
     return values
 
 
+def _option_value(text: str) -> Any:
+    """A mixer option's value as written in a spec: ``true``/``false``/``none`` (any case),
+    ints, floats, else the string itself."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_mixer_spec(flag: str, spec: str) -> tuple[str, dict[str, Any]]:
     """A mixer specification, ``name`` or ``name:opt=value:opt=value``: ``"dpfp:nu=2"`` ->
-    ``("dpfp", {"nu": 2})`` (``models.registry.split_mixer_spec``); a malformed one is a
-    UserError naming ``flag``."""
-    # Imported here: this module stays free of torch, which the registry imports (main.py
-    # imports this module before its start-up signal handling).
-    from ..models.registry import split_mixer_spec
-
-    try:
-        return split_mixer_spec(spec)
-    except ValueError as err:
-        raise UserError(f"{flag}: {err}") from None
+    ``("dpfp", {"nu": 2})``; a malformed one is a UserError naming ``flag``. Names and options
+    are checked by ``build_mixer``/``check_mixer``, not here."""
+    name, *opts = spec.strip().split(":")
+    if not name:
+        raise UserError(f"{flag}: empty mixer name in {spec!r}")
+    options: dict[str, Any] = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or not key:
+            raise UserError(f"{flag}: mixer option {opt!r} in {spec!r} must look like name=value")
+        options[key.strip()] = _option_value(value.strip())
+    return name, options
 
 
 def parse_mixer_list(flag: str, text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -98,6 +117,26 @@ def parse_mixer_list(flag: str, text: str) -> list[tuple[str, dict[str, Any]]]:
     if not specs:
         raise UserError(f"{flag}: no mixer given in {text!r}")
     return [parse_mixer_spec(flag, s) for s in specs]
+
+
+def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """A benchmark's own settings, in its options' order, as its results record them (paths as
+    strings)."""
+    return {k: str(v) if isinstance(v, Path) else v
+            for k, v in ((k, getattr(args, k)) for k in args.settings)}
+
+
+def command_line(prefix: list[str], args: argparse.Namespace) -> str:
+    """The command that repeats a benchmark's run: ``prefix`` and every setting given a value
+    (``--flag`` for a flag that is on), shell-quoted."""
+    parts = list(prefix)
+    for key, value in recorded_settings(args).items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value is not None and value is not False:
+            parts += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 def make_folder(path: Path, flag: str = "--out") -> None:

@@ -86,6 +86,12 @@ class Mixer(nn.Module):
     options: ClassVar[Mapping[str, Option]] = MappingProxyType({})
     #: Options of the base class's constructor that this class passes itself (not its options).
     fixed_options: ClassVar[tuple[str, ...]] = ()
+    #: Shown every call of the layer's token-mixing op before it runs, as
+    #: ``op_hook(op, q, k, v, kwargs)`` (None: no hook; set on an instance). An analysis sees
+    #: what the op mixes without changing the layer (the TransNormer experiment rebuilds each
+    #: layer's mixing matrix from its q and k, ``reproduce/transnormer.py``).
+    op_hook: Callable[[Callable[..., Any], torch.Tensor, torch.Tensor, torch.Tensor,
+                       dict[str, Any]], None] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -138,6 +144,13 @@ class Mixer(nn.Module):
         another length) it raises ValueError; layers whose state tracks a position override it
         with per-row positions."""
         return cat_rows(check_stackable(states), "states")
+
+    def _mix(self, op: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             **kwargs: Any) -> Any:
+        """``op(q, k, v, **kwargs)``, the layer's token-mixing op, shown to ``op_hook`` first."""
+        if self.op_hook is not None:
+            self.op_hook(op, q, k, v, kwargs)
+        return op(q, k, v, **kwargs)
 
     def context_parallel(self) -> ContextParallel:
         """How this layer runs on a shard of a sequence split across processes (see

@@ -134,8 +134,8 @@ class LinearAttention(Mixer):
             new_state: State = packed_or_single([(s,) for s in per_document(S, cu_seqlens)],
                                                 cu_seqlens)
         else:
-            o, new_state = linear_attn(
-                q, k, v, normalize=self.normalize.endswith("attention"), eps=self.eps,
+            o, new_state = self._mix(
+                linear_attn, q, k, v, normalize=self.normalize.endswith("attention"), eps=self.eps,
                 initial_state=state, **opts)
         return self.out(merge_heads(o) * self.out_scale), new_state
 

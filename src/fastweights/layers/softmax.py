@@ -69,9 +69,9 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
             v = torch.cat([state[1].to(v.dtype), v], dim=1)
         if rows:
             lengths = state.lengths + x.shape[1]
-            o = softmax_attention(q, k, v, causal=True, kv_lengths=lengths)
+            o = self._mix(softmax_attention, q, k, v, causal=True, kv_lengths=lengths)
             return self.out(merge_heads(o)), KVCacheRows(k, v, lengths)
-        o = softmax_attention(q, k, v, causal=True)
+        o = self._mix(softmax_attention, q, k, v, causal=True)
         return self.out(merge_heads(o)), (k, v)
 
     def _project(self, x: torch.Tensor, start: int | torch.Tensor) -> tuple[torch.Tensor, ...]:

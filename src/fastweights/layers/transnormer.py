@@ -223,7 +223,7 @@ class NormAttention(Mixer):
         else:
             # linear_attn carries (S, z); z is unused without the normaliser.
             init = packed_or_single([_with_z(s) for s in S], cu_seqlens)
-            o, final = linear_attn(q, k, v, normalize=False, initial_state=init, **opts)
+            o, final = self._mix(linear_attn, q, k, v, normalize=False, initial_state=init, **opts)
             S = [s for s, _ in per_document(final, cu_seqlens)]
         o = srms_norm(merge_heads(o))
         if self.decay_values is not None:
@@ -413,7 +413,7 @@ class DiagAttention(Mixer):
             k = torch.cat([state.k_open.to(k.dtype), k], dim=1)
             v = torch.cat([state.v_open.to(v.dtype), v], dim=1)
             q = torch.cat([q.new_zeros(B, r, H, D), q], dim=1)
-        o = block_attention(q, k, v, block_size=w, kernel=self.kernel)[:, r:]
+        o = self._mix(block_attention, q, k, v, block_size=w, kernel=self.kernel)[:, r:]
         o = merge_heads(o)
         if self.kernel == "relu":
             o = srms_norm(o)

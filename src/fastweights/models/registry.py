@@ -112,35 +112,3 @@ def check_mixer(name: str, d_model: int, n_heads: int, **options: Any) -> None:
     is allocated and the caller's random generator is left untouched."""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         build_mixer(name, d_model, n_heads, **options)
-
-
-def _option_value(text: str) -> Any:
-    """A mixer option's value as written in a spec: ``true``/``false``/``none`` (any case),
-    ints, floats, else the string itself."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low == "none":
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def split_mixer_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """A mixer specification, ``name`` or ``name:opt=value:opt=value``: ``"dpfp:nu=2"`` ->
-    ``("dpfp", {"nu": 2})``. A malformed one raises ValueError; names and options are checked by
-    ``build_mixer``/``check_mixer``, not here."""
-    name, *opts = spec.strip().split(":")
-    if not name:
-        raise ValueError(f"empty mixer name in {spec!r}")
-    options: dict[str, Any] = {}
-    for opt in opts:
-        key, eq, value = opt.partition("=")
-        if not eq or not key:
-            raise ValueError(f"mixer option {opt!r} in {spec!r} must look like name=value")
-        options[key.strip()] = _option_value(value.strip())
-    return name, options

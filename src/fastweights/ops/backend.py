@@ -47,7 +47,7 @@ TRITON_MAX_DK = 128  # the key blocks the kernels hold (ops/fwp/triton.py MAX_DK
 TRITON_OPS = ("linear_attn", "delta_rule")
 
 # Chunk sizes measured per device kind (forward and forward+backward, B1 H8 T4096 D64 float32;
-# `python -m fastweights.bench.fwp_forms --backward --chunk-sizes 16,32,64,128 --modes chunk`,
+# `fastweights bench fwp-forms --backward --chunk-sizes 16,32,64,128 --modes chunk`,
 # recorded in benchmarks/results/chunk_sizes/). Devices not measured here keep 64, the size
 # flash-linear-attention's GPU kernels use (FLA_CHUNK).
 PREFERRED_CHUNK_SIZES: dict[str, dict[str, int]] = {

@@ -21,9 +21,6 @@ from typing import Any
 
 import torch
 
-from ..layers import fwp as fwp_layers
-from ..layers import softmax as softmax_layers
-from ..layers import transnormer as transnormer_layers
 from ..models import LanguageModel, LMConfig
 from ..train.trainer import METRICS_FILE, evaluate
 from . import lm
@@ -85,30 +82,25 @@ def plan(quick: bool, seeds: list[int], data: str) -> Plan:
 
 # ----------------------------------------------------------------------- attention dilution
 
-# The ops each mixer calls for its token mixing, as the layer modules import them.
-_CAPTURED = ((transnormer_layers, "linear_attn"), (transnormer_layers, "block_attention"),
-             (fwp_layers, "linear_attn"), (softmax_layers, "softmax_attention"))
-
-
 @contextlib.contextmanager
-def _capture_ops() -> Iterator[list[tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any]]]]:
-    """Record (op, q, k, keyword arguments) of every mixing op the layers call inside the block."""
+def _capture_ops(model: LanguageModel
+                 ) -> Iterator[list[tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any]]]]:
+    """Record (op, q, k, keyword arguments) of every mixing op the model's layers call inside
+    the block, through each layer's ``op_hook`` (``Mixer.op_hook``)."""
     calls: list[tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any]]] = []
-    saved = [(mod, name, getattr(mod, name)) for mod, name in _CAPTURED]
 
-    def recorder(op: Any) -> Any:
-        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
-            calls.append((op, q.detach(), k.detach(), kw))
-            return op(q, k, v, **kw)
-        return call
+    def record(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kw: dict[str, Any]) -> None:
+        calls.append((op, q.detach(), k.detach(), kw))
 
+    mixers = [block.mixer for block in model.blocks]
     try:
-        for mod, name, op in saved:
-            setattr(mod, name, recorder(op))
+        for mixer in mixers:
+            mixer.op_hook = record
         yield calls
     finally:
-        for mod, name, op in saved:
-            setattr(mod, name, op)
+        for mixer in mixers:
+            mixer.op_hook = None
 
 
 @torch.no_grad()
@@ -122,7 +114,7 @@ def attention_matrices(model: LanguageModel, x: torch.Tensor) -> list[torch.Tens
     NormAttention: the unnormalised q_i.k_j after LRPE, signed (its dilution uses |A|).
     """
     B, T = x.shape
-    with _capture_ops() as calls:
+    with _capture_ops(model) as calls:
         model(x)
     mats = []
     for op, q, k, kw in calls:

@@ -1,4 +1,5 @@
-"""``fastweights bench``: time, memory and FLOP rate of every mixer (and op) against T."""
+"""``fastweights bench`` without a benchmark name: the suite, time, memory and FLOP rate of every
+mixer (and op) against T (``fastweights.bench.suite``)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ from pathlib import Path
 
 import torch
 
-from ..bench import suite
-from ..bench.report import OUTPUT_FILES
-from ..bench.runner import PASSES
-from ..bench.targets import Setting
-from ..models.registry import check_mixer, mixer_names
-from .common import UserError, make_folder, parse_mixer_spec, positive_int
+from ...bench import suite
+from ...bench.report import OUTPUT_FILES
+from ...bench.runner import PASSES
+from ...bench.targets import Setting
+from ...models.registry import check_mixer, mixer_names
+from ..common import UserError, make_folder, parse_mixer_spec, positive_int
 
-NAME = "bench"
 HELP = "time, memory and FLOP rate of every mixer (and op) vs T"
 DESCRIPTION = ("Benchmark every registered mixer (and with --ops every form of every op) over "
                "sequence lengths T: forward, forward+backward and per-token decoding time, peak "
