@@ -7,6 +7,7 @@ Its forward is four steps: the input checks (``inputs.check_call``), packed docu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, ClassVar
 
@@ -210,6 +211,16 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
                 full[idx, p:T - r] = part
             new_groups.append((rows, state))
         return h_all, hidden, new_groups
+
+    def _set_gradient_checkpointing(self, enable: bool = True,
+                                    gradient_checkpointing_func: Callable[..., Any] | None = None,
+                                    every_n_layers: int = 1) -> None:
+        """transformers' hook behind ``activation_checkpointing_enable`` (and
+        ``gradient_checkpointing_enable``) and their ``disable``: the native model recomputes
+        blocks 0, n, 2n, ... (transformers' ``every_n_layers``) through
+        ``gradient_checkpointing_func`` (which carries ``use_reentrant``, ``offload``, ...)."""
+        self.model.set_gradient_checkpointing(enable, every_n_layers=every_n_layers)
+        self.model._gradient_checkpointing_func = gradient_checkpointing_func if enable else None
 
     def _check_trainable(self) -> None:
         """Raise if this model cannot compute a training loss (a subclass's refusal)."""
