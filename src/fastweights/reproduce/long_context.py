@@ -26,10 +26,10 @@ from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_sp
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
            "steps": 400, "lr": 2e-3, "eval_windows": 16, "factor": 16, "streams": 16,
-           "carry_state": "all but softmax"}
+           "carry_state": "all but softmax", "control": "own / unrelated / fresh prefix"}
 QUICK = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 16, "batch_size": 2,
          "steps": 3, "lr": 2e-3, "eval_windows": 2, "factor": 8, "streams": 2,
-         "carry_state": "all but softmax"}
+         "carry_state": "all but softmax", "control": "own / unrelated / fresh prefix"}
 WINDOWED = ("softmax",)  # trained on independent windows; every other model with carry_state
 RECURRENT = ("delta", "ttt-linear", "ttt-mlp", "infini", "diag/norm")
 
@@ -65,6 +65,41 @@ def _far_bucket(s: dict[str, Any]) -> str:
     return lm.bucket_name(*lm.log_buckets(s["seq_len"] * s["factor"])[-1])
 
 
+CONDITIONS = ("own", "unrelated", "fresh")
+
+
+def control_ranges(s: dict[str, Any]) -> list[tuple[int, int]]:
+    """The position ranges [lo, hi) (0-based inputs) scored under the three prefixes: doubling
+    from the training length, [T, 2T), [2T, 4T), ..., up to the stream length."""
+    T, length = s["seq_len"], s["seq_len"] * s["factor"]
+    out, lo = [], T
+    while lo < length:
+        out.append((lo, min(length, 2 * lo)))
+        lo *= 2
+    return out
+
+
+def control_metric(condition: str, lo: int, hi: int) -> str:
+    return f"{condition}@{lo}-{hi - 1}"
+
+
+def control_losses(model: Any, data: Any, s: dict[str, Any]) -> dict[str, float]:
+    """The built-in control: the loss at each of ``control_ranges`` read after the stream's own
+    first ``lo`` bytes (``own``), after the first ``lo`` bytes of an unrelated stream (the stream
+    half the batch away: ``streams / 2`` x the stream length further into the validation split,
+    ``unrelated``), and from a fresh state (``fresh``). ``own < unrelated`` says the model uses
+    its own context; ``unrelated < fresh`` only that a warmed-up state helps."""
+    T, length, n = s["seq_len"], s["seq_len"] * s["factor"], s["streams"]
+    x = lm.stream_batch(model, data, length, n)
+    other = x.roll(n // 2, dims=0)  # stream i reads the prefix of stream i - n/2 (mod n)
+    out = {}
+    for lo, hi in control_ranges(s):
+        out[control_metric("own", lo, hi)] = lm.range_loss(model, x, x[:, :lo], lo, hi, T)
+        out[control_metric("unrelated", lo, hi)] = lm.range_loss(model, x, other[:, :lo], lo, hi, T)
+        out[control_metric("fresh", lo, hi)] = lm.range_loss(model, x, None, lo, hi, T)
+    return out
+
+
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     corpus = lm.corpus(s["data"])
@@ -74,10 +109,11 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     T, length = s["seq_len"], s["seq_len"] * s["factor"]
     if model is None:
         names = [lm.bucket_name(lo, hi) for lo, hi in lm.log_buckets(length)]
-        return lm.diverged(config, s, ["loss_window", "loss_beyond", *names])
+        controls = [f"{c}@{lo}-{hi - 1}" for lo, hi in control_ranges(s) for c in CONDITIONS]
+        return lm.diverged(config, s, ["loss_window", "loss_beyond", *names, *controls])
     per_pos = lm.position_losses(model, corpus.val, length, s["streams"], piece=T)
     metrics = {"loss_window": float(per_pos[:T].mean()), "loss_beyond": float(per_pos[T:].mean()),
-               **lm.bucket_losses(per_pos)}
+               **lm.bucket_losses(per_pos), **control_losses(model, corpus.val, s)}
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
             "metrics": metrics}
 
