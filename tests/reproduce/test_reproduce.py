@@ -19,7 +19,7 @@ import pytest
 from fastweights.cli import main
 from fastweights.models import LMConfig
 from fastweights.reproduce import EXPERIMENTS
-from fastweights.reproduce.common import Claim, ReproduceError, decide, judge
+from fastweights.reproduce.common import ReproduceError, decide
 from fastweights.reproduce.lm import count_parameters, log_buckets, match_parameters
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -66,8 +66,10 @@ def test_quick_end_to_end(name, tmp_path, text_file):
         assert len({r["tokens"] for r in rows}) == 1
     md = (out / "results.md").read_text()
     table = md[md.index("## Claims"):md.index("Verdict rule")]
-    verdicts = re.findall(r"\*\*(reproduced|not reproduced|inconclusive)\*\*", table)
-    assert len(verdicts) == table.count("\n| ") - 1 and verdicts  # one verdict per claim row
+    verdicts = re.findall(r"\*\*(reproduced|not reproduced|inconclusive|not measured)\*\*", table)
+    claim_rows = [line for line in table.splitlines()
+                  if line.startswith("| ") and not line.startswith("| claim |")]
+    assert len(verdicts) == len(claim_rows) and verdicts  # one verdict per claim row
     assert "± " in table  # two seeds: a spread
     assert "## Claims" in res.stdout
     if name in CARRIED:  # which runs trained with the state carried across windows
@@ -140,32 +142,6 @@ def test_bad_seeds_in_a_subprocess_exit_2():
     res = subprocess.run(command("fwp-lm", "--seeds", "x"), capture_output=True, text=True,
                          timeout=120, env=env(), check=False)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
-
-
-def test_verdict_rule_on_synthetic_numbers():
-    # a clearly lower, spreads small: reproduced; reversed: not reproduced
-    assert decide([1.0, 1.01, 0.99], [2.0, 2.02, 1.98], "better").verdict == "reproduced"
-    assert decide([2.0, 2.02, 1.98], [1.0, 1.01, 0.99], "better").verdict == "not reproduced"
-    # a difference inside 2 standard errors: inconclusive
-    v = decide([1.0, 1.2], [1.1, 1.3], "better")
-    assert v.verdict == "inconclusive" and v.threshold == pytest.approx(2 * math.sqrt(0.02 / 2 + 0.02 / 2))
-    # one seed: only the 1 % floor
-    assert decide([1.0], [1.02], "better").verdict == "reproduced"
-    assert decide([1.0], [1.005], "better").verdict == "inconclusive"
-    # not worse: equal within noise is reproduced, clearly worse is not
-    assert decide([1.004], [1.0], "not_worse").verdict == "reproduced"
-    assert decide([1.5, 1.51], [1.0, 1.01], "not_worse").verdict == "not reproduced"
-    # a diverged run is infinitely bad
-    assert decide([float("nan")], [3.0], "better").verdict == "not reproduced"
-    assert decide([3.0], [float("nan"), 2.0], "better").verdict == "reproduced"
-    assert decide([float("nan")], [float("inf")], "better").verdict == "inconclusive"
-    assert decide([], [1.0], "better").verdict == "inconclusive"
-    rows = [{"model": m, "seed": s, "metrics": {"loss": v}}
-            for m, s, v in [("a", 0, 1.0), ("a", 1, 1.01), ("b", 0, 2.0), ("b", 1, 2.01)]]
-    (_claim, verdict), = judge(rows, [Claim("a < b", "paper", ("a", "loss"), ("b", "loss"))])
-    assert verdict.verdict == "reproduced" and verdict.n_a == verdict.n_b == 2
-    with pytest.raises(ValueError, match="kind"):
-        Claim("x", "p", ("a", "loss"), ("b", "loss"), kind="bigger")
 
 
 def test_parameter_matching_and_buckets():
