@@ -14,6 +14,7 @@ EXPERIMENTS = {
     "ttt-ablation": "ttt_ablation",
     "long-context": "long_context",
     "infini-passkey": "infini_passkey",
+    "infini-passkey-bytes": "infini_passkey_bytes",
     "transnormer": "transnormer",
     "aft": "aft",
 }

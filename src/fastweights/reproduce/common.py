@@ -77,7 +77,8 @@ class Claim:
     at the floor, or both at the ceiling, is *not measured*. ``control``: a check of the
     experiment itself (that a model trained, that a baseline fails where it must), not a claim
     of the paper; reported in its own table. ``margin``: the smallest difference that counts, as
-    a fraction of |mean(B)| (a claim of a collapse asks for more than the default 1 %)."""
+    a fraction of |mean(B)| (a claim of a collapse asks for more than the default 1 %);
+    ``margin_abs`` replaces it by an absolute difference (accuracies: a share of 0 % has no 1 %)."""
 
     name: str
     paper: str
@@ -89,8 +90,12 @@ class Claim:
     ceiling: float | None = None
     control: bool = False
     margin: float = REL_MARGIN
+    margin_abs: float | None = None
 
     def __post_init__(self) -> None:
+        if self.margin_abs is not None and not (isinstance(self.margin_abs, (int, float))
+                                                and self.margin_abs >= 0):
+            raise ValueError(f"Claim.margin_abs must be None or a number >= 0, got {self.margin_abs!r}")
         if not (isinstance(self.margin, (int, float)) and 0 <= self.margin < 1):
             raise ValueError(f"Claim.margin must be a fraction in [0, 1), got {self.margin!r}")
         if self.kind not in KINDS:
@@ -142,7 +147,8 @@ def _by_seed(values: Mapping[int, float] | Sequence[float]) -> dict[int, float]:
 
 def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Sequence[float],
            kind: str, *, paired: bool = False, floor: float | None = None,
-           ceiling: float | None = None, margin: float = REL_MARGIN) -> Verdict:
+           ceiling: float | None = None, margin: float = REL_MARGIN,
+           margin_abs: float | None = None) -> Verdict:
     """The verdict rule; ``a`` and ``b`` are each side's values by seed (a sequence: seeds 0,
     1, ...), lower is better.
 
@@ -153,7 +159,7 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
       mean of the per-seed differences and its standard error their spread / sqrt(n); unpaired:
       sqrt(s_a^2/n_a + s_b^2/n_b) with >= 2 seeds per side, else unknown (only the margin
       applies: provisional). noise = Z x that standard error; margin = ``margin`` x |mean(B)|
-      (default REL_MARGIN).
+      (default REL_MARGIN), or ``margin_abs`` when given.
     - ``better`` (A < B): reproduced if d > max(noise, margin); not reproduced if
       d < -max(noise, margin); else inconclusive. ``degrades`` (A > B): the same with -d. A
       numerically worse A is never reproduced.
@@ -188,7 +194,7 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
         out.reason = f"both sides at the ceiling ({ceiling:g}): the comparison cannot separate them"
         return out
     common = sorted(set(sa) & set(sb))
-    out.margin = margin * abs(mb)
+    out.margin = margin * abs(mb) if margin_abs is None else margin_abs
     if paired and len(common) >= 2 and set(sa) == set(sb):
         out.paired = True
         out.diffs = {s: sb[s] - sa[s] for s in common}
@@ -222,7 +228,8 @@ RULE_TEXT = (
     "are the same seeds and a seed fixes the data order (or both sides come from the same run), "
     f"d is the mean of the per-seed differences and its noise {Z:g} x their standard error "
     f"(paired), otherwise {Z:g} x the unpaired standard error; margin = {REL_MARGIN:.0%} of "
-    "|mean(B)| (or the larger share a claim states), the smallest difference that counts. \"A < B\" (better): reproduced if d > "
+    "|mean(B)| (or the share or absolute difference a claim states), the smallest difference "
+    "that counts. \"A < B\" (better): reproduced if d > "
     "max(noise, margin), not reproduced if d < -max(noise, margin), otherwise inconclusive at "
     "this scale; \"A > B\" (degrades) the same with -d. \"A <= B\" (no worse): reproduced if "
     "A's excess over B stays within the margin at its noisy worst (-d + noise <= margin), not "
@@ -364,7 +371,7 @@ def judge(rows: list[dict[str, Any]], claims: list[Claim]) -> list[tuple[Claim, 
     out = []
     for c in claims:
         v = decide(seed_values(rows, *c.a), seed_values(rows, *c.b), c.kind, paired=c.paired,
-                   floor=c.floor, ceiling=c.ceiling, margin=c.margin)
+                   floor=c.floor, ceiling=c.ceiling, margin=c.margin, margin_abs=c.margin_abs)
         stuck = [f"{model} seed {r['seed']}" for model in dict.fromkeys((c.a[0], c.b[0]))
                  for r in rows if r["model"] == model and not trained(r)]
         if stuck:

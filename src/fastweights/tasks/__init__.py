@@ -1,7 +1,7 @@
 """Data: the synthetic memory tasks (retrieval, MQAR, passkey) and byte-level text corpora."""
 
 from .mqar import mqar_batch
-from .passkey import passkey_prompt
+from .passkey import passkey_prompt, token_passkey, token_passkey_vocab
 from .retrieval import RetrievalBatch, last_value, retrieval_batch, retrieval_eval_batch
 from .text import ByteTokenizer, Corpus, eval_windows, load_corpus, random_windows
 
@@ -17,4 +17,6 @@ __all__ = [
     "random_windows",
     "retrieval_batch",
     "retrieval_eval_batch",
+    "token_passkey",
+    "token_passkey_vocab",
 ]

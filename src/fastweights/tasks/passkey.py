@@ -26,3 +26,41 @@ def passkey_prompt(n_filler: int, depth: float, generator: torch.Generator) -> t
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     prompt = FILLER * at + needle + FILLER * (n_filler - at) + QUESTION
     return prompt, key
+
+
+def token_passkey_vocab(n_filler: int = 32, n_keys: int = 64, n_values: int = 64) -> int:
+    """The vocabulary size of ``token_passkey``: filler ids, then key ids, then value ids."""
+    return n_filler + n_keys + n_values
+
+
+def token_passkey(n_segments: int, segment_len: int, batch: int, generator: torch.Generator, *,
+                  depth: float | None = None, n_filler: int = 32, n_keys: int = 64,
+                  n_values: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token-level passkey batch: ``(ids [batch, n_segments * segment_len], answers [batch])``.
+
+    Each sequence is random filler ids (``0 .. n_filler-1``) with one needle, a key id then a
+    value id, at the start of one of the segments before the last; its last token is the key
+    again and the answer is the value (chance 1 / ``n_values``). The needle's segment is uniform
+    over the earlier segments, or ``round(depth * (n_segments - 2))`` for a ``depth`` in [0, 1]
+    (0: the first segment, 1: the one just before the last), so a model that sees only the
+    current segment cannot answer."""
+    for name, value, low in (("n_segments", n_segments, 2), ("segment_len", segment_len, 3),
+                             ("batch", batch, 1), ("n_filler", n_filler, 1), ("n_keys", n_keys, 1),
+                             ("n_values", n_values, 1)):
+        if not is_int(value) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if depth is not None and (not is_number(depth) or not 0.0 <= depth <= 1.0):
+        raise ValueError(f"depth must be None or a number in [0, 1], got {depth!r}")
+    T = n_segments * segment_len
+    ids = torch.randint(0, n_filler, (batch, T), generator=generator)
+    keys = torch.randint(n_filler, n_filler + n_keys, (batch,), generator=generator)
+    answers = torch.randint(n_filler + n_keys, n_filler + n_keys + n_values, (batch,), generator=generator)
+    if depth is None:
+        segment = torch.randint(0, n_segments - 1, (batch,), generator=generator)
+    else:
+        segment = torch.full((batch,), round(depth * (n_segments - 2)))
+    rows, at = torch.arange(batch), segment * segment_len
+    ids[rows, at] = keys
+    ids[rows, at + 1] = answers
+    ids[:, -1] = keys
+    return ids, answers
