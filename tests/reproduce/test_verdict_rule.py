@@ -36,6 +36,9 @@ def test_degrades_is_better_reversed_and_a_collapse_claim_asks_more():
     drift = ({0: 2.6617, 1: 2.6643}, {0: 2.6289, 1: 2.6431})
     assert decide(*drift, "degrades", paired=True).verdict == "reproduced"
     assert decide(*drift, "degrades", paired=True, margin=0.1).verdict == "inconclusive"
+    # ... and a clear fall refutes a collapse beyond the default margin (long-context, carried)
+    fall = ({0: 2.777, 1: 2.845}, {0: 2.870, 1: 2.925})
+    assert decide(*fall, "degrades", paired=True, margin=0.1).verdict == "not reproduced"
 
 
 def test_both_sides_at_the_floor_or_ceiling_are_not_measured():

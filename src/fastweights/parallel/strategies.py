@@ -275,7 +275,9 @@ def _alignment(unit: str, size: Callable[[Any], int]) -> Callable[[Any, Shards, 
 
 def _strategy(mixer: Any) -> tuple[str, Callable[..., tuple[torch.Tensor, Any]]]:
     if isinstance(mixer, LinearAttention):
-        return ("delta_scan", delta_scan) if mixer.update == "delta" else ("sum_scan", sum_scan)
+        if mixer.update == "delta":  # the attention-normalised delta rule: passed rank to rank
+            return ("relay", relay) if mixer.normalize.endswith("attention") else ("delta_scan", delta_scan)
+        return "sum_scan", sum_scan
     table: list[tuple[type, str, Callable[..., tuple[torch.Tensor, Any]]]] = [
         (NormAttention, "decay_scan", decay_scan),
         (InfiniAttention, "infini_scan", infini_scan),

@@ -161,8 +161,9 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
       applies: provisional). noise = Z x that standard error; margin = ``margin`` x |mean(B)|
       (default REL_MARGIN), or ``margin_abs`` when given.
     - ``better`` (A < B): reproduced if d > max(noise, margin); not reproduced if
-      d < -max(noise, margin); else inconclusive. ``degrades`` (A > B): the same with -d. A
-      numerically worse A is never reproduced.
+      d < -max(noise, margin) (with a relative margin larger than REL_MARGIN, the opposite
+      direction already counts beyond max(noise, REL_MARGIN x |mean(B)|)); else inconclusive.
+      ``degrades`` (A > B): the same with -d. A numerically worse A is never reproduced.
     - ``not_worse`` (A <= B): reproduced if A's excess -d is within the margin even at its noisy
       worst (-d + noise <= margin); not reproduced if -d - noise > margin; else inconclusive.
       A noisy side therefore makes the claim inconclusive, never reproduced.
@@ -210,7 +211,10 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
     d, margin, thr = out.d, out.margin, out.threshold
     if kind in ("better", "degrades"):
         e = d if kind == "better" else -d
-        out.verdict = "reproduced" if e > thr else "not reproduced" if e < -thr else "inconclusive"
+        # the opposite direction counts beyond the default margin even where the claim asks for
+        # a larger effect (a collapse): a clear fall refutes "it collapses"
+        against = thr if margin_abs is not None else max(noise, min(out.margin, REL_MARGIN * abs(mb)))
+        out.verdict = "reproduced" if e > thr else "not reproduced" if e < -against else "inconclusive"
     elif kind == "not_worse":
         excess = -d
         out.verdict = ("reproduced" if excess + noise <= margin else
@@ -230,8 +234,9 @@ RULE_TEXT = (
     f"(paired), otherwise {Z:g} x the unpaired standard error; margin = {REL_MARGIN:.0%} of "
     "|mean(B)| (or the share or absolute difference a claim states), the smallest difference "
     "that counts. \"A < B\" (better): reproduced if d > "
-    "max(noise, margin), not reproduced if d < -max(noise, margin), otherwise inconclusive at "
-    "this scale; \"A > B\" (degrades) the same with -d. \"A <= B\" (no worse): reproduced if "
+    "max(noise, margin), not reproduced if d < -max(noise, margin) (a claim asking for a larger "
+    "effect, such as a collapse, is refuted by the opposite direction beyond the default margin), "
+    "otherwise inconclusive at this scale; \"A > B\" (degrades) the same with -d. \"A <= B\" (no worse): reproduced if "
     "A's excess over B stays within the margin at its noisy worst (-d + noise <= margin), not "
     "reproduced if -d - noise > margin, otherwise inconclusive. \"A ~ B\" (stays flat): "
     "reproduced if |d| + noise <= margin, not reproduced if |d| - noise > margin. **Not "

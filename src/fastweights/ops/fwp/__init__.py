@@ -8,7 +8,7 @@ kernels (``triton.py``; ``backend=``, chosen by ops/backend.py); everywhere else
 """
 
 from ..backend import PREFERRED_CHUNK_SIZES, preferred_chunk_size
-from .delta import delta_rule
+from .delta import delta_rule, delta_rule_attn_norm
 from .feature_maps import (
     FEATURE_MAPS,
     dpfp,
@@ -22,7 +22,8 @@ from .feature_maps import (
 from .linear_attention import MODES, LinearAttnState, linear_attn
 
 __all__ = [
-    "FEATURE_MAPS", "MODES", "PREFERRED_CHUNK_SIZES", "LinearAttnState", "delta_rule", "dpfp",
+    "FEATURE_MAPS", "MODES", "PREFERRED_CHUNK_SIZES", "LinearAttnState", "delta_rule",
+    "delta_rule_attn_norm", "dpfp",
     "draw_favor_projection", "elu_plus_one", "favor_features", "feature_map", "linear_attn",
     "preferred_chunk_size", "relu", "sum_norm",
 ]
