@@ -105,8 +105,9 @@ def test_resume_after_kill_keeps_finished_runs(tmp_path, text_file):
     assert "1 finished run(s) reused" in res.stderr
     assert first.read_text() == kept and first.stat().st_mtime_ns == mtime  # not retrained
     rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
-    # 13 fwp-lm models: 9, the two +positions models (b) and the two carried ones (c)
-    assert len(rows) == 13 and json.loads(kept)["model"] in {r["model"] for r in rows}
+    # 11 fwp-lm models: 3 feature maps x 2 rules, (a) and (b) on the delta model, the two
+    # carried ones (c), softmax
+    assert len(rows) == 11 and json.loads(kept)["model"] in {r["model"] for r in rows}
 
 
 def test_foreign_out_is_refused_and_overwrite_keeps_other_files(tmp_path, text_file, capsys):

@@ -170,6 +170,14 @@ def bucket_losses(per_position: torch.Tensor) -> dict[str, float]:
     return out
 
 
+def unigram_entropy(data: torch.Tensor) -> float:
+    """The entropy (nats) of the byte frequencies of ``data``: the loss of a model that learned
+    nothing but how often each byte occurs."""
+    counts = torch.bincount(data.long().flatten(), minlength=256).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
