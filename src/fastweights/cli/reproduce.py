@@ -29,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier reproduction's --out (the same command continues it)")
     p.add_argument("--render", action="store_true",
-                   help="train nothing: rewrite results.md and the plots in --out from its "
-                        "recorded results.csv with the current claims and verdict rule")
+                   help="train nothing: rewrite results.md in --out from its recorded "
+                        "results.csv with the current claims and verdict rule (plots kept)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

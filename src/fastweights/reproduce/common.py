@@ -78,7 +78,10 @@ class Claim:
     experiment itself (that a model trained, that a baseline fails where it must), not a claim
     of the paper; reported in its own table. ``margin``: the smallest difference that counts, as
     a fraction of |mean(B)| (a claim of a collapse asks for more than the default 1 %);
-    ``margin_abs`` replaces it by an absolute difference (accuracies: a share of 0 % has no 1 %)."""
+    ``margin_abs`` replaces it by an absolute difference (accuracies: a share of 0 % has no 1 %).
+    ``unmeasured``: why the recorded quantities cannot test the claim (a timing taken on a shared
+    machine, the whole model's gradient for the attention's): the verdict is *not measured*, the
+    numbers are still shown."""
 
     name: str
     paper: str
@@ -91,6 +94,7 @@ class Claim:
     control: bool = False
     margin: float = REL_MARGIN
     margin_abs: float | None = None
+    unmeasured: str = ""
 
     def __post_init__(self) -> None:
         if self.margin_abs is not None and not (isinstance(self.margin_abs, (int, float))
@@ -377,6 +381,8 @@ def judge(rows: list[dict[str, Any]], claims: list[Claim]) -> list[tuple[Claim, 
     for c in claims:
         v = decide(seed_values(rows, *c.a), seed_values(rows, *c.b), c.kind, paired=c.paired,
                    floor=c.floor, ceiling=c.ceiling, margin=c.margin, margin_abs=c.margin_abs)
+        if c.unmeasured:
+            v.verdict, v.reason = "not measured", c.unmeasured
         stuck = [f"{model} seed {r['seed']}" for model in dict.fromkeys((c.a[0], c.b[0]))
                  for r in rows if r["model"] == model and not trained(r)]
         if stuck:

@@ -51,14 +51,18 @@ def reproduce(name: str, out: Path, seeds: list[int], *, quick: bool = False, da
 
 def _write_results(exp: Experiment, plan: Plan, rows: list[dict], out: Path, seeds: list[int],
                    seconds: float | None) -> None:
+    """results.md; ``seconds`` None (a re-render) keeps the recorded plots as they are (some
+    are drawn from the run folders, which a record need not keep)."""
+    plots = (exp.plots(rows, out, plan) if seconds is not None else
+             sorted(p.name for p in out.glob("*.png")))
     write_markdown(out / "results.md", title=exp.title, intro=exp.intro,
                    settings=dict(plan.settings), judged=judge(rows, exp.claims(plan)), rows=rows,
-                   metrics=exp.metrics(plan), notes=exp.notes(plan, rows),
-                   plots=exp.plots(rows, out, plan), seeds=seeds, seconds=seconds)
+                   metrics=exp.metrics(plan), notes=exp.notes(plan, rows), plots=plots,
+                   seeds=seeds, seconds=seconds)
 
 
 def render(out: Path, name: str | None = None) -> Path:
-    """Rewrite ``out``'s results.md (and plots) from its recorded ``reproduce.json`` and
+    """Rewrite ``out``'s results.md from its recorded ``reproduce.json`` and
     ``results.csv`` with the current claims and verdict rule, training nothing. ``name``: the
     experiment whose claims to apply (default: the one the manifest names). Returns results.md."""
     import json

@@ -1,5 +1,9 @@
-"""``infini-passkey``: Infini-attention's passkey retrieval far beyond the training length
-(Munkhdalai et al. 2024, SPEC.md 5.6), at toy scale.
+"""``infini-passkey-bytes``: Infini-attention's passkey retrieval far beyond the training length
+(Munkhdalai et al. 2024, SPEC.md 5.6), at toy scale and at byte level: the hard setting.
+
+The first version of ``infini-passkey``, kept as a documented hard setting: at byte level no
+model learned the 5-digit key within its budget (the softmax control included), so every claim
+is *not measured* here; ``infini-passkey`` is the token-level rebuild.
 
 Every model is trained on synthetic passkey sequences (``tasks.passkey``: the needle at a random
 depth in repeated filler, the question, the 5 digits) of ``train_lengths`` bytes, then asked for
@@ -184,25 +188,29 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
             "metrics": metrics}
 
 
+FLOOR = 0.95  # miss at or above: at most 5 % exact match, nothing learned (chance is 1e-5)
+
+
 def claims(p: Plan) -> list[Claim]:
     s = p.settings
     first, far = s["lengths"][0], s["lengths"][-1]
-    paper = ("a 1B Infini model fine-tuned on 5K-token passkey instances retrieves the key at up "
-             "to 1M tokens (linear and linear + delta memory)")
+    acc = {"paired": True, "floor": FLOOR, "margin_abs": 0.05}
+    paper = ("Munkhdalai et al. 2024, §4.2 (passkey): a 1B Infini-Transformer fine-tuned on "
+             "5K-token passkey instances retrieves the key in contexts up to 1M tokens, with the "
+             "linear and the linear + delta memory alike")
     return [
-        *[Claim(f"memory needed: infini < memory off at {n}", paper + "; without the memory the "
-                "model cannot see a needle more than one segment back",
-                (REFERENCE, miss_metric(n)), (MEMORY_OFF, miss_metric(n))) for n in (first, far)],
-        Claim(f"length generalisation: infini at {far} <= at {first}", paper,
-              (REFERENCE, miss_metric(far)), (REFERENCE, miss_metric(first)), "not_worse"),
-        Claim(f"delta memory <= linear memory at {far}", "linear + delta matches or beats linear "
-              "(PG19 9.67 vs 9.65 ppl, Arxiv-math 2.23 vs 2.24; passkey both near 100 % after "
-              "fine-tuning)", ("infini (delta)", miss_metric(far)), (REFERENCE, miss_metric(far)),
-              "not_worse"),
-        Claim(f"within the training length: infini <= softmax at {first}", "Infini-attention's "
-              "local path plus memory is no worse than full attention where both can see the "
-              "needle [not a paper number]", (REFERENCE, miss_metric(first)),
-              ("softmax", miss_metric(first)), "not_worse"),
+        *[Claim(f"memory is what retrieves: infini < memory off at {n}", paper + "; without the "
+                "memory the needle more than one segment back is out of reach [implied]",
+                (REFERENCE, miss_metric(n)), (MEMORY_OFF, miss_metric(n)), **acc) for n in (first, far)],
+        Claim(f"length generalisation: infini at {far} no worse than at {first}", paper,
+              (REFERENCE, miss_metric(far)), (REFERENCE, miss_metric(first)), "not_worse", **acc),
+        Claim(f"delta memory no worse than linear at {far}", "Munkhdalai et al. 2024, Table 2 / "
+              "§4.2: linear + delta matches linear (passkey both near 100 % after fine-tuning)",
+              ("infini (delta)", miss_metric(far)), (REFERENCE, miss_metric(far)), "not_worse",
+              ceiling=0.0, **acc),
+        Claim(f"within the training length: softmax learns the task ({first}): softmax < memory off",
+              "control: full attention sees the needle", ("softmax", miss_metric(first)),
+              (MEMORY_OFF, miss_metric(first)), control=True, **acc),
     ]
 
 
@@ -263,12 +271,7 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
             cells = [mean_spread(values(rows, model, acc_metric(n, d)))[0] for n in s["lengths"]]
             table.append(f"| {model}, depth {d:g} | " + " | ".join(
                 "n/a" if not math.isfinite(c) else f"{100 * c:.0f} %" for c in cells) + " |")
-    vacuous = [c.name for c in claims(p) if c.kind == "not_worse"
-               and all(mean_spread(values(rows, *side))[0] >= 1.0 for side in (c.a, c.b))]
     return [
-        *([(f"Both sides fail completely (miss 1) in: {'; '.join(vacuous)}. Their \"reproduced\" "
-           "only says one failure is no worse than another: read it as not reproduced.")]
-          if vacuous else []),
         (f"{s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads, Infini segment "
          f"N = {s['segment_len']}; feed-forward widths matched to `{REFERENCE}` within "
          f"{lm.MATCH_TOLERANCE:.0%} (counts: {params}). Training: {s['steps']} steps of "
@@ -288,7 +291,7 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
 
 
 EXPERIMENT = Experiment(
-    "infini-passkey", "infini-passkey: passkey retrieval beyond the training length",
+    "infini-passkey-bytes", "infini-passkey-bytes: byte-level passkey retrieval (the hard setting)",
     "Infini-attention's passkey claim (Munkhdalai et al. 2024; SPEC.md 5.6): with the compressive "
     "memory the model retrieves the key far beyond its training length.",
     plan, execute, claims, metrics, plots, notes)
