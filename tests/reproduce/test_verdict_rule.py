@@ -123,6 +123,9 @@ def test_judge_pairs_by_seed_and_leaves_out_runs_that_did_not_train():
                                   Claim("stuck < b", "p", ("stuck", "loss"), ("b", "loss"))])
     assert v.verdict == "reproduced" and v.paired and v.diffs == pytest.approx({0: 1.0, 1: 1.0})
     assert w.verdict == "not measured" and "did not train: stuck seed 0, stuck seed 1" in w.reason
+    (_, k), = judge(rows, [Claim("stuck worse", "p", ("stuck", "loss"), ("b", "loss"), "better",
+                                 with_untrained=True)])
+    assert k.verdict == "reproduced" and "kept" in k.reason
     (_, u), = judge(rows, [Claim("a faster", "p", ("a", "loss"), ("b", "loss"), unmeasured="shared machine")])
     assert u.verdict == "not measured" and u.reason == "shared machine" and u.d == pytest.approx(1.0)
 

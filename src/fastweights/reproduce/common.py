@@ -81,7 +81,8 @@ class Claim:
     ``margin_abs`` replaces it by an absolute difference (accuracies: a share of 0 % has no 1 %).
     ``unmeasured``: why the recorded quantities cannot test the claim (a timing taken on a shared
     machine, the whole model's gradient for the attention's): the verdict is *not measured*, the
-    numbers are still shown."""
+    numbers are still shown. ``with_untrained``: keep runs flagged as not trained (a claim
+    that a model fails to learn, such as a collapse, is about exactly those runs)."""
 
     name: str
     paper: str
@@ -95,6 +96,7 @@ class Claim:
     margin: float = REL_MARGIN
     margin_abs: float | None = None
     unmeasured: str = ""
+    with_untrained: bool = False
 
     def __post_init__(self) -> None:
         if self.margin_abs is not None and not (isinstance(self.margin_abs, (int, float))
@@ -379,14 +381,17 @@ def judge(rows: list[dict[str, Any]], claims: list[Claim]) -> list[tuple[Claim, 
     """Each claim's verdict (``decide``); runs flagged as not trained are left out and named."""
     out = []
     for c in claims:
-        v = decide(seed_values(rows, *c.a), seed_values(rows, *c.b), c.kind, paired=c.paired,
-                   floor=c.floor, ceiling=c.ceiling, margin=c.margin, margin_abs=c.margin_abs)
+        only = not c.with_untrained
+        v = decide(seed_values(rows, *c.a, only_trained=only), seed_values(rows, *c.b, only_trained=only),
+                   c.kind, paired=c.paired, floor=c.floor, ceiling=c.ceiling, margin=c.margin,
+                   margin_abs=c.margin_abs)
         if c.unmeasured:
             v.verdict, v.reason = "not measured", c.unmeasured
         stuck = [f"{model} seed {r['seed']}" for model in dict.fromkeys((c.a[0], c.b[0]))
                  for r in rows if r["model"] == model and not trained(r)]
         if stuck:
-            note = f"left out, did not train: {', '.join(stuck)}"
+            note = (f"{'kept, as the claim is about failing to learn' if c.with_untrained else 'left out'}"
+                    f", did not train: {', '.join(stuck)}")
             v.reason = note if not v.reason or v.verdict == "not measured" else f"{v.reason}; {note}"
         out.append((c, v))
     return out

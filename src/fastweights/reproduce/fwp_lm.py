@@ -113,7 +113,7 @@ def claims(p: Plan) -> list[Claim]:
         Claim("(c) sum rule: no truncation collapses (> 10 % worse than truncated)",
               "§6.3, Table 4: without truncation the linear Transformer (sum rule) collapses",
               ("linear (sum), carried", "loss_carried"), ("linear (sum)", "loss"), "degrades",
-              paired=False, margin=0.1),
+              paired=False, margin=0.1, with_untrained=True),
         Claim("softmax remains best", "§6.3, Table 2: the softmax Transformer keeps the lowest "
               "perplexity of all (compared with the best linear variant here)",
               ("softmax", "loss"), ("linear (delta)", "loss")),
