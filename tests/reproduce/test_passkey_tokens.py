@@ -58,3 +58,17 @@ def test_reading_in_pieces_answers_as_one_read():
         assert torch.equal(answer(model, ids, piece), whole)
     off = answer(memory_off(model), ids, 8)
     assert off.shape == whole.shape
+
+
+def test_word_level_passkey_is_the_text_prompt_cut_into_words():
+    from fastweights.tasks import PASSKEY_WORDS, passkey_prompt, passkey_word_ids
+
+    prompt_ids, answer_ids = passkey_word_ids(3, 0.5, gen(4))
+    text, key = passkey_prompt(3, 0.5, gen(4))
+    words = [PASSKEY_WORDS[i] for i in prompt_ids]
+    assert "".join(words) == text.replace(" ", "")
+    assert "".join(PASSKEY_WORDS[i] for i in answer_ids) == key and len(answer_ids) == 5
+    # one filler repetition adds 24 words; the key appears twice in the prompt, digit by digit
+    assert len(passkey_word_ids(4, 0.5, gen(4))[0]) - len(prompt_ids) == 24
+    joined = "".join(words)
+    assert joined.count(key) == 2

@@ -15,6 +15,7 @@ EXPERIMENTS = {
     "long-context": "long_context",
     "infini-passkey": "infini_passkey",
     "infini-passkey-bytes": "infini_passkey_bytes",
+    "infini-passkey-digits": "infini_passkey_digits",
     "transnormer": "transnormer",
     "aft": "aft",
 }

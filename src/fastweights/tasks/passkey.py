@@ -1,7 +1,10 @@
 """Passkey retrieval (SPEC.md 5.6): a random 5-digit number hidden in repeated filler text at a
-chosen depth, asked for at the end. Text in, text out; tokenise with ``ByteTokenizer``."""
+chosen depth, asked for at the end (text: tokenise with ``ByteTokenizer``, or word level with
+``passkey_word_ids``); and ``token_passkey``, a synthetic single key-value needle among filler ids."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -64,3 +67,22 @@ def token_passkey(n_segments: int, segment_len: int, batch: int, generator: torc
     ids[rows, at + 1] = answers
     ids[:, -1] = keys
     return ids, answers
+
+
+def _words(text: str) -> list[str]:
+    """Words, single digits and the marks . and ? of the passkey text, in order."""
+    return re.findall(r"[A-Za-z]+|[0-9]|[.?]", text)
+
+
+# The word-level vocabulary of passkey_prompt's text: every word of the filler, the needle and
+# the question, the ten digits, "." and "?".
+PASSKEY_WORDS = tuple(sorted(set(_words(FILLER + QUESTION + "The pass key is . Remember it . is the "
+                                        "pass key .") + [str(d) for d in range(10)])))
+
+
+def passkey_word_ids(n_filler: int, depth: float, generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """``passkey_prompt`` at word level: ``(prompt ids, answer ids)``, ids into
+    ``PASSKEY_WORDS``; the 5 digits of the key are 5 tokens (of the answer too)."""
+    prompt, answer = passkey_prompt(n_filler, depth, generator)
+    index = {w: i for i, w in enumerate(PASSKEY_WORDS)}
+    return [index[w] for w in _words(prompt)], [index[w] for w in answer]
