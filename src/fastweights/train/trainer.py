@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._checks import is_int
+from ..layers.base import Mixer
 from ..models import LanguageModel, LMConfig
 from ..models.lm import LMState, map_state, state_tensors
 from ..parallel import context_parallel_forward
@@ -86,9 +87,11 @@ OUTPUTS = (RUN_FILE, METRICS_FILE, "checkpoints", "tensorboard")  # what a run w
 # validate and save, checkpoint retention and the anomaly guard. None of them changes what a
 # step computes, so a resumed run still reproduces the uninterrupted run's steps.
 RESUMABLE = ("steps", "eval_every", "save_every", "keep_last", "patience", "anomaly_guard")
-# grad_norm: the total gradient norm before clipping (train rows), last so that the rows of
-# files written before it existed still read (restval "").
-METRIC_FIELDS = ("step", "split", "loss", "perplexity", "lr", "tokens_per_s", "seconds", "grad_norm")
+# grad_norm: the total gradient norm before clipping (train rows); mixer_grad_norm: the same
+# over the token mixers' parameters only (every block's mixer); last so that the rows of files
+# written before they existed still read (restval "").
+METRIC_FIELDS = ("step", "split", "loss", "perplexity", "lr", "tokens_per_s", "seconds", "grad_norm",
+                 "mixer_grad_norm")
 
 
 @dataclass
@@ -419,6 +422,15 @@ def _check_run_file(path: Path, ckpt: Path, model_config: LMConfig, cfg: TrainCo
     if differ:
         raise ValueError(f"{path} disagrees with checkpoint {ckpt} on {', '.join(differ)}: "
                          "run.json was edited or corrupted")
+
+
+def _mixer_grad_norm(model: torch.nn.Module) -> float | None:
+    """The 2-norm of the gradients of the token mixers' parameters (``layers.base.Mixer``
+    modules), None for a model without mixer gradients. TransNormer's claim (b) is about the
+    attention's gradients, not the whole model's."""
+    grads = [p.grad.detach().float().norm() for m in model.modules() if isinstance(m, Mixer)
+             for p in m.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None
 
 
 def _all_finite(loss: torch.Tensor, grad_norm: torch.Tensor, world: int) -> bool:
@@ -804,6 +816,7 @@ class Trainer:
         loss.backward()
         if self.cp > 1:
             _average_gradients(self.model, self.world)
+        mixer_norm = _mixer_grad_norm(self.model) if self.main else None  # before clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if cfg.anomaly_guard and not _all_finite(loss, grad_norm, self.world):
             raise self._anomaly(loss.item(), grad_norm.item())
@@ -822,7 +835,8 @@ class Trainer:
         if self.main:
             rate = self.tokens / self.elapsed
             self.metrics.log(self.step, "train", loss_value, lr=lr, tokens_per_s=rate,
-                             seconds=self.elapsed, grad_norm=grad_norm.item())
+                             seconds=self.elapsed, grad_norm=grad_norm.item(),
+                             **({} if mixer_norm is None else {"mixer_grad_norm": mixer_norm}))
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
         return loss_value
