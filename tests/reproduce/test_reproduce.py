@@ -197,3 +197,21 @@ def test_a_run_cut_short_mid_training_continues_from_its_checkpoint(tmp_path, te
     resumed = lm.train_run(tmp_path / "cut", config, lm.train_config(settings, 0), corpus)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_render_rewrites_results_md_from_the_recorded_csv_without_training(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["reproduce", "fwp-recall", "--quick", "--seeds", "0,1", "--out", str(out), "--quiet"]) == 0
+    first = (out / "results.md").read_text()
+    (out / "results.md").unlink()
+    runs = sorted(p.stat().st_mtime_ns for p in (out / "runs").glob("*/result.json"))
+    assert main(["reproduce", "fwp-recall", "--render", "--out", str(out)]) == 0
+    again = (out / "results.md").read_text()
+    assert "Rendered from the recorded results.csv" in again
+    claims = [md[md.index("## Claims"):md.index("## Runs")] for md in (first, again)]
+    assert claims[0] == claims[1]  # the same verdicts from the same numbers
+    assert sorted(p.stat().st_mtime_ns for p in (out / "runs").glob("*/result.json")) == runs
+    capsys.readouterr()
+    assert main(["reproduce", "fwp-recall", "--render", "--out", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds no reproduction" in err
