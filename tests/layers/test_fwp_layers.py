@@ -79,10 +79,6 @@ def test_favor_redraws_in_training_only():
 def test_bad_layer_options():
     with pytest.raises(ValueError, match="feature_map must be one of"):
         LinearAttention(8, 2, feature_map="gelu")
-    with pytest.raises(ValueError, match="normalize='attention' cannot be combined"):
-        LinearAttention(8, 2, normalize="attention", update="delta")
-    with pytest.raises(ValueError, match="normalize='sum\\+attention' cannot be combined"):
-        LinearAttention(8, 2, normalize="sum+attention", update="delta")
     with pytest.raises(ValueError, match="nu must be"):
         LinearAttention(8, 2, feature_map="dpfp", nu=0)
     with pytest.raises(ValueError, match="divisible by n_heads"):
@@ -106,3 +102,25 @@ def test_chunk_size_default_is_the_measured_one_per_device():
     assert torch.allclose(auto(x)[0], fixed(x)[0], atol=1e-12)
     with pytest.raises((ValueError, TypeError), match="chunk_size"):
         build_mixer("delta", 16, 2, chunk_size=0)
+
+
+def test_delta_rule_with_attention_normalisation_layer():
+    """update='delta' with normalize='sum+attention' (the fast weight paper's Table 3 ablation):
+    the op's (S, z) state is carried, pieces equal the whole, packed documents equal separate
+    calls, and it differs from the plain sum-normalised delta rule."""
+    torch.manual_seed(0)
+    layer = LinearAttention(12, 3, normalize="sum+attention", update="delta").double()
+    x = torch.randn(2, 19, 12, dtype=torch.float64)
+    y, st = layer(x)
+    assert len(st) == 2 and st[0].shape == (2, 3, 4, 4) and st[1].shape == (2, 3, 4)
+    assert layer.state_size() == 3 * 4 * 4 + 3 * 4
+    y1, s1 = layer(x[:, :7])
+    y2, _ = layer(x[:, 7:], s1)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), y)
+    plain = LinearAttention(12, 3, normalize="sum", update="delta").double()
+    plain.load_state_dict(layer.state_dict())
+    assert not torch.allclose(plain(x)[0], y)
+    cu = torch.tensor([0, 5, 19])
+    packed, states = layer(x[:1], cu_seqlens=cu)
+    torch.testing.assert_close(packed, torch.cat([layer(x[:1, :5])[0], layer(x[:1, 5:])[0]], 1))
+    assert len(states) == 2

@@ -31,6 +31,18 @@ def test_sinusoidal_encoding_is_the_formula():
                                                   abs=1e-12)
 
 
+def test_position_scale_multiplies_the_sinusoid_only():
+    base = dict(vocab_size=7, d_model=6, n_layers=1, n_heads=1, position="sinusoidal")
+    unit = LanguageModel(LMConfig(**base))._position_encoding(torch.tensor([1, 9]))
+    scaled = LanguageModel(LMConfig(**base, position_scale=0.02))._position_encoding(torch.tensor([1, 9]))
+    assert_close64(scaled.double(), 0.02 * unit.double())
+    for bad in (0.0, -1.0, float("inf"), "x"):
+        with pytest.raises(ValueError, match="position_scale"):
+            LMConfig(**base, position_scale=bad)
+    with pytest.raises(ValueError, match="position_scale applies to position='sinusoidal' only"):
+        LMConfig(vocab_size=7, d_model=6, n_layers=1, n_heads=1, position_scale=0.5)
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 @pytest.mark.parametrize("mixer", ["delta", "linear", "softmax"])
 def test_pieces_equal_whole_with_positions(position, mixer):

@@ -90,3 +90,19 @@ def test_training_logs_the_gradient_norm_of_every_step(tmp_path):
         rows = [r for r in csv.DictReader(f) if r["split"] == "train"]
     assert len(rows) == 4 and all(math.isfinite(float(r["grad_norm"])) and float(r["grad_norm"]) > 0
                                   for r in rows)
+    # the mixers' share: positive, and below the whole model's (a subset of the same gradients)
+    assert all(0 < float(r["mixer_grad_norm"]) < float(r["grad_norm"]) for r in rows)
+
+
+def test_mixer_gradient_norm_is_the_norm_over_the_mixers_parameters():
+    from fastweights.layers.base import Mixer
+    from fastweights.models import LanguageModel
+    from fastweights.train.metrics import mixer_grad_norm
+
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, mixer="norm"))
+    assert mixer_grad_norm(model) is None  # no gradients yet
+    logits, _ = model(torch.randint(0, 32, (2, 9)))
+    logits.square().mean().backward()
+    grads = [p.grad.flatten() for m in model.modules() if isinstance(m, Mixer) for p in m.parameters()]
+    assert mixer_grad_norm(model) == pytest.approx(float(torch.cat(grads).norm()), rel=1e-5)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..reproduce import EXPERIMENTS, ReproduceError
-from ..reproduce.driver import experiment, reproduce
+from ..reproduce.driver import experiment, render, reproduce
 from .common import UserError, user_errors
 
 NAME = "reproduce"
@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default: runs/reproduce/NAME)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier reproduction's --out (the same command continues it)")
+    p.add_argument("--render", action="store_true",
+                   help="train nothing: rewrite results.md in --out from its recorded "
+                        "results.csv with the current claims and verdict rule (plots kept)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -47,8 +50,11 @@ def run(args: argparse.Namespace) -> int:
         exp = experiment(args.name)
         seeds = parse_seeds(args.seeds) if args.seeds is not None else ([0] if args.quick else [0, 1])
         out = Path(args.out) if args.out else Path("runs") / "reproduce" / exp.name
-        md = reproduce(exp.name, out, seeds, quick=args.quick, data=args.data,
-                       overwrite=args.overwrite, progress=not args.quiet)
+        if args.render:
+            md = render(out, exp.name)
+        else:
+            md = reproduce(exp.name, out, seeds, quick=args.quick, data=args.data,
+                           overwrite=args.overwrite, progress=not args.quiet)
     text = md.read_text()
     claims = text[text.index("## Claims"):text.index("## Runs")].strip()
     print(claims.split("\n\nVerdict rule")[0])

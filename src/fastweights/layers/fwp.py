@@ -21,6 +21,7 @@ from ..ops.fwp import (
     FEATURE_MAPS,
     MODES,
     delta_rule,
+    delta_rule_attn_norm,
     draw_favor_projection,
     feature_map,
     linear_attn,
@@ -49,7 +50,10 @@ class LinearAttention(Mixer):
     ``relu``, ``dpfp`` with ``nu``, ``favor`` with ``m`` random features, ``identity``);
     ``normalize`` is ``none``, ``attention`` (divide by phi(q).z + eps), ``sum`` (phi / sum phi,
     as DeltaNet) or ``sum+attention`` (both: sum-normalised features, then the attention
-    normaliser; the fast weight paper's ablation); ``update`` is ``sum`` (W += k^T v) or ``delta``. Heads are concatenated,
+    normaliser; the fast weight paper's ablation); ``update`` is ``sum`` (W += k^T v) or ``delta``.
+    The delta rule with ``attention`` or ``sum+attention`` is the paper's Table 3 ablation
+    (``ops.fwp.delta_rule_attn_norm``: the retrieved value and the read-out divided by the
+    normaliser; packed documents run one by one). Heads are concatenated,
     multiplied by ``out_scale`` (default 1/sqrt(head_dim), as every lmtool fast-weight layer) and
     projected back to d_model. FAVOR+ redraws its projection on every training forward and keeps
     the last draw in eval mode (``redraw=False`` keeps it fixed always). ``chunk_size`` None (the
@@ -59,7 +63,8 @@ class LinearAttention(Mixer):
     The defaults ``nu=2``
     and ``m=16`` are lmtool's (SPEC 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
 
-    State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule, ``(S,)`` for delta.
+    State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule and the
+    attention-normalised delta rule, ``(S,)`` for delta.
     """
 
     def __init__(
@@ -73,11 +78,6 @@ class LinearAttention(Mixer):
         self.feature_map = check_choice("feature_map", feature_map, FEATURE_MAPS)
         self.normalize = check_choice("normalize", normalize, NORMALIZATIONS)
         self.update = check_choice("update", update, UPDATES)
-        if update == "delta" and normalize in ("attention", "sum+attention"):
-            raise ValueError(
-                f"normalize={normalize!r} cannot be combined with update='delta' (the normaliser z "
-                "would keep accumulating overwritten keys, SPEC 1.4); use normalize='sum' or 'none'"
-            )
         if not is_int(nu) or nu < 1:
             raise ValueError(f"nu must be an int >= 1, got {nu!r}")
         check_positive_int("m", m)
@@ -111,6 +111,9 @@ class LinearAttention(Mixer):
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        delta_attention = self.update == "delta" and self.normalize.endswith("attention")
+        if delta_attention and cu_seqlens is not None:
+            return self._forward_per_document(x, state, cu_seqlens)
         _, docs = self._documents(x, state, cu_seqlens)
         if self.feature_map == "favor" and self.training and self.redraw:
             # A new buffer, not an in-place copy: the previous piece's graph (state carried
@@ -126,7 +129,12 @@ class LinearAttention(Mixer):
             "delta_rule" if self.update == "delta" else "linear_attn", x.device)
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": chunk,
                 "cu_seqlens": cu_seqlens}
-        if self.update == "delta":
+        if delta_attention:
+            beta = torch.sigmoid(proj[..., 3 * D])
+            o, new_state = delta_rule_attn_norm(q, k, v, beta, eps=self.eps, initial_state=state,
+                                                output_final_state=True, mode=self.mode,
+                                                chunk_size=chunk)
+        elif self.update == "delta":
             # The layer carries the 1-tuple (S,), the op takes and returns S.
             init = packed_or_single([_delta_matrix(s) for s in docs], cu_seqlens)
             beta = torch.sigmoid(proj[..., 3 * D])
@@ -141,12 +149,16 @@ class LinearAttention(Mixer):
 
     def state_size(self, seq_len: int = 1) -> int:
         H, dd, D = self.n_heads, self.feature_dim, self.head_dim
-        return H * dd * D + (0 if self.update == "delta" else H * dd)
+        with_z = self.update == "sum" or self.normalize.endswith("attention")
+        return H * dd * D + (H * dd if with_z else 0)
 
     def context_parallel(self) -> ContextParallel:
         """The sum rule's S, z add up over ranks (``sum_scan``, LASP-2); under the delta rule
         the final S is affine in the incoming one, S_out = A S_in + B with
-        A = prod (I - beta k k^T), read off the layer (``delta_scan``)."""
+        A = prod (I - beta k k^T), read off the layer (``delta_scan``); the attention-normalised
+        delta rule's (S, z) is passed rank to rank (``relay``)."""
+        if self.update == "delta" and self.normalize.endswith("attention"):
+            return ContextParallel.relay()
         if self.update == "delta":
             return ContextParallel("delta_scan", self._delta_scan)
         return ContextParallel.sum_scan()

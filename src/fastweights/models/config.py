@@ -42,7 +42,10 @@ class LMConfig:
     ``position`` adds an absolute position encoding to the token embeddings: ``"none"`` (the
     default; order comes from the mixers alone), ``"learned"`` (a trained table of
     ``max_seq_len`` rows, which it requires; std 0.02 init) or ``"sinusoidal"`` (Vaswani et
-    al.'s fixed sin/cos of the position, no parameters, any length). Positions count the tokens
+    al.'s fixed sin/cos of the position, no parameters, any length), multiplied by
+    ``position_scale`` (default 1: unit amplitude; the embeddings start at std 0.02, so 0.02
+    puts the two in the ratio of Vaswani et al., whose embeddings are scaled up to unit size
+    instead). Positions count the tokens
     of each sequence since the start of its state: they continue across a carried state and in
     decoding, restart at every packed document.
     """
@@ -62,6 +65,7 @@ class LMConfig:
     max_seq_len: int | None = None
     glu_activation: str = "silu"
     position: str = "none"
+    position_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -81,6 +85,12 @@ class LMConfig:
         if self.position == "learned" and self.max_seq_len is None:
             raise ValueError("LMConfig.position 'learned' needs max_seq_len (the rows of its "
                              "position table)")
+        if not is_number(self.position_scale) or not 0 < self.position_scale < float("inf"):
+            raise ValueError(f"LMConfig.position_scale must be a finite number > 0, got "
+                             f"{self.position_scale!r}")
+        if self.position_scale != 1.0 and self.position != "sinusoidal":
+            raise ValueError("LMConfig.position_scale applies to position='sinusoidal' only, got "
+                             f"position={self.position!r}")
         if self.norm not in NORMS:
             raise ValueError(f"LMConfig.norm must be one of {list(NORMS)}, got {self.norm!r}")
         if not is_number(self.norm_eps) \

@@ -231,14 +231,15 @@ class LanguageModel(nn.Module):
 
     def _position_encoding(self, positions: torch.Tensor) -> torch.Tensor:
         """[..., d] encoding of integer ``positions``: the learned table's rows, or
-        PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(p / 10000^(2i/d))."""
+        PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(p / 10000^(2i/d)) times
+        ``position_scale``."""
         if self.pos_embed is not None:
             return self.pos_embed(positions)
         d = self.config.d_model
         freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d)
         angle = positions[..., None].double() * freq  # [..., ceil(d/2)]
         pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)[..., :d]
-        return pe
+        return pe * self.config.position_scale
 
     def stack_states(self, states: list[LMState]) -> LMState:
         """One state for a batch whose row i continues ``states[i]`` (each a state ``forward``

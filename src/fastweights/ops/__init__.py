@@ -11,6 +11,7 @@ from .aft import (
 )
 from .fwp import (
     delta_rule,
+    delta_rule_attn_norm,
     dpfp,
     draw_favor_projection,
     elu_plus_one,
@@ -37,6 +38,7 @@ __all__ = [
     "block_attention",
     "decay_linear_attn",
     "delta_rule",
+    "delta_rule_attn_norm",
     "dpfp",
     "draw_favor_projection",
     "elu_plus_one",

@@ -12,6 +12,8 @@ from . import (  # noqa: F401  (each registers its EXPERIMENT)
     fwp_lm,
     fwp_recall,
     infini_passkey,
+    infini_passkey_bytes,
+    infini_passkey_digits,
     long_context,
     transnormer,
     ttt_ablation,

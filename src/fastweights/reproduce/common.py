@@ -17,7 +17,7 @@ import re
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,17 @@ OUTPUTS = (MANIFEST, RUNS, "results.csv", "results.md")  # plus the experiment's
 BASE_FIELDS = ("experiment", "model", "seed", "parameters", "steps", "tokens", "seconds")
 
 # The verdict rule's constants (quoted in every results.md).
-Z = 2.0             # differences must exceed Z standard errors of the difference ...
-REL_FLOOR = 0.01    # ... and 1 % of the reference value (the only threshold with one seed)
+Z = 2.0             # noise = Z standard errors of the difference (paired by seed where it can be)
+REL_MARGIN = 0.01   # the smallest difference that counts: 1 % of |mean(B)|
+
+KINDS = {
+    # kind: (the relation written in the table, what the paper says)
+    "better": ("<", "A is lower (better) than B"),
+    "degrades": (">", "A is higher (worse) than B: the quantity degrades from B to A"),
+    "not_worse": ("<=", "A is no higher than B (matches or beats it)"),
+    "flat": ("~", "A and B are equal within the margin (stays flat)"),
+}
+VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not measured")
 
 
 class ReproduceError(ValueError):
@@ -56,31 +65,71 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class Claim:
-    """A paper's claim as a comparison of two measured quantities, each ``(model, metric)``,
-    lower is better: ``kind="better"`` says ``a`` is lower than ``b``; ``kind="not_worse"`` says
-    ``a`` is not higher than ``b`` (by more than the noise threshold)."""
+    """A paper's claim as a comparison of two measured quantities ``a`` and ``b``, each
+    ``(model, metric)``, lower is better for every metric.
+
+    ``paper`` locates and paraphrases the claim (section or table, and what it says); ``kind``
+    is its direction (``KINDS``): ``better`` (A < B), ``degrades`` (A > B), ``not_worse``
+    (A <= B within the margin) or ``flat`` (A ~ B within the margin). ``paired``: the two sides'
+    runs of one seed share their data order (or are the same run), so the rule compares per-seed
+    differences. ``floor``: a side whose mean is at or above it has not learned (chance level,
+    0 % accuracy); ``ceiling``: a side whose mean is at or below it is perfect (100 %); both sides
+    at the floor, or both at the ceiling, is *not measured*. ``control``: a check of the
+    experiment itself (that a model trained, that a baseline fails where it must), not a claim
+    of the paper; reported in its own table. ``margin``: the smallest difference that counts, as
+    a fraction of |mean(B)| (a claim of a collapse asks for more than the default 1 %);
+    ``margin_abs`` replaces it by an absolute difference (accuracies: a share of 0 % has no 1 %).
+    ``unmeasured``: why the recorded quantities cannot test the claim (a timing taken on a shared
+    machine, the whole model's gradient for the attention's): the verdict is *not measured*, the
+    numbers are still shown. ``with_untrained``: keep runs flagged as not trained (a claim
+    that a model fails to learn, such as a collapse, is about exactly those runs)."""
 
     name: str
     paper: str
     a: tuple[str, str]
     b: tuple[str, str]
     kind: str = "better"
+    paired: bool = True
+    floor: float | None = None
+    ceiling: float | None = None
+    control: bool = False
+    margin: float = REL_MARGIN
+    margin_abs: float | None = None
+    unmeasured: str = ""
+    with_untrained: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in ("better", "not_worse"):
-            raise ValueError(f"Claim.kind must be 'better' or 'not_worse', got {self.kind!r}")
+        if self.margin_abs is not None and not (isinstance(self.margin_abs, (int, float))
+                                                and self.margin_abs >= 0):
+            raise ValueError(f"Claim.margin_abs must be None or a number >= 0, got {self.margin_abs!r}")
+        if not (isinstance(self.margin, (int, float)) and 0 <= self.margin < 1):
+            raise ValueError(f"Claim.margin must be a fraction in [0, 1), got {self.margin!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"Claim.kind must be one of {list(KINDS)}, got {self.kind!r}")
+        if self.floor is not None and self.ceiling is not None and self.ceiling >= self.floor:
+            raise ValueError(f"Claim.ceiling ({self.ceiling}) must be below Claim.floor ({self.floor})")
 
 
 @dataclass
 class Verdict:
-    verdict: str     # "reproduced" | "not reproduced" | "inconclusive"
+    verdict: str     # one of VERDICTS
     mean_a: float
     spread_a: float
     mean_b: float
     spread_b: float
-    threshold: float
+    d: float         # mean(B) - mean(A) (> 0: A is lower); the mean per-seed difference if paired
+    noise: float     # Z x the standard error of d (nan with one seed per side)
+    margin: float    # the claim's margin (default REL_MARGIN) x |mean(B)|
     n_a: int
     n_b: int
+    paired: bool = False
+    diffs: dict[int, float] = field(default_factory=dict)  # per seed B - A, when paired
+    reason: str = ""  # why not measured, or what the verdict rests on
+
+    @property
+    def threshold(self) -> float:
+        """max(noise, margin): the difference a directional claim must exceed."""
+        return max(self.margin, 0.0 if math.isnan(self.noise) else self.noise)
 
 
 def _finite_or_inf(values: Sequence[float]) -> list[float]:
@@ -98,43 +147,110 @@ def mean_spread(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else math.nan
 
 
-def decide(a: Sequence[float], b: Sequence[float], kind: str) -> Verdict:
-    """The verdict rule. d = mean(b) - mean(a) (> 0: a is lower, as claimed). The threshold is
-    max(Z * sqrt(s_a^2/n_a + s_b^2/n_b), REL_FLOOR * |mean(b)|), the standard-error part only
-    when both sides have >= 2 seeds. ``better``: reproduced if d > threshold, not reproduced if
-    d < -threshold, else inconclusive. ``not_worse``: reproduced if d >= -threshold, else not
-    reproduced. A diverged (NaN/inf) side is infinitely bad; both diverged is inconclusive."""
-    if not a or not b:
-        return Verdict("inconclusive", math.nan, math.nan, math.nan, math.nan, math.nan, len(a), len(b))
-    ma, sa = mean_spread(a)
-    mb, sb = mean_spread(b)
+def _by_seed(values: Mapping[int, float] | Sequence[float]) -> dict[int, float]:
+    return dict(values) if isinstance(values, Mapping) else dict(enumerate(values))
+
+
+def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Sequence[float],
+           kind: str, *, paired: bool = False, floor: float | None = None,
+           ceiling: float | None = None, margin: float = REL_MARGIN,
+           margin_abs: float | None = None) -> Verdict:
+    """The verdict rule; ``a`` and ``b`` are each side's values by seed (a sequence: seeds 0,
+    1, ...), lower is better.
+
+    - No value on a side, both sides diverged (NaN), both at or above ``floor`` (not learned),
+      or both at or below ``ceiling`` (perfect): **not measured**, the comparison says nothing.
+    - One side diverged: it is infinitely bad.
+    - d = mean(B) - mean(A); paired (``paired`` and the same >= 2 seeds on both sides): d is the
+      mean of the per-seed differences and its standard error their spread / sqrt(n); unpaired:
+      sqrt(s_a^2/n_a + s_b^2/n_b) with >= 2 seeds per side, else unknown (only the margin
+      applies: provisional). noise = Z x that standard error; margin = ``margin`` x |mean(B)|
+      (default REL_MARGIN), or ``margin_abs`` when given.
+    - ``better`` (A < B): reproduced if d > max(noise, margin); not reproduced if
+      d < -max(noise, margin) (with a relative margin larger than REL_MARGIN, the opposite
+      direction already counts beyond max(noise, REL_MARGIN x |mean(B)|)); else inconclusive.
+      ``degrades`` (A > B): the same with -d. A numerically worse A is never reproduced.
+    - ``not_worse`` (A <= B): reproduced if A's excess -d is within the margin even at its noisy
+      worst (-d + noise <= margin); not reproduced if -d - noise > margin; else inconclusive.
+      A noisy side therefore makes the claim inconclusive, never reproduced.
+    - ``flat`` (A ~ B): reproduced if |d| + noise <= margin; not reproduced if
+      |d| - noise > margin; else inconclusive."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    sa, sb = _by_seed(a), _by_seed(b)
+    ma, spa = mean_spread(list(sa.values()))
+    mb, spb = mean_spread(list(sb.values()))
+    out = Verdict("not measured", ma, spa, mb, spb, math.nan, math.nan, math.nan, len(sa), len(sb))
+    if not sa or not sb:
+        out.reason = "no run reports " + ("either side" if not sa and not sb else "A" if not sa else "B")
+        return out
     if math.isinf(ma) and math.isinf(mb):
-        return Verdict("inconclusive", ma, sa, mb, sb, math.nan, len(a), len(b))
+        out.reason = "both sides diverged"
+        return out
     if math.isinf(ma) or math.isinf(mb):
-        threshold = math.nan
-        d = math.inf if math.isinf(mb) else -math.inf
+        a_lower = math.isinf(mb)
+        out.d = math.inf if a_lower else -math.inf
+        out.reason = f"{'B' if a_lower else 'A'} diverged"
+        wins = {"better": a_lower, "not_worse": a_lower, "degrades": not a_lower, "flat": False}
+        out.verdict = "reproduced" if wins[kind] else "not reproduced"
+        return out
+    if floor is not None and ma >= floor and mb >= floor:
+        out.reason = f"both sides at or beyond the floor of learning ({floor:g}): neither learned"
+        return out
+    if ceiling is not None and ma <= ceiling and mb <= ceiling:
+        out.reason = f"both sides at the ceiling ({ceiling:g}): the comparison cannot separate them"
+        return out
+    common = sorted(set(sa) & set(sb))
+    out.margin = margin * abs(mb) if margin_abs is None else margin_abs
+    if paired and len(common) >= 2 and set(sa) == set(sb):
+        out.paired = True
+        out.diffs = {s: sb[s] - sa[s] for s in common}
+        out.d = statistics.fmean(out.diffs.values())
+        out.noise = Z * statistics.stdev(out.diffs.values()) / math.sqrt(len(common))
     else:
-        se = math.sqrt(sa ** 2 / len(a) + sb ** 2 / len(b)) if len(a) > 1 and len(b) > 1 else 0.0
-        threshold = max(Z * se, REL_FLOOR * abs(mb))
-        d = mb - ma
-        if not math.isfinite(threshold):
-            threshold = REL_FLOOR * abs(mb)
-    thr = 0.0 if math.isnan(threshold) else threshold
-    if kind == "better":
-        v = "reproduced" if d > thr else "not reproduced" if d < -thr else "inconclusive"
+        out.d = mb - ma
+        if len(sa) > 1 and len(sb) > 1:
+            out.noise = Z * math.sqrt(spa ** 2 / len(sa) + spb ** 2 / len(sb))
+        if paired and common:
+            out.diffs = {s: sb[s] - sa[s] for s in common}
+    noise = 0.0 if math.isnan(out.noise) else out.noise
+    d, margin, thr = out.d, out.margin, out.threshold
+    if kind in ("better", "degrades"):
+        e = d if kind == "better" else -d
+        # the opposite direction counts beyond the default margin even where the claim asks for
+        # a larger effect (a collapse): a clear fall refutes "it collapses"
+        against = thr if margin_abs is not None else max(noise, min(out.margin, REL_MARGIN * abs(mb)))
+        out.verdict = "reproduced" if e > thr else "not reproduced" if e < -against else "inconclusive"
+    elif kind == "not_worse":
+        excess = -d
+        out.verdict = ("reproduced" if excess + noise <= margin else
+                       "not reproduced" if excess - noise > margin else "inconclusive")
     else:
-        v = "reproduced" if d >= -thr else "not reproduced"
-    return Verdict(v, ma, sa, mb, sb, threshold, len(a), len(b))
+        out.verdict = ("reproduced" if abs(d) + noise <= margin else
+                       "not reproduced" if abs(d) - noise > margin else "inconclusive")
+    if math.isnan(out.noise):
+        out.reason = "one seed on a side: only the margin applies (provisional)"
+    return out
 
 
 RULE_TEXT = (
-    f"Verdict rule (lower is better for every quantity): d = mean(B) - mean(A) over seeds; "
-    f"threshold = max({Z:g} x the standard error of d (only with >= 2 seeds on both sides), "
-    f"{REL_FLOOR:.0%} of |mean(B)|). \"A < B\": reproduced if d > threshold, not reproduced if "
-    f"d < -threshold, otherwise inconclusive at this scale. \"A <= B\" (not worse): reproduced "
-    f"if d >= -threshold, else not reproduced. A diverged run (NaN) counts as infinitely bad. "
-    f"With one seed the spread is unknown and only the {REL_FLOOR:.0%} floor applies: treat such "
-    f"verdicts as provisional.")
+    "Verdict rule (lower is better for every quantity): d = mean(B) - mean(A); where both sides "
+    "are the same seeds and a seed fixes the data order (or both sides come from the same run), "
+    f"d is the mean of the per-seed differences and its noise {Z:g} x their standard error "
+    f"(paired), otherwise {Z:g} x the unpaired standard error; margin = {REL_MARGIN:.0%} of "
+    "|mean(B)| (or the share or absolute difference a claim states), the smallest difference "
+    "that counts. \"A < B\" (better): reproduced if d > "
+    "max(noise, margin), not reproduced if d < -max(noise, margin) (a claim asking for a larger "
+    "effect, such as a collapse, is refuted by the opposite direction beyond the default margin), "
+    "otherwise inconclusive at this scale; \"A > B\" (degrades) the same with -d. \"A <= B\" (no worse): reproduced if "
+    "A's excess over B stays within the margin at its noisy worst (-d + noise <= margin), not "
+    "reproduced if -d - noise > margin, otherwise inconclusive. \"A ~ B\" (stays flat): "
+    "reproduced if |d| + noise <= margin, not reproduced if |d| - noise > margin. **Not "
+    "measured**: a side without runs, both sides diverged, or both sides at the claim's floor of "
+    "learning (chance, 0 % accuracy) or both at its ceiling (100 %): such a comparison says "
+    "nothing either way. A run flagged as not trained (its loss stuck) is left out of every "
+    "comparison and reported. A diverged run (NaN) counts as infinitely bad. With one seed the "
+    "noise is unknown and only the margin applies: treat such verdicts as provisional.")
 
 
 def fmt(mean: float, spread: float) -> str:
@@ -203,6 +319,26 @@ def save_result(out: Path, spec: RunSpec, result: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------- the tables
 
 
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    """The rows ``write_csv`` wrote: base fields typed back, every other non-empty cell a float
+    metric (``nan`` for a diverged run)."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ReproduceError(f"cannot read {path}: {err.strerror or err}") from None
+    rows = []
+    for r in csv.DictReader(io.StringIO(text)):
+        missing = [k for k in BASE_FIELDS if k not in r]
+        if missing:
+            raise ReproduceError(f"{path} is not a reproduction's results.csv (no {missing[0]!r} column)")
+        rows.append({"experiment": r["experiment"], "model": r["model"], "seed": int(r["seed"]),
+                     "parameters": int(r["parameters"]), "steps": int(r["steps"]),
+                     "tokens": int(r["tokens"]), "seconds": float(r["seconds"]),
+                     "metrics": {k: float(v) for k, v in r.items()
+                                 if k not in BASE_FIELDS and v not in ("", None)}})
+    return rows
+
+
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     """One row per run: the base fields, then every metric that any run reported."""
     metrics = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
@@ -215,29 +351,77 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     write_atomic(path, text.getvalue().encode())
 
 
+TRAINED = "trained"  # a metric: 1 if the run's model learned, 0 if its loss stayed stuck
+
+
+def trained(row: dict[str, Any]) -> bool:
+    """False for a run its experiment flagged as not trained (metric ``trained`` = 0)."""
+    flag = row["metrics"].get(TRAINED)
+    return flag is None or not (isinstance(flag, (int, float)) and flag == 0)
+
+
 def values(rows: list[dict[str, Any]], model: str, metric: str) -> list[float]:
     """The metric of every seed of ``model``."""
-    out = []
+    return list(seed_values(rows, model, metric, only_trained=False).values())
+
+
+def seed_values(rows: list[dict[str, Any]], model: str, metric: str, *,
+                only_trained: bool = True) -> dict[int, float]:
+    """seed -> the metric of ``model``'s run of that seed (runs flagged as not trained left out
+    unless ``only_trained=False``)."""
+    out = {}
     for r in rows:
-        if r["model"] == model and metric in r["metrics"]:
+        if r["model"] == model and metric in r["metrics"] and (trained(r) or not only_trained):
             v = r["metrics"][metric]
-            out.append(math.nan if v is None else float(v))
+            out[int(r["seed"])] = math.nan if v is None else float(v)
     return out
 
 
 def judge(rows: list[dict[str, Any]], claims: list[Claim]) -> list[tuple[Claim, Verdict]]:
-    return [(c, decide(values(rows, *c.a), values(rows, *c.b), c.kind)) for c in claims]
+    """Each claim's verdict (``decide``); runs flagged as not trained are left out and named."""
+    out = []
+    for c in claims:
+        only = not c.with_untrained
+        v = decide(seed_values(rows, *c.a, only_trained=only), seed_values(rows, *c.b, only_trained=only),
+                   c.kind, paired=c.paired, floor=c.floor, ceiling=c.ceiling, margin=c.margin,
+                   margin_abs=c.margin_abs)
+        if c.unmeasured:
+            v.verdict, v.reason = "not measured", c.unmeasured
+        stuck = [f"{model} seed {r['seed']}" for model in dict.fromkeys((c.a[0], c.b[0]))
+                 for r in rows if r["model"] == model and not trained(r)]
+        if stuck:
+            note = (f"{'kept, as the claim is about failing to learn' if c.with_untrained else 'left out'}"
+                    f", did not train: {', '.join(stuck)}")
+            v.reason = note if not v.reason or v.verdict == "not measured" else f"{v.reason}; {note}"
+        out.append((c, v))
+    return out
+
+
+def _signed(x: float) -> str:
+    return "n/a" if math.isnan(x) else ("+inf" if x == math.inf else "-inf" if x == -math.inf
+                                         else f"{x:+.3g}")
 
 
 def claims_table(judged: list[tuple[Claim, Verdict]]) -> str:
-    lines = ["| claim | paper | ours: A vs B (mean ± sd over seeds) | verdict |",
-             "|---|---|---|---|"]
+    """One row per claim: the claim, the paper's statement and its direction, both sides, the
+    difference with its per-seed values and the thresholds, the verdict (and why)."""
+    lines = ["| claim | paper (where; direction) | ours: A vs B (mean ± sd over seeds) | "
+             "d = B - A (per seed); noise, margin | verdict |",
+             "|---|---|---|---|---|"]
     for c, v in judged:
-        rel = "<" if c.kind == "better" else "<="
+        rel, meaning = KINDS[c.kind]
         ours = (f"A = {c.a[0]} [{c.a[1]}] {fmt(v.mean_a, v.spread_a)} {rel} "
-                f"B = {c.b[0]} [{c.b[1]}] {fmt(v.mean_b, v.spread_b)} (n = {v.n_a}, {v.n_b}; "
-                f"threshold {v.threshold:.2g})")
-        lines.append(f"| {c.name} | {c.paper} | {ours} | **{v.verdict}** |")
+                f"B = {c.b[0]} [{c.b[1]}] {fmt(v.mean_b, v.spread_b)} (n = {v.n_a}, {v.n_b})")
+        if math.isnan(v.d) and not v.diffs:
+            diff = "n/a"
+        else:
+            per = ", ".join(f"s{k} {_signed(x)}" for k, x in sorted(v.diffs.items()))
+            kind = "paired" if v.paired else "unpaired"
+            diff = (f"{_signed(v.d)} ({kind}{': ' + per if per else ''}); noise "
+                    f"{'n/a' if math.isnan(v.noise) else f'{v.noise:.2g}'}, margin "
+                    f"{'n/a' if math.isnan(v.margin) else f'{v.margin:.2g}'}")
+        verdict = f"**{v.verdict}**" + (f" ({v.reason})" if v.reason else "")
+        lines.append(f"| {c.name} | {c.paper} ({meaning}) | {ours} | {diff} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -257,13 +441,22 @@ def models_table(rows: list[dict[str, Any]], metrics: Sequence[str]) -> str:
 def write_markdown(path: Path, *, title: str, intro: str, settings: dict[str, Any],
                    judged: list[tuple[Claim, Verdict]], rows: list[dict[str, Any]],
                    metrics: Sequence[str], notes: Sequence[str], plots: Sequence[str],
-                   seeds: Sequence[int], seconds: float) -> None:
+                   seeds: Sequence[int], seconds: float | None) -> None:
+    """results.md; ``seconds`` None: rendered from a recorded results.csv, nothing trained."""
+    total = sum(r["seconds"] for r in rows)
+    when = ("Rendered from the recorded results.csv (no training in this invocation)"
+            if seconds is None else
+            f"Wall time of this invocation: {seconds:.0f} s (runs finished earlier and reused are "
+            "not included)")
     parts = [f"# {title}", "", intro, "",
-             (f"Seeds: {', '.join(map(str, seeds))}. Wall time of this invocation: {seconds:.0f} s "
-             f"(runs finished earlier and reused are not included; see results.csv for each run's "
-             f"own time)."), "",
+             (f"Seeds: {', '.join(map(str, seeds))}. {when}; the runs' own times add up to "
+              f"{total:.0f} s (results.csv has each)."), "",
              "Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), "",
-             "## Claims", "", claims_table(judged), "", RULE_TEXT, "",
+             "## Claims", "", claims_table([(c, v) for c, v in judged if not c.control]), "",
+             *(["## Controls (checks of the experiment itself, not claims of the paper)", "",
+                claims_table([(c, v) for c, v in judged if c.control]), ""]
+               if any(c.control for c, _ in judged) else []),
+             RULE_TEXT, "",
              "## Runs (mean ± sd over seeds)", "", models_table(rows, metrics), ""]
     if notes:
         parts += ["## Notes", "", *[f"- {n}" for n in notes], ""]

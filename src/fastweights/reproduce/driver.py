@@ -9,10 +9,13 @@ from pathlib import Path
 
 from . import EXPERIMENTS
 from .common import (
+    MANIFEST,
     Experiment,
+    Plan,
     ReproduceError,
     judge,
     prepare_out,
+    read_csv,
     run_all,
     write_csv,
     write_markdown,
@@ -39,12 +42,39 @@ def reproduce(name: str, out: Path, seeds: list[int], *, quick: bool = False, da
     rows, reused = run_all(out, name, plan, lambda spec, wd: exp.execute(spec, plan, wd),
                            progress=progress)
     write_csv(out / "results.csv", rows)
-    judged = judge(rows, exp.claims(plan))
-    write_markdown(out / "results.md", title=exp.title, intro=exp.intro,
-                   settings={k: v for k, v in plan.settings.items()},
-                   judged=judged, rows=rows, metrics=exp.metrics(plan),
-                   notes=exp.notes(plan, rows), plots=exp.plots(rows, out, plan), seeds=seeds,
-                   seconds=time.perf_counter() - start)
+    _write_results(exp, plan, rows, out, seeds, time.perf_counter() - start)
     if resumed and progress:
         print(f"continued {out}: {reused} finished run(s) reused", file=sys.stderr)
+    return out / "results.md"
+
+
+def _write_results(exp: Experiment, plan: Plan, rows: list[dict], out: Path, seeds: list[int],
+                   seconds: float | None) -> None:
+    """results.md; ``seconds`` None (a re-render) keeps the recorded plots as they are (some
+    are drawn from the run folders, which a record need not keep)."""
+    plots = (exp.plots(rows, out, plan) if seconds is not None else
+             sorted(p.name for p in out.glob("*.png")))
+    write_markdown(out / "results.md", title=exp.title, intro=exp.intro,
+                   settings=dict(plan.settings), judged=judge(rows, exp.claims(plan)), rows=rows,
+                   metrics=exp.metrics(plan), notes=exp.notes(plan, rows), plots=plots,
+                   seeds=seeds, seconds=seconds)
+
+
+def render(out: Path, name: str | None = None) -> Path:
+    """Rewrite ``out``'s results.md from its recorded ``reproduce.json`` and
+    ``results.csv`` with the current claims and verdict rule, training nothing. ``name``: the
+    experiment whose claims to apply (default: the one the manifest names). Returns results.md."""
+    import json
+
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        raise ReproduceError(f"--out {out} holds no reproduction ({MANIFEST} missing or unreadable)") from None
+    exp = experiment(name or manifest.get("experiment", ""))
+    rows = read_csv(out / "results.csv")
+    if not rows:
+        raise ReproduceError(f"{out / 'results.csv'} has no runs")
+    plan = Plan(manifest["settings"], [])
+    seeds = sorted({r["seed"] for r in rows})
+    _write_results(exp, plan, rows, out, seeds, None)
     return out / "results.md"

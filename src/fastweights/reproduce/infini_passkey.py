@@ -1,14 +1,18 @@
 """``infini-passkey``: Infini-attention's passkey retrieval far beyond the training length
-(Munkhdalai et al. 2024, SPEC.md 5.6), at toy scale.
+(Munkhdalai et al. 2024, SPEC.md 5.6), at toy scale and at token level.
 
-Every model is trained on synthetic passkey sequences (``tasks.passkey``: the needle at a random
-depth in repeated filler, the question, the 5 digits) of ``train_lengths`` bytes, then asked for
-the key in prompts of ``lengths`` bytes with the needle at ``depths``: the prompt is prefilled in
-pieces with the state carried, the 5 digits are decoded greedily, and a prompt counts when all
-5 are right (exact match). Models: Infini-attention with the linear and with the delta memory,
-the linear one again with its memory switched off at evaluation (every gate forced to the
-segment-local path, sigmoid(beta) = 0), DeltaNet, and softmax attention (evaluated only within
-its training length). All at the Infini model's parameter count and the same token budget.
+Stage A of the rebuilt experiment (the byte-level version is ``infini-passkey-bytes``, kept as a
+documented hard setting: there no model learned the 5-digit key within its budget). Every model
+is trained on ``tasks.token_passkey`` sequences of ``train_segments`` segments of
+``segment_len`` tokens: random filler ids with one needle (a key id, then a value id) at the
+start of a random earlier segment, the key again as the last token, and the loss on the value
+predicted there. Each model is then asked for the value in sequences of ``lengths`` segments with
+the needle at ``depths`` (0: the first segment, 1: the one just before the last), read in pieces
+with the state carried; a prompt counts when the greedy prediction is the value. Models:
+Infini-attention with the linear and with the delta memory (segment = ``segment_len``), each
+again with its memory switched off at evaluation (every gate forced to the segment-local path,
+sigmoid(beta) = 0), DeltaNet, and softmax attention (evaluated only within its training length).
+All at the Infini model's parameter count, with the same training data per seed.
 """
 
 from __future__ import annotations
@@ -23,32 +27,37 @@ import torch.nn.functional as F
 
 from ..layers import InfiniAttention
 from ..models import LanguageModel, LMConfig
-from ..tasks.passkey import passkey_prompt
+from ..tasks.passkey import token_passkey, token_passkey_vocab
 from ..train.trainer import TrainConfig, lr_factor
 from . import lm
-from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_spread, values
+from .common import (
+    RUNS,
+    Claim,
+    Experiment,
+    Plan,
+    RunSpec,
+    matplotlib_pyplot,
+    mean_spread,
+    values,
+)
 from .registry import register
 
-# Training lengths 256-512 bytes put the needle up to 8 segments of 64 back. A first default of
-# 512-1024 bytes, 300 steps, lr 2e-3 and key weight 1 left every model at 0 % even within its
-# training length (softmax included): the 5 digits carried too little of the loss. With key
-# weight 4 and lr 3e-3, softmax learns the copy at 128-256 bytes in ~100 steps (scratch runs
-# recorded in the results README).
-DEFAULT = {"d_model": 128, "n_layers": 2, "n_heads": 4, "segment_len": 64,
-           "train_lengths": [256, 512], "batch_size": 8, "steps": 400, "lr": 3e-3,
-           "key_weight": 4.0,
-           "lengths": [512, 1024, 2048, 4096, 8192, 16384, 32768], "depths": [0.0, 0.5, 1.0],
-           "samples": 4, "piece": 4096}
-QUICK = {"d_model": 16, "n_layers": 1, "n_heads": 2, "segment_len": 32,
-         "train_lengths": [160, 256], "batch_size": 2, "steps": 3, "lr": 2e-3, "key_weight": 4.0,
-         "lengths": [256, 512], "depths": [0.0, 1.0], "samples": 2, "piece": 128}
-REFERENCE = "infini (linear)"
-MEMORY_OFF = "infini (linear), memory off"
+DEFAULT = {"d_model": 128, "n_layers": 2, "n_heads": 4, "segment_len": 32, "n_filler": 32,
+           "n_keys": 64, "n_values": 64, "train_segments": [2, 4], "batch_size": 32, "steps": 500,
+           "lr": 3e-3, "lengths": [2, 4, 8, 16, 32, 64, 128], "depths": [0.0, 0.5, 1.0],
+           "samples": 32, "piece": 512, "curve_every": 25}
+QUICK = {"d_model": 16, "n_layers": 1, "n_heads": 2, "segment_len": 8, "n_filler": 8,
+         "n_keys": 8, "n_values": 8, "train_segments": [2, 3], "batch_size": 4, "steps": 4,
+         "lr": 3e-3, "lengths": [2, 3, 6], "depths": [0.0, 1.0], "samples": 4, "piece": 16,
+         "curve_every": 2}
 TRAINED = {"infini (linear)": ("infini", {"update": "linear"}),
            "infini (delta)": ("infini", {"update": "delta"}),
            "deltanet": ("delta", {}), "softmax": ("softmax", {})}
-DIGITS = 5
+REFERENCE = "infini (linear)"
+MEMORY_OFF = {"infini (linear)": "infini (linear), memory off",
+              "infini (delta)": "infini (delta), memory off"}
 MODEL_DIR = "model"  # the trained weights, in each run's folder
+MARGIN = 0.05        # accuracy claims: 5 points (of miss = 1 - accuracy) is the smallest difference
 
 
 def acc_metric(length: int, depth: float) -> str:
@@ -60,36 +69,31 @@ def miss_metric(length: int) -> str:
     return f"miss@{length}"
 
 
-def _n_filler(length: int) -> int:
-    """Filler repetitions that bring the prompt closest to ``length`` bytes."""
-    gen = torch.Generator().manual_seed(0)
-    base = len(passkey_prompt(0, 0.0, gen)[0])
-    one = len(passkey_prompt(1, 0.0, gen)[0]) - base
-    return max(0, round((length - base) / one))
-
-
-def _batch(n_filler: int, depths: list[float], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts (byte ids [B, P]) and answers ([B, 5]); every prompt has the same length."""
-    pairs = [passkey_prompt(n_filler, d, gen) for d in depths]
-    prompts = torch.tensor([list(p.encode()) for p, _ in pairs])
-    answers = torch.tensor([list(a.encode()) for _, a in pairs])
-    return prompts, answers
+def chance_floor(s: dict[str, Any]) -> float:
+    """miss at or above which a model has not learned: accuracy at most 3x chance (1/n_values)."""
+    return 1.0 - 3.0 / s["n_values"]
 
 
 def _models(s: dict[str, Any]) -> dict[str, LMConfig]:
+    vocab = token_passkey_vocab(s["n_filler"], s["n_keys"], s["n_values"])
     configs = {}
     for label, (name, opts) in TRAINED.items():
         opts = {**opts, "segment_len": s["segment_len"]} if name == "infini" else opts
-        configs[label] = LMConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["n_layers"],
+        configs[label] = LMConfig(vocab_size=vocab, d_model=s["d_model"], n_layers=s["n_layers"],
                                   n_heads=s["n_heads"], mixer=name, mixer_options=opts)
     return lm.match_parameters(configs, REFERENCE)
 
 
 def _tokens(s: dict[str, Any]) -> int:
-    """Training bytes per run: every step draws a length uniformly in train_lengths' range, so
-    the budget is reported as steps x batch x the mean length."""
-    lo, hi = s["train_lengths"]
-    return s["steps"] * s["batch_size"] * (lo + hi) // 2
+    """Training tokens per run: segments drawn uniformly in train_segments' range per step."""
+    lo, hi = s["train_segments"]
+    return s["steps"] * s["batch_size"] * s["segment_len"] * (lo + hi) // 2
+
+
+def _batch(s: dict[str, Any], n_segments: int, batch: int, gen: torch.Generator,
+           depth: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return token_passkey(n_segments, s["segment_len"], batch, gen, depth=depth,
+                         n_filler=s["n_filler"], n_keys=s["n_keys"], n_values=s["n_values"])
 
 
 def plan(quick: bool, seeds: list[int], data: str) -> Plan:
@@ -99,57 +103,57 @@ def plan(quick: bool, seeds: list[int], data: str) -> Plan:
     for seed in seeds:
         for label, cfg in configs.items():
             runs.append(RunSpec(label, seed, {"config": cfg.to_dict()}))
-            if label == REFERENCE:  # evaluated from the same weights: see execute
-                runs.append(RunSpec(MEMORY_OFF, seed, {"config": cfg.to_dict(), "memory_off": True}))
+            if label in MEMORY_OFF:  # evaluated from the same weights: see execute
+                runs.append(RunSpec(MEMORY_OFF[label], seed,
+                                    {"config": cfg.to_dict(), "memory_off": label}))
     return Plan(s, runs)
 
 
-def _train(config: LMConfig, s: dict[str, Any], seed: int) -> LanguageModel | None:
-    """Train on passkey sequences: next-byte loss over the whole sequence plus ``key_weight``
-    times the loss of the 5 answer digits (so the rare retrieval targets outweigh the filler).
-    None on a non-finite loss or gradient (diverged)."""
+def train_passkey(config: LMConfig, s: dict[str, Any], seed: int) -> tuple[LanguageModel | None, list[list[float]]]:
+    """Train on token passkey sequences, the loss on the value predicted at the last token.
+    Returns the model in eval mode (None when a loss or gradient turned non-finite: diverged)
+    and the learning curve, ``[step, loss, batch accuracy]`` every ``curve_every`` steps (and
+    at the last), each the mean over the steps since the previous point. The data order depends
+    on the seed only, so every model of one seed sees the same sequences."""
     torch.manual_seed(seed)
     model = LanguageModel(config)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.1)
     cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup=max(1, s["steps"] // 10))
     gen = torch.Generator().manual_seed(10_000 + seed)
-    lo, hi = s["train_lengths"]
+    lo, hi = s["train_segments"]
+    curve: list[list[float]] = []
+    losses, hits = [], []
     for step in range(s["steps"]):
         for group in opt.param_groups:
             group["lr"] = s["lr"] * lr_factor(step, cfg)
-        length = int(torch.randint(lo, hi + 1, (1,), generator=gen))
-        depths = torch.rand(s["batch_size"], generator=gen).tolist()
-        prompts, answers = _batch(_n_filler(length), depths, gen)
-        ids = torch.cat([prompts, answers], dim=1)
-        logits, _ = model(ids[:, :-1])
-        targets = ids[:, 1:]
-        loss_all = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss_key = F.cross_entropy(logits[:, -DIGITS:].flatten(0, 1).float(), targets[:, -DIGITS:].flatten())
-        loss = loss_all + s["key_weight"] * loss_key
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        ids, answers = _batch(s, n, s["batch_size"], gen)
+        logits, _ = model(ids)
+        last = logits[:, -1].float()
+        loss = F.cross_entropy(last, answers)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
-            return None
+            return None, curve
         opt.step()
-    return model.eval()
+        losses.append(loss.item())
+        hits.append(float((last.argmax(-1) == answers).float().mean()))
+        if (step + 1) % s["curve_every"] == 0 or step + 1 == s["steps"]:
+            curve.append([step + 1, sum(losses) / len(losses), sum(hits) / len(hits)])
+            losses, hits = [], []
+    return model.eval(), curve
 
 
 @torch.no_grad()
-def retrieve(model: LanguageModel, prompts: torch.Tensor, piece: int) -> torch.Tensor:
-    """Greedy 5-digit answers [B, 5] to ``prompts`` [B, P]: the prompt is read in pieces of
-    ``piece`` tokens with the state carried (constant memory for the recurrent models), then
-    one token at a time."""
+def answer(model: LanguageModel, ids: torch.Tensor, piece: int) -> torch.Tensor:
+    """The greedy prediction [B] at the last token of ``ids`` [B, T], read in pieces of
+    ``piece`` tokens with the state carried (constant memory for the recurrent models)."""
     state, logits = None, None
-    for start in range(0, prompts.shape[1], piece):
-        logits, state = model(prompts[:, start:start + piece], state)
-    out = []
-    for _ in range(DIGITS):
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        out.append(token)
-        logits, state = model(token, state)
-    return torch.cat(out, dim=1)
+    for start in range(0, ids.shape[1], piece):
+        logits, state = model(ids[:, start:start + piece], state)
+    return logits[:, -1].argmax(-1)
 
 
 def memory_off(model: LanguageModel) -> LanguageModel:
@@ -162,64 +166,106 @@ def memory_off(model: LanguageModel) -> LanguageModel:
     return off
 
 
+def _window(s: dict[str, Any]) -> int:
+    """The longest training sequence, in segments: softmax is evaluated up to it only."""
+    return max(s["train_segments"])
+
+
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     config = LMConfig.from_dict(spec.options["config"])
-    lengths = s["lengths"]
-    trained = workdir.parent / RunSpec(REFERENCE, spec.seed).key / MODEL_DIR
-    if spec.options.get("memory_off") and (trained / "config.json").is_file():
-        model = LanguageModel.from_pretrained(trained).eval()  # the reference run's weights
+    source = spec.options.get("memory_off")
+    curve: list[list[float]] = []
+    if source:
+        trained = workdir.parent / RunSpec(source, spec.seed).key / MODEL_DIR
+        if (trained / "config.json").is_file():
+            model = LanguageModel.from_pretrained(trained).eval()  # the trained run's weights
+        else:
+            model, curve = train_passkey(config, s, spec.seed)  # the same seed: the same weights
     else:
-        model = _train(config, s, spec.seed)  # (the same seed gives the same weights)
+        model, curve = train_passkey(config, s, spec.seed)
     if model is None:
         return {"parameters": lm.count_parameters(config), "steps": s["steps"], "tokens": _tokens(s),
-                "diverged": True, "metrics": dict.fromkeys(map(miss_metric, lengths), math.nan)}
-    if spec.options.get("memory_off"):
+                "diverged": True, "curve": curve,
+                "metrics": dict.fromkeys(map(miss_metric, s["lengths"]), math.nan)}
+    if source:
         model = memory_off(model)
     else:
         model.save_pretrained(workdir / MODEL_DIR)
-    gen = torch.Generator().manual_seed(20_000 + spec.seed)
+    gen = torch.Generator().manual_seed(20_000 + spec.seed)  # one seed: the same prompts for all
     metrics: dict[str, float] = {}
-    window = max(s["train_lengths"])
-    for length in lengths:
-        if spec.model == "softmax" and length > window:
-            continue  # softmax cannot go beyond its training length: not evaluated (n/a)
+    for length in s["lengths"]:
         accs = []
         for depth in s["depths"]:
-            prompts, answers = _batch(_n_filler(length), [depth] * s["samples"], gen)
-            got = retrieve(model, prompts, s["piece"])
-            acc = float((got == answers).all(dim=1).float().mean())
+            ids, answers = _batch(s, length, s["samples"], gen, depth)
+            if spec.model == "softmax" and length > _window(s):
+                continue  # softmax cannot go beyond its training length: not evaluated (n/a)
+            acc = float((answer(model, ids, s["piece"]) == answers).float().mean())
             metrics[acc_metric(length, depth)] = acc
             accs.append(acc)
-        metrics[miss_metric(length)] = 1.0 - sum(accs) / len(accs)
+        if accs:
+            metrics[miss_metric(length)] = 1.0 - sum(accs) / len(accs)
+    if curve:
+        tail = curve[-max(1, len(curve) // 5):]
+        metrics["final_train_loss"] = sum(c[1] for c in tail) / len(tail)
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": _tokens(s),
-            "metrics": metrics}
+            "curve": curve, "metrics": metrics}
 
 
 def claims(p: Plan) -> list[Claim]:
     s = p.settings
-    first, far = s["lengths"][0], s["lengths"][-1]
-    paper = ("a 1B Infini model fine-tuned on 5K-token passkey instances retrieves the key at up "
-             "to 1M tokens (linear and linear + delta memory)")
-    return [
-        *[Claim(f"memory needed: infini < memory off at {n}", paper + "; without the memory the "
-                "model cannot see a needle more than one segment back",
-                (REFERENCE, miss_metric(n)), (MEMORY_OFF, miss_metric(n))) for n in (first, far)],
-        Claim(f"length generalisation: infini at {far} <= at {first}", paper,
-              (REFERENCE, miss_metric(far)), (REFERENCE, miss_metric(first)), "not_worse"),
-        Claim(f"delta memory <= linear memory at {far}", "linear + delta matches or beats linear "
-              "(PG19 9.67 vs 9.65 ppl, Arxiv-math 2.23 vs 2.24; passkey both near 100 % after "
-              "fine-tuning)", ("infini (delta)", miss_metric(far)), (REFERENCE, miss_metric(far)),
-              "not_worse"),
-        Claim(f"within the training length: infini <= softmax at {first}", "Infini-attention's "
-              "local path plus memory is no worse than full attention where both can see the "
-              "needle [not a paper number]", (REFERENCE, miss_metric(first)),
-              ("softmax", miss_metric(first)), "not_worse"),
-    ]
+    train, lengths = _window(s), s["lengths"]
+    far = [n for n in lengths if n >= 16 * train] or [lengths[-1]]
+    sixteen, longest = far[0], lengths[-1]
+    floor = chance_floor(s)
+    acc = {"paired": True, "floor": floor, "margin_abs": MARGIN}
+    paper = ("§4.2 (passkey): a 1B Infini-Transformer fine-tuned on 5K-token passkey instances "
+             "retrieves the key in contexts up to 1M tokens, with the linear and the linear + delta "
+             "memory alike")
+    out = []
+    for model, off in MEMORY_OFF.items():
+        out.append(Claim(f"memory is what retrieves: {model} < memory off at {sixteen} segments",
+                         "§3 (method) with §4.2: the needle lies segments back, beyond the local "
+                         "attention; only the compressive memory carries it " + "[implied]",
+                         (model, miss_metric(sixteen)), (off, miss_metric(sixteen)), **acc))
+        for n in dict.fromkeys((sixteen, longest)):
+            out.append(Claim(f"length generalisation: {model} at {n} ({n // train}x) no worse than "
+                             f"at {train} segments (training length)", paper,
+                             (model, miss_metric(n)), (model, miss_metric(train)), "not_worse", **acc))
+    out.append(Claim(f"delta memory no worse than linear at {longest} segments",
+                     "Table 2 / §4.2: linear + delta matches linear (passkey: both near 100 % after "
+                     "fine-tuning; PG19 9.67 vs 9.65 ppl)",
+                     ("infini (delta)", miss_metric(longest)), (REFERENCE, miss_metric(longest)),
+                     "not_worse", ceiling=0.0, **acc))
+    out.append(Claim(f"softmax learns the task within its window ({train} segments): softmax < "
+                     "infini (linear), memory off", "control: full attention sees the needle, the "
+                     "segment-local path does not",
+                     ("softmax", miss_metric(train)), (MEMORY_OFF[REFERENCE], miss_metric(train)),
+                     control=True, **acc))
+    out.append(Claim(f"DeltaNet reference: deltanet at {sixteen} segments no worse than at {train}",
+                     "reference: a recurrent memory without segments",
+                     ("deltanet", miss_metric(sixteen)), ("deltanet", miss_metric(train)),
+                     "not_worse", control=True, **acc))
+    return out
 
 
 def metrics(p: Plan) -> list[str]:
-    return [miss_metric(n) for n in p.settings["lengths"]]
+    return [*(miss_metric(n) for n in p.settings["lengths"]), "final_train_loss"]
+
+
+def _curves(out: Path) -> dict[str, list[list[list[float]]]]:
+    """model -> the learning curves of its seeds, from the per-run result files (if kept)."""
+    import json
+
+    got: dict[str, list[list[list[float]]]] = {}
+    for path in sorted((out / RUNS).glob("*/result.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if result.get("curve"):
+            got.setdefault(result["model"], []).append(result["curve"])
+    return got
 
 
 def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
@@ -229,45 +275,64 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
     s = p.settings
     models = list(dict.fromkeys(r["model"] for r in rows))
     lengths, depths = s["lengths"], s["depths"]
-    fig, axes = plt.subplots(1, len(models), figsize=(2.6 * len(models) + 1, 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(2.4 * len(models) + 1, 3.0), squeeze=False)
     for ax, model in zip(axes[0], models):
         grid = [[mean_spread(values(rows, model, acc_metric(n, d)))[0] for n in lengths] for d in depths]
-        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.imshow([[v if math.isfinite(v) else math.nan for v in line] for line in grid],
+                  vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for i, line in enumerate(grid):
             for j, v in enumerate(line):
                 ax.text(j, i, "n/a" if not math.isfinite(v) else f"{100 * v:.0f}", ha="center",
-                        va="center", fontsize=7)
-        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths],
-                      fontsize=7)
+                        va="center", fontsize=6)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-        ax.set_title(model, fontsize=8)
-        ax.set_xlabel("prompt length (bytes)", fontsize=7)
+        ax.set_title(model, fontsize=7)
+        ax.set_xlabel("segments", fontsize=7)
     axes[0][0].set_ylabel("needle depth", fontsize=8)
-    fig.suptitle("passkey exact-match accuracy (%)", fontsize=10)
+    fig.suptitle(f"token passkey: accuracy (%) by length and needle depth, mean over seeds "
+                 f"(trained on {s['train_segments'][0]}-{s['train_segments'][1]} segments)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "passkey_heatmap.png", dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for model in models:
-        means = [1 - mean_spread(values(rows, model, miss_metric(n)))[0] for n in lengths]
-        ax.plot(lengths, means, marker="o", label=model)
-    ax.axvline(max(s["train_lengths"]), color="grey", lw=0.8, ls=":")
+        accs = [1 - mean_spread(values(rows, model, miss_metric(n)))[0] for n in lengths]
+        ax.plot(lengths, accs, marker="o", label=model)
+    ax.axvline(_window(s), color="grey", lw=0.8, ls=":")
+    ax.axhline(1 / s["n_values"], color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("prompt length (bytes)")
-    ax.set_ylabel("exact match, mean over depths")
-    ax.set_title("passkey retrieval vs length (dotted: longest training sequence)", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set_xlabel(f"sequence length (segments of {s['segment_len']} tokens)")
+    ax.set_ylabel("accuracy, mean over depths and seeds")
+    ax.set_title("passkey vs length (dotted: longest training length; dashed: chance)", fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "passkey_vs_length.png", dpi=110)
     plt.close(fig)
-    return ["passkey_heatmap.png", "passkey_vs_length.png"]
+    written = ["passkey_heatmap.png", "passkey_vs_length.png"]
+    curves = _curves(out)
+    if curves:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for i, (model, runs) in enumerate(curves.items()):
+            for j, curve in enumerate(runs):
+                ax.plot([c[0] for c in curve], [c[1] for c in curve], color=f"C{i}", lw=1,
+                        label=model if j == 0 else None)
+        ax.axhline(math.log(s["n_values"]), color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("training loss on the value (nats)")
+        ax.set_title("learning curves, one line per seed (dashed: ln n_values, chance)", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "learning_curves.png", dpi=110)
+        plt.close(fig)
+        written.append("learning_curves.png")
+    return written
 
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     params = ", ".join(map(str, sorted({r["parameters"] for r in rows})))
-    lo, hi = s["train_lengths"]
+    lo, hi = s["train_segments"]
     table = ["| model | " + " | ".join(f"{n}" for n in s["lengths"]) + " |",
              "|---|" + "---|" * len(s["lengths"])]
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -275,33 +340,35 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
             cells = [mean_spread(values(rows, model, acc_metric(n, d)))[0] for n in s["lengths"]]
             table.append(f"| {model}, depth {d:g} | " + " | ".join(
                 "n/a" if not math.isfinite(c) else f"{100 * c:.0f} %" for c in cells) + " |")
-    vacuous = [c.name for c in claims(p) if c.kind == "not_worse"
-               and all(mean_spread(values(rows, *side))[0] >= 1.0 for side in (c.a, c.b))]
     return [
-        *([(f"Both sides fail completely (miss 1) in: {'; '.join(vacuous)}. Their \"reproduced\" "
-           "only says one failure is no worse than another: read it as not reproduced.")]
-          if vacuous else []),
         (f"{s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads, Infini segment "
-         f"N = {s['segment_len']}; feed-forward widths matched to `{REFERENCE}` within "
-         f"{lm.MATCH_TOLERANCE:.0%} (counts: {params}). Training: {s['steps']} steps of "
-         f"{s['batch_size']} passkey sequences of {lo}-{hi} bytes (random depth), AdamW, loss = "
-         f"next-byte loss of the whole sequence + {s['key_weight']:g} x loss of the 5 answer digits, "
-         f"lr {s['lr']:g}."),
-        (f"Evaluation: {s['samples']} prompts per (length, depth), prefilled in pieces of "
-         f"{s['piece']} bytes with the state carried, 5 digits decoded greedily, exact match. "
-         "`miss@L` = 1 - accuracy averaged over the depths (lower is better). Softmax attention "
-         f"is evaluated only up to its training length ({hi}; beyond it: n/a)."),
-        (f"`{MEMORY_OFF}` is `{REFERENCE}`'s trained weights (saved in its run folder) with every "
-         "gate logit set to -inf at evaluation."),
-        "Accuracy per length (columns, bytes) and needle depth, mean over seeds:\n\n" + "\n".join(table),
-        ("The paper: 1B model, segment 2048, fine-tuned on 5K tokens, up to 1M tokens; ours is a "
-         "direction check at toy scale."),
+         f"N = {s['segment_len']} tokens; feed-forward widths matched to `{REFERENCE}` within "
+         f"{lm.MATCH_TOLERANCE:.0%} (counts: {params}). Vocabulary: {s['n_filler']} filler, "
+         f"{s['n_keys']} key and {s['n_values']} value ids (chance 1/{s['n_values']} = "
+         f"{100 / s['n_values']:.1f} %). Training: {s['steps']} steps of {s['batch_size']} "
+         f"sequences of {lo}-{hi} segments (uniform), the needle at the start of a random earlier "
+         f"segment, AdamW lr {s['lr']:g} (warm-up 10 %, cosine), loss = cross-entropy of the "
+         "value at the last token; every model of one seed sees the same sequences (paired)."),
+        (f"Evaluation: {s['samples']} sequences per (length, depth), read in pieces of "
+         f"{s['piece']} tokens with the state carried, greedy prediction at the last token. "
+         "`miss@L` = 1 - accuracy averaged over the depths (lower is better); depth 0 = the needle "
+         "in the first segment, 1 = in the segment before the last. Softmax attention is "
+         f"evaluated only up to its training length ({hi} segments; beyond it: n/a). A model whose "
+         f"miss is at least {chance_floor(s):.3f} (accuracy at most 3x chance) has not learned: "
+         "two such sides are not measured."),
+        ("The memory-off rows are the trained Infini weights (saved in their run folders) with "
+         "every gate logit set to -inf at evaluation: only the current segment is visible."),
+        "Accuracy by length (columns, segments) and needle depth, mean over seeds:\n\n" + "\n".join(table),
+        ("The paper: a 1B model, segment 2048, fine-tuned on 5K tokens, passkey up to 1M tokens "
+         "(the 5-digit key in repeated filler text); ours is a direction check at toy scale with a "
+         "single key-value needle. The byte-level 5-digit version is `infini-passkey-bytes`."),
     ]
 
 
 EXPERIMENT = Experiment(
-    "infini-passkey", "infini-passkey: passkey retrieval beyond the training length",
-    "Infini-attention's passkey claim (Munkhdalai et al. 2024; SPEC.md 5.6): with the compressive "
-    "memory the model retrieves the key far beyond its training length.",
+    "infini-passkey", "infini-passkey: token-level passkey retrieval beyond the training length",
+    "Infini-attention's passkey claim (Munkhdalai et al. 2024; SPEC.md 5.6) at token level: with "
+    "the compressive memory the model retrieves a needle from segments far back, at lengths far "
+    "beyond its training length; without the memory it cannot.",
     plan, execute, claims, metrics, plots, notes)
 register(EXPERIMENT)

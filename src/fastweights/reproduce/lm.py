@@ -94,12 +94,7 @@ def position_losses(model: LanguageModel, data: torch.Tensor, length: int, strea
     """Mean next-byte loss at every position [length] over ``streams`` consecutive,
     non-overlapping streams of ``length + 1`` bytes taken from the start of ``data``, each read in
     pieces of ``piece`` tokens with the recurrent state carried (all streams as one batch)."""
-    need = streams * (length + 1)
-    if data.numel() < need:
-        raise ReproduceError(f"the validation split has {data.numel()} bytes, fewer than the "
-                             f"{need} the long-context evaluation reads")
-    device = next(model.parameters()).device
-    x = data[:need].long().view(streams, length + 1).to(device)
+    x = stream_batch(model, data, length, streams)
     model.eval()
     total = torch.zeros(length, dtype=torch.float64)
     state = None
@@ -109,6 +104,44 @@ def position_losses(model: LanguageModel, data: torch.Tensor, length: int, strea
         loss = F.cross_entropy(logits.float().transpose(1, 2), x[:, start + 1:stop + 1], reduction="none")
         total[start:stop] = loss.double().mean(0).cpu()
     return total
+
+
+@torch.no_grad()
+def range_loss(model: LanguageModel, x: torch.Tensor, prefix: torch.Tensor | None, lo: int, hi: int,
+               piece: int) -> float:
+    """Mean next-byte loss at positions ``lo .. hi - 1`` (0-based inputs; the targets are the
+    bytes after them) of the streams ``x`` [S, >= hi + 1], read in pieces of ``piece`` tokens
+    with the state carried, after first reading ``prefix`` [S, lo] from a fresh state (its own
+    loss is not scored). ``prefix=None`` starts the range from a fresh state. With ``prefix =
+    x[:, :lo]`` this is the ordinary reading of the stream (``position_losses``); with another
+    stream's first ``lo`` bytes it is the control that tells "uses its own context" from "any
+    warmed-up state helps"."""
+    model.eval()
+    state = None
+    if prefix is not None:
+        if prefix.shape != (x.shape[0], lo):
+            raise ReproduceError(f"prefix must have shape {(x.shape[0], lo)}, got {tuple(prefix.shape)}")
+        for start in range(0, lo, piece):
+            _, state = model(prefix[:, start:min(lo, start + piece)], state)
+    total, count = 0.0, 0
+    for start in range(lo, hi, piece):
+        stop = min(hi, start + piece)
+        logits, state = model(x[:, start:stop], state)
+        loss = F.cross_entropy(logits.float().transpose(1, 2), x[:, start + 1:stop + 1], reduction="sum")
+        total += float(loss)
+        count += (stop - start) * x.shape[0]
+    return total / count
+
+
+def stream_batch(model: LanguageModel, data: torch.Tensor, length: int, streams: int) -> torch.Tensor:
+    """The ``streams`` consecutive, non-overlapping streams of ``length + 1`` bytes from the start
+    of ``data`` that ``position_losses`` reads, as one long tensor [streams, length + 1] on the
+    model's device."""
+    need = streams * (length + 1)
+    if data.numel() < need:
+        raise ReproduceError(f"the validation split has {data.numel()} bytes, fewer than the "
+                             f"{need} the long-context evaluation reads")
+    return data[:need].long().view(streams, length + 1).to(next(model.parameters()).device)
 
 
 def log_buckets(length: int) -> list[tuple[int, int]]:
@@ -135,6 +168,14 @@ def bucket_losses(per_position: torch.Tensor) -> dict[str, float]:
     for lo, hi in log_buckets(per_position.numel()):
         out[bucket_name(lo, hi)] = float(per_position[lo - 1:hi - 1].mean())
     return out
+
+
+def unigram_entropy(data: torch.Tensor) -> float:
+    """The entropy (nats) of the byte frequencies of ``data``: the loss of a model that learned
+    nothing but how often each byte occurs."""
+    counts = torch.bincount(data.long().flatten(), minlength=256).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
 
 
 def perplexity(loss: float) -> float:

@@ -9,9 +9,15 @@ held-out streams of
 ``factor * seq_len`` bytes in pieces of ``seq_len`` with its state carried (softmax: its
 key/value cache grows and RoPE positions continue past the training window). The loss at each
 position is averaged over the streams and over log-spaced position buckets [1, 2), [2, 4), ...
-Claims: the recurrent-state models' loss beyond the training window is no higher than at its end
-(it keeps falling or stays flat); softmax cannot go beyond its training window; the sum-rule
-linear transformer degrades.
+The built-in control: each position range [T, 2T), [2T, 4T), ... beyond the training window is
+also scored after the first ``lo`` bytes of an unrelated stream (half the evaluation batch away)
+and from a fresh state (``control_losses``). A loss that falls with position may come from any
+warmed-up state; "uses its own context" is the own prefix beating the unrelated one.
+Claims, each on the same bytes: more context lowers TTT-Linear/MLP's loss (own prefix < fresh
+state; the TTT paper); TTT, DeltaNet and Infini use their own context (own < unrelated); the
+sum-rule linear transformer collapses on long streams (own > fresh by 10 %; the fast weight
+paper's Table 4). Controls: softmax degrades past its window; a warmed-up state against a fresh
+one; the first record's "loss falls with position", which compares different bytes.
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
            "steps": 400, "lr": 2e-3, "eval_windows": 16, "factor": 16, "streams": 16,
-           "carry_state": "all but softmax"}
+           "carry_state": "all but softmax", "control": "own / unrelated / fresh prefix"}
 QUICK = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 16, "batch_size": 2,
          "steps": 3, "lr": 2e-3, "eval_windows": 2, "factor": 8, "streams": 2,
-         "carry_state": "all but softmax"}
+         "carry_state": "all but softmax", "control": "own / unrelated / fresh prefix"}
 WINDOWED = ("softmax",)  # trained on independent windows; every other model with carry_state
 RECURRENT = ("delta", "ttt-linear", "ttt-mlp", "infini", "diag/norm")
 
@@ -66,6 +72,41 @@ def _far_bucket(s: dict[str, Any]) -> str:
     return lm.bucket_name(*lm.log_buckets(s["seq_len"] * s["factor"])[-1])
 
 
+CONDITIONS = ("own", "unrelated", "fresh")
+
+
+def control_ranges(s: dict[str, Any]) -> list[tuple[int, int]]:
+    """The position ranges [lo, hi) (0-based inputs) scored under the three prefixes: doubling
+    from the training length, [T, 2T), [2T, 4T), ..., up to the stream length."""
+    T, length = s["seq_len"], s["seq_len"] * s["factor"]
+    out, lo = [], T
+    while lo < length:
+        out.append((lo, min(length, 2 * lo)))
+        lo *= 2
+    return out
+
+
+def control_metric(condition: str, lo: int, hi: int) -> str:
+    return f"{condition}@{lo}-{hi - 1}"
+
+
+def control_losses(model: Any, data: Any, s: dict[str, Any]) -> dict[str, float]:
+    """The built-in control: the loss at each of ``control_ranges`` read after the stream's own
+    first ``lo`` bytes (``own``), after the first ``lo`` bytes of an unrelated stream (the stream
+    half the batch away: ``streams / 2`` x the stream length further into the validation split,
+    ``unrelated``), and from a fresh state (``fresh``). ``own < unrelated`` says the model uses
+    its own context; ``unrelated < fresh`` only that a warmed-up state helps."""
+    T, length, n = s["seq_len"], s["seq_len"] * s["factor"], s["streams"]
+    x = lm.stream_batch(model, data, length, n)
+    other = x.roll(n // 2, dims=0)  # stream i reads the prefix of stream i - n/2 (mod n)
+    out = {}
+    for lo, hi in control_ranges(s):
+        out[control_metric("own", lo, hi)] = lm.range_loss(model, x, x[:, :lo], lo, hi, T)
+        out[control_metric("unrelated", lo, hi)] = lm.range_loss(model, x, other[:, :lo], lo, hi, T)
+        out[control_metric("fresh", lo, hi)] = lm.range_loss(model, x, None, lo, hi, T)
+    return out
+
+
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     corpus = lm.corpus(s["data"])
@@ -75,33 +116,64 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     T, length = s["seq_len"], s["seq_len"] * s["factor"]
     if model is None:
         names = [lm.bucket_name(lo, hi) for lo, hi in lm.log_buckets(length)]
-        return lm.diverged(config, s, ["loss_window", "loss_beyond", *names])
+        controls = [f"{c}@{lo}-{hi - 1}" for lo, hi in control_ranges(s) for c in CONDITIONS]
+        return lm.diverged(config, s, ["loss_window", "loss_beyond", *names, *controls])
     per_pos = lm.position_losses(model, corpus.val, length, s["streams"], piece=T)
     metrics = {"loss_window": float(per_pos[:T].mean()), "loss_beyond": float(per_pos[T:].mean()),
-               **lm.bucket_losses(per_pos)}
+               **lm.bucket_losses(per_pos), **control_losses(model, corpus.val, s)}
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
             "metrics": metrics}
+
+
+TTT_FIGURE = ("Sun et al. 2024, Figure 2 (right) / §3 (Books, 32k context): TTT-Linear and "
+              "TTT-MLP keep lowering the loss as they condition on more tokens, where Mamba "
+              "plateaus after 16k")
+USES_CONTEXT = {
+    "ttt-linear": TTT_FIGURE + " [implied: the fall comes from the stream's own context]",
+    "ttt-mlp": TTT_FIGURE + " [implied: the fall comes from the stream's own context]",
+    "delta": ("Schlag et al. 2021, §6.3, Table 4: trained and evaluated without truncating the "
+              "context, the delta net improves slightly on its truncated version [implied: it "
+              "uses context beyond the window]"),
+    "infini": ("Munkhdalai et al. 2024, §4.1, Table 2 (PG19, Arxiv-math): the compressive memory "
+               "carries the earlier segments' context and lowers perplexity [implied]"),
+}
 
 
 def claims(p: Plan) -> list[Claim]:
     s = p.settings
     win, far = _window_bucket(s), _far_bucket(s)
-    paper = ("TTT-Linear/MLP keep reducing perplexity with more context (Books, up to 32k), "
-             "where Mamba plateaus after ~16k")
-    out = [Claim(f"{m}: loss at {far} <= at {win}", paper, (m, far), (m, win), "not_worse")
-           for m in RECURRENT]
-    out.append(Claim(f"softmax: loss at {win} < at {far}",
-                     "softmax attention cannot go beyond its training window",
-                     ("softmax", win), ("softmax", far)))
-    out.append(Claim(f"linear (sum rule): loss at {win} < at {far}",
-                     "the sum-rule linear transformer degrades on long streams (fast weight paper)",
-                     ("linear", win), ("linear", far)))
-    return out
+    lo, hi = control_ranges(s)[-1]
+    own, unrelated, fresh = (control_metric(c, lo, hi) for c in CONDITIONS)
+    at = f"{lo}-{hi - 1}"
+    out = [Claim(f"{m}: more context lowers the loss on the same bytes: own prefix < fresh state "
+                 f"at {at}", TTT_FIGURE, (m, own), (m, fresh)) for m in ("ttt-linear", "ttt-mlp")]
+    out += [Claim(f"{m} uses its own context: own prefix < unrelated prefix at {at}", paper,
+                  (m, own), (m, unrelated)) for m, paper in USES_CONTEXT.items()]
+    out.append(Claim(f"linear (sum rule) collapses on long streams: own prefix > fresh state at "
+                     f"{at} by more than 10 %",
+                     "Schlag et al. 2021, §6.3, Table 4: without truncation the linear "
+                     "Transformer (sum rule) collapses", ("linear", own), ("linear", fresh),
+                     "degrades", margin=0.1))
+    controls = [Claim(f"softmax degrades beyond its training window: own prefix > fresh state at {at}",
+                      "control: its cache grows past the window it trained on (RoPE positions "
+                      "never seen)", ("softmax", own), ("softmax", fresh), "degrades", control=True)]
+    controls += [Claim(f"{m}: any warmed-up state helps: unrelated prefix < fresh state at {at}",
+                       "control: what a falling loss may come from instead of the stream's own "
+                       "context", (m, unrelated), (m, fresh), control=True)
+                 for m in RECURRENT if m != "diag/norm"]
+    controls += [Claim(f"{m}: loss falls with position ({far} < {win}; different bytes)",
+                       "control, the first record's reading: it compares different bytes of the "
+                       "streams, so it mixes context with how hard the text is (the fresh-state "
+                       "loss falls too)", (m, far), (m, win), control=True)
+                 for m in RECURRENT]
+    return out + controls
 
 
 def metrics(p: Plan) -> list[str]:
     s = p.settings
-    return ["loss_window", "loss_beyond", _window_bucket(s), _far_bucket(s)]
+    lo, hi = control_ranges(s)[-1]
+    return ["loss_window", "loss_beyond", _window_bucket(s), _far_bucket(s),
+            *(control_metric(c, lo, hi) for c in CONDITIONS)]
 
 
 def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
@@ -129,6 +201,24 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
     return ["loss_vs_position.png"]
 
 
+def _control_table(s: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Own / unrelated / fresh per model and range, mean over seeds, with own - unrelated per seed."""
+    ranges = control_ranges(s)
+    head = "| model | " + " | ".join(f"{lo}-{hi - 1}: own / unrelated / fresh" for lo, hi in ranges)
+    lines = [head + " | own - unrelated at the last range, per seed |",
+             "|---|" + "---|" * (len(ranges) + 1)]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        cells = []
+        for lo, hi in ranges:
+            got = [mean_spread(values(rows, model, control_metric(c, lo, hi)))[0] for c in CONDITIONS]
+            cells.append(" / ".join("n/a" if not math.isfinite(g) else f"{g:.3f}" for g in got))
+        lo, hi = ranges[-1]
+        per_seed = [f"s{r['seed']} {r['metrics'][control_metric('own', lo, hi)] - r['metrics'][control_metric('unrelated', lo, hi)]:+.4f}"
+                    for r in rows if r["model"] == model and control_metric("own", lo, hi) in r["metrics"]]
+        lines.append(f"| {model} | " + " | ".join(cells) + f" | {', '.join(per_seed) or 'n/a'} |")
+    return "The control, loss (nats/byte) by range, mean over seeds:\n\n" + "\n".join(lines)
+
+
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     return [
@@ -143,8 +233,15 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
         f"pieces of {s['seq_len']} with the state carried; `loss@a-b` is the mean loss at "
         "positions a..b (1-based), `loss_window` over the training length, `loss_beyond` after it."),
         ("Softmax is evaluated beyond its window too (growing cache, RoPE positions it never saw "
-        "in training; dashed in the plot, as the sum-rule `linear`): the claim is that it cannot "
-        "use that context. Infini's segment and Diag's block are half the training length."),
+        "in training; dashed in the plot, as the sum-rule `linear`): a control, it cannot use "
+        "that context. Infini's segment and Diag's block are half the training length."),
+        ("The control (`own@a-b`, `unrelated@a-b`, `fresh@a-b`, positions a..b 0-based inputs): "
+         "the same bytes a..b of every stream scored after reading the stream's own bytes 0..a-1 "
+         f"(= the ordinary reading), after bytes 0..a-1 of the stream {s['streams'] // 2} streams "
+         f"further on ({s['streams'] // 2} x {s['factor'] * s['seq_len'] + 1} bytes away, "
+         "unrelated text), and from a fresh state. A model that uses its context has own < "
+         "unrelated; unrelated < fresh only says that any warmed-up state helps."),
+        _control_table(s, rows),
         ("The paper's figure is at 125M-1.3B parameters and up to 32k tokens; ours is a "
         "direction check at toy scale."),
     ]

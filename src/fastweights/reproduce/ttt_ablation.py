@@ -9,8 +9,9 @@ default; all at the walk's first model's parameter count, same token budget):
 2. + mini-batch b = 16;
 3. + learnable (token-dependent) inner learning rate (the library's default TTT-Linear);
 4. + Mamba backbone (causal convolutions on Q/K, output gate).
-Then b in {1, 4, 16, 64} on model 4 (smaller b: lower loss, more time), and TTT-MLP vs
-TTT-Linear on model 4's configuration.
+Then b in {1, 4, 16, 64} on model 4 (smaller b: lower loss, more time), and TTT-MLP on model 4's
+configuration as a reference row (the paper makes no claim on TTT-MLP against TTT-Linear at short
+context, so there is no verdict on it).
 """
 
 from __future__ import annotations
@@ -101,20 +102,26 @@ def _train_seconds(workdir: Path) -> float:
 
 
 def claims(p: Plan) -> list[Claim]:
-    joint = "linear attention ~15.9 -> ~12.3 with LN & residual and b = 16 together"
-    paper = [joint, joint, "~12.3 -> ~12.0", "~12.0 -> ~11.1"]
-    out = [Claim(f"walk: {WALK[i + 1]} does not hurt",
-                 f"125M, Pile 2k perplexity {paper[i]}; each step helps",
-                 (WALK[i + 1], "loss"), (WALK[i], "loss"), "not_worse") for i in range(4)]
+    table = ("Sun et al. 2024, the ablation table from linear attention (125M, Pile, 2k context; "
+             "SPEC 2.9): adding {what} lowers perplexity ({ppl})")
+    steps = [("LN and residual in f", "15.9 -> 12.3 together with mini-batch b = 16"),
+             ("mini-batch TTT, b = 16", "15.9 -> 12.3 together with LN and residual"),
+             ("a learnable inner learning rate", "~12.3 -> ~12.0"),
+             ("the Mamba backbone", "~12.0 -> ~11.1")]
+    out = [Claim(f"walk: {WALK[i + 1]} < {WALK[i]}", table.format(what=what, ppl=ppl),
+                 (WALK[i + 1], "loss"), (WALK[i], "loss")) for i, (what, ppl) in enumerate(steps)]
     sweep = sorted(p.settings["sweep"])
-    out += [Claim(f"b sweep: b={a} < b={b}", "smaller mini-batch b gives lower perplexity",
-                  (sweep_label(a), "loss"), (sweep_label(b), "loss")) for a, b in itertools.pairwise(sweep)]
+    out += [Claim(f"b sweep: b={a} < b={b}", "Sun et al. 2024, §2.4 (mini-batch TTT) and its "
+                  "mini-batch size figure: a smaller inner mini-batch b gives lower perplexity, at "
+                  "more time per token", (sweep_label(a), "loss"), (sweep_label(b), "loss"))
+            for a, b in itertools.pairwise(sweep)]
     out.append(Claim(f"b sweep: b={sweep[-1]} is faster than b={sweep[0]}",
-                     "smaller b is slower (more sequential inner steps)",
-                     (sweep_label(sweep[-1]), "ms_per_step"), (sweep_label(sweep[0]), "ms_per_step")))
-    out.append(Claim("TTT-MLP vs TTT-Linear", "at 2k context TTT-MLP and TTT-Linear are close "
-                     "(TTT-MLP pulls ahead at long context); TTT-MLP no worse",
-                     ("TTT-MLP", "loss"), (WALK[4], "loss"), "not_worse"))
+                     "Sun et al. 2024, §2.4: a smaller b means more sequential inner steps, so "
+                     "more time", (sweep_label(sweep[-1]), "ms_per_step"),
+                     (sweep_label(sweep[0]), "ms_per_step"),
+                     unmeasured="ms_per_step is each run's own training clock on a shared CPU "
+                                "whose load changed between runs; the record says the times are "
+                                "not comparable across runs"))
     return out
 
 

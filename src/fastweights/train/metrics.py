@@ -8,12 +8,17 @@ import io
 import math
 from pathlib import Path
 
+import torch
+
+from ..layers.base import Mixer
 from .checkpoint import write_atomic
 
 METRICS_FILE = "metrics.csv"
-# grad_norm: the total gradient norm before clipping (train rows), last so that the rows of
-# files written before it existed still read (restval "").
-METRIC_FIELDS = ("step", "split", "loss", "perplexity", "lr", "tokens_per_s", "seconds", "grad_norm")
+# grad_norm: the total gradient norm before clipping (train rows); mixer_grad_norm: the same
+# over the token mixers' parameters only (every block's mixer); last so that the rows of files
+# written before they existed still read (restval "").
+METRIC_FIELDS = ("step", "split", "loss", "perplexity", "lr", "tokens_per_s", "seconds", "grad_norm",
+                 "mixer_grad_norm")
 
 
 class Metrics:
@@ -61,3 +66,12 @@ def metrics_rows(path: Path, resume_step: int) -> list[dict[str, str]]:
     rows = csv.DictReader(lines, fieldnames=METRIC_FIELDS, restval="")
     return [r for r in rows if None not in r and None not in r.values()
             and r["step"].isdigit() and int(r["step"]) <= resume_step]
+
+
+def mixer_grad_norm(model: torch.nn.Module) -> float | None:
+    """The 2-norm of the gradients of the token mixers' parameters (``layers.base.Mixer``
+    modules), None for a model without mixer gradients. TransNormer's claim (b) is about the
+    attention's gradients, not the whole model's."""
+    grads = [p.grad.detach().float().norm() for m in model.modules() if isinstance(m, Mixer)
+             for p in m.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None

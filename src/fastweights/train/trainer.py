@@ -58,7 +58,7 @@ from .distributed import (
     split_world,
 )
 from .evaluate import evaluate, try_forward
-from .metrics import METRICS_FILE, Metrics
+from .metrics import METRICS_FILE, Metrics, mixer_grad_norm
 from .records import OUTPUTS, RUN_FILE, put_back, read_run, resume_run, set_aside
 
 __all__ = [  # the training API, wherever each piece lives
@@ -313,6 +313,7 @@ class Trainer:
         loss.backward()
         if self.cp > 1:
             average_gradients(self.model, self.world)
+        mixer_norm = mixer_grad_norm(self.model) if self.main else None  # before clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if cfg.anomaly_guard and not all_finite(loss, grad_norm, self.world):
             raise self._anomaly(loss.item(), grad_norm.item())
@@ -331,7 +332,8 @@ class Trainer:
         if self.main:
             rate = self.tokens / self.elapsed
             self.metrics.log(self.step, "train", loss_value, lr=lr, tokens_per_s=rate,
-                             seconds=self.elapsed, grad_norm=grad_norm.item())
+                             seconds=self.elapsed, grad_norm=grad_norm.item(),
+                             **({} if mixer_norm is None else {"mixer_grad_norm": mixer_norm}))
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
         return loss_value

@@ -11,7 +11,7 @@ gated_delta_rule everywhere, PyTorch.
 """
 
 from ..backend import PREFERRED_CHUNK_SIZES, preferred_chunk_size
-from .delta import delta_rule
+from .delta import delta_rule, delta_rule_attn_norm
 from .feature_maps import (
     FEATURE_MAPS,
     dpfp,
@@ -27,7 +27,8 @@ from .gated_delta_recurrent import gated_delta_rule_step
 from .linear_attention import MODES, LinearAttnState, linear_attn
 
 __all__ = [
-    "FEATURE_MAPS", "MODES", "PREFERRED_CHUNK_SIZES", "LinearAttnState", "delta_rule", "dpfp",
-    "draw_favor_projection", "elu_plus_one", "favor_features", "feature_map", "gated_delta_rule",
-    "gated_delta_rule_step", "linear_attn", "preferred_chunk_size", "relu", "sum_norm",
+    "FEATURE_MAPS", "MODES", "PREFERRED_CHUNK_SIZES", "LinearAttnState", "delta_rule",
+    "delta_rule_attn_norm", "dpfp", "draw_favor_projection", "elu_plus_one", "favor_features",
+    "feature_map", "gated_delta_rule", "gated_delta_rule_step", "linear_attn",
+    "preferred_chunk_size", "relu", "sum_norm",
 ]

@@ -1,5 +1,7 @@
 """The delta rule (DeltaNet), read after write (SPEC.md 1.4): ``delta_rule``. Its state is the
-single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = delta_rule(...)``).
+single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = delta_rule(...)``). And the delta rule
+with attention normalisation, ``delta_rule_attn_norm`` (the fast weight paper's Table 3
+ablation), whose state is a ``LinearAttnState`` (S, z).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 """
@@ -23,8 +25,8 @@ from .._varlen import run_packed, stack_packed_states
 from ..backend import choose_backend, triton_kernels
 from .chunk import delta_rule_chunk
 from .fla import fla_delta_rule
-from .linear_attention import MODES
-from .naive import delta_rule_naive
+from .linear_attention import MODES, LinearAttnState
+from .naive import delta_rule_attn_norm_naive, delta_rule_naive
 from .recurrent import delta_rule_recurrent
 
 
@@ -89,3 +91,54 @@ def delta_rule(
     else:  # mode="recurrent", or a decoding step of mode="chunk" (see linear_attn)
         o, S = delta_rule_recurrent(**args, S=S0)
     return o.to(q.dtype), (S if output_final_state else None)
+
+
+@float32_states
+def delta_rule_attn_norm(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, eps: float = 1e-6,
+    scale: float = 1.0, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
+) -> tuple[torch.Tensor, LinearAttnState | None]:
+    """The delta rule with attention normalisation (the fast weight paper's eqs. 26-27; lmtool's
+    "Norm" variants, SPEC 1.4), the ablation of the paper's Table 3.
+
+    q, k: [B, T, H, Dk] non-negative features (feature-mapped, sum-normalised or not, by the
+    caller); v: [B, T, H, Dv]; beta: [B, T, H]. With z_t = z_{t-1} + k_t:
+    v_bar_t = k_t S_{t-1} / (k_t . z_{t-1}) (0 where k_t . z_{t-1} = 0: with non-negative
+    features there is then nothing under k_t to erase), S_t = S_{t-1} + beta_t k_t^T (v_t - v_bar_t),
+    o_t = (scale q_t) S_t / ((scale q_t) . z_t + eps). State: ``LinearAttnState`` (S, z).
+    Returns (o [B, T, H, Dv] in q's dtype, (S, z) in float32/float64 or None).
+
+    "recurrent" and "chunk" run ``delta_rule`` on rescaled inputs: with c_t = 1 / (k_t . z_{t-1})
+    the update is S_t = (I - beta_t c_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t, which is the plain
+    delta rule of k'_t = sqrt(c_t) k_t and v'_t = v_t / sqrt(c_t) (c_t = 1 where k_t . z_{t-1} =
+    0, the erase term being 0 there); the read-out is divided by the normaliser afterwards.
+    "naive" is the literal token loop. No packed documents (``cu_seqlens``).
+    """
+    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    check_arg("beta", beta, (B, T, H), "[B, T, H]", q)
+    check_finite_float("scale", scale)
+    check_finite_float("eps", eps)
+    check_bool("output_final_state", output_final_state)
+    check_mode(mode, MODES)
+    check_positive_int("chunk_size", chunk_size)
+    cdtype = state_dtype(q.dtype)
+    if initial_state is None:
+        S0, z0 = LinearAttnState.zeros(B, H, Dk, Dv, q)
+    else:
+        S0, z0 = LinearAttnState.check(initial_state, B, H, Dk, Dv, q)
+    qc = q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale
+    kc, vc, bc = k.to(cdtype), v.to(cdtype), beta.to(cdtype)
+    if mode == "naive":
+        o, S, z = delta_rule_attn_norm_naive(qc, kc, vc, bc, S0, z0, eps)
+    else:
+        z = z0.unsqueeze(1) + kc.cumsum(1)  # z_t [B, T, H, Dk]
+        z_before = torch.cat([z0.unsqueeze(1), z[:, :-1]], dim=1)  # z_{t-1}
+        den = (kc * z_before).sum(-1, keepdim=True)  # k_t . z_{t-1} [B, T, H, 1]
+        # sqrt(c_t) = den^(-1/2); c_t = 1 where den = 0 (S_{t-1} has nothing under k_t to erase)
+        root = torch.where(den > 0, den, torch.ones_like(den)).rsqrt()
+        o, S = delta_rule(qc, kc * root, vc / root, bc, initial_state=S0, output_final_state=True,
+                          mode=mode, chunk_size=chunk_size)
+        o = o / ((qc * z).sum(-1, keepdim=True) + eps)
+        z = z[:, -1]
+    return o.to(q.dtype), (LinearAttnState(S, z) if output_final_state else None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fastweights.models import LanguageModel, LMConfig
-from fastweights.reproduce.infini_passkey import _batch, _n_filler, memory_off, retrieve
+from fastweights.reproduce.infini_passkey_bytes import _batch, _n_filler, memory_off, retrieve
 
 
 def infini(layers=2):
