@@ -62,7 +62,10 @@ def rmsnorm_ref(self, x, residual=None, prenorm=False, residual_in_fp32=False):
 
 
 def gated_rmsnorm_ref(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
-    assert residual is None and self.activation in ("swish", "silu")
+    assert residual is None and self.activation in ("swish", "silu", "sigmoid")
+    if self.activation == "sigmoid":  # rms_norm_ref's gate is SiLU only: norm, then the gate
+        return rms_norm_ref(x, _weight(self, x), self.bias, eps=self.eps,
+                            upcast=False) * torch.sigmoid(g)
     return rms_norm_ref(x, _weight(self, x), self.bias, z=g, eps=self.eps, norm_before_gate=True,
                         upcast=False)
 

@@ -188,5 +188,5 @@ def test_from_fla_names_the_supported_families(tmp_path):
     from fastweights.fla import from_fla
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gla", "hidden_size": 32}))
-    with pytest.raises(ValueError, match=r"'gla'.*\['delta_net', 'retnet'\]"):
+    with pytest.raises(ValueError, match=r"'gla'.*\['delta_net', 'gated_deltanet', 'retnet'\]"):
         from_fla(tmp_path)

@@ -31,6 +31,7 @@ SMALL_OPTIONS: dict[str, dict] = {
     "aft-conv": {"window": 4, "chunk_size": 3},
     "ttt-linear": {"mini_batch_size": 4},
     "ttt-mlp": {"mini_batch_size": 4},
+    "gated-delta": {"chunk_size": 4, "num_v_heads": 4, "expand_v": 1.5},
 }
 
 # Mixers whose state is a cache of every token (state_size grows linearly with the length).

@@ -16,8 +16,9 @@ from fastweights.models.export import (
 from fastweights.models.registry import mixer_names
 
 # Fixed-size states, and growing caches that one program follows (module docstring).
-REUSABLE = ["linear", "dpfp", "favor", "delta", "aft-simple", "softmax", "infini", "diag"]
-ONNX_STEP = ["linear", "delta", "softmax", "ttt-linear"]  # checked with onnxruntime
+REUSABLE = ["linear", "dpfp", "favor", "delta", "aft-simple", "softmax", "infini", "diag",
+            "gated-delta"]
+ONNX_STEP = ["linear", "delta", "softmax", "ttt-linear", "gated-delta"]  # checked with onnxruntime
 
 
 def _model(name: str, seed: int = 0) -> LanguageModel:

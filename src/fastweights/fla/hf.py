@@ -1,4 +1,4 @@
-"""fla checkpoints (DeltaNet, RetNet) as ``transformers`` models on CPU (the optional ``[hf]`` extra).
+"""fla checkpoints (DeltaNet, GatedDeltaNet, RetNet) as ``transformers`` models on CPU (the optional ``[hf]`` extra).
 
 - ``FlaDeltaNetHFConfig``, ``FlaRetNetHFConfig``: ``PreTrainedConfig`` classes with fla's
   model_type ("delta_net", "retnet") and exactly the fields of fla 0.6's ``DeltaNetConfig`` /
@@ -29,11 +29,13 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..hf import FastWeightsForCausalLM
 from .deltanet import FlaDeltaNetConfig, FlaDeltaNetLM
+from .gated_deltanet import FlaGatedDeltaNetConfig, FlaGatedDeltaNetLM
 from .model import FlaConfig, FlaLM
 from .retnet import FlaRetNetConfig, FlaRetNetLM
 
-__all__ = ["FlaDeltaNetForCausalLM", "FlaDeltaNetHFConfig", "FlaRetNetForCausalLM",
-           "FlaRetNetHFConfig", "fla_model_class"]
+__all__ = ["FlaDeltaNetForCausalLM", "FlaDeltaNetHFConfig", "FlaGatedDeltaNetForCausalLM",
+           "FlaGatedDeltaNetHFConfig", "FlaRetNetForCausalLM", "FlaRetNetHFConfig",
+           "fla_model_class"]
 
 # Fields PreTrainedConfig itself takes (special tokens, embedding tying).
 _BASE_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings")
@@ -75,6 +77,17 @@ class FlaDeltaNetHFConfig(_FlaHFConfig):
     def __init__(self, **kwargs: Any) -> None:
         # Defined here: PreTrainedConfig makes every subclass a dataclass, whose generated
         # __init__ would replace the inherited one.
+        super().__init__(**kwargs)
+
+
+class FlaGatedDeltaNetHFConfig(_FlaHFConfig):
+    """fla's GatedDeltaNetConfig fields and defaults (see ``FlaGatedDeltaNetConfig`` /
+    ``FLA_GATED_DELTANET_OPTIONS``)."""
+
+    model_type = FlaGatedDeltaNetConfig.MODEL_TYPE
+    native = FlaGatedDeltaNetConfig
+
+    def __init__(self, **kwargs: Any) -> None:  # see FlaDeltaNetHFConfig.__init__
         super().__init__(**kwargs)
 
 
@@ -162,6 +175,14 @@ class FlaDeltaNetForCausalLM(_FlaForCausalLM):
     native_class = FlaDeltaNetLM
 
 
+class FlaGatedDeltaNetForCausalLM(_FlaForCausalLM):
+    """fla's GatedDeltaNetForCausalLM; each layer's cache entry is ``(conv, S)``, conv the last
+    W - 1 q, k, v projections concatenated (``(S,)`` without short convolutions)."""
+
+    config_class = FlaGatedDeltaNetHFConfig
+    native_class = FlaGatedDeltaNetLM
+
+
 class FlaRetNetForCausalLM(_FlaForCausalLM):
     """fla's RetNetForCausalLM; each layer's cache entry is ``(S, offset)`` (the retention
     state and the tokens each row has consumed, for the rotary positions)."""
@@ -171,7 +192,8 @@ class FlaRetNetForCausalLM(_FlaForCausalLM):
 
 
 _MODELS: dict[str, type[_FlaForCausalLM]] = {
-    cls.config_class.model_type: cls for cls in (FlaDeltaNetForCausalLM, FlaRetNetForCausalLM)}
+    cls.config_class.model_type: cls
+    for cls in (FlaDeltaNetForCausalLM, FlaGatedDeltaNetForCausalLM, FlaRetNetForCausalLM)}
 
 
 def fla_model_class(model_type: Any) -> type[_FlaForCausalLM]:

@@ -11,13 +11,14 @@ from .model import read_config_json
 
 
 def from_fla(folder: str | Path, *, dtype: str | torch.dtype = "auto") -> Any:
-    """Open an fla checkpoint folder (DeltaNet or RetNet) as a ``transformers`` model on CPU.
+    """Open an fla checkpoint folder (DeltaNet, GatedDeltaNet or RetNet) as a ``transformers`` model on CPU.
 
-    ``folder`` holds fla's config.json (model_type "delta_net" or "retnet") and its weights as
+    ``folder`` holds fla's config.json (model_type "delta_net", "gated_deltanet" or
+    "retnet") and its weights as
     model.safetensors or sharded (model.safetensors.index.json); ``dtype`` "auto" keeps the
     checkpoint's dtype (bfloat16 for fla's releases), or give e.g. ``torch.float32``.
     Returns the family's ``fastweights.fla.hf`` model (``FlaDeltaNetForCausalLM``,
-    ``FlaRetNetForCausalLM``) in eval mode: ``generate()`` (greedy, sampling, beam search)
+    ``FlaGatedDeltaNetForCausalLM``, ``FlaRetNetForCausalLM``) in eval mode: ``generate()`` (greedy, sampling, beam search)
     decodes from the recurrent state; ``save_pretrained`` writes an fla checkpoint folder
     again. A model_type of another fla family is a ValueError naming the supported ones.
     Needs transformers (the ``[hf]`` extra).

@@ -5,6 +5,7 @@ context-parallel strategy (see ``base.Mixer``)."""
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer
 from .fwp import DeltaNet, LinearAttention
+from .gated_delta import GatedDeltaNet
 from .glu import GLU
 from .infini import InfiniAttention
 from .norms import RMSNorm, SRMSNorm
@@ -21,6 +22,7 @@ __all__ = [
            "AFTSimple",
            "DeltaNet",
            "DiagAttention",
+           "GatedDeltaNet",
            "InfiniAttention",
            "LinearAttention",
            "Mixer",

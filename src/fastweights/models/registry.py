@@ -21,6 +21,7 @@ from .._checks import check_positive_int
 from ..layers.aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from ..layers.base import Mixer, Option
 from ..layers.fwp import DeltaNet, LinearAttention
+from ..layers.gated_delta import GatedDeltaNet
 from ..layers.infini import InfiniAttention
 from ..layers.softmax import SoftmaxAttention
 from ..layers.transnormer import DiagAttention, NormAttention
@@ -64,6 +65,7 @@ MIXERS: dict[str, MixerEntry] = {
     "aft-conv": MixerEntry(AFTConv),
     "ttt-linear": MixerEntry(TTTLinear),
     "ttt-mlp": MixerEntry(TTTMLP),
+    "gated-delta": MixerEntry(GatedDeltaNet),
 }
 
 

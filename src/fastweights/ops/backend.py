@@ -51,16 +51,17 @@ TRITON_OPS = ("linear_attn", "delta_rule")
 # recorded in benchmarks/results/chunk_sizes/). Devices not measured here keep 64, the size
 # flash-linear-attention's GPU kernels use (FLA_CHUNK).
 PREFERRED_CHUNK_SIZES: dict[str, dict[str, int]] = {
-    "cpu": {"linear_attn": 64, "delta_rule": 32},
+    "cpu": {"linear_attn": 64, "delta_rule": 32, "gated_delta_rule": 32},
 }
 
 
 def preferred_chunk_size(op: str, device: torch.device | str) -> int:
-    """The measured fastest ``chunk_size`` of ``op`` (``"linear_attn"`` or ``"delta_rule"``) on
+    """The measured fastest ``chunk_size`` of ``op`` (``"linear_attn"``, ``"delta_rule"`` or
+    ``"gated_delta_rule"``, the last from benchmarks/results/gated_delta_epyc_avx2/) on
     this kind of device (see ``PREFERRED_CHUNK_SIZES``); 64 where nothing was measured. Layers
     built with ``chunk_size=None`` use it; the ops themselves keep DESIGN's default of 64."""
-    if op not in ("linear_attn", "delta_rule"):
-        raise ValueError(f"op must be 'linear_attn' or 'delta_rule', got {op!r}")
+    if op not in ("linear_attn", "delta_rule", "gated_delta_rule"):
+        raise ValueError(f"op must be 'linear_attn', 'delta_rule' or 'gated_delta_rule', got {op!r}")
     return PREFERRED_CHUNK_SIZES.get(torch.device(device).type, {}).get(op, FLA_CHUNK)
 
 

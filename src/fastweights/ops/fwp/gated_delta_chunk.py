@@ -128,7 +128,10 @@ class _GatedDeltaRuleChunk(torch.autograd.Function):
         KlT = (kc * Gam[..., -1:, :].transpose(-1, -2)).transpose(-1, -2)  # (diag(last) K)^T
         gL = gam[..., -1:, :]  # [N, BH, 1, 1]
         N = kc.shape[0]
-        if torch.is_grad_enabled():  # double backward: a graph through every step
+        # Double backward, and traced programs (torch.export keeps the out= writes below, which
+        # fail when the program runs with parameters that require grad): a graph through every
+        # step, the same values.
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
             S, entering, Us = S0, [], []
             for n in range(N):
                 Un = torch.baddbmm(U[n], W[n], S, alpha=-1)  # U0 - W S

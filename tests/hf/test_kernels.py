@@ -1,0 +1,179 @@
+"""``fastweights.hf.use_fastweights``: transformers' own Qwen3.5, Qwen3-Next and OLMo-hybrid
+models (tiny, random weights of order one, built from each transformers config) with their
+gated-delta layers on fastweights' ops give the logits and greedy generations of transformers'
+PyTorch fallbacks, in float64 (their modeling module's ``torch.float32`` bound to float64, as
+tests/ops/test_gated_delta_transformers.py does for the functions alone), and no longer crash on
+CPU where fla is installed. (Their RMSNorms still round through ``Tensor.float()``, in both runs
+alike, so the logits often agree exactly; a change of 1e-3 in the layer's output shows.)"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import types
+import warnings
+from itertools import pairwise
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+import transformers
+
+from fastweights.hf import use_fastweights
+from fastweights.hf.kernels import (
+    KERNELS,
+    causal_conv1d_fn,
+    chunk_gated_delta_rule,
+    is_gated_delta_layer,
+)
+from tests.helpers import assert_close64
+
+V = 61
+_TINY = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+         "linear_value_head_dim": 8, "pad_token_id": 0,
+         "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+MODELS = {  # module name -> (config class, model class, extra config)
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    # dense MLPs: the MoE's grouped matmul has no float64 kernel
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {"mlp_only_layers": [0, 1, 2]}),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", {"linear_value_head_dim": 12}),
+}
+
+
+def modeling(name: str) -> types.ModuleType:
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
+    config_cls, model_cls, extra = MODELS[name]
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
+            **{**_TINY, **extra}))
+    with torch.no_grad():  # order one everywhere (fresh norms are ones/zeros, linears tiny)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+            else:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+class _Float64Torch(types.SimpleNamespace):
+    """torch, but for ``float32`` and ``float``, which are float64."""
+
+    def __getattr__(self, name: str):
+        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
+
+
+@pytest.fixture
+def float64_fallbacks(monkeypatch):
+    """Every modeling module computes in float64 and calls transformers' PyTorch fallbacks (not
+    fla's Triton kernels, which the import bound where fla is installed)."""
+    for name in MODELS:
+        module = modeling(name)
+        monkeypatch.setattr(module, "torch", _Float64Torch())
+        for kernel in KERNELS:
+            monkeypatch.setattr(module, kernel, inspect.unwrap(getattr(module, kernel)))
+
+
+def ids(B: int = 2, T: int = 37, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_float64_logits_equal_transformers_fallback(name, float64_fallbacks):
+    model, x = tiny_model(name).double(), ids()
+    with torch.no_grad():
+        expected = model(x).logits
+        got = use_fastweights(model)(x).logits
+    assert expected.abs().max() > 1  # order one: an absolute 1e-10 means something
+    assert_close64(got, expected, atol=1e-10, what=f"{name} logits")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_generate_greedy_equals_transformers_fallback(name, float64_fallbacks):
+    """Prefill by the chunked op, then one-token steps from transformers' cache (conv and
+    recurrent states) by the step: same tokens and per-step logits as the fallbacks."""
+    model, x = tiny_model(name).double(), ids(T=9)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "output_logits": True,
+              "return_dict_in_generate": True, "pad_token_id": 0}
+    expected = model.generate(x, **kwargs)
+    got = use_fastweights(model).generate(x, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert_close64(torch.stack(got.logits), torch.stack(expected.logits), atol=1e-10,
+                   what=f"{name} step logits")
+
+
+def _fla_installed() -> bool:
+    """Whether transformers' import bound the gated delta rule to fla's kernels."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            importlib.import_module("fla.ops.gated_delta_rule")
+        except Exception:  # any import failure means transformers fell back
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cpu_forward_runs_where_fla_would_crash(name, monkeypatch):
+    """Unmodified, with fla installed, the CPU forward reaches fla's Triton kernel and fails;
+    with use_fastweights it runs, close to transformers' fallback in float32."""
+    model, x = tiny_model(name), ids(B=1, T=20)
+    with torch.no_grad():
+        if _fla_installed():
+            with pytest.raises(RuntimeError, match="active drivers"):
+                model(x)
+        got = use_fastweights(model)(x).logits
+        use_fastweights(model, enable=False)
+        module = modeling(name)
+        for kernel in KERNELS:
+            monkeypatch.setattr(module, kernel, inspect.unwrap(getattr(module, kernel)))
+        expected = model(x).logits
+    assert_close64(got.double(), expected.double(), atol=2e-4, what=f"{name} float32 logits")
+
+
+def test_marking_is_per_model_and_reversible():
+    a, b = tiny_model("qwen3_5"), tiny_model("qwen3_5")
+    use_fastweights(a)
+    use_fastweights(a)  # twice: one pair of hooks
+    layers = [m for m in a.modules() if is_gated_delta_layer(m)]
+    assert len(layers) == 2 and all(len(m._forward_pre_hooks) == 1 for m in layers)
+    assert not any(m._forward_pre_hooks for m in b.modules() if is_gated_delta_layer(m))
+    use_fastweights(a, enable=False)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in layers)
+
+
+def test_a_model_without_gated_delta_layers_is_refused():
+    with pytest.raises(ValueError, match="no transformers gated-delta layer"):
+        use_fastweights(torch.nn.Linear(3, 3))
+
+
+def test_packed_documents_equal_separate_calls():
+    """cu_seqlens (transformers' packed sequences, which its fallbacks refuse): the convolution
+    and the recurrence restart at every document."""
+    g = torch.Generator().manual_seed(0)
+    bounds = [0, 5, 12, 20]
+    x = torch.randn(1, 6, 20, dtype=torch.float64, generator=g)  # [B, C, T]
+    w = torch.randn(6, 4, dtype=torch.float64, generator=g)
+    packed = causal_conv1d_fn(x, w, activation="silu", cu_seq_lens_q=torch.tensor(bounds))
+    alone = torch.cat([causal_conv1d_fn(x[..., a:b], w, activation="silu")
+                       for a, b in pairwise(bounds)], dim=-1)
+    assert_close64(packed, alone, what="conv")
+    q, k = (torch.randn(1, 20, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    v = torch.randn(1, 20, 4, 5, dtype=torch.float64, generator=g)
+    beta, gate = torch.rand(1, 20, 4, dtype=torch.float64), -torch.rand(1, 20, 4, dtype=torch.float64)
+    S0 = torch.randn(3, 4, 8, 5, dtype=torch.float64, generator=g)
+    o, S = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=S0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor(bounds))
+    for i, (a, b) in enumerate(pairwise(bounds)):
+        oi, Si = chunk_gated_delta_rule(
+            *(t[:, a:b] for t in (q, k, v, gate, beta)), initial_state=S0[i:i + 1],
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert_close64(o[:, a:b], oi, what=f"o doc {i}")
+        assert_close64(S[i:i + 1], Si, what=f"S doc {i}")
