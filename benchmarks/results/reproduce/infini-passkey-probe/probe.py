@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.models import LanguageModel, LMConfig
-from fastweights.reproduce import infini_passkey as ip
+from fastweights.reproduce import infini_passkey_bytes as ip
 from fastweights.train.trainer import TrainConfig, lr_factor
 
 mixer, steps, lo, hi = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
