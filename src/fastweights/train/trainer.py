@@ -58,24 +58,22 @@ from .distributed import (
     split_world,
 )
 from .evaluate import evaluate, try_forward
-from .metrics import METRICS_FILE, Metrics, mixer_grad_norm
-from .records import OUTPUTS, RUN_FILE, put_back, read_run, resume_run, set_aside
+from .metrics import METRIC_FIELDS, METRICS_FILE, Metrics, mixer_grad_norm
+from .records import (
+    OUTPUTS,
+    RUN_FILE,
+    RunRecord,
+    put_back,
+    read_run,
+    resume_run,
+    same_data,
+    set_aside,
+)
 
-__all__ = [  # the training API, wherever each piece lives
-    "METRICS_FILE",
-    "OUTPUTS",
-    "RESUMABLE",
-    "RUN_FILE",
-    "TrainConfig",
-    "Trainer",
-    "TrainingAnomaly",
-    "TrainingInterrupted",
-    "evaluate",
-    "lr_factor",
-    "read_run",
-    "set_inner_lr_ramp",
-    "train",
-]
+# The training API, wherever each piece lives.
+__all__ = ["METRICS_FILE", "METRIC_FIELDS", "OUTPUTS", "RESUMABLE", "RUN_FILE", "RunRecord",
+           "TrainConfig", "Trainer", "TrainingAnomaly", "TrainingInterrupted", "evaluate",
+           "lr_factor", "read_run", "same_data", "set_inner_lr_ramp", "train"]
 
 
 class TrainingAnomaly(RuntimeError):
