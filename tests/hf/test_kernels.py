@@ -29,6 +29,12 @@ from fastweights.hf.kernels import (
 )
 from tests.helpers import assert_close64
 
+if not all(callable(getattr(importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5"),
+                            name, None)) for name in KERNELS):
+    pytest.skip(f"transformers {transformers.__version__} writes its gated-delta layers without the "
+                "module-level kernel functions use_fastweights replaces (it refuses such a model: "
+                "test_refused_where_transformers_has_no_kernel_names)", allow_module_level=True)
+
 V = 61
 _TINY = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
@@ -152,6 +158,17 @@ def test_marking_is_per_model_and_reversible():
 def test_a_model_without_gated_delta_layers_is_refused():
     with pytest.raises(ValueError, match="no transformers gated-delta layer"):
         use_fastweights(torch.nn.Linear(3, 3))
+
+
+def test_refused_where_transformers_has_no_kernel_names(monkeypatch):
+    # Older transformers releases (5.10 here) write the layer without the module-level kernel
+    # functions: the model is refused with the reason and the tested versions, not as
+    # "no gated-delta layer".
+    model = tiny_model("qwen3_5")
+    monkeypatch.delattr(modeling("qwen3_5"), "causal_conv1d_update")
+    with pytest.raises(ValueError, match=r"without the module-level functions .*tested with "
+                                         r"transformers 5.23 and 5.24"):
+        use_fastweights(model)
 
 
 def test_packed_documents_equal_separate_calls():

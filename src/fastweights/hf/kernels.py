@@ -205,6 +205,17 @@ def use_fastweights(model: nn.Module, enable: bool = True) -> nn.Module:
     docstring). Returns ``model``; calling it again is a no-op, ``enable=False`` restores
     transformers' own functions for this model. ValueError when ``model`` has no such layer."""
     layers = [m for m in model.modules() if is_gated_delta_layer(m)]
+    unserved = {type(m).__module__ for m in model.modules()
+                if type(m).__name__.endswith("GatedDeltaNet") and not is_gated_delta_layer(m)
+                and type(m).__module__.startswith("transformers.")}
+    if not layers and unserved:
+        import transformers
+
+        raise ValueError(
+            f"transformers {transformers.__version__} writes {type(model).__name__}'s gated-delta "
+            f"layers without the module-level functions use_fastweights replaces "
+            f"({', '.join(KERNELS)} in {', '.join(sorted(unserved))}); it is tested with "
+            "transformers 5.23 and 5.24")
     if not layers:
         raise ValueError(
             f"{type(model).__name__} has no transformers gated-delta layer (Qwen3.5, Qwen3-Next "
