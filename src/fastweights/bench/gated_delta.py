@@ -281,17 +281,22 @@ def main(argv: list[str] | None = None) -> list[GatedDeltaRow]:
     lines = [head, "", *summary_table(rows)]
     print("\n".join(lines))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text("\n".join(lines) + "\n")
-        (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        (args.out / "lscpu.txt").write_text(_lscpu())
-        with open(args.out / "results.csv", "w", newline="") as f:
-            fields = [fd.name for fd in dataclasses.fields(GatedDeltaRow)]
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            for r in rows:
-                writer.writerow(dataclasses.asdict(r))
+        write_record(args.out, lines, meta, rows)
     return rows
+
+
+def write_record(out: Path, lines: list[str], meta: dict[str, Any], rows: list[Any]) -> None:
+    """A benchmark record in ``out``: results.md (``lines``), meta.json, lscpu.txt and
+    results.csv (one line per dataclass row)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (out / "lscpu.txt").write_text(_lscpu())
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[fd.name for fd in dataclasses.fields(rows[0])])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(dataclasses.asdict(r))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import argparse
 import copy
 import dataclasses
 import inspect
-import json
 import platform
 import statistics
 import sys
@@ -42,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .gated_delta import _lscpu, _time_rounds
+from .gated_delta import _time_rounds, write_record
 from .measure import prepare_cpu_memory_accounting
 from .suite import cpu_info
 
@@ -279,20 +278,11 @@ def main(argv: list[str] | None = None) -> list[ModelRow]:
     lines = [head, "", *summary_table(rows)]
     print("\n".join(lines))
     if args.out is not None:
-        import csv
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text("\n".join(lines) + "\n")
         meta = {"command": command, "cpu": cpu["model"], "isa": cpu["isa"],
                 "torch": torch.__version__, "python": platform.python_version(),
                 "config": vars(args) | {"out": str(args.out)},
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        (args.out / "lscpu.txt").write_text(_lscpu())
-        with open(args.out / "results.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=[fd.name for fd in dataclasses.fields(ModelRow)])
-            writer.writeheader()
-            for r in rows:
-                writer.writerow(dataclasses.asdict(r))
+        write_record(args.out, lines, meta, rows)
     return rows
 
 
