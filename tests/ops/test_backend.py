@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops import backend as backends
-from fastweights.ops import decay_linear_attn, delta_rule, linear_attn, sum_norm
+from fastweights.ops import decay_linear_attn, delta_rule, gated_delta_rule, linear_attn, sum_norm
 
 fla_naive_la = pytest.importorskip("fla.ops.linear_attn.naive")
 fla_naive_dr = pytest.importorskip("fla.ops.delta_rule.naive")
 fla_naive_gla = pytest.importorskip("fla.ops.simple_gla.naive")
+fla_naive_gdn = pytest.importorskip("fla.ops.gated_delta_rule.naive")
 
 TOL = 2e-5
 
@@ -91,8 +92,28 @@ def ref_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None
                                                     output_final_state)
 
 
+gdn_calls: list[dict] = []  # the arguments of every ref_gated_delta_rule call, as fla got them
+
+
+@per_document
+def ref_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                         output_final_state=False, **flags):
+    """chunk_gated_delta_rule's signature (g before beta; grouped value heads: value head i_hv
+    reads key head i_hv // (HV // H), fla's kernel indexing) over fla's recurrent reference,
+    which has neither grouped heads nor the flags and returns float32 (fla's kernel returns o in
+    q's dtype). Records what fla was given."""
+    gdn_calls.append({"g": g.dtype, "beta": beta.dtype, "scale": scale,
+                      "state": None if initial_state is None else initial_state.dtype, **flags})
+    assert not any(flags.values()), flags  # in-kernel l2norm / beta sigmoid / neg-eigval stay off
+    H, HV = q.shape[2], v.shape[2]
+    heads = torch.arange(HV) // (HV // H)
+    o, S = fla_naive_gdn.naive_recurrent_gated_delta_rule(
+        q[:, :, heads], k[:, :, heads], v, beta, g, scale, initial_state, output_final_state)
+    return o.to(q.dtype), S
+
+
 REFS = SimpleNamespace(linear_attn=ref_linear_attn, delta_rule=ref_delta_rule,
-                       simple_gla=ref_simple_gla)
+                       simple_gla=ref_simple_gla, gated_delta_rule=ref_gated_delta_rule)
 
 
 @pytest.fixture
@@ -295,3 +316,104 @@ def test_packed_batch_reaches_fla_whole(fla_on_cpu, op):
         for g, w in zip(got, want):
             assert g.dtype == torch.float32 and g.shape[0] == 1
             assert err(g, w) <= TOL * max(1.0, w.abs().max().item())
+
+
+def gdn_data(B=2, T=45, Hk=2, H=4, Dk=8, Dv=11, seed=1):
+    """Gated DeltaNet inputs: L2-normalised q, k with Hk heads, v/beta/g with H value heads,
+    g = logsigmoid (down to about -6 per token), an initial state."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, Hk, Dk, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, Hk, Dk, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, Dv, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    g = F.logsigmoid(3 * torch.randn(B, T, H, generator=gen))
+    S0 = torch.randn(B, H, Dk, Dv, generator=gen)
+    return q, k, v, beta, g, S0
+
+
+@pytest.mark.parametrize("heads", ["Hk2-H4", "Hk3-H3"])
+def test_gated_delta_rule_fla_matches_oracle(fla_on_cpu, heads):
+    """scale 0.35 passed explicitly (fla's default is 1/sqrt(Dk)), g in float32 and beta in q's
+    dtype, fla's in-kernel flags off, grouped value heads, initial and final state in our
+    [B, H, Dk, Dv] layout: equal to the float64 literal recurrence to float32 rounding (fla's
+    reference computes in float32)."""
+    Hk, H = (2, 4) if heads == "Hk2-H4" else (3, 3)
+    q, k, v, beta, g, S0 = gdn_data(Hk=Hk, H=H)
+    gdn_calls.clear()
+    kw = {"scale": 0.35, "output_final_state": True}
+    o, S = gated_delta_rule(q, k, v, beta, g.half(), backend="fla", initial_state=S0, **kw)
+    ref, Sr = gated_delta_rule(*(x.double() for x in (q, k, v, beta, g.half())),
+                               initial_state=S0.double(), mode="naive", **kw)
+    assert fla_on_cpu == ["gated_delta_rule"]
+    assert gdn_calls == [{"g": torch.float32, "beta": torch.float32, "scale": 0.35,
+                          "state": torch.float32, "use_qk_l2norm_in_kernel": False,
+                          "use_beta_sigmoid_in_kernel": False, "allow_neg_eigval": False}]
+    assert o.dtype == q.dtype and S.dtype == torch.float32 and S.shape == S0.shape
+    assert err(o, ref) <= TOL * max(1.0, ref.abs().max().item())
+    assert err(S, Sr) <= TOL * max(1.0, Sr.abs().max().item())
+
+
+def test_gated_delta_rule_fla_half_inputs_and_gradients(fla_on_cpu):
+    """bfloat16 q, k, v: beta reaches fla in bfloat16 (q's dtype), the output comes back in
+    bfloat16; gradients of q, k, v, beta, g and the initial state flow through the adapter's
+    casts like the oracle's (fla's reference is differentiable)."""
+    q, k, v, beta, g, S0 = gdn_data(T=20)
+    gdn_calls.clear()
+    o, _ = gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta, g, backend="fla")
+    assert o.dtype == torch.bfloat16 and gdn_calls[0]["beta"] == torch.bfloat16
+    xs = [x.clone().requires_grad_() for x in (q, k, v, beta, g, S0)]
+    x64 = [x.double().clone().requires_grad_() for x in (q, k, v, beta, g, S0)]
+    w = torch.randn(2, 20, 4, 11, dtype=torch.float64)
+    for inp, extra in ((xs, {"backend": "fla"}), (x64, {"mode": "naive"})):
+        o, S = gated_delta_rule(*inp[:5], initial_state=inp[5], output_final_state=True,
+                                scale=0.5, **extra)
+        ((o.double() * w).sum() + S.double().square().sum()).backward()
+    for a, b in zip(xs, x64):
+        assert err(a.grad, b.grad) <= 1e-4 * max(1.0, b.grad.abs().max().item())
+
+
+def test_gated_delta_rule_packed_batch_reaches_fla_whole(fla_on_cpu):
+    """A packed batch (a one-token document among them) goes to fla in one call with int64
+    cu_seqlens and its CPU copy, initial states stacked ([N, H, Dk, Dv], zeros for a None); the
+    outputs and per-document final states equal the float64 oracle's."""
+    bounds = [0, 7, 8, 30, 45]
+    q, k, v, beta, g, S0 = gdn_data(B=1)
+    n = len(bounds) - 1
+    kw = {"scale": 0.7, "output_final_state": True,
+          "cu_seqlens": torch.tensor(bounds, dtype=torch.int32)}
+
+    def initial(dtype):
+        return [None if i == 1 else (S0 * (i + 1)).to(dtype) for i in range(n)]
+
+    o, states = gated_delta_rule(q, k, v, beta, g, initial_state=initial(torch.float32),
+                                 backend="fla", **kw)
+    ref, ref_states = gated_delta_rule(*(x.double() for x in (q, k, v, beta, g)),
+                                       initial_state=initial(torch.float64), mode="naive", **kw)
+    assert fla_on_cpu == ["gated_delta_rule"]
+    assert err(o, ref) <= TOL * max(1.0, ref.abs().max().item())
+    assert len(states) == n
+    for got, want in zip(states, ref_states):
+        assert got.dtype == torch.float32 and got.shape == (1, 4, 8, 11)
+        assert err(got, want) <= TOL * max(1.0, want.abs().max().item())
+
+
+def test_gated_delta_rule_backend_choice(fla_on_cpu):
+    """Automatic: fla for a chunked call at chunk_size 64 (float32 included: fla's gated delta
+    rule takes it), torch for other chunk sizes, mode="recurrent"/"naive" and one-token steps;
+    an explicit fla that cannot run the call is a ValueError saying why, before any work."""
+    q, k, v, beta, g, _ = gdn_data(T=12)
+    gated_delta_rule(q, k, v, beta, g)
+    assert fla_on_cpu == ["gated_delta_rule"]
+    gated_delta_rule(q, k, v, beta, g, chunk_size=32)
+    gated_delta_rule(q, k, v, beta, g, mode="recurrent")
+    gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], beta[:, :1], g[:, :1])
+    assert fla_on_cpu == ["gated_delta_rule"]
+    with pytest.raises(ValueError, match="chunk_size=32: fla's kernels use chunks of 64"):
+        gated_delta_rule(q, k, v, beta, g, backend="fla", chunk_size=32)
+    with pytest.raises(ValueError, match="mode='chunk'"):
+        gated_delta_rule(q, k, v, beta, g, backend="fla", mode="naive")
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        gated_delta_rule(*(x.double() for x in (q, k, v, beta, g)), backend="fla")
+    with pytest.raises(ValueError, match="g must be <= 0"):  # the op's checks come first
+        gated_delta_rule(q, k, v, beta, -g, backend="fla")
+    assert fla_on_cpu == ["gated_delta_rule"]

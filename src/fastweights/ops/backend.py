@@ -1,10 +1,11 @@
 """Which implementation runs a chunked fast-weight op, and the chunk sizes measured fastest
 per device kind. The one place that decides backends: the ops (ops/fwp/linear_attention.py,
-ops/fwp/delta.py, ops/transnormer/decay.py) call ``choose_backend`` and run what it names; the
-fla adapters sit beside the ops they adapt (ops/fwp/fla.py, ops/transnormer/fla.py) and reach
-fla through ``fla_ops`` and ``fla_varlen`` here.
+ops/fwp/delta.py, ops/fwp/gated_delta.py, ops/transnormer/decay.py) call ``choose_backend``
+and run what it names; the fla adapters sit beside the ops they adapt (ops/fwp/fla.py,
+ops/transnormer/fla.py) and reach fla through ``fla_ops`` and ``fla_varlen`` here.
 
-``linear_attn``, ``delta_rule`` and ``decay_linear_attn`` take ``backend=``:
+``linear_attn``, ``delta_rule``, ``gated_delta_rule`` and ``decay_linear_attn`` take
+``backend=``:
   "fla"     flash-linear-attention's maintained chunk kernels (``pip install
             flash-linear-attention``), CUDA only;
   "triton"  this project's kernels (ops/fwp/triton.py), CUDA only, linear_attn/delta_rule only;
@@ -17,7 +18,8 @@ the automatic choice says once per (op, backend, reason), at logging level INFO,
 
 What each backend accepts: fla and triton run mode="chunk" only, on CUDA tensors of float16,
 bfloat16 or float32, except the delta rule's float32 inputs, which neither takes (fla 0.6's
-chunk_delta_rule refuses them; triton has no spill-free tiling for them: torch runs them).
+chunk_delta_rule refuses them; triton has no spill-free tiling for them: torch runs them);
+fla's chunk_gated_delta_rule takes float32 inputs too.
 fla's kernels use chunks of 64, so fla runs chunk_size=64 (the default) only; triton runs
 chunk_size <= 64 and Dk <= 128 (the tilings ``tile_config`` gives, which
 tests/ops/test_fwp_triton_compile.py compiles for sm_80 and sm_90 without register spills).
@@ -79,16 +81,17 @@ def triton_kernels() -> ModuleType | None:
 
 
 def fla_ops() -> Any | None:
-    """fla's chunk functions (linear_attn, delta_rule, simple_gla), or None where
+    """fla's chunk functions (linear_attn, delta_rule, simple_gla, gated_delta_rule), or None where
     flash-linear-attention is not installed. Tests replace this with fla's reference forms."""
     try:
         from fla.ops.delta_rule import chunk_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         from fla.ops.linear_attn import chunk_linear_attn
         from fla.ops.simple_gla import chunk_simple_gla
     except ImportError:
         return None
     return SimpleNamespace(linear_attn=chunk_linear_attn, delta_rule=chunk_delta_rule,
-                           simple_gla=chunk_simple_gla)
+                           simple_gla=chunk_simple_gla, gated_delta_rule=chunk_gated_delta_rule)
 
 
 def _on_cuda(q: torch.Tensor) -> bool:

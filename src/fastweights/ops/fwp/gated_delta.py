@@ -28,7 +28,9 @@ from ..._checks import (
 )
 from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
-from .._varlen import run_packed
+from .._varlen import run_packed, stack_packed_states
+from ..backend import choose_backend
+from .fla import fla_gated_delta_rule
 from .gated_delta_chunk import gated_delta_rule_chunk
 from .gated_delta_naive import gated_delta_rule_naive
 from .gated_delta_recurrent import gated_delta_rule_recurrent, gated_delta_rule_step
@@ -85,7 +87,7 @@ def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, *,
     scale: float = 1.0, initial_state: torch.Tensor | None = None,
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule, read after write (SPEC 5b; Yang, Kautz, Hatamizadeh 2024).
 
@@ -123,6 +125,12 @@ def gated_delta_rule(
     reset at each boundary; initial/final states are then lists with one state per document
     (ops/_varlen.py).
 
+    ``backend`` (ops/backend.py, as for delta_rule): "fla" (flash-linear-attention's
+    ``chunk_gated_delta_rule``, CUDA, mode="chunk" with chunk_size=64, float16/bfloat16/float32
+    inputs; packed batches go to it whole), "torch" (the forms above, any device), or None: the
+    environment variable ``FASTWEIGHTS_BACKEND``, else fla where it can run the call, else
+    torch. One-token calls stay on torch's step.
+
     Precision: float32 for float32, bfloat16 and float16 inputs (float64 stays float64),
     autocast switched off inside; the state is float32 or float64 whatever the input dtype.
     """
@@ -134,11 +142,24 @@ def gated_delta_rule(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
+    chosen = choose_backend("gated_delta_rule", q, backend, mode, chunk_size)
     if cu_seqlens is not None:
+        if chosen == "fla":  # the whole packed batch, with fla's own cu_seqlens
+            bounds, (S0,) = stack_packed_states(
+                initial_state, cu_seqlens, q,
+                lambda st: (matrix_state(st, (1, H, Dk, Dv), q, state_dtype(q.dtype)),))
+            o, S = fla_gated_delta_rule(q, k, v, beta, g, scale=scale, S0=S0,
+                                        output_final_state=output_final_state,
+                                        cu_seqlens=cu_seqlens, bounds=bounds)
+            return o, (list(S.split(1)) if output_final_state else None)
         return run_packed(gated_delta_rule, (q, k, v, beta, g), cu_seqlens, initial_state,
-                          output_final_state, scale=scale, mode=mode, chunk_size=chunk_size)
+                          output_final_state, scale=scale, mode=mode, chunk_size=chunk_size,
+                          backend=chosen)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
+    if chosen == "fla":
+        return fla_gated_delta_rule(q, k, v, beta, g, scale=scale, S0=S0,
+                                    output_final_state=output_final_state)
     def wide(x: torch.Tensor) -> torch.Tensor:  # (a decoding step is short: skip no-op casts)
         return x if x.dtype == cdtype else x.to(cdtype)
 
