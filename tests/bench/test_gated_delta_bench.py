@@ -1,15 +1,19 @@
-"""``python -m fastweights.bench.gated_delta``: a row per candidate of every (pass, thread count),
-the reference's paired ratio exactly 1, the files written, and bad options refused."""
+"""``fastweights bench gated-delta`` (fastweights.bench.gated_delta): a row per candidate of every
+(pass, thread count), the reference's paired ratio exactly 1, the files written (also by
+``python -m fastweights bench gated-delta`` in a process of its own), and bad options refused."""
 
 from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from fastweights.bench.gated_delta import main, run_gated_delta
+from fastweights.bench.gated_delta import run_gated_delta
+from fastweights.cli import main
 
 
 def test_rows_per_pass_and_thread_count():
@@ -32,18 +36,47 @@ def test_rows_per_pass_and_thread_count():
     assert torch.get_num_threads() >= 1
 
 
-def test_command_writes_its_files(tmp_path, capsys):
+TINY = ["--T", "12", "--H", "1", "--D", "4", "--threads", "1", "--chunk-sizes", "4",
+        "--passes", "fwd,step", "--repeats", "1", "--step-calls", "1"]
+
+
+def test_command_writes_its_files(tmp_path):
+    """The command in a process of its own (``python -m fastweights``, as a user runs it): the
+    tables printed, the four files in --out, the command that repeats the run recorded; a
+    second run into the same folder is refused without --overwrite, one line, exit 2."""
     out = tmp_path / "res"
-    main(["--T", "12", "--H", "1", "--D", "4", "--threads", "1", "--chunk-sizes", "4",
-          "--passes", "fwd,step", "--repeats", "1", "--step-calls", "1", "--out", str(out)])
-    text = capsys.readouterr().out
-    assert "### fwd" in text and "### step" in text and "### fwdbwd" not in text
+    res = subprocess.run([sys.executable, "-m", "fastweights", "bench", "gated-delta", *TINY,
+                          "--out", str(out)], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    assert "### fwd" in res.stdout and "### step" in res.stdout and "### fwdbwd" not in res.stdout
     assert (out / "results.md").read_text().startswith("B1 T12 H1 D4 float32")
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["command"].startswith("python -m fastweights.bench.gated_delta --T 12")
+    assert meta["command"].startswith("fastweights bench gated-delta --T 12 --B 1 --H 1 --D 4")
+    assert meta["config"]["chunk_sizes"] == "4" and meta["config"]["repeats"] == 1
     with open(out / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == 3 + 4
     assert (out / "lscpu.txt").exists()
+    assert main(["bench", "gated-delta", *TINY, "--out", str(out)]) == 2  # already holds results
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--passes", "fwd,bwd"], "--passes must be some of fwd, fwdbwd, step"),
+    (["--threads", "0"], "--threads must be comma-separated positive integers"),
+    (["--chunk-sizes", "a"], "--chunk-sizes must be"),
+    (["--T", "0"], "--T: must be a positive integer"),
+])
+def test_command_refuses_bad_options(argv, words, capsys):
+    assert main(["bench", "gated-delta", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_help_names_the_outputs(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "gated-delta", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "--out" in text and "results.csv" in text and "(default: 4096)" in text
 
 
 @pytest.mark.parametrize("kwargs,words", [

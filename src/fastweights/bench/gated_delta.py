@@ -1,8 +1,8 @@
 """CPU time of ``gated_delta_rule`` next to our ``delta_rule`` and transformers' PyTorch gated
 delta rule, in one process.
 
-``python -m fastweights.bench.gated_delta [--T 4096] [--threads 1,2] [--out DIR]`` times, at
-B1 H8 D64 float32 (q, k, v [B, T, H, D], k L2-normalised, beta in (0, 1), g in [-0.1, 0]):
+``fastweights bench gated-delta [--T 4096] [--threads 1,2] [--out DIR]`` (cli/bench/gated_delta.py;
+``python -m fastweights.bench.gated_delta`` is the same command) times, at B1 H8 D64 float32 (q, k, v [B, T, H, D], k L2-normalised, beta in (0, 1), g in [-0.1, 0]):
 
 - ``fwd`` and ``fwdbwd`` (forward, and forward plus the backward of sum(o) into q, k, v, beta
   and g): ``gated_delta_rule`` and ``delta_rule`` in their chunked form at each chunk size of
@@ -30,7 +30,6 @@ the one process, one after another.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import inspect
@@ -52,9 +51,11 @@ from ..ops.fwp import gated_delta_rule_step
 from .measure import prepare_cpu_memory_accounting
 from .suite import cpu_info
 
-__all__ = ["GatedDeltaRow", "run_gated_delta", "summary_table"]
+__all__ = ["OUTPUT_FILES", "GatedDeltaRow", "record", "run_gated_delta", "summary_table",
+           "write_record"]
 
 PASSES = ("fwd", "fwdbwd", "step")
+OUTPUT_FILES = ("results.md", "meta.json", "lscpu.txt", "results.csv")  # what write_record writes
 
 
 @dataclasses.dataclass
@@ -247,42 +248,19 @@ def _lscpu() -> str:
         return ""
 
 
-def main(argv: list[str] | None = None) -> list[GatedDeltaRow]:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.gated_delta",
-                                description=__doc__.splitlines()[0])
-    p.add_argument("--T", type=int, default=4096)
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--H", type=int, default=8)
-    p.add_argument("--D", type=int, default=64)
-    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    p.add_argument("--chunk-sizes", default="64,32", help="comma-separated; the first is the reference")
-    p.add_argument("--passes", default=",".join(PASSES))
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--step-calls", type=int, default=100, help="one-token calls per timed sample")
-    p.add_argument("--out", type=Path, default=None,
-                   help="write results.csv, results.md, meta.json and lscpu.txt here")
-    args = p.parse_args(argv)
-    try:
-        rows = run_gated_delta(
-            T=args.T, B=args.B, H=args.H, D=args.D,
-            threads=tuple(int(t) for t in args.threads.split(",")),
-            chunk_sizes=tuple(int(c) for c in args.chunk_sizes.split(",")),
-            passes=tuple(args.passes.split(",")), repeats=args.repeats,
-            step_calls=args.step_calls)
-    except ValueError as e:
-        p.error(str(e))
+def record(rows: list[GatedDeltaRow], config: dict[str, Any], command: str,
+           ) -> tuple[list[str], dict[str, Any]]:
+    """The report of a run: its markdown lines (a head naming the shape and the CPU, then
+    ``summary_table``) and its meta.json record (``command``, machine, versions, ``config``:
+    the settings as given, with ``T``, ``B``, ``H``, ``D`` and ``repeats`` among them)."""
     cpu = cpu_info()
-    meta = {"command": "python -m fastweights.bench.gated_delta " + " ".join(sys.argv[1:] if argv is None else argv),
-            "cpu": cpu["model"], "isa": cpu["isa"], "torch": torch.__version__,
-            "python": platform.python_version(), "config": vars(args) | {"out": str(args.out)},
+    meta = {"command": command, "cpu": cpu["model"], "isa": cpu["isa"],
+            "torch": torch.__version__, "python": platform.python_version(), "config": config,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    head = (f"B{args.B} T{args.T} H{args.H} D{args.D} float32; CPU {cpu['model']}; torch "
-            f"{torch.__version__}; wall clock, {args.repeats} interleaved rounds, median")
-    lines = [head, "", *summary_table(rows)]
-    print("\n".join(lines))
-    if args.out is not None:
-        write_record(args.out, lines, meta, rows)
-    return rows
+    head = (f"B{config['B']} T{config['T']} H{config['H']} D{config['D']} float32; CPU "
+            f"{cpu['model']}; torch {torch.__version__}; wall clock, {config['repeats']} "
+            f"interleaved rounds, median")
+    return [head, "", *summary_table(rows)], meta
 
 
 def write_record(out: Path, lines: list[str], meta: dict[str, Any], rows: list[Any]) -> None:
@@ -299,5 +277,7 @@ def write_record(out: Path, lines: list[str], meta: dict[str, Any], rows: list[A
             writer.writerow(dataclasses.asdict(r))
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench gated-delta`
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "gated-delta", *sys.argv[1:]]))

@@ -2,8 +2,9 @@
 gated-delta layer's prefill and one-token decoding, and a whole small Qwen3.5-shaped model's
 prefill and decode tokens/s, in one process.
 
-``python -m fastweights.bench.gated_delta_models [--T 1024,4096] [--dtypes float32,bfloat16]
-[--out DIR]``:
+``fastweights bench gated-delta-models [--T 1024,4096] [--dtypes float32,bfloat16] [--out DIR]``
+(cli/bench/gated_delta_models.py; ``python -m fastweights.bench.gated_delta_models`` is the same
+command):
 
 - ``layer prefill`` / ``layer decode``: transformers' own ``Qwen3_5GatedDeltaNet`` layer at the
   head layout of transformers' Qwen3.5 config defaults (16 key heads, 32 value heads, head dims
@@ -25,7 +26,6 @@ transformers / fastweights, wall clock and process CPU time per call.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import inspect
@@ -36,16 +36,16 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .gated_delta import _time_rounds, write_record
+from .gated_delta import _time_rounds
 from .measure import prepare_cpu_memory_accounting
 from .suite import cpu_info
 
-__all__ = ["ModelRow", "run_gated_delta_models"]
+__all__ = ["CANDIDATES", "DTYPES", "ModelRow", "record", "run_gated_delta_models",
+           "summary_table"]
 
 CANDIDATES = ("transformers", "fastweights")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -244,47 +244,22 @@ def summary_table(rows: list[ModelRow]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> list[ModelRow]:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.gated_delta_models",
-                                description=__doc__.splitlines()[0])
-    p.add_argument("--T", default="1024,4096", help="layer prefill lengths, comma-separated")
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--model-T", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--decode-calls", type=int, default=20)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--cases", default="layer,model")
-    p.add_argument("--out", type=Path, default=None,
-                   help="write results.csv, results.md, meta.json and lscpu.txt here")
-    args = p.parse_args(argv)
-    try:
-        rows = run_gated_delta_models(
-            Ts=tuple(int(t) for t in args.T.split(",")), dtypes=tuple(args.dtypes.split(",")),
-            hidden=args.hidden, layers=args.layers, vocab=args.vocab, model_T=args.model_T,
-            new_tokens=args.new_tokens, repeats=args.repeats, decode_calls=args.decode_calls,
-            threads=args.threads, cases=tuple(args.cases.split(",")))
-    except ValueError as e:
-        p.error(str(e))
+def record(rows: list[ModelRow], config: dict[str, Any], command: str,
+           ) -> tuple[list[str], dict[str, Any]]:
+    """The report of a run: its markdown lines (a head naming the layout, CPU and threads, then
+    ``summary_table``) and its meta.json record (``command``, machine, versions, ``config``: the
+    settings as given, with ``hidden``, ``threads`` and ``repeats`` among them)."""
     cpu = cpu_info()
-    command = ("python -m fastweights.bench.gated_delta_models "
-               + " ".join(sys.argv[1:] if argv is None else argv))
-    head = (f"Qwen3.5 layout (16 key / 32 value heads of 128), hidden {args.hidden}, B1; CPU "
-            f"{cpu['model']} ({cpu['isa']}), {args.threads} thread(s); torch {torch.__version__}; "
-            f"{args.repeats} interleaved rounds, wall-clock medians")
-    lines = [head, "", *summary_table(rows)]
-    print("\n".join(lines))
-    if args.out is not None:
-        meta = {"command": command, "cpu": cpu["model"], "isa": cpu["isa"],
-                "torch": torch.__version__, "python": platform.python_version(),
-                "config": vars(args) | {"out": str(args.out)},
-                "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        write_record(args.out, lines, meta, rows)
-    return rows
+    head = (f"Qwen3.5 layout (16 key / 32 value heads of 128), hidden {config['hidden']}, B1; CPU "
+            f"{cpu['model']} ({cpu['isa']}), {config['threads']} thread(s); torch "
+            f"{torch.__version__}; {config['repeats']} interleaved rounds, wall-clock medians")
+    meta = {"command": command, "cpu": cpu["model"], "isa": cpu["isa"],
+            "torch": torch.__version__, "python": platform.python_version(), "config": config,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return [head, "", *summary_table(rows)], meta
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `fastweights bench gated-delta-models`
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "gated-delta-models", *sys.argv[1:]]))

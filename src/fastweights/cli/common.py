@@ -79,6 +79,15 @@ def parse_int_list(flag: str, text: str) -> list[int]:
     return values
 
 
+def parse_name_list(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """``"fwd,step"`` -> ("fwd", "step"), every item one of ``allowed``; else a UserError naming
+    ``flag`` and the allowed names."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or any(n not in allowed for n in names):
+        raise UserError(f"{flag} must be some of {', '.join(allowed)}, got {text!r}")
+    return names
+
+
 def _option_value(text: str) -> Any:
     """A mixer option's value as written in a spec: ``true``/``false``/``none`` (any case),
     ints, floats, else the string itself."""

@@ -15,6 +15,8 @@ from . import (
     family_compare,
     fla_decode,
     fwp_forms,
+    gated_delta,
+    gated_delta_models,
     multistream,
     recompute,
     suite,
@@ -26,7 +28,7 @@ NAME = "bench"
 HELP = suite.HELP
 # The focused benchmarks, in the order ``fastweights bench --help`` lists them.
 BENCHMARKS = (decode, multistream, fla_decode, recompute, context_parallel, fwp_forms,
-              family_compare, ttt_modes, ttt_mlp_backward)
+              family_compare, ttt_modes, ttt_mlp_backward, gated_delta, gated_delta_models)
 DESCRIPTION = (suite.DESCRIPTION + " With a NAME, one of the focused benchmarks instead "
                "(fastweights bench NAME --help).")
 
