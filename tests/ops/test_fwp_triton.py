@@ -1,5 +1,6 @@
-"""Triton kernels of linear_attn / delta_rule (ops/fwp/triton.py) run by the Triton CPU
-interpreter against the naive oracles (SPEC 1.3, 1.4), and the mode="chunk" dispatcher.
+"""Triton kernels of linear_attn / delta_rule / gated_delta_rule (ops/fwp/triton.py) run by the
+Triton CPU interpreter against the naive oracles (SPEC 1.3, 1.4, 5b), and the mode="chunk"
+dispatcher.
 
 Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, including its own
 library functions at ``import triton``; tests/conftest.py therefore sets it before anything
@@ -20,8 +21,9 @@ import torch
 pytest.importorskip("triton")
 
 from fastweights.ops import backend as backends
-from fastweights.ops import delta_rule, fwp, linear_attn, sum_norm
+from fastweights.ops import delta_rule, fwp, gated_delta_rule, linear_attn, sum_norm
 from fastweights.ops.fwp import delta, linear_attention
+from fastweights.ops.fwp.gated_delta_naive import gated_delta_rule_naive
 from fastweights.ops.fwp.naive import delta_rule_naive, linear_attn_naive
 
 # (B, T, H, Dk, Dv): odd sizes; T never a multiple of the chunk; Dv 70 spans two value blocks.
@@ -335,3 +337,98 @@ def test_two_key_blocks_match_naive(kernels, op):
             continue
         scale = max(1.0, b.grad.abs().max().item())
         assert max_err(a.grad, b.grad) <= TOL32 * scale, f"{op} grad {i}: {max_err(a.grad, b.grad)}"
+
+
+# (B, T, Hk, H, Dk, Dv): grouped heads (two value heads per key head); Dk = 128, two key blocks,
+# with Dv = 70 over several value blocks; T never a multiple of the chunk.
+GATED_SHAPES = [(2, 37, 2, 4, 5, 7), (1, 9, 1, 2, 128, 70)]
+GATED_IDS = [f"B{b}-T{t}-Hk{hk}-H{h}-Dk{dk}-Dv{dv}" for b, t, hk, h, dk, dv in GATED_SHAPES]
+
+
+def gated_inputs(B, T, Hk, H, Dk, Dv, seed=0):
+    """Gated DeltaNet inputs in float64: L2-normalised q, k (Hk heads), v, beta, g (H heads),
+    the log-gates down to -50 per token with a hard reset (g = -inf) in the first sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, Hk, Dk, generator=gen, dtype=torch.float64), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, Hk, Dk, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, H, Dv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    g = torch.nn.functional.logsigmoid(3 * torch.randn(B, T, H, generator=gen, dtype=torch.float64))
+    g[0, 3, 0], g[0, T // 2, H - 1] = -50.0, -float("inf")
+    S0 = torch.randn(B, H, Dk, Dv, generator=gen, dtype=torch.float64)
+    return q, k, v, beta, g, S0
+
+
+@pytest.mark.parametrize("shape", GATED_SHAPES, ids=GATED_IDS)
+@pytest.mark.parametrize("chunk", [16, 64], ids=lambda c: f"C{c}")
+def test_gated_delta_kernel_matches_naive(kernels, shape, chunk):
+    """The delta rule's kernels with the gates on (segment sums of log-gates: a gate of -50 and
+    a hard reset stay finite) against the float64 literal recurrence on the same float32
+    inputs: output and final state to float32 accuracy."""
+    args32 = [x.float() for x in gated_inputs(*shape)]
+    o, S = kernels.gated_delta_rule_triton(*args32, chunk)
+    ref, Sr = gated_delta_rule_naive(*(x.double() for x in args32[:5]), S0=args32[5].double())
+    assert o.dtype == S.dtype == torch.float32 and o.shape == ref.shape
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert max_err(o, ref) <= TOL32, f"o: {max_err(o, ref):.2e}"
+    assert max_err(S, Sr) <= TOL32, f"S: {max_err(S, Sr):.2e}"
+
+
+def test_gated_delta_kernel_half_inputs_and_gradients(kernels):
+    """bfloat16 q, k, v: output in bfloat16 within its rounding of the oracle on the same
+    rounded inputs, state float32; float32 inputs: gradients of q, k, v, beta, g and S0 (the
+    backward is the PyTorch chunked form's) equal autograd of the float64 oracle."""
+    q, k, v, beta, g, S0 = gated_inputs(1, 21, 1, 2, 6, 5, seed=2)
+    qh, kh, vh = (x.bfloat16() for x in (q, k, v))
+    o, S = kernels.gated_delta_rule_triton(qh, kh, vh, beta.float(), g.float(), S0.float(), 8)
+    ref, Sr = gated_delta_rule_naive(qh.double(), kh.double(), vh.double(),
+                                     beta.float().double(), g.float().double(), S0.float().double())
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    assert max_err(o, ref) <= 2 * torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
+    assert max_err(S, Sr) <= TOL32 * max(1.0, Sr.abs().max().item())
+    gen = torch.Generator().manual_seed(11)
+    wo = torch.randn(1, 21, 2, 5, generator=gen, dtype=torch.float64)
+    wS = torch.randn(1, 2, 6, 5, generator=gen, dtype=torch.float64)
+    g = g.clamp_min(-30.0)  # finite gates: the gradient through a -inf gate is not a number
+    x32 = [x.float().requires_grad_() for x in (q, k, v, beta, g, S0)]
+    x64 = [x.detach().clone().requires_grad_() for x in (q, k, v, beta, g, S0)]
+    o, S = kernels.gated_delta_rule_triton(*x32, 8)
+    ro, rS = gated_delta_rule_naive(*x64[:5], S0=x64[5])
+    ((o.double() * wo).sum() + (S.double() * wS).sum()).backward()
+    ((ro * wo).sum() + (rS * wS).sum()).backward()
+    for i, (a, b) in enumerate(zip(x32, x64)):
+        assert a.grad is not None and a.grad.dtype == torch.float32
+        scale = max(1.0, b.grad.abs().max().item())
+        assert max_err(a.grad, b.grad) <= TOL32 * scale, f"grad {i}: {max_err(a.grad, b.grad)}"
+
+
+def test_gated_delta_dispatch_through_the_kernels(kernels, monkeypatch):
+    """With the device check forced and fla absent, gated_delta_rule runs the (interpreted)
+    kernels for half inputs (scale applied, state carried, output in the input dtype, equal to
+    mode="naive"), and PyTorch for float32 inputs (no spill-free float32 tiling, as for the
+    delta rule), chunk sizes over 64 and one-token steps."""
+    ran = []
+    fn = kernels.gated_delta_rule_triton
+    monkeypatch.setattr(kernels, "gated_delta_rule_triton", lambda *a: ran.append(1) or fn(*a))
+    monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(backends, "fla_ops", lambda: None)
+    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
+    monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
+    q, k, v, beta, g, S0 = gated_inputs(1, 13, 1, 2, 4, 3, seed=4)
+    qh, kh, vh = (x.half() for x in (q, k, v))
+    kw = {"scale": 0.7, "output_final_state": True}
+    o, S = gated_delta_rule(qh, kh, vh, beta.float(), g.float(), initial_state=S0.float(),
+                            chunk_size=8, **kw)
+    ref, Sr = gated_delta_rule(qh.double(), kh.double(), vh.double(), beta.float().double(),
+                               g.float().double(), initial_state=S0, mode="naive", **kw)
+    assert ran == [1] and o.dtype == torch.float16
+    assert max_err(o, ref) <= torch.finfo(torch.float16).eps * ref.abs().max().item()
+    assert max_err(S, Sr) <= TOL32 * max(1.0, Sr.abs().max().item())
+    gated_delta_rule(*(x.float() for x in (q, k, v, beta, g)), chunk_size=8)
+    gated_delta_rule(qh, kh, vh, beta, g, chunk_size=65)
+    gated_delta_rule(qh[:, :1], kh[:, :1], vh[:, :1], beta[:, :1], g[:, :1])
+    assert ran == [1]
+    with pytest.raises(ValueError, match="chunk_size <= 64"):
+        gated_delta_rule(qh, kh, vh, beta, g, chunk_size=65, backend="triton")
+    for dtype, want in ((torch.bfloat16, "triton"), (torch.float32, "torch")):
+        assert backends.choose_backend("gated_delta_rule", cuda_like(dtype), None, "chunk", 64) == want

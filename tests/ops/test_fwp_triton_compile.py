@@ -1,7 +1,8 @@
 """Every Triton kernel of ops/fwp/triton.py compiles for real GPUs, checked without one.
 
 tests/ops/triton_aot.py records every kernel launch the host code makes (forward and backward of
-linear attention, normalised linear attention and the delta rule, at Dk = 64 and Dk = 128, for
+linear attention, normalised linear attention and the delta rule, and the gated delta rule's
+forward (the delta rule's forward kernels with HAS_G on), at Dk = 64 and Dk = 128, for
 each input dtype the dispatcher sends to Triton and the tiles ``tile_config`` gives each target)
 and compiles each distinct one for sm_80 (A100) and sm_90 (H100) with Triton's ahead-of-time
 compiler and the ptxas inside the triton wheel. The compile runs once per test session, in one
@@ -42,7 +43,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 def expected_variants(dtype: str) -> set[str]:
     """The distinct launches the host code makes: linear attention (plain and normalised) and,
-    for half inputs, the delta rule, forward and backward, at one and two key blocks."""
+    for half inputs, the delta rule, forward and backward, and the gated delta rule's forward,
+    at one and two key blocks."""
     x, f = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}[dtype], "*fp32"
     names = set()
     for o in (x, f):  # normalised linear attention: o, hence dO, in float32
@@ -52,8 +54,10 @@ def expected_variants(dtype: str) -> set[str]:
     if dtype == "float32":  # no float32 delta rule (tile_config)
         return names
     names |= {"ut_fwd", f"output[u={f},o={x}]", "ut_bwd", f"grad[HAS_W=True,u={f},do={x}]"}
+    names |= {"ut_fwd[HAS_G]", f"output[HAS_G,u={f},o={x}]"}
     for nk in (1, 2):
-        names |= {f"state_fwd[HAS_W=True,NK={nk}]", f"state_bwd[HAS_W=True,NK={nk},do={x}]"}
+        names |= {f"state_fwd[HAS_W=True,NK={nk}]", f"state_bwd[HAS_W=True,NK={nk},do={x}]",
+                  f"state_fwd[HAS_W=True,NK={nk},HAS_G]"}
     return names
 
 
@@ -118,11 +122,11 @@ def test_dispatched_configurations_are_the_compiled_ones(monkeypatch):
             cuda = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(1, 8, 1, 128),
                                    device="cuda:0")
             chosen = backend.choose_backend(op, cuda, None, "chunk", 64)
-            dispatched = not (op == "delta_rule" and dtype == torch.float32)
+            dispatched = not (op != "linear_attn" and dtype == torch.float32)
             assert chosen == ("triton" if dispatched else "torch"), (op, dtype, chosen)
             assert kernels.supports(op, dtype) == dispatched
             for arch in ARCHS:
                 cfg = kernels.tile_config(arch, dtype, op)
                 assert (cfg is not None) == dispatched
-                if cfg is not None and op == "delta_rule":  # its own kernels have tiles
+                if cfg is not None and op != "linear_attn":  # its own kernels have tiles
                     assert None not in cfg, cfg

@@ -32,8 +32,9 @@ DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 ARCHS = (80, 90)
 DKS = (64, 128)  # head sizes that cover every launch: one key block, two key blocks
 # The ops the host code runs through the kernels: linear attention, normalised linear attention
-# (v gains a column of ones, o and dO are float32), the delta rule.
-OPS = ("linear", "linear_norm", "delta")
+# (v gains a column of ones, o and dO are float32), the delta rule, the gated delta rule (the
+# delta rule's forward kernels with HAS_G on; its backward is PyTorch's).
+OPS = ("linear", "linear_norm", "delta", "gated")
 # Triton specialises each launch on its arguments (16-byte alignment, integers divisible by 16):
 # the two ends of that range are compiled, see ``specialization``.
 SPECS = ("generic", "aligned")
@@ -64,6 +65,13 @@ class _Recorder:
         return launch
 
 
+class _Ctx:
+    """Stands in for an autograd.Function's ctx."""
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+
 def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
     """One forward and backward of ``op`` through the host code of ops/fwp/triton.py on small
     CPU tensors, every kernel launch recorded into ``out`` instead of run."""
@@ -72,11 +80,16 @@ def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
     B, T, H, Dv = 1, 5, 1, 8
     q, k = (torch.zeros(B, T, H, Dk, dtype=dtype) for _ in range(2))
     v = torch.zeros(B, T, H, Dv, dtype=dtype)
+    if op == "gated":  # grouped heads: two value heads read the one key head
+        v, gates = torch.zeros(B, T, 2, Dv, dtype=dtype), torch.zeros(2, B, T, 2)
+        S0 = torch.zeros(B * 2, Dk, Dv)
+        kernels._GatedDeltaTriton.forward(_Ctx(), q, k, v, *gates, S0, 4)
+        return
     beta = torch.zeros(B, T, H, dtype=dtype) if op == "delta" else None
     S0 = torch.zeros(B * H, Dk, Dv + (op == "linear_norm"), dtype=torch.float32)
     if op == "linear_norm":  # linear_attn_triton's normalisation: a column of ones on v
         v = torch.cat([v, v.new_ones(B, T, H, 1)], dim=-1)
-    ctx = type("Ctx", (), {"save_for_backward": lambda self, *t: setattr(self, "saved_tensors", t)})()
+    ctx = _Ctx()
     fwd = kernels._FastWeightsTriton
     out_dtype = torch.float32 if op == "linear_norm" else dtype
     beta32 = None if beta is None else beta.to(torch.float32)
@@ -100,8 +113,8 @@ def signatures(kernels, dtype: str, arch: int):
             setattr(kernels, n, _Recorder(saved[n], out))
         kernels._arch = lambda device: arch
         for op in OPS:
-            if not kernels.supports("delta_rule" if op == "delta" else "linear_attn",
-                                    getattr(torch, dtype)):
+            name = {"delta": "delta_rule", "gated": "gated_delta_rule"}.get(op, "linear_attn")
+            if not kernels.supports(name, getattr(torch, dtype)):
                 continue  # the dispatcher does not launch it (float32 delta rule)
             for Dk in DKS:
                 _run_host(kernels, op, getattr(torch, dtype), Dk, out)
@@ -123,6 +136,7 @@ def _name(kernel: str, sig: dict, const: dict) -> str:
     pointer dtypes that differ between ops)."""
     family = kernel.strip("_").removesuffix("_kernel")
     parts = [f"{k}={const[k]}" for k in ("HAS_W", "NK") if k in const]
+    parts += ["HAS_G"] if const.get("HAS_G") else []
     parts += [f"{p[:-4]}={sig[p]}" for p in ("u_ptr", "o_ptr", "do_ptr") if p in sig
               and family in ("output", "local_du", "state_bwd", "grad")]
     return f"{family}[{','.join(parts)}]" if parts else family

@@ -8,7 +8,8 @@ ops/transnormer/fla.py) and reach fla through ``fla_ops`` and ``fla_varlen`` her
 ``backend=``:
   "fla"     flash-linear-attention's maintained chunk kernels (``pip install
             flash-linear-attention``), CUDA only;
-  "triton"  this project's kernels (ops/fwp/triton.py), CUDA only, linear_attn/delta_rule only;
+  "triton"  this project's kernels (ops/fwp/triton.py), CUDA only, linear_attn, delta_rule and
+            gated_delta_rule (its forward; its backward is the PyTorch chunked form's);
   "torch"   the PyTorch forms of ``mode=`` (any device).
 ``backend=None`` (the default) means: the environment variable ``FASTWEIGHTS_BACKEND`` if set
 (one of the three names), else the first of fla, triton, torch that can run the call. An
@@ -19,7 +20,7 @@ the automatic choice says once per (op, backend, reason), at logging level INFO,
 What each backend accepts: fla and triton run mode="chunk" only, on CUDA tensors of float16,
 bfloat16 or float32, except the delta rule's float32 inputs, which neither takes (fla 0.6's
 chunk_delta_rule refuses them; triton has no spill-free tiling for them: torch runs them);
-fla's chunk_gated_delta_rule takes float32 inputs too.
+fla's chunk_gated_delta_rule takes float32 inputs too, triton (the delta rule's kernels) not.
 fla's kernels use chunks of 64, so fla runs chunk_size=64 (the default) only; triton runs
 chunk_size <= 64 and Dk <= 128 (the tilings ``tile_config`` gives, which
 tests/ops/test_fwp_triton_compile.py compiles for sm_80 and sm_90 without register spills).
@@ -46,7 +47,7 @@ ENV = "FASTWEIGHTS_BACKEND"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLA_CHUNK = 64
 TRITON_MAX_DK = 128  # the key blocks the kernels hold (ops/fwp/triton.py MAX_DK)
-TRITON_OPS = ("linear_attn", "delta_rule")
+TRITON_OPS = ("linear_attn", "delta_rule", "gated_delta_rule")
 
 # Chunk sizes measured per device kind (forward and forward+backward, B1 H8 T4096 D64 float32;
 # `fastweights bench fwp-forms --backward --chunk-sizes 16,32,64,128 --modes chunk`,

@@ -29,7 +29,7 @@ from ..._checks import (
 from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend
+from ..backend import choose_backend, triton_kernels
 from .fla import fla_gated_delta_rule
 from .gated_delta_chunk import gated_delta_rule_chunk
 from .gated_delta_naive import gated_delta_rule_naive
@@ -127,9 +127,11 @@ def gated_delta_rule(
 
     ``backend`` (ops/backend.py, as for delta_rule): "fla" (flash-linear-attention's
     ``chunk_gated_delta_rule``, CUDA, mode="chunk" with chunk_size=64, float16/bfloat16/float32
-    inputs; packed batches go to it whole), "torch" (the forms above, any device), or None: the
-    environment variable ``FASTWEIGHTS_BACKEND``, else fla where it can run the call, else
-    torch. One-token calls stay on torch's step.
+    inputs; packed batches go to it whole), "triton" (ops/fwp/triton.py, CUDA, mode="chunk",
+    chunk_size <= 64, Dk <= 128, float16/bfloat16 inputs; its backward is the chunked form's
+    here; packed batches one document at a time), "torch" (the forms above, any device), or
+    None: the environment variable ``FASTWEIGHTS_BACKEND``, else fla, triton, torch, the first
+    that can run the call. One-token calls stay on torch's step.
 
     Precision: float32 for float32, bfloat16 and float16 inputs (float64 stays float64),
     autocast switched off inside; the state is float32 or float64 whatever the input dtype.
@@ -160,6 +162,10 @@ def gated_delta_rule(
     if chosen == "fla":
         return fla_gated_delta_rule(q, k, v, beta, g, scale=scale, S0=S0,
                                     output_final_state=output_final_state)
+    if chosen == "triton":  # inputs in their own dtype, q scaled (see delta_rule)
+        o, S = triton_kernels().gated_delta_rule_triton(q * scale if scale != 1.0 else q, k, v,
+                                                        beta, g, S0, min(chunk_size, T))
+        return o.to(q.dtype), (S if output_final_state else None)
     def wide(x: torch.Tensor) -> torch.Tensor:  # (a decoding step is short: skip no-op casts)
         return x if x.dtype == cdtype else x.to(cdtype)
 

@@ -99,7 +99,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["MAX_CHUNK", "MAX_DK", "OPS", "TileConfig", "Tiles", "delta_rule_triton",
-           "linear_attn_triton", "supports", "tile_config"]
+           "gated_delta_rule_triton", "linear_attn_triton", "supports", "tile_config"]
 
 BT = 64  # the chunk tile: chunk sizes 1..64 run in it (fla's chunk size is 64 too)
 MAX_CHUNK = BT
@@ -140,7 +140,7 @@ class TileConfig(NamedTuple):
     ut_bwd: Tiles | None = None
 
 
-OPS = ("linear_attn", "delta_rule")
+OPS = ("linear_attn", "delta_rule", "gated_delta_rule")
 
 
 def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
@@ -160,6 +160,8 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
     so float32 delta rule inputs take fla or PyTorch."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if op == "gated_delta_rule":  # the delta rule's kernels with the gates switched on
+        op = "delta_rule"
     stages = 2 if arch >= 90 else 1  # sm_90 pipelines the state passes' loads (cp.async)
     if dtype == torch.float32:
         if op == "delta_rule":
@@ -270,6 +272,22 @@ def _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT: tl.constexpr):
 
 
 @triton.jit
+def _gates(g_ptr, b, h, i_n, mt, T, H, C, BT: tl.constexpr):
+    """The gated delta rule's decays of chunk i_n from its log-gates g [B, T, H] (rows past C or
+    T load g = 0: no decay), every exponent a sum of gates over a range of tokens, <= 0:
+      Gam [BT, BT]  Gam_ij = exp(sum_{j < m <= i} g_m) for i >= j, else 0 (token j to token i);
+      gam [BT]      exp(sum_{m <= i} g_m) (the chunk's start to token i).
+    Segment sums, one cumsum down each column of the table g_m [m > j], never differences of
+    running sums: those lose the small one's digits after a large gate and make
+    -inf - (-inf) = NaN after a hard reset (g = -inf), where a segment sum is -inf, Gam = 0."""
+    rc = tl.arange(0, BT)
+    g = tl.load(g_ptr + (b * T + i_n * C + rc) * H + h, mask=mt, other=0.0).to(tl.float32)
+    L = tl.cumsum(tl.where(rc[:, None] > rc[None, :], g[:, None], 0.0), axis=0)
+    Gam = tl.where(rc[:, None] >= rc[None, :], tl.exp(L), 0.0)
+    return Gam, tl.exp(tl.cumsum(g, axis=0)), g
+
+
+@triton.jit
 def _scores_and_state(q_ptr, k_ptr, s_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C, v0, with_state,
                       BY_K: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
                       F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -298,26 +316,37 @@ def _scores_and_state(q_ptr, k_ptr, s_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C
 
 @triton.jit
 def _ut_fwd_kernel(
-    k_ptr, v_ptr, beta_ptr, w_ptr, u_ptr, x_ptr,
-    T, H, Dk, Dv, C, store_x,
-    UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+    k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, x_ptr, last_ptr,
+    T, H, HK, Dk, Dv, C, store_x,
+    HAS_G: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """(a) Per chunk: Xinv = (I + A)^-1, A = stril(diag(beta) K K^T); W = Xinv diag(beta) K,
     U0 = Xinv diag(beta) V (float32, [B, T, H, Dk] / [B, T, H, Dv]); Xinv [B, T, H, BT] if
-    ``store_x`` (the backward needs it; a runtime flag: one compiled kernel for both)."""
+    ``store_x`` (the backward needs it; a runtime flag: one compiled kernel for both).
+    Gated delta rule (HAS_G, log-gates g [B, T, H]; ops/fwp/gated_delta_chunk.py's algebra):
+    A = stril(diag(beta) (K K^T * Gam)), W = Xinv diag(beta) diag(gam) K, and the decay from
+    each token to the chunk's end, last_j = Gam_{C-1, j}, stored to last [B, T, H] for (b).
+    K has HK heads (HK divides H; value head h reads key head h // (H / HK))."""
     i_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
+    hk = h // (H // HK)
     rc, mt = _rows(i_n, T, C, BT)
     beta = _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT)
     kk = tl.zeros([BT, BT], dtype=tl.float32)
     for k0 in range(0, Dk, BK):
-        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+        kb = _load(k_ptr, b, hk, i_n, mt, T, HK, Dk, C, BT, BK, k0)
         if UPCAST:
             kb = kb.to(tl.float32)
         kk += tl.dot(kb, tl.trans(kb), input_precision=IN_PREC)
+    if HAS_G:
+        Gam, gam, g = _gates(g_ptr, b, h, i_n, mt, T, H, C, BT)
+        kk = kk * Gam
+        # last_j = exp(sum_{m > j} g_m): rows past the chunk hold g = 0, so this is row C-1.
+        last = tl.exp(tl.sum(tl.where(rc[:, None] > rc[None, :], g[:, None], 0.0), axis=0))
+        tl.store(last_ptr + (b * T + i_n * C + rc) * H + h, last, mask=mt)
     A = tl.where(rc[:, None] > rc[None, :], beta[:, None] * kk, 0.0)
     # Forward substitution, one row at a time: row i of Xinv is e_i - A[i, :i] Xinv[:i, :]
     # (rows below i are still identity rows, and A[i, j] = 0 for j >= i).
@@ -330,7 +359,9 @@ def _ut_fwd_kernel(
         _store(x_ptr, Xi, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
     Tm = Xi * beta[None, :]
     for k0 in range(0, Dk, _BN):
-        kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, _BN, k0).to(tl.float32)
+        kb = _load(k_ptr, b, hk, i_n, mt, T, HK, Dk, C, BT, _BN, k0).to(tl.float32)
+        if HAS_G:
+            kb = kb * gam[:, None]
         _store(w_ptr, tl.dot(Tm, kb, input_precision=F32_PREC), b, h, i_n, mt, T, H, Dk, C, BT,
                _BN, k0)
     for v0 in range(0, Dv, BV):
@@ -341,22 +372,26 @@ def _ut_fwd_kernel(
 
 @triton.jit
 def _state_fwd_kernel(
-    k_ptr, w_ptr, u_ptr, s0_ptr, h_ptr, unew_ptr, sT_ptr,
-    T, H, N, Dk, Dv, C,
+    k_ptr, w_ptr, u_ptr, s0_ptr, h_ptr, unew_ptr, sT_ptr, g_ptr, last_ptr,
+    T, H, N, Dk, Dv, C, HK,
     HAS_W: tl.constexpr, NK: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, HAS_G: tl.constexpr,
 ):
     """(b) Sequential over chunks for one (value block, key block(s), b*h): h[n] = S entering
     chunk n; S += K_n^T U_n; the final S to sT. Linear attention (no W): U_n = V_n (u, input
     dtype), and the key blocks are independent (grid axis 1, NK = 1). Delta rule (HAS_W): U_n =
     U0_n - W_n S (u is U0, float32; U_n stored to unew) reads every key block of S: one program
-    holds the NK (1 or 2) blocks of BK rows."""
+    holds the NK (1 or 2) blocks of BK rows. Gated (HAS_G, with HAS_W): S <- gam_L S +
+    (diag(last) K_n)^T U_n, gam_L = exp(sum of the chunk's gates), last from (a); K has HK
+    heads as in (a)."""
     tl.static_assert(NK == 1 or (HAS_W and NK == 2))
+    tl.static_assert(HAS_W or not HAS_G)
     i_v = tl.program_id(0)
     bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
+    hk = h // (H // HK)
     v0 = i_v * BV
     k0 = tl.program_id(1) * BK
     S1 = _load_state(s0_ptr, bh, 0, 1, Dk, Dv, BK, BV, k0, v0)
@@ -366,9 +401,13 @@ def _state_fwd_kernel(
         _store_state(h_ptr, S1, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
         if NK == 2:
             _store_state(h_ptr, S2, bh, i_n, N, Dk, Dv, BK, BV, BK, v0)
-        _, mt = _rows(i_n, T, C, BT)
+        rc, mt = _rows(i_n, T, C, BT)
         ub = _load(u_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
-        k1 = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+        k1 = _load(k_ptr, b, hk, i_n, mt, T, HK, Dk, C, BT, BK, k0)
+        if HAS_G:  # the state decays through the chunk; token j's write by last_j
+            offs = (b * T + i_n * C + rc) * H + h
+            gL = tl.exp(tl.sum(tl.load(g_ptr + offs, mask=mt, other=0.0).to(tl.float32)))
+            last = tl.load(last_ptr + offs, mask=mt, other=0.0)
         if HAS_W:
             # The only state-dependent step of the UT form: where the chunk reads the memory.
             w1 = _load(w_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
@@ -377,9 +416,16 @@ def _state_fwd_kernel(
                 w2 = _load(w_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK)
                 ub -= tl.dot(w2, S2, input_precision=F32_PREC)
             _store(unew_ptr, ub, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
-            S1 += tl.dot(tl.trans(k1.to(tl.float32)), ub, input_precision=F32_PREC)
+            k1 = k1.to(tl.float32)
+            if HAS_G:
+                k1 = k1 * last[:, None]
+                S1 = S1 * gL
+            S1 += tl.dot(tl.trans(k1), ub, input_precision=F32_PREC)
             if NK == 2:
-                k2 = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK).to(tl.float32)
+                k2 = _load(k_ptr, b, hk, i_n, mt, T, HK, Dk, C, BT, BK, BK).to(tl.float32)
+                if HAS_G:
+                    k2 = k2 * last[:, None]
+                    S2 = S2 * gL
                 S2 += tl.dot(tl.trans(k2), ub, input_precision=F32_PREC)
         else:
             if UPCAST:
@@ -392,12 +438,13 @@ def _state_fwd_kernel(
 
 @triton.jit
 def _output_kernel(
-    q_ptr, k_ptr, u_ptr, h_ptr, o_ptr,
-    T, H, N, Dk, Dv, C,
+    q_ptr, k_ptr, u_ptr, h_ptr, o_ptr, g_ptr,
+    T, H, N, Dk, Dv, C, HK,
     UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr,
 ):
-    """(c) o_n = Q_n h_n + tril(Q_n K_n^T) U_n for one (value block, chunk, b*h)."""
+    """(c) o_n = Q_n h_n + tril(Q_n K_n^T) U_n for one (value block, chunk, b*h); gated (HAS_G):
+    o_n = diag(gam) Q_n h_n + (Q_n K_n^T * Gam) U_n. Q and K have HK heads as in (a)."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
@@ -405,8 +452,14 @@ def _output_kernel(
     h = bh % H
     v0 = i_v * BV
     _, mt = _rows(i_n, T, C, BT)
-    scores, ob = _scores_and_state(q_ptr, k_ptr, h_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C, v0,
-                                   True, False, UPCAST, IN_PREC, F32_PREC, BT, BK, BV)
+    # (q and k are read at their own head hk of HK; the state and U at the value head)
+    scores, ob = _scores_and_state(q_ptr, k_ptr, h_ptr, b, h // (H // HK), bh, i_n, mt, T, HK, N,
+                                   Dk, Dv, C, v0, True, False, UPCAST, IN_PREC, F32_PREC, BT, BK,
+                                   BV)
+    if HAS_G:
+        Gam, gam, _ = _gates(g_ptr, b, h, i_n, mt, T, H, C, BT)
+        scores = scores * Gam
+        ob = ob * gam[:, None]
     ub = _load(u_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
     ob += tl.dot(scores, ub, input_precision=F32_PREC)
     _store(o_ptr, ob, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
@@ -631,6 +684,7 @@ class _Launch(NamedTuple):
     NK: int  # key blocks of BK
     consts: dict
     cfg: TileConfig
+    HK: int  # query/key heads (H, the value heads, is a multiple; HK = H but for grouped heads)
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -656,8 +710,8 @@ class _Launch(NamedTuple):
 
 
 def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int, op: str) -> _Launch:
-    B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
+    B, T, HK, Dk = q.shape
+    H, Dv = v.shape[2:]
     if not 1 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK} for the Triton kernels, "
                          f"got {chunk_size}")
@@ -671,33 +725,40 @@ def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int, op: str) -> _Laun
     consts = {"UPCAST": _upcast_tiles(q.dtype), "IN_PREC": in_prec, "F32_PREC": f32_prec,
               "BT": BT, "BK": BK}
     return _Launch(T, H, triton.cdiv(T, chunk_size), Dk, Dv, chunk_size, B * H,
-                   triton.cdiv(Dk, BK), consts, cfg)
+                   triton.cdiv(Dk, BK), consts, cfg, HK)
 
 
-def _ut_forward(L: _Launch, k, v, beta, store_x: bool):
-    W = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+def _ut_forward(L: _Launch, k, v, beta, store_x: bool, g=None):
+    """(a): W, U0 and (``store_x``) Xinv; with the log-gates ``g`` [B, T, H] (float32) also
+    last [B, T, H] for (b), else None. W, U0, Xinv have the H value heads."""
+    W = torch.empty(*v.shape[:3], L.Dk, dtype=torch.float32, device=k.device)
     U0 = torch.empty(v.shape, dtype=torch.float32, device=k.device)
-    X = torch.empty(*k.shape[:3], BT, dtype=torch.float32, device=k.device) if store_x else W
-    _ut_fwd_kernel[(L.N, L.BH)](k, v, beta, W, U0, X, L.T, L.H, L.Dk, L.Dv, L.C, store_x,
-                                **L.tiles(L.cfg.ut_fwd))
-    return W, U0, X
+    X = torch.empty(*v.shape[:3], BT, dtype=torch.float32, device=k.device) if store_x else W
+    last = None if g is None else torch.empty(g.shape, dtype=torch.float32, device=k.device)
+    _ut_fwd_kernel[(L.N, L.BH)](k, v, beta, beta if g is None else g, W, U0, X,
+                                beta if last is None else last, L.T, L.H, L.HK, L.Dk, L.Dv, L.C,
+                                store_x, HAS_G=g is not None, **L.tiles(L.cfg.ut_fwd))
+    return W, U0, X, last
 
 
-def _state_forward(L: _Launch, k, W, U0, S0):
-    """h [B*H, N, Dk, Dv], U (float32, delta only; else None) and the final state."""
+def _state_forward(L: _Launch, k, W, U0, S0, g=None, last=None):
+    """h [B*H, N, Dk, Dv], U (float32, delta only; else None) and the final state; gated with
+    ``g`` and ``last`` from (a)."""
     has_w = W is not None
     h = torch.empty(L.BH, L.N, L.Dk, L.Dv, dtype=torch.float32, device=k.device)
     U = torch.empty(U0.shape, dtype=torch.float32, device=k.device) if has_w else None
     S = torch.empty_like(S0)
     grid, args = L.state(has_w, backward=False)
-    _state_fwd_kernel[grid](k, W if has_w else k, U0, S0, h, U if has_w else h, S, *L.dims,
-                            **args)
+    gates = (g, last) if g is not None else (S, S)  # (unread without HAS_G)
+    _state_fwd_kernel[grid](k, W if has_w else k, U0, S0, h, U if has_w else h, S, *gates,
+                            *L.dims, L.HK, HAS_G=g is not None, **args)
     return h, U, S
 
 
-def _forward(L: _Launch, q, k, U, h, out_dtype):
-    o = torch.empty(*q.shape[:3], L.Dv, dtype=out_dtype, device=q.device)
-    _output_kernel[(L.nv(L.cfg.output), L.N, L.BH)](q, k, U, h, o, *L.dims,
+def _forward(L: _Launch, q, k, U, h, out_dtype, g=None):
+    o = torch.empty(*U.shape[:3], L.Dv, dtype=out_dtype, device=q.device)
+    _output_kernel[(L.nv(L.cfg.output), L.N, L.BH)](q, k, U, h, o, h if g is None else g,
+                                                     *L.dims, L.HK, HAS_G=g is not None,
                                                      **L.tiles(L.cfg.output))
     return o
 
@@ -748,7 +809,7 @@ class _FastWeightsTriton(torch.autograd.Function):
         if beta is None:
             W, U0 = None, v
         else:
-            W, U0, _ = _ut_forward(L, k, v, beta, store_x=False)
+            W, U0, _, _ = _ut_forward(L, k, v, beta, store_x=False)
         h, U, S = _state_forward(L, k, W, U0, S0)
         o = _forward(L, q, k, U if U is not None else v, h, out_dtype)
         ctx.save_for_backward(q, k, v, beta, S0)
@@ -765,7 +826,7 @@ class _FastWeightsTriton(torch.autograd.Function):
         if beta is None:
             W, U0, X = None, v, None
         else:
-            W, U0, X = _ut_forward(L, k, v, beta, store_x=True)
+            W, U0, X, _ = _ut_forward(L, k, v, beta, store_x=True)
         h, U, _ = _state_forward(L, k, W, U0, S0)
         dq, dk, dv, dbeta, dS0 = _backward(L, q, k, v, beta, X, W, U, h, do, dS)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
@@ -818,3 +879,61 @@ def delta_rule_triton(
     o, S = _FastWeightsTriton.apply(q, k, v, beta, S0.to(torch.float32).reshape(B * H, Dk, -1),
                                     chunk_size, q.dtype)
     return o, S.reshape(B, H, Dk, -1)
+
+
+class _GatedDeltaTriton(torch.autograd.Function):
+    """(o, S) = the chunked gated delta rule, forward in the kernels (a), (b), (c) with the gates
+    on (HAS_G); backward by PyTorch: the chunked form of ops/fwp/gated_delta_chunk.py is
+    recomputed from the saved inputs in float32 and differentiated by its hand-written backward
+    (no Triton backward kernels for the gates yet). S0 [B*H, Dk, Dv] float32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, g, S0, chunk_size):  # type: ignore[override]
+        L = _launch(q, v, chunk_size, "gated_delta_rule")
+        W, U0, _, last = _ut_forward(L, k, v, beta, store_x=False, g=g)
+        h, U, S = _state_forward(L, k, W, U0, S0, g=g, last=last)
+        o = _forward(L, q, k, U, h, q.dtype, g=g)
+        ctx.save_for_backward(q, k, v, beta, g, S0)
+        ctx.chunk_size = chunk_size
+        return o, S
+
+    @staticmethod
+    def backward(ctx, do, dS):  # type: ignore[override]
+        from .gated_delta_chunk import gated_delta_rule_chunk
+
+        saved = ctx.saved_tensors
+        B, _, H, Dv = saved[2].shape
+        Dk = saved[0].shape[-1]
+        with torch.enable_grad():
+            xs = [x.detach().to(torch.float32).requires_grad_() for x in saved]
+            o, S = gated_delta_rule_chunk(*xs[:5], S=xs[5].reshape(B, H, Dk, Dv),
+                                          chunk_size=ctx.chunk_size)
+            outs = [(o, do), (S.reshape(B * H, Dk, Dv), dS)]
+            outs = [(t, d) for t, d in outs if d is not None]
+            grads = torch.autograd.grad([t for t, _ in outs], xs, [d for _, d in outs],
+                                        allow_unused=True)
+        grads = [None if gr is None else gr.to(x.dtype) for gr, x in zip(grads, saved)]
+        return (*grads, None)
+
+
+def gated_delta_rule_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+    S0: torch.Tensor, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule (SPEC 5b; the WY/UT form with the decay folded in as segment
+    sums of the log-gates, ops/fwp/gated_delta_chunk.py) in the delta rule's kernels with the
+    gates on; see ``gated_delta_chunk.gated_delta_rule_chunk``.
+
+    q (scaled), k [B, T, Hk, Dk], v [B, T, H, Dv] (H a multiple of Hk: value head h reads key
+    head h // (H / Hk)) in float16/bfloat16/float32; beta, g (log-decays <= 0, -inf a reset)
+    [B, T, H] in any floating dtype (read as float32); S0 [B, H, Dk, Dv] float32;
+    chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's dtype, S float32).
+    Differentiable: the backward is the PyTorch chunked form's (``_GatedDeltaTriton``)."""
+    B, _, H, Dv = v.shape
+    Dk = q.shape[-1]
+    q, k, v = _prepare(q, k, v)
+    beta, g = (x.to(torch.float32).contiguous() for x in (beta, g))
+    o, S = _GatedDeltaTriton.apply(q, k, v, beta, g,
+                                   S0.to(torch.float32).reshape(B * H, Dk, Dv).contiguous(),
+                                   chunk_size)
+    return o, S.reshape(B, H, Dk, Dv)
