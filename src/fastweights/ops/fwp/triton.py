@@ -30,6 +30,16 @@ backward  (d) ``_local_du_kernel``   grid (Dv/BV, N, B*H)    dU_n = tril(Q_n K_n
           (g) ``_grad_kernel``       grid (Dk/BKg, N, B*H)   dQ, dK for BKg key columns; for the
               delta rule dK also gets -dV h^T + (G + G^T) K (= Tm^T dW + the solve's part)
 The backward recomputes (a) and (b) from the saved inputs instead of keeping W, U0, h.
+
+The gated delta rule (SPEC 5b, ``gated_delta_rule_triton``) runs the delta rule's forward
+kernels (a), (b), (c) with ``HAS_G`` on, in the algebra of ops/fwp/gated_delta_chunk.py: the
+decays of a chunk are built from its log-gates g as segment sums (``_gates``: Gam_ij =
+exp(sum_{j < m <= i} g_m), gam_i = exp(sum_{m <= i} g_m), every exponent <= 0, a -inf gate a
+clean reset), never as exp of a difference of running sums; (a) solves with A = stril(diag(beta)
+(K K^T * Gam)), scales K by gam in W and stores last_j = Gam_{C-1, j}; (b) hands on
+S <- gam_L S + (diag(last) K)^T U; (c) adds diag(gam) to Q h and Gam to Q K^T. q and k may have
+fewer heads (HK) than v (grouped heads: value head h reads key head h // (H / HK)). Its backward
+is the PyTorch chunked form's (recomputed from the saved inputs): no gated backward kernels yet.
 Normalised linear attention runs as the unnormalised one with a column of ones appended to V
 (its state column is z, SPEC 1.3), and divides by that column plus eps in PyTorch, so the
 normaliser's gradient is autograd's; it costs one more value block.
