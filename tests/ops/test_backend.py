@@ -417,3 +417,15 @@ def test_gated_delta_rule_backend_choice(fla_on_cpu):
     with pytest.raises(ValueError, match="g must be <= 0"):  # the op's checks come first
         gated_delta_rule(q, k, v, beta, -g, backend="fla")
     assert fla_on_cpu == ["gated_delta_rule"]
+
+
+def test_gated_delta_rule_cpu_tensors_stay_on_torch(fla_on_cpu, monkeypatch):
+    """Real device check: CPU tensors take torch automatically (fla installed or not), and an
+    explicit fla is refused, naming the device."""
+    monkeypatch.setattr(backends, "_on_cuda", lambda q: q.is_cuda)
+    q, k, v, beta, g, _ = gdn_data(T=12)
+    ref, _ = gated_delta_rule(q, k, v, beta, g, mode="recurrent")
+    o, _ = gated_delta_rule(q, k, v, beta, g)
+    assert fla_on_cpu == [] and err(o, ref) <= TOL
+    with pytest.raises(ValueError, match="inputs on cpu, the fla kernels need CUDA tensors"):
+        gated_delta_rule(q, k, v, beta, g, backend="fla")
