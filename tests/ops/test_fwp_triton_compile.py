@@ -54,10 +54,11 @@ def expected_variants(dtype: str) -> set[str]:
     if dtype == "float32":  # no float32 delta rule (tile_config)
         return names
     names |= {"ut_fwd", f"output[u={f},o={x}]", "ut_bwd", f"grad[HAS_W=True,u={f},do={x}]"}
-    names |= {"ut_fwd[HAS_G]", f"output[HAS_G,u={f},o={x}]"}
+    for gated in ("HAS_G", "HAS_G,GROUPED"):  # one value head per key head, and grouped
+        names |= {f"ut_fwd[{gated}]", f"output[{gated},u={f},o={x}]"}
+        names |= {f"state_fwd[HAS_W=True,NK={nk},{gated}]" for nk in (1, 2)}
     for nk in (1, 2):
-        names |= {f"state_fwd[HAS_W=True,NK={nk}]", f"state_bwd[HAS_W=True,NK={nk},do={x}]",
-                  f"state_fwd[HAS_W=True,NK={nk},HAS_G]"}
+        names |= {f"state_fwd[HAS_W=True,NK={nk}]", f"state_bwd[HAS_W=True,NK={nk},do={x}]"}
     return names
 
 

@@ -80,10 +80,11 @@ def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
     B, T, H, Dv = 1, 5, 1, 8
     q, k = (torch.zeros(B, T, H, Dk, dtype=dtype) for _ in range(2))
     v = torch.zeros(B, T, H, Dv, dtype=dtype)
-    if op == "gated":  # grouped heads: two value heads read the one key head
-        v, gates = torch.zeros(B, T, 2, Dv, dtype=dtype), torch.zeros(2, B, T, 2)
-        S0 = torch.zeros(B * 2, Dk, Dv)
-        kernels._GatedDeltaTriton.forward(_Ctx(), q, k, v, *gates, S0, 4)
+    if op == "gated":  # one value head per key head, and grouped heads (two per key head)
+        for Hv in (1, 2):
+            v, gates = torch.zeros(B, T, Hv, Dv, dtype=dtype), torch.zeros(2, B, T, Hv)
+            S0 = torch.zeros(B * Hv, Dk, Dv)
+            kernels._GatedDeltaTriton.forward(_Ctx(), q, k, v, *gates, S0, 4)
         return
     beta = torch.zeros(B, T, H, dtype=dtype) if op == "delta" else None
     S0 = torch.zeros(B * H, Dk, Dv + (op == "linear_norm"), dtype=torch.float32)
@@ -136,7 +137,7 @@ def _name(kernel: str, sig: dict, const: dict) -> str:
     pointer dtypes that differ between ops)."""
     family = kernel.strip("_").removesuffix("_kernel")
     parts = [f"{k}={const[k]}" for k in ("HAS_W", "NK") if k in const]
-    parts += ["HAS_G"] if const.get("HAS_G") else []
+    parts += [flag for flag in ("HAS_G", "GROUPED") if const.get(flag)]
     parts += [f"{p[:-4]}={sig[p]}" for p in ("u_ptr", "o_ptr", "do_ptr") if p in sig
               and family in ("output", "local_du", "state_bwd", "grad")]
     return f"{family}[{','.join(parts)}]" if parts else family

@@ -167,14 +167,16 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
     short: key steps of 32 with 16 warps in (c), of 16 in (d) and per (g) program. Only linear
     attention fits: the delta rule's state passes contract the register-held state over 64 rows
     and spill at every tiling tried (8 or 16 warps, 16 or 32 columns, exact or 3xTF32 products),
-    so float32 delta rule inputs take fla or PyTorch."""
+    so float32 delta rule inputs take fla or PyTorch. The gated delta rule runs the delta rule's
+    forward kernels with its gates (same tiles, float32 likewise refused) but value blocks of
+    16 in its state pass and output kernel, whose decay tables and per-token decays hold more
+    float32 registers."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if op == "gated_delta_rule":  # the delta rule's kernels with the gates switched on
-        op = "delta_rule"
+    gated = op == "gated_delta_rule"  # the delta rule's kernels with the gates switched on
     stages = 2 if arch >= 90 else 1  # sm_90 pipelines the state passes' loads (cp.async)
     if dtype == torch.float32:
-        if op == "delta_rule":
+        if op != "linear_attn":
             return None
         return TileConfig(state_fwd=Tiles(16, 8, stages), output=Tiles(16, 16, BK=32),
                           local_du=Tiles(16, 8, BK=16), state_bwd=Tiles(16, 8, stages),
@@ -184,8 +186,11 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
                      state_bwd=Tiles(32, 8, stages), grad=Tiles(16, 8, BK=BN))
     if op == "linear_attn":
         return cfg
-    return cfg._replace(ut_fwd=wide, state_fwd2=Tiles(16, 8, stages), ut_bwd=narrow,
-                        state_bwd2=Tiles(16, 8, stages))
+    cfg = cfg._replace(ut_fwd=wide, state_fwd2=Tiles(16, 8, stages), ut_bwd=narrow,
+                       state_bwd2=Tiles(16, 8, stages))
+    if gated:  # the gates' tables and per-token decays: narrower value blocks
+        cfg = cfg._replace(state_fwd=Tiles(16, 8, stages), output=narrow)
+    return cfg
 
 
 def supports(op: str, dtype: torch.dtype) -> bool:
@@ -282,6 +287,19 @@ def _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT: tl.constexpr):
 
 
 @triton.jit
+def _key_head(h, H, HK, GROUPED: tl.constexpr):
+    """(head, heads) at which q and k are read for value head h of H: (h // (H / HK), HK) with
+    grouped heads, else v's own (h, H), so that one row address serves q, k, v and o (a
+    second address computation costs the output kernel its last free registers on sm_80)."""
+    hk = h
+    HQ = H
+    if GROUPED:
+        hk = h // (H // HK)
+        HQ = HK
+    return hk, HQ
+
+
+@triton.jit
 def _gates(g_ptr, b, h, i_n, mt, T, H, C, BT: tl.constexpr):
     """The gated delta rule's decays of chunk i_n from its log-gates g [B, T, H] (rows past C or
     T load g = 0: no decay), every exponent a sum of gates over a range of tokens, <= 0:
@@ -328,7 +346,7 @@ def _scores_and_state(q_ptr, k_ptr, s_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C
 def _ut_fwd_kernel(
     k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, x_ptr, last_ptr,
     T, H, HK, Dk, Dv, C, store_x,
-    HAS_G: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+    HAS_G: tl.constexpr, GROUPED: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """(a) Per chunk: Xinv = (I + A)^-1, A = stril(diag(beta) K K^T); W = Xinv diag(beta) K,
@@ -342,12 +360,12 @@ def _ut_fwd_kernel(
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    hk = h // (H // HK)
+    hk, HQ = _key_head(h, H, HK, GROUPED)
     rc, mt = _rows(i_n, T, C, BT)
     beta = _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT)
     kk = tl.zeros([BT, BT], dtype=tl.float32)
     for k0 in range(0, Dk, BK):
-        kb = _load(k_ptr, b, hk, i_n, mt, T, HK, Dk, C, BT, BK, k0)
+        kb = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, k0)
         if UPCAST:
             kb = kb.to(tl.float32)
         kk += tl.dot(kb, tl.trans(kb), input_precision=IN_PREC)
@@ -369,7 +387,7 @@ def _ut_fwd_kernel(
         _store(x_ptr, Xi, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
     Tm = Xi * beta[None, :]
     for k0 in range(0, Dk, _BN):
-        kb = _load(k_ptr, b, hk, i_n, mt, T, HK, Dk, C, BT, _BN, k0).to(tl.float32)
+        kb = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, _BN, k0).to(tl.float32)
         if HAS_G:
             kb = kb * gam[:, None]
         _store(w_ptr, tl.dot(Tm, kb, input_precision=F32_PREC), b, h, i_n, mt, T, H, Dk, C, BT,
@@ -386,7 +404,7 @@ def _state_fwd_kernel(
     T, H, N, Dk, Dv, C, HK,
     HAS_W: tl.constexpr, NK: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STAGES: tl.constexpr, HAS_G: tl.constexpr,
+    STAGES: tl.constexpr, HAS_G: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """(b) Sequential over chunks for one (value block, key block(s), b*h): h[n] = S entering
     chunk n; S += K_n^T U_n; the final S to sT. Linear attention (no W): U_n = V_n (u, input
@@ -401,7 +419,7 @@ def _state_fwd_kernel(
     bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
-    hk = h // (H // HK)
+    hk, HQ = _key_head(h, H, HK, GROUPED)
     v0 = i_v * BV
     k0 = tl.program_id(1) * BK
     S1 = _load_state(s0_ptr, bh, 0, 1, Dk, Dv, BK, BV, k0, v0)
@@ -413,7 +431,7 @@ def _state_fwd_kernel(
             _store_state(h_ptr, S2, bh, i_n, N, Dk, Dv, BK, BV, BK, v0)
         rc, mt = _rows(i_n, T, C, BT)
         ub = _load(u_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
-        k1 = _load(k_ptr, b, hk, i_n, mt, T, HK, Dk, C, BT, BK, k0)
+        k1 = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, k0)
         if HAS_G:  # the state decays through the chunk; token j's write by last_j
             offs = (b * T + i_n * C + rc) * H + h
             gL = tl.exp(tl.sum(tl.load(g_ptr + offs, mask=mt, other=0.0).to(tl.float32)))
@@ -432,7 +450,7 @@ def _state_fwd_kernel(
                 S1 = S1 * gL
             S1 += tl.dot(tl.trans(k1), ub, input_precision=F32_PREC)
             if NK == 2:
-                k2 = _load(k_ptr, b, hk, i_n, mt, T, HK, Dk, C, BT, BK, BK).to(tl.float32)
+                k2 = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, BK).to(tl.float32)
                 if HAS_G:
                     k2 = k2 * last[:, None]
                     S2 = S2 * gL
@@ -451,7 +469,7 @@ def _output_kernel(
     q_ptr, k_ptr, u_ptr, h_ptr, o_ptr, g_ptr,
     T, H, N, Dk, Dv, C, HK,
     UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """(c) o_n = Q_n h_n + tril(Q_n K_n^T) U_n for one (value block, chunk, b*h); gated (HAS_G):
     o_n = diag(gam) Q_n h_n + (Q_n K_n^T * Gam) U_n. Q and K have HK heads as in (a)."""
@@ -462,10 +480,9 @@ def _output_kernel(
     h = bh % H
     v0 = i_v * BV
     _, mt = _rows(i_n, T, C, BT)
-    # (q and k are read at their own head hk of HK; the state and U at the value head)
-    scores, ob = _scores_and_state(q_ptr, k_ptr, h_ptr, b, h // (H // HK), bh, i_n, mt, T, HK, N,
-                                   Dk, Dv, C, v0, True, False, UPCAST, IN_PREC, F32_PREC, BT, BK,
-                                   BV)
+    hk, HQ = _key_head(h, H, HK, GROUPED)
+    scores, ob = _scores_and_state(q_ptr, k_ptr, h_ptr, b, hk, bh, i_n, mt, T, HQ, N, Dk, Dv, C,
+                                   v0, True, False, UPCAST, IN_PREC, F32_PREC, BT, BK, BV)
     if HAS_G:
         Gam, gam, _ = _gates(g_ptr, b, h, i_n, mt, T, H, C, BT)
         scores = scores * Gam
@@ -747,7 +764,8 @@ def _ut_forward(L: _Launch, k, v, beta, store_x: bool, g=None):
     last = None if g is None else torch.empty(g.shape, dtype=torch.float32, device=k.device)
     _ut_fwd_kernel[(L.N, L.BH)](k, v, beta, beta if g is None else g, W, U0, X,
                                 beta if last is None else last, L.T, L.H, L.HK, L.Dk, L.Dv, L.C,
-                                store_x, HAS_G=g is not None, **L.tiles(L.cfg.ut_fwd))
+                                store_x, HAS_G=g is not None, GROUPED=L.HK != L.H,
+                                **L.tiles(L.cfg.ut_fwd))
     return W, U0, X, last
 
 
@@ -761,7 +779,7 @@ def _state_forward(L: _Launch, k, W, U0, S0, g=None, last=None):
     grid, args = L.state(has_w, backward=False)
     gates = (g, last) if g is not None else (S, S)  # (unread without HAS_G)
     _state_fwd_kernel[grid](k, W if has_w else k, U0, S0, h, U if has_w else h, S, *gates,
-                            *L.dims, L.HK, HAS_G=g is not None, **args)
+                            *L.dims, L.HK, HAS_G=g is not None, GROUPED=L.HK != L.H, **args)
     return h, U, S
 
 
@@ -769,7 +787,7 @@ def _forward(L: _Launch, q, k, U, h, out_dtype, g=None):
     o = torch.empty(*U.shape[:3], L.Dv, dtype=out_dtype, device=q.device)
     _output_kernel[(L.nv(L.cfg.output), L.N, L.BH)](q, k, U, h, o, h if g is None else g,
                                                      *L.dims, L.HK, HAS_G=g is not None,
-                                                     **L.tiles(L.cfg.output))
+                                                     GROUPED=L.HK != L.H, **L.tiles(L.cfg.output))
     return o
 
 
