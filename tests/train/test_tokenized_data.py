@@ -225,3 +225,41 @@ def test_training_records_the_tokens_and_resume_refuses_other_ones(texts, tokeni
         train(run, None, extend, open_corpus(str(texts)), resume=True, progress=False)
     assert (run / RUN_FILE).read_bytes() == before
     assert len(train(run, None, extend, corpus, resume=True, progress=False)) == 1
+
+
+def test_transformers_tokenizer_folder(texts, tokenizer, tmp_path):
+    """A transformers tokenizer folder (saved from the same tokenizer.json) gives the same ids;
+    its hash covers the folder's tokenizer files."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "hf"
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer.from_file(tokenizer)).save_pretrained(folder)
+    hf, raw = load_tokenizer(folder), load_tokenizer(tokenizer)
+    assert hf.vocab_size == raw.vocab_size
+    text = "the owl sat on the mat, said Cy.\nünï"
+    assert torch.equal(hf.encode(text), raw.encode(text)) and hf.decode(hf.encode(text)) == text
+    a = tokenize_corpus(str(texts), folder, tmp_path / "cache")
+    b = tokenize_corpus(str(texts), tokenizer, tmp_path / "cache")
+    assert torch.equal(a.train, b.train) and a.tokens.cache != b.tokens.cache
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("{", '{"note": 1, ', 1))
+    assert load_tokenizer(folder).sha256 != hf.sha256
+    with pytest.raises(ValueError, match=r"holds none of tokenizer\.json"):
+        load_tokenizer(texts)
+
+
+def test_a_writer_that_finishes_second_keeps_the_complete_cache(texts, tokenizer, tmp_path):
+    """Two processes (torchrun ranks) tokenizing the same corpus: the second rename finds the
+    first's complete folder, keeps it and removes its own temporary folder."""
+    from fastweights.tasks import tokens
+
+    corpus = tokenize_corpus(str(texts), tokenizer, tmp_path / "cache")
+    folder = tmp_path / "cache" / os.path.basename(corpus.tokens.cache)
+    meta = json.loads((folder / tokens.META_FILE).read_text())
+    before = (folder / "train.bin").stat().st_ino
+    _, *splits = corpus_documents(str(texts))
+    fresh = {k: meta[k] for k in ("version", "key", "data", "tokenizer", "tokenizer_sha256",
+                                  "vocab_size", "dtype")}
+    tokens._write_cache(folder, fresh, splits, load_tokenizer(tokenizer), progress=False)
+    assert (folder / "train.bin").stat().st_ino == before
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name]

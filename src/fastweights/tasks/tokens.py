@@ -370,12 +370,15 @@ def _write_cache(folder: Path, meta: dict[str, Any], splits: Sequence[Sequence[D
             f.write(json.dumps(meta, indent=2) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        if folder.exists():
-            if _read_meta(folder, meta["key"]) is not None:  # another process finished first
-                shutil.rmtree(tmp)
-                return
+        if folder.exists() and _read_meta(folder, meta["key"]) is None:
             shutil.rmtree(folder)  # an incomplete or damaged cache of this key
-        os.rename(tmp, folder)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if _read_meta(folder, meta["key"]) is None:
+                raise
+            shutil.rmtree(tmp)  # another process (a torchrun rank) finished first
+            return
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
