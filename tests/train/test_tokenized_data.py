@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -111,7 +113,12 @@ def test_cache_is_reused_and_remade_when_the_corpus_or_tokenizer_changes(texts, 
     # A damaged cache (truncated ids) is not trusted: it is made again, complete.
     with open(os.path.join(folder, "train.bin"), "r+b") as f:
         f.truncate(10)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = cache / f".{os.path.basename(folder)}.tmp-0a1b2c3d-{dead}"  # a killed writer's
+    left.mkdir()
     remade = tokenize_corpus(str(texts), tokenizer, cache)
+    assert not left.exists()
     assert remade.tokens.cache == folder and torch.equal(remade.train, want)
     # An edited document, or another tokenizer: another cache folder.
     (texts / "note1.txt").write_text("the owl said nothing at all\n")

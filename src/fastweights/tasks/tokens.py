@@ -24,8 +24,9 @@ folder ``<cache_root>/tokens-<key>``, ``key`` the SHA-256 of the tokenizer's has
 corpus fingerprint (every document's path, byte range, size and modification time): another
 tokenizer or an edited file makes another folder, an unchanged corpus reuses the folder while
 its ``meta.json`` and file sizes agree. The folder is written under a temporary name
-(``.tokens-<key>.tmp-<pid>-<random>``) and renamed once complete, so it is complete or absent;
-concurrent writers (torchrun ranks) each write their own and the first rename wins.
+(``.tokens-<key>.tmp-<random>-<pid>``; those of killed processes are deleted by the next
+writer) and renamed once complete, so it is complete or absent; concurrent writers (torchrun
+ranks) each write their own and the first rename wins.
 
 Tokenizers (``load_tokenizer``): a ``tokenizer.json`` file, read with the ``tokenizers``
 package, or a transformers tokenizer folder, read with ``AutoTokenizer.from_pretrained(path,
@@ -52,6 +53,7 @@ import numpy as np
 import torch
 
 from .._checks import is_int
+from .._files import file_digest, remove_dead_temporaries
 from .text import Corpus, Document, corpus_documents, load_corpus, split_documents
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -225,7 +227,7 @@ def tokenizer_sha256(path: str | Path) -> str:
     names and contents of a folder's ``TOKENIZER_FILES`` (ValueError when it holds none)."""
     path = Path(path)
     if path.is_file():
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return file_digest(path)[1]
     if not path.is_dir():
         raise ValueError(f"tokenizer {path} does not exist (a tokenizer.json file or a "
                          "transformers tokenizer folder)")
@@ -234,7 +236,7 @@ def tokenizer_sha256(path: str | Path) -> str:
     if not names:
         raise ValueError(f"tokenizer folder {path} holds none of {', '.join(TOKENIZER_FILES)}")
     for name in names:
-        h.update(f"{name}\0{hashlib.sha256((path / name).read_bytes()).hexdigest()}\0".encode())
+        h.update(f"{name}\0{file_digest(path / name)[1]}\0".encode())
     return h.hexdigest()
 
 
@@ -356,7 +358,8 @@ def _write_cache(folder: Path, meta: dict[str, Any], splits: Sequence[Sequence[D
     from tqdm import tqdm
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    remove_dead_temporaries(folder.parent, f".{folder.name}.tmp-*")
+    tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}-{os.getpid()}")
     tmp.mkdir()
     total = sum((d.stop if d.stop is not None else d.path.stat().st_size) - d.start
                 for docs in splits for d in docs)
