@@ -142,10 +142,15 @@ def load_corpus(spec: str) -> Corpus:
     return Corpus(name, train, val, train_starts, val_starts)
 
 
+def _unit(data: torch.Tensor) -> str:
+    """What the ids of a stream are: bytes (uint8) or tokens."""
+    return "bytes" if data.dtype == torch.uint8 else "tokens"
+
+
 def _window_starts(data: torch.Tensor, batch_size: int, seq_len: int,
                    generator: torch.Generator) -> torch.Tensor:
     if data.numel() < seq_len + 1:
-        raise ValueError(f"the corpus has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ValueError(f"the corpus has {data.numel()} {_unit(data)}, fewer than seq_len + 1 = {seq_len + 1}")
     return torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator)
 
 
@@ -214,7 +219,7 @@ def eval_windows(data: torch.Tensor, seq_len: int, max_windows: int | None = Non
     if max_windows is not None:
         n = min(n, max_windows)
     if n < 1:
-        raise ValueError(f"the validation data has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ValueError(f"the validation data has {data.numel()} {_unit(data)}, fewer than seq_len + 1 = {seq_len + 1}")
     x = data[: n * seq_len].long().view(n, seq_len)
     y = data[1: n * seq_len + 1].long().view(n, seq_len)
     return x, y
