@@ -238,6 +238,9 @@ def _check_tokens(settings: dict[str, Any]) -> None:
     UserErrors, before anything is read)."""
     data, vocab, dtype, tokenizer = (settings[k] for k in ("data", "vocab_size", "token_dtype",
                                                            "tokenizer"))
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise UserError(f"--tokenizer {tokenizer} does not exist (a tokenizer.json file or a "
+                        "transformers tokenizer folder)")
     if tokenizer is not None and dtype is not None:
         raise UserError("--token-dtype is for pre-tokenized .bin data; with --tokenizer the "
                         "ids' width follows the tokenizer's vocabulary")
