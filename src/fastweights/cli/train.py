@@ -93,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "tokenized once into --token-cache and the model's vocabulary is the tokenizer's; "
              "run.json records the tokenizer's sha256, and --resume refuses another",
              shown="bytes", metavar="PATH")
+    p.add_argument("--token-cache", default=None, metavar="DIR",
+                   help="where --tokenizer writes tokenized corpora (folders tokens-<hash of the "
+                   "tokenizer and the corpus files>, reused while the files are unchanged; "
+                   "default: .fastweights-cache beside --out, or the run's own on --resume)")
     _setting(p, "--steps", 300, "optimiser steps (with --resume: the run's own unless given)",
              type=int)
     _setting(p, "--seq-len", 128, "", type=int)
@@ -145,10 +149,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "consecutive processes (world = N x data-parallel replicas); --seq-len must be "
                    "divisible by N and --pack is refused. A launch setting like the number of "
                    "processes: not recorded, a run may resume with another N")
-    p.add_argument("--token-cache", default=None, metavar="DIR",
-                   help="where --tokenizer writes tokenized corpora (folders tokens-<hash of the "
-                   "tokenizer and the corpus files>, reused while the files are unchanged; "
-                   "default: .fastweights-cache beside --out, or the run's own on --resume)")
     p.add_argument("--out", default="runs/train", help="run folder")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint (the newest older one "
