@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,25 @@ def file_digest(path: Path) -> tuple[int, str]:
             h.update(block)
             size += len(block)
     return size, h.hexdigest()
+
+
+def remove_dead_temporaries(root: Path, pattern: str) -> None:
+    """Delete the temporary folders ``root/pattern`` whose name ends in ``-PID`` of a process no
+    longer running (left by killed writers), so that repeated crashes do not fill the disk.
+    Folders of live processes are left alone."""
+    for tmp in root.glob(pattern):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, owned by someone else
+            pass
 
 
 def file_listing(folder: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:

@@ -41,6 +41,7 @@ from .._files import (  # the folder format, shared with every reader of checkpo
     checkpoint_files,
     checkpoint_problem,
     file_listing,
+    remove_dead_temporaries,
     resolve_checkpoint,
 )
 from ..models import LanguageModel
@@ -101,19 +102,7 @@ def _nonfinite_tensor(model: torch.nn.Module) -> str | None:
 def _remove_stale_temporaries(root: Path) -> None:
     """Delete ``.tmp-step-*-PID`` folders left by killed processes (PID no longer running), so
     that repeated crashes do not fill the disk. Folders of live processes are left alone."""
-    for tmp in root.glob(".tmp-step-*"):
-        try:
-            pid = int(tmp.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except PermissionError:  # alive, owned by someone else
-            pass
+    remove_dead_temporaries(root, ".tmp-step-*")
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: LanguageModel,

@@ -129,20 +129,27 @@ def check_settings(cfg: TrainConfig, model_config: LMConfig, corpus: Corpus, wor
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {what} {dp}")
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {limit}")
+    if corpus.vocab_size > model_config.vocab_size:
+        raise ValueError(f"data {corpus.name} has ids up to {corpus.vocab_size - 1}, beyond the "
+                         f"model's vocab_size {model_config.vocab_size}")
     _check_corpus(corpus, cfg)
     if cfg.carry_state:
         shard = stream_shard_len(corpus.train, cfg.batch_size)
         if shard < cfg.seq_len + 1:
             raise ValueError(
                 f"carry_state cuts the training split of data {corpus.name} "
-                f"({corpus.train.numel()} bytes) into batch_size {cfg.batch_size} "
-                f"streams of {shard} bytes, fewer than seq_len + 1 = {cfg.seq_len + 1}")
+                f"({corpus.train.numel()} {_unit(corpus)}) into batch_size {cfg.batch_size} "
+                f"streams of {shard} {_unit(corpus)}, fewer than seq_len + 1 = {cfg.seq_len + 1}")
+
+
+def _unit(corpus: Corpus) -> str:
+    return "bytes" if corpus.tokens is None else "tokens"
 
 
 def _check_corpus(corpus: Corpus, cfg: TrainConfig) -> None:
-    """Both splits must hold at least one window of ``seq_len + 1`` bytes (checked before the run
-    folder is written, rather than at the first step or validation)."""
+    """Both splits must hold at least one window of ``seq_len + 1`` bytes or tokens (checked
+    before the run folder is written, rather than at the first step or validation)."""
     for split, data in (("training", corpus.train), ("validation", corpus.val)):
         if data.numel() < cfg.seq_len + 1:
-            raise ValueError(f"the {split} split of data {corpus.name} has {data.numel()} bytes, "
+            raise ValueError(f"the {split} split of data {corpus.name} has {data.numel()} {_unit(corpus)}, "
                              f"fewer than seq_len + 1 = {cfg.seq_len + 1}")

@@ -186,6 +186,8 @@ class Trainer:
         aside = set_aside(self.run_dir) if self.overwrite else None
         record = {"model": self.model_config.to_dict(), "train": dataclasses.asdict(self.cfg),
                   "data": self.corpus.name}
+        if self.corpus.tokens is not None:  # token data: how the ids were made
+            record["tokens"] = self.corpus.tokens.to_dict()
         try:
             write_atomic(self.run_dir / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode())
             self.metrics = Metrics(self.run_dir, self.step if self.resume else None)
