@@ -77,7 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _setting(p, "--steps", 300, "optimiser steps (with --resume: the run's own unless given)",
              type=int)
     _setting(p, "--seq-len", 128, "", type=int)
-    _setting(p, "--batch-size", 16, "global batch size", type=int)
+    _setting(p, "--batch-size", 16, "global batch size of one forward and backward pass", type=int)
+    _setting(p, "--grad-accum", 1,
+             "gradient accumulation: K micro-batches of --batch-size rows per optimiser step "
+             "(global batch --batch-size x K, exactly as one batch of that many rows; not with "
+             "--carry-state; a resumed run keeps its K)", type=int, metavar="K")
     _setting(p, "--d-model", 128, "", type=int)
     _setting(p, "--n-layers", 2, "", type=int)
     _setting(p, "--n-heads", 4, "", type=int)

@@ -20,7 +20,11 @@ RESUMABLE = ("steps", "eval_every", "save_every", "keep_last", "patience", "anom
 
 @dataclass
 class TrainConfig:
-    """Optimisation settings. ``batch_size`` is the global batch (split across DDP ranks);
+    """Optimisation settings. ``batch_size`` is the global batch of one forward and backward
+    pass (split across DDP ranks); ``grad_accum`` K accumulates the gradients of K such
+    micro-batches before each optimiser step, so a step trains on a global batch of
+    ``batch_size`` x K rows, exactly as one batch of that many rows would (the mean loss over
+    all of them; not with ``carry_state``). K is recorded: a resumed run keeps it;
     ``save_every`` 0 saves only at the end; ``keep_last`` K keeps only the K newest complete
     checkpoints (None: every one; ``checkpoint.prune_checkpoints``); ``patience`` 0 disables
     early stopping (else stop after that many validations without a new best). ``anomaly_guard`` stops training with
@@ -58,9 +62,10 @@ class TrainConfig:
     pack: bool = False  # one packed row per step, state reset at document boundaries
     recompute: bool = False  # gradient checkpointing per block
     carry_state: bool = False  # truncated BPTT: each row reads one stream, state carried (detached)
+    grad_accum: int = 1  # micro-batches of batch_size rows per optimiser step
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows"):
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows", "grad_accum"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -83,6 +88,10 @@ class TrainConfig:
         if self.pack and self.carry_state:
             raise ValueError("pack and carry_state exclude each other: packed rows restart the "
                              "state at every document and window, carry_state continues it")
+        if self.carry_state and self.grad_accum > 1:
+            raise ValueError(f"grad_accum {self.grad_accum} is not supported with carry_state: "
+                             "each batch row carries its own stream's state from one step to "
+                             "the next, which micro-batches of other rows would break")
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -24,6 +24,7 @@ Dimension legend: N batch, T sequence length, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -145,7 +146,7 @@ class Trainer:
             self._restore_progress(resumed[2])
         if self.main:  # everything is checked: the new run starts writing here
             self._open_run()
-        self.local = self.cfg.batch_size // self.dp  # rows of the global batch per replica
+        self.local = self.cfg.batch_size // self.dp  # rows of a micro-batch per replica
         self._build_optimizer(resumed[1] if resumed else None)
         # Context parallelism averages the gradients itself after the backward pass
         # (average_gradients): DDP's reducer would run its all-reduces during the backward,
@@ -264,23 +265,34 @@ class Trainer:
                 raise TrainingInterrupted(signum, self.step, self.save())
         return self.losses
 
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """This rank's rows of the next global batch (its data-parallel replica's; every rank
-        draws the whole global batch, so the random stream is the same everywhere) and, under
-        context parallelism, its shard of their columns: (x, y, cu_seqlens or None), on device."""
-        cfg, corpus = self.cfg, self.corpus
-        rows = (self.dp_rank * self.local, (self.dp_rank + 1) * self.local)
+    def _next_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """This rank's ``grad_accum`` micro-batches of the next global batch, on device: (x, y,
+        cu_seqlens or None) each. Every rank draws the whole global batch of batch_size x
+        grad_accum rows at once (the random stream is the same everywhere, and the same as one
+        batch of that many rows); its data-parallel replica takes a contiguous slice of them,
+        cut into grad_accum micro-batches of batch_size / replicas rows, and under context
+        parallelism the rank's shard of their columns."""
+        cfg, corpus, k = self.cfg, self.corpus, self.cfg.grad_accum
+        rows = cfg.batch_size * k
+        first = self.dp_rank * self.local * k
+        parts = [(first + m * self.local, first + (m + 1) * self.local) for m in range(k)]
         if cfg.pack:
-            x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size,
-                                      cfg.seq_len, self.data_gen, rows=rows)
-            return x.to(self.device), y.to(self.device), cu.to(self.device)
+            # one draw of the row starts for all micro-batches: each packs its rows of it
+            start, batches = self.data_gen.get_state(), []
+            for part in parts:
+                self.data_gen.set_state(start)
+                x, y, cu = packed_windows(corpus.train, corpus.train_starts, rows, cfg.seq_len,
+                                          self.data_gen, rows=part)
+                batches.append((x.to(self.device), y.to(self.device), cu.to(self.device)))
+            return batches
         if cfg.carry_state:
             x, y = self._next_stream_windows()
         else:
-            x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, self.data_gen)
+            x, y = random_windows(corpus.train, rows, cfg.seq_len, self.data_gen)
         width = cfg.seq_len // self.cp
-        part = (slice(*rows), slice(self.cp_rank * width, (self.cp_rank + 1) * width))
-        return x[part].to(self.device), y[part].to(self.device), None
+        cols = slice(self.cp_rank * width, (self.cp_rank + 1) * width)
+        return [(x[slice(*part), cols].to(self.device), y[slice(*part), cols].to(self.device), None)
+                for part in parts]
 
     def _next_stream_windows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """carry_state: the global batch's next consecutive windows (``stream_windows``); the
@@ -297,18 +309,29 @@ class Trainer:
         return x, y
 
     def train_step(self) -> float:
-        """One optimiser step on the next global batch; its loss (the global batch's under DDP
-        and context parallelism, identical to one process's), logged."""
+        """One optimiser step on the next global batch, accumulated over ``grad_accum``
+        micro-batches; its loss (the mean over the global batch under DDP and context
+        parallelism, identical to one process's), logged."""
         cfg = self.cfg
         set_inner_lr_ramp(self.model, self.step, cfg.warmup)
-        x, y, cu = self._next_batch()
-        with self.autocast:
-            logits, state = self.ddp(x, self.carry, cu_seqlens=cu)
-        if cfg.carry_state:  # the next step continues from here; gradients stop at the boundary
-            self.carry = state_tree.map_tensors(torch.Tensor.detach, state)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+        batches = self._next_batches()
+        # Each micro-batch's mean loss is weighted by its share of this rank's predicted tokens
+        # (all equal without --pack), so the accumulated gradient is that of the mean over them
+        # all; with one micro-batch the weight is exactly 1.
+        counts = [int((y != -100).sum()) for _, y, _ in batches]
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = torch.zeros((), device=self.device)
+        for i, ((x, y, cu), count) in enumerate(zip(batches, counts)):
+            with self._gradient_sync(i == len(batches) - 1):
+                with self.autocast:
+                    logits, state = self.ddp(x, self.carry, cu_seqlens=cu)
+                if cfg.carry_state:  # the next step continues from here; gradients stop here
+                    self.carry = state_tree.map_tensors(torch.Tensor.detach, state)
+                part = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+                if len(batches) > 1:
+                    part = part * (count / max(1, sum(counts)))
+                part.backward()
+            loss = loss + part.detach()
         if self.cp > 1:
             average_gradients(self.model, self.world)
         mixer_norm = mixer_grad_norm(self.model) if self.main else None  # before clipping
@@ -319,7 +342,7 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.step += 1
-        self.tokens += cfg.batch_size * cfg.seq_len
+        self.tokens += cfg.batch_size * cfg.grad_accum * cfg.seq_len
         loss_value = loss.item()
         if self.world > 1:
             t = torch.tensor([loss_value], device=self.device)
@@ -335,6 +358,13 @@ class Trainer:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
         return loss_value
+
+    def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """The context of one micro-batch's forward and backward: DDP all-reduces the gradients
+        only in the last one (``no_sync`` before it)."""
+        if isinstance(self.ddp, torch.nn.parallel.DistributedDataParallel) and not last:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
 
     def _anomaly(self, loss: float, grad_norm: float) -> TrainingAnomaly:
         """The anomaly guard's error for the step about to be taken, naming the checkpoint kept."""
