@@ -13,6 +13,7 @@ from typing import Any
 from ..models import LMConfig
 from ..tasks import load_corpus
 from ..train.checkpoint import CheckpointWriteError
+from ..train.distributed import FSDP_MIXED
 from ..train.records import RunRecord, same_data
 from ..train.trainer import (
     RESUMABLE,
@@ -130,6 +131,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "consecutive processes (world = N x data-parallel replicas); --seq-len must be "
                    "divisible by N and --pack is refused. A launch setting like the number of "
                    "processes: not recorded, a run may resume with another N")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun (2 or more processes), shard parameters, gradients and "
+                   "AdamW's state over every process with FSDP2 (per block and at the root, on "
+                   "one data x context-parallel device mesh) instead of replicating them (DDP); "
+                   "checkpoints are then sharded (one file per process), and resume on any "
+                   "number of processes, with or without --fsdp. A launch setting: not recorded")
+    p.add_argument("--fsdp-mixed", choices=sorted(FSDP_MIXED), default=None,
+                   help="with --fsdp: compute with bfloat16 parameters, keep float32 master "
+                   "weights and reduce gradients in float32 (not with --bf16)")
     p.add_argument("--out", default="runs/train", help="run folder")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint (the newest older one "
@@ -233,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
         corpus = load_corpus(_data_name(data))
     try:
         losses = train(out, mcfg, tcfg, corpus, resume=args.resume, overwrite=args.overwrite,
-                       progress=not args.quiet, context_parallel=args.context_parallel)
+                       progress=not args.quiet, context_parallel=args.context_parallel,
+                       fsdp=args.fsdp, fsdp_mixed=args.fsdp_mixed)
     except (ValueError, TrainingAnomaly, CheckpointWriteError) as err:
         raise UserError(str(err)) from None
     except OSError as err:  # writing run.json or metrics.csv (disk full, permissions)

@@ -155,3 +155,14 @@ def _check_corpus(corpus: Corpus, cfg: TrainConfig) -> None:
         if data.numel() < cfg.seq_len + 1:
             raise ValueError(f"the {split} split of data {corpus.name} has {data.numel()} bytes, "
                              f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
+
+
+def check_fsdp(fsdp: bool, mixed: str | None, world: int, cfg: TrainConfig) -> None:
+    """FSDP's settings (``train(fsdp=..., fsdp_mixed=...)``) must fit the world and the run;
+    ValueError naming the first that does not."""
+    if fsdp and world < 2:
+        raise ValueError(f"fsdp shards the model across processes: launch with torchrun and 2 or "
+                         f"more processes (the world size is {world})")
+    if fsdp and mixed is not None and cfg.bf16:
+        raise ValueError(f"fsdp_mixed {mixed} and bf16 autocast exclude each other: FSDP's mixed "
+                         "precision already computes in bfloat16 (drop bf16)")

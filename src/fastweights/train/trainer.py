@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from .. import state_tree
 from .._checks import is_int
@@ -46,17 +47,27 @@ from ..models import LanguageModel, LMConfig
 from ..models.lm import LMState
 from ..parallel import context_parallel_forward
 from ..tasks.text import Corpus, packed_windows, random_windows, stream_shard_len, stream_windows
-from .checkpoint import prune_checkpoints, save_checkpoint, write_atomic
-from .config import RESUMABLE, TrainConfig, check_settings, lr_factor, set_inner_lr_ramp
+from .checkpoint import (
+    load_sharded,
+    prune_checkpoints,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    write_atomic,
+)
+from .config import RESUMABLE, TrainConfig, check_fsdp, check_settings, lr_factor, set_inner_lr_ramp
 from .distributed import (
+    FSDP_MIXED,
     Signals,
     TrainingInterrupted,
     all_finite,
     average_gradients,
+    device_mesh,
     dist_info,
     rng_states,
     set_rng_states,
+    shard_model,
     split_world,
+    touch_parameters,
 )
 from .evaluate import evaluate, try_forward
 from .metrics import METRIC_FIELDS, METRICS_FILE, Metrics, mixer_grad_norm
@@ -90,9 +101,18 @@ class Trainer:
 
     def __init__(self, run_dir: str | Path, model_config: LMConfig | None,
                  train_config: TrainConfig | None, corpus: Corpus, *, resume: bool = False,
-                 overwrite: bool = False, progress: bool = True, context_parallel: int = 1) -> None:
+                 overwrite: bool = False, progress: bool = True, context_parallel: int = 1,
+                 fsdp: bool = False, fsdp_mixed: str | None = None) -> None:
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other")
+        if not isinstance(fsdp, bool):
+            raise TypeError(f"fsdp must be a bool, got {fsdp!r}")
+        if fsdp_mixed is not None and fsdp_mixed not in FSDP_MIXED:
+            raise ValueError(f"fsdp_mixed must be None or one of {sorted(FSDP_MIXED)}, got "
+                             f"{fsdp_mixed!r}")
+        if fsdp_mixed is not None and not fsdp:
+            raise ValueError(f"fsdp_mixed {fsdp_mixed} is FSDP's mixed precision: it needs fsdp")
+        self.fsdp, self.fsdp_mixed = fsdp, fsdp_mixed
         cp = context_parallel
         if not is_int(cp) or cp < 1:
             raise ValueError(f"context_parallel must be a positive int, got {cp!r}")
@@ -127,8 +147,18 @@ class Trainer:
         self.rank, self.world, self.device, self._owns_group = dist_info()
         resumed = self._configure()
         check_settings(self.cfg, self.model_config, self.corpus, self.world, self.cp)
-        self.dp, self.dp_rank, self.cp_rank, self._groups, self.cp_group = split_world(
-            self.rank, self.world, self.cp)
+        check_fsdp(self.fsdp, self.fsdp_mixed, self.world, self.cfg)
+        if self.fsdp and resumed and "sharded" not in resumed[1]:
+            raise ValueError("fsdp resumes sharded checkpoints only, and the run's latest was "
+                             "saved whole (without fsdp): resume it without fsdp")
+        if self.fsdp:  # one 2-D mesh; its cp dimension holds the context-parallel groups
+            self.mesh = device_mesh(self.world, self.cp, self.device)
+            self.dp, self.dp_rank, self.cp_rank = (self.world // self.cp, self.rank // self.cp,
+                                                   self.rank % self.cp)
+            self.cp_group = self.mesh.get_group("cp") if self.cp > 1 else None
+        else:
+            self.dp, self.dp_rank, self.cp_rank, self._groups, self.cp_group = split_world(
+                self.rank, self.world, self.cp)
         torch.manual_seed(self.cfg.seed)
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
@@ -136,10 +166,7 @@ class Trainer:
         self.model = resumed[0] if resumed else LanguageModel(self.model_config)
         self.model.to(self.device)
         if self.cp_group is not None:
-            group = self.cp_group
-            self.model.set_mixer_runner(
-                lambda mixer, x, state, cu: context_parallel_forward(mixer, x, group=group,
-                                                                     state=state, cu_seqlens=cu))
+            self.model.set_mixer_runner(self._context_parallel_runner(self.cp_group))
         # before anything is written
         try_forward(self.model, self.cfg.seq_len // self.cp, self.device, self.cfg.carry_state)
         if resumed:
@@ -147,14 +174,28 @@ class Trainer:
         if self.main:  # everything is checked: the new run starts writing here
             self._open_run()
         self.local = self.cfg.batch_size // self.dp  # rows of a micro-batch per replica
+        if self.fsdp:  # before the optimizer, which must hold the sharded parameters
+            shard_model(self.model, self.mesh, self.fsdp_mixed)
         self._build_optimizer(resumed[1] if resumed else None)
         # Context parallelism averages the gradients itself after the backward pass
         # (average_gradients): DDP's reducer would run its all-reduces during the backward,
         # interleaved with the context-parallel collectives, and wait forever for the gradients
         # of parameters that only some ranks use (TTT's initial state, read by the first shard).
+        # FSDP reduces them itself (every parameter touched: _context_parallel_runner).
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model)
-                    if self.world > 1 and self.cp == 1 else self.model)
+                    if self.world > 1 and self.cp == 1 and not self.fsdp else self.model)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
+
+    def _context_parallel_runner(self, group: Any) -> Any:
+        """The mixer runner of context parallelism on ``group``; under FSDP every mixer
+        parameter is touched on every rank (``touch_parameters``)."""
+        fsdp = self.fsdp
+
+        def run(mixer: torch.nn.Module, x: torch.Tensor, state: Any, cu: torch.Tensor | None) -> Any:
+            y, state = context_parallel_forward(mixer, x, group=group, state=state, cu_seqlens=cu)
+            return (touch_parameters(mixer, y) if fsdp else y), state
+
+        return run
 
     def _configure(self) -> tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None:
         """Sets ``cfg`` and ``model_config``: the given ones, or the run's with ``resume`` (then
@@ -211,7 +252,10 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
         if saved is None:
             return
-        self.opt.load_state_dict(saved["optimizer"])
+        if "sharded" in saved:  # the weights and AdamW's moments, re-cut for this world
+            load_sharded(saved["sharded"], model, self.opt)
+        else:
+            self.opt.load_state_dict(saved["optimizer"])
         self.sched.load_state_dict(saved["scheduler"])
         # The optimizer state holds the rate the *saved* schedule set for this step; the
         # schedule is a function of (step, cfg.steps), and cfg.steps may have grown (an extended
@@ -332,10 +376,14 @@ class Trainer:
                     part = part * (count / max(1, sum(counts)))
                 part.backward()
             loss = loss + part.detach()
-        if self.cp > 1:
+        if self.cp > 1 and not self.fsdp:
             average_gradients(self.model, self.world)
-        mixer_norm = mixer_grad_norm(self.model) if self.main else None  # before clipping
+        # before clipping; FSDP's shards need every rank
+        mixer_norm = (mixer_grad_norm(self.model, sharded=True) if self.fsdp
+                      else mixer_grad_norm(self.model) if self.main else None)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         if cfg.anomaly_guard and not all_finite(loss, grad_norm, self.world):
             raise self._anomaly(loss.item(), grad_norm.item())
         lr = self.opt.param_groups[0]["lr"]
@@ -361,7 +409,9 @@ class Trainer:
 
     def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """The context of one micro-batch's forward and backward: DDP all-reduces the gradients
-        only in the last one (``no_sync`` before it)."""
+        only in the last one (``no_sync`` before it); FSDP reduce-scatters them only then."""
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
         if isinstance(self.ddp, torch.nn.parallel.DistributedDataParallel) and not last:
             return self.ddp.no_sync()
         return contextlib.nullcontext()
@@ -396,16 +446,18 @@ class Trainer:
         retention; the checkpoint's folder on rank 0, else None."""
         path = None
         carry = self._gathered_carry() if self.cfg.carry_state else None
-        if self.main:
-            extra = {} if carry is None else {"carry": carry}
-            path = save_checkpoint(
-                self.run_dir, self.step, self.model,
-                {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                 "rng": rng_states(self.data_gen), **extra},
-                {"step": self.step, "best_val_loss": self.best, "since_best": self.since_best,
-                 "train": dataclasses.asdict(self.cfg)})
-            if self.cfg.keep_last is not None:
-                prune_checkpoints(self.run_dir, self.cfg.keep_last)
+        extra = {} if carry is None else {"carry": carry}
+        rest = {"scheduler": self.sched.state_dict(), "rng": rng_states(self.data_gen), **extra}
+        trainer_state = {"step": self.step, "best_val_loss": self.best,
+                         "since_best": self.since_best, "train": dataclasses.asdict(self.cfg)}
+        if self.fsdp:  # every rank writes its shards
+            path = save_sharded_checkpoint(self.run_dir, self.step, self.model, self.opt, rest,
+                                           trainer_state)
+        elif self.main:
+            path = save_checkpoint(self.run_dir, self.step, self.model,
+                                   {"optimizer": self.opt.state_dict(), **rest}, trainer_state)
+        if self.main and self.cfg.keep_last is not None:
+            prune_checkpoints(self.run_dir, self.cfg.keep_last)
         if self.world > 1:
             dist.barrier()
         return path
@@ -446,7 +498,8 @@ class Trainer:
 def train(run_dir: str | Path, model_config: LMConfig | None, train_config: TrainConfig | None,
           corpus: Corpus, *, resume: bool = False, overwrite: bool = False,
           stop_after: int | None = None, progress: bool = True,
-          context_parallel: int = 1) -> list[tuple[int, float]]:
+          context_parallel: int = 1, fsdp: bool = False,
+          fsdp_mixed: str | None = None) -> list[tuple[int, float]]:
     """Train a LanguageModel into ``run_dir``; returns this process's ``(step, train loss)``.
 
     ``context_parallel`` N > 1 (under torchrun, world = N x data-parallel replicas) splits every
@@ -468,11 +521,21 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
 
     SIGINT or SIGTERM (main thread) during training saves a checkpoint of the last finished step
     and raises ``TrainingInterrupted``; resuming from it reproduces the uninterrupted run.
+    ``fsdp`` (under torchrun, 2 or more processes) shards parameters, gradients and AdamW's
+    state over every rank with FSDP2 (``distributed.shard_model``: per block and at the root,
+    on the ``dp_shard`` x ``cp`` mesh, composing with ``context_parallel``); the losses are one
+    process's. ``fsdp_mixed`` ``"bf16"``: bfloat16 parameters in compute, float32 master weights
+    and gradient reduction (not with ``bf16`` autocast). Checkpoints are then sharded
+    (``checkpoint.save_sharded_checkpoint``); a sharded checkpoint resumes on any world size and
+    mesh, with or without fsdp, while a whole (single-file) one resumes without fsdp only.
+    Neither setting is recorded in run.json: they are launch settings like the world size.
+
     ``stop_after`` ends the session after that step without the final save, as if the process
     had been killed (time-boxed sessions, tests).
     """
     trainer = Trainer(run_dir, model_config, train_config, corpus, resume=resume,
-                      overwrite=overwrite, progress=progress, context_parallel=context_parallel)
+                      overwrite=overwrite, progress=progress, context_parallel=context_parallel,
+                      fsdp=fsdp, fsdp_mixed=fsdp_mixed)
     try:
         trainer.setup()
         return trainer.run(stop_after)

@@ -1,0 +1,252 @@
+"""FSDP2 training (``train(..., fsdp=True)``, ``fastweights train --fsdp``) and its sharded
+checkpoints: the same losses, validation loss and final parameters as one process on the same
+global batch, alone, with gradient accumulation and with context parallelism on one 2-D mesh;
+bf16 mixed precision within a stated distance of float32; sharded checkpoints that resume on
+another world size (and on one process, without FSDP) exactly, that ``--keep-last`` prunes,
+whose damaged shard is reported by name, and that ``eval`` reads and ``consolidate_checkpoint``
+writes as one file.
+
+One model covers the three families the trainer meets (a delta scan, TTT's relay with an
+initial state only the first shard reads, softmax's gather) in a 3-layer stack. Float64 models;
+the cross-entropy is float32 as in every run, hence the 1e-6 bound. World 4 (2 data shards x 2
+context-parallel ranks) and world 2 are each spawned once for the module; the workers record
+their losses and refusals in JSON files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from fastweights.cli import main
+from fastweights.models import LanguageModel, LMConfig
+from fastweights.tasks import load_corpus
+from fastweights.train.checkpoint import (
+    LATEST,
+    checkpoint_problem,
+    consolidate_checkpoint,
+    load_model,
+    resume_point,
+)
+from fastweights.train.config import check_fsdp
+from fastweights.train.trainer import TrainConfig, train
+from tests.spawned import float64_default, free_port, val_losses, worker_env
+
+TEXT = "".join(f"def k{i}(w):\n    return w * {i % 8} - {i % 3}\n\n" for i in range(300))
+TOL = 1e-6
+# bf16 parameters in compute (8 bits of mantissa) move a 3-step loss of ~5.5 by about 1e-2.
+MIXED_TOL = 5e-2
+
+
+def model_cfg() -> LMConfig:
+    return LMConfig(d_model=16, n_layers=3, n_heads=2, mixer=["delta", "ttt-linear", "softmax"],
+                    mixer_options=[{}, {"mini_batch_size": 4}, {}], ffn_hidden=32)
+
+
+def train_cfg(**kw) -> TrainConfig:
+    base = {"steps": 3, "batch_size": 4, "seq_len": 16, "lr": 3e-3, "warmup": 1, "eval_every": 3,
+            "eval_windows": 2, "seed": 11, "save_every": 1}
+    return TrainConfig(**{**base, **kw})
+
+
+def _params(run: Path) -> list[torch.Tensor]:
+    with float64_default():
+        return [p.detach() for p in load_model(run).parameters()]
+
+
+def _assert_same_losses(got: list, want: list, tol: float = TOL) -> None:
+    assert [s for s, _ in got] == [s for s, _ in want]
+    diff = max(abs(a - b) for (_, a), (_, b) in zip(got, want))
+    assert diff < tol, f"max loss difference {diff:.3e}"
+
+
+def _assert_same_run(got: list, run: Path, want: list, ref_run: Path) -> None:
+    """Losses, validation loss and final parameters of ``run`` equal the reference's."""
+    _assert_same_losses(got, want)
+    got_val, want_val = val_losses(run), val_losses(ref_run)
+    # metrics.csv writes 6 decimals: one unit of the last place on top of TOL
+    assert len(got_val) == len(want_val) == 1 and abs(got_val[0] - want_val[0]) < TOL + 1e-6
+    for p, q in zip(_params(run), _params(ref_run)):
+        assert torch.allclose(p, q, atol=TOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fsdp")
+    (root / "corpus.txt").write_text(TEXT)
+    return root
+
+
+@pytest.fixture(scope="module")
+def single(root) -> dict[str, tuple[list, Path]]:
+    """One process: (losses, run folder) in float64 ("whole") and float32 ("whole-f32")."""
+    corpus = load_corpus(str(root / "corpus.txt"))
+    out = {"whole-f32": (train(root / "whole-f32", model_cfg(), train_cfg(), corpus,
+                               progress=False), root / "whole-f32")}
+    with float64_default():
+        out["whole"] = (train(root / "whole", model_cfg(), train_cfg(), corpus, progress=False),
+                        root / "whole")
+    return out
+
+
+def _worker(rank: int, world: int, port: int, root: str) -> None:
+    worker_env(rank, world, port)
+    root_dir = Path(root)
+    corpus = load_corpus(str(root_dir / "corpus.txt"))
+    out: dict[str, object] = {}
+    if world == 4:  # 2 data shards x 2 context-parallel ranks
+        out["fsdp-cp"] = train(root_dir / "w4", model_cfg(), train_cfg(), corpus, progress=False,
+                               fsdp=True, context_parallel=2)
+        # killed after step 2 (saved: step 1): resumed below on 2 processes and on 1
+        train(root_dir / "w4-stopped", model_cfg(), train_cfg(), corpus, progress=False,
+              fsdp=True, context_parallel=2, stop_after=2)
+    else:
+        out["fsdp"] = train(root_dir / "w2", model_cfg(), train_cfg(keep_last=2), corpus,
+                            progress=False, fsdp=True)
+        out["accum"] = train(root_dir / "w2-accum", model_cfg(),
+                             train_cfg(batch_size=2, grad_accum=2), corpus, progress=False,
+                             fsdp=True)
+        out["resume"] = train(root_dir / "w4-on-2", None, None, corpus, resume=True,
+                              progress=False, fsdp=True)
+        try:  # a whole (DDP / one process) checkpoint is not resumed under FSDP
+            train(root_dir / "whole-copy", None, None, corpus, resume=True, progress=False,
+                  fsdp=True)
+            out["refuse"] = "no error"
+        except ValueError as err:
+            out["refuse"] = str(err)
+        torch.set_default_dtype(torch.float32)
+        out["mixed"] = train(root_dir / "w2-bf16", model_cfg(), train_cfg(), corpus,
+                             progress=False, fsdp=True, fsdp_mixed="bf16")
+    torch.distributed.destroy_process_group()
+    Path(root, f"rank{rank}-of-{world}.json").write_text(json.dumps(out))
+
+
+def _spawn(root: Path, world: int) -> list[dict]:
+    mp.spawn(_worker, args=(world, free_port(), str(root)), nprocs=world, join=True)
+    return [json.loads((root / f"rank{r}-of-{world}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def world4(root) -> list[dict]:
+    records = _spawn(root, 4)
+    for copy in ("w4-on-2", "w4-on-1"):  # the interrupted run, resumed twice
+        shutil.copytree(root / "w4-stopped", root / copy)
+    return records
+
+
+@pytest.fixture(scope="module")
+def world2(root, single, world4) -> list[dict]:
+    shutil.copytree(root / "whole", root / "whole-copy")
+    return _spawn(root, 2)
+
+
+def test_fsdp_2_equals_one_process(root, world2, single):
+    for rec in world2:
+        _assert_same_run(rec["fsdp"], root / "w2", *single["whole"])
+
+
+def test_fsdp_2_with_grad_accum_2_equals_one_batch(root, world2, single):
+    for rec in world2:
+        _assert_same_run(rec["accum"], root / "w2-accum", *single["whole"])
+
+
+def test_fsdp_2_times_context_parallel_2_equals_one_process(root, world4, single):
+    for rec in world4:
+        _assert_same_run(rec["fsdp-cp"], root / "w4", *single["whole"])
+    shards = sorted(p.name for p in (root / "w4" / "checkpoints" / "step-0000003").glob("*.distcp"))
+    assert shards == [f"__{r}_0.distcp" for r in range(4)]  # every rank wrote its shard
+
+
+def test_bf16_mixed_precision_is_close_to_float32(world2, single):
+    for rec in world2:
+        _assert_same_losses(rec["mixed"], single["whole-f32"][0], tol=MIXED_TOL)
+
+
+def test_world_4_checkpoint_resumes_on_2_processes_exactly(root, world2, single):
+    for rec in world2:
+        assert [s for s, _ in rec["resume"]] == [2, 3]  # from the checkpoint of step 1
+        _assert_same_losses(rec["resume"], single["whole"][0][1:])
+    for p, q in zip(_params(root / "w4-on-2"), _params(single["whole"][1])):
+        assert torch.allclose(p, q, atol=TOL, rtol=0)
+    shards = list((root / "w4-on-2" / "checkpoints" / "step-0000003").glob("*.distcp"))
+    assert len(shards) == 2  # saved again sharded, now by 2 ranks
+
+
+def test_world_4_checkpoint_resumes_on_one_process_exactly(root, world4, single):
+    with float64_default():
+        losses = train(root / "w4-on-1", None, None, load_corpus(str(root / "corpus.txt")),
+                       resume=True, progress=False)
+    assert [s for s, _ in losses] == [2, 3]
+    _assert_same_losses(losses, single["whole"][0][1:])
+    for p, q in zip(_params(root / "w4-on-1"), _params(single["whole"][1])):
+        assert torch.allclose(p, q, atol=TOL, rtol=0)
+    assert (root / "w4-on-1" / "checkpoints" / "step-0000003" / "model.safetensors").is_file()
+
+
+def test_keep_last_prunes_sharded_checkpoints(root, world2):
+    ckpts = root / "w2" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [LATEST, "step-0000002", "step-0000003"]
+    assert checkpoint_problem(ckpts / "step-0000003") is None
+
+
+def test_whole_checkpoint_under_fsdp_is_refused_on_every_rank(root, world2):
+    for rec in world2:
+        assert "fsdp resumes sharded checkpoints only" in rec["refuse"]
+    assert (root / "whole-copy" / "metrics.csv").read_text() == (root / "whole" / "metrics.csv").read_text()
+
+
+def test_damaged_shard_is_named_and_nothing_is_overwritten(root, world2, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(root / "w2", run)
+    shard = run / "checkpoints" / "step-0000003" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"__1_0\.distcp is corrupted"):
+        load_model(run)
+    ckpt, problems = resume_point(run)  # a resumed run falls back to the older checkpoint
+    assert ckpt.name == "step-0000002" and "__1_0.distcp" in problems[0]
+    with pytest.raises(ValueError, match=r"__1_0\.distcp is corrupted"):
+        consolidate_checkpoint(run / "checkpoints" / "step-0000003", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def test_sharded_checkpoint_consolidates_and_evaluates(root, world2, single, tmp_path, capsys):
+    out = consolidate_checkpoint(root / "w2", tmp_path / "model")
+    with float64_default():
+        model = LanguageModel.from_pretrained(out)
+    for p, q in zip(model.parameters(), _params(single["whole"][1])):
+        assert torch.allclose(p, q, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="already exists"):
+        consolidate_checkpoint(root / "w2", out)
+    assert main(["eval", "--checkpoint", str(root / "w2"), "--data", str(root / "corpus.txt"),
+                 "--seq-len", "16", "--windows", "2"]) == 0
+    assert "loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--fsdp"], "fsdp shards the model across processes: launch with torchrun"),
+    (["--fsdp-mixed", "bf16"], "fsdp_mixed bf16 is FSDP's mixed precision: it needs fsdp"),
+    (["--fsdp", "--fsdp-mixed", "fp8"], "invalid choice"),
+])
+def test_cli_refusals_are_one_line_and_exit_2(tmp_path, root, capsys, extra, message):
+    rc = main(["train", "--data", str(root / "corpus.txt"), "--out", str(tmp_path / "run"),
+               "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--d-model", "16",
+               "--quiet", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_check_fsdp_refuses_bf16_autocast_with_mixed_precision():
+    with pytest.raises(ValueError, match="fsdp_mixed bf16 and bf16 autocast exclude each other"):
+        check_fsdp(True, "bf16", 2, train_cfg(bf16=True))
+    check_fsdp(True, "bf16", 2, train_cfg())
+    check_fsdp(False, None, 1, train_cfg())
