@@ -48,6 +48,12 @@ def model_cfg() -> LMConfig:
                     mixer_options=[{}, {"mini_batch_size": 4}, {}], ffn_hidden=32)
 
 
+def carry_model_cfg() -> LMConfig:
+    """Fixed-size states only (carried-state training refuses softmax's growing cache)."""
+    return LMConfig(d_model=16, n_layers=2, n_heads=2, mixer=["delta", "ttt-linear"],
+                    mixer_options=[{}, {"mini_batch_size": 4}], ffn_hidden=32)
+
+
 def train_cfg(**kw) -> TrainConfig:
     base = {"steps": 3, "batch_size": 4, "seq_len": 16, "lr": 3e-3, "warmup": 1, "eval_every": 3,
             "eval_windows": 2, "seed": 11, "save_every": 1}
@@ -91,6 +97,8 @@ def single(root) -> dict[str, tuple[list, Path]]:
     with float64_default():
         out["whole"] = (train(root / "whole", model_cfg(), train_cfg(), corpus, progress=False),
                         root / "whole")
+        out["carry"] = (train(root / "carry", carry_model_cfg(), train_cfg(carry_state=True),
+                              corpus, progress=False), root / "carry")
     return out
 
 
@@ -113,6 +121,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                              fsdp=True)
         out["resume"] = train(root_dir / "w4-on-2", None, None, corpus, resume=True,
                               progress=False, fsdp=True)
+        out["carry"] = train(root_dir / "w2-carry", carry_model_cfg(), train_cfg(carry_state=True),
+                             corpus, progress=False, fsdp=True)
         try:  # a whole (DDP / one process) checkpoint is not resumed under FSDP
             train(root_dir / "whole-copy", None, None, corpus, resume=True, progress=False,
                   fsdp=True)
@@ -153,6 +163,11 @@ def test_fsdp_2_equals_one_process(root, world2, single):
 def test_fsdp_2_with_grad_accum_2_equals_one_batch(root, world2, single):
     for rec in world2:
         _assert_same_run(rec["accum"], root / "w2-accum", *single["whole"])
+
+
+def test_fsdp_2_with_carried_state_equals_one_process(root, world2, single):
+    for rec in world2:
+        _assert_same_run(rec["carry"], root / "w2-carry", *single["carry"])
 
 
 def test_fsdp_2_times_context_parallel_2_equals_one_process(root, world4, single):
@@ -226,6 +241,9 @@ def test_sharded_checkpoint_consolidates_and_evaluates(root, world2, single, tmp
         assert torch.allclose(p, q, atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="already exists"):
         consolidate_checkpoint(root / "w2", out)
+    assert main(["export", str(root / "w2"), "--consolidate", "--out", str(tmp_path / "cli")]) == 0
+    a, b = (LanguageModel.from_pretrained(f).state_dict() for f in (out, tmp_path / "cli"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
     assert main(["eval", "--checkpoint", str(root / "w2"), "--data", str(root / "corpus.txt"),
                  "--seq-len", "16", "--windows", "2"]) == 0
     assert "loss" in capsys.readouterr().out
@@ -250,3 +268,67 @@ def test_check_fsdp_refuses_bf16_autocast_with_mixed_precision():
         check_fsdp(True, "bf16", 2, train_cfg(bf16=True))
     check_fsdp(True, "bf16", 2, train_cfg())
     check_fsdp(False, None, 1, train_cfg())
+
+
+SIGNAL_STEPS = 12
+
+
+def _signal_worker(rank: int, world: int, port: int, root: str) -> None:
+    """Rank 1 alone is sent SIGTERM once two steps are logged: every rank stops at the same
+    step boundary and writes its shard of that step's checkpoint."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from fastweights.train.trainer import TrainingInterrupted
+
+    worker_env(rank, world, port)
+    run = Path(root) / "signalled"
+
+    def send() -> None:
+        while True:
+            try:
+                rows = (run / "metrics.csv").read_text().count(",train,")
+            except OSError:
+                rows = 0
+            if rows >= 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.01)
+
+    if rank == 1:
+        threading.Thread(target=send, daemon=True).start()
+    out: dict[str, object] = {}
+    try:
+        train(run, model_cfg(), train_cfg(steps=SIGNAL_STEPS, eval_every=SIGNAL_STEPS,
+                                          save_every=0), load_corpus(str(Path(root) / "corpus.txt")),
+              progress=False, fsdp=True)
+        out["stopped"] = None
+    except TrainingInterrupted as stop:
+        out["stopped"] = [stop.signum, stop.step, None if stop.checkpoint is None else str(stop.checkpoint)]
+    torch.distributed.destroy_process_group()
+    Path(root, f"signal-rank{rank}.json").write_text(json.dumps(out))
+
+
+def test_sigterm_under_fsdp_saves_a_complete_sharded_checkpoint(root, single, tmp_path):
+    import signal
+
+    mp.spawn(_signal_worker, args=(2, free_port(), str(root)), nprocs=2, join=True)
+    records = [json.loads((root / f"signal-rank{r}.json").read_text())["stopped"] for r in (0, 1)]
+    assert all(rec is not None and rec[0] == signal.SIGTERM for rec in records)
+    step = records[0][1]
+    assert records[1][1] == step and 2 <= step < SIGNAL_STEPS  # one decision for both ranks
+    ckpt = root / "signalled" / "checkpoints" / f"step-{step:07d}"
+    assert records[0][2] == str(ckpt) and records[1][2] is None
+    assert (ckpt.parent / LATEST).read_text().strip() == ckpt.name
+    assert checkpoint_problem(ckpt) is None
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    corpus = load_corpus(str(root / "corpus.txt"))
+    with float64_default():
+        resumed = train(root / "signalled", None, None, corpus, resume=True, progress=False)
+        reference = train(tmp_path / "reference", model_cfg(),
+                          train_cfg(steps=SIGNAL_STEPS, eval_every=SIGNAL_STEPS, save_every=0),
+                          corpus, progress=False)
+    assert [s for s, _ in resumed] == list(range(step + 1, SIGNAL_STEPS + 1))
+    _assert_same_losses(resumed, reference[step:])

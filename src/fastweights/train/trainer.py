@@ -10,7 +10,10 @@ states, so a resumed run reproduces the uninterrupted run's losses (which settin
 run may change: ``records.py``). SIGINT and SIGTERM during training save a checkpoint of the
 last finished step and raise ``TrainingInterrupted`` (a second signal interrupts at once).
 Context parallelism (``context_parallel`` N > 1 under torchrun: every sequence split into N
-shards held by N processes) and DDP: ``distributed.py``.
+shards held by N processes), DDP and FSDP (``fsdp``: parameters, gradients and optimizer state
+sharded over the ranks, checkpoints sharded too): ``distributed.py``. Gradient accumulation
+(``grad_accum`` K): each step draws one global batch of K x ``batch_size`` rows and runs it as K
+micro-batches, gradients reduced across ranks once, after the last.
 
 ``train`` is the entry point; ``Trainer`` holds one session's phases as methods (``setup``,
 ``train_step``, ``validate``, ``save``, ``teardown``), so a change to one phase (gradient
