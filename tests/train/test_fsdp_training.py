@@ -155,19 +155,14 @@ def world2(root, single, world4) -> list[dict]:
     return _spawn(root, 2)
 
 
-def test_fsdp_2_equals_one_process(root, world2, single):
+@pytest.mark.parametrize("case, run, reference", [
+    ("fsdp", "w2", "whole"),
+    ("accum", "w2-accum", "whole"),  # 2 micro-batches of 2 rows == one batch of 4
+    ("carry", "w2-carry", "carry"),  # carried state (gathered per row at the save)
+], ids=["plain", "grad-accum-2", "carry-state"])
+def test_fsdp_2_equals_one_process(root, world2, single, case, run, reference):
     for rec in world2:
-        _assert_same_run(rec["fsdp"], root / "w2", *single["whole"])
-
-
-def test_fsdp_2_with_grad_accum_2_equals_one_batch(root, world2, single):
-    for rec in world2:
-        _assert_same_run(rec["accum"], root / "w2-accum", *single["whole"])
-
-
-def test_fsdp_2_with_carried_state_equals_one_process(root, world2, single):
-    for rec in world2:
-        _assert_same_run(rec["carry"], root / "w2-carry", *single["carry"])
+        _assert_same_run(rec[case], root / run, *single[reference])
 
 
 def test_fsdp_2_times_context_parallel_2_equals_one_process(root, world4, single):

@@ -34,20 +34,18 @@ import platform
 import sys
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from ..models import LanguageModel, LMConfig
 from ..train.distributed import device_mesh, shard_model
-from .context_parallel import _free_port
-from .measure import PeakMemory, prepare_cpu_memory_accounting, resident_bytes
+from .context_parallel import init_rank, run_worlds
+from .measure import PeakMemory, resident_bytes
 
 FIELDS = ["mode", "world", "params", "state_bytes_per_rank", "peak_bytes_per_rank",
           "comm_bytes_per_rank", "comm_measured", "time_s", "largest_params"]
@@ -120,11 +118,7 @@ def _measure(mode: str, world: int, opts: dict) -> tuple[int, int, int | None, i
 
 
 def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
-    torch.set_num_threads(opts["threads"])
-    prepare_cpu_memory_accounting()
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=opts["timeout"]))
+    init_rank(rank, world, port, opts)
     rows = []
     for mode in (["single"] if world == 1 else opts["modes"]):
         every = [_measure(mode, world, opts)]
@@ -182,15 +176,7 @@ def run(worlds: list[int], out: Path, *, model: dict[str, Any], batch: int = 1,
     out.mkdir(parents=True, exist_ok=True)
     opts = {"model": model, "batch": batch, "seq_len": seq_len, "threads": threads,
             "timeout": timeout, "memory_gib": memory_gib, "modes": ["ddp", "fsdp"]}
-    rows: list[dict] = []
-    for world in worlds:
-        path = str(out / f".rows_{world}.json")
-        if world == 1:
-            _rank_main(0, 1, 0, opts, path)
-        else:
-            mp.spawn(_rank_main, args=(world, _free_port(), opts, path), nprocs=world, join=True)
-        rows += json.loads(Path(path).read_text())
-        Path(path).unlink()
+    rows = run_worlds(_rank_main, worlds, opts, out)
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
