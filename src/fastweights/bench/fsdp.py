@@ -105,8 +105,8 @@ def _measure(mode: str, world: int, opts: dict) -> tuple[int, int, int | None, i
     if world > 1:
         dist.barrier()
     start = time.perf_counter()
-    before = resident_bytes()
     with PeakMemory(torch.device("cpu")) as peak, counting_collectives() as comm:
+        before = resident_bytes()  # after PeakMemory's malloc_trim: what the process holds
         _train_step(net, opt, ids)
     if world > 1:
         dist.barrier()
@@ -176,7 +176,11 @@ def run(worlds: list[int], out: Path, *, model: dict[str, Any], batch: int = 1,
     out.mkdir(parents=True, exist_ok=True)
     opts = {"model": model, "batch": batch, "seq_len": seq_len, "threads": threads,
             "timeout": timeout, "memory_gib": memory_gib, "modes": ["ddp", "fsdp"]}
-    rows = run_worlds(_rank_main, worlds, opts, out)
+    # one group of processes per mode, so that no mode runs in a heap another one has grown
+    rows = run_worlds(_rank_main, [w for w in worlds if w == 1], opts, out)
+    for mode in opts["modes"]:
+        rows += run_worlds(_rank_main, [w for w in worlds if w > 1], {**opts, "modes": [mode]}, out)
+    rows.sort(key=lambda r: (r["world"], r["mode"]))
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()

@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Self
 
@@ -176,6 +177,11 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, mixed: str | None = No
     flat = mesh._flatten("dp_shard_cp") if mesh.size(1) > 1 else mesh["dp_shard"]
     policy = (MixedPrecisionPolicy(param_dtype=FSDP_MIXED[mixed], reduce_dtype=torch.float32)
               if mixed is not None else MixedPrecisionPolicy())
+    # FSDP2 warns that a module returning a view loses its pre-backward hook to an in-place op
+    # on that view: the blocks and the model return their recurrent states (views of the
+    # layers' tensors), which the trainer only reads or detaches, never changes in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(Block|LanguageModel)\) "
+                            "returned a view tensor")
     for block in model.blocks:
         fully_shard(block, mesh=flat, mp_policy=policy)
     fully_shard(model, mesh=flat, mp_policy=policy)
