@@ -99,6 +99,9 @@ def single(root) -> dict[str, tuple[list, Path]]:
                         root / "whole")
         out["carry"] = (train(root / "carry", carry_model_cfg(), train_cfg(carry_state=True),
                               corpus, progress=False), root / "carry")
+        # killed after step 2 (saved, whole: step 1), resumed under FSDP on 2 processes below
+        train(root / "whole-stopped", model_cfg(), train_cfg(), corpus, progress=False,
+              stop_after=2)
     return out
 
 
@@ -123,12 +126,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                               progress=False, fsdp=True)
         out["carry"] = train(root_dir / "w2-carry", carry_model_cfg(), train_cfg(carry_state=True),
                              corpus, progress=False, fsdp=True)
-        try:  # a whole (DDP / one process) checkpoint is not resumed under FSDP
-            train(root_dir / "whole-copy", None, None, corpus, resume=True, progress=False,
-                  fsdp=True)
-            out["refuse"] = "no error"
-        except ValueError as err:
-            out["refuse"] = str(err)
+        out["whole-resume"] = train(root_dir / "whole-on-2", None, None, corpus, resume=True,
+                                    progress=False, fsdp=True)
         torch.set_default_dtype(torch.float32)
         out["mixed"] = train(root_dir / "w2-bf16", model_cfg(), train_cfg(), corpus,
                              progress=False, fsdp=True, fsdp_mixed="bf16")
@@ -151,7 +150,7 @@ def world4(root) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world2(root, single, world4) -> list[dict]:
-    shutil.copytree(root / "whole", root / "whole-copy")
+    shutil.copytree(root / "whole-stopped", root / "whole-on-2")
     return _spawn(root, 2)
 
 
@@ -204,10 +203,14 @@ def test_keep_last_prunes_sharded_checkpoints(root, world2):
     assert checkpoint_problem(ckpts / "step-0000003") is None
 
 
-def test_whole_checkpoint_under_fsdp_is_refused_on_every_rank(root, world2):
+def test_whole_checkpoint_resumes_under_fsdp_exactly(root, world2, single):
+    """A run saved whole (one process) continues sharded on 2 processes."""
     for rec in world2:
-        assert "fsdp resumes sharded checkpoints only" in rec["refuse"]
-    assert (root / "whole-copy" / "metrics.csv").read_text() == (root / "whole" / "metrics.csv").read_text()
+        assert [s for s, _ in rec["whole-resume"]] == [2, 3]  # from the checkpoint of step 1
+        _assert_same_losses(rec["whole-resume"], single["whole"][0][1:])
+    for p, q in zip(_params(root / "whole-on-2"), _params(single["whole"][1])):
+        assert torch.allclose(p, q, atol=TOL, rtol=0)
+    assert (root / "whole-on-2" / "checkpoints" / "step-0000003" / "__1_0.distcp").is_file()
 
 
 def test_damaged_shard_is_named_and_nothing_is_overwritten(root, world2, tmp_path):

@@ -136,7 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "AdamW's state over every process with FSDP2 (per block and at the root, on "
                    "one data x context-parallel device mesh) instead of replicating them (DDP); "
                    "checkpoints are then sharded (one file per process), and resume on any "
-                   "number of processes, with or without --fsdp. A launch setting: not recorded")
+                   "number of processes, with or without --fsdp (a whole checkpoint resumes "
+                   "under --fsdp too). A launch setting: not recorded")
     p.add_argument("--fsdp-mixed", choices=sorted(FSDP_MIXED), default=None,
                    help="with --fsdp: compute with bfloat16 parameters, keep float32 master "
                    "weights and reduce gradients in float32 (not with --bf16)")

@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,15 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     return final if main else None
 
 
+def _read_shards(state: dict[str, Any], ckpt: Path, *, no_dist: bool) -> None:
+    """``dcp.load`` of ``state`` from ``ckpt``; ``no_dist``: in this process alone, without the
+    warning DCP gives for it (a choice here, not a missing process group)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable "
+                                "or uninitialized")
+        dcp.load(state, checkpoint_id=ckpt, no_dist=no_dist)
+
+
 def load_sharded(ckpt: str | Path, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load sharded checkpoint ``ckpt`` (verified by the caller) into ``model`` and
@@ -286,7 +296,7 @@ def load_sharded(ckpt: str | Path, model: torch.nn.Module,
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=Path(ckpt), no_dist=not dist.is_initialized())
+        _read_shards(state, Path(ckpt), no_dist=not dist.is_initialized())
     except Exception as err:  # DCP wraps every reader's failure in CheckpointException
         raise ValueError(f"cannot read sharded checkpoint {ckpt}: {str(err).strip()[:500]}") from None
     set_model_state_dict(model, state["model"])
@@ -420,7 +430,7 @@ def load_model(path: str | Path) -> LanguageModel:
         model = LanguageModel(LMConfig.load(ckpt / CONFIG_FILE))
         state = {"model": model.state_dict()}
         try:
-            dcp.load(state, checkpoint_id=ckpt, no_dist=True)
+            _read_shards(state, ckpt, no_dist=True)
         except Exception as err:  # DCP wraps every reader's failure in CheckpointException
             raise ValueError(f"cannot read sharded checkpoint {ckpt}: {str(err).strip()[:500]}") from None
         model.load_state_dict(state["model"])

@@ -42,6 +42,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from .. import state_tree
@@ -151,9 +156,6 @@ class Trainer:
         resumed = self._configure()
         check_settings(self.cfg, self.model_config, self.corpus, self.world, self.cp)
         check_fsdp(self.fsdp, self.fsdp_mixed, self.world, self.cfg)
-        if self.fsdp and resumed and "sharded" not in resumed[1]:
-            raise ValueError("fsdp resumes sharded checkpoints only, and the run's latest was "
-                             "saved whole (without fsdp): resume it without fsdp")
         if self.fsdp:  # one 2-D mesh; its cp dimension holds the context-parallel groups
             self.mesh = device_mesh(self.world, self.cp, self.device)
             self.dp, self.dp_rank, self.cp_rank = (self.world // self.cp, self.rank // self.cp,
@@ -178,6 +180,8 @@ class Trainer:
             self._open_run()
         self.local = self.cfg.batch_size // self.dp  # rows of a micro-batch per replica
         if self.fsdp:  # before the optimizer, which must hold the sharded parameters
+            if resumed and "optimizer" in resumed[1]:  # a whole checkpoint
+                resumed[1]["optimizer_by_name"] = self._optimizer_by_name(resumed[1])
             shard_model(self.model, self.mesh, self.fsdp_mixed)
         self._build_optimizer(resumed[1] if resumed else None)
         # Context parallelism averages the gradients itself after the backward pass
@@ -247,18 +251,19 @@ class Trainer:
         cfg, model = self.cfg, self.model
         model.train()
         model.set_gradient_checkpointing(cfg.recompute)
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=cfg.lr, betas=(0.9, 0.95))
+        self.opt = self._adamw(model)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
         if saved is None:
             return
         if "sharded" in saved:  # the weights and AdamW's moments, re-cut for this world
             load_sharded(saved["sharded"], model, self.opt)
+        elif "optimizer_by_name" in saved:  # a whole checkpoint, resumed under FSDP
+            set_optimizer_state_dict(model, self.opt, saved["optimizer_by_name"],
+                                     options=StateDictOptions(full_state_dict=True))
         else:
             self.opt.load_state_dict(saved["optimizer"])
+        if not saved.get("optimizer_started", True):  # saved before the first step
+            self.opt.state.clear()
         self.sched.load_state_dict(saved["scheduler"])
         # The optimizer state holds the rate the *saved* schedule set for this step; the
         # schedule is a function of (step, cfg.steps), and cfg.steps may have grown (an extended
@@ -268,6 +273,23 @@ class Trainer:
         set_rng_states(saved["rng"], self.data_gen)
         if self.cfg.carry_state:
             self._restore_carry(saved.get("carry"))
+
+    def _adamw(self, model: torch.nn.Module) -> torch.optim.AdamW:
+        """AdamW over ``model``'s parameters, without weight decay on vectors."""
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": self.cfg.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=self.cfg.lr, betas=(0.9, 0.95))
+
+    def _optimizer_by_name(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A whole checkpoint's AdamW state (``saved["optimizer"]``, keyed by parameter
+        position) keyed by parameter name instead, for an FSDP optimizer to load: read through
+        an optimizer over the whole model, before it is sharded."""
+        whole = self._adamw(self.model)
+        whole.load_state_dict(saved["optimizer"])
+        return get_optimizer_state_dict(self.model, whole,
+                                        options=StateDictOptions(full_state_dict=True))
 
     def _restore_carry(self, carry: dict[str, Any] | None) -> None:
         """The stream offset and this rank's rows of the saved global carried state."""
@@ -450,7 +472,10 @@ class Trainer:
         path = None
         carry = self._gathered_carry() if self.cfg.carry_state else None
         extra = {} if carry is None else {"carry": carry}
-        rest = {"scheduler": self.sched.state_dict(), "rng": rng_states(self.data_gen), **extra}
+        # optimizer_started: FSDP's state-dict helpers fill an empty AdamW (a save before the
+        # first step) with zero moments at step 1, which a resumed run must drop again.
+        rest = {"scheduler": self.sched.state_dict(), "rng": rng_states(self.data_gen),
+                "optimizer_started": bool(self.opt.state), **extra}
         trainer_state = {"step": self.step, "best_val_loss": self.best,
                          "since_best": self.since_best, "train": dataclasses.asdict(self.cfg)}
         if self.fsdp:  # every rank writes its shards
@@ -530,7 +555,7 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
     process's. ``fsdp_mixed`` ``"bf16"``: bfloat16 parameters in compute, float32 master weights
     and gradient reduction (not with ``bf16`` autocast). Checkpoints are then sharded
     (``checkpoint.save_sharded_checkpoint``); a sharded checkpoint resumes on any world size and
-    mesh, with or without fsdp, while a whole (single-file) one resumes without fsdp only.
+    mesh, with or without fsdp; a whole (single-file) one too.
     Neither setting is recorded in run.json: they are launch settings like the world size.
 
     ``stop_after`` ends the session after that step without the final save, as if the process
