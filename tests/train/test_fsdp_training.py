@@ -176,24 +176,31 @@ def test_bf16_mixed_precision_is_close_to_float32(world2, single):
         _assert_same_losses(rec["mixed"], single["whole-f32"][0], tol=MIXED_TOL)
 
 
-def test_world_4_checkpoint_resumes_on_2_processes_exactly(root, world2, single):
-    for rec in world2:
-        assert [s for s, _ in rec["resume"]] == [2, 3]  # from the checkpoint of step 1
-        _assert_same_losses(rec["resume"], single["whole"][0][1:])
-    for p, q in zip(_params(root / "w4-on-2"), _params(single["whole"][1])):
+def _assert_resumed_from_step_1(losses: list, run: Path, single: dict) -> None:
+    """A run resumed from its checkpoint of step 1 trained steps 2 and 3 as the uninterrupted
+    one-process run did, to its final weights."""
+    assert [s for s, _ in losses] == [2, 3]
+    _assert_same_losses(losses, single["whole"][0][1:])
+    for p, q in zip(_params(run), _params(single["whole"][1])):
         assert torch.allclose(p, q, atol=TOL, rtol=0)
-    shards = list((root / "w4-on-2" / "checkpoints" / "step-0000003").glob("*.distcp"))
-    assert len(shards) == 2  # saved again sharded, now by 2 ranks
+
+
+@pytest.mark.parametrize("case, run", [("resume", "w4-on-2"), ("whole-resume", "whole-on-2")],
+                         ids=["fsdp-world-4-checkpoint", "whole-one-process-checkpoint"])
+def test_checkpoint_resumes_under_fsdp_2_exactly(root, world2, single, case, run):
+    """A sharded checkpoint of 4 ranks (2 x 2 context parallel), and a whole one of one
+    process, continue sharded on 2 processes."""
+    for rec in world2:
+        _assert_resumed_from_step_1(rec[case], root / run, single)
+    shards = list((root / run / "checkpoints" / "step-0000003").glob("*.distcp"))
+    assert len(shards) == 2  # saved sharded, now by 2 ranks
 
 
 def test_world_4_checkpoint_resumes_on_one_process_exactly(root, world4, single):
     with float64_default():
         losses = train(root / "w4-on-1", None, None, load_corpus(str(root / "corpus.txt")),
                        resume=True, progress=False)
-    assert [s for s, _ in losses] == [2, 3]
-    _assert_same_losses(losses, single["whole"][0][1:])
-    for p, q in zip(_params(root / "w4-on-1"), _params(single["whole"][1])):
-        assert torch.allclose(p, q, atol=TOL, rtol=0)
+    _assert_resumed_from_step_1(losses, root / "w4-on-1", single)
     assert (root / "w4-on-1" / "checkpoints" / "step-0000003" / "model.safetensors").is_file()
 
 
@@ -201,16 +208,6 @@ def test_keep_last_prunes_sharded_checkpoints(root, world2):
     ckpts = root / "w2" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [LATEST, "step-0000002", "step-0000003"]
     assert checkpoint_problem(ckpts / "step-0000003") is None
-
-
-def test_whole_checkpoint_resumes_under_fsdp_exactly(root, world2, single):
-    """A run saved whole (one process) continues sharded on 2 processes."""
-    for rec in world2:
-        assert [s for s, _ in rec["whole-resume"]] == [2, 3]  # from the checkpoint of step 1
-        _assert_same_losses(rec["whole-resume"], single["whole"][0][1:])
-    for p, q in zip(_params(root / "whole-on-2"), _params(single["whole"][1])):
-        assert torch.allclose(p, q, atol=TOL, rtol=0)
-    assert (root / "whole-on-2" / "checkpoints" / "step-0000003" / "__1_0.distcp").is_file()
 
 
 def test_damaged_shard_is_named_and_nothing_is_overwritten(root, world2, tmp_path):
