@@ -39,8 +39,9 @@ from tests.spawned import float64_default, free_port, val_losses, worker_env
 
 TEXT = "".join(f"def k{i}(w):\n    return w * {i % 8} - {i % 3}\n\n" for i in range(300))
 TOL = 1e-6
-# bf16 parameters in compute (8 bits of mantissa) move a 3-step loss of ~5.5 by about 1e-2.
-MIXED_TOL = 5e-2
+# bf16 parameters in compute (8 bits of mantissa) move this 3-step loss of ~5.5 by 8e-4
+# (measured); the bound leaves a factor of 12.
+MIXED_TOL = 1e-2
 
 
 def model_cfg() -> LMConfig:
