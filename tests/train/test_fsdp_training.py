@@ -269,6 +269,10 @@ def test_check_fsdp_refuses_bf16_autocast_with_mixed_precision():
 SIGNAL_STEPS = 12
 
 
+def signal_cfg() -> TrainConfig:
+    return train_cfg(steps=SIGNAL_STEPS, eval_every=SIGNAL_STEPS, save_every=0)
+
+
 def _signal_worker(rank: int, world: int, port: int, root: str) -> None:
     """Rank 1 alone is sent SIGTERM once two steps are logged: every rank stops at the same
     step boundary and writes its shard of that step's checkpoint."""
@@ -277,7 +281,7 @@ def _signal_worker(rank: int, world: int, port: int, root: str) -> None:
     import threading
     import time
 
-    from fastweights.train.trainer import TrainingInterrupted
+    from fastweights.train.trainer import Trainer, TrainingInterrupted
 
     worker_env(rank, world, port)
     run = Path(root) / "signalled"
@@ -297,12 +301,19 @@ def _signal_worker(rank: int, world: int, port: int, root: str) -> None:
         threading.Thread(target=send, daemon=True).start()
     out: dict[str, object] = {}
     try:
-        train(run, model_cfg(), train_cfg(steps=SIGNAL_STEPS, eval_every=SIGNAL_STEPS,
-                                          save_every=0), load_corpus(str(Path(root) / "corpus.txt")),
+        train(run, model_cfg(), signal_cfg(), load_corpus(str(Path(root) / "corpus.txt")),
               progress=False, fsdp=True)
         out["stopped"] = None
     except TrainingInterrupted as stop:
         out["stopped"] = [stop.signum, stop.step, None if stop.checkpoint is None else str(stop.checkpoint)]
+    # a save before the first step (a signal during start-up's last moments): AdamW still empty
+    trainer = Trainer(Path(root) / "step-0", model_cfg(), signal_cfg(),
+                      load_corpus(str(Path(root) / "corpus.txt")), progress=False, fsdp=True)
+    try:
+        trainer.setup()
+        trainer.save()
+    finally:
+        trainer.teardown()
     torch.distributed.destroy_process_group()
     Path(root, f"signal-rank{rank}.json").write_text(json.dumps(out))
 
@@ -323,8 +334,11 @@ def test_sigterm_under_fsdp_saves_a_complete_sharded_checkpoint(root, single, tm
     corpus = load_corpus(str(root / "corpus.txt"))
     with float64_default():
         resumed = train(root / "signalled", None, None, corpus, resume=True, progress=False)
-        reference = train(tmp_path / "reference", model_cfg(),
-                          train_cfg(steps=SIGNAL_STEPS, eval_every=SIGNAL_STEPS, save_every=0),
-                          corpus, progress=False)
+        reference = train(tmp_path / "reference", model_cfg(), signal_cfg(), corpus,
+                          progress=False)
+        from_step_0 = train(root / "step-0", None, None, corpus, resume=True, progress=False)
     assert [s for s, _ in resumed] == list(range(step + 1, SIGNAL_STEPS + 1))
     _assert_same_losses(resumed, reference[step:])
+    # FSDP's state-dict helpers give an empty AdamW zero moments at step 1 to save: dropped again
+    assert (root / "step-0" / "checkpoints" / "step-0000000" / "__1_0.distcp").is_file()
+    _assert_same_losses(from_step_0, reference)
