@@ -409,9 +409,9 @@ def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], di
         if not (ckpt / name).is_file():
             raise ValueError(f"{ckpt} holds model weights but no {name}: it cannot be resumed")
     sharded = is_sharded(ckpt)
+    model = (LanguageModel(LMConfig.load(ckpt / CONFIG_FILE)) if sharded
+             else LanguageModel.from_pretrained(ckpt, verify=False))  # the manifest covered them
     try:
-        model = (LanguageModel(LMConfig.load(ckpt / CONFIG_FILE)) if sharded
-                 else LanguageModel.from_pretrained(ckpt, verify=False))  # the manifest covered them
         opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
         state = json.loads((ckpt / STATE_FILE).read_text())
     except (OSError, RuntimeError, ValueError, EOFError) as err:

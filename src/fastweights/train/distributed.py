@@ -50,7 +50,8 @@ FSDP_MIXED = {"bf16": torch.bfloat16}
 
 class TrainingInterrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM (``signum``) stopped training at ``step`` after the checkpoint
-    ``checkpoint`` of that step was saved (None on a DDP rank other than 0, which saves nothing)."""
+    ``checkpoint`` of that step was saved (None on a rank other than 0: under DDP it saves
+    nothing, under FSDP its shard of the checkpoint rank 0 names)."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
         name = signal.Signals(signum).name
