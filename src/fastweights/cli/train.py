@@ -16,6 +16,7 @@ from ..models import LMConfig
 from ..tasks.text import Corpus
 from ..tasks.tokens import TOKEN_DTYPES, is_token_folder, open_corpus, tokenizer_sha256
 from ..train.checkpoint import CheckpointWriteError
+from ..train.distributed import FSDP_MIXED
 from ..train.records import RunRecord, run_corpus, same_data
 from ..train.trainer import (
     RESUMABLE,
@@ -100,7 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _setting(p, "--steps", 300, "optimiser steps (with --resume: the run's own unless given)",
              type=int)
     _setting(p, "--seq-len", 128, "", type=int)
-    _setting(p, "--batch-size", 16, "global batch size", type=int)
+    _setting(p, "--batch-size", 16, "global batch size of one forward and backward pass", type=int)
+    _setting(p, "--grad-accum", 1,
+             "gradient accumulation: K micro-batches of --batch-size rows per optimiser step "
+             "(global batch --batch-size x K, exactly as one batch of that many rows; not with "
+             "--carry-state; a resumed run keeps its K)", type=int, metavar="K")
     _setting(p, "--d-model", 128, "", type=int)
     _setting(p, "--n-layers", 2, "", type=int)
     _setting(p, "--n-heads", 4, "", type=int)
@@ -149,6 +154,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "consecutive processes (world = N x data-parallel replicas); --seq-len must be "
                    "divisible by N and --pack is refused. A launch setting like the number of "
                    "processes: not recorded, a run may resume with another N")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun (2 or more processes), shard parameters, gradients and "
+                   "AdamW's state over every process with FSDP2 (per block and at the root, on "
+                   "one data x context-parallel device mesh) instead of replicating them (DDP); "
+                   "checkpoints are then sharded (one file per process), and resume on any "
+                   "number of processes, with or without --fsdp (a whole checkpoint resumes "
+                   "under --fsdp too). A launch setting: not recorded")
+    p.add_argument("--fsdp-mixed", choices=sorted(FSDP_MIXED), default=None,
+                   help="with --fsdp: compute with bfloat16 parameters, keep float32 master "
+                   "weights and reduce gradients in float32 (not with --bf16)")
     p.add_argument("--out", default="runs/train", help="run folder")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint (the newest older one "
@@ -300,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
             mcfg = dataclasses.replace(mcfg, vocab_size=vocab_size or corpus.vocab_size)
     try:
         losses = train(out, mcfg, tcfg, corpus, resume=args.resume, overwrite=args.overwrite,
-                       progress=not args.quiet, context_parallel=args.context_parallel)
+                       progress=not args.quiet, context_parallel=args.context_parallel,
+                       fsdp=args.fsdp, fsdp_mixed=args.fsdp_mixed)
     except (ValueError, TrainingAnomaly, CheckpointWriteError) as err:
         raise UserError(str(err)) from None
     except OSError as err:  # writing run.json or metrics.csv (disk full, permissions)
