@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ CHECKSUM_FILE = "checksums.json"  # size and SHA-256 of the two files above
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
+SHARDS_INDEX = ".metadata"  # torch.distributed.checkpoint's index of a sharded checkpoint's shards
+SHARDED = "sharded"  # manifest.json's "layout" of a sharded (FSDP) training checkpoint
 LATEST = "latest"  # checkpoints/latest names a run's newest complete checkpoint
 STEP_DIR = re.compile(r"step-(\d{7,})")
 
@@ -33,6 +37,25 @@ def file_digest(path: Path) -> tuple[int, str]:
             h.update(block)
             size += len(block)
     return size, h.hexdigest()
+
+
+def remove_dead_temporaries(root: Path, pattern: str) -> None:
+    """Delete the temporary folders ``root/pattern`` whose name ends in ``-PID`` of a process no
+    longer running (left by killed writers), so that repeated crashes do not fill the disk.
+    Folders of live processes are left alone."""
+    for tmp in root.glob(pattern):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, owned by someone else
+            pass
 
 
 def file_listing(folder: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -68,9 +91,18 @@ def listing_problem(folder: Path, listing_path: Path, files: Any,
     return None
 
 
-def checkpoint_files() -> tuple[str, ...]:
-    """The files every complete training checkpoint holds."""
+def checkpoint_files(layout: str | None = None) -> tuple[str, ...]:
+    """The files every complete training checkpoint holds: of the single-file layout (None), or
+    of the ``SHARDED`` one (``torch.distributed.checkpoint``'s index and one ``.distcp`` file
+    per rank instead of the weights; ``optimizer.pt`` holds the rest of the training state)."""
+    if layout == SHARDED:
+        return (CONFIG_FILE, SHARDS_INDEX, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE)
     return (CONFIG_FILE, WEIGHTS_FILE, CHECKSUM_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE)
+
+
+def is_sharded(ckpt: str | Path) -> bool:
+    """Whether checkpoint folder ``ckpt`` has the sharded (FSDP) layout."""
+    return (Path(ckpt) / SHARDS_INDEX).is_file()
 
 
 def checkpoint_problem(ckpt: str | Path) -> str | None:
@@ -81,10 +113,11 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
     if not manifest.is_file():
         return f"{ckpt} is incomplete: it has no {MANIFEST_FILE}"
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        saved = json.loads(manifest.read_text())
+        files, layout = saved["files"], saved.get("layout")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
         return f"{manifest} is corrupt ({type(err).__name__}: {err})"
-    return listing_problem(ckpt, manifest, files, set(checkpoint_files()) - {MANIFEST_FILE})
+    return listing_problem(ckpt, manifest, files, set(checkpoint_files(layout)) - {MANIFEST_FILE})
 
 
 def _verified(ckpt: Path) -> Path:

@@ -43,6 +43,39 @@ def make_fla_checkpoint(folder, config, *, seed: int = 0, dtype: torch.dtype = t
     return model.eval()
 
 
+SMALL = {"hidden_size": 32, "num_heads": 4, "num_hidden_layers": 2, "norm_eps": 1e-5,
+         "pad_token_id": 0, "tie_word_embeddings": False}  # the reference tests' model size
+
+
+class Family:
+    """One fla model family's helpers for its reference tests: configs at the tests' size
+    (``SMALL``, then ``base``), checkpoints saved by fla, token ids; vocabulary ``vocab``, default
+    length ``length``."""
+
+    def __init__(self, config_class, vocab: int, length: int, **base) -> None:
+        self.config_class, self.vocab, self.length, self.base = config_class, vocab, length, base
+
+    def config(self, **overrides):
+        return self.config_class(**{**SMALL, "vocab_size": self.vocab, **self.base, **overrides})
+
+    def checkpoint(self, folder, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   max_shard_size: str | None = None, **overrides):
+        """fla's model with random float32 weights of order one, saved by fla's save_pretrained."""
+        return make_fla_checkpoint(folder, self.config(**overrides), seed=seed, dtype=dtype,
+                                   max_shard_size=max_shard_size)
+
+    def ids(self, B: int = 2, length: int | None = None, seed: int = 1) -> torch.Tensor:
+        return token_ids(self.vocab, B, self.length if length is None else length, seed)
+
+
+def assert_float32_logits_match(ref, folder, x: torch.Tensor) -> None:
+    """Our float32 load of ``folder`` gives fla's model ``ref``'s float32 logits (to 2e-4)."""
+    ours = from_fla(folder)
+    assert ours.dtype == torch.float32
+    with torch.no_grad():
+        assert_close64(ours(x).logits, ref(x, use_cache=False).logits, atol=2e-4, what="logits")
+
+
 def token_ids(vocab: int, B: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, vocab, (B, length), generator=torch.Generator().manual_seed(seed))
 

@@ -29,7 +29,7 @@ with warnings.catch_warnings():  # fla warns that Triton has no CPU driver here
 
     from tests.fla import common as fla_common
 
-from fastweights.fla import FLA_OPTIONS, from_fla
+from fastweights.fla import FLA_OPTIONS
 from tests.helpers import assert_close64
 
 V, T = 53, 37  # T > 32 (fastweights' CPU chunk) and > 64 is not needed: fla's modes are patched
@@ -127,21 +127,8 @@ CONFIGS = {
 }
 
 
-def fla_config(**overrides) -> DeltaNetConfig:
-    base = {"hidden_size": 32, "num_heads": 4, "num_hidden_layers": 2, "vocab_size": V,
-            "norm_eps": 1e-5, "pad_token_id": 0, "tie_word_embeddings": False}
-    return DeltaNetConfig(**{**base, **overrides})
-
-
-def make_fla_checkpoint(folder, seed: int = 0, dtype: torch.dtype = torch.float32,
-                        max_shard_size: str | None = None, **overrides):
-    """An fla DeltaNet with random float32 weights of order one, saved by fla's save_pretrained."""
-    return fla_common.make_fla_checkpoint(folder, fla_config(**overrides), seed=seed, dtype=dtype,
-                                          max_shard_size=max_shard_size)
-
-
-def ids(B: int = 2, length: int = T, seed: int = 1) -> torch.Tensor:
-    return fla_common.token_ids(V, B, length, seed)
+FAMILY = fla_common.Family(DeltaNetConfig, V, T)
+fla_config, make_fla_checkpoint, ids = FAMILY.config, FAMILY.checkpoint, FAMILY.ids
 
 
 @pytest.mark.parametrize("overrides", CONFIGS.values(), ids=CONFIGS.keys())
@@ -167,11 +154,7 @@ def test_float32_logits_match_flas_model_with_its_float32_naive_recurrence(
     monkeypatch.setattr(fla_layer, "chunk_delta_rule", naive)
     monkeypatch.setattr(fla_layer, "fused_recurrent_delta_rule", naive)
     ref = make_fla_checkpoint(tmp_path, **overrides)
-    ours = from_fla(tmp_path)
-    assert ours.dtype == torch.float32
-    x = ids()
-    with torch.no_grad():
-        assert_close64(ours(x).logits, ref(x, use_cache=False).logits, atol=2e-4, what="logits")
+    fla_common.assert_float32_logits_match(ref, tmp_path, ids())
 
 
 @pytest.mark.parametrize("overrides", [CONFIGS["base"], CONFIGS["no-conv"], CONFIGS["gate"]],

@@ -126,19 +126,8 @@ CONFIGS = {
 }
 
 
-def fla_config(**overrides) -> GatedDeltaNetConfig:
-    base = {"hidden_size": 32, "num_heads": 2, "head_dim": 8, "num_hidden_layers": 2,
-            "vocab_size": V, "norm_eps": 1e-5, "pad_token_id": 0, "tie_word_embeddings": False}
-    return GatedDeltaNetConfig(**{**base, **overrides})
-
-
-def make_fla_checkpoint(folder, **overrides):
-    """fla's GatedDeltaNet with random float32 weights of order one, saved by fla."""
-    return fla_common.make_fla_checkpoint(folder, fla_config(**overrides))
-
-
-def ids(length: int = T) -> torch.Tensor:
-    return fla_common.token_ids(V, 2, length)
+FAMILY = fla_common.Family(GatedDeltaNetConfig, V, T, num_heads=2, head_dim=8)
+fla_config, make_fla_checkpoint, ids = FAMILY.config, FAMILY.checkpoint, FAMILY.ids
 
 
 @pytest.mark.parametrize("overrides", CONFIGS.values(), ids=CONFIGS.keys())
@@ -168,9 +157,8 @@ def test_generate_greedy_equals_flas_full_forward_argmax(tmp_path, fla_on_pytorc
 
 
 def test_sharded_bfloat16_tied_checkpoint_loads_unchanged(tmp_path):
-    ref = fla_common.make_fla_checkpoint(
-        tmp_path, fla_config(tie_word_embeddings=True, num_v_heads=4), dtype=torch.bfloat16,
-        max_shard_size="20KB")
+    ref = make_fla_checkpoint(tmp_path, dtype=torch.bfloat16, max_shard_size="20KB",
+                              tie_word_embeddings=True, num_v_heads=4)
     assert (tmp_path / "model.safetensors.index.json").is_file()
     fla_common.assert_loads_unchanged(ref, tmp_path, torch.bfloat16)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from fastweights.models import LanguageModel, LMConfig
-from fastweights.reproduce.infini_passkey_bytes import _batch, _n_filler, memory_off, retrieve
+from fastweights.reproduce.infini_passkey_bytes import _batch, _n_filler, retrieve
+from fastweights.reproduce.passkey_common import memory_off
 
 
 def infini(layers=2):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fastweights.models import LanguageModel, LMConfig
-from fastweights.reproduce.infini_passkey import answer, memory_off
+from fastweights.reproduce.infini_passkey import answer
+from fastweights.reproduce.passkey_common import memory_off
 from fastweights.tasks import token_passkey, token_passkey_vocab
 
 

@@ -90,12 +90,18 @@ def _train_step(mixer: Any, x: torch.Tensor, world: int) -> None:
     x.grad = None
 
 
-def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
+def init_rank(rank: int, world: int, port: int, opts: dict) -> None:
+    """A benchmark rank's set-up: ``opts["threads"]`` threads, memory accounting, and for
+    N > 1 the gloo group on 127.0.0.1:``port`` with ``opts["timeout"]`` seconds."""
     torch.set_num_threads(opts["threads"])
     prepare_cpu_memory_accounting()
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=opts["timeout"]))
+
+
+def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
+    init_rank(rank, world, port, opts)
     rows = []
     for label, name, options in opts["mixers"]:
         for T in opts["lengths"]:
@@ -134,6 +140,22 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_worlds(rank_main: Any, worlds: list[int], opts: dict, out: Path) -> list[dict]:
+    """The rows rank 0 of every world size in ``worlds`` measured: ``rank_main(rank, world,
+    port, opts, path)`` runs in this process for N = 1, else in N spawned processes (gloo on
+    127.0.0.1), and rank 0 writes its rows as JSON to ``path`` (a hidden file in ``out``)."""
+    rows: list[dict] = []
+    for world in worlds:
+        path = str(out / f".rows_{world}.json")
+        if world == 1:
+            rank_main(0, 1, 0, opts, path)
+        else:
+            mp.spawn(rank_main, args=(world, _free_port(), opts, path), nprocs=world, join=True)
+        rows += json.loads(Path(path).read_text())
+        Path(path).unlink()
+    return rows
 
 
 def longest_T(rows: list[dict], budget: float) -> list[dict]:
@@ -196,15 +218,7 @@ def run(mixers: list[tuple[str, str, dict]], lengths: list[int], worlds: list[in
     out.mkdir(parents=True, exist_ok=True)
     opts = {"mixers": mixers, "lengths": lengths, "d_model": d_model, "n_heads": n_heads,
             "batch": batch, "repeats": repeats, "threads": threads, "timeout": timeout}
-    rows: list[dict] = []
-    for world in worlds:
-        path = str(out / f".rows_{world}.json")
-        if world == 1:
-            _rank_main(0, 1, 0, opts, path)
-        else:
-            mp.spawn(_rank_main, args=(world, _free_port(), opts, path), nprocs=world, join=True)
-        rows += json.loads(Path(path).read_text())
-        Path(path).unlink()
+    rows = run_worlds(_rank_main, worlds, opts, out)
     rows.sort(key=lambda r: (r["mixer"], r["T"], r["world"]))
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)

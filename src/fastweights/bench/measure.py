@@ -113,6 +113,11 @@ def _proc_status_kib(field: str) -> int:
     raise OSError(f"{field} not in /proc/self/status")
 
 
+def resident_bytes() -> int:
+    """This process's resident set now (Linux ``VmRSS``), in bytes."""
+    return _proc_status_kib("VmRSS") * 1024
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 

@@ -10,14 +10,16 @@ from pathlib import Path
 import torch
 
 from ..models import export as ex
-from ..train.checkpoint import load_model
+from ..train.checkpoint import consolidate_checkpoint, load_model
 from .common import UserError, make_folder, positive_int, user_errors
 
 NAME = "export"
 HELP = "torch.export (.pt2) / ONNX program of a checkpoint"
 DESCRIPTION = ("Export a checkpoint's forward (input_ids [B, T] -> logits, state tensors) or its "
                "one-token decoding step (input_ids [B, 1], state tensors -> logits, state tensors) "
-               "with torch.export, saved by torch.export.save; the step also as ONNX.")
+               "with torch.export, saved by torch.export.save; the step also as ONNX. With "
+               "--consolidate, write the checkpoint's model as one single-file checkpoint folder "
+               "instead (a sharded --fsdp checkpoint included), which native_to_hf reads.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,10 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multiple", type=positive_int, default=1,
                    help="with --dynamic forward: T is any multiple of this (diag: its block size)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--consolidate", action="store_true",
+                   help="write the model as a single-file checkpoint folder --out (config.json, "
+                   "model.safetensors, checksums.json), e.g. of a sharded --fsdp checkpoint")
 
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if args.consolidate:
+        return _consolidate(args.checkpoint, out)
     onnx = Path(args.onnx) if args.onnx else None
     if onnx is not None and not args.step:
         raise UserError("--onnx is supported for the decoding step only: add --step")
@@ -77,4 +84,15 @@ def run(args: argparse.Namespace) -> int:
           + (f" and {onnx}" if onnx else "")
           + ("" if not args.step or meta["reusable"] else
              "; this mixer's state holds a position, so the program serves this position only"))
+    return 0
+
+
+def _consolidate(checkpoint: str, out: Path) -> int:
+    """``--consolidate``: the checkpoint's model written whole into the new folder ``out``."""
+    if out.exists():
+        raise UserError(f"--out {out} already exists: --consolidate writes a new folder")
+    make_folder(out.parent)
+    with user_errors((ValueError, OSError)):
+        consolidate_checkpoint(checkpoint, out)
+    print(f"wrote {out} (single-file checkpoint of {checkpoint})")
     return 0

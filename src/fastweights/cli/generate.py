@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
 from ..tasks import ByteTokenizer
+from ..tasks.tokens import load_tokenizer
 from ..train.checkpoint import load_model
 from .common import UserError, user_errors
+from .eval import run_record
 
 NAME = "generate"
 HELP = "continue a text prompt with a checkpoint"
-DESCRIPTION = "Prefill the prompt, then decode one byte per step from the recurrent state."
+DESCRIPTION = ("Prefill the prompt, then decode one token per step from the recurrent state. "
+               "Tokens are bytes, or the ids of the tokenizer the checkpoint's run was trained "
+               "with (its recorded path, checked against its recorded sha256) or of --tokenizer.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,17 +27,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest bytes "
                    "(default: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a tokenizer.json file or transformers tokenizer folder that encodes the "
+                   "prompt and decodes the output (default: the run's tokenizer, else bytes; "
+                   "required for a run trained on pre-tokenized .bin files)")
+
+
+def _tokenizer(args: argparse.Namespace) -> Any:
+    """--tokenizer, else the tokenizer of the checkpoint's run (its hash must be the recorded
+    one), else bytes; UserError for a run on .bin ids without --tokenizer."""
+    path = args.tokenizer
+    if path is None:
+        record = run_record(args.checkpoint)
+        tokens = None if record is None else record.tokens
+        if tokens is None:
+            return ByteTokenizer()
+        if tokens.tokenizer is None:
+            raise UserError("the checkpoint's run was trained on pre-tokenized .bin ids: pass "
+                            "--tokenizer PATH, the tokenizer that made them")
+        path = tokens.tokenizer
+        if not Path(path).exists():
+            raise UserError(f"the run's tokenizer {path} does not exist: pass --tokenizer PATH")
+    with user_errors():
+        tok = load_tokenizer(path)
+    if args.tokenizer is None and tok.sha256 != tokens.tokenizer_sha256:
+        raise UserError(f"the run's tokenizer {path} has changed since training (sha256 "
+                        f"{tok.sha256[:12]}, the run has {tokens.tokenizer_sha256[:12]}): pass "
+                        "--tokenizer PATH to use it anyway")
+    return tok
 
 
 def run(args: argparse.Namespace) -> int:
     with user_errors():
         model = load_model(args.checkpoint)
-    tok = ByteTokenizer()
+    tok = _tokenizer(args)
     ids = tok.encode(args.prompt)
     if ids.numel() == 0:
         raise UserError("--prompt must not be empty")
-    if model.config.vocab_size != tok.vocab_size:
-        raise UserError(f"the checkpoint's vocabulary ({model.config.vocab_size}) is not bytes (256)")
+    vocab = model.config.vocab_size
+    if tok.vocab_size > vocab or (isinstance(tok, ByteTokenizer) and vocab != tok.vocab_size):
+        what = "bytes (256)" if isinstance(tok, ByteTokenizer) else f"--tokenizer's ({tok.vocab_size})"
+        raise UserError(f"the checkpoint's vocabulary ({vocab}) does not fit {what}")
     with user_errors():
         out = model.generate(ids, args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, seed=args.seed)

@@ -1,4 +1,5 @@
-"""``fastweights train``: train a byte-level language model; ``--resume`` continues a run."""
+"""``fastweights train``: train a language model on bytes or token ids; ``--resume`` continues a
+run."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import dataclasses
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..models import LMConfig
-from ..tasks import load_corpus
+from ..tasks.text import Corpus
+from ..tasks.tokens import TOKEN_DTYPES, is_token_folder, open_corpus, tokenizer_sha256
 from ..train.checkpoint import CheckpointWriteError
-from ..train.records import RunRecord, same_data
+from ..train.distributed import FSDP_MIXED
+from ..train.records import RunRecord, run_corpus, same_data
 from ..train.trainer import (
     RESUMABLE,
     RUN_FILE,
@@ -33,7 +37,7 @@ from .common import (
 )
 
 NAME = "train"
-HELP = "train a byte-level language model on a corpus"
+HELP = "train a language model on a corpus (bytes, or token ids)"
 
 
 def _flag(dest: str) -> str:
@@ -41,7 +45,9 @@ def _flag(dest: str) -> str:
 
 
 DESCRIPTION = (
-    "Train a LanguageModel on bytes of --data (default: this Python's standard library source). "
+    "Train a LanguageModel on bytes of --data (default: this Python's standard library source), "
+    "on the token ids of a folder of pre-tokenized .bin files (--vocab-size), or on text "
+    "tokenized once by --tokenizer into a cache folder (--token-cache). "
     "Writes run.json (every setting of the run), metrics.csv and atomic checkpoints "
     "(checkpoints/step-N, checkpoints/latest) into --out. Under torchrun, --batch-size is the "
     "global batch, split across processes. With --resume every setting comes from the run's "
@@ -73,11 +79,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _setting(p, "--mixer", "delta",
              "one registered mixer for every layer, or a comma-separated list with one per layer; "
              "options as name:opt=value (e.g. delta:chunk_size=32)")
-    _setting(p, "--data", "stdlib", "'stdlib' or a text file or folder")
+    _setting(p, "--data", "stdlib",
+             "'stdlib' or a text file or folder; with --vocab-size a folder of pre-tokenized "
+             "token files (train.bin and val.bin, or any *.bin files, split as text files are) "
+             "or one .bin file")
+    _setting(p, "--vocab-size", None,
+             "token ids: --data holds raw little-endian ids below this (required for .bin data, "
+             "checked before training); with --tokenizer, the model's vocabulary (at least the "
+             "tokenizer's, to pad it)", shown="bytes, or the tokenizer's", type=positive_int)
+    _setting(p, "--token-dtype", None, "the width of the ids in .bin files",
+             shown="uint16 up to 65536 ids, else uint32", choices=list(TOKEN_DTYPES))
+    _setting(p, "--tokenizer", None,
+             "a local tokenizer.json file or transformers tokenizer folder: --data (text) is "
+             "tokenized once into --token-cache and the model's vocabulary is the tokenizer's; "
+             "run.json records the tokenizer's sha256, and --resume refuses another",
+             shown="bytes", metavar="PATH")
+    p.add_argument("--token-cache", default=None, metavar="DIR",
+                   help="where --tokenizer writes tokenized corpora (folders tokens-<hash of the "
+                   "tokenizer and the corpus files>, reused while the files are unchanged; "
+                   "default: .fastweights-cache beside --out, or the run's own on --resume)")
     _setting(p, "--steps", 300, "optimiser steps (with --resume: the run's own unless given)",
              type=int)
     _setting(p, "--seq-len", 128, "", type=int)
-    _setting(p, "--batch-size", 16, "global batch size", type=int)
+    _setting(p, "--batch-size", 16, "global batch size of one forward and backward pass", type=int)
+    _setting(p, "--grad-accum", 1,
+             "gradient accumulation: K micro-batches of --batch-size rows per optimiser step "
+             "(global batch --batch-size x K, exactly as one batch of that many rows; not with "
+             "--carry-state; a resumed run keeps its K)", type=int, metavar="K")
     _setting(p, "--d-model", 128, "", type=int)
     _setting(p, "--n-layers", 2, "", type=int)
     _setting(p, "--n-heads", 4, "", type=int)
@@ -126,6 +154,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "consecutive processes (world = N x data-parallel replicas); --seq-len must be "
                    "divisible by N and --pack is refused. A launch setting like the number of "
                    "processes: not recorded, a run may resume with another N")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun (2 or more processes), shard parameters, gradients and "
+                   "AdamW's state over every process with FSDP2 (per block and at the root, on "
+                   "one data x context-parallel device mesh) instead of replicating them (DDP); "
+                   "checkpoints are then sharded (one file per process), and resume on any "
+                   "number of processes, with or without --fsdp (a whole checkpoint resumes "
+                   "under --fsdp too). A launch setting: not recorded")
+    p.add_argument("--fsdp-mixed", choices=sorted(FSDP_MIXED), default=None,
+                   help="with --fsdp: compute with bfloat16 parameters, keep float32 master "
+                   "weights and reduce gradients in float32 (not with --bf16)")
     p.add_argument("--out", default="runs/train", help="run folder")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint (the newest older one "
@@ -137,7 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def model_config(settings: dict[str, Any]) -> LMConfig:
+def model_config(settings: dict[str, Any], vocab_size: int = 256) -> LMConfig:
     """The LMConfig of the run settings (``mixer`` as written on the command line); UserError for
     a bad mixer specification or config."""
     specs = parse_mixer_list("--mixer", settings["mixer"])
@@ -147,7 +185,7 @@ def model_config(settings: dict[str, Any]) -> LMConfig:
         names, options = names[0], options[0]
     try:
         # LMConfig runs every layer's own option checks, before any output
-        return LMConfig(vocab_size=256, mixer=names, mixer_options=options,
+        return LMConfig(vocab_size=vocab_size, mixer=names, mixer_options=options,
                         **{k: settings[k] for k in _MODEL_SETTINGS})
     except (TypeError, ValueError) as err:
         raise UserError(str(err).removeprefix("LMConfig.")) from None
@@ -157,6 +195,13 @@ def _recorded(dest: str, record: RunRecord) -> Any:
     """The run's value of the setting ``dest``, as the command line would spell it."""
     if dest == "data":
         return record.data
+    if dest == "vocab_size":
+        return record.model.vocab_size
+    if dest in ("token_dtype", "tokenizer"):
+        tokens = record.tokens
+        if tokens is None or dest == "token_dtype":
+            return None if tokens is None else tokens.dtype
+        return tokens.tokenizer and f"{tokens.tokenizer}, sha256 {tokens.tokenizer_sha256[:12]}"
     if dest == "mixer":
         return ",".join(":".join([n, *(f"{k}={v}" for k, v in o.items())]) for n, o in zip(
             record.model.layer_mixers(), record.model.layer_options()))
@@ -167,6 +212,9 @@ def _agrees(dest: str, value: Any, record: RunRecord) -> bool:
     """Whether the option ``dest`` given as ``value`` names the run's own setting."""
     if dest == "data":
         return same_data(value, record.data)
+    if dest == "tokenizer":  # the same tokenizer, wherever it is now
+        tokens = record.tokens
+        return tokens is not None and tokens.tokenizer_sha256 == tokenizer_sha256(value)
     if dest == "mixer":
         try:
             mine = model_config({**record.model.to_dict(), "mixer": value})
@@ -197,10 +245,36 @@ def _data_name(spec: str) -> str:
     return spec if spec == "stdlib" or not Path(spec).exists() else str(Path(spec).resolve())
 
 
-def _configs(args: argparse.Namespace, main: bool) -> tuple[LMConfig | None, TrainConfig, str]:
-    """(model config, None on resume; training config; data) of the run the options ask for."""
+CACHE_FOLDER = ".fastweights-cache"  # --token-cache's default, beside --out
+
+
+def _check_tokens(settings: dict[str, Any]) -> None:
+    """The token options of a new run must agree with each other and the data (flag-named
+    UserErrors, before anything is read)."""
+    data, vocab, dtype, tokenizer = (settings[k] for k in ("data", "vocab_size", "token_dtype",
+                                                           "tokenizer"))
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise UserError(f"--tokenizer {tokenizer} does not exist (a tokenizer.json file or a "
+                        "transformers tokenizer folder)")
+    if tokenizer is not None and dtype is not None:
+        raise UserError("--token-dtype is for pre-tokenized .bin data; with --tokenizer the "
+                        "ids' width follows the tokenizer's vocabulary")
+    if tokenizer is None and vocab is None:
+        if dtype is not None:
+            raise UserError("--token-dtype needs --vocab-size (pre-tokenized .bin data)")
+        if data != "stdlib" and is_token_folder(data):
+            raise UserError(f"--data {data} holds .bin token files: give --vocab-size (every "
+                            "id is below it) to train on the token ids")
+
+
+def _configs(args: argparse.Namespace, main: bool
+             ) -> tuple[LMConfig | None, TrainConfig, int | None, Callable[[], Corpus]]:
+    """(model config, None on resume; training config; the model's vocabulary when an option
+    sets it, else None: the data's; the loader of the run's data) of the run the options ask
+    for. Nothing is read or written before every option is checked."""
     out = Path(args.out)
     given = {k: getattr(args, k) for k in args.setting_defaults if getattr(args, k) is not None}
+    progress = main and not args.quiet
     if args.resume:
         if args.overwrite:
             raise UserError("--resume continues the run in --out and --overwrite replaces it: "
@@ -209,27 +283,40 @@ def _configs(args: argparse.Namespace, main: bool) -> tuple[LMConfig | None, Tra
             raise UserError(f"--resume: {out} holds no training run to resume (no {RUN_FILE})")
         with user_errors():
             record = read_run(out)
-            return None, dataclasses.replace(record.train, **resume_settings(given, record)), record.data
+            tcfg = dataclasses.replace(record.train, **resume_settings(given, record))
+        return None, tcfg, None, lambda: run_corpus(
+            record, tokenizer=given.get("tokenizer"), cache_root=args.token_cache,
+            progress=progress)
     settings = {**args.setting_defaults, **given}
     with user_errors():
         tcfg = TrainConfig(**{f.name: settings[f.name] for f in dataclasses.fields(TrainConfig)
                               if f.name in settings})
     mcfg = model_config(settings)
+    _check_tokens(settings)
     if main:
         check_out(out, args.overwrite)  # the earlier run is replaced only by train() itself
         make_folder(out)
-    return mcfg, tcfg, settings["data"]
+    cache = args.token_cache or out.resolve().parent / CACHE_FOLDER
+    tokenizer = settings["tokenizer"]
+    return mcfg, tcfg, settings["vocab_size"], lambda: open_corpus(
+        _data_name(settings["data"]), tokenizer=tokenizer,
+        vocab_size=None if tokenizer is not None else settings["vocab_size"],
+        token_dtype=settings["token_dtype"], cache_root=cache, progress=progress)
 
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     main = int(os.environ.get("RANK", "0")) == 0
-    mcfg, tcfg, data = _configs(args, main)
+    mcfg, tcfg, vocab_size, load = _configs(args, main)
     with user_errors((ValueError, OSError)):
-        corpus = load_corpus(_data_name(data))
+        corpus = load()
+    if mcfg is not None:  # a new run: the model's vocabulary follows the data's
+        with user_errors():
+            mcfg = dataclasses.replace(mcfg, vocab_size=vocab_size or corpus.vocab_size)
     try:
         losses = train(out, mcfg, tcfg, corpus, resume=args.resume, overwrite=args.overwrite,
-                       progress=not args.quiet, context_parallel=args.context_parallel)
+                       progress=not args.quiet, context_parallel=args.context_parallel,
+                       fsdp=args.fsdp, fsdp_mixed=args.fsdp_mixed)
     except (ValueError, TrainingAnomaly, CheckpointWriteError) as err:
         raise UserError(str(err)) from None
     except OSError as err:  # writing run.json or metrics.csv (disk full, permissions)

@@ -17,7 +17,6 @@ All at the Infini model's parameter count, with the same training data per seed.
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -25,21 +24,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..layers import InfiniAttention
 from ..models import LanguageModel, LMConfig
 from ..tasks.passkey import token_passkey, token_passkey_vocab
-from ..train.trainer import TrainConfig, lr_factor
 from . import lm
-from .common import (
-    RUNS,
-    Claim,
-    Experiment,
-    Plan,
-    RunSpec,
-    matplotlib_pyplot,
-    mean_spread,
-    values,
-)
+from . import passkey_common as pk
+from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot
+from .passkey_common import acc_metric, miss_metric
 from .registry import register
 
 DEFAULT = {"d_model": 128, "n_layers": 2, "n_heads": 4, "segment_len": 32, "n_filler": 32,
@@ -56,17 +46,7 @@ TRAINED = {"infini (linear)": ("infini", {"update": "linear"}),
 REFERENCE = "infini (linear)"
 MEMORY_OFF = {"infini (linear)": "infini (linear), memory off",
               "infini (delta)": "infini (delta), memory off"}
-MODEL_DIR = "model"  # the trained weights, in each run's folder
 MARGIN = 0.05        # accuracy claims: 5 points (of miss = 1 - accuracy) is the smallest difference
-
-
-def acc_metric(length: int, depth: float) -> str:
-    return f"acc@{length},d={depth:g}"
-
-
-def miss_metric(length: int) -> str:
-    """1 - accuracy averaged over the depths (lower is better, as the verdict rule wants)."""
-    return f"miss@{length}"
 
 
 def chance_floor(s: dict[str, Any]) -> float:
@@ -109,61 +89,29 @@ def plan(quick: bool, seeds: list[int], data: str) -> Plan:
     return Plan(s, runs)
 
 
-def train_passkey(config: LMConfig, s: dict[str, Any], seed: int) -> tuple[LanguageModel | None, list[list[float]]]:
+def train_passkey(config: LMConfig, s: dict[str, Any], seed: int) -> tuple[LanguageModel | None, pk.Curve]:
     """Train on token passkey sequences, the loss on the value predicted at the last token.
     Returns the model in eval mode (None when a loss or gradient turned non-finite: diverged)
     and the learning curve, ``[step, loss, batch accuracy]`` every ``curve_every`` steps (and
     at the last), each the mean over the steps since the previous point. The data order depends
     on the seed only, so every model of one seed sees the same sequences."""
-    torch.manual_seed(seed)
-    model = LanguageModel(config)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup=max(1, s["steps"] // 10))
-    gen = torch.Generator().manual_seed(10_000 + seed)
     lo, hi = s["train_segments"]
-    curve: list[list[float]] = []
-    losses, hits = [], []
-    for step in range(s["steps"]):
-        for group in opt.param_groups:
-            group["lr"] = s["lr"] * lr_factor(step, cfg)
+
+    def step_loss(model: LanguageModel, gen: torch.Generator) -> tuple[torch.Tensor, float]:
         n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
         ids, answers = _batch(s, n, s["batch_size"], gen)
         logits, _ = model(ids)
         last = logits[:, -1].float()
-        loss = F.cross_entropy(last, answers)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
-            return None, curve
-        opt.step()
-        losses.append(loss.item())
-        hits.append(float((last.argmax(-1) == answers).float().mean()))
-        if (step + 1) % s["curve_every"] == 0 or step + 1 == s["steps"]:
-            curve.append([step + 1, sum(losses) / len(losses), sum(hits) / len(hits)])
-            losses, hits = [], []
-    return model.eval(), curve
+        hit = float((last.argmax(-1) == answers).float().mean())
+        return F.cross_entropy(last, answers), hit
+
+    return pk.train(config, s, seed, step_loss, s["curve_every"])
 
 
-@torch.no_grad()
 def answer(model: LanguageModel, ids: torch.Tensor, piece: int) -> torch.Tensor:
     """The greedy prediction [B] at the last token of ``ids`` [B, T], read in pieces of
     ``piece`` tokens with the state carried (constant memory for the recurrent models)."""
-    state, logits = None, None
-    for start in range(0, ids.shape[1], piece):
-        logits, state = model(ids[:, start:start + piece], state)
-    return logits[:, -1].argmax(-1)
-
-
-def memory_off(model: LanguageModel) -> LanguageModel:
-    """A copy whose Infini layers all take the segment-local path: gate logit -inf, so
-    sigmoid(beta) = 0 and A = A_dot (SPEC 5.5)."""
-    off = copy.deepcopy(model)
-    for layer in off.modules():
-        if isinstance(layer, InfiniAttention):
-            layer.gate.data.fill_(-math.inf)
-    return off
+    return pk.read(model, ids, piece)[0][:, -1].argmax(-1)
 
 
 def _window(s: dict[str, Any]) -> int:
@@ -174,24 +122,10 @@ def _window(s: dict[str, Any]) -> int:
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     config = LMConfig.from_dict(spec.options["config"])
-    source = spec.options.get("memory_off")
-    curve: list[list[float]] = []
-    if source:
-        trained = workdir.parent / RunSpec(source, spec.seed).key / MODEL_DIR
-        if (trained / "config.json").is_file():
-            model = LanguageModel.from_pretrained(trained).eval()  # the trained run's weights
-        else:
-            model, curve = train_passkey(config, s, spec.seed)  # the same seed: the same weights
-    else:
-        model, curve = train_passkey(config, s, spec.seed)
+    model, curve = pk.run_model(spec, workdir, spec.options.get("memory_off"),
+                                lambda: train_passkey(config, s, spec.seed))
     if model is None:
-        return {"parameters": lm.count_parameters(config), "steps": s["steps"], "tokens": _tokens(s),
-                "diverged": True, "curve": curve,
-                "metrics": dict.fromkeys(map(miss_metric, s["lengths"]), math.nan)}
-    if source:
-        model = memory_off(model)
-    else:
-        model.save_pretrained(workdir / MODEL_DIR)
+        return pk.diverged(config, s, _tokens(s), s["lengths"], curve)
     gen = torch.Generator().manual_seed(20_000 + spec.seed)  # one seed: the same prompts for all
     metrics: dict[str, float] = {}
     for length in s["lengths"]:
@@ -206,8 +140,7 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
         if accs:
             metrics[miss_metric(length)] = 1.0 - sum(accs) / len(accs)
     if curve:
-        tail = curve[-max(1, len(curve) // 5):]
-        metrics["final_train_loss"] = sum(c[1] for c in tail) / len(tail)
+        metrics["final_train_loss"] = pk.final_train_loss(curve)
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": _tokens(s),
             "curve": curve, "metrics": metrics}
 
@@ -253,93 +186,33 @@ def metrics(p: Plan) -> list[str]:
     return [*(miss_metric(n) for n in p.settings["lengths"]), "final_train_loss"]
 
 
-def _curves(out: Path) -> dict[str, list[list[list[float]]]]:
-    """model -> the learning curves of its seeds, from the per-run result files (if kept)."""
-    import json
-
-    got: dict[str, list[list[list[float]]]] = {}
-    for path in sorted((out / RUNS).glob("*/result.json")):
-        try:
-            result = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if result.get("curve"):
-            got.setdefault(result["model"], []).append(result["curve"])
-    return got
-
-
 def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
     plt = matplotlib_pyplot()
     if plt is None:
         return []
     s = p.settings
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    lengths, depths = s["lengths"], s["depths"]
-    fig, axes = plt.subplots(1, len(models), figsize=(2.4 * len(models) + 1, 3.0), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        grid = [[mean_spread(values(rows, model, acc_metric(n, d)))[0] for n in lengths] for d in depths]
-        ax.imshow([[v if math.isfinite(v) else math.nan for v in line] for line in grid],
-                  vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        for i, line in enumerate(grid):
-            for j, v in enumerate(line):
-                ax.text(j, i, "n/a" if not math.isfinite(v) else f"{100 * v:.0f}", ha="center",
-                        va="center", fontsize=6)
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
-        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-        ax.set_title(model, fontsize=7)
-        ax.set_xlabel("segments", fontsize=7)
-    axes[0][0].set_ylabel("needle depth", fontsize=8)
-    fig.suptitle(f"token passkey: accuracy (%) by length and needle depth, mean over seeds "
-                 f"(trained on {s['train_segments'][0]}-{s['train_segments'][1]} segments)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "passkey_heatmap.png", dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for model in models:
-        accs = [1 - mean_spread(values(rows, model, miss_metric(n)))[0] for n in lengths]
-        ax.plot(lengths, accs, marker="o", label=model)
-    ax.axvline(_window(s), color="grey", lw=0.8, ls=":")
-    ax.axhline(1 / s["n_values"], color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel(f"sequence length (segments of {s['segment_len']} tokens)")
-    ax.set_ylabel("accuracy, mean over depths and seeds")
-    ax.set_title("passkey vs length (dotted: longest training length; dashed: chance)", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "passkey_vs_length.png", dpi=110)
-    plt.close(fig)
-    written = ["passkey_heatmap.png", "passkey_vs_length.png"]
-    curves = _curves(out)
-    if curves:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for i, (model, runs) in enumerate(curves.items()):
-            for j, curve in enumerate(runs):
-                ax.plot([c[0] for c in curve], [c[1] for c in curve], color=f"C{i}", lw=1,
-                        label=model if j == 0 else None)
-        ax.axhline(math.log(s["n_values"]), color="grey", lw=0.8, ls="--")
-        ax.set_xlabel("training step")
-        ax.set_ylabel("training loss on the value (nats)")
-        ax.set_title("learning curves, one line per seed (dashed: ln n_values, chance)", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "learning_curves.png", dpi=110)
-        plt.close(fig)
-        written.append("learning_curves.png")
-    return written
+    lengths = s["lengths"]
+    lo, hi = s["train_segments"]
+    return [
+        pk.heatmap(plt, rows, out, lengths, s["depths"], width=2.4, height=3.0, fontsize=6,
+                   xticks=[str(n) for n in lengths], xlabel="segments",
+                   title=f"token passkey: accuracy (%) by length and needle depth, mean over "
+                         f"seeds (trained on {lo}-{hi} segments)", title_size=9, model_size=7),
+        pk.accuracy_vs_length(plt, rows, out, lengths, _window(s), chance=1 / s["n_values"],
+                              xlabel=f"sequence length (segments of {s['segment_len']} tokens)",
+                              ylabel="accuracy, mean over depths and seeds",
+                              title="passkey vs length (dotted: longest training length; "
+                                    "dashed: chance)", title_size=9, legend_size=7),
+        *pk.learning_curves(plt, out, math.log(s["n_values"]),
+                            "training loss on the value (nats)",
+                            "learning curves, one line per seed (dashed: ln n_values, chance)"),
+    ]
 
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     params = ", ".join(map(str, sorted({r["parameters"] for r in rows})))
     lo, hi = s["train_segments"]
-    table = ["| model | " + " | ".join(f"{n}" for n in s["lengths"]) + " |",
-             "|---|" + "---|" * len(s["lengths"])]
-    for model in dict.fromkeys(r["model"] for r in rows):
-        for d in s["depths"]:
-            cells = [mean_spread(values(rows, model, acc_metric(n, d)))[0] for n in s["lengths"]]
-            table.append(f"| {model}, depth {d:g} | " + " | ".join(
-                "n/a" if not math.isfinite(c) else f"{100 * c:.0f} %" for c in cells) + " |")
     return [
         (f"{s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads, Infini segment "
          f"N = {s['segment_len']} tokens; feed-forward widths matched to `{REFERENCE}` within "
@@ -358,7 +231,8 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
          "two such sides are not measured."),
         ("The memory-off rows are the trained Infini weights (saved in their run folders) with "
          "every gate logit set to -inf at evaluation: only the current segment is visible."),
-        "Accuracy by length (columns, segments) and needle depth, mean over seeds:\n\n" + "\n".join(table),
+        "Accuracy by length (columns, segments) and needle depth, mean over seeds:\n\n"
+        + pk.depth_table(rows, s["lengths"], s["depths"]),
         ("The paper: a 1B model, segment 2048, fine-tuned on 5K tokens, passkey up to 1M tokens "
          "(the 5-digit key in repeated filler text); ours is a direction check at toy scale with a "
          "single key-value needle. The byte-level 5-digit version is `infini-passkey-bytes`."),

@@ -17,7 +17,6 @@ its training length). All at the Infini model's parameter count and the same tok
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,10 @@ import torch.nn.functional as F
 
 from ..models import LanguageModel, LMConfig
 from ..tasks.passkey import passkey_prompt
-from ..train.trainer import TrainConfig, lr_factor
 from . import lm
-from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_spread, values
-from .infini_passkey import memory_off
+from . import passkey_common as pk
+from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot
+from .passkey_common import acc_metric, miss_metric
 from .registry import register
 
 # Training lengths 256-512 bytes put the needle up to 8 segments of 64 back. A first default of
@@ -51,16 +50,6 @@ TRAINED = {"infini (linear)": ("infini", {"update": "linear"}),
            "infini (delta)": ("infini", {"update": "delta"}),
            "deltanet": ("delta", {}), "softmax": ("softmax", {})}
 DIGITS = 5
-MODEL_DIR = "model"  # the trained weights, in each run's folder
-
-
-def acc_metric(length: int, depth: float) -> str:
-    return f"acc@{length},d={depth:g}"
-
-
-def miss_metric(length: int) -> str:
-    """1 - accuracy averaged over the depths (lower is better, as the verdict rule wants)."""
-    return f"miss@{length}"
 
 
 def _n_filler(length: int) -> int:
@@ -111,16 +100,9 @@ def _train(config: LMConfig, s: dict[str, Any], seed: int) -> LanguageModel | No
     """Train on passkey sequences: next-byte loss over the whole sequence plus ``key_weight``
     times the loss of the 5 answer digits (so the rare retrieval targets outweigh the filler).
     None on a non-finite loss or gradient (diverged)."""
-    torch.manual_seed(seed)
-    model = LanguageModel(config)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup=max(1, s["steps"] // 10))
-    gen = torch.Generator().manual_seed(10_000 + seed)
     lo, hi = s["train_lengths"]
-    for step in range(s["steps"]):
-        for group in opt.param_groups:
-            group["lr"] = s["lr"] * lr_factor(step, cfg)
+
+    def step_loss(model: LanguageModel, gen: torch.Generator) -> tuple[torch.Tensor, None]:
         length = int(torch.randint(lo, hi + 1, (1,), generator=gen))
         depths = torch.rand(s["batch_size"], generator=gen).tolist()
         prompts, answers = _batch(_n_filler(length), depths, gen)
@@ -129,48 +111,26 @@ def _train(config: LMConfig, s: dict[str, Any], seed: int) -> LanguageModel | No
         targets = ids[:, 1:]
         loss_all = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss_key = F.cross_entropy(logits[:, -DIGITS:].flatten(0, 1).float(), targets[:, -DIGITS:].flatten())
-        loss = loss_all + s["key_weight"] * loss_key
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
-            return None
-        opt.step()
-    return model.eval()
+        return loss_all + s["key_weight"] * loss_key, None
+
+    return pk.train(config, s, seed, step_loss)[0]
 
 
-@torch.no_grad()
 def retrieve(model: LanguageModel, prompts: torch.Tensor, piece: int) -> torch.Tensor:
     """Greedy 5-digit answers [B, 5] to ``prompts`` [B, P]: the prompt is read in pieces of
     ``piece`` tokens with the state carried (constant memory for the recurrent models), then
     one token at a time."""
-    state, logits = None, None
-    for start in range(0, prompts.shape[1], piece):
-        logits, state = model(prompts[:, start:start + piece], state)
-    out = []
-    for _ in range(DIGITS):
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        out.append(token)
-        logits, state = model(token, state)
-    return torch.cat(out, dim=1)
+    return pk.retrieve(model, prompts, piece, DIGITS)
 
 
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     config = LMConfig.from_dict(spec.options["config"])
     lengths = s["lengths"]
-    trained = workdir.parent / RunSpec(REFERENCE, spec.seed).key / MODEL_DIR
-    if spec.options.get("memory_off") and (trained / "config.json").is_file():
-        model = LanguageModel.from_pretrained(trained).eval()  # the reference run's weights
-    else:
-        model = _train(config, s, spec.seed)  # (the same seed gives the same weights)
+    source = REFERENCE if spec.options.get("memory_off") else None
+    model, _ = pk.run_model(spec, workdir, source, lambda: (_train(config, s, spec.seed), []))
     if model is None:
-        return {"parameters": lm.count_parameters(config), "steps": s["steps"], "tokens": _tokens(s),
-                "diverged": True, "metrics": dict.fromkeys(map(miss_metric, lengths), math.nan)}
-    if spec.options.get("memory_off"):
-        model = memory_off(model)
-    else:
-        model.save_pretrained(workdir / MODEL_DIR)
+        return pk.diverged(config, s, _tokens(s), lengths)
     gen = torch.Generator().manual_seed(20_000 + spec.seed)
     metrics: dict[str, float] = {}
     window = max(s["train_lengths"])
@@ -224,54 +184,23 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
     if plt is None:
         return []
     s = p.settings
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    lengths, depths = s["lengths"], s["depths"]
-    fig, axes = plt.subplots(1, len(models), figsize=(2.6 * len(models) + 1, 3.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        grid = [[mean_spread(values(rows, model, acc_metric(n, d)))[0] for n in lengths] for d in depths]
-        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        for i, line in enumerate(grid):
-            for j, v in enumerate(line):
-                ax.text(j, i, "n/a" if not math.isfinite(v) else f"{100 * v:.0f}", ha="center",
-                        va="center", fontsize=7)
-        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths],
-                      fontsize=7)
-        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-        ax.set_title(model, fontsize=8)
-        ax.set_xlabel("prompt length (bytes)", fontsize=7)
-    axes[0][0].set_ylabel("needle depth", fontsize=8)
-    fig.suptitle("passkey exact-match accuracy (%)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "passkey_heatmap.png", dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for model in models:
-        means = [1 - mean_spread(values(rows, model, miss_metric(n)))[0] for n in lengths]
-        ax.plot(lengths, means, marker="o", label=model)
-    ax.axvline(max(s["train_lengths"]), color="grey", lw=0.8, ls=":")
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("prompt length (bytes)")
-    ax.set_ylabel("exact match, mean over depths")
-    ax.set_title("passkey retrieval vs length (dotted: longest training sequence)", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "passkey_vs_length.png", dpi=110)
-    plt.close(fig)
-    return ["passkey_heatmap.png", "passkey_vs_length.png"]
+    lengths = s["lengths"]
+    return [
+        pk.heatmap(plt, rows, out, lengths, s["depths"], width=2.6, height=3.2, fontsize=7,
+                   xticks=[f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths],
+                   xlabel="prompt length (bytes)", title="passkey exact-match accuracy (%)",
+                   title_size=10, model_size=8),
+        pk.accuracy_vs_length(plt, rows, out, lengths, max(s["train_lengths"]), chance=None,
+                              xlabel="prompt length (bytes)", ylabel="exact match, mean over depths",
+                              title="passkey retrieval vs length (dotted: longest training "
+                                    "sequence)", title_size=10, legend_size=8),
+    ]
 
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     params = ", ".join(map(str, sorted({r["parameters"] for r in rows})))
     lo, hi = s["train_lengths"]
-    table = ["| model | " + " | ".join(f"{n}" for n in s["lengths"]) + " |",
-             "|---|" + "---|" * len(s["lengths"])]
-    for model in dict.fromkeys(r["model"] for r in rows):
-        for d in s["depths"]:
-            cells = [mean_spread(values(rows, model, acc_metric(n, d)))[0] for n in s["lengths"]]
-            table.append(f"| {model}, depth {d:g} | " + " | ".join(
-                "n/a" if not math.isfinite(c) else f"{100 * c:.0f} %" for c in cells) + " |")
     return [
         (f"{s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads, Infini segment "
          f"N = {s['segment_len']}; feed-forward widths matched to `{REFERENCE}` within "
@@ -285,7 +214,8 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
          f"is evaluated only up to its training length ({hi}; beyond it: n/a)."),
         (f"`{MEMORY_OFF}` is `{REFERENCE}`'s trained weights (saved in its run folder) with every "
          "gate logit set to -inf at evaluation."),
-        "Accuracy per length (columns, bytes) and needle depth, mean over seeds:\n\n" + "\n".join(table),
+        "Accuracy per length (columns, bytes) and needle depth, mean over seeds:\n\n"
+        + pk.depth_table(rows, s["lengths"], s["depths"]),
         ("The paper: 1B model, segment 2048, fine-tuned on 5K tokens, up to 1M tokens; ours is a "
          "direction check at toy scale."),
     ]

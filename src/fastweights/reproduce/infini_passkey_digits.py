@@ -22,11 +22,11 @@ import torch.nn.functional as F
 
 from ..models import LanguageModel, LMConfig
 from ..tasks.passkey import PASSKEY_WORDS, passkey_word_ids
-from ..train.trainer import TrainConfig, lr_factor
-from . import infini_passkey as stage_a
 from . import lm
+from . import passkey_common as pk
 from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_spread, values
-from .infini_passkey import MEMORY_OFF, MODEL_DIR, acc_metric, memory_off, miss_metric
+from .infini_passkey import MEMORY_OFF
+from .passkey_common import acc_metric, miss_metric
 from .registry import register
 
 DEFAULT = {"d_model": 128, "n_layers": 2, "n_heads": 4, "segment_len": 32, "train_fillers": [2, 6],
@@ -74,87 +74,44 @@ def plan(quick: bool, seeds: list[int], data: str) -> Plan:
     return Plan(s, runs)
 
 
-def train_digits(config: LMConfig, s: dict[str, Any], seed: int) -> tuple[LanguageModel | None, list[list[float]]]:
+def train_digits(config: LMConfig, s: dict[str, Any], seed: int) -> tuple[LanguageModel | None, pk.Curve]:
     """Train on word-level passkey prompts, the loss on the 5 answer digits (teacher forced);
     returns the model in eval mode (None if diverged) and the learning curve [step, loss, exact
     match on the batch] (means over each ``curve_every`` steps). Data order: the seed only."""
-    torch.manual_seed(seed)
-    model = LanguageModel(config)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup=max(1, s["steps"] // 10))
-    gen = torch.Generator().manual_seed(10_000 + seed)
     lo, hi = s["train_fillers"]
-    curve: list[list[float]] = []
-    losses, hits = [], []
-    for step in range(s["steps"]):
-        for group in opt.param_groups:
-            group["lr"] = s["lr"] * lr_factor(step, cfg)
+
+    def step_loss(model: LanguageModel, gen: torch.Generator) -> tuple[torch.Tensor, float]:
         n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
         prompts, answers = _batch(n, torch.rand(s["batch_size"], generator=gen).tolist(), gen)
         ids = torch.cat([prompts, answers], dim=1)
         logits, _ = model(ids[:, :-1])
         key = logits[:, -DIGITS:].float()
-        loss = F.cross_entropy(key.flatten(0, 1), answers.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
-            return None, curve
-        opt.step()
-        losses.append(loss.item())
-        hits.append(float((key.argmax(-1) == answers).all(-1).float().mean()))
-        if (step + 1) % s["curve_every"] == 0 or step + 1 == s["steps"]:
-            curve.append([step + 1, sum(losses) / len(losses), sum(hits) / len(hits)])
-            losses, hits = [], []
-    return model.eval(), curve
+        hit = float((key.argmax(-1) == answers).all(-1).float().mean())
+        return F.cross_entropy(key.flatten(0, 1), answers.flatten()), hit
 
-
-@torch.no_grad()
-def retrieve(model: LanguageModel, prompts: torch.Tensor, piece: int) -> torch.Tensor:
-    """Greedy 5-digit answers [B, 5]: the prompt read in pieces with the state carried."""
-    state, logits = None, None
-    for start in range(0, prompts.shape[1], piece):
-        logits, state = model(prompts[:, start:start + piece], state)
-    out = []
-    for _ in range(DIGITS):
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        out.append(token)
-        logits, state = model(token, state)
-    return torch.cat(out, dim=1)
+    return pk.train(config, s, seed, step_loss, s["curve_every"])
 
 
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     config = LMConfig.from_dict(spec.options["config"])
-    source = spec.options.get("memory_off")
-    curve: list[list[float]] = []
-    trained = workdir.parent / RunSpec(source, spec.seed).key / MODEL_DIR if source else None
-    if trained is not None and (trained / "config.json").is_file():
-        model = LanguageModel.from_pretrained(trained).eval()  # the trained run's weights
-    else:
-        model, curve = train_digits(config, s, spec.seed)  # the same seed: the same weights
+    model, curve = pk.run_model(spec, workdir, spec.options.get("memory_off"),
+                                lambda: train_digits(config, s, spec.seed))
     if model is None:
-        return {"parameters": lm.count_parameters(config), "steps": s["steps"], "tokens": _tokens(s),
-                "diverged": True, "curve": curve,
-                "metrics": dict.fromkeys(map(miss_metric, s["lengths"]), math.nan)}
-    if source:
-        model = memory_off(model)
-    else:
-        model.save_pretrained(workdir / MODEL_DIR)
+        return pk.diverged(config, s, _tokens(s), s["lengths"], curve)
     gen = torch.Generator().manual_seed(20_000 + spec.seed)
     metrics: dict[str, float] = {}
     for length in s["lengths"]:
         accs = []
         for depth in s["depths"]:
             prompts, answers = _batch(length, [depth] * s["samples"], gen)
-            acc = float((retrieve(model, prompts, s["piece"]) == answers).all(dim=1).float().mean())
+            got = pk.retrieve(model, prompts, s["piece"], DIGITS)
+            acc = float((got == answers).all(dim=1).float().mean())
             metrics[acc_metric(length, depth)] = acc
             accs.append(acc)
         metrics[miss_metric(length)] = 1.0 - sum(accs) / len(accs)
     if curve:
-        tail = curve[-max(1, len(curve) // 5):]
-        metrics["final_train_loss"] = sum(c[1] for c in tail) / len(tail)
+        metrics["final_train_loss"] = pk.final_train_loss(curve)
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": _tokens(s),
             "curve": curve, "metrics": metrics}
 
@@ -193,44 +150,15 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
     if plt is None:
         return []
     s = p.settings
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    lengths, depths = s["lengths"], s["depths"]
-    fig, axes = plt.subplots(1, len(models), figsize=(2.6 * len(models) + 1, 3.0), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        grid = [[mean_spread(values(rows, model, acc_metric(n, d)))[0] for n in lengths] for d in depths]
-        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        for i, line in enumerate(grid):
-            for j, v in enumerate(line):
-                ax.text(j, i, "n/a" if not math.isfinite(v) else f"{100 * v:.0f}", ha="center",
-                        va="center", fontsize=6)
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
-        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-        ax.set_title(model, fontsize=7)
-        ax.set_xlabel("filler repetitions", fontsize=7)
-    axes[0][0].set_ylabel("needle depth", fontsize=8)
-    fig.suptitle("5-digit word-level passkey: exact match (%), mean over seeds (trained on "
-                 f"{s['train_fillers'][0]}-{s['train_fillers'][1]} repetitions)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "passkey_heatmap.png", dpi=110)
-    plt.close(fig)
-    written = ["passkey_heatmap.png"]
-    curves = stage_a._curves(out)
-    if curves:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for i, (model, runs) in enumerate(curves.items()):
-            for j, curve in enumerate(runs):
-                ax.plot([c[0] for c in curve], [c[1] for c in curve], color=f"C{i}", lw=1,
-                        label=model if j == 0 else None)
-        ax.axhline(math.log(10), color="grey", lw=0.8, ls="--")
-        ax.set_xlabel("training step")
-        ax.set_ylabel("training loss per answer digit (nats)")
-        ax.set_title("learning curves, one line per seed (dashed: ln 10, a guessed digit)", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "learning_curves.png", dpi=110)
-        plt.close(fig)
-        written.append("learning_curves.png")
-    return written
+    lo, hi = s["train_fillers"]
+    return [
+        pk.heatmap(plt, rows, out, s["lengths"], s["depths"], width=2.6, height=3.0, fontsize=6,
+                   xticks=[str(n) for n in s["lengths"]], xlabel="filler repetitions",
+                   title="5-digit word-level passkey: exact match (%), mean over seeds (trained "
+                         f"on {lo}-{hi} repetitions)", title_size=9, model_size=7),
+        *pk.learning_curves(plt, out, math.log(10), "training loss per answer digit (nats)",
+                            "learning curves, one line per seed (dashed: ln 10, a guessed digit)"),
+    ]
 
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:

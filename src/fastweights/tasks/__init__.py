@@ -1,4 +1,5 @@
-"""Data: the synthetic memory tasks (retrieval, MQAR, passkey) and byte-level text corpora."""
+"""Data: the synthetic memory tasks (retrieval, MQAR, passkey), byte-level text corpora and
+tokenized corpora (memory-mapped .bin token files, text tokenized by a local tokenizer)."""
 
 from .mqar import mqar_batch
 from .passkey import (
@@ -10,16 +11,29 @@ from .passkey import (
 )
 from .retrieval import RetrievalBatch, last_value, retrieval_batch, retrieval_eval_batch
 from .text import ByteTokenizer, Corpus, eval_windows, load_corpus, random_windows
+from .tokens import (
+    TextTokenizer,
+    TokenData,
+    load_token_bins,
+    load_tokenizer,
+    open_corpus,
+    tokenize_corpus,
+)
 
 __all__ = [
     "PASSKEY_WORDS",
     "ByteTokenizer",
     "Corpus",
     "RetrievalBatch",
+    "TextTokenizer",
+    "TokenData",
     "eval_windows",
     "last_value",
     "load_corpus",
+    "load_token_bins",
+    "load_tokenizer",
     "mqar_batch",
+    "open_corpus",
     "passkey_prompt",
     "passkey_word_ids",
     "random_windows",
@@ -27,4 +41,5 @@ __all__ = [
     "retrieval_eval_batch",
     "token_passkey",
     "token_passkey_vocab",
+    "tokenize_corpus",
 ]

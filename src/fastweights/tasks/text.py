@@ -6,6 +6,9 @@ goes to validation when the SHA-1 of its relative path is 0 mod 20 (about 5 %), 
 the same on every machine with the same Python. A folder is read the same way (every file,
 undecodable bytes kept as they are); a single file is split into its first 95 % (train) and last
 5 % (validation). Files are joined with a newline; there is no end-of-text token.
+``corpus_documents`` names the same documents without reading them (the tokenized corpora of
+``tokens.py`` are made from them). The window functions below take any 1-D integer stream:
+bytes, or the uint16/uint32 token ids of ``tokens.py``, memory-mapped.
 
 Dimension legend: N batch, T sequence length.
 """
@@ -17,8 +20,12 @@ import hashlib
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .tokens import TokenData
 
 VOCAB_SIZE = 256
 VAL_EVERY = 20  # one file in VAL_EVERY (by path hash) is validation
@@ -40,44 +47,59 @@ class ByteTokenizer:
 
 @dataclass
 class Corpus:
-    """train, val: [n] uint8 byte streams; name: what was loaded; train_starts, val_starts:
-    int64 offsets where each document (file) begins in its stream (for packed training)."""
+    """train, val: [n] uint8 byte streams, or token ids (uint16/uint32) when ``tokens``
+    describes how they were made (``tokens.py``); name: what was loaded; train_starts,
+    val_starts: int64 offsets where each document (file) begins in its stream (for packed
+    training)."""
 
     name: str
     train: torch.Tensor
     val: torch.Tensor
     train_starts: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.long))
     val_starts: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.long))
+    tokens: TokenData | None = None  # None: bytes
+
+    @property
+    def vocab_size(self) -> int:
+        """Every id in the streams is below this: 256 for bytes."""
+        return VOCAB_SIZE if self.tokens is None else self.tokens.vocab_size
 
 
 def _is_val(rel: str) -> bool:
     return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % VAL_EVERY == 0
 
 
-def _from_files(name: str, root: Path, files: list[Path]) -> Corpus:
-    parts: dict[bool, list[bytes]] = {False: [], True: []}
+@dataclass(frozen=True)
+class Document:
+    """One document of a corpus: bytes [start, stop) of the file ``path`` (``stop`` None: to
+    its end). A folder's documents are whole files; a single file's two splits are parts of it."""
+
+    path: Path
+    start: int = 0
+    stop: int | None = None
+
+    def read(self) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(self.start)
+            return f.read() if self.stop is None else f.read(self.stop - self.start)
+
+
+def split_documents(name: str, root: Path, files: list[Path]) -> tuple[list[Document], list[Document]]:
+    """The files under ``root`` as (training, validation) documents by the path-hash rule
+    (module docstring); ValueError when no training file is left."""
+    parts: dict[bool, list[Document]] = {False: [], True: []}
     for f in files:
-        parts[_is_val(f.relative_to(root).as_posix())].append(f.read_bytes())
+        parts[_is_val(f.relative_to(root).as_posix())].append(Document(f))
     if not parts[True] and parts[False]:  # tiny folders: keep at least one validation file
         parts[True].append(parts[False].pop())
     if not parts[False]:
         raise ValueError(f"data {name} needs at least two non-empty files, found {len(files)}")
-    train, val = (b"\n".join(parts[v]) for v in (False, True))
-    return Corpus(name, _bytes(train), _bytes(val), _doc_starts(parts[False]), _doc_starts(parts[True]))
+    return parts[False], parts[True]
 
 
-def _doc_starts(docs: list[bytes]) -> torch.Tensor:
-    """Offsets of each document in ``b"\\n".join(docs)``."""
-    lengths = torch.tensor([0] + [len(d) + 1 for d in docs[:-1]], dtype=torch.long)
-    return lengths.cumsum(0)
-
-
-def _bytes(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-
-
-def load_corpus(spec: str) -> Corpus:
-    """``"stdlib"`` or a path to a text file or folder (see the module docstring). A missing
+def corpus_documents(spec: str) -> tuple[str, list[Document], list[Document]]:
+    """The documents ``load_corpus(spec)`` reads, without reading them: (name, training
+    documents, validation documents), each list in stream order (module docstring). A missing
     path or an empty corpus raises ValueError."""
     if spec == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -85,25 +107,50 @@ def load_corpus(spec: str) -> Corpus:
             (f for f in root.rglob("*.py")
              if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts) and f.is_file()),
             key=lambda f: f.relative_to(root).as_posix())
-        return _from_files("stdlib", root, [f for f in files if f.stat().st_size])
+        return "stdlib", *split_documents("stdlib", root, [f for f in files if f.stat().st_size])
     path = Path(spec)
     if not path.exists():
         raise ValueError(f"data path {spec} does not exist (use 'stdlib' or a text file or folder)")
     if path.is_dir():
         files = sorted((f for f in path.rglob("*") if f.is_file() and f.stat().st_size),
                        key=lambda f: f.relative_to(path).as_posix())
-        return _from_files(str(path), path, files)
-    data = path.read_bytes()
-    if len(data) < 2:
+        return str(path), *split_documents(str(path), path, files)
+    size = path.stat().st_size
+    if size < 2:
         raise ValueError(f"data file {spec} is empty")
-    cut = len(data) - max(1, len(data) // 20)
-    return Corpus(str(path), _bytes(data[:cut]), _bytes(data[cut:]))
+    cut = size - max(1, size // 20)
+    return str(path), [Document(path, 0, cut)], [Document(path, cut)]
+
+
+def _doc_starts(lengths: list[int]) -> torch.Tensor:
+    """Offsets of each document in a stream of documents of ``lengths`` joined by one
+    separator (a newline byte or token)."""
+    return torch.tensor([0] + [n + 1 for n in lengths[:-1]], dtype=torch.long).cumsum(0)
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+def load_corpus(spec: str) -> Corpus:
+    """``"stdlib"`` or a path to a text file or folder (see the module docstring) as bytes. A
+    missing path or an empty corpus raises ValueError."""
+    name, *splits = corpus_documents(spec)
+    texts = [[d.read() for d in docs] for docs in splits]
+    (train, val), (train_starts, val_starts) = ([_bytes(b"\n".join(t)) for t in texts],
+                                                [_doc_starts([len(d) for d in t]) for t in texts])
+    return Corpus(name, train, val, train_starts, val_starts)
+
+
+def _unit(data: torch.Tensor) -> str:
+    """What the ids of a stream are: bytes (uint8) or tokens."""
+    return "bytes" if data.dtype == torch.uint8 else "tokens"
 
 
 def _window_starts(data: torch.Tensor, batch_size: int, seq_len: int,
                    generator: torch.Generator) -> torch.Tensor:
     if data.numel() < seq_len + 1:
-        raise ValueError(f"the corpus has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ValueError(f"the corpus has {data.numel()} {_unit(data)}, fewer than seq_len + 1 = {seq_len + 1}")
     return torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator)
 
 
@@ -172,7 +219,7 @@ def eval_windows(data: torch.Tensor, seq_len: int, max_windows: int | None = Non
     if max_windows is not None:
         n = min(n, max_windows)
     if n < 1:
-        raise ValueError(f"the validation data has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ValueError(f"the validation data has {data.numel()} {_unit(data)}, fewer than seq_len + 1 = {seq_len + 1}")
     x = data[: n * seq_len].long().view(n, seq_len)
     y = data[1: n * seq_len + 1].long().view(n, seq_len)
     return x, y

@@ -14,6 +14,17 @@ the run asks for retention (``prune_checkpoints``, ``--keep-last K``: the K newe
 ones), which lets a resumed run fall back to an older one when the newest is damaged
 (``resume_point``).
 
+Sharded checkpoints (FSDP runs, ``save_sharded_checkpoint``): the same folder, ``latest``,
+temporary folder, rename, manifest, verification and retention, but every rank writes its own
+shard of the model and of AdamW's moments with ``torch.distributed.checkpoint`` (one
+``__R_0.distcp`` file per rank and the ``.metadata`` index) in place of ``model.safetensors``;
+rank 0 writes ``config.json``, ``optimizer.pt`` (schedule, random states, carried state),
+``trainer_state.json`` and, once every shard is written, the manifest (``"layout":
+"sharded"``) that lists and hashes them all, so a damaged or missing shard is reported by name.
+The shards are re-cut on load (``load_sharded``), for any world size or mesh, with FSDP or not;
+``load_model`` (``eval``, ``generate``, ``export``) and ``consolidate_checkpoint`` read a
+sharded checkpoint as one model. The run folder must be on a file system every rank sees.
+
 Test hook: the environment variable ``FASTWEIGHTS_TEST_SLOW_SAVE=<seconds>`` sleeps that long
 before every file of a save and before the ``latest`` update, so that a test can SIGKILL a
 training process while it is saving, deterministically. It changes nothing else.
@@ -25,25 +36,39 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 from .._checks import is_int
 from .._files import (  # the folder format, shared with every reader of checkpoints
+    CONFIG_FILE,
     LATEST,
     MANIFEST_FILE,
     OPTIMIZER_FILE,
+    SHARDED,
     STATE_FILE,
     STEP_DIR,
     checkpoint_files,
     checkpoint_problem,
     file_listing,
+    is_sharded,
+    remove_dead_temporaries,
     resolve_checkpoint,
 )
-from ..models import LanguageModel
+from ..models import LanguageModel, LMConfig
 
 SLOW_SAVE_ENV = "FASTWEIGHTS_TEST_SLOW_SAVE"
 
@@ -91,8 +116,11 @@ def write_atomic(path: str | Path, data: bytes) -> None:
 
 
 def _nonfinite_tensor(model: torch.nn.Module) -> str | None:
-    """Name of the first floating parameter or buffer holding NaN or inf, else None."""
+    """Name of the first floating parameter or buffer holding NaN or inf, else None (of this
+    rank's shards for an FSDP model)."""
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if isinstance(t, DTensor):
+            t = t.to_local()
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return name
     return None
@@ -101,19 +129,7 @@ def _nonfinite_tensor(model: torch.nn.Module) -> str | None:
 def _remove_stale_temporaries(root: Path) -> None:
     """Delete ``.tmp-step-*-PID`` folders left by killed processes (PID no longer running), so
     that repeated crashes do not fill the disk. Folders of live processes are left alone."""
-    for tmp in root.glob(".tmp-step-*"):
-        try:
-            pid = int(tmp.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except PermissionError:  # alive, owned by someone else
-            pass
+    remove_dead_temporaries(root, ".tmp-step-*")
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: LanguageModel,
@@ -163,13 +179,137 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LanguageModel,
         write_atomic(root / LATEST, (name + "\n").encode())
     except (OSError, RuntimeError, SafetensorError) as err:  # torch.save reports I/O as RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        cause = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        previous = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
-        kept = f"latest still names {previous}" if previous else "no checkpoint was saved before"
-        failure = CheckpointWriteError(f"cannot write checkpoint {name} in {root}: {cause}; {kept}")
-        failure.errno = getattr(err, "errno", None)
-        raise failure from err
+        raise _write_error(name, root, err) from err
     return final
+
+
+def _write_error(name: str, root: Path, err: BaseException) -> CheckpointWriteError:
+    """The CheckpointWriteError of checkpoint ``name`` failing with ``err``."""
+    cause = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    previous = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    kept = f"latest still names {previous}" if previous else "no checkpoint was saved before"
+    failure = CheckpointWriteError(f"cannot write checkpoint {name} in {root}: {cause}; {kept}")
+    failure.errno = getattr(err, "errno", None)
+    return failure
+
+
+def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
+                            trainer_state: dict[str, Any]) -> Path | None:
+    """Write the sharded checkpoint ``step`` of an FSDP ``model`` and its ``optimizer`` (every
+    rank of the process group calls; each writes its shards) and point ``latest`` at it;
+    the folder on rank 0, None elsewhere. ``optimizer_state`` (schedule, random states: what
+    is not sharded) and ``trainer_state`` are rank 0's, as in ``save_checkpoint``, whose
+    guarantees hold: NaN or inf on any rank is a ValueError and nothing is written; a failed
+    write on any rank raises ``CheckpointWriteError`` on every rank and leaves ``latest`` and
+    the previous checkpoint as they were; a verified folder of the same step is reused."""
+    root = Path(run_dir) / "checkpoints"
+    name, main = f"step-{step:07d}", dist.get_rank() == 0
+    bad = _nonfinite_tensor(model)
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bad)
+    bad = next((b for b in flags if b is not None), None)
+    if bad is not None:
+        raise ValueError(f"refusing to save checkpoint {name}: the model's {bad} holds NaN or inf "
+                         f"(the previous checkpoint in {root} is kept)")
+    final = root / name
+    plan: list[Any] = [None]  # rank 0's (reuse the verified folder?, temporary folder, error)
+    if main:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temporaries(root)
+            if final.is_dir() and checkpoint_problem(final) is not None:
+                shutil.rmtree(final)
+            tmp = root / f".tmp-{name}-{os.getpid()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            plan = [(final.is_dir(), str(tmp), None)]
+        except OSError as err:
+            plan = [(False, "", str(_write_error(name, root, err)))]
+    dist.broadcast_object_list(plan, src=0)
+    reuse, tmp, error = plan[0]
+    tmp = Path(tmp)
+    if error is None and not reuse:
+        _pause()
+        state = {"model": get_model_state_dict(model),
+                 "optim": get_optimizer_state_dict(model, optimizer)}
+        try:
+            dcp.save(state, checkpoint_id=tmp)  # every rank its shards; rank 0 the index last
+        except Exception as err:  # DCP gathers every rank's failure and raises it on all
+            error = str(_write_error(name, root, err))
+    if main and error is None:
+        try:
+            if not reuse:
+                _pause()
+                model.config.save(tmp / CONFIG_FILE)
+                torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+                _write_bytes(tmp / STATE_FILE, (json.dumps(trainer_state, indent=2) + "\n").encode())
+                for f in tmp.iterdir():
+                    _fsync(f)
+                files = file_listing(tmp, sorted(f.name for f in tmp.iterdir()))
+                _pause()
+                _write_bytes(tmp / MANIFEST_FILE, (json.dumps(
+                    {"format": 1, "layout": SHARDED, "files": files}, indent=2) + "\n").encode())
+                _fsync(tmp)
+                os.rename(tmp, final)
+                _fsync(root)
+            _pause()
+            write_atomic(root / LATEST, (name + "\n").encode())
+        except (OSError, RuntimeError) as err:
+            error = str(_write_error(name, root, err))
+    if main and error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CheckpointWriteError(outcome[0])
+    return final if main else None
+
+
+def _read_shards(state: dict[str, Any], ckpt: Path, *, no_dist: bool) -> None:
+    """``dcp.load`` of ``state`` from ``ckpt``; ``no_dist``: in this process alone, without the
+    warning DCP gives for it (a choice here, not a missing process group)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable "
+                                "or uninitialized")
+        dcp.load(state, checkpoint_id=ckpt, no_dist=no_dist)
+
+
+def load_sharded(ckpt: str | Path, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load sharded checkpoint ``ckpt`` (verified by the caller) into ``model`` and
+    ``optimizer``, re-cut for this process: an FSDP model of any world size and mesh reads its
+    own shards, a plain model (one process, DDP) the whole tensors. Under a process group every
+    rank calls."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        _read_shards(state, Path(ckpt), no_dist=not dist.is_initialized())
+    except Exception as err:  # DCP wraps every reader's failure in CheckpointException
+        raise ValueError(f"cannot read sharded checkpoint {ckpt}: {str(err).strip()[:500]}") from None
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def consolidate_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """Write the model of checkpoint ``src`` (a sharded or single-file checkpoint folder, or a
+    run folder) as a single-file checkpoint folder ``dst`` (``save_pretrained``: config.json,
+    model.safetensors, checksums.json), which ``native_to_hf`` and every reader of
+    checkpoints take; returns ``dst``. The folder must not exist yet."""
+    dst = Path(dst)
+    if dst.exists():
+        raise ValueError(f"{dst} already exists: consolidate into a new folder")
+    model = load_model(src)
+    tmp = dst.with_name(f".tmp-{dst.name}-{os.getpid()}")
+    try:
+        model.save_pretrained(tmp)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
 
 
 def resume_point(run_dir: str | Path) -> tuple[Path | None, list[str]]:
@@ -250,22 +390,38 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
 
 def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], dict[str, Any]]:
     """``(model, optimizer_state, trainer_state)`` of a checkpoint written by ``save_checkpoint``
-    (a checkpoint folder or a run folder), verified against its manifest first."""
+    (a checkpoint folder or a run folder), verified against its manifest first. Of a sharded
+    checkpoint, the model is freshly initialised and ``optimizer_state["sharded"]`` names the
+    folder: ``load_sharded`` fills model and optimizer once the resumed run has built them."""
     ckpt = resolve_checkpoint(path)
     for name in (OPTIMIZER_FILE, STATE_FILE):
         if not (ckpt / name).is_file():
             raise ValueError(f"{ckpt} holds model weights but no {name}: it cannot be resumed")
-    model = LanguageModel.from_pretrained(ckpt, verify=False)  # the manifest covers every file
+    sharded = is_sharded(ckpt)
+    model = (LanguageModel(LMConfig.load(ckpt / CONFIG_FILE)) if sharded
+             else LanguageModel.from_pretrained(ckpt, verify=False))  # the manifest covered them
     try:
         opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
         state = json.loads((ckpt / STATE_FILE).read_text())
     except (OSError, RuntimeError, ValueError, EOFError) as err:
         raise ValueError(f"cannot read training state in {ckpt}: {err}") from None
+    if sharded:
+        opt_state["sharded"] = str(ckpt)
     return model, opt_state, state
 
 
 def load_model(path: str | Path) -> LanguageModel:
     """The model of a checkpoint or run folder (``resolve_checkpoint``), each file hashed once:
-    by the manifest of a training checkpoint, else by the folder's ``checksums.json``."""
+    by the manifest of a training checkpoint, else by the folder's ``checksums.json``. A sharded
+    checkpoint is consolidated in this process (whole tensors, eval mode)."""
     ckpt = resolve_checkpoint(path)
+    if is_sharded(ckpt):
+        model = LanguageModel(LMConfig.load(ckpt / CONFIG_FILE))
+        state = {"model": model.state_dict()}
+        try:
+            _read_shards(state, ckpt, no_dist=True)
+        except Exception as err:  # DCP wraps every reader's failure in CheckpointException
+            raise ValueError(f"cannot read sharded checkpoint {ckpt}: {str(err).strip()[:500]}") from None
+        model.load_state_dict(state["model"])
+        return model.eval()
     return LanguageModel.from_pretrained(ckpt, verify=not (ckpt / MANIFEST_FILE).is_file())

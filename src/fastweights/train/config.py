@@ -20,7 +20,11 @@ RESUMABLE = ("steps", "eval_every", "save_every", "keep_last", "patience", "anom
 
 @dataclass
 class TrainConfig:
-    """Optimisation settings. ``batch_size`` is the global batch (split across DDP ranks);
+    """Optimisation settings. ``batch_size`` is the global batch of one forward and backward
+    pass (split across DDP ranks); ``grad_accum`` K accumulates the gradients of K such
+    micro-batches before each optimiser step, so a step trains on a global batch of
+    ``batch_size`` x K rows, exactly as one batch of that many rows would (the mean loss over
+    all of them; not with ``carry_state``). K is recorded: a resumed run keeps it;
     ``save_every`` 0 saves only at the end; ``keep_last`` K keeps only the K newest complete
     checkpoints (None: every one; ``checkpoint.prune_checkpoints``); ``patience`` 0 disables
     early stopping (else stop after that many validations without a new best). ``anomaly_guard`` stops training with
@@ -58,9 +62,10 @@ class TrainConfig:
     pack: bool = False  # one packed row per step, state reset at document boundaries
     recompute: bool = False  # gradient checkpointing per block
     carry_state: bool = False  # truncated BPTT: each row reads one stream, state carried (detached)
+    grad_accum: int = 1  # micro-batches of batch_size rows per optimiser step
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows"):
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows", "grad_accum"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -83,6 +88,10 @@ class TrainConfig:
         if self.pack and self.carry_state:
             raise ValueError("pack and carry_state exclude each other: packed rows restart the "
                              "state at every document and window, carry_state continues it")
+        if self.carry_state and self.grad_accum > 1:
+            raise ValueError(f"grad_accum {self.grad_accum} is not supported with carry_state: "
+                             "each batch row carries its own stream's state from one step to "
+                             "the next, which micro-batches of other rows would break")
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -129,20 +138,38 @@ def check_settings(cfg: TrainConfig, model_config: LMConfig, corpus: Corpus, wor
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {what} {dp}")
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {limit}")
+    if corpus.vocab_size > model_config.vocab_size:
+        raise ValueError(f"data {corpus.name} has ids up to {corpus.vocab_size - 1}, beyond the "
+                         f"model's vocab_size {model_config.vocab_size}")
     _check_corpus(corpus, cfg)
     if cfg.carry_state:
         shard = stream_shard_len(corpus.train, cfg.batch_size)
         if shard < cfg.seq_len + 1:
             raise ValueError(
                 f"carry_state cuts the training split of data {corpus.name} "
-                f"({corpus.train.numel()} bytes) into batch_size {cfg.batch_size} "
-                f"streams of {shard} bytes, fewer than seq_len + 1 = {cfg.seq_len + 1}")
+                f"({corpus.train.numel()} {_unit(corpus)}) into batch_size {cfg.batch_size} "
+                f"streams of {shard} {_unit(corpus)}, fewer than seq_len + 1 = {cfg.seq_len + 1}")
+
+
+def _unit(corpus: Corpus) -> str:
+    return "bytes" if corpus.tokens is None else "tokens"
 
 
 def _check_corpus(corpus: Corpus, cfg: TrainConfig) -> None:
-    """Both splits must hold at least one window of ``seq_len + 1`` bytes (checked before the run
-    folder is written, rather than at the first step or validation)."""
+    """Both splits must hold at least one window of ``seq_len + 1`` bytes or tokens (checked
+    before the run folder is written, rather than at the first step or validation)."""
     for split, data in (("training", corpus.train), ("validation", corpus.val)):
         if data.numel() < cfg.seq_len + 1:
-            raise ValueError(f"the {split} split of data {corpus.name} has {data.numel()} bytes, "
+            raise ValueError(f"the {split} split of data {corpus.name} has {data.numel()} {_unit(corpus)}, "
                              f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
+
+
+def check_fsdp(fsdp: bool, mixed: str | None, world: int, cfg: TrainConfig) -> None:
+    """FSDP's settings (``train(fsdp=..., fsdp_mixed=...)``) must fit the world and the run;
+    ValueError naming the first that does not."""
+    if fsdp and world < 2:
+        raise ValueError(f"fsdp shards the model across processes: launch with torchrun and 2 or "
+                         f"more processes (the world size is {world})")
+    if fsdp and mixed is not None and cfg.bf16:
+        raise ValueError(f"fsdp_mixed {mixed} and bf16 autocast exclude each other: FSDP's mixed "
+                         "precision already computes in bfloat16 (drop bf16)")

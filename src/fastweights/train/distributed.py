@@ -16,6 +16,16 @@ must be summed as well as the replicas averaged): the result is the gradient of 
 batch's mean loss, one process's. Validation runs sharded the same way. Checkpoints and
 resuming are unchanged (rank 0 writes); N is a launch setting like the world size, not
 recorded in run.json, so a run may resume with another N.
+
+FSDP (``fsdp``, under torchrun; ``device_mesh``, ``shard_model``): the world is one 2-D
+``DeviceMesh`` (``dp_shard`` x ``cp``, rank = d*N + c as above). Every block and then the root
+are ``fully_shard``-ed over the whole mesh (its two dimensions flattened, as torchtitan's
+``dp_shard_cp``), so parameters, gradients and AdamW's moments are split over every rank;
+FSDP's reduce-scatter averages the gradients over all of them, which is what
+``average_gradients`` computes (it is not called). The context-parallel groups are the mesh's
+``cp`` dimension. Optional mixed precision (``FSDP_MIXED``): bfloat16 parameters in compute,
+float32 master weights, gradients reduced in float32. Like N, FSDP is a launch setting, not
+recorded: a run may resume with or without it, on another world size.
 """
 
 from __future__ import annotations
@@ -24,17 +34,24 @@ import os
 import random
 import signal
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+# --fsdp-mixed choices: the parameters' compute dtype (master weights and reduction: float32)
+FSDP_MIXED = {"bf16": torch.bfloat16}
 
 
 class TrainingInterrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM (``signum``) stopped training at ``step`` after the checkpoint
-    ``checkpoint`` of that step was saved (None on a DDP rank other than 0, which saves nothing)."""
+    ``checkpoint`` of that step was saved (None on a rank other than 0: under DDP it saves
+    nothing, under FSDP its shard of the checkpoint rank 0 names)."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
         name = signal.Signals(signum).name
@@ -144,3 +161,38 @@ def split_world(rank: int, world: int, cp: int) -> tuple[int, int, int, list[Any
             if d == dp_rank:
                 own = group
     return dp, dp_rank, cp_rank, groups, own
+
+
+def device_mesh(world: int, cp: int, device: torch.device) -> DeviceMesh:
+    """The 2-D mesh (``dp_shard`` x ``cp``) of ``world`` ranks, rank = d * cp + c; every rank
+    creates it (collective)."""
+    return init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp_shard", "cp"))
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, mixed: str | None = None) -> None:
+    """``fully_shard`` every block of ``model`` (``model.blocks``), then the root (embeddings,
+    final norm, head), over all of ``mesh``'s ranks. ``mixed`` (a ``FSDP_MIXED`` key): compute
+    with parameters in that dtype, reduce gradients in float32."""
+    # FSDP shards over one flat group: the two mesh dimensions flattened (torchtitan's
+    # dp_shard_cp; DeviceMesh has no public name for this yet).
+    flat = mesh._flatten("dp_shard_cp") if mesh.size(1) > 1 else mesh["dp_shard"]
+    policy = (MixedPrecisionPolicy(param_dtype=FSDP_MIXED[mixed], reduce_dtype=torch.float32)
+              if mixed is not None else MixedPrecisionPolicy())
+    # FSDP2 warns that a module returning a view loses its pre-backward hook to an in-place op
+    # on that view: the blocks and the model return their recurrent states (views of the
+    # layers' tensors), which the trainer only reads or detaches, never changes in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(Block|LanguageModel)\) "
+                            "returned a view tensor")
+    for block in model.blocks:
+        fully_shard(block, mesh=flat, mp_policy=policy)
+    fully_shard(model, mesh=flat, mp_policy=policy)
+
+
+def touch_parameters(module: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """``y`` plus an exact zero that depends on every parameter of ``module``: each of them then
+    gets a gradient (zero where unused) on every rank. FSDP reduce-scatters only the
+    parameters that have one, so a parameter that only some context-parallel shards read (TTT's
+    initial state, read by the first) would leave the ranks' collectives mismatched."""
+    params = [p.sum() for p in module.parameters() if p.requires_grad]
+    return y + torch.stack(params).sum().to(y.dtype) * 0 if params else y
+

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..layers.base import Mixer
 from .checkpoint import write_atomic
@@ -68,10 +69,17 @@ def metrics_rows(path: Path, resume_step: int) -> list[dict[str, str]]:
             and r["step"].isdigit() and int(r["step"]) <= resume_step]
 
 
-def mixer_grad_norm(model: torch.nn.Module) -> float | None:
+def mixer_grad_norm(model: torch.nn.Module, *, sharded: bool = False) -> float | None:
     """The 2-norm of the gradients of the token mixers' parameters (``layers.base.Mixer``
     modules), None for a model without mixer gradients. TransNormer's claim (b) is about the
-    attention's gradients, not the whole model's."""
-    grads = [p.grad.detach().float().norm() for m in model.modules() if isinstance(m, Mixer)
+    attention's gradients, not the whole model's. ``sharded``: the gradients are FSDP's
+    DTensor shards, disjoint across ranks; every rank must call, and gets the whole norm."""
+    grads = [p.grad.detach() for m in model.modules() if isinstance(m, Mixer)
              for p in m.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None
+    if not sharded:
+        return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))) if grads else None
+    squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    for g in grads:
+        squares += g.to_local().double().pow(2).sum()
+    dist.all_reduce(squares)
+    return float(squares.sqrt()) if grads else None

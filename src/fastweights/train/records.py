@@ -1,4 +1,5 @@
-"""A run folder's record: ``run.json`` (the model and training configs and the data's name),
+"""A run folder's record: ``run.json`` (the model and training configs, the data's name and,
+for token data, how the ids were made: ``tokens``, a ``tasks.tokens.TokenData``),
 read back to resume (``resume_run``, ``read_run``, ``resumed_config``, ``check_run_file``), and
 the outputs an overwriting run sets aside and puts back if it fails (``set_aside``,
 ``put_back``).
@@ -23,6 +24,7 @@ from typing import Any
 
 from ..models import LanguageModel, LMConfig
 from ..tasks.text import Corpus
+from ..tasks.tokens import TokenData, open_corpus, tokenizer_sha256
 from .checkpoint import load_checkpoint, resume_point
 from .config import RESUMABLE, TrainConfig
 from .metrics import METRICS_FILE
@@ -33,12 +35,14 @@ OUTPUTS = (RUN_FILE, METRICS_FILE, "checkpoints", "tensorboard")  # what a run w
 
 @dataclass(frozen=True)
 class RunRecord:
-    """What a run folder's ``run.json`` records: the model and training configs and the name of
-    the data (``Corpus.name``: ``stdlib`` or the path it was loaded from)."""
+    """What a run folder's ``run.json`` records: the model and training configs, the name of
+    the data (``Corpus.name``: ``stdlib`` or the path it was loaded from) and ``tokens``
+    (``Corpus.tokens``: None for bytes)."""
 
     model: LMConfig
     train: TrainConfig
     data: str
+    tokens: TokenData | None = None
 
 
 def resume_run(run_dir: Path, model_config: LMConfig | None, train_config: TrainConfig | None,
@@ -74,7 +78,9 @@ def read_run(run_dir: str | Path) -> RunRecord:
         data = saved["data"]
         if not isinstance(data, str):
             raise TypeError(f"data must be a string, got {data!r}")
-        return RunRecord(LMConfig.from_dict(saved["model"]), TrainConfig(**saved["train"]), data)
+        tokens = saved.get("tokens")
+        return RunRecord(LMConfig.from_dict(saved["model"]), TrainConfig(**saved["train"]), data,
+                         None if tokens is None else TokenData.from_dict(tokens))
     except FileNotFoundError:
         raise ValueError(f"{path} does not exist: {path.parent} holds no training run to resume") from None
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
@@ -88,6 +94,16 @@ def same_data(a: str, b: str) -> bool:
     if a == b:
         return True
     return "stdlib" not in (a, b) and Path(a).resolve() == Path(b).resolve()
+
+
+def same_tokens(a: TokenData | None, b: TokenData | None) -> bool:
+    """Whether two token descriptions (None: bytes) give the same ids: same source, vocabulary,
+    dtype and tokenizer hash (paths aside)."""
+    return (a is None) == (b is None) and (a is None or a.identity() == b.identity())
+
+
+def describe_tokens(tokens: TokenData | None) -> str:
+    return "bytes" if tokens is None else tokens.describe()
 
 
 def resumed_config(record: RunRecord, model_config: LMConfig | None,
@@ -109,6 +125,9 @@ def resumed_config(record: RunRecord, model_config: LMConfig | None,
         cfg = dataclasses.replace(cfg, **{k: getattr(train_config, k) for k in RESUMABLE})
     if not same_data(corpus.name, record.data):
         differ.append(f"data ({corpus.name!r}, the run has {record.data!r})")
+    if not same_tokens(corpus.tokens, record.tokens):
+        differ.append(f"tokens ({describe_tokens(corpus.tokens)}, the run has "
+                      f"{describe_tokens(record.tokens)})")
     if differ:
         raise ValueError(f"resume: {', '.join(differ)} differ from the run's {RUN_FILE}; only "
                          f"{', '.join(RESUMABLE)} may change when a run is resumed")
@@ -127,6 +146,31 @@ def check_run_file(path: Path, ckpt: Path, model_config: LMConfig, cfg: TrainCon
     if differ:
         raise ValueError(f"{path} disagrees with checkpoint {ckpt} on {', '.join(differ)}: "
                          "run.json was edited or corrupted")
+
+
+def run_corpus(record: RunRecord, *, data: str | None = None, tokenizer: str | None = None,
+               cache_root: str | Path | None = None, progress: bool = False) -> Corpus:
+    """The corpus of a recorded run (``data``: another path read the same way, e.g. for
+    evaluation): bytes, the run's pre-tokenized files, or text tokenized by its tokenizer (at
+    ``tokenizer``, else at the recorded path) into ``cache_root`` (default: the folder holding
+    the run's cache). A tokenizer whose hash is not the recorded one is a ValueError, before any
+    tokenizing."""
+    data = record.data if data is None else data
+    tokens = record.tokens
+    if tokens is None or tokens.source == "bin":
+        return open_corpus(data, vocab_size=None if tokens is None else tokens.vocab_size,
+                           token_dtype=None if tokens is None else tokens.dtype)
+    path = tokenizer if tokenizer is not None else tokens.tokenizer
+    if not Path(path).exists():
+        raise ValueError(f"the run's tokenizer {path} does not exist; give the path of a copy")
+    if tokenizer_sha256(path) != tokens.tokenizer_sha256:
+        raise ValueError(f"tokenizer {path} is not the run's (sha256 {tokens.tokenizer_sha256[:12]}): "
+                         "its ids would differ from the ones the run was trained on")
+    if cache_root is None:
+        if tokens.cache is None:
+            raise ValueError("the run records no token cache folder; give cache_root")
+        cache_root = Path(tokens.cache).parent
+    return open_corpus(data, tokenizer=path, cache_root=cache_root, progress=progress)
 
 
 def set_aside(run_dir: Path) -> Path | None:

@@ -10,7 +10,10 @@ states, so a resumed run reproduces the uninterrupted run's losses (which settin
 run may change: ``records.py``). SIGINT and SIGTERM during training save a checkpoint of the
 last finished step and raise ``TrainingInterrupted`` (a second signal interrupts at once).
 Context parallelism (``context_parallel`` N > 1 under torchrun: every sequence split into N
-shards held by N processes) and DDP: ``distributed.py``.
+shards held by N processes), DDP and FSDP (``fsdp``: parameters, gradients and optimizer state
+sharded over the ranks, checkpoints sharded too): ``distributed.py``. Gradient accumulation
+(``grad_accum`` K): each step draws one global batch of K x ``batch_size`` rows and runs it as K
+micro-batches, gradients reduced across ranks once, after the last.
 
 ``train`` is the entry point; ``Trainer`` holds one session's phases as methods (``setup``,
 ``train_step``, ``validate``, ``save``, ``teardown``), so a change to one phase (gradient
@@ -24,6 +27,7 @@ Dimension legend: N batch, T sequence length, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -38,6 +42,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 from .. import state_tree
 from .._checks import is_int
@@ -45,17 +55,27 @@ from ..models import LanguageModel, LMConfig
 from ..models.lm import LMState
 from ..parallel import context_parallel_forward
 from ..tasks.text import Corpus, packed_windows, random_windows, stream_shard_len, stream_windows
-from .checkpoint import prune_checkpoints, save_checkpoint, write_atomic
-from .config import RESUMABLE, TrainConfig, check_settings, lr_factor, set_inner_lr_ramp
+from .checkpoint import (
+    load_sharded,
+    prune_checkpoints,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    write_atomic,
+)
+from .config import RESUMABLE, TrainConfig, check_fsdp, check_settings, lr_factor, set_inner_lr_ramp
 from .distributed import (
+    FSDP_MIXED,
     Signals,
     TrainingInterrupted,
     all_finite,
     average_gradients,
+    device_mesh,
     dist_info,
     rng_states,
     set_rng_states,
+    shard_model,
     split_world,
+    touch_parameters,
 )
 from .evaluate import evaluate, try_forward
 from .metrics import METRIC_FIELDS, METRICS_FILE, Metrics, mixer_grad_norm
@@ -89,9 +109,18 @@ class Trainer:
 
     def __init__(self, run_dir: str | Path, model_config: LMConfig | None,
                  train_config: TrainConfig | None, corpus: Corpus, *, resume: bool = False,
-                 overwrite: bool = False, progress: bool = True, context_parallel: int = 1) -> None:
+                 overwrite: bool = False, progress: bool = True, context_parallel: int = 1,
+                 fsdp: bool = False, fsdp_mixed: str | None = None) -> None:
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other")
+        if not isinstance(fsdp, bool):
+            raise TypeError(f"fsdp must be a bool, got {fsdp!r}")
+        if fsdp_mixed is not None and fsdp_mixed not in FSDP_MIXED:
+            raise ValueError(f"fsdp_mixed must be None or one of {sorted(FSDP_MIXED)}, got "
+                             f"{fsdp_mixed!r}")
+        if fsdp_mixed is not None and not fsdp:
+            raise ValueError(f"fsdp_mixed {fsdp_mixed} is FSDP's mixed precision: it needs fsdp")
+        self.fsdp, self.fsdp_mixed = fsdp, fsdp_mixed
         cp = context_parallel
         if not is_int(cp) or cp < 1:
             raise ValueError(f"context_parallel must be a positive int, got {cp!r}")
@@ -126,8 +155,15 @@ class Trainer:
         self.rank, self.world, self.device, self._owns_group = dist_info()
         resumed = self._configure()
         check_settings(self.cfg, self.model_config, self.corpus, self.world, self.cp)
-        self.dp, self.dp_rank, self.cp_rank, self._groups, self.cp_group = split_world(
-            self.rank, self.world, self.cp)
+        check_fsdp(self.fsdp, self.fsdp_mixed, self.world, self.cfg)
+        if self.fsdp:  # one 2-D mesh; its cp dimension holds the context-parallel groups
+            self.mesh = device_mesh(self.world, self.cp, self.device)
+            self.dp, self.dp_rank, self.cp_rank = (self.world // self.cp, self.rank // self.cp,
+                                                   self.rank % self.cp)
+            self.cp_group = self.mesh.get_group("cp") if self.cp > 1 else None
+        else:
+            self.dp, self.dp_rank, self.cp_rank, self._groups, self.cp_group = split_world(
+                self.rank, self.world, self.cp)
         torch.manual_seed(self.cfg.seed)
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
@@ -135,25 +171,38 @@ class Trainer:
         self.model = resumed[0] if resumed else LanguageModel(self.model_config)
         self.model.to(self.device)
         if self.cp_group is not None:
-            group = self.cp_group
-            self.model.set_mixer_runner(
-                lambda mixer, x, state, cu: context_parallel_forward(mixer, x, group=group,
-                                                                     state=state, cu_seqlens=cu))
+            self.model.set_mixer_runner(self._context_parallel_runner(self.cp_group))
         # before anything is written
         try_forward(self.model, self.cfg.seq_len // self.cp, self.device, self.cfg.carry_state)
         if resumed:
             self._restore_progress(resumed[2])
         if self.main:  # everything is checked: the new run starts writing here
             self._open_run()
-        self.local = self.cfg.batch_size // self.dp  # rows of the global batch per replica
+        self.local = self.cfg.batch_size // self.dp  # rows of a micro-batch per replica
+        if self.fsdp:  # before the optimizer, which must hold the sharded parameters
+            if resumed and "optimizer" in resumed[1]:  # a whole checkpoint
+                resumed[1]["optimizer_by_name"] = self._optimizer_by_name(resumed[1])
+            shard_model(self.model, self.mesh, self.fsdp_mixed)
         self._build_optimizer(resumed[1] if resumed else None)
         # Context parallelism averages the gradients itself after the backward pass
         # (average_gradients): DDP's reducer would run its all-reduces during the backward,
         # interleaved with the context-parallel collectives, and wait forever for the gradients
         # of parameters that only some ranks use (TTT's initial state, read by the first shard).
+        # FSDP reduces them itself (every parameter touched: _context_parallel_runner).
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model)
-                    if self.world > 1 and self.cp == 1 else self.model)
+                    if self.world > 1 and self.cp == 1 and not self.fsdp else self.model)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
+
+    def _context_parallel_runner(self, group: Any) -> Any:
+        """The mixer runner of context parallelism on ``group``; under FSDP every mixer
+        parameter is touched on every rank (``touch_parameters``)."""
+        fsdp = self.fsdp
+
+        def run(mixer: torch.nn.Module, x: torch.Tensor, state: Any, cu: torch.Tensor | None) -> Any:
+            y, state = context_parallel_forward(mixer, x, group=group, state=state, cu_seqlens=cu)
+            return (touch_parameters(mixer, y) if fsdp else y), state
+
+        return run
 
     def _configure(self) -> tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None:
         """Sets ``cfg`` and ``model_config``: the given ones, or the run's with ``resume`` (then
@@ -186,6 +235,8 @@ class Trainer:
         aside = set_aside(self.run_dir) if self.overwrite else None
         record = {"model": self.model_config.to_dict(), "train": dataclasses.asdict(self.cfg),
                   "data": self.corpus.name}
+        if self.corpus.tokens is not None:  # token data: how the ids were made
+            record["tokens"] = self.corpus.tokens.to_dict()
         try:
             write_atomic(self.run_dir / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode())
             self.metrics = Metrics(self.run_dir, self.step if self.resume else None)
@@ -202,15 +253,19 @@ class Trainer:
         cfg, model = self.cfg, self.model
         model.train()
         model.set_gradient_checkpointing(cfg.recompute)
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=cfg.lr, betas=(0.9, 0.95))
+        self.opt = self._adamw(model)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
         if saved is None:
             return
-        self.opt.load_state_dict(saved["optimizer"])
+        if "sharded" in saved:  # the weights and AdamW's moments, re-cut for this world
+            load_sharded(saved["sharded"], model, self.opt)
+        elif "optimizer_by_name" in saved:  # a whole checkpoint, resumed under FSDP
+            set_optimizer_state_dict(model, self.opt, saved["optimizer_by_name"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            self.opt.load_state_dict(saved["optimizer"])
+        if not saved.get("optimizer_started", True):  # saved before the first step
+            self.opt.state.clear()
         self.sched.load_state_dict(saved["scheduler"])
         # The optimizer state holds the rate the *saved* schedule set for this step; the
         # schedule is a function of (step, cfg.steps), and cfg.steps may have grown (an extended
@@ -220,6 +275,23 @@ class Trainer:
         set_rng_states(saved["rng"], self.data_gen)
         if self.cfg.carry_state:
             self._restore_carry(saved.get("carry"))
+
+    def _adamw(self, model: torch.nn.Module) -> torch.optim.AdamW:
+        """AdamW over ``model``'s parameters, without weight decay on vectors."""
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": self.cfg.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=self.cfg.lr, betas=(0.9, 0.95))
+
+    def _optimizer_by_name(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A whole checkpoint's AdamW state (``saved["optimizer"]``, keyed by parameter
+        position) keyed by parameter name instead, for an FSDP optimizer to load: read through
+        an optimizer over the whole model, before it is sharded."""
+        whole = self._adamw(self.model)
+        whole.load_state_dict(saved["optimizer"])
+        return get_optimizer_state_dict(self.model, whole,
+                                        options=StateDictOptions(full_state_dict=True))
 
     def _restore_carry(self, carry: dict[str, Any] | None) -> None:
         """The stream offset and this rank's rows of the saved global carried state."""
@@ -264,23 +336,34 @@ class Trainer:
                 raise TrainingInterrupted(signum, self.step, self.save())
         return self.losses
 
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """This rank's rows of the next global batch (its data-parallel replica's; every rank
-        draws the whole global batch, so the random stream is the same everywhere) and, under
-        context parallelism, its shard of their columns: (x, y, cu_seqlens or None), on device."""
-        cfg, corpus = self.cfg, self.corpus
-        rows = (self.dp_rank * self.local, (self.dp_rank + 1) * self.local)
+    def _next_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """This rank's ``grad_accum`` micro-batches of the next global batch, on device: (x, y,
+        cu_seqlens or None) each. Every rank draws the whole global batch of batch_size x
+        grad_accum rows at once (the random stream is the same everywhere, and the same as one
+        batch of that many rows); its data-parallel replica takes a contiguous slice of them,
+        cut into grad_accum micro-batches of batch_size / replicas rows, and under context
+        parallelism the rank's shard of their columns."""
+        cfg, corpus, k = self.cfg, self.corpus, self.cfg.grad_accum
+        rows = cfg.batch_size * k
+        first = self.dp_rank * self.local * k
+        parts = [(first + m * self.local, first + (m + 1) * self.local) for m in range(k)]
         if cfg.pack:
-            x, y, cu = packed_windows(corpus.train, corpus.train_starts, cfg.batch_size,
-                                      cfg.seq_len, self.data_gen, rows=rows)
-            return x.to(self.device), y.to(self.device), cu.to(self.device)
+            # one draw of the row starts for all micro-batches: each packs its rows of it
+            start, batches = self.data_gen.get_state(), []
+            for part in parts:
+                self.data_gen.set_state(start)
+                x, y, cu = packed_windows(corpus.train, corpus.train_starts, rows, cfg.seq_len,
+                                          self.data_gen, rows=part)
+                batches.append((x.to(self.device), y.to(self.device), cu.to(self.device)))
+            return batches
         if cfg.carry_state:
             x, y = self._next_stream_windows()
         else:
-            x, y = random_windows(corpus.train, cfg.batch_size, cfg.seq_len, self.data_gen)
+            x, y = random_windows(corpus.train, rows, cfg.seq_len, self.data_gen)
         width = cfg.seq_len // self.cp
-        part = (slice(*rows), slice(self.cp_rank * width, (self.cp_rank + 1) * width))
-        return x[part].to(self.device), y[part].to(self.device), None
+        cols = slice(self.cp_rank * width, (self.cp_rank + 1) * width)
+        return [(x[slice(*part), cols].to(self.device), y[slice(*part), cols].to(self.device), None)
+                for part in parts]
 
     def _next_stream_windows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """carry_state: the global batch's next consecutive windows (``stream_windows``); the
@@ -297,29 +380,44 @@ class Trainer:
         return x, y
 
     def train_step(self) -> float:
-        """One optimiser step on the next global batch; its loss (the global batch's under DDP
-        and context parallelism, identical to one process's), logged."""
+        """One optimiser step on the next global batch, accumulated over ``grad_accum``
+        micro-batches; its loss (the mean over the global batch under DDP and context
+        parallelism, identical to one process's), logged."""
         cfg = self.cfg
         set_inner_lr_ramp(self.model, self.step, cfg.warmup)
-        x, y, cu = self._next_batch()
-        with self.autocast:
-            logits, state = self.ddp(x, self.carry, cu_seqlens=cu)
-        if cfg.carry_state:  # the next step continues from here; gradients stop at the boundary
-            self.carry = state_tree.map_tensors(torch.Tensor.detach, state)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+        batches = self._next_batches()
+        # Each micro-batch's mean loss is weighted by its share of this rank's predicted tokens
+        # (all equal without --pack), so the accumulated gradient is that of the mean over them
+        # all; with one micro-batch the weight is exactly 1.
+        counts = [int((y != -100).sum()) for _, y, _ in batches]
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.cp > 1:
+        loss = torch.zeros((), device=self.device)
+        for i, ((x, y, cu), count) in enumerate(zip(batches, counts)):
+            with self._gradient_sync(i == len(batches) - 1):
+                with self.autocast:
+                    logits, state = self.ddp(x, self.carry, cu_seqlens=cu)
+                if cfg.carry_state:  # the next step continues from here; gradients stop here
+                    self.carry = state_tree.map_tensors(torch.Tensor.detach, state)
+                part = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+                if len(batches) > 1:
+                    part = part * (count / max(1, sum(counts)))
+                part.backward()
+            loss = loss + part.detach()
+        if self.cp > 1 and not self.fsdp:
             average_gradients(self.model, self.world)
-        mixer_norm = mixer_grad_norm(self.model) if self.main else None  # before clipping
+        # before clipping; FSDP's shards need every rank
+        mixer_norm = (mixer_grad_norm(self.model, sharded=True) if self.fsdp
+                      else mixer_grad_norm(self.model) if self.main else None)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         if cfg.anomaly_guard and not all_finite(loss, grad_norm, self.world):
             raise self._anomaly(loss.item(), grad_norm.item())
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()
         self.step += 1
-        self.tokens += cfg.batch_size * cfg.seq_len
+        self.tokens += cfg.batch_size * cfg.grad_accum * cfg.seq_len
         loss_value = loss.item()
         if self.world > 1:
             t = torch.tensor([loss_value], device=self.device)
@@ -335,6 +433,15 @@ class Trainer:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
         return loss_value
+
+    def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """The context of one micro-batch's forward and backward: DDP all-reduces the gradients
+        only in the last one (``no_sync`` before it); FSDP reduce-scatters them only then."""
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+        if isinstance(self.ddp, torch.nn.parallel.DistributedDataParallel) and not last:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
 
     def _anomaly(self, loss: float, grad_norm: float) -> TrainingAnomaly:
         """The anomaly guard's error for the step about to be taken, naming the checkpoint kept."""
@@ -366,16 +473,21 @@ class Trainer:
         retention; the checkpoint's folder on rank 0, else None."""
         path = None
         carry = self._gathered_carry() if self.cfg.carry_state else None
-        if self.main:
-            extra = {} if carry is None else {"carry": carry}
-            path = save_checkpoint(
-                self.run_dir, self.step, self.model,
-                {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                 "rng": rng_states(self.data_gen), **extra},
-                {"step": self.step, "best_val_loss": self.best, "since_best": self.since_best,
-                 "train": dataclasses.asdict(self.cfg)})
-            if self.cfg.keep_last is not None:
-                prune_checkpoints(self.run_dir, self.cfg.keep_last)
+        extra = {} if carry is None else {"carry": carry}
+        # optimizer_started: FSDP's state-dict helpers fill an empty AdamW (a save before the
+        # first step) with zero moments at step 1, which a resumed run must drop again.
+        rest = {"scheduler": self.sched.state_dict(), "rng": rng_states(self.data_gen),
+                "optimizer_started": bool(self.opt.state), **extra}
+        trainer_state = {"step": self.step, "best_val_loss": self.best,
+                         "since_best": self.since_best, "train": dataclasses.asdict(self.cfg)}
+        if self.fsdp:  # every rank writes its shards
+            path = save_sharded_checkpoint(self.run_dir, self.step, self.model, self.opt, rest,
+                                           trainer_state)
+        elif self.main:
+            path = save_checkpoint(self.run_dir, self.step, self.model,
+                                   {"optimizer": self.opt.state_dict(), **rest}, trainer_state)
+        if self.main and self.cfg.keep_last is not None:
+            prune_checkpoints(self.run_dir, self.cfg.keep_last)
         if self.world > 1:
             dist.barrier()
         return path
@@ -416,7 +528,8 @@ class Trainer:
 def train(run_dir: str | Path, model_config: LMConfig | None, train_config: TrainConfig | None,
           corpus: Corpus, *, resume: bool = False, overwrite: bool = False,
           stop_after: int | None = None, progress: bool = True,
-          context_parallel: int = 1) -> list[tuple[int, float]]:
+          context_parallel: int = 1, fsdp: bool = False,
+          fsdp_mixed: str | None = None) -> list[tuple[int, float]]:
     """Train a LanguageModel into ``run_dir``; returns this process's ``(step, train loss)``.
 
     ``context_parallel`` N > 1 (under torchrun, world = N x data-parallel replicas) splits every
@@ -438,11 +551,21 @@ def train(run_dir: str | Path, model_config: LMConfig | None, train_config: Trai
 
     SIGINT or SIGTERM (main thread) during training saves a checkpoint of the last finished step
     and raises ``TrainingInterrupted``; resuming from it reproduces the uninterrupted run.
+    ``fsdp`` (under torchrun, 2 or more processes) shards parameters, gradients and AdamW's
+    state over every rank with FSDP2 (``distributed.shard_model``: per block and at the root,
+    on the ``dp_shard`` x ``cp`` mesh, composing with ``context_parallel``); the losses are one
+    process's. ``fsdp_mixed`` ``"bf16"``: bfloat16 parameters in compute, float32 master weights
+    and gradient reduction (not with ``bf16`` autocast). Checkpoints are then sharded
+    (``checkpoint.save_sharded_checkpoint``); a sharded checkpoint resumes on any world size and
+    mesh, with or without fsdp; a whole (single-file) one too.
+    Neither setting is recorded in run.json: they are launch settings like the world size.
+
     ``stop_after`` ends the session after that step without the final save, as if the process
     had been killed (time-boxed sessions, tests).
     """
     trainer = Trainer(run_dir, model_config, train_config, corpus, resume=resume,
-                      overwrite=overwrite, progress=progress, context_parallel=context_parallel)
+                      overwrite=overwrite, progress=progress, context_parallel=context_parallel,
+                      fsdp=fsdp, fsdp_mixed=fsdp_mixed)
     try:
         trainer.setup()
         return trainer.run(stop_after)

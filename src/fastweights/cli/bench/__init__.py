@@ -14,6 +14,7 @@ from . import (
     decode,
     family_compare,
     fla_decode,
+    fsdp,
     fwp_forms,
     gated_delta,
     gated_delta_models,
@@ -27,7 +28,7 @@ from . import (
 NAME = "bench"
 HELP = suite.HELP
 # The focused benchmarks, in the order ``fastweights bench --help`` lists them.
-BENCHMARKS = (decode, multistream, fla_decode, recompute, context_parallel, fwp_forms,
+BENCHMARKS = (decode, multistream, fla_decode, recompute, context_parallel, fsdp, fwp_forms,
               family_compare, ttt_modes, ttt_mlp_backward, gated_delta, gated_delta_models)
 DESCRIPTION = (suite.DESCRIPTION + " With a NAME, one of the focused benchmarks instead "
                "(fastweights bench NAME --help).")

@@ -10,6 +10,9 @@ current weights after every token, which costs ~15 passes over the inner weights
 TTT-MLP (the sums and W_i are rewritten each time); this form reads the start weights four times
 (TTT-MLP: [k; q] through W1_0 in one product, then W2_0 for the key, its gradient and the query)
 and two for TTT-Linear, and writes weights only when a mini-batch completes.
+Measured against step.py's weights form (benchmarks/results/ttt_step_forms/): 2-2.4x faster
+per token for a batch of 16 streams, and 1.9-3.3x slower if converted back to the op state every
+token, which is why the public ops keep step.py for T = 1.
 
 ``DecodeCarry`` is a layer state, not an op state: the public ops' states stay as DESIGN.md fixes
 them (current weights first). ``to_op_state`` turns a carry back into one, ``decode_carry``

@@ -1,0 +1,200 @@
+"""FSDP benchmark: memory per rank and bytes communicated per training step of one language
+model, trained by one process, by DDP and by FSDP (``fastweights train --fsdp``'s sharding:
+``train.distributed.shard_model``) on N processes (gloo on 127.0.0.1, CPU), for N in
+``--world``:
+
+- model state per rank: parameters + gradients + AdamW's two moments, float32, counted from the
+  tensors this rank holds (its shards under FSDP): 16 bytes per parameter, divided by N under
+  FSDP (exact up to the shards' padding);
+- peak resident memory per rank during a step (warm: optimizer state allocated), the largest
+  over ranks: the resident set before the step plus what the step adds
+  (``bench.measure.PeakMemory``); it includes the Python and torch libraries (a few hundred
+  MiB), the activations and FSDP's gathered blocks;
+- bytes per rank per step through the collectives: under FSDP measured (the all-gathers'
+  gathered buffers and the reduce-scatters' inputs, every call counted); under DDP the
+  gradients' bytes, all-reduced once per step (computed: DDP's reducer runs in C++);
+- the largest model one rank of ``--memory-gib`` (24) fits: (budget - the rest of the peak) /
+  (model-state bytes per parameter), the rest (libraries, activations, gathered blocks) held at
+  its measured size: an extrapolation, optimistic where activations grow with the model.
+
+Every rank runs with ``--threads`` threads; on a machine with fewer cores than N x threads the
+times measure contention, not FSDP; memory and bytes do not depend on it.
+
+Run: ``fastweights bench fsdp --world 1,2,4 --out benchmarks/results/fsdp_<cpu>``
+(``python -m fastweights.bench.fsdp`` is the same command). Writes results.csv, summary.md and
+run.json (the command and machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import platform
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from ..models import LanguageModel, LMConfig
+from ..train.distributed import device_mesh, shard_model
+from .context_parallel import init_rank, run_worlds
+from .measure import PeakMemory, resident_bytes
+
+FIELDS = ["mode", "world", "params", "state_bytes_per_rank", "peak_bytes_per_rank",
+          "comm_bytes_per_rank", "comm_measured", "time_s", "largest_params"]
+GIB = 2**30
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[list[int]]:
+    """Inside, the bytes of every ``all_gather_single`` (its gathered output) and
+    ``reduce_scatter_single`` (its input) are added to the yielded one-item list: the
+    collectives FSDP2 runs."""
+    total = [0]
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def counted_gather(output: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        total[0] += output.numel() * output.element_size()
+        return gather(output, *args, **kw)
+
+    def counted_scatter(*args: Any, **kw: Any) -> Any:
+        data = kw["input"] if "input" in kw else args[1]
+        total[0] += data.numel() * data.element_size()
+        return scatter(*args, **kw)
+
+    dist.all_gather_single, dist.reduce_scatter_single = counted_gather, counted_scatter
+    try:
+        yield total
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+
+
+def _local_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds (its shards of DTensors)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+
+
+def _train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    logits, _ = net(ids[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _measure(mode: str, world: int, opts: dict) -> tuple[int, int, int | None, int, float]:
+    """(parameters, model-state bytes, peak resident bytes or None, collective bytes, seconds)
+    of one warm training step of this rank in ``mode`` (single, ddp or fsdp)."""
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(**opts["model"]))
+    params = model.num_parameters()
+    net: torch.nn.Module = model
+    if mode == "fsdp":
+        shard_model(model, device_mesh(world, 1, torch.device("cpu")))
+    elif mode == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 256, (opts["batch"], opts["seq_len"] + 1))
+    _train_step(net, opt, ids)  # warm-up: AdamW's moments allocated
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    with PeakMemory(torch.device("cpu")) as peak, counting_collectives() as comm:
+        before = resident_bytes()  # after PeakMemory's malloc_trim: what the process holds
+        _train_step(net, opt, ids)
+    if world > 1:
+        dist.barrier()
+    elapsed = time.perf_counter() - start
+    held = _local_bytes(model)
+    moved = comm[0] if mode == "fsdp" else held if mode == "ddp" else 0
+    return (params, 4 * held,  # parameters, gradients and two moments: the same shapes
+            None if peak.peak is None else before + peak.peak, moved, elapsed)
+
+
+def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
+    init_rank(rank, world, port, opts)
+    rows = []
+    for mode in (["single"] if world == 1 else opts["modes"]):
+        every = [_measure(mode, world, opts)]
+        if world > 1:
+            mine, every = every[0], [None] * world
+            dist.all_gather_object(every, mine)
+        if rank == 0:
+            peaks = [e[2] for e in every]
+            row = {"mode": mode, "world": world, "params": every[0][0],
+                   "state_bytes_per_rank": max(e[1] for e in every),
+                   "peak_bytes_per_rank": None if None in peaks else max(peaks),
+                   "comm_bytes_per_rank": max(e[3] for e in every),
+                   "comm_measured": mode == "fsdp", "time_s": max(e[4] for e in every)}
+            row["largest_params"] = largest_params(row, opts["memory_gib"] * GIB)
+            rows.append(row)
+    if rank == 0:
+        Path(path).write_text(json.dumps(rows))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def largest_params(row: dict, budget: float) -> int | None:
+    """The parameters one rank of ``budget`` bytes fits at ``row``'s model-state bytes per
+    parameter, the rest of its peak (libraries, activations, gathered blocks) held fixed; None
+    when the peak was not measured."""
+    peak, state = row["peak_bytes_per_rank"], row["state_bytes_per_rank"]
+    if peak is None:
+        return None
+    return max(0, int((budget - (peak - state)) / (state / row["params"])))
+
+
+def _summary(rows: list[dict], budget_gib: float) -> str:
+    lines = ["| mode | N | params (M) | model state/rank (MiB) | peak/rank (MiB) | "
+             f"comm/rank/step (MiB) | time/step (s) | largest model in {budget_gib:g} GiB/rank (M params) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peak = "-" if r["peak_bytes_per_rank"] is None else f"{r['peak_bytes_per_rank'] / 2**20:.0f}"
+        comm = ("-" if r["mode"] == "single" else f"{r['comm_bytes_per_rank'] / 2**20:.1f}"
+                + ("" if r["comm_measured"] else " (computed)"))
+        largest = "-" if r["largest_params"] is None else f"{r['largest_params'] / 1e6:.0f}"
+        lines.append(f"| {r['mode']} | {r['world']} | {r['params'] / 1e6:.1f} | "
+                     f"{r['state_bytes_per_rank'] / 2**20:.0f} | {peak} | {comm} | "
+                     f"{r['time_s']:.2f} | {largest} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(worlds: list[int], out: Path, *, model: dict[str, Any], batch: int = 1,
+        seq_len: int = 64, threads: int = 1, memory_gib: float = 24.0, timeout: float = 600.0,
+        command: str = "") -> list[dict]:
+    """Measure one process (N = 1) and DDP and FSDP on every N > 1 of ``worlds`` for the
+    model ``LMConfig(**model)``; writes results.csv, summary.md and run.json (``command`` and
+    the machine) into ``out``, prints the summary, returns the rows."""
+    LMConfig(**model)  # a bad model setting fails here, before any process starts
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    opts = {"model": model, "batch": batch, "seq_len": seq_len, "threads": threads,
+            "timeout": timeout, "memory_gib": memory_gib, "modes": ["ddp", "fsdp"]}
+    # one group of processes per mode, so that no mode runs in a heap another one has grown
+    rows = run_worlds(_rank_main, [w for w in worlds if w == 1], opts, out)
+    for mode in opts["modes"]:
+        rows += run_worlds(_rank_main, [w for w in worlds if w > 1], {**opts, "modes": [mode]}, out)
+    rows.sort(key=lambda r: (r["world"], r["mode"]))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "summary.md").write_text(_summary(rows, memory_gib))
+    (out / "run.json").write_text(json.dumps({
+        "command": command, "machine": platform.platform(), "processor": platform.processor(),
+        "threads_per_rank": threads, "torch": torch.__version__, "model": model,
+        "batch": batch, "seq_len": seq_len}, indent=2))
+    print(_summary(rows, memory_gib))
+    return rows
+
+
+if __name__ == "__main__":  # the same as `fastweights bench fsdp`
+    from ..cli.main import main
+
+    sys.exit(main(["bench", "fsdp", *sys.argv[1:]]))
