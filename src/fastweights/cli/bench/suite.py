@@ -15,7 +15,7 @@ from ...bench.report import OUTPUT_FILES
 from ...bench.runner import PASSES
 from ...bench.targets import Setting
 from ...models.registry import check_mixer, mixer_names
-from ..common import UserError, make_folder, parse_mixer_spec, positive_int
+from ..common import UserError, make_folder, parse_int_list, parse_mixer_spec, positive_int
 
 HELP = "time, memory and FLOP rate of every mixer (and op) vs T"
 DESCRIPTION = ("Benchmark every registered mixer (and with --ops every form of every op) over "
@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time the installed peers' CPU references (flash-linear-attention's "
                         "pure-PyTorch chunked forms, torch SDPA) next to our ops, forward, "
                         "float32, same process; written to peers.csv and results.md")
+    p.add_argument("--threads", default=None,
+                   help="comma-separated torch thread counts (e.g. 1,2): every figure is "
+                        "measured at each, the counts interleaved round by round in this "
+                        "process, with the speed-up from the first count to each other "
+                        "(default: torch's current count)")
     p.add_argument("--compile", action="store_true",
                    help="also torch.compile each mixer: max |compiled - eager| and its time")
     p.add_argument("--out", default="bench_results", help="output folder")
@@ -124,6 +129,17 @@ def _mixers(text: str, ops: bool, peers: bool) -> list[tuple[str, str, dict]]:
     return specs
 
 
+def _threads(text: str | None) -> list[int]:
+    """``--threads``: distinct positive counts in the order given; torch's current count when
+    not given."""
+    if text is None:
+        return [torch.get_num_threads()]
+    counts = parse_int_list("--threads", text)
+    if len(set(counts)) != len(counts):
+        raise UserError(f"--threads lists a count twice: {text!r}")
+    return counts
+
+
 def _device(text: str) -> torch.device:
     try:
         device = torch.device(text)
@@ -163,6 +179,7 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     if d_model % n_heads:
         raise UserError(f"--d-model ({d_model}) must be divisible by --n-heads ({n_heads})")
     device = _device(args.device)
+    threads = _threads(args.threads)
     if args.peers and device.type != "cpu":
         raise UserError("--peers compares CPU references: it needs --device cpu")
     out = Path(args.out)
@@ -176,7 +193,7 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     setting = Setting(args.batch, d_model, n_heads, _DTYPES[args.dtype], device)
     opts = suite.BenchOptions(mixers, lengths, passes, setting, repeats, budget, args.ops,
                               args.peers, args.compile, out, args.quick, not args.no_progress,
-                              command="")
+                              command="", threads=threads)
     return dataclasses.replace(opts, command=_command_line(opts))
 
 
@@ -188,7 +205,8 @@ def _command_line(opts: suite.BenchOptions) -> str:
              "--n-heads", str(s.n_heads), "--batch", str(s.batch),
              "--dtype", str(s.dtype).removeprefix("torch."), "--device", str(s.device),
              "--repeats", str(opts.repeats), "--passes", ",".join(opts.passes),
-             "--time-budget", f"{opts.time_budget:g}"]
+             "--time-budget", f"{opts.time_budget:g}",
+             "--threads", ",".join(map(str, opts.threads))]
     parts += [flag for flag, on in (("--ops", opts.ops), ("--peers", opts.peers),
                                     ("--compile", opts.compile)) if on]
     return " ".join(shlex.quote(p) for p in parts)
