@@ -77,9 +77,10 @@ def test_quick_run_writes_every_count_and_the_speedup(tmp_path):
     out = tmp_path / "res"
     assert main(["bench", "--quick", "--mixers", "delta", "--lengths", "64", "--repeats", "2",
                  "--passes", "fwd,decode", "--threads", "1,2", "--peers", "--no-progress",
-                 "--out", str(out)]) == 0
+                 "--op-forms", "linear_attn[chunk]", "--out", str(out)]) == 0
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
+    assert {r["target"] for r in rows if r["kind"] == "op"} == {"linear_attn[chunk]"}
     for target in ("softmax", "delta"):
         for pass_name in ("fwd", "decode"):
             got = {r["threads"]: r for r in rows
@@ -94,6 +95,9 @@ def test_quick_run_writes_every_count_and_the_speedup(tmp_path):
     assert meta["threads"] == [1, 2] and "--threads 1,2" in meta["command"]
     assert set(meta["matmul_by_threads"]) == {"1", "2"}
     assert meta["scan_width"]["delta"]["64"]["items"] == 2  # batch 1 x 2 heads
+    assert meta["scan_width"]["linear_attn[chunk]"]["64"] == {
+        "steps": 1, "items": 2, "item": "one (batch, head) chunk hand-off: 64 keys and values "
+                                        "into its state"}
     with open(out / "peers.csv") as f:
         peers = list(csv.DictReader(f))
     assert {r["threads"] for r in peers} == {"1", "2"}

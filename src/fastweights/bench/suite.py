@@ -53,6 +53,7 @@ class BenchOptions:
     progress: bool
     command: str
     threads: list[int] = field(default_factory=lambda: [torch.get_num_threads()])
+    op_forms: list[str] | None = None  # with ``ops``: only these op targets (None: all)
 
 
 def _machine() -> str:
@@ -172,7 +173,7 @@ def run(opts: BenchOptions) -> None:
     left_out: dict[str, str] = {}
     if opts.ops:
         op_list, left_out = op_targets(s)
-        targets += op_list
+        targets += [t for t in op_list if opts.op_forms is None or t.name in opts.op_forms]
     sizes = (64, 128, 256) if opts.quick else (256, 512, 1024, 2048)
     # CPU BLAS has no fast half-precision matmul: rate the machine in float32 then.
     fast_dtype = s.device.type == "cuda" or s.dtype in (torch.float32, torch.float64)

@@ -13,7 +13,7 @@ import torch
 from ...bench import suite
 from ...bench.report import OUTPUT_FILES
 from ...bench.runner import PASSES
-from ...bench.targets import Setting
+from ...bench.targets import Setting, op_targets
 from ...models.registry import check_mixer, mixer_names
 from ..common import UserError, make_folder, parse_int_list, parse_mixer_spec, positive_int
 
@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CI-sized preset: lengths 16,32, d_model 32, 2 heads, 2 repeats")
     p.add_argument("--ops", action="store_true",
                    help="also benchmark the op-level forms (every mode of every op)")
+    p.add_argument("--op-forms", default=None,
+                   help="with --ops (implied): only these op forms, comma-separated as the "
+                        "report names them, e.g. linear_attn[chunk],ttt_mlp[dual] (an op "
+                        "without modes by its name, e.g. softmax_attention)")
     p.add_argument("--peers", action="store_true",
                    help="also time the installed peers' CPU references (flash-linear-attention's "
                         "pure-PyTorch chunked forms, torch SDPA) next to our ops, forward, "
@@ -140,6 +144,17 @@ def _threads(text: str | None) -> list[int]:
     return counts
 
 
+def _op_forms(text: str, setting: Setting) -> list[str]:
+    """``--op-forms``: op target names that ``op_targets`` offers at this setting."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    offered = [t.name for t in op_targets(setting)[0]]
+    unknown = [n for n in names if n not in offered]
+    if unknown or not names:
+        raise UserError(f"unknown op form(s) {unknown or text!r} in --op-forms; "
+                        f"offered: {', '.join(offered)}")
+    return list(dict.fromkeys(names))
+
+
 def _device(text: str) -> torch.device:
     try:
         device = torch.device(text)
@@ -168,7 +183,8 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     d_model, n_heads, repeats, budget = (
         _PRESETS[key][preset] if getattr(args, key) is None else getattr(args, key)
         for key in ("d_model", "n_heads", "repeats", "time_budget"))
-    mixers = _mixers(args.mixers, args.ops, args.peers)
+    ops = args.ops or args.op_forms is not None
+    mixers = _mixers(args.mixers, ops, args.peers)
     lengths = _lengths(args.lengths or ("16,32" if args.quick else
                                         FULL_LENGTHS if args.full else DEFAULT_LENGTHS))
     passes = [p.strip() for p in args.passes.split(",") if p.strip()]
@@ -189,11 +205,12 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
             check_mixer(name, d_model, n_heads, **opts)
         except (ValueError, TypeError) as err:
             raise UserError(f"--mixers {label}: {err}") from None
-    make_folder(out)  # before measuring: a bad --out must not cost the measurements
     setting = Setting(args.batch, d_model, n_heads, _DTYPES[args.dtype], device)
-    opts = suite.BenchOptions(mixers, lengths, passes, setting, repeats, budget, args.ops,
+    op_forms = None if args.op_forms is None else _op_forms(args.op_forms, setting)
+    make_folder(out)  # before measuring: a bad --out must not cost the measurements
+    opts = suite.BenchOptions(mixers, lengths, passes, setting, repeats, budget, ops,
                               args.peers, args.compile, out, args.quick, not args.no_progress,
-                              command="", threads=threads)
+                              command="", threads=threads, op_forms=op_forms)
     return dataclasses.replace(opts, command=_command_line(opts))
 
 
@@ -209,6 +226,8 @@ def _command_line(opts: suite.BenchOptions) -> str:
              "--threads", ",".join(map(str, opts.threads))]
     parts += [flag for flag, on in (("--ops", opts.ops), ("--peers", opts.peers),
                                     ("--compile", opts.compile)) if on]
+    if opts.op_forms is not None:
+        parts += ["--op-forms", ",".join(opts.op_forms)]
     return " ".join(shlex.quote(p) for p in parts)
 
 
