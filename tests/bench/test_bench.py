@@ -89,8 +89,9 @@ def test_refuses_to_overwrite(tmp_path, capsys):
     (["--time-budget", "-1"], "--time-budget"),
     (["--d-model", "30", "--n-heads", "4"], "--d-model"),
     (["--dtype", "int8"], "--dtype"),
+    (["--op-forms", "linear_attn[sideways]"], "--op-forms"),
 ], ids=["unknown-mixer", "zero-length", "negative-length", "unknown-pass", "repeats-not-int",
-        "negative-budget", "heads-not-dividing", "bad-dtype"])
+        "negative-budget", "heads-not-dividing", "bad-dtype", "unknown-op-form"])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, bad, word):
     out = tmp_path / "never"
     assert main([*QUICK, "--out", str(out), *bad]) == 2

@@ -357,3 +357,22 @@ def test_checkpoint_group_must_be_a_positive_int():
     for bad in (0, -2, 1.5, True):
         with pytest.raises((ValueError, TypeError), match="checkpoint_group"):
             ttt_linear(q, k, v, eta, checkpoint_group=bad, **kw)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["ln-bias", "ln-no-bias"])
+def test_loss_grad_fused_inference_path_equals_the_differentiable_one(bias):
+    """Without autograd loss_grad takes ATen's fused LayerNorm kernels; with it, the explicit
+    expression. Both are dl/dZ of 1/2 ||LN(Z) - target||^2 (float64, per-head gamma/beta)."""
+    g = torch.Generator().manual_seed(3)
+    z, target = (torch.randn(2, 3, 5, 7, generator=g, dtype=torch.float64) for _ in range(2))
+    w = torch.randn(3, 7, generator=g, dtype=torch.float64)
+    b = torch.randn(3, 7, generator=g, dtype=torch.float64) if bias else None
+    with torch.no_grad():
+        fused = loss_grad(z, target, w, b)
+    zg = z.clone().requires_grad_()
+    explicit = loss_grad(zg, target, w, b)
+    # the oracle: autograd's gradient of the loss itself
+    y = F.layer_norm(zg, (7,), eps=1e-6) * w.unsqueeze(1) + (0 if b is None else b.unsqueeze(1))
+    (oracle,) = torch.autograd.grad(0.5 * (y - target).square().sum(), zg)
+    assert_close64(fused, oracle)
+    assert_close64(explicit.detach(), oracle)

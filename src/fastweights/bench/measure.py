@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "prepare_cpu_memory_accounting",
     "synchronize",
     "time_call",
+    "time_rounds",
 ]
 
 _aten = torch.ops.aten
@@ -103,6 +104,27 @@ def time_call(fn: Callable[[], Any], device: torch.device) -> float:
     fn()
     synchronize(device)
     return time.perf_counter() - start
+
+
+def time_rounds(calls: Sequence[Callable[[], Any]], threads: Sequence[int], rounds: int,
+                device: torch.device) -> list[list[list[float]]]:
+    """Seconds per call, thread counts interleaved: round r sets each count of ``threads`` in
+    order (``torch.set_num_threads``) and at each count times every call of ``calls`` once, so
+    every count and call sees the same drift of a shared machine. Returns
+    ``times[i_thread][i_call][r]``; the caller's thread count is restored afterwards."""
+    before = torch.get_num_threads()
+    times: list[list[list[float]]] = [[[] for _ in calls] for _ in threads]
+    try:
+        for _ in range(rounds):
+            for per_count, n in zip(times, threads):
+                if n != torch.get_num_threads():
+                    torch.set_num_threads(n)
+                for sink, call in zip(per_count, calls):
+                    sink.append(time_call(call, device))
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+    return times
 
 
 def _proc_status_kib(field: str) -> int:

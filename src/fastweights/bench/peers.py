@@ -1,7 +1,8 @@
 """``fastweights bench --peers``: our ops next to the installed peers' references, one process.
 
 Each comparison times one of our ops and a peer's implementation of the same computation on the
-same data, forward only, interleaved (ours, peer, ours, ...) so that both see the same machine
+same data, forward only, interleaved (ours, peer, ours, ...; with several thread counts, ours
+and peer at each count in turn, round by round) so that both see the same machine
 state; the median of the repeats counts and ``ratio`` = peer time / our time (> 1: we are
 ahead). Peers are the CPU-capable references that are installed:
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import importlib
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,20 +40,22 @@ from ..ops import (
     ttt_linear,
 )
 from ..ops.fwp import preferred_chunk_size
+from .measure import time_rounds
 
 __all__ = ["PEER_COLUMNS", "PeerRow", "run_peers"]
 
-PEER_COLUMNS = ("op", "peer", "T", "status", "ours_s", "peer_s", "ratio", "repeats")
+PEER_COLUMNS = ("op", "peer", "T", "threads", "status", "ours_s", "peer_s", "ratio", "repeats")
 
 
 @dataclass
 class PeerRow:
-    """One (comparison, T): times in seconds per forward call; ``status`` ``ok`` or
-    ``skipped: why``."""
+    """One (comparison, T, thread count): times in seconds per forward call (medians); ``status``
+    ``ok`` or ``skipped: why``."""
 
     op: str
     peer: str
     T: int
+    threads: int = 1
     status: str = "ok"
     ours_s: float = float("nan")
     peer_s: float = float("nan")
@@ -170,51 +172,58 @@ def _inputs(B: int, T: int, H: int, D: int) -> dict[str, torch.Tensor]:
 
 def run_peers(
     lengths: list[int], B: int, H: int, D: int, repeats: int, time_budget: float,
+    threads: list[int] | None = None,
 ) -> tuple[list[PeerRow], dict[str, str]]:
-    """Time every installed comparison at every length (float32, CPU, forward, no autograd).
+    """Time every installed comparison at every length (float32, CPU, forward, no autograd) and
+    count of ``threads`` (None: torch's current count): after one warm-up round, each of
+    ``repeats`` rounds times ours then the peer at each thread count in order
+    (``measure.time_rounds``); one row per (comparison, T, thread count).
 
     A length is skipped for a comparison when its previous length took more than
-    ``time_budget`` / 4 s per call pair (the next is about 4x longer for softmax, 2x for the
+    ``time_budget`` / 4 s per round (the next is about 4x longer for softmax, 2x for the
     rest). Returns the rows and {comparison: why} for peers that are not installed."""
+    threads = list(threads) if threads else [torch.get_num_threads()]
     comps, missing = _comparisons()
     rows: list[PeerRow] = []
     last: dict[str, float] = {}
+    cpu = torch.device("cpu")
     with torch.no_grad():
         for T in lengths:
             x = _inputs(B, T, H, D)
             for c in comps:
-                row = PeerRow(c.op, c.peer, T)
-                rows.append(row)
+                group = [PeerRow(c.op, c.peer, T, threads=n) for n in threads]
+                rows += group
+                status = ""
                 if T % c.multiple:
-                    row.status = f"skipped: the peer needs T to be a multiple of {c.multiple}"
+                    status = f"skipped: the peer needs T to be a multiple of {c.multiple}"
+                elif last.get(c.op, 0.0) > time_budget / 4:
+                    status = "skipped: over the time budget"
+                if status:
+                    for row in group:
+                        row.status = status
                     continue
-                if last.get(c.op, 0.0) > time_budget / 4:
-                    row.status = "skipped: over the time budget"
-                    continue
-                ours, peer = c.make(x)
-                ours(), peer()  # warm-up
-                times: tuple[list[float], list[float]] = ([], [])
-                for _ in range(repeats):
-                    for fn, sink in ((ours, times[0]), (peer, times[1])):
-                        start = time.perf_counter()
-                        fn()
-                        sink.append(time.perf_counter() - start)
-                row.ours_s, row.peer_s = statistics.median(times[0]), statistics.median(times[1])
-                row.repeats = repeats
-                last[c.op] = row.ours_s + row.peer_s
+                calls = c.make(x)
+                time_rounds(calls, threads, 1, cpu)  # warm-up at every count
+                times = time_rounds(calls, threads, repeats, cpu)
+                for row, (ours, peer) in zip(group, times):
+                    row.ours_s, row.peer_s = statistics.median(ours), statistics.median(peer)
+                    row.repeats = repeats
+                last[c.op] = sum(r.ours_s + r.peer_s for r in group)
     return rows, missing
 
 
 def peer_table(rows: list[PeerRow], missing: dict[str, str]) -> list[str]:
     """The results.md section: one line per (comparison, T)."""
     lines = ["## Peers (forward, float32, same process, interleaved)", "",
-             "ratio = peer time / our time (> 1: fastweights is faster).", "",
-             "| op | peer | T | ours (ms) | peer (ms) | ratio |", "|---|---|---:|---:|---:|---:|"]
+             "ratio = peer time / our time (> 1: fastweights is faster); times are medians of "
+             "the rounds at that thread count.", "",
+             "| op | peer | T | threads | ours (ms) | peer (ms) | ratio |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.status == "ok":
-            lines.append(f"| {r.op} | {r.peer} | {r.T} | {r.ours_s * 1e3:.3g} | "
+            lines.append(f"| {r.op} | {r.peer} | {r.T} | {r.threads} | {r.ours_s * 1e3:.3g} | "
                          f"{r.peer_s * 1e3:.3g} | {r.ratio:.2f}x |")
         else:
-            lines.append(f"| {r.op} | {r.peer} | {r.T} | | | {r.status} |")
+            lines.append(f"| {r.op} | {r.peer} | {r.T} | {r.threads} | | | {r.status} |")
     lines += [f"- {name}: {why}" for name, why in missing.items()]
     return [*lines, ""]

@@ -10,29 +10,40 @@ from typing import Any
 from .peers import PEER_COLUMNS, PeerRow
 from .runner import Row
 
-__all__ = ["OUTPUT_FILES", "softmax_ratio", "write_csv", "write_markdown", "write_peer_csv",
+__all__ = ["OUTPUT_FILES", "matmul_rate", "softmax_ratio", "width_table", "write_csv", "write_markdown", "write_peer_csv",
            "write_plots"]
 
 OUTPUT_FILES = ("results.csv", "results.md", "meta.json", "time_vs_T.png", "memory_vs_T.png",
                 "peers.csv")
 
 CSV_COLUMNS = (
-    "target", "kind", "pass", "T", "status", "time_s", "tokens_per_s", "peak_mib", "flops",
-    "gflops_per_s", "matmul_gflops_per_s", "fraction_of_matmul", "speedup_vs_softmax",
-    "repeats", "compile_max_abs_diff", "batch", "d_model", "n_heads", "dtype", "device",
+    "target", "kind", "pass", "T", "threads", "status", "time_s", "time_min_s", "time_max_s",
+    "tokens_per_s", "peak_mib", "flops", "gflops_per_s", "matmul_gflops_per_s",
+    "fraction_of_matmul", "speedup_vs_softmax", "speedup_vs_first_threads", "speedup_min",
+    "speedup_max", "repeats", "compile_max_abs_diff", "batch", "d_model", "n_heads", "dtype",
+    "device",
 )
 
 _BASELINE = {"mixer": "softmax", "op": "softmax_attention"}
 
 
+def matmul_rate(meta: dict[str, Any], threads: int) -> float:
+    """The square-matmul GFLOP/s measured at ``threads`` (the run's single rate for records
+    written before rates were kept per thread count)."""
+    by_count = meta.get("matmul_by_threads") or {}
+    entry = by_count.get(str(threads))
+    return entry["gflops_per_s"] if entry else meta["matmul_gflops_per_s"]
+
+
 def softmax_ratio(rows: list[Row]) -> dict[int, float]:
-    """For each row (by index): softmax time / this time at the same T and pass (the mixers are
-    compared with the softmax mixer, the ops with ``softmax_attention``); > 1 means faster."""
-    base = {(r.kind, r.pass_name, r.T): r.time_s for r in rows
+    """For each row (by index): softmax time / this time at the same T, pass and thread count
+    (the mixers are compared with the softmax mixer, the ops with ``softmax_attention``); > 1
+    means faster."""
+    base = {(r.kind, r.pass_name, r.T, r.threads): r.time_s for r in rows
             if r.target == _BASELINE.get(r.kind) and r.status == "ok"}
     out = {}
     for i, r in enumerate(rows):
-        b = base.get((r.kind, r.pass_name, r.T))
+        b = base.get((r.kind, r.pass_name, r.T, r.threads))
         if b is not None and r.status == "ok":
             out[i] = b / r.time_s
     return out
@@ -44,33 +55,38 @@ def _fmt(x: float, spec: str) -> str:
 
 def write_csv(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     ratios = softmax_ratio(rows)
-    peak = meta["matmul_gflops_per_s"]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         for i, r in enumerate(rows):
+            peak = matmul_rate(meta, r.threads)
             w.writerow([
-                r.target, r.kind, r.pass_name, r.T, r.status, _fmt(r.time_s, ".6g"),
+                r.target, r.kind, r.pass_name, r.T, r.threads, r.status, _fmt(r.time_s, ".6g"),
+                _fmt(r.time_min_s, ".6g"), _fmt(r.time_max_s, ".6g"),
                 _fmt(r.tokens_per_s, ".6g"), _fmt(r.peak_bytes / 2**20, ".4g"),
                 _fmt(r.flops, ".6g"), _fmt(r.gflops_per_s, ".4g"), f"{peak:.4g}",
                 _fmt(r.gflops_per_s / peak, ".4g"), _fmt(ratios.get(i, math.nan), ".4g"),
+                _fmt(r.speedup, ".4g"), _fmt(r.speedup_min, ".4g"), _fmt(r.speedup_max, ".4g"),
                 r.repeats, _fmt(r.max_abs_diff, ".3g"), meta["batch"], meta["d_model"],
                 meta["n_heads"], meta["dtype"], meta["device"],
             ])
 
 
 def _pivot(rows: list[Row], pass_name: str, value) -> list[str]:
-    """A markdown table: one line per target, one column per T; cells from ``value(row)``."""
+    """A markdown table: one line per target (and thread count, where the run has several), one
+    column per T; cells from ``value(row)``."""
     sel = [r for r in rows if r.pass_name == pass_name]
     lengths = sorted({r.T for r in sel})
-    targets = list(dict.fromkeys(r.target for r in sel))
-    cell = {(r.target, r.T): r for r in sel}
-    lines = ["| target | " + " | ".join(f"T={T}" for T in lengths) + " |",
-             "|---|" + "---:|" * len(lengths)]
-    for t in targets:
-        cells = []
+    several = len({r.threads for r in sel}) > 1
+    targets = list(dict.fromkeys((r.target, r.threads) for r in sel))
+    cell = {(r.target, r.threads, r.T): r for r in sel}
+    lines = ["| target | " + ("threads | " if several else "")
+             + " | ".join(f"T={T}" for T in lengths) + " |",
+             "|---|" + ("---:|" if several else "") + "---:|" * len(lengths)]
+    for t, n in targets:
+        cells = [str(n)] if several else []
         for T in lengths:
-            r = cell.get((t, T))
+            r = cell.get((t, n, T))
             if r is None:
                 cells.append("")
             elif r.status != "ok":
@@ -81,33 +97,72 @@ def _pivot(rows: list[Row], pass_name: str, value) -> list[str]:
     return lines
 
 
+def _scaling(rows: list[Row], pass_name: str) -> list[str]:
+    """The thread-scaling table of one pass: per (target, T, thread count) the median time, the
+    rounds' min-max, and the speed-up over the first count (median and min-max of the per-round
+    ratios)."""
+    lines = ["| target | T | threads | median (ms) | min-max (ms) | speed-up | speed-up min-max |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.pass_name != pass_name or r.status != "ok":
+            continue
+        lines.append(f"| {r.target} | {r.T} | {r.threads} | {r.time_s * 1e3:.4g} | "
+                     f"{r.time_min_s * 1e3:.4g}-{r.time_max_s * 1e3:.4g} | {r.speedup:.2f}x | "
+                     f"{r.speedup_min:.2f}-{r.speedup_max:.2f} |")
+    return lines
+
+
+def width_table(widths: dict[str, dict[str, dict[str, Any]]], setting: Any) -> list[str]:
+    """The results.md section on the sequential scans' parallel width: per target and T, its
+    sequential steps and the independent work items in each (``targets.scan_width``)."""
+    if not widths:
+        return []
+    lines = ["## Parallel width of the sequential scans", "",
+             f"At batch {setting.batch}, {setting.n_heads} heads, head dim {setting.head_dim}: "
+             "each sequential step of a scan runs `items` independent work items; a machine "
+             "with more cores than that idles during the scan unless the BLAS call of one item "
+             "splits it further (the parts outside the scan are batched over all chunks or "
+             "mini-batches). Targets not listed have no sequential scan.", "",
+             "| target | T | sequential steps | items per step | one item |",
+             "|---|---:|---:|---:|---|"]
+    for name, by_T in widths.items():
+        for T, w in by_T.items():
+            lines.append(f"| {name} | {T} | {w['steps']} | {w['items']} | {w['item']} |")
+    return [*lines, ""]
+
+
 def write_peer_csv(path: Path, rows: list[PeerRow]) -> None:
     """peers.csv: one line per (comparison, T) of ``bench --peers``."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(PEER_COLUMNS)
         for r in rows:
-            w.writerow([r.op, r.peer, r.T, r.status, f"{r.ours_s:.6g}", f"{r.peer_s:.6g}",
+            w.writerow([r.op, r.peer, r.T, r.threads, r.status, f"{r.ours_s:.6g}", f"{r.peer_s:.6g}",
                         f"{r.ratio:.4g}", r.repeats])
 
 
 def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], method: str,
                    peers: list[str] | None = None) -> None:
     """results.md; ``peers``: the ``--peers`` section's lines, placed after the tables."""
-    peak = meta["matmul_gflops_per_s"]
+    counts = meta["threads"] if isinstance(meta["threads"], list) else [meta["threads"]]
     ratios = softmax_ratio(rows)
     ratio_of = {id(r): ratios.get(i, math.nan) for i, r in enumerate(rows)}
+    rates = ", ".join(f"**{matmul_rate(meta, n):.1f} GFLOP/s** at {n} thread{'s' * (n > 1)}"
+                      for n in counts)
+    threads = (f"{counts[0]} threads" if len(counts) == 1 else
+               f"threads {', '.join(map(str, counts))} interleaved round by round")
     lines = [
         "# fastweights bench", "",
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']}; machine: {meta['machine']}; torch {meta['torch']}, "
-        f"{meta['threads']} threads; device {meta['device']}, dtype {meta['dtype']}",
+        f"{threads}; device {meta['device']}, dtype {meta['dtype']}",
         f"- batch {meta['batch']}, d_model {meta['d_model']}, {meta['n_heads']} heads; "
         f"repeats {meta['repeats']} (median), time budget {meta['time_budget']} s per config",
         f"- CPU: {meta.get('cpu_model') or 'unknown'}; vector/matrix instruction sets: "
         f"{', '.join(meta.get('cpu_isa') or []) or 'none reported'}",
-        f"- measured matrix-multiply rate: **{peak:.1f} GFLOP/s** "
-        f"(square {meta['dtype']} matmul, best size n={meta['matmul_n']})",
+        f"- measured matrix-multiply rate: {rates} "
+        f"(square {meta['matmul_dtype'].removeprefix('torch.')} matmul, best size "
+        f"n={meta['matmul_n']})",
         "",
     ]
     units = {"decode": "per generated token", "fwd": "per forward pass",
@@ -120,9 +175,16 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], method: st
             f" (x{ratio_of[id(r)]:.2g})" if math.isfinite(ratio_of[id(r)]) else ""))
         lines += ["", "Peak memory (MiB above the resident baseline):", ""]
         lines += _pivot(rows, pass_name, lambda r: _fmt(r.peak_bytes / 2**20, ".4g"))
-        lines += ["", f"Achieved GFLOP/s of counted matmul FLOPs (% of {peak:.1f}):", ""]
+        lines += ["", "Achieved GFLOP/s of counted matmul FLOPs (% of the matmul rate at the "
+                  "same thread count):", ""]
         lines += _pivot(rows, pass_name, lambda r: (
-            f"{r.gflops_per_s:.3g} ({100 * r.gflops_per_s / peak:.0f}%)" if r.flops > 0 else "0"))
+            f"{r.gflops_per_s:.3g} ({100 * r.gflops_per_s / matmul_rate(meta, r.threads):.0f}%)"
+            if r.flops > 0 else "0"))
+        if len(counts) > 1:
+            lines += ["", f"Thread scaling: speed-up = time at {counts[0]} thread(s) / time at "
+                      "this count, the median of the per-round ratios (rounds interleave the "
+                      "counts):", ""]
+            lines += _scaling(rows, pass_name)
         if pass_name == "fwd-compiled":
             lines += ["", "max |compiled - eager|:", ""]
             lines += _pivot(rows, pass_name, lambda r: f"{r.max_abs_diff:.2g}")
@@ -158,15 +220,16 @@ def write_plots(folder: Path, rows: list[Row]) -> list[Path]:
         ("memory_vs_T.png", lambda r: r.peak_bytes / 2**20, "peak MiB above baseline"),
     ):
         fig, axes = plt.subplots(1, len(passes), figsize=(5.5 * len(passes), 4.5), squeeze=False)
+        several = len({r.threads for r in rows}) > 1
         for ax, pass_name in zip(axes[0], passes):
             sel = [r for r in rows if r.pass_name == pass_name and r.status == "ok"]
-            for target in dict.fromkeys(r.target for r in sel):
-                pts = [(r.T, value(r)) for r in sel if r.target == target]
+            for target, n in dict.fromkeys((r.target, r.threads) for r in sel):
+                pts = [(r.T, value(r)) for r in sel if (r.target, r.threads) == (target, n)]
                 pts = [(t, v) for t, v in pts if math.isfinite(v) and v > 0]
                 if pts:
                     kind = next(r.kind for r in sel if r.target == target)
                     ax.plot(*zip(*pts), marker="o", ms=3, ls="-" if kind == "mixer" else "--",
-                            label=target)
+                            label=f"{target} ({n} threads)" if several else target)
             ax.set(xscale="log", yscale="log", title=pass_name, xlabel="T", ylabel=label)
             ax.grid(True, which="both", alpha=0.3)
         handles, labels = axes[0][0].get_legend_handles_labels()

@@ -1,14 +1,18 @@
 """The benchmark loop: every (target, T, pass), smallest T first, skipping what would not fit.
 
-For each target the lengths run in increasing order; before each (T, pass) the time of one call
-and its peak memory are predicted from the same target and pass at the two largest lengths
-measured so far (power law in T, exponent clamped to [1, 2]; exponent 2 while only one length is
-known). A config is skipped, with the reason recorded, when two calls are predicted to exceed the
-time budget or its peak memory to exceed half of the memory available when the run started;
+For each target the lengths run in increasing order; before each (T, pass) the time of one round
+(a call at each thread count) and its peak memory are predicted from the same target and pass at
+the two largest lengths measured so far (power law in T, exponent clamped to [1, 2]; exponent 2
+while only one length is known). A config is skipped, with the reason recorded, when two rounds
+are predicted to exceed the time budget or its peak memory to exceed half of the memory available when the run started;
 after a failure (e.g. out of memory) the larger lengths of that target and pass are skipped.
-A measured config runs one warm-up call, then ``n`` timed calls where
-``n = clamp((budget - 3 t_warm) / t_warm, 1, repeats)``, then one untimed peak-memory call and
-one FLOP-counting call (see ``measure``).
+A measured config runs one warm-up call at each thread count, then ``n`` timed rounds where
+``n = clamp((budget - 3 t_warm) / t_warm, 1, repeats)`` and ``t_warm`` is the warm-up time summed
+over the thread counts; round r times one call at each count of ``threads`` in order
+(``measure.time_rounds``), so that a speed-up between counts is a median of per-round ratios
+measured under the same machine state, not a ratio of two medians taken minutes apart. Then one
+untimed peak-memory call per count and one FLOP-counting call (see ``measure``). Each thread
+count gets its own Row.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .measure import PeakMemory, count_flops, time_call
+from .measure import PeakMemory, count_flops, time_rounds
 from .targets import Setting, Target, Workload
 
 __all__ = ["PASSES", "Row", "run_targets"]
@@ -49,6 +53,12 @@ class Row:
     gflops_per_s: float = math.nan
     repeats: int = 0
     max_abs_diff: float = math.nan  # fwd-compiled only: |compiled - eager|
+    threads: int = 1  # torch intra-op threads of this measurement
+    time_min_s: float = math.nan  # spread of the rounds (per call / per token like time_s)
+    time_max_s: float = math.nan
+    speedup: float = math.nan  # over the run's first thread count: median of per-round ratios
+    speedup_min: float = math.nan
+    speedup_max: float = math.nan
 
 
 def _predict(history: list[tuple[int, float]], T: int) -> float | None:
@@ -65,27 +75,38 @@ def _predict(history: list[tuple[int, float]], T: int) -> float | None:
     return v_last * (T / t_last) ** exponent
 
 
-def _measure(row: Row, call: Callable[[], Any], tokens: int, per_call: int, budget: float,
-             repeats: int, device: torch.device, memory: bool) -> None:
-    """Fill ``row`` by timing ``call`` (which produces ``per_call`` units: 1 forward pass or
-    ``decode_steps`` tokens)."""
-    t_warm = time_call(call, device)
+def _measure(rows: list[Row], call: Callable[[], Any], tokens: int, per_call: int,
+             budget: float, repeats: int, device: torch.device, memory: bool,
+             threads: list[int]) -> None:
+    """Fill ``rows`` (one per count of ``threads``) by timing ``call`` (which produces
+    ``per_call`` units: 1 forward pass or ``decode_steps`` tokens), thread counts interleaved."""
+    t_warm = sum(t[0][0] for t in time_rounds([call], threads, 1, device))
     n = max(1, min(repeats, int((budget - 3 * t_warm) / max(t_warm, 1e-9))))
-    times = [time_call(call, device) for _ in range(n)]
-    with PeakMemory(device, enabled=memory) as peak:  # untimed: see measure's notes
-        call()
+    times = [t[0] for t in time_rounds([call], threads, n, device)]
     flops = count_flops(call)
-    median = statistics.median(times)
-    row.repeats = n
-    row.time_s = median / per_call
-    row.tokens_per_s = tokens / median
-    row.peak_bytes = math.nan if peak.peak is None else peak.peak
-    row.flops = flops / per_call
-    row.gflops_per_s = flops / median / 1e9
+    before = torch.get_num_threads()
+    for row, count, ts in zip(rows, threads, times):
+        torch.set_num_threads(count)
+        try:
+            with PeakMemory(device, enabled=memory) as peak:  # untimed: see measure's notes
+                call()
+        finally:
+            torch.set_num_threads(before)
+        ratios = [first / t for first, t in zip(times[0], ts)]
+        median = statistics.median(ts)
+        row.repeats = n
+        row.time_s, row.time_min_s, row.time_max_s = (x / per_call for x in (median, min(ts),
+                                                                              max(ts)))
+        row.speedup = statistics.median(ratios)
+        row.speedup_min, row.speedup_max = min(ratios), max(ratios)
+        row.tokens_per_s = tokens / median
+        row.peak_bytes = math.nan if peak.peak is None else peak.peak
+        row.flops = flops / per_call
+        row.gflops_per_s = flops / median / 1e9
 
 
-def _compile_row(row: Row, work: Workload, T: int, budget: float, repeats: int,
-                 setting: Setting) -> None:
+def _compile_rows(rows: list[Row], work: Workload, T: int, budget: float, repeats: int,
+                  setting: Setting, threads: list[int]) -> None:
     """torch.compile the layer, report max |compiled - eager| of the forward, and time it."""
     layer, x = work.module, work.x
     torch._dynamo.reset()  # fresh caches: a new layer per T must not hit the recompile limit
@@ -100,10 +121,14 @@ def _compile_row(row: Row, work: Workload, T: int, budget: float, repeats: int,
     try:
         got = call()  # the compilation happens here
     except Exception as err:  # a compiler failure is a result to report, not a crash
-        row.status = f"failed: compile: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        for row in rows:
+            row.status = (f"failed: compile: {type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:160]}")
         return
-    row.max_abs_diff = (got.double() - eager.double()).abs().max().item()
-    _measure(row, call, setting.batch * T, 1, budget, repeats, setting.device, memory=False)
+    for row in rows:
+        row.max_abs_diff = (got.double() - eager.double()).abs().max().item()
+    _measure(rows, call, setting.batch * T, 1, budget, repeats, setting.device, memory=False,
+             threads=threads)
 
 
 def _configs(targets: list[Target], lengths: list[int], passes: list[str]
@@ -116,10 +141,14 @@ def _configs(targets: list[Target], lengths: list[int], passes: list[str]
 
 def run_targets(targets: list[Target], lengths: list[int], passes: list[str], setting: Setting,
                 repeats: int, budget: float, memory_limit: float, memory: bool,
-                compile_check: bool = False, progress: bool = True) -> list[Row]:
-    """Benchmark every target at every length and pass; returns one Row per config."""
+                compile_check: bool = False, progress: bool = True,
+                threads: list[int] | None = None) -> list[Row]:
+    """Benchmark every target at every length and pass; returns one Row per config and count
+    of ``threads`` (None: torch's current count), the counts interleaved round by round."""
+    threads = list(threads) if threads else [torch.get_num_threads()]
     passes = list(passes) + ([COMPILED_PASS] if compile_check else [])
     rows: list[Row] = []
+    # histories of the time of one round (a call at every thread count) and of peak memory
     time_hist: dict[tuple[str, str], list[tuple[int, float]]] = {}
     mem_hist: dict[tuple[str, str], list[tuple[int, float]]] = {}
     failed: dict[tuple[str, str], int] = {}
@@ -133,25 +162,14 @@ def run_targets(targets: list[Target], lengths: list[int], passes: list[str], se
             continue
         bar.set_postfix_str(f"{target.name} T={T} {pass_name}")
         key = (target.name, pass_name)
-        row = Row(target.name, target.kind, pass_name, T)
-        rows.append(row)
+        group = [Row(target.name, target.kind, pass_name, T, threads=n) for n in threads]
+        rows += group
         bar.update(1)
-        if key in failed:
-            row.status = f"skipped: failed at T={failed[key]}"
-            continue
-        t_pred = _predict(time_hist.get(key, []), T)
-        m_pred = _predict(mem_hist.get(key, []), T)
-        # Decoding first needs a (untimed) prefill, about one forward pass.
-        prefill = 0.0
-        if pass_name == "decode":
-            prefill = _predict(time_hist.get((target.name, "fwd"), []), T) or 0.0
-        if t_pred is not None and 2 * t_pred + prefill > budget:
-            row.status = (f"skipped: predicted {t_pred:.3g} s per call (+{prefill:.3g} s prefill),"
-                          f" 2 calls exceed the {budget:g} s budget")
-            continue
-        if m_pred is not None and m_pred > memory_limit:
-            row.status = (f"skipped: predicted peak memory {m_pred / 2**30:.2f} GiB > "
-                          f"limit {memory_limit / 2**30:.2f} GiB")
+        status = _skip_reason(key, target.name, pass_name, T, failed, time_hist, mem_hist,
+                              budget, memory_limit)
+        if status:
+            for row in group:
+                row.status = status
             continue
         try:
             work = work_cache.get((target.name, T))
@@ -161,33 +179,62 @@ def run_targets(targets: list[Target], lengths: list[int], passes: list[str], se
                 work = work_cache[(target.name, T)] = target.build(T, setting)
             tokens = setting.batch * T
             if pass_name == "fwd":
-                _measure(row, work.forward, tokens, 1, budget, repeats, setting.device, memory)
+                _measure(group, work.forward, tokens, 1, budget, repeats, setting.device, memory,
+                         threads)
             elif pass_name == "fwdbwd":
-                _measure(row, work.forward_backward, tokens, 1, budget, repeats, setting.device,
-                         memory)
+                _measure(group, work.forward_backward, tokens, 1, budget, repeats,
+                         setting.device, memory, threads)
             elif pass_name == "decode":
                 if work.step is None:
-                    row.status = f"skipped: {work.no_decode_reason}"
+                    for row in group:
+                        row.status = f"skipped: {work.no_decode_reason}"
                     continue
                 if (target.name, T) not in state_cache:
                     state_cache[(target.name, T)] = work.prefill()
                 state = state_cache[(target.name, T)]
-                _measure(row, lambda w=work, st=state: w.step(st),
+                _measure(group, lambda w=work, st=state: w.step(st),
                          setting.batch * work.decode_steps, work.decode_steps, budget, repeats,
-                         setting.device, memory)
+                         setting.device, memory, threads)
             else:
-                _compile_row(row, work, T, budget, repeats, setting)
+                _compile_rows(group, work, T, budget, repeats, setting, threads)
         except Exception as err:
             # out of memory, a kernel or layer error: one config's failure is a result to
             # record; the rest of the run goes on
-            row.status = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            for row in group:
+                row.status = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             failed[key] = T
             work_cache.clear()
             state_cache.clear()
             continue
-        time_hist.setdefault(key, []).append((T, row.time_s * (work.decode_steps
-                                                               if pass_name == "decode" else 1)))
-        if math.isfinite(row.peak_bytes):
-            mem_hist.setdefault(key, []).append((T, max(row.peak_bytes, 1.0)))
+        if group[0].status != "ok":
+            continue
+        per_call = work.decode_steps if pass_name == "decode" else 1
+        time_hist.setdefault(key, []).append((T, sum(r.time_s for r in group) * per_call))
+        peaks = [r.peak_bytes for r in group if math.isfinite(r.peak_bytes)]
+        if peaks:
+            mem_hist.setdefault(key, []).append((T, max(max(peaks), 1.0)))
     bar.close()
     return rows
+
+
+def _skip_reason(key: tuple[str, str], name: str, pass_name: str, T: int,
+                 failed: dict[tuple[str, str], int],
+                 time_hist: dict[tuple[str, str], list[tuple[int, float]]],
+                 mem_hist: dict[tuple[str, str], list[tuple[int, float]]],
+                 budget: float, memory_limit: float) -> str:
+    """Why the config (target ``name``, T, pass) is skipped, or "" to measure it."""
+    if key in failed:
+        return f"skipped: failed at T={failed[key]}"
+    t_pred = _predict(time_hist.get(key, []), T)
+    m_pred = _predict(mem_hist.get(key, []), T)
+    # Decoding first needs a (untimed) prefill, about one forward pass.
+    prefill = 0.0
+    if pass_name == "decode":
+        prefill = _predict(time_hist.get((name, "fwd"), []), T) or 0.0
+    if t_pred is not None and 2 * t_pred + prefill > budget:
+        return (f"skipped: predicted {t_pred:.3g} s per round (+{prefill:.3g} s prefill),"
+                f" 2 rounds exceed the {budget:g} s budget")
+    if m_pred is not None and m_pred > memory_limit:
+        return (f"skipped: predicted peak memory {m_pred / 2**30:.2f} GiB > "
+                f"limit {memory_limit / 2**30:.2f} GiB")
+    return ""

@@ -3,12 +3,13 @@ results.csv, results.md, meta.json and the plots (``fastweights bench`` builds t
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,16 @@ import torch
 
 from . import measure
 from .peers import peer_table, run_peers
-from .report import OUTPUT_FILES, write_csv, write_markdown, write_peer_csv, write_plots
+from .report import (
+    OUTPUT_FILES,
+    width_table,
+    write_csv,
+    write_markdown,
+    write_peer_csv,
+    write_plots,
+)
 from .runner import run_targets
-from .targets import Setting, mixer_targets, op_targets
+from .targets import Setting, mixer_targets, op_targets, scan_width
 
 __all__ = ["BenchOptions", "cpu_info", "method_notes", "run"]
 
@@ -28,7 +36,8 @@ class BenchOptions:
     """Validated options of one benchmark run. ``mixers``: (label, registered name, options)
     per benchmarked mixer, the label as the user wrote it (``ttt-mlp:checkpoint_group=4``);
     ``command``: the command line that repeats the run, recorded in meta.json; ``quick``:
-    CI-sized matmul reference."""
+    CI-sized matmul reference; ``threads``: the torch thread counts every figure is measured
+    at, interleaved round by round (the first is the speed-ups' reference)."""
 
     mixers: list[tuple[str, str, dict[str, Any]]]
     lengths: list[int]
@@ -43,6 +52,8 @@ class BenchOptions:
     quick: bool
     progress: bool
     command: str
+    threads: list[int] = field(default_factory=lambda: [torch.get_num_threads()])
+    op_forms: list[str] | None = None  # with ``ops``: only these op targets (None: all)
 
 
 def _machine() -> str:
@@ -95,6 +106,21 @@ def _available_memory(device: torch.device) -> float:
     return float("inf")
 
 
+def _matmul_rates(opts: BenchOptions, dtype: torch.dtype, sizes: tuple[int, ...]
+                  ) -> dict[int, tuple[float, int]]:
+    """{thread count: (square-matmul GFLOP/s, best size)} at every count of ``opts.threads``."""
+    before = torch.get_num_threads()
+    rates = {}
+    try:
+        for n in opts.threads:
+            torch.set_num_threads(n)
+            rates[n] = measure.matmul_gflops(opts.setting.device, dtype, sizes,
+                                             min_seconds=0.05 if opts.quick else 0.3)
+    finally:
+        torch.set_num_threads(before)
+    return rates
+
+
 def method_notes(opts: BenchOptions, memory_ok: bool) -> str:
     """The method paragraph written into results.md."""
     mem = ("CUDA allocator peak (torch.cuda.max_memory_allocated) minus the memory allocated "
@@ -114,7 +140,13 @@ def method_notes(opts: BenchOptions, memory_ok: bool) -> str:
         "against T keys).",
         "- time: one warm-up call, then the median of up to `--repeats` timed calls (fewer when "
         "the time budget would be exceeded; the CSV's `repeats` says how many), "
-        "time.perf_counter with device synchronisation.",
+        "time.perf_counter with device synchronisation. With several `--threads` counts the "
+        "calls run in rounds: round r sets each count in the order given "
+        "(torch.set_num_threads) and times one call at each; the warm-up is one call per "
+        "count; each count's median and min-max are over the rounds, and its speed-up is "
+        "the median (and min-max) of the per-round ratios time(first count) / time(count). "
+        "The op rate compares with the matmul rate measured at the same thread count; the peer "
+        "table times ours and the peer at each count within the same rounds.",
         f"- peak memory: {mem}. It includes the outputs and, "
         "for fwdbwd, the activations saved for backward and the gradients.",
         "- FLOPs: torch.utils.flop_counter.FlopCounterMode on one more call; counts only "
@@ -141,33 +173,42 @@ def run(opts: BenchOptions) -> None:
     left_out: dict[str, str] = {}
     if opts.ops:
         op_list, left_out = op_targets(s)
-        targets += op_list
+        targets += [t for t in op_list if opts.op_forms is None or t.name in opts.op_forms]
     sizes = (64, 128, 256) if opts.quick else (256, 512, 1024, 2048)
     # CPU BLAS has no fast half-precision matmul: rate the machine in float32 then.
     fast_dtype = s.device.type == "cuda" or s.dtype in (torch.float32, torch.float64)
     matmul_dtype = s.dtype if fast_dtype else torch.float32
-    peak, peak_n = measure.matmul_gflops(s.device, matmul_dtype, sizes,
-                                         min_seconds=0.05 if opts.quick else 0.3)
-    print(f"matrix-multiply rate: {peak:.1f} GFLOP/s ({matmul_dtype}, n={peak_n}); "
-          f"{len(targets)} targets x {len(opts.lengths)} lengths", file=sys.stderr)
+    rates = _matmul_rates(opts, matmul_dtype, sizes)
+    peak, peak_n = rates[opts.threads[0]]
+    print("matrix-multiply rate: " + ", ".join(f"{r:.1f} GFLOP/s at {n} threads (n={size})"
+                                                 for n, (r, size) in rates.items())
+          + f" ({matmul_dtype}); {len(targets)} targets x {len(opts.lengths)} lengths",
+          file=sys.stderr)
     rows = run_targets(targets, opts.lengths, opts.passes, s, opts.repeats, opts.time_budget,
                        memory_limit=0.5 * _available_memory(s.device), memory=memory_ok,
-                       compile_check=opts.compile, progress=opts.progress)
+                       compile_check=opts.compile, progress=opts.progress,
+                       threads=opts.threads)
     peer_rows, peers_missing = [], {}
     if opts.peers:
         peer_rows, peers_missing = run_peers(opts.lengths, s.batch, s.n_heads,
                                              s.d_model // s.n_heads, opts.repeats,
-                                             opts.time_budget)
+                                             opts.time_budget, threads=opts.threads)
+    by_label = {label: (name, options) for label, name, options in opts.mixers}
+    widths = {t.name: {str(T): dataclasses.asdict(w) for T in opts.lengths
+                       if (w := scan_width(t, T, s, by_label)) is not None} for t in targets}
     cpu = cpu_info()
     meta = {
         "command": opts.command,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": _machine(), "cpu_model": cpu["model"], "cpu_isa": cpu["isa"],
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "threads": opts.threads,
         "device": str(s.device), "dtype": str(s.dtype).removeprefix("torch."),
         "batch": s.batch, "d_model": s.d_model, "n_heads": s.n_heads,
         "repeats": opts.repeats, "time_budget": opts.time_budget,
         "matmul_gflops_per_s": peak, "matmul_n": peak_n, "matmul_dtype": str(matmul_dtype),
+        "matmul_by_threads": {str(n): {"gflops_per_s": r, "n": size}
+                              for n, (r, size) in rates.items()},
+        "scan_width": {name: w for name, w in widths.items() if w},
         "left_out_ops": left_out,
         "peers_missing": peers_missing,
     }
@@ -178,7 +219,8 @@ def run(opts: BenchOptions) -> None:
     if opts.peers:
         write_peer_csv(opts.out / "peers.csv", peer_rows)
     write_markdown(opts.out / "results.md", rows, meta, method_notes(opts, memory_ok),
-                   peer_table(peer_rows, peers_missing) if opts.peers else None)
+                   (peer_table(peer_rows, peers_missing) if opts.peers else [])
+                   + width_table(meta["scan_width"], s))
     (opts.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     written = write_plots(opts.out, rows)
     n_ok = sum(r.status == "ok" for r in rows)

@@ -27,8 +27,10 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..models.registry import build_mixer, mixer_names, mixer_options
+from ..ops.backend import preferred_chunk_size
 
-__all__ = ["Setting", "Target", "Workload", "mixer_targets", "op_targets"]
+__all__ = ["ScanWidth", "Setting", "Target", "Workload", "mixer_targets", "op_targets",
+           "scan_width"]
 
 # Feature maps and helpers in fastweights.ops that are not sequence mixers.
 _NOT_MIXERS = {
@@ -152,6 +154,13 @@ def _recipe_delta_rule(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str
     return [q, k, _randn(s, B, T, H, D), torch.sigmoid(_randn(s, B, T, H))], {}
 
 
+def _recipe_decay(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    B, H, D = s.batch, s.n_heads, s.head_dim
+    q, k = (_feature(_randn(s, B, T, H, D)) for _ in range(2))
+    decay = torch.linspace(0.9, 0.999, H, device=s.device, dtype=s.dtype)  # TransNormer's range
+    return [q, k, _randn(s, B, T, H, D), decay], {}
+
+
 def _recipe_softmax(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
     B, H, D = s.batch, s.n_heads, s.head_dim
     return [_randn(s, B, T, H, D) for _ in range(3)], {}
@@ -202,6 +211,7 @@ def _recipe_block(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any
 _RECIPES: dict[str, Callable[[int, Setting], tuple[list[torch.Tensor], dict[str, Any]]]] = {
     "linear_attn": _recipe_linear_attn,
     "delta_rule": _recipe_delta_rule,
+    "decay_linear_attn": _recipe_decay,
     "softmax_attention": _recipe_softmax,
     "ttt_linear": _recipe_ttt(mlp=False),
     "ttt_mlp": _recipe_ttt(mlp=True),
@@ -306,3 +316,71 @@ def op_targets(setting: Setting) -> tuple[list[Target], dict[str, str]]:
             targets.append(Target(name, "op",
                                   lambda T, s, o=op_name, m=mode: _op_workload(o, m, T, s)))
     return targets, left_out
+
+
+# ----------------------------------------------------------------------------- scan widths
+
+
+@dataclass(frozen=True)
+class ScanWidth:
+    """The parallel width of a target's sequential scan at one shape: ``steps`` sequential steps
+    (chunk or mini-batch hand-offs, or tokens), each doing ``items`` independent work items
+    (``item`` says what one is). A machine with more cores than ``items`` idles on the scan
+    unless one item is split further by the BLAS call that runs it."""
+
+    steps: int
+    items: int
+    item: str
+
+
+# The op behind each scanning mixer (mixers not listed have no sequential scan in forward).
+_MIXER_OPS = {"linear": "linear_attn", "dpfp": "linear_attn", "favor": "linear_attn",
+              "delta": "delta_rule", "gated-delta": "gated_delta_rule",
+              "norm": "decay_linear_attn", "ttt-linear": "ttt_linear", "ttt-mlp": "ttt_mlp"}
+
+
+def _default(fn: Callable[..., Any], name: str) -> Any:
+    param = inspect.signature(fn).parameters.get(name)
+    return None if param is None else param.default
+
+
+def _op_width(op_name: str, mode: str | None, size: int | None, T: int,
+              s: Setting) -> ScanWidth | None:
+    """The scan width of ``op_name`` in ``mode`` with chunk / mini-batch ``size`` (None: the
+    op's default)."""
+    if op_name not in _MIXER_OPS.values():
+        return None
+    fn = getattr(ops, op_name)
+    mode = mode or _default(fn, "mode")
+    BH, D = s.batch * s.n_heads, s.head_dim
+    if op_name.startswith("ttt_"):
+        b = size or _default(fn, "mini_batch_size")
+        mats = (f"[{b}x{D}]@[{D}x{D}]" if op_name == "ttt_linear" else
+                f"[{b}x{D}]@[{D}x{4 * D}] and [{b}x{4 * D}]@[{4 * D}x{D}]")
+        return ScanWidth(-(-T // b), BH, f"one (batch, head) mini-batch update: {mats} products")
+    if mode in ("recurrent", "naive"):
+        return ScanWidth(T, BH, f"one (batch, head) rank-1 update of a {D}x{D} state")
+    C = min(T, size or _default(fn, "chunk_size") or 64)
+    return ScanWidth(-(-T // C), BH,
+                     f"one (batch, head) chunk hand-off: {C} keys and values into its state")
+
+
+def scan_width(target: Target, T: int, s: Setting,
+               mixers: dict[str, tuple[str, dict[str, Any]]] | None = None) -> ScanWidth | None:
+    """The parallel width of ``target``'s sequential scan at length T (None: no scan, e.g.
+    softmax). Op targets are named ``op[mode]``; mixer targets are looked up in ``mixers``
+    (label -> (registered name, options)), their chunk / mini-batch size the options' or the
+    layer's default (``preferred_chunk_size`` where that is None)."""
+    if target.kind == "op":
+        op_name, _, mode = target.name.partition("[")
+        return _op_width(op_name, mode.rstrip("]") or None, None, T, s)
+    name, options = (mixers or {}).get(target.name, (target.name, {}))
+    op_name = _MIXER_OPS.get(name)
+    if op_name is None:
+        return None
+    opts = {**mixer_options(name), **options}
+    size = opts.get("mini_batch_size") or opts.get("chunk_size")
+    if size is None and "chunk_size" in opts:
+        size = preferred_chunk_size(op_name, s.device) if op_name in (
+            "linear_attn", "delta_rule", "gated_delta_rule") else None
+    return _op_width(op_name, opts.get("mode"), size, T, s)

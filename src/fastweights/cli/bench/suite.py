@@ -13,9 +13,9 @@ import torch
 from ...bench import suite
 from ...bench.report import OUTPUT_FILES
 from ...bench.runner import PASSES
-from ...bench.targets import Setting
+from ...bench.targets import Setting, op_targets
 from ...models.registry import check_mixer, mixer_names
-from ..common import UserError, make_folder, parse_mixer_spec, positive_int
+from ..common import UserError, make_folder, parse_int_list, parse_mixer_spec, positive_int
 
 HELP = "time, memory and FLOP rate of every mixer (and op) vs T"
 DESCRIPTION = ("Benchmark every registered mixer (and with --ops every form of every op) over "
@@ -71,10 +71,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CI-sized preset: lengths 16,32, d_model 32, 2 heads, 2 repeats")
     p.add_argument("--ops", action="store_true",
                    help="also benchmark the op-level forms (every mode of every op)")
+    p.add_argument("--op-forms", default=None,
+                   help="with --ops (implied): only these op forms, comma-separated as the "
+                        "report names them, e.g. linear_attn[chunk],ttt_mlp[dual] (an op "
+                        "without modes by its name, e.g. softmax_attention)")
     p.add_argument("--peers", action="store_true",
                    help="also time the installed peers' CPU references (flash-linear-attention's "
                         "pure-PyTorch chunked forms, torch SDPA) next to our ops, forward, "
                         "float32, same process; written to peers.csv and results.md")
+    p.add_argument("--threads", default=None,
+                   help="comma-separated torch thread counts (e.g. 1,2): every figure is "
+                        "measured at each, the counts interleaved round by round in this "
+                        "process, with the speed-up from the first count to each other "
+                        "(default: torch's current count)")
     p.add_argument("--compile", action="store_true",
                    help="also torch.compile each mixer: max |compiled - eager| and its time")
     p.add_argument("--out", default="bench_results", help="output folder")
@@ -124,6 +133,28 @@ def _mixers(text: str, ops: bool, peers: bool) -> list[tuple[str, str, dict]]:
     return specs
 
 
+def _threads(text: str | None) -> list[int]:
+    """``--threads``: distinct positive counts in the order given; torch's current count when
+    not given."""
+    if text is None:
+        return [torch.get_num_threads()]
+    counts = parse_int_list("--threads", text)
+    if len(set(counts)) != len(counts):
+        raise UserError(f"--threads lists a count twice: {text!r}")
+    return counts
+
+
+def _op_forms(text: str, setting: Setting) -> list[str]:
+    """``--op-forms``: op target names that ``op_targets`` offers at this setting."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    offered = [t.name for t in op_targets(setting)[0]]
+    unknown = [n for n in names if n not in offered]
+    if unknown or not names:
+        raise UserError(f"unknown op form(s) {unknown or text!r} in --op-forms; "
+                        f"offered: {', '.join(offered)}")
+    return list(dict.fromkeys(names))
+
+
 def _device(text: str) -> torch.device:
     try:
         device = torch.device(text)
@@ -152,7 +183,8 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     d_model, n_heads, repeats, budget = (
         _PRESETS[key][preset] if getattr(args, key) is None else getattr(args, key)
         for key in ("d_model", "n_heads", "repeats", "time_budget"))
-    mixers = _mixers(args.mixers, args.ops, args.peers)
+    ops = args.ops or args.op_forms is not None
+    mixers = _mixers(args.mixers, ops, args.peers)
     lengths = _lengths(args.lengths or ("16,32" if args.quick else
                                         FULL_LENGTHS if args.full else DEFAULT_LENGTHS))
     passes = [p.strip() for p in args.passes.split(",") if p.strip()]
@@ -163,6 +195,7 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     if d_model % n_heads:
         raise UserError(f"--d-model ({d_model}) must be divisible by --n-heads ({n_heads})")
     device = _device(args.device)
+    threads = _threads(args.threads)
     if args.peers and device.type != "cpu":
         raise UserError("--peers compares CPU references: it needs --device cpu")
     out = Path(args.out)
@@ -172,11 +205,12 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
             check_mixer(name, d_model, n_heads, **opts)
         except (ValueError, TypeError) as err:
             raise UserError(f"--mixers {label}: {err}") from None
-    make_folder(out)  # before measuring: a bad --out must not cost the measurements
     setting = Setting(args.batch, d_model, n_heads, _DTYPES[args.dtype], device)
-    opts = suite.BenchOptions(mixers, lengths, passes, setting, repeats, budget, args.ops,
+    op_forms = None if args.op_forms is None else _op_forms(args.op_forms, setting)
+    make_folder(out)  # before measuring: a bad --out must not cost the measurements
+    opts = suite.BenchOptions(mixers, lengths, passes, setting, repeats, budget, ops,
                               args.peers, args.compile, out, args.quick, not args.no_progress,
-                              command="")
+                              command="", threads=threads, op_forms=op_forms)
     return dataclasses.replace(opts, command=_command_line(opts))
 
 
@@ -188,9 +222,12 @@ def _command_line(opts: suite.BenchOptions) -> str:
              "--n-heads", str(s.n_heads), "--batch", str(s.batch),
              "--dtype", str(s.dtype).removeprefix("torch."), "--device", str(s.device),
              "--repeats", str(opts.repeats), "--passes", ",".join(opts.passes),
-             "--time-budget", f"{opts.time_budget:g}"]
+             "--time-budget", f"{opts.time_budget:g}",
+             "--threads", ",".join(map(str, opts.threads))]
     parts += [flag for flag, on in (("--ops", opts.ops), ("--peers", opts.peers),
                                     ("--compile", opts.compile)) if on]
+    if opts.op_forms is not None:
+        parts += ["--op-forms", ",".join(opts.op_forms)]
     return " ".join(shlex.quote(p) for p in parts)
 
 

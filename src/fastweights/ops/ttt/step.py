@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import LN_EPS, Carry, Weights
+from .common import LN_EPS, Carry, Weights, fused_ln_loss_grad
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -69,11 +69,7 @@ def _loss_grad(z: torch.Tensor, target: torch.Tensor, norm: Norm) -> torch.Tenso
     exactly ``native_layer_norm_backward`` of g without an affine part."""
     if norm is None:
         return z - target
-    d = z.shape[-1:]
-    x_hat, mean, rstd = torch.native_layer_norm(z, d, None, None, LN_EPS)
-    g = (_affine(x_hat, norm) - target) * norm[0]
-    return torch.ops.aten.native_layer_norm_backward(
-        g, z, d, mean, rstd, None, None, [True, False, False])[0]
+    return fused_ln_loss_grad(z, target, *norm)
 
 
 def _finish(z: torch.Tensor, q: torch.Tensor, norm: Norm, residual: bool) -> torch.Tensor:
