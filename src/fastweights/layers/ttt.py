@@ -261,8 +261,11 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             q, k, caches = self._backbone_convs(qk, list(caches), bounds)
             qk = None
         else:
-            # q and k side by side as 2H heads: rotated in one call.
-            qk, v = split_heads(proj[..., :2 * H * D], 2 * H), proj[..., 2 * H * D:]
+            # q and k side by side as 2H heads: rotated in one call. (split, not two slices:
+            # its backward is one cat, where each slice's backward zero-fills a [B, T, 3 H D]
+            # gradient, 11 ms per step at T 4096, d 512)
+            qk, v = proj.split([2 * H * D, H * D], dim=-1)
+            qk = split_heads(qk, 2 * H)
         v = split_heads(v, H)  # [B, T, H, D]
         if self.rope:
             # Restart every mini-batch; every document starts its own mini-batches.
@@ -277,7 +280,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             else:
                 (qk,) = self._rotate_periodic((qk,), positions, b)
         if qk is not None:
-            q, k = qk[:, :, :H], qk[:, :, H:]
+            q, k = qk.split(H, dim=2)
         elif not self.rope:
             q, k = split_heads(q, H), split_heads(k, H)
         eta = self._inner_lr(x)  # [B, T, H]
