@@ -141,8 +141,7 @@ def claims(p: Plan) -> list[Claim]:
     return out
 
 
-def metrics(p: Plan) -> list[str]:
-    return [*(miss_metric(n) for n in p.settings["lengths"]), "final_train_loss"]
+metrics = pk.metrics_with_train_loss
 
 
 def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:

@@ -23,7 +23,7 @@ from ..layers import InfiniAttention
 from ..models import LanguageModel, LMConfig
 from ..train.trainer import TrainConfig, lr_factor
 from . import lm
-from .common import RUNS, RunSpec, mean_spread, values
+from .common import RUNS, Plan, RunSpec, mean_spread, values
 
 MODEL_DIR = "model"  # the trained weights, in each run's folder
 Curve = list[list[float]]  # [step, mean loss, mean batch accuracy] per point
@@ -39,6 +39,11 @@ def acc_metric(length: int, depth: float) -> str:
 def miss_metric(length: int) -> str:
     """1 - accuracy averaged over the depths (lower is better, as the verdict rule wants)."""
     return f"miss@{length}"
+
+
+def metrics_with_train_loss(p: Plan) -> list[str]:
+    """The metrics table's columns: miss at every evaluated length, then the final training loss."""
+    return [*(miss_metric(n) for n in p.settings["lengths"]), "final_train_loss"]
 
 
 def train(config: LMConfig, s: dict[str, Any], seed: int, step_loss: StepLoss,
