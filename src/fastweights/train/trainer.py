@@ -54,7 +54,8 @@ from .._checks import is_int
 from ..models import LanguageModel, LMConfig
 from ..models.lm import LMState
 from ..parallel import context_parallel_forward
-from ..tasks.text import Corpus, packed_windows, random_windows, stream_shard_len, stream_windows
+from ..tasks.text import Corpus
+from .batches import BatchSource
 from .checkpoint import (
     load_sharded,
     prune_checkpoints,
@@ -139,9 +140,8 @@ class Trainer:
         self.step, self.best, self.since_best = 0, float("inf"), 0
         self.losses: list[tuple[int, float]] = []  # (step, train loss) of this session
         self.tokens, self.elapsed = 0, 0.0  # trained this session, seconds since its first step
-        # carry_state: the stream offset of the next window (None before the first step) and
-        # this rank's detached state after the last step (None: a fresh state).
-        self.stream_pos: int | None = None
+        # carry_state: this rank's detached state after the last step (None: a fresh state);
+        # the stream offset of the next window is the batch source's.
         self.carry: LMState | None = None
 
     @property
@@ -179,6 +179,8 @@ class Trainer:
         if self.main:  # everything is checked: the new run starts writing here
             self._open_run()
         self.local = self.cfg.batch_size // self.dp  # rows of a micro-batch per replica
+        self.batches = BatchSource(self.cfg, self.corpus, self.data_gen, self.dp_rank, self.local,
+                                   self.cp_rank, self.cp, self.device)
         if self.fsdp:  # before the optimizer, which must hold the sharded parameters
             if resumed and "optimizer" in resumed[1]:  # a whole checkpoint
                 resumed[1]["optimizer_by_name"] = self._optimizer_by_name(resumed[1])
@@ -298,7 +300,7 @@ class Trainer:
         if carry is None:
             raise ValueError("the checkpoint holds no carried state, but the run trains with "
                              "carry_state")
-        self.stream_pos = carry["position"]
+        self.batches.stream_pos = carry["position"]
         state, rows = carry["state"], self.cfg.batch_size
         if any(t.dim() == 0 or t.shape[0] != rows for t in state_tree.tensors(state)):
             raise ValueError(f"the checkpoint's carried state does not hold batch_size {rows} "
@@ -336,56 +338,15 @@ class Trainer:
                 raise TrainingInterrupted(signum, self.step, self.save())
         return self.losses
 
-    def _next_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """This rank's ``grad_accum`` micro-batches of the next global batch, on device: (x, y,
-        cu_seqlens or None) each. Every rank draws the whole global batch of batch_size x
-        grad_accum rows at once (the random stream is the same everywhere, and the same as one
-        batch of that many rows); its data-parallel replica takes a contiguous slice of them,
-        cut into grad_accum micro-batches of batch_size / replicas rows, and under context
-        parallelism the rank's shard of their columns."""
-        cfg, corpus, k = self.cfg, self.corpus, self.cfg.grad_accum
-        rows = cfg.batch_size * k
-        first = self.dp_rank * self.local * k
-        parts = [(first + m * self.local, first + (m + 1) * self.local) for m in range(k)]
-        if cfg.pack:
-            # one draw of the row starts for all micro-batches: each packs its rows of it
-            start, batches = self.data_gen.get_state(), []
-            for part in parts:
-                self.data_gen.set_state(start)
-                x, y, cu = packed_windows(corpus.train, corpus.train_starts, rows, cfg.seq_len,
-                                          self.data_gen, rows=part)
-                batches.append((x.to(self.device), y.to(self.device), cu.to(self.device)))
-            return batches
-        if cfg.carry_state:
-            x, y = self._next_stream_windows()
-        else:
-            x, y = random_windows(corpus.train, rows, cfg.seq_len, self.data_gen)
-        width = cfg.seq_len // self.cp
-        cols = slice(self.cp_rank * width, (self.cp_rank + 1) * width)
-        return [(x[slice(*part), cols].to(self.device), y[slice(*part), cols].to(self.device), None)
-                for part in parts]
-
-    def _next_stream_windows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """carry_state: the global batch's next consecutive windows (``stream_windows``); the
-        first offset is drawn from the data generator, and where the next window does not fit
-        every row restarts at offset 0 with a fresh state."""
-        cfg = self.cfg
-        last = stream_shard_len(self.corpus.train, cfg.batch_size) - cfg.seq_len - 1
-        if self.stream_pos is None:
-            self.stream_pos = int(torch.randint(0, last + 1, (1,), generator=self.data_gen))
-        elif self.stream_pos > last:
-            self.stream_pos, self.carry = 0, None
-        x, y = stream_windows(self.corpus.train, cfg.batch_size, cfg.seq_len, self.stream_pos)
-        self.stream_pos += cfg.seq_len
-        return x, y
-
     def train_step(self) -> float:
         """One optimiser step on the next global batch, accumulated over ``grad_accum``
         micro-batches; its loss (the mean over the global batch under DDP and context
         parallelism, identical to one process's), logged."""
         cfg = self.cfg
         set_inner_lr_ramp(self.model, self.step, cfg.warmup)
-        batches = self._next_batches()
+        batches, restarted = self.batches.next()
+        if restarted:  # carry_state: every row's stream starts again, with a fresh state
+            self.carry = None
         # Each micro-batch's mean loss is weighted by its share of this rank's predicted tokens
         # (all equal without --pack), so the accumulated gradient is that of the mean over them
         # all; with one micro-batch the weight is exactly 1.
@@ -502,7 +463,7 @@ class Trainer:
             dist.all_gather_object(parts, state)
             if state is not None:
                 state = state_tree.cat_rows(parts, "carried state")
-        return {"position": self.stream_pos, "state": state}
+        return {"position": self.batches.stream_pos, "state": state}
 
     def teardown(self) -> None:
         """Close the progress bar and metrics; under DDP free DDP's reducer and end the process
