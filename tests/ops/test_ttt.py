@@ -376,3 +376,22 @@ def test_loss_grad_fused_inference_path_equals_the_differentiable_one(bias):
     (oracle,) = torch.autograd.grad(0.5 * (y - target).square().sum(), zg)
     assert_close64(fused, oracle)
     assert_close64(explicit.detach(), oracle)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_dual_single_sequence_single_head_leaves_inputs_untouched(kind, grad):
+    """B = H = 1 with T a multiple of b: the step-major layout of v is a view of v itself, so
+    the residual target must not be formed in place; dual still equals naive."""
+    args, kw = make_case(kind, B=1, T=12, H=1, Dk=4, Dv=4, b=4, residual=True)
+    before = [x.clone() for x in args]
+    if grad:
+        args = tuple(x.clone().requires_grad_() for x in args)
+    o, state = OPS[kind](*args, mode="dual", output_final_state=True, **kw)
+    ref, ref_state = OPS[kind](*(x.detach() for x in args), mode="naive",
+                               output_final_state=True, **kw)
+    for x, x0 in zip(args, before):
+        assert torch.equal(x.detach(), x0)
+    assert_close64(o.detach(), ref, what="dual")
+    assert_states_close([s.detach() if isinstance(s, torch.Tensor) else s for s in state],
+                        ref_state, what="dual")

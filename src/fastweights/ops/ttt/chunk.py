@@ -26,14 +26,16 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from .common import (
-    LN_EPS,
     Carry,
     from_minibatches,
+    fused_ln_loss_grad,
     gelu,
     gelu_grad,
+    kq_steps,
     layer_norm,
     loss_grad,
     per_head,
+    steps_to_output,
     to_minibatches,
     to_steps,
 )
@@ -95,13 +97,22 @@ def _scan(run: Callable[..., tuple[Any, ...]], N: int, group: int | None,
     return (*weights, *(torch.cat(x, dim=2) for x in zip(*pieces)), tail)
 
 
+def _records_grad(*xs: torch.Tensor | None) -> bool:
+    """Whether autograd records a graph through any of xs."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
 def ttt_linear_dual(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
     tau: torch.Tensor, checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, Carry]:
     """TTT-Linear, f_res(z) = z W + b, in the dual form. Returns (o [B, T, H, Dv], carry).
-    ``checkpoint_group``: see ``_scan``."""
+    ``checkpoint_group``: see ``_scan``. Without a gradient to record (and outside traced
+    programs) the step-major scan ``_ttt_linear_dual_inference`` runs instead: same results."""
+    if not torch.compiler.is_compiling() and not _records_grad(
+            q, k, v, eta, ln_weight, ln_bias, tau, *carry.start, *(carry.grads or ())):
+        return _ttt_linear_dual_inference(q, k, v, eta, carry, ln_weight, ln_bias, residual, tau)
     T, b, p = q.shape[1], tau.shape[-1], carry.pos
     Q, K, target, eta_mb, E = _layout(q, k, v, eta, p, residual, tau)
     has_bias = carry.start[1] is not None
@@ -148,6 +159,64 @@ def ttt_linear_dual(
         _split(W, has_bias), None if grads is None else _split(grads, has_bias), tail)
 
 
+def _ttt_linear_dual_inference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
+    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
+    tau: torch.Tensor,
+) -> tuple[torch.Tensor, Carry]:
+    """``ttt_linear_dual`` without autograd, in the step-major layout of TTT-MLP's scan
+    ([N, B*H, b, D], common.to_steps): per mini-batch four calls on contiguous blocks (keys' and
+    queries' outputs at the start weights in one product, the loss gradient, the read-out
+    Zbar = Zq - M G written straight into the output buffer, the weights' rank-b update in
+    place), and nothing stacked or concatenated afterwards. Few and reused buffers matter on
+    CPU: each fresh large buffer costs first-touch page faults, which do not get faster with
+    more threads."""
+    (B, T, H, Dk), Dv, b, p = q.shape, v.shape[-1], tau.shape[-1], carry.pos
+    has_bias = carry.start[1] is not None
+    W = _join(*carry.start).flatten(0, 1).clone()  # [BH, Dk1, Dv], updated in place
+    P = None if carry.grads is None else _join(*carry.grads).flatten(0, 1)
+    KQ = kq_steps(k, q, p, b, has_bias)  # [N, BH, 2b, Dk1]
+    Ka, Qa = KQ[:, :, :b], KQ[:, :, b:]
+    tgt = to_steps(v, p, b)  # [N, BH, b, Dv] (a view of v itself when B = H = 1)
+    if residual:  # SPEC 2.2: the residual moves into the target
+        tgt = tgt - Ka[..., :Dk]
+    eta_s = to_steps(eta.unsqueeze(-1), p, b)  # [N, BH, b, 1]; padding rows 0
+    tau_r = tau.repeat(B, 1).unsqueeze(-1)  # [BH, b, 1]
+    tau_b = tau_r[:, -1:]  # [BH, 1, 1]
+    # M = E * (Qa Ka^T), E_ij = tau_i eta_j (j <= i): the b x b read-out term of every step
+    M = (Qa @ Ka.transpose(-1, -2)).mul_(tau_r * eta_s.transpose(-1, -2)).tril_()
+    ka_up = (Ka * (eta_s * tau_b)).transpose(-1, -2)  # [N, BH, Dk1, b]: tau_b eta_j k_j^T
+    gamma = beta = None
+    if ln_weight is not None:
+        gamma = ln_weight.repeat(B, 1).unsqueeze(-2)  # [BH, 1, Dv]
+        beta = None if ln_bias is None else ln_bias.repeat(B, 1).unsqueeze(-2)
+    N = KQ.shape[0]
+    tail = (p + T) % b
+    Zbar = tgt.new_empty(N, B * H, b, Dv)
+    grads = None
+    for n, (kq, tg, m, ku, zb) in enumerate(zip(KQ, tgt, M, ka_up, Zbar)):
+        Z = torch.matmul(kq, W)  # [BH, 2b, Dv]: keys' and queries' outputs at the start weights
+        Zk = Z[:, :b]
+        G = Zk - tg if gamma is None else fused_ln_loss_grad(Zk, tg, gamma, beta)
+        o = torch.baddbmm(Z[:, b:], m, G, alpha=-1, out=zb)
+        if n == 0 and P is not None:
+            # Tokens of this mini-batch seen by an earlier call: their gradient sums reach
+            # every later row i through W_i = W_0 - tau_i (sums_before + ...).
+            o.sub_(tau_r * (Qa[0] @ P))
+        if n == N - 1 and tail:  # a last, partly filled mini-batch hands on its sums
+            grads = Ka[n].transpose(-1, -2) @ (G * eta_s[n])
+            if n == 0 and P is not None:
+                grads += P
+            break
+        if n == 0 and P is not None:  # SPEC 2.3: W_b = W_0 - tau_b (carried sums + this call's)
+            W.sub_(tau_b * P)
+        W.baddbmm_(ku, G, alpha=-1)
+    out = steps_to_output(Zbar, q, p, T, H, ln_weight, ln_bias, residual)
+    W = W.unflatten(0, (B, H))
+    return out, Carry(_split(W, has_bias),
+                      None if grads is None else _split(grads.unflatten(0, (B, H)), has_bias), tail)
+
+
 def ttt_mlp_dual(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
@@ -163,38 +232,25 @@ def ttt_mlp_dual(
     if torch.compiler.is_compiling():
         return _ttt_mlp_dual_traced(q, k, v, eta, carry, ln_weight, ln_bias, residual, tau,
                                     checkpoint_group)
-    (B, T, H, Dk), Dv, b, p = q.shape, v.shape[-1], tau.shape[-1], carry.pos
+    (B, T, H, Dk), b, p = q.shape, tau.shape[-1], carry.pos
     has_b1, has_b2 = carry.start[1] is not None, carry.start[3] is not None
     W1, W2 = (_join(*carry.start[i:i + 2]).flatten(0, 1) for i in (0, 2))  # [BH, ...]
     P1, P2 = (None, None) if carry.grads is None else (
         _join(*carry.grads[i:i + 2]).flatten(0, 1) for i in (0, 2))
     # Step-major [N, B*H, b, D] (common.to_steps): every step reads contiguous blocks.
-    Ka, Qa = to_steps(k, p, b, has_b1), to_steps(q, p, b, has_b1)
+    KQ = kq_steps(k, q, p, b, has_b1)  # [N, BH, 2b, Dk1]: keys, then queries
     target = to_steps(v, p, b)
     if residual:  # SPEC 2.2: the residual moves into the target
-        target = target - Ka[..., :Dk]
+        target = target - KQ[:, :, :b, :Dk]
     # Padding rows get eta = 0, so they never contribute to any gradient sum.
     eta_s = to_steps(eta.unsqueeze(-1), p, b).squeeze(-1)  # [N, BH, b]
     tau_r = tau.repeat(B, 1)  # [BH, b], per row of the steps' batch dim
     E = (tau_r.unsqueeze(-1) * eta_s.unsqueeze(-2)).tril()  # E_ij = tau_i eta_j, j <= i
     per_row = [None if w is None else w.repeat(B, 1) for w in (ln_weight, ln_bias)]
     tail = (p + T) % b
-    Zbar, W1, W2, S1, S2 = mlp_scan(Ka, Qa, target, eta_s, E, tau_r, W1, W2, P1, P2, *per_row,
+    Zbar, W1, W2, S1, S2 = mlp_scan(KQ, target, eta_s, E, tau_r, W1, W2, P1, P2, *per_row,
                                     has_b2, bool(tail), checkpoint_group)
-    N = Zbar.shape[0]
-    if ln_weight is not None:  # the affine part is applied per head in the output layout
-        Zbar = F.layer_norm(Zbar, (Dv,), eps=LN_EPS)
-    out = Zbar.unflatten(1, (B, H)).permute(1, 0, 3, 2, 4)  # [B, N, b, H, Dv], a view
-    if residual:
-        qp = q if not p and N * b == T else F.pad(q, (0, 0, 0, 0, p, N * b - p - T))
-        qp = qp.unflatten(1, (N, b))
-        # q first: the result is laid out like q (contiguous), so the reshape below is a view
-        out = qp + out if ln_weight is None else torch.addcmul(qp, out, ln_weight)
-    elif ln_weight is not None:
-        out = out * ln_weight
-    if ln_bias is not None:
-        out = out + ln_bias
-    out = out.reshape(B, N * b, H, Dv)[:, p:p + T]
+    out = steps_to_output(Zbar, q, p, T, H, ln_weight, ln_bias, residual)
     W1, W2 = W1.unflatten(0, (B, H)), W2.unflatten(0, (B, H))
     grads = None if S1 is None else (
         _split(S1.unflatten(0, (B, H)), has_b1) + _split(S2.unflatten(0, (B, H)), has_b2))

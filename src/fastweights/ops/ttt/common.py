@@ -291,6 +291,56 @@ def to_steps(x: torch.Tensor, p: int, b: int, ones: bool = False) -> torch.Tenso
     return x.flatten(1, 2)
 
 
+def kq_steps(k: torch.Tensor, q: torch.Tensor, p: int, b: int, ones: bool) -> torch.Tensor:
+    """Keys and queries [B, T, H, Dk] -> one step-major buffer [N, B*H, 2b, Dk(+1)]: mini-batch
+    n's keys in rows 0..b-1 and its queries in rows b..2b-1 (``to_steps`` of each, with the
+    bias's column of ones when ``ones``). Without autograd both are written straight into one
+    allocation (each fresh large buffer costs first-touch page faults, which do not get faster
+    with more threads); with it, by one stack whose backward pass is views (in-place writes
+    into slices would copy the whole gradient once per write)."""
+    B, T, H, Dk = k.shape
+    N = -(-(p + T) // b)
+
+    def steps(x: torch.Tensor) -> torch.Tensor:  # [N, B, H, b, Dk], a view (zero padding rows)
+        if p or N * b != p + T:
+            x = F.pad(x, (0, 0, 0, 0, p, N * b - p - T))
+        return x.unflatten(1, (N, b)).permute(1, 0, 3, 2, 4)
+
+    if torch.is_grad_enabled() and (k.requires_grad or q.requires_grad):
+        buf = torch.stack([steps(k), steps(q)], dim=3)  # [N, B, H, 2, b, Dk]
+        buf = F.pad(buf, (0, 1), value=1.0) if ones else buf
+        return buf.reshape(N, B * H, 2 * b, Dk + ones)
+    buf = k.new_empty(N, B, H, 2, b, Dk + ones)
+    buf[:, :, :, 0, :, :Dk].copy_(steps(k))
+    buf[:, :, :, 1, :, :Dk].copy_(steps(q))
+    if ones:
+        buf[..., Dk] = 1.0
+    return buf.view(N, B * H, 2 * b, Dk + ones)
+
+
+def steps_to_output(Zbar: torch.Tensor, q: torch.Tensor, p: int, T: int, H: int,
+                    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
+                    residual: bool) -> torch.Tensor:
+    """The dual forms' read-out from step-major Zbar [N, B*H, b, Dv] (consumed: normalised in
+    place): [LN](Zbar) (+ q with ``residual``) as o [B, T, H, Dv], laid out like q, written in
+    one pass with the per-head affine part and the residual."""
+    N, BH, b, Dv = Zbar.shape
+    B = BH // H
+    if ln_weight is not None:  # the affine part is applied per head in the output layout
+        Zbar = F.layer_norm(Zbar, (Dv,), eps=LN_EPS)
+    out = Zbar.unflatten(1, (B, H)).permute(1, 0, 3, 2, 4)  # [B, N, b, H, Dv], a view
+    if residual:
+        qp = q if not p and N * b == T else F.pad(q, (0, 0, 0, 0, p, N * b - p - T))
+        qp = qp.unflatten(1, (N, b))
+        # q first: the result is laid out like q (contiguous), so the reshape below is a view
+        out = qp + out if ln_weight is None else torch.addcmul(qp, out, ln_weight)
+    elif ln_weight is not None:
+        out = out * ln_weight
+    if ln_bias is not None:  # out is a fresh tensor here (ln_bias comes with ln_weight)
+        out.add_(ln_bias)
+    return out.reshape(B, N * b, H, Dv)[:, p:p + T]
+
+
 def from_minibatches(x: torch.Tensor, p: int, T: int) -> torch.Tensor:
     """[B, H, N, b, D] -> [B, T, H, D], dropping the padding rows."""
     B, H, N, b, D = x.shape

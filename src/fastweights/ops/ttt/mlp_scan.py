@@ -151,17 +151,20 @@ def _ln_grad_backward(dG: torch.Tensor, G: torch.Tensor, z: torch.Tensor, mean: 
 class _Inputs:
     """The scan's inputs in step-major layout and what is derived from them once per call.
 
-    Ka, Qa [N, BH, b, Dk1]; tgt [N, BH, b, Dv]; eta [N, BH, b]; E [N, BH, b, b]; tau [BH, b];
-    P1 [BH, Dk1, Dh], P2 [BH, Dh1, Dv] or None; lw, lb [BH, Dv] or None."""
+    KQ [N, BH, 2b, Dk1] (each step's keys, then its queries; Ka, Qa are views of the halves);
+    tgt [N, BH, b, Dv]; eta [N, BH, b]; E [N, BH, b, b]; tau [BH, b]; P1 [BH, Dk1, Dh],
+    P2 [BH, Dh1, Dv] or None; lw, lb [BH, Dv] or None."""
 
-    def __init__(self, Ka, Qa, tgt, eta, E, tau, P1, P2, lw, lb, Dh: int, has_b2: bool,
+    def __init__(self, KQ, tgt, eta, E, tau, P1, P2, lw, lb, Dh: int, has_b2: bool,
                  tail: bool):
+        b = tgt.shape[2]
+        Ka, Qa = KQ[:, :, :b], KQ[:, :, b:]
         self.Ka, self.Qa, self.tgt, self.eta, self.E, self.tau = Ka, Qa, tgt, eta, E, tau
         self.P1, self.P2, self.Dh, self.has_b2, self.tail = P1, P2, Dh, has_b2, tail
         self.lw = None if lw is None else lw.unsqueeze(-2)  # [BH, 1, Dv]
         self.lb = None if lb is None else lb.unsqueeze(-2)
-        self.N, self.b = Ka.shape[0], Ka.shape[2]
-        self.KQ = torch.cat([Ka, Qa], dim=-2)  # [N, BH, 2b, Dk1]: one product for both
+        self.N, self.b = KQ.shape[0], b
+        self.KQ = KQ  # one product for keys and queries per step
         self.QK = Qa @ Ka.transpose(-1, -2)  # [N, BH, b, b]
         self.M1 = E * self.QK
         self.eta_c = eta.unsqueeze(-1)  # [N, BH, b, 1]
@@ -375,7 +378,7 @@ def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
     ceG2 = ce * G2
     BH, Dk1 = x.KQ.shape[1], x.KQ.shape[-1]
     dZcat = dOs.new_empty(n, BH, 2 * b, Dh)  # [dZ1; dZbar1] per step
-    dKQ = dOs.new_empty(n, BH, 2 * b, Dk1)
+    dKQ = acc["dKQ"][sl]  # written per step, then the batched terms added in place
     V1 = dOs.new_empty(n, BH, b, Dk1)  # G1 D1^T per step
     r2 = x.eta.new_empty(n, BH, b)
     dgs = torch.empty_like(G2)
@@ -445,8 +448,8 @@ def _backward_group(x: _Inputs, n0: int, n1: int, st: dict[str, torch.Tensor],
     dM1 = -(dZcat[:, :, b:] @ G1.transpose(-1, -2))  # [n, BH, b, b]
     dE += dM1 * x.QK[sl]
     R1 = dM1 * E
-    acc["dKa"][sl] = torch.addcmul(dKQ[:, :, :b], V1, ce) + R1.transpose(-1, -2) @ Qa
-    acc["dQa"][sl] = dKQ[:, :, b:] + R1 @ Ka
+    dKQ[:, :, :b].addcmul_(V1, ce).add_(R1.transpose(-1, -2) @ Qa)
+    dKQ[:, :, b:].add_(R1 @ Ka)
     acc["dE"][sl] = dE
     if ln is None:
         acc["dtgt"][sl] = -dgs
@@ -470,17 +473,17 @@ _SEGMENT_FLOATS = 1 << 22
 
 
 class MLPScan(torch.autograd.Function):
-    """The scan as one autograd node (module docstring). ``apply(Ka, Qa, tgt, eta, E, tau, W1,
+    """The scan as one autograd node (module docstring). ``apply(KQ, tgt, eta, E, tau, W1,
     W2, P1, P2, lw, lb, has_b2, tail, group)`` with the layouts of ``_Inputs`` and W1
     [BH, Dk1, Dh], W2 [BH, Dh1, Dv] -> (Zbar2 [N, BH, b, Dv], W1, W2 after the last full
     mini-batch, and with ``tail`` the last partial mini-batch's gradient sums S1, S2, else None).
     ``group``: checkpoint groups of this many mini-batches (None: keep every step's rows)."""
 
     @staticmethod
-    def forward(ctx, Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, has_b2, tail,
+    def forward(ctx, KQ, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, has_b2, tail,
                 group):  # type: ignore[override]
         Dh = W1.shape[-1]
-        x = _Inputs(Ka, Qa, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
+        x = _Inputs(KQ, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
         N = x.N
         ctx.set_materialize_grads(False)
         out = tgt.new_empty(N, *tgt.shape[1:])
@@ -504,18 +507,18 @@ class MLPScan(torch.autograd.Function):
             # the same anchors as without groups: every anchor-th step's entering weights
             anchors = {n: w for n, w in anchors.items() if n % x.anchor == 0}
         ctx.meta = (Dh, has_b2, tail, group, segments, sorted(anchors))
-        ctx.save_for_backward(Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, W1f, W2f,
+        ctx.save_for_backward(KQ, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, W1f, W2f,
                               *(w for n in sorted(anchors) for w in anchors[n]), *saved)
         return out, W1f, W2f, S1, S2
 
     @staticmethod
     def backward(ctx, dO, dW1f, dW2f, dS1, dS2):  # type: ignore[override]
-        Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, W1f, W2f, *saved = ctx.saved_tensors
+        KQ, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb, W1f, W2f, *saved = ctx.saved_tensors
         Dh, has_b2, tail, group, segments, anchor_steps = ctx.meta
         na = 2 * len(anchor_steps)
         anchors = {n: (saved[2 * i], saved[2 * i + 1]) for i, n in enumerate(anchor_steps)}
         saved = saved[na:]
-        x = _Inputs(Ka, Qa, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
+        x = _Inputs(KQ, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
         if torch.is_grad_enabled():  # create_graph: differentiate a plain re-run instead
             return _double_backward(ctx, x, W1, W2, (dO, dW1f, dW2f, dS1, dS2))
         N = x.N
@@ -524,7 +527,7 @@ class MLPScan(torch.autograd.Function):
         D1 = z(W1) if dW1f is None else dW1f.clone()
         D2 = z(W2) if dW2f is None else dW2f.clone()
         acc: dict[str, Any] = {
-            "dKa": torch.empty_like(Ka), "dQa": torch.empty_like(Qa), "dE": torch.empty_like(E),
+            "dKQ": torch.empty_like(KQ), "dE": torch.empty_like(E),
             "deta": torch.empty_like(eta), "dtgt": torch.empty_like(tgt), "dtau": z(tau),
             "dlw_rows": None if lw is None else torch.empty_like(tgt),
             "dP1": None if P1 is None else z(P1), "dP2": None if P2 is None else z(P2),
@@ -547,14 +550,14 @@ class MLPScan(torch.autograd.Function):
                                      tail_base if tail and n1 == N else None, acc, walk)
             del st, items
         if P1 is not None:
-            acc["dQa"][0] += acc["dQa0"]
+            acc["dKQ"][0, :, x.b:] += acc["dQa0"]
         dlw = None if lw is None else acc["dlw_rows"].sum((0, 2))
         dlb = None if lb is None else -acc["dtgt"].sum((0, 2))  # d/dbeta = gamma dg = -d/dtgt
-        return (acc["dKa"], acc["dQa"], acc["dtgt"], acc["deta"], acc["dE"], acc["dtau"], D1, D2,
+        return (acc["dKQ"], acc["dtgt"], acc["deta"], acc["dE"], acc["dtau"], D1, D2,
                 acc["dP1"], acc["dP2"], dlw, dlb, None, None, None)
 
 
-def mlp_scan(Ka: torch.Tensor, Qa: torch.Tensor, tgt: torch.Tensor, eta: torch.Tensor,
+def mlp_scan(KQ: torch.Tensor, tgt: torch.Tensor, eta: torch.Tensor,
              E: torch.Tensor, tau: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor,
              P1: torch.Tensor | None, P2: torch.Tensor | None, lw: torch.Tensor | None,
              lb: torch.Tensor | None, has_b2: bool, tail: bool, group: int | None
@@ -562,10 +565,10 @@ def mlp_scan(Ka: torch.Tensor, Qa: torch.Tensor, tgt: torch.Tensor, eta: torch.T
     """The scan (``MLPScan``'s arguments and results): through the autograd node when a
     gradient is being recorded, else straight (nothing kept; inside a Function's forward the
     caller's grad mode cannot be seen, so an inference call would keep the rows for nothing)."""
-    inputs = (Ka, Qa, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb)
+    inputs = (KQ, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         return MLPScan.apply(*inputs, has_b2, tail, group)
-    x = _Inputs(Ka, Qa, tgt, eta, E, tau, P1, P2, lw, lb, W1.shape[-1], has_b2, tail)
+    x = _Inputs(KQ, tgt, eta, E, tau, P1, P2, lw, lb, W1.shape[-1], has_b2, tail)
     out = tgt.new_empty(tgt.shape)
     return out, *_run(x, 0, x.N, W1, W2, None, out)
 
@@ -574,13 +577,13 @@ def _double_backward(ctx: Any, x: _Inputs, W1: torch.Tensor, W2: torch.Tensor,
                            grads: tuple[Any, ...]) -> tuple[Any, ...]:
     """The backward pass under create_graph: autograd through ``_reference``, so that the
     gradients are themselves differentiable."""
-    inputs = (x.Ka, x.Qa, x.tgt, x.eta, x.E, x.tau, W1, W2, x.P1, x.P2, ctx.saved_tensors[10],
-              ctx.saved_tensors[11])
+    inputs = (x.KQ, x.tgt, x.eta, x.E, x.tau, W1, W2, x.P1, x.P2, ctx.saved_tensors[9],
+              ctx.saved_tensors[10])
     pairs = [(o, g) for o, g in zip(_reference(x, W1, W2), grads) if o is not None and g is not None]
     wrt = [(i, t) for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
     res = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wrt],
                               [g for _, g in pairs], create_graph=True, allow_unused=True)
-    out: list[Any] = [None] * 15
+    out: list[Any] = [None] * 14
     for (i, _), r in zip(wrt, res):
         out[i] = r
     return tuple(out)
