@@ -58,9 +58,11 @@ _A = 0.044715
 
 
 def _gelu_parts(x: torch.Tensor, y_out: torch.Tensor, g1_out: torch.Tensor | None = None,
-                second: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """gelu_tanh(x) written into ``y_out``; returns gelu'(x) (into ``g1_out`` when given) and,
-    with ``second``, gelu''(x). No autograd (in-place steps). One logistic sigmoid serves all
+                second: bool = False, first: bool = True
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """gelu_tanh(x) written into ``y_out``; returns gelu'(x) (into ``g1_out`` when given; None
+    without ``first``, which skips it) and, with ``second``, gelu''(x). No autograd (in-place
+    steps). One logistic sigmoid serves all
     three: 0.5 (1 + tanh u) = sigmoid(2u), u = c (x + a x^3), and torch's CPU tanh is ~3x
     slower than its sigmoid. With s = sigmoid(2u), u' = c (1 + 3 a x^2):
     gelu = x s, gelu' = s + 2 x u' s (1 - s), gelu'' = 4 s (1 - s) (u' + 3 a c x^2
@@ -68,6 +70,8 @@ def _gelu_parts(x: torch.Tensor, y_out: torch.Tensor, g1_out: torch.Tensor | Non
     x2 = x * x
     s = x2.mul(2 * _C * _A).add_(2 * _C).mul_(x).sigmoid_()
     torch.mul(x, s, out=y_out)
+    if not first:
+        return None, None
     ss = torch.addcmul(s, s, s, value=-1)  # s (1 - s)
     up = x2.mul(3 * _C * _A).add_(_C)  # u'
     t = up * x
@@ -248,7 +252,7 @@ def _run(x: _Inputs, n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor,
         Zbar1 = torch.baddbmm(Z[:, b:], m1, G1, alpha=-1)
         if n == 0 and x.prior:
             Zbar1.sub_(x.tau_rows * (x.Qa[0] @ x.P1))
-        _gelu_parts(Zbar1, Xbar2hs[s], gbp_o)
+        _gelu_parts(Zbar1, Xbar2hs[s], gbp_o, first=keep)  # gelu' only for the backward
         XX = torch.matmul(Xbar2, X2.transpose(-1, -2), out=XX_o)  # [BH, b, b]
         if out is not None:
             o = torch.matmul(Xbar2, W2, out=out[n])
