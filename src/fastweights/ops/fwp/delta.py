@@ -21,6 +21,7 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_states, products_dtype
+from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
 from ..backend import choose_backend, triton_kernels
 from .chunk import delta_rule_chunk
@@ -84,8 +85,14 @@ def delta_rule(
     args = {"q": q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
             "beta": beta.to(cdtype)}
     if mode == "chunk" and T > 1:
-        o, S = delta_rule_chunk(**args, S=S0, chunk_size=min(chunk_size, T),
-                                products=products_dtype(cdtype))
+        C, products = min(chunk_size, T), products_dtype(cdtype)
+
+        def run(q, k, v, beta, S):  # long CPU calls go in pieces of whole chunks (ops/_pieces.py)
+            return delta_rule_chunk(q=q, k=k, v=v, beta=beta, S=S, chunk_size=min(C, q.shape[1]),
+                                    products=products)
+
+        o, S = in_pieces(run, [args[n] for n in ("q", "k", "v", "beta")], S0,
+                         piece_length(args["q"], max(Dk, Dv), C))
     elif mode == "naive":
         o, S = delta_rule_naive(**args, S0=S0)
     else:  # mode="recurrent", or a decoding step of mode="chunk" (see linear_attn)

@@ -28,6 +28,7 @@ from ..._checks import (
 )
 from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
+from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
 from ..backend import choose_backend, triton_kernels
 from .fla import fla_gated_delta_rule
@@ -172,7 +173,13 @@ def gated_delta_rule(
     args = {"q": wide(q) if scale == 1.0 else wide(q) * scale, "k": wide(k), "v": wide(v),
             "beta": wide(beta), "g": wide(g)}
     if mode == "chunk" and T > 1:
-        o, S = gated_delta_rule_chunk(**args, S=S0, chunk_size=min(chunk_size, T))
+        C = min(chunk_size, T)
+
+        def run(q, k, v, beta, g, S):  # long CPU calls go in pieces of whole chunks (_pieces.py)
+            return gated_delta_rule_chunk(q=q, k=k, v=v, beta=beta, g=g, S=S, chunk_size=min(C, q.shape[1]))
+
+        o, S = in_pieces(run, [args[n] for n in ("q", "k", "v", "beta", "g")], S0,
+                         piece_length(args["v"], max(Dk, Dv), C))
     elif mode == "naive":
         o, S = gated_delta_rule_naive(**args, S0=S0)
     elif T == 1:  # a decoding step, of mode="chunk" or "recurrent" (see linear_attn)

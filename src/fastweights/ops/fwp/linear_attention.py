@@ -21,6 +21,7 @@ from ..._checks import (
 )
 from .._autocast import float32_states, products_dtype
 from .._modes import RECURRENT_MODES
+from .._pieces import in_pieces, piece_length
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed, stack_packed_states
 from ..backend import choose_backend, triton_kernels
@@ -121,8 +122,16 @@ def linear_attn(
     args = {"q": q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, "k": k.to(cdtype), "v": v.to(cdtype),
             "normalize": normalize, "eps": eps}
     if mode == "chunk" and T > 1:
-        o, S, z = linear_attn_chunk(**args, S0=S0, z0=z0, chunk_size=min(chunk_size, T),
-                                    products=products_dtype(cdtype))
+        C, products = min(chunk_size, T), products_dtype(cdtype)
+
+        def run(q, k, v, state):  # long CPU calls go in pieces of whole chunks (ops/_pieces.py)
+            o, S, z = linear_attn_chunk(q=q, k=k, v=v, normalize=normalize, eps=eps, S0=state[0],
+                                        z0=state[1], chunk_size=min(C, q.shape[1]),
+                                        products=products)
+            return o, (S, z)
+
+        o, (S, z) = in_pieces(run, [args["q"], args["k"], args["v"]], (S0, z0),
+                              piece_length(args["q"], max(Dk, Dv), C))
     elif mode == "naive":
         o, S, z = linear_attn_naive(**args, S0=S0, z0=z0)
     else:

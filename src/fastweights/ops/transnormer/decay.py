@@ -21,6 +21,7 @@ from ..._checks import (
 )
 from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
+from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
 from ..backend import choose_backend
 from .chunk import decay_linear_attn_chunk
@@ -79,8 +80,14 @@ def decay_linear_attn(
         return fla_decay_linear_attn(q, k, v, decay, scale=scale, S0=S0,
                                      output_final_state=output_final_state)
     if mode == "chunk" and q.shape[1] > 1:  # the chunk form scales q itself, on its small tables
-        o, S = decay_linear_attn_chunk(q.to(cdtype), k.to(cdtype), v.to(cdtype),
-                                       decay.to(cdtype), S0, chunk_size, scale)
+        lam = decay.to(cdtype)
+
+        def run(q, k, v, S):  # long CPU calls go in pieces of whole chunks (ops/_pieces.py)
+            return decay_linear_attn_chunk(q, k, v, lam, S, chunk_size, scale)
+
+        qw = q.to(cdtype)
+        o, S = in_pieces(run, [qw, k.to(cdtype), v.to(cdtype)], S0,
+                         piece_length(qw, max(q.shape[-1], v.shape[-1]), min(chunk_size, q.shape[1])))
         return o.to(q.dtype), (S if output_final_state else None)
     args = (q.to(cdtype) if scale == 1.0 else q.to(cdtype) * scale, k.to(cdtype), v.to(cdtype),
             decay.to(cdtype), S0)

@@ -24,6 +24,7 @@ from ..._checks import (
 )
 from .._autocast import float32_compute
 from .._modes import TTT_MODES
+from .._pieces import in_pieces, piece_length
 from .._varlen import check_cu_seqlens, run_packed
 from .chunk import ttt_linear_dual, ttt_mlp_dual
 from .common import Carry, to_dtype
@@ -122,6 +123,16 @@ def _ttt(
     if mode == "dual" and T == 1:
         # A decoding step: the token as one row, not a zero-padded b x b mini-batch (step.py).
         o, (carry, current) = _STEPS[kind](**inputs)
+    elif mode == "dual" and isinstance(carry.pos, int):
+        kernel, fixed = _KERNELS[kind]["dual"], {n: inputs[n] for n in (
+            "ln_weight", "ln_bias", "residual", "tau")}
+
+        def run(q, k, v, eta, carry):  # long CPU calls in pieces of whole mini-batches (_pieces)
+            return kernel(q=q, k=k, v=v, eta=eta, carry=carry, checkpoint_group=checkpoint_group,
+                          **fixed)
+
+        o, carry = in_pieces(run, [inputs[n] for n in ("q", "k", "v", "eta")], carry,
+                             piece_length(inputs["q"], max(Dk, Dv), b, carry.pos), carry.pos)
     else:
         extra = {"checkpoint_group": checkpoint_group} if mode == "dual" else {}
         o, carry = _KERNELS[kind][mode](**inputs, **extra)
