@@ -278,3 +278,24 @@ def test_low_precision_close_to_float64(dtype, tol, op):
     assert S.dtype == torch.float32
     scale = ref.abs().max().item()
     assert (low.double() - ref).abs().max().item() <= tol * max(scale, 1.0)
+
+
+@pytest.mark.parametrize("n", [16, 32, 48, 64, 128, 7])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_unit_lower_inverse_equals_the_triangular_solve(n, overwrite):
+    """The blocked (I + stril(A))^-1 (16 x 16 solves merged by products; other sizes: the plain
+    solve) equals torch's unitriangular solve in float64; only the strictly lower triangle is
+    read, and A is left alone unless ``overwrite``."""
+    from fastweights.ops.fwp.chunk import unit_lower_inverse
+
+    gen = torch.Generator().manual_seed(n)
+    A = 0.3 * torch.randn(4, 3, n, n, generator=gen, dtype=torch.float64)
+    eye = torch.eye(n, dtype=torch.float64).expand_as(A)
+    ref = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+    noisy = A + torch.triu(torch.randn(n, n, generator=gen, dtype=torch.float64))  # diag and up
+    before = noisy.clone()
+    X = unit_lower_inverse(noisy, overwrite=overwrite)
+    torch.testing.assert_close(X, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(X @ (torch.tril(A, -1) + eye), eye, rtol=0, atol=1e-12)
+    if not overwrite:
+        assert torch.equal(noisy, before)

@@ -230,13 +230,51 @@ def delta_rule_chunk(
 
 
 def _delta_wy(kc: torch.Tensor, bc: torch.Tensor) -> torch.Tensor:
-    """X = (I + stril(diag(beta) K K^T))^-1 per chunk: [N, BH, C, C].
+    """X = (I + stril(diag(beta) K K^T))^-1 per chunk: [N, BH, C, C] (``unit_lower_inverse``)."""
+    return unit_lower_inverse(bc * (kc @ kc.transpose(-1, -2)), overwrite=True)
 
-    Only the strictly lower triangle of A is read (unitriangular: the diagonal is taken as 1),
-    so neither the mask nor the identity is built into A. No pivoting: the solve is exact."""
-    A = bc * (kc @ kc.transpose(-1, -2))
-    eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device).expand_as(A)
-    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+
+# Diagonal blocks of this size are inverted by the triangular solve; larger ones are merged
+# from two halves by products (``unit_lower_inverse``).
+_SOLVE_BLOCK = 16
+
+
+def unit_lower_inverse(A: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+    """(I + stril(A))^-1 for a batch of square matrices A [..., n, n]: only the strictly lower
+    triangle of A is read (the diagonal is taken as 1), so neither a mask nor the identity is
+    built into A. No pivoting: unitriangular, the inverse is exact.
+
+    Without autograd, for n = 16 * 2^j > 16, by blocks: the 16 x 16 diagonal blocks in one
+    batched triangular solve, then halves merged upwards, [[X11, 0], [A21, X22]] inverting to
+    [[X11, 0], [-X22 A21 X11, X22]], every merge one batched product over all blocks of its
+    size. The solve's LAPACK calls go matrix by matrix and barely use a second thread (chunks of
+    64, batch 512: 12.3 -> 8.1 ms from 1 to 2 threads on the 2-vCPU EPYC); by blocks 8.2 -> 5.6
+    ms. With a gradient to record (double backward of the chunked forms), or another n, the
+    plain solve. ``overwrite``: A is a scratch matrix of the caller's, which the blocked form
+    turns into X in place (no second buffer of A's size to allocate and fault in)."""
+    n, blk = A.shape[-1], _SOLVE_BLOCK
+    m = n // blk
+    if (torch.is_grad_enabled() and A.requires_grad) or m < 2 or n % blk or m & (m - 1):
+        eye = torch.eye(n, dtype=A.dtype, device=A.device).expand_as(A)
+        return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+
+    def diagonal_blocks(M: torch.Tensor, s: int) -> torch.Tensor:  # [..., n/s, s, s], a view
+        return torch.diagonal(M.unflatten(-2, (n // s, s)).unflatten(-1, (n // s, s)),
+                              dim1=-4, dim2=-2).movedim(-1, -3)
+
+    Ad = diagonal_blocks(A, blk)
+    eye = torch.eye(blk, dtype=A.dtype, device=A.device).expand_as(Ad)
+    Xd = torch.linalg.solve_triangular(Ad, eye, upper=False, unitriangular=True)
+    # X starts as stril(A) (A itself when it may be overwritten): each merge below reads the
+    # block A21 of its level and only then writes X21 over it; the diagonal blocks get Xd.
+    X = A.tril_(-1) if overwrite else A.tril(-1)
+    diagonal_blocks(X, blk).copy_(Xd)
+    s = blk
+    while s < n:
+        Xm = diagonal_blocks(X, 2 * s)
+        Xm[..., s:, :s] = -(Xm[..., s:, s:] @ (Xm[..., s:, :s] @ Xm[..., :s, :s]))
+        s *= 2
+    return X
 
 
 class _DeltaRuleChunk(torch.autograd.Function):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .chunk import _chunk_major, _from_chunk_major
+from .chunk import _chunk_major, _from_chunk_major, unit_lower_inverse
 
 
 def _chunk_major_heads(x: torch.Tensor, C: int, H: int) -> torch.Tensor:
@@ -86,14 +86,11 @@ def _decays(gc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _wy(kc: torch.Tensor, bc: torch.Tensor, Gam: torch.Tensor) -> torch.Tensor:
-    """X = (I + stril(diag(beta) (K K^T * Gam)))^-1 per chunk: [N, BH, C, C].
-
-    Only the strictly lower triangle is read (unitriangular: the diagonal is taken as 1), so
-    neither the mask nor the identity is built into A. No pivoting: the solve is exact."""
+    """X = (I + stril(diag(beta) (K K^T * Gam)))^-1 per chunk: [N, BH, C, C]
+    (chunk.unit_lower_inverse)."""
     A = kc @ kc.transpose(-1, -2)
     A = A * Gam * bc if torch.is_grad_enabled() else A.mul_(Gam).mul_(bc)
-    eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device).expand_as(A)
-    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+    return unit_lower_inverse(A, overwrite=True)
 
 
 class _GatedDeltaRuleChunk(torch.autograd.Function):
