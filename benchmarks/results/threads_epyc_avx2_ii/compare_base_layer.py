@@ -2,7 +2,7 @@
 batch 1): the baseline copy fw_base (set up as in compare_base.py) against the working tree,
 with the softmax layer timed in the same rounds, at 1 and 2 threads.
 
-    python benchmarks/results/threads_epyc_avx2_ii/compare_base_layer.py MIXER [ROUNDS]
+    python benchmarks/results/threads_epyc_avx2_ii/compare_base_layer.py MIXER [ROUNDS [T]]
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def main() -> None:
     after = build_mixer(name, 512, 8)
     after.load_state_dict(before.state_dict())
     layers = {"before": before, "after": after, "softmax": build_mixer("softmax", 512, 8)}
-    x = torch.randn(1, 4096, 512, requires_grad=True)
+    T = int(sys.argv[3]) if len(sys.argv) > 3 else 4096
+    x = torch.randn(1, T, 512, requires_grad=True)
 
     def run(layer: torch.nn.Module) -> None:
         y = layer(x)
@@ -36,7 +37,7 @@ def main() -> None:
 
     with torch.no_grad():
         diff = (before(x)[0] - after(x)[0]).abs().max().item()
-    print(f"{name} fwd+bwd T4096 d512 H8, torch {torch.__version__}; largest |before - after| "
+    print(f"{name} fwd+bwd T{x.shape[1]} d512 H8, torch {torch.__version__}; largest |before - after| "
           f"{diff:.3g}")
     res = {(n, th): [] for n in layers for th in (1, 2)}
     faults = {key: [] for key in res}
