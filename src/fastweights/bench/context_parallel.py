@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import gc
 import json
 import platform
 import statistics
@@ -131,6 +132,11 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
     if rank == 0:
         Path(path).write_text(json.dumps(rows))
     if world > 1:
+        # Models (FSDP's hold reference cycles) collected and every rank past its last
+        # collective before the group goes: gloo work still alive at interpreter exit can abort
+        # the process (seen once as SIGABRT of rank 1 under a loaded test run).
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
