@@ -101,6 +101,19 @@ def init_rank(rank: int, world: int, port: int, opts: dict) -> None:
                                 world_size=world, timeout=timedelta(seconds=opts["timeout"]))
 
 
+def finish_rank(rank: int, world: int, rows: list, path: str) -> None:
+    """A benchmark rank's end: rank 0 writes ``rows`` (JSON) to ``path``; for N > 1 the models
+    are collected (FSDP's hold reference cycles) and every rank passes a barrier before the
+    group goes (gloo work still alive at interpreter exit can abort the process: seen once as a
+    SIGABRT of rank 1 under a loaded test run)."""
+    if rank == 0:
+        Path(path).write_text(json.dumps(rows))
+    if world > 1:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
     init_rank(rank, world, port, opts)
     rows = []
@@ -129,15 +142,7 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
                     "comm_backward_bytes": sum(e[3] for e in every),
                     "comm_bytes_max_rank": max(e[2] + e[3] for e in every),
                 })
-    if rank == 0:
-        Path(path).write_text(json.dumps(rows))
-    if world > 1:
-        # Models (FSDP's hold reference cycles) collected and every rank past its last
-        # collective before the group goes: gloo work still alive at interpreter exit can abort
-        # the process (seen once as SIGABRT of rank 1 under a loaded test run).
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_rank(rank, world, rows, path)
 
 
 def _free_port() -> int:

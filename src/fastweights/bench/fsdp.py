@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import gc
 import json
 import platform
 import sys
@@ -45,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from ..models import LanguageModel, LMConfig
 from ..train.distributed import device_mesh, shard_model
-from .context_parallel import init_rank, run_worlds
+from .context_parallel import finish_rank, init_rank, run_worlds
 from .measure import PeakMemory, resident_bytes
 
 FIELDS = ["mode", "world", "params", "state_bytes_per_rank", "peak_bytes_per_rank",
@@ -135,15 +134,7 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
                    "comm_measured": mode == "fsdp", "time_s": max(e[4] for e in every)}
             row["largest_params"] = largest_params(row, opts["memory_gib"] * GIB)
             rows.append(row)
-    if rank == 0:
-        Path(path).write_text(json.dumps(rows))
-    if world > 1:
-        # Models (FSDP's hold reference cycles) collected and every rank past its last
-        # collective before the group goes: gloo work still alive at interpreter exit can abort
-        # the process (seen once as SIGABRT of rank 1 under a loaded test run).
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_rank(rank, world, rows, path)
 
 
 def largest_params(row: dict, budget: float) -> int | None:
