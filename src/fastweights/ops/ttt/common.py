@@ -277,16 +277,29 @@ def to_minibatches(x: torch.Tensor, p: int, b: int) -> torch.Tensor:
     return F.pad(x, pad).reshape(B, H, N, b, *x.shape[3:])
 
 
+def _blocks(x: torch.Tensor, p: int, b: int) -> torch.Tensor:
+    """[B, T, H, *rest] -> [B, N, b, H, *rest]: p zero rows in front (the part of the first
+    mini-batch an earlier call consumed), zero rows at the tail up to N*b; a view of x when
+    nothing needs padding."""
+    T = x.shape[1]
+    N = -(-(p + T) // b)
+    if p or N * b != p + T:
+        x = F.pad(x, [0, 0] * (x.dim() - 2) + [p, N * b - p - T])
+    return x.unflatten(1, (N, b))
+
+
+def _step_major(x: torch.Tensor, p: int, b: int) -> torch.Tensor:
+    """[B, T, H, *rest] -> [N, B, H, b, *rest] (``_blocks`` permuted), a view where it can be."""
+    x = _blocks(x, p, b)
+    return x.permute(1, 0, 3, 2, *range(4, x.dim()))
+
+
 def to_steps(x: torch.Tensor, p: int, b: int, ones: bool = False) -> torch.Tensor:
     """[B, T, H, *rest] -> [N, B*H, b, *rest], step-major and contiguous (mini-batch n of every
     sequence and head is one contiguous block), with the padding of ``to_minibatches``;
     ``ones`` appends a column of ones (a bias's input) to the last dim. One copy, two when T
     needs padding."""
-    T = x.shape[1]
-    N = -(-(p + T) // b)
-    if p or N * b != p + T:
-        x = F.pad(x, [0, 0] * (x.dim() - 2) + [p, N * b - p - T])
-    x = x.unflatten(1, (N, b)).permute(1, 0, 3, 2, *range(4, x.dim() + 1))  # [N, B, H, b, ...]
+    x = _step_major(x, p, b)
     x = F.pad(x, (0, 1), value=1.0) if ones else x.contiguous()
     return x.flatten(1, 2)
 
@@ -300,19 +313,13 @@ def kq_steps(k: torch.Tensor, q: torch.Tensor, p: int, b: int, ones: bool) -> to
     into slices would copy the whole gradient once per write)."""
     B, T, H, Dk = k.shape
     N = -(-(p + T) // b)
-
-    def steps(x: torch.Tensor) -> torch.Tensor:  # [N, B, H, b, Dk], a view (zero padding rows)
-        if p or N * b != p + T:
-            x = F.pad(x, (0, 0, 0, 0, p, N * b - p - T))
-        return x.unflatten(1, (N, b)).permute(1, 0, 3, 2, 4)
-
     if torch.is_grad_enabled() and (k.requires_grad or q.requires_grad):
-        buf = torch.stack([steps(k), steps(q)], dim=3)  # [N, B, H, 2, b, Dk]
+        buf = torch.stack([_step_major(k, p, b), _step_major(q, p, b)], dim=3)  # [N, B, H, 2, b, Dk]
         buf = F.pad(buf, (0, 1), value=1.0) if ones else buf
         return buf.reshape(N, B * H, 2 * b, Dk + ones)
     buf = k.new_empty(N, B, H, 2, b, Dk + ones)
-    buf[:, :, :, 0, :, :Dk].copy_(steps(k))
-    buf[:, :, :, 1, :, :Dk].copy_(steps(q))
+    buf[:, :, :, 0, :, :Dk].copy_(_step_major(k, p, b))
+    buf[:, :, :, 1, :, :Dk].copy_(_step_major(q, p, b))
     if ones:
         buf[..., Dk] = 1.0
     return buf.view(N, B * H, 2 * b, Dk + ones)
@@ -321,17 +328,16 @@ def kq_steps(k: torch.Tensor, q: torch.Tensor, p: int, b: int, ones: bool) -> to
 def steps_to_output(Zbar: torch.Tensor, q: torch.Tensor, p: int, T: int, H: int,
                     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
                     residual: bool) -> torch.Tensor:
-    """The dual forms' read-out from step-major Zbar [N, B*H, b, Dv] (consumed: normalised in
-    place): [LN](Zbar) (+ q with ``residual``) as o [B, T, H, Dv], laid out like q, written in
-    one pass with the per-head affine part and the residual."""
+    """The dual forms' read-out from step-major Zbar [N, B*H, b, Dv]: [LN](Zbar) (+ q with
+    ``residual``) as o [B, T, H, Dv], laid out like q, the per-head affine part and the
+    residual applied in the output layout (one pass each)."""
     N, BH, b, Dv = Zbar.shape
     B = BH // H
     if ln_weight is not None:  # the affine part is applied per head in the output layout
         Zbar = F.layer_norm(Zbar, (Dv,), eps=LN_EPS)
     out = Zbar.unflatten(1, (B, H)).permute(1, 0, 3, 2, 4)  # [B, N, b, H, Dv], a view
     if residual:
-        qp = q if not p and N * b == T else F.pad(q, (0, 0, 0, 0, p, N * b - p - T))
-        qp = qp.unflatten(1, (N, b))
+        qp = _blocks(q, p, b)  # [B, N, b, H, Dv]
         # q first: the result is laid out like q (contiguous), so the reshape below is a view
         out = qp + out if ln_weight is None else torch.addcmul(qp, out, ln_weight)
     elif ln_weight is not None:
