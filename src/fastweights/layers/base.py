@@ -234,6 +234,19 @@ def is_step(x: Any, cu_seqlens: torch.Tensor | None) -> bool:
             and x.shape[1] == 1 and not torch.is_autocast_enabled(x.device.type))
 
 
+def like_values(v: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``xs`` (queries and keys, after their feature maps or norms) in the dtype of the values
+    ``v``: the project's mixed-precision rule for the operands of a token-mixing op. The values
+    come straight from a projection, so their dtype is the activation dtype: the autocast dtype
+    under ``torch.autocast``, the model's dtype otherwise. CUDA autocast runs reductions and
+    pointwise functions (``sum``, ``exp``, ``rsqrt``, ``softplus``, ...) in float32, so queries
+    and keys that went through a sum normalisation or an L2 norm come out float32 while the
+    values stay bfloat16; the ops take one dtype for q, k, v, and the kernel backends take the
+    half-precision ones. Gates and states are not operands: the ops use them in float32
+    (float64 for float64 inputs) whatever their dtype."""
+    return tuple(x if x.dtype == v.dtype else x.to(v.dtype) for x in xs)
+
+
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """[B, T, H*D] -> [B, T, H, D]."""
     return x.unflatten(-1, (n_heads, -1))

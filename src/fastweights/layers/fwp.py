@@ -32,6 +32,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    like_values,
     merge_heads,
     packed_or_single,
     per_document,
@@ -124,7 +125,7 @@ class LinearAttention(Mixer):
         H, D = self.n_heads, self.head_dim
         proj = split_heads(self.qkvb(x), H)  # [B, T, H, 3D (+1)]
         q, k, v = proj[..., :D], proj[..., D:2 * D], proj[..., 2 * D:3 * D]
-        q, k = self._phi(q), self._phi(k)
+        q, k = like_values(v, self._phi(q), self._phi(k))  # mixed precision: layers/base.py
         chunk = self.chunk_size or preferred_chunk_size(
             "delta_rule" if self.update == "delta" else "linear_attn", x.device)
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": chunk,

@@ -45,6 +45,7 @@ from .base import (
     State,
     check_stackable,
     is_step,
+    like_values,
     merge_heads,
     packed_or_single,
     per_document,
@@ -210,9 +211,11 @@ class NormAttention(Mixer):
                 # Sequence-global positions, restarting at every document.
                 positions = token_positions(bounds, pos, x.device)
             q, k = self.lrpe.pair(q, k, positions)
-        if x.dtype in HALF:
+        q, k = like_values(v, q, k)  # mixed precision: layers/base.py
+        if v.dtype == torch.float16:
             # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
-            # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences.
+            # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences
+            # (bfloat16 has float32's range: its operands stay bfloat16, for the kernels).
             q, k, v = q.float(), k.float(), v.float()
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size,
                 "cu_seqlens": cu_seqlens}
@@ -405,7 +408,7 @@ class DiagAttention(Mixer):
         r = 0 if state is None else state.k_open.shape[1]
         # Block-local positions: LRPE restarts in every block.
         q, k, v = self._project(x, torch.arange(r, r + T, device=x.device) % w)
-        if self.kernel == "relu" and x.dtype in HALF:
+        if self.kernel == "relu" and q.dtype in HALF:  # (q's dtype: autocast's, if on)
             # Unnormalised ReLU sums: keep them in float32 until SRMSNorm rescales them.
             q, k, v = q.float(), k.float(), v.float()
         if r:

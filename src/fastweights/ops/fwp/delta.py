@@ -23,7 +23,7 @@ from ..._checks import (
 from .._autocast import float32_states, products_dtype
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend, triton_kernels
+from ..backend import Trial, choose_backend, triton_kernels
 from .chunk import delta_rule_chunk
 from .fla import fla_delta_rule
 from .linear_attention import MODES, LinearAttnState
@@ -60,8 +60,9 @@ def delta_rule(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
+    trial = Trial(delta_rule, (q, k, v, beta), scale=scale, chunk_size=chunk_size)
     if cu_seqlens is not None:
-        if choose_backend("delta_rule", q, backend, mode, chunk_size) == "fla":  # whole batch
+        if choose_backend("delta_rule", q, backend, mode, chunk_size, trial) == "fla":  # whole
             bounds, (S0,) = stack_packed_states(
                 initial_state, cu_seqlens, q,
                 lambda st: (matrix_state(st, (1, H, Dk, Dv), q, state_dtype(q.dtype)),))
@@ -74,7 +75,7 @@ def delta_rule(
                           backend=backend)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
-    chosen = choose_backend("delta_rule", q, backend, mode, chunk_size)
+    chosen = choose_backend("delta_rule", q, backend, mode, chunk_size, trial)
     if chosen == "fla":
         return fla_delta_rule(q, k, v, beta, scale=scale, S0=S0,
                               output_final_state=output_final_state)

@@ -30,7 +30,7 @@ from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend, triton_kernels
+from ..backend import Trial, choose_backend, triton_kernels
 from .fla import fla_gated_delta_rule
 from .gated_delta_chunk import gated_delta_rule_chunk
 from .gated_delta_naive import gated_delta_rule_naive
@@ -145,7 +145,9 @@ def gated_delta_rule(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
-    chosen = choose_backend("gated_delta_rule", q, backend, mode, chunk_size)
+    chosen = choose_backend("gated_delta_rule", q, backend, mode, chunk_size,
+                            Trial(gated_delta_rule, (q, k, v, beta, g), scale=scale,
+                                  chunk_size=chunk_size))
     if cu_seqlens is not None:
         if chosen == "fla":  # the whole packed batch, with fla's own cu_seqlens
             bounds, (S0,) = stack_packed_states(
