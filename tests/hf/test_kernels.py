@@ -194,3 +194,20 @@ def test_packed_documents_equal_separate_calls():
             output_final_state=True, use_qk_l2norm_in_kernel=True)
         assert_close64(o[:, a:b], oi, what=f"o doc {i}")
         assert_close64(S[i:i + 1], Si, what=f"S doc {i}")
+
+
+def test_bfloat16_model_calls_the_op_in_bfloat16(monkeypatch):
+    """No silent float32 in a bfloat16 model: its prefill calls ``gated_delta_rule`` with
+    bfloat16 q, k, v (the dtype the GPU kernels take; q and k are L2-normalised in float32
+    first), and the logits stay finite."""
+    import fastweights.hf.kernels as hf_kernels
+
+    seen = []
+    op = hf_kernels.gated_delta_rule
+    monkeypatch.setattr(hf_kernels, "gated_delta_rule",
+                        lambda q, k, v, *a, **kw: seen.append((q.dtype, k.dtype, v.dtype))
+                        or op(q, k, v, *a, **kw))
+    model = use_fastweights(tiny_model("qwen3_5").bfloat16())
+    logits = model(torch.randint(1, V, (1, 9))).logits
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}
+    assert torch.isfinite(logits).all()

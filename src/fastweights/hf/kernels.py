@@ -26,7 +26,9 @@ Kimi-Linear's KDA layer is not covered: its decay is per key channel (g [B, T, H
 the scalar-per-head gate of ``gated_delta_rule`` does not express.
 
 Numerics: q and k are L2-normalised in float32 (float64 for float64 models) as transformers'
-fallbacks do, the recurrent state is float32 (float64), outputs return in the input dtype.
+fallbacks do, then the chunked op gets q, k, v in the values' dtype (the project's
+mixed-precision rule: a bfloat16 model reaches the GPU kernels); the recurrent state is float32
+(float64), outputs return in the input dtype.
 """
 
 from __future__ import annotations
@@ -122,6 +124,9 @@ def _gated_delta(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g:
         init: Any = initial_state
         if cu_seqlens is not None and initial_state is not None:  # [N, ...] -> one per document
             init = list(initial_state.split(1))
+        # The op's operands in the values' dtype (layers/base.py like_values): a bfloat16 model
+        # reaches the GPU kernels; the state and the gates stay float32.
+        q, k, v = (x.to(value.dtype) for x in (q, k, v))
         o, S = gated_delta_rule(
             q, k, v, beta, g, scale=scale, initial_state=init, output_final_state=True,
             chunk_size=preferred_chunk_size("gated_delta_rule", q.device), cu_seqlens=cu_seqlens)
