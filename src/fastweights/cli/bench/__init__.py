@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from ...bench import gpu
 from ..common import HelpFormatter
 from . import (
     context_parallel,
@@ -28,7 +29,7 @@ from . import (
 NAME = "bench"
 HELP = suite.HELP
 # The focused benchmarks, in the order ``fastweights bench --help`` lists them.
-BENCHMARKS = (decode, multistream, fla_decode, recompute, context_parallel, fsdp, fwp_forms,
+BENCHMARKS = (gpu, decode, multistream, fla_decode, recompute, context_parallel, fsdp, fwp_forms,
               family_compare, ttt_modes, ttt_mlp_backward, gated_delta, gated_delta_models)
 DESCRIPTION = (suite.DESCRIPTION + " With a NAME, one of the focused benchmarks instead "
                "(fastweights bench NAME --help).")

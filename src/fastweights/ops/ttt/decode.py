@@ -227,7 +227,7 @@ def _commit(carry: DecodeCarry, rows: Rows, tau: torch.Tensor, b: int) -> Decode
     if torch.compiler.is_compiling():
         # torch.compile: the commit runs eagerly (a graph break), so a compiled step forms
         # committed weights only for the rows that complete, as the eager step does.
-        return _commit_rows_eagerly(carry, rows, prior, done, pos, t, steps)
+        return _commit_rows_eagerly()(carry, rows, prior, done, pos, t, steps)
     return _commit_rows(carry, rows, prior, done, pos, t, steps)
 
 
@@ -253,7 +253,16 @@ def _commit_rows(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: to
     return DecodeCarry(start, prior, rows, pos.masked_fill(done, 0), steps)
 
 
-_commit_rows_eagerly = torch.compiler.disable(_commit_rows)
+_EAGER: list[Any] = []  # _commit_rows behind torch.compiler.disable, made on first use
+
+
+def _commit_rows_eagerly() -> Any:
+    """``_commit_rows`` as a graph break of torch.compile. Made when first needed (only ever
+    under compilation): ``torch.compiler.disable`` imports torch._dynamo, which would add
+    seconds to importing the library for everyone."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_commit_rows))
+    return _EAGER[0]
 
 
 def _commit_where(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: torch.Tensor,
