@@ -642,18 +642,8 @@ def run_benchmark(out: Path, *, dry_run: bool, device: torch.device, budget_s: f
 
 
 # ----------------------------------------------------------------------------- command line
-def _budget(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli.common import positive_int
+    from ..cli.common import positive_float, positive_int
 
     p.add_argument("--out", type=Path, default=Path("runs/bench-gpu"),
                    help="folder for results.md, results.csv and meta.json")
@@ -661,7 +651,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="the same code at tiny sizes on the CPU (kernel backends skipped, with "
                         "their reason); what CI runs")
-    p.add_argument("--budget-s", type=_budget, default=300.0,
+    p.add_argument("--budget-s", type=positive_float, default=300.0,
                    help="wall-clock seconds for the whole run; items that would not fit are "
                         "recorded as skipped")
     p.add_argument("--sections", default=",".join(SECTIONS),

@@ -67,6 +67,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse ``type`` of an option that takes a positive, finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
 def parse_int_list(flag: str, text: str) -> list[int]:
     """``"20,40,60"`` -> [20, 40, 60], every item a positive int; else a UserError naming
     ``flag``."""

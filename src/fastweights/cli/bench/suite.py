@@ -15,7 +15,14 @@ from ...bench.report import OUTPUT_FILES
 from ...bench.runner import PASSES
 from ...bench.targets import Setting, op_targets
 from ...models.registry import check_mixer, mixer_names
-from ..common import UserError, make_folder, parse_int_list, parse_mixer_spec, positive_int
+from ..common import (
+    UserError,
+    make_folder,
+    parse_int_list,
+    parse_mixer_spec,
+    positive_float,
+    positive_int,
+)
 
 HELP = "time, memory and FLOP rate of every mixer (and op) vs T"
 DESCRIPTION = ("Benchmark every registered mixer (and with --ops every form of every op) over "
@@ -30,17 +37,6 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 # Options with a preset: their default, and --quick's (a CI-sized end-to-end check: all code
 # paths, tiny shapes, well under a minute). An option given explicitly wins over both.
 _PRESETS = {"d_model": (512, 32), "n_heads": (8, 2), "repeats": (5, 2), "time_budget": (4.0, 2.0)}
-
-
-def _positive_float(text: str) -> float:
-    """argparse ``type`` of a positive, finite number."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed calls per config (median reported)" + preset("repeats"))
     p.add_argument("--passes", default=",".join(PASSES),
                    help="comma-separated subset of " + ",".join(PASSES))
-    p.add_argument("--time-budget", type=_positive_float, default=None,
+    p.add_argument("--time-budget", type=positive_float, default=None,
                    help="seconds per (target, T, pass); configs predicted to take longer are "
                         "skipped and recorded as such" + preset("time_budget"))
     p.add_argument("--quick", action="store_true",
