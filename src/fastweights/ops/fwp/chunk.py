@@ -1,4 +1,4 @@
-"""Chunked parallel forms of the fast-weight family (SPEC.md 1.3 and the WY/UT form of 1.4).
+"""Chunked parallel forms of the fast-weight family (docs/maths.md 1.3 and the WY/UT form of 1.4).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, C chunk size,
 N number of chunks. Inputs ``[B, T, H, D]`` in the compute dtype with q already scaled; states
@@ -202,8 +202,8 @@ def delta_rule_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S: torch.Tensor,
     chunk_size: int, products: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """WY/UT form (SPEC 1.4): per chunk, with A = stril(diag(beta) K K^T), X = (I + A)^-1 and
-    Tm = X diag(beta), W = Tm K and U0 = Tm V (batched over all chunks); then sequentially
+    """WY/UT form (docs/maths.md 1.4): per chunk, with A = stril(diag(beta) K K^T), X = (I + A)^-1
+    and Tm = X diag(beta), W = Tm K and U0 = Tm V (batched over all chunks); then sequentially
     U = U0 - W S, S <- S + K^T U (two fused multiply-adds per chunk, the only Python loop);
     finally, batched again, O = Q S_entering + tril(Q K^T) U.
 

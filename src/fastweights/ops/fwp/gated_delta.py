@@ -1,4 +1,4 @@
-"""The gated delta rule (Gated DeltaNet, SPEC.md 5b): ``gated_delta_rule``. Its state is the
+"""The gated delta rule (Gated DeltaNet, docs/maths.md 5b): ``gated_delta_rule``. Its state is the
 single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = gated_delta_rule(...)``), as the delta
 rule's.
 
@@ -90,7 +90,7 @@ def gated_delta_rule(
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The gated delta rule, read after write (SPEC 5b; Yang, Kautz, Hatamizadeh 2024).
+    """The gated delta rule, read after write (docs/maths.md 5b; Yang, Kautz, Hatamizadeh 2024).
 
     q, k: [B, T, Hk, Dk] (the caller normalises them: L2 in Gated DeltaNet); v: [B, T, H, Dv];
     beta (write strengths), g (log-decays): [B, T, H]. With alpha_t = exp(g_t),

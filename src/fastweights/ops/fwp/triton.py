@@ -1,4 +1,4 @@
-"""Triton kernels for the chunked fast-weight forms (SPEC.md 1.3 and the WY/UT form of 1.4),
+"""Triton kernels for the chunked fast-weight forms (docs/maths.md 1.3 and the WY/UT form of 1.4),
 forward and backward, shaped so that only the state hand-off between chunks is sequential.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim (<= 128), Dv value dim, C chunk
@@ -8,7 +8,7 @@ pipeline stages and key steps are chosen per GPU target and dtype by ``tile_conf
 C or T and columns past Dk or Dv load as zeros and are never stored, so neither T, C, Dk nor Dv
 has to be a power of two.
 
-Linear attention is the delta rule with W = 0 and U0 = V (SPEC 1.3 vs 1.4 in the UT form:
+Linear attention is the delta rule with W = 0 and U0 = V (docs/maths.md 1.3 vs 1.4 in the UT form:
 S_{n+1} = S_n + K_n^T U_n, U_n = U0_n - W_n S_n, o_n = Q_n S_n + tril(Q_n K_n^T) U_n), so both
 ops share the kernels below, with ``HAS_W`` off for linear attention:
 
@@ -31,7 +31,7 @@ backward  (d) ``_local_du_kernel``   grid (Dv/BV, N, B*H)    dU_n = tril(Q_n K_n
               delta rule dK also gets -dV h^T + (G + G^T) K (= Tm^T dW + the solve's part)
 The backward recomputes (a) and (b) from the saved inputs instead of keeping W, U0, h.
 
-The gated delta rule (SPEC 5b, ``gated_delta_rule_triton``) runs the delta rule's forward
+The gated delta rule (docs/maths.md 5b, ``gated_delta_rule_triton``) runs the delta rule's forward
 kernels (a), (b), (c) with ``HAS_G`` on, in the algebra of ops/fwp/gated_delta_chunk.py: the
 decays of a chunk are built from its log-gates g as segment sums (``_gates``: Gam_ij =
 exp(sum_{j < m <= i} g_m), gam_i = exp(sum_{m <= i} g_m), every exponent <= 0, a -inf gate a
@@ -41,7 +41,7 @@ S <- gam_L S + (diag(last) K)^T U; (c) adds diag(gam) to Q h and Gam to Q K^T. q
 fewer heads (HK) than v (grouped heads: value head h reads key head h // (H / HK)). Its backward
 is the PyTorch chunked form's (recomputed from the saved inputs): no gated backward kernels yet.
 Normalised linear attention runs as the unnormalised one with a column of ones appended to V
-(its state column is z, SPEC 1.3), and divides by that column plus eps in PyTorch, so the
+(its state column is z, docs/maths.md 1.3), and divides by that column plus eps in PyTorch, so the
 normaliser's gradient is autograd's; it costs one more value block.
 
 Precision: q (already multiplied by ``scale``), k, v, beta arrive in their own dtype (float16,
@@ -869,7 +869,8 @@ def linear_attn_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor, z0: torch.Tensor,
     normalize: bool, eps: float, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunked linear attention (SPEC 1.3) in the kernels above; see ``chunk.linear_attn_chunk``.
+    """Chunked linear attention (docs/maths.md 1.3) in the kernels above; see
+    ``chunk.linear_attn_chunk``.
 
     q (scaled), k [B, T, H, Dk], v [B, T, H, Dv] in float16/bfloat16/float32; S0 [B, H, Dk, Dv]
     and z0 [B, H, Dk] float32; chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's
@@ -895,7 +896,7 @@ def delta_rule_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked delta rule, WY/UT form (SPEC 1.4), in the kernels above; see
+    """Chunked delta rule, WY/UT form (docs/maths.md 1.4), in the kernels above; see
     ``chunk.delta_rule_chunk``.
 
     q (scaled), k [B, T, H, Dk], v [B, T, H, Dv], beta [B, T, H] in float16/bfloat16/float32;
@@ -948,9 +949,9 @@ def gated_delta_rule_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     S0: torch.Tensor, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked gated delta rule (SPEC 5b; the WY/UT form with the decay folded in as segment
-    sums of the log-gates, ops/fwp/gated_delta_chunk.py) in the delta rule's kernels with the
-    gates on; see ``gated_delta_chunk.gated_delta_rule_chunk``.
+    """Chunked gated delta rule (docs/maths.md 5b; the WY/UT form with the decay folded in as
+    segment sums of the log-gates, ops/fwp/gated_delta_chunk.py) in the delta rule's kernels with
+    the gates on; see ``gated_delta_chunk.gated_delta_rule_chunk``.
 
     q (scaled), k [B, T, Hk, Dk], v [B, T, H, Dv] (H a multiple of Hk: value head h reads key
     head h // (H / Hk)) in float16/bfloat16/float32; beta, g (log-decays <= 0, -inf a reset)

@@ -1,4 +1,4 @@
-"""TTT-MLP's dual-form mini-batch scan (SPEC.md 2.4) with a hand-written backward pass.
+"""TTT-MLP's dual-form mini-batch scan (docs/maths.md 2.4) with a hand-written backward pass.
 
 Dimension legend: N mini-batches, BH = B * H (batch and heads folded into one dim), b mini-batch
 size, Dk1 = Dk (+1 with the bias b1), Dh = 4 Dk hidden size, Dh1 = Dh (+1 with the bias b2),
@@ -85,7 +85,7 @@ def _gelu_parts(x: torch.Tensor, y_out: torch.Tensor, g1_out: torch.Tensor | Non
 
 def _ln_grad(z: torch.Tensor, tgt: torch.Tensor, lw: torch.Tensor | None,
              lb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """dl/dZ of 1/2 ||[LN](Z) - tgt||^2 per row (SPEC 2.2), with the LayerNorm's x_hat and
+    """dl/dZ of 1/2 ||[LN](Z) - tgt||^2 per row (docs/maths.md 2.2), with the LayerNorm's x_hat and
     1/s for the backward pass (None without LayerNorm). lw, lb: [BH, 1, Dv]. Plain
     operations (the double-backward reference uses it too)."""
     if lw is None:
@@ -271,7 +271,7 @@ def _run(x: _Inputs, n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor,
             if n == 0 and x.prior:
                 S1, S2 = S1 + x.P1, S2 + x.P2
             break
-        if n == 0 and x.prior:  # SPEC 2.3: W_b = W_0 - tau_b (carried sums + this call's)
+        if n == 0 and x.prior:  # docs/maths.md 2.3: W_b = W_0 - tau_b (carried sums + this call's)
             W1.sub_(x.tau_b * x.P1)
             W2.sub_(x.tau_b * x.P2)
         W1.baddbmm_(ka_tb_t, G1, alpha=-1)

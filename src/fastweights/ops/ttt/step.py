@@ -1,4 +1,4 @@
-"""One-token form of TTT-Linear and TTT-MLP (SPEC.md 2.3, "decoding one token at a time"): what
+"""One-token form of TTT-Linear and TTT-MLP (docs/maths.md 2.3, one token at a time): what
 ``mode="dual"`` runs for T = 1, the decoding step.
 
 The dual form would place the token in a zero-padded mini-batch of b rows and build its b x b
