@@ -265,7 +265,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         else:
             # q and k side by side as 2H heads: rotated in one call. (split, not two slices:
             # its backward is one cat, where each slice's backward zero-fills a [B, T, 3 H D]
-            # gradient, 11 ms per step at T 4096, d 512)
+            # gradient; docs/performance.md)
             qk, v = proj.split([2 * H * D, H * D], dim=-1)
             qk = split_heads(qk, 2 * H)
         v = split_heads(v, H)  # [B, T, H, D]
