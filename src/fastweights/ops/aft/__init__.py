@@ -19,8 +19,8 @@ key/value cache; no recurrent form, so no mode). ``chunk_size`` never changes th
 
 Inputs may be float64/float32/bfloat16/float16; the mathematics and every state run in float32
 (float64 for float64 inputs) and outputs come back in the input dtype. Every form is stable for
-keys of any range, and AFT-local/simple/conv for biases of any range too; AFT-full's matrix
-products need a row's biases to spread less than ~60 in float32 (docs/maths.md 4.4, ``chunk.py``).
+keys and biases of any range: AFT-full's matrix products redo the rows they would underflow with
+the joint maximum of K + w (docs/maths.md 4.4, ``chunk.py``).
 The oracles are in ``naive.py``; the public ops in ``full.py`` (``aft``, ``aft_full_stream``),
 ``local.py``, ``local_stream.py``, ``simple.py`` and ``conv.py``, each beside its typed state.
 """
