@@ -16,7 +16,7 @@ import fastweights
 
 ROOT = Path(fastweights.__file__).parent
 
-# The floors of the package, bottom to top (DESIGN.md, "Layers of the code"): a module imports
+# The floors of the package, bottom to top (docs/design.md, "Floors"): a module imports
 # modules of its own floor and of the floors below, never one above, at module level or inside
 # a function alike. The root's modules (fastweights itself, _checks, _files, state_tree) are
 # the ground floor.

@@ -1,5 +1,5 @@
 """Triton kernels of linear_attn / delta_rule / gated_delta_rule (ops/fwp/triton.py) run by the
-Triton CPU interpreter against the naive oracles (SPEC 1.3, 1.4, 5b), and the mode="chunk"
+Triton CPU interpreter against the naive oracles (docs/maths.md 1.3, 1.4, 5b), and the mode="chunk"
 dispatcher.
 
 Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, including its own

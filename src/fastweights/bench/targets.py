@@ -7,8 +7,8 @@ and the decoding pair ``prefill`` (state after T tokens, chunked/default form, n
 
 Dimension legend: B batch, T sequence length, H heads, D head dim (d_model / H), d_model width.
 
-Op-level inputs follow DESIGN.md's signatures with the feature maps the layers use (ELU+1 keys
-and queries, sum-normalised for the delta rule; sigmoid write strengths). An op in
+Op-level inputs follow docs/design.md, "Public ops", with the feature maps the layers use
+(ELU+1 keys and queries, sum-normalised for the delta rule; sigmoid write strengths). An op in
 ``fastweights.ops.__all__`` is included when it has a recipe below and the recipe is accepted on
 a tiny probe input; every ``mode`` a probe accepts becomes its own target (``delta_rule[chunk]``,
 ``delta_rule[recurrent]``, ...). Ops without a recipe, or whose recipe is rejected, are listed

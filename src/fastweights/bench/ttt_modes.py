@@ -1,4 +1,4 @@
-"""CPU time of the TTT dual form against the vectorised primal form (SPEC.md 2.4, 2.9 (a)).
+"""CPU time of the TTT dual form against the vectorised primal form (docs/maths.md 2.4, 2.9 (a)).
 
 ``fastweights bench ttt-modes`` (or ``python -m fastweights.bench.ttt_modes``) times ``ttt_linear`` and ``ttt_mlp`` in both modes at
 B1 H4 T2048 d64, mini-batch 16, float32 (the defaults), forward alone and forward + backward, all
@@ -26,7 +26,7 @@ def make_inputs(
     kind: str, B: int, T: int, H: int, d: int, dtype: torch.dtype, seed: int = 0,
 ) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
     """Random q, k, v [B, T, H, d], eta [B, T, H], inner weights (batch 1) and LayerNorm [H, d],
-    scaled as the layer's initialisation would give them (SPEC 2.6)."""
+    scaled as the layer's initialisation would give them (docs/maths.md 2.6)."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:

@@ -15,7 +15,7 @@ from ..reproduce import recall
 from .common import UserError, parse_int_list, parse_mixer_list, positive_int, prepare_out
 
 NAME = "recall"
-HELP = "memory capacity / update experiment on synthetic retrieval (SPEC 1.8)"
+HELP = "memory capacity / update experiment on synthetic retrieval (docs/maths.md 1.8)"
 DESCRIPTION = (
     "Train one model per (task, mixer, size) on the fast weight paper's synthetic retrieval "
     "(capacity = setting 1, update = setting 2) or on MQAR, and write results.csv and results.png "

@@ -1,4 +1,4 @@
-"""The contract every sequence mixer honours (DESIGN.md, "Layers and models")."""
+"""The contract every sequence mixer honours (docs/design.md, "The layer contract")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Fast weight programmer layers: linear attention with a choice of feature map, normalisation and
-update rule, and DeltaNet (SPEC.md 1.1-1.4). The mathematics lives in ``fastweights.ops.fwp``."""
+update rule, and DeltaNet (docs/maths.md 1.1-1.4). The mathematics lives in
+``fastweights.ops.fwp``."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class LinearAttention(Mixer):
     (``ops.fwp.preferred_chunk_size``: 32 for the delta rule on CPU, 64 otherwise; the choice
     changes only float rounding, and is fixed per device kind, so runs stay reproducible).
     The defaults ``nu=2``
-    and ``m=16`` are lmtool's (SPEC 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
+    and ``m=16`` are lmtool's (docs/maths.md 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
 
     State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule and the
     attention-normalised delta rule, ``(S,)`` for delta.

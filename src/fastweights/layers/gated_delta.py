@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024; SPEC.md 5b): the layer ``GatedDeltaNet``,
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024; docs/maths.md 5b): the layer ``GatedDeltaNet``,
 registered as ``gated-delta``. The mathematics is ``fastweights.ops.fwp.gated_delta_rule``.
 
 The layer as published and as flash-linear-attention 0.6 builds it (``fla/layers/

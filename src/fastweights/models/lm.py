@@ -105,7 +105,8 @@ class LanguageModel(nn.Module):
 
     def set_inner_lr_warmup(self, progress: float) -> None:
         """Tell every layer how far the outer warm-up has come (``progress`` in [0, 1], 1 once
-        warmed up); layers with an inner learning-rate schedule (TTT-MLP, SPEC 2.6) follow it."""
+        warmed up); layers with an inner learning-rate schedule (TTT-MLP, docs/maths.md 2.6) follow
+        it."""
         if not is_number(progress) or not 0.0 <= progress <= 1.0:
             raise ValueError(f"progress must be a number in [0, 1], got {progress!r}")
         for block in self.blocks:

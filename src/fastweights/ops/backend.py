@@ -74,7 +74,8 @@ def preferred_chunk_size(op: str, device: torch.device | str) -> int:
     """The measured fastest ``chunk_size`` of ``op`` (``"linear_attn"``, ``"delta_rule"`` or
     ``"gated_delta_rule"``, the last from benchmarks/results/gated_delta_epyc_avx2/) on
     this kind of device (see ``PREFERRED_CHUNK_SIZES``); 64 where nothing was measured. Layers
-    built with ``chunk_size=None`` use it; the ops themselves keep DESIGN's default of 64."""
+    built with ``chunk_size=None`` use it; the ops themselves keep the default of 64
+    (docs/design.md, "Modes")."""
     if op not in ("linear_attn", "delta_rule", "gated_delta_rule"):
         raise ValueError(f"op must be 'linear_attn', 'delta_rule' or 'gated_delta_rule', got {op!r}")
     return PREFERRED_CHUNK_SIZES.get(torch.device(device).type, {}).get(op, FLA_CHUNK)

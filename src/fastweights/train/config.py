@@ -106,7 +106,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def set_inner_lr_ramp(model: LanguageModel, step: int, warmup: int) -> None:
-    """The inner-learning-rate warm-up of TTT-MLP (SPEC 2.6) at optimiser step ``step``
+    """The inner-learning-rate warm-up of TTT-MLP (docs/maths.md 2.6) at optimiser step ``step``
     (0-based): the layers follow progress min(1, step / warmup) (1 without a warm-up)."""
     model.set_inner_lr_warmup(1.0 if warmup <= 0 else min(1.0, step / warmup))
 

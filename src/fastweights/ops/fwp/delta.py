@@ -1,4 +1,4 @@
-"""The delta rule (DeltaNet), read after write (SPEC.md 1.4): ``delta_rule``. Its state is the
+"""The delta rule (DeltaNet), read after write (docs/maths.md 1.4): ``delta_rule``. Its state is the
 single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = delta_rule(...)``). And the delta rule
 with attention normalisation, ``delta_rule_attn_norm`` (the fast weight paper's Table 3
 ablation), whose state is a ``LinearAttnState`` (S, z).
@@ -38,7 +38,7 @@ def delta_rule(
     mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Delta-rule fast weights, read after write (SPEC 1.4).
+    """Delta-rule fast weights, read after write (docs/maths.md 1.4).
 
     q, k: [B, T, H, Dk] (feature-mapped and sum-normalised by the caller); v: [B, T, H, Dv];
     beta: [B, T, H] write strengths (any floating dtype: like the state, it is used in the
@@ -108,7 +108,7 @@ def delta_rule_attn_norm(
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
 ) -> tuple[torch.Tensor, LinearAttnState | None]:
     """The delta rule with attention normalisation (the fast weight paper's eqs. 26-27; lmtool's
-    "Norm" variants, SPEC 1.4), the ablation of the paper's Table 3.
+    "Norm" variants, docs/maths.md 1.4), the ablation of the paper's Table 3.
 
     q, k: [B, T, H, Dk] non-negative features (feature-mapped, sum-normalised or not, by the
     caller); v: [B, T, H, Dv]; beta: [B, T, H]. With z_t = z_{t-1} + k_t:

@@ -1,4 +1,4 @@
-"""Linear attention, the sum rule of fast weight programmers (SPEC.md 1.3): ``linear_attn``
+"""Linear attention, the sum rule of fast weight programmers (docs/maths.md 1.3): ``linear_attn``
 and its state.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
@@ -62,7 +62,7 @@ def linear_attn(
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, LinearAttnState | None]:
-    """Causal linear attention / sum-rule fast weights (SPEC 1.3).
+    """Causal linear attention / sum-rule fast weights (docs/maths.md 1.3).
 
     q, k: [B, T, H, Dk] (already feature-mapped); v: [B, T, H, Dv].
     State: a ``LinearAttnState`` (S [B, H, Dk, Dv], z [B, H, Dk]), S_t = S_{t-1} + k_t^T v_t, z_t = z_{t-1} + k_t.

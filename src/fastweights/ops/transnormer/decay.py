@@ -1,4 +1,4 @@
-"""Decayed linear attention of TransNormerLLM / Lightning Attention (SPEC.md 3.5):
+"""Decayed linear attention of TransNormerLLM / Lightning Attention (docs/maths.md 3.5):
 ``decay_linear_attn``. Its state is the single matrix S [B, H, Dk, Dv], a plain tensor.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
@@ -39,7 +39,7 @@ def decay_linear_attn(
     mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal linear attention with a per-head decay, no denominator (SPEC 3.5).
+    """Causal linear attention with a per-head decay, no denominator (docs/maths.md 3.5).
 
     q, k: [B, T, H, Dk] (already activated); v: [B, T, H, Dv]; decay: [H], lambda_h in (0, 1]
     (lambda = 1 is plain un-normalised linear attention). S_t = lambda_h S_{t-1} + k_t^T v_t,

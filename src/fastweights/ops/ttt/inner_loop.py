@@ -1,4 +1,4 @@
-"""The public TTT ops ``ttt_linear`` and ``ttt_mlp`` (SPEC.md 2.2-2.4): argument checks, the
+"""The public TTT ops ``ttt_linear`` and ``ttt_mlp`` (docs/maths.md 2.2-2.4): argument checks, the
 ``mode=`` switch over chunk.py (the dual form) / primal.py / naive.py, and the state in and out (``Carry``).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mini-batch size.
@@ -148,7 +148,7 @@ def ttt_linear(
     token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
     cu_seqlens: torch.Tensor | None = None, checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
-    """TTT-Linear (SPEC 2.2-2.4): inner model f_res(z) = z W + b per head.
+    """TTT-Linear (docs/maths.md 2.2-2.4): inner model f_res(z) = z W + b per head.
 
     q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; eta: [B, T, H] inner learning rates.
     initial_state (required): (W [B or 1, H, Dk, Dv], b [B or 1, H, Dv] or None for no bias), or
@@ -175,7 +175,7 @@ def ttt_linear(
     N states, and the final state is a list with one state per document (ops/_varlen.py).
     checkpoint_group: dual mode, while gradients are recorded: run the mini-batch scan in groups
     of this many mini-batches, each recomputed in the backward pass instead of keeping every
-    mini-batch's weights (SPEC 2.6: the paper uses 4); same results, less memory, one more
+    mini-batch's weights (docs/maths.md 2.6: the paper uses 4); same results, less memory, one more
     forward of the scan. None (default) keeps everything.
     """
     return _ttt("linear", q, k, v, eta, initial_state=initial_state, ln_weight=ln_weight,
@@ -192,8 +192,8 @@ def ttt_mlp(
     token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
     cu_seqlens: torch.Tensor | None = None, checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
-    """TTT-MLP (SPEC 2.2-2.4): inner model f_res(z) = gelu_tanh(z W1 + b1) W2 + b2 per head,
-    hidden size 4 Dk.
+    """TTT-MLP (docs/maths.md 2.2-2.4): inner model f_res(z) = gelu_tanh(z W1 + b1) W2 + b2 per
+    head, hidden size 4 Dk.
 
     initial_state (required): (W1 [B or 1, H, Dk, 4Dk], b1 [B or 1, H, 4Dk] or None,
     W2 [B or 1, H, 4Dk, Dv], b2 [B or 1, H, Dv] or None), or a state returned by an earlier call;
