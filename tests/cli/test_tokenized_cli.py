@@ -75,7 +75,7 @@ def test_bin_data_refusals_write_nothing(bins, tmp_path, capsys):
         r"train\.bin holds token id 299 at position \d+, not below vocab_size 299")
     bad(["train", "--data", str(bins), "--tokenizer", str(tmp_path / "nope.json"), "--out",
          str(out), *TINY], capsys, r"--tokenizer .*nope\.json does not exist")
-    assert not any(out.iterdir())  # at most the empty --out, made before the data is read
+    assert not out.exists()  # every refusal comes before --out is made
     bad(["train", "--data", str(bins), "--tokenizer", str(bins / "train.bin"), "--token-dtype",
          "uint16", "--out", str(out), *TINY], capsys, "--token-dtype is for pre-tokenized")
 

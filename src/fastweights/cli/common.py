@@ -7,6 +7,7 @@ Imports no torch: ``main`` imports this module before it can handle a Ctrl-C dur
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import textwrap
@@ -167,6 +168,27 @@ def make_folder(path: Path, flag: str = "--out") -> None:
     except OSError as err:
         reason = err.strerror or type(err).__name__
         raise UserError(f"{flag} {path}: cannot create this folder ({reason})") from None
+
+
+def check_creatable(path: Path, flag: str = "--out") -> None:
+    """Refuse, with a UserError naming ``flag`` and the reason, a folder ``path`` that cannot be
+    created or written: an existing file, or a nearest existing parent that is a file, not
+    writable or on a read-only file system. Creates nothing: a command checks its output folder
+    with this before its other checks and the work, and makes it (``make_folder``) only when it
+    writes."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} exists and is not a folder")
+    parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    reason = None
+    if not parent.is_dir():
+        reason = "Not a directory"
+    elif hasattr(os, "statvfs") and os.statvfs(parent).f_flag & os.ST_RDONLY:
+        reason = "Read-only file system"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        reason = "Permission denied"
+    if reason is not None:
+        what = "write into" if parent == path.absolute() else "create"
+        raise UserError(f"{flag} {path}: cannot {what} this folder ({reason})")
 
 
 def check_out(out: Path, overwrite: bool) -> None:
