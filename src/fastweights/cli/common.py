@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
+CACHE_FOLDER = ".fastweights-cache"  # --token-cache's default folder name (train, eval)
+
 
 class UserError(Exception):
     """A mistake in the user's input: reported as one line, exit code 2."""
@@ -168,6 +170,24 @@ def make_folder(path: Path, flag: str = "--out") -> None:
     except OSError as err:
         reason = err.strerror or type(err).__name__
         raise UserError(f"{flag} {path}: cannot create this folder ({reason})") from None
+
+
+@contextmanager
+def new_folder(path: Path, flag: str = "--out") -> Iterator[None]:
+    """Make folder ``path`` (``make_folder``) for the body to write into; if the body fails,
+    remove the folders this made, deepest first and only while empty: a refused or failed
+    command leaves no folder behind, and nothing written there is deleted."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    make_folder(path, flag)
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): keep it and its parents
+                break
+        raise
 
 
 def check_creatable(path: Path, flag: str = "--out") -> None:

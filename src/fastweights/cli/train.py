@@ -29,6 +29,7 @@ from ..train.trainer import (
     train,
 )
 from .common import (
+    CACHE_FOLDER,
     UserError,
     check_creatable,
     check_out,
@@ -244,9 +245,6 @@ def _data_name(spec: str) -> str:
     """``--data`` as recorded in run.json: an existing path made absolute, so that resuming or
     evaluating from another working folder reads the same corpus; else as given."""
     return spec if spec == "stdlib" or not Path(spec).exists() else str(Path(spec).resolve())
-
-
-CACHE_FOLDER = ".fastweights-cache"  # --token-cache's default, beside --out
 
 
 def _check_tokens(settings: dict[str, Any]) -> None:
