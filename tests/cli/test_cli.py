@@ -175,6 +175,7 @@ def test_refused_commands_leave_no_folder(tmp_path, text_file, capsys):
                           str(out), "--data", text_file, "--quiet"],
                          capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 2 and "launch with torchrun" in res.stderr, res.stderr
+    assert not out.parent.exists()
     tiny = ["--data", text_file, "--seq-len", "8", "--batch-size", "2", "--d-model", "8",
             "--n-heads", "2", "--n-layers", "1", "--steps", "1", "--quiet", "--out", str(out)]
     bad(["train", *tiny, "--context-parallel", "2"], capsys, "multiple of context_parallel 2")
