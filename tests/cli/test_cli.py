@@ -191,6 +191,16 @@ def test_refused_commands_leave_no_folder(tmp_path, text_file, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.txt", "tok.json"]
 
 
+@pytest.mark.parametrize("argv", [["decode", "--mixers", "delta", "nosuch"],
+                                  ["recompute", "--mixers", "delta,nosuch"],
+                                  ["recompute", "--mixers", "delta", "--d-model", "7"]])
+def test_bench_model_mixers_are_checked_before_measuring(argv, capsys):
+    """decode and recompute build one model per mixer: a bad one is one line, exit 2, before
+    the first measurement (it was a traceback after the earlier mixers' runs)."""
+    bad(["bench", *argv], capsys, r"^fastweights bench: error: --mixers (nosuch: mixer: unknown "
+        r"mixer 'nosuch'|delta: .*d_model \(7\) must be divisible)")
+
+
 def test_train_carry_state_and_positions(tmp_path, text_file, capsys):
     run = tmp_path / "run"
     small = ["--data", text_file, "--steps", "2", "--seq-len", "8", "--batch-size", "2",
