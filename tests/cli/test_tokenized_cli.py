@@ -165,6 +165,8 @@ def test_an_exported_tokenized_model_is_scored_by_its_own_tokenizer(tmp_path, ca
     run, model = tmp_path / "run", tmp_path / "model"
     assert main(["train", "--data", str(texts), "--tokenizer", tokenizer, "--steps", "2",
                  "--out", str(run), *TINY]) == 0
+    bad(["export", str(run), "--consolidate", "--step", "--out", str(model)], capsys,
+        "--consolidate writes a new checkpoint folder, not a program: --step does not apply")
     res = cli("export", run, "--consolidate", "--out", model)
     assert res.returncode == 0 and "carrying tokenizer" in res.stdout, res.stderr
     assert (model / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()

@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.consolidate:
+        unused = [flag for flag, given in (("--step", args.step), ("--onnx", args.onnx),
+                                           ("--dynamic", args.dynamic),
+                                           ("--overwrite", args.overwrite)) if given]
+        if unused:
+            raise UserError(f"--consolidate writes a new checkpoint folder, not a program: "
+                            f"{', '.join(unused)} does not apply")
         return _consolidate(args.checkpoint, out, args.tokenizer)
     if args.tokenizer is not None:
         raise UserError("--tokenizer is for --consolidate: a .pt2 program carries no tokenizer")
