@@ -7,6 +7,7 @@ Imports no torch: ``main`` imports this module before it can handle a Ctrl-C dur
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import textwrap
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
+
+CACHE_FOLDER = ".fastweights-cache"  # --token-cache's default folder name (train, eval)
 
 
 class UserError(Exception):
@@ -139,6 +142,19 @@ def parse_mixer_list(flag: str, text: str) -> list[tuple[str, dict[str, Any]]]:
     return [parse_mixer_spec(flag, s) for s in specs]
 
 
+def check_model_mixers(flag: str, mixers: list[str], **config: Any) -> None:
+    """The LMConfig of each of ``mixers`` (names or specifications as ``LMConfig(mixer=...)``
+    takes them) with ``config`` must be valid, else a UserError naming ``flag``: a benchmark
+    that builds one model per mixer checks them all before it measures anything."""
+    from ..models import LMConfig  # torch: imported only when a command calls this
+
+    for mixer in mixers:
+        try:
+            LMConfig(mixer=mixer, **config)
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{flag} {mixer}: {str(err).removeprefix('LMConfig.')}") from None
+
+
 def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
     """A benchmark's own settings, in its options' order, as its results record them (paths as
     strings)."""
@@ -167,6 +183,45 @@ def make_folder(path: Path, flag: str = "--out") -> None:
     except OSError as err:
         reason = err.strerror or type(err).__name__
         raise UserError(f"{flag} {path}: cannot create this folder ({reason})") from None
+
+
+@contextmanager
+def new_folder(path: Path, flag: str = "--out") -> Iterator[None]:
+    """Make folder ``path`` (``make_folder``) for the body to write into; if the body fails,
+    remove the folders this made, deepest first and only while empty: a refused or failed
+    command leaves no folder behind, and nothing written there is deleted."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    make_folder(path, flag)
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): keep it and its parents
+                break
+        raise
+
+
+def check_creatable(path: Path, flag: str = "--out") -> None:
+    """Refuse, with a UserError naming ``flag`` and the reason, a folder ``path`` that cannot be
+    created or written: an existing file, or a nearest existing parent that is a file, not
+    writable or on a read-only file system. Creates nothing: a command checks its output folder
+    with this before its other checks and the work, and makes it (``make_folder``) only when it
+    writes."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} exists and is not a folder")
+    parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    reason = None
+    if not parent.is_dir():
+        reason = "Not a directory"
+    elif hasattr(os, "statvfs") and os.statvfs(parent).f_flag & os.ST_RDONLY:
+        reason = "Read-only file system"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        reason = "Permission denied"
+    if reason is not None:
+        what = "write into" if parent == path.absolute() else "create"
+        raise UserError(f"{flag} {path}: cannot {what} this folder ({reason})")
 
 
 def check_out(out: Path, overwrite: bool) -> None:

@@ -16,6 +16,7 @@ from ..models import LMConfig
 from ..tasks.text import Corpus
 from ..tasks.tokens import TOKEN_DTYPES, is_token_folder, open_corpus, tokenizer_sha256
 from ..train.checkpoint import CheckpointWriteError
+from ..train.config import check_fsdp, check_launch
 from ..train.distributed import FSDP_MIXED
 from ..train.records import RunRecord, run_corpus, same_data
 from ..train.trainer import (
@@ -28,9 +29,10 @@ from ..train.trainer import (
     train,
 )
 from .common import (
+    CACHE_FOLDER,
     UserError,
+    check_creatable,
     check_out,
-    make_folder,
     parse_mixer_list,
     positive_int,
     user_errors,
@@ -245,9 +247,6 @@ def _data_name(spec: str) -> str:
     return spec if spec == "stdlib" or not Path(spec).exists() else str(Path(spec).resolve())
 
 
-CACHE_FOLDER = ".fastweights-cache"  # --token-cache's default, beside --out
-
-
 def _check_tokens(settings: dict[str, Any]) -> None:
     """The token options of a new run must agree with each other and the data (flag-named
     UserErrors, before anything is read)."""
@@ -267,11 +266,22 @@ def _check_tokens(settings: dict[str, Any]) -> None:
                             "id is below it) to train on the token ids")
 
 
+def _check_launch(args: argparse.Namespace, tcfg: TrainConfig, mcfg: LMConfig) -> None:
+    """The settings that need no data must fit the launch (torchrun's WORLD_SIZE, 1 outside
+    it): --fsdp, --fsdp-mixed, --context-parallel and the batch split, checked before the data
+    is read (tokenizing it writes a cache) or the run folder is made."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    with user_errors():
+        check_launch(tcfg, mcfg, world, args.context_parallel)
+        check_fsdp(args.fsdp, args.fsdp_mixed, world, tcfg)
+
+
 def _configs(args: argparse.Namespace, main: bool
              ) -> tuple[LMConfig | None, TrainConfig, int | None, Callable[[], Corpus]]:
     """(model config, None on resume; training config; the model's vocabulary when an option
     sets it, else None: the data's; the loader of the run's data) of the run the options ask
-    for. Nothing is read or written before every option is checked."""
+    for. Nothing is read or written before every option is checked: --out is made by the
+    trainer once the data and the first forward are checked too."""
     out = Path(args.out)
     given = {k: getattr(args, k) for k in args.setting_defaults if getattr(args, k) is not None}
     progress = main and not args.quiet
@@ -284,6 +294,7 @@ def _configs(args: argparse.Namespace, main: bool
         with user_errors():
             record = read_run(out)
             tcfg = dataclasses.replace(record.train, **resume_settings(given, record))
+        _check_launch(args, tcfg, record.model)
         return None, tcfg, None, lambda: run_corpus(
             record, tokenizer=given.get("tokenizer"), cache_root=args.token_cache,
             progress=progress)
@@ -293,9 +304,10 @@ def _configs(args: argparse.Namespace, main: bool
                               if f.name in settings})
     mcfg = model_config(settings)
     _check_tokens(settings)
+    _check_launch(args, tcfg, mcfg)
     if main:
         check_out(out, args.overwrite)  # the earlier run is replaced only by train() itself
-        make_folder(out)
+        check_creatable(out)  # before the data is read: a bad --out must not cost tokenizing
     cache = args.token_cache or out.resolve().parent / CACHE_FOLDER
     tokenizer = settings["tokenizer"]
     return mcfg, tcfg, settings["vocab_size"], lambda: open_corpus(

@@ -115,6 +115,24 @@ def check_settings(cfg: TrainConfig, model_config: LMConfig, corpus: Corpus, wor
                    cp: int) -> None:
     """The settings must fit the world size (``cp`` context-parallel ranks per sequence), the
     model and the data; ValueError naming the first that does not."""
+    check_launch(cfg, model_config, world, cp)
+    if corpus.vocab_size > model_config.vocab_size:
+        raise ValueError(f"data {corpus.name} has ids up to {corpus.vocab_size - 1}, beyond the "
+                         f"model's vocab_size {model_config.vocab_size}")
+    _check_corpus(corpus, cfg)
+    if cfg.carry_state:
+        shard = stream_shard_len(corpus.train, cfg.batch_size)
+        if shard < cfg.seq_len + 1:
+            raise ValueError(
+                f"carry_state cuts the training split of data {corpus.name} "
+                f"({corpus.train.numel()} {_unit(corpus)}) into batch_size {cfg.batch_size} "
+                f"streams of {shard} {_unit(corpus)}, fewer than seq_len + 1 = {cfg.seq_len + 1}")
+
+
+def check_launch(cfg: TrainConfig, model_config: LMConfig, world: int, cp: int) -> None:
+    """The part of ``check_settings`` that needs no data: the settings must fit the world size
+    (``cp`` context-parallel ranks per sequence) and the model. The command line runs it before
+    it reads (or tokenizes) the data; ValueError naming the first that does not fit."""
     limit = model_config.max_seq_len
     if cp > 1:
         if cfg.carry_state:
@@ -138,17 +156,6 @@ def check_settings(cfg: TrainConfig, model_config: LMConfig, corpus: Corpus, wor
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {what} {dp}")
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {limit}")
-    if corpus.vocab_size > model_config.vocab_size:
-        raise ValueError(f"data {corpus.name} has ids up to {corpus.vocab_size - 1}, beyond the "
-                         f"model's vocab_size {model_config.vocab_size}")
-    _check_corpus(corpus, cfg)
-    if cfg.carry_state:
-        shard = stream_shard_len(corpus.train, cfg.batch_size)
-        if shard < cfg.seq_len + 1:
-            raise ValueError(
-                f"carry_state cuts the training split of data {corpus.name} "
-                f"({corpus.train.numel()} {_unit(corpus)}) into batch_size {cfg.batch_size} "
-                f"streams of {shard} {_unit(corpus)}, fewer than seq_len + 1 = {cfg.seq_len + 1}")
 
 
 def _unit(corpus: Corpus) -> str:
@@ -167,6 +174,8 @@ def _check_corpus(corpus: Corpus, cfg: TrainConfig) -> None:
 def check_fsdp(fsdp: bool, mixed: str | None, world: int, cfg: TrainConfig) -> None:
     """FSDP's settings (``train(fsdp=..., fsdp_mixed=...)``) must fit the world and the run;
     ValueError naming the first that does not."""
+    if mixed is not None and not fsdp:
+        raise ValueError(f"fsdp_mixed {mixed} is FSDP's mixed precision: it needs fsdp")
     if fsdp and world < 2:
         raise ValueError(f"fsdp shards the model across processes: launch with torchrun and 2 or "
                          f"more processes (the world size is {world})")

@@ -119,8 +119,6 @@ class Trainer:
         if fsdp_mixed is not None and fsdp_mixed not in FSDP_MIXED:
             raise ValueError(f"fsdp_mixed must be None or one of {sorted(FSDP_MIXED)}, got "
                              f"{fsdp_mixed!r}")
-        if fsdp_mixed is not None and not fsdp:
-            raise ValueError(f"fsdp_mixed {fsdp_mixed} is FSDP's mixed precision: it needs fsdp")
         self.fsdp, self.fsdp_mixed = fsdp, fsdp_mixed
         cp = context_parallel
         if not is_int(cp) or cp < 1:

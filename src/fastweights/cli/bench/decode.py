@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ...bench import decode
-from ..common import positive_int, recorded_settings
+from ..common import check_model_mixers, positive_int, recorded_settings
 
 NAME = "decode"
 HELP = "decode memory and speed of a recurrent LM vs softmax attention"
@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_model_mixers("--mixers", args.mixers, vocab_size=args.vocab_size, d_model=args.d_model,
+                       n_layers=args.n_layers, n_heads=args.n_heads)
     rows = decode.run(args.mixers, args.contexts, d_model=args.d_model, n_layers=args.n_layers,
                       n_heads=args.n_heads, vocab_size=args.vocab_size,
                       new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,

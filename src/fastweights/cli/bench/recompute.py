@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from ...bench import recompute
-from ..common import command_line, parse_int_list, positive_int
+from ..common import check_model_mixers, command_line, parse_int_list, positive_int
 
 NAME = "recompute"
 HELP = "training-step time and peak memory with and without recompute"
@@ -30,7 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    recompute.run([m for m in args.mixers.split(",") if m],
+    mixers = [m for m in args.mixers.split(",") if m]
+    check_model_mixers("--mixers", mixers, vocab_size=256, d_model=args.d_model,
+                       n_layers=args.n_layers, n_heads=args.n_heads)
+    recompute.run(mixers,
                   parse_int_list("--lengths", args.lengths), d_model=args.d_model,
                   n_layers=args.n_layers, n_heads=args.n_heads, repeats=args.repeats,
                   device=args.device, out=args.out,
