@@ -9,11 +9,11 @@ import math
 import sys
 from pathlib import Path
 
+from .._commands import UserError, positive_int, user_errors
 from ..tasks.tokens import is_token_folder, open_corpus
 from ..train.checkpoint import load_model
 from ..train.records import RunRecord, run_corpus
 from ..train.trainer import RUN_FILE, evaluate, read_run
-from .common import UserError, positive_int, user_errors
 
 NAME = "eval"
 HELP = "validation perplexity of a checkpoint"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from .._commands import UserError, make_folder, positive_int, user_errors
 from ..models import export as ex
 from ..train.checkpoint import consolidate_checkpoint, load_model
-from .common import UserError, make_folder, positive_int, user_errors
 
 NAME = "export"
 HELP = "torch.export (.pt2) / ONNX program of a checkpoint"
