@@ -62,7 +62,6 @@ from .measure import PeakMemory, count_flops, matmul_gflops, synchronize, time_c
 from .targets import Setting, mixer_targets
 
 NAME = "gpu"
-HELP = "the prepared GPU benchmark: kernel exactness, op, layer and training-step tables"
 DESCRIPTION = ("Run on a CUDA GPU, within --budget-s seconds (compilation and autotuning "
                "included): (exact) every kernel backend of every kernel op against the float64 "
                "naive form, outputs, states and gradients, at an odd length and on a packed "
@@ -643,7 +642,7 @@ def run_benchmark(out: Path, *, dry_run: bool, device: torch.device, budget_s: f
 
 # ----------------------------------------------------------------------------- command line
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli.common import positive_float, positive_int
+    from .._commands import positive_float, positive_int
 
     p.add_argument("--out", type=Path, default=Path("runs/bench-gpu"),
                    help="folder for results.md, results.csv and meta.json")
@@ -663,7 +662,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli.common import UserError, command_line, parse_name_list, prepare_out
+    from .._commands import UserError, command_line, parse_name_list, prepare_out
 
     sections = parse_name_list("--sections", args.sections, SECTIONS)
     if args.dry_run:

@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+from .._commands import CACHE_FOLDER, UserError, positive_int, user_errors
 from ..tasks.text import Corpus
 from ..tasks.tokens import (
     carried_tokenizer,
@@ -20,7 +21,6 @@ from ..tasks.tokens import (
 from ..train.checkpoint import load_model
 from ..train.records import RunRecord, run_corpus
 from ..train.trainer import RUN_FILE, evaluate, read_run
-from .common import CACHE_FOLDER, UserError, positive_int, user_errors
 
 NAME = "eval"
 HELP = "validation perplexity of a checkpoint"

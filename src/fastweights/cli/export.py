@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from .._commands import UserError, check_creatable, new_folder, positive_int, user_errors
 from ..models import export as ex
 from ..train.checkpoint import consolidate_checkpoint, load_model
-from .common import UserError, check_creatable, new_folder, positive_int, user_errors
 from .eval import own_tokenizer, run_record
 
 NAME = "export"

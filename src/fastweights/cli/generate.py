@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from .._commands import UserError, user_errors
 from ..tasks import ByteTokenizer
 from ..tasks.tokens import carried_tokenizer, load_tokenizer
 from ..train.checkpoint import load_model
-from .common import UserError, user_errors
 from .eval import check_vocab, run_record
 
 NAME = "generate"

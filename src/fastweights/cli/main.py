@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from .common import HelpFormatter, Parser, UserError
+from .._commands import HelpFormatter, Parser, UserError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .._commands import positive_int, user_errors
 from ..models.registry import build_mixer, mixer_names, mixer_options
-from .common import positive_int, user_errors
 
 NAME = "mixers"
 HELP = "list the registered mixers, their options and state sizes"

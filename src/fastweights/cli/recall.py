@@ -9,10 +9,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .._commands import UserError, parse_int_list, parse_mixer_list, positive_int, prepare_out
 from ..models.registry import mixer_names
 from ..models.retrieval import MEMORIES
 from ..reproduce import recall
-from .common import UserError, parse_int_list, parse_mixer_list, positive_int, prepare_out
 
 NAME = "recall"
 HELP = "memory capacity / update experiment on synthetic retrieval (docs/maths.md 1.8)"

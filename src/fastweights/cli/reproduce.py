@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .._commands import UserError, user_errors
 from ..reproduce import EXPERIMENTS, ReproduceError
 from ..reproduce.driver import experiment, render, reproduce
-from .common import UserError, user_errors
 
 NAME = "reproduce"
 HELP = f"reproduce a paper's claims ({', '.join(EXPERIMENTS)})"

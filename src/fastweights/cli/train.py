@@ -12,6 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._commands import (
+    CACHE_FOLDER,
+    UserError,
+    check_creatable,
+    check_out,
+    parse_mixer_list,
+    positive_int,
+    user_errors,
+)
 from ..models import LMConfig
 from ..tasks.text import Corpus
 from ..tasks.tokens import TOKEN_DTYPES, is_token_folder, open_corpus, tokenizer_sha256
@@ -27,15 +36,6 @@ from ..train.trainer import (
     TrainingInterrupted,
     read_run,
     train,
-)
-from .common import (
-    CACHE_FOLDER,
-    UserError,
-    check_creatable,
-    check_out,
-    parse_mixer_list,
-    positive_int,
-    user_errors,
 )
 
 NAME = "train"

@@ -1,5 +1,6 @@
-"""What the subcommands share: user errors (one line, exit 2), the parser and help format, number
-and mixer-specification parsing, and output-folder handling.
+"""What every command shares, the ``fastweights`` subcommands (cli/) and the benchmarks
+(bench/): user errors (one line, exit 2), the parser and help format, number and
+mixer-specification parsing, and output-folder handling.
 
 Imports no torch: ``main`` imports this module before it can handle a Ctrl-C during start-up.
 """
