@@ -143,19 +143,6 @@ def parse_mixer_list(flag: str, text: str) -> list[tuple[str, dict[str, Any]]]:
     return [parse_mixer_spec(flag, s) for s in specs]
 
 
-def check_model_mixers(flag: str, mixers: list[str], **config: Any) -> None:
-    """The LMConfig of each of ``mixers`` (names or specifications as ``LMConfig(mixer=...)``
-    takes them) with ``config`` must be valid, else a UserError naming ``flag``: a benchmark
-    that builds one model per mixer checks them all before it measures anything."""
-    from ..models import LMConfig  # torch: imported only when a command calls this
-
-    for mixer in mixers:
-        try:
-            LMConfig(mixer=mixer, **config)
-        except (TypeError, ValueError) as err:
-            raise UserError(f"{flag} {mixer}: {str(err).removeprefix('LMConfig.')}") from None
-
-
 def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
     """A benchmark's own settings, in its options' order, as its results record them (paths as
     strings)."""

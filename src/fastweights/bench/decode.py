@@ -38,10 +38,11 @@ from typing import Any
 import torch
 
 from .. import state_tree
-from .._commands import check_model_mixers, positive_int, recorded_settings
+from .._commands import positive_int, recorded_settings
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
 from ..models.registry import mixer_options
+from .targets import check_model_mixers
 
 MIB = 2 ** 20
 

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._commands import check_model_mixers, command_line, parse_int_list, positive_int
+from .._commands import command_line, parse_int_list, positive_int
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
 from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
+from .targets import check_model_mixers
 
 
 def _step(model: LanguageModel, ids: torch.Tensor) -> torch.Tensor:
