@@ -18,8 +18,8 @@ ROOT = Path(fastweights.__file__).parent
 
 # The floors of the package, bottom to top (docs/design.md, "Floors"): a module imports
 # modules of its own floor and of the floors below, never one above, at module level or inside
-# a function alike. The root's modules (fastweights itself, _checks, _commands, _files, state_tree,
-# testing) are the ground floor.
+# a function alike. The root's modules (fastweights itself, _checks, _commands, _files, _names,
+# state_tree, testing) are the ground floor.
 FLOORS = (
     ("ops",),
     ("layers",),
@@ -153,7 +153,7 @@ def test_no_arrow_up_a_floor_with_function_level_imports_included():
 
 def test_every_top_level_part_has_a_floor():
     parts = {p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
-    ground = {"__init__", "_checks", "_commands", "_files", "state_tree", "testing"}
+    ground = {"__init__", "_checks", "_commands", "_files", "_names", "state_tree", "testing"}
     aliases = {a.split(".")[1] for a in ALIASES if a.count(".") == 1}
     assert parts - ground - aliases == {name for names in FLOORS for name in names}
 

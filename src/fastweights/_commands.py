@@ -42,6 +42,29 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see {self.prog} --help)")
 
 
+class LazyParser(Parser):
+    """A subcommand's parser whose arguments are added by ``fill(parser)`` the first time it
+    parses or formats its help: building the command line imports no subcommand, and running
+    one imports only that one."""
+
+    def __init__(self, *args: Any, fill: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fill = fill
+
+    def filled(self) -> LazyParser:
+        """This parser with its arguments added (now, the first time)."""
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            fill(self)
+        return self
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        return super(LazyParser, self.filled()).parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        return super(LazyParser, self.filled()).format_help()
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``(default: ...)`` after every option's help, except where the default is None (the
     option's help says what leaving it out means) or False (a flag)."""

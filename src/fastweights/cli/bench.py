@@ -1,20 +1,22 @@
 """``fastweights bench``: without a name the suite, time, memory and FLOP rate of every mixer
 (and op) against T (``fastweights.bench.suite``); ``fastweights bench NAME`` one of the focused
 benchmarks of ``fastweights.bench.BENCHMARKS``, whose module is loaded when it is named (its
-parser is filled from the module then), so that ``fastweights bench --help`` imports no torch."""
+parser is filled from the module then), so that ``fastweights bench --help`` imports no torch.
+The suite's own modules are imported when it runs."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .. import bench
 from .._commands import (
     HelpFormatter,
-    Parser,
+    LazyParser,
     UserError,
     make_folder,
     parse_int_list,
@@ -31,7 +33,6 @@ if TYPE_CHECKING:
     from ..bench.targets import Setting
 
 NAME = "bench"
-HELP = "time, memory and FLOP rate of every mixer (and op) vs T; or one focused benchmark"
 DESCRIPTION = ("Benchmark every registered mixer (and with --ops every form of every op) over "
                "sequence lengths T: forward, forward+backward and per-token decoding time, peak "
                "memory and GFLOP/s, against the softmax baseline. Writes results.csv, results.md, "
@@ -260,30 +261,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _BenchmarkParser(Parser):
-    """A named benchmark's parser, filled from the benchmark's module the first time it parses
-    (its ``--help`` included): only the benchmark asked for is imported."""
-
-    def __init__(self, *args: Any, benchmark: str = "", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.benchmark = benchmark
-        self.filled = False
-
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        if not self.filled:
-            self.filled = True
-            module = bench.load(self.benchmark)
-            self.description = module.DESCRIPTION
-            module.add_arguments(self)
-            # The benchmark's own settings, as its results record them.
-            self.set_defaults(bench_run=module.run,
-                              settings=[a.dest for a in self._actions if a.dest != "help"])
-        return super().parse_known_args(args, namespace)
+def _fill_benchmark(name: str, parser: argparse.ArgumentParser) -> None:
+    """A named benchmark's parser, from its module (imported now)."""
+    module = bench.load(name)
+    parser.description = module.DESCRIPTION
+    module.add_arguments(parser)
+    # The benchmark's own settings, as its results record them.
+    parser.set_defaults(bench_run=module.run,
+                        settings=[a.dest for a in parser._actions if a.dest != "help"])
 
 
 def _add_benchmarks(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="benchmark", metavar="NAME", required=False,
-                           parser_class=_BenchmarkParser,
+                           parser_class=LazyParser,
                            title="focused benchmarks (fastweights bench NAME --help)")
     for name, help_line in bench.BENCHMARKS.items():
-        sub.add_parser(name, help=help_line, formatter_class=HelpFormatter, benchmark=name)
+        sub.add_parser(name, help=help_line, formatter_class=HelpFormatter,
+                       fill=functools.partial(_fill_benchmark, name))

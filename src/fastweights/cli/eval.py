@@ -8,22 +8,16 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._commands import CACHE_FOLDER, UserError, positive_int, user_errors
-from ..tasks.text import Corpus
-from ..tasks.tokens import (
-    carried_tokenizer,
-    is_token_folder,
-    load_tokenizer,
-    open_corpus,
-    tokenizer_sha256,
-)
-from ..train.checkpoint import load_model
-from ..train.records import RunRecord, run_corpus
-from ..train.trainer import RUN_FILE, evaluate, read_run
+
+if TYPE_CHECKING:
+    from ..tasks.text import Corpus
+    from ..train.records import RunRecord
+
 
 NAME = "eval"
-HELP = "validation perplexity of a checkpoint"
 DESCRIPTION = ("Next-byte loss, perplexity and bits per byte of a checkpoint on the validation "
                "split of --data (by default the data of the run the checkpoint belongs to), "
                "printed as one JSON line. A model trained on token ids reads --data the same way "
@@ -58,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_record(checkpoint: str) -> RunRecord | None:
     """The record of the training run a checkpoint belongs to (a run folder, or a
     ``checkpoints/step-N`` folder in one): its run.json; None outside a run."""
+    from ..train.trainer import RUN_FILE, read_run
+
     path = Path(checkpoint)
     for run_dir in (path, path.parent.parent):
         if (run_dir / RUN_FILE).is_file() and (run_dir == path or path.parent.name == "checkpoints"):
@@ -86,6 +82,8 @@ def _carried(checkpoint: str, given: str | None) -> str | None:
     """The tokenizer of a model outside a run: ``given`` (--tokenizer), which must be the one
     the checkpoint folder carries when it carries one (same hash), else the carried one; None:
     bytes or ids."""
+    from ..tasks.tokens import carried_tokenizer, tokenizer_sha256
+
     carried = carried_tokenizer(checkpoint)
     if carried is None:
         return given
@@ -107,6 +105,8 @@ def own_tokenizer(checkpoint: str, record: RunRecord | None, given: str | None) 
     --consolidate`` copies it there). None for bytes, and for a run on .bin ids without
     ``given``. UserError for --tokenizer on a byte run, or a tokenizer that is missing or not
     the model's."""
+    from ..tasks.tokens import tokenizer_sha256
+
     if record is None:
         return _carried(checkpoint, given)
     tokens = record.tokens
@@ -135,6 +135,9 @@ def _corpus(args: argparse.Namespace, record: RunRecord | None, vocab: int) -> C
     .bin ids, or text by its tokenizer into its cache); outside a run (or with --tokenizer for
     a run on .bin ids) a folder of .bin ids as the model's ids, text by the model's tokenizer,
     else bytes."""
+    from ..tasks.tokens import is_token_folder, load_tokenizer, open_corpus
+    from ..train.records import run_corpus
+
     progress = sys.stderr.isatty()
     tokens = None if record is None else record.tokens
     path = own_tokenizer(args.checkpoint, record, args.tokenizer)
@@ -162,6 +165,9 @@ def _corpus(args: argparse.Namespace, record: RunRecord | None, vocab: int) -> C
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..train.checkpoint import load_model
+    from ..train.trainer import evaluate
+
     with user_errors():
         model = load_model(args.checkpoint)
     limit = model.config.max_seq_len

@@ -7,15 +7,10 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from .._commands import UserError, check_creatable, new_folder, positive_int, user_errors
-from ..models import export as ex
-from ..train.checkpoint import consolidate_checkpoint, load_model
 from .eval import own_tokenizer, run_record
 
 NAME = "export"
-HELP = "torch.export (.pt2) / ONNX program of a checkpoint"
 DESCRIPTION = ("Export a checkpoint's forward (input_ids [B, T] -> logits, state tensors) or its "
                "one-token decoding step (input_ids [B, 1], state tensors -> logits, state tensors) "
                "with torch.export, saved by torch.export.save; the step also as ONNX. With "
@@ -48,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..models import export as ex
+    from ..train.checkpoint import load_model
+
     out = Path(args.out)
     if args.consolidate:
         unused = [flag for flag, given in (("--step", args.step), ("--onnx", args.onnx),
@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
 def _consolidate(checkpoint: str, out: Path, tokenizer: str | None) -> int:
     """``--consolidate``: the checkpoint's model written whole into the new folder ``out``, with
     the tokenizer its ids come from (``own_tokenizer``), if any."""
+    from ..train.checkpoint import consolidate_checkpoint
+
     if out.exists():
         raise UserError(f"--out {out} already exists: --consolidate writes a new folder")
     check_creatable(out.parent)

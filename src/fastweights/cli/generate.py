@@ -7,13 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from .._commands import UserError, user_errors
-from ..tasks import ByteTokenizer
-from ..tasks.tokens import carried_tokenizer, load_tokenizer
-from ..train.checkpoint import load_model
 from .eval import check_vocab, run_record
 
 NAME = "generate"
-HELP = "continue a text prompt with a checkpoint"
 DESCRIPTION = ("Prefill the prompt, then decode one token per step from the recurrent state. "
                "Tokens are bytes, or the ids of the tokenizer the checkpoint's run was trained "
                "with (its recorded path, checked against its recorded sha256), of the one an "
@@ -39,6 +35,9 @@ def _tokenizer(args: argparse.Namespace) -> Any:
     """--tokenizer, else the tokenizer of the checkpoint's run (its hash must be the recorded
     one) or the one the checkpoint folder carries, else bytes; UserError for a run on .bin ids
     without --tokenizer."""
+    from ..tasks import ByteTokenizer
+    from ..tasks.tokens import carried_tokenizer, load_tokenizer
+
     path = args.tokenizer
     if path is None:
         record = run_record(args.checkpoint)
@@ -65,6 +64,9 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..tasks import ByteTokenizer
+    from ..train.checkpoint import load_model
+
     with user_errors():
         model = load_model(args.checkpoint)
     tok = _tokenizer(args)

@@ -10,7 +10,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._commands import (
     CACHE_FOLDER,
@@ -21,25 +21,16 @@ from .._commands import (
     positive_int,
     user_errors,
 )
-from ..models import LMConfig
-from ..tasks.text import Corpus
-from ..tasks.tokens import TOKEN_DTYPES, is_token_folder, open_corpus, tokenizer_sha256
-from ..train.checkpoint import CheckpointWriteError
-from ..train.config import check_fsdp, check_launch
-from ..train.distributed import FSDP_MIXED
-from ..train.records import RunRecord, run_corpus, same_data
-from ..train.trainer import (
-    RESUMABLE,
-    RUN_FILE,
-    TrainConfig,
-    TrainingAnomaly,
-    TrainingInterrupted,
-    read_run,
-    train,
-)
+from .._names import FSDP_MIXED, RESUMABLE, TOKEN_DTYPES
+
+if TYPE_CHECKING:
+    from ..models import LMConfig
+    from ..tasks.text import Corpus
+    from ..train.records import RunRecord
+    from ..train.trainer import TrainConfig
+
 
 NAME = "train"
-HELP = "train a language model on a corpus (bytes, or token ids)"
 
 
 def _flag(dest: str) -> str:
@@ -180,6 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def model_config(settings: dict[str, Any], vocab_size: int = 256) -> LMConfig:
     """The LMConfig of the run settings (``mixer`` as written on the command line); UserError for
     a bad mixer specification or config."""
+    from ..models import LMConfig
+
     specs = parse_mixer_list("--mixer", settings["mixer"])
     names: str | list[str] = [n for n, _ in specs]
     options: dict[str, Any] | list[dict[str, Any]] = [o for _, o in specs]
@@ -212,6 +205,9 @@ def _recorded(dest: str, record: RunRecord) -> Any:
 
 def _agrees(dest: str, value: Any, record: RunRecord) -> bool:
     """Whether the option ``dest`` given as ``value`` names the run's own setting."""
+    from ..tasks.tokens import tokenizer_sha256
+    from ..train.records import same_data
+
     if dest == "data":
         return same_data(value, record.data)
     if dest == "tokenizer":  # the same tokenizer, wherever it is now
@@ -250,6 +246,8 @@ def _data_name(spec: str) -> str:
 def _check_tokens(settings: dict[str, Any]) -> None:
     """The token options of a new run must agree with each other and the data (flag-named
     UserErrors, before anything is read)."""
+    from ..tasks.tokens import is_token_folder
+
     data, vocab, dtype, tokenizer = (settings[k] for k in ("data", "vocab_size", "token_dtype",
                                                            "tokenizer"))
     if tokenizer is not None and not Path(tokenizer).exists():
@@ -270,6 +268,8 @@ def _check_launch(args: argparse.Namespace, tcfg: TrainConfig, mcfg: LMConfig) -
     """The settings that need no data must fit the launch (torchrun's WORLD_SIZE, 1 outside
     it): --fsdp, --fsdp-mixed, --context-parallel and the batch split, checked before the data
     is read (tokenizing it writes a cache) or the run folder is made."""
+    from ..train.config import check_fsdp, check_launch
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     with user_errors():
         check_launch(tcfg, mcfg, world, args.context_parallel)
@@ -282,6 +282,10 @@ def _configs(args: argparse.Namespace, main: bool
     sets it, else None: the data's; the loader of the run's data) of the run the options ask
     for. Nothing is read or written before every option is checked: --out is made by the
     trainer once the data and the first forward are checked too."""
+    from ..tasks.tokens import open_corpus
+    from ..train.records import run_corpus
+    from ..train.trainer import RUN_FILE, TrainConfig, read_run
+
     out = Path(args.out)
     given = {k: getattr(args, k) for k in args.setting_defaults if getattr(args, k) is not None}
     progress = main and not args.quiet
@@ -317,6 +321,9 @@ def _configs(args: argparse.Namespace, main: bool
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..train.checkpoint import CheckpointWriteError
+    from ..train.trainer import TrainingAnomaly, TrainingInterrupted, train
+
     out = Path(args.out)
     main = int(os.environ.get("RANK", "0")) == 0
     mcfg, tcfg, vocab_size, load = _configs(args, main)

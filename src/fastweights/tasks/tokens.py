@@ -57,9 +57,9 @@ import torch
 
 from .._checks import is_int
 from .._files import file_digest, remove_dead_temporaries
+from .._names import TOKEN_DTYPES
 from .text import Corpus, Document, corpus_documents, load_corpus, split_documents
 
-TOKEN_DTYPES = ("uint16", "uint32")
 SOURCES = ("bin", "tokenizer")
 # The files of a transformers tokenizer folder that decide how text is encoded (hashed).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -1,5 +1,5 @@
-"""The training settings (``TrainConfig``, validated on creation), the ones a resumed run may
-change (``RESUMABLE``), the learning-rate schedule (``lr_factor``) and TTT-MLP's inner
+"""The training settings (``TrainConfig``, validated on creation; the ones a resumed run may
+change are ``fastweights._names.RESUMABLE``), the learning-rate schedule (``lr_factor``) and TTT-MLP's inner
 learning-rate ramp (``set_inner_lr_ramp``), and the checks of settings against the world size,
 the model and the data (``check_settings``)."""
 
@@ -11,11 +11,6 @@ from dataclasses import dataclass
 from .._checks import is_int
 from ..models import LanguageModel, LMConfig
 from ..tasks.text import Corpus, stream_shard_len
-
-# TrainConfig fields a resumed run may change (applied and recorded in run.json): when to stop,
-# validate and save, checkpoint retention and the anomaly guard. None of them changes what a
-# step computes, so a resumed run still reproduces the uninterrupted run's steps.
-RESUMABLE = ("steps", "eval_every", "save_every", "keep_last", "patience", "anomaly_guard")
 
 
 @dataclass

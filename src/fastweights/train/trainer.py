@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import state_tree
 from .._checks import is_int
+from .._names import RESUMABLE
 from ..models import LanguageModel, LMConfig
 from ..models.lm import LMState
 from ..parallel import context_parallel_forward
@@ -63,7 +64,7 @@ from .checkpoint import (
     save_sharded_checkpoint,
     write_atomic,
 )
-from .config import RESUMABLE, TrainConfig, check_fsdp, check_settings, lr_factor, set_inner_lr_ramp
+from .config import TrainConfig, check_fsdp, check_settings, lr_factor, set_inner_lr_ramp
 from .distributed import (
     FSDP_MIXED,
     Signals,
