@@ -58,7 +58,7 @@ from ..models import LanguageModel, LMConfig
 from ..models.registry import mixer_names, mixer_options
 from ..ops import backend as backends
 from ..testing import cuda_autocast_policy
-from .measure import PeakMemory, count_flops, matmul_gflops, synchronize, time_call
+from .measure import PeakMemory, count_flops, matmul_gflops, time_call
 from .targets import Setting, mixer_targets
 
 NAME = "gpu"
@@ -214,9 +214,6 @@ class Run:
         self.row(**fields, status="skipped: time budget")
         return False
 
-    def sync(self) -> None:
-        synchronize(self.device)
-
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (the absolute difference where b is all zeros)."""
@@ -254,6 +251,15 @@ def exact_case(run: Run, op: KernelOp, backend: str, dtype: torch.dtype,
     if docs is not None:
         kw["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(docs)], device=run.device,
                                         dtype=torch.int32)
+    with _item(run, backend=backend, **fields):
+        run.row(backend=backend, **_exact_errors(x, op, dtype, docs, kw, backend, run.device),
+                **fields)
+
+
+def _exact_errors(x: Inputs, op: KernelOp, dtype: torch.dtype, docs: tuple[int, ...] | None,
+                  kw: dict[str, Any], backend: str, device: torch.device) -> dict[str, float]:
+    """The relative errors of ``op`` on ``backend`` against the float64 naive form: outputs,
+    final states, and the gradients of every input of sum(outputs * w) + sum(states * w')."""
     results = []
     for wide, how in ((torch.float32, {"backend": backend}), (torch.float64, {"mode": "naive"})):
         qkv = [_leaf(t.to(dtype), dtype if wide == torch.float32 else wide) for t in x.qkv]
@@ -264,15 +270,14 @@ def exact_case(run: Run, op: KernelOp, backend: str, dtype: torch.dtype,
         o, final = op(call, init, **kw, **how)
         final = _parts(final) if docs is None else tuple(
             torch.cat(parts) for parts in zip(*(_parts(f) for f in final)))
-        gen = torch.Generator(device=run.device).manual_seed(1)
-        loss = sum((t.double() * torch.randn(t.shape, device=run.device, dtype=torch.float64,
+        gen = torch.Generator(device=device).manual_seed(1)
+        loss = sum((t.double() * torch.randn(t.shape, device=device, dtype=torch.float64,
                                              generator=gen)).sum() for t in (o, *final))
         grads = torch.autograd.grad(loss, [*qkv, *rest])
         results.append((o, final, grads))
     (o, S, grads), (o64, S64, grads64) = results
-    run.row(backend=backend, err_out=_rel(o, o64),
-            err_state=max(_rel(a, b) for a, b in zip(S, S64)),
-            err_grad=max(_rel(a, b) for a, b in zip(grads, grads64)), **fields)
+    return {"err_out": _rel(o, o64), "err_state": max(_rel(a, b) for a, b in zip(S, S64)),
+            "err_grad": max(_rel(a, b) for a, b in zip(grads, grads64))}
 
 
 def _leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -382,8 +387,7 @@ def layer_case(run: Run, name: str, T: int) -> None:
     if not run.may_start(**fields, **{"pass": "fwd"}):
         return
     with _item(run, **fields, **{"pass": "build"}):
-        target = next(t for t in mixer_targets([(name, name, {})]))
-        work = target.build(T, Setting(B, d, H, torch.bfloat16, run.device))
+        work = mixer_targets([(name, name, {})])[0].build(T, Setting(B, d, H, torch.bfloat16, run.device))
         for p, call in (("fwd", work.forward), ("fwdbwd", work.forward_backward)):
             if not run.may_start(**fields, **{"pass": p}):
                 return
