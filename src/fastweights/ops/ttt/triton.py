@@ -1,0 +1,666 @@
+"""Triton kernels for the dual form of TTT-Linear and TTT-MLP (SPEC.md 2.2-2.4), forward and
+backward: one program per (batch, head) walks the sequence one mini-batch at a time, the inner
+weights held by the program from the first mini-batch to the last.
+
+Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, Dh = 4 Dk (MLP
+hidden), b mini-batch size, N = ceil(T / b) mini-batches; BB = max(16, next power of two >= b)
+the mini-batch tile (b = 16 is one tensor-core tile), BK, BV the key and value tiles (powers of
+two >= Dk, Dv, at least 16), BH the hidden block of TTT-MLP. Rows past b or T and columns past
+Dk, Dv load as zeros and are never stored.
+
+Why one program per (batch, head): within a mini-batch every product is a b x D tile product,
+but the weights a mini-batch starts from are the previous one's result, and with the inner
+LayerNorm every row of Z = X W needs all Dv columns (its mean and variance), so neither the
+mini-batches nor the value columns of a head can go to different programs. The sequential
+dependency is the whole design constraint; docs/gpu_ttt_kernels.md estimates what it costs.
+
+TTT-Linear (``_linear_fwd_kernel``, ``_linear_bwd_kernel``), per mini-batch with start weights
+(W, b) held in registers (float32 [BK, BV] and [BV]), keys K, queries Q, targets V (- K with
+the residual), eta [BB], tau [BB] (the head's token scales; tau_b its last):
+    Zk = K W + b;  G = dl/dZk (the LayerNorm gradient, fused);  E_ij = tau_i eta_j (j <= i)
+    Zbar = Q W + b - (E * (Q K^T [+ 1])) G;  o = [LN](Zbar) [+ q]   (output LayerNorm fused)
+    W <- W - tau_b K^T (eta G);  b <- b - tau_b sum_j eta_j G_j
+A last, partly filled mini-batch stores its gradient sums S = K^T (eta G), s = sum eta G
+instead of updating (the state contract of ops/ttt/common.py's ``Carry``).
+
+TTT-MLP (``_mlp_fwd_kernel``, ``_mlp_bwd_kernel``): W1 [Dk, Dh], W2 [Dh, Dv] in float32 do not
+fit on chip at Dk = 128 (2 x 256 KiB per head), so each program keeps its working copy in
+global memory (L2-resident: 16 MiB for B4 x H8) and streams it in hidden blocks of BH columns
+of W1 / rows of W2; per mini-batch two passes over the blocks: the first forms Z2 = gelu(K W1
++ b1) W2 + b2 and its LayerNorm gradient G2; the second per block forms G1 = (G2 W2^T) *
+gelu'(Z1), the queries' Zbar1 = Q W1 + b1 - (E * (Q K^T [+ 1])) G1, Xbar2 = gelu(Zbar1), adds
+Xbar2 W2 and the b x b products Xbar2 X2^T to the second layer's read-out and updates the
+block's weights in place.
+
+Backward (both): the forward stores the weights entering every ``seg``-th mini-batch
+(checkpoints); the backward pass walks the segments last to first, recomputes the segment's
+mini-batch start weights from its checkpoint into a scratch buffer (one more forward of the
+scan, like ``checkpoint_group`` in the PyTorch forms), then runs the segment's mini-batches in
+reverse with the gradient of the weights leaving each mini-batch (D, in registers for
+TTT-Linear, in global scratch for TTT-MLP) as the carried state. Per mini-batch the forward
+quantities (Zk, G, Zbar, the LayerNorm statistics) are recomputed from its start weights, and
+the gradients of the per-token inputs are stored directly (every token belongs to one
+mini-batch); the per-head parameters' gradients (gamma, beta, tau) are accumulated per program
+and summed over the batch on the host.
+
+Calls that start inside a mini-batch (a state with gradient sums, ``Carry.pos`` > 0): the
+host runs the rest of that mini-batch (at most b - 1 tokens) through the PyTorch dual form
+(chunk.py) and the kernels from the next boundary on, so the kernels never carry a previous
+call's sums; the result is the same state round trip the PyTorch forms make between pieces.
+
+Precision: q, k, v arrive in their own dtype (float16, bfloat16, float32) and are upcast on
+chip; weights, gradient sums, LayerNorm statistics and every accumulation are float32.
+Products run with ``precisions``' float32 setting of ops/fwp/triton.py: exact float32 for
+float32 inputs, TF32 for half inputs (a bfloat16 or float16 value is exact in TF32).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fwp.triton import _arch, _upcast_tiles, precisions
+from .common import LN_EPS, Carry
+
+__all__ = ["KINDS", "MAX_D", "MAX_MINI_BATCH", "TileConfig", "supports", "tile_config",
+           "ttt_linear_triton", "ttt_mlp_triton", "why_not"]
+
+KINDS = ("linear", "mlp")
+MAX_D = 128  # Dk and Dv: TTT-Linear's weights are one [BK, BV] float32 register tile
+MAX_MINI_BATCH = 64  # the mini-batch tile BB
+SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
+_EPS = tl.constexpr(LN_EPS)
+
+
+class TileConfig(NamedTuple):
+    """Warps per kernel and, for TTT-MLP, the hidden block BH."""
+
+    fwd_warps: int
+    bwd_warps: int
+    BH: int = 0
+
+
+def tile_config(arch: int, dtype: torch.dtype, kind: str, D: int) -> TileConfig | None:
+    """The launch choice for ``kind`` ("linear" or "mlp") with head size D = max(Dk, Dv) <= 128
+    on compute capability ``arch`` (80, 90; others use the closest lower one) and ``dtype``
+    inputs, or None where no tiling compiles without register spills.
+    tests/ops/test_ttt_triton_compile.py compiles every launch with these for sm_80 and sm_90."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or D > MAX_D:
+        return None
+    if kind == "linear":
+        return TileConfig(fwd_warps=8, bwd_warps=8)
+    return TileConfig(fwd_warps=8, bwd_warps=8, BH=32 if D > 64 else 64)
+
+
+def supports(kind: str, dtype: torch.dtype, D: int = MAX_D) -> bool:
+    """Whether ``kind`` with ``dtype`` inputs and head size D has a tiling on sm_80 and sm_90."""
+    return all(tile_config(arch, dtype, kind, D) is not None for arch in (80, 90))
+
+
+def why_not(kind: str, q: torch.Tensor, v: torch.Tensor, mini_batch_size: int) -> str | None:
+    """Why the kernels cannot run this call (q [B, T, H, Dk], v [B, T, H, Dv]), or None."""
+    Dk, Dv = q.shape[-1], v.shape[-1]
+    if mini_batch_size > MAX_MINI_BATCH:
+        return (f"mini_batch_size={mini_batch_size}: the TTT Triton kernels take "
+                f"mini_batch_size <= {MAX_MINI_BATCH}")
+    if max(Dk, Dv) > MAX_D:
+        return f"Dk={Dk}, Dv={Dv}: the TTT Triton kernels take Dk, Dv <= {MAX_D}"
+    if not supports(kind, q.dtype, max(Dk, Dv)):
+        return (f"{q.dtype} ttt_{kind}: no Triton tiling compiles without register spills "
+                "(ops/ttt/triton.py tile_config)")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces. Token t of batch row bb, head h of a [B, T, H, D] tensor sits at
+# ((bb*T + t)*H + h)*D: a scalar int64 base per program, int32 offsets inside a tile.
+
+
+@triton.jit
+def _mb(n, b, T, BB: tl.constexpr):
+    """Positions 0..BB-1 of mini-batch n, their token indices and the mask of real rows."""
+    i = tl.arange(0, BB)
+    t = n * b + i
+    return i, t, (i < b) & (t < T)
+
+
+@triton.jit
+def _rows(ptr, base, t, m, H, D, BD: tl.constexpr):
+    """Rows t (mask m) of a [B, T, H, D] tensor at ``base`` (the (batch, head)'s token 0),
+    float32 [BB, BD]."""
+    c = tl.arange(0, BD)
+    offs = (t * H)[:, None] * D + c[None, :]
+    return tl.load(ptr + base + offs, mask=m[:, None] & (c < D)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, x, base, t, m, H, D, BD: tl.constexpr):
+    c = tl.arange(0, BD)
+    offs = (t * H)[:, None] * D + c[None, :]
+    tl.store(ptr + base + offs, x.to(ptr.dtype.element_ty), mask=m[:, None] & (c < D)[None, :])
+
+
+@triton.jit
+def _mat(ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """Pointers and mask of a row-major [R, C] matrix as a [BR, BC] tile."""
+    r = tl.arange(0, BR)
+    c = tl.arange(0, BC)
+    return ptr + r[:, None] * C + c[None, :], (r < R)[:, None] & (c < C)[None, :]
+
+
+@triton.jit
+def _load_mat(ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    p, m = _mat(ptr, R, C, BR, BC)
+    return tl.load(p, mask=m, other=0.0)
+
+
+@triton.jit
+def _store_mat(ptr, x, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    p, m = _mat(ptr, R, C, BR, BC)
+    tl.store(p, x, mask=m)
+
+
+@triton.jit
+def _vec(ptr, n, BN: tl.constexpr):
+    c = tl.arange(0, BN)
+    return tl.load(ptr + c, mask=c < n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_vec(ptr, x, n, BN: tl.constexpr):
+    c = tl.arange(0, BN)
+    tl.store(ptr + c, x, mask=c < n)
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _ln(z, cm, Dv):
+    """LayerNorm statistics of rows z [BB, BV] (columns past Dv zero, cm their mask):
+    (x_hat, 1/s), x_hat zero past Dv."""
+    mu = tl.sum(z, axis=1) / Dv
+    zc = tl.where(cm[None, :], z - mu[:, None], 0.0)
+    r = 1.0 / tl.sqrt(tl.sum(zc * zc, axis=1) / Dv + _EPS)
+    return zc * r[:, None], r
+
+
+@triton.jit
+def _ln_back(dy, xh, r, cm, Dv):
+    """The backward of LayerNorm without affine at rows with x_hat, 1/s: r (dy - mean(dy)
+    - x_hat mean(dy x_hat)), zero past Dv (dy and x_hat are zero there)."""
+    mean_dy = tl.sum(dy, axis=1) / Dv
+    mean_dyx = tl.sum(dy * xh, axis=1) / Dv
+    return tl.where(cm[None, :], r[:, None] * (dy - mean_dy[:, None] - xh * mean_dyx[:, None]),
+                    0.0)
+
+
+@triton.jit
+def _loss_grad(z, tgt, gam, bet, cm, Dv, HAS_LN: tl.constexpr):
+    """dl/dZ of l = 1/2 ||[LN](Z) - tgt||^2 per row (SPEC 2.2) and the LayerNorm's x_hat, 1/s
+    and g = gamma (LN(Z) - tgt) (the backward reads them; z itself without LayerNorm)."""
+    G = z - tgt
+    xh = z
+    r = tl.sum(z, axis=1)  # placeholders without LayerNorm (unused there)
+    g = z
+    if HAS_LN:
+        xh, r = _ln(z, cm, Dv)
+        g = gam[None, :] * (gam[None, :] * xh + bet[None, :] - tgt)
+        G = _ln_back(g, xh, r, cm, Dv)
+    return G, xh, r, g
+
+
+@triton.jit
+def _ln_grad_back(dG, G, xh, r, g, gam, cm, Dv):
+    """Vector-Jacobian product of ``_loss_grad`` (with LayerNorm) w.r.t. Z, and dg (the
+    gradient w.r.t. g = gamma (LN(Z) - tgt)); as mlp_scan.py's ``_ln_grad_backward``:
+    dg = LNB(dG), dx_hat = gamma^2 dg - r mean(g x_hat) dG - g mean(dG r x_hat),
+    dZ = LNB(dx_hat) - r x_hat mean(dG G)."""
+    dg = _ln_back(dG, xh, r, cm, Dv)
+    c = r * (tl.sum(g * xh, axis=1) / Dv)
+    m = tl.sum(dG * xh, axis=1) / Dv * r
+    dxh = gam[None, :] * gam[None, :] * dg - c[:, None] * dG - g * m[:, None]
+    mdg = tl.sum(dG * G, axis=1) / Dv
+    return _ln_back(dxh, xh, r, cm, Dv) - (r * mdg)[:, None] * xh, dg
+
+
+@triton.jit
+def _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB: tl.constexpr):
+    """eta [BB] of the mini-batch's rows (0 past b and T), tau [BB] of the head's positions,
+    and the causal step sizes E [BB, BB], E_ij = tau_i eta_j for j <= i."""
+    eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+    tau = tl.load(tau_ptr + h * b + i, mask=i < b, other=0.0).to(tl.float32)
+    E = tl.where(i[:, None] >= i[None, :], tau[:, None] * eta[None, :], 0.0)
+    return eta, tau, E
+
+
+# ---------------------------------------------------------------------------------------------
+# TTT-Linear
+
+
+@triton.jit
+def _linear_rows(W, bv, kf, qf, vf, E, gam, bet, cm, Dv,
+                 HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr,
+                 PREC: tl.constexpr):
+    """One mini-batch's forward rows from its start weights: (G, x_hat, 1/s, g of the keys'
+    LayerNorm gradient, A = Q K^T [+ 1], Zbar)."""
+    tgt = vf - kf if RESIDUAL else vf
+    zk = _dot(kf, W, PREC) + bv[None, :]
+    G, xh, r, g = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
+    A = _dot(qf, tl.trans(kf), PREC)
+    if HAS_BIAS:
+        A += 1.0
+    zbar = _dot(qf, W, PREC) + bv[None, :] - _dot(E * A, G, PREC)
+    return G, xh, r, g, A, zbar
+
+
+@triton.jit
+def _linear_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, lnw_ptr, lnb_ptr, w0_ptr, b0_ptr,
+    o_ptr, w_ptr, bias_ptr, sw_ptr, sb_ptr, ckw_ptr, ckb_ptr,
+    T, H, Dk, Dv, b, N, seg, NC, store_ck,
+    HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """TTT-Linear forward for one (batch, head): o [B, T, H, Dv], the weights after the last
+    full mini-batch (w [B*H, Dk, Dv], bias [B*H, Dv]), the gradient sums of a last partial
+    mini-batch (sw, sb; written only if T is not a multiple of b) and, if ``store_ck``, the
+    weights entering every ``seg``-th mini-batch (ckw [B*H, NC, Dk, Dv], ckb [B*H, NC, Dv])."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cv = tl.arange(0, BV)
+    cm = cv < Dv
+    W = _load_mat(w0_ptr + bh * Dk * Dv, Dk, Dv, BK, BV)
+    bv = tl.zeros([BV], dtype=tl.float32)
+    if HAS_BIAS:
+        bv = _vec(b0_ptr + bh * Dv, Dv, BV)
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    for n in range(0, N):
+        if store_ck and n % seg == 0:
+            _store_mat(ckw_ptr + (bh * NC + n // seg) * Dk * Dv, W, Dk, Dv, BK, BV)
+            if HAS_BIAS:
+                _store_vec(ckb_ptr + (bh * NC + n // seg) * Dv, bv, Dv, BV)
+        i, t, m = _mb(n, b, T, BB)
+        eta, _, E = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
+        kf = _rows(k_ptr, base_k, t, m, H, Dk, BK)
+        qf = _rows(q_ptr, base_k, t, m, H, Dk, BK)
+        vf = _rows(v_ptr, base_v, t, m, H, Dv, BV)
+        G, _, _, _, _, zbar = _linear_rows(W, bv, kf, qf, vf, E, gam, bet, cm, Dv,
+                                           HAS_BIAS, HAS_LN, RESIDUAL, PREC)
+        out = zbar
+        if HAS_LN:
+            xo, _ = _ln(zbar, cm, Dv)
+            out = gam[None, :] * xo + bet[None, :]
+        if RESIDUAL:
+            out += qf
+        _store_rows(o_ptr, out, base_v, t, m, H, Dv, BV)
+        Hm = eta[:, None] * G
+        S = _dot(tl.trans(kf), Hm, PREC)
+        s = tl.sum(Hm, axis=0)
+        if n * b + b > T:  # a last, partly filled mini-batch: its sums, not an update
+            _store_mat(sw_ptr + bh * Dk * Dv, S, Dk, Dv, BK, BV)
+            if HAS_BIAS:
+                _store_vec(sb_ptr + bh * Dv, s, Dv, BV)
+        else:
+            W -= tau_b * S
+            if HAS_BIAS:
+                bv -= tau_b * s
+    _store_mat(w_ptr + bh * Dk * Dv, W, Dk, Dv, BK, BV)
+    if HAS_BIAS:
+        _store_vec(bias_ptr + bh * Dv, bv, Dv, BV)
+
+
+@triton.jit
+def _linear_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, lnw_ptr, lnb_ptr, ckw_ptr, ckb_ptr, scw_ptr, scb_ptr,
+    do_ptr, dw_ptr, db_ptr, dsw_ptr, dsb_ptr,
+    dq_ptr, dk_ptr, dv_ptr, deta_ptr, dtau_ptr, dlnw_ptr, dlnb_ptr, dw0_ptr, db0_ptr,
+    T, H, Dk, Dv, b, N, seg, NC,
+    HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """TTT-Linear backward for one (batch, head). Inputs: the checkpoints of the forward, the
+    gradients dO [B, T, H, Dv], dW, db of the weights it returned and dS, ds of a last partial
+    mini-batch's sums. Scratch scw [B*H, seg, Dk, Dv], scb [B*H, seg, Dv]: one segment's
+    mini-batch start weights. Writes dq, dk, dv [B, T, H, D] (float32), deta [B, T, H],
+    and per program dtau [B*H, BB], dgamma, dbeta [B*H, Dv], dW0 [B*H, Dk, Dv], db0 [B*H, Dv]."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cv = tl.arange(0, BV)
+    cm = cv < Dv
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    # D, d: the gradient of the weights leaving the mini-batch being reversed
+    D = _load_mat(dw_ptr + bh * Dk * Dv, Dk, Dv, BK, BV)
+    d = tl.zeros([BV], dtype=tl.float32)
+    if HAS_BIAS:
+        d = _vec(db_ptr + bh * Dv, Dv, BV)
+    dgam = tl.zeros([BV], dtype=tl.float32)
+    dbet = tl.zeros([BV], dtype=tl.float32)
+    dtau = tl.zeros([BB], dtype=tl.float32)
+    dtau_b = 0.0
+    scw = scw_ptr + bh * seg * Dk * Dv
+    scb = scb_ptr + bh * seg * Dv
+    for sr in range(0, NC):
+        s_i = NC - 1 - sr
+        n0 = s_i * seg
+        n1 = tl.minimum(n0 + seg, N)
+        # Recompute the segment's start weights from its checkpoint.
+        W = _load_mat(ckw_ptr + (bh * NC + s_i) * Dk * Dv, Dk, Dv, BK, BV)
+        bv = tl.zeros([BV], dtype=tl.float32)
+        if HAS_BIAS:
+            bv = _vec(ckb_ptr + (bh * NC + s_i) * Dv, Dv, BV)
+        tl.debug_barrier()  # the previous segment's reverse pass has read its scratch
+        for n in range(n0, n1):
+            _store_mat(scw + (n - n0) * Dk * Dv, W, Dk, Dv, BK, BV)
+            if HAS_BIAS:
+                _store_vec(scb + (n - n0) * Dv, bv, Dv, BV)
+            i, t, m = _mb(n, b, T, BB)
+            eta, tau, E = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
+            kf = _rows(k_ptr, base_k, t, m, H, Dk, BK)
+            vf = _rows(v_ptr, base_v, t, m, H, Dv, BV)
+            tgt = vf - kf if RESIDUAL else vf
+            zk = _dot(kf, W, PREC) + bv[None, :]
+            G, xh, r, g = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
+            Hm = eta[:, None] * G
+            W -= tau_b * _dot(tl.trans(kf), Hm, PREC)
+            if HAS_BIAS:
+                bv -= tau_b * tl.sum(Hm, axis=0)
+        tl.debug_barrier()  # the scratch is written
+        for nr in range(n0, n1):
+            n = n1 - 1 + n0 - nr
+            W = _load_mat(scw + (n - n0) * Dk * Dv, Dk, Dv, BK, BV)
+            bv = tl.zeros([BV], dtype=tl.float32)
+            if HAS_BIAS:
+                bv = _vec(scb + (n - n0) * Dv, Dv, BV)
+            i, t, m = _mb(n, b, T, BB)
+            eta, tau, E = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
+            kf = _rows(k_ptr, base_k, t, m, H, Dk, BK)
+            qf = _rows(q_ptr, base_k, t, m, H, Dk, BK)
+            vf = _rows(v_ptr, base_v, t, m, H, Dv, BV)
+            G, xh, r, g, A, zbar = _linear_rows(W, bv, kf, qf, vf, E, gam, bet, cm, Dv,
+                                                HAS_BIAS, HAS_LN, RESIDUAL, PREC)
+            dO = _rows(do_ptr, base_v, t, m, H, Dv, BV)
+            # read-out: o = [LN](Zbar) [+ q]
+            dq = tl.zeros([BB, BK], dtype=tl.float32)
+            if RESIDUAL:
+                dq = dO.to(tl.float32)  # Dk == Dv, so BK == BV
+            dzbar = dO
+            if HAS_LN:
+                xo, ro = _ln(zbar, cm, Dv)
+                dgam += tl.sum(dO * xo, axis=0)
+                dbet += tl.sum(dO, axis=0)
+                dzbar = _ln_back(gam[None, :] * dO, xo, ro, cm, Dv)
+            dq += _dot(dzbar, tl.trans(W), PREC)
+            dWacc = _dot(tl.trans(qf), dzbar, PREC)
+            dbacc = tl.sum(dzbar, axis=0)
+            # Zbar's b x b term -(E * A) G
+            dM = -_dot(dzbar, tl.trans(G), PREC)
+            dG = -_dot(tl.trans(E * A), dzbar, PREC)
+            causal = i[:, None] >= i[None, :]
+            dA = tl.where(causal, dM * E, 0.0)
+            dE = tl.where(causal, dM * A, 0.0)
+            dq += _dot(dA, kf, PREC)
+            dk = _dot(tl.trans(dA), qf, PREC)
+            dtau += tl.sum(dE * eta[None, :], axis=1)
+            deta = tl.sum(dE * tau[:, None], axis=0)
+            # the gradient sums S = K^T (eta G), s = sum eta G: handed on (a last partial
+            # mini-batch, gradient dS) or applied, W' = W - tau_b S
+            Hm = eta[:, None] * G
+            if n * b + b > T:
+                DS = _load_mat(dsw_ptr + bh * Dk * Dv, Dk, Dv, BK, BV)
+                ds = tl.zeros([BV], dtype=tl.float32)
+                if HAS_BIAS:
+                    ds = _vec(dsb_ptr + bh * Dv, Dv, BV)
+            else:
+                DS = -tau_b * D
+                ds = -tau_b * d
+                kd = _dot(kf, D, PREC)
+                if HAS_BIAS:
+                    kd += d[None, :]
+                dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
+            dHm = _dot(kf, DS, PREC)
+            if HAS_BIAS:
+                dHm += ds[None, :]
+            dk += _dot(Hm, tl.trans(DS), PREC)
+            dG += eta[:, None] * dHm
+            deta += tl.sum(G * dHm, axis=1)
+            # the keys' loss gradient G = dl/dZk
+            dtgt = -dG
+            dzk = dG
+            if HAS_LN:
+                dzk, dg = _ln_grad_back(dG, G, xh, r, g, gam, cm, Dv)
+                dtgt = -gam[None, :] * dg
+                e = gam[None, :] * xh + bet[None, :] - (vf - kf if RESIDUAL else vf)
+                dgam += tl.sum(dg * (e + gam[None, :] * xh), axis=0)
+                dbet -= tl.sum(dtgt, axis=0)
+            dk += _dot(dzk, tl.trans(W), PREC)
+            dWacc += _dot(tl.trans(kf), dzk, PREC)
+            dbacc += tl.sum(dzk, axis=0)
+            if RESIDUAL:
+                dk -= dtgt
+            _store_rows(dq_ptr, dq, base_k, t, m, H, Dk, BK)
+            _store_rows(dk_ptr, dk, base_k, t, m, H, Dk, BK)
+            _store_rows(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
+            tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+            D += dWacc
+            if HAS_BIAS:
+                d += dbacc
+    dtau = tl.where(tl.arange(0, BB) == b - 1, dtau + dtau_b, dtau)
+    _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
+    _store_mat(dw0_ptr + bh * Dk * Dv, D, Dk, Dv, BK, BV)
+    if HAS_BIAS:
+        _store_vec(db0_ptr + bh * Dv, d, Dv, BV)
+    if HAS_LN:
+        _store_vec(dlnw_ptr + bh * Dv, dgam, Dv, BV)
+        if HAS_LNB:
+            _store_vec(dlnb_ptr + bh * Dv, dbet, Dv, BV)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+class _Shape(NamedTuple):
+    """What every launch of one call shares."""
+
+    B: int
+    T: int
+    H: int
+    Dk: int
+    Dv: int
+    b: int
+    N: int
+    seg: int
+    NC: int
+    consts: dict
+    cfg: TileConfig
+
+    @property
+    def BH(self) -> int:
+        return self.B * self.H
+
+    def fwd(self) -> dict:
+        return {**self.consts, "num_warps": self.cfg.fwd_warps}
+
+    def bwd(self) -> dict:
+        return {**self.consts, "num_warps": self.cfg.bwd_warps}
+
+
+def _shape(kind: str, q: torch.Tensor, v: torch.Tensor, b: int, seg: int | None,
+           flags: dict) -> _Shape:
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    if not 1 <= b <= MAX_MINI_BATCH:
+        raise ValueError(f"mini_batch_size must be in 1..{MAX_MINI_BATCH} for the TTT Triton "
+                         f"kernels, got {b}")
+    if max(Dk, Dv) > MAX_D:
+        raise ValueError(f"the TTT Triton kernels take Dk, Dv <= {MAX_D}, got {Dk}, {Dv}")
+    arch = _arch(q.device)
+    cfg = tile_config(arch, q.dtype, kind, max(Dk, Dv))
+    if cfg is None:
+        raise ValueError(f"no TTT Triton tiling for {q.dtype} inputs")
+    N = triton.cdiv(T, b)
+    seg = min(seg or SEGMENT, N)
+    prec = precisions(torch.float32 if _upcast_tiles(q.dtype) else q.dtype)[1]
+    consts = {"PREC": prec, "BB": _pow2(b), "BK": _pow2(Dk), "BV": _pow2(Dv), **flags}
+    return _Shape(B, T, H, Dk, Dv, b, N, seg, triton.cdiv(N, seg), consts, cfg)
+
+
+def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.to(torch.float32).contiguous()
+
+
+class _LinearTriton(torch.autograd.Function):
+    """(o, W, b, S, s) = TTT-Linear from a mini-batch boundary in the kernels above.
+    q, k [B, T, H, Dk], v [B, T, H, Dv] contiguous in their dtype; eta [B, T, H], tau [H, b],
+    lnw, lnb [H, Dv] or None, W0 [B*H, Dk, Dv], b0 [B*H, Dv] or None, float32 contiguous."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, eta, tau, lnw, lnb, W0, b0, residual, seg):  # type: ignore[override]
+        flags = {"HAS_BIAS": b0 is not None, "HAS_LN": lnw is not None,
+                 "HAS_LNB": lnb is not None, "RESIDUAL": residual}
+        L = _shape("linear", q, v, tau.shape[-1], seg, flags)
+        f32 = {"dtype": torch.float32, "device": q.device}
+        o = torch.empty(*q.shape[:3], L.Dv, dtype=q.dtype, device=q.device)
+        W = torch.empty(L.BH, L.Dk, L.Dv, **f32)
+        bias = torch.zeros(L.BH, L.Dv, **f32)
+        S = torch.zeros(L.BH, L.Dk, L.Dv, **f32)
+        s = torch.zeros(L.BH, L.Dv, **f32)
+        store = any(ctx.needs_input_grad)
+        ckw = torch.empty(L.BH, L.NC, L.Dk, L.Dv, **f32) if store else W
+        ckb = torch.empty(L.BH, L.NC, L.Dv, **f32) if store else bias
+        _linear_fwd_kernel[(L.BH,)](
+            q, k, v, eta, tau, lnw if lnw is not None else tau, lnb if lnb is not None else tau,
+            W0, b0 if b0 is not None else W0, o, W, bias, S, s, ckw, ckb,
+            L.T, L.H, L.Dk, L.Dv, L.b, L.N, L.seg, L.NC, store, **L.fwd())
+        if store:
+            ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, ckw, ckb)
+            ctx.L = L
+        return o, W, bias, S, s
+
+    @staticmethod
+    def backward(ctx, do, dW, db, dS, ds):  # type: ignore[override]
+        q, k, v, eta, tau, lnw, lnb, ckw, ckb = ctx.saved_tensors
+        L = ctx.L
+        f32 = {"dtype": torch.float32, "device": q.device}
+
+        def grad(x, *shape):
+            return torch.zeros(*shape, **f32) if x is None else x.to(torch.float32).contiguous()
+
+        do = grad(do, *q.shape[:3], L.Dv)
+        dW, dS = grad(dW, L.BH, L.Dk, L.Dv), grad(dS, L.BH, L.Dk, L.Dv)
+        db, ds = grad(db, L.BH, L.Dv), grad(ds, L.BH, L.Dv)
+        dq = torch.empty(q.shape, **f32)
+        dk = torch.empty(q.shape, **f32)
+        dv = torch.empty(v.shape, **f32)
+        deta = torch.empty(eta.shape, **f32)
+        BB = L.consts["BB"]
+        dtau = torch.empty(L.BH, BB, **f32)
+        dlnw = torch.zeros(L.BH, L.Dv, **f32)
+        dlnb = torch.zeros(L.BH, L.Dv, **f32)
+        dW0 = torch.empty(L.BH, L.Dk, L.Dv, **f32)
+        db0 = torch.zeros(L.BH, L.Dv, **f32)
+        scw = torch.empty(L.BH, L.seg, L.Dk, L.Dv, **f32)
+        scb = torch.empty(L.BH, L.seg, L.Dv, **f32)
+        _linear_bwd_kernel[(L.BH,)](
+            q, k, v, eta, tau, lnw if lnw is not None else tau, lnb if lnb is not None else tau,
+            ckw, ckb, scw, scb, do, dW, db, dS, ds,
+            dq, dk, dv, deta, dtau, dlnw, dlnb, dW0, db0,
+            L.T, L.H, L.Dk, L.Dv, L.b, L.N, L.seg, L.NC, **L.bwd())
+        has_bias = L.consts["HAS_BIAS"]
+        dtau = dtau.view(L.B, L.H, BB)[..., :L.b].sum(0)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), deta.to(eta.dtype), dtau,
+                None if lnw is None else dlnw.view(L.B, L.H, L.Dv).sum(0),
+                None if lnb is None else dlnb.view(L.B, L.H, L.Dv).sum(0),
+                dW0, db0 if has_bias else None, None, None)
+
+
+def _split_first(run_torch, q, k, v, eta, carry: Carry, b: int):
+    """A call that starts inside a mini-batch: (o of its first b - pos tokens through the
+    PyTorch dual form, the carry after them, the remaining q, k, v, eta); else (None, carry,
+    q, k, v, eta)."""
+    if carry.pos == 0:
+        return None, carry, q, k, v, eta
+    n = min(b - carry.pos, q.shape[1])
+    o, carry = run_torch(*(x[:, :n] for x in (q, k, v, eta)), carry)
+    return o, carry, *(x[:, n:] for x in (q, k, v, eta))
+
+
+def _join(first: torch.Tensor | None, o: torch.Tensor | None) -> torch.Tensor:
+    if first is None:
+        return o
+    return first if o is None else torch.cat([first.to(o.dtype), o], dim=1)
+
+
+def ttt_linear_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
+    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
+    tau: torch.Tensor, checkpoint_group: int | None = None,
+) -> tuple[torch.Tensor, Carry]:
+    """TTT-Linear's dual form (``chunk.ttt_linear_dual``'s arguments and results) in the
+    kernels above. q, k, v in float16, bfloat16 or float32 (read as they are); eta, tau, the
+    LayerNorm's parameters and the carry in float32. Returns (o [B, T, H, Dv] in q's dtype,
+    Carry in float32). ``checkpoint_group``: mini-batches per checkpoint of the backward's
+    recomputation (default ``SEGMENT``); results do not depend on it."""
+    from .chunk import ttt_linear_dual
+
+    b = tau.shape[-1]
+
+    def run_torch(q, k, v, eta, carry):
+        f = torch.float32
+        return ttt_linear_dual(q.to(f), k.to(f), v.to(f), eta, carry, ln_weight, ln_bias,
+                               residual, tau)
+
+    first, carry, q, k, v, eta = _split_first(run_torch, q, k, v, eta, carry, b)
+    if q.shape[1] == 0:
+        return first, carry
+    B, T, H, Dk = q.shape
+    W0, b0 = carry.start
+    o, W, bias, S, s = _LinearTriton.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), _f32(eta), _f32(tau), _f32(ln_weight),
+        _f32(ln_bias), _f32(W0.reshape(B * H, Dk, -1)),
+        None if b0 is None else _f32(b0.reshape(B * H, -1)), residual, checkpoint_group)
+    tail = T % b
+    Dv = v.shape[-1]
+    W, bias = W.view(B, H, Dk, Dv), (None if b0 is None else bias.view(B, H, Dv))
+    grads = None
+    if tail:
+        grads = (S.view(B, H, Dk, Dv), None if b0 is None else s.view(B, H, Dv))
+    return _join(first, o), Carry((W, bias), grads, tail)
+
+
+def ttt_mlp_triton(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Carry]:
+    raise NotImplementedError
