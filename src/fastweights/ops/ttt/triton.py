@@ -119,6 +119,13 @@ def why_not(kind: str, q: torch.Tensor, v: torch.Tensor, mini_batch_size: int) -
 # ---------------------------------------------------------------------------------------------
 # Shared pieces. Token t of batch row bb, head h of a [B, T, H, D] tensor sits at
 # ((bb*T + t)*H + h)*D: a scalar int64 base per program, int32 offsets inside a tile.
+#
+# Every per-token tile is held transposed, [D, BB] (a mini-batch's rows as columns), and every
+# weight as W^T [Dv, Dk]: the products then have the head dim, not the mini-batch, as their M
+# (rows) dimension. Triton stacks the warps of a chain of products along M (sm_80's mma), and
+# Hopper's wgmma takes M in multiples of 64 per warp group: with b = 16 rows as M, 8 warps would
+# each hold a whole [16, D] tile (the same rows replicated), and a [16, 128] float32 tile alone
+# is then 64 registers per thread.
 
 
 @triton.jit
@@ -130,38 +137,38 @@ def _mb(n, b, T, BB: tl.constexpr):
 
 
 @triton.jit
-def _rows(ptr, base, t, m, H, D, BD: tl.constexpr):
-    """Rows t (mask m) of a [B, T, H, D] tensor at ``base`` (the (batch, head)'s token 0),
-    float32 [BB, BD]."""
+def _cols(ptr, base, t, m, H, D, BD: tl.constexpr):
+    """Tokens t (mask m) of a [B, T, H, D] tensor at ``base`` (the (batch, head)'s token 0) as
+    the columns of a float32 [BD, BB] tile."""
     c = tl.arange(0, BD)
-    offs = (t * H)[:, None] * D + c[None, :]
-    return tl.load(ptr + base + offs, mask=m[:, None] & (c < D)[None, :], other=0.0).to(tl.float32)
+    offs = c[:, None] + (t * H * D)[None, :]
+    return tl.load(ptr + base + offs, mask=(c < D)[:, None] & m[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_rows(ptr, x, base, t, m, H, D, BD: tl.constexpr):
+def _store_cols(ptr, x, base, t, m, H, D, BD: tl.constexpr):
     c = tl.arange(0, BD)
-    offs = (t * H)[:, None] * D + c[None, :]
-    tl.store(ptr + base + offs, x.to(ptr.dtype.element_ty), mask=m[:, None] & (c < D)[None, :])
+    offs = c[:, None] + (t * H * D)[None, :]
+    tl.store(ptr + base + offs, x.to(ptr.dtype.element_ty), mask=(c < D)[:, None] & m[None, :])
 
 
 @triton.jit
-def _mat(ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    """Pointers and mask of a row-major [R, C] matrix as a [BR, BC] tile."""
+def _matT(ptr, R, C, BC: tl.constexpr, BR: tl.constexpr):
+    """Pointers and mask of a row-major [R, C] matrix as its transpose, a [BC, BR] tile."""
     r = tl.arange(0, BR)
     c = tl.arange(0, BC)
-    return ptr + r[:, None] * C + c[None, :], (r < R)[:, None] & (c < C)[None, :]
+    return ptr + c[:, None] + r[None, :] * C, (c < C)[:, None] & (r < R)[None, :]
 
 
 @triton.jit
-def _load_mat(ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    p, m = _mat(ptr, R, C, BR, BC)
+def _load_matT(ptr, R, C, BC: tl.constexpr, BR: tl.constexpr):
+    p, m = _matT(ptr, R, C, BC, BR)
     return tl.load(p, mask=m, other=0.0)
 
 
 @triton.jit
-def _store_mat(ptr, x, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    p, m = _mat(ptr, R, C, BR, BC)
+def _store_matT(ptr, x, R, C, BC: tl.constexpr, BR: tl.constexpr):
+    p, m = _matT(ptr, R, C, BC, BR)
     tl.store(p, x, mask=m)
 
 
@@ -178,41 +185,42 @@ def _store_vec(ptr, x, n, BN: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, PREC: tl.constexpr):
-    return tl.dot(a, b, input_precision=PREC)
+def _dot(a, b, PREC: tl.constexpr, acc=None):
+    return tl.dot(a, b, acc, input_precision=PREC)
 
 
 @triton.jit
 def _ln(z, cm, Dv):
-    """LayerNorm statistics of rows z [BB, BV] (columns past Dv zero, cm their mask):
+    """LayerNorm statistics of the columns of z [BV, BB] (rows past Dv zero, cm their mask):
     (x_hat, 1/s), x_hat zero past Dv."""
-    mu = tl.sum(z, axis=1) / Dv
-    zc = tl.where(cm[None, :], z - mu[:, None], 0.0)
-    r = 1.0 / tl.sqrt(tl.sum(zc * zc, axis=1) / Dv + _EPS)
-    return zc * r[:, None], r
+    mu = tl.sum(z, axis=0) / Dv
+    zc = tl.where(cm[:, None], z - mu[None, :], 0.0)
+    r = 1.0 / tl.sqrt(tl.sum(zc * zc, axis=0) / Dv + _EPS)
+    return zc * r[None, :], r
 
 
 @triton.jit
 def _ln_back(dy, xh, r, cm, Dv):
-    """The backward of LayerNorm without affine at rows with x_hat, 1/s: r (dy - mean(dy)
-    - x_hat mean(dy x_hat)), zero past Dv (dy and x_hat are zero there)."""
-    mean_dy = tl.sum(dy, axis=1) / Dv
-    mean_dyx = tl.sum(dy * xh, axis=1) / Dv
-    return tl.where(cm[None, :], r[:, None] * (dy - mean_dy[:, None] - xh * mean_dyx[:, None]),
+    """The backward of LayerNorm without affine at columns with x_hat, 1/s: r (dy - mean(dy)
+    - x_hat mean(dy x_hat)), zero past Dv."""
+    mean_dy = tl.sum(dy, axis=0) / Dv
+    mean_dyx = tl.sum(dy * xh, axis=0) / Dv
+    return tl.where(cm[:, None], r[None, :] * (dy - mean_dy[None, :] - xh * mean_dyx[None, :]),
                     0.0)
 
 
 @triton.jit
 def _loss_grad(z, tgt, gam, bet, cm, Dv, HAS_LN: tl.constexpr):
-    """dl/dZ of l = 1/2 ||[LN](Z) - tgt||^2 per row (SPEC 2.2) and the LayerNorm's x_hat, 1/s
-    and g = gamma (LN(Z) - tgt) (the backward reads them; z itself without LayerNorm)."""
+    """dl/dZ of l = 1/2 ||[LN](Z) - tgt||^2 per column (token) of z [BV, BB] (SPEC 2.2), and
+    the LayerNorm's x_hat, 1/s and g = gamma (LN(Z) - tgt) that its backward reads
+    (placeholders without LayerNorm)."""
     G = z - tgt
     xh = z
-    r = tl.sum(z, axis=1)  # placeholders without LayerNorm (unused there)
+    r = tl.sum(z, axis=0)  # placeholders without LayerNorm (unused there)
     g = z
     if HAS_LN:
         xh, r = _ln(z, cm, Dv)
-        g = gam[None, :] * (gam[None, :] * xh + bet[None, :] - tgt)
+        g = gam[:, None] * (gam[:, None] * xh + bet[:, None] - tgt)
         G = _ln_back(g, xh, r, cm, Dv)
     return G, xh, r, g
 
@@ -224,21 +232,21 @@ def _ln_grad_back(dG, G, xh, r, g, gam, cm, Dv):
     dg = LNB(dG), dx_hat = gamma^2 dg - r mean(g x_hat) dG - g mean(dG r x_hat),
     dZ = LNB(dx_hat) - r x_hat mean(dG G)."""
     dg = _ln_back(dG, xh, r, cm, Dv)
-    c = r * (tl.sum(g * xh, axis=1) / Dv)
-    m = tl.sum(dG * xh, axis=1) / Dv * r
-    dxh = gam[None, :] * gam[None, :] * dg - c[:, None] * dG - g * m[:, None]
-    mdg = tl.sum(dG * G, axis=1) / Dv
-    return _ln_back(dxh, xh, r, cm, Dv) - (r * mdg)[:, None] * xh, dg
+    c = r * (tl.sum(g * xh, axis=0) / Dv)
+    m = tl.sum(dG * xh, axis=0) / Dv * r
+    dxh = gam[:, None] * gam[:, None] * dg - c[None, :] * dG - g * m[None, :]
+    mdg = tl.sum(dG * G, axis=0) / Dv
+    return _ln_back(dxh, xh, r, cm, Dv) - (r * mdg)[None, :] * xh, dg
 
 
 @triton.jit
 def _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB: tl.constexpr):
-    """eta [BB] of the mini-batch's rows (0 past b and T), tau [BB] of the head's positions,
-    and the causal step sizes E [BB, BB], E_ij = tau_i eta_j for j <= i."""
+    """eta [BB] of the mini-batch's tokens (0 past b and T), tau [BB] of the head's positions,
+    and the transposed causal step sizes Et [BB, BB], Et_ji = E_ij = tau_i eta_j for j <= i."""
     eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
     tau = tl.load(tau_ptr + h * b + i, mask=i < b, other=0.0).to(tl.float32)
-    E = tl.where(i[:, None] >= i[None, :], tau[:, None] * eta[None, :], 0.0)
-    return eta, tau, E
+    Et = tl.where(i[:, None] <= i[None, :], eta[:, None] * tau[None, :], 0.0)
+    return eta, tau, Et
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,43 +254,89 @@ def _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB: tl.constexpr):
 
 
 @triton.jit
-def _linear_rows(W, bv, kf, qf, vf, E, gam, bet, cm, Dv,
-                 HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr,
-                 PREC: tl.constexpr):
-    """One mini-batch's forward rows from its start weights: (G, x_hat, 1/s, g of the keys'
-    LayerNorm gradient, A = Q K^T [+ 1], Zbar)."""
-    tgt = vf - kf if RESIDUAL else vf
-    zk = _dot(kf, W, PREC) + bv[None, :]
-    G, xh, r, g = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
-    A = _dot(qf, tl.trans(kf), PREC)
+def _qk_kernel(q_ptr, k_ptr, a_ptr, T, H, Dk, b, N, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+               BB: tl.constexpr, BK: tl.constexpr):
+    """A^T = (Q K^T [+ 1])^T [BB, BB] of every mini-batch into a [B*H, N, BB, BB] (float32):
+    the read-out's b x b scores, which need no weights, for all mini-batches in parallel."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base = (bb * T * H + h) * Dk
+    _, t, m = _mb(n, b, T, BB)
+    kt = _cols(k_ptr, base, t, m, H, Dk, BK)
+    qt = _cols(q_ptr, base, t, m, H, Dk, BK)
+    At = _dot(tl.trans(kt), qt, PREC)
     if HAS_BIAS:
-        A += 1.0
-    zbar = _dot(qf, W, PREC) + bv[None, :] - _dot(E * A, G, PREC)
-    return G, xh, r, g, A, zbar
+        At += 1.0
+    r = tl.arange(0, BB)
+    tl.store(a_ptr + ((bh * N + n) * BB + r[:, None]) * BB + r[None, :], At)
+
+
+@triton.jit
+def _linear_in(q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, bh, h, base_k, base_v, ebase,
+               n, T, H, Dk, Dv, b, N, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Mini-batch n's inputs: positions i, tokens t, mask m, eta, tau [BB], keys, queries
+    [BK, BB], values [BV, BB], Et and A^T [BB, BB] (``_step_scales``, ``_qk_kernel``)."""
+    i, t, m = _mb(n, b, T, BB)
+    eta, tau, Et = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
+    kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
+    qt = _cols(q_ptr, base_k, t, m, H, Dk, BK)
+    vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+    r = tl.arange(0, BB)
+    At = tl.load(a_ptr + ((bh * N + n) * BB + r[:, None]) * BB + r[None, :])
+    return i, t, m, eta, tau, kt, qt, vt, Et, At
+
+
+@triton.jit
+def _linear_cols(Wt, bv, kt, qt, vt, Mt, gam, bet, cm, Dv,
+                 HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr):
+    """One mini-batch's forward from its start weights Wt = W^T [BV, BK], bias bv [BV], with
+    keys, queries, values kt, qt [BK, BB], vt [BV, BB] and Mt = (E * (Q K^T [+ 1]))^T:
+    (G^T, x_hat, 1/s, g of the keys' LayerNorm gradient, Zbar^T [BV, BB])."""
+    tgt = vt - kt if RESIDUAL else vt
+    zk = _dot(Wt, kt, PREC) + bv[:, None]
+    G, xh, r, g = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
+    zbar = _dot(Wt, qt, PREC) + bv[:, None] - _dot(G, Mt, PREC)
+    return G, xh, r, g, zbar
+
+
+@triton.jit
+def _linear_out(o_ptr, zbar, qt, gam, bet, cm, base_v, t, m, H, Dv,
+                HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, BV: tl.constexpr):
+    """o = [LN](Zbar) [+ q] stored for the mini-batch's tokens."""
+    out = zbar
+    if HAS_LN:
+        xo, _ = _ln(zbar, cm, Dv)
+        out = gam[:, None] * xo + bet[:, None]
+    if RESIDUAL:
+        out += qt
+    _store_cols(o_ptr, out, base_v, t, m, H, Dv, BV)
 
 
 @triton.jit
 def _linear_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, lnw_ptr, lnb_ptr, w0_ptr, b0_ptr,
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w0_ptr, b0_ptr,
     o_ptr, w_ptr, bias_ptr, sw_ptr, sb_ptr, ckw_ptr, ckb_ptr,
-    T, H, Dk, Dv, b, N, seg, NC, store_ck,
+    T, H, Dk, Dv, b, N, NF, seg, store_ck,
     HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, PREC: tl.constexpr,
     BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """TTT-Linear forward for one (batch, head): o [B, T, H, Dv], the weights after the last
-    full mini-batch (w [B*H, Dk, Dv], bias [B*H, Dv]), the gradient sums of a last partial
-    mini-batch (sw, sb; written only if T is not a multiple of b) and, if ``store_ck``, the
-    weights entering every ``seg``-th mini-batch (ckw [B*H, NC, Dk, Dv], ckb [B*H, NC, Dv])."""
+    """TTT-Linear forward for one (batch, head) over N mini-batches, NF of them full: o
+    [B, T, H, Dv], the weights after the last full mini-batch (w [B*H, Dk, Dv], bias
+    [B*H, Dv]), the gradient sums of a last partial mini-batch (sw, sb, if NF < N) and, if
+    ``store_ck``, the weights entering every ``seg``-th mini-batch (ckw [B*H, NC, Dk, Dv],
+    ckb [B*H, NC, Dv]). a: the scores of ``_qk_kernel``."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
     base_k = (bb * T * H + h) * Dk
     base_v = (bb * T * H + h) * Dv
     ebase = bb * T * H + h
-    cv = tl.arange(0, BV)
-    cm = cv < Dv
-    W = _load_mat(w0_ptr + bh * Dk * Dv, Dk, Dv, BK, BV)
+    NC = tl.cdiv(NF, seg)
+    cm = tl.arange(0, BV) < Dv
+    Wt = _load_matT(w0_ptr + bh * Dk * Dv, Dk, Dv, BV, BK)
     bv = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
         bv = _vec(b0_ptr + bh * Dv, Dv, BV)
@@ -293,64 +347,170 @@ def _linear_fwd_kernel(
         if HAS_LNB:
             bet = _vec(lnb_ptr + h * Dv, Dv, BV)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
-    for n in range(0, N):
+    for n in range(0, NF):
         if store_ck and n % seg == 0:
-            _store_mat(ckw_ptr + (bh * NC + n // seg) * Dk * Dv, W, Dk, Dv, BK, BV)
+            _store_matT(ckw_ptr + (bh * NC + n // seg) * Dk * Dv, Wt, Dk, Dv, BV, BK)
             if HAS_BIAS:
                 _store_vec(ckb_ptr + (bh * NC + n // seg) * Dv, bv, Dv, BV)
-        i, t, m = _mb(n, b, T, BB)
-        eta, _, E = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
-        kf = _rows(k_ptr, base_k, t, m, H, Dk, BK)
-        qf = _rows(q_ptr, base_k, t, m, H, Dk, BK)
-        vf = _rows(v_ptr, base_v, t, m, H, Dv, BV)
-        G, _, _, _, _, zbar = _linear_rows(W, bv, kf, qf, vf, E, gam, bet, cm, Dv,
-                                           HAS_BIAS, HAS_LN, RESIDUAL, PREC)
-        out = zbar
-        if HAS_LN:
-            xo, _ = _ln(zbar, cm, Dv)
-            out = gam[None, :] * xo + bet[None, :]
-        if RESIDUAL:
-            out += qf
-        _store_rows(o_ptr, out, base_v, t, m, H, Dv, BV)
-        Hm = eta[:, None] * G
-        S = _dot(tl.trans(kf), Hm, PREC)
-        s = tl.sum(Hm, axis=0)
-        if n * b + b > T:  # a last, partly filled mini-batch: its sums, not an update
-            _store_mat(sw_ptr + bh * Dk * Dv, S, Dk, Dv, BK, BV)
-            if HAS_BIAS:
-                _store_vec(sb_ptr + bh * Dv, s, Dv, BV)
-        else:
-            W -= tau_b * S
-            if HAS_BIAS:
-                bv -= tau_b * s
-    _store_mat(w_ptr + bh * Dk * Dv, W, Dk, Dv, BK, BV)
+        _, t, m, eta, _, kt, qt, vt, Et, At = _linear_in(
+            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, bh, h, base_k, base_v, ebase, n,
+            T, H, Dk, Dv, b, N, BB, BK, BV)
+        G, _, _, _, zbar = _linear_cols(Wt, bv, kt, qt, vt, Et * At, gam, bet, cm, Dv,
+                                        HAS_LN, RESIDUAL, PREC)
+        _linear_out(o_ptr, zbar, qt, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
+        # W <- W - tau_b K^T (eta G), accumulated into W^T in the product itself
+        Hm = G * (eta * -tau_b)[None, :]
+        Wt = _dot(Hm, tl.trans(kt), PREC, Wt)
+        if HAS_BIAS:
+            bv += tl.sum(Hm, axis=1)
+    _store_matT(w_ptr + bh * Dk * Dv, Wt, Dk, Dv, BV, BK)
     if HAS_BIAS:
         _store_vec(bias_ptr + bh * Dv, bv, Dv, BV)
+    if NF < N:  # a last, partly filled mini-batch: its sums S = K^T (eta G), not an update
+        _, t, m, eta, _, kt, qt, vt, Et, At = _linear_in(
+            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, bh, h, base_k, base_v, ebase, NF,
+            T, H, Dk, Dv, b, N, BB, BK, BV)
+        G, _, _, _, zbar = _linear_cols(Wt, bv, kt, qt, vt, Et * At, gam, bet, cm, Dv,
+                                        HAS_LN, RESIDUAL, PREC)
+        _linear_out(o_ptr, zbar, qt, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
+        Hm = G * eta[None, :]
+        _store_matT(sw_ptr + bh * Dk * Dv, _dot(Hm, tl.trans(kt), PREC), Dk, Dv, BV, BK)
+        if HAS_BIAS:
+            _store_vec(sb_ptr + bh * Dv, tl.sum(Hm, axis=1), Dv, BV)
+
+
+@triton.jit
+def _scores_grad(gs_ptr, G, dzbar, PREC: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr,
+                 DC: tl.constexpr):
+    """dM^T = -(dZbar G^T)^T [BB, BB] from G^T, dZbar^T [BV, BB], contracted over the value
+    dim in blocks of DC rows read back from the program's scratch gs [2, BV, BB]: a product
+    with BB rows has every warp hold its whole operands (the warps replicate its rows), which
+    for a [BB, 128] float32 operand is 64 registers per thread."""
+    r = tl.arange(0, BV)
+    c = tl.arange(0, BB)
+    offs = r[:, None] * BB + c[None, :]
+    tl.store(gs_ptr + offs, G)
+    tl.store(gs_ptr + BV * BB + offs, dzbar)
+    tl.debug_barrier()
+    dMt = tl.zeros([BB, BB], dtype=tl.float32)
+    rc = tl.arange(0, DC)
+    for d0 in tl.static_range(0, BV, DC):
+        offc = (d0 + rc)[:, None] * BB + c[None, :]
+        gc = tl.load(gs_ptr + offc)
+        dc = tl.load(gs_ptr + BV * BB + offc)
+        dMt -= _dot(tl.trans(gc), dc, PREC)
+    tl.debug_barrier()  # read before the next mini-batch writes
+    return dMt
+
+
+@triton.jit
+def _linear_back(
+    Wt, bv, Dt, d, dgam, dbet, dtau, dtau_b,
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, dsw_ptr, dsb_ptr, gs_ptr,
+    dq_ptr, dk_ptr, dv_ptr, deta_ptr,
+    bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, tau_b, gam, bet, cm,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr,
+    PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DC: tl.constexpr,
+):
+    """The backward of mini-batch n from its start weights (Wt, bv) and the gradient (Dt, d)
+    of the weights leaving it (TAIL: of the weights it hands on unchanged; its sums' gradient
+    is dS, ds): stores the gradients of its tokens' q, k, v, eta and returns the gradient of
+    its start weights and the per-head accumulators (dgamma, dbeta, dtau, dtau_b)."""
+    i, t, m, eta, tau, kt, qt, vt, Et, At = _linear_in(
+        q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, bh, h, base_k, base_v, ebase, n,
+        T, H, Dk, Dv, b, N, BB, BK, BV)
+    Mt = Et * At
+    G, xh, r, g, zbar = _linear_cols(Wt, bv, kt, qt, vt, Mt, gam, bet, cm, Dv,
+                                     HAS_LN, RESIDUAL, PREC)
+    dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
+    # read-out: o = [LN](Zbar) [+ q]
+    dq = tl.zeros([BK, BB], dtype=tl.float32)
+    if RESIDUAL:
+        dq = dO  # Dk == Dv, so BK == BV
+    dzbar = dO
+    if HAS_LN:
+        xo, ro = _ln(zbar, cm, Dv)
+        dgam += tl.sum(dO * xo, axis=1)
+        dbet += tl.sum(dO, axis=1)
+        dzbar = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
+    dq = _dot(tl.trans(Wt), dzbar, PREC, dq)
+    # Zbar's b x b term -(E * A) G: dM = -dZbar G^T, dG = -(E * A)^T dZbar
+    dMt = _scores_grad(gs_ptr, G, dzbar, PREC, BV, BB, DC)
+    causal = i[:, None] <= i[None, :]
+    dAt = tl.where(causal, dMt * Et, 0.0)
+    dEt = tl.where(causal, dMt * At, 0.0)
+    dq = _dot(kt, dAt, PREC, dq)
+    dk = _dot(qt, tl.trans(dAt), PREC)
+    dtau += tl.sum(dEt * eta[:, None], axis=0)
+    deta = tl.sum(dEt * tau[None, :], axis=1)
+    # the gradient sums S = K^T (eta G), s = sum eta G: handed on (TAIL, gradient dS, ds) or
+    # applied, W' = W - tau_b S (gradient -tau_b D, and tau_b's -<D, S>)
+    Hm = G * eta[None, :]
+    if TAIL:
+        DSt = _load_matT(dsw_ptr + bh * Dk * Dv, Dk, Dv, BV, BK)
+        dHm = _dot(DSt, kt, PREC)
+        if HAS_BIAS:
+            dHm += _vec(dsb_ptr + bh * Dv, Dv, BV)[:, None]
+        dk = _dot(tl.trans(DSt), Hm, PREC, dk)
+    else:
+        kd = _dot(Dt, kt, PREC)
+        if HAS_BIAS:
+            kd += d[:, None]
+        dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
+        dHm = -tau_b * kd
+        dk = _dot(tl.trans(Dt), Hm * -tau_b, PREC, dk)
+    dG = dHm * eta[None, :] - _dot(dzbar, tl.trans(Mt), PREC)
+    deta += tl.sum(G * dHm, axis=0)
+    # the keys' loss gradient G = dl/dZk
+    dtgt = -dG
+    dzk = dG
+    if HAS_LN:
+        dzk, dg = _ln_grad_back(dG, G, xh, r, g, gam, cm, Dv)
+        dtgt = -gam[:, None] * dg
+        e = gam[:, None] * xh + bet[:, None] - (vt - kt if RESIDUAL else vt)
+        dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
+        dbet -= tl.sum(dtgt, axis=1)
+    dk = _dot(tl.trans(Wt), dzk, PREC, dk)
+    if RESIDUAL:
+        dk -= dtgt
+    _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, BK)
+    _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, BK)
+    _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
+    tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+    Dt = _dot(dzbar, tl.trans(qt), PREC, Dt)
+    Dt = _dot(dzk, tl.trans(kt), PREC, Dt)
+    if HAS_BIAS:
+        d += tl.sum(dzbar + dzk, axis=1)
+    return Dt, d, dgam, dbet, dtau, dtau_b
 
 
 @triton.jit
 def _linear_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, lnw_ptr, lnb_ptr, ckw_ptr, ckb_ptr, scw_ptr, scb_ptr,
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, ckw_ptr, ckb_ptr,
+    w_ptr, bias_ptr, scw_ptr, scb_ptr, gs_ptr,
     do_ptr, dw_ptr, db_ptr, dsw_ptr, dsb_ptr,
     dq_ptr, dk_ptr, dv_ptr, deta_ptr, dtau_ptr, dlnw_ptr, dlnb_ptr, dw0_ptr, db0_ptr,
-    T, H, Dk, Dv, b, N, seg, NC,
+    T, H, Dk, Dv, b, N, NF, seg,
     HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, PREC: tl.constexpr,
-    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DC: tl.constexpr,
 ):
-    """TTT-Linear backward for one (batch, head). Inputs: the checkpoints of the forward, the
-    gradients dO [B, T, H, Dv], dW, db of the weights it returned and dS, ds of a last partial
-    mini-batch's sums. Scratch scw [B*H, seg, Dk, Dv], scb [B*H, seg, Dv]: one segment's
-    mini-batch start weights. Writes dq, dk, dv [B, T, H, D] (float32), deta [B, T, H],
-    and per program dtau [B*H, BB], dgamma, dbeta [B*H, Dv], dW0 [B*H, Dk, Dv], db0 [B*H, Dv]."""
+    """TTT-Linear backward for one (batch, head). Inputs: the forward's checkpoints and the
+    weights it returned (w, bias: a last partial mini-batch's start weights), the gradients
+    dO [B, T, H, Dv], dW, db of those weights and dS, ds of the partial mini-batch's sums.
+    Scratch: scw [B*H, seg, Dk, Dv], scb [B*H, seg, Dv] (one segment's mini-batch start
+    weights) and gs [B*H, 2, BV, BB] (``_scores_grad``). Writes dq, dk, dv [B, T, H, D]
+    (float32), deta [B, T, H] and per program dtau [B*H, BB], dgamma, dbeta [B*H, Dv],
+    dW0 [B*H, Dk, Dv], db0 [B*H, Dv]."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
     base_k = (bb * T * H + h) * Dk
     base_v = (bb * T * H + h) * Dv
     ebase = bb * T * H + h
-    cv = tl.arange(0, BV)
-    cm = cv < Dv
+    NC = tl.cdiv(NF, seg)
+    cm = tl.arange(0, BV) < Dv
     gam = tl.zeros([BV], dtype=tl.float32)
     bet = tl.zeros([BV], dtype=tl.float32)
     if HAS_LN:
@@ -358,125 +518,65 @@ def _linear_bwd_kernel(
         if HAS_LNB:
             bet = _vec(lnb_ptr + h * Dv, Dv, BV)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
-    # D, d: the gradient of the weights leaving the mini-batch being reversed
-    D = _load_mat(dw_ptr + bh * Dk * Dv, Dk, Dv, BK, BV)
+    gs = gs_ptr + bh * 2 * BV * BB
+    # Dt, d: the gradient of the weights leaving the mini-batch being reversed (transposed)
+    Dt = _load_matT(dw_ptr + bh * Dk * Dv, Dk, Dv, BV, BK)
     d = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
         d = _vec(db_ptr + bh * Dv, Dv, BV)
     dgam = tl.zeros([BV], dtype=tl.float32)
     dbet = tl.zeros([BV], dtype=tl.float32)
     dtau = tl.zeros([BB], dtype=tl.float32)
-    dtau_b = 0.0
+    dtau_b = tl.sum(dtau, axis=0)
+    if NF < N:  # the last, partial mini-batch: it starts from the weights the forward returned
+        Wt = _load_matT(w_ptr + bh * Dk * Dv, Dk, Dv, BV, BK)
+        bv = tl.zeros([BV], dtype=tl.float32)
+        if HAS_BIAS:
+            bv = _vec(bias_ptr + bh * Dv, Dv, BV)
+        Dt, d, dgam, dbet, dtau, dtau_b = _linear_back(
+            Wt, bv, Dt, d, dgam, dbet, dtau, dtau_b, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr,
+            do_ptr, dsw_ptr, dsb_ptr, gs, dq_ptr, dk_ptr, dv_ptr, deta_ptr, bh, h, base_k, base_v,
+            ebase, NF, T, H, Dk, Dv, b, N, tau_b, gam, bet, cm, True, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, DC)
     scw = scw_ptr + bh * seg * Dk * Dv
     scb = scb_ptr + bh * seg * Dv
     for sr in range(0, NC):
         s_i = NC - 1 - sr
         n0 = s_i * seg
-        n1 = tl.minimum(n0 + seg, N)
+        n1 = tl.minimum(n0 + seg, NF)
         # Recompute the segment's start weights from its checkpoint.
-        W = _load_mat(ckw_ptr + (bh * NC + s_i) * Dk * Dv, Dk, Dv, BK, BV)
+        Wt = _load_matT(ckw_ptr + (bh * NC + s_i) * Dk * Dv, Dk, Dv, BV, BK)
         bv = tl.zeros([BV], dtype=tl.float32)
         if HAS_BIAS:
             bv = _vec(ckb_ptr + (bh * NC + s_i) * Dv, Dv, BV)
         tl.debug_barrier()  # the previous segment's reverse pass has read its scratch
         for n in range(n0, n1):
-            _store_mat(scw + (n - n0) * Dk * Dv, W, Dk, Dv, BK, BV)
+            _store_matT(scw + (n - n0) * Dk * Dv, Wt, Dk, Dv, BV, BK)
             if HAS_BIAS:
                 _store_vec(scb + (n - n0) * Dv, bv, Dv, BV)
-            i, t, m = _mb(n, b, T, BB)
-            eta, tau, E = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
-            kf = _rows(k_ptr, base_k, t, m, H, Dk, BK)
-            vf = _rows(v_ptr, base_v, t, m, H, Dv, BV)
-            tgt = vf - kf if RESIDUAL else vf
-            zk = _dot(kf, W, PREC) + bv[None, :]
-            G, xh, r, g = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
-            Hm = eta[:, None] * G
-            W -= tau_b * _dot(tl.trans(kf), Hm, PREC)
+            _, t, m = _mb(n, b, T, BB)
+            eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+            kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
+            vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+            zk = _dot(Wt, kt, PREC) + bv[:, None]
+            G, _, _, _ = _loss_grad(zk, vt - kt if RESIDUAL else vt, gam, bet, cm, Dv, HAS_LN)
+            Hm = G * (eta * -tau_b)[None, :]
+            Wt = _dot(Hm, tl.trans(kt), PREC, Wt)
             if HAS_BIAS:
-                bv -= tau_b * tl.sum(Hm, axis=0)
+                bv += tl.sum(Hm, axis=1)
         tl.debug_barrier()  # the scratch is written
         for nr in range(n0, n1):
             n = n1 - 1 + n0 - nr
-            W = _load_mat(scw + (n - n0) * Dk * Dv, Dk, Dv, BK, BV)
+            Wt = _load_matT(scw + (n - n0) * Dk * Dv, Dk, Dv, BV, BK)
             bv = tl.zeros([BV], dtype=tl.float32)
             if HAS_BIAS:
                 bv = _vec(scb + (n - n0) * Dv, Dv, BV)
-            i, t, m = _mb(n, b, T, BB)
-            eta, tau, E = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
-            kf = _rows(k_ptr, base_k, t, m, H, Dk, BK)
-            qf = _rows(q_ptr, base_k, t, m, H, Dk, BK)
-            vf = _rows(v_ptr, base_v, t, m, H, Dv, BV)
-            G, xh, r, g, A, zbar = _linear_rows(W, bv, kf, qf, vf, E, gam, bet, cm, Dv,
-                                                HAS_BIAS, HAS_LN, RESIDUAL, PREC)
-            dO = _rows(do_ptr, base_v, t, m, H, Dv, BV)
-            # read-out: o = [LN](Zbar) [+ q]
-            dq = tl.zeros([BB, BK], dtype=tl.float32)
-            if RESIDUAL:
-                dq = dO.to(tl.float32)  # Dk == Dv, so BK == BV
-            dzbar = dO
-            if HAS_LN:
-                xo, ro = _ln(zbar, cm, Dv)
-                dgam += tl.sum(dO * xo, axis=0)
-                dbet += tl.sum(dO, axis=0)
-                dzbar = _ln_back(gam[None, :] * dO, xo, ro, cm, Dv)
-            dq += _dot(dzbar, tl.trans(W), PREC)
-            dWacc = _dot(tl.trans(qf), dzbar, PREC)
-            dbacc = tl.sum(dzbar, axis=0)
-            # Zbar's b x b term -(E * A) G
-            dM = -_dot(dzbar, tl.trans(G), PREC)
-            dG = -_dot(tl.trans(E * A), dzbar, PREC)
-            causal = i[:, None] >= i[None, :]
-            dA = tl.where(causal, dM * E, 0.0)
-            dE = tl.where(causal, dM * A, 0.0)
-            dq += _dot(dA, kf, PREC)
-            dk = _dot(tl.trans(dA), qf, PREC)
-            dtau += tl.sum(dE * eta[None, :], axis=1)
-            deta = tl.sum(dE * tau[:, None], axis=0)
-            # the gradient sums S = K^T (eta G), s = sum eta G: handed on (a last partial
-            # mini-batch, gradient dS) or applied, W' = W - tau_b S
-            Hm = eta[:, None] * G
-            if n * b + b > T:
-                DS = _load_mat(dsw_ptr + bh * Dk * Dv, Dk, Dv, BK, BV)
-                ds = tl.zeros([BV], dtype=tl.float32)
-                if HAS_BIAS:
-                    ds = _vec(dsb_ptr + bh * Dv, Dv, BV)
-            else:
-                DS = -tau_b * D
-                ds = -tau_b * d
-                kd = _dot(kf, D, PREC)
-                if HAS_BIAS:
-                    kd += d[None, :]
-                dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
-            dHm = _dot(kf, DS, PREC)
-            if HAS_BIAS:
-                dHm += ds[None, :]
-            dk += _dot(Hm, tl.trans(DS), PREC)
-            dG += eta[:, None] * dHm
-            deta += tl.sum(G * dHm, axis=1)
-            # the keys' loss gradient G = dl/dZk
-            dtgt = -dG
-            dzk = dG
-            if HAS_LN:
-                dzk, dg = _ln_grad_back(dG, G, xh, r, g, gam, cm, Dv)
-                dtgt = -gam[None, :] * dg
-                e = gam[None, :] * xh + bet[None, :] - (vf - kf if RESIDUAL else vf)
-                dgam += tl.sum(dg * (e + gam[None, :] * xh), axis=0)
-                dbet -= tl.sum(dtgt, axis=0)
-            dk += _dot(dzk, tl.trans(W), PREC)
-            dWacc += _dot(tl.trans(kf), dzk, PREC)
-            dbacc += tl.sum(dzk, axis=0)
-            if RESIDUAL:
-                dk -= dtgt
-            _store_rows(dq_ptr, dq, base_k, t, m, H, Dk, BK)
-            _store_rows(dk_ptr, dk, base_k, t, m, H, Dk, BK)
-            _store_rows(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
-            tl.store(deta_ptr + ebase + t * H, deta, mask=m)
-            D += dWacc
-            if HAS_BIAS:
-                d += dbacc
+            Dt, d, dgam, dbet, dtau, dtau_b = _linear_back(
+                Wt, bv, Dt, d, dgam, dbet, dtau, dtau_b, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr,
+                a_ptr, do_ptr, dsw_ptr, dsb_ptr, gs, dq_ptr, dk_ptr, dv_ptr, deta_ptr, bh, h,
+                base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, tau_b, gam, bet, cm, False, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, DC)
     dtau = tl.where(tl.arange(0, BB) == b - 1, dtau + dtau_b, dtau)
     _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
-    _store_mat(dw0_ptr + bh * Dk * Dv, D, Dk, Dv, BK, BV)
+    _store_matT(dw0_ptr + bh * Dk * Dv, Dt, Dk, Dv, BV, BK)
     if HAS_BIAS:
         _store_vec(db0_ptr + bh * Dv, d, Dv, BV)
     if HAS_LN:
@@ -512,6 +612,11 @@ class _Shape(NamedTuple):
     def BH(self) -> int:
         return self.B * self.H
 
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The sequential kernels' sizes: T, H, Dk, Dv, b, N, NF (full mini-batches), seg."""
+        return self.T, self.H, self.Dk, self.Dv, self.b, self.N, self.T // self.b, self.seg
+
     def fwd(self) -> dict:
         return {**self.consts, "num_warps": self.cfg.fwd_warps}
 
@@ -533,10 +638,10 @@ def _shape(kind: str, q: torch.Tensor, v: torch.Tensor, b: int, seg: int | None,
     if cfg is None:
         raise ValueError(f"no TTT Triton tiling for {q.dtype} inputs")
     N = triton.cdiv(T, b)
-    seg = min(seg or SEGMENT, N)
+    seg = max(1, min(seg or SEGMENT, T // b))
     prec = precisions(torch.float32 if _upcast_tiles(q.dtype) else q.dtype)[1]
     consts = {"PREC": prec, "BB": _pow2(b), "BK": _pow2(Dk), "BV": _pow2(Dv), **flags}
-    return _Shape(B, T, H, Dk, Dv, b, N, seg, triton.cdiv(N, seg), consts, cfg)
+    return _Shape(B, T, H, Dk, Dv, b, N, seg, triton.cdiv(T // b, seg), consts, cfg)
 
 
 def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -554,6 +659,7 @@ class _LinearTriton(torch.autograd.Function):
                  "HAS_LNB": lnb is not None, "RESIDUAL": residual}
         L = _shape("linear", q, v, tau.shape[-1], seg, flags)
         f32 = {"dtype": torch.float32, "device": q.device}
+        A = _scores(L, q, k)
         o = torch.empty(*q.shape[:3], L.Dv, dtype=q.dtype, device=q.device)
         W = torch.empty(L.BH, L.Dk, L.Dv, **f32)
         bias = torch.zeros(L.BH, L.Dv, **f32)
@@ -563,17 +669,16 @@ class _LinearTriton(torch.autograd.Function):
         ckw = torch.empty(L.BH, L.NC, L.Dk, L.Dv, **f32) if store else W
         ckb = torch.empty(L.BH, L.NC, L.Dv, **f32) if store else bias
         _linear_fwd_kernel[(L.BH,)](
-            q, k, v, eta, tau, lnw if lnw is not None else tau, lnb if lnb is not None else tau,
-            W0, b0 if b0 is not None else W0, o, W, bias, S, s, ckw, ckb,
-            L.T, L.H, L.Dk, L.Dv, L.b, L.N, L.seg, L.NC, store, **L.fwd())
+            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), W0, _or(b0, W0),
+            o, W, bias, S, s, ckw, ckb, *L.dims, store, **L.fwd())
         if store:
-            ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, ckw, ckb)
+            ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, ckw, ckb, W, bias, A)
             ctx.L = L
         return o, W, bias, S, s
 
     @staticmethod
     def backward(ctx, do, dW, db, dS, ds):  # type: ignore[override]
-        q, k, v, eta, tau, lnw, lnb, ckw, ckb = ctx.saved_tensors
+        q, k, v, eta, tau, lnw, lnb, ckw, ckb, W, bias, A = ctx.saved_tensors
         L = ctx.L
         f32 = {"dtype": torch.float32, "device": q.device}
 
@@ -587,7 +692,7 @@ class _LinearTriton(torch.autograd.Function):
         dk = torch.empty(q.shape, **f32)
         dv = torch.empty(v.shape, **f32)
         deta = torch.empty(eta.shape, **f32)
-        BB = L.consts["BB"]
+        BB, BV = L.consts["BB"], L.consts["BV"]
         dtau = torch.empty(L.BH, BB, **f32)
         dlnw = torch.zeros(L.BH, L.Dv, **f32)
         dlnb = torch.zeros(L.BH, L.Dv, **f32)
@@ -595,17 +700,31 @@ class _LinearTriton(torch.autograd.Function):
         db0 = torch.zeros(L.BH, L.Dv, **f32)
         scw = torch.empty(L.BH, L.seg, L.Dk, L.Dv, **f32)
         scb = torch.empty(L.BH, L.seg, L.Dv, **f32)
+        gs = torch.empty(L.BH, 2, BV, BB, **f32)
         _linear_bwd_kernel[(L.BH,)](
-            q, k, v, eta, tau, lnw if lnw is not None else tau, lnb if lnb is not None else tau,
-            ckw, ckb, scw, scb, do, dW, db, dS, ds,
-            dq, dk, dv, deta, dtau, dlnw, dlnb, dW0, db0,
-            L.T, L.H, L.Dk, L.Dv, L.b, L.N, L.seg, L.NC, **L.bwd())
+            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), ckw, ckb, W, bias, scw, scb, gs,
+            do, dW, db, dS, ds, dq, dk, dv, deta, dtau, dlnw, dlnb, dW0, db0,
+            *L.dims, DC=min(BV, 32), **L.bwd())
         has_bias = L.consts["HAS_BIAS"]
         dtau = dtau.view(L.B, L.H, BB)[..., :L.b].sum(0)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), deta.to(eta.dtype), dtau,
                 None if lnw is None else dlnw.view(L.B, L.H, L.Dv).sum(0),
                 None if lnb is None else dlnb.view(L.B, L.H, L.Dv).sum(0),
                 dW0, db0 if has_bias else None, None, None)
+
+
+def _or(x: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    """x, or a stand-in pointer for an argument the kernel does not read (its flag is off)."""
+    return other if x is None else x
+
+
+def _scores(L: _Shape, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``_qk_kernel``'s A^T [B*H, N, BB, BB] of every mini-batch."""
+    BB = L.consts["BB"]
+    A = torch.empty(L.BH, L.N, BB, BB, dtype=torch.float32, device=q.device)
+    _qk_kernel[(L.N, L.BH)](q, k, A, L.T, L.H, L.Dk, L.b, L.N, num_warps=4,
+                            **{n: L.consts[n] for n in ("HAS_BIAS", "PREC", "BB", "BK")})
+    return A
 
 
 def _split_first(run_torch, q, k, v, eta, carry: Carry, b: int):
