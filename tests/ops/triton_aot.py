@@ -56,12 +56,12 @@ class _Recorder:
     def __getitem__(self, grid):
         from triton.runtime.jit import mangle_type
 
-        def launch(*args, num_warps: int, **constexprs):
+        def launch(*args, num_warps: int, num_stages: int | None = None, **constexprs):
             sig = {}
             for name, arg in zip(self.fn.arg_names, args):
                 # Triton's own argument types, unspecialised (no constexpr for an int equal to 1)
                 sig[name] = mangle_type(arg)
-            self.out.append((self.fn, sig, constexprs, num_warps))
+            self.out.append((self.fn, sig, constexprs, num_warps, num_stages))
         return launch
 
 
@@ -124,7 +124,7 @@ def signatures(kernels, dtype: str, arch: int):
             setattr(kernels, n, saved[n])
         kernels._arch = saved_arch
     seen, unique = set(), []
-    for fn, sig, const, warps in out:  # ops and head sizes share launches
+    for fn, sig, const, warps, _ in out:  # ops and head sizes share launches
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps)
         if key not in seen:
             seen.add(key)

@@ -76,10 +76,12 @@ _EPS = tl.constexpr(LN_EPS)
 
 
 class TileConfig(NamedTuple):
-    """Warps per kernel and, for TTT-MLP, the hidden block BH."""
+    """Warps per kernel, KC the rows of a weight block streamed through a product and, for
+    TTT-MLP, the hidden block BH."""
 
     fwd_warps: int
     bwd_warps: int
+    KC: int = 32
     BH: int = 0
 
 
@@ -92,9 +94,10 @@ def tile_config(arch: int, dtype: torch.dtype, kind: str, D: int) -> TileConfig 
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if dtype not in (torch.float16, torch.bfloat16, torch.float32) or D > MAX_D:
         return None
+    warps = 8 if D > 64 else 4
     if kind == "linear":
-        return TileConfig(fwd_warps=8, bwd_warps=8)
-    return TileConfig(fwd_warps=8, bwd_warps=8, BH=32 if D > 64 else 64)
+        return TileConfig(fwd_warps=warps, bwd_warps=warps)
+    return TileConfig(fwd_warps=warps, bwd_warps=warps, BH=32 if D > 64 else 64)
 
 
 def supports(kind: str, dtype: torch.dtype, D: int = MAX_D) -> bool:
@@ -137,39 +140,43 @@ def _mb(n, b, T, BB: tl.constexpr):
 
 
 @triton.jit
-def _cols(ptr, base, t, m, H, D, BD: tl.constexpr):
-    """Tokens t (mask m) of a [B, T, H, D] tensor at ``base`` (the (batch, head)'s token 0) as
-    the columns of a float32 [BD, BB] tile."""
-    c = tl.arange(0, BD)
+def _cols(ptr, base, t, m, H, D, BD: tl.constexpr, c0=0):
+    """Tokens t (mask m) of a [B, T, H, D] tensor at ``base`` (the (batch, head)'s token 0),
+    features c0..c0+BD, as the columns of a float32 [BD, BB] tile."""
+    c = c0 + tl.arange(0, BD)
     offs = c[:, None] + (t * H * D)[None, :]
     return tl.load(ptr + base + offs, mask=(c < D)[:, None] & m[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_cols(ptr, x, base, t, m, H, D, BD: tl.constexpr):
-    c = tl.arange(0, BD)
+def _store_cols(ptr, x, base, t, m, H, D, BD: tl.constexpr, c0=0):
+    c = c0 + tl.arange(0, BD)
     offs = c[:, None] + (t * H * D)[None, :]
     tl.store(ptr + base + offs, x.to(ptr.dtype.element_ty), mask=(c < D)[:, None] & m[None, :])
 
 
 @triton.jit
-def _matT(ptr, R, C, BC: tl.constexpr, BR: tl.constexpr):
-    """Pointers and mask of a row-major [R, C] matrix as its transpose, a [BC, BR] tile."""
-    r = tl.arange(0, BR)
+def _wrows(ptr, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
+    """Rows c0..c0+KC of a row-major float32 [R, C] matrix, transposed: a [BC, KC] tile."""
+    r = c0 + tl.arange(0, KC)
     c = tl.arange(0, BC)
-    return ptr + c[:, None] + r[None, :] * C, (c < C)[:, None] & (r < R)[None, :]
+    return tl.load(ptr + c[:, None] + r[None, :] * C, mask=(c < C)[:, None] & (r < R)[None, :],
+                   other=0.0)
 
 
 @triton.jit
-def _load_matT(ptr, R, C, BC: tl.constexpr, BR: tl.constexpr):
-    p, m = _matT(ptr, R, C, BC, BR)
-    return tl.load(p, mask=m, other=0.0)
+def _store_wrows(ptr, x, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
+    r = c0 + tl.arange(0, KC)
+    c = tl.arange(0, BC)
+    tl.store(ptr + c[:, None] + r[None, :] * C, x, mask=(c < C)[:, None] & (r < R)[None, :])
 
 
 @triton.jit
-def _store_matT(ptr, x, R, C, BC: tl.constexpr, BR: tl.constexpr):
-    p, m = _matT(ptr, R, C, BC, BR)
-    tl.store(p, x, mask=m)
+def _copy_mat(src, dst, R, C, BR: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr):
+    """dst = src for row-major [R, C] matrices, in blocks of KC rows."""
+    for c0 in tl.static_range(0, BR, KC):
+        _store_wrows(dst, _wrows(src, c0, R, C, BC, KC), c0, R, C, BC, KC)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -274,60 +281,89 @@ def _qk_kernel(q_ptr, k_ptr, a_ptr, T, H, Dk, b, N, HAS_BIAS: tl.constexpr, PREC
 
 
 @triton.jit
-def _linear_in(q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, bh, h, base_k, base_v, ebase,
-               n, T, H, Dk, Dv, b, N, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Mini-batch n's inputs: positions i, tokens t, mask m, eta, tau [BB], keys, queries
-    [BK, BB], values [BV, BB], Et and A^T [BB, BB] (``_step_scales``, ``_qk_kernel``)."""
+def _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b, N, BB: tl.constexpr):
+    """Mini-batch n's positions i, tokens t, mask m, eta, tau [BB], Et and A^T [BB, BB]
+    (``_step_scales``, ``_qk_kernel``)."""
     i, t, m = _mb(n, b, T, BB)
     eta, tau, Et = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
-    kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
-    qt = _cols(q_ptr, base_k, t, m, H, Dk, BK)
-    vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
     r = tl.arange(0, BB)
     At = tl.load(a_ptr + ((bh * N + n) * BB + r[:, None]) * BB + r[None, :])
-    return i, t, m, eta, tau, kt, qt, vt, Et, At
+    return i, t, m, eta, tau, Et, At
 
 
 @triton.jit
-def _linear_cols(Wt, bv, kt, qt, vt, Mt, gam, bet, cm, Dv,
-                 HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr):
-    """One mini-batch's forward from its start weights Wt = W^T [BV, BK], bias bv [BV], with
-    keys, queries, values kt, qt [BK, BB], vt [BV, BB] and Mt = (E * (Q K^T [+ 1]))^T:
-    (G^T, x_hat, 1/s, g of the keys' LayerNorm gradient, Zbar^T [BV, BB])."""
+def _linear_z(w_ptr, bv, k_ptr, q_ptr, base_k, t, m, H, Dk, Dv, WITH_Q: tl.constexpr,
+              PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              KC: tl.constexpr):
+    """Zk^T = (K W + b)^T and (WITH_Q) Zq^T = (Q W + b)^T [BV, BB], the weights w [Dk, Dv]
+    streamed in blocks of KC rows."""
+    zk = tl.zeros([BV, BB], dtype=tl.float32) + bv[:, None]
+    zq = zk
+    for c0 in tl.static_range(0, BK, KC):
+        wc = _wrows(w_ptr, c0, Dk, Dv, BV, KC)
+        zk = _dot(wc, _cols(k_ptr, base_k, t, m, H, Dk, KC, c0), PREC, zk)
+        if WITH_Q:
+            zq = _dot(wc, _cols(q_ptr, base_k, t, m, H, Dk, KC, c0), PREC, zq)
+    return zk, zq
+
+
+@triton.jit
+def _linear_add(src_ptr, dst_ptr, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr):
+    """dst = src + (Hm K)^T... as weights: dst [Dk, Dv] = src + K^T Hm^T... i.e. W + K^T H
+    for H^T = Hm [BV, BB], in blocks of KC rows (dst may be src)."""
+    for c0 in tl.static_range(0, BK, KC):
+        wc = _dot(Hm, tl.trans(_cols(k_ptr, base_k, t, m, H, Dk, KC, c0)), PREC,
+                  _wrows(src_ptr, c0, Dk, Dv, BV, KC))
+        tl.debug_barrier()  # every thread has read the block before it is overwritten
+        _store_wrows(dst_ptr, wc, c0, Dk, Dv, BV, KC)
+    tl.debug_barrier()  # written before anything reads the weights again
+
+
+@triton.jit
+def _linear_cols(w_ptr, bv, k_ptr, q_ptr, base_k, t, m, kt, vt, Mt, gam, bet, cm, H, Dk, Dv,
+                 HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+                 BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr):
+    """One mini-batch's forward from its start weights w [Dk, Dv], bias bv [BV], with values
+    vt [BV, BB], keys kt [BV, BB] (read with the residual only) and
+    Mt = (E * (Q K^T [+ 1]))^T: (G^T, x_hat, 1/s, g of the keys' LayerNorm gradient,
+    Zbar^T [BV, BB])."""
     tgt = vt - kt if RESIDUAL else vt
-    zk = _dot(Wt, kt, PREC) + bv[:, None]
+    zk, zq = _linear_z(w_ptr, bv, k_ptr, q_ptr, base_k, t, m, H, Dk, Dv, True, PREC, BB, BK,
+                       BV, KC)
     G, xh, r, g = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
-    zbar = _dot(Wt, qt, PREC) + bv[:, None] - _dot(G, Mt, PREC)
+    zbar = zq - _dot(G, Mt, PREC)
     return G, xh, r, g, zbar
 
 
 @triton.jit
-def _linear_out(o_ptr, zbar, qt, gam, bet, cm, base_v, t, m, H, Dv,
+def _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv,
                 HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, BV: tl.constexpr):
     """o = [LN](Zbar) [+ q] stored for the mini-batch's tokens."""
     out = zbar
     if HAS_LN:
         xo, _ = _ln(zbar, cm, Dv)
         out = gam[:, None] * xo + bet[:, None]
-    if RESIDUAL:
-        out += qt
+    if RESIDUAL:  # Dk == Dv: q's rows have o's address
+        out += _cols(q_ptr, base_v, t, m, H, Dv, BV)
     _store_cols(o_ptr, out, base_v, t, m, H, Dv, BV)
 
 
 @triton.jit
 def _linear_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w0_ptr, b0_ptr,
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, b0_ptr,
     o_ptr, w_ptr, bias_ptr, sw_ptr, sb_ptr, ckw_ptr, ckb_ptr,
     T, H, Dk, Dv, b, N, NF, seg, store_ck,
     HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, PREC: tl.constexpr,
-    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
 ):
-    """TTT-Linear forward for one (batch, head) over N mini-batches, NF of them full: o
-    [B, T, H, Dv], the weights after the last full mini-batch (w [B*H, Dk, Dv], bias
-    [B*H, Dv]), the gradient sums of a last partial mini-batch (sw, sb, if NF < N) and, if
-    ``store_ck``, the weights entering every ``seg``-th mini-batch (ckw [B*H, NC, Dk, Dv],
-    ckb [B*H, NC, Dv]). a: the scores of ``_qk_kernel``."""
+    """TTT-Linear forward for one (batch, head) over N mini-batches, NF of them full.
+    w [B*H, Dk, Dv] holds the start weights and is updated in place: the weights after the
+    last full mini-batch (bias [B*H, Dv] likewise from b0). Writes o [B, T, H, Dv], the
+    gradient sums of a last partial mini-batch (sw, sb, if NF < N) and, if ``store_ck``, the
+    weights entering every ``seg``-th mini-batch (ckw [B*H, NC, Dk, Dv], ckb [B*H, NC, Dv]).
+    a: the scores of ``_qk_kernel``."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
@@ -336,7 +372,7 @@ def _linear_fwd_kernel(
     ebase = bb * T * H + h
     NC = tl.cdiv(NF, seg)
     cm = tl.arange(0, BV) < Dv
-    Wt = _load_matT(w0_ptr + bh * Dk * Dv, Dk, Dv, BV, BK)
+    wp = w_ptr + bh * Dk * Dv
     bv = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
         bv = _vec(b0_ptr + bh * Dv, Dv, BV)
@@ -347,34 +383,42 @@ def _linear_fwd_kernel(
         if HAS_LNB:
             bet = _vec(lnb_ptr + h * Dv, Dv, BV)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    kt = tl.zeros([BV, BB], dtype=tl.float32)
     for n in range(0, NF):
         if store_ck and n % seg == 0:
-            _store_matT(ckw_ptr + (bh * NC + n // seg) * Dk * Dv, Wt, Dk, Dv, BV, BK)
+            _copy_mat(wp, ckw_ptr + (bh * NC + n // seg) * Dk * Dv, Dk, Dv, BK, BV, KC)
             if HAS_BIAS:
                 _store_vec(ckb_ptr + (bh * NC + n // seg) * Dv, bv, Dv, BV)
-        _, t, m, eta, _, kt, qt, vt, Et, At = _linear_in(
-            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, bh, h, base_k, base_v, ebase, n,
-            T, H, Dk, Dv, b, N, BB, BK, BV)
-        G, _, _, _, zbar = _linear_cols(Wt, bv, kt, qt, vt, Et * At, gam, bet, cm, Dv,
-                                        HAS_LN, RESIDUAL, PREC)
-        _linear_out(o_ptr, zbar, qt, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
-        # W <- W - tau_b K^T (eta G), accumulated into W^T in the product itself
+        _, t, m, eta, _, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
+                                             N, BB)
+        vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:  # Dk == Dv
+            kt = _cols(k_ptr, base_v, t, m, H, Dv, BV)
+        G, _, _, _, zbar = _linear_cols(wp, bv, k_ptr, q_ptr, base_k, t, m, kt, vt, Et * At,
+                                        gam, bet, cm, H, Dk, Dv, HAS_LN, RESIDUAL, PREC, BB, BK,
+                                        BV, KC)
+        _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
+        # W <- W - tau_b K^T (eta G)
         Hm = G * (eta * -tau_b)[None, :]
-        Wt = _dot(Hm, tl.trans(kt), PREC, Wt)
+        _linear_add(wp, wp, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC, BK, BV, KC)
         if HAS_BIAS:
             bv += tl.sum(Hm, axis=1)
-    _store_matT(w_ptr + bh * Dk * Dv, Wt, Dk, Dv, BV, BK)
     if HAS_BIAS:
         _store_vec(bias_ptr + bh * Dv, bv, Dv, BV)
     if NF < N:  # a last, partly filled mini-batch: its sums S = K^T (eta G), not an update
-        _, t, m, eta, _, kt, qt, vt, Et, At = _linear_in(
-            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, bh, h, base_k, base_v, ebase, NF,
-            T, H, Dk, Dv, b, N, BB, BK, BV)
-        G, _, _, _, zbar = _linear_cols(Wt, bv, kt, qt, vt, Et * At, gam, bet, cm, Dv,
-                                        HAS_LN, RESIDUAL, PREC)
-        _linear_out(o_ptr, zbar, qt, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
+        _, t, m, eta, _, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, NF, T, H, b,
+                                             N, BB)
+        vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:
+            kt = _cols(k_ptr, base_v, t, m, H, Dv, BV)
+        G, _, _, _, zbar = _linear_cols(wp, bv, k_ptr, q_ptr, base_k, t, m, kt, vt, Et * At,
+                                        gam, bet, cm, H, Dk, Dv, HAS_LN, RESIDUAL, PREC, BB, BK,
+                                        BV, KC)
+        _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
         Hm = G * eta[None, :]
-        _store_matT(sw_ptr + bh * Dk * Dv, _dot(Hm, tl.trans(kt), PREC), Dk, Dv, BV, BK)
+        for c0 in tl.static_range(0, BK, KC):
+            kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
+            _store_wrows(sw_ptr + bh * Dk * Dv, _dot(Hm, tl.trans(kc), PREC), c0, Dk, Dv, BV, KC)
         if HAS_BIAS:
             _store_vec(sb_ptr + bh * Dv, tl.sum(Hm, axis=1), Dv, BV)
 
@@ -405,61 +449,67 @@ def _scores_grad(gs_ptr, G, dzbar, PREC: tl.constexpr, BV: tl.constexpr, BB: tl.
 
 @triton.jit
 def _linear_back(
-    Wt, bv, Dt, d, dgam, dbet, dtau, dtau_b,
+    wp, bv, dp, d, dgam, dbet, dtau, dtau_b,
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, dsw_ptr, dsb_ptr, gs_ptr,
     dq_ptr, dk_ptr, dv_ptr, deta_ptr,
     bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, tau_b, gam, bet, cm,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr,
     PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DC: tl.constexpr,
+    KC: tl.constexpr, DC: tl.constexpr,
 ):
-    """The backward of mini-batch n from its start weights (Wt, bv) and the gradient (Dt, d)
-    of the weights leaving it (TAIL: of the weights it hands on unchanged; its sums' gradient
-    is dS, ds): stores the gradients of its tokens' q, k, v, eta and returns the gradient of
-    its start weights and the per-head accumulators (dgamma, dbeta, dtau, dtau_b)."""
-    i, t, m, eta, tau, kt, qt, vt, Et, At = _linear_in(
-        q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, bh, h, base_k, base_v, ebase, n,
-        T, H, Dk, Dv, b, N, BB, BK, BV)
+    """The backward of mini-batch n from its start weights wp [Dk, Dv], bv and the gradient
+    of the weights leaving it (dp [Dk, Dv], updated in place to the gradient of its start
+    weights, and d; TAIL: of the weights it hands on unchanged, its sums' gradient being dS,
+    ds): stores the gradients of its tokens' q, k, v, eta and returns d and the per-head
+    accumulators (dgamma, dbeta, dtau, dtau_b)."""
+    i, t, m, eta, tau, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
+                                           N, BB)
     Mt = Et * At
-    G, xh, r, g, zbar = _linear_cols(Wt, bv, kt, qt, vt, Mt, gam, bet, cm, Dv,
-                                     HAS_LN, RESIDUAL, PREC)
+    vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+    kt = tl.zeros([BV, BB], dtype=tl.float32)
+    if RESIDUAL:
+        kt = _cols(k_ptr, base_v, t, m, H, Dv, BV)
+    G, xh, r, g, zbar = _linear_cols(wp, bv, k_ptr, q_ptr, base_k, t, m, kt, vt, Mt, gam, bet,
+                                     cm, H, Dk, Dv, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC)
     dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
     # read-out: o = [LN](Zbar) [+ q]
-    dq = tl.zeros([BK, BB], dtype=tl.float32)
-    if RESIDUAL:
-        dq = dO  # Dk == Dv, so BK == BV
     dzbar = dO
     if HAS_LN:
         xo, ro = _ln(zbar, cm, Dv)
         dgam += tl.sum(dO * xo, axis=1)
         dbet += tl.sum(dO, axis=1)
         dzbar = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
-    dq = _dot(tl.trans(Wt), dzbar, PREC, dq)
     # Zbar's b x b term -(E * A) G: dM = -dZbar G^T, dG = -(E * A)^T dZbar
     dMt = _scores_grad(gs_ptr, G, dzbar, PREC, BV, BB, DC)
     causal = i[:, None] <= i[None, :]
     dAt = tl.where(causal, dMt * Et, 0.0)
     dEt = tl.where(causal, dMt * At, 0.0)
-    dq = _dot(kt, dAt, PREC, dq)
-    dk = _dot(qt, tl.trans(dAt), PREC)
     dtau += tl.sum(dEt * eta[:, None], axis=0)
     deta = tl.sum(dEt * tau[None, :], axis=1)
+    # dQ = dZbar W^T + dA K [+ dO], and K D(S) for the gradient sums, block by block
+    Hm = G * eta[None, :]
+    kd = tl.zeros([BV, BB], dtype=tl.float32)
+    for c0 in tl.static_range(0, BK, KC):
+        kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
+        dq = _dot(tl.trans(_wrows(wp, c0, Dk, Dv, BV, KC)), dzbar, PREC, _dot(kc, dAt, PREC))
+        if RESIDUAL:
+            dq += _cols(do_ptr, base_k, t, m, H, Dk, KC, c0)
+        _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, KC, c0)
+        if TAIL:
+            kd = _dot(_wrows(dsw_ptr + bh * Dk * Dv, c0, Dk, Dv, BV, KC), kc, PREC, kd)
+        else:
+            kd = _dot(_wrows(dp, c0, Dk, Dv, BV, KC), kc, PREC, kd)
     # the gradient sums S = K^T (eta G), s = sum eta G: handed on (TAIL, gradient dS, ds) or
     # applied, W' = W - tau_b S (gradient -tau_b D, and tau_b's -<D, S>)
-    Hm = G * eta[None, :]
     if TAIL:
-        DSt = _load_matT(dsw_ptr + bh * Dk * Dv, Dk, Dv, BV, BK)
-        dHm = _dot(DSt, kt, PREC)
+        dHm = kd
         if HAS_BIAS:
             dHm += _vec(dsb_ptr + bh * Dv, Dv, BV)[:, None]
-        dk = _dot(tl.trans(DSt), Hm, PREC, dk)
     else:
-        kd = _dot(Dt, kt, PREC)
         if HAS_BIAS:
             kd += d[:, None]
         dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
         dHm = -tau_b * kd
-        dk = _dot(tl.trans(Dt), Hm * -tau_b, PREC, dk)
     dG = dHm * eta[None, :] - _dot(dzbar, tl.trans(Mt), PREC)
     deta += tl.sum(G * dHm, axis=0)
     # the keys' loss gradient G = dl/dZk
@@ -471,38 +521,50 @@ def _linear_back(
         e = gam[:, None] * xh + bet[:, None] - (vt - kt if RESIDUAL else vt)
         dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
         dbet -= tl.sum(dtgt, axis=1)
-    dk = _dot(tl.trans(Wt), dzk, PREC, dk)
-    if RESIDUAL:
-        dk -= dtgt
-    _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, BK)
-    _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, BK)
     _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
     tl.store(deta_ptr + ebase + t * H, deta, mask=m)
-    Dt = _dot(dzbar, tl.trans(qt), PREC, Dt)
-    Dt = _dot(dzk, tl.trans(kt), PREC, Dt)
+    tl.debug_barrier()  # dv is written (the residual's dK reads it back by blocks)
+    # dK = dA^T Q + dZk W^T + (eta G) D(S)^T [- dtgt], and D <- D + Q^T dZbar + K^T dZk
+    for c0 in tl.static_range(0, BK, KC):
+        kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
+        qc = _cols(q_ptr, base_k, t, m, H, Dk, KC, c0)
+        dc = _wrows(dp, c0, Dk, Dv, BV, KC)
+        dk = _dot(tl.trans(_wrows(wp, c0, Dk, Dv, BV, KC)), dzk, PREC,
+                  _dot(qc, tl.trans(dAt), PREC))
+        if TAIL:
+            dk = _dot(tl.trans(_wrows(dsw_ptr + bh * Dk * Dv, c0, Dk, Dv, BV, KC)), Hm, PREC, dk)
+        else:
+            dk = _dot(tl.trans(dc), Hm * -tau_b, PREC, dk)
+        if RESIDUAL:
+            dk -= _cols(dv_ptr, base_k, t, m, H, Dk, KC, c0)
+        _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, KC, c0)
+        dc = _dot(dzk, tl.trans(kc), PREC, _dot(dzbar, tl.trans(qc), PREC, dc))
+        tl.debug_barrier()  # every thread has read the block before it is overwritten
+        _store_wrows(dp, dc, c0, Dk, Dv, BV, KC)
+    tl.debug_barrier()
     if HAS_BIAS:
         d += tl.sum(dzbar + dzk, axis=1)
-    return Dt, d, dgam, dbet, dtau, dtau_b
+    return d, dgam, dbet, dtau, dtau_b
 
 
 @triton.jit
 def _linear_bwd_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, ckw_ptr, ckb_ptr,
-    w_ptr, bias_ptr, scw_ptr, scb_ptr, gs_ptr,
+    w_ptr, bias_ptr, wn_ptr, scb_ptr, gs_ptr,
     do_ptr, dw_ptr, db_ptr, dsw_ptr, dsb_ptr,
-    dq_ptr, dk_ptr, dv_ptr, deta_ptr, dtau_ptr, dlnw_ptr, dlnb_ptr, dw0_ptr, db0_ptr,
+    dq_ptr, dk_ptr, dv_ptr, deta_ptr, dtau_ptr, dlnw_ptr, dlnb_ptr, db0_ptr,
     T, H, Dk, Dv, b, N, NF, seg,
     HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, PREC: tl.constexpr,
-    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, DC: tl.constexpr,
 ):
     """TTT-Linear backward for one (batch, head). Inputs: the forward's checkpoints and the
     weights it returned (w, bias: a last partial mini-batch's start weights), the gradients
-    dO [B, T, H, Dv], dW, db of those weights and dS, ds of the partial mini-batch's sums.
-    Scratch: scw [B*H, seg, Dk, Dv], scb [B*H, seg, Dv] (one segment's mini-batch start
-    weights) and gs [B*H, 2, BV, BB] (``_scores_grad``). Writes dq, dk, dv [B, T, H, D]
-    (float32), deta [B, T, H] and per program dtau [B*H, BB], dgamma, dbeta [B*H, Dv],
-    dW0 [B*H, Dk, Dv], db0 [B*H, Dv]."""
+    dO [B, T, H, Dv], dW [B*H, Dk, Dv] (updated in place into dW0), db of those weights and
+    dS, ds of the partial mini-batch's sums. Scratch: wn [B*H, seg, Dk, Dv], scb
+    [B*H, seg, Dv] (one segment's mini-batch start weights) and gs [B*H, 2, BV, BB]
+    (``_scores_grad``). Writes dq, dk, dv [B, T, H, D] (float32), deta [B, T, H] and per
+    program dtau [B*H, BB], dgamma, dbeta [B*H, Dv], db0 [B*H, Dv]."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
@@ -519,8 +581,7 @@ def _linear_bwd_kernel(
             bet = _vec(lnb_ptr + h * Dv, Dv, BV)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     gs = gs_ptr + bh * 2 * BV * BB
-    # Dt, d: the gradient of the weights leaving the mini-batch being reversed (transposed)
-    Dt = _load_matT(dw_ptr + bh * Dk * Dv, Dk, Dv, BV, BK)
+    dp = dw_ptr + bh * Dk * Dv  # the gradient of the weights leaving the mini-batch reversed
     d = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
         d = _vec(db_ptr + bh * Dv, Dv, BV)
@@ -529,54 +590,57 @@ def _linear_bwd_kernel(
     dtau = tl.zeros([BB], dtype=tl.float32)
     dtau_b = tl.sum(dtau, axis=0)
     if NF < N:  # the last, partial mini-batch: it starts from the weights the forward returned
-        Wt = _load_matT(w_ptr + bh * Dk * Dv, Dk, Dv, BV, BK)
         bv = tl.zeros([BV], dtype=tl.float32)
         if HAS_BIAS:
             bv = _vec(bias_ptr + bh * Dv, Dv, BV)
-        Dt, d, dgam, dbet, dtau, dtau_b = _linear_back(
-            Wt, bv, Dt, d, dgam, dbet, dtau, dtau_b, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr,
-            do_ptr, dsw_ptr, dsb_ptr, gs, dq_ptr, dk_ptr, dv_ptr, deta_ptr, bh, h, base_k, base_v,
-            ebase, NF, T, H, Dk, Dv, b, N, tau_b, gam, bet, cm, True, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, DC)
-    scw = scw_ptr + bh * seg * Dk * Dv
+        d, dgam, dbet, dtau, dtau_b = _linear_back(
+            w_ptr + bh * Dk * Dv, bv, dp, d, dgam, dbet, dtau, dtau_b, q_ptr, k_ptr, v_ptr,
+            eta_ptr, tau_ptr, a_ptr, do_ptr, dsw_ptr, dsb_ptr, gs, dq_ptr, dk_ptr, dv_ptr,
+            deta_ptr, bh, h, base_k, base_v, ebase, NF, T, H, Dk, Dv, b, N, tau_b, gam, bet, cm,
+            True, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC, DC)
+    wn = wn_ptr + bh * seg * Dk * Dv
     scb = scb_ptr + bh * seg * Dv
     for sr in range(0, NC):
         s_i = NC - 1 - sr
         n0 = s_i * seg
         n1 = tl.minimum(n0 + seg, NF)
-        # Recompute the segment's start weights from its checkpoint.
-        Wt = _load_matT(ckw_ptr + (bh * NC + s_i) * Dk * Dv, Dk, Dv, BV, BK)
+        # Recompute the segment's start weights from its checkpoint into wn.
+        _copy_mat(ckw_ptr + (bh * NC + s_i) * Dk * Dv, wn, Dk, Dv, BK, BV, KC)
         bv = tl.zeros([BV], dtype=tl.float32)
         if HAS_BIAS:
             bv = _vec(ckb_ptr + (bh * NC + s_i) * Dv, Dv, BV)
-        tl.debug_barrier()  # the previous segment's reverse pass has read its scratch
-        for n in range(n0, n1):
-            _store_matT(scw + (n - n0) * Dk * Dv, Wt, Dk, Dv, BV, BK)
+        for n in range(n0, n1 - 1):
             if HAS_BIAS:
                 _store_vec(scb + (n - n0) * Dv, bv, Dv, BV)
             _, t, m = _mb(n, b, T, BB)
             eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
-            kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
             vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
-            zk = _dot(Wt, kt, PREC) + bv[:, None]
-            G, _, _, _ = _loss_grad(zk, vt - kt if RESIDUAL else vt, gam, bet, cm, Dv, HAS_LN)
+            tgt = vt
+            if RESIDUAL:
+                tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
+            wj = wn + (n - n0) * Dk * Dv
+            zk, _ = _linear_z(wj, bv, k_ptr, q_ptr, base_k, t, m, H, Dk, Dv, False, PREC, BB, BK,
+                              BV, KC)
+            G, _, _, _ = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
             Hm = G * (eta * -tau_b)[None, :]
-            Wt = _dot(Hm, tl.trans(kt), PREC, Wt)
+            _linear_add(wj, wj + Dk * Dv, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC, BK, BV, KC)
             if HAS_BIAS:
                 bv += tl.sum(Hm, axis=1)
-        tl.debug_barrier()  # the scratch is written
+        if HAS_BIAS:
+            _store_vec(scb + (n1 - 1 - n0) * Dv, bv, Dv, BV)
+        tl.debug_barrier()
         for nr in range(n0, n1):
             n = n1 - 1 + n0 - nr
-            Wt = _load_matT(scw + (n - n0) * Dk * Dv, Dk, Dv, BV, BK)
             bv = tl.zeros([BV], dtype=tl.float32)
             if HAS_BIAS:
                 bv = _vec(scb + (n - n0) * Dv, Dv, BV)
-            Dt, d, dgam, dbet, dtau, dtau_b = _linear_back(
-                Wt, bv, Dt, d, dgam, dbet, dtau, dtau_b, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr,
-                a_ptr, do_ptr, dsw_ptr, dsb_ptr, gs, dq_ptr, dk_ptr, dv_ptr, deta_ptr, bh, h,
-                base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, tau_b, gam, bet, cm, False, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, DC)
+            d, dgam, dbet, dtau, dtau_b = _linear_back(
+                wn + (n - n0) * Dk * Dv, bv, dp, d, dgam, dbet, dtau, dtau_b, q_ptr, k_ptr,
+                v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, dsw_ptr, dsb_ptr, gs, dq_ptr, dk_ptr,
+                dv_ptr, deta_ptr, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, tau_b,
+                gam, bet, cm, False, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC, DC)
     dtau = tl.where(tl.arange(0, BB) == b - 1, dtau + dtau_b, dtau)
     _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
-    _store_matT(dw0_ptr + bh * Dk * Dv, Dt, Dk, Dv, BV, BK)
     if HAS_BIAS:
         _store_vec(db0_ptr + bh * Dv, d, Dv, BV)
     if HAS_LN:
@@ -618,10 +682,10 @@ class _Shape(NamedTuple):
         return self.T, self.H, self.Dk, self.Dv, self.b, self.N, self.T // self.b, self.seg
 
     def fwd(self) -> dict:
-        return {**self.consts, "num_warps": self.cfg.fwd_warps}
+        return {**self.consts, "num_warps": self.cfg.fwd_warps, "num_stages": 1}
 
     def bwd(self) -> dict:
-        return {**self.consts, "num_warps": self.cfg.bwd_warps}
+        return {**self.consts, "num_warps": self.cfg.bwd_warps, "num_stages": 1}
 
 
 def _shape(kind: str, q: torch.Tensor, v: torch.Tensor, b: int, seg: int | None,
@@ -640,7 +704,9 @@ def _shape(kind: str, q: torch.Tensor, v: torch.Tensor, b: int, seg: int | None,
     N = triton.cdiv(T, b)
     seg = max(1, min(seg or SEGMENT, T // b))
     prec = precisions(torch.float32 if _upcast_tiles(q.dtype) else q.dtype)[1]
-    consts = {"PREC": prec, "BB": _pow2(b), "BK": _pow2(Dk), "BV": _pow2(Dv), **flags}
+    BK = _pow2(Dk)
+    consts = {"PREC": prec, "BB": _pow2(b), "BK": BK, "BV": _pow2(Dv), "KC": min(BK, cfg.KC),
+              **flags}
     return _Shape(B, T, H, Dk, Dv, b, N, seg, triton.cdiv(T // b, seg), consts, cfg)
 
 
@@ -661,7 +727,7 @@ class _LinearTriton(torch.autograd.Function):
         f32 = {"dtype": torch.float32, "device": q.device}
         A = _scores(L, q, k)
         o = torch.empty(*q.shape[:3], L.Dv, dtype=q.dtype, device=q.device)
-        W = torch.empty(L.BH, L.Dk, L.Dv, **f32)
+        W = W0.clone()  # updated in place by the kernel
         bias = torch.zeros(L.BH, L.Dv, **f32)
         S = torch.zeros(L.BH, L.Dk, L.Dv, **f32)
         s = torch.zeros(L.BH, L.Dv, **f32)
@@ -669,7 +735,7 @@ class _LinearTriton(torch.autograd.Function):
         ckw = torch.empty(L.BH, L.NC, L.Dk, L.Dv, **f32) if store else W
         ckb = torch.empty(L.BH, L.NC, L.Dv, **f32) if store else bias
         _linear_fwd_kernel[(L.BH,)](
-            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), W0, _or(b0, W0),
+            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), _or(b0, W0),
             o, W, bias, S, s, ckw, ckb, *L.dims, store, **L.fwd())
         if store:
             ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, ckw, ckb, W, bias, A)
@@ -686,7 +752,9 @@ class _LinearTriton(torch.autograd.Function):
             return torch.zeros(*shape, **f32) if x is None else x.to(torch.float32).contiguous()
 
         do = grad(do, *q.shape[:3], L.Dv)
-        dW, dS = grad(dW, L.BH, L.Dk, L.Dv), grad(dS, L.BH, L.Dk, L.Dv)
+        dS = grad(dS, L.BH, L.Dk, L.Dv)
+        # dW0: the gradient of the returned weights, turned into that of W0 in place
+        dW0 = torch.zeros(L.BH, L.Dk, L.Dv, **f32) if dW is None else dW.to(torch.float32).clone()
         db, ds = grad(db, L.BH, L.Dv), grad(ds, L.BH, L.Dv)
         dq = torch.empty(q.shape, **f32)
         dk = torch.empty(q.shape, **f32)
@@ -696,14 +764,13 @@ class _LinearTriton(torch.autograd.Function):
         dtau = torch.empty(L.BH, BB, **f32)
         dlnw = torch.zeros(L.BH, L.Dv, **f32)
         dlnb = torch.zeros(L.BH, L.Dv, **f32)
-        dW0 = torch.empty(L.BH, L.Dk, L.Dv, **f32)
         db0 = torch.zeros(L.BH, L.Dv, **f32)
         scw = torch.empty(L.BH, L.seg, L.Dk, L.Dv, **f32)
         scb = torch.empty(L.BH, L.seg, L.Dv, **f32)
         gs = torch.empty(L.BH, 2, BV, BB, **f32)
         _linear_bwd_kernel[(L.BH,)](
             q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), ckw, ckb, W, bias, scw, scb, gs,
-            do, dW, db, dS, ds, dq, dk, dv, deta, dtau, dlnw, dlnb, dW0, db0,
+            do, dW0, db, dS, ds, dq, dk, dv, deta, dtau, dlnw, dlnb, db0,
             *L.dims, DC=min(BV, 32), **L.bwd())
         has_bias = L.consts["HAS_BIAS"]
         dtau = dtau.view(L.B, L.H, BB)[..., :L.b].sum(0)
