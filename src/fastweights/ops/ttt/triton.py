@@ -299,7 +299,7 @@ def _linear_z(w_ptr, bv, k_ptr, q_ptr, base_k, t, m, H, Dk, Dv, WITH_Q: tl.const
     streamed in blocks of KC rows."""
     zk = tl.zeros([BV, BB], dtype=tl.float32) + bv[:, None]
     zq = zk
-    for c0 in tl.static_range(0, BK, KC):
+    for c0 in range(0, BK, KC):
         wc = _wrows(w_ptr, c0, Dk, Dv, BV, KC)
         zk = _dot(wc, _cols(k_ptr, base_k, t, m, H, Dk, KC, c0), PREC, zk)
         if WITH_Q:
@@ -312,7 +312,7 @@ def _linear_add(src_ptr, dst_ptr, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC: tl.c
                 BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr):
     """dst = src + (Hm K)^T... as weights: dst [Dk, Dv] = src + K^T Hm^T... i.e. W + K^T H
     for H^T = Hm [BV, BB], in blocks of KC rows (dst may be src)."""
-    for c0 in tl.static_range(0, BK, KC):
+    for c0 in range(0, BK, KC):
         wc = _dot(Hm, tl.trans(_cols(k_ptr, base_k, t, m, H, Dk, KC, c0)), PREC,
                   _wrows(src_ptr, c0, Dk, Dv, BV, KC))
         tl.debug_barrier()  # every thread has read the block before it is overwritten
@@ -416,7 +416,7 @@ def _linear_fwd_kernel(
                                         BV, KC)
         _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
         Hm = G * eta[None, :]
-        for c0 in tl.static_range(0, BK, KC):
+        for c0 in range(0, BK, KC):
             kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
             _store_wrows(sw_ptr + bh * Dk * Dv, _dot(Hm, tl.trans(kc), PREC), c0, Dk, Dv, BV, KC)
         if HAS_BIAS:
@@ -438,7 +438,7 @@ def _scores_grad(gs_ptr, G, dzbar, PREC: tl.constexpr, BV: tl.constexpr, BB: tl.
     tl.debug_barrier()
     dMt = tl.zeros([BB, BB], dtype=tl.float32)
     rc = tl.arange(0, DC)
-    for d0 in tl.static_range(0, BV, DC):
+    for d0 in range(0, BV, DC):
         offc = (d0 + rc)[:, None] * BB + c[None, :]
         gc = tl.load(gs_ptr + offc)
         dc = tl.load(gs_ptr + BV * BB + offc)
@@ -489,7 +489,7 @@ def _linear_back(
     # dQ = dZbar W^T + dA K [+ dO], and K D(S) for the gradient sums, block by block
     Hm = G * eta[None, :]
     kd = tl.zeros([BV, BB], dtype=tl.float32)
-    for c0 in tl.static_range(0, BK, KC):
+    for c0 in range(0, BK, KC):
         kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
         dq = _dot(tl.trans(_wrows(wp, c0, Dk, Dv, BV, KC)), dzbar, PREC, _dot(kc, dAt, PREC))
         if RESIDUAL:
@@ -525,7 +525,7 @@ def _linear_back(
     tl.store(deta_ptr + ebase + t * H, deta, mask=m)
     tl.debug_barrier()  # dv is written (the residual's dK reads it back by blocks)
     # dK = dA^T Q + dZk W^T + (eta G) D(S)^T [- dtgt], and D <- D + Q^T dZbar + K^T dZk
-    for c0 in tl.static_range(0, BK, KC):
+    for c0 in range(0, BK, KC):
         kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
         qc = _cols(q_ptr, base_k, t, m, H, Dk, KC, c0)
         dc = _wrows(dp, c0, Dk, Dv, BV, KC)
