@@ -424,19 +424,31 @@ def _linear_fwd_kernel(
 
 
 @triton.jit
+def _store_tile(ptr, x, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    tl.store(ptr + r[:, None] * C + c[None, :], x)
+
+
+@triton.jit
+def _load_tile(ptr, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    return tl.load(ptr + r[:, None] * C + c[None, :])
+
+
+@triton.jit
 def _scores_grad(gs_ptr, G, dzbar, PREC: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr,
                  DC: tl.constexpr):
     """dM^T = -(dZbar G^T)^T [BB, BB] from G^T, dZbar^T [BV, BB], contracted over the value
     dim in blocks of DC rows read back from the program's scratch gs [2, BV, BB]: a product
     with BB rows has every warp hold its whole operands (the warps replicate its rows), which
     for a [BB, 128] float32 operand is 64 registers per thread."""
-    r = tl.arange(0, BV)
-    c = tl.arange(0, BB)
-    offs = r[:, None] * BB + c[None, :]
-    tl.store(gs_ptr + offs, G)
-    tl.store(gs_ptr + BV * BB + offs, dzbar)
+    _store_tile(gs_ptr, G, BV, BB)
+    _store_tile(gs_ptr + BV * BB, dzbar, BV, BB)
     tl.debug_barrier()
     dMt = tl.zeros([BB, BB], dtype=tl.float32)
+    c = tl.arange(0, BB)
     rc = tl.arange(0, DC)
     for d0 in range(0, BV, DC):
         offc = (d0 + rc)[:, None] * BB + c[None, :]
@@ -448,29 +460,33 @@ def _scores_grad(gs_ptr, G, dzbar, PREC: tl.constexpr, BV: tl.constexpr, BB: tl.
 
 
 @triton.jit
-def _linear_back(
-    wp, bv, dp, d, dgam, dbet, dtau, dtau_b,
-    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, dsw_ptr, dsb_ptr, gs_ptr,
-    dq_ptr, dk_ptr, dv_ptr, deta_ptr,
-    bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, tau_b, gam, bet, cm,
-    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr,
-    PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    KC: tl.constexpr, DC: tl.constexpr,
+def _linear_back_a(
+    wp, bv, dgam, dbet, dtau,
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, gs_ptr, rows_ptr, rr_ptr,
+    dq_ptr, dk_ptr, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, gam, bet, cm,
+    HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, DC: tl.constexpr,
 ):
-    """The backward of mini-batch n from its start weights wp [Dk, Dv], bv and the gradient
-    of the weights leaving it (dp [Dk, Dv], updated in place to the gradient of its start
-    weights, and d; TAIL: of the weights it hands on unchanged, its sums' gradient being dS,
-    ds): stores the gradients of its tokens' q, k, v, eta and returns d and the per-head
-    accumulators (dgamma, dbeta, dtau, dtau_b)."""
+    """The part of mini-batch n's backward that needs its start weights (wp [Dk, Dv], bv) but
+    not the gradient of the weights it hands on: the read-out's backward. Stores dQ (final),
+    dK = dA^T Q (completed by ``_linear_back_b``), into the mini-batch's rows [5, BV, BB]
+    G^T, dZbar^T, the read-out's share of dG^T, -(E * A)^T... i.e. (-(E * A)^T dZbar)^T, and
+    the keys' LayerNorm x_hat, g, and into rr [2, BB] its 1/s and the read-out's share of
+    deta. Returns the accumulators dgamma, dbeta, dtau."""
     i, t, m, eta, tau, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
                                            N, BB)
     Mt = Et * At
-    vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
     kt = tl.zeros([BV, BB], dtype=tl.float32)
     if RESIDUAL:
         kt = _cols(k_ptr, base_v, t, m, H, Dv, BV)
-    G, xh, r, g, zbar = _linear_cols(wp, bv, k_ptr, q_ptr, base_k, t, m, kt, vt, Mt, gam, bet,
-                                     cm, H, Dk, Dv, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC)
+    G, xh, r, g, zbar = _linear_cols(wp, bv, k_ptr, q_ptr, base_k, t, m, kt,
+                                     _cols(v_ptr, base_v, t, m, H, Dv, BV), Mt, gam, bet, cm,
+                                     H, Dk, Dv, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC)
+    rb = tl.arange(0, BB)
+    if HAS_LN:
+        _store_tile(rows_ptr + 3 * BV * BB, xh, BV, BB)
+        _store_tile(rows_ptr + 4 * BV * BB, g, BV, BB)
+        tl.store(rr_ptr + rb, r)
     dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
     # read-out: o = [LN](Zbar) [+ q]
     dzbar = dO
@@ -479,28 +495,55 @@ def _linear_back(
         dgam += tl.sum(dO * xo, axis=1)
         dbet += tl.sum(dO, axis=1)
         dzbar = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
-    # Zbar's b x b term -(E * A) G: dM = -dZbar G^T, dG = -(E * A)^T dZbar
+    _store_tile(rows_ptr, G, BV, BB)
+    _store_tile(rows_ptr + BV * BB, dzbar, BV, BB)
+    _store_tile(rows_ptr + 2 * BV * BB, -_dot(dzbar, tl.trans(Mt), PREC), BV, BB)
+    # Zbar's b x b term -(E * A) G: dM = -dZbar G^T, dA = dM * E, dE = dM * A
     dMt = _scores_grad(gs_ptr, G, dzbar, PREC, BV, BB, DC)
     causal = i[:, None] <= i[None, :]
     dAt = tl.where(causal, dMt * Et, 0.0)
     dEt = tl.where(causal, dMt * At, 0.0)
     dtau += tl.sum(dEt * eta[:, None], axis=0)
-    deta = tl.sum(dEt * tau[None, :], axis=1)
-    # dQ = dZbar W^T + dA K [+ dO], and K D(S) for the gradient sums, block by block
-    Hm = G * eta[None, :]
-    kd = tl.zeros([BV, BB], dtype=tl.float32)
+    tl.store(rr_ptr + BB + rb, tl.sum(dEt * tau[None, :], axis=1))
+    # dQ = dZbar W^T + dA K [+ dO], dK = dA^T Q (+ the rest in ``_linear_back_b``)
     for c0 in range(0, BK, KC):
         kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
+        qc = _cols(q_ptr, base_k, t, m, H, Dk, KC, c0)
         dq = _dot(tl.trans(_wrows(wp, c0, Dk, Dv, BV, KC)), dzbar, PREC, _dot(kc, dAt, PREC))
         if RESIDUAL:
             dq += _cols(do_ptr, base_k, t, m, H, Dk, KC, c0)
         _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, KC, c0)
+        _store_cols(dk_ptr, _dot(qc, tl.trans(dAt), PREC), base_k, t, m, H, Dk, KC, c0)
+    return dgam, dbet, dtau
+
+
+@triton.jit
+def _linear_back_b(
+    wp, dp, d, dgam, dbet, dtau_b,
+    q_ptr, k_ptr, v_ptr, eta_ptr, dsw_ptr, dsb_ptr, rows_ptr, rr_ptr, dk_ptr, dv_ptr,
+    deta_ptr, bh, base_k, base_v, ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr,
+    PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    KC: tl.constexpr,
+):
+    """The rest of mini-batch n's backward, with the gradient of the weights it hands on
+    (dp [Dk, Dv], updated in place into the gradient of its start weights wp, and d; TAIL:
+    the weights it hands on unchanged, its sums' gradient being dS, ds) and the rows of
+    ``_linear_back_a``: the gradient sums' and the keys' loss gradient's backward. Stores
+    dK (completed), dV, deta and returns d and the accumulators."""
+    _, t, m = _mb(n, b, T, BB)
+    eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+    G = _load_tile(rows_ptr, BV, BB)
+    Hm = G * eta[None, :]
+    # the gradient sums S = K^T (eta G), s = sum eta G: handed on (TAIL, gradient dS, ds) or
+    # applied, W' = W - tau_b S (gradient -tau_b D, and tau_b's -<D, S>)
+    kd = tl.zeros([BV, BB], dtype=tl.float32)
+    for c0 in range(0, BK, KC):
+        kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
         if TAIL:
             kd = _dot(_wrows(dsw_ptr + bh * Dk * Dv, c0, Dk, Dv, BV, KC), kc, PREC, kd)
         else:
             kd = _dot(_wrows(dp, c0, Dk, Dv, BV, KC), kc, PREC, kd)
-    # the gradient sums S = K^T (eta G), s = sum eta G: handed on (TAIL, gradient dS, ds) or
-    # applied, W' = W - tau_b S (gradient -tau_b D, and tau_b's -<D, S>)
     if TAIL:
         dHm = kd
         if HAS_BIAS:
@@ -510,27 +553,32 @@ def _linear_back(
             kd += d[:, None]
         dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
         dHm = -tau_b * kd
-    dG = dHm * eta[None, :] - _dot(dzbar, tl.trans(Mt), PREC)
-    deta += tl.sum(G * dHm, axis=0)
+    rb = tl.arange(0, BB)
+    dG = _load_tile(rows_ptr + 2 * BV * BB, BV, BB) + dHm * eta[None, :]
+    deta = tl.load(rr_ptr + BB + rb) + tl.sum(G * dHm, axis=0)
     # the keys' loss gradient G = dl/dZk
     dtgt = -dG
     dzk = dG
     if HAS_LN:
-        dzk, dg = _ln_grad_back(dG, G, xh, r, g, gam, cm, Dv)
+        xh = _load_tile(rows_ptr + 3 * BV * BB, BV, BB)
+        g = _load_tile(rows_ptr + 4 * BV * BB, BV, BB)
+        dzk, dg = _ln_grad_back(dG, G, xh, tl.load(rr_ptr + rb), g, gam, cm, Dv)
         dtgt = -gam[:, None] * dg
-        e = gam[:, None] * xh + bet[:, None] - (vt - kt if RESIDUAL else vt)
+        e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:
+            e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
         dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
         dbet -= tl.sum(dtgt, axis=1)
     _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
     tl.store(deta_ptr + ebase + t * H, deta, mask=m)
     tl.debug_barrier()  # dv is written (the residual's dK reads it back by blocks)
-    # dK = dA^T Q + dZk W^T + (eta G) D(S)^T [- dtgt], and D <- D + Q^T dZbar + K^T dZk
+    dzbar = _load_tile(rows_ptr + BV * BB, BV, BB)
+    # dK += dZk W^T + (eta G) D(S)^T [- dtgt], and D <- D + Q^T dZbar + K^T dZk
     for c0 in range(0, BK, KC):
         kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
-        qc = _cols(q_ptr, base_k, t, m, H, Dk, KC, c0)
         dc = _wrows(dp, c0, Dk, Dv, BV, KC)
         dk = _dot(tl.trans(_wrows(wp, c0, Dk, Dv, BV, KC)), dzk, PREC,
-                  _dot(qc, tl.trans(dAt), PREC))
+                  _cols(dk_ptr, base_k, t, m, H, Dk, KC, c0))
         if TAIL:
             dk = _dot(tl.trans(_wrows(dsw_ptr + bh * Dk * Dv, c0, Dk, Dv, BV, KC)), Hm, PREC, dk)
         else:
@@ -538,19 +586,20 @@ def _linear_back(
         if RESIDUAL:
             dk -= _cols(dv_ptr, base_k, t, m, H, Dk, KC, c0)
         _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, KC, c0)
+        qc = _cols(q_ptr, base_k, t, m, H, Dk, KC, c0)
         dc = _dot(dzk, tl.trans(kc), PREC, _dot(dzbar, tl.trans(qc), PREC, dc))
         tl.debug_barrier()  # every thread has read the block before it is overwritten
         _store_wrows(dp, dc, c0, Dk, Dv, BV, KC)
     tl.debug_barrier()
     if HAS_BIAS:
         d += tl.sum(dzbar + dzk, axis=1)
-    return d, dgam, dbet, dtau, dtau_b
+    return d, dgam, dbet, dtau_b
 
 
 @triton.jit
 def _linear_bwd_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, ckw_ptr, ckb_ptr,
-    w_ptr, bias_ptr, wn_ptr, scb_ptr, gs_ptr,
+    w_ptr, bias_ptr, wn_ptr, scb_ptr, gs_ptr, rows_ptr, rr_ptr,
     do_ptr, dw_ptr, db_ptr, dsw_ptr, dsb_ptr,
     dq_ptr, dk_ptr, dv_ptr, deta_ptr, dtau_ptr, dlnw_ptr, dlnb_ptr, db0_ptr,
     T, H, Dk, Dv, b, N, NF, seg,
@@ -562,9 +611,15 @@ def _linear_bwd_kernel(
     weights it returned (w, bias: a last partial mini-batch's start weights), the gradients
     dO [B, T, H, Dv], dW [B*H, Dk, Dv] (updated in place into dW0), db of those weights and
     dS, ds of the partial mini-batch's sums. Scratch: wn [B*H, seg, Dk, Dv], scb
-    [B*H, seg, Dv] (one segment's mini-batch start weights) and gs [B*H, 2, BV, BB]
-    (``_scores_grad``). Writes dq, dk, dv [B, T, H, D] (float32), deta [B, T, H] and per
-    program dtau [B*H, BB], dgamma, dbeta [B*H, Dv], db0 [B*H, Dv]."""
+    [B*H, seg, Dv] (one segment's mini-batch start weights), gs [B*H, 2, BV, BB]
+    (``_scores_grad``), rows [B*H, seg, 5, BV, BB] and rr [B*H, seg, 2, BB] (what the
+    read-out's backward hands to the rest). Writes dq, dk, dv [B, T, H, D] (float32),
+    deta [B, T, H] and per program dtau [B*H, BB], dgamma, dbeta [B*H, Dv], db0 [B*H, Dv].
+
+    Per segment of ``seg`` mini-batches, last first: the segment's mini-batches forward from
+    its checkpoint, each mini-batch's start weights into wn and its read-out's backward
+    (``_linear_back_a``, which needs no gradient of later weights); then the segment in
+    reverse with the carried gradient of the weights (``_linear_back_b``)."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
@@ -581,6 +636,8 @@ def _linear_bwd_kernel(
             bet = _vec(lnb_ptr + h * Dv, Dv, BV)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     gs = gs_ptr + bh * 2 * BV * BB
+    rows = rows_ptr + bh * seg * 5 * BV * BB
+    rr = rr_ptr + bh * seg * 2 * BB
     dp = dw_ptr + bh * Dk * Dv  # the gradient of the weights leaving the mini-batch reversed
     d = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
@@ -593,52 +650,55 @@ def _linear_bwd_kernel(
         bv = tl.zeros([BV], dtype=tl.float32)
         if HAS_BIAS:
             bv = _vec(bias_ptr + bh * Dv, Dv, BV)
-        d, dgam, dbet, dtau, dtau_b = _linear_back(
-            w_ptr + bh * Dk * Dv, bv, dp, d, dgam, dbet, dtau, dtau_b, q_ptr, k_ptr, v_ptr,
-            eta_ptr, tau_ptr, a_ptr, do_ptr, dsw_ptr, dsb_ptr, gs, dq_ptr, dk_ptr, dv_ptr,
-            deta_ptr, bh, h, base_k, base_v, ebase, NF, T, H, Dk, Dv, b, N, tau_b, gam, bet, cm,
-            True, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC, DC)
+        dgam, dbet, dtau = _linear_back_a(
+            w_ptr + bh * Dk * Dv, bv, dgam, dbet, dtau, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr,
+            a_ptr, do_ptr, gs, rows, rr, dq_ptr, dk_ptr, bh, h, base_k, base_v, ebase, NF, T, H,
+            Dk, Dv, b, N, gam, bet, cm, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC, DC)
+        tl.debug_barrier()
+        d, dgam, dbet, dtau_b = _linear_back_b(
+            w_ptr + bh * Dk * Dv, dp, d, dgam, dbet, dtau_b, q_ptr, k_ptr, v_ptr, eta_ptr,
+            dsw_ptr, dsb_ptr, rows, rr, dk_ptr, dv_ptr, deta_ptr, bh, base_k, base_v, ebase, NF,
+            T, H, Dk, Dv, b, tau_b, gam, bet, cm, True, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB,
+            BK, BV, KC)
     wn = wn_ptr + bh * seg * Dk * Dv
     scb = scb_ptr + bh * seg * Dv
     for sr in range(0, NC):
         s_i = NC - 1 - sr
         n0 = s_i * seg
         n1 = tl.minimum(n0 + seg, NF)
-        # Recompute the segment's start weights from its checkpoint into wn.
+        # The segment forward from its checkpoint: start weights into wn, read-outs' backward.
+        tl.debug_barrier()  # the previous segment's reverse pass has read the scratch
         _copy_mat(ckw_ptr + (bh * NC + s_i) * Dk * Dv, wn, Dk, Dv, BK, BV, KC)
         bv = tl.zeros([BV], dtype=tl.float32)
         if HAS_BIAS:
             bv = _vec(ckb_ptr + (bh * NC + s_i) * Dv, Dv, BV)
-        for n in range(n0, n1 - 1):
+        for n in range(n0, n1):
+            j = n - n0
             if HAS_BIAS:
-                _store_vec(scb + (n - n0) * Dv, bv, Dv, BV)
-            _, t, m = _mb(n, b, T, BB)
-            eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
-            vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
-            tgt = vt
-            if RESIDUAL:
-                tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
-            wj = wn + (n - n0) * Dk * Dv
-            zk, _ = _linear_z(wj, bv, k_ptr, q_ptr, base_k, t, m, H, Dk, Dv, False, PREC, BB, BK,
-                              BV, KC)
-            G, _, _, _ = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
-            Hm = G * (eta * -tau_b)[None, :]
-            _linear_add(wj, wj + Dk * Dv, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC, BK, BV, KC)
-            if HAS_BIAS:
-                bv += tl.sum(Hm, axis=1)
-        if HAS_BIAS:
-            _store_vec(scb + (n1 - 1 - n0) * Dv, bv, Dv, BV)
+                _store_vec(scb + j * Dv, bv, Dv, BV)
+            wj = wn + j * Dk * Dv
+            dgam, dbet, dtau = _linear_back_a(
+                wj, bv, dgam, dbet, dtau, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr,
+                gs, rows + j * 5 * BV * BB, rr + j * 2 * BB, dq_ptr, dk_ptr, bh, h, base_k,
+                base_v, ebase, n, T, H, Dk, Dv, b, N, gam, bet, cm, HAS_LN, RESIDUAL, PREC, BB,
+                BK, BV, KC, DC)
+            if n + 1 < n1:  # the next mini-batch's start weights
+                _, t, m = _mb(n, b, T, BB)
+                eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+                Hm = _load_tile(rows + j * 5 * BV * BB, BV, BB) * (eta * -tau_b)[None, :]
+                _linear_add(wj, wj + Dk * Dv, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC, BK, BV,
+                            KC)
+                if HAS_BIAS:
+                    bv += tl.sum(Hm, axis=1)
         tl.debug_barrier()
         for nr in range(n0, n1):
             n = n1 - 1 + n0 - nr
-            bv = tl.zeros([BV], dtype=tl.float32)
-            if HAS_BIAS:
-                bv = _vec(scb + (n - n0) * Dv, Dv, BV)
-            d, dgam, dbet, dtau, dtau_b = _linear_back(
-                wn + (n - n0) * Dk * Dv, bv, dp, d, dgam, dbet, dtau, dtau_b, q_ptr, k_ptr,
-                v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, dsw_ptr, dsb_ptr, gs, dq_ptr, dk_ptr,
-                dv_ptr, deta_ptr, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, tau_b,
-                gam, bet, cm, False, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC, DC)
+            j = n - n0
+            d, dgam, dbet, dtau_b = _linear_back_b(
+                wn + j * Dk * Dv, dp, d, dgam, dbet, dtau_b, q_ptr, k_ptr, v_ptr, eta_ptr,
+                dsw_ptr, dsb_ptr, rows + j * 5 * BV * BB, rr + j * 2 * BB, dk_ptr, dv_ptr,
+                deta_ptr, bh, base_k, base_v, ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm,
+                False, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC)
     dtau = tl.where(tl.arange(0, BB) == b - 1, dtau + dtau_b, dtau)
     _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
     if HAS_BIAS:
@@ -768,8 +828,11 @@ class _LinearTriton(torch.autograd.Function):
         scw = torch.empty(L.BH, L.seg, L.Dk, L.Dv, **f32)
         scb = torch.empty(L.BH, L.seg, L.Dv, **f32)
         gs = torch.empty(L.BH, 2, BV, BB, **f32)
+        rows = torch.empty(L.BH, L.seg, 5, BV, BB, **f32)
+        rr = torch.empty(L.BH, L.seg, 2, BB, **f32)
         _linear_bwd_kernel[(L.BH,)](
             q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), ckw, ckb, W, bias, scw, scb, gs,
+            rows, rr,
             do, dW0, db, dS, ds, dq, dk, dv, deta, dtau, dlnw, dlnb, db0,
             *L.dims, DC=min(BV, 32), **L.bwd())
         has_bias = L.consts["HAS_BIAS"]
