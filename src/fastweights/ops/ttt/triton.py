@@ -462,17 +462,16 @@ def _scores_grad(gs_ptr, G, dzbar, PREC: tl.constexpr, BV: tl.constexpr, BB: tl.
 @triton.jit
 def _linear_back_a(
     wp, bv, dgam, dbet, dtau,
-    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, gs_ptr, rows_ptr, rr_ptr,
-    dq_ptr, dk_ptr, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, gam, bet, cm,
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, gs_ptr, rows_ptr, rr_ptr, at_ptr,
+    bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, gam, bet, cm,
     HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, DC: tl.constexpr,
 ):
     """The part of mini-batch n's backward that needs its start weights (wp [Dk, Dv], bv) but
-    not the gradient of the weights it hands on: the read-out's backward. Stores dQ (final),
-    dK = dA^T Q (completed by ``_linear_back_b``), into the mini-batch's rows [5, BV, BB]
-    G^T, dZbar^T, the read-out's share of dG^T, -(E * A)^T... i.e. (-(E * A)^T dZbar)^T, and
-    the keys' LayerNorm x_hat, g, and into rr [2, BB] its 1/s and the read-out's share of
-    deta. Returns the accumulators dgamma, dbeta, dtau."""
+    not the gradient of later weights: the read-out's. Stores into the mini-batch's rows
+    [5, BV, BB] G^T, dZbar^T, the read-out's share of dG^T (-(E * A)^T dZbar, transposed)
+    and the keys' LayerNorm x_hat, g; into rr [2, BB] its 1/s and the read-out's share of
+    deta; into at [BB, BB] dA^T. Returns the accumulators dgamma, dbeta, dtau."""
     i, t, m, eta, tau, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
                                            N, BB)
     Mt = Et * At
@@ -501,11 +500,96 @@ def _linear_back_a(
     # Zbar's b x b term -(E * A) G: dM = -dZbar G^T, dA = dM * E, dE = dM * A
     dMt = _scores_grad(gs_ptr, G, dzbar, PREC, BV, BB, DC)
     causal = i[:, None] <= i[None, :]
-    dAt = tl.where(causal, dMt * Et, 0.0)
+    _store_tile(at_ptr, tl.where(causal, dMt * Et, 0.0), BB, BB)
     dEt = tl.where(causal, dMt * At, 0.0)
     dtau += tl.sum(dEt * eta[:, None], axis=0)
     tl.store(rr_ptr + BB + rb, tl.sum(dEt * tau[None, :], axis=1))
-    # dQ = dZbar W^T + dA K [+ dO], dK = dA^T Q (+ the rest in ``_linear_back_b``)
+    return dgam, dbet, dtau
+
+
+@triton.jit
+def _linear_bwd_a_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w_ptr, bias_ptr,
+    wn_ptr, scb_ptr, gs_ptr, rows_ptr, rr_ptr, at_ptr, do_ptr, acc_ptr, dtau_ptr,
+    T, H, Dk, Dv, b, N, n0, n1, w_stride, seg,
+    HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, DC: tl.constexpr,
+):
+    """Backward, first pass over mini-batches n0..n1-1 of one (batch, head), forward in time
+    from the weights entering n0 (w + bh * w_stride [Dk, Dv], bias likewise: a checkpoint,
+    or the weights a last partial mini-batch starts from): each mini-batch's start weights
+    into wn [B*H, seg, Dk, Dv], bias into scb [B*H, seg, Dv], and ``_linear_back_a``'s rows
+    (rows [B*H, seg, 5, BV, BB], rr [B*H, seg, 2, BB], at [B*H, seg, BB, BB]); gs
+    [B*H, 2, BV, BB] is ``_scores_grad``'s scratch. Adds to the accumulators acc [B*H, 3, BV]
+    (d, dgamma, dbeta) and dtau [B*H, BB]."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    acc = acc_ptr + bh * 3 * BV
+    dgam = _vec(acc + BV, BV, BV)
+    dbet = _vec(acc + 2 * BV, BV, BV)
+    dtau = _vec(dtau_ptr + bh * BB, BB, BB)
+    gs = gs_ptr + bh * 2 * BV * BB
+    wn = wn_ptr + bh * seg * Dk * Dv
+    _copy_mat(w_ptr + bh * w_stride, wn, Dk, Dv, BK, BV, KC)
+    bv = tl.zeros([BV], dtype=tl.float32)
+    if HAS_BIAS:
+        bv = _vec(bias_ptr + bh * (w_stride // Dk), Dv, BV)
+    for n in range(n0, n1):
+        j = n - n0
+        if HAS_BIAS:
+            _store_vec(scb_ptr + (bh * seg + j) * Dv, bv, Dv, BV)
+        wj = wn + j * Dk * Dv
+        rows = rows_ptr + (bh * seg + j) * 5 * BV * BB
+        dgam, dbet, dtau = _linear_back_a(
+            wj, bv, dgam, dbet, dtau, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, gs,
+            rows, rr_ptr + (bh * seg + j) * 2 * BB, at_ptr + (bh * seg + j) * BB * BB, bh, h,
+            base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, gam, bet, cm, HAS_LN, RESIDUAL, PREC,
+            BB, BK, BV, KC, DC)
+        if n + 1 < n1:  # the next mini-batch's start weights
+            _, t, m = _mb(n, b, T, BB)
+            eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+            Hm = _load_tile(rows, BV, BB) * (eta * -tau_b)[None, :]
+            _linear_add(wj, wj + Dk * Dv, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC, BK, BV, KC)
+            if HAS_BIAS:
+                bv += tl.sum(Hm, axis=1)
+    _store_vec(acc + BV, dgam, BV, BV)
+    _store_vec(acc + 2 * BV, dbet, BV, BV)
+    _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
+
+
+@triton.jit
+def _linear_bwd_c_kernel(
+    q_ptr, k_ptr, do_ptr, wn_ptr, rows_ptr, at_ptr, dq_ptr, dk_ptr,
+    T, H, Dk, Dv, b, n0, seg,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+):
+    """Backward, the queries' gradient and the scores' share of the keys' of mini-batch
+    n0 + j (program (j, b*h), in parallel): dQ = dZbar W^T + dA K [+ dO] (final) and
+    dK = dA^T Q (completed by ``_linear_bwd_b_kernel``), from the first pass's rows and
+    the mini-batch's start weights wn[j]."""
+    j = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    _, t, m = _mb(n0 + j, b, T, BB)
+    wp = wn_ptr + (bh * seg + j) * Dk * Dv
+    dzbar = _load_tile(rows_ptr + ((bh * seg + j) * 5 + 1) * BV * BB, BV, BB)
+    dAt = _load_tile(at_ptr + (bh * seg + j) * BB * BB, BB, BB)
     for c0 in range(0, BK, KC):
         kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
         qc = _cols(q_ptr, base_k, t, m, H, Dk, KC, c0)
@@ -514,7 +598,6 @@ def _linear_back_a(
             dq += _cols(do_ptr, base_k, t, m, H, Dk, KC, c0)
         _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, KC, c0)
         _store_cols(dk_ptr, _dot(qc, tl.trans(dAt), PREC), base_k, t, m, H, Dk, KC, c0)
-    return dgam, dbet, dtau
 
 
 @triton.jit
@@ -597,36 +680,26 @@ def _linear_back_b(
 
 
 @triton.jit
-def _linear_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, ckw_ptr, ckb_ptr,
-    w_ptr, bias_ptr, wn_ptr, scb_ptr, gs_ptr, rows_ptr, rr_ptr,
-    do_ptr, dw_ptr, db_ptr, dsw_ptr, dsb_ptr,
-    dq_ptr, dk_ptr, dv_ptr, deta_ptr, dtau_ptr, dlnw_ptr, dlnb_ptr, db0_ptr,
-    T, H, Dk, Dv, b, N, NF, seg,
-    HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+def _linear_bwd_b_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, lnw_ptr, lnb_ptr, wn_ptr, rows_ptr, rr_ptr,
+    dsw_ptr, dsb_ptr, dw_ptr, acc_ptr, dtau_ptr, dk_ptr, dv_ptr, deta_ptr,
+    T, H, Dk, Dv, b, n0, n1, seg,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, PREC: tl.constexpr,
-    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, DC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
 ):
-    """TTT-Linear backward for one (batch, head). Inputs: the forward's checkpoints and the
-    weights it returned (w, bias: a last partial mini-batch's start weights), the gradients
-    dO [B, T, H, Dv], dW [B*H, Dk, Dv] (updated in place into dW0), db of those weights and
-    dS, ds of the partial mini-batch's sums. Scratch: wn [B*H, seg, Dk, Dv], scb
-    [B*H, seg, Dv] (one segment's mini-batch start weights), gs [B*H, 2, BV, BB]
-    (``_scores_grad``), rows [B*H, seg, 5, BV, BB] and rr [B*H, seg, 2, BB] (what the
-    read-out's backward hands to the rest). Writes dq, dk, dv [B, T, H, D] (float32),
-    deta [B, T, H] and per program dtau [B*H, BB], dgamma, dbeta [B*H, Dv], db0 [B*H, Dv].
-
-    Per segment of ``seg`` mini-batches, last first: the segment's mini-batches forward from
-    its checkpoint, each mini-batch's start weights into wn and its read-out's backward
-    (``_linear_back_a``, which needs no gradient of later weights); then the segment in
-    reverse with the carried gradient of the weights (``_linear_back_b``)."""
+    """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head) with the
+    carried gradient of the weights, dW [B*H, Dk, Dv] (that of the weights leaving n1-1,
+    updated in place into that of the weights entering n0; TAIL: n0 is a last partial
+    mini-batch, whose sums' gradient is dS, ds) and the first pass's rows and start weights
+    (``_linear_bwd_a_kernel``). Completes dk, writes dv, deta and adds to the accumulators
+    acc [B*H, 3, BV] (d, dgamma, dbeta) and dtau [B*H, BB] (tau_b's share)."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
     base_k = (bb * T * H + h) * Dk
     base_v = (bb * T * H + h) * Dv
     ebase = bb * T * H + h
-    NC = tl.cdiv(NF, seg)
     cm = tl.arange(0, BV) < Dv
     gam = tl.zeros([BV], dtype=tl.float32)
     bet = tl.zeros([BV], dtype=tl.float32)
@@ -635,78 +708,26 @@ def _linear_bwd_kernel(
         if HAS_LNB:
             bet = _vec(lnb_ptr + h * Dv, Dv, BV)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
-    gs = gs_ptr + bh * 2 * BV * BB
-    rows = rows_ptr + bh * seg * 5 * BV * BB
-    rr = rr_ptr + bh * seg * 2 * BB
-    dp = dw_ptr + bh * Dk * Dv  # the gradient of the weights leaving the mini-batch reversed
-    d = tl.zeros([BV], dtype=tl.float32)
-    if HAS_BIAS:
-        d = _vec(db_ptr + bh * Dv, Dv, BV)
-    dgam = tl.zeros([BV], dtype=tl.float32)
-    dbet = tl.zeros([BV], dtype=tl.float32)
-    dtau = tl.zeros([BB], dtype=tl.float32)
-    dtau_b = tl.sum(dtau, axis=0)
-    if NF < N:  # the last, partial mini-batch: it starts from the weights the forward returned
-        bv = tl.zeros([BV], dtype=tl.float32)
-        if HAS_BIAS:
-            bv = _vec(bias_ptr + bh * Dv, Dv, BV)
-        dgam, dbet, dtau = _linear_back_a(
-            w_ptr + bh * Dk * Dv, bv, dgam, dbet, dtau, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr,
-            a_ptr, do_ptr, gs, rows, rr, dq_ptr, dk_ptr, bh, h, base_k, base_v, ebase, NF, T, H,
-            Dk, Dv, b, N, gam, bet, cm, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC, DC)
-        tl.debug_barrier()
+    acc = acc_ptr + bh * 3 * BV
+    d = _vec(acc, BV, BV)
+    dgam = _vec(acc + BV, BV, BV)
+    dbet = _vec(acc + 2 * BV, BV, BV)
+    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
+    dp = dw_ptr + bh * Dk * Dv
+    for nr in range(n0, n1):
+        n = n1 - 1 + n0 - nr
+        j = n - n0
         d, dgam, dbet, dtau_b = _linear_back_b(
-            w_ptr + bh * Dk * Dv, dp, d, dgam, dbet, dtau_b, q_ptr, k_ptr, v_ptr, eta_ptr,
-            dsw_ptr, dsb_ptr, rows, rr, dk_ptr, dv_ptr, deta_ptr, bh, base_k, base_v, ebase, NF,
-            T, H, Dk, Dv, b, tau_b, gam, bet, cm, True, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB,
-            BK, BV, KC)
-    wn = wn_ptr + bh * seg * Dk * Dv
-    scb = scb_ptr + bh * seg * Dv
-    for sr in range(0, NC):
-        s_i = NC - 1 - sr
-        n0 = s_i * seg
-        n1 = tl.minimum(n0 + seg, NF)
-        # The segment forward from its checkpoint: start weights into wn, read-outs' backward.
-        tl.debug_barrier()  # the previous segment's reverse pass has read the scratch
-        _copy_mat(ckw_ptr + (bh * NC + s_i) * Dk * Dv, wn, Dk, Dv, BK, BV, KC)
-        bv = tl.zeros([BV], dtype=tl.float32)
-        if HAS_BIAS:
-            bv = _vec(ckb_ptr + (bh * NC + s_i) * Dv, Dv, BV)
-        for n in range(n0, n1):
-            j = n - n0
-            if HAS_BIAS:
-                _store_vec(scb + j * Dv, bv, Dv, BV)
-            wj = wn + j * Dk * Dv
-            dgam, dbet, dtau = _linear_back_a(
-                wj, bv, dgam, dbet, dtau, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr,
-                gs, rows + j * 5 * BV * BB, rr + j * 2 * BB, dq_ptr, dk_ptr, bh, h, base_k,
-                base_v, ebase, n, T, H, Dk, Dv, b, N, gam, bet, cm, HAS_LN, RESIDUAL, PREC, BB,
-                BK, BV, KC, DC)
-            if n + 1 < n1:  # the next mini-batch's start weights
-                _, t, m = _mb(n, b, T, BB)
-                eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
-                Hm = _load_tile(rows + j * 5 * BV * BB, BV, BB) * (eta * -tau_b)[None, :]
-                _linear_add(wj, wj + Dk * Dv, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC, BK, BV,
-                            KC)
-                if HAS_BIAS:
-                    bv += tl.sum(Hm, axis=1)
-        tl.debug_barrier()
-        for nr in range(n0, n1):
-            n = n1 - 1 + n0 - nr
-            j = n - n0
-            d, dgam, dbet, dtau_b = _linear_back_b(
-                wn + j * Dk * Dv, dp, d, dgam, dbet, dtau_b, q_ptr, k_ptr, v_ptr, eta_ptr,
-                dsw_ptr, dsb_ptr, rows + j * 5 * BV * BB, rr + j * 2 * BB, dk_ptr, dv_ptr,
-                deta_ptr, bh, base_k, base_v, ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm,
-                False, HAS_BIAS, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC)
-    dtau = tl.where(tl.arange(0, BB) == b - 1, dtau + dtau_b, dtau)
-    _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
-    if HAS_BIAS:
-        _store_vec(db0_ptr + bh * Dv, d, Dv, BV)
-    if HAS_LN:
-        _store_vec(dlnw_ptr + bh * Dv, dgam, Dv, BV)
-        if HAS_LNB:
-            _store_vec(dlnb_ptr + bh * Dv, dbet, Dv, BV)
+            wn_ptr + (bh * seg + j) * Dk * Dv, dp, d, dgam, dbet, dtau_b, q_ptr, k_ptr, v_ptr,
+            eta_ptr, dsw_ptr, dsb_ptr, rows_ptr + (bh * seg + j) * 5 * BV * BB,
+            rr_ptr + (bh * seg + j) * 2 * BB, dk_ptr, dv_ptr, deta_ptr, bh, base_k, base_v,
+            ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm, TAIL, HAS_BIAS, HAS_LN, RESIDUAL,
+            PREC, BB, BK, BV, KC)
+    _store_vec(acc, d, BV, BV)
+    _store_vec(acc + BV, dgam, BV, BV)
+    _store_vec(acc + 2 * BV, dbet, BV, BV)
+    p = dtau_ptr + bh * BB + b - 1
+    tl.store(p, tl.load(p) + dtau_b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -812,35 +833,51 @@ class _LinearTriton(torch.autograd.Function):
             return torch.zeros(*shape, **f32) if x is None else x.to(torch.float32).contiguous()
 
         do = grad(do, *q.shape[:3], L.Dv)
-        dS = grad(dS, L.BH, L.Dk, L.Dv)
-        # dW0: the gradient of the returned weights, turned into that of W0 in place
+        dS, ds = grad(dS, L.BH, L.Dk, L.Dv), grad(ds, L.BH, L.Dv)
+        # the gradient of the returned weights, turned into that of W0 in place
         dW0 = torch.zeros(L.BH, L.Dk, L.Dv, **f32) if dW is None else dW.to(torch.float32).clone()
-        db, ds = grad(db, L.BH, L.Dv), grad(ds, L.BH, L.Dv)
+        BB, BV = L.consts["BB"], L.consts["BV"]
+        acc = torch.zeros(L.BH, 3, BV, **f32)  # d (the bias's), dgamma, dbeta per program
+        if db is not None:
+            acc[:, 0, :L.Dv] = db
+        dtau = torch.zeros(L.BH, BB, **f32)
         dq = torch.empty(q.shape, **f32)
         dk = torch.empty(q.shape, **f32)
         dv = torch.empty(v.shape, **f32)
         deta = torch.empty(eta.shape, **f32)
-        BB, BV = L.consts["BB"], L.consts["BV"]
-        dtau = torch.empty(L.BH, BB, **f32)
-        dlnw = torch.zeros(L.BH, L.Dv, **f32)
-        dlnb = torch.zeros(L.BH, L.Dv, **f32)
-        db0 = torch.zeros(L.BH, L.Dv, **f32)
-        scw = torch.empty(L.BH, L.seg, L.Dk, L.Dv, **f32)
-        scb = torch.empty(L.BH, L.seg, L.Dv, **f32)
+        seg = L.seg
+        wn = torch.empty(L.BH, seg, L.Dk, L.Dv, **f32)
+        scb = torch.empty(L.BH, seg, L.Dv, **f32)
         gs = torch.empty(L.BH, 2, BV, BB, **f32)
-        rows = torch.empty(L.BH, L.seg, 5, BV, BB, **f32)
-        rr = torch.empty(L.BH, L.seg, 2, BB, **f32)
-        _linear_bwd_kernel[(L.BH,)](
-            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), ckw, ckb, W, bias, scw, scb, gs,
-            rows, rr,
-            do, dW0, db, dS, ds, dq, dk, dv, deta, dtau, dlnw, dlnb, db0,
-            *L.dims, DC=min(BV, 32), **L.bwd())
-        has_bias = L.consts["HAS_BIAS"]
+        rows = torch.empty(L.BH, seg, 5, BV, BB, **f32)
+        rr = torch.empty(L.BH, seg, 2, BB, **f32)
+        at = torch.empty(L.BH, seg, BB, BB, **f32)
+        ln = (_or(lnw, tau), _or(lnb, tau))
+        T, H, Dk, Dv, b, N, NF, _ = L.dims
+        consts = {n: L.consts[n] for n in ("RESIDUAL", "PREC", "BB", "BK", "BV", "KC")}
+        DC = min(BV, 32)
+
+        def segment(n0, n1, w, wb, w_stride, tail):
+            _linear_bwd_a_kernel[(L.BH,)](
+                q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
+                T, H, Dk, Dv, b, N, n0, n1, w_stride, seg, DC=DC, **L.bwd())
+            _linear_bwd_c_kernel[(n1 - n0, L.BH)](
+                q, k, do, wn, rows, at, dq, dk, T, H, Dk, Dv, b, n0, seg, **consts,
+                num_warps=L.cfg.bwd_warps, num_stages=1)
+            _linear_bwd_b_kernel[(L.BH,)](
+                q, k, v, eta, tau, *ln, wn, rows, rr, dS, ds, dW0, acc, dtau, dk, dv, deta,
+                T, H, Dk, Dv, b, n0, n1, seg, TAIL=tail, **L.bwd())
+
+        if NF < N:  # the last, partial mini-batch starts from the returned weights
+            segment(NF, N, W, bias, Dk * Dv, True)
+        for s in reversed(range(L.NC)):
+            segment(s * seg, min(s * seg + seg, NF), ckw[:, s], ckb[:, s], L.NC * Dk * Dv, False)
         dtau = dtau.view(L.B, L.H, BB)[..., :L.b].sum(0)
+        acc = acc[..., :L.Dv]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), deta.to(eta.dtype), dtau,
-                None if lnw is None else dlnw.view(L.B, L.H, L.Dv).sum(0),
-                None if lnb is None else dlnb.view(L.B, L.H, L.Dv).sum(0),
-                dW0, db0 if has_bias else None, None, None)
+                None if lnw is None else acc[:, 1].reshape(L.B, L.H, L.Dv).sum(0),
+                None if lnb is None else acc[:, 2].reshape(L.B, L.H, L.Dv).sum(0),
+                dW0, acc[:, 0] if L.consts["HAS_BIAS"] else None, None, None)
 
 
 def _or(x: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
