@@ -572,15 +572,16 @@ def _linear_bwd_a_kernel(
 
 @triton.jit
 def _linear_bwd_c_kernel(
-    q_ptr, k_ptr, do_ptr, wn_ptr, rows_ptr, at_ptr, dq_ptr, dk_ptr,
-    T, H, Dk, Dv, b, n0, seg,
-    RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+    q_ptr, k_ptr, eta_ptr, tau_ptr, do_ptr, wn_ptr, dn_ptr, rows_ptr, at_ptr, dq_ptr, dk_ptr,
+    dv_ptr, T, H, Dk, Dv, b, n0, seg, dn_stride,
+    TAIL: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr,
     BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
 ):
-    """Backward, the queries' gradient and the scores' share of the keys' of mini-batch
-    n0 + j (program (j, b*h), in parallel): dQ = dZbar W^T + dA K [+ dO] (final) and
-    dK = dA^T Q (completed by ``_linear_bwd_b_kernel``), from the first pass's rows and
-    the mini-batch's start weights wn[j]."""
+    """Backward, the gradients of the queries and keys of mini-batch n0 + j (program
+    (j, b*h), in parallel) after both passes: dQ = dZbar W^T + dA K [+ dO] and
+    dK = dA^T Q + dZk W^T + (eta G) D^T [- dtgt], D the gradient of the weights leaving the
+    mini-batch (-tau_b dn[j]; TAIL: dS, dn = dS with dn_stride 0 between mini-batches),
+    from the rows, the scores' gradient at and the start weights wn[j]."""
     j = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bb = bh // H
@@ -588,32 +589,45 @@ def _linear_bwd_c_kernel(
     base_k = (bb * T * H + h) * Dk
     _, t, m = _mb(n0 + j, b, T, BB)
     wp = wn_ptr + (bh * seg + j) * Dk * Dv
-    dzbar = _load_tile(rows_ptr + ((bh * seg + j) * 5 + 1) * BV * BB, BV, BB)
+    dp = dn_ptr + bh * Dk * Dv * (seg if dn_stride else 1) + j * dn_stride
+    rows = rows_ptr + (bh * seg + j) * 5 * BV * BB
+    eta = tl.load(eta_ptr + bh // H * T * H + h + t * H, mask=m, other=0.0).to(tl.float32)
+    coef = 1.0
+    if not TAIL:
+        coef = -tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    Hm = _load_tile(rows, BV, BB) * (eta * coef)[None, :]
+    dzbar = _load_tile(rows + BV * BB, BV, BB)
+    dzk = _load_tile(rows + 2 * BV * BB, BV, BB)
     dAt = _load_tile(at_ptr + (bh * seg + j) * BB * BB, BB, BB)
     for c0 in range(0, BK, KC):
         kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
         qc = _cols(q_ptr, base_k, t, m, H, Dk, KC, c0)
-        dq = _dot(tl.trans(_wrows(wp, c0, Dk, Dv, BV, KC)), dzbar, PREC, _dot(kc, dAt, PREC))
+        wc = tl.trans(_wrows(wp, c0, Dk, Dv, BV, KC))
+        dq = _dot(wc, dzbar, PREC, _dot(kc, dAt, PREC))
+        dk = _dot(tl.trans(_wrows(dp, c0, Dk, Dv, BV, KC)), Hm, PREC,
+                  _dot(wc, dzk, PREC, _dot(qc, tl.trans(dAt), PREC)))
         if RESIDUAL:
             dq += _cols(do_ptr, base_k, t, m, H, Dk, KC, c0)
+            dk -= _cols(dv_ptr, base_k, t, m, H, Dk, KC, c0)
         _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, KC, c0)
-        _store_cols(dk_ptr, _dot(qc, tl.trans(dAt), PREC), base_k, t, m, H, Dk, KC, c0)
+        _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, KC, c0)
 
 
 @triton.jit
 def _linear_back_b(
-    wp, dp, d, dgam, dbet, dtau_b,
-    q_ptr, k_ptr, v_ptr, eta_ptr, dsw_ptr, dsb_ptr, rows_ptr, rr_ptr, dk_ptr, dv_ptr,
+    dp, dn_ptr, d, dgam, dbet, dtau_b,
+    q_ptr, k_ptr, v_ptr, eta_ptr, dsw_ptr, dsb_ptr, rows_ptr, rr_ptr, dv_ptr,
     deta_ptr, bh, base_k, base_v, ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr,
     PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     KC: tl.constexpr,
 ):
-    """The rest of mini-batch n's backward, with the gradient of the weights it hands on
-    (dp [Dk, Dv], updated in place into the gradient of its start weights wp, and d; TAIL:
-    the weights it hands on unchanged, its sums' gradient being dS, ds) and the rows of
+    """The sequential rest of mini-batch n's backward, with the gradient of the weights it
+    hands on (dp [Dk, Dv], updated in place into that of its start weights, and d; TAIL: the
+    weights it hands on unchanged, its sums' gradient being dS, ds) and the rows of
     ``_linear_back_a``: the gradient sums' and the keys' loss gradient's backward. Stores
-    dK (completed), dV, deta and returns d and the accumulators."""
+    dV, deta, dZk^T (into the rows, for dK) and the gradient it was given into dn [Dk, Dv];
+    returns d and the accumulators."""
     _, t, m = _mb(n, b, T, BB)
     eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
     G = _load_tile(rows_ptr, BV, BB)
@@ -654,23 +668,14 @@ def _linear_back_b(
         dbet -= tl.sum(dtgt, axis=1)
     _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
     tl.store(deta_ptr + ebase + t * H, deta, mask=m)
-    tl.debug_barrier()  # dv is written (the residual's dK reads it back by blocks)
+    _store_tile(rows_ptr + 2 * BV * BB, dzk, BV, BB)  # for dK (``_linear_bwd_c_kernel``)
     dzbar = _load_tile(rows_ptr + BV * BB, BV, BB)
-    # dK += dZk W^T + (eta G) D(S)^T [- dtgt], and D <- D + Q^T dZbar + K^T dZk
+    # D <- D + Q^T dZbar + K^T dZk, the gradient leaving the mini-batch kept in dn for dK
     for c0 in range(0, BK, KC):
-        kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
         dc = _wrows(dp, c0, Dk, Dv, BV, KC)
-        dk = _dot(tl.trans(_wrows(wp, c0, Dk, Dv, BV, KC)), dzk, PREC,
-                  _cols(dk_ptr, base_k, t, m, H, Dk, KC, c0))
-        if TAIL:
-            dk = _dot(tl.trans(_wrows(dsw_ptr + bh * Dk * Dv, c0, Dk, Dv, BV, KC)), Hm, PREC, dk)
-        else:
-            dk = _dot(tl.trans(dc), Hm * -tau_b, PREC, dk)
-        if RESIDUAL:
-            dk -= _cols(dv_ptr, base_k, t, m, H, Dk, KC, c0)
-        _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, KC, c0)
-        qc = _cols(q_ptr, base_k, t, m, H, Dk, KC, c0)
-        dc = _dot(dzk, tl.trans(kc), PREC, _dot(dzbar, tl.trans(qc), PREC, dc))
+        _store_wrows(dn_ptr, dc, c0, Dk, Dv, BV, KC)
+        dc = _dot(dzk, tl.trans(_cols(k_ptr, base_k, t, m, H, Dk, KC, c0)), PREC,
+                  _dot(dzbar, tl.trans(_cols(q_ptr, base_k, t, m, H, Dk, KC, c0)), PREC, dc))
         tl.debug_barrier()  # every thread has read the block before it is overwritten
         _store_wrows(dp, dc, c0, Dk, Dv, BV, KC)
     tl.debug_barrier()
@@ -681,8 +686,8 @@ def _linear_back_b(
 
 @triton.jit
 def _linear_bwd_b_kernel(
-    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, lnw_ptr, lnb_ptr, wn_ptr, rows_ptr, rr_ptr,
-    dsw_ptr, dsb_ptr, dw_ptr, acc_ptr, dtau_ptr, dk_ptr, dv_ptr, deta_ptr,
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, lnw_ptr, lnb_ptr, dn_ptr, rows_ptr, rr_ptr,
+    dsw_ptr, dsb_ptr, dw_ptr, acc_ptr, dtau_ptr, dv_ptr, deta_ptr,
     T, H, Dk, Dv, b, n0, n1, seg,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, PREC: tl.constexpr,
@@ -691,8 +696,9 @@ def _linear_bwd_b_kernel(
     """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head) with the
     carried gradient of the weights, dW [B*H, Dk, Dv] (that of the weights leaving n1-1,
     updated in place into that of the weights entering n0; TAIL: n0 is a last partial
-    mini-batch, whose sums' gradient is dS, ds) and the first pass's rows and start weights
-    (``_linear_bwd_a_kernel``). Completes dk, writes dv, deta and adds to the accumulators
+    mini-batch, whose sums' gradient is dS, ds) and the first pass's rows
+    (``_linear_bwd_a_kernel``). Writes dv, deta, each mini-batch's dZk^T into its rows and
+    the gradient leaving it into dn [B*H, seg, Dk, Dv], and adds to the accumulators
     acc [B*H, 3, BV] (d, dgamma, dbeta) and dtau [B*H, BB] (tau_b's share)."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
@@ -718,9 +724,9 @@ def _linear_bwd_b_kernel(
         n = n1 - 1 + n0 - nr
         j = n - n0
         d, dgam, dbet, dtau_b = _linear_back_b(
-            wn_ptr + (bh * seg + j) * Dk * Dv, dp, d, dgam, dbet, dtau_b, q_ptr, k_ptr, v_ptr,
+            dp, dn_ptr + (bh * seg + j) * Dk * Dv, d, dgam, dbet, dtau_b, q_ptr, k_ptr, v_ptr,
             eta_ptr, dsw_ptr, dsb_ptr, rows_ptr + (bh * seg + j) * 5 * BV * BB,
-            rr_ptr + (bh * seg + j) * 2 * BB, dk_ptr, dv_ptr, deta_ptr, bh, base_k, base_v,
+            rr_ptr + (bh * seg + j) * 2 * BB, dv_ptr, deta_ptr, bh, base_k, base_v,
             ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm, TAIL, HAS_BIAS, HAS_LN, RESIDUAL,
             PREC, BB, BK, BV, KC)
     _store_vec(acc, d, BV, BV)
@@ -847,6 +853,7 @@ class _LinearTriton(torch.autograd.Function):
         deta = torch.empty(eta.shape, **f32)
         seg = L.seg
         wn = torch.empty(L.BH, seg, L.Dk, L.Dv, **f32)
+        dn = torch.empty(L.BH, seg, L.Dk, L.Dv, **f32)
         scb = torch.empty(L.BH, seg, L.Dv, **f32)
         gs = torch.empty(L.BH, 2, BV, BB, **f32)
         rows = torch.empty(L.BH, seg, 5, BV, BB, **f32)
@@ -861,12 +868,13 @@ class _LinearTriton(torch.autograd.Function):
             _linear_bwd_a_kernel[(L.BH,)](
                 q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
                 T, H, Dk, Dv, b, N, n0, n1, w_stride, seg, DC=DC, **L.bwd())
-            _linear_bwd_c_kernel[(n1 - n0, L.BH)](
-                q, k, do, wn, rows, at, dq, dk, T, H, Dk, Dv, b, n0, seg, **consts,
-                num_warps=L.cfg.bwd_warps, num_stages=1)
             _linear_bwd_b_kernel[(L.BH,)](
-                q, k, v, eta, tau, *ln, wn, rows, rr, dS, ds, dW0, acc, dtau, dk, dv, deta,
+                q, k, v, eta, tau, *ln, dn, rows, rr, dS, ds, dW0, acc, dtau, dv, deta,
                 T, H, Dk, Dv, b, n0, n1, seg, TAIL=tail, **L.bwd())
+            _linear_bwd_c_kernel[(n1 - n0, L.BH)](
+                q, k, eta, tau, do, wn, dS if tail else dn, rows, at, dq, dk, dv,
+                T, H, Dk, Dv, b, n0, seg, 0 if tail else Dk * Dv, TAIL=tail, **consts,
+                num_warps=L.cfg.bwd_warps, num_stages=1)
 
         if NF < N:  # the last, partial mini-batch starts from the returned weights
             segment(NF, N, W, bias, Dk * Dv, True)
