@@ -81,7 +81,7 @@ class TileConfig(NamedTuple):
 
     fwd_warps: int
     bwd_warps: int
-    KC: int = 32
+    KC: int = 16
     BH: int = 0
 
 
