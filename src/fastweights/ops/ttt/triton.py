@@ -56,7 +56,7 @@ float32 inputs, TF32 for half inputs (a bfloat16 or float16 value is exact in TF
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -65,58 +65,48 @@ import triton.language as tl
 from ..fwp.triton import _arch, _upcast_tiles, precisions
 from .common import LN_EPS, Carry
 
-__all__ = ["KINDS", "MAX_D", "MAX_MINI_BATCH", "TileConfig", "supports", "tile_config",
-           "ttt_linear_triton", "ttt_mlp_triton", "why_not"]
+__all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_config",
+           "ttt_linear_triton"]
 
-KINDS = ("linear", "mlp")
-MAX_D = 128  # Dk and Dv: TTT-Linear's weights are one [BK, BV] float32 register tile
+OPS = ("ttt_linear",)  # the ops with kernels here (ops/backend.py TTT_TRITON_OPS)
+MAX_D = 128  # Dk and Dv (ops/backend.py TRITON_MAX_DK)
 MAX_MINI_BATCH = 64  # the mini-batch tile BB
 SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
 _EPS = tl.constexpr(LN_EPS)
 
 
 class TileConfig(NamedTuple):
-    """Warps per kernel, KC the rows of a weight block streamed through a product and, for
-    TTT-MLP, the hidden block BH."""
+    """Warps of the sequential kernels (and of the backward's parallel one) and KC, the rows
+    of a weight block streamed through a product."""
 
-    fwd_warps: int
-    bwd_warps: int
+    warps: int
     KC: int = 16
-    BH: int = 0
 
 
-def tile_config(arch: int, dtype: torch.dtype, kind: str, D: int) -> TileConfig | None:
-    """The launch choice for ``kind`` ("linear" or "mlp") with head size D = max(Dk, Dv) <= 128
-    on compute capability ``arch`` (80, 90; others use the closest lower one) and ``dtype``
+def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> TileConfig | None:
+    """The launch choice for ``op`` (one of OPS) with head size D = max(Dk, Dv) <= 128 on
+    compute capability ``arch`` (80 = sm_80, 90 = sm_90; the same tiles on both) and ``dtype``
     inputs, or None where no tiling compiles without register spills.
-    tests/ops/test_ttt_triton_compile.py compiles every launch with these for sm_80 and sm_90."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or D > MAX_D:
+    tests/ops/test_ttt_triton_compile.py compiles every launch with these for sm_80 and sm_90.
+
+    Half inputs: 4 warps up to D = 64, 8 above (the products' rows are the head dim, 16 per
+    warp), weight blocks of 16 rows (KC; 32 spills at D = 64 on sm_80, 64 in the backward).
+    Float32 inputs multiply in exact float32, FMA loops holding whole operand rows, and spill
+    at these tiles (the forward at D = 64 on sm_90 by some 200 bytes, the backward's
+    sequential pass at D = 128 by ~500): the dispatcher leaves them to PyTorch, as it does
+    the float32 delta rule; a direct call still runs them, on the half tiling."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if dtype not in (torch.float16, torch.bfloat16) or D > MAX_D:
         return None
-    warps = 8 if D > 64 else 4
-    if kind == "linear":
-        return TileConfig(fwd_warps=warps, bwd_warps=warps)
-    return TileConfig(fwd_warps=warps, bwd_warps=warps, BH=32 if D > 64 else 64)
+    return TileConfig(warps=8 if D > 64 else 4)
 
 
-def supports(kind: str, dtype: torch.dtype, D: int = MAX_D) -> bool:
-    """Whether ``kind`` with ``dtype`` inputs and head size D has a tiling on sm_80 and sm_90."""
-    return all(tile_config(arch, dtype, kind, D) is not None for arch in (80, 90))
-
-
-def why_not(kind: str, q: torch.Tensor, v: torch.Tensor, mini_batch_size: int) -> str | None:
-    """Why the kernels cannot run this call (q [B, T, H, Dk], v [B, T, H, Dv]), or None."""
-    Dk, Dv = q.shape[-1], v.shape[-1]
-    if mini_batch_size > MAX_MINI_BATCH:
-        return (f"mini_batch_size={mini_batch_size}: the TTT Triton kernels take "
-                f"mini_batch_size <= {MAX_MINI_BATCH}")
-    if max(Dk, Dv) > MAX_D:
-        return f"Dk={Dk}, Dv={Dv}: the TTT Triton kernels take Dk, Dv <= {MAX_D}"
-    if not supports(kind, q.dtype, max(Dk, Dv)):
-        return (f"{q.dtype} ttt_{kind}: no Triton tiling compiles without register spills "
-                "(ops/ttt/triton.py tile_config)")
-    return None
+def supports(op: str, dtype: torch.dtype) -> bool:
+    """Whether ``op`` with ``dtype`` inputs has a tiling on every target (sm_80 and up) for
+    every head size up to MAX_D."""
+    return all(tile_config(arch, dtype, op, D) is not None for arch in (80, 90)
+               for D in (64, MAX_D))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -768,14 +758,13 @@ class _Shape(NamedTuple):
         """The sequential kernels' sizes: T, H, Dk, Dv, b, N, NF (full mini-batches), seg."""
         return self.T, self.H, self.Dk, self.Dv, self.b, self.N, self.T // self.b, self.seg
 
-    def fwd(self) -> dict:
-        return {**self.consts, "num_warps": self.cfg.fwd_warps, "num_stages": 1}
+    def launch(self) -> dict:
+        """The sequential kernels' constexprs, warps and stages (no software pipelining:
+        each mini-batch's loads wait on the previous one's stores)."""
+        return {**self.consts, "num_warps": self.cfg.warps, "num_stages": 1}
 
-    def bwd(self) -> dict:
-        return {**self.consts, "num_warps": self.cfg.bwd_warps, "num_stages": 1}
 
-
-def _shape(kind: str, q: torch.Tensor, v: torch.Tensor, b: int, seg: int | None,
+def _shape(op: str, q: torch.Tensor, v: torch.Tensor, b: int, seg: int | None,
            flags: dict) -> _Shape:
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
@@ -784,10 +773,12 @@ def _shape(kind: str, q: torch.Tensor, v: torch.Tensor, b: int, seg: int | None,
                          f"kernels, got {b}")
     if max(Dk, Dv) > MAX_D:
         raise ValueError(f"the TTT Triton kernels take Dk, Dv <= {MAX_D}, got {Dk}, {Dv}")
-    arch = _arch(q.device)
-    cfg = tile_config(arch, q.dtype, kind, max(Dk, Dv))
-    if cfg is None:
-        raise ValueError(f"no TTT Triton tiling for {q.dtype} inputs")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the TTT Triton kernels take float16, bfloat16 or float32 inputs, "
+                         f"got {q.dtype}")
+    # A direct call with float32 inputs (no spill-free tiling) runs the half tiling: the same
+    # arithmetic, correct, with spilled registers; the dispatcher does not send it here.
+    cfg = tile_config(_arch(q.device), torch.bfloat16, op, max(Dk, Dv))
     N = triton.cdiv(T, b)
     seg = max(1, min(seg or SEGMENT, T // b))
     prec = precisions(torch.float32 if _upcast_tiles(q.dtype) else q.dtype)[1]
@@ -810,7 +801,7 @@ class _LinearTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, eta, tau, lnw, lnb, W0, b0, residual, seg):  # type: ignore[override]
         flags = {"HAS_BIAS": b0 is not None, "HAS_LN": lnw is not None,
                  "HAS_LNB": lnb is not None, "RESIDUAL": residual}
-        L = _shape("linear", q, v, tau.shape[-1], seg, flags)
+        L = _shape("ttt_linear", q, v, tau.shape[-1], seg, flags)
         f32 = {"dtype": torch.float32, "device": q.device}
         A = _scores(L, q, k)
         o = torch.empty(*q.shape[:3], L.Dv, dtype=q.dtype, device=q.device)
@@ -823,7 +814,7 @@ class _LinearTriton(torch.autograd.Function):
         ckb = torch.empty(L.BH, L.NC, L.Dv, **f32) if store else bias
         _linear_fwd_kernel[(L.BH,)](
             q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), _or(b0, W0),
-            o, W, bias, S, s, ckw, ckb, *L.dims, store, **L.fwd())
+            o, W, bias, S, s, ckw, ckb, *L.dims, store, **L.launch())
         if store:
             ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, ckw, ckb, W, bias, A)
             ctx.L = L
@@ -867,14 +858,14 @@ class _LinearTriton(torch.autograd.Function):
         def segment(n0, n1, w, wb, w_stride, tail):
             _linear_bwd_a_kernel[(L.BH,)](
                 q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
-                T, H, Dk, Dv, b, N, n0, n1, w_stride, seg, DC=DC, **L.bwd())
+                T, H, Dk, Dv, b, N, n0, n1, w_stride, seg, DC=DC, **L.launch())
             _linear_bwd_b_kernel[(L.BH,)](
                 q, k, v, eta, tau, *ln, dn, rows, rr, dS, ds, dW0, acc, dtau, dv, deta,
-                T, H, Dk, Dv, b, n0, n1, seg, TAIL=tail, **L.bwd())
+                T, H, Dk, Dv, b, n0, n1, seg, TAIL=tail, **L.launch())
             _linear_bwd_c_kernel[(n1 - n0, L.BH)](
                 q, k, eta, tau, do, wn, dS if tail else dn, rows, at, dq, dk, dv,
                 T, H, Dk, Dv, b, n0, seg, 0 if tail else Dk * Dv, TAIL=tail, **consts,
-                num_warps=L.cfg.bwd_warps, num_stages=1)
+                num_warps=L.cfg.warps, num_stages=1)
 
         if NF < N:  # the last, partial mini-batch starts from the returned weights
             segment(NF, N, W, bias, Dk * Dv, True)
@@ -954,7 +945,3 @@ def ttt_linear_triton(
     if tail:
         grads = (S.view(B, H, Dk, Dv), None if b0 is None else s.view(B, H, Dv))
     return _join(first, o), Carry((W, bias), grads, tail)
-
-
-def ttt_mlp_triton(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Carry]:
-    raise NotImplementedError
