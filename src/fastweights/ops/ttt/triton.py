@@ -1,57 +1,62 @@
-"""Triton kernels for the dual form of TTT-Linear and TTT-MLP (SPEC.md 2.2-2.4), forward and
-backward: one program per (batch, head) walks the sequence one mini-batch at a time, the inner
-weights held by the program from the first mini-batch to the last.
+"""Triton kernels for the dual form of TTT-Linear (SPEC.md 2.2-2.4), forward and backward: one
+program per (batch, head) walks the sequence one mini-batch at a time.
 
-Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, Dh = 4 Dk (MLP
-hidden), b mini-batch size, N = ceil(T / b) mini-batches; BB = max(16, next power of two >= b)
+Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mini-batch size,
+N = ceil(T / b) mini-batches, NF = floor(T / b) full ones; BB = max(16, next power of two >= b)
 the mini-batch tile (b = 16 is one tensor-core tile), BK, BV the key and value tiles (powers of
-two >= Dk, Dv, at least 16), BH the hidden block of TTT-MLP. Rows past b or T and columns past
+two >= Dk, Dv, at least 16), KC the rows of a weight block. Rows past b or T and columns past
 Dk, Dv load as zeros and are never stored.
 
-Why one program per (batch, head): within a mini-batch every product is a b x D tile product,
-but the weights a mini-batch starts from are the previous one's result, and with the inner
-LayerNorm every row of Z = X W needs all Dv columns (its mean and variance), so neither the
-mini-batches nor the value columns of a head can go to different programs. The sequential
-dependency is the whole design constraint; docs/gpu_ttt_kernels.md estimates what it costs.
+Why one program per (batch, head): the weights a mini-batch starts from are the previous one's
+result, and with the inner LayerNorm every row of Z = X W needs all Dv columns (its mean and
+variance), so neither the mini-batches nor the value columns of a head can go to different
+programs. docs/gpu_ttt_kernels.md estimates what that costs on an H100.
 
-TTT-Linear (``_linear_fwd_kernel``, ``_linear_bwd_kernel``), per mini-batch with start weights
-(W, b) held in registers (float32 [BK, BV] and [BV]), keys K, queries Q, targets V (- K with
-the residual), eta [BB], tau [BB] (the head's token scales; tau_b its last):
-    Zk = K W + b;  G = dl/dZk (the LayerNorm gradient, fused);  E_ij = tau_i eta_j (j <= i)
+Per mini-batch with start weights (W, b), keys K, queries Q, targets V (- K with the residual),
+eta, tau (the head's token scales; tau_b the last), E_ij = tau_i eta_j (j <= i):
+    Zk = K W + b;  G = dl/dZk (the LayerNorm gradient, fused)
     Zbar = Q W + b - (E * (Q K^T [+ 1])) G;  o = [LN](Zbar) [+ q]   (output LayerNorm fused)
     W <- W - tau_b K^T (eta G);  b <- b - tau_b sum_j eta_j G_j
 A last, partly filled mini-batch stores its gradient sums S = K^T (eta G), s = sum eta G
 instead of updating (the state contract of ops/ttt/common.py's ``Carry``).
 
-TTT-MLP (``_mlp_fwd_kernel``, ``_mlp_bwd_kernel``): W1 [Dk, Dh], W2 [Dh, Dv] in float32 do not
-fit on chip at Dk = 128 (2 x 256 KiB per head), so each program keeps its working copy in
-global memory (L2-resident: 16 MiB for B4 x H8) and streams it in hidden blocks of BH columns
-of W1 / rows of W2; per mini-batch two passes over the blocks: the first forms Z2 = gelu(K W1
-+ b1) W2 + b2 and its LayerNorm gradient G2; the second per block forms G1 = (G2 W2^T) *
-gelu'(Z1), the queries' Zbar1 = Q W1 + b1 - (E * (Q K^T [+ 1])) G1, Xbar2 = gelu(Zbar1), adds
-Xbar2 W2 and the b x b products Xbar2 X2^T to the second layer's read-out and updates the
-block's weights in place.
+Layout. Every per-token tile is held transposed, [D, BB] (a mini-batch's tokens as columns),
+so that the products' rows (M) are the head dim: Triton stacks the warps of a chain of
+products along M, and with the b = 16 tokens as M every warp would hold whole [16, D] tiles.
+The weights live in a per-program float32 buffer in global memory (64 KiB per head at
+D = 128, L1/L2-resident) and stream through the products in blocks of KC rows: held in
+registers whole, the weights and their gradient made the backward spill at D = 128 on both
+targets (and at D = 64). The b x b scores Q K^T need no weights: ``_qk_kernel`` forms them
+for all mini-batches in parallel.
 
-Backward (both): the forward stores the weights entering every ``seg``-th mini-batch
-(checkpoints); the backward pass walks the segments last to first, recomputes the segment's
-mini-batch start weights from its checkpoint into a scratch buffer (one more forward of the
-scan, like ``checkpoint_group`` in the PyTorch forms), then runs the segment's mini-batches in
-reverse with the gradient of the weights leaving each mini-batch (D, in registers for
-TTT-Linear, in global scratch for TTT-MLP) as the carried state. Per mini-batch the forward
-quantities (Zk, G, Zbar, the LayerNorm statistics) are recomputed from its start weights, and
-the gradients of the per-token inputs are stored directly (every token belongs to one
-mini-batch); the per-head parameters' gradients (gamma, beta, tau) are accumulated per program
-and summed over the batch on the host.
+Kernels. Forward: ``_qk_kernel`` (grid N x B*H), ``_linear_fwd_kernel`` (B*H programs,
+sequential over mini-batches; stores the weights entering every ``seg``-th mini-batch as
+checkpoints when gradients are needed). Backward, per segment of ``seg`` mini-batches, last
+first (a partial last mini-batch first of all, as its own segment):
+    ``_linear_bwd_a_kernel`` (B*H, sequential): the segment forward again from its checkpoint,
+        each mini-batch's start weights into a scratch buffer, and the backward of its
+        read-out (which needs no gradient of later weights): rows G, dZbar, the read-out's
+        share of dG, the LayerNorm's x_hat and g, dA = dM * E;
+    ``_linear_bwd_b_kernel`` (B*H, sequential, last mini-batch first): the carried gradient
+        of the weights D through the gradient sums and the keys' LayerNorm gradient; dV,
+        deta, and D <- D + Q^T dZbar + K^T dZk, keeping each mini-batch's D for
+    ``_linear_bwd_c_kernel`` (segment x B*H, parallel): dQ, dK.
+This split keeps each kernel spill-free (one kernel doing all of it spilled ~0.5-1 KiB).
+The per-head parameters' gradients (gamma, beta, tau) are accumulated per program across the
+launches and summed over the batch on the host.
 
 Calls that start inside a mini-batch (a state with gradient sums, ``Carry.pos`` > 0): the
 host runs the rest of that mini-batch (at most b - 1 tokens) through the PyTorch dual form
 (chunk.py) and the kernels from the next boundary on, so the kernels never carry a previous
-call's sums; the result is the same state round trip the PyTorch forms make between pieces.
+call's sums; the result is the state round trip the PyTorch forms make between pieces.
 
 Precision: q, k, v arrive in their own dtype (float16, bfloat16, float32) and are upcast on
 chip; weights, gradient sums, LayerNorm statistics and every accumulation are float32.
 Products run with ``precisions``' float32 setting of ops/fwp/triton.py: exact float32 for
 float32 inputs, TF32 for half inputs (a bfloat16 or float16 value is exact in TF32).
+
+TTT-MLP has no kernels here (ops/backend.py does not offer triton for it): its weights, 2 x 256
+KiB per head at D = 128, would stream the same way, in hidden blocks (docs/gpu_ttt_kernels.md).
 """
 
 from __future__ import annotations
