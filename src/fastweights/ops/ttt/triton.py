@@ -61,6 +61,7 @@ KiB per head at D = 128, would stream the same way, in hidden blocks (docs/gpu_t
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -71,21 +72,24 @@ from ..fwp.triton import _arch, _upcast_tiles, precisions
 from .common import LN_EPS, Carry
 
 __all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_config",
-           "ttt_linear_triton"]
+           "ttt_linear_triton", "ttt_mlp_triton"]
 
-OPS = ("ttt_linear",)  # the ops with kernels here (ops/backend.py TTT_TRITON_OPS)
+OPS = ("ttt_linear", "ttt_mlp")  # the ops with kernels here (ops/backend.py TTT_TRITON_OPS)
 MAX_D = 128  # Dk and Dv (ops/backend.py TRITON_MAX_DK)
 MAX_MINI_BATCH = 64  # the mini-batch tile BB
 SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
 _EPS = tl.constexpr(LN_EPS)
+_GELU_C = tl.constexpr(math.sqrt(2.0 / math.pi))
+_GELU_A = tl.constexpr(0.044715)
 
 
 class TileConfig(NamedTuple):
-    """Warps of the sequential kernels (and of the backward's parallel one) and KC, the rows
-    of a weight block streamed through a product."""
+    """Warps of the sequential kernels (and of the backward's parallel one), KC the rows of a
+    weight block streamed through a product and HB, TTT-MLP's hidden block."""
 
     warps: int
     KC: int = 16
+    HB: int = 32
 
 
 def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> TileConfig | None:
@@ -151,19 +155,40 @@ def _store_cols(ptr, x, base, t, m, H, D, BD: tl.constexpr, c0=0):
 
 
 @triton.jit
-def _wrows(ptr, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
-    """Rows c0..c0+KC of a row-major float32 [R, C] matrix, transposed: a [BC, KC] tile."""
-    r = c0 + tl.arange(0, KC)
-    c = tl.arange(0, BC)
+def _blockT(ptr, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """Rows r0..r0+BR, columns c0..c0+BC of a row-major float32 [R, C] matrix, transposed:
+    a [BC, BR] tile."""
+    r = r0 + tl.arange(0, BR)
+    c = c0 + tl.arange(0, BC)
     return tl.load(ptr + c[:, None] + r[None, :] * C, mask=(c < C)[:, None] & (r < R)[None, :],
                    other=0.0)
 
 
 @triton.jit
-def _store_wrows(ptr, x, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
-    r = c0 + tl.arange(0, KC)
-    c = tl.arange(0, BC)
+def _store_blockT(ptr, x, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    r = r0 + tl.arange(0, BR)
+    c = c0 + tl.arange(0, BC)
     tl.store(ptr + c[:, None] + r[None, :] * C, x, mask=(c < C)[:, None] & (r < R)[None, :])
+
+
+@triton.jit
+def _block(ptr, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """Rows r0..r0+BR, columns c0..c0+BC of a row-major float32 [R, C] matrix: [BR, BC]."""
+    r = r0 + tl.arange(0, BR)
+    c = c0 + tl.arange(0, BC)
+    return tl.load(ptr + r[:, None] * C + c[None, :], mask=(r < R)[:, None] & (c < C)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _wrows(ptr, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
+    """Rows c0..c0+KC of a row-major float32 [R, C] matrix, transposed: a [BC, KC] tile."""
+    return _blockT(ptr, c0, 0, R, C, KC, BC)
+
+
+@triton.jit
+def _store_wrows(ptr, x, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
+    _store_blockT(ptr, x, c0, 0, R, C, KC, BC)
 
 
 @triton.jit
@@ -732,6 +757,164 @@ def _linear_bwd_b_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# TTT-MLP (forward)
+
+
+@triton.jit
+def _gelu(x):
+    """gelu_tanh(x) and its derivative (mlp_scan.py's ``_gelu_parts``): with
+    s = sigmoid(2 u), u = c (x + a x^3): gelu = x s, gelu' = s + 2 x u' s (1 - s)."""
+    x2 = x * x  # (tensors first: a constexpr on the left would wrap the product)
+    s = tl.sigmoid(x * (x2 * _GELU_A + 1.0) * (2.0 * _GELU_C))
+    return x * s, s + x * (x2 * (3.0 * _GELU_A) + 1.0) * s * (1.0 - s) * (2.0 * _GELU_C)
+
+
+@triton.jit
+def _mlp_hidden(w1_ptr, b1_ptr, x_ptr, base_k, t, m, j0, H, Dk, Dh, PREC: tl.constexpr,
+                BK: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+                HAS_B1: tl.constexpr):
+    """(X W1 + b1)^T of hidden units j0..j0+HB for the mini-batch's tokens t of x
+    [B, T, H, Dk]: [HB, BB], W1 [Dk, Dh] streamed in blocks of KC rows."""
+    z = tl.zeros([HB, BB], dtype=tl.float32)
+    if HAS_B1:
+        z += _vec(b1_ptr + j0, Dh - j0, HB)[:, None]
+    for c0 in range(0, BK, KC):
+        z = _dot(_blockT(w1_ptr, c0, j0, Dk, Dh, KC, HB),
+                 _cols(x_ptr, base_k, t, m, H, Dk, KC, c0), PREC, z)
+    return z
+
+
+@triton.jit
+def _mlp_minibatch(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1, b1, w2, d1, db1, d2, gs,
+    b2, gam, bet, cm, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, Dh, b, N, coef,
+    TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+):
+    """Mini-batch n of TTT-MLP from the weights w1 [Dk, Dh], b1 [Dh], w2 [Dh, Dv] (global,
+    float32) and b2 [BV]: stores o, and adds coef * (eta-weighted gradient) to the weights
+    (d1 = w1, db1 = b1, d2 = w2, coef = -tau_b), or (TAIL) writes the gradient sums into
+    d1, db1, d2 (coef = 1). Returns the gradient's share of b2 (coef * sum eta G2)."""
+    _, t, m, eta, _, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
+                                         N, BB)
+    tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+    if RESIDUAL:  # Dk == Dv
+        tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
+    # the keys' Z2 = gelu(K W1 + b1) W2 + b2 and its loss gradient G2 (one pass over the
+    # hidden blocks)
+    z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2[:, None]
+    for j0 in range(0, BHD, HB):
+        x2, _ = _gelu(_mlp_hidden(w1, b1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB,
+                                  KC, HAS_B1))
+        z2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), x2, PREC, z2)
+    G2, _, _, _ = _loss_grad(z2, tgt, gam, bet, cm, Dv, HAS_LN)
+    _store_tile(gs, G2, BV, BB)  # read back by blocks of value rows for G2 W2^T
+    tl.debug_barrier()
+    e2 = eta * coef
+    M1t = Et * At
+    # per hidden block: G1 = (G2 W2^T) * gelu'(Z1), the queries' Zbar1 = Q W1 + b1 - M1 G1,
+    # Xbar2 = gelu(Zbar1) through W2 into Zq2, Xbar2 X2^T for the second layer's scores, and
+    # the block's update (or gradient sums)
+    zq2 = tl.zeros([BV, BB], dtype=tl.float32) + b2[:, None]
+    A2t = tl.zeros([BB, BB], dtype=tl.float32)
+    r = tl.arange(0, KC)
+    c = tl.arange(0, BB)
+    for j0 in range(0, BHD, HB):
+        x2, g1p = _gelu(_mlp_hidden(w1, b1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB,
+                                    HB, KC, HAS_B1))
+        a = tl.zeros([HB, BB], dtype=tl.float32)
+        for v0 in range(0, BV, KC):
+            a = _dot(_block(w2, j0, v0, Dh, Dv, HB, KC),
+                     tl.load(gs + (v0 + r)[:, None] * BB + c[None, :]), PREC, a)
+        G1 = a * g1p
+        zbar1 = _mlp_hidden(w1, b1, q_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
+                            HAS_B1) - _dot(G1, M1t, PREC)
+        xbar2, _ = _gelu(zbar1)
+        w2b = _blockT(w2, j0, 0, Dh, Dv, HB, BV)  # [BV, HB]
+        zq2 = _dot(w2b, xbar2, PREC, zq2)
+        A2t = _dot(tl.trans(x2), xbar2, PREC, A2t)
+        H1 = G1 * e2[None, :]
+        tl.debug_barrier()  # the block's weights are read before they are overwritten
+        for c0 in range(0, BK, KC):
+            acc = tl.zeros([HB, KC], dtype=tl.float32)
+            if not TAIL:
+                acc = _blockT(w1, c0, j0, Dk, Dh, KC, HB)
+            acc = _dot(H1, tl.trans(_cols(k_ptr, base_k, t, m, H, Dk, KC, c0)), PREC, acc)
+            _store_blockT(d1, acc, c0, j0, Dk, Dh, KC, HB)
+        if HAS_B1:
+            s1 = tl.sum(H1, axis=1)
+            if not TAIL:
+                s1 += _vec(b1 + j0, Dh - j0, HB)
+            _store_vec(db1 + j0, s1, Dh - j0, HB)
+        acc2 = tl.zeros([BV, HB], dtype=tl.float32)
+        if not TAIL:
+            acc2 = w2b
+        _store_blockT(d2, _dot(G2 * e2[None, :], tl.trans(x2), PREC, acc2), j0, 0, Dh, Dv, HB,
+                      BV)
+        tl.debug_barrier()
+    if HAS_B2:
+        A2t += 1.0
+    zbar2 = zq2 - _dot(G2, Et * A2t, PREC)
+    _linear_out(o_ptr, zbar2, q_ptr, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
+    return tl.sum(G2 * e2[None, :], axis=1)
+
+
+@triton.jit
+def _mlp_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr,
+    b2_ptr, o_ptr, s1_ptr, sb1_ptr, s2_ptr, sb2_ptr, gs_ptr,
+    T, H, Dk, Dv, Dh, b, N, NF,
+    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+):
+    """TTT-MLP forward for one (batch, head) over N mini-batches, NF of them full: w1
+    [B*H, Dk, Dh], b1 [B*H, Dh], w2 [B*H, Dh, Dv], b2 [B*H, Dv] hold the start weights and are
+    updated in place into the weights after the last full mini-batch; writes o and the
+    gradient sums of a last partial mini-batch (s1, sb1, s2, sb2, if NF < N). a: the scores of
+    ``_qk_kernel``; gs [B*H, BV, BB]: scratch (G2 read back by blocks)."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    w1 = w1_ptr + bh * Dk * Dh
+    b1 = b1_ptr + bh * Dh
+    w2 = w2_ptr + bh * Dh * Dv
+    gs = gs_ptr + bh * BV * BB
+    b2 = tl.zeros([BV], dtype=tl.float32)
+    if HAS_B2:
+        b2 = _vec(b2_ptr + bh * Dv, Dv, BV)
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    for n in range(0, NF):
+        db2 = _mlp_minibatch(
+            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1, b1, w2, w1, b1, w2, gs,
+            b2, gam, bet, cm, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, Dh, b, N, -tau_b,
+            False, HAS_B1, HAS_B2, HAS_LN, RESIDUAL, PREC, BB, BK, BV, BHD, HB, KC)
+        if HAS_B2:
+            b2 += db2
+    if HAS_B2:
+        _store_vec(b2_ptr + bh * Dv, b2, Dv, BV)
+    if NF < N:
+        sb2 = _mlp_minibatch(
+            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1, b1, w2,
+            s1_ptr + bh * Dk * Dh, sb1_ptr + bh * Dh, s2_ptr + bh * Dh * Dv, gs, b2, gam, bet,
+            cm, bh, h, base_k, base_v, ebase, NF, T, H, Dk, Dv, Dh, b, N, 1.0, True, HAS_B1,
+            HAS_B2, HAS_LN, RESIDUAL, PREC, BB, BK, BV, BHD, HB, KC)
+        if HAS_B2:
+            _store_vec(sb2_ptr + bh * Dv, sb2, Dv, BV)
+
+
+# ---------------------------------------------------------------------------------------------
 # Host side
 
 
@@ -808,7 +991,7 @@ class _LinearTriton(torch.autograd.Function):
                  "HAS_LNB": lnb is not None, "RESIDUAL": residual}
         L = _shape("ttt_linear", q, v, tau.shape[-1], seg, flags)
         f32 = {"dtype": torch.float32, "device": q.device}
-        A = _scores(L, q, k)
+        A = _scores(L, q, k, b0 is not None)
         o = torch.empty(*q.shape[:3], L.Dv, dtype=q.dtype, device=q.device)
         W = W0.clone()  # updated in place by the kernel
         bias = torch.zeros(L.BH, L.Dv, **f32)
@@ -889,12 +1072,12 @@ def _or(x: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
     return other if x is None else x
 
 
-def _scores(L: _Shape, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``_qk_kernel``'s A^T [B*H, N, BB, BB] of every mini-batch."""
+def _scores(L: _Shape, q: torch.Tensor, k: torch.Tensor, has_bias: bool) -> torch.Tensor:
+    """``_qk_kernel``'s A^T [B*H, N, BB, BB] of every mini-batch (+ 1 with ``has_bias``)."""
     BB = L.consts["BB"]
     A = torch.empty(L.BH, L.N, BB, BB, dtype=torch.float32, device=q.device)
-    _qk_kernel[(L.N, L.BH)](q, k, A, L.T, L.H, L.Dk, L.b, L.N, num_warps=4,
-                            **{n: L.consts[n] for n in ("HAS_BIAS", "PREC", "BB", "BK")})
+    _qk_kernel[(L.N, L.BH)](q, k, A, L.T, L.H, L.Dk, L.b, L.N, HAS_BIAS=has_bias, num_warps=4,
+                            **{n: L.consts[n] for n in ("PREC", "BB", "BK")})
     return A
 
 
@@ -950,3 +1133,61 @@ def ttt_linear_triton(
     if tail:
         grads = (S.view(B, H, Dk, Dv), None if b0 is None else s.view(B, H, Dv))
     return _join(first, o), Carry((W, bias), grads, tail)
+
+
+def ttt_mlp_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
+    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
+    tau: torch.Tensor, checkpoint_group: int | None = None,
+) -> tuple[torch.Tensor, Carry]:
+    """TTT-MLP's dual form (``chunk.ttt_mlp_dual``'s arguments and results), forward only, in
+    ``_mlp_fwd_kernel``; inputs as ``ttt_linear_triton``'s. No backward: a call that would
+    record gradients is a ValueError (the dispatcher leaves those to PyTorch)."""
+    from .chunk import ttt_mlp_dual
+
+    tensors = (q, k, v, eta, ln_weight, ln_bias, tau, *carry.start, *(carry.grads or ()))
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+        raise ValueError("the TTT-MLP Triton kernels have no backward pass: call without "
+                         "gradients (torch.no_grad) or with backend='torch'")
+    b = tau.shape[-1]
+
+    def run_torch(q, k, v, eta, carry):
+        f = torch.float32
+        return ttt_mlp_dual(q.to(f), k.to(f), v.to(f), eta, carry, ln_weight, ln_bias, residual,
+                            tau)
+
+    first, carry, q, k, v, eta = _split_first(run_torch, q, k, v, eta, carry, b)
+    if q.shape[1] == 0:
+        return first, carry
+    (B, T, H, Dk), Dv = q.shape, v.shape[-1]
+    W1, b1, W2, b2 = carry.start
+    Dh = W1.shape[-1]
+    flags = {"HAS_B1": b1 is not None, "HAS_B2": b2 is not None,
+             "HAS_LN": ln_weight is not None, "HAS_LNB": ln_bias is not None,
+             "RESIDUAL": residual}
+    L = _shape("ttt_mlp", q, v, b, None, flags)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    BH, BB, BV = B * H, L.consts["BB"], L.consts["BV"]
+    f32 = {"dtype": torch.float32, "device": q.device}
+
+    def work(x, *shape):  # a float32 working copy the kernel updates in place
+        return torch.zeros(*shape, **f32) if x is None else x.reshape(*shape).to(**f32).clone()
+
+    w1, w2 = work(W1, BH, Dk, Dh), work(W2, BH, Dh, Dv)
+    c1, c2 = work(b1, BH, Dh), work(b2, BH, Dv)
+    sums = [torch.zeros_like(x) for x in (w1, c1, w2, c2)]
+    o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
+    gs = torch.empty(BH, BV, BB, **f32)
+    tau32, eta32 = _f32(tau), _f32(eta)
+    _mlp_fwd_kernel[(BH,)](
+        q, k, v, eta32, tau32, _scores(L, q, k, b1 is not None), _or(_f32(ln_weight), tau32),
+        _or(_f32(ln_bias), tau32), w1, c1, w2, c2, o, *sums, gs, T, H, Dk, Dv, Dh, b, L.N,
+        T // b, BHD=_pow2(Dh), HB=L.cfg.HB, **L.launch())
+    tail = T % b
+
+    def weights(x1, x2, x3, x4):
+        return (x1.view(B, H, Dk, Dh), None if b1 is None else x2.view(B, H, Dh),
+                x3.view(B, H, Dh, Dv), None if b2 is None else x4.view(B, H, Dv))
+
+    return _join(first, o), Carry(weights(w1, c1, w2, c2), weights(*sums) if tail else None,
+                                  tail)
