@@ -70,23 +70,27 @@ def on_gpu(monkeypatch):
 
 @pytest.fixture
 def exact(kernels, on_gpu, monkeypatch):
-    """``on_gpu``, and the dispatcher also sends float32 inputs to the kernels (it leaves them
-    to PyTorch on a GPU, having no spill-free float32 tiling; the interpreter runs them
-    exactly), so that the public ops can be compared with the float64 oracle."""
+    """``on_gpu``, and the dispatcher also sends float32 inputs and odd head sizes to the
+    kernels (it leaves them to PyTorch on a GPU, having no spill-free tiling for them; the
+    interpreter runs them exactly), so that the public ops can be compared with the float64
+    oracle on odd sizes."""
     monkeypatch.setattr(kernels, "supports", lambda op, dtype: True)
+    monkeypatch.setattr(kernels, "HEAD_MULTIPLE", 1)
 
 
 
-def case(B=1, T=11, H=2, Dk=5, Dv=5, b=4, ln=True, bias=True, seed=0):
-    """float64 inputs of one TTT-Linear call: (q, k, v, eta), and the keyword arguments
-    (initial state, LayerNorm, token scales [H, b] with a zero)."""
+def case(B=1, T=11, H=2, Dk=5, Dv=5, b=4, ln=True, bias=True, seed=0, kind="linear"):
+    """float64 inputs of one TTT-Linear (or ``kind`` "mlp") call: (q, k, v, eta), and the
+    keyword arguments (initial state, LayerNorm, token scales [H, b] with a zero)."""
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(B, T, H, Dk, generator=g, dtype=F64) for _ in range(2))
     v = torch.randn(B, T, H, Dv, generator=g, dtype=F64)
     eta = (0.1 + torch.rand(B, T, H, generator=g, dtype=F64)) / Dk
-    W = 0.3 * torch.randn(B, H, Dk, Dv, generator=g, dtype=F64)
-    bw = 0.3 * torch.randn(B, H, Dv, generator=g, dtype=F64) if bias else None
-    kw = {"initial_state": (W, bw), "mini_batch_size": b,
+    shapes = [(Dk, Dv), (Dv,)] if kind == "linear" else [(Dk, 4 * Dk), (4 * Dk,), (4 * Dk, Dv),
+                                                          (Dv,)]
+    state = tuple(None if len(s) == 1 and not bias
+                  else 0.3 * torch.randn(B, H, *s, generator=g, dtype=F64) for s in shapes)
+    kw = {"initial_state": state, "mini_batch_size": b,
           "token_scale": (torch.rand(H, b, generator=g, dtype=F64) * 1.5 - 0.2).clamp_min(0)}
     if ln:
         kw["ln_weight"] = 1.0 + 0.3 * torch.randn(H, Dv, generator=g, dtype=F64)
@@ -209,7 +213,7 @@ def test_linear_continues_a_state_inside_a_mini_batch(launches, exact):
 def test_linear_half_inputs(launches, on_gpu):
     """bfloat16 q, k, v: output in bfloat16 within its rounding of the oracle on the same
     rounded inputs; state in float32, to float32 accuracy."""
-    args, kw = case(T=9, b=4, seed=3)
+    args, kw = case(T=9, b=4, Dk=16, Dv=16, seed=3)
     kw["residual"] = True
     args = [x.bfloat16() if i < 3 else x for i, x in enumerate(args)]
     o, state = ttt_linear(*args, output_final_state=True, backend="triton", **kw)
@@ -223,16 +227,19 @@ def test_linear_half_inputs(launches, on_gpu):
 
 
 def test_dispatch(launches, on_gpu, monkeypatch):
-    """The automatic choice takes the kernels for half inputs on "CUDA" (float32: PyTorch, no
-    spill-free float32 tiling), PyTorch for one-token calls, other modes, CPU tensors and
-    backend="torch"; packed documents run one document at a time through the kernels;
-    explicit choices that cannot run are ValueErrors naming the reason."""
-    args, kw = case(T=6, b=4, seed=4)
+    """The automatic choice takes the kernels for half inputs on "CUDA" with head sizes that
+    are multiples of 16 (float32 and other head sizes: PyTorch, no spill-free tiling), PyTorch
+    for one-token calls, other modes, CPU tensors and backend="torch"; packed documents run
+    one document at a time through the kernels; explicit choices that cannot run are
+    ValueErrors naming the reason."""
+    args, kw = case(T=6, b=4, Dk=16, Dv=16, seed=4)
     kw["residual"] = True
     half = [x.half() if i < 3 else x.float() for i, x in enumerate(args)]
     ttt_linear(*half, **kw)
     assert launches["linear_fwd"] == 1
     ttt_linear(*(x.float() for x in args), **kw)  # float32: PyTorch
+    odd, kw_odd = case(T=6, b=4, Dk=8, Dv=8, seed=4)
+    ttt_linear(*(x.half() if x.dim() == 4 else x for x in odd), **kw_odd)  # Dk = 8: PyTorch
     ttt_linear(*(x[:, :1] for x in half), **kw)  # one token
     ttt_linear(*half, mode="primal", **kw)
     ttt_linear(*half, backend="torch", **kw)
@@ -261,13 +268,54 @@ def test_dispatch(launches, on_gpu, monkeypatch):
         ttt_linear(*half, backend="triton", mode="primal", **kw)
     wide = [*half[:2], torch.zeros(1, 6, 2, 129, dtype=torch.float16), half[3]]
     with pytest.raises(ValueError, match="Dv <= 128"):
-        ttt_linear(*wide, backend="triton", initial_state=(torch.zeros(1, 2, 5, 129), None),
+        ttt_linear(*wide, backend="triton", initial_state=(torch.zeros(1, 2, 16, 129), None),
                    mini_batch_size=4)
-    with pytest.raises(ValueError, match="no Triton kernel for ttt_mlp"):
-        ttt_mlp(*half, backend="triton", initial_state=(
-            torch.zeros(1, 2, 5, 20), None, torch.zeros(1, 2, 20, 5), None), mini_batch_size=4)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ttt_linear(*(x.half() if x.dim() == 4 else x for x in odd), backend="triton", **kw_odd)
+    mlp_state = (torch.zeros(1, 2, 16, 64), None, torch.zeros(1, 2, 64, 16), None)
+    with pytest.raises(ValueError, match="no backward"):
+        ttt_mlp(*half, backend="triton", initial_state=mlp_state, mini_batch_size=4,
+                ln_weight=torch.ones(2, 16, requires_grad=True))
     assert backends.choose_backend("ttt_linear", half[0], None, "dual", 4) == "triton"
     assert launches["linear_fwd"] == 3
+
+
+MLP_CASES = [(11, 4, True, True, True, 5), (10, 3, False, False, False, 9), (8, 8, True, True, True, 6)]
+
+
+@pytest.mark.parametrize("T,b,ln,res,bias,D", MLP_CASES,
+                         ids=[f"T{c[0]}-b{c[1]}-{'ln' if c[2] else 'noln'}-"
+                              f"{'res' if c[3] else 'nores'}-{'bias' if c[4] else 'nobias'}-D{c[5]}"
+                              for c in MLP_CASES])
+def test_mlp_forward_kernel_matches_naive(launches, exact, T, b, ln, res, bias, D):
+    """TTT-MLP's forward kernel (no gradients recorded) on float32 inputs: output and final
+    state (inside a mini-batch where T is not a multiple of b) against the float64 token loop;
+    D = 9 has two hidden blocks (36 units); with gradients the automatic choice runs PyTorch."""
+    args, kw = case(T=T, b=b, ln=ln, bias=bias, Dk=D, Dv=D, kind="mlp", seed=6)
+    kw["residual"] = res
+    want = ttt_mlp(*args, output_final_state=True, mode="naive", **kw)
+    a32, kw32 = leaves(args, kw, torch.float32)
+    with torch.no_grad():
+        got = ttt_mlp(*a32, output_final_state=True, **kw32)
+    assert launches == Counter(qk=1, mlp_fwd=1), launches
+    assert_matches((*got, []), (*want, []), TOL32, "mlp")
+    o, _ = ttt_mlp(*a32, output_final_state=True, **kw32)  # records gradients: PyTorch
+    assert o.requires_grad and launches["mlp_fwd"] == 1
+
+
+def test_mlp_continues_a_state_inside_a_mini_batch(launches, exact):
+    """A TTT-MLP call from a state that ends inside a mini-batch: the first tokens in PyTorch,
+    the rest in the kernel; equal to the oracle."""
+    args, kw = case(T=12, b=5, kind="mlp", seed=7)
+    kw["residual"] = True
+    _, mid = ttt_mlp(*(x[:, :2] for x in args), output_final_state=True, mode="naive", **kw)
+    rest, kw_mid = [x[:, 2:] for x in args], {**kw, "initial_state": mid}
+    want = ttt_mlp(*rest, output_final_state=True, mode="naive", **kw_mid)
+    a32, kw32 = leaves(rest, kw_mid, torch.float32)
+    with torch.no_grad():
+        got = ttt_mlp(*a32, output_final_state=True, **kw32)
+    assert launches["mlp_fwd"] == 1
+    assert_matches((*got, []), (*want, []), TOL32, "mlp continued")
 
 
 def test_layer_passes_backend_through(launches, exact):

@@ -27,7 +27,7 @@ from tests.ops.triton_aot import TTT_CASES
 
 HERE = Path(__file__).parent
 KERNELS = {"qk", "linear_fwd", "linear_bwd_a", "linear_bwd_b", "linear_bwd_b[TAIL]",
-           "linear_bwd_c", "linear_bwd_c[TAIL]"}
+           "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd"}
 
 
 def compile_records(tmp_path: Path, which: str) -> list[dict]:
@@ -77,8 +77,9 @@ def test_ttt_kernels_compile_without_spills_every_case(tmp_path):
 
 def test_dispatched_configurations_are_the_compiled_ones(monkeypatch):
     """What the dispatcher sends to the TTT kernels is what the compile covers: half inputs,
-    head sizes <= 128 (compiled at 64 and 128: the tiles change at 64), mini-batches <= 64
-    (one tile); float32 goes to PyTorch; the ops with kernels are the dispatcher's."""
+    head sizes <= 128 (compiled at 64 and 128: the tiles change at 64) that are multiples of
+    16 (checked by the ops, tests/ops/test_ttt_triton.py), mini-batches <= 64 (one tile);
+    float32 goes to PyTorch; the ops with kernels are the dispatcher's."""
     from types import SimpleNamespace
 
     import torch
@@ -88,19 +89,22 @@ def test_dispatched_configurations_are_the_compiled_ones(monkeypatch):
 
     assert backend.TTT_TRITON_OPS == kernels.OPS
     assert backend.TRITON_MAX_DK == kernels.MAX_D and kernels.MAX_MINI_BATCH == 64
+    assert kernels.HEAD_MULTIPLE == 16
     monkeypatch.setattr(backend, "fla_ops", lambda: None)
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for D in (16, 64, 65, 128):
-            cuda = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(1, 8, 1, D), device="cuda:0")
-            chosen = backend.choose_backend("ttt_linear", cuda, None, "dual", 16)
-            dispatched = dtype != torch.float32
-            assert chosen == ("triton" if dispatched else "torch"), (dtype, D, chosen)
-            for arch in ARCHS:
-                cfg = kernels.tile_config(arch, dtype, "ttt_linear", D)
-                assert (cfg is not None) == dispatched
-        assert kernels.supports("ttt_linear", dtype) == (dtype != torch.float32)
-    cuda = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 8, 1, 129),
-                           device="cuda:0")
-    assert backend.choose_backend("ttt_linear", cuda, None, "dual", 16) == "torch"
+    for op in kernels.OPS:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for D in (16, 64, 128):
+                cuda = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(1, 8, 1, D),
+                                       device="cuda:0")
+                chosen = backend.choose_backend(op, cuda, None, "dual", 16)
+                dispatched = dtype != torch.float32
+                assert chosen == ("triton" if dispatched else "torch"), (op, dtype, D, chosen)
+                for arch in ARCHS:
+                    cfg = kernels.tile_config(arch, dtype, op, D)
+                    assert (cfg is not None) == dispatched
+            assert kernels.supports(op, dtype) == (dtype != torch.float32)
+        cuda = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 8, 1, 144),
+                               device="cuda:0")
+        assert backend.choose_backend(op, cuda, None, "dual", 16) == "torch"

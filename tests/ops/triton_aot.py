@@ -46,14 +46,16 @@ ALIGNED_DTYPES = ("bfloat16", "float32")
 # Relative compile cost by kernel family (measured, float32 about twice half), for the order.
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
-        "linear_bwd_c": 1, "qk": 0.3}
+        "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3}
 # TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
 # (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
+# The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
+# or, for a T that is not a multiple of 16, "odd_T"; never "generic".
 TTT_FLAGS = {"all": (True, True, True, True), "none": (False, False, False, False)}
 TTT_CASES = (("bfloat16", 128, "all", "aligned"), ("bfloat16", 128, "none", "aligned"),
              ("bfloat16", 64, "all", "aligned"), ("bfloat16", 64, "none", "aligned"),
-             ("bfloat16", 128, "all", "generic"), ("bfloat16", 64, "none", "generic"),
-             ("float16", 128, "all", "generic"), ("float16", 64, "all", "generic"))
+             ("bfloat16", 128, "all", "odd_T"), ("bfloat16", 64, "none", "odd_T"),
+             ("float16", 128, "all", "odd_T"), ("float16", 64, "all", "odd_T"))
 
 
 class _Recorder:
@@ -158,6 +160,14 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
         f(H, D) if ln_bias else None, f(B * H, D, D), f(B * H, D) if bias else None, residual,
         None)
     kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
+    # TTT-MLP, forward only
+    from fastweights.ops.ttt.common import Carry
+
+    Dh = 4 * D
+    start = (f(B, H, D, Dh), f(B, H, Dh) if bias else None, f(B, H, Dh, D),
+             f(B, H, D) if bias else None)
+    kernels.ttt_mlp_triton(q, q, q, f(B, T, H), Carry(start, None, 0), f(H, D) if ln else None,
+                           f(H, D) if ln_bias else None, residual, torch.ones(H, b))
 
 
 def ttt_signatures(kernels, case: tuple, arch: int):
@@ -204,12 +214,15 @@ def _name(kernel: str, sig: dict, const: dict) -> str:
 
 def specialization(sig: dict, spec: str) -> dict:
     """Triton's argument attributes for a launch: "generic" none; "aligned" what a launch gets
-    whose pointers are 16-byte aligned and whose sizes T, N, Dk, Dv, C are multiples of 16 (the
-    usual training shapes: torch allocations are aligned; H is left free)."""
+    whose pointers are 16-byte aligned and whose sizes T, N, Dk, Dv, C (Dh) are multiples of 16
+    (the usual training shapes: torch allocations are aligned; H is left free); "odd_T" (the
+    TTT kernels, whose head sizes the dispatcher keeps to multiples of 16) the same but for T
+    and N."""
     if spec == "generic":
         return {}
+    sizes = ("Dk", "Dv", "Dh") if spec == "odd_T" else ("T", "N", "Dk", "Dv", "C", "Dh")
     return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-            if ty.startswith("*") or name in ("T", "N", "Dk", "Dv", "C")}
+            if ty.startswith("*") or name in sizes}
 
 
 def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
@@ -277,7 +290,7 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
         rec["registers"] = max(regs) if regs else None
         rec["has_cubin"] = bool(ck.asm.get("cubin"))
     except Exception as exc:  # recorded, and asserted on by the tests
-        rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        rec["error"] = f"{type(exc).__name__}: {exc}"[-1500:]
     rec["seconds"] = round(time.perf_counter() - start, 2)
     print(json.dumps(rec), file=sys.stderr, flush=True)
     return rec

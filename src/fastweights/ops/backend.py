@@ -50,7 +50,7 @@ FLA_CHUNK = 64
 TRITON_MAX_DK = 128  # the key blocks the kernels hold (ops/fwp/triton.py MAX_DK)
 TRITON_OPS = ("linear_attn", "delta_rule", "gated_delta_rule")
 # The TTT ops' dual form (mode="dual", chunk_size = mini_batch_size) in ops/ttt/triton.py.
-TTT_TRITON_OPS = ("ttt_linear",)
+TTT_TRITON_OPS = ("ttt_linear", "ttt_mlp")
 KERNEL_MODES = {"ttt_linear": "dual", "ttt_mlp": "dual"}  # the mode kernels run; else "chunk"
 
 # Chunk sizes measured per device kind (forward and forward+backward, B1 H8 T4096 D64 float32;

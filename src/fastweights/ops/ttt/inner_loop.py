@@ -122,7 +122,11 @@ def _ttt(
               "ln_weight": cast(ln_weight), "ln_bias": cast(ln_bias), "residual": residual,
               "tau": tau}
     current = None
-    if _triton_runs(kind, q, v, carry, backend, mode, b):
+    records_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad
+        for x in (q, k, v, eta, ln_weight, ln_bias, token_scale, *carry.start,
+                  *(carry.grads or ())))
+    if _triton_runs(kind, q, v, carry, backend, mode, b, records_grad):
         # The kernels read q, k, v in their own dtype (half inputs stay half in memory).
         o, carry = getattr(ttt_triton_kernels(), f"ttt_{kind}_triton")(
             q, k, v, **{n: inputs[n] for n in ("eta", "carry", "ln_weight", "ln_bias",
@@ -149,19 +153,28 @@ def _ttt(
 
 
 def _triton_runs(kind: str, q: torch.Tensor, v: torch.Tensor, carry: Carry,
-                backend: str | None, mode: str, b: int) -> bool:
+                backend: str | None, mode: str, b: int, records_grad: bool) -> bool:
     """Whether this call runs in the Triton kernels (ops/ttt/triton.py): the dispatcher's
     choice (ops/backend.py, from q's device, dtype, Dk and b), unless the kernels cannot take
-    the call's Dv or a state whose rows sit at their own places in the mini-batch (per-row
-    ``pos``, decoding only): an explicit choice of triton is then an error, the automatic one
-    runs PyTorch."""
+    the call's head sizes (Dv > 128, or not multiples of 16), a state whose rows sit at their own places in the mini-batch (per-row
+    ``pos``, decoding only) or, for TTT-MLP (whose kernels have no backward), a call that
+    records gradients: an explicit choice of triton is then an error, the automatic one runs
+    PyTorch."""
     if choose_backend(f"ttt_{kind}", q, backend, mode, b) != "triton":
         return False
     why = None
-    if v.shape[-1] > 128:
-        why = f"Dv={v.shape[-1]}: the Triton kernels take Dv <= 128"
+    kernels = ttt_triton_kernels()
+    Dk, Dv = q.shape[-1], v.shape[-1]
+    if Dv > kernels.MAX_D:
+        why = f"Dv={Dv}: the Triton kernels take Dv <= {kernels.MAX_D}"
+    elif Dk % kernels.HEAD_MULTIPLE or Dv % kernels.HEAD_MULTIPLE:
+        why = (f"Dk={Dk}, Dv={Dv}: the TTT Triton kernels take head sizes that are multiples "
+               f"of {kernels.HEAD_MULTIPLE} (the compiled, spill-free specialisations)")
     elif isinstance(carry.pos, torch.Tensor):
         why = "a state with per-row places in the mini-batch (a long tensor pos)"
+    elif kind == "mlp" and records_grad:
+        why = ("the TTT-MLP kernels have no backward pass (gradients are being recorded); "
+               "without gradients (torch.no_grad) they run")
     if why is None:
         return True
     if backend is not None or os.environ.get(ENV):
@@ -211,9 +224,11 @@ def ttt_linear(
     backward always recomputes from checkpoints: there it is the checkpoint spacing (default
     16 mini-batches).
     backend: "triton" (the dual form's kernels, ops/ttt/triton.py: CUDA, float16 or bfloat16
-    q, k, v, Dk, Dv <= 128, mini_batch_size <= 64, mode "dual"), "torch", or None for the
-    automatic choice (ops/backend.py: triton where it can run the call, except one-token
-    calls). An explicit choice that cannot run the call is a ValueError saying why.
+    q, k, v, Dk and Dv multiples of 16 up to 128, mini_batch_size <= 64, mode "dual"; TTT-MLP's
+    forward only, without
+    gradients), "torch", or None for the automatic choice (ops/backend.py: triton where it can
+    run the call, except one-token calls). An explicit choice that cannot run the call is a
+    ValueError saying why.
     """
     return _ttt("linear", q, k, v, eta, initial_state=initial_state, ln_weight=ln_weight,
                 ln_bias=ln_bias, residual=residual, mini_batch_size=mini_batch_size,

@@ -76,6 +76,10 @@ __all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_con
 
 OPS = ("ttt_linear", "ttt_mlp")  # the ops with kernels here (ops/backend.py TTT_TRITON_OPS)
 MAX_D = 128  # Dk and Dv (ops/backend.py TRITON_MAX_DK)
+# The dispatcher's head sizes are multiples of this (inner_loop.py): their launches get Triton's
+# alignment specialisation, which the compile test covers; without it (an odd head size) the
+# loads are not vectorised and the forward spills at D = 128.
+HEAD_MULTIPLE = 16
 MAX_MINI_BATCH = 64  # the mini-batch tile BB
 SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
 _EPS = tl.constexpr(LN_EPS)
@@ -805,8 +809,8 @@ def _mlp_minibatch(
     # hidden blocks)
     z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2[:, None]
     for j0 in range(0, BHD, HB):
-        x2, _ = _gelu(_mlp_hidden(w1, b1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB,
-                                  KC, HAS_B1))
+        x2 = _gelu(_mlp_hidden(w1, b1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
+                               HAS_B1))[0]
         z2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), x2, PREC, z2)
     G2, _, _, _ = _loss_grad(z2, tgt, gam, bet, cm, Dv, HAS_LN)
     _store_tile(gs, G2, BV, BB)  # read back by blocks of value rows for G2 W2^T
@@ -830,7 +834,7 @@ def _mlp_minibatch(
         G1 = a * g1p
         zbar1 = _mlp_hidden(w1, b1, q_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
                             HAS_B1) - _dot(G1, M1t, PREC)
-        xbar2, _ = _gelu(zbar1)
+        xbar2 = _gelu(zbar1)[0]
         w2b = _blockT(w2, j0, 0, Dh, Dv, HB, BV)  # [BV, HB]
         zq2 = _dot(w2b, xbar2, PREC, zq2)
         A2t = _dot(tl.trans(x2), xbar2, PREC, A2t)
