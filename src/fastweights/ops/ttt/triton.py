@@ -1,5 +1,6 @@
-"""Triton kernels for the dual form of TTT-Linear (SPEC.md 2.2-2.4), forward and backward: one
-program per (batch, head) walks the sequence one mini-batch at a time.
+"""Triton kernels for the dual form of TTT-Linear (SPEC.md 2.2-2.4), forward and backward, and of
+TTT-MLP, forward only: one program per (batch, head) walks the sequence one mini-batch at a
+time.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mini-batch size,
 N = ceil(T / b) mini-batches, NF = floor(T / b) full ones; BB = max(16, next power of two >= b)
@@ -55,8 +56,14 @@ chip; weights, gradient sums, LayerNorm statistics and every accumulation are fl
 Products run with ``precisions``' float32 setting of ops/fwp/triton.py: exact float32 for
 float32 inputs, TF32 for half inputs (a bfloat16 or float16 value is exact in TF32).
 
-TTT-MLP has no kernels here (ops/backend.py does not offer triton for it): its weights, 2 x 256
-KiB per head at D = 128, would stream the same way, in hidden blocks (docs/gpu_ttt_kernels.md).
+TTT-MLP (``_mlp_fwd_kernel``, forward only: calls that record gradients run PyTorch): W1
+[Dk, Dh], W2 [Dh, Dv] (Dh = 4 Dk; 2 x 256 KiB per head at D = 128) stream the same way, in
+hidden blocks of HB units; per mini-batch two passes over the blocks: the first forms
+Z2 = gelu(K W1 + b1) W2 + b2 and its LayerNorm gradient G2; the second per block G1 =
+(G2 W2^T) * gelu'(Z1) (G2 read back from scratch by blocks of value rows), the queries'
+Zbar1 = Q W1 + b1 - (E * (Q K^T [+ 1])) G1, Xbar2 = gelu(Zbar1) through W2 into the read-out,
+the b x b scores Xbar2 X2^T, and the block's update. TTT-MLP's backward has no kernel: it
+would take the TTT-Linear backward's three passes with the hidden blocks, recomputing Z1.
 """
 
 from __future__ import annotations
