@@ -319,11 +319,12 @@ def test_mlp_continues_a_state_inside_a_mini_batch(launches, exact):
 
 
 def test_layer_passes_backend_through(launches, exact):
-    """TTTLinear(backend=...) hands its choice to the op: "triton" runs the kernels (output
-    equal to the PyTorch layer's to float32 accuracy), "torch" does not; a bad name is a
-    ValueError."""
+    """TTTLinear(backend=...) hands its choice to the op: "triton" runs the kernels, with the
+    output and the gradients of every parameter (the learned initial weights broadcast over a
+    batch of two among them) equal to the PyTorch layer's to float32 accuracy; "torch" does not
+    run them; a bad name is a ValueError."""
     torch.manual_seed(0)
-    x = torch.randn(1, 7, 16)
+    x = torch.randn(2, 7, 16)
     layer = TTTLinear(16, 2, mini_batch_size=4, backend="triton")
     ref = TTTLinear(16, 2, mini_batch_size=4, backend="torch")
     ref.load_state_dict(layer.state_dict())
@@ -331,5 +332,11 @@ def test_layer_passes_backend_through(launches, exact):
     y_ref, _ = ref(x)
     assert launches["linear_fwd"] == 1
     assert max_err(y, y_ref) <= TOL32
+    w = torch.randn(y.shape)
+    (y * w).sum().backward()
+    (y_ref * w).sum().backward()
+    assert launches["linear_bwd_b"] == 2
+    for (name, p), p_ref in zip(layer.named_parameters(), ref.parameters()):
+        assert max_err(p.grad, p_ref.grad) <= TOL32 * max(1.0, p_ref.grad.abs().max().item()), name
     with pytest.raises(ValueError, match="backend"):
         TTTLinear(16, 2, backend="cuda")
