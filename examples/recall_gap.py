@@ -1,4 +1,5 @@
-"""Sum rule vs delta rule on random associations, with no training (SPEC 1.7's overwrite property).
+"""Sum rule vs delta rule on random associations, with no training: the overwrite property of
+docs/maths.md 1.7.
 
 A memory of key dimension d reads a stream of L = 2S (key, value) writes whose keys are drawn with
 replacement from S unit keys; each key is then queried and should return the value written with

@@ -16,10 +16,10 @@ import fastweights
 
 ROOT = Path(fastweights.__file__).parent
 
-# The floors of the package, bottom to top (DESIGN.md, "Layers of the code"): a module imports
+# The floors of the package, bottom to top (docs/design.md, "Floors"): a module imports
 # modules of its own floor and of the floors below, never one above, at module level or inside
-# a function alike. The root's modules (fastweights itself, _checks, _files, state_tree) are
-# the ground floor.
+# a function alike. The root's modules (fastweights itself, _checks, _commands, _files, _names,
+# state_tree, testing) are the ground floor.
 FLOORS = (
     ("ops",),
     ("layers",),
@@ -63,23 +63,22 @@ def _is_type_checking(node: ast.AST) -> bool:
 
 
 def _is_main_block(node: ast.AST) -> bool:
-    """``if __name__ == "__main__":``: a script's entry point (``python -m fastweights.bench.X``
-    runs the command line), not an import of the library."""
+    """``if __name__ == "__main__":``, a script's entry point."""
     return isinstance(node, ast.If) and ast.unparse(node.test) in (
         "__name__ == '__main__'", '__name__ == "__main__"')
 
 
 def _imports(path: Path, modules: set[str]) -> dict[str, bool]:
     """fastweights-internal modules that ``path`` imports -> whether only inside a function
-    (imports under ``if TYPE_CHECKING`` and in ``if __name__ == "__main__"`` blocks are left
-    out)."""
+    (imports under ``if TYPE_CHECKING`` are left out; an ``if __name__ == "__main__"`` block's
+    count like any other)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: dict[str, bool] = {}
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if _is_type_checking(child) or _is_main_block(child):
+            if _is_type_checking(child):
                 continue
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             targets: list[str] = []
@@ -154,7 +153,7 @@ def test_no_arrow_up_a_floor_with_function_level_imports_included():
 
 def test_every_top_level_part_has_a_floor():
     parts = {p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
-    ground = {"__init__", "_checks", "_files", "state_tree"}
+    ground = {"__init__", "_checks", "_commands", "_files", "_names", "state_tree", "testing"}
     aliases = {a.split(".")[1] for a in ALIASES if a.count(".") == 1}
     assert parts - ground - aliases == {name for names in FLOORS for name in names}
 
@@ -183,6 +182,16 @@ def test_old_public_paths_still_import():
     from fastweights.fla import hf
 
     assert hf_fla.fla_model_class is hf.fla_model_class
+
+
+def test_the_command_is_the_only_entry_point():
+    """One door: ``fastweights`` (``python -m fastweights``, fastweights/__main__.py). No module
+    is also a script (an ``if __name__ == "__main__"`` block importing the command line back
+    made a file-level circle the graph did not see)."""
+    blocks = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
+              if any(_is_main_block(n) for n in ast.walk(ast.parse(p.read_text())))]
+    assert blocks == []
+    assert (ROOT / "__main__.py").is_file()
 
 
 def test_only_the_command_line_imports_it():

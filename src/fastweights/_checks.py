@@ -1,7 +1,7 @@
 """Argument validation shared by every op and layer.
 
 Each helper raises a ValueError/TypeError whose message names the argument, what was given and
-what was expected, and is called before any computation (DESIGN.md, "Bad arguments").
+what was expected, and is called before any computation (docs/design.md, "Bad arguments").
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-CHECKSUM_FILE = "checksums.json"  # size and SHA-256 of the two files above
+CHECKSUM_FILE = "checksums.json"  # size and SHA-256 of the two above (and of a carried tokenizer)
 # A training checkpoint also holds these (manifest.json, written last, lists every other file).
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -65,6 +65,13 @@ def file_listing(folder: Path, names: Iterable[str]) -> dict[str, dict[str, Any]
         size, sha = file_digest(folder / name)
         listing[name] = {"size": size, "sha256": sha}
     return listing
+
+
+def write_checksums(folder: Path, names: Iterable[str]) -> None:
+    """Write ``folder/checksums.json``: the listing of its files ``names`` (``file_listing``),
+    which ``LanguageModel.from_pretrained`` checks every listed file against."""
+    listing = file_listing(folder, names)
+    (folder / CHECKSUM_FILE).write_text(json.dumps(listing, indent=2) + "\n")
 
 
 def listing_problem(folder: Path, listing_path: Path, files: Any,

@@ -1,6 +1,6 @@
 """State trees: the one walker of the states layers and models carry.
 
-A state is a tree of lists, tuples and NamedTuples (the typed states of DESIGN.md) whose leaves
+A state is a tree of lists, tuples and NamedTuples (docs/design.md, "State layouts") whose leaves
 are tensors, ints and None (``LanguageModel``'s state is the list of its layers' states). Every
 user of states walks them here, on ``torch.utils._pytree``: the Hugging Face cache (map rows,
 concatenate groups, count bytes), the language model (gradient checkpointing passes a state as

@@ -45,7 +45,7 @@ def test_tiny_run_reports_state_and_speed(tmp_path, fill):
     assert by[("deltanet", 5)]["params"] == by[("deltanet", 40)]["params"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
     # the function returns the rows the command writes
-    again = fla_decode.run(["tiny"], ["deltanet"], ["float32"], [5], new_tokens=3,
+    again = fla_decode.run_fla_decode(["tiny"], ["deltanet"], ["float32"], [5], new_tokens=3,
                            prefill_chunk=16, fill=fill)
     assert [set(r) for r in again] == [set(by[("deltanet", 5)])]
     assert again[0]["state_mib_after_prefill"] == by[("deltanet", 5)]["state_mib_after_prefill"]

@@ -10,7 +10,7 @@ from fastweights.cli import main
 
 
 def test_family_compare_rows_and_command(capsys):
-    rows = family_compare.run(["softmax", "norm", "no-such-mixer"], [16], d_model=8, heads=2,
+    rows = family_compare.run_family_compare(["softmax", "norm", "no-such-mixer"], [16], d_model=8, heads=2,
                               repeats=1)
     assert [(r["mixer"], r["T"]) for r in rows] == [("softmax", 16), ("norm", 16)]
     assert rows[0]["vs_softmax"] == 1.0 and rows[1]["min_s"] > 0
@@ -31,5 +31,5 @@ def test_ttt_modes_results_and_json(tmp_path):
     row = results["ttt_linear"]
     assert row["forward"]["dual"] > 0 and row["forward+backward"]["speedup"] > 0
     assert row["float64_max_abs_dual_minus_primal_T256"] < 1e-10
-    assert set(ttt_modes.run(["ttt_mlp"], seq_len=8, head_dim=4, heads=1, mini_batch_size=4,
+    assert set(ttt_modes.run_ttt_modes(["ttt_mlp"], seq_len=8, head_dim=4, heads=1, mini_batch_size=4,
                              repeats=1)) == {"config", "ttt_mlp"}

@@ -46,7 +46,7 @@ def test_multistream_bench_writes_results(tmp_path, capsys):
     assert main(["bench", "multistream", "--mixers", "ttt-linear", "--out",
                  str(tmp_path / "cli")]) == 2  # results there already, no --overwrite
     assert "--overwrite" in capsys.readouterr().err
-    rows = multistream.run([("ttt-linear", "ttt-linear", {})], [1, 2], [70], tmp_path,
+    rows = multistream.run_multistream([("ttt-linear", "ttt-linear", {})], [1, 2], [70], tmp_path,
                            modes=("eager",), d_model=16, n_heads=2, n_layers=1, steps=1,
                            warmup=0, command="fastweights bench multistream --streams 1,2")
     assert [(r.mixer, r.streams, r.status) for r in rows] == [

@@ -18,7 +18,7 @@ def test_recompute_bench_writes_both_settings(tmp_path):
         ("delta", False), ("delta", True), ("softmax", False), ("softmax", True)]
     assert all(r["ms"] > 0 for r in rows)
     assert saved["meta"]["command"].startswith("fastweights bench recompute --mixers delta,softmax")
-    again = recompute.run(["delta"], [16], d_model=16, n_heads=2, n_layers=2, repeats=1)
+    again = recompute.run_recompute(["delta"], [16], d_model=16, n_heads=2, n_layers=2, repeats=1)
     assert [(r["mixer"], r["recompute"]) for r in again] == [("delta", False), ("delta", True)]
     table = (tmp_path / "results.md").read_text()
     assert table.count("| delta | 16 |") == 1 and table.count("| softmax | 16 |") == 1
@@ -27,7 +27,7 @@ def test_recompute_bench_writes_both_settings(tmp_path):
 def test_fwp_forms_times_forward_and_backward(capsys):
     from fastweights.bench import fwp_forms
 
-    rows = fwp_forms.run(T=20, H=1, D=4, repeats=1, chunk_sizes=[4, 8], modes=["chunk"],
+    rows = fwp_forms.run_fwp_forms(T=20, H=1, D=4, repeats=1, chunk_sizes=[4, 8], modes=["chunk"],
                          backward=True)
     assert len(rows) == 4 and all(r["ms"] > 0 and r["gflop_s"] > 0 for r in rows)
     out = capsys.readouterr().out

@@ -9,7 +9,7 @@ from fastweights.cli import main
 
 
 def test_times_every_variant(capsys):
-    res = ttt_mlp_backward.run([20], d_model=16, heads=2, repeats=1, group=2)
+    res = ttt_mlp_backward.run_ttt_mlp_backward([20], d_model=16, heads=2, repeats=1, group=2)
     row = res["20"]
     assert set(row) == {"softmax (SDPA)", "ttt-mlp", "ttt-mlp autograd", "ttt-mlp g2"}
     assert all(r["ms"] > 0 and r["saved_MiB"] > 0 for r in row.values())

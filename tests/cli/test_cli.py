@@ -166,6 +166,41 @@ def test_unwritable_out_is_one_line(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and "cannot create this folder" in err
 
 
+def test_refused_commands_leave_no_folder(tmp_path, text_file, capsys):
+    """Every check runs before anything is written: a refused train (outside torchrun with
+    --fsdp, in a subprocess as a user runs it) or export leaves neither its --out nor a parent
+    folder it would have made, nor a token cache."""
+    out = tmp_path / "new" / "run"
+    res = subprocess.run([sys.executable, "-m", "fastweights", "train", "--fsdp", "--out",
+                          str(out), "--data", text_file, "--quiet"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 2 and "launch with torchrun" in res.stderr, res.stderr
+    assert not out.parent.exists()
+    tiny = ["--data", text_file, "--seq-len", "8", "--batch-size", "2", "--d-model", "8",
+            "--n-heads", "2", "--n-layers", "1", "--steps", "1", "--quiet", "--out", str(out)]
+    bad(["train", *tiny, "--context-parallel", "2"], capsys, "multiple of context_parallel 2")
+    bad(["train", *tiny, "--fsdp-mixed", "bf16"], capsys, "it needs fsdp")
+    bad(["train", *tiny, "--seq-len", "100000"], capsys, "fewer than seq_len")
+    bad(["export", str(tmp_path / "nothing"), "--consolidate", "--out", str(out)], capsys,
+        "does not exist")
+    pytest.importorskip("tokenizers")
+    from tests.train.test_tokenized_data import make_tokenizer
+
+    tokenizer = make_tokenizer(tmp_path / "tok.json")
+    bad(["train", *tiny, "--tokenizer", tokenizer, "--fsdp"], capsys, "launch with torchrun")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.txt", "tok.json"]
+
+
+@pytest.mark.parametrize("argv", [["decode", "--mixers", "delta", "nosuch"],
+                                  ["recompute", "--mixers", "delta,nosuch"],
+                                  ["recompute", "--mixers", "delta", "--d-model", "7"]])
+def test_bench_model_mixers_are_checked_before_measuring(argv, capsys):
+    """decode and recompute build one model per mixer: a bad one is one line, exit 2, before
+    the first measurement (it was a traceback after the earlier mixers' runs)."""
+    bad(["bench", *argv], capsys, r"^fastweights bench: error: --mixers (nosuch: mixer: unknown "
+        r"mixer 'nosuch'|delta: .*d_model \(7\) must be divisible)")
+
+
 def test_train_carry_state_and_positions(tmp_path, text_file, capsys):
     run = tmp_path / "run"
     small = ["--data", text_file, "--steps", "2", "--seq-len", "8", "--batch-size", "2",

@@ -75,7 +75,7 @@ def test_bin_data_refusals_write_nothing(bins, tmp_path, capsys):
         r"train\.bin holds token id 299 at position \d+, not below vocab_size 299")
     bad(["train", "--data", str(bins), "--tokenizer", str(tmp_path / "nope.json"), "--out",
          str(out), *TINY], capsys, r"--tokenizer .*nope\.json does not exist")
-    assert not any(out.iterdir())  # at most the empty --out, made before the data is read
+    assert not out.exists()  # every refusal comes before --out is made
     bad(["train", "--data", str(bins), "--tokenizer", str(bins / "train.bin"), "--token-dtype",
          "uint16", "--out", str(out), *TINY], capsys, "--token-dtype is for pre-tokenized")
 
@@ -134,3 +134,74 @@ def test_tokenizer_run_cache_resume_eval_generate(tmp_path, capsys, monkeypatch)
     assert main(["generate", "--checkpoint", str(runs / "a"), "--prompt", "the owl",
                  "--max-new-tokens", "3", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("the owl")  # decoded by the run's tokenizer
+
+
+def cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    """``python -m fastweights ARGS`` in a subprocess, as a user runs it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "fastweights", *map(str, args)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def refused(res: subprocess.CompletedProcess, *patterns: str) -> None:
+    err = res.stderr.strip()
+    assert res.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for pattern in patterns:
+        assert re.search(pattern, err), err
+
+
+def test_an_exported_tokenized_model_is_scored_by_its_own_tokenizer(tmp_path, capsys):
+    """export --consolidate carries the run's tokenizer; eval and generate of the exported folder
+    read it, and give the run's numbers. A token model is never scored on bytes, nor by a
+    tokenizer that is larger than its vocabulary or not its own: one line naming both, exit 2."""
+    from fastweights.models import LanguageModel
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(4):
+        (texts / f"t{i}.txt").write_text("".join(LINES[i::3]))
+    tokenizer = make_tokenizer(tmp_path / "tok.json")
+    vocab = TextTokenizer(tokenizer).vocab_size
+    run, model = tmp_path / "run", tmp_path / "model"
+    assert main(["train", "--data", str(texts), "--tokenizer", tokenizer, "--steps", "2",
+                 "--out", str(run), *TINY]) == 0
+    bad(["export", str(run), "--consolidate", "--step", "--out", str(model)], capsys,
+        "--consolidate writes a new checkpoint folder, not a program: --step does not apply")
+    res = cli("export", run, "--consolidate", "--out", model)
+    assert res.returncode == 0 and "carrying tokenizer" in res.stdout, res.stderr
+    assert (model / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()
+    window = ["--seq-len", "8", "--windows", "2"]
+    res = cli("eval", "--checkpoint", model, "--data", texts, *window)
+    assert res.returncode == 0, res.stderr
+    exported = json.loads(res.stdout)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), *window]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert "bits_per_byte" not in exported
+    assert exported["bits_per_token"] == own["bits_per_token"] and exported["loss"] == own["loss"]
+    assert main(["generate", "--checkpoint", str(model), "--prompt", "the owl",
+                 "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("the owl")  # decoded by the carried tokenizer
+
+    # The same weights without the tokenizer (a folder from elsewhere): bytes are refused, and
+    # --tokenizer scores it as the run did.
+    bare = tmp_path / "bare"
+    LanguageModel.from_pretrained(model).save_pretrained(bare)
+    refused(cli("eval", "--checkpoint", bare, *window),
+            rf"vocabulary \({vocab} ids\) does not fit --data stdlib \(bytes, 256 ids\)",
+            "pass --tokenizer")
+    bad(["eval", "--checkpoint", str(bare), "--data", str(texts), *window], capsys,
+        rf"vocabulary \({vocab} ids\) does not fit --data .*texts \(bytes, 256 ids\)")
+    assert main(["eval", "--checkpoint", str(bare), "--data", str(texts), "--tokenizer",
+                 tokenizer, *window]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == own["loss"]
+    small = make_tokenizer(tmp_path / "small.json", vocab_size=280)
+    big = make_tokenizer(tmp_path / "big.json", vocab_size=400, extra="zebra crossing quickly")
+    bad(["eval", "--checkpoint", str(bare), "--data", str(texts), "--tokenizer", big], capsys,
+        rf"vocabulary \({vocab} ids\) does not fit tokenizer .*big\.json \(\d+ ids\)")
+    bad(["generate", "--checkpoint", str(bare), "--tokenizer", big], capsys,
+        rf"vocabulary \({vocab} ids\) does not fit tokenizer")
+    bad(["eval", "--checkpoint", str(model), "--data", str(texts), "--tokenizer", small], capsys,
+        r"--tokenizer .*small\.json is not the tokenizer .*tokenizer\.json the checkpoint carries")
+    bad(["eval", "--checkpoint", str(run), "--tokenizer", small], capsys,
+        r"small\.json is not the run's")

@@ -4,8 +4,6 @@ delta, a growing one for softmax (tiny settings)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from fastweights.bench import decode
 from fastweights.cli import main
@@ -27,7 +25,7 @@ def test_decode_bench_tiny(tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert "tokens/s" in capsys.readouterr().out
     # the function returns the rows the command writes
-    again = decode.run(["delta"], [9], d_model=8, n_layers=1, n_heads=2, vocab_size=11,
+    again = decode.run_decode(["delta"], [9], d_model=8, n_layers=1, n_heads=2, vocab_size=11,
                        new_tokens=3, prefill_chunk=7)
     assert [set(r) for r in again] == [set(by["delta", 9])]
     assert again[0]["state_bytes_after_prefill"] == by["delta", 9]["state_bytes_after_prefill"]
@@ -36,13 +34,3 @@ def test_decode_bench_tiny(tmp_path, capsys):
 def test_decode_bench_refuses_bad_settings_in_one_line(capsys):
     assert main(["bench", "decode", "--contexts", "0"]) == 2
     assert "--contexts" in capsys.readouterr().err
-
-
-def test_python_m_alias_is_the_command(tmp_path):
-    """`python -m fastweights.bench.decode` runs `fastweights bench decode`."""
-    out = tmp_path / "d.json"
-    done = subprocess.run([sys.executable, "-m", "fastweights.bench.decode", *TINY[:2],
-                           *TINY[3:], "--mixers", "delta", "--out", str(out)],
-                          capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    assert [r["context"] for r in json.loads(out.read_text())["results"]] == [9]

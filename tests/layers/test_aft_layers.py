@@ -1,5 +1,6 @@
-"""AFT layers beyond the shared contract: the SPEC 4.5 limits at layer level, the factorised
-position bias, max_len, the AFT-conv kernel reparameterisation, modes, options, dtypes."""
+"""AFT layers beyond the shared contract: the docs/maths.md 4.5 limits at layer level, the
+factorised position bias, max_len, the AFT-conv kernel reparameterisation, modes, options,
+dtypes."""
 
 from __future__ import annotations
 

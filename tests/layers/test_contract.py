@@ -1,4 +1,4 @@
-"""The layer contract (DESIGN.md) for every registered mixer: pieces == whole, T = 1 steps ==
+"""The layer contract (docs/design.md) for every registered mixer: pieces == whole, T = 1 steps ==
 parallel, causality, state_size. New mixers are covered by registering them; give small
 settings (block/segment/mini-batch sizes that do not divide the test length) in SMALL_OPTIONS."""
 

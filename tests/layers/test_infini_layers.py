@@ -1,4 +1,4 @@
-"""InfiniAttention layer: positions, memory inputs, gate, streaming, options (SPEC 5)."""
+"""InfiniAttention layer: positions, memory inputs, gate, streaming, options (docs/maths.md 5)."""
 
 from __future__ import annotations
 

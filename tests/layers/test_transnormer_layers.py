@@ -1,4 +1,4 @@
-"""TransNormer layers (SPEC 3.1-3.5, 3.7): NormAttention and DiagAttention against explicit
+"""TransNormer layers (docs/maths.md 3.1-3.5, 3.7): NormAttention and DiagAttention against explicit
 formulas built from their own weights, LRPE's relative property, SRMSNorm, GLU, options."""
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def test_norm_attention_init():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_norm_attention_half_precision_long_sequence(dtype):
-    # Un-normalised o_t grows like t; it must stay in float32 until SRMSNorm (SPEC 3.6).
+    # Un-normalised o_t grows like t; it must stay in float32 until SRMSNorm (docs/maths.md 3.6).
     torch.manual_seed(0)
     layer = NormAttention(D_MODEL, H, lrpe=False)
     with torch.no_grad():

@@ -1,5 +1,5 @@
-"""TTTLinear / TTTMLP layers: every option streams, the modes agree, the forward follows SPEC 2.1,
-2.3, 2.5 step by step, and the options are validated."""
+"""TTTLinear / TTTMLP layers: every option streams, the modes agree, the forward follows
+docs/maths.md 2.1, 2.3, 2.5 step by step, and the options are validated."""
 
 from __future__ import annotations
 

@@ -294,7 +294,7 @@ def test_gradient_checkpointing_is_off_in_eval_and_no_grad_and_packed_works():
 
 
 def test_inner_lr_warmup_reaches_the_layers_that_have_one():
-    """set_inner_lr_warmup(progress) ramps TTT-MLP's eta_scale from 0.1 to 1 (SPEC 2.6) and
+    """set_inner_lr_warmup(progress) ramps TTT-MLP's eta_scale from 0.1 to 1 (docs/maths.md 2.6) and
     leaves layers without an inner learning-rate schedule as they are."""
     model = tiny(["ttt-mlp", "ttt-linear", "delta"])
     mlp, lin, delta = (b.mixer for b in model.blocks)

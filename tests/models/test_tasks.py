@@ -1,5 +1,5 @@
-"""Task generators (SPEC 1.8 settings 1 and 2, MQAR, passkey, byte corpora) and the retrieval
-model's memory variants."""
+"""Task generators (docs/maths.md 1.8 settings 1 and 2, MQAR, passkey, byte corpora) and the
+retrieval model's memory variants."""
 
 from __future__ import annotations
 

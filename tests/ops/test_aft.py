@@ -1,7 +1,8 @@
 """AFT ops: every fast and streaming form against the naive oracle, and the equivalences of
-SPEC 4.5 (AFT-full w=0 == AFT-simple, AFT-local s >= T == AFT-full, AFT-local w=0 == AFT-simple,
-AFT-conv == AFT-local with a Toeplitz bias, AFT-simple == per-channel linear attention,
-AFT-full == per-channel softmax attention, key shifts change nothing), stability, gradients."""
+docs/maths.md 4.5 (AFT-full w=0 == AFT-simple, AFT-local s >= T == AFT-full, AFT-local w=0 ==
+AFT-simple, AFT-conv == AFT-local with a Toeplitz bias, AFT-simple == per-channel linear
+attention, AFT-full == per-channel softmax attention, key shifts change nothing), stability,
+gradients."""
 
 from __future__ import annotations
 
@@ -216,7 +217,7 @@ def test_final_state_only_when_asked():
     assert aft_conv_stream(qc, kc, vc, wc)[1] is None
 
 
-# ----------------------------------------------------------------------------- SPEC 4.5
+# -------------------------------------------------------------------------------- docs/maths.md 4.5
 
 @CAUSAL
 def test_full_with_zero_bias_is_simple(causal):
@@ -259,7 +260,7 @@ def test_full_float32_is_exact_for_extreme_key_and_bias_spreads(causal, chunk):
 
 @CAUSAL
 def test_local_with_window_zero_is_simple(causal):
-    """SPEC 4.5: AFT-local with s = 0 == AFT-simple (no pair lies in the window)."""
+    """docs/maths.md 4.5: AFT-local with s = 0 == AFT-simple (no pair lies in the window)."""
     q, k, v, w = make(2, 23, 4)
     assert_close64(aft_local(q, k, v, w, window=0, causal=causal), aft(q, k, v, None, causal=causal))
 

@@ -129,6 +129,7 @@ def fla_on_cpu(monkeypatch):
     monkeypatch.setattr(backends, "fla_ops", lambda: stand_ins)
     monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
     monkeypatch.setattr(backends, "_logged", set())
+    monkeypatch.setattr(backends, "_trials", {})
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     return calls
 
@@ -226,14 +227,19 @@ def test_fla_gradients_match_oracle(fla_on_cpu):
 
 
 def test_automatic_choice_prefers_fla_and_logs_once(fla_on_cpu, caplog):
+    """The first automatic choice per (op, dtype, device, gradients) runs a trial call first (the
+    extra fla call below); the choice is logged once at INFO, and fla's first-call autotuning
+    once per op at WARNING."""
     q, k, v, beta, _, _ = data(T=12)
     with caplog.at_level(logging.INFO, logger="fastweights.ops.backend"):
         linear_attn(q, k, v)
         linear_attn(q, k, v)
         delta_rule(q.half(), sum_norm(k).half(), v.half(), beta)
-    assert fla_on_cpu == ["linear_attn", "linear_attn", "delta_rule"]
-    messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 2 and all("fla backend" in m for m in messages)
+    assert fla_on_cpu == ["linear_attn"] * 3 + ["delta_rule"] * 2
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(infos) == 2 and all("fla backend" in m for m in infos)
+    assert len(warnings) == 2 and all("autotune on their first call" in m for m in warnings)
     # fla's delta rule refuses float32 inputs: the automatic choice passes it over, saying why.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fastweights.ops.backend"):
@@ -242,7 +248,7 @@ def test_automatic_choice_prefers_fla_and_logs_once(fla_on_cpu, caplog):
     # chunk_size other than fla's 64: the automatic choice moves on (fla's chunk is fixed).
     assert backends.choose_backend("linear_attn", q, None, "chunk", 32) != "fla"
     linear_attn(q, k, v, mode="naive")
-    assert fla_on_cpu == ["linear_attn", "linear_attn", "delta_rule"]
+    assert fla_on_cpu == ["linear_attn"] * 3 + ["delta_rule"] * 2
 
 
 def test_explicit_backend_that_cannot_run_is_an_error(fla_on_cpu, monkeypatch):
@@ -403,11 +409,12 @@ def test_gated_delta_rule_backend_choice(fla_on_cpu):
     an explicit fla that cannot run the call is a ValueError saying why, before any work."""
     q, k, v, beta, g, _ = gdn_data(T=12)
     gated_delta_rule(q, k, v, beta, g)
-    assert fla_on_cpu == ["gated_delta_rule"]
+    assert fla_on_cpu == ["gated_delta_rule"] * 2  # the trial, then the call
+    fla_on_cpu.clear()
     gated_delta_rule(q, k, v, beta, g, chunk_size=32)
     gated_delta_rule(q, k, v, beta, g, mode="recurrent")
     gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], beta[:, :1], g[:, :1])
-    assert fla_on_cpu == ["gated_delta_rule"]
+    assert fla_on_cpu == []
     with pytest.raises(ValueError, match="chunk_size=32: fla's kernels use chunks of 64"):
         gated_delta_rule(q, k, v, beta, g, backend="fla", chunk_size=32)
     with pytest.raises(ValueError, match="mode='chunk'"):
@@ -416,7 +423,7 @@ def test_gated_delta_rule_backend_choice(fla_on_cpu):
         gated_delta_rule(*(x.double() for x in (q, k, v, beta, g)), backend="fla")
     with pytest.raises(ValueError, match="g must be <= 0"):  # the op's checks come first
         gated_delta_rule(q, k, v, beta, -g, backend="fla")
-    assert fla_on_cpu == ["gated_delta_rule"]
+    assert fla_on_cpu == []
 
 
 def test_gated_delta_rule_cpu_tensors_stay_on_torch(fla_on_cpu, monkeypatch):
@@ -429,3 +436,130 @@ def test_gated_delta_rule_cpu_tensors_stay_on_torch(fla_on_cpu, monkeypatch):
     assert fla_on_cpu == [] and err(o, ref) <= TOL
     with pytest.raises(ValueError, match="inputs on cpu, the fla kernels need CUDA tensors"):
         gated_delta_rule(q, k, v, beta, g, backend="fla")
+
+
+# fla 0.6's gated backward kernel refuses Triton >= 3.4, < 3.7.1 on Hopper GPUs (its guard
+# in fla.ops.common.chunk_o.chunk_bwd_dqkwg): the forward runs, the backward raises.
+HOPPER_GUARD = ("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for "
+                "gated chunk_bwd_dqkwg (see #640).")
+
+
+class _BackwardRefuses(torch.autograd.Function):
+    """Identity whose backward raises fla's guard."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(HOPPER_GUARD)
+
+
+@pytest.fixture
+def fla_refuses(fla_on_cpu, monkeypatch):
+    """fla's gated delta rule whose backward raises the Hopper guard, and delta rule whose
+    forward raises (an unsupported-shape refusal); Triton off, so the next backend is torch."""
+    forward_ok = backends.fla_ops().gated_delta_rule
+
+    def gated(*args, **kwargs):
+        o, S = forward_ok(*args, **kwargs)
+        return _BackwardRefuses.apply(o), S
+
+    def delta(*args, **kwargs):
+        fla_on_cpu.append("delta_rule")
+        raise NotImplementedError("head dim 11 is not supported")
+
+    stand_ins = SimpleNamespace(**{**vars(backends.fla_ops()), "gated_delta_rule": gated,
+                                   "delta_rule": delta})
+    monkeypatch.setattr(backends, "fla_ops", lambda: stand_ins)
+    monkeypatch.setenv("FASTWEIGHTS_TRITON", "0")
+    return fla_on_cpu
+
+
+def _gdn_run(inputs, **kw):
+    q, k, v, beta, g, S0 = inputs
+    o, S = gated_delta_rule(q, k, v, beta, g, initial_state=S0, output_final_state=True,
+                            scale=0.5, **kw)
+    return o, S
+
+
+def _leaves(dtype=torch.float32):
+    return [x.to(dtype).clone().requires_grad_() for x in gdn_data(T=70)]
+
+
+def test_fla_backward_refusal_falls_back_with_the_right_result(fla_refuses, caplog):
+    """The automatic choice's trial meets fla's backward refusal: the call runs on the next
+    backend (torch here) and its outputs and gradients equal the float64 oracle's; the refusal
+    is logged once at WARNING with fla's reason and remembered (no fla call afterwards, no
+    second trial); forward-only calls, which fla can run, still take fla."""
+    xs, x64 = _leaves(), _leaves(torch.float64)
+    w = torch.randn(2, 70, 4, 11, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="fastweights.ops.backend"):
+        for inputs, extra in ((xs, {}), (x64, {"mode": "naive"})):
+            o, S = _gdn_run(inputs, **extra)
+            ((o.double() * w).sum() + S.double().square().sum()).backward()
+    assert fla_refuses == ["gated_delta_rule"]  # the trial only
+    refusals = [r.getMessage() for r in caplog.records if "failed a trial" in r.getMessage()]
+    assert len(refusals) == 1 and "RuntimeError: Triton >= 3.4.0 and < 3.7.1" in refusals[0]
+    for a, b in zip(xs, x64):
+        assert err(a.grad, b.grad) <= 1e-4 * max(1.0, b.grad.abs().max().item())
+    _gdn_run(_leaves())[0].sum().backward()  # remembered: neither trial nor call
+    assert fla_refuses == ["gated_delta_rule"]
+    with torch.no_grad():
+        _gdn_run(_leaves())
+    assert fla_refuses == ["gated_delta_rule"] * 3  # a forward-only trial, then the call
+    # An explicit fla is not tried: its refusal reaches the caller.
+    o, _ = _gdn_run(_leaves(), backend="fla")
+    with pytest.raises(RuntimeError, match="Hopper GPUs"):
+        o.sum().backward()
+
+
+def test_fla_forward_refusal_falls_back(fla_refuses):
+    """A refusal in fla's forward (an unsupported shape): the automatic choice takes torch, whose
+    result equals the oracle's; an explicit fla raises fla's error."""
+    q, k, v, beta, S0, _ = data(T=20)
+    q, k, v = (x.half() for x in (q, sum_norm(k), v))
+    o, S = delta_rule(q, k, v, beta, initial_state=S0, output_final_state=True)
+    ref, Sr = delta_rule(*(x.double() for x in (q, k, v, beta)), initial_state=S0.double(),
+                         output_final_state=True, mode="naive")
+    assert fla_refuses == ["delta_rule"]  # the trial
+    assert err(o, ref) <= torch.finfo(torch.float16).eps * max(1.0, ref.abs().max().item())
+    assert err(S, Sr) <= 1e-3 * max(1.0, Sr.abs().max().item())
+    with pytest.raises(NotImplementedError, match="head dim 11"):
+        delta_rule(q, k, v, beta, backend="fla")
+
+
+def test_out_of_memory_in_a_trial_is_not_a_refusal(fla_on_cpu, monkeypatch):
+    """Running out of memory says nothing about the backend: it reaches the caller and nothing is
+    remembered."""
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(backends, "fla_ops", lambda: SimpleNamespace(linear_attn=oom))
+    q, k, v, _, _, _ = data(T=12)
+    with pytest.raises(torch.OutOfMemoryError):
+        linear_attn(q, k, v)
+    assert backends._trials == {}
+
+
+def test_layer_trains_through_an_fla_refusal(fla_refuses, monkeypatch):
+    """GatedDeltaNet in a bfloat16 model, automatic backend, fla refusing its backward: the
+    layer's forward and backward run (on torch) and equal the same layer with backend torch."""
+    from fastweights.layers import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(32, 2, chunk_size=64).bfloat16()
+    x = torch.randn(2, 70, 32, dtype=torch.bfloat16, requires_grad=True)
+    y, _ = layer(x)
+    y.float().square().sum().backward()
+    got = [x.grad] + [p.grad for p in layer.parameters()]
+    assert fla_refuses == ["gated_delta_rule"]
+    layer.zero_grad()
+    x2 = x.detach().clone().requires_grad_()
+    monkeypatch.setenv("FASTWEIGHTS_BACKEND", "torch")
+    y2, _ = layer(x2)
+    y2.float().square().sum().backward()
+    assert torch.equal(y, y2)
+    for a, b in zip(got, [x2.grad] + [p.grad for p in layer.parameters()]):
+        assert torch.equal(a, b)

@@ -1,4 +1,4 @@
-"""Feature maps (SPEC 1.2): values, widths, FAVOR+ unbiasedness and overflow safety."""
+"""Feature maps (docs/maths.md 1.2): values, widths, FAVOR+ unbiasedness and overflow safety."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""linear_attn and delta_rule: every form against the naive oracle (SPEC 1.3, 1.4, 1.7)."""
+"""linear_attn and delta_rule: every form against the naive oracle (docs/maths.md 1.3, 1.4, 1.7)."""
 
 from __future__ import annotations
 

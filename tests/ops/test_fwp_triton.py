@@ -1,5 +1,5 @@
 """Triton kernels of linear_attn / delta_rule / gated_delta_rule (ops/fwp/triton.py) run by the
-Triton CPU interpreter against the naive oracles (SPEC 1.3, 1.4, 5b), and the mode="chunk"
+Triton CPU interpreter against the naive oracles (docs/maths.md 1.3, 1.4, 5b), and the mode="chunk"
 dispatcher.
 
 Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, including its own
@@ -207,8 +207,10 @@ def test_use_triton_decision(kernels, monkeypatch, caplog):
 
 def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     """With the device check forced, the public ops run the (interpreted) kernels, scale q,
-    carry states and return outputs in the input dtype, matching mode="naive"."""
+    carry states and return outputs in the input dtype, matching mode="naive". The first
+    automatic choice per op and dtype runs a trial call first (ops/backend.py)."""
     ran = []
+    monkeypatch.setattr(backends, "_trials", {})
     for name in ("linear_attn_triton", "delta_rule_triton"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
@@ -229,7 +231,7 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     assert max(max_err(o, ref), max_err(S, Sr), max_err(z, zr)) <= TOL32
     # The delta rule takes Triton for half inputs (float32 ones have no spill-free tiling).
     delta_rule(q32, k32, v32, b32, initial_state=S0.float(), chunk_size=16, **kw)
-    assert ran == ["linear_attn_triton"]
+    assert ran == ["linear_attn_triton"] * 2
     q16, k16, v16 = (x.half() for x in (q32, k32, v32))
     o, S = delta_rule(q16, k16, v16, b32, initial_state=S0.float(), chunk_size=16, **kw)
     ref, Sr = delta_rule(*(x.double() for x in (q16, k16, v16, b32)), initial_state=S0,
@@ -237,15 +239,16 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     assert o.dtype == torch.float16
     assert max_err(o, ref) <= torch.finfo(torch.float16).eps * ref.abs().max().item()
     assert max_err(S, Sr) <= TOL32
-    assert ran == ["linear_attn_triton", "delta_rule_triton"]
+    done = ["linear_attn_triton"] * 2 + ["delta_rule_triton"] * 2
+    assert ran == done
     # A decoding step (T = 1) stays on the recurrent form.
     linear_attn(q32[:, :1], k32[:, :1], v32[:, :1])
-    assert ran == ["linear_attn_triton", "delta_rule_triton"]
+    assert ran == done
     # backend="torch" and FASTWEIGHTS_BACKEND=torch keep the kernels out.
     linear_attn(q32, k32, v32, backend="torch")
     monkeypatch.setenv("FASTWEIGHTS_BACKEND", "torch")
     delta_rule(q32, k32, v32, b32)
-    assert ran == ["linear_attn_triton", "delta_rule_triton"]
+    assert ran == done
 
 
 def test_works_without_triton(monkeypatch):
@@ -406,8 +409,10 @@ def test_gated_delta_dispatch_through_the_kernels(kernels, monkeypatch):
     """With the device check forced and fla absent, gated_delta_rule runs the (interpreted)
     kernels for half inputs (scale applied, state carried, output in the input dtype, equal to
     mode="naive"; a packed batch one document at a time), and PyTorch for float32 inputs (no spill-free float32 tiling, as for the
-    delta rule), chunk sizes over 64 and one-token steps."""
+    delta rule), chunk sizes over 64 and one-token steps. The first automatic choice runs a
+    trial call first (ops/backend.py)."""
     ran = []
+    monkeypatch.setattr(backends, "_trials", {})
     fn = kernels.gated_delta_rule_triton
     monkeypatch.setattr(kernels, "gated_delta_rule_triton", lambda *a: ran.append(1) or fn(*a))
     monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
@@ -421,7 +426,7 @@ def test_gated_delta_dispatch_through_the_kernels(kernels, monkeypatch):
                             chunk_size=8, **kw)
     ref, Sr = gated_delta_rule(qh.double(), kh.double(), vh.double(), beta.float().double(),
                                g.float().double(), initial_state=S0, mode="naive", **kw)
-    assert ran == [1] and o.dtype == torch.float16
+    assert ran == [1, 1] and o.dtype == torch.float16  # the trial, then the call
     assert max_err(o, ref) <= torch.finfo(torch.float16).eps * ref.abs().max().item()
     assert max_err(S, Sr) <= TOL32 * max(1.0, Sr.abs().max().item())
     # A packed batch: one document at a time through the kernels, the state reset between.
@@ -429,13 +434,13 @@ def test_gated_delta_dispatch_through_the_kernels(kernels, monkeypatch):
     o, states = gated_delta_rule(qh, kh, vh, beta, g, cu_seqlens=cu, chunk_size=8, **kw)
     ref, ref_states = gated_delta_rule(qh.double(), kh.double(), vh.double(), beta, g,
                                        cu_seqlens=cu, mode="naive", **kw)
-    assert ran == [1, 1, 1] and len(states) == 2
+    assert ran == [1] * 4 and len(states) == 2
     assert max_err(o, ref) <= torch.finfo(torch.float16).eps * ref.abs().max().item()
     assert max(max_err(a, b) for a, b in zip(states, ref_states)) <= TOL32
     gated_delta_rule(*(x.float() for x in (q, k, v, beta, g)), chunk_size=8)
     gated_delta_rule(qh, kh, vh, beta, g, chunk_size=65)
     gated_delta_rule(qh[:, :1], kh[:, :1], vh[:, :1], beta[:, :1], g[:, :1])
-    assert ran == [1, 1, 1]  # none of the three above
+    assert ran == [1] * 4  # none of the three above
     with pytest.raises(ValueError, match="chunk_size <= 64"):
         gated_delta_rule(qh, kh, vh, beta, g, chunk_size=65, backend="triton")
     for dtype, want in ((torch.bfloat16, "triton"), (torch.float32, "torch")):

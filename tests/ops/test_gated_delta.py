@@ -1,5 +1,5 @@
-"""gated_delta_rule (Gated DeltaNet, SPEC 5b): every form against the naive oracle in float64
-(outputs, final states, gradients), the equivalences it must keep (g = 0 is delta_rule, the
+"""gated_delta_rule (Gated DeltaNet, docs/maths.md 5b): every form against the naive oracle in
+float64 (outputs, final states, gradients), the equivalences it must keep (g = 0 is delta_rule, the
 delta term removed is decay_linear_attn, grouped heads are expanded heads, pieces are the
 whole, packed documents are separate ones), hard resets (g = -inf) and torch.compile."""
 
@@ -167,7 +167,7 @@ def test_without_delta_term_is_decay_linear_attn(mode, chunk):
     """The delta term k_t^T (k_t S'_t) vanishes when k_t is orthogonal to everything the state
     holds: mutually orthogonal keys (any norms; T <= Dk) and an initial state whose rows lie
     orthogonal to all of them. Then, with a per-head constant gate g = log(lambda_h),
-    S_t = lambda_h S_{t-1} + beta_t k_t^T v_t: decay_linear_attn (SPEC 3.5, decay [H], no
+    S_t = lambda_h S_{t-1} + beta_t k_t^T v_t: decay_linear_attn (docs/maths.md 3.5, decay [H], no
     normaliser) with values beta_t v_t, including the initial state's decayed read-out."""
     B, T, H, Dk, Dv = 2, 9, 3, 12, 5
     gen = torch.Generator().manual_seed(10)

@@ -1,4 +1,5 @@
-"""infini_attention: every form against the naive oracle and the equivalences of SPEC 5.5."""
+"""infini_attention: every form against the naive oracle and the equivalences of
+docs/maths.md 5.5."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def seg_ids(T, N):
 
 def block_causal_mem(qm, km, v, N):
     """A_mem[i] = sum_{seg(j) < seg(i)} (s(q_i).s(k_j)) v_j / sum_{seg(j) < seg(i)} s(q_i).s(k_j),
-    0 where no earlier segment exists (SPEC 5.2)."""
+    0 where no earlier segment exists (docs/maths.md 5.2)."""
     T = qm.shape[1]
     s = seg_ids(T, N)
     mask = (s[None, :] < s[:, None]).to(F64)  # [T(i), T(j)]
@@ -168,7 +169,8 @@ def test_two_item_state_means_no_open_segment():
 
 
 def _literal_memory(k_mem, v, N, update, M, z, eps=1e-6):
-    """(M, z) after writing every segment of SPEC 5.1 in turn, a short last one included."""
+    """(M, z) after writing every segment of docs/maths.md 5.1 in turn, a short last one
+    included."""
     for start in range(0, k_mem.shape[1], N):
         sk = torch.nn.functional.elu(k_mem[:, start:start + N]) + 1.0  # [B, n, H, Dk]
         w = v[:, start:start + N]
@@ -184,8 +186,9 @@ def _literal_memory(k_mem, v, N, update, M, z, eps=1e-6):
 @pytest.mark.parametrize("update", UPDATES)
 @pytest.mark.parametrize("T", [12, 14, 3])
 def test_final_state_is_the_pair_M_z_of_every_token_seen(mode, update, T):
-    """DESIGN: state = (M, z). The memory holds every segment written by SPEC 5.1's rule, a
-    trailing short segment included; continuing from the state stays exact (open_segment)."""
+    """docs/design.md, "Public ops": state = (M, z). The memory holds every segment written by
+    docs/maths.md 5.1's rule, a trailing short segment included; continuing from the state stays
+    exact (open_segment)."""
     q, k, v, qm, km, gate = make(2, 20, 2, 4, 3, seed=12)
     M0, z0 = memory(2, 2, 4, 3)
     opts = {"segment_len": 4, "update": update, "mode": mode, "output_final_state": True}
@@ -226,7 +229,7 @@ def test_final_state_is_none_unless_asked():
     assert infini_attention(q, k, v, gate, segment_len=2)[1] is None
 
 
-# --- SPEC 5.5 equivalences ---------------------------------------------------------------------
+# --- docs/maths.md 5.5 equivalences ---------------------------------------------------------------
 
 @pytest.mark.parametrize("N", [13, 20], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("mode", ["naive", "chunk", "recurrent"])

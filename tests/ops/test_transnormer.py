@@ -1,5 +1,5 @@
-"""TransNormer ops (SPEC 3.1, 3.2, 3.5, 3.7): NormAttention's un-normalised linear attention,
-decay_linear_attn, block_attention and srms_norm, each against an explicit formula."""
+"""TransNormer ops (docs/maths.md 3.1, 3.2, 3.5, 3.7): NormAttention's un-normalised linear
+attention, decay_linear_attn, block_attention and srms_norm, each against an explicit formula."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def masked_quadratic(q, k, v, lam=None, S0=None):
     return o
 
 
-# --- NormAttention core: un-normalised linear attention (SPEC 3.1) ---------------------------
+# --- NormAttention core: un-normalised linear attention (docs/maths.md 3.1) -----------------------
 
 @pytest.mark.parametrize("act", ["1+elu", "elu"])
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"C{c}")
@@ -73,7 +73,7 @@ def test_norm_attention_forms_equal_masked_quadratic(act, chunk):
     assert_close64(o, ref, what="decay op with lambda 1")
 
 
-# --- decay_linear_attn (SPEC 3.5) --------------------------------------------------------------
+# --- decay_linear_attn (docs/maths.md 3.5) --------------------------------------------------------
 
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"C{c}")
@@ -189,7 +189,7 @@ def test_decay_keeps_float32_state_for_bfloat16():
 
 @pytest.mark.parametrize("op", ["linear_attn", "decay_linear_attn"])
 def test_bfloat16_long_sequence_does_not_overflow(op):
-    # Un-normalised sums grow like T (SPEC 3.6); the ops accumulate in float32.
+    # Un-normalised sums grow like T (docs/maths.md 3.6); the ops accumulate in float32.
     T = 4096
     g = torch.Generator().manual_seed(7)
     q = elu_plus_one(torch.randn(1, T, 1, 8, generator=g))
@@ -206,7 +206,7 @@ def test_bfloat16_long_sequence_does_not_overflow(op):
     assert rel < 2e-2, rel
 
 
-# --- block_attention (SPEC 3.2) ----------------------------------------------------------------
+# --- block_attention (docs/maths.md 3.2) ----------------------------------------------------------
 
 def block_diagonal_reference(q, k, v, w, kernel, scale=None):
     """Explicit formula: full attention logits under a block-diagonal causal mask."""
@@ -274,7 +274,7 @@ def test_block_attention_bfloat16_long_sequence(kernel):
     assert ((o.float() - ref).norm() / ref.norm()).item() < 2e-2
 
 
-# --- srms_norm (SPEC 3.1) ----------------------------------------------------------------------
+# --- srms_norm (docs/maths.md 3.1) ----------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
 def test_srms_norm_has_unit_rms(dtype):

@@ -1,5 +1,5 @@
-"""TTT-Linear / TTT-MLP ops (SPEC.md 2): naive == primal == dual, streaming, gradients, and the
-papers' equivalences (delta rule at b = 1, causal linear attention with one mini-batch)."""
+"""TTT-Linear / TTT-MLP ops (docs/maths.md 2): naive == primal == dual, streaming, gradients, and
+the papers' equivalences (delta rule at b = 1, causal linear attention with one mini-batch)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def make_case(kind, B=2, T=13, H=3, Dk=5, Dv=5, b=4, ln=True, residual=True, bia
     # eta_base sigmoid(.) / d-sized rates, so that no configuration (MLP without LN) diverges
     eta = (0.1 + torch.rand(B, T, H, generator=gen, dtype=F64)) / Dk
     if kind == "mlp":
-        eta = eta / 10  # SPEC 2.6 gives TTT-MLP a 10x smaller eta_base
+        eta = eta / 10  # docs/maths.md 2.6 gives TTT-MLP a 10x smaller eta_base
     kw = {"initial_state": make_state(kind, B, H, Dk, Dv, bias, gen), "residual": residual,
               "mini_batch_size": b}
     if ln:
@@ -239,7 +239,8 @@ def test_gradcheck(kind, mode, carried):
 
 
 def test_inner_gradient_formula_matches_autograd():
-    """SPEC 2.2's dl/dZ through the LayerNorm equals autograd of 1/2 ||LN(Z) - target||^2."""
+    """docs/maths.md 2.2's dl/dZ through the LayerNorm equals autograd of
+    1/2 ||LN(Z) - target||^2."""
     gen = torch.Generator().manual_seed(2)
     Z = rand(2, 3, 4, 7, gen=gen).requires_grad_()
     target, w, b = rand(2, 3, 4, 7, gen=gen), 1 + rand(3, 7, gen=gen, scale=0.5), rand(3, 7, gen=gen)
@@ -332,8 +333,8 @@ def test_no_final_state_unless_asked():
 @pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("bias", [True, False])
 def test_checkpoint_group_gives_identical_outputs_states_and_gradients(kind, group, bias):
-    """Recomputing the scan in groups (SPEC 2.6) changes nothing: T = 13 with b = 4 leaves a
-    partial last mini-batch, and the second call starts inside a mini-batch (carried sums)."""
+    """Recomputing the scan in groups (docs/maths.md 2.6) changes nothing: T = 13 with b = 4 leaves
+    a partial last mini-batch, and the second call starts inside a mini-batch (carried sums)."""
     op = ttt_linear if kind == "linear" else ttt_mlp
     (q, k, v, eta), kw = make_case(kind, bias=bias, seed=40)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, eta)]

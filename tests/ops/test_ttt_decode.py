@@ -186,7 +186,8 @@ def test_step_gradcheck(kind, prefix):
 
 
 def test_dtypes_and_bad_length():
-    """bfloat16 tokens: output bfloat16, carry float32 (DESIGN.md); T != 1 is refused."""
+    """bfloat16 tokens: output bfloat16, carry float32 (docs/design.md, "Precision"); T != 1 is
+    refused."""
     args, kw = make_case("mlp", B=1, T=3, b=4)
     bf = [x.to(torch.bfloat16) for x in args]
     opts = {n: kw.get(n) for n in ("ln_weight", "ln_bias", "token_scale")}

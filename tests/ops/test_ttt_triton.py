@@ -1,6 +1,6 @@
 """Triton kernels of the TTT dual form (ops/ttt/triton.py) run by the Triton CPU interpreter
-against the float64 token-loop oracle (SPEC 2.2-2.4), and the backend= dispatch of the TTT ops
-and layers.
+against the float64 token-loop oracle (docs/maths.md 2.2-2.4), and the backend= dispatch of the
+TTT ops and layers.
 
 tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton; the ``kernels``
 fixture checks that the kernels really are interpreted, and every kernel launch is counted

@@ -142,7 +142,7 @@ def test_bf16_autocast_trains_with_float32_weights(tmp_path, corpus):
 
 
 def test_ttt_mlp_inner_learning_rate_ramps_over_warmup():
-    """SPEC 2.6: TTT-MLP's eta is scaled by a multiplier ramping linearly 0.1 -> 1 over the
+    """docs/maths.md 2.6: TTT-MLP's eta is scaled by a multiplier ramping linearly 0.1 -> 1 over the
     outer warm-up; TTT-Linear has no ramp."""
     from fastweights import build_mixer
     from fastweights.train.trainer import set_inner_lr_ramp

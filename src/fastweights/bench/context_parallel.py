@@ -16,20 +16,19 @@ runs with ``--threads`` threads; on a machine with fewer cores than N x threads 
 mostly measure contention, the memory and byte counts do not depend on it.
 
 Run: ``fastweights bench context-parallel --world 1,2,4 --lengths 1024,2048,4096
---out benchmarks/results/context_parallel`` (``python -m fastweights.bench.context_parallel`` is
-the same command). Writes results.csv, longest_T.csv, summary.md and
+--out benchmarks/results/context_parallel``. Writes results.csv, longest_T.csv, summary.md and
 run.json (the command and machine).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import functools
 import gc
 import json
 import platform
 import statistics
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..models.registry import build_mixer, check_mixer
+from .._commands import (
+    UserError,
+    command_line,
+    parse_int_list,
+    parse_mixer_spec,
+    positive_int,
+    user_errors,
+)
+from ..models.registry import build_mixer, check_mixer, mixer_names
 from ..parallel import context_parallel_forward, counting, strategy_name
 from .measure import PeakMemory, prepare_cpu_memory_accounting
 
@@ -218,7 +225,7 @@ def check(mixers: list[tuple[str, str, dict]], lengths: list[int], worlds: list[
             raise type(exc)(f"{label}: {exc}") from None
 
 
-def run(mixers: list[tuple[str, str, dict]], lengths: list[int], worlds: list[int], out: Path,
+def run_context_parallel(mixers: list[tuple[str, str, dict]], lengths: list[int], worlds: list[int], out: Path,
         *, d_model: int = 256, n_heads: int = 4, batch: int = 1, repeats: int = 3,
         threads: int = 1, memory_gib: float = 24.0, timeout: float = 600.0,
         command: str = "") -> list[dict]:
@@ -248,7 +255,40 @@ def run(mixers: list[tuple[str, str, dict]], lengths: list[int], worlds: list[in
     return rows
 
 
-if __name__ == "__main__":  # the same as `fastweights bench context-parallel`
-    from ..cli.main import main
+NAME = "context-parallel"
+DESCRIPTION = ("One layer's training step (forward + backward) on one sequence of T tokens split "
+               "over N processes (gloo, CPU), for N in --world and T in --lengths: time per "
+               "step, peak memory per rank, bytes communicated per layer, and the longest T one "
+               "machine of --memory-gib fits. Writes results.csv, longest_T.csv, summary.md and "
+               "run.json into --out.")
 
-    sys.exit(main(["bench", "context-parallel", *sys.argv[1:]]))
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world", default="1,2,4", help="comma-separated process counts N")
+    p.add_argument("--lengths", default="1024,2048,4096", help="comma-separated total T")
+    p.add_argument("--mixers", default=",".join(mixer_names()),
+                   help="comma-separated mixer specs (name or name:opt=value)")
+    p.add_argument("--d-model", type=positive_int, default=256)
+    p.add_argument("--n-heads", type=positive_int, default=4)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    p.add_argument("--memory-gib", type=float, default=24.0, help="machine budget for longest T")
+    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    p.add_argument("--out", type=Path, required=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    worlds = parse_int_list("--world", args.world)
+    lengths = parse_int_list("--lengths", args.lengths)
+    mixers = [(m, *parse_mixer_spec("--mixers", m)) for m in args.mixers.split(",") if m]
+    if not mixers:
+        raise UserError(f"--mixers: no mixer given in {args.mixers!r}")
+    with user_errors((TypeError, ValueError), prefix="--mixers "):
+        check(mixers, lengths, worlds, d_model=args.d_model,
+                               n_heads=args.n_heads)
+    run_context_parallel(mixers, lengths, worlds, args.out, d_model=args.d_model,
+                         n_heads=args.n_heads, batch=args.batch, repeats=args.repeats,
+                         threads=args.threads, memory_gib=args.memory_gib, timeout=args.timeout,
+                         command=command_line(["fastweights", "bench", NAME], args))
+    return 0

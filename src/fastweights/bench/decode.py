@@ -1,6 +1,6 @@
 """Decode memory and speed of a recurrent (delta) language model vs softmax attention.
 
-``fastweights bench decode`` (``run``) builds one ``LanguageModel`` per mixer (default: 4 layers,
+``fastweights bench decode`` (``run_decode``) builds one ``LanguageModel`` per mixer (default: 4 layers,
 d_model 256, 4 heads, float32), prefills a random context of each length (in pieces of
 ``--prefill-chunk`` tokens with the state carried, which equals one whole forward and bounds the
 softmax score blocks), then decodes ``--new-tokens`` tokens one T = 1 step at a time, greedily
@@ -18,15 +18,17 @@ mixers that have one, same weights), and reports per (mixer, context):
   untimed warm-up step).
 
 Everything runs in one process, one setting after another; results are printed as a table and
-written as JSON with ``--out``. ``python -m fastweights.bench.decode`` is the same command.
+written as JSON with ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import dataclasses
 import gc
+import json
 import platform
 import re
 import time
@@ -36,9 +38,11 @@ from typing import Any
 import torch
 
 from .. import state_tree
+from .._commands import positive_int, recorded_settings
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
 from ..models.registry import mixer_options
+from .targets import check_model_mixers
 
 MIB = 2 ** 20
 
@@ -122,7 +126,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def run(mixers: list[str], contexts: list[int], *, d_model: int = 256, n_layers: int = 4,
+def run_decode(mixers: list[str], contexts: list[int], *, d_model: int = 256, n_layers: int = 4,
         n_heads: int = 4, vocab_size: int = 256, new_tokens: int = 64, prefill_chunk: int = 1024,
         seed: int = 0, decode_mode: str = "layer") -> list[dict[str, Any]]:
     """``measure`` for every (mixer, context), one after another in this process; prints a
@@ -150,9 +154,37 @@ def run(mixers: list[str], contexts: list[int], *, d_model: int = 256, n_layers:
     return rows
 
 
-if __name__ == "__main__":  # the same as `fastweights bench decode`
-    import sys
+NAME = "decode"
+DESCRIPTION = ("Prefill a random context of each length, then decode one token per step: state "
+               "bytes, their growth per token, the decode loop's peak resident memory and "
+               "tokens/s, per mixer and context. Prints a table; --out writes JSON.")
 
-    from ..cli.main import main
 
-    sys.exit(main(["bench", "decode", *sys.argv[1:]]))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mixers", nargs="+", default=["delta", "softmax"])
+    p.add_argument("--contexts", nargs="+", type=positive_int, default=[1024, 16384])
+    p.add_argument("--d-model", type=positive_int, default=256)
+    p.add_argument("--n-layers", type=positive_int, default=4)
+    p.add_argument("--n-heads", type=positive_int, default=4)
+    p.add_argument("--vocab-size", type=positive_int, default=256)
+    p.add_argument("--new-tokens", type=positive_int, default=64)
+    p.add_argument("--prefill-chunk", type=positive_int, default=1024)
+    p.add_argument("--decode-mode", choices=["recurrent", "layer"], default="layer",
+                   help="recurrent: T = 1 steps in the token-by-token form of mixers that have "
+                        "one (same weights); layer: the mixers' configured form (chunk)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_model_mixers("--mixers", args.mixers, vocab_size=args.vocab_size, d_model=args.d_model,
+                       n_layers=args.n_layers, n_heads=args.n_heads)
+    rows = run_decode(args.mixers, args.contexts, d_model=args.d_model, n_layers=args.n_layers,
+                      n_heads=args.n_heads, vocab_size=args.vocab_size,
+                      new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
+                      seed=args.seed, decode_mode=args.decode_mode)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": recorded_settings(args),
+                                        "torch": torch.__version__, "results": rows}, indent=2))
+    return 0

@@ -3,7 +3,6 @@ attention, all measured in one process (the numbers of issue 4's closing note).
 
     fastweights bench family-compare [--mixers softmax norm diag] [--lengths 1024 4096]
 
-(``python -m fastweights.bench.family_compare`` is the same command.)
 
 Each mixer is built with its registry defaults at ``--d-model`` / ``--heads`` in float32; one
 timed call is ``y, _ = layer(x); y.sum().backward()`` on a fresh ``x`` of shape
@@ -16,12 +15,14 @@ Mixers of the default list that are not registered are reported as skipped.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from .._commands import positive_int
 from ..models.registry import build_mixer, mixer_names
 
 DEFAULT_MIXERS = ("softmax", "norm", "diag", "aft-full", "aft-local", "aft-simple", "aft-conv", "infini")
@@ -67,7 +68,7 @@ def compare(names: list[str], T: int, d_model: int, heads: int, batch: int, repe
     return rows
 
 
-def run(mixers: list[str], lengths: list[int], *, d_model: int = 512, heads: int = 8,
+def run_family_compare(mixers: list[str], lengths: list[int], *, d_model: int = 512, heads: int = 8,
         batch: int = 1, repeats: int = 5, device: torch.device | str = "cpu") -> list[dict]:
     """``compare`` at every length for the registered ``mixers`` (others reported as skipped);
     prints the table and returns the rows."""
@@ -88,9 +89,25 @@ def run(mixers: list[str], lengths: list[int], *, d_model: int = 512, heads: int
     return rows
 
 
-if __name__ == "__main__":  # the same as `fastweights bench family-compare`
-    import sys
+NAME = "family-compare"
+DESCRIPTION = ("Time one forward+backward call of each mixer (registry defaults, float32) in "
+               "interleaved rounds after a warm-up; prints the minimum and median per mixer and "
+               "the ratio of minima to softmax.")
 
-    from ..cli.main import main
 
-    sys.exit(main(["bench", "family-compare", *sys.argv[1:]]))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS),
+                   help="registered mixer names")
+    p.add_argument("--lengths", nargs="+", type=positive_int, default=[1024, 4096],
+                   help="sequence lengths T")
+    p.add_argument("--d-model", type=positive_int, default=512)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--device", default="cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_family_compare(args.mixers, args.lengths, d_model=args.d_model, heads=args.heads,
+                       batch=args.batch, repeats=args.repeats, device=args.device)
+    return 0

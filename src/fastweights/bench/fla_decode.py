@@ -1,6 +1,6 @@
 """CPU decoding of fla's DeltaNet (on fastweights' ops) against a transformers Llama of the same shape.
 
-``fastweights bench fla-decode`` (or ``python -m fastweights.bench.fla_decode``) builds, for each shape (``340M``: fla's flame config
+``fastweights bench fla-decode`` builds, for each shape (``340M``: fla's flame config
 delta_net_340M, hidden 1024, 8 heads, 24 layers; ``1.3B``: fla-hub's delta_net-1.3B, hidden
 2048, 16 heads, 24 layers; vocabulary 32000, untied, SwiGLU width by fla's rule) and each dtype,
 two models with random weights:
@@ -36,15 +36,20 @@ vocabulary 1000) checks the command in seconds.
 
 from __future__ import annotations
 
+import argparse
 import gc
+import importlib.util
+import json
 import os
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import state_tree
+from .._commands import UserError, positive_int, recorded_settings
 from ..fla import FlaDeltaNetConfig, FlaDeltaNetLM
 from .decode import MIB, _fmt, _reset_rss_peak, _return_freed_memory, _status_kib
 
@@ -56,8 +61,6 @@ SHAPES: dict[str, dict[str, int]] = {
 MODELS = ("deltanet", "llama")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FILLS = ("synthetic", "prefill")
-# Random states are drawn at this scale: values of the order real ones have (no denormals, no
-# overflow on the way through a few decoding steps).
 SYNTHETIC_STD = 0.1
 
 
@@ -200,7 +203,7 @@ def machine() -> dict[str, Any]:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def run(shapes: list[str], models: list[str], dtypes: list[str], contexts: list[int], *,
+def run_fla_decode(shapes: list[str], models: list[str], dtypes: list[str], contexts: list[int], *,
         new_tokens: int = 32, prefill_chunk: int = 1024, seed: int = 0,
         fill: str = "synthetic") -> list[dict[str, Any]]:
     """``measure`` for every (shape, dtype, model, context), one after another in this process;
@@ -231,9 +234,42 @@ def run(shapes: list[str], models: list[str], dtypes: list[str], contexts: list[
     return rows
 
 
-if __name__ == "__main__":  # the same as `fastweights bench fla-decode`
-    import sys
+NAME = "fla-decode"
+DESCRIPTION = ("Decode with random-weight DeltaNet (fla's 340M / 1.3B shapes) and Llama models "
+               "after a context of each length (synthetic state / KV cache, or a real prefill): "
+               "state bytes, decode memory and tokens/s. Prints a Markdown table; --out writes "
+               "JSON. --shapes tiny checks the command in seconds.")
 
-    from ..cli.main import main
 
-    sys.exit(main(["bench", "fla-decode", *sys.argv[1:]]))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["340M", "1.3B"])
+    p.add_argument("--models", nargs="+", choices=MODELS,
+                   default=list(MODELS))
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
+                   default=list(DTYPES))
+    p.add_argument("--contexts", nargs="+", type=positive_int, default=[1024, 16384])
+    p.add_argument("--new-tokens", type=positive_int, default=32)
+    p.add_argument("--context-fill", choices=FILLS, default="synthetic",
+                   help="synthetic: random state/KV cache of the context's shapes, no prefill "
+                        "(default); prefill: run the context through the model first")
+    p.add_argument("--prefill-chunk", type=positive_int, default=1024,
+                   help="tokens per forward of the prefill (--context-fill prefill)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if "llama" in args.models and importlib.util.find_spec("transformers") is None:
+        raise UserError("--models llama needs transformers (pip install 'fastweights[hf]')")
+    rows = run_fla_decode(args.shapes, args.models, args.dtypes, args.contexts,
+                          new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
+                          seed=args.seed, fill=args.context_fill)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": recorded_settings(args),
+                                        "machine": machine(), "results": rows},
+                                       indent=2) + "\n")
+    return 0

@@ -20,18 +20,18 @@ model, trained by one process, by DDP and by FSDP (``fastweights train --fsdp``'
 Every rank runs with ``--threads`` threads; on a machine with fewer cores than N x threads the
 times measure contention, not FSDP; memory and bytes do not depend on it.
 
-Run: ``fastweights bench fsdp --world 1,2,4 --out benchmarks/results/fsdp_<cpu>``
-(``python -m fastweights.bench.fsdp`` is the same command). Writes results.csv, summary.md and
+Run: ``fastweights bench fsdp --world 1,2,4 --out benchmarks/results/fsdp_<cpu>``.
+Writes results.csv, summary.md and
 run.json (the command and machine).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import json
 import platform
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from .._commands import command_line, parse_int_list, parse_mixer_spec, positive_int, user_errors
 from ..models import LanguageModel, LMConfig
 from ..train.distributed import device_mesh, shard_model
 from .context_parallel import finish_rank, init_rank, run_worlds
@@ -162,7 +163,7 @@ def _summary(rows: list[dict], budget_gib: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(worlds: list[int], out: Path, *, model: dict[str, Any], batch: int = 1,
+def run_fsdp(worlds: list[int], out: Path, *, model: dict[str, Any], batch: int = 1,
         seq_len: int = 64, threads: int = 1, memory_gib: float = 24.0, timeout: float = 600.0,
         command: str = "") -> list[dict]:
     """Measure one process (N = 1) and DDP and FSDP on every N > 1 of ``worlds`` for the
@@ -191,7 +192,37 @@ def run(worlds: list[int], out: Path, *, model: dict[str, Any], batch: int = 1,
     return rows
 
 
-if __name__ == "__main__":  # the same as `fastweights bench fsdp`
-    from ..cli.main import main
+NAME = "fsdp"
+DESCRIPTION = ("One language model's training step (AdamW) on one process, and under DDP and "
+               "FSDP (fastweights train --fsdp) on N processes (gloo, CPU) for N in --world: "
+               "model state (parameters, gradients, AdamW moments) and peak resident memory per "
+               "rank, bytes through the collectives per rank and step, and the largest model "
+               "one rank of --memory-gib fits (extrapolated). Writes results.csv, summary.md "
+               "and run.json into --out.")
 
-    sys.exit(main(["bench", "fsdp", *sys.argv[1:]]))
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world", default="1,2,4", help="comma-separated process counts N")
+    p.add_argument("--mixer", default="delta", help="the mixer of every layer (name or name:opt=value)")
+    p.add_argument("--d-model", type=positive_int, default=768)
+    p.add_argument("--n-layers", type=positive_int, default=14)
+    p.add_argument("--n-heads", type=positive_int, default=12)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    p.add_argument("--memory-gib", type=float, default=24.0,
+                   help="memory of one rank, for the largest model")
+    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    p.add_argument("--out", type=Path, required=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    worlds = parse_int_list("--world", args.world)
+    name, options = parse_mixer_spec("--mixer", args.mixer)
+    model = {"d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
+             "mixer": name, "mixer_options": options}
+    with user_errors((TypeError, ValueError)):
+        run_fsdp(worlds, args.out, model=model, batch=args.batch, seq_len=args.seq_len,
+                 threads=args.threads, memory_gib=args.memory_gib, timeout=args.timeout,
+                 command=command_line(["fastweights", "bench", NAME], args))
+    return 0

@@ -1,8 +1,8 @@
 """CPU time of ``gated_delta_rule`` next to our ``delta_rule`` and transformers' PyTorch gated
 delta rule, in one process.
 
-``fastweights bench gated-delta [--T 4096] [--threads 1,2] [--out DIR]`` (cli/bench/gated_delta.py;
-``python -m fastweights.bench.gated_delta`` is the same command) times, at B1 H8 D64 float32 (q, k, v [B, T, H, D], k L2-normalised, beta in (0, 1), g in [-0.1, 0]):
+``fastweights bench gated-delta [--T 4096] [--threads 1,2] [--out DIR]``
+times, at B1 H8 D64 float32 (q, k, v [B, T, H, D], k L2-normalised, beta in (0, 1), g in [-0.1, 0]):
 
 - ``fwd`` and ``fwdbwd`` (forward, and forward plus the backward of sum(o) into q, k, v, beta
   and g): ``gated_delta_rule`` and ``delta_rule`` in their chunked form at each chunk size of
@@ -30,6 +30,7 @@ the one process, one after another.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import inspect
@@ -37,7 +38,6 @@ import json
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +46,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._commands import (
+    command_line,
+    parse_int_list,
+    parse_name_list,
+    positive_int,
+    prepare_out,
+    recorded_settings,
+    user_errors,
+)
 from ..ops import delta_rule, gated_delta_rule
 from ..ops.fwp import gated_delta_rule_step
 from .measure import prepare_cpu_memory_accounting
@@ -53,7 +62,6 @@ from .suite import cpu_info
 
 __all__ = ["OUTPUT_FILES", "GatedDeltaRow", "record", "run_gated_delta", "summary_table",
            "write_record"]
-
 PASSES = ("fwd", "fwdbwd", "step")
 OUTPUT_FILES = ("results.md", "meta.json", "lscpu.txt", "results.csv")  # what write_record writes
 
@@ -277,7 +285,68 @@ def write_record(out: Path, lines: list[str], meta: dict[str, Any], rows: list[A
             writer.writerow(dataclasses.asdict(r))
 
 
-if __name__ == "__main__":  # the same as `fastweights bench gated-delta`
-    from ..cli.main import main
+NAME = "gated-delta"
+DESCRIPTION = ("Time gated_delta_rule's chunked form (forward, and forward+backward into q, k, "
+               "v, beta, g) at each chunk size and its one-token step, next to delta_rule and "
+               "transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule "
+               "(Qwen3.5's PyTorch fallbacks; rows skipped where transformers is not installed), "
+               "in interleaved rounds at each thread count; B, T, H, D float32, k L2-normalised. "
+               "Prints the tables; with --out writes results.md, results.csv, meta.json and "
+               "lscpu.txt there.")
 
-    sys.exit(main(["bench", "gated-delta", *sys.argv[1:]]))
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--T", type=positive_int, default=4096, help="tokens")
+    p.add_argument("--B", type=positive_int, default=1, help="batch")
+    p.add_argument("--H", type=positive_int, default=8, help="heads")
+    p.add_argument("--D", type=positive_int, default=64, help="head dim (Dk = Dv)")
+    p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts, run "
+                                                    "one after another")
+    p.add_argument("--chunk-sizes", default="64,32",
+                   help="comma-separated chunk sizes; the first is the ratios' reference")
+    p.add_argument("--passes", default=",".join(PASSES),
+                   help=f"comma-separated, some of {', '.join(PASSES)}")
+    p.add_argument("--repeats", type=positive_int, default=7, help="timed rounds")
+    p.add_argument("--step-calls", type=positive_int, default=100,
+                   help="one-token calls per timed sample of the step pass")
+    add_out_arguments(p)
+
+
+def add_out_arguments(p: argparse.ArgumentParser) -> None:
+    """--out and --overwrite of the gated-delta benchmarks (this one and gated-delta-models)."""
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for results.md, results.csv, meta.json and lscpu.txt "
+                        "(default: print only)")
+    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Before any timing: --out made ready (refused if it holds results, unless --overwrite)."""
+    if args.out is not None:
+        prepare_out(args.out, args.overwrite, OUTPUT_FILES)
+
+
+def report(args: argparse.Namespace, name: str, rows: list[Any],
+           record: Callable[[list[Any], dict[str, Any], str], tuple[list[str], dict[str, Any]]],
+           ) -> None:
+    """Print the run's tables (``record``: the benchmark's report of its rows) and, with --out,
+    write them with the settings and the command ``fastweights bench {name} ...``."""
+    lines, meta = record(rows, recorded_settings(args),
+                         command_line(["fastweights", "bench", name], args))
+    print("\n".join(lines))
+    if args.out is not None:
+        write_record(args.out, lines, meta, rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    threads = parse_int_list("--threads", args.threads)
+    chunk_sizes = parse_int_list("--chunk-sizes", args.chunk_sizes)
+    passes = parse_name_list("--passes", args.passes, PASSES)
+    prepare(args)
+    with user_errors((ValueError,)):
+        rows = run_gated_delta(
+            T=args.T, B=args.B, H=args.H, D=args.D, threads=tuple(threads),
+            chunk_sizes=tuple(chunk_sizes), passes=passes, repeats=args.repeats,
+            step_calls=args.step_calls)
+    report(args, NAME, rows, record)
+    return 0

@@ -2,9 +2,7 @@
 gated-delta layer's prefill and one-token decoding, and a whole small Qwen3.5-shaped model's
 prefill and decode tokens/s, in one process.
 
-``fastweights bench gated-delta-models [--T 1024,4096] [--dtypes float32,bfloat16] [--out DIR]``
-(cli/bench/gated_delta_models.py; ``python -m fastweights.bench.gated_delta_models`` is the same
-command):
+``fastweights bench gated-delta-models [--T 1024,4096] [--dtypes float32,bfloat16] [--out DIR]``:
 
 - ``layer prefill`` / ``layer decode``: transformers' own ``Qwen3_5GatedDeltaNet`` layer at the
   head layout of transformers' Qwen3.5 config defaults (16 key heads, 32 value heads, head dims
@@ -26,12 +24,12 @@ transformers / fastweights, wall clock and process CPU time per call.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import inspect
 import platform
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -40,13 +38,13 @@ from typing import Any
 
 import torch
 
-from .gated_delta import _time_rounds
+from .._commands import parse_int_list, parse_name_list, positive_int, user_errors
+from .gated_delta import _time_rounds, add_out_arguments, prepare, report
 from .measure import prepare_cpu_memory_accounting
 from .suite import cpu_info
 
 __all__ = ["CANDIDATES", "DTYPES", "ModelRow", "record", "run_gated_delta_models",
            "summary_table"]
-
 CANDIDATES = ("transformers", "fastweights")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -259,7 +257,46 @@ def record(rows: list[ModelRow], config: dict[str, Any], command: str,
     return [head, "", *summary_table(rows)], meta
 
 
-if __name__ == "__main__":  # the same as `fastweights bench gated-delta-models`
-    from ..cli.main import main
+NAME = "gated-delta-models"
+DESCRIPTION = ("Time transformers' Qwen3_5GatedDeltaNet layer at Qwen3.5's head layout (16 key / "
+               "32 value heads of 128) on a T-token prefill and a one-token decode, and a "
+               "random-weight Qwen3_5ForCausalLM's prefill and greedy-decode tokens/s, each with "
+               "transformers' PyTorch fallbacks and after fastweights.hf.use_fastweights, in "
+               "interleaved rounds on the CPU. Needs the [hf] extra (transformers). Prints the "
+               "table; with --out writes results.md, results.csv, meta.json and lscpu.txt there.")
+CASES = ("layer", "model")
 
-    sys.exit(main(["bench", "gated-delta-models", *sys.argv[1:]]))
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--T", default="1024,4096", help="comma-separated layer prefill lengths")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help=f"comma-separated, some of {', '.join(DTYPES)}")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated, some of {', '.join(CASES)}")
+    p.add_argument("--hidden", type=positive_int, default=1024, help="hidden size")
+    p.add_argument("--layers", type=positive_int, default=4,
+                   help="model layers (every fourth full attention, as in Qwen3.5)")
+    p.add_argument("--vocab", type=positive_int, default=8192, help="model vocabulary size")
+    p.add_argument("--model-T", type=positive_int, default=1024, help="model prefill length")
+    p.add_argument("--new-tokens", type=positive_int, default=32,
+                   help="tokens the model decodes greedily after an 8-token prompt")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed rounds")
+    p.add_argument("--decode-calls", type=positive_int, default=20,
+                   help="one-token layer calls per timed sample of the layer decode")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    add_out_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    Ts = parse_int_list("--T", args.T)
+    dtypes = parse_name_list("--dtypes", args.dtypes, tuple(DTYPES))
+    cases = parse_name_list("--cases", args.cases, CASES)
+    prepare(args)
+    with user_errors((ValueError, ImportError)):
+        rows = run_gated_delta_models(
+            Ts=tuple(Ts), dtypes=dtypes, hidden=args.hidden, layers=args.layers,
+            vocab=args.vocab, model_T=args.model_T, new_tokens=args.new_tokens,
+            repeats=args.repeats, decode_calls=args.decode_calls, threads=args.threads,
+            cases=cases)
+    report(args, NAME, rows, record)
+    return 0

@@ -1,6 +1,6 @@
 """Training-step time and peak memory with and without gradient checkpointing (recompute).
 
-``fastweights bench recompute`` (or ``python -m fastweights.bench.recompute``) builds one ``LanguageModel`` per mixer (default: 4
+``fastweights bench recompute`` builds one ``LanguageModel`` per mixer (default: 4
 layers, d_model 512, 8 heads, MLP feed-forward, float32, batch 1) and, for every sequence
 length, times one training step (forward, loss, backward) with
 ``model.set_gradient_checkpointing(False)`` and ``(True)``: the median of ``--repeats`` after a
@@ -13,6 +13,7 @@ as JSON and markdown with ``--out``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -22,9 +23,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._commands import command_line, parse_int_list, positive_int
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
 from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
+from .targets import check_model_mixers
 
 
 def _step(model: LanguageModel, ids: torch.Tensor) -> torch.Tensor:
@@ -83,7 +86,7 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(mixers: list[str], lengths: list[int], *, d_model: int = 512, n_layers: int = 4,
+def run_recompute(mixers: list[str], lengths: list[int], *, d_model: int = 512, n_layers: int = 4,
         n_heads: int = 8, repeats: int = 3, device: torch.device | str = "cpu",
         out: Path | None = None, command: str = "") -> list[dict[str, Any]]:
     """``measure`` for every (mixer, T); prints a table row per pair and returns the rows; with
@@ -110,9 +113,30 @@ def run(mixers: list[str], lengths: list[int], *, d_model: int = 512, n_layers: 
     return rows
 
 
-if __name__ == "__main__":  # the same as `fastweights bench recompute`
-    import sys
+NAME = "recompute"
+DESCRIPTION = ("Time one training step (forward, loss, backward) of a LanguageModel per mixer "
+               "and length with gradient checkpointing off and on, and the peak memory it adds; "
+               "checks the losses agree. Prints a table; --out writes results.json and "
+               "results.md.")
 
-    from ..cli.main import main
 
-    sys.exit(main(["bench", "recompute", *sys.argv[1:]]))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mixers", default="delta,linear,softmax", help="comma-separated mixer names")
+    p.add_argument("--lengths", default="1024,4096", help="comma-separated T values")
+    p.add_argument("--d-model", type=positive_int, default=512)
+    p.add_argument("--n-layers", type=positive_int, default=4)
+    p.add_argument("--n-heads", type=positive_int, default=8)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="folder for results.json and results.md")
+
+
+def run(args: argparse.Namespace) -> int:
+    mixers = [m for m in args.mixers.split(",") if m]
+    check_model_mixers("--mixers", mixers, vocab_size=256, d_model=args.d_model,
+                       n_layers=args.n_layers, n_heads=args.n_heads)
+    run_recompute(mixers, parse_int_list("--lengths", args.lengths), d_model=args.d_model,
+                  n_layers=args.n_layers, n_heads=args.n_heads, repeats=args.repeats,
+                  device=args.device, out=args.out,
+                  command=command_line(["fastweights", "bench", NAME], args))
+    return 0

@@ -26,12 +26,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from . import PASSES
 from .measure import PeakMemory, count_flops, time_rounds
 from .targets import Setting, Target, Workload
 
 __all__ = ["PASSES", "Row", "run_targets"]
-
-PASSES = ("fwd", "fwdbwd", "decode")
 COMPILED_PASS = "fwd-compiled"
 
 

@@ -7,8 +7,8 @@ and the decoding pair ``prefill`` (state after T tokens, chunked/default form, n
 
 Dimension legend: B batch, T sequence length, H heads, D head dim (d_model / H), d_model width.
 
-Op-level inputs follow DESIGN.md's signatures with the feature maps the layers use (ELU+1 keys
-and queries, sum-normalised for the delta rule; sigmoid write strengths). An op in
+Op-level inputs follow docs/design.md, "Public ops", with the feature maps the layers use
+(ELU+1 keys and queries, sum-normalised for the delta rule; sigmoid write strengths). An op in
 ``fastweights.ops.__all__`` is included when it has a recipe below and the recipe is accepted on
 a tiny probe input; every ``mode`` a probe accepts becomes its own target (``delta_rule[chunk]``,
 ``delta_rule[recurrent]``, ...). Ops without a recipe, or whose recipe is rejected, are listed
@@ -26,11 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from .._commands import UserError
+from ..models import LMConfig
 from ..models.registry import build_mixer, mixer_names, mixer_options
 from ..ops.backend import preferred_chunk_size
 
-__all__ = ["ScanWidth", "Setting", "Target", "Workload", "mixer_targets", "op_targets",
-           "scan_width"]
+__all__ = ["ScanWidth", "Setting", "Target", "Workload", "check_model_mixers", "mixer_targets",
+           "op_targets", "scan_width"]
 
 # Feature maps and helpers in fastweights.ops that are not sequence mixers.
 _NOT_MIXERS = {
@@ -384,3 +386,14 @@ def scan_width(target: Target, T: int, s: Setting,
         size = preferred_chunk_size(op_name, s.device) if op_name in (
             "linear_attn", "delta_rule", "gated_delta_rule") else None
     return _op_width(op_name, opts.get("mode"), size, T, s)
+
+
+def check_model_mixers(flag: str, mixers: list[str], **config: Any) -> None:
+    """The LMConfig of each of ``mixers`` (names or specifications as ``LMConfig(mixer=...)``
+    takes them) with ``config`` must be valid, else a UserError naming ``flag``: a benchmark
+    that builds one model per mixer checks them all before it measures anything."""
+    for mixer in mixers:
+        try:
+            LMConfig(mixer=mixer, **config)
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{flag} {mixer}: {str(err).removeprefix('LMConfig.')}") from None

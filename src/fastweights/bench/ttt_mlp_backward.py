@@ -1,7 +1,7 @@
 """TTT-MLP layer forward+backward with the dual-form scan's hand-written backward pass, against
 the same scan differentiated by autograd, and against softmax attention (SDPA), on the CPU.
 
-``fastweights bench ttt-mlp-backward`` (or ``python -m fastweights.bench.ttt_mlp_backward``) builds the ``ttt-mlp`` and ``softmax`` mixers
+``fastweights bench ttt-mlp-backward`` builds the ``ttt-mlp`` and ``softmax`` mixers
 (d_model 512, 8 heads, batch 1, float32, the defaults) and times one forward+backward of each
 layer in thread CPU time (``time.thread_time``: on a machine shared with other jobs it counts
 only this thread's work), the variants interleaved round by round in this one process, one
@@ -16,13 +16,16 @@ keeps for the backward pass (tensors saved by autograd, counted once per storage
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
+from .._commands import parse_int_list, positive_int
 from ..models.registry import build_mixer
 from ..ops.ttt import chunk, inner_loop
 from .suite import cpu_info
@@ -54,7 +57,7 @@ def _saved_bytes(step: Callable[[], None]) -> int:
     return sum(storages.values())
 
 
-def run(lengths: list[int], *, d_model: int = 512, heads: int = 8, repeats: int = 5,
+def run_ttt_mlp_backward(lengths: list[int], *, d_model: int = 512, heads: int = 8, repeats: int = 5,
         group: int | None = None) -> dict:
     """Every variant at every length (module docstring); prints a row per variant and returns
     the results: ``config`` and, per length (as a string), each variant's ms and saved MiB."""
@@ -112,9 +115,27 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, ctx: Callable, backward: bool
     return step
 
 
-if __name__ == "__main__":  # the same as `fastweights bench ttt-mlp-backward`
-    import sys
+NAME = "ttt-mlp-backward"
+DESCRIPTION = ("Time one forward+backward of the ttt-mlp and softmax layers in thread CPU time, "
+               "variants interleaved, and the bytes each keeps for the backward pass. Run with "
+               "OMP_NUM_THREADS=1 for single-thread figures; --json also writes the numbers.")
 
-    from ..cli.main import main
 
-    sys.exit(main(["bench", "ttt-mlp-backward", *sys.argv[1:]]))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", default="4096", help="comma-separated T values")
+    p.add_argument("--d-model", type=positive_int, default=512)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--group", type=positive_int, default=None,
+                   help="also the TTT-MLP rows with checkpoint_group=GROUP")
+    p.add_argument("--json", default=None, help="also write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    results = run_ttt_mlp_backward(parse_int_list("--lengths", args.lengths),
+                                   d_model=args.d_model, heads=args.heads,
+                                   repeats=args.repeats, group=args.group)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

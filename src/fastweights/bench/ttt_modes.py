@@ -1,6 +1,6 @@
-"""CPU time of the TTT dual form against the vectorised primal form (SPEC.md 2.4, 2.9 (a)).
+"""CPU time of the TTT dual form against the vectorised primal form (docs/maths.md 2.4, 2.9 (a)).
 
-``fastweights bench ttt-modes`` (or ``python -m fastweights.bench.ttt_modes``) times ``ttt_linear`` and ``ttt_mlp`` in both modes at
+``fastweights bench ttt-modes`` times ``ttt_linear`` and ``ttt_mlp`` in both modes at
 B1 H4 T2048 d64, mini-batch 16, float32 (the defaults), forward alone and forward + backward, all
 in this one process: one warm-up call per case, then the median of ``--repeats`` calls. It also
 reports the float64 max disagreement between the two modes on a shorter sequence. Prints a table;
@@ -11,12 +11,15 @@ the dual form's sequential loop into a wait for the scheduler.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from .._commands import positive_int
 from ..ops import ttt_linear, ttt_mlp
 
 OPS: dict[str, Callable] = {"ttt_linear": ttt_linear, "ttt_mlp": ttt_mlp}
@@ -26,7 +29,7 @@ def make_inputs(
     kind: str, B: int, T: int, H: int, d: int, dtype: torch.dtype, seed: int = 0,
 ) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
     """Random q, k, v [B, T, H, d], eta [B, T, H], inner weights (batch 1) and LayerNorm [H, d],
-    scaled as the layer's initialisation would give them (SPEC 2.6)."""
+    scaled as the layer's initialisation would give them (docs/maths.md 2.6)."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
@@ -90,7 +93,7 @@ def max_disagreement(kind: str, B: int, T: int, H: int, d: int, mini_batch_size:
     return (outs[0] - outs[1]).abs().max().item()
 
 
-def run(ops: list[str], *, batch: int = 1, heads: int = 4, seq_len: int = 2048,
+def run_ttt_modes(ops: list[str], *, batch: int = 1, heads: int = 4, seq_len: int = 2048,
         head_dim: int = 64, mini_batch_size: int = 16, repeats: int = 5) -> dict:
     """Both modes of every op in ``ops`` (``OPS``), forward and forward + backward, and their
     float64 disagreement at T = 256; prints the table and returns the results (``config`` and
@@ -115,9 +118,33 @@ def run(ops: list[str], *, batch: int = 1, heads: int = 4, seq_len: int = 2048,
     return results
 
 
-if __name__ == "__main__":  # the same as `fastweights bench ttt-modes`
-    import sys
+NAME = "ttt-modes"
+DESCRIPTION = ("Time ttt_linear and ttt_mlp in both modes, forward alone and forward + backward "
+               "(median of --repeats after a warm-up), and their float64 disagreement on a "
+               "shorter sequence. Prints a table; --json also writes the numbers. On a shared "
+               "machine run it with OMP_WAIT_POLICY=passive.")
 
-    from ..cli.main import main
 
-    sys.exit(main(["bench", "ttt-modes", *sys.argv[1:]]))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--mini-batch-size", type=positive_int, default=16)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads (default: torch's)")
+    p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
+    p.add_argument("--json", type=str, default=None, help="also write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    results = run_ttt_modes(args.ops, batch=args.batch, heads=args.heads, seq_len=args.seq_len,
+                            head_dim=args.head_dim, mini_batch_size=args.mini_batch_size,
+                            repeats=args.repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

@@ -7,19 +7,16 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
-from ..models import export as ex
-from ..train.checkpoint import consolidate_checkpoint, load_model
-from .common import UserError, make_folder, positive_int, user_errors
+from .._commands import UserError, check_creatable, new_folder, positive_int, user_errors
+from .eval import own_tokenizer, run_record
 
 NAME = "export"
-HELP = "torch.export (.pt2) / ONNX program of a checkpoint"
 DESCRIPTION = ("Export a checkpoint's forward (input_ids [B, T] -> logits, state tensors) or its "
                "one-token decoding step (input_ids [B, 1], state tensors -> logits, state tensors) "
                "with torch.export, saved by torch.export.save; the step also as ONNX. With "
                "--consolidate, write the checkpoint's model as one single-file checkpoint folder "
-               "instead (a sharded --fsdp checkpoint included), which native_to_hf reads.")
+               "instead (a sharded --fsdp checkpoint included), which native_to_hf reads, carrying the "
+               "tokenizer of a run on tokenized text for eval and generate.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,18 +36,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--consolidate", action="store_true",
                    help="write the model as a single-file checkpoint folder --out (config.json, "
                    "model.safetensors, checksums.json), e.g. of a sharded --fsdp checkpoint")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="with --consolidate: the tokenizer the folder carries (tokenizer.json or "
+                   "tokenizer/), which eval and generate then use (default: the run's, or the "
+                   "one the checkpoint folder carries; a run's own must be this one)")
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..models import export as ex
+    from ..train.checkpoint import load_model
+
     out = Path(args.out)
     if args.consolidate:
-        return _consolidate(args.checkpoint, out)
+        unused = [flag for flag, given in (("--step", args.step), ("--onnx", args.onnx),
+                                           ("--dynamic", args.dynamic),
+                                           ("--overwrite", args.overwrite)) if given]
+        if unused:
+            raise UserError(f"--consolidate writes a new checkpoint folder, not a program: "
+                            f"{', '.join(unused)} does not apply")
+        return _consolidate(args.checkpoint, out, args.tokenizer)
+    if args.tokenizer is not None:
+        raise UserError("--tokenizer is for --consolidate: a .pt2 program carries no tokenizer")
     onnx = Path(args.onnx) if args.onnx else None
     if onnx is not None and not args.step:
         raise UserError("--onnx is supported for the decoding step only: add --step")
     for flag, path in (("--out", out), ("--onnx", onnx)):
         if path is not None and path.exists() and not args.overwrite:
             raise UserError(f"{flag} {path} already exists (add --overwrite to replace it)")
+        if path is not None:
+            check_creatable(path.parent, flag)
     with user_errors():
         model = load_model(args.checkpoint)
     ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
@@ -67,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             program = ex.export_forward(model, ids, dynamic=args.dynamic, multiple=args.multiple)
         if onnx is not None:
-            make_folder(onnx.parent, "--onnx")
-            ex.export_step_onnx(model, state, ids[:, :1], str(onnx), dynamic=args.dynamic)
+            with new_folder(onnx.parent, "--onnx"):
+                ex.export_step_onnx(model, state, ids[:, :1], str(onnx), dynamic=args.dynamic)
     except ImportError as err:
         raise UserError(f"{err.name or err} is not installed (pip install onnx onnxscript)") from None
     except UserError:
@@ -77,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         hint = " (try without --dynamic)" if args.dynamic else ""
         raise UserError(f"cannot export this model{hint}: {type(err).__name__}: {first}") from None
-    make_folder(out.parent)
-    torch.export.save(program, str(out), extra_files={"fastweights.json": json.dumps(meta)})
+    with new_folder(out.parent):
+        torch.export.save(program, str(out), extra_files={"fastweights.json": json.dumps(meta)})
     what = "decoding step" if args.step else "forward"
     print(f"wrote {out} ({what}, {'dynamic' if args.dynamic else 'static'} shapes)"
           + (f" and {onnx}" if onnx else "")
@@ -87,12 +103,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _consolidate(checkpoint: str, out: Path) -> int:
-    """``--consolidate``: the checkpoint's model written whole into the new folder ``out``."""
+def _consolidate(checkpoint: str, out: Path, tokenizer: str | None) -> int:
+    """``--consolidate``: the checkpoint's model written whole into the new folder ``out``, with
+    the tokenizer its ids come from (``own_tokenizer``), if any."""
+    from ..train.checkpoint import consolidate_checkpoint
+
     if out.exists():
         raise UserError(f"--out {out} already exists: --consolidate writes a new folder")
-    make_folder(out.parent)
-    with user_errors((ValueError, OSError)):
-        consolidate_checkpoint(checkpoint, out)
-    print(f"wrote {out} (single-file checkpoint of {checkpoint})")
+    check_creatable(out.parent)
+    tokenizer = own_tokenizer(checkpoint, run_record(checkpoint), tokenizer)
+    with new_folder(out.parent), user_errors((ValueError, OSError)):
+        consolidate_checkpoint(checkpoint, out, tokenizer)
+    print(f"wrote {out} (single-file checkpoint of {checkpoint}"
+          + (f", carrying tokenizer {tokenizer})" if tokenizer else ")"))
     return 0

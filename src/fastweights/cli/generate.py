@@ -6,17 +6,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..tasks import ByteTokenizer
-from ..tasks.tokens import load_tokenizer
-from ..train.checkpoint import load_model
-from .common import UserError, user_errors
-from .eval import run_record
+from .._commands import UserError, user_errors
+from .eval import check_vocab, run_record
 
 NAME = "generate"
-HELP = "continue a text prompt with a checkpoint"
 DESCRIPTION = ("Prefill the prompt, then decode one token per step from the recurrent state. "
                "Tokens are bytes, or the ids of the tokenizer the checkpoint's run was trained "
-               "with (its recorded path, checked against its recorded sha256) or of --tokenizer.")
+               "with (its recorded path, checked against its recorded sha256), of the one an "
+               "exported checkpoint folder carries, or of --tokenizer.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,19 +26,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="a tokenizer.json file or transformers tokenizer folder that encodes the "
-                   "prompt and decodes the output (default: the run's tokenizer, else bytes; "
+                   "prompt and decodes the output (default: the run's tokenizer, or the one the "
+                   "checkpoint folder carries, else bytes; "
                    "required for a run trained on pre-tokenized .bin files)")
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
     """--tokenizer, else the tokenizer of the checkpoint's run (its hash must be the recorded
-    one), else bytes; UserError for a run on .bin ids without --tokenizer."""
+    one) or the one the checkpoint folder carries, else bytes; UserError for a run on .bin ids
+    without --tokenizer."""
+    from ..tasks import ByteTokenizer
+    from ..tasks.tokens import carried_tokenizer, load_tokenizer
+
     path = args.tokenizer
     if path is None:
         record = run_record(args.checkpoint)
         tokens = None if record is None else record.tokens
-        if tokens is None:
+        carried = carried_tokenizer(args.checkpoint) if record is None else None
+        if tokens is None and carried is None:
             return ByteTokenizer()
+        if carried is not None:
+            with user_errors():
+                return load_tokenizer(carried)
         if tokens.tokenizer is None:
             raise UserError("the checkpoint's run was trained on pre-tokenized .bin ids: pass "
                             "--tokenizer PATH, the tokenizer that made them")
@@ -58,16 +64,18 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..tasks import ByteTokenizer
+    from ..train.checkpoint import load_model
+
     with user_errors():
         model = load_model(args.checkpoint)
     tok = _tokenizer(args)
     ids = tok.encode(args.prompt)
     if ids.numel() == 0:
         raise UserError("--prompt must not be empty")
-    vocab = model.config.vocab_size
-    if tok.vocab_size > vocab or (isinstance(tok, ByteTokenizer) and vocab != tok.vocab_size):
-        what = "bytes (256)" if isinstance(tok, ByteTokenizer) else f"--tokenizer's ({tok.vocab_size})"
-        raise UserError(f"the checkpoint's vocabulary ({vocab}) does not fit {what}")
+    bytes_ = isinstance(tok, ByteTokenizer)
+    check_vocab(model.config.vocab_size, None if bytes_ else tok.vocab_size,
+                "--prompt" if bytes_ else f"tokenizer {tok.path}")
     with user_errors():
         out = model.generate(ids, args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, seed=args.seed)

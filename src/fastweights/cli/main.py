@@ -1,37 +1,62 @@
 """``main``: the parser of every subcommand, one-line errors and exit codes, signals.
 
-Every subcommand is a module of this package with the same four names: ``NAME``, ``HELP`` (one
-line for ``fastweights --help``), ``DESCRIPTION`` (its own ``--help``), ``add_arguments(parser)``
-and ``run(args) -> exit code``. A ``UserError`` raised anywhere becomes one line on stderr and
-exit code 2, never a traceback.
+Every subcommand is a module of this package with the same four names: ``NAME``,
+``DESCRIPTION`` (its own ``--help``), ``add_arguments(parser)`` and ``run(args) -> exit code``,
+and a line in ``COMMANDS`` (its line in ``fastweights --help``). A subcommand's module imports
+nothing heavy at module level (its work's modules inside the functions that need them), so that
+every ``--help`` answers without importing torch. A ``UserError`` raised anywhere becomes one
+line on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from .common import HelpFormatter, Parser, UserError
+from .. import reproduce
+from .._commands import HelpFormatter, LazyParser, Parser, UserError
+
+# The subcommands, in the order ``fastweights --help`` lists them, with its line for each. Each
+# is the module of this package of that name, defining ``NAME``, ``DESCRIPTION``,
+# ``add_arguments(parser)`` and ``run(args) -> exit code``, imported only when it is used.
+COMMANDS = {
+    "mixers": "list the registered mixers, their options and state sizes",
+    "bench": "time, memory and FLOP rate of every mixer (and op) vs T; or one focused benchmark",
+    "recall": "memory capacity / update experiment on synthetic retrieval (docs/maths.md 1.8)",
+    "reproduce": f"reproduce a paper's claims ({', '.join(reproduce.NAMES)})",
+    "train": "train a language model on a corpus (bytes, or token ids)",
+    "eval": "validation perplexity of a checkpoint",
+    "generate": "continue a text prompt with a checkpoint",
+    "export": "torch.export (.pt2) / ONNX program of a checkpoint",
+}
+
+
+def _fill_command(name: str, parser: argparse.ArgumentParser) -> None:
+    """A subcommand's parser, from its module (imported now)."""
+    module = importlib.import_module(f"{__package__}.{name}")
+    parser.description = module.DESCRIPTION
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fastweights`` parser. Imports the subcommands, and so torch (seconds): ``main``
-    calls it under its quit-now signal handler, so that a Ctrl-C during start-up is one line."""
-    from . import bench, eval, export, generate, mixers, recall, reproduce, train
-
+    """The ``fastweights`` parser: the subcommands are listed, and a subcommand's module (and so
+    torch, if it needs it) is imported only when it parses (``LazyParser``), so that
+    ``fastweights --help`` and ``fastweights COMMAND --help`` answer at once."""
     parser = Parser(
         prog="fastweights", description="Linear-complexity sequence mixers: experiments and tools.",
         formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in (mixers, bench, recall, reproduce, train, eval, generate, export):
-        p = sub.add_parser(command.NAME, help=command.HELP, description=command.DESCRIPTION,
-                           formatter_class=HelpFormatter)
-        command.add_arguments(p)
-        p.set_defaults(func=command.run)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                parser_class=LazyParser)
+    for name, help_line in COMMANDS.items():
+        sub.add_parser(name, help=help_line, formatter_class=HelpFormatter,
+                       fill=functools.partial(_fill_command, name))
     return parser
 
 
@@ -75,12 +100,14 @@ def _main(argv: Sequence[str] | None) -> int:
     prog = "fastweights"  # then "fastweights COMMAND" in messages once the command is known
     _handle_signals(_quit_now, _quit_now)
     try:
-        parser = build_parser()  # imports torch (seconds)
+        # Parsing imports the subcommand named (and --help ends here, without torch); then
+        # torch, which every command's work needs (seconds), still under the quit-now handler.
+        args = build_parser().parse_args(argv)
+        prog = f"fastweights {args.command}"
+        importlib.import_module("torch")
         # From here a signal unwinds as an exception (finally blocks run), and the default
         # SIGTERM, which would kill silently, ends the command as Ctrl-C does.
         _handle_signals(signal.default_int_handler, _raise_terminated)
-        args = parser.parse_args(argv)
-        prog = f"fastweights {args.command}"
         return int(args.func(args) or 0)
     except UserError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)

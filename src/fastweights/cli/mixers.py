@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..models.registry import build_mixer, mixer_names, mixer_options
-from .common import positive_int, user_errors
+from .._commands import positive_int, user_errors
 
 NAME = "mixers"
-HELP = "list the registered mixers, their options and state sizes"
 DESCRIPTION = ("One line per registered mixer: the floats of recurrent state it keeps per "
                "sequence after --seq-len tokens, and its options with their defaults.")
 
@@ -20,9 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..models.registry import build_mixer, mixer_names, mixer_options
+
     for name in mixer_names():
         with user_errors((TypeError, ValueError), prefix="--d-model/--n-heads: "):
             layer = build_mixer(name, args.d_model, args.n_heads)
         opts = ", ".join(f"{k}={v!r}" for k, v in mixer_options(name).items())
         print(f"{name:<11} state floats/seq {layer.state_size(args.seq_len):>9}  options: {opts}")
     return 0
+

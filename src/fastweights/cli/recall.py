@@ -7,15 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
-from ..models.registry import mixer_names
-from ..models.retrieval import MEMORIES
-from ..reproduce import recall
-from .common import UserError, parse_int_list, parse_mixer_list, positive_int, prepare_out
+from .._commands import UserError, parse_int_list, parse_mixer_list, positive_int, prepare_out
 
 NAME = "recall"
-HELP = "memory capacity / update experiment on synthetic retrieval (SPEC 1.8)"
 DESCRIPTION = (
     "Train one model per (task, mixer, size) on the fast weight paper's synthetic retrieval "
     "(capacity = setting 1, update = setting 2) or on MQAR, and write results.csv and results.png "
@@ -48,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _runs(args: argparse.Namespace) -> list[tuple[str, str, dict, int]]:
     """The (task, mixer, options, size) of every model to train, each model built once so that
     a bad option fails fast, as one line, before any training."""
+    from ..models.registry import mixer_names
+    from ..models.retrieval import MEMORIES
+    from ..reproduce import recall
+
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
     for t in tasks:
         if t not in recall.TASKS:
@@ -77,6 +75,10 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, str, dict, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..reproduce import recall
+
     runs = _runs(args)
     out = Path(args.out)
     prepare_out(out, args.overwrite, OUTPUTS)

@@ -5,19 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..reproduce import EXPERIMENTS, ReproduceError
-from ..reproduce.driver import experiment, render, reproduce
-from .common import UserError, user_errors
+from .._commands import UserError, user_errors
+from ..reproduce import NAMES
 
 NAME = "reproduce"
-HELP = f"reproduce a paper's claims ({', '.join(EXPERIMENTS)})"
 DESCRIPTION = ("Train the small models an experiment needs and write results.csv, results.md "
                "(each claim: the paper, ours as mean +- sd over seeds, a verdict) and PNG plots "
                "into --out. Rerunning the same command continues an interrupted reproduction.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", metavar="NAME", help=f"the experiment: {', '.join(EXPERIMENTS)}")
+    p.add_argument("name", metavar="NAME", help=f"the experiment: {', '.join(NAMES)}")
     p.add_argument("--seeds", default=None,
                    help="comma-separated seeds, e.g. 0,1,2 (default: 0,1; --quick: 0)")
     p.add_argument("--quick", action="store_true",
@@ -46,6 +44,9 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..reproduce.common import ReproduceError
+    from ..reproduce.driver import experiment, render, reproduce
+
     with user_errors((ReproduceError,)):
         exp = experiment(args.name)
         seeds = parse_seeds(args.seeds) if args.seeds is not None else ([0] if args.quick else [0, 1])

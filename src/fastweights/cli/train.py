@@ -10,34 +10,27 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..models import LMConfig
-from ..tasks.text import Corpus
-from ..tasks.tokens import TOKEN_DTYPES, is_token_folder, open_corpus, tokenizer_sha256
-from ..train.checkpoint import CheckpointWriteError
-from ..train.distributed import FSDP_MIXED
-from ..train.records import RunRecord, run_corpus, same_data
-from ..train.trainer import (
-    RESUMABLE,
-    RUN_FILE,
-    TrainConfig,
-    TrainingAnomaly,
-    TrainingInterrupted,
-    read_run,
-    train,
-)
-from .common import (
+from .._commands import (
+    CACHE_FOLDER,
     UserError,
+    check_creatable,
     check_out,
-    make_folder,
     parse_mixer_list,
     positive_int,
     user_errors,
 )
+from .._names import FSDP_MIXED, RESUMABLE, TOKEN_DTYPES
+
+if TYPE_CHECKING:
+    from ..models import LMConfig
+    from ..tasks.text import Corpus
+    from ..train.records import RunRecord
+    from ..train.trainer import TrainConfig
+
 
 NAME = "train"
-HELP = "train a language model on a corpus (bytes, or token ids)"
 
 
 def _flag(dest: str) -> str:
@@ -178,6 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def model_config(settings: dict[str, Any], vocab_size: int = 256) -> LMConfig:
     """The LMConfig of the run settings (``mixer`` as written on the command line); UserError for
     a bad mixer specification or config."""
+    from ..models import LMConfig
+
     specs = parse_mixer_list("--mixer", settings["mixer"])
     names: str | list[str] = [n for n, _ in specs]
     options: dict[str, Any] | list[dict[str, Any]] = [o for _, o in specs]
@@ -210,6 +205,9 @@ def _recorded(dest: str, record: RunRecord) -> Any:
 
 def _agrees(dest: str, value: Any, record: RunRecord) -> bool:
     """Whether the option ``dest`` given as ``value`` names the run's own setting."""
+    from ..tasks.tokens import tokenizer_sha256
+    from ..train.records import same_data
+
     if dest == "data":
         return same_data(value, record.data)
     if dest == "tokenizer":  # the same tokenizer, wherever it is now
@@ -245,12 +243,11 @@ def _data_name(spec: str) -> str:
     return spec if spec == "stdlib" or not Path(spec).exists() else str(Path(spec).resolve())
 
 
-CACHE_FOLDER = ".fastweights-cache"  # --token-cache's default, beside --out
-
-
 def _check_tokens(settings: dict[str, Any]) -> None:
     """The token options of a new run must agree with each other and the data (flag-named
     UserErrors, before anything is read)."""
+    from ..tasks.tokens import is_token_folder
+
     data, vocab, dtype, tokenizer = (settings[k] for k in ("data", "vocab_size", "token_dtype",
                                                            "tokenizer"))
     if tokenizer is not None and not Path(tokenizer).exists():
@@ -267,11 +264,28 @@ def _check_tokens(settings: dict[str, Any]) -> None:
                             "id is below it) to train on the token ids")
 
 
+def _check_launch(args: argparse.Namespace, tcfg: TrainConfig, mcfg: LMConfig) -> None:
+    """The settings that need no data must fit the launch (torchrun's WORLD_SIZE, 1 outside
+    it): --fsdp, --fsdp-mixed, --context-parallel and the batch split, checked before the data
+    is read (tokenizing it writes a cache) or the run folder is made."""
+    from ..train.config import check_fsdp, check_launch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    with user_errors():
+        check_launch(tcfg, mcfg, world, args.context_parallel)
+        check_fsdp(args.fsdp, args.fsdp_mixed, world, tcfg)
+
+
 def _configs(args: argparse.Namespace, main: bool
              ) -> tuple[LMConfig | None, TrainConfig, int | None, Callable[[], Corpus]]:
     """(model config, None on resume; training config; the model's vocabulary when an option
     sets it, else None: the data's; the loader of the run's data) of the run the options ask
-    for. Nothing is read or written before every option is checked."""
+    for. Nothing is read or written before every option is checked: --out is made by the
+    trainer once the data and the first forward are checked too."""
+    from ..tasks.tokens import open_corpus
+    from ..train.records import run_corpus
+    from ..train.trainer import RUN_FILE, TrainConfig, read_run
+
     out = Path(args.out)
     given = {k: getattr(args, k) for k in args.setting_defaults if getattr(args, k) is not None}
     progress = main and not args.quiet
@@ -284,6 +298,7 @@ def _configs(args: argparse.Namespace, main: bool
         with user_errors():
             record = read_run(out)
             tcfg = dataclasses.replace(record.train, **resume_settings(given, record))
+        _check_launch(args, tcfg, record.model)
         return None, tcfg, None, lambda: run_corpus(
             record, tokenizer=given.get("tokenizer"), cache_root=args.token_cache,
             progress=progress)
@@ -293,9 +308,10 @@ def _configs(args: argparse.Namespace, main: bool
                               if f.name in settings})
     mcfg = model_config(settings)
     _check_tokens(settings)
+    _check_launch(args, tcfg, mcfg)
     if main:
         check_out(out, args.overwrite)  # the earlier run is replaced only by train() itself
-        make_folder(out)
+        check_creatable(out)  # before the data is read: a bad --out must not cost tokenizing
     cache = args.token_cache or out.resolve().parent / CACHE_FOLDER
     tokenizer = settings["tokenizer"]
     return mcfg, tcfg, settings["vocab_size"], lambda: open_corpus(
@@ -305,6 +321,9 @@ def _configs(args: argparse.Namespace, main: bool
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..train.checkpoint import CheckpointWriteError
+    from ..train.trainer import TrainingAnomaly, TrainingInterrupted, train
+
     out = Path(args.out)
     main = int(os.environ.get("RANK", "0")) == 0
     mcfg, tcfg, vocab_size, load = _configs(args, main)

@@ -1,5 +1,5 @@
 """flash-linear-attention's DeltaNet: the layer ``FlaDeltaNet``, rebuilt on
-``fastweights.ops.delta_rule`` (SPEC 1.4), its config ``FlaDeltaNetConfig`` (fla 0.6's
+``fastweights.ops.delta_rule`` (docs/maths.md 1.4), its config ``FlaDeltaNetConfig`` (fla 0.6's
 ``DeltaNetConfig``; ``FLA_OPTIONS`` says what each field does here) and ``FlaDeltaNetLM``.
 
 The layer of fla's ``DeltaNet`` (fla 0.6, ``fla/layers/delta_net.py``) with the same parameter
@@ -57,8 +57,8 @@ class FlaDeltaNet(FlaMixer):
     divisible by n_heads), ``use_beta``, ``use_gate``, ``use_short_conv``, ``conv_size``,
     ``conv_bias``, ``allow_neg_eigval``, ``qk_activation`` (silu/relu/elu/identity),
     ``qk_norm`` (l2/sum) and ``norm_eps`` (of the output RMSNorm). ``mode`` and ``chunk_size``
-    choose fastweights' delta-rule algorithm (SPEC 1.4; equal results up to float rounding);
-    ``chunk_size=None`` takes the size measured fastest on the input's device kind.
+    choose fastweights' delta-rule algorithm (docs/maths.md 1.4; equal results up to float
+    rounding); ``chunk_size=None`` takes the size measured fastest on the input's device kind.
     Submodule names are fla's: q_proj, k_proj, v_proj, b_proj, q_conv1d, k_conv1d, v_conv1d,
     g_proj, o_norm, o_proj.
     """

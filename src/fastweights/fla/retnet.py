@@ -1,7 +1,7 @@
 """flash-linear-attention's RetNet: the layer ``FlaMultiScaleRetention`` (fla's
-``MultiScaleRetention``), rebuilt on ``fastweights.ops.decay_linear_attn`` (SPEC 3.5), its config
-``FlaRetNetConfig`` (fla 0.6's ``RetNetConfig``; ``FLA_RETNET_OPTIONS`` says what each field does
-here) and ``FlaRetNetLM``.
+``MultiScaleRetention``), rebuilt on ``fastweights.ops.decay_linear_attn``
+(docs/maths.md 3.5), its config ``FlaRetNetConfig`` (fla 0.6's ``RetNetConfig``;
+``FLA_RETNET_OPTIONS`` says what each field does here) and ``FlaRetNetLM``.
 
 The layer of fla 0.6's ``MultiScaleRetention`` (``fla/layers/multiscale_retention.py``) as fla's
 ``RetNetBlock`` builds it, with the same parameter names, so an fla RetNet checkpoint's tensors
@@ -102,7 +102,7 @@ class FlaMultiScaleRetention(FlaMixer):
     ``use_output_gate``, ``elementwise_affine`` and ``norm_eps`` (of the output RMSNorm),
     ``fuse_norm`` (only names the output norm as fla does: ``g_norm_swish_gate`` when fused with
     the gate, else ``g_norm``; the same maths). ``mode`` and ``chunk_size`` choose fastweights'
-    algorithm for the decayed linear attention (SPEC 3.5; equal results up to rounding); a
+    algorithm for the decayed linear attention (docs/maths.md 3.5; equal results up to rounding); a
     one-token step always takes the recurrent form.
     Submodule names are fla's: q_proj, k_proj, v_proj, g_proj, g_norm_swish_gate or g_norm,
     o_proj. fla's layer has short convolutions too, but fla's RetNet model never enables them,

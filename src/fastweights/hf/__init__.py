@@ -21,9 +21,10 @@ by ``native_to_hf``) loads with ``AutoModelForCausalLM.from_pretrained(folder)``
 - ``native_to_hf`` / ``hf_to_native`` (``convert.py``): lossless conversion between the two
   checkpoint folders.
 
-- ``use_fastweights(model)`` (``kernels.py``): transformers' own Qwen3.5 / Qwen3-Next /
-  OLMo-hybrid models with their gated-delta layers on fastweights' ops (CPU prefill and
-  decoding, with or without fla installed).
+- ``use_fastweights(model)`` (``kernels.py``): transformers' own gated-delta models (Qwen3.5,
+  Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid, LaraMini, Qwen4-Exp: ``gated_delta_architectures()``)
+  with their gated-delta layers on fastweights' ops (CPU prefill and decoding, with or without
+  fla installed).
 
 fla's models behind the same API are ``fastweights.fla``'s (``fastweights.fla.hf``).
 """
@@ -40,7 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from .cache import FastWeightsCache
 from .config import FastWeightsConfig
 from .convert import PREFIX, hf_to_native, native_to_hf
-from .kernels import use_fastweights
+from .kernels import gated_delta_architectures, use_fastweights
 from .model import CACHE_FIELD, FastWeightsForCausalLM
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "FastWeightsCache",
     "FastWeightsConfig",
     "FastWeightsForCausalLM",
+    "gated_delta_architectures",
     "hf_to_native",
     "native_to_hf",
     "use_fastweights",

@@ -1,8 +1,10 @@
 """transformers' own Gated DeltaNet models on fastweights' ops: ``use_fastweights(model)``.
 
 transformers (5.x) writes the gated-delta layers of Qwen3.5 (``Qwen3_5GatedDeltaNet``, and
-the MoE variant's), Qwen3-Next (``Qwen3NextGatedDeltaNet``) and OLMo-hybrid
-(``OlmoHybridGatedDeltaNet``) around four functions of their modeling module:
+the MoE variant's), Qwen3-Next (``Qwen3NextGatedDeltaNet``), OLMo-hybrid
+(``OlmoHybridGatedDeltaNet``) and, in 5.24, LaraMini and Qwen4-Exp around four functions of
+their modeling module (``gated_delta_architectures`` finds every such module of the installed
+transformers):
 ``torch_chunk_gated_delta_rule`` (prefill), ``torch_recurrent_gated_delta_rule`` (one-token
 decoding), ``causal_conv1d_fn`` and ``causal_conv1d_update`` (the short convolution, whole and
 one step). ``use_kernel_func_from_hub_with_fallback`` binds each name, when the modeling module
@@ -22,20 +24,35 @@ dispatcher that calls fastweights' function inside a layer marked by ``use_fastw
 the original binding everywhere else (other models, unmarked layers: unchanged behaviour);
 the marking is a forward pre-hook and an always-called forward hook on each layer.
 
+A layer is served whole or not at all: a transformers layer named ``...GatedDeltaNet`` or whose
+forward calls the gated delta rule is refused, with the model's and the layer's names and the
+reason, when its module lacks one of the four names, when its forward also calls another
+kernel function of its module (one transformers binds at import, as it binds these four), or
+when one of the four takes a parameter fastweights' replacement does not (a later transformers
+release that changes them). Nothing is patched then.
+
 Kimi-Linear's KDA layer is not covered: its decay is per key channel (g [B, T, H, Dk]), which
 the scalar-per-head gate of ``gated_delta_rule`` does not express.
 
 Numerics: q and k are L2-normalised in float32 (float64 for float64 models) as transformers'
-fallbacks do, the recurrent state is float32 (float64), outputs return in the input dtype.
+fallbacks do, then the chunked op gets q, k, v in the values' dtype (the project's
+mixed-precision rule: a bfloat16 model reaches the GPU kernels); the recurrent state is float32
+(float64), outputs return in the input dtype.
 """
 
 from __future__ import annotations
 
 import contextvars
+import dis
 import functools
+import importlib.util
+import inspect
+import re
 import sys
+import types
 from collections.abc import Callable
 from itertools import pairwise
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -48,7 +65,7 @@ from ..layers.gated_delta import l2_normalize
 from ..ops._conv import causal_depthwise_conv
 from ..ops.fwp import gated_delta_rule, gated_delta_rule_step, preferred_chunk_size
 
-__all__ = ["is_gated_delta_layer", "use_fastweights"]
+__all__ = ["gated_delta_architectures", "is_gated_delta_layer", "use_fastweights"]
 
 # Depth of marked layers' forwards running in this context (a layer's forward is not reentrant,
 # but a count is as cheap as a flag and survives nesting).
@@ -122,6 +139,9 @@ def _gated_delta(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g:
         init: Any = initial_state
         if cu_seqlens is not None and initial_state is not None:  # [N, ...] -> one per document
             init = list(initial_state.split(1))
+        # The op's operands in the values' dtype (layers/base.py like_values): a bfloat16 model
+        # reaches the GPU kernels; the state and the gates stay float32.
+        q, k, v = (x.to(value.dtype) for x in (q, k, v))
         o, S = gated_delta_rule(
             q, k, v, beta, g, scale=scale, initial_state=init, output_final_state=True,
             chunk_size=preferred_chunk_size("gated_delta_rule", q.device), cu_seqlens=cu_seqlens)
@@ -189,38 +209,119 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
     _DEPTH.set(_DEPTH.get() - 1)
 
 
+# transformers' two forms of the gated delta rule: a layer that calls one is a gated-delta layer.
+GATED_DELTA_RULE = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+@functools.cache
+def gated_delta_architectures() -> tuple[str, ...]:
+    """The installed transformers' gated-delta architectures: the names of its
+    ``transformers.models.<name>`` packages whose ``modeling_<name>.py`` defines
+    ``torch_chunk_gated_delta_rule`` (``lara_mini``, ``olmo_hybrid``, ``qwen3_5``,
+    ``qwen3_5_moe``, ``qwen3_next``, ``qwen4_exp`` in 5.24), found by reading the source files,
+    importing none; () without transformers."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    defines = re.compile(rf"^def {GATED_DELTA_RULE[0]}\(", re.MULTILINE)
+    root = Path(spec.submodule_search_locations[0]) / "models"
+    return tuple(sorted(
+        path.parent.name for path in root.glob("*/modeling_*.py")
+        if path.name == f"modeling_{path.parent.name}.py"
+        and defines.search(path.read_text(encoding="utf-8", errors="replace"))))
+
+
+def _global_names(fn: Callable[..., Any]) -> set[str]:
+    """The global names the code of ``fn`` (unwrapped from its decorators) and of the functions
+    nested in it loads."""
+    codes, names = [inspect.unwrap(fn).__code__], set()
+    while codes:
+        code = codes.pop()
+        names.update(i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL")
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return names
+
+
+def _is_kernel(obj: Any, module: str) -> bool:
+    """Whether ``obj`` is a kernel function of modeling module ``module``: one defined there and
+    bound at import through a wrapper (transformers' ``use_kernel_func_from_hub_with_fallback``
+    or a dispatcher of ours)."""
+    return (callable(obj) and inspect.unwrap(obj) is not obj
+            and getattr(inspect.unwrap(obj), "__module__", None) == module)
+
+
+def _positional_names(fn: Callable[..., Any]) -> list[str]:
+    """The named parameters of ``fn`` (``*args``, ``**kwargs`` left out), in order."""
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _is_candidate(cls: type) -> bool:
+    """Whether ``cls`` is a transformers gated-delta layer: a ``...GatedDeltaNet`` class of a
+    transformers module, or one whose forward calls the gated delta rule."""
+    if not cls.__module__.startswith("transformers.") or not callable(getattr(cls, "forward", None)):
+        return False
+    return cls.__name__.endswith("GatedDeltaNet") or bool(
+        _global_names(cls.forward) & set(GATED_DELTA_RULE))
+
+
+_MISSING = "without the module-level functions use_fastweights replaces"
+
+
+def _unsupported(cls: type) -> str | None:
+    """Why ``use_fastweights`` cannot serve gated-delta layer class ``cls`` whole (a phrase
+    naming what is missing or unsupported), None when it can."""
+    source = sys.modules.get(cls.__module__)
+    missing = [name for name in KERNELS if not callable(getattr(source, name, None))]
+    if missing:
+        return f"is written {_MISSING} (no {', '.join(missing)} in {cls.__module__})"
+    others = sorted(name for name in _global_names(cls.forward) - KERNELS.keys()
+                    if _is_kernel(getattr(source, name, None), cls.__module__))
+    if others:
+        return (f"also calls the kernel function(s) {', '.join(others)} of {cls.__module__}, "
+                "which use_fastweights does not replace")
+    for name, ours in KERNELS.items():
+        theirs, mine = _positional_names(inspect.unwrap(getattr(source, name))), _positional_names(ours)
+        if mine[:len(theirs)] != theirs:
+            new = [p for p in theirs if p not in mine] or theirs
+            return (f"calls {name}({', '.join(theirs)}): fastweights' replacement takes "
+                    f"({', '.join(mine)}), not {', '.join(new)}")
+    return None
+
+
 def is_gated_delta_layer(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers gated-delta layer ``use_fastweights`` serves: a
-    ``...GatedDeltaNet`` class whose modeling module defines the four kernel names."""
-    source = sys.modules.get(type(module).__module__)
-    return (type(module).__name__.endswith("GatedDeltaNet") and source is not None
-            and type(module).__module__.startswith("transformers.")
-            and all(callable(getattr(source, name, None)) for name in KERNELS))
+    ``...GatedDeltaNet`` layer (or one calling the gated delta rule) whose modeling module
+    defines the four kernel names, calls no other kernel and passes only the parameters
+    fastweights' replacements take."""
+    return _is_candidate(type(module)) and _unsupported(type(module)) is None
 
 
 def use_fastweights(model: nn.Module, enable: bool = True) -> nn.Module:
     """Run the gated-delta layers of a transformers ``model`` (Qwen3.5, Qwen3.5-MoE,
-    Qwen3-Next, OLMo-hybrid) on fastweights' ops: the chunked gated delta rule for prefill,
-    its one-token step for decoding, fastweights' causal convolution for both (see the module
-    docstring). Returns ``model``; calling it again is a no-op, ``enable=False`` restores
-    transformers' own functions for this model. ValueError when ``model`` has no such layer."""
-    layers = [m for m in model.modules() if is_gated_delta_layer(m)]
-    unserved = {type(m).__module__ for m in model.modules()
-                if type(m).__name__.endswith("GatedDeltaNet") and not is_gated_delta_layer(m)
-                and type(m).__module__.startswith("transformers.")}
-    if not layers and unserved:
+    Qwen3-Next, OLMo-hybrid, LaraMini, Qwen4-Exp: ``gated_delta_architectures``) on
+    fastweights' ops: the chunked gated delta rule for prefill, its one-token step for
+    decoding, fastweights' causal convolution for both (see the module docstring). Returns
+    ``model``; calling it again is a no-op, ``enable=False`` restores transformers' own
+    functions for this model. ValueError, before anything is patched, when ``model`` has no
+    such layer, or has one that cannot be served whole (naming the model, the layer and why)."""
+    candidates = {cls for cls in {type(m) for m in model.modules()} if _is_candidate(cls)}
+    reasons = {cls: why for cls in candidates if (why := _unsupported(cls)) is not None}
+    if reasons:
         import transformers
 
+        what = "; ".join(f"{cls.__name__} ({cls.__module__}) {why}"
+                         for cls, why in sorted(reasons.items(), key=lambda kv: kv[0].__name__))
         raise ValueError(
-            f"transformers {transformers.__version__} writes {type(model).__name__}'s gated-delta "
-            f"layers without the module-level functions use_fastweights replaces "
-            f"({', '.join(KERNELS)} in {', '.join(sorted(unserved))}); it is tested with "
-            "transformers 5.23 and 5.24")
+            f"use_fastweights cannot serve {type(model).__name__} of transformers "
+            f"{transformers.__version__}: its gated-delta layer {what}; nothing was changed "
+            "(it is tested with transformers 5.23 and 5.24)")
+    layers = [m for m in model.modules() if type(m) in candidates]
     if not layers:
         raise ValueError(
-            f"{type(model).__name__} has no transformers gated-delta layer (Qwen3.5, Qwen3-Next "
-            "or OLMo-hybrid ...GatedDeltaNet); Kimi-Linear's KDA (a per-channel decay) is not "
-            "supported")
+            f"{type(model).__name__} has no transformers gated-delta layer (those of "
+            f"{', '.join(gated_delta_architectures()) or 'transformers 5.23 and 5.24'}); "
+            "Kimi-Linear's KDA (a per-channel decay) is not supported")
     for layer in layers:
         _install(sys.modules[type(layer).__module__])
         marked = _enter in layer._forward_pre_hooks.values()

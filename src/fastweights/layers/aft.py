@@ -1,4 +1,4 @@
-"""Attention Free Transformer layers (SPEC.md 4): AFT-full, AFT-local, AFT-simple, AFT-conv.
+"""Attention Free Transformer layers (docs/maths.md 4): AFT-full, AFT-local, AFT-simple, AFT-conv.
 
 Every layer projects x to Q, V in R^{d'} and K (R^{d'}, or one channel per head for AFT-conv)
 with biases, computes Y = sigmoid(Q) * (sum e^{K + w} V / sum e^{K + w}) with the ops of
@@ -58,7 +58,7 @@ from .base import (
 class _AFT(Mixer):
     """Shared projections: x -> Q [d'], K [d_key], V [d'] (one Linear with bias) and the output
     Linear d' -> d_model. Every one of the d' channels is its own single-dimensional head
-    (SPEC 4.1), so ``n_heads`` only matters to AFT-conv."""
+    (docs/maths.md 4.1), so ``n_heads`` only matters to AFT-conv."""
 
     def __init__(self, d_model: int, n_heads: int, d_hidden: int | None, d_key: int | None,
                  head_dim: int, with_q: bool = True) -> None:
@@ -147,7 +147,7 @@ class _PositionBias(nn.Module):
 
 
 class AFTFull(_AFT):
-    """AFT-full (SPEC 4.1): a learned bias w_tt' for every pair, factorised as U V^T.
+    """AFT-full (docs/maths.md 4.1): a learned bias w_tt' for every pair, factorised as U V^T.
 
     State: the cache ``(k [B, t, d'], v [B, t, d'])`` of every token seen (an arbitrary pairwise
     bias has no constant-size state), so ``state_size(seq_len)`` grows linearly.
@@ -200,7 +200,7 @@ class AFTFull(_AFT):
 
 
 class AFTLocal(_AFT):
-    """AFT-local (SPEC 4.2): the learned bias inside a causal window of ``window`` tokens
+    """AFT-local (docs/maths.md 4.2): the learned bias inside a causal window of ``window`` tokens
     (0 <= t - t' < s; s = 32 as the labml reference), bias 0 (not a mask) beyond it. ``mode``
     and ``chunk_size`` pick the op's algorithm (``aft_local_stream``), never its result.
 
@@ -288,8 +288,9 @@ class AFTLocal(_AFT):
 
 
 class AFTSimple(_AFT):
-    """AFT-simple (SPEC 4.2): no position bias, Y_t = sigmoid(Q_t) * sum_{t' <= t} softmax_t'(K) V.
-    State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence length."""
+    """AFT-simple (docs/maths.md 4.2): no position bias, Y_t = sigmoid(Q_t) * sum_{t' <= t}
+    softmax_t'(K) V. State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence
+    length."""
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  mode: str = "chunk") -> None:
@@ -327,7 +328,7 @@ class AFTSimple(_AFT):
 
 
 class AFTConv(_AFT):
-    """AFT-conv (SPEC 4.2), causal 1-D: ``n_heads`` heads of d'/n_heads channels, one key
+    """AFT-conv (docs/maths.md 4.2), causal 1-D: ``n_heads`` heads of d'/n_heads channels, one key
     channel per head, and per head a learned kernel of ``window`` offsets (w[h, j] the bias at
     t - t' = j; bias 0 beyond). With ``reparam`` (default) the kernel is
     w_h = gamma_h (w_h - mean w_h) / sqrt(var w_h + 1e-5) + beta_h with the raw kernel N(0, 1)

@@ -1,4 +1,4 @@
-"""The contract every sequence mixer honours (DESIGN.md, "Layers and models")."""
+"""The contract every sequence mixer honours (docs/design.md, "The layer contract")."""
 
 from __future__ import annotations
 
@@ -232,6 +232,19 @@ def is_step(x: Any, cu_seqlens: torch.Tensor | None) -> bool:
     autocast the public op (which switches autocast off for its float32 states) runs instead."""
     return (cu_seqlens is None and isinstance(x, torch.Tensor) and x.dim() == 3
             and x.shape[1] == 1 and not torch.is_autocast_enabled(x.device.type))
+
+
+def like_values(v: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``xs`` (queries and keys, after their feature maps or norms) in the dtype of the values
+    ``v``: the project's mixed-precision rule for the operands of a token-mixing op. The values
+    come straight from a projection, so their dtype is the activation dtype: the autocast dtype
+    under ``torch.autocast``, the model's dtype otherwise. CUDA autocast runs reductions and
+    pointwise functions (``sum``, ``exp``, ``rsqrt``, ``softplus``, ...) in float32, so queries
+    and keys that went through a sum normalisation or an L2 norm come out float32 while the
+    values stay bfloat16; the ops take one dtype for q, k, v, and the kernel backends take the
+    half-precision ones. Gates and states are not operands: the ops use them in float32
+    (float64 for float64 inputs) whatever their dtype."""
+    return tuple(x if x.dtype == v.dtype else x.to(v.dtype) for x in xs)
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:

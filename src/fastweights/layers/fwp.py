@@ -1,5 +1,6 @@
 """Fast weight programmer layers: linear attention with a choice of feature map, normalisation and
-update rule, and DeltaNet (SPEC.md 1.1-1.4). The mathematics lives in ``fastweights.ops.fwp``."""
+update rule, and DeltaNet (docs/maths.md 1.1-1.4). The mathematics lives in
+``fastweights.ops.fwp``."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    like_values,
     merge_heads,
     packed_or_single,
     per_document,
@@ -61,7 +63,7 @@ class LinearAttention(Mixer):
     (``ops.fwp.preferred_chunk_size``: 32 for the delta rule on CPU, 64 otherwise; the choice
     changes only float rounding, and is fixed per device kind, so runs stay reproducible).
     The defaults ``nu=2``
-    and ``m=16`` are lmtool's (SPEC 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
+    and ``m=16`` are lmtool's (docs/maths.md 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
 
     State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule and the
     attention-normalised delta rule, ``(S,)`` for delta.
@@ -124,7 +126,7 @@ class LinearAttention(Mixer):
         H, D = self.n_heads, self.head_dim
         proj = split_heads(self.qkvb(x), H)  # [B, T, H, 3D (+1)]
         q, k, v = proj[..., :D], proj[..., D:2 * D], proj[..., 2 * D:3 * D]
-        q, k = self._phi(q), self._phi(k)
+        q, k = like_values(v, self._phi(q), self._phi(k))  # mixed precision: layers/base.py
         chunk = self.chunk_size or preferred_chunk_size(
             "delta_rule" if self.update == "delta" else "linear_attn", x.device)
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": chunk,

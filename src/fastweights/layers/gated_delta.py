@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024; SPEC.md 5b): the layer ``GatedDeltaNet``,
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024; docs/maths.md 5b): the layer ``GatedDeltaNet``,
 registered as ``gated-delta``. The mathematics is ``fastweights.ops.fwp.gated_delta_rule``.
 
 The layer as published and as flash-linear-attention 0.6 builds it (``fla/layers/
@@ -51,6 +51,7 @@ from .base import (
     Mixer,
     State,
     is_step,
+    like_values,
     merge_heads,
     packed_or_single,
     split_heads,
@@ -213,7 +214,8 @@ class GatedDeltaNet(Mixer):
         B = x.shape[0]
         cdtype = state_dtype(x.dtype)
         parts = [self._state_parts(s, B) for s in states]
-        mixed = self.project(x).to(cdtype)  # [B, T, C]
+        projected = self.project(x)  # [B, T, C], in the activation dtype (layers/base.py)
+        mixed = projected.to(cdtype)
         convs: list[torch.Tensor | None] = [None] * len(parts)
         if self.use_short_conv:  # each document continues its own past
             pieces = []
@@ -233,9 +235,15 @@ class GatedDeltaNet(Mixer):
         g = -self.A_log.to(cdtype).exp() * F.softplus(self.a_proj(x).to(cdtype)
                                                        + self.dt_bias.to(cdtype))
         scale = Dk ** -0.5
+        # Mixed precision (like_values): the op's q, k, v in the projections' dtype (bfloat16
+        # in a bfloat16 model and under bfloat16 autocast, where the kernels run); the
+        # convolution, the L2 norm and the gates above are computed in float32.
+        q, k, v = like_values(projected, q, k, v)
         if is_step(x, cu_seqlens) and self.mode != "naive":
-            # The decoding step: the recurrence's one-token form on the checked state.
+            # The decoding step: the recurrence's one-token form on the checked state (the
+            # operands rounded as the chunked form's, then in the state's dtype).
             S0 = matrix_state(parts[0][1], (B, H, Dk, self.head_v_dim), q, cdtype)
+            q, k, v = (t.to(cdtype) for t in (q, k, v))
             o, S = gated_delta_rule_step(q * scale, k, v, beta, g, S0)
             finals = [S]
         else:
@@ -246,7 +254,7 @@ class GatedDeltaNet(Mixer):
                 initial_state=packed_or_single([S0 for _, S0 in parts], cu_seqlens))
             finals = list(S) if cu_seqlens is not None else [S]
         gate = split_heads(self.g_proj(x), H) if self.use_gate else None
-        y = self.o_proj(merge_heads(self.o_norm(o, gate)).to(x.dtype))
+        y = self.o_proj(merge_heads(self.o_norm(o.to(cdtype), gate)).to(x.dtype))
         new = [(c, s) if self.use_short_conv else (s,) for c, s in zip(convs, finals)]
         return y, packed_or_single(new, cu_seqlens)
 

@@ -1,4 +1,4 @@
-"""Gated linear unit feed-forward of TransNormer (SPEC.md 3.4)."""
+"""Gated linear unit feed-forward of TransNormer (docs/maths.md 3.4)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class GLU(nn.Module):
     ``hidden`` defaults to int(8/3 * d_model). ``activation`` is ``"silu"`` (default, the
     intended "swish"), ``"gelu"`` or ``"identity"``: the published TransNormer checkpoints
     effectively trained an activation-free GLU, because fairseq-evo did not recognise "swish"
-    and fell back to identity (SPEC 3.4, 7.3). Biases on, as in the reference GLU.
+    and fell back to identity (docs/maths.md 3.4, 7.3). Biases on, as in the reference GLU.
     """
 
     def __init__(self, d_model: int, hidden: int | None = None, *, activation: str = "silu",

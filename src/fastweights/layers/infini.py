@@ -1,4 +1,4 @@
-"""Infini-attention layer (Munkhdalai et al. 2024; SPEC.md 5): segment-local softmax attention
+"""Infini-attention layer (Munkhdalai et al. 2024; docs/maths.md 5): segment-local softmax attention
 with rotary positions plus a compressive memory, mixed by a learned per-head gate. The
 mathematics lives in ``fastweights.ops.infini``."""
 
@@ -57,7 +57,7 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     Gate: ``gate_init`` (default 0.0, the paper convention, half memory and half local) is the
     initial beta_h of every head; ``gate_init=-10.0`` matches lucidrains' initialisation
     (sigmoid(10) on the local side, i.e. start almost purely local). While the memory is empty
-    A_mem = 0 and the gate is still applied (SPEC binding choice). ``eps`` clamps the memory
+    A_mem = 0 and the gate is still applied (docs/maths.md 5.3). ``eps`` clamps the memory
     denominators (see ``infini_attention``); ``mode`` picks the op's algorithm.
 
     State: the op's ``InfiniState.open_segment``, an ``InfiniSegmentState`` ``(M [B, H, D, D], z [B, H, D], k_seg, v_seg,

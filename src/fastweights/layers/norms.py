@@ -1,5 +1,5 @@
 """The language model's norms: ``RMSNorm`` (with a gain) and TransNormer's gain-free
-``SRMSNorm`` (SPEC 3.1). [..., d] -> [..., d]."""
+``SRMSNorm`` (docs/maths.md 3.1). [..., d] -> [..., d]."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
 
 
 class SRMSNorm(nn.Module):
-    """x / (||x||_2 / sqrt(d) + eps) over the last dim, no learnable gain (SPEC 3.1).
+    """x / (||x||_2 / sqrt(d) + eps) over the last dim, no learnable gain (docs/maths.md 3.1).
 
     ``dim`` (optional) is checked against x's last dim. [..., d] -> [..., d].
     """

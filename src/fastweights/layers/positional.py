@@ -1,4 +1,5 @@
-"""Rotary position encodings shared by the layers (pairs (2i, 2i+1), as SPEC 2.1 and 3.3 fix).
+"""Rotary position encodings shared by the layers: pairs (2i, 2i+1), as docs/maths.md 2.1 and
+3.3 fix them.
 
 Dimension legend: B batch, T time, H heads, D head dim (even).
 """

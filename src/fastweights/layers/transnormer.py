@@ -1,4 +1,4 @@
-"""TransNormer layers (SPEC.md 3): NormAttention (global, linear), DiagAttention (local,
+"""TransNormer layers (docs/maths.md 3): NormAttention (global, linear), DiagAttention (local,
 block-diagonal), their LRPE positions and the TransNormerLLM decay variant (SRMSNorm is
 ``layers/norms.py``'s).
 The mathematics lives in ``fastweights.ops.transnormer`` and ``fastweights.ops.linear_attn``.
@@ -45,6 +45,7 @@ from .base import (
     State,
     check_stackable,
     is_step,
+    like_values,
     merge_heads,
     packed_or_single,
     per_document,
@@ -65,7 +66,7 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 class LRPE(nn.Module):
-    """Learned-frequency relative positions (SPEC 3.3): x -> RoPE_theta(H x) per head.
+    """Learned-frequency relative positions (docs/maths.md 3.3): x -> RoPE_theta(H x) per head.
 
     H = I - 2 v v^T is a Householder reflection with a fixed random unit v (a buffer, saved with
     the weights, not learned); the rotary frequencies theta_i (init base^{-2i/D}) are learned.
@@ -133,7 +134,7 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 def _qkv_projections(module: nn.Module, d_model: int, width: int) -> None:
     """Q/K/V/out projections with biases; xavier_uniform with gain 1/sqrt(2) on W_Q, W_K, W_V
-    and plain xavier with a zero bias on W_out (SPEC 3.1)."""
+    and plain xavier with a zero bias on W_out (docs/maths.md 3.1)."""
     module.q_proj = nn.Linear(d_model, width)
     module.k_proj = nn.Linear(d_model, width)
     module.v_proj = nn.Linear(d_model, width)
@@ -145,16 +146,17 @@ def _qkv_projections(module: nn.Module, d_model: int, width: int) -> None:
 
 
 class NormAttention(Mixer):
-    """TransNormer's global linear attention (SPEC 3.1): q = act(x W_Q + b), k = act(x W_K + b),
-    v = x W_V + b, LRPE on q and k with sequence-global positions (``lrpe``), un-normalised causal
-    linear attention o_t = q_t sum_{s<=t} k_s^T v_s (no 1/sqrt(D), no denominator), SRMSNorm over
-    the concatenated heads, then W_out.
+    """TransNormer's global linear attention (docs/maths.md 3.1): q = act(x W_Q + b),
+    k = act(x W_K + b), v = x W_V + b, LRPE on q and k with sequence-global positions (``lrpe``),
+    un-normalised causal linear attention o_t = q_t sum_{s<=t} k_s^T v_s (no 1/sqrt(D), no
+    denominator), SRMSNorm over the concatenated heads, then W_out.
 
     ``activation``: ``"1+elu"`` (default, T2, the paper's better model), ``"elu"`` (T1), also
     ``"silu"``, ``"relu"``, ``"identity"``. ``decay=True`` gives the TransNormerLLM / Lightning
-    variant (SPEC 3.5): S_t = lambda_h S_{t-1} + k_t^T v_t with lambda_h = exp(-decay_scale * s_h),
-    s_h the ALiBi slopes (TransNormerLLM uses decay_scale = 1 - l/(L-1) + 1e-5 in layer l), and
-    the output norm -> sigmoid(x W_g + b_g) gate -> W_out. ``mode``/``chunk_size`` go to the op.
+    variant (docs/maths.md 3.5): S_t = lambda_h S_{t-1} + k_t^T v_t with
+    lambda_h = exp(-decay_scale * s_h), s_h the ALiBi slopes (TransNormerLLM uses
+    decay_scale = 1 - l/(L-1) + 1e-5 in layer l), and the output norm -> sigmoid(x W_g + b_g)
+    gate -> W_out. ``mode``/``chunk_size`` go to the op.
 
     State: ``(S [B, H, D, D] float32/float64, position: int)``; the position keeps LRPE
     sequence-global when the sequence is fed in pieces. ``decay_values`` holds the lambda_h.
@@ -210,9 +212,11 @@ class NormAttention(Mixer):
                 # Sequence-global positions, restarting at every document.
                 positions = token_positions(bounds, pos, x.device)
             q, k = self.lrpe.pair(q, k, positions)
-        if x.dtype in HALF:
-            # Without a denominator o_t grows like t (SPEC 3.6): keep it in float32 until
-            # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences.
+        q, k = like_values(v, q, k)  # mixed precision: layers/base.py
+        if v.dtype == torch.float16:
+            # Without a denominator o_t grows like t (docs/maths.md 3.6): keep it in float32 until
+            # SRMSNorm has brought it back to RMS 1, or float16 overflows on long sequences
+            # (bfloat16 has float32's range: its operands stay bfloat16, for the kernels).
             q, k, v = q.float(), k.float(), v.float()
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size,
                 "cu_seqlens": cu_seqlens}
@@ -364,8 +368,9 @@ class DiagRowsState(NamedTuple):
 
 
 class DiagAttention(Mixer):
-    """TransNormer's local attention (SPEC 3.2): causal attention inside non-overlapping blocks of
-    ``block_size`` tokens (block-local LRPE when ``lrpe``), nothing crosses a block border.
+    """TransNormer's local attention (docs/maths.md 3.2): causal attention inside non-overlapping
+    blocks of ``block_size`` tokens (block-local LRPE when ``lrpe``), nothing crosses a block
+    border.
 
     ``kernel="softmax"`` (default, T2): softmax(q k^T / sqrt(D)) v, no norm. ``kernel="relu"``
     (T1): relu(q k^T / sqrt(D)) v, then SRMSNorm over the concatenated heads. No activation on
@@ -405,7 +410,7 @@ class DiagAttention(Mixer):
         r = 0 if state is None else state.k_open.shape[1]
         # Block-local positions: LRPE restarts in every block.
         q, k, v = self._project(x, torch.arange(r, r + T, device=x.device) % w)
-        if self.kernel == "relu" and x.dtype in HALF:
+        if self.kernel == "relu" and q.dtype in HALF:  # (q's dtype: autocast's, if on)
             # Unnormalised ReLU sums: keep them in float32 until SRMSNorm rescales them.
             q, k, v = q.float(), k.float(), v.float()
         if r:

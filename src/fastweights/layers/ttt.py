@@ -1,5 +1,6 @@
-"""Test-time training layers TTT-Linear and TTT-MLP (SPEC.md 2.1, 2.3, 2.5, 2.6, Sun et al. 2024).
-The inner loop lives in ``fastweights.ops.ttt``; this module holds the outer parameters."""
+"""Test-time training layers TTT-Linear and TTT-MLP (Sun et al. 2024; docs/maths.md 2.1, 2.3,
+2.5, 2.6). The inner loop lives in ``fastweights.ops.ttt``; this module holds the outer
+parameters."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ from .base import (
 )
 from .positional import RotaryFrequencies
 
-CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (SPEC 2.1)
-INIT_STD = 0.02  # SPEC 2.6
+CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (docs/maths.md 2.1)
+INIT_STD = 0.02  # docs/maths.md 2.6
 
 
 class TTTLayerState(NamedTuple):
@@ -58,15 +59,15 @@ class TTTLayerState(NamedTuple):
 
 
 class _TTTLayer(RotaryFrequencies, Mixer):
-    """A TTT layer (SPEC 2.1, 2.5): per-head views XQ, XK, XV of x; the inner model is trained on
-    (XK, XV) while the sequence streams and read with XQ; heads concatenated, post-LayerNorm,
-    output projection.
+    """A TTT layer (docs/maths.md 2.1, 2.5): per-head views XQ, XK, XV of x; the inner model is
+    trained on (XK, XV) while the sequence streams and read with XQ; heads concatenated,
+    post-LayerNorm, output projection.
 
     Options:
     - ``mini_batch_size`` b (16): inner gradients of b tokens are taken at the same weights.
     - ``eta_base``: inner learning rate eta_t = eta_base * eta_scale * sigmoid(x_t w_lr + b_lr) /
       head_dim per head (w_lr ~ N(0, 0.02), b_lr = 0). ``eta_scale`` (attribute, 1.0) is the
-      training schedule's multiplier: TTT-MLP's recipe (SPEC 2.6) ramps it linearly from
+      training schedule's multiplier: TTT-MLP's recipe (docs/maths.md 2.6) ramps it linearly from
       ``eta_warmup_from`` = 0.1 to 1 over the outer warm-up, which the training loop applies
       through ``set_inner_lr_warmup`` (``eta_warmup_from`` None for TTT-Linear: no ramp).
     - ``learn_eta`` (True): the token-dependent learned gate above; False fixes eta_t =
@@ -74,18 +75,18 @@ class _TTTLayer(RotaryFrequencies, Mixer):
       TTT paper's ablation step before "+ learnable inner learning rate".
     - ``checkpoint_group`` (None): in training, recompute the inner scan in groups of this many
       mini-batches in the backward pass instead of storing what every mini-batch's backward
-      reads (TTT-Linear: its inner weights; TTT-MLP: its per-token rows) (SPEC 2.6's gradient
-      checkpointing; 4 in the paper): same results, much less memory.
+      reads (TTT-Linear: its inner weights; TTT-MLP: its per-token rows)
+      (docs/maths.md 2.6's gradient checkpointing; 4 in the paper): same results, much less memory.
     - tau_i = max(0, 1/i + delta_i) with a learned offset delta [b] (init 0), the scale of the
       running gradient sum at position i of a mini-batch (the ops' ``token_scale``).
     - ``rope`` (True): rotary positions (base ``rope_base``) on XQ, XK with the position counted
-      modulo b, i.e. restarting every mini-batch (SPEC 2.1).
+      modulo b, i.e. restarting every mini-batch (docs/maths.md 2.1).
     - ``inner_norm`` (True): per-head LayerNorm in the inner model with learned gamma, beta [H, D]
       (outer parameters); ``residual`` (True): f(z) = z + LN(f_res(z)).
     - Learned initial inner weights (W ~ N(0, 0.02), biases 0), shared by every sequence.
     - ``mamba_backbone`` (False): one projection shared by Q and K followed by two causal depthwise
       convolutions (kernel 4, with bias) giving XQ and XK, and a GELU (tanh) output gate
-      gelu(x W_g) after the post-LayerNorm (SPEC 2.1, 2.5).
+      gelu(x W_g) after the post-LayerNorm (docs/maths.md 2.1, 2.5).
     - ``mode``: the ops' "dual" (default), "primal" or "naive".
     - ``backend``: the ops' ``backend=`` for calls of more than one token: None (default,
       the automatic choice: the Triton kernels of the dual form where they can run the call,
@@ -160,7 +161,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
 
     def set_inner_lr_warmup(self, progress: float) -> None:
         """eta_scale = r + (1 - r) * progress with r = ``eta_warmup_from``: the ramp from r to 1
-        over the outer warm-up (SPEC 2.6); no change when the layer has no ramp (r None)."""
+        over the outer warm-up (docs/maths.md 2.6); no change when the layer has no ramp
+        (r None)."""
         if self.eta_warmup_from is not None:
             self.eta_scale = self.eta_warmup_from + (1.0 - self.eta_warmup_from) * progress
 
@@ -268,7 +270,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         else:
             # q and k side by side as 2H heads: rotated in one call. (split, not two slices:
             # its backward is one cat, where each slice's backward zero-fills a [B, T, 3 H D]
-            # gradient, 11 ms per step at T 4096, d 512)
+            # gradient; docs/performance.md)
             qk, v = proj.split([2 * H * D, H * D], dim=-1)
             qk = split_heads(qk, 2 * H)
         v = split_heads(v, H)  # [B, T, H, D]
@@ -415,11 +417,11 @@ class TTTLinear(_TTTLayer):
 
 class TTTMLP(_TTTLayer):
     """TTT-MLP: the inner model is f_res(z) = gelu_tanh(z W1 + b1) W2 + b2 per head with hidden
-    size 4 D, eta_base 0.1 (SPEC 2.6). Options and state as described in ``_TTTLayer``."""
+    size 4 D, eta_base 0.1 (docs/maths.md 2.6). Options and state as described in ``_TTTLayer``."""
 
     op = staticmethod(ttt_mlp)
     kind = "mlp"
-    eta_warmup_from: float | None = 0.1  # SPEC 2.6: eta ramps from 10% to 100% over warm-up
+    eta_warmup_from: float | None = 0.1  # docs/maths.md 2.6: eta ramps from 10% to 100%
     def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 0.1, **options) -> None:
         super().__init__(d_model, n_heads, eta_base=eta_base, **options)
 

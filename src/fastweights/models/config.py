@@ -32,17 +32,17 @@ class LMConfig:
     ``mixer_options`` is one dict of keyword options for every layer or a list of dicts, one per
     layer. ``ffn`` is ``"mlp"`` (Linear-GELU-Linear), ``"glu"`` (``fastweights.layers.GLU`` with
     the activation ``glu_activation``: ``"silu"`` by default, ``"identity"`` for the activation-free
-    GLU the published TransNormer models trained, SPEC 3.4, or ``"gelu"``) or ``"none"``;
+    GLU the published TransNormer models trained, docs/maths.md 3.4, or ``"gelu"``) or ``"none"``;
     ``ffn_hidden`` defaults to 4 * d_model for ``mlp`` and to int(8/3 * d_model) for ``glu``
-    (SPEC 3.4; about the same parameter count). ``norm`` is the pre-norm: ``"rmsnorm"`` (with a
-    gain), ``"layernorm"`` or ``"srmsnorm"`` (TransNormer's gain-free SRMSNorm, SPEC 3.1/3.4),
-    each with ``norm_eps``. ``max_seq_len`` (optional) is the
-    longest sequence the model accepts; it is passed on as the option ``max_len`` to mixers
-    that take one (absolute position tables) and checked in ``forward``/``generate``.
-    ``position`` adds an absolute position encoding to the token embeddings: ``"none"`` (the
-    default; order comes from the mixers alone), ``"learned"`` (a trained table of
-    ``max_seq_len`` rows, which it requires; std 0.02 init) or ``"sinusoidal"`` (Vaswani et
-    al.'s fixed sin/cos of the position, no parameters, any length), multiplied by
+    (docs/maths.md 3.4; about the same parameter count). ``norm`` is the pre-norm: ``"rmsnorm"``
+    (with a gain), ``"layernorm"`` or ``"srmsnorm"`` (TransNormer's gain-free SRMSNorm,
+    docs/maths.md 3.1/3.4), each with ``norm_eps``.
+    ``max_seq_len`` (optional) is the longest sequence the model accepts; it is passed on as the
+    option ``max_len`` to mixers that take one (absolute position tables) and checked in
+    ``forward``/``generate``. ``position`` adds an absolute position encoding to the token
+    embeddings: ``"none"`` (the default; order comes from the mixers alone), ``"learned"``
+    (a trained table of ``max_seq_len`` rows, which it requires; std 0.02 init) or ``"sinusoidal"``
+    (Vaswani et al.'s fixed sin/cos of the position, no parameters, any length), multiplied by
     ``position_scale`` (default 1: unit amplitude; the embeddings start at std 0.02, so 0.02
     puts the two in the ratio of Vaswani et al., whose embeddings are scaled up to unit size
     instead). Positions count the tokens
@@ -171,7 +171,7 @@ class LMConfig:
         if self.ffn_hidden is not None:
             return self.ffn_hidden
         if self.ffn == "glu":
-            return int(8 / 3 * self.d_model)  # SPEC 3.4
+            return int(8 / 3 * self.d_model)  # docs/maths.md 3.4
         return 4 * self.d_model
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import state_tree
 from .._checks import is_int, is_number
-from .._files import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE, file_listing, listing_problem
+from .._files import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE, listing_problem, write_checksums
 from ..layers.base import token_positions
 from ..ops._varlen import check_cu_seqlens
 from .block import Block, MixerRunner, make_norm
@@ -105,7 +105,8 @@ class LanguageModel(nn.Module):
 
     def set_inner_lr_warmup(self, progress: float) -> None:
         """Tell every layer how far the outer warm-up has come (``progress`` in [0, 1], 1 once
-        warmed up); layers with an inner learning-rate schedule (TTT-MLP, SPEC 2.6) follow it."""
+        warmed up); layers with an inner learning-rate schedule (TTT-MLP, docs/maths.md 2.6) follow
+        it."""
         if not is_number(progress) or not 0.0 <= progress <= 1.0:
             raise ValueError(f"progress must be a number in [0, 1], got {progress!r}")
         for block in self.blocks:
@@ -322,8 +323,7 @@ class LanguageModel(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         self.config.save(directory / CONFIG_FILE)
         save_model(self, str(directory / WEIGHTS_FILE))
-        sums = file_listing(directory, (CONFIG_FILE, WEIGHTS_FILE))
-        (directory / CHECKSUM_FILE).write_text(json.dumps(sums, indent=2) + "\n")
+        write_checksums(directory, (CONFIG_FILE, WEIGHTS_FILE))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu", *,
@@ -351,8 +351,9 @@ class LanguageModel(nn.Module):
 
 
 def _verify_checksums(directory: Path) -> None:
-    """Compare config.json and model.safetensors with ``checksums.json`` if the folder has one
-    (folders written by other tools may not); ValueError naming the first file that differs."""
+    """Compare config.json, model.safetensors and every other file ``checksums.json`` lists (a
+    carried tokenizer) with it, if the folder has one (folders written by other tools may not);
+    ValueError naming the first file that differs."""
     path = directory / CHECKSUM_FILE
     if not path.exists():
         return

@@ -1,9 +1,9 @@
-"""The single-layer retrieval model of the fast weight paper's synthetic tasks (SPEC.md 1.8).
+"""The single-layer retrieval model of the fast weight paper's synthetic tasks (docs/maths.md 1.8).
 
 Value embedding: fixed one-hot in R^S. Key embedding E in R^{2S x e}, e = int(2.2 S), N(0, 1),
 trainable. Write inputs x_i = [onehot(v_i); E(k_i)]; keys K = x W_k (d_key, with bias);
 values V = onehot(v_i); write strengths beta_i = sigmoid(x_i w_beta + b) (delta rule only);
-query Q = E(q) W_q (with bias too: the SPEC names no bias-free map). The read-out for each
+query Q = E(q) W_q (with bias too: docs/maths.md 1.8 names no bias-free map). The read-out for each
 query is the memory's retrieval itself (no output projection, no 1/sqrt(d) factor).
 
 Memory variants (``memory``), all through ``fastweights.ops``:

@@ -2,11 +2,11 @@
 and the CPU bfloat16 policy (``cpu_bf16_products``) of the two ops that opt into it.
 
 Ops upcast their inputs to float32 (float64 stays float64) and keep recurrent states and
-normalisers in that dtype (DESIGN.md; SPEC 1.6: "do state accumulation in fp32 even under bf16
-autocast"). Under ``torch.autocast`` every matmul inside an op would silently run in bfloat16
-again, whatever dtype the op cast its operands to: states came back in bfloat16 and AFT/decay
-outputs differed from the float32 result by O(1). Autocast is therefore switched off for the
-op's own device while it runs; the op still returns its output in the input dtype.
+normalisers in that dtype (docs/design.md, "Precision"; docs/maths.md 1.6). Under ``torch.autocast``
+every matmul inside an op would silently run in bfloat16 again, whatever dtype the op cast its
+operands to: states came back in bfloat16 and AFT/decay outputs differed from the float32 result by
+O(1). Autocast is therefore switched off for the op's own device while it runs; the op still returns
+its output in the input dtype.
 
 CPU bfloat16 products. ``linear_attn`` and ``delta_rule`` (``float32_compute(fn,
 ``float32_states``) may run the large products of their chunked form with bfloat16

@@ -14,8 +14,8 @@ def causal_depthwise_conv(full: torch.Tensor, weight: torch.Tensor,
 
     The W taps are W shifted multiply-adds accumulated in float32 (or wider) and rounded once, as
     a convolution kernel does: PyTorch's CPU ``conv1d`` has no fast depthwise bfloat16/float16
-    kernel (it loops over the C groups, ~75 % of a 340M DeltaNet's bfloat16 decoding step), and
-    for float32 at T = 1 this is cheaper than its dispatch."""
+    kernel (it loops over the C groups; what that cost: docs/performance.md), and for float32 at
+    T = 1 this is cheaper than its dispatch."""
     acc = torch.promote_types(full.dtype, torch.float32)
     W = weight.shape[-1]
     T = full.shape[-1] - (W - 1)

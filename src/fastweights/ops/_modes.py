@@ -1,5 +1,5 @@
 """The algorithms an op's ``mode=`` can pick, listed once for the ops and the layers that pass
-``mode`` through (DESIGN.md, "Conventions")."""
+``mode`` through (docs/design.md, "Modes")."""
 
 from __future__ import annotations
 

@@ -4,11 +4,8 @@ Why: every intermediate of a chunked form is about as large as its input. On Lin
 malloc serves allocations above its mmap threshold (dynamic, at most 32 MiB) with fresh
 mappings, returned on free, so a call whose [B, T, H, D] tensors exceed it takes a first-touch
 page fault per 4 KiB of every intermediate, on every call, and the faults do not get faster with
-more threads. Measured (2-vCPU AMD EPYC, torch 2.13 CPU, delta_rule forward, H 8, D 64, float32):
-B 1 x T 16384 and B 4 x T 4096 took 432-442 ms at 1 thread with 106 509 page faults per call,
-237-256 ms when glibc was told to keep freed memory (``MALLOC_MMAP_THRESHOLD_``,
-``MALLOC_TRIM_THRESHOLD_``, no faults). Run in pieces of at most ``PIECE_BYTES`` per input,
-the intermediates of one piece are reused by the next from the heap.
+more threads (the measurement: docs/performance.md). Run in pieces of at most ``PIECE_BYTES`` per
+input, the intermediates of one piece are reused by the next from the heap.
 
 Pieces are whole chunks (TTT: whole mini-batches, the first one completing the mini-batch the
 state left open), so a chunk is computed by the same operations as in one call: every form's

@@ -1,6 +1,6 @@
 """What every typed state shares: the check that a carried ``initial_state`` is a tuple of the
 state's fields, and the check of its tensors (shape, q's device) with the cast to the compute
-dtype. Each family's state is a NamedTuple (DESIGN.md, "Conventions") whose ``check`` builds on
+dtype. Each family's state is a NamedTuple (docs/design.md, "States") whose ``check`` builds on
 these; a plain tuple in the same order is accepted everywhere a state is."""
 
 from __future__ import annotations

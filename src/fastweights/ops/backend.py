@@ -25,6 +25,16 @@ fla's chunk_gated_delta_rule takes float32 inputs too, triton (the delta rule's 
 fla's kernels use chunks of 64, so fla runs chunk_size=64 (the default) only; triton runs
 chunk_size <= 64 and Dk <= 128 (the tilings ``tile_config`` gives, which
 tests/ops/test_fwp_triton_compile.py compiles for sm_80 and sm_90 without register spills).
+The automatic choice never crashes where another backend can run. A kernel backend may still
+refuse a call at run time, in its forward or only in its backward (fla 0.6's gated kernels raise
+a RuntimeError in the backward pass on Hopper GPUs with Triton < 3.7.1, a guard for a Triton
+bug). So the first time the automatic choice would take fla or triton for an (op, backend,
+dtype, device kind, gradients or not), it tries that backend on the call's first
+``PROBE_TOKENS`` tokens (forward, and backward when gradients are recorded; on detached copies,
+so the caller's graph and gradients are untouched): if the trial raises, the backend is refused
+for that key from then on, the reason is logged once at WARNING, and the next backend is tried.
+The trial's cost is that of one short call; fla's first-call autotuning, which a trial triggers,
+would have happened in the call itself. An explicit choice is not tried: its refusal raises.
 The automatic choice keeps a one-token call (decoding, T = 1) on torch's recurrent step. Packed
 batches (cu_seqlens) go to fla whole, with fla's own cu_seqlens; triton and torch run them one
 document at a time (ops/_varlen.py). How the fla adapters map fla's conventions to ours:
@@ -33,15 +43,17 @@ ops/fwp/fla.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Callable, Sequence
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "PREFERRED_CHUNK_SIZES", "choose_backend", "fla_ops", "fla_varlen",
-           "preferred_chunk_size", "triton_kernels", "ttt_triton_kernels"]
+__all__ = ["BACKENDS", "PREFERRED_CHUNK_SIZES", "PROBE_TOKENS", "Trial", "choose_backend",
+           "fla_ops", "fla_varlen", "preferred_chunk_size", "triton_kernels", "ttt_triton_kernels"]
 
 BACKENDS = ("fla", "triton", "torch")
 ENV = "FASTWEIGHTS_BACKEND"
@@ -66,7 +78,8 @@ def preferred_chunk_size(op: str, device: torch.device | str) -> int:
     """The measured fastest ``chunk_size`` of ``op`` (``"linear_attn"``, ``"delta_rule"`` or
     ``"gated_delta_rule"``, the last from benchmarks/results/gated_delta_epyc_avx2/) on
     this kind of device (see ``PREFERRED_CHUNK_SIZES``); 64 where nothing was measured. Layers
-    built with ``chunk_size=None`` use it; the ops themselves keep DESIGN's default of 64."""
+    built with ``chunk_size=None`` use it; the ops themselves keep the default of 64
+    (docs/design.md, "Modes")."""
     if op not in ("linear_attn", "delta_rule", "gated_delta_rule"):
         raise ValueError(f"op must be 'linear_attn', 'delta_rule' or 'gated_delta_rule', got {op!r}")
     return PREFERRED_CHUNK_SIZES.get(torch.device(device).type, {}).get(op, FLA_CHUNK)
@@ -74,6 +87,64 @@ def preferred_chunk_size(op: str, device: torch.device | str) -> int:
 
 _logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str, str]] = set()
+PROBE_TOKENS = 64  # tokens of a trial call: one chunk of fla's kernels
+# (op, backend, dtype, device kind, with gradients) -> None (the trial ran) or why it failed
+_trials: dict[tuple[str, str, torch.dtype, str, bool], str | None] = {}
+
+
+class Trial:
+    """A trial run of a kernel backend for ``choose_backend``: ``op`` (the public op) on the
+    first ``PROBE_TOKENS`` tokens of the call's per-token inputs ``sequences`` (q, k, v, gates:
+    [B, T, ...]), detached copies, with ``backend=name``, ``output_final_state=True`` and
+    ``options``; when the call records gradients (``grad``), the trial's outputs are
+    back-propagated too. It raises what the backend raises."""
+
+    def __init__(self, op: Callable[..., Any], sequences: Sequence[torch.Tensor],
+                 **options: Any) -> None:
+        self.op, self.sequences, self.options = op, sequences, options
+        self.grad = torch.is_grad_enabled() and any(x.requires_grad for x in sequences)
+
+    def __call__(self, name: str) -> None:
+        T = min(PROBE_TOKENS, self.sequences[0].shape[1])
+        xs = [x[:, :T].detach().clone().requires_grad_(self.grad) for x in self.sequences]
+        # Identity saved-tensor hooks: a trial inside a checkpointed region keeps its own graph.
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                (torch.enable_grad() if self.grad else contextlib.nullcontext()):
+            out = self.op(*xs, backend=name, output_final_state=True, **self.options)
+            if self.grad:
+                leaves = [t for t in _tensors(out) if t.requires_grad]
+                torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's result (nested tuples and lists)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _trial_refusal(op: str, name: str, q: torch.Tensor, trial: Trial | None) -> str | None:
+    """Why ``name`` failed its trial for this (op, dtype, device kind, gradients), or None
+    (it passed, now or earlier; or there is nothing to try)."""
+    if trial is None or torch.compiler.is_compiling():
+        return None
+    key = (op, name, q.dtype, q.device.type, trial.grad)
+    if key not in _trials:
+        try:
+            trial(name)
+            _trials[key] = None
+        except torch.OutOfMemoryError:
+            raise  # memory, not the backend: the next backend would not do better
+        except Exception as err:  # a refusal: a version guard, an unsupported shape, ...
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            _trials[key] = reason
+            _logger.warning("fastweights.ops.%s: the %s backend failed a trial run on %s %s "
+                            "inputs%s (%s); the automatic choice skips it for these from now on",
+                            op, name, q.device.type, str(q.dtype).removeprefix("torch."),
+                            " with gradients" if trial.grad else "", reason)
+    return _trials[key]
 
 
 def triton_kernels() -> ModuleType | None:
@@ -160,9 +231,21 @@ def _log_once(op: str, name: str, why: str) -> None:
         _logger.info("fastweights.ops.%s: %s backend (%s)", op, name, why)
 
 
+def _warn_autotuning(op: str) -> None:
+    """Say once per op, at WARNING, that fla's first call autotunes (minutes, not a hang)."""
+    key = (op, "fla", "autotuning")
+    if key not in _logged:
+        _logged.add(key)
+        _logger.warning("fastweights.ops.%s: runs on flash-linear-attention's kernels, which "
+                        "autotune on their first call for each shape (minutes on a GPU; later "
+                        "calls are fast); FASTWEIGHTS_BACKEND=triton takes this project's "
+                        "kernels, which compile in seconds", op)
+
+
 def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
-                   chunk_size: int) -> str:
-    """The backend that runs ``op`` for q ([B, T, H, Dk]) under ``mode``/``chunk_size``."""
+                   chunk_size: int, trial: Trial | None = None) -> str:
+    """The backend that runs ``op`` for q ([B, T, H, Dk]) under ``mode``/``chunk_size``; an
+    automatic choice of a kernel backend first passes ``trial`` (see the module docstring)."""
     source = "backend"
     if backend is None and os.environ.get(ENV):
         backend, source = os.environ[ENV], ENV
@@ -179,7 +262,11 @@ def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
     for name in ("fla", "triton"):
         why = _why_not(name, op, q, mode, chunk_size)
         if why is None:
+            why = _trial_refusal(op, name, q, trial)
+        if why is None:
             _log_once(op, name, "automatic choice")
+            if name == "fla":
+                _warn_autotuning(op)
             return name
         reasons.append(f"{name}: {why}")
     if _on_cuda(q):  # on CPU torch is the only candidate: nothing to report

@@ -1,5 +1,5 @@
-"""``aft``: the Attention Free Transformer's design claims (Zhai et al. 2021, SPEC.md 4), on the
-bytes of ``stdlib``.
+"""``aft``: the Attention Free Transformer's design claims (Zhai et al. 2021, docs/maths.md 4), on
+the bytes of ``stdlib``.
 
 Runs (all at the softmax model's parameter count, same token budget): softmax attention (RoPE)
 as the reference, AFT-full, AFT-local with a window sweep, AFT-simple, AFT-conv and AFT-conv
@@ -141,7 +141,7 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
 
 EXPERIMENT = Experiment(
     "aft", "aft: AFT-full, -local, -simple, -conv vs softmax",
-    "The Attention Free Transformer's claims (Zhai et al. 2021; SPEC.md 4): local position "
+    "The Attention Free Transformer's claims (Zhai et al. 2021; docs/maths.md 4): local position "
     "biases help, a moderate window is best, AFT-simple is weakest, each of AFT-conv's "
     "ingredients contributes.",
     plan, execute, claims, metrics, plots, notes)

@@ -1,5 +1,6 @@
 """``fwp-lm``: the fast weight paper's language-model claims (Schlag, Irie, Schmidhuber 2021,
-§6.3, WikiText-103 Tables 2-5; SPEC.md 1.8 "LM headline"), here on the bytes of ``stdlib``.
+§6.3, WikiText-103 Tables 2-5; docs/maths.md 1.8, the language-model headline), here on the
+bytes of ``stdlib``.
 
 Runs (all at the parameter count of the sum-rule ELU+1 model, same token budget):
 - per feature map (ELU+1 ``linear``, DPFP nu=1, FAVOR+ with m = head_dim / 2 random features,
@@ -175,8 +176,8 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
 
 EXPERIMENT = Experiment(
     "fwp-lm", "fwp-lm: delta vs sum rule in byte language modelling",
-    "The fast weight paper's language-model claims (Schlag, Irie, Schmidhuber 2021; SPEC.md 1.8): "
-    "for each feature map the delta rule beats the sum rule, with ablations on normalisation and "
-    "truncation.",
+    "The fast weight paper's language-model claims (Schlag, Irie, Schmidhuber 2021; "
+    "docs/maths.md 1.8): for each feature map the delta rule beats the sum rule, with ablations on "
+    "normalisation and truncation.",
     plan, execute, claims, metrics, plots, notes)
 register(EXPERIMENT)

@@ -1,11 +1,11 @@
-"""``fwp-recall``: the fast weight paper's synthetic capacity and update claims (SPEC.md 1.8),
+"""``fwp-recall``: the fast weight paper's synthetic capacity and update claims (docs/maths.md 1.8),
 the runs of ``fastweights recall`` (``reproduce/recall.py``) under the reproductions' contract.
 
 Capacity (setting 1): sum-rule linear attention with ELU+1 features (d_dot = d_key) solves
 S < d_dot keys and fails beyond; DPFP (nu = 1, d_dot = 2 d_key) holds more. Update (setting 2,
 keys re-assigned, the latest value counts): the sum rule plateaus even at small S, the delta rule
-solves it. Each run trains one single-layer retrieval model to SPEC 1.8's stopping rule, so runs
-differ in steps; the parameter count depends on S (the key embedding is 2S x 2.2S)."""
+solves it. Each run trains one single-layer retrieval model to docs/maths.md 1.8's stopping rule, so
+runs differ in steps; the parameter count depends on S (the key embedding is 2S x 2.2S)."""
 
 from __future__ import annotations
 
@@ -93,16 +93,16 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     return [(f"d_key = {s['d_key']}, S in {s['sizes']}, at most {s['steps']} steps per model "
-            "(SPEC 1.8's stopping rule: eval loss <= 1e-3 or 11 evaluations without a new best); "
-            "the plot shows the mean over seeds."),
-            ("The paper's numbers are at d_key = 64 and S = 20...600 (SPEC 1.8); ours are scaled "
-            "down so that S crosses d_dot within minutes. `fastweights recall` runs the same models "
-            "with its own options and output.")]
+            "(docs/maths.md 1.8's stopping rule: eval loss <= 1e-3 or 11 evaluations without a new "
+            "best); the plot shows the mean over seeds."),
+            ("The paper's numbers are at d_key = 64 and S = 20...600 (docs/maths.md 1.8); ours are "
+            "scaled down so that S crosses d_dot within minutes. `fastweights recall` runs the "
+            "same models with its own options and output.")]
 
 
 EXPERIMENT = Experiment(
     "fwp-recall", "fwp-recall: memory capacity and updating on synthetic retrieval",
     "The fast weight paper's synthetic settings 1 (capacity) and 2 (updates) (Schlag, Irie, "
-    "Schmidhuber 2021; SPEC.md 1.8).",
+    "Schmidhuber 2021; docs/maths.md 1.8).",
     plan, execute, claims, metrics, plots, notes)
 register(EXPERIMENT)

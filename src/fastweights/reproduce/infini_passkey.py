@@ -1,5 +1,5 @@
 """``infini-passkey``: Infini-attention's passkey retrieval far beyond the training length
-(Munkhdalai et al. 2024, SPEC.md 5.6), at toy scale and at token level.
+(Munkhdalai et al. 2024, docs/maths.md 5.6), at toy scale and at token level.
 
 Stage A of the rebuilt experiment (the byte-level version is ``infini-passkey-bytes``, kept as a
 documented hard setting: there no model learned the 5-digit key within its budget). Every model
@@ -240,8 +240,8 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
 
 EXPERIMENT = Experiment(
     "infini-passkey", "infini-passkey: token-level passkey retrieval beyond the training length",
-    "Infini-attention's passkey claim (Munkhdalai et al. 2024; SPEC.md 5.6) at token level: with "
-    "the compressive memory the model retrieves a needle from segments far back, at lengths far "
-    "beyond its training length; without the memory it cannot.",
+    "Infini-attention's passkey claim (Munkhdalai et al. 2024; docs/maths.md 5.6) at token level: "
+    "with the compressive memory the model retrieves a needle from segments far back, at lengths "
+    "far beyond its training length; without the memory it cannot.",
     plan, execute, claims, metrics, plots, notes)
 register(EXPERIMENT)

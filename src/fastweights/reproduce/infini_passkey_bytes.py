@@ -1,5 +1,5 @@
 """``infini-passkey-bytes``: Infini-attention's passkey retrieval far beyond the training length
-(Munkhdalai et al. 2024, SPEC.md 5.6), at toy scale and at byte level: the hard setting.
+(Munkhdalai et al. 2024, docs/maths.md 5.6), at toy scale and at byte level: the hard setting.
 
 The first version of ``infini-passkey``, kept as a documented hard setting: at byte level no
 model learned the 5-digit key within its budget (the softmax control included), so every claim
@@ -223,7 +223,7 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
 
 EXPERIMENT = Experiment(
     "infini-passkey-bytes", "infini-passkey-bytes: byte-level passkey retrieval (the hard setting)",
-    "Infini-attention's passkey claim (Munkhdalai et al. 2024; SPEC.md 5.6): with the compressive "
-    "memory the model retrieves the key far beyond its training length.",
+    "Infini-attention's passkey claim (Munkhdalai et al. 2024; docs/maths.md 5.6): with the "
+    "compressive memory the model retrieves the key far beyond its training length.",
     plan, execute, claims, metrics, plots, notes)
 register(EXPERIMENT)

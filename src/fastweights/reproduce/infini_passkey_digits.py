@@ -1,5 +1,5 @@
-"""``infini-passkey-digits``: stage B of the token-level passkey (Munkhdalai et al. 2024, SPEC.md
-5.6): the paper's 5-digit passkey in repeated filler text, at word level.
+"""``infini-passkey-digits``: stage B of the token-level passkey (Munkhdalai et al. 2024,
+docs/maths.md 5.6): the paper's 5-digit passkey in repeated filler text, at word level.
 
 ``tasks.passkey_word_ids``: the prompt of ``passkey_prompt`` cut into words, digits and marks
 (33 ids), the 5 digits of the key 5 tokens. Infini-attention with the linear and with the delta
@@ -186,8 +186,8 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
 
 EXPERIMENT = Experiment(
     "infini-passkey-digits", "infini-passkey-digits: the 5-digit passkey at word level (stage B)",
-    "Infini-attention's passkey claim (Munkhdalai et al. 2024; SPEC.md 5.6) with the paper's 5-digit "
-    "key in repeated filler, tokenised by word: retrieval beyond the training length through the "
-    "compressive memory.",
+    "Infini-attention's passkey claim (Munkhdalai et al. 2024; docs/maths.md 5.6) with the paper's "
+    "5-digit key in repeated filler, tokenised by word: retrieval beyond the training length "
+    "through the compressive memory.",
     plan, execute, claims, metrics, plots, notes)
 register(EXPERIMENT)

@@ -1,5 +1,5 @@
 """``long-context``: does the loss keep falling with more context? (the TTT paper's per-position
-figure, Sun et al. 2024, SPEC.md 2.9), on the bytes of ``stdlib``.
+figure, Sun et al. 2024, docs/maths.md 2.9), on the bytes of ``stdlib``.
 
 Every recurrent model is trained with its state carried across consecutive windows of
 ``seq_len`` bytes of each row's stream (``TrainConfig.carry_state``, truncated backpropagation
@@ -250,6 +250,6 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
 EXPERIMENT = Experiment(
     "long-context", "long-context: loss vs position with the state carried",
     "Train at one context length, evaluate the per-position loss far beyond it with the state "
-    "carried (TTT paper's long-context figure; SPEC.md 2.9).",
+    "carried (TTT paper's long-context figure; docs/maths.md 2.9).",
     plan, execute, claims, metrics, plots, notes)
 register(EXPERIMENT)

@@ -108,7 +108,7 @@ def retrieve(model: LanguageModel, prompts: torch.Tensor, piece: int, n_tokens: 
 
 def memory_off(model: LanguageModel) -> LanguageModel:
     """A copy whose Infini layers all take the segment-local path: gate logit -inf, so
-    sigmoid(beta) = 0 and A = A_dot (SPEC 5.5)."""
+    sigmoid(beta) = 0 and A = A_dot (docs/maths.md 5.5)."""
     off = copy.deepcopy(model)
     for layer in off.modules():
         if isinstance(layer, InfiniAttention):

@@ -1,12 +1,12 @@
 """Memory capacity and updating on synthetic retrieval: the runs behind ``fastweights recall``
 and ``fastweights reproduce fwp-recall``.
 
-For ``capacity`` / ``update`` (SPEC.md 1.8 settings 1 and 2) each mixer name picks a memory
+For ``capacity`` / ``update`` (docs/maths.md 1.8 settings 1 and 2) each mixer name picks a memory
 variant of the single-layer ``RetrievalModel`` (linear, dpfp, favor, delta, softmax, with
 options such as ``dpfp:nu=2``). For ``mqar`` each name is a registered mixer of a small
 two-layer language model (``d_model = d_key``, one head, so the memory's key size is d_key as in
-the retrieval model). Training follows SPEC 1.8: Adam lr 1e-3, batch 32, evaluation every 100
-steps on 20 fresh sequences queried with every key, stop at eval loss <= 1e-3, after 11
+the retrieval model). Training follows docs/maths.md 1.8: Adam lr 1e-3, batch 32, evaluation every
+100 steps on 20 fresh sequences queried with every key, stop at eval loss <= 1e-3, after 11
 evaluations without a new best, or at ``steps``. The reported loss is the last evaluation's.
 """
 
@@ -54,7 +54,7 @@ def mixer_label(name: str, options: dict[str, Any]) -> str:
 def _fit(model: torch.nn.Module, train_loss: Callable[[], torch.Tensor],
          evaluate: Callable[[], tuple[float, float]], max_steps: int,
          report: Callable[[int, float], None]) -> tuple[float, float, int]:
-    """SPEC 1.8's loop; returns (last eval loss, last eval accuracy, steps taken)."""
+    """docs/maths.md 1.8's loop; returns (last eval loss, last eval accuracy, steps taken)."""
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     best, since_best, loss, acc, step = float("inf"), 0, float("nan"), float("nan"), 0
     while step < max_steps:

@@ -1,4 +1,4 @@
-"""``transnormer``: TransNormer's design claims (Qin et al. 2022, SPEC.md 3), on the bytes of
+"""``transnormer``: TransNormer's design claims (Qin et al. 2022, docs/maths.md 3), on the bytes of
 ``stdlib``.
 
 (a) layer order: DiagAttention below and NormAttention above (local then global) against the
@@ -289,7 +289,8 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
 
 EXPERIMENT = Experiment(
     "transnormer", "transnormer: layer order, gradient norms, attention dilution, block size",
-    "TransNormer's design claims (Qin et al. 2022; SPEC.md 3): local-then-global layer order, "
-    "bounded gradients of NormAttention, attention dilution of linear attention, block size.",
+    "TransNormer's design claims (Qin et al. 2022; docs/maths.md 3): local-then-global layer "
+    "order, bounded gradients of NormAttention, attention dilution of linear attention, block "
+    "size.",
     plan, execute, claims, metrics, plots, notes)
 register(EXPERIMENT)

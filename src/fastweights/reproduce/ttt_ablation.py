@@ -1,5 +1,5 @@
 """``ttt-ablation``: the TTT paper's ablation walk and mini-batch sweep (Sun et al. 2024,
-SPEC.md 2.9), on the bytes of ``stdlib``.
+docs/maths.md 2.9), on the bytes of ``stdlib``.
 
 The walk, each step adding one ingredient to a TTT-Linear layer (every other layer option at its
 default; all at the walk's first model's parameter count, same token budget):
@@ -103,7 +103,7 @@ def _train_seconds(workdir: Path) -> float:
 
 def claims(p: Plan) -> list[Claim]:
     table = ("Sun et al. 2024, the ablation table from linear attention (125M, Pile, 2k context; "
-             "SPEC 2.9): adding {what} lowers perplexity ({ppl})")
+             "docs/maths.md 2.9): adding {what} lowers perplexity ({ppl})")
     steps = [("LN and residual in f", "15.9 -> 12.3 together with mini-batch b = 16"),
              ("mini-batch TTT, b = 16", "15.9 -> 12.3 together with LN and residual"),
              ("a learnable inner learning rate", "~12.3 -> ~12.0"),
@@ -158,10 +158,10 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     return [
         lm.setup_note(s, rows, WALK[0]),
-        ("Step 0 is the TTT layer in its linear-attention configuration (SPEC 2.8: batch GD over "
-        f"the whole window, b = seq_len = {s['seq_len']}, no LN/residual, fixed eta); it keeps "
-        "the layer's learned initial weights and token scales. The paper's numbers are word-level "
-        "perplexities of 125M models on the Pile: only directions are comparable."),
+        ("Step 0 is the TTT layer in its linear-attention configuration (docs/maths.md 2.8: batch "
+        f"GD over the whole window, b = seq_len = {s['seq_len']}, no LN/residual, fixed eta); it "
+        "keeps the layer's learned initial weights and token scales. The paper's numbers are "
+        "word-level perplexities of 125M models on the Pile: only directions are comparable."),
         ("ms_per_step is the trainer's own clock (training only) on a shared CPU: compare within "
         "one run of this experiment only."),
     ]
@@ -170,6 +170,6 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
 EXPERIMENT = Experiment(
     "ttt-ablation", "ttt-ablation: from linear attention to TTT-Linear, step by step",
     "The TTT paper's ablation walk, mini-batch sweep and TTT-MLP vs TTT-Linear (Sun et al. 2024; "
-    "SPEC.md 2.9).",
+    "docs/maths.md 2.9).",
     plan, execute, claims, metrics, plots, notes)
 register(EXPERIMENT)

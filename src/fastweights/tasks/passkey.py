@@ -1,5 +1,5 @@
-"""Passkey retrieval (SPEC.md 5.6): a random 5-digit number hidden in repeated filler text at a
-chosen depth, asked for at the end (text: tokenise with ``ByteTokenizer``, or word level with
+"""Passkey retrieval (docs/maths.md 5.6): a random 5-digit number hidden in repeated filler text at
+a chosen depth, asked for at the end (text: tokenise with ``ByteTokenizer``, or word level with
 ``passkey_word_ids``); and ``token_passkey``, a synthetic single key-value needle among filler ids."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fast weight paper's synthetic associative retrieval (SPEC.md 1.8).
+"""The fast weight paper's synthetic associative retrieval (docs/maths.md 1.8).
 
 One example is a sequence of L (key, value) pairs over S key symbols and S value symbols, a query
 key, and as target the value paired with the query's **last** occurrence.

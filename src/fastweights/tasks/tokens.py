@@ -31,7 +31,10 @@ ranks) each write their own and the first rename wins.
 Tokenizers (``load_tokenizer``): a ``tokenizer.json`` file, read with the ``tokenizers``
 package, or a transformers tokenizer folder, read with ``AutoTokenizer.from_pretrained(path,
 local_files_only=True)`` (nothing is downloaded). ``tokenizer_sha256``: the SHA-256 of the file,
-or of the names and contents of the folder's ``TOKENIZER_FILES``.
+or of the names and contents of the folder's ``TOKENIZER_FILES``. A model folder may carry the
+tokenizer its ids come from (``copy_tokenizer``, ``carried_tokenizer``): a file as
+``tokenizer.json``, a folder's ``TOKENIZER_FILES`` in ``tokenizer/``; the copy has the
+original's hash.
 
 Dimension legend: n tokens.
 """
@@ -54,9 +57,9 @@ import torch
 
 from .._checks import is_int
 from .._files import file_digest, remove_dead_temporaries
+from .._names import TOKEN_DTYPES
 from .text import Corpus, Document, corpus_documents, load_corpus, split_documents
 
-TOKEN_DTYPES = ("uint16", "uint32")
 SOURCES = ("bin", "tokenizer")
 # The files of a transformers tokenizer folder that decide how text is encoded (hashed).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -284,6 +287,39 @@ class TextTokenizer:
 def load_tokenizer(path: str | Path) -> TextTokenizer:
     """The tokenizer at ``path`` (module docstring); ValueError when it cannot be read."""
     return TextTokenizer(path)
+
+
+CARRIED_FILE, CARRIED_FOLDER = "tokenizer.json", "tokenizer"  # a model folder's tokenizer
+
+
+def carried_tokenizer(folder: str | Path) -> Path | None:
+    """The tokenizer model folder ``folder`` carries (``copy_tokenizer``): its
+    ``tokenizer.json`` file or its ``tokenizer/`` folder; None when it carries none."""
+    folder = Path(folder)
+    if (folder / CARRIED_FILE).is_file():
+        return folder / CARRIED_FILE
+    if (folder / CARRIED_FOLDER).is_dir():
+        return folder / CARRIED_FOLDER
+    return None
+
+
+def copy_tokenizer(src: str | Path, folder: str | Path) -> list[str]:
+    """Copy tokenizer ``src`` into model folder ``folder`` for ``carried_tokenizer``: a
+    tokenizer.json file as ``tokenizer.json``, a transformers tokenizer folder's
+    ``TOKENIZER_FILES`` into ``tokenizer/`` (nothing else: such a folder is often a whole model's).
+    The copy has ``src``'s ``tokenizer_sha256``. Returns the files written, relative to
+    ``folder``; ValueError for a ``src`` that is not a tokenizer (``tokenizer_sha256``'s)."""
+    src, folder = Path(src), Path(folder)
+    tokenizer_sha256(src)  # the checks of a tokenizer file or folder
+    if src.is_file():
+        names = [CARRIED_FILE]
+        shutil.copyfile(src, folder / CARRIED_FILE)
+    else:
+        (folder / CARRIED_FOLDER).mkdir()
+        names = [f"{CARRIED_FOLDER}/{n}" for n in TOKENIZER_FILES if (src / n).is_file()]
+        for name in names:
+            shutil.copyfile(src / name.split("/", 1)[1], folder / name)
+    return names
 
 
 def _fingerprint(splits: Sequence[Sequence[Document]]) -> list[list[Any]]:

@@ -61,14 +61,17 @@ from .._files import (  # the folder format, shared with every reader of checkpo
     SHARDED,
     STATE_FILE,
     STEP_DIR,
+    WEIGHTS_FILE,
     checkpoint_files,
     checkpoint_problem,
     file_listing,
     is_sharded,
     remove_dead_temporaries,
     resolve_checkpoint,
+    write_checksums,
 )
 from ..models import LanguageModel, LMConfig
+from ..tasks.tokens import copy_tokenizer, load_tokenizer
 
 SLOW_SAVE_ENV = "FASTWEIGHTS_TEST_SLOW_SAVE"
 
@@ -293,18 +296,28 @@ def load_sharded(ckpt: str | Path, model: torch.nn.Module,
         set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
-def consolidate_checkpoint(src: str | Path, dst: str | Path) -> Path:
+def consolidate_checkpoint(src: str | Path, dst: str | Path,
+                           tokenizer: str | Path | None = None) -> Path:
     """Write the model of checkpoint ``src`` (a sharded or single-file checkpoint folder, or a
     run folder) as a single-file checkpoint folder ``dst`` (``save_pretrained``: config.json,
     model.safetensors, checksums.json), which ``native_to_hf`` and every reader of
-    checkpoints take; returns ``dst``. The folder must not exist yet."""
+    checkpoints take; returns ``dst``. The folder must not exist yet. ``tokenizer`` (the one the
+    model's ids come from) is copied into it (``copy_tokenizer``) and listed in checksums.json;
+    ValueError when its vocabulary is larger than the model's."""
     dst = Path(dst)
     if dst.exists():
         raise ValueError(f"{dst} already exists: consolidate into a new folder")
     model = load_model(src)
+    if tokenizer is not None:
+        size = load_tokenizer(tokenizer).vocab_size
+        if size > model.config.vocab_size:
+            raise ValueError(f"tokenizer {tokenizer} has {size} ids, more than the vocabulary of "
+                             f"the model of {src} ({model.config.vocab_size})")
     tmp = dst.with_name(f".tmp-{dst.name}-{os.getpid()}")
     try:
         model.save_pretrained(tmp)
+        if tokenizer is not None:
+            write_checksums(tmp, (CONFIG_FILE, WEIGHTS_FILE, *copy_tokenizer(tokenizer, tmp)))
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

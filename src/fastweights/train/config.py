@@ -1,5 +1,5 @@
-"""The training settings (``TrainConfig``, validated on creation), the ones a resumed run may
-change (``RESUMABLE``), the learning-rate schedule (``lr_factor``) and TTT-MLP's inner
+"""The training settings (``TrainConfig``, validated on creation; the ones a resumed run may
+change are ``fastweights._names.RESUMABLE``), the learning-rate schedule (``lr_factor``) and TTT-MLP's inner
 learning-rate ramp (``set_inner_lr_ramp``), and the checks of settings against the world size,
 the model and the data (``check_settings``)."""
 
@@ -11,11 +11,6 @@ from dataclasses import dataclass
 from .._checks import is_int
 from ..models import LanguageModel, LMConfig
 from ..tasks.text import Corpus, stream_shard_len
-
-# TrainConfig fields a resumed run may change (applied and recorded in run.json): when to stop,
-# validate and save, checkpoint retention and the anomaly guard. None of them changes what a
-# step computes, so a resumed run still reproduces the uninterrupted run's steps.
-RESUMABLE = ("steps", "eval_every", "save_every", "keep_last", "patience", "anomaly_guard")
 
 
 @dataclass
@@ -106,7 +101,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def set_inner_lr_ramp(model: LanguageModel, step: int, warmup: int) -> None:
-    """The inner-learning-rate warm-up of TTT-MLP (SPEC 2.6) at optimiser step ``step``
+    """The inner-learning-rate warm-up of TTT-MLP (docs/maths.md 2.6) at optimiser step ``step``
     (0-based): the layers follow progress min(1, step / warmup) (1 without a warm-up)."""
     model.set_inner_lr_warmup(1.0 if warmup <= 0 else min(1.0, step / warmup))
 
@@ -115,6 +110,24 @@ def check_settings(cfg: TrainConfig, model_config: LMConfig, corpus: Corpus, wor
                    cp: int) -> None:
     """The settings must fit the world size (``cp`` context-parallel ranks per sequence), the
     model and the data; ValueError naming the first that does not."""
+    check_launch(cfg, model_config, world, cp)
+    if corpus.vocab_size > model_config.vocab_size:
+        raise ValueError(f"data {corpus.name} has ids up to {corpus.vocab_size - 1}, beyond the "
+                         f"model's vocab_size {model_config.vocab_size}")
+    _check_corpus(corpus, cfg)
+    if cfg.carry_state:
+        shard = stream_shard_len(corpus.train, cfg.batch_size)
+        if shard < cfg.seq_len + 1:
+            raise ValueError(
+                f"carry_state cuts the training split of data {corpus.name} "
+                f"({corpus.train.numel()} {_unit(corpus)}) into batch_size {cfg.batch_size} "
+                f"streams of {shard} {_unit(corpus)}, fewer than seq_len + 1 = {cfg.seq_len + 1}")
+
+
+def check_launch(cfg: TrainConfig, model_config: LMConfig, world: int, cp: int) -> None:
+    """The part of ``check_settings`` that needs no data: the settings must fit the world size
+    (``cp`` context-parallel ranks per sequence) and the model. The command line runs it before
+    it reads (or tokenizes) the data; ValueError naming the first that does not fit."""
     limit = model_config.max_seq_len
     if cp > 1:
         if cfg.carry_state:
@@ -138,17 +151,6 @@ def check_settings(cfg: TrainConfig, model_config: LMConfig, corpus: Corpus, wor
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {what} {dp}")
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {limit}")
-    if corpus.vocab_size > model_config.vocab_size:
-        raise ValueError(f"data {corpus.name} has ids up to {corpus.vocab_size - 1}, beyond the "
-                         f"model's vocab_size {model_config.vocab_size}")
-    _check_corpus(corpus, cfg)
-    if cfg.carry_state:
-        shard = stream_shard_len(corpus.train, cfg.batch_size)
-        if shard < cfg.seq_len + 1:
-            raise ValueError(
-                f"carry_state cuts the training split of data {corpus.name} "
-                f"({corpus.train.numel()} {_unit(corpus)}) into batch_size {cfg.batch_size} "
-                f"streams of {shard} {_unit(corpus)}, fewer than seq_len + 1 = {cfg.seq_len + 1}")
 
 
 def _unit(corpus: Corpus) -> str:
@@ -167,6 +169,8 @@ def _check_corpus(corpus: Corpus, cfg: TrainConfig) -> None:
 def check_fsdp(fsdp: bool, mixed: str | None, world: int, cfg: TrainConfig) -> None:
     """FSDP's settings (``train(fsdp=..., fsdp_mixed=...)``) must fit the world and the run;
     ValueError naming the first that does not."""
+    if mixed is not None and not fsdp:
+        raise ValueError(f"fsdp_mixed {mixed} is FSDP's mixed precision: it needs fsdp")
     if fsdp and world < 2:
         raise ValueError(f"fsdp shards the model across processes: launch with torchrun and 2 or "
                          f"more processes (the world size is {world})")

@@ -44,8 +44,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-# --fsdp-mixed choices: the parameters' compute dtype (master weights and reduction: float32)
-FSDP_MIXED = {"bf16": torch.bfloat16}
+from .._names import FSDP_MIXED  # --fsdp-mixed: the parameters' compute dtype (master: float32)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -176,7 +175,7 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, mixed: str | None = No
     # FSDP shards over one flat group: the two mesh dimensions flattened (torchtitan's
     # dp_shard_cp; DeviceMesh has no public name for this yet).
     flat = mesh._flatten("dp_shard_cp") if mesh.size(1) > 1 else mesh["dp_shard"]
-    policy = (MixedPrecisionPolicy(param_dtype=FSDP_MIXED[mixed], reduce_dtype=torch.float32)
+    policy = (MixedPrecisionPolicy(param_dtype=getattr(torch, FSDP_MIXED[mixed]), reduce_dtype=torch.float32)
               if mixed is not None else MixedPrecisionPolicy())
     # FSDP2 warns that a module returning a view loses its pre-backward hook to an in-place op
     # on that view: the blocks and the model return their recurrent states (views of the

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._names import RESUMABLE
 from ..models import LanguageModel, LMConfig
 from ..tasks.text import Corpus
 from ..tasks.tokens import TokenData, open_corpus, tokenizer_sha256
 from .checkpoint import load_checkpoint, resume_point
-from .config import RESUMABLE, TrainConfig
+from .config import TrainConfig
 from .metrics import METRICS_FILE
 
 RUN_FILE = "run.json"

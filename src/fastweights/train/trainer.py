@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import state_tree
 from .._checks import is_int
+from .._names import RESUMABLE
 from ..models import LanguageModel, LMConfig
 from ..models.lm import LMState
 from ..parallel import context_parallel_forward
@@ -63,7 +64,7 @@ from .checkpoint import (
     save_sharded_checkpoint,
     write_atomic,
 )
-from .config import RESUMABLE, TrainConfig, check_fsdp, check_settings, lr_factor, set_inner_lr_ramp
+from .config import TrainConfig, check_fsdp, check_settings, lr_factor, set_inner_lr_ramp
 from .distributed import (
     FSDP_MIXED,
     Signals,
@@ -119,8 +120,6 @@ class Trainer:
         if fsdp_mixed is not None and fsdp_mixed not in FSDP_MIXED:
             raise ValueError(f"fsdp_mixed must be None or one of {sorted(FSDP_MIXED)}, got "
                              f"{fsdp_mixed!r}")
-        if fsdp_mixed is not None and not fsdp:
-            raise ValueError(f"fsdp_mixed {fsdp_mixed} is FSDP's mixed precision: it needs fsdp")
         self.fsdp, self.fsdp_mixed = fsdp, fsdp_mixed
         cp = context_parallel
         if not is_int(cp) or cp < 1:

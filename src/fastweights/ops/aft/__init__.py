@@ -1,4 +1,4 @@
-"""Attention Free Transformer: AFT-full, AFT-local, AFT-simple and AFT-conv (SPEC.md 4).
+"""Attention Free Transformer: AFT-full, AFT-local, AFT-simple and AFT-conv (docs/maths.md 4).
 
 Per channel c and row t (no dot products; every channel is its own single-dimensional head):
 
@@ -9,7 +9,7 @@ w inside a window and uses bias 0 (not a mask) outside it; AFT-conv has one key 
 and a per-head bias that depends only on the offset t - t'.
 
 Whole-sequence ops: ``aft`` (full, or simple with ``w=None``), ``aft_local``, ``aft_conv``
-(DESIGN.md signatures, plus ``chunk_size``: the rows per block of the matrix-product forms).
+(docs/design.md, "Public ops", plus ``chunk_size``: the rows per block of the matrix-product forms).
 Streaming ops for decoding and for running a sequence in pieces, all causal, with
 ``initial_state=None, output_final_state=False`` returning ``(o, state)``:
 ``aft_simple_stream``, ``aft_local_stream``, ``aft_conv_stream`` (``mode="chunk"``: the whole
@@ -19,8 +19,8 @@ key/value cache; no recurrent form, so no mode). ``chunk_size`` never changes th
 
 Inputs may be float64/float32/bfloat16/float16; the mathematics and every state run in float32
 (float64 for float64 inputs) and outputs come back in the input dtype. Every form is stable for
-keys of any range, and AFT-local/simple/conv for biases of any range too; AFT-full's matrix
-products need a row's biases to spread less than ~60 in float32 (SPEC 4.4, ``chunk.py``).
+keys and biases of any range: AFT-full's matrix products redo the rows they would underflow with
+the joint maximum of K + w (docs/maths.md 4.4, ``chunk.py``).
 The oracles are in ``naive.py``; the public ops in ``full.py`` (``aft``, ``aft_full_stream``),
 ``local.py``, ``local_stream.py``, ``simple.py`` and ``conv.py``, each beside its typed state.
 """

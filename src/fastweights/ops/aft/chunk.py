@@ -1,4 +1,4 @@
-"""Parallel forms of the Attention Free Transformer (SPEC.md 4.1-4.4).
+"""Parallel forms of the Attention Free Transformer (docs/maths.md 4.1-4.4).
 
 Dimension legend: B batch, T new tokens, c cached past tokens, L = c + T tokens in view,
 G key channels (D for AFT-full/local/simple, where every channel is its own head; H for
@@ -14,8 +14,8 @@ v_cache [B, c, G, E])``: the tokens that have left the window sum to e^a n (nume
 (denominator); the cache holds the last c <= s - 1 tokens, still inside the next row's window.
 The empty prefix is (a, n, m) = (-inf, 0, 0).
 
-Numerical stability (SPEC 4.4): only constants along the summed axis t' are ever subtracted,
-and every sum is held as a (log-sum-exp, weighted mean) pair or an (a, n, m) triple.
+Numerical stability (docs/maths.md 4.4): only constants along the summed axis t' are ever
+subtracted, and every sum is held as a (log-sum-exp, weighted mean) pair or an (a, n, m) triple.
 - Prefix sums are plain cumulative sums of e^{K - max K} while no prefix can underflow (key
   spreads below ~60 in float32, ~680 in float64), and otherwise a doubling scan of the stable
   pairwise merge; either way keys of any range neither overflow nor underflow.
@@ -170,8 +170,8 @@ def _window_blocks(
     k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, r_left: int, r_right: int, first: int,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The window sums of rows ``first``..L-1 as banded matrix products (SPEC 4.3's "cumsum +
-    banded matmul"), as (ell [B, Tr, G], y [B, Tr, G, E], ok).
+    """The window sums of rows ``first``..L-1 as banded matrix products (docs/maths.md 4.3), as
+    (ell [B, Tr, G], y [B, Tr, G, E], ok).
 
     Rows go in blocks of C = ``chunk_size``: per block (and head, for a per-head band) one
     [C, C + J - 1] band matrix exp(b - row max b) times exp(K - max K) V over the block's key
@@ -258,8 +258,8 @@ def _combine(terms: Terms, outside: list[Summary], signs: torch.Tensor | None = 
 def simple_causal(
     k: torch.Tensor, v: torch.Tensor, prefix: PrefixState | None,
 ) -> tuple[torch.Tensor, PrefixState]:
-    """Causal AFT-simple (SPEC 4.2-4.3): R_t = sum_{t' <= t} e^{K_t'} V_t' / sum_{t' <= t} e^{K_t'},
-    by prefix sums. k [B, T, G], v [B, T, G, E]; prefix (a, n, m) of the past or None.
+    """Causal AFT-simple (docs/maths.md 4.2-4.3): R_t = sum_{t' <= t} e^{K_t'} V_t' / sum_{t' <= t}
+    e^{K_t'}, by prefix sums. k [B, T, G], v [B, T, G, E]; prefix (a, n, m) of the past or None.
     Returns R [B, T, G, E] and the prefix after the last token, as (log-sum-exp, mean, 1)."""
     ref = k.detach().amax(dim=1)  # [B, G]: keys relative to the call's largest (module docstring)
     ell, y = _prefix(k - ref.unsqueeze(1), v, _summary(prefix, ref))
@@ -278,7 +278,7 @@ def banded_causal(
     state: tuple[torch.Tensor, ...] | None, chunk_size: int, *, global_context: bool = True,
     signs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Causal AFT-local / AFT-conv (SPEC 4.3): row t adds e^{K_t' + b} V_t' over the window
+    """Causal AFT-local / AFT-conv (docs/maths.md 4.3): row t adds e^{K_t' + b} V_t' over the window
     t - s < t' <= t (biases b from ``band``) to the prefix G_{t-s} of every token that has left
     the window (bias 0), and divides by the same sums of e^{K_t' + b}.
 
@@ -343,8 +343,9 @@ def banded_bidirectional(
 
 
 def _full_summary(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Summary:
-    """(ell, y) of rows that see every key, as matrix products (SPEC 4.1): num = exp(w) @ (exp(K) V)
-    and den = exp(w) @ exp(K), with the row maxima of w and the channel maxima of K subtracted.
+    """(ell, y) of rows that see every key, as matrix products (docs/maths.md 4.1): num = exp(w) @
+    (exp(K) V) and den = exp(w) @ exp(K), with the row maxima of w and the channel maxima of K
+    subtracted.
 
     k [B, S, G], v [B, S, G, E], w [R, S] -> ell [B, R, G], y [B, R, G, E]. The two maxima are
     taken separately, so where a row's largest K + w lies far (~80 in float32) below max w +
@@ -397,7 +398,7 @@ def _exact_rows(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
 def full_rows(
     k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, first: int, causal: bool, chunk_size: int,
 ) -> torch.Tensor:
-    """AFT-full rows ``first``..L-1 (SPEC 4.1). k [B, L, G], v [B, L, G, E]: every token in
+    """AFT-full rows ``first``..L-1 (docs/maths.md 4.1). k [B, L, G], v [B, L, G, E]: every token in
     view; w [T, L]: the biases of the T = L - first new rows against every key.
     Returns R [B, T, G, E].
 
@@ -418,7 +419,8 @@ def full_rows(
         lo, hi = first + r0, first + r1  # positions of the block's rows and of its own keys
         before = [_full_summary(k[:, :lo], v[:, :lo], w[r0:r1, :lo])] if lo > 0 else []
         mask = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=w.device).triu(1)
-        wb = w[r0:r1, lo:hi].masked_fill(mask, float("-inf"))  # a 0 would not mask (SPEC 4.4)
+        # -inf, not 0: a bias of 0 would not mask (docs/maths.md 4.4)
+        wb = w[r0:r1, lo:hi].masked_fill(mask, float("-inf"))
         own = [(k[:, j:j + 1] + wb[:, j - lo, None], v[:, j:j + 1]) for j in range(lo, hi)]
         outs.append(_combine(own, before))  # logits [B, C, G] per key j of the block
     return torch.cat(outs, dim=1)

@@ -1,4 +1,4 @@
-"""Argument checks and the output gate shared by the AFT ops (SPEC.md 4).
+"""Argument checks and the output gate shared by the AFT ops (docs/maths.md 4).
 
 Dimension legend: B batch, T time, D channels (every channel its own head), H heads and Dh
 channels per head (AFT-conv), s kernel/window size.

@@ -1,5 +1,5 @@
-"""AFT-conv (SPEC.md 4.2): ``aft_conv`` over a whole sequence and ``aft_conv_stream``, its causal
-form with a carried state.
+"""AFT-conv (docs/maths.md 4.2): ``aft_conv`` over a whole sequence and ``aft_conv_stream``, its
+causal form with a carried state.
 
 Dimension legend: B batch, T time, H heads, Dh channels per head, s kernel size,
 c = min(tokens seen, s - 1) cached tokens. ``w`` is the [H, s] kernel in both ops.
@@ -50,8 +50,8 @@ def aft_conv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, causal: bool = True,
     chunk_size: int = 64,
 ) -> torch.Tensor:
-    """AFT-conv (SPEC 4.2): per head h, one key channel k[..., h] shared by the head's Dh value
-    channels and a bias depending only on the offset t - t':
+    """AFT-conv (docs/maths.md 4.2): per head h, one key channel k[..., h] shared by the head's Dh
+    value channels and a bias depending only on the offset t - t':
 
     - causal: w[h, j] is the bias at t - t' = j for j = 0..s-1 (a causal convolution kernel);
     - bidirectional: s must be odd and w[h, j] is the bias at t - t' = j - (s - 1) / 2 (a centred

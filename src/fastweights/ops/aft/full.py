@@ -1,5 +1,5 @@
-"""AFT-full and AFT-simple over whole sequences (SPEC.md 4.1-4.2): ``aft``; causal AFT-full with
-a key/value cache (SPEC 4.3): ``aft_full_stream``.
+"""AFT-full and AFT-simple over whole sequences (docs/maths.md 4.1-4.2): ``aft``; causal AFT-full
+with a key/value cache (docs/maths.md 4.3): ``aft_full_stream``.
 
 Dimension legend: B batch, T time, D channels (every channel its own head), p cached tokens.
 In both ops ``w`` is a table of pairwise position biases, rows = queries, columns = keys.
@@ -40,7 +40,7 @@ def aft(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None, *,
     causal: bool = True, chunk_size: int = 64,
 ) -> torch.Tensor:
-    """AFT-full (SPEC 4.1), or AFT-simple (SPEC 4.2) with ``w=None``.
+    """AFT-full (docs/maths.md 4.1), or AFT-simple (docs/maths.md 4.2) with ``w=None``.
 
     q, k, v: [B, T, D]; w: [T_max, T_max] pairwise position bias with T_max >= T (its top-left
     T x T block is used) or None. Y_t = sigmoid(Q_t) * sum_t' e^{K_t' + w_tt'} V_t' /
@@ -70,7 +70,7 @@ def aft_full_stream(
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False, chunk_size: int = 64,
 ) -> tuple[torch.Tensor, AFTFullState | None]:
-    """Causal AFT-full with a key/value cache (SPEC 4.3: an arbitrary pairwise bias has no
+    """Causal AFT-full with a key/value cache (docs/maths.md 4.3: an arbitrary pairwise bias has no
     constant-size state, so the state grows with the sequence).
 
     q, k, v: [B, T, D] at absolute positions p..p+T-1, p = cached tokens; w: [T, P] with

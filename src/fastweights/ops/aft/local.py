@@ -1,4 +1,4 @@
-"""AFT-local over a whole sequence (SPEC.md 4.2): ``aft_local``.
+"""AFT-local over a whole sequence (docs/maths.md 4.2): ``aft_local``.
 
 Dimension legend: B batch, T time, D channels (every channel its own head), s window.
 Here ``w`` is the [T_max, T_max] table of pairwise biases; ``band`` the [T, 1, J] window of it
@@ -34,13 +34,15 @@ def aft_local(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, window: int,
     causal: bool = True, chunk_size: int = 64,
 ) -> torch.Tensor:
-    """AFT-local (SPEC 4.2): AFT-full whose bias is w_tt' inside the window (0 <= t - t' < s
-    causal, |t - t'| < s bidirectional, s = ``window``) and 0 outside it (those pairs still count).
+    """AFT-local (docs/maths.md 4.2): AFT-full whose bias is w_tt' inside the window
+    (0 <= t - t' < s causal, |t - t'| < s bidirectional, s = ``window``) and 0 outside it
+    (those pairs still count).
 
     q, k, v: [B, T, D]; w: [T_max, T_max] with T_max >= T (top-left block used).
-    ``window`` is an int >= 0; 0 leaves no pair in the window, which is AFT-simple (SPEC 4.5).
-    O(T s D): prefix (and suffix) sums for the pairs outside the window plus the window itself,
-    as banded matrix products over blocks of ``chunk_size`` rows. Returns o [B, T, D] in q's dtype.
+    ``window`` is an int >= 0; 0 leaves no pair in the window, which is AFT-simple
+    (docs/maths.md 4.5). O(T s D): prefix (and suffix) sums for the pairs outside the window plus
+    the window itself, as banded matrix products over blocks of ``chunk_size`` rows. Returns o
+    [B, T, D] in q's dtype.
     """
     T = check_btd(q, k, v)[1]
     check_int("window", window, 0)  # 0: no window, AFT-simple

@@ -1,4 +1,4 @@
-"""Causal AFT-local with a carried state (SPEC.md 4.3): ``aft_local_stream``, for decoding and
+"""Causal AFT-local with a carried state (docs/maths.md 4.3): ``aft_local_stream``, for decoding and
 running a sequence in pieces.
 
 Dimension legend: B batch, T time, D channels (every channel its own head), s window,
@@ -65,7 +65,7 @@ def aft_local_stream(
     initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
     chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AFTLocalState | None]:
-    """Causal AFT-local with a carried state (SPEC 4.3), for decoding and pieces == whole.
+    """Causal AFT-local with a carried state (docs/maths.md 4.3), for decoding and pieces == whole.
 
     q, k, v: [B, T, D], the tokens at absolute positions p..p+T-1 (p = tokens seen so far);
     w: [T, s], the window biases of these tokens: w[i, o] = W[p + i, p + i - o], the bias at

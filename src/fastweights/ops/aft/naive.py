@@ -1,10 +1,11 @@
-"""Oracles for the Attention Free Transformer, written straight from SPEC.md 4.1-4.2.
+"""Oracles for the Attention Free Transformer, written straight from docs/maths.md 4.1-4.2.
 
 Dimension legend: B batch, T time, D channels (AFT-full/local/simple: every channel is its own
 single-dimensional head), H heads and Dh channels per head (AFT-conv), s window / kernel size.
 Inputs are validated and already in the compute dtype (float32/float64). Each output row is a
 literal sum over t' of exp(K_t' + w_tt') V_t' / sum exp(K_t' + w_tt'), with the maximum over t'
-subtracted first (a constant along the summed axis, SPEC 4.4), so the oracle itself is stable.
+subtracted first (a constant along the summed axis, docs/maths.md 4.4), so the oracle itself is
+stable.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 def aft_naive(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, causal: bool,
 ) -> torch.Tensor:
-    """AFT-full (SPEC 4.1); ``w=None`` is AFT-simple. q, k, v [B, T, D]; w [>=T, >=T] (its
+    """AFT-full (docs/maths.md 4.1); ``w=None`` is AFT-simple. q, k, v [B, T, D]; w [>=T, >=T] (its
     top-left T x T block is used). Causal rows sum over t' <= t. Returns [B, T, D]."""
     T = q.shape[1]
     outs = []
@@ -28,7 +29,7 @@ def aft_naive(
 
 
 def local_bias(w: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
-    """SPEC 4.2: w'_tt' = w_tt' inside the window (0 <= t - t' < s causal, |t - t'| < s
+    """docs/maths.md 4.2: w'_tt' = w_tt' inside the window (0 <= t - t' < s causal, |t - t'| < s
     otherwise) and 0 outside it (the pair still contributes, it is not masked). w [T, T]."""
     T = w.shape[0]
     offset = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # t - t'
@@ -40,7 +41,8 @@ def aft_local_naive(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, window: int,
     causal: bool,
 ) -> torch.Tensor:
-    """AFT-local (SPEC 4.2): AFT-full with the windowed bias ``local_bias``. Returns [B, T, D]."""
+    """AFT-local (docs/maths.md 4.2): AFT-full with the windowed bias ``local_bias``. Returns
+    [B, T, D]."""
     T = q.shape[1]
     return aft_naive(q, k, v, local_bias(w[:T, :T], window, causal), causal)
 
@@ -49,8 +51,8 @@ def aft_conv_naive(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool, *,
     global_context: bool = True, signed: bool = False, gating: bool = True,
 ) -> torch.Tensor:
-    """AFT-conv (SPEC 4.2), per head h with one key channel k[..., h] shared by its Dh value
-    channels: the bias of pair (t, t') is w[h, t - t'] for offsets 0..s-1 (causal) or
+    """AFT-conv (docs/maths.md 4.2), per head h with one key channel k[..., h] shared by its Dh
+    value channels: the bias of pair (t, t') is w[h, t - t'] for offsets 0..s-1 (causal) or
     w[h, t - t' + (s-1)/2] for |t - t'| <= (s-1)/2 (bidirectional, odd s), and 0 elsewhere.
     q, v [B, T, H, Dh]; k [B, T, H]; w [H, s]. Returns [B, T, H, Dh].
     Ablations (``aft_conv_stream``): ``global_context=False`` gives pairs outside the kernel

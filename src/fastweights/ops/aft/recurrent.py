@@ -1,4 +1,5 @@
-"""Token-by-token AFT (SPEC.md 4.3): the decoding form, with an online log-sum-exp per channel.
+"""Token-by-token AFT (docs/maths.md 4.3): the decoding form, with an online log-sum-exp per
+channel.
 
 Dimension legend: B batch, T time, G key channels, E value channels per key channel, s window.
 Inputs ``k [B, T, G]``, ``v [B, T, G, E]`` in the compute dtype; the state layout is the one of

@@ -1,4 +1,4 @@
-"""Causal AFT-simple with a carried state (SPEC.md 4.2-4.3): ``aft_simple_stream``.
+"""Causal AFT-simple with a carried state (docs/maths.md 4.2-4.3): ``aft_simple_stream``.
 
 Dimension legend: B batch, T time, D channels (every channel its own head).
 """
@@ -42,7 +42,7 @@ def aft_simple_stream(
     initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False, mode: str = "chunk", cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AFTSimpleState | None]:
-    """Causal AFT-simple with a carried state (SPEC 4.3).
+    """Causal AFT-simple with a carried state (docs/maths.md 4.3).
 
     q, k, v: [B, T, D]. State: an ``AFTSimpleState`` (a, n, m), each [B, D].
     Returns (o [B, T, D] in q's dtype, state in float32/float64 or None).

@@ -1,7 +1,7 @@
 """Fast weight programmers: linear attention (sum rule), the delta rule (DeltaNet) and the gated
-delta rule (Gated DeltaNet, SPEC.md 5b).
+delta rule (Gated DeltaNet, docs/maths.md 5b).
 
-SPEC.md 1.3 (sum rule, with/without attention normalisation), 1.4 (delta rule, read after
+docs/maths.md 1.3 (sum rule, with/without attention normalisation), 1.4 (delta rule, read after
 write) and 5b (the delta rule with a decay gate). The public functions (``linear_attention.py``,
 ``delta.py``, ``gated_delta.py``) validate their arguments, upcast to float32 (float64 stays
 float64), dispatch on ``mode`` and return outputs in the input dtype with float32-or-wider

@@ -1,4 +1,4 @@
-"""Chunked parallel forms of the fast-weight family (SPEC.md 1.3 and the WY/UT form of 1.4).
+"""Chunked parallel forms of the fast-weight family (docs/maths.md 1.3 and the WY/UT form of 1.4).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, C chunk size,
 N number of chunks. Inputs ``[B, T, H, D]`` in the compute dtype with q already scaled; states
@@ -202,8 +202,8 @@ def delta_rule_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S: torch.Tensor,
     chunk_size: int, products: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """WY/UT form (SPEC 1.4): per chunk, with A = stril(diag(beta) K K^T), X = (I + A)^-1 and
-    Tm = X diag(beta), W = Tm K and U0 = Tm V (batched over all chunks); then sequentially
+    """WY/UT form (docs/maths.md 1.4): per chunk, with A = stril(diag(beta) K K^T), X = (I + A)^-1
+    and Tm = X diag(beta), W = Tm K and U0 = Tm V (batched over all chunks); then sequentially
     U = U0 - W S, S <- S + K^T U (two fused multiply-adds per chunk, the only Python loop);
     finally, batched again, O = Q S_entering + tril(Q K^T) U.
 
@@ -217,10 +217,8 @@ def delta_rule_chunk(
     solve's forward error is its condition number times its input's: keep the input exact),
     W = Tm K and the sequential hand-off U = U0 - W S, S <- S + K^T U. W multiplies the state in
     every hand-off, so its rounding enters each chunk's transition (I - K^T W), whose error the
-    state carries into every later chunk (in one measurement, L2-normalised keys, beta in
-    [0, 2), T 4096, D 32, chunks of 32: W in bfloat16 gave 25% more output error and 30% more
-    state error against float64); U0 only adds to U, so its rounding is a per-chunk error like
-    the others'."""
+    state carries into every later chunk (measured: docs/performance.md); U0 only adds to U, so
+    its rounding is a per-chunk error like the others'."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     qc, kc, vc = (_chunk_major(x, chunk_size) for x in (q, k, v))  # [N, B*H, C, D]
@@ -247,11 +245,11 @@ def unit_lower_inverse(A: torch.Tensor, overwrite: bool = False) -> torch.Tensor
     Without autograd, for n = 16 * 2^j > 16, by blocks: the 16 x 16 diagonal blocks in one
     batched triangular solve, then halves merged upwards, [[X11, 0], [A21, X22]] inverting to
     [[X11, 0], [-X22 A21 X11, X22]], every merge one batched product over all blocks of its
-    size. The solve's LAPACK calls go matrix by matrix and barely use a second thread (chunks of
-    64, batch 512: 12.3 -> 8.1 ms from 1 to 2 threads on the 2-vCPU EPYC); by blocks 8.2 -> 5.6
-    ms. With a gradient to record (double backward of the chunked forms), or another n, the
-    plain solve. ``overwrite``: A is a scratch matrix of the caller's, which the blocked form
-    turns into X in place (no second buffer of A's size to allocate and fault in)."""
+    size. The solve's LAPACK calls go matrix by matrix and barely use a second thread; the blocks
+    are faster at one thread and at two (docs/performance.md). With a gradient to record (double
+    backward of the chunked forms), or another n, the plain solve. ``overwrite``: A is a scratch
+    matrix of the caller's, which the blocked form turns into X in place (no second buffer of A's
+    size to allocate and fault in)."""
     n, blk = A.shape[-1], _SOLVE_BLOCK
     m = n // blk
     if (torch.is_grad_enabled() and A.requires_grad) or m < 2 or n % blk or m & (m - 1):

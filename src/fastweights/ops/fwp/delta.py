@@ -1,4 +1,4 @@
-"""The delta rule (DeltaNet), read after write (SPEC.md 1.4): ``delta_rule``. Its state is the
+"""The delta rule (DeltaNet), read after write (docs/maths.md 1.4): ``delta_rule``. Its state is the
 single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = delta_rule(...)``). And the delta rule
 with attention normalisation, ``delta_rule_attn_norm`` (the fast weight paper's Table 3
 ablation), whose state is a ``LinearAttnState`` (S, z).
@@ -23,7 +23,7 @@ from ..._checks import (
 from .._autocast import float32_states, products_dtype
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend, triton_kernels
+from ..backend import Trial, choose_backend, triton_kernels
 from .chunk import delta_rule_chunk
 from .fla import fla_delta_rule
 from .linear_attention import MODES, LinearAttnState
@@ -38,7 +38,7 @@ def delta_rule(
     mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Delta-rule fast weights, read after write (SPEC 1.4).
+    """Delta-rule fast weights, read after write (docs/maths.md 1.4).
 
     q, k: [B, T, H, Dk] (feature-mapped and sum-normalised by the caller); v: [B, T, H, Dv];
     beta: [B, T, H] write strengths (any floating dtype: like the state, it is used in the
@@ -60,8 +60,9 @@ def delta_rule(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
+    trial = Trial(delta_rule, (q, k, v, beta), scale=scale, chunk_size=chunk_size)
     if cu_seqlens is not None:
-        if choose_backend("delta_rule", q, backend, mode, chunk_size) == "fla":  # whole batch
+        if choose_backend("delta_rule", q, backend, mode, chunk_size, trial) == "fla":  # whole
             bounds, (S0,) = stack_packed_states(
                 initial_state, cu_seqlens, q,
                 lambda st: (matrix_state(st, (1, H, Dk, Dv), q, state_dtype(q.dtype)),))
@@ -74,7 +75,7 @@ def delta_rule(
                           backend=backend)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
-    chosen = choose_backend("delta_rule", q, backend, mode, chunk_size)
+    chosen = choose_backend("delta_rule", q, backend, mode, chunk_size, trial)
     if chosen == "fla":
         return fla_delta_rule(q, k, v, beta, scale=scale, S0=S0,
                               output_final_state=output_final_state)
@@ -107,7 +108,7 @@ def delta_rule_attn_norm(
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
 ) -> tuple[torch.Tensor, LinearAttnState | None]:
     """The delta rule with attention normalisation (the fast weight paper's eqs. 26-27; lmtool's
-    "Norm" variants, SPEC 1.4), the ablation of the paper's Table 3.
+    "Norm" variants, docs/maths.md 1.4), the ablation of the paper's Table 3.
 
     q, k: [B, T, H, Dk] non-negative features (feature-mapped, sum-normalised or not, by the
     caller); v: [B, T, H, Dv]; beta: [B, T, H]. With z_t = z_{t-1} + k_t:

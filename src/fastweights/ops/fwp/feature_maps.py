@@ -1,4 +1,4 @@
-"""Feature maps phi of the fast weight programmers (SPEC.md 1.2) and sum normalisation (1.4).
+"""Feature maps phi of the fast weight programmers (docs/maths.md 1.2) and sum normalisation (1.4).
 
 Dimension legend: ``...`` any leading dims, ``d`` input feature size, ``m`` FAVOR+ random
 features, ``nu`` DPFP roll count. All maps act on the last dimension.
@@ -36,7 +36,8 @@ def relu(x: torch.Tensor) -> torch.Tensor:
 
 
 def dpfp(x: torch.Tensor, nu: int = 1) -> torch.Tensor:
-    """Deterministic parameter-free projection DPFP-nu (SPEC 1.2). [..., d] -> [..., 2*d*nu].
+    """Deterministic parameter-free projection DPFP-nu (docs/maths.md 1.2). [..., d] ->
+    [..., 2*d*nu].
 
     With r = [relu(x), relu(-x)] in R^{2d}, phi(x) = concat_{j=1..nu} r * roll(r, j), where
     roll(r, j)_i = r_{(i - j) mod 2d}.
@@ -51,7 +52,7 @@ def dpfp(x: torch.Tensor, nu: int = 1) -> torch.Tensor:
 
 
 def sum_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / (sum_i x_i + eps) over the last dim (SPEC 1.4). [..., d] -> [..., d].
+    """x / (sum_i x_i + eps) over the last dim (docs/maths.md 1.4). [..., d] -> [..., d].
 
     The papers divide without eps; we add ``eps`` (default 1e-6) so an all-zero feature vector
     (possible for DPFP at x = 0) maps to zero instead of NaN. Pass ``eps=0`` for the literal form.
@@ -66,7 +67,7 @@ def draw_favor_projection(
     m: int, d: int, *, orthogonal: bool = True, generator: torch.Generator | None = None,
     dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Draw the FAVOR+ random projection Omega^T (SPEC 1.2). Returns ``[m, d]``.
+    """Draw the FAVOR+ random projection Omega^T (docs/maths.md 1.2). Returns ``[m, d]``.
 
     Rows are Gaussian directions; with ``orthogonal=True`` rows are orthogonal within blocks of
     d (QR of a Gaussian d x d matrix) and each row is rescaled to the norm of an independent
@@ -102,7 +103,8 @@ def draw_favor_projection(
 
 @float32_compute
 def favor_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """Positive random features of FAVOR+ (SPEC 1.2). x [..., d], projection [m, d] -> [..., 2m].
+    """Positive random features of FAVOR+ (docs/maths.md 1.2). x [..., d], projection [m, d] ->
+    [..., 2m].
 
     phi(x) = (2m)^{-1/2} exp(-||x||^2/2) [exp(x Omega), exp(-x Omega)], evaluated as a single
     exponential of the summed log terms so large ||x|| does not overflow. E[phi(q).phi(k)] =

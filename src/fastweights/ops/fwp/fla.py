@@ -8,8 +8,8 @@ functions in tests/ops/test_backend.py):
 - scale: fla's default is 1/sqrt(Dk), ours 1.0: ours is always passed explicitly;
 - normalisation: fla divides by (q . z + 1e-10) with z in the key dtype; we call fla
   unnormalised and divide by (scale q . z_t + eps) in float32 ourselves, with our eps and
-  z_t = z0 + cumsum(k) (SPEC 1.3); the final (S, z) keep our layout [B, H, Dk, Dv], [B, H, Dk]
-  (fla's z is [B, 1, H, Dk]);
+  z_t = z0 + cumsum(k) (docs/maths.md 1.3); the final (S, z) keep our layout [B, H, Dk, Dv],
+  [B, H, Dk] (fla's z is [B, 1, H, Dk]);
 - the delta rule: fla's ``use_qk_l2norm_in_kernel`` stays False: our callers normalise keys
   (sum_norm or L2) themselves and the op uses k as given; beta is passed in q's dtype (fla's
   kernels read beta like q), so a float32 beta driving bfloat16 q, k, v is rounded to bfloat16

@@ -1,4 +1,4 @@
-"""The gated delta rule (Gated DeltaNet, SPEC.md 5b): ``gated_delta_rule``. Its state is the
+"""The gated delta rule (Gated DeltaNet, docs/maths.md 5b): ``gated_delta_rule``. Its state is the
 single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = gated_delta_rule(...)``), as the delta
 rule's.
 
@@ -30,7 +30,7 @@ from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend, triton_kernels
+from ..backend import Trial, choose_backend, triton_kernels
 from .fla import fla_gated_delta_rule
 from .gated_delta_chunk import gated_delta_rule_chunk
 from .gated_delta_naive import gated_delta_rule_naive
@@ -90,7 +90,7 @@ def gated_delta_rule(
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The gated delta rule, read after write (SPEC 5b; Yang, Kautz, Hatamizadeh 2024).
+    """The gated delta rule, read after write (docs/maths.md 5b; Yang, Kautz, Hatamizadeh 2024).
 
     q, k: [B, T, Hk, Dk] (the caller normalises them: L2 in Gated DeltaNet); v: [B, T, H, Dv];
     beta (write strengths), g (log-decays): [B, T, H]. With alpha_t = exp(g_t),
@@ -117,9 +117,9 @@ def gated_delta_rule(
     x / sqrt(sum x^2 + 1e-6)); tests/ops/test_gated_delta_transformers.py checks it.
 
     ``mode``: "chunk" (default; any chunk_size >= 1, T need not be a multiple; a one-token call
-    runs the recurrent step, as a layer's decoding step does; on the 2-core EPYC CPU of
-    benchmarks/results/gated_delta_epyc_avx2/ chunks of 32 ran faster than the default 64, as
-    for delta_rule), "recurrent" (token by token, ``gated_delta_rule_step`` per token, which a
+    runs the recurrent step, as a layer's decoding step does; a layer built with
+    ``chunk_size=None`` takes the size measured fastest on its device kind, docs/performance.md),
+    "recurrent" (token by token, ``gated_delta_rule_step`` per token, which a
     layer's decoding step may call directly) or "naive" (the literal recurrence, the oracle). All three are
     differentiable in q, k, v, beta, g and the initial state; the chunked form has a
     hand-written backward. ``cu_seqlens`` [N + 1]: packed documents in a batch of one, the state
@@ -145,7 +145,9 @@ def gated_delta_rule(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
-    chosen = choose_backend("gated_delta_rule", q, backend, mode, chunk_size)
+    chosen = choose_backend("gated_delta_rule", q, backend, mode, chunk_size,
+                            Trial(gated_delta_rule, (q, k, v, beta, g), scale=scale,
+                                  chunk_size=chunk_size))
     if cu_seqlens is not None:
         if chosen == "fla":  # the whole packed batch, with fla's own cu_seqlens
             bounds, (S0,) = stack_packed_states(

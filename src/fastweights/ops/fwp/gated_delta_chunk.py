@@ -1,5 +1,6 @@
-"""Chunked parallel form of the gated delta rule (SPEC.md 5b): the WY/UT form of the delta rule
-(SPEC 1.4, ``chunk.delta_rule_chunk``) with the decay folded in, and its hand-written backward.
+"""Chunked parallel form of the gated delta rule (docs/maths.md 5b): the WY/UT form of the delta
+rule (docs/maths.md 1.4, ``chunk.delta_rule_chunk``) with the decay folded in, and its hand-written
+backward.
 
 (A file of its own beside chunk.py while the package layout is being restructured.)
 

@@ -1,4 +1,4 @@
-"""Oracle of the gated delta rule (Gated DeltaNet, SPEC.md 5b), written straight from the
+"""Oracle of the gated delta rule (Gated DeltaNet, docs/maths.md 5b), written straight from the
 recurrence: one token at a time, the state decayed, then erased along k_t and written.
 
 (A file of its own beside naive.py while the package layout is being restructured; it belongs
@@ -28,7 +28,7 @@ def gated_delta_rule_naive(
     S0: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token loop of S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t and
-    o_t = q_t S_t (row vectors; SPEC 5b writes the same with column vectors)."""
+    o_t = q_t S_t (row vectors; docs/maths.md 5b writes the same with column vectors)."""
     H = v.shape[2]
     q, k = expand_heads(q, H), expand_heads(k, H)
     eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)

@@ -1,4 +1,4 @@
-"""Token-by-token form of the gated delta rule (SPEC.md 5b): the recurrence and its one-token
+"""Token-by-token form of the gated delta rule (docs/maths.md 5b): the recurrence and its one-token
 step, the decoding form.
 
 (A file of its own beside recurrent.py while the package layout is being restructured.)

@@ -1,4 +1,4 @@
-"""Linear attention, the sum rule of fast weight programmers (SPEC.md 1.3): ``linear_attn``
+"""Linear attention, the sum rule of fast weight programmers (docs/maths.md 1.3): ``linear_attn``
 and its state.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
@@ -24,7 +24,7 @@ from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend, triton_kernels
+from ..backend import Trial, choose_backend, triton_kernels
 from .chunk import linear_attn_chunk
 from .fla import fla_linear_attn
 from .naive import linear_attn_naive
@@ -62,7 +62,7 @@ def linear_attn(
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, LinearAttnState | None]:
-    """Causal linear attention / sum-rule fast weights (SPEC 1.3).
+    """Causal linear attention / sum-rule fast weights (docs/maths.md 1.3).
 
     q, k: [B, T, H, Dk] (already feature-mapped); v: [B, T, H, Dv].
     State: a ``LinearAttnState`` (S [B, H, Dk, Dv], z [B, H, Dk]), S_t = S_{t-1} + k_t^T v_t, z_t = z_{t-1} + k_t.
@@ -89,8 +89,10 @@ def linear_attn(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
+    trial = Trial(linear_attn, (q, k, v), normalize=normalize, eps=eps, scale=scale,
+                  chunk_size=chunk_size)
     if cu_seqlens is not None:
-        if choose_backend("linear_attn", q, backend, mode, chunk_size) == "fla":  # whole batch
+        if choose_backend("linear_attn", q, backend, mode, chunk_size, trial) == "fla":  # whole
             bounds, (S0, z0) = stack_packed_states(
                 initial_state, cu_seqlens, q,
                 lambda st: (LinearAttnState.zeros(1, H, Dk, Dv, q) if st is None
@@ -109,7 +111,7 @@ def linear_attn(
         S0, z0 = LinearAttnState.zeros(B, H, Dk, Dv, q)
     else:
         S0, z0 = LinearAttnState.check(initial_state, B, H, Dk, Dv, q)
-    chosen = choose_backend("linear_attn", q, backend, mode, chunk_size)
+    chosen = choose_backend("linear_attn", q, backend, mode, chunk_size, trial)
     if chosen == "fla":
         o, state = fla_linear_attn(q, k, v, normalize=normalize, eps=eps, scale=scale, S0=S0,
                                    z0=z0, output_final_state=output_final_state)

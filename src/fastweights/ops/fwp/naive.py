@@ -1,4 +1,4 @@
-"""Oracles for the fast-weight family, written straight from SPEC.md 1.3-1.4.
+"""Oracles for the fast-weight family, written straight from docs/maths.md 1.3-1.4.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 Inputs are ``[B, T, H, D]`` in the compute dtype (float32/float64), already validated and with
@@ -46,8 +46,8 @@ def delta_rule_attn_norm_naive(
     z0: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token loop of the delta rule with attention normalisation (the fast weight paper's eqs.
-    26-27, lmtool's "Norm" variant; SPEC 1.4): v_bar_t = k_t S_{t-1} / (k_t . z_{t-1}) (0 where
-    k_t . z_{t-1} = 0), S_t = S_{t-1} + beta_t k_t^T (v_t - v_bar_t), z_t = z_{t-1} + k_t,
+    26-27, lmtool's "Norm" variant; docs/maths.md 1.4): v_bar_t = k_t S_{t-1} / (k_t . z_{t-1})
+    (0 where k_t . z_{t-1} = 0), S_t = S_{t-1} + beta_t k_t^T (v_t - v_bar_t), z_t = z_{t-1} + k_t,
     o_t = q_t S_t / (q_t . z_t + eps)."""
     S, z = S0, z0
     outs = []

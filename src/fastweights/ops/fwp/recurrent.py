@@ -1,4 +1,4 @@
-"""Token-by-token recurrences of the fast-weight family (SPEC.md 1.3-1.4): the decoding form.
+"""Token-by-token recurrences of the fast-weight family (docs/maths.md 1.3-1.4): the decoding form.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 Inputs ``[B, T, H, D]`` in the compute dtype, q already scaled; states ``S [B, H, Dk, Dv]``,

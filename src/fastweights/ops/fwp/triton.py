@@ -1,5 +1,6 @@
-"""Triton kernels for the chunked fast-weight forms (SPEC.md 1.3 and the WY/UT form of 1.4),
-forward and backward, shaped so that only the state hand-off between chunks is sequential.
+"""Triton kernels for the chunked fast-weight forms (docs/maths.md 1.3, the WY/UT form of 1.4,
+and 5b), forward and backward, shaped so that only the state hand-off between chunks is
+sequential. The kernel plan, the tiling and the roofline estimates: docs/kernels.md.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim (<= 128), Dv value dim, C chunk
 size (C <= 64), N = ceil(T / C) chunks; BT = 64 the chunk tile, BK = 64 the key block (Dk runs
@@ -8,96 +9,30 @@ pipeline stages and key steps are chosen per GPU target and dtype by ``tile_conf
 C or T and columns past Dk or Dv load as zeros and are never stored, so neither T, C, Dk nor Dv
 has to be a power of two.
 
-Linear attention is the delta rule with W = 0 and U0 = V (SPEC 1.3 vs 1.4 in the UT form:
-S_{n+1} = S_n + K_n^T U_n, U_n = U0_n - W_n S_n, o_n = Q_n S_n + tril(Q_n K_n^T) U_n), so both
-ops share the kernels below, with ``HAS_W`` off for linear attention:
+Linear attention is the delta rule with W = 0 and U0 = V (the UT form of docs/maths.md 1.4), so
+both ops share the kernels below, with ``HAS_W`` off for linear attention; normalised linear
+attention runs as the unnormalised one with a column of ones appended to V and divides by it in
+PyTorch. The gated delta rule (``gated_delta_rule_triton``) runs the delta rule's forward kernels
+with ``HAS_G`` on, in the algebra of ops/fwp/gated_delta_chunk.py; its backward is the PyTorch
+chunked form's. The kernels, each documented where it is defined:
 
-forward   (a) ``_ut_fwd_kernel``     grid (N, B*H)           delta only: the per-chunk solve
-              Xinv = (I + stril(diag(beta) K K^T))^-1, W = Xinv diag(beta) K, U0 = Xinv diag(beta) V
-          (b) ``_state_fwd_kernel``  grid (Dv/BV, *, B*H)    sequential over chunks: stores the
-              chunk-entering states h_n (and U_n for the delta rule), the final state. Linear
-              attention's key blocks are independent (* = NK programs); the delta rule's are not
-              (U_n reads all of S): one program holds NK = 1 or 2 state blocks (* = 1)
-          (c) ``_output_kernel``     grid (Dv/BV, N, B*H)    o_n = Q_n h_n + tril(Q_n K_n^T) U_n
-backward  (d) ``_local_du_kernel``   grid (Dv/BV, N, B*H)    dU_n = tril(Q_n K_n^T)^T dO_n, plus
-              K_n dh_n for linear attention (run after (e): then dU_n is dV_n)
-          (e) ``_state_bwd_kernel``  grid (Dv/BV, *, B*H)    sequential, last chunk first:
-              stores dh_n (the gradient of the state leaving chunk n) and carries
-              dh <- dh + Q_n^T dO_n; for the delta rule first completes dU_n += K_n dh_n (after
-              (d)) and carries dh -= W_n^T dU_n; returns dS0. Key blocks as in (b)
-          (f) ``_ut_bwd_kernel``     grid (N, B*H)           delta only: dV = Tm^T dU, dbeta and
-              G for the UT solve (Tm = Xinv diag(beta)); dTm = dU (V - K h)^T needs no dW
-          (g) ``_grad_kernel``       grid (Dk/BKg, N, B*H)   dQ, dK for BKg key columns; for the
-              delta rule dK also gets -dV h^T + (G + G^T) K (= Tm^T dW + the solve's part)
-The backward recomputes (a) and (b) from the saved inputs instead of keeping W, U0, h.
-
-The gated delta rule (SPEC 5b, ``gated_delta_rule_triton``) runs the delta rule's forward
-kernels (a), (b), (c) with ``HAS_G`` on, in the algebra of ops/fwp/gated_delta_chunk.py: the
-decays of a chunk are built from its log-gates g as segment sums (``_gates``: Gam_ij =
-exp(sum_{j < m <= i} g_m), gam_i = exp(sum_{m <= i} g_m), every exponent <= 0, a -inf gate a
-clean reset), never as exp of a difference of running sums; (a) solves with A = stril(diag(beta)
-(K K^T * Gam)), scales K by gam in W and stores last_j = Gam_{C-1, j}; (b) hands on
-S <- gam_L S + (diag(last) K)^T U; (c) adds diag(gam) to Q h and Gam to Q K^T. q and k may have
-fewer heads (HK) than v (grouped heads: value head h reads key head h // (H / HK)). Its backward
-is the PyTorch chunked form's (recomputed from the saved inputs): no gated backward kernels yet.
-Normalised linear attention runs as the unnormalised one with a column of ones appended to V
-(its state column is z, SPEC 1.3), and divides by that column plus eps in PyTorch, so the
-normaliser's gradient is autograd's; it costs one more value block.
+forward   (a) ``_ut_fwd_kernel``     delta only: the per-chunk solve, W and U0
+          (b) ``_state_fwd_kernel``  sequential over chunks: the chunk-entering states
+          (c) ``_output_kernel``     the outputs
+backward  (d) ``_local_du_kernel``   (e) ``_state_bwd_kernel`` (sequential, last chunk first)
+          (f) ``_ut_bwd_kernel``     (g) ``_grad_kernel``
+The backward recomputes (a) and (b) from the saved inputs instead of keeping W, U0 and the states.
 
 Precision: q (already multiplied by ``scale``), k, v, beta arrive in their own dtype (float16,
 bfloat16 or float32) and are upcast on chip; every state, W, U, h, dh and accumulation is
 float32. Products of two input tiles (Q K^T, Q^T dO) run on tensor cores with float32
-accumulation. Products with a float32 operand run in exact float32 (``"ieee"``) for float32
-inputs, and in TF32 (10-bit mantissa, the precision of a float16 input, finer than bfloat16's)
-for half inputs, where exact float32 would leave the tensor cores idle.
-
-Tiles (``tile_config``), the same on sm_80 and sm_90 but for the state passes' software
-pipelining (1 stage on sm_80, 2 on sm_90). Half inputs: BV = 32 and 8 warps for (a) to (e),
-BV = 16 for the delta rule's state passes at NK = 2 and for (f); (g) takes 32 key columns per
-program and BV = 16. Float32 inputs, linear attention only: BV = 16; (c) in key steps of 32
-with 16 warps, (d) and (g) in steps of 16 with 8. The float32 delta rule has no tiling that
-compiles without register spills (exact float32 products are FMA loops holding whole operand
-rows in registers, and the state passes contract a register-held state over 64 rows), so the
-dispatcher sends it to fla or PyTorch; ``delta_rule_triton`` called directly still runs it, on
-the half tiling, spilling. The tiles follow from the register file (64K 32-bit registers per
-SM, 255 per thread at 8 warps): on sm_80 a chain of products over 64 rows stacks the warps
-along the rows, and a float32 [64, 64] right operand then costs 128 registers per thread,
-hence the 32-column products (``BN``) and the UT backward solved in column blocks.
-tests/ops/test_fwp_triton_compile.py compiles every launch the host makes (Dk = 64 and 128,
-each dtype and op the dispatcher sends here) for sm_80 and sm_90, generic and with the
-alignment hints of the usual training shapes, and asserts no spills and shared memory within
-the target's limit (the most: 135,168 B, the delta rule's reverse state pass at Dk = 128 on
-sm_90 with its pipeline buffers; 227 KiB allowed).
-
-Launch shape and roofline, B1 H8 Dk=Dv=64, C=64, bfloat16 inputs, H100 SXM (132 SMs, about
-3.35 TB/s HBM3; BV = 32, so Dv/BV = 2). Programs per launch, and HBM bytes each kernel moves
-(inputs 2 B/element, float32 intermediates 4 B; h is [B, H, N, Dk, Dv] float32):
-
-  T      N     (a) ut (N*8)  (b) state (2*8)  (c) output (2*N*8)   bytes fwd, delta (linear)
-  4k     64        512            16              1024              36 MB (17 MB)
-  16k    256      2048            16              4096             143 MB (67 MB)
-  64k    1024     8192            16             16384             570 MB (268 MB)
-
-Forward delta-rule traffic per token and head: read q,k,v 384 B, beta; write W, U0 512 B; (b)
-reads k, W, U0 640 B and writes U 256 B plus h (16 KiB per chunk = 256 B per token); (c) reads
-q, k, U, h 1024 B and writes o 128 B: about 3.4 KB per token-head, 570 MB at 64k, 0.17 ms at
-3.35 TB/s. Linear attention skips (a) and U: about 1.6 KB, 0.08 ms at 64k. The parallel kernels
-(a), (c) fill the GPU (>= 512 programs on 132 SMs); the state pass (b) runs 16 programs, and its
-time is latency: N steps of two 64x64x32 products each, about 1 us a step on one SM, so 1 ms at
-64k, 0.25 ms at 16k, and this step, not HBM, bounds the forward. At Dk = Dv = 128 (BV = 16 in
-the delta rule's state passes, 32 in (c)): (b) runs 8*8 = 64 programs, each step two 64x128x16
-products; (c) 4*N*8; about 8 KB per token-head (h is 1 KiB per token, (c) reads q, k once per
-value block), 1.3 ms of HBM traffic at 64k, so there HBM and the state pass's latency are on a
-par. Expectations (forward; the backward is about 2-3x): PyTorch chunk path, one launch per op
-per chunk for the delta rule's hand-off (N Python-side steps, ~20 us each: 80 ms at 64k,
-measured 79 ms), linear attention's cumsum form ~3 ms at 64k; FlashAttention (SDPA) causal
-softmax O(T^2 D): 2 T^2 H D FLOPs at ~400 TFLOP/s effective: 0.07 / 0.7 / 9 ms at 4k / 16k /
-64k (measured 0.07 / 0.64 / 9.4 ms). Measured figures (of the earlier kernels, not these):
-benchmarks/results/gpu_h100/README.md.
+accumulation; products with a float32 operand run in exact float32 (``"ieee"``) for float32
+inputs and in TF32 for half inputs (``precisions``). The float32 delta rule has no tiling that
+compiles without register spills, so the dispatcher sends it elsewhere (``tile_config``).
 
 Variable-length batches (cu_seqlens) do not reach these kernels: the public ops run each
-document through them in turn (ops/_varlen.py), a loop on the host.
-This module imports ``triton`` at import time; ``ops/fwp/__init__.py`` imports it lazily.
+document through them in turn (ops/_varlen.py). This module imports ``triton`` at import time;
+ops/backend.py imports it lazily.
 """
 
 from __future__ import annotations
@@ -210,7 +145,7 @@ def _upcast_tiles(dtype: torch.dtype) -> bool:
 
 def precisions(dtype: torch.dtype) -> tuple[str, str]:
     """(IN_PREC, F32_PREC): tl.dot precision for products of two input tiles and for products
-    with a float32 operand (see the module docstring)."""
+    with a float32 operand (see the module docstring and docs/kernels.md, "Precision")."""
     if dtype == torch.float32 or _upcast_tiles(dtype):
         return "ieee", "ieee" if dtype == torch.float32 else "tf32"
     return "tf32", "tf32"
@@ -869,7 +804,8 @@ def linear_attn_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor, z0: torch.Tensor,
     normalize: bool, eps: float, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunked linear attention (SPEC 1.3) in the kernels above; see ``chunk.linear_attn_chunk``.
+    """Chunked linear attention (docs/maths.md 1.3) in the kernels above; see
+    ``chunk.linear_attn_chunk``.
 
     q (scaled), k [B, T, H, Dk], v [B, T, H, Dv] in float16/bfloat16/float32; S0 [B, H, Dk, Dv]
     and z0 [B, H, Dk] float32; chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's
@@ -895,7 +831,7 @@ def delta_rule_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked delta rule, WY/UT form (SPEC 1.4), in the kernels above; see
+    """Chunked delta rule, WY/UT form (docs/maths.md 1.4), in the kernels above; see
     ``chunk.delta_rule_chunk``.
 
     q (scaled), k [B, T, H, Dk], v [B, T, H, Dv], beta [B, T, H] in float16/bfloat16/float32;
@@ -948,9 +884,9 @@ def gated_delta_rule_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     S0: torch.Tensor, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked gated delta rule (SPEC 5b; the WY/UT form with the decay folded in as segment
-    sums of the log-gates, ops/fwp/gated_delta_chunk.py) in the delta rule's kernels with the
-    gates on; see ``gated_delta_chunk.gated_delta_rule_chunk``.
+    """Chunked gated delta rule (docs/maths.md 5b; the WY/UT form with the decay folded in as
+    segment sums of the log-gates, ops/fwp/gated_delta_chunk.py) in the delta rule's kernels with
+    the gates on; see ``gated_delta_chunk.gated_delta_rule_chunk``.
 
     q (scaled), k [B, T, Hk, Dk], v [B, T, H, Dv] (H a multiple of Hk: value head h reads key
     head h // (H / Hk)) in float16/bfloat16/float32; beta, g (log-decays <= 0, -inf a reset)

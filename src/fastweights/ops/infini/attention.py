@@ -1,4 +1,4 @@
-"""The public Infini-attention op ``infini_attention`` (SPEC.md 5.1-5.2) and its states:
+"""The public Infini-attention op ``infini_attention`` (docs/maths.md 5.1-5.2) and its states:
 argument checks, the ``mode=`` switch over chunk.py / recurrent.py / naive.py.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, N segment length,
@@ -143,9 +143,9 @@ class InfiniRowsState(NamedTuple):
 
 class InfiniState(tuple):
     """The final state of ``infini_attention``: the pair ``(M [B, H, Dk, Dv], z [B, H, Dk])`` of
-    DESIGN.md (``M, z = state`` works), the memory after every token seen, a trailing
-    incomplete segment included (written as SPEC 5.1 writes a segment, with the memory from
-    before it).
+    docs/design.md, "Public ops" (``M, z = state`` works), the memory after every token seen, a
+    trailing incomplete segment included (written as docs/maths.md 5.1 writes a segment, with the
+    memory from before it).
 
     ``open_segment`` additionally holds what continuing *inside* that incomplete segment needs,
     an ``InfiniSegmentState`` ``(M_closed, z_closed, k_seg [B, n, H, Dk], v_seg [B, n, H, Dv],
@@ -176,7 +176,7 @@ def infini_attention(
     initial_state: tuple[torch.Tensor, ...] | None = None, output_final_state: bool = False,
     mode: str = "chunk", cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, InfiniState | None]:
-    """Infini-attention over segments of ``segment_len`` tokens (SPEC 5.1-5.2).
+    """Infini-attention over segments of ``segment_len`` tokens (docs/maths.md 5.1-5.2).
 
     q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; gate: [H], the per-head logit beta_h (one learned
     scalar per head, as in the paper; not per token). Per segment s and head h, with
@@ -288,7 +288,7 @@ def infini_attention(
     if not output_final_state:
         return o.to(q.dtype), None
     M_all, z_all = M, z
-    if cache[0].shape[1]:  # write the open segment too (SPEC 5.1), keeping it open for later
+    if cache[0].shape[1]:  # write the open segment too (docs/maths.md 5.1), keeping it open
         sk = sigma(cache[2]).transpose(1, 2)  # [B, H, n, Dk]
         M_all, z_all = write(sk, cache[1].transpose(1, 2), M, z, update, eps)
     return o.to(q.dtype), InfiniState(M_all, z_all, (M, z, *cache))

@@ -1,4 +1,4 @@
-"""Segment-parallel Infini-attention (SPEC.md 5.2): the fast form for training and prefill.
+"""Segment-parallel Infini-attention (docs/maths.md 5.2): the fast form for training and prefill.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, N segment length,
 S = ceil(T / N) segments. Inputs ``[B, T, H, D]`` in the compute dtype, starting at a segment

@@ -1,4 +1,4 @@
-"""The compressive memory of Infini-attention (SPEC.md 5.1 steps 1-2), shared by the streaming
+"""The compressive memory of Infini-attention (docs/maths.md 5.1 steps 1-2), shared by the streaming
 and the segment-parallel forms.
 
 Dimension legend: B batch, H heads, n tokens, Dk key/query dim, Dv value dim; ``...`` any
@@ -14,7 +14,7 @@ from ..fwp.feature_maps import elu_plus_one
 
 
 def sigma(x: torch.Tensor) -> torch.Tensor:
-    """The memory's feature map, ELU + 1 (SPEC 5.1), elementwise and > 0."""
+    """The memory's feature map, ELU + 1 (docs/maths.md 5.1), elementwise and > 0."""
     return elu_plus_one(x)
 
 

@@ -1,4 +1,5 @@
-"""Oracle of Infini-attention, written straight from SPEC.md 5.1: a literal loop over segments.
+"""Oracle of Infini-attention, written straight from docs/maths.md 5.1: a literal loop over
+segments.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, N segment length,
 n tokens of one segment (n = N except possibly the last one).

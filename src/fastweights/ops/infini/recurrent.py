@@ -1,4 +1,4 @@
-"""Token-streaming Infini-attention (SPEC.md 5.2): the decoding form.
+"""Token-streaming Infini-attention (docs/maths.md 5.2): the decoding form.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, N segment length,
 n tokens of the open segment (0 <= n < N). Inputs ``[B, T, H, D]`` in the compute dtype; the

@@ -1,5 +1,6 @@
-"""TransNormer: block-diagonal attention (DiagAttention, SPEC.md 3.2), decayed linear attention
-(TransNormerLLM / Lightning Attention, SPEC.md 3.5) and SRMSNorm (SPEC.md 3.1).
+"""TransNormer: block-diagonal attention (DiagAttention, docs/maths.md 3.2), decayed linear
+attention (TransNormerLLM / Lightning Attention, docs/maths.md 3.5) and SRMSNorm
+(docs/maths.md 3.1).
 
 NormAttention's un-decayed core is ``fastweights.ops.linear_attn(..., normalize=False)``; its
 decoding step runs ``recurrent.decay_linear_attn_recurrent`` (decay None: the same recurrence

@@ -1,4 +1,4 @@
-"""Block-diagonal attention of TransNormer's DiagAttention (SPEC.md 3.2): ``block_attention``,
+"""Block-diagonal attention of TransNormer's DiagAttention (docs/maths.md 3.2): ``block_attention``,
 and ``open_block_attention``, its last row for rows at different places in their blocks.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
@@ -30,7 +30,7 @@ def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int,
     scale: float | None = None, kernel: str = "softmax",
 ) -> torch.Tensor:
-    """Causal attention inside non-overlapping blocks of ``block_size`` tokens (SPEC 3.2).
+    """Causal attention inside non-overlapping blocks of ``block_size`` tokens (docs/maths.md 3.2).
 
     q, k: [B, T, H, Dk]; v: [B, T, H, Dv] -> o [B, T, H, Dv] in q's dtype. Blocks start at
     t = 0; the last block may be shorter. logits = scale q k^T (scale defaults to 1/sqrt(Dk)),

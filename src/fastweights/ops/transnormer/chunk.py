@@ -1,5 +1,5 @@
-"""Chunked parallel forms of the TransNormer family: decayed linear attention (SPEC.md 3.5) and
-block-diagonal attention (SPEC.md 3.2).
+"""Chunked parallel forms of the TransNormer family: decayed linear attention (docs/maths.md 3.5)
+and block-diagonal attention (docs/maths.md 3.2).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, C chunk size,
 w block size, N number of chunks/blocks. Inputs ``[B, T, H, D]`` in the compute dtype (the
@@ -28,8 +28,8 @@ def decay_linear_attn_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per chunk of L real tokens (0-based i, j inside the chunk; L = C except in a short last
     chunk): O = scale [(Q K^T ⊙ D) V + diag(lambda^{i+1}) Q S_prev] with D_ij = lambda^{i-j}
-    (i >= j, else 0), S_next = lambda^L S_prev + K^T diag(lambda^{L-1-j}) V: SPEC 3.5's
-    Λ_q, Λ_k and lambda^B. Unlike the other forms, this one takes q unscaled: ``scale`` rides on
+    (i >= j, else 0), S_next = lambda^L S_prev + K^T diag(lambda^{L-1-j}) V (docs/maths.md 3.5).
+    Unlike the other forms, this one takes q unscaled: ``scale`` rides on
     the [H, C, C] mask and the [H, C] query weights instead of costing a pass over q.
 
     Every decay factor is a power lambda^e with 0 <= e <= C (never lambda^-e, which overflows

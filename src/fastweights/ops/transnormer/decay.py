@@ -1,4 +1,4 @@
-"""Decayed linear attention of TransNormerLLM / Lightning Attention (SPEC.md 3.5):
+"""Decayed linear attention of TransNormerLLM / Lightning Attention (docs/maths.md 3.5):
 ``decay_linear_attn``. Its state is the single matrix S [B, H, Dk, Dv], a plain tensor.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
@@ -23,7 +23,7 @@ from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
-from ..backend import choose_backend
+from ..backend import Trial, choose_backend
 from .chunk import decay_linear_attn_chunk
 from .fla import fla_decay_linear_attn
 from .naive import decay_linear_attn_naive
@@ -39,7 +39,7 @@ def decay_linear_attn(
     mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal linear attention with a per-head decay, no denominator (SPEC 3.5).
+    """Causal linear attention with a per-head decay, no denominator (docs/maths.md 3.5).
 
     q, k: [B, T, H, Dk] (already activated); v: [B, T, H, Dv]; decay: [H], lambda_h in (0, 1]
     (lambda = 1 is plain un-normalised linear attention). S_t = lambda_h S_{t-1} + k_t^T v_t,
@@ -62,8 +62,10 @@ def decay_linear_attn(
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
+    trial = Trial(decay_linear_attn, (q, k, v), decay=decay.detach(), scale=scale,
+                  chunk_size=chunk_size)
     if cu_seqlens is not None:
-        if choose_backend("decay_linear_attn", q, backend, mode, chunk_size) == "fla":
+        if choose_backend("decay_linear_attn", q, backend, mode, chunk_size, trial) == "fla":
             bounds, (S0,) = stack_packed_states(  # fla takes the packed batch whole
                 initial_state, cu_seqlens, q,
                 lambda st: (matrix_state(st, (1, H, Dk, Dv), q, state_dtype(q.dtype)),))
@@ -76,7 +78,7 @@ def decay_linear_attn(
                           chunk_size=chunk_size, backend=backend)
     cdtype = state_dtype(q.dtype)
     S0 = matrix_state(initial_state, (B, H, Dk, Dv), q, cdtype)
-    if choose_backend("decay_linear_attn", q, backend, mode, chunk_size) == "fla":
+    if choose_backend("decay_linear_attn", q, backend, mode, chunk_size, trial) == "fla":
         return fla_decay_linear_attn(q, k, v, decay, scale=scale, S0=S0,
                                      output_final_state=output_final_state)
     if mode == "chunk" and q.shape[1] > 1:  # the chunk form scales q itself, on its small tables

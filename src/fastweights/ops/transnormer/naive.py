@@ -1,4 +1,4 @@
-"""Oracles for the TransNormer family, written straight from SPEC.md 3.1, 3.2 and 3.5.
+"""Oracles for the TransNormer family, written straight from docs/maths.md 3.1, 3.2 and 3.5.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, w block size.
 Inputs are ``[B, T, H, D]`` in the compute dtype, already validated and with q already

@@ -1,4 +1,4 @@
-"""SRMSNorm, the parameter-free simple RMS norm of TransNormer (SPEC.md 3.1).
+"""SRMSNorm, the parameter-free simple RMS norm of TransNormer (docs/maths.md 3.1).
 
 Dimension legend: ``...`` any leading dims, ``d`` normalised feature size.
 """

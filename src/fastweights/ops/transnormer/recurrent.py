@@ -1,4 +1,4 @@
-"""Token-by-token recurrence of the decayed linear attention (SPEC.md 3.5): the decoding form.
+"""Token-by-token recurrence of the decayed linear attention (docs/maths.md 3.5): the decoding form.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 Inputs ``[B, T, H, D]`` in the compute dtype, q already scaled; state ``S [B, H, Dk, Dv]``;

@@ -1,5 +1,5 @@
-"""Dual form of TTT-Linear and TTT-MLP (SPEC.md 2.4), the default ``mode="dual"``: this family's
-chunk tier, the fast parallel form, by mini-batch (the "chunks" of TTT).
+"""Dual form of TTT-Linear and TTT-MLP (docs/maths.md 2.4), the default ``mode="dual"``: this
+family's chunk tier, the fast parallel form, by mini-batch (the "chunks" of TTT).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, Dh = 4 Dk (MLP hidden),
 b mini-batch size, N mini-batches in the call, p tokens of the first mini-batch consumed by an
@@ -52,7 +52,7 @@ def _layout(
     Q, K, V = (to_minibatches(x, p, b) for x in (q, k, v))
     # Padding rows get eta = 0, so they never contribute to any gradient sum.
     eta_mb = to_minibatches(eta.unsqueeze(-1), p, b).squeeze(-1)
-    target = V - K if residual else V  # SPEC 2.2: the residual moves into the target
+    target = V - K if residual else V  # docs/maths.md 2.2: the residual moves into the target
     E = (per_head(tau.unsqueeze(-1), eta_mb.unsqueeze(-1)) * eta_mb.unsqueeze(-2)).tril()
     return Q, K, target, eta_mb, E
 
@@ -81,8 +81,8 @@ def _scan(run: Callable[..., tuple[Any, ...]], N: int, group: int | None,
     With ``group`` g (and gradients being recorded) the scan goes g mini-batches at a time, each
     group under ``torch.utils.checkpoint``: the backward pass keeps only the weights entering
     every group and the per-token rows the batched read-out needs, and runs the group's forward
-    again (SPEC 2.6: the paper checkpoints groups of 4 mini-batches). Without it the per-step
-    weights of every mini-batch stay alive for the backward pass. Same results either way.
+    again (docs/maths.md 2.6: the paper checkpoints groups of 4 mini-batches). Without it the
+    per-step weights of every mini-batch stay alive for the backward pass. Same results either way.
     Returns the final weights, the per-step outputs concatenated over groups and the last
     group's trailing gradient sums (or None)."""
     if not group or group >= N or not torch.is_grad_enabled():
@@ -147,7 +147,7 @@ def ttt_linear_dual(
             if n == N - 1 and tail:
                 grads = sums
             else:
-                W = W - tau_b * sums  # SPEC 2.3: W_b = W_0 - tau_b sum_j eta_j grad_j
+                W = W - tau_b * sums  # docs/maths.md 2.3: W_b = W_0 - tau_b sum_j eta_j grad_j
         return W, torch.stack(zq, dim=2), torch.stack(Gs, dim=2), grads
 
     W, zq, Gs, grads = _scan(run, N, checkpoint_group, W)
@@ -178,7 +178,7 @@ def _ttt_linear_dual_inference(
     KQ = kq_steps(k, q, p, b, has_bias)  # [N, BH, 2b, Dk1]
     Ka, Qa = KQ[:, :, :b], KQ[:, :, b:]
     tgt = to_steps(v, p, b)  # [N, BH, b, Dv] (a view of v itself when B = H = 1)
-    if residual:  # SPEC 2.2: the residual moves into the target
+    if residual:  # docs/maths.md 2.2: the residual moves into the target
         tgt = tgt - Ka[..., :Dk]
     eta_s = to_steps(eta.unsqueeze(-1), p, b)  # [N, BH, b, 1]; padding rows 0
     tau_r = tau.repeat(B, 1).unsqueeze(-1)  # [BH, b, 1]
@@ -208,7 +208,8 @@ def _ttt_linear_dual_inference(
             if n == 0 and P is not None:
                 grads += P
             break
-        if n == 0 and P is not None:  # SPEC 2.3: W_b = W_0 - tau_b (carried sums + this call's)
+        # docs/maths.md 2.3: W_b = W_0 - tau_b (carried sums + this call's)
+        if n == 0 and P is not None:
             W.sub_(tau_b * P)
         W.baddbmm_(ku, G, alpha=-1)
     out = steps_to_output(Zbar, q, p, T, H, ln_weight, ln_bias, residual)
@@ -240,7 +241,7 @@ def ttt_mlp_dual(
     # Step-major [N, B*H, b, D] (common.to_steps): every step reads contiguous blocks.
     KQ = kq_steps(k, q, p, b, has_b1)  # [N, BH, 2b, Dk1]: keys, then queries
     target = to_steps(v, p, b)
-    if residual:  # SPEC 2.2: the residual moves into the target
+    if residual:  # docs/maths.md 2.2: the residual moves into the target
         target = target - KQ[:, :, :b, :Dk]
     # Padding rows get eta = 0, so they never contribute to any gradient sum.
     eta_s = to_steps(eta.unsqueeze(-1), p, b).squeeze(-1)  # [N, BH, b]

@@ -1,5 +1,6 @@
-"""Pieces shared by the TTT forms (SPEC.md 2.2-2.4): the inner LayerNorm and the gradient of the
-inner loss through it, GELU (tanh) and its derivative, the mini-batch layout and the carried state.
+"""Pieces shared by the TTT forms (docs/maths.md 2.2-2.4): the inner LayerNorm and the gradient of
+the inner loss through it, GELU (tanh) and its derivative, the mini-batch layout and the carried
+state.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, Dh = 4 Dk (MLP hidden),
 b mini-batch size, N number of mini-batches in a call, p tokens of the first mini-batch that an
@@ -32,7 +33,7 @@ class Carry(NamedTuple):
     pos: tokens of the current mini-batch already consumed, 0 <= pos < b: one int for every row,
         or a long tensor [B] with each row's own count (rows decoded together from different
         places, one token per call); ``grads`` is then always given, zero in rows at place 0.
-    The weights after the last token are ``start - tau_pos * grads`` (SPEC 2.3).
+    The weights after the last token are ``start - tau_pos * grads`` (docs/maths.md 2.3).
     """
 
     start: Weights
@@ -227,7 +228,8 @@ def loss_grad(
     z: torch.Tensor, target: torch.Tensor, ln_weight: torch.Tensor | None,
     ln_bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """dl/dZ of l = 1/2 ||[LN](Z) - target||^2 for every row of z [B, H, ..., Dv] (SPEC 2.2).
+    """dl/dZ of l = 1/2 ||[LN](Z) - target||^2 for every row of z [B, H, ..., Dv]
+    (docs/maths.md 2.2).
 
     With LayerNorm: x_hat = (Z - mu) / s, s = sqrt(var + eps), g = gamma * (LN(Z) - target),
     dl/dZ = (Dv g - sum g - x_hat sum(g x_hat)) / (Dv s). Without: Z - target.
@@ -254,7 +256,7 @@ def loss_grad(
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU, tanh approximation (SPEC 2.2)."""
+    """GELU, tanh approximation (docs/maths.md 2.2)."""
     return F.gelu(x, approximate="tanh")
 
 
@@ -354,7 +356,8 @@ def from_minibatches(x: torch.Tensor, p: int, T: int) -> torch.Tensor:
 
 
 def current_weights(carry: Carry, tau: torch.Tensor) -> Weights:
-    """Weights after the last consumed token: start - tau_pos * grads (SPEC 2.3); tau [H, b]."""
+    """Weights after the last consumed token: start - tau_pos * grads (docs/maths.md 2.3); tau
+    [H, b]."""
     if isinstance(carry.pos, int):
         if carry.pos == 0:
             return carry.start

@@ -1,24 +1,24 @@
-"""The TTT layers' decoding step (SPEC.md 2.3, one token at a time) in the dual form's terms:
+"""The TTT layers' decoding step (docs/maths.md 2.3, one token at a time) in the dual form's terms:
 the current mini-batch is carried as rows, never as materialised weights.
 
 Within a mini-batch every gradient is taken at the start weights W_0, so the weights after
 token i are W_i = W_0 - tau_i S_i with S_i = sum_{j<=i} x_j^T (eta_j g_j), a sum of rank-one
 terms. A query reads x_q W_i = x_q W_0 - tau_i (x_q X^T) EG with X, EG the mini-batch's input
-rows and eta-scaled output gradients so far (SPEC 2.4's dual form, one row at a time); a bias
-adds 1 to every coefficient (its input is 1). The public ops' step (step.py) must return the
+rows and eta-scaled output gradients so far (docs/maths.md 2.4's dual form, one row at a time); a
+bias adds 1 to every coefficient (its input is 1). The public ops' step (step.py) must return the
 current weights after every token, which costs ~15 passes over the inner weights per token for
 TTT-MLP (the sums and W_i are rewritten each time); this form reads the start weights four times
 (TTT-MLP: [k; q] through W1_0 in one product, then W2_0 for the key, its gradient and the query)
-and two for TTT-Linear, and writes weights only when a mini-batch completes.
-Measured against step.py's weights form (benchmarks/results/ttt_step_forms/): 2-2.4x faster
-per token for a batch of 16 streams, and 1.9-3.3x slower if converted back to the op state every
-token, which is why the public ops keep step.py for T = 1.
+and two for TTT-Linear, and writes weights only when a mini-batch completes. Against step.py's
+weights form it is faster per token for a batch of streams and slower if converted back to the op
+state every token (docs/performance.md, benchmarks/results/ttt_step_forms/), which is why the
+public ops keep step.py for T = 1.
 
-``DecodeCarry`` is a layer state, not an op state: the public ops' states stay as DESIGN.md fixes
-them (current weights first). ``to_op_state`` turns a carry back into one, ``decode_carry``
-turns an op state (or the learned initial weights) into one; an op state that ends inside a
-mini-batch holds only its sums, which the carry keeps as ``prior`` until that mini-batch
-completes.
+``DecodeCarry`` is a layer state, not an op state: the public ops' states stay as
+docs/design.md, "State layouts", fixes them (current weights first). ``to_op_state`` turns a
+carry back into one, ``decode_carry`` turns an op state (or the learned initial weights) into one;
+an op state that ends inside a mini-batch holds only its sums, which the carry keeps as ``prior``
+until that mini-batch completes.
 
 Dimension legend: B batch, H heads, Dk key/query dim, Dv value dim, Dh = 4 Dk (MLP hidden),
 b mini-batch size, r rows of the current mini-batch held (pos for one place, b for per-row
@@ -227,7 +227,7 @@ def _commit(carry: DecodeCarry, rows: Rows, tau: torch.Tensor, b: int) -> Decode
     if torch.compiler.is_compiling():
         # torch.compile: the commit runs eagerly (a graph break), so a compiled step forms
         # committed weights only for the rows that complete, as the eager step does.
-        return _commit_rows_eagerly(carry, rows, prior, done, pos, t, steps)
+        return _commit_rows_eagerly()(carry, rows, prior, done, pos, t, steps)
     return _commit_rows(carry, rows, prior, done, pos, t, steps)
 
 
@@ -253,7 +253,16 @@ def _commit_rows(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: to
     return DecodeCarry(start, prior, rows, pos.masked_fill(done, 0), steps)
 
 
-_commit_rows_eagerly = torch.compiler.disable(_commit_rows)
+_EAGER: list[Any] = []  # _commit_rows behind torch.compiler.disable, made on first use
+
+
+def _commit_rows_eagerly() -> Any:
+    """``_commit_rows`` as a graph break of torch.compile. Made when first needed (only ever
+    under compilation): ``torch.compiler.disable`` imports torch._dynamo, which would add
+    seconds to importing the library for everyone."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_commit_rows))
+    return _EAGER[0]
 
 
 def _commit_where(carry: DecodeCarry, rows: Rows, prior: Weights | None, done: torch.Tensor,

@@ -1,4 +1,4 @@
-"""TTT-MLP's dual-form mini-batch scan (SPEC.md 2.4) with a hand-written backward pass.
+"""TTT-MLP's dual-form mini-batch scan (docs/maths.md 2.4) with a hand-written backward pass.
 
 Dimension legend: N mini-batches, BH = B * H (batch and heads folded into one dim), b mini-batch
 size, Dk1 = Dk (+1 with the bias b1), Dh = 4 Dk hidden size, Dh1 = Dh (+1 with the bias b2),
@@ -30,15 +30,13 @@ from exact copies every ``anchor`` (at most 16) steps; they differ from the forw
 rounding of at most ``anchor`` additions (tests: float64 against autograd through the oracle).
 
 Memory trade (``checkpoint_group``): by default the forward pass keeps the per-token rows the
-backward pass reads (about 6 Dh + 3 Dv floats per token and head: ~230 MB for T 4096, 8 heads,
-head dim 64) and the weights every ``anchor`` steps; nothing of a step is computed twice. (Kept
-per step, the weights alone would be 2 x 64 x 256 floats per head and mini-batch, 268 MB there;
-autograd through the plain scan keeps both and more: a peak of 1.39 GB against 0.35 GB for one
-call there, ``benchmarks/results/cpu_ttt_mlp_backward``.)
+backward pass reads (about 6 Dh + 3 Dv floats per token and head) and the weights every
+``anchor`` steps; nothing of a step is computed twice. (Kept per step, the weights alone would be
+2 Dh Dk floats per head and mini-batch; autograd through the plain scan keeps both and more.)
 With ``checkpoint_group=g`` it keeps only the weights entering every g-th mini-batch (and the
 anchors) and the backward pass runs each group's forward steps again, one more forward of the
-scan, holding one group's rows at a time (0.20 GB peak for g = 4 there, 0.76 GB with
-autograd's). Results are bit-identical either way.
+scan, holding one group's rows at a time. Results are bit-identical either way. The peak memory
+of each choice: docs/performance.md (benchmarks/results/cpu_ttt_mlp_backward).
 
 Double backward (create_graph=True): the backward pass then differentiates a plain re-run of
 the same steps with autograd, so second derivatives are exact too (slow, for tests).
@@ -63,8 +61,8 @@ def _gelu_parts(x: torch.Tensor, y_out: torch.Tensor, g1_out: torch.Tensor | Non
     """gelu_tanh(x) written into ``y_out``; returns gelu'(x) (into ``g1_out`` when given; None
     without ``first``, which skips it) and, with ``second``, gelu''(x). No autograd (in-place
     steps). One logistic sigmoid serves all
-    three: 0.5 (1 + tanh u) = sigmoid(2u), u = c (x + a x^3), and torch's CPU tanh is ~3x
-    slower than its sigmoid. With s = sigmoid(2u), u' = c (1 + 3 a x^2):
+    three: 0.5 (1 + tanh u) = sigmoid(2u), u = c (x + a x^3), and torch's CPU tanh is slower
+    than its sigmoid (docs/performance.md). With s = sigmoid(2u), u' = c (1 + 3 a x^2):
     gelu = x s, gelu' = s + 2 x u' s (1 - s), gelu'' = 4 s (1 - s) (u' + 3 a c x^2
     + x u'^2 (1 - 2 s))."""
     x2 = x * x
@@ -85,7 +83,7 @@ def _gelu_parts(x: torch.Tensor, y_out: torch.Tensor, g1_out: torch.Tensor | Non
 
 def _ln_grad(z: torch.Tensor, tgt: torch.Tensor, lw: torch.Tensor | None,
              lb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """dl/dZ of 1/2 ||[LN](Z) - tgt||^2 per row (SPEC 2.2), with the LayerNorm's x_hat and
+    """dl/dZ of 1/2 ||[LN](Z) - tgt||^2 per row (docs/maths.md 2.2), with the LayerNorm's x_hat and
     1/s for the backward pass (None without LayerNorm). lw, lb: [BH, 1, Dv]. Plain
     operations (the double-backward reference uses it too)."""
     if lw is None:
@@ -271,7 +269,7 @@ def _run(x: _Inputs, n0: int, n1: int, W1: torch.Tensor, W2: torch.Tensor,
             if n == 0 and x.prior:
                 S1, S2 = S1 + x.P1, S2 + x.P2
             break
-        if n == 0 and x.prior:  # SPEC 2.3: W_b = W_0 - tau_b (carried sums + this call's)
+        if n == 0 and x.prior:  # docs/maths.md 2.3: W_b = W_0 - tau_b (carried sums + this call's)
             W1.sub_(x.tau_b * x.P1)
             W2.sub_(x.tau_b * x.P2)
         W1.baddbmm_(ka_tb_t, G1, alpha=-1)
@@ -470,7 +468,7 @@ def _segments(N: int, size: int) -> list[tuple[int, int]]:
 
 
 # Saved rows and the backward pass's scratch are kept per segment of ``anchor`` steps (at most
-# 16, measured fastest at T 4096: 8 -> 64 steps cost 5-10% more backward time), with buffers of
+# 16, measured fastest at T 4096: docs/performance.md), with buffers of
 # at most about this many floats per row kind: large buffers come back from the C allocator as
 # fresh pages on every call, whose first-touch faults cost as much as filling them.
 _SEGMENT_FLOATS = 1 << 22

@@ -1,4 +1,5 @@
-"""Oracle for TTT-Linear and TTT-MLP (SPEC.md 2.2-2.3), ``mode="naive"``: a literal token loop.
+"""Oracle for TTT-Linear and TTT-MLP (docs/maths.md 2.2-2.3), ``mode="naive"``: a literal token
+loop.
 
 For each token: the gradient of l_t = 1/2 ||[LN](f_res(k_t; W_0)) - target_t||^2 at the
 mini-batch's start weights W_0 is taken by autograd (so the oracle shares nothing with the
@@ -90,7 +91,7 @@ def ttt_naive(
     outs = []
     for t in range(q.shape[1]):
         qt, kt = q[:, t], k[:, t]  # [B, H, Dk]
-        target = v[:, t] - kt if residual else v[:, t]  # SPEC 2.2: residual moved into the target
+        target = v[:, t] - kt if residual else v[:, t]  # docs/maths.md 2.2: residual in the target
 
         def loss(w: Weights, kt=kt, target=target) -> torch.Tensor:
             return 0.5 * (_inner(f_res, kt, w, ln_weight, ln_bias) - target).square().sum()

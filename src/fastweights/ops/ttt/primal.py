@@ -1,6 +1,6 @@
-"""Primal form of TTT-Linear and TTT-MLP (SPEC.md 2.3), ``mode="primal"``: the explicit weights
-W_i = W_0 - tau_i sum_{j<=i} eta_j grad_j(W_0) of every token, vectorised over the mini-batch
-(it forms b per-token weight matrices per mini-batch, the cost the dual form avoids).
+"""Primal form of TTT-Linear and TTT-MLP (docs/maths.md 2.3), ``mode="primal"``: the explicit
+weights W_i = W_0 - tau_i sum_{j<=i} eta_j grad_j(W_0) of every token, vectorised over the
+mini-batch (it forms b per-token weight matrices per mini-batch, the cost the dual form avoids).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, Dh = 4 Dk (MLP hidden),
 b mini-batch size, N mini-batches in the call, p tokens of the first mini-batch consumed by an

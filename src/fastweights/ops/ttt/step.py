@@ -1,4 +1,4 @@
-"""One-token form of TTT-Linear and TTT-MLP (SPEC.md 2.3, "decoding one token at a time"): what
+"""One-token form of TTT-Linear and TTT-MLP (docs/maths.md 2.3, one token at a time): what
 ``mode="dual"`` runs for T = 1, the decoding step.
 
 The dual form would place the token in a zero-padded mini-batch of b rows and build its b x b
@@ -15,8 +15,8 @@ multiply-add pass (``addcmul``), and W_i is then read once more by the query.
 
 This is one of TTT's two one-token forms, on purpose: the layers decode with the rows form of
 decode.py, which never writes weights between commits. Through the op's fixed state (current
-weights, start, sums, place) the rows form is 1.9-3.3x slower than this one; for a layer's own
-state it is 2-2.4x faster at batch 16 (benchmarks/results/ttt_step_forms/).
+weights, start, sums, place) the rows form is slower than this one; for a layer's own state it
+is faster (docs/performance.md, benchmarks/results/ttt_step_forms/).
 
 Positions: ``carry.pos`` is one int for the whole batch, or a long tensor [B] with each row's own
 place in its mini-batch (streams decoded together from different positions). A row whose

@@ -1,6 +1,6 @@
-"""Triton kernels for the dual form of TTT-Linear (SPEC.md 2.2-2.4), forward and backward, and of
-TTT-MLP, forward only: one program per (batch, head) walks the sequence one mini-batch at a
-time.
+"""Triton kernels for the dual form of TTT-Linear (docs/maths.md 2.2-2.4), forward and
+backward, and of TTT-MLP, forward only: one program per (batch, head) walks the sequence one
+mini-batch at a time.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mini-batch size,
 N = ceil(T / b) mini-batches, NF = floor(T / b) full ones; BB = max(16, next power of two >= b)
@@ -249,8 +249,8 @@ def _ln_back(dy, xh, r, cm, Dv):
 
 @triton.jit
 def _loss_grad(z, tgt, gam, bet, cm, Dv, HAS_LN: tl.constexpr):
-    """dl/dZ of l = 1/2 ||[LN](Z) - tgt||^2 per column (token) of z [BV, BB] (SPEC 2.2), and
-    the LayerNorm's x_hat, 1/s and g = gamma (LN(Z) - tgt) that its backward reads
+    """dl/dZ of l = 1/2 ||[LN](Z) - tgt||^2 per column (token) of z [BV, BB] (docs/maths.md
+    2.2), and the LayerNorm's x_hat, 1/s and g = gamma (LN(Z) - tgt) that its backward reads
     (placeholders without LayerNorm)."""
     G = z - tgt
     xh = z

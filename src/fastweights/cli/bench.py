@@ -1,46 +1,50 @@
-"""``fastweights bench`` without a benchmark name: the suite, time, memory and FLOP rate of every
-mixer (and op) against T (``fastweights.bench.suite``)."""
+"""``fastweights bench``: without a name the suite, time, memory and FLOP rate of every mixer
+(and op) against T (``fastweights.bench.suite``); ``fastweights bench NAME`` one of the focused
+benchmarks of ``fastweights.bench.BENCHMARKS``, whose module is loaded when it is named (its
+parser is filled from the module then), so that ``fastweights bench --help`` imports no torch.
+The suite's own modules are imported when it runs."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from .. import bench
+from .._commands import (
+    HelpFormatter,
+    LazyParser,
+    UserError,
+    make_folder,
+    parse_int_list,
+    parse_mixer_spec,
+    positive_float,
+    positive_int,
+)
+from ..bench import PASSES
 
-from ...bench import suite
-from ...bench.report import OUTPUT_FILES
-from ...bench.runner import PASSES
-from ...bench.targets import Setting, op_targets
-from ...models.registry import check_mixer, mixer_names
-from ..common import UserError, make_folder, parse_int_list, parse_mixer_spec, positive_int
+if TYPE_CHECKING:
+    import torch
 
-HELP = "time, memory and FLOP rate of every mixer (and op) vs T"
+    from ..bench import suite
+    from ..bench.targets import Setting
+
+NAME = "bench"
 DESCRIPTION = ("Benchmark every registered mixer (and with --ops every form of every op) over "
                "sequence lengths T: forward, forward+backward and per-token decoding time, peak "
                "memory and GFLOP/s, against the softmax baseline. Writes results.csv, results.md, "
-               "meta.json and plots into --out.")
+               "meta.json and plots into --out. With a NAME, one of the focused benchmarks "
+               "instead (fastweights bench NAME --help).")
 
 DEFAULT_LENGTHS = "512..16384"
 FULL_LENGTHS = "512..65536"
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
+_DTYPES = ("float32", "float64", "bfloat16", "float16")  # torch dtype names
 # Options with a preset: their default, and --quick's (a CI-sized end-to-end check: all code
 # paths, tiny shapes, well under a minute). An option given explicitly wins over both.
 _PRESETS = {"d_model": (512, 32), "n_heads": (8, 2), "repeats": (5, 2), "time_budget": (4.0, 2.0)}
-
-
-def _positive_float(text: str) -> float:
-    """argparse ``type`` of a positive, finite number."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,13 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=positive_int, default=None, help=preset("d_model"))
     p.add_argument("--n-heads", type=positive_int, default=None, help=preset("n_heads"))
     p.add_argument("--batch", type=positive_int, default=1, help="batch size B")
-    p.add_argument("--dtype", default="float32", choices=list(_DTYPES), help="inputs and weights")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES, help="inputs and weights")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed calls per config (median reported)" + preset("repeats"))
     p.add_argument("--passes", default=",".join(PASSES),
                    help="comma-separated subset of " + ",".join(PASSES))
-    p.add_argument("--time-budget", type=_positive_float, default=None,
+    p.add_argument("--time-budget", type=positive_float, default=None,
                    help="seconds per (target, T, pass); configs predicted to take longer are "
                         "skipped and recorded as such" + preset("time_budget"))
     p.add_argument("--quick", action="store_true",
@@ -89,6 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench_results", help="output folder")
     p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_benchmarks(p)
 
 
 def _length(text: str, what: str) -> int:
@@ -117,6 +122,8 @@ def _lengths(text: str) -> list[int]:
 def _mixers(text: str, ops: bool, peers: bool) -> list[tuple[str, str, dict]]:
     """(label, name, options) of every mixer ``--mixers`` names, the softmax baseline first
     unless named."""
+    from ..models.registry import mixer_names
+
     registered = mixer_names()
     if text in ("all", "none"):
         specs = [(name, name, {}) for name in registered] if text == "all" else []
@@ -137,6 +144,8 @@ def _threads(text: str | None) -> list[int]:
     """``--threads``: distinct positive counts in the order given; torch's current count when
     not given."""
     if text is None:
+        import torch
+
         return [torch.get_num_threads()]
     counts = parse_int_list("--threads", text)
     if len(set(counts)) != len(counts):
@@ -146,6 +155,8 @@ def _threads(text: str | None) -> list[int]:
 
 def _op_forms(text: str, setting: Setting) -> list[str]:
     """``--op-forms``: op target names that ``op_targets`` offers at this setting."""
+    from ..bench.targets import op_targets
+
     names = [n.strip() for n in text.split(",") if n.strip()]
     offered = [t.name for t in op_targets(setting)[0]]
     unknown = [n for n in names if n not in offered]
@@ -156,6 +167,8 @@ def _op_forms(text: str, setting: Setting) -> list[str]:
 
 
 def _device(text: str) -> torch.device:
+    import torch
+
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -168,6 +181,8 @@ def _device(text: str) -> torch.device:
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
+    from ..bench.report import OUTPUT_FILES
+
     if not overwrite:
         existing = [f for f in OUTPUT_FILES if (out / f).exists()]
         if existing:
@@ -179,6 +194,12 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     """The validated options of the run (UserError naming the option); creates ``--out``."""
+    import torch
+
+    from ..bench import suite
+    from ..bench.targets import Setting
+    from ..models.registry import check_mixer
+
     preset = 1 if args.quick else 0
     d_model, n_heads, repeats, budget = (
         _PRESETS[key][preset] if getattr(args, key) is None else getattr(args, key)
@@ -205,7 +226,7 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
             check_mixer(name, d_model, n_heads, **opts)
         except (ValueError, TypeError) as err:
             raise UserError(f"--mixers {label}: {err}") from None
-    setting = Setting(args.batch, d_model, n_heads, _DTYPES[args.dtype], device)
+    setting = Setting(args.batch, d_model, n_heads, getattr(torch, args.dtype), device)
     op_forms = None if args.op_forms is None else _op_forms(args.op_forms, setting)
     make_folder(out)  # before measuring: a bad --out must not cost the measurements
     opts = suite.BenchOptions(mixers, lengths, passes, setting, repeats, budget, ops,
@@ -232,5 +253,28 @@ def _command_line(opts: suite.BenchOptions) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "benchmark", None):
+        return int(args.bench_run(args) or 0)
+    from ..bench import suite
+
     suite.run(parse_options(args))
     return 0
+
+
+def _fill_benchmark(name: str, parser: argparse.ArgumentParser) -> None:
+    """A named benchmark's parser, from its module (imported now)."""
+    module = bench.load(name)
+    parser.description = module.DESCRIPTION
+    module.add_arguments(parser)
+    # The benchmark's own settings, as its results record them.
+    parser.set_defaults(bench_run=module.run,
+                        settings=[a.dest for a in parser._actions if a.dest != "help"])
+
+
+def _add_benchmarks(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="benchmark", metavar="NAME", required=False,
+                           parser_class=LazyParser,
+                           title="focused benchmarks (fastweights bench NAME --help)")
+    for name, help_line in bench.BENCHMARKS.items():
+        sub.add_parser(name, help=help_line, formatter_class=HelpFormatter,
+                       fill=functools.partial(_fill_benchmark, name))

@@ -1,5 +1,6 @@
-"""What the subcommands share: user errors (one line, exit 2), the parser and help format, number
-and mixer-specification parsing, and output-folder handling.
+"""What every command shares, the ``fastweights`` subcommands (cli/) and the benchmarks
+(bench/): user errors (one line, exit 2), the parser and help format, number and
+mixer-specification parsing, and output-folder handling.
 
 Imports no torch: ``main`` imports this module before it can handle a Ctrl-C during start-up.
 """
@@ -7,6 +8,7 @@ Imports no torch: ``main`` imports this module before it can handle a Ctrl-C dur
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import textwrap
@@ -14,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
+
+CACHE_FOLDER = ".fastweights-cache"  # --token-cache's default folder name (train, eval)
 
 
 class UserError(Exception):
@@ -36,6 +40,29 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UserError(f"{message} (see {self.prog} --help)")
+
+
+class LazyParser(Parser):
+    """A subcommand's parser whose arguments are added by ``fill(parser)`` the first time it
+    parses or formats its help: building the command line imports no subcommand, and running
+    one imports only that one."""
+
+    def __init__(self, *args: Any, fill: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fill = fill
+
+    def filled(self) -> LazyParser:
+        """This parser with its arguments added (now, the first time)."""
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            fill(self)
+        return self
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        return super(LazyParser, self.filled()).parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        return super(LazyParser, self.filled()).format_help()
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -64,6 +91,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type`` of an option that takes a positive, finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
     return value
 
 
@@ -156,6 +194,45 @@ def make_folder(path: Path, flag: str = "--out") -> None:
     except OSError as err:
         reason = err.strerror or type(err).__name__
         raise UserError(f"{flag} {path}: cannot create this folder ({reason})") from None
+
+
+@contextmanager
+def new_folder(path: Path, flag: str = "--out") -> Iterator[None]:
+    """Make folder ``path`` (``make_folder``) for the body to write into; if the body fails,
+    remove the folders this made, deepest first and only while empty: a refused or failed
+    command leaves no folder behind, and nothing written there is deleted."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    make_folder(path, flag)
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): keep it and its parents
+                break
+        raise
+
+
+def check_creatable(path: Path, flag: str = "--out") -> None:
+    """Refuse, with a UserError naming ``flag`` and the reason, a folder ``path`` that cannot be
+    created or written: an existing file, or a nearest existing parent that is a file, not
+    writable or on a read-only file system. Creates nothing: a command checks its output folder
+    with this before its other checks and the work, and makes it (``make_folder``) only when it
+    writes."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} exists and is not a folder")
+    parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    reason = None
+    if not parent.is_dir():
+        reason = "Not a directory"
+    elif hasattr(os, "statvfs") and os.statvfs(parent).f_flag & os.ST_RDONLY:
+        reason = "Read-only file system"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        reason = "Permission denied"
+    if reason is not None:
+        what = "write into" if parent == path.absolute() else "create"
+        raise UserError(f"{flag} {path}: cannot {what} this folder ({reason})")
 
 
 def check_out(out: Path, overwrite: bool) -> None:

@@ -1,0 +1,109 @@
+"""``fastweights bench gpu``: the prepared GPU benchmark, run as CI can: ``--dry-run`` (the same
+code at tiny sizes on the CPU) in a subprocess, as a user would. Correctness only: that every
+section's items ran or say why not, the PyTorch forms are exact against the float64 oracle, the
+record is complete; no assertion depends on a time."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastweights.bench import gpu
+from fastweights.cli import main
+from fastweights.models.registry import mixer_names
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "gpu"
+    run = subprocess.run([sys.executable, "-m", "fastweights", "bench", "gpu", "--dry-run",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    return out, rows, run.stdout
+
+
+def _ok(rows, **match):
+    return [r for r in rows if r["status"] == "ok" and all(r[k] == v for k, v in match.items())]
+
+
+def test_dry_run_writes_the_record(dry_run):
+    out, rows, stdout = dry_run
+    assert {p.name for p in out.iterdir()} == set(gpu.OUTPUT_FILES)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["dry_run"] is True and meta["sections"] == list(gpu.SECTIONS)
+    assert meta["command"].startswith("fastweights bench gpu")
+    text = (out / "results.md").read_text()
+    for title in ("Kernel exactness", "Ops, bfloat16", "Layers", "Training step"):
+        assert title in text
+    assert f"{len(rows)} rows (0 failed)" in stdout
+    assert not [r for r in rows if r["status"].startswith("failed")]
+
+
+def test_dry_run_checks_the_pytorch_forms_against_float64(dry_run):
+    """On the CPU the kernel backends are rows that say why they did not run; the PyTorch
+    chunked form of every kernel op ran, dense and packed, and is within bfloat16/float16
+    rounding of the float64 naive form, outputs, states and gradients."""
+    _, rows, _ = dry_run
+    exact = [r for r in rows if r["section"] == "exact"]
+    for r in exact:
+        if r["backend"] in ("triton", "fla"):
+            assert r["status"].startswith("skipped:") and "CUDA" in r["status"]
+    for op in gpu.KERNEL_OPS:
+        for case in ("dense", "packed"):
+            got = _ok(exact, name=op.name, backend="torch", **{"pass": case})
+            assert got, (op.name, case)
+            for r in got:
+                tol = 2e-2 if r["dtype"] == "bfloat16" else 3e-3
+                assert max(float(r[k]) for k in ("err_out", "err_state", "err_grad")) < tol, r
+
+
+def test_dry_run_times_every_op_layer_and_training_step(dry_run):
+    _, rows, _ = dry_run
+    ops = _ok(rows, section="ops")
+    assert {r["name"] for r in ops} == {op.name for op in gpu.KERNEL_OPS} | {
+        "softmax (SDPA, causal)"}
+    for name in mixer_names():
+        for p in ("fwd", "fwdbwd", "decode"):
+            (r,) = _ok(rows, section="layers", name=name, **{"pass": p})
+            assert float(r["median_ms"]) > 0 and float(r["first_call_s"]) > 0
+        (fwd,) = _ok(rows, section="layers", name=name, **{"pass": "fwd"})
+        assert float(fwd["tflops"]) > 0 and fwd["vs_baseline"]
+        (step,) = _ok(rows, section="train", name=name)
+        assert float(step["tokens_per_s"]) > 0 and step["vs_baseline"]
+
+
+def test_a_spent_budget_skips_items_and_says_so(tmp_path):
+    out = tmp_path / "out"
+    assert main(["bench", "gpu", "--dry-run", "--budget-s", "0.001", "--sections", "ops,train",
+                 "--out", str(out)]) == 0
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    timed = [r for r in rows if r["backend"] in ("sdpa", "torch", "auto")]
+    assert timed and all(r["status"] == "skipped: time budget" for r in timed)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_without_a_gpu_it_refuses_in_one_line(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["bench", "gpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--dry-run" in err and "CUDA" in err
+    assert not out.exists()
+
+
+def test_bad_sections_and_existing_results_are_refused(tmp_path, capsys):
+    assert main(["bench", "gpu", "--dry-run", "--sections", "exact,speed",
+                 "--out", str(tmp_path / "a")]) == 2
+    assert "--sections" in capsys.readouterr().err
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "results.csv").write_text("mine\n")
+    assert main(["bench", "gpu", "--dry-run", "--out", str(out)]) == 2
+    assert (out / "results.csv").read_text() == "mine\n"
