@@ -1,7 +1,8 @@
 """Ahead-of-time compilation of every kernel of ops/fwp/triton.py for real GPU targets, on a
 machine without a GPU (Triton's own ptxas compiles PTX to a cubin).
 
-Run as a script (``python tests/ops/triton_aot.py OUT.json [arch ...]``) in a process where
+Run as a script (``python tests/ops/triton_aot.py OUT.json [--ttt | --ttt-full] [arch ...]``)
+in a process where
 TRITON_INTERPRET is unset: tests/conftest.py turns the interpreter on for the test session, and
 interpreted kernels cannot be compiled. Writes one record per compile (kernel variant, dtype,
 target, specialisation): the shared memory the launch needs, registers, spill bytes (from
@@ -44,7 +45,17 @@ SPECS = ("generic", "aligned")
 ALIGNED_DTYPES = ("bfloat16", "float32")
 # Relative compile cost by kernel family (measured, float32 about twice half), for the order.
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
-        "local_du": 1}
+        "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
+        "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3}
+# TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
+# (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
+# The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
+# or, for a T that is not a multiple of 16, "odd_T"; never "generic".
+TTT_FLAGS = {"all": (True, True, True, True), "none": (False, False, False, False)}
+TTT_CASES = (("bfloat16", 128, "all", "aligned"), ("bfloat16", 128, "none", "aligned"),
+             ("bfloat16", 64, "all", "aligned"), ("bfloat16", 64, "none", "aligned"),
+             ("bfloat16", 128, "all", "odd_T"), ("bfloat16", 64, "none", "odd_T"),
+             ("float16", 128, "all", "odd_T"), ("float16", 64, "all", "odd_T"))
 
 
 class _Recorder:
@@ -56,12 +67,12 @@ class _Recorder:
     def __getitem__(self, grid):
         from triton.runtime.jit import mangle_type
 
-        def launch(*args, num_warps: int, **constexprs):
+        def launch(*args, num_warps: int, num_stages: int | None = None, **constexprs):
             sig = {}
             for name, arg in zip(self.fn.arg_names, args):
                 # Triton's own argument types, unspecialised (no constexpr for an int equal to 1)
                 sig[name] = mangle_type(arg)
-            self.out.append((self.fn, sig, constexprs, num_warps))
+            self.out.append((self.fn, sig, constexprs, num_warps, num_stages))
         return launch
 
 
@@ -124,11 +135,69 @@ def signatures(kernels, dtype: str, arch: int):
             setattr(kernels, n, saved[n])
         kernels._arch = saved_arch
     seen, unique = set(), []
-    for fn, sig, const, warps in out:  # ops and head sizes share launches
+    for fn, sig, const, warps, _ in out:  # ops and head sizes share launches
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps)
         if key not in seen:
             seen.add(key)
             unique.append((fn, _name(fn.__name__, sig, const), sig, const, warps))
+    return unique
+
+
+def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
+    """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py) on small CPU tensors
+    (kernels replaced by recorders): b = 16, T = b + 3, the flags of ``TTT_FLAGS[flags]``."""
+    import torch
+
+    bias, ln, ln_bias, residual = TTT_FLAGS[flags]
+    B, H, b = 1, 1, 16
+    T = b + 3
+    q = torch.zeros(B, T, H, D, dtype=dtype)
+    ctx = _Ctx()
+    ctx.needs_input_grad = (True,) * 11
+    f = torch.zeros
+    res = kernels._LinearTriton.forward(
+        ctx, q, q, q, f(B, T, H), torch.ones(H, b), f(H, D) if ln else None,
+        f(H, D) if ln_bias else None, f(B * H, D, D), f(B * H, D) if bias else None, residual,
+        None)
+    kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
+    # TTT-MLP, forward only
+    from fastweights.ops.ttt.common import Carry
+
+    Dh = 4 * D
+    start = (f(B, H, D, Dh), f(B, H, Dh) if bias else None, f(B, H, Dh, D),
+             f(B, H, D) if bias else None)
+    kernels.ttt_mlp_triton(q, q, q, f(B, T, H), Carry(start, None, 0), f(H, D) if ln else None,
+                           f(H, D) if ln_bias else None, residual, torch.ones(H, b))
+
+
+def ttt_signatures(kernels, case: tuple, arch: int):
+    """(kernel, name, signature, constexprs, num_warps, num_stages) of every distinct launch
+    of one case of TTT_CASES on sm_``arch``, recorded from the host code."""
+    import torch
+
+    dtype, D, flags, _ = case
+    out: list = []
+    names = [n for n in vars(kernels) if n.startswith("_") and n.endswith("_kernel")]
+    saved = {n: getattr(kernels, n) for n in names}
+    saved_arch = kernels._arch
+    try:
+        for n in names:
+            setattr(kernels, n, _Recorder(saved[n], out))
+        kernels._arch = lambda device: arch
+        _run_ttt_host(kernels, getattr(torch, dtype), D, flags)
+    finally:
+        for n in names:
+            setattr(kernels, n, saved[n])
+        kernels._arch = saved_arch
+    seen, unique = set(), []
+    for fn, sig, const, warps, stages in out:
+        key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps, stages)
+        if key not in seen:
+            seen.add(key)
+            name = fn.__name__.strip("_").removesuffix("_kernel")
+            if const.get("TAIL"):
+                name += "[TAIL]"
+            unique.append((fn, name, sig, const, warps, stages))
     return unique
 
 
@@ -145,17 +214,28 @@ def _name(kernel: str, sig: dict, const: dict) -> str:
 
 def specialization(sig: dict, spec: str) -> dict:
     """Triton's argument attributes for a launch: "generic" none; "aligned" what a launch gets
-    whose pointers are 16-byte aligned and whose sizes T, N, Dk, Dv, C are multiples of 16 (the
-    usual training shapes: torch allocations are aligned; H is left free)."""
+    whose pointers are 16-byte aligned and whose sizes T, N, Dk, Dv, C (Dh) are multiples of 16
+    (the usual training shapes: torch allocations are aligned; H is left free); "odd_T" (the
+    TTT kernels, whose head sizes the dispatcher keeps to multiples of 16) the same but for T
+    and N."""
     if spec == "generic":
         return {}
+    sizes = ("Dk", "Dv", "Dh") if spec == "odd_T" else ("T", "N", "Dk", "Dv", "C", "Dh")
     return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-            if ty.startswith("*") or name in ("T", "N", "Dk", "Dv", "C")}
+            if ty.startswith("*") or name in sizes}
 
 
-def tasks(archs=ARCHS, dtypes=tuple(DTYPES)) -> list[tuple[int, str, int, str]]:
+def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
     """(arch, dtype, index into ``signatures``, specialization) of every compile, the costliest
-    first."""
+    first; with ``ttt`` (cases of TTT_CASES) ("ttt", arch, case, index into
+    ``ttt_signatures``) of the TTT kernels instead."""
+    if ttt:
+        from fastweights.ops.ttt import triton as ttt_kernels
+
+        todo = [(COST[name.split("[")[0]], ("ttt", arch, case, i)) for arch in archs
+                for case in ttt
+                for i, (_, name, *_) in enumerate(ttt_signatures(ttt_kernels, case, arch))]
+        return [task for _, task in sorted(todo, key=lambda c: -c[0])]
     from fastweights.ops.fwp import triton as kernels
 
     out = []
@@ -176,19 +256,31 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fastweights.ops.fwp import triton as kernels
+    if task[0] == "ttt":
+        from fastweights.ops.ttt import triton as ttt_kernels
 
-    arch, dtype, i, spec = task
-    fn, name, sig, const, warps = signatures(kernels, dtype, arch)[i]
-    rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "BV": const["BV"],
-           "BK": const["BK"], "num_warps": warps, "stages": const.get("STAGES")}
+        _, arch, case, i = task
+        fn, name, sig, const, warps, stages = ttt_signatures(ttt_kernels, case, arch)[i]
+        dtype, D, flags, spec = case
+        rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "D": D,
+               "flags": flags, "BV": const.get("BV"), "BK": const["BK"], "num_warps": warps,
+               "stages": stages}
+        options = {"num_warps": warps, "num_stages": stages}
+    else:
+        from fastweights.ops.fwp import triton as kernels
+
+        arch, dtype, i, spec = task
+        fn, name, sig, const, warps = signatures(kernels, dtype, arch)[i]
+        rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "BV": const["BV"],
+               "BK": const["BK"], "num_warps": warps, "stages": const.get("STAGES")}
+        options = {"num_warps": warps}
     start = time.perf_counter()
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
             ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const,
                                           attrs=specialization(sig, spec)),
-                                target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+                                target=GPUTarget("cuda", arch, 32), options=options)
         text = log.getvalue()
         rec["shared"] = ck.metadata.shared
         spills = [int(a) + int(b) for a, b in re.findall(
@@ -198,7 +290,7 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
         rec["registers"] = max(regs) if regs else None
         rec["has_cubin"] = bool(ck.asm.get("cubin"))
     except Exception as exc:  # recorded, and asserted on by the tests
-        rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        rec["error"] = f"{type(exc).__name__}: {exc}"[-1500:]
     rec["seconds"] = round(time.perf_counter() - start, 2)
     print(json.dumps(rec), file=sys.stderr, flush=True)
     return rec
@@ -222,9 +314,11 @@ def workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), processes: int | None = None) -> list[dict]:
-    """Every record, compiled in ``processes`` (default ``workers()``) worker processes."""
-    todo = tasks(archs, dtypes)
+def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), processes: int | None = None,
+                ttt: tuple = ()) -> list[dict]:
+    """Every record, compiled in ``processes`` (default ``workers()``) worker processes
+    (``ttt``: the TTT kernels' cases instead, see ``tasks``)."""
+    todo = tasks(archs, dtypes, ttt)
     cache_dir = tempfile.mkdtemp(prefix="fastweights-aot-")
     processes = min(processes or workers(), len(todo))
     if processes == 1:
@@ -236,7 +330,9 @@ def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), processes: int | None = None)
 
 
 if __name__ == "__main__":
-    archs = tuple(int(a) for a in sys.argv[2:]) or ARCHS
-    result = compile_all(archs)
+    flags = [a for a in sys.argv[2:] if a.startswith("--")]
+    archs = tuple(int(a) for a in sys.argv[2:] if not a.startswith("--")) or ARCHS
+    cases = {"--ttt": TTT_CASES[:2], "--ttt-full": TTT_CASES}[flags[0]] if flags else ()
+    result = compile_all(archs, ttt=cases)
     with open(sys.argv[1], "w") as fh:
         json.dump(result, fh)

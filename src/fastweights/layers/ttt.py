@@ -19,6 +19,7 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops._conv import causal_depthwise_conv
+from ..ops.backend import BACKENDS
 from ..ops.ttt import (
     MODES,
     DecodeCarry,
@@ -87,6 +88,9 @@ class _TTTLayer(RotaryFrequencies, Mixer):
       convolutions (kernel 4, with bias) giving XQ and XK, and a GELU (tanh) output gate
       gelu(x W_g) after the post-LayerNorm (docs/maths.md 2.1, 2.5).
     - ``mode``: the ops' "dual" (default), "primal" or "naive".
+    - ``backend``: the ops' ``backend=`` for calls of more than one token: None (default,
+      the automatic choice: the Triton kernels of the dual form where they can run the call,
+      ops/backend.py), "triton" or "torch".
 
     State: ``(pos, conv_cache, inner)``: pos (int) the position inside the current mini-batch,
     conv_cache [B, 3, H * D] the last three shared Q/K projections (Mamba backbone, else None),
@@ -107,7 +111,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         mini_batch_size: int = 16, eta_base: float = 1.0, rope: bool = True,
         rope_base: float = 10000.0, inner_norm: bool = True, residual: bool = True,
         mamba_backbone: bool = False, mode: str = "dual", checkpoint_group: int | None = None,
-        learn_eta: bool = True,
+        learn_eta: bool = True, backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
         self.mini_batch_size = check_positive_int("mini_batch_size", mini_batch_size)
@@ -121,6 +125,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         self.mamba_backbone = check_bool("mamba_backbone", mamba_backbone)
         self.learn_eta = check_bool("learn_eta", learn_eta)
         self.mode = check_choice("mode", mode, MODES)
+        self.backend = check_choice("backend", backend, (None, *BACKENDS))
         H, D, b = n_heads, self.head_dim, mini_batch_size
         width = H * D
         if rope:
@@ -306,7 +311,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
                 q, k, v, eta, initial_state=inner, residual=self.residual,
                 mini_batch_size=b, token_scale=tau, output_final_state=True,
                 mode=self.mode, checkpoint_group=self.checkpoint_group, cu_seqlens=cu_seqlens,
-                **norm)
+                backend=self.backend, **norm)
             # The state as decoding the tokens one at a time would leave it (rows of the open
             # mini-batch, not the op's sums): one form whichever way a sequence was fed.
             inner = [layer_state_after(
@@ -392,7 +397,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         return (f"{super().extra_repr()}, mini_batch_size={self.mini_batch_size}, "
                 f"eta_base={self.eta_base}, rope={self.rope}, inner_norm={self.inner_norm}, "
                 f"residual={self.residual}, mamba_backbone={self.mamba_backbone}, "
-                f"learn_eta={self.learn_eta}, mode={self.mode}")
+                f"learn_eta={self.learn_eta}, mode={self.mode}"
+                + (f", backend={self.backend!r}" if self.backend is not None else ""))
 
 
 class TTTLinear(_TTTLayer):

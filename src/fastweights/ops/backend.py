@@ -4,8 +4,9 @@ ops/fwp/delta.py, ops/fwp/gated_delta.py, ops/transnormer/decay.py) call ``choos
 and run what it names; the fla adapters sit beside the ops they adapt (ops/fwp/fla.py,
 ops/transnormer/fla.py) and reach fla through ``fla_ops`` and ``fla_varlen`` here.
 
-``linear_attn``, ``delta_rule``, ``gated_delta_rule`` and ``decay_linear_attn`` take
-``backend=``:
+``linear_attn``, ``delta_rule``, ``gated_delta_rule``, ``decay_linear_attn``, ``ttt_linear``
+and ``ttt_mlp`` take ``backend=`` (the TTT ops' kernels run their dual form, mode="dual", with
+the mini-batch size as chunk size; ops/ttt/triton.py; fla has none):
   "fla"     flash-linear-attention's maintained chunk kernels (``pip install
             flash-linear-attention``), CUDA only;
   "triton"  this project's kernels (ops/fwp/triton.py), CUDA only, linear_attn, delta_rule and
@@ -52,7 +53,7 @@ from typing import Any
 import torch
 
 __all__ = ["BACKENDS", "PREFERRED_CHUNK_SIZES", "PROBE_TOKENS", "Trial", "choose_backend",
-           "fla_ops", "fla_varlen", "preferred_chunk_size", "triton_kernels"]
+           "fla_ops", "fla_varlen", "preferred_chunk_size", "triton_kernels", "ttt_triton_kernels"]
 
 BACKENDS = ("fla", "triton", "torch")
 ENV = "FASTWEIGHTS_BACKEND"
@@ -60,6 +61,9 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLA_CHUNK = 64
 TRITON_MAX_DK = 128  # the key blocks the kernels hold (ops/fwp/triton.py MAX_DK)
 TRITON_OPS = ("linear_attn", "delta_rule", "gated_delta_rule")
+# The TTT ops' dual form (mode="dual", chunk_size = mini_batch_size) in ops/ttt/triton.py.
+TTT_TRITON_OPS = ("ttt_linear", "ttt_mlp")
+KERNEL_MODES = {"ttt_linear": "dual", "ttt_mlp": "dual"}  # the mode kernels run; else "chunk"
 
 # Chunk sizes measured per device kind (forward and forward+backward, B1 H8 T4096 D64 float32;
 # `fastweights bench fwp-forms --backward --chunk-sizes 16,32,64,128 --modes chunk`,
@@ -170,17 +174,30 @@ def _on_cuda(q: torch.Tensor) -> bool:
     return q.is_cuda
 
 
+def ttt_triton_kernels() -> ModuleType | None:
+    """``ops/ttt/triton.py``, imported on first use; None where triton is not installed."""
+    try:
+        from .ttt import triton as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
 def _why_not(name: str, op: str, q: torch.Tensor, mode: str, chunk_size: int) -> str | None:
     """Why ``name`` cannot run this call, or None if it can."""
     if name == "torch":
         return None
-    if mode != "chunk":
-        return f"mode={mode!r}: the {name} kernels are the chunked form (mode='chunk')"
+    kernel_mode = KERNEL_MODES.get(op, "chunk")
+    if mode != kernel_mode:
+        form = "dual" if kernel_mode == "dual" else "chunked"
+        return f"mode={mode!r}: the {name} kernels are the {form} form (mode={kernel_mode!r})"
     if not _on_cuda(q):
         return f"inputs on {q.device}, the {name} kernels need CUDA tensors"
     if q.dtype not in KERNEL_DTYPES:
         return f"dtype {q.dtype}: the {name} kernels take float16, bfloat16 or float32"
     if name == "fla":
+        if op in KERNEL_MODES:
+            return f"fla has no kernel for {op}"
         if chunk_size != FLA_CHUNK:
             return f"chunk_size={chunk_size}: fla's kernels use chunks of {FLA_CHUNK}"
         if op == "delta_rule" and q.dtype == torch.float32:
@@ -188,20 +205,22 @@ def _why_not(name: str, op: str, q: torch.Tensor, mode: str, chunk_size: int) ->
         if fla_ops() is None:
             return "flash-linear-attention is not installed (pip install flash-linear-attention)"
         return None
-    if op not in TRITON_OPS:
+    if op not in TRITON_OPS + TTT_TRITON_OPS:
         return f"no Triton kernel for {op}"
     if chunk_size > 64:
-        return f"chunk_size={chunk_size}: the Triton kernels take chunk_size <= 64"
+        size = "mini_batch_size" if op in KERNEL_MODES else "chunk_size"
+        return f"{size}={chunk_size}: the Triton kernels take {size} <= 64"
     if q.shape[-1] > TRITON_MAX_DK:
         return f"Dk={q.shape[-1]}: the Triton kernels take Dk <= {TRITON_MAX_DK}"
     if os.environ.get("FASTWEIGHTS_TRITON", "1") == "0":
         return "FASTWEIGHTS_TRITON=0"
-    kernels = triton_kernels()
+    kernels = ttt_triton_kernels() if op in KERNEL_MODES else triton_kernels()
     if kernels is None:
         return "triton is not installed (pip install fastweights[triton])"
     if not kernels.supports(op, q.dtype):
+        family = "ttt" if op in KERNEL_MODES else "fwp"
         return (f"{q.dtype} {op}: no Triton tiling compiles without register spills "
-                f"(ops/fwp/triton.py tile_config)")
+                f"(ops/{family}/triton.py tile_config)")
     return None
 
 
@@ -237,7 +256,7 @@ def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
         if why is not None:
             raise ValueError(f"{source}={backend!r} cannot run {op}: {why}")
         return backend
-    if mode != "chunk" or q.shape[1] == 1:
+    if mode != KERNEL_MODES.get(op, "chunk") or q.shape[1] == 1:
         return "torch"  # the oracle / recurrent forms, and one-token decoding steps
     reasons = []
     for name in ("fla", "triton"):

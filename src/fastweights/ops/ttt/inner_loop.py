@@ -7,6 +7,7 @@ Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mi
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from .._autocast import float32_compute
 from .._modes import TTT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import check_cu_seqlens, run_packed
+from ..backend import ENV, Trial, choose_backend, ttt_triton_kernels
 from .chunk import ttt_linear_dual, ttt_mlp_dual
 from .common import Carry, to_dtype
 from .naive import linear_f_res, mlp_f_res, ttt_naive
@@ -56,7 +58,7 @@ def _ttt(
     initial_state: Sequence[Any], ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
     residual: bool, mini_batch_size: int, token_scale: torch.Tensor | None,
     output_final_state: bool, mode: str, cu_seqlens: torch.Tensor | None = None,
-    checkpoint_group: int | None = None,
+    checkpoint_group: int | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     if checkpoint_group is not None:
@@ -95,7 +97,7 @@ def _ttt(
             return _ttt(kind, q, k, v, eta, initial_state=initial_state, ln_weight=ln_weight,
                         ln_bias=ln_bias, residual=residual, mini_batch_size=mini_batch_size,
                         token_scale=token_scale, output_final_state=output_final_state,
-                        mode=mode, checkpoint_group=checkpoint_group)
+                        mode=mode, checkpoint_group=checkpoint_group, backend=backend)
 
         return run_packed(one_document, (q, k, v, eta), cu_seqlens, initial_state,
                           output_final_state)
@@ -120,7 +122,19 @@ def _ttt(
               "ln_weight": cast(ln_weight), "ln_bias": cast(ln_bias), "residual": residual,
               "tau": tau}
     current = None
-    if mode == "dual" and T == 1:
+    records_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad
+        for x in (q, k, v, eta, ln_weight, ln_bias, token_scale, *carry.start,
+                  *(carry.grads or ())))
+    options = {"ln_weight": ln_weight, "ln_bias": ln_bias, "residual": residual,
+               "mini_batch_size": b, "token_scale": token_scale}
+    if _triton_runs(kind, q, k, v, eta, carry, backend, mode, records_grad, options):
+        # The kernels read q, k, v in their own dtype (half inputs stay half in memory).
+        o, carry = getattr(ttt_triton_kernels(), f"ttt_{kind}_triton")(
+            q, k, v, **{n: inputs[n] for n in ("eta", "carry", "ln_weight", "ln_bias",
+                                               "residual", "tau")},
+            checkpoint_group=checkpoint_group)
+    elif mode == "dual" and T == 1:
         # A decoding step: the token as one row, not a zero-padded b x b mini-batch (step.py).
         o, (carry, current) = _STEPS[kind](**inputs)
     elif mode == "dual" and isinstance(carry.pos, int):
@@ -140,6 +154,53 @@ def _ttt(
     return o, (carry.final_state(tau, current) if output_final_state else None)
 
 
+def _triton_runs(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                eta: torch.Tensor, carry: Carry, backend: str | None, mode: str,
+                records_grad: bool, options: dict[str, Any]) -> bool:
+    """Whether this call runs in the Triton kernels (ops/ttt/triton.py): the dispatcher's
+    choice (ops/backend.py, from q's device, dtype, Dk and the mini-batch size), unless the
+    kernels cannot take the call's head sizes (Dv > 128, or not multiples of 16), a state
+    whose rows sit at their own places in the mini-batch (per-row ``pos``, decoding only) or,
+    for TTT-MLP (whose kernels have no backward), a call that records gradients: an explicit
+    choice of triton is then an error, the automatic one runs PyTorch. The automatic choice's
+    trial call (ops/backend.py ``Trial``) starts from the carry's start weights, detached;
+    ``options``: the op's other keyword arguments (LayerNorm, residual, mini-batch size, token
+    scales)."""
+    kernels = ttt_triton_kernels()
+    why = None
+    if kernels is not None:
+        Dk, Dv = q.shape[-1], v.shape[-1]
+        if Dv > kernels.MAX_D:
+            why = f"Dv={Dv}: the Triton kernels take Dv <= {kernels.MAX_D}"
+        elif Dk % kernels.HEAD_MULTIPLE or Dv % kernels.HEAD_MULTIPLE:
+            why = (f"Dk={Dk}, Dv={Dv}: the TTT Triton kernels take head sizes that are "
+                   f"multiples of {kernels.HEAD_MULTIPLE} (the compiled, spill-free "
+                   "specialisations)")
+        elif isinstance(carry.pos, torch.Tensor):
+            why = "a state with per-row places in the mini-batch (a long tensor pos)"
+        elif kind == "mlp" and records_grad:
+            why = ("the TTT-MLP kernels have no backward pass (gradients are being recorded); "
+                   "without gradients (torch.no_grad) they run")
+    explicit = backend is not None or bool(os.environ.get(ENV))
+    if why is not None and not explicit:
+        return False
+    trial = None
+    if not explicit:
+        def detached(x: Any) -> Any:
+            return x.detach() if isinstance(x, torch.Tensor) else x
+
+        trial = Trial(ttt_linear if kind == "linear" else ttt_mlp, (q, k, v, eta),
+                      initial_state=tuple(detached(w) for w in carry.start),
+                      **{n: detached(x) for n, x in options.items()})
+    if choose_backend(f"ttt_{kind}", q, backend, mode, options["mini_batch_size"],
+                      trial) != "triton":
+        return False
+    if why is not None:
+        source = "backend" if backend is not None else ENV
+        raise ValueError(f"{source}='triton' cannot run ttt_{kind}: {why}")
+    return True
+
+
 @float32_compute
 def ttt_linear(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
@@ -147,6 +208,7 @@ def ttt_linear(
     ln_bias: torch.Tensor | None = None, residual: bool = False, mini_batch_size: int = 16,
     token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
     cu_seqlens: torch.Tensor | None = None, checkpoint_group: int | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
     """TTT-Linear (docs/maths.md 2.2-2.4): inner model f_res(z) = z W + b per head.
 
@@ -175,13 +237,20 @@ def ttt_linear(
     N states, and the final state is a list with one state per document (ops/_varlen.py).
     checkpoint_group: dual mode, while gradients are recorded: run the mini-batch scan in groups
     of this many mini-batches, each recomputed in the backward pass instead of keeping every
-    mini-batch's weights (docs/maths.md 2.6: the paper uses 4); same results, less memory, one more
-    forward of the scan. None (default) keeps everything.
+    mini-batch's weights (docs/maths.md 2.6: the paper uses 4); same results, less memory, one
+    more forward of the scan. None (default) keeps everything, except on the Triton backend,
+    whose backward always recomputes from checkpoints: there it is the checkpoint spacing
+    (default 16 mini-batches).
+    backend: "triton" (the dual form's kernels, ops/ttt/triton.py: CUDA, float16 or bfloat16
+    q, k, v, Dk and Dv multiples of 16 up to 128, mini_batch_size <= 64, mode "dual"; TTT-MLP's
+    forward only, without gradients), "torch", or None for the automatic choice
+    (ops/backend.py: triton where it can run the call, except one-token calls). An explicit
+    choice that cannot run the call is a ValueError saying why.
     """
     return _ttt("linear", q, k, v, eta, initial_state=initial_state, ln_weight=ln_weight,
                 ln_bias=ln_bias, residual=residual, mini_batch_size=mini_batch_size,
                 token_scale=token_scale, output_final_state=output_final_state, mode=mode,
-                cu_seqlens=cu_seqlens, checkpoint_group=checkpoint_group)
+                cu_seqlens=cu_seqlens, checkpoint_group=checkpoint_group, backend=backend)
 
 
 @float32_compute
@@ -191,6 +260,7 @@ def ttt_mlp(
     ln_bias: torch.Tensor | None = None, residual: bool = False, mini_batch_size: int = 16,
     token_scale: torch.Tensor | None = None, output_final_state: bool = False, mode: str = "dual",
     cu_seqlens: torch.Tensor | None = None, checkpoint_group: int | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, TTTState | None]:
     """TTT-MLP (docs/maths.md 2.2-2.4): inner model f_res(z) = gelu_tanh(z W1 + b1) W2 + b2 per
     head, hidden size 4 Dk.
@@ -207,4 +277,4 @@ def ttt_mlp(
     return _ttt("mlp", q, k, v, eta, initial_state=initial_state, ln_weight=ln_weight,
                 ln_bias=ln_bias, residual=residual, mini_batch_size=mini_batch_size,
                 token_scale=token_scale, output_final_state=output_final_state, mode=mode,
-                cu_seqlens=cu_seqlens, checkpoint_group=checkpoint_group)
+                cu_seqlens=cu_seqlens, checkpoint_group=checkpoint_group, backend=backend)

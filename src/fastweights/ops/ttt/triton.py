@@ -1,0 +1,1204 @@
+"""Triton kernels for the dual form of TTT-Linear (docs/maths.md 2.2-2.4), forward and
+backward, and of TTT-MLP, forward only: one program per (batch, head) walks the sequence one
+mini-batch at a time.
+
+Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mini-batch size,
+N = ceil(T / b) mini-batches, NF = floor(T / b) full ones; BB = max(16, next power of two >= b)
+the mini-batch tile (b = 16 is one tensor-core tile), BK, BV the key and value tiles (powers of
+two >= Dk, Dv, at least 16), KC the rows of a weight block. Rows past b or T and columns past
+Dk, Dv load as zeros and are never stored.
+
+Why one program per (batch, head): the weights a mini-batch starts from are the previous one's
+result, and with the inner LayerNorm every row of Z = X W needs all Dv columns (its mean and
+variance), so neither the mini-batches nor the value columns of a head can go to different
+programs. docs/gpu_ttt_kernels.md estimates what that costs on an H100.
+
+Per mini-batch with start weights (W, b), keys K, queries Q, targets V (- K with the residual),
+eta, tau (the head's token scales; tau_b the last), E_ij = tau_i eta_j (j <= i):
+    Zk = K W + b;  G = dl/dZk (the LayerNorm gradient, fused)
+    Zbar = Q W + b - (E * (Q K^T [+ 1])) G;  o = [LN](Zbar) [+ q]   (output LayerNorm fused)
+    W <- W - tau_b K^T (eta G);  b <- b - tau_b sum_j eta_j G_j
+A last, partly filled mini-batch stores its gradient sums S = K^T (eta G), s = sum eta G
+instead of updating (the state contract of ops/ttt/common.py's ``Carry``).
+
+Layout. Every per-token tile is held transposed, [D, BB] (a mini-batch's tokens as columns),
+so that the products' rows (M) are the head dim: Triton stacks the warps of a chain of
+products along M, and with the b = 16 tokens as M every warp would hold whole [16, D] tiles.
+The weights live in a per-program float32 buffer in global memory (64 KiB per head at
+D = 128, L1/L2-resident) and stream through the products in blocks of KC rows: held in
+registers whole, the weights and their gradient made the backward spill at D = 128 on both
+targets (and at D = 64). The b x b scores Q K^T need no weights: ``_qk_kernel`` forms them
+for all mini-batches in parallel.
+
+Kernels. Forward: ``_qk_kernel`` (grid N x B*H), ``_linear_fwd_kernel`` (B*H programs,
+sequential over mini-batches; stores the weights entering every ``seg``-th mini-batch as
+checkpoints when gradients are needed). Backward, per segment of ``seg`` mini-batches, last
+first (a partial last mini-batch first of all, as its own segment):
+    ``_linear_bwd_a_kernel`` (B*H, sequential): the segment forward again from its checkpoint,
+        each mini-batch's start weights into a scratch buffer, and the backward of its
+        read-out (which needs no gradient of later weights): rows G, dZbar, the read-out's
+        share of dG, the LayerNorm's x_hat and g, dA = dM * E;
+    ``_linear_bwd_b_kernel`` (B*H, sequential, last mini-batch first): the carried gradient
+        of the weights D through the gradient sums and the keys' LayerNorm gradient; dV,
+        deta, and D <- D + Q^T dZbar + K^T dZk, keeping each mini-batch's D for
+    ``_linear_bwd_c_kernel`` (segment x B*H, parallel): dQ, dK.
+This split keeps each kernel spill-free (one kernel doing all of it spilled ~0.5-1 KiB).
+The per-head parameters' gradients (gamma, beta, tau) are accumulated per program across the
+launches and summed over the batch on the host.
+
+Calls that start inside a mini-batch (a state with gradient sums, ``Carry.pos`` > 0): the
+host runs the rest of that mini-batch (at most b - 1 tokens) through the PyTorch dual form
+(chunk.py) and the kernels from the next boundary on, so the kernels never carry a previous
+call's sums; the result is the state round trip the PyTorch forms make between pieces.
+
+Precision: q, k, v arrive in their own dtype (float16, bfloat16, float32) and are upcast on
+chip; weights, gradient sums, LayerNorm statistics and every accumulation are float32.
+Products run with ``precisions``' float32 setting of ops/fwp/triton.py: exact float32 for
+float32 inputs, TF32 for half inputs (a bfloat16 or float16 value is exact in TF32).
+
+TTT-MLP (``_mlp_fwd_kernel``, forward only: calls that record gradients run PyTorch): W1
+[Dk, Dh], W2 [Dh, Dv] (Dh = 4 Dk; 2 x 256 KiB per head at D = 128) stream the same way, in
+hidden blocks of HB units; per mini-batch two passes over the blocks: the first forms
+Z2 = gelu(K W1 + b1) W2 + b2 and its LayerNorm gradient G2; the second per block G1 =
+(G2 W2^T) * gelu'(Z1) (G2 read back from scratch by blocks of value rows), the queries'
+Zbar1 = Q W1 + b1 - (E * (Q K^T [+ 1])) G1, Xbar2 = gelu(Zbar1) through W2 into the read-out,
+the b x b scores Xbar2 X2^T, and the block's update. TTT-MLP's backward has no kernel: it
+would take the TTT-Linear backward's three passes with the hidden blocks, recomputing Z1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fwp.triton import _arch, _upcast_tiles, precisions
+from .common import LN_EPS, Carry
+
+__all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_config",
+           "ttt_linear_triton", "ttt_mlp_triton"]
+
+OPS = ("ttt_linear", "ttt_mlp")  # the ops with kernels here (ops/backend.py TTT_TRITON_OPS)
+MAX_D = 128  # Dk and Dv (ops/backend.py TRITON_MAX_DK)
+# The dispatcher's head sizes are multiples of this (inner_loop.py): their launches get Triton's
+# alignment specialisation, which the compile test covers; without it (an odd head size) the
+# loads are not vectorised and the forward spills at D = 128.
+HEAD_MULTIPLE = 16
+MAX_MINI_BATCH = 64  # the mini-batch tile BB
+SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
+_EPS = tl.constexpr(LN_EPS)
+_GELU_C = tl.constexpr(math.sqrt(2.0 / math.pi))
+_GELU_A = tl.constexpr(0.044715)
+
+
+class TileConfig(NamedTuple):
+    """Warps of the sequential kernels (and of the backward's parallel one), KC the rows of a
+    weight block streamed through a product and HB, TTT-MLP's hidden block."""
+
+    warps: int
+    KC: int = 16
+    HB: int = 32
+
+
+def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> TileConfig | None:
+    """The launch choice for ``op`` (one of OPS) with head size D = max(Dk, Dv) <= 128 on
+    compute capability ``arch`` (80 = sm_80, 90 = sm_90; the same tiles on both) and ``dtype``
+    inputs, or None where no tiling compiles without register spills.
+    tests/ops/test_ttt_triton_compile.py compiles every launch with these for sm_80 and sm_90.
+
+    Half inputs: 4 warps up to D = 64, 8 above (the products' rows are the head dim, 16 per
+    warp), weight blocks of 16 rows (KC; 32 spills at D = 64 on sm_80, 64 in the backward).
+    Float32 inputs multiply in exact float32, FMA loops holding whole operand rows, and spill
+    at these tiles (the forward at D = 64 on sm_90 by some 200 bytes, the backward's
+    sequential pass at D = 128 by ~500): the dispatcher leaves them to PyTorch, as it does
+    the float32 delta rule; a direct call still runs them, on the half tiling."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if dtype not in (torch.float16, torch.bfloat16) or D > MAX_D:
+        return None
+    return TileConfig(warps=8 if D > 64 else 4)
+
+
+def supports(op: str, dtype: torch.dtype) -> bool:
+    """Whether ``op`` with ``dtype`` inputs has a tiling on every target (sm_80 and up) for
+    every head size up to MAX_D."""
+    return all(tile_config(arch, dtype, op, D) is not None for arch in (80, 90)
+               for D in (64, MAX_D))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces. Token t of batch row bb, head h of a [B, T, H, D] tensor sits at
+# ((bb*T + t)*H + h)*D: a scalar int64 base per program, int32 offsets inside a tile.
+#
+# Every per-token tile is held transposed, [D, BB] (a mini-batch's rows as columns), and every
+# weight as W^T [Dv, Dk]: the products then have the head dim, not the mini-batch, as their M
+# (rows) dimension. Triton stacks the warps of a chain of products along M (sm_80's mma), and
+# Hopper's wgmma takes M in multiples of 64 per warp group: with b = 16 rows as M, 8 warps would
+# each hold a whole [16, D] tile (the same rows replicated), and a [16, 128] float32 tile alone
+# is then 64 registers per thread.
+
+
+@triton.jit
+def _mb(n, b, T, BB: tl.constexpr):
+    """Positions 0..BB-1 of mini-batch n, their token indices and the mask of real rows."""
+    i = tl.arange(0, BB)
+    t = n * b + i
+    return i, t, (i < b) & (t < T)
+
+
+@triton.jit
+def _cols(ptr, base, t, m, H, D, BD: tl.constexpr, c0=0):
+    """Tokens t (mask m) of a [B, T, H, D] tensor at ``base`` (the (batch, head)'s token 0),
+    features c0..c0+BD, as the columns of a float32 [BD, BB] tile."""
+    c = c0 + tl.arange(0, BD)
+    offs = c[:, None] + (t * H * D)[None, :]
+    return tl.load(ptr + base + offs, mask=(c < D)[:, None] & m[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_cols(ptr, x, base, t, m, H, D, BD: tl.constexpr, c0=0):
+    c = c0 + tl.arange(0, BD)
+    offs = c[:, None] + (t * H * D)[None, :]
+    tl.store(ptr + base + offs, x.to(ptr.dtype.element_ty), mask=(c < D)[:, None] & m[None, :])
+
+
+@triton.jit
+def _blockT(ptr, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """Rows r0..r0+BR, columns c0..c0+BC of a row-major float32 [R, C] matrix, transposed:
+    a [BC, BR] tile."""
+    r = r0 + tl.arange(0, BR)
+    c = c0 + tl.arange(0, BC)
+    return tl.load(ptr + c[:, None] + r[None, :] * C, mask=(c < C)[:, None] & (r < R)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _store_blockT(ptr, x, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    r = r0 + tl.arange(0, BR)
+    c = c0 + tl.arange(0, BC)
+    tl.store(ptr + c[:, None] + r[None, :] * C, x, mask=(c < C)[:, None] & (r < R)[None, :])
+
+
+@triton.jit
+def _block(ptr, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """Rows r0..r0+BR, columns c0..c0+BC of a row-major float32 [R, C] matrix: [BR, BC]."""
+    r = r0 + tl.arange(0, BR)
+    c = c0 + tl.arange(0, BC)
+    return tl.load(ptr + r[:, None] * C + c[None, :], mask=(r < R)[:, None] & (c < C)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _wrows(ptr, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
+    """Rows c0..c0+KC of a row-major float32 [R, C] matrix, transposed: a [BC, KC] tile."""
+    return _blockT(ptr, c0, 0, R, C, KC, BC)
+
+
+@triton.jit
+def _store_wrows(ptr, x, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
+    _store_blockT(ptr, x, c0, 0, R, C, KC, BC)
+
+
+@triton.jit
+def _copy_mat(src, dst, R, C, BR: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr):
+    """dst = src for row-major [R, C] matrices, in blocks of KC rows."""
+    for c0 in tl.static_range(0, BR, KC):
+        _store_wrows(dst, _wrows(src, c0, R, C, BC, KC), c0, R, C, BC, KC)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _vec(ptr, n, BN: tl.constexpr):
+    c = tl.arange(0, BN)
+    return tl.load(ptr + c, mask=c < n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_vec(ptr, x, n, BN: tl.constexpr):
+    c = tl.arange(0, BN)
+    tl.store(ptr + c, x, mask=c < n)
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, acc=None):
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _ln(z, cm, Dv):
+    """LayerNorm statistics of the columns of z [BV, BB] (rows past Dv zero, cm their mask):
+    (x_hat, 1/s), x_hat zero past Dv."""
+    mu = tl.sum(z, axis=0) / Dv
+    zc = tl.where(cm[:, None], z - mu[None, :], 0.0)
+    r = 1.0 / tl.sqrt(tl.sum(zc * zc, axis=0) / Dv + _EPS)
+    return zc * r[None, :], r
+
+
+@triton.jit
+def _ln_back(dy, xh, r, cm, Dv):
+    """The backward of LayerNorm without affine at columns with x_hat, 1/s: r (dy - mean(dy)
+    - x_hat mean(dy x_hat)), zero past Dv."""
+    mean_dy = tl.sum(dy, axis=0) / Dv
+    mean_dyx = tl.sum(dy * xh, axis=0) / Dv
+    return tl.where(cm[:, None], r[None, :] * (dy - mean_dy[None, :] - xh * mean_dyx[None, :]),
+                    0.0)
+
+
+@triton.jit
+def _loss_grad(z, tgt, gam, bet, cm, Dv, HAS_LN: tl.constexpr):
+    """dl/dZ of l = 1/2 ||[LN](Z) - tgt||^2 per column (token) of z [BV, BB] (docs/maths.md
+    2.2), and the LayerNorm's x_hat, 1/s and g = gamma (LN(Z) - tgt) that its backward reads
+    (placeholders without LayerNorm)."""
+    G = z - tgt
+    xh = z
+    r = tl.sum(z, axis=0)  # placeholders without LayerNorm (unused there)
+    g = z
+    if HAS_LN:
+        xh, r = _ln(z, cm, Dv)
+        g = gam[:, None] * (gam[:, None] * xh + bet[:, None] - tgt)
+        G = _ln_back(g, xh, r, cm, Dv)
+    return G, xh, r, g
+
+
+@triton.jit
+def _ln_grad_back(dG, G, xh, r, g, gam, cm, Dv):
+    """Vector-Jacobian product of ``_loss_grad`` (with LayerNorm) w.r.t. Z, and dg (the
+    gradient w.r.t. g = gamma (LN(Z) - tgt)); as mlp_scan.py's ``_ln_grad_backward``:
+    dg = LNB(dG), dx_hat = gamma^2 dg - r mean(g x_hat) dG - g mean(dG r x_hat),
+    dZ = LNB(dx_hat) - r x_hat mean(dG G)."""
+    dg = _ln_back(dG, xh, r, cm, Dv)
+    c = r * (tl.sum(g * xh, axis=0) / Dv)
+    m = tl.sum(dG * xh, axis=0) / Dv * r
+    dxh = gam[:, None] * gam[:, None] * dg - c[None, :] * dG - g * m[None, :]
+    mdg = tl.sum(dG * G, axis=0) / Dv
+    return _ln_back(dxh, xh, r, cm, Dv) - (r * mdg)[None, :] * xh, dg
+
+
+@triton.jit
+def _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB: tl.constexpr):
+    """eta [BB] of the mini-batch's tokens (0 past b and T), tau [BB] of the head's positions,
+    and the transposed causal step sizes Et [BB, BB], Et_ji = E_ij = tau_i eta_j for j <= i."""
+    eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+    tau = tl.load(tau_ptr + h * b + i, mask=i < b, other=0.0).to(tl.float32)
+    Et = tl.where(i[:, None] <= i[None, :], eta[:, None] * tau[None, :], 0.0)
+    return eta, tau, Et
+
+
+# ---------------------------------------------------------------------------------------------
+# TTT-Linear
+
+
+@triton.jit
+def _qk_kernel(q_ptr, k_ptr, a_ptr, T, H, Dk, b, N, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+               BB: tl.constexpr, BK: tl.constexpr):
+    """A^T = (Q K^T [+ 1])^T [BB, BB] of every mini-batch into a [B*H, N, BB, BB] (float32):
+    the read-out's b x b scores, which need no weights, for all mini-batches in parallel."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base = (bb * T * H + h) * Dk
+    _, t, m = _mb(n, b, T, BB)
+    kt = _cols(k_ptr, base, t, m, H, Dk, BK)
+    qt = _cols(q_ptr, base, t, m, H, Dk, BK)
+    At = _dot(tl.trans(kt), qt, PREC)
+    if HAS_BIAS:
+        At += 1.0
+    r = tl.arange(0, BB)
+    tl.store(a_ptr + ((bh * N + n) * BB + r[:, None]) * BB + r[None, :], At)
+
+
+@triton.jit
+def _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b, N, BB: tl.constexpr):
+    """Mini-batch n's positions i, tokens t, mask m, eta, tau [BB], Et and A^T [BB, BB]
+    (``_step_scales``, ``_qk_kernel``)."""
+    i, t, m = _mb(n, b, T, BB)
+    eta, tau, Et = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
+    r = tl.arange(0, BB)
+    At = tl.load(a_ptr + ((bh * N + n) * BB + r[:, None]) * BB + r[None, :])
+    return i, t, m, eta, tau, Et, At
+
+
+@triton.jit
+def _linear_z(w_ptr, bv, k_ptr, q_ptr, base_k, t, m, H, Dk, Dv, WITH_Q: tl.constexpr,
+              PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              KC: tl.constexpr):
+    """Zk^T = (K W + b)^T and (WITH_Q) Zq^T = (Q W + b)^T [BV, BB], the weights w [Dk, Dv]
+    streamed in blocks of KC rows."""
+    zk = tl.zeros([BV, BB], dtype=tl.float32) + bv[:, None]
+    zq = zk
+    for c0 in range(0, BK, KC):
+        wc = _wrows(w_ptr, c0, Dk, Dv, BV, KC)
+        zk = _dot(wc, _cols(k_ptr, base_k, t, m, H, Dk, KC, c0), PREC, zk)
+        if WITH_Q:
+            zq = _dot(wc, _cols(q_ptr, base_k, t, m, H, Dk, KC, c0), PREC, zq)
+    return zk, zq
+
+
+@triton.jit
+def _linear_add(src_ptr, dst_ptr, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr):
+    """dst = src + (Hm K)^T... as weights: dst [Dk, Dv] = src + K^T Hm^T... i.e. W + K^T H
+    for H^T = Hm [BV, BB], in blocks of KC rows (dst may be src)."""
+    for c0 in range(0, BK, KC):
+        wc = _dot(Hm, tl.trans(_cols(k_ptr, base_k, t, m, H, Dk, KC, c0)), PREC,
+                  _wrows(src_ptr, c0, Dk, Dv, BV, KC))
+        tl.debug_barrier()  # every thread has read the block before it is overwritten
+        _store_wrows(dst_ptr, wc, c0, Dk, Dv, BV, KC)
+    tl.debug_barrier()  # written before anything reads the weights again
+
+
+@triton.jit
+def _linear_cols(w_ptr, bv, k_ptr, q_ptr, base_k, t, m, kt, vt, Mt, gam, bet, cm, H, Dk, Dv,
+                 HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+                 BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr):
+    """One mini-batch's forward from its start weights w [Dk, Dv], bias bv [BV], with values
+    vt [BV, BB], keys kt [BV, BB] (read with the residual only) and
+    Mt = (E * (Q K^T [+ 1]))^T: (G^T, x_hat, 1/s, g of the keys' LayerNorm gradient,
+    Zbar^T [BV, BB])."""
+    tgt = vt - kt if RESIDUAL else vt
+    zk, zq = _linear_z(w_ptr, bv, k_ptr, q_ptr, base_k, t, m, H, Dk, Dv, True, PREC, BB, BK,
+                       BV, KC)
+    G, xh, r, g = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
+    zbar = zq - _dot(G, Mt, PREC)
+    return G, xh, r, g, zbar
+
+
+@triton.jit
+def _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv,
+                HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, BV: tl.constexpr):
+    """o = [LN](Zbar) [+ q] stored for the mini-batch's tokens."""
+    out = zbar
+    if HAS_LN:
+        xo, _ = _ln(zbar, cm, Dv)
+        out = gam[:, None] * xo + bet[:, None]
+    if RESIDUAL:  # Dk == Dv: q's rows have o's address
+        out += _cols(q_ptr, base_v, t, m, H, Dv, BV)
+    _store_cols(o_ptr, out, base_v, t, m, H, Dv, BV)
+
+
+@triton.jit
+def _linear_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, b0_ptr,
+    o_ptr, w_ptr, bias_ptr, sw_ptr, sb_ptr, ckw_ptr, ckb_ptr,
+    T, H, Dk, Dv, b, N, NF, seg, store_ck,
+    HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+):
+    """TTT-Linear forward for one (batch, head) over N mini-batches, NF of them full.
+    w [B*H, Dk, Dv] holds the start weights and is updated in place: the weights after the
+    last full mini-batch (bias [B*H, Dv] likewise from b0). Writes o [B, T, H, Dv], the
+    gradient sums of a last partial mini-batch (sw, sb, if NF < N) and, if ``store_ck``, the
+    weights entering every ``seg``-th mini-batch (ckw [B*H, NC, Dk, Dv], ckb [B*H, NC, Dv]).
+    a: the scores of ``_qk_kernel``."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    NC = tl.cdiv(NF, seg)
+    cm = tl.arange(0, BV) < Dv
+    wp = w_ptr + bh * Dk * Dv
+    bv = tl.zeros([BV], dtype=tl.float32)
+    if HAS_BIAS:
+        bv = _vec(b0_ptr + bh * Dv, Dv, BV)
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    kt = tl.zeros([BV, BB], dtype=tl.float32)
+    for n in range(0, NF):
+        if store_ck and n % seg == 0:
+            _copy_mat(wp, ckw_ptr + (bh * NC + n // seg) * Dk * Dv, Dk, Dv, BK, BV, KC)
+            if HAS_BIAS:
+                _store_vec(ckb_ptr + (bh * NC + n // seg) * Dv, bv, Dv, BV)
+        _, t, m, eta, _, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
+                                             N, BB)
+        vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:  # Dk == Dv
+            kt = _cols(k_ptr, base_v, t, m, H, Dv, BV)
+        G, _, _, _, zbar = _linear_cols(wp, bv, k_ptr, q_ptr, base_k, t, m, kt, vt, Et * At,
+                                        gam, bet, cm, H, Dk, Dv, HAS_LN, RESIDUAL, PREC, BB, BK,
+                                        BV, KC)
+        _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
+        # W <- W - tau_b K^T (eta G)
+        Hm = G * (eta * -tau_b)[None, :]
+        _linear_add(wp, wp, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC, BK, BV, KC)
+        if HAS_BIAS:
+            bv += tl.sum(Hm, axis=1)
+    if HAS_BIAS:
+        _store_vec(bias_ptr + bh * Dv, bv, Dv, BV)
+    if NF < N:  # a last, partly filled mini-batch: its sums S = K^T (eta G), not an update
+        _, t, m, eta, _, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, NF, T, H, b,
+                                             N, BB)
+        vt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:
+            kt = _cols(k_ptr, base_v, t, m, H, Dv, BV)
+        G, _, _, _, zbar = _linear_cols(wp, bv, k_ptr, q_ptr, base_k, t, m, kt, vt, Et * At,
+                                        gam, bet, cm, H, Dk, Dv, HAS_LN, RESIDUAL, PREC, BB, BK,
+                                        BV, KC)
+        _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
+        Hm = G * eta[None, :]
+        for c0 in range(0, BK, KC):
+            kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
+            _store_wrows(sw_ptr + bh * Dk * Dv, _dot(Hm, tl.trans(kc), PREC), c0, Dk, Dv, BV, KC)
+        if HAS_BIAS:
+            _store_vec(sb_ptr + bh * Dv, tl.sum(Hm, axis=1), Dv, BV)
+
+
+@triton.jit
+def _store_tile(ptr, x, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    tl.store(ptr + r[:, None] * C + c[None, :], x)
+
+
+@triton.jit
+def _load_tile(ptr, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    return tl.load(ptr + r[:, None] * C + c[None, :])
+
+
+@triton.jit
+def _scores_grad(gs_ptr, G, dzbar, PREC: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr,
+                 DC: tl.constexpr):
+    """dM^T = -(dZbar G^T)^T [BB, BB] from G^T, dZbar^T [BV, BB], contracted over the value
+    dim in blocks of DC rows read back from the program's scratch gs [2, BV, BB]: a product
+    with BB rows has every warp hold its whole operands (the warps replicate its rows), which
+    for a [BB, 128] float32 operand is 64 registers per thread."""
+    _store_tile(gs_ptr, G, BV, BB)
+    _store_tile(gs_ptr + BV * BB, dzbar, BV, BB)
+    tl.debug_barrier()
+    dMt = tl.zeros([BB, BB], dtype=tl.float32)
+    c = tl.arange(0, BB)
+    rc = tl.arange(0, DC)
+    for d0 in range(0, BV, DC):
+        offc = (d0 + rc)[:, None] * BB + c[None, :]
+        gc = tl.load(gs_ptr + offc)
+        dc = tl.load(gs_ptr + BV * BB + offc)
+        dMt -= _dot(tl.trans(gc), dc, PREC)
+    tl.debug_barrier()  # read before the next mini-batch writes
+    return dMt
+
+
+@triton.jit
+def _linear_back_a(
+    wp, bv, dgam, dbet, dtau,
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, gs_ptr, rows_ptr, rr_ptr, at_ptr,
+    bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, gam, bet, cm,
+    HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, DC: tl.constexpr,
+):
+    """The part of mini-batch n's backward that needs its start weights (wp [Dk, Dv], bv) but
+    not the gradient of later weights: the read-out's. Stores into the mini-batch's rows
+    [5, BV, BB] G^T, dZbar^T, the read-out's share of dG^T (-(E * A)^T dZbar, transposed)
+    and the keys' LayerNorm x_hat, g; into rr [2, BB] its 1/s and the read-out's share of
+    deta; into at [BB, BB] dA^T. Returns the accumulators dgamma, dbeta, dtau."""
+    i, t, m, eta, tau, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
+                                           N, BB)
+    Mt = Et * At
+    kt = tl.zeros([BV, BB], dtype=tl.float32)
+    if RESIDUAL:
+        kt = _cols(k_ptr, base_v, t, m, H, Dv, BV)
+    G, xh, r, g, zbar = _linear_cols(wp, bv, k_ptr, q_ptr, base_k, t, m, kt,
+                                     _cols(v_ptr, base_v, t, m, H, Dv, BV), Mt, gam, bet, cm,
+                                     H, Dk, Dv, HAS_LN, RESIDUAL, PREC, BB, BK, BV, KC)
+    rb = tl.arange(0, BB)
+    if HAS_LN:
+        _store_tile(rows_ptr + 3 * BV * BB, xh, BV, BB)
+        _store_tile(rows_ptr + 4 * BV * BB, g, BV, BB)
+        tl.store(rr_ptr + rb, r)
+    dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
+    # read-out: o = [LN](Zbar) [+ q]
+    dzbar = dO
+    if HAS_LN:
+        xo, ro = _ln(zbar, cm, Dv)
+        dgam += tl.sum(dO * xo, axis=1)
+        dbet += tl.sum(dO, axis=1)
+        dzbar = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
+    _store_tile(rows_ptr, G, BV, BB)
+    _store_tile(rows_ptr + BV * BB, dzbar, BV, BB)
+    _store_tile(rows_ptr + 2 * BV * BB, -_dot(dzbar, tl.trans(Mt), PREC), BV, BB)
+    # Zbar's b x b term -(E * A) G: dM = -dZbar G^T, dA = dM * E, dE = dM * A
+    dMt = _scores_grad(gs_ptr, G, dzbar, PREC, BV, BB, DC)
+    causal = i[:, None] <= i[None, :]
+    _store_tile(at_ptr, tl.where(causal, dMt * Et, 0.0), BB, BB)
+    dEt = tl.where(causal, dMt * At, 0.0)
+    dtau += tl.sum(dEt * eta[:, None], axis=0)
+    tl.store(rr_ptr + BB + rb, tl.sum(dEt * tau[None, :], axis=1))
+    return dgam, dbet, dtau
+
+
+@triton.jit
+def _linear_bwd_a_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w_ptr, bias_ptr,
+    wn_ptr, scb_ptr, gs_ptr, rows_ptr, rr_ptr, at_ptr, do_ptr, acc_ptr, dtau_ptr,
+    T, H, Dk, Dv, b, N, n0, n1, w_stride, seg,
+    HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, DC: tl.constexpr,
+):
+    """Backward, first pass over mini-batches n0..n1-1 of one (batch, head), forward in time
+    from the weights entering n0 (w + bh * w_stride [Dk, Dv], bias likewise: a checkpoint,
+    or the weights a last partial mini-batch starts from): each mini-batch's start weights
+    into wn [B*H, seg, Dk, Dv], bias into scb [B*H, seg, Dv], and ``_linear_back_a``'s rows
+    (rows [B*H, seg, 5, BV, BB], rr [B*H, seg, 2, BB], at [B*H, seg, BB, BB]); gs
+    [B*H, 2, BV, BB] is ``_scores_grad``'s scratch. Adds to the accumulators acc [B*H, 3, BV]
+    (d, dgamma, dbeta) and dtau [B*H, BB]."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    acc = acc_ptr + bh * 3 * BV
+    dgam = _vec(acc + BV, BV, BV)
+    dbet = _vec(acc + 2 * BV, BV, BV)
+    dtau = _vec(dtau_ptr + bh * BB, BB, BB)
+    gs = gs_ptr + bh * 2 * BV * BB
+    wn = wn_ptr + bh * seg * Dk * Dv
+    _copy_mat(w_ptr + bh * w_stride, wn, Dk, Dv, BK, BV, KC)
+    bv = tl.zeros([BV], dtype=tl.float32)
+    if HAS_BIAS:
+        bv = _vec(bias_ptr + bh * (w_stride // Dk), Dv, BV)
+    for n in range(n0, n1):
+        j = n - n0
+        if HAS_BIAS:
+            _store_vec(scb_ptr + (bh * seg + j) * Dv, bv, Dv, BV)
+        wj = wn + j * Dk * Dv
+        rows = rows_ptr + (bh * seg + j) * 5 * BV * BB
+        dgam, dbet, dtau = _linear_back_a(
+            wj, bv, dgam, dbet, dtau, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, do_ptr, gs,
+            rows, rr_ptr + (bh * seg + j) * 2 * BB, at_ptr + (bh * seg + j) * BB * BB, bh, h,
+            base_k, base_v, ebase, n, T, H, Dk, Dv, b, N, gam, bet, cm, HAS_LN, RESIDUAL, PREC,
+            BB, BK, BV, KC, DC)
+        if n + 1 < n1:  # the next mini-batch's start weights
+            _, t, m = _mb(n, b, T, BB)
+            eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+            Hm = _load_tile(rows, BV, BB) * (eta * -tau_b)[None, :]
+            _linear_add(wj, wj + Dk * Dv, Hm, k_ptr, base_k, t, m, H, Dk, Dv, PREC, BK, BV, KC)
+            if HAS_BIAS:
+                bv += tl.sum(Hm, axis=1)
+    _store_vec(acc + BV, dgam, BV, BV)
+    _store_vec(acc + 2 * BV, dbet, BV, BV)
+    _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
+
+
+@triton.jit
+def _linear_bwd_c_kernel(
+    q_ptr, k_ptr, eta_ptr, tau_ptr, do_ptr, wn_ptr, dn_ptr, rows_ptr, at_ptr, dq_ptr, dk_ptr,
+    dv_ptr, T, H, Dk, Dv, b, n0, seg, dn_stride,
+    TAIL: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+):
+    """Backward, the gradients of the queries and keys of mini-batch n0 + j (program
+    (j, b*h), in parallel) after both passes: dQ = dZbar W^T + dA K [+ dO] and
+    dK = dA^T Q + dZk W^T + (eta G) D^T [- dtgt], D the gradient of the weights leaving the
+    mini-batch (-tau_b dn[j]; TAIL: dS, dn = dS with dn_stride 0 between mini-batches),
+    from the rows, the scores' gradient at and the start weights wn[j]."""
+    j = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    _, t, m = _mb(n0 + j, b, T, BB)
+    wp = wn_ptr + (bh * seg + j) * Dk * Dv
+    dp = dn_ptr + bh * Dk * Dv * (seg if dn_stride else 1) + j * dn_stride
+    rows = rows_ptr + (bh * seg + j) * 5 * BV * BB
+    eta = tl.load(eta_ptr + bh // H * T * H + h + t * H, mask=m, other=0.0).to(tl.float32)
+    coef = 1.0
+    if not TAIL:
+        coef = -tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    Hm = _load_tile(rows, BV, BB) * (eta * coef)[None, :]
+    dzbar = _load_tile(rows + BV * BB, BV, BB)
+    dzk = _load_tile(rows + 2 * BV * BB, BV, BB)
+    dAt = _load_tile(at_ptr + (bh * seg + j) * BB * BB, BB, BB)
+    for c0 in range(0, BK, KC):
+        kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
+        qc = _cols(q_ptr, base_k, t, m, H, Dk, KC, c0)
+        wc = tl.trans(_wrows(wp, c0, Dk, Dv, BV, KC))
+        dq = _dot(wc, dzbar, PREC, _dot(kc, dAt, PREC))
+        dk = _dot(tl.trans(_wrows(dp, c0, Dk, Dv, BV, KC)), Hm, PREC,
+                  _dot(wc, dzk, PREC, _dot(qc, tl.trans(dAt), PREC)))
+        if RESIDUAL:
+            dq += _cols(do_ptr, base_k, t, m, H, Dk, KC, c0)
+            dk -= _cols(dv_ptr, base_k, t, m, H, Dk, KC, c0)
+        _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, KC, c0)
+        _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, KC, c0)
+
+
+@triton.jit
+def _linear_back_b(
+    dp, dn_ptr, d, dgam, dbet, dtau_b,
+    q_ptr, k_ptr, v_ptr, eta_ptr, dsw_ptr, dsb_ptr, rows_ptr, rr_ptr, dv_ptr,
+    deta_ptr, bh, base_k, base_v, ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr,
+    PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    KC: tl.constexpr,
+):
+    """The sequential rest of mini-batch n's backward, with the gradient of the weights it
+    hands on (dp [Dk, Dv], updated in place into that of its start weights, and d; TAIL: the
+    weights it hands on unchanged, its sums' gradient being dS, ds) and the rows of
+    ``_linear_back_a``: the gradient sums' and the keys' loss gradient's backward. Stores
+    dV, deta, dZk^T (into the rows, for dK) and the gradient it was given into dn [Dk, Dv];
+    returns d and the accumulators."""
+    _, t, m = _mb(n, b, T, BB)
+    eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+    G = _load_tile(rows_ptr, BV, BB)
+    Hm = G * eta[None, :]
+    # the gradient sums S = K^T (eta G), s = sum eta G: handed on (TAIL, gradient dS, ds) or
+    # applied, W' = W - tau_b S (gradient -tau_b D, and tau_b's -<D, S>)
+    kd = tl.zeros([BV, BB], dtype=tl.float32)
+    for c0 in range(0, BK, KC):
+        kc = _cols(k_ptr, base_k, t, m, H, Dk, KC, c0)
+        if TAIL:
+            kd = _dot(_wrows(dsw_ptr + bh * Dk * Dv, c0, Dk, Dv, BV, KC), kc, PREC, kd)
+        else:
+            kd = _dot(_wrows(dp, c0, Dk, Dv, BV, KC), kc, PREC, kd)
+    if TAIL:
+        dHm = kd
+        if HAS_BIAS:
+            dHm += _vec(dsb_ptr + bh * Dv, Dv, BV)[:, None]
+    else:
+        if HAS_BIAS:
+            kd += d[:, None]
+        dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
+        dHm = -tau_b * kd
+    rb = tl.arange(0, BB)
+    dG = _load_tile(rows_ptr + 2 * BV * BB, BV, BB) + dHm * eta[None, :]
+    deta = tl.load(rr_ptr + BB + rb) + tl.sum(G * dHm, axis=0)
+    # the keys' loss gradient G = dl/dZk
+    dtgt = -dG
+    dzk = dG
+    if HAS_LN:
+        xh = _load_tile(rows_ptr + 3 * BV * BB, BV, BB)
+        g = _load_tile(rows_ptr + 4 * BV * BB, BV, BB)
+        dzk, dg = _ln_grad_back(dG, G, xh, tl.load(rr_ptr + rb), g, gam, cm, Dv)
+        dtgt = -gam[:, None] * dg
+        e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:
+            e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
+        dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
+        dbet -= tl.sum(dtgt, axis=1)
+    _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
+    tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+    _store_tile(rows_ptr + 2 * BV * BB, dzk, BV, BB)  # for dK (``_linear_bwd_c_kernel``)
+    dzbar = _load_tile(rows_ptr + BV * BB, BV, BB)
+    # D <- D + Q^T dZbar + K^T dZk, the gradient leaving the mini-batch kept in dn for dK
+    for c0 in range(0, BK, KC):
+        dc = _wrows(dp, c0, Dk, Dv, BV, KC)
+        _store_wrows(dn_ptr, dc, c0, Dk, Dv, BV, KC)
+        dc = _dot(dzk, tl.trans(_cols(k_ptr, base_k, t, m, H, Dk, KC, c0)), PREC,
+                  _dot(dzbar, tl.trans(_cols(q_ptr, base_k, t, m, H, Dk, KC, c0)), PREC, dc))
+        tl.debug_barrier()  # every thread has read the block before it is overwritten
+        _store_wrows(dp, dc, c0, Dk, Dv, BV, KC)
+    tl.debug_barrier()
+    if HAS_BIAS:
+        d += tl.sum(dzbar + dzk, axis=1)
+    return d, dgam, dbet, dtau_b
+
+
+@triton.jit
+def _linear_bwd_b_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, lnw_ptr, lnb_ptr, dn_ptr, rows_ptr, rr_ptr,
+    dsw_ptr, dsb_ptr, dw_ptr, acc_ptr, dtau_ptr, dv_ptr, deta_ptr,
+    T, H, Dk, Dv, b, n0, n1, seg,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+):
+    """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head) with the
+    carried gradient of the weights, dW [B*H, Dk, Dv] (that of the weights leaving n1-1,
+    updated in place into that of the weights entering n0; TAIL: n0 is a last partial
+    mini-batch, whose sums' gradient is dS, ds) and the first pass's rows
+    (``_linear_bwd_a_kernel``). Writes dv, deta, each mini-batch's dZk^T into its rows and
+    the gradient leaving it into dn [B*H, seg, Dk, Dv], and adds to the accumulators
+    acc [B*H, 3, BV] (d, dgamma, dbeta) and dtau [B*H, BB] (tau_b's share)."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    acc = acc_ptr + bh * 3 * BV
+    d = _vec(acc, BV, BV)
+    dgam = _vec(acc + BV, BV, BV)
+    dbet = _vec(acc + 2 * BV, BV, BV)
+    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
+    dp = dw_ptr + bh * Dk * Dv
+    for nr in range(n0, n1):
+        n = n1 - 1 + n0 - nr
+        j = n - n0
+        d, dgam, dbet, dtau_b = _linear_back_b(
+            dp, dn_ptr + (bh * seg + j) * Dk * Dv, d, dgam, dbet, dtau_b, q_ptr, k_ptr, v_ptr,
+            eta_ptr, dsw_ptr, dsb_ptr, rows_ptr + (bh * seg + j) * 5 * BV * BB,
+            rr_ptr + (bh * seg + j) * 2 * BB, dv_ptr, deta_ptr, bh, base_k, base_v,
+            ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm, TAIL, HAS_BIAS, HAS_LN, RESIDUAL,
+            PREC, BB, BK, BV, KC)
+    _store_vec(acc, d, BV, BV)
+    _store_vec(acc + BV, dgam, BV, BV)
+    _store_vec(acc + 2 * BV, dbet, BV, BV)
+    p = dtau_ptr + bh * BB + b - 1
+    tl.store(p, tl.load(p) + dtau_b)
+
+
+# ---------------------------------------------------------------------------------------------
+# TTT-MLP (forward)
+
+
+@triton.jit
+def _gelu(x):
+    """gelu_tanh(x) and its derivative (mlp_scan.py's ``_gelu_parts``): with
+    s = sigmoid(2 u), u = c (x + a x^3): gelu = x s, gelu' = s + 2 x u' s (1 - s)."""
+    x2 = x * x  # (tensors first: a constexpr on the left would wrap the product)
+    s = tl.sigmoid(x * (x2 * _GELU_A + 1.0) * (2.0 * _GELU_C))
+    return x * s, s + x * (x2 * (3.0 * _GELU_A) + 1.0) * s * (1.0 - s) * (2.0 * _GELU_C)
+
+
+@triton.jit
+def _mlp_hidden(w1_ptr, b1_ptr, x_ptr, base_k, t, m, j0, H, Dk, Dh, PREC: tl.constexpr,
+                BK: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+                HAS_B1: tl.constexpr):
+    """(X W1 + b1)^T of hidden units j0..j0+HB for the mini-batch's tokens t of x
+    [B, T, H, Dk]: [HB, BB], W1 [Dk, Dh] streamed in blocks of KC rows."""
+    z = tl.zeros([HB, BB], dtype=tl.float32)
+    if HAS_B1:
+        z += _vec(b1_ptr + j0, Dh - j0, HB)[:, None]
+    for c0 in range(0, BK, KC):
+        z = _dot(_blockT(w1_ptr, c0, j0, Dk, Dh, KC, HB),
+                 _cols(x_ptr, base_k, t, m, H, Dk, KC, c0), PREC, z)
+    return z
+
+
+@triton.jit
+def _mlp_minibatch(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1, b1, w2, d1, db1, d2, gs,
+    b2, gam, bet, cm, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, Dh, b, N, coef,
+    TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+):
+    """Mini-batch n of TTT-MLP from the weights w1 [Dk, Dh], b1 [Dh], w2 [Dh, Dv] (global,
+    float32) and b2 [BV]: stores o, and adds coef * (eta-weighted gradient) to the weights
+    (d1 = w1, db1 = b1, d2 = w2, coef = -tau_b), or (TAIL) writes the gradient sums into
+    d1, db1, d2 (coef = 1). Returns the gradient's share of b2 (coef * sum eta G2)."""
+    _, t, m, eta, _, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
+                                         N, BB)
+    tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+    if RESIDUAL:  # Dk == Dv
+        tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
+    # the keys' Z2 = gelu(K W1 + b1) W2 + b2 and its loss gradient G2 (one pass over the
+    # hidden blocks)
+    z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2[:, None]
+    for j0 in range(0, BHD, HB):
+        x2 = _gelu(_mlp_hidden(w1, b1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
+                               HAS_B1))[0]
+        z2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), x2, PREC, z2)
+    G2, _, _, _ = _loss_grad(z2, tgt, gam, bet, cm, Dv, HAS_LN)
+    _store_tile(gs, G2, BV, BB)  # read back by blocks of value rows for G2 W2^T
+    tl.debug_barrier()
+    e2 = eta * coef
+    M1t = Et * At
+    # per hidden block: G1 = (G2 W2^T) * gelu'(Z1), the queries' Zbar1 = Q W1 + b1 - M1 G1,
+    # Xbar2 = gelu(Zbar1) through W2 into Zq2, Xbar2 X2^T for the second layer's scores, and
+    # the block's update (or gradient sums)
+    zq2 = tl.zeros([BV, BB], dtype=tl.float32) + b2[:, None]
+    A2t = tl.zeros([BB, BB], dtype=tl.float32)
+    r = tl.arange(0, KC)
+    c = tl.arange(0, BB)
+    for j0 in range(0, BHD, HB):
+        x2, g1p = _gelu(_mlp_hidden(w1, b1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB,
+                                    HB, KC, HAS_B1))
+        a = tl.zeros([HB, BB], dtype=tl.float32)
+        for v0 in range(0, BV, KC):
+            a = _dot(_block(w2, j0, v0, Dh, Dv, HB, KC),
+                     tl.load(gs + (v0 + r)[:, None] * BB + c[None, :]), PREC, a)
+        G1 = a * g1p
+        zbar1 = _mlp_hidden(w1, b1, q_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
+                            HAS_B1) - _dot(G1, M1t, PREC)
+        xbar2 = _gelu(zbar1)[0]
+        w2b = _blockT(w2, j0, 0, Dh, Dv, HB, BV)  # [BV, HB]
+        zq2 = _dot(w2b, xbar2, PREC, zq2)
+        A2t = _dot(tl.trans(x2), xbar2, PREC, A2t)
+        H1 = G1 * e2[None, :]
+        tl.debug_barrier()  # the block's weights are read before they are overwritten
+        for c0 in range(0, BK, KC):
+            acc = tl.zeros([HB, KC], dtype=tl.float32)
+            if not TAIL:
+                acc = _blockT(w1, c0, j0, Dk, Dh, KC, HB)
+            acc = _dot(H1, tl.trans(_cols(k_ptr, base_k, t, m, H, Dk, KC, c0)), PREC, acc)
+            _store_blockT(d1, acc, c0, j0, Dk, Dh, KC, HB)
+        if HAS_B1:
+            s1 = tl.sum(H1, axis=1)
+            if not TAIL:
+                s1 += _vec(b1 + j0, Dh - j0, HB)
+            _store_vec(db1 + j0, s1, Dh - j0, HB)
+        acc2 = tl.zeros([BV, HB], dtype=tl.float32)
+        if not TAIL:
+            acc2 = w2b
+        _store_blockT(d2, _dot(G2 * e2[None, :], tl.trans(x2), PREC, acc2), j0, 0, Dh, Dv, HB,
+                      BV)
+        tl.debug_barrier()
+    if HAS_B2:
+        A2t += 1.0
+    zbar2 = zq2 - _dot(G2, Et * A2t, PREC)
+    _linear_out(o_ptr, zbar2, q_ptr, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
+    return tl.sum(G2 * e2[None, :], axis=1)
+
+
+@triton.jit
+def _mlp_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr,
+    b2_ptr, o_ptr, s1_ptr, sb1_ptr, s2_ptr, sb2_ptr, gs_ptr,
+    T, H, Dk, Dv, Dh, b, N, NF,
+    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+):
+    """TTT-MLP forward for one (batch, head) over N mini-batches, NF of them full: w1
+    [B*H, Dk, Dh], b1 [B*H, Dh], w2 [B*H, Dh, Dv], b2 [B*H, Dv] hold the start weights and are
+    updated in place into the weights after the last full mini-batch; writes o and the
+    gradient sums of a last partial mini-batch (s1, sb1, s2, sb2, if NF < N). a: the scores of
+    ``_qk_kernel``; gs [B*H, BV, BB]: scratch (G2 read back by blocks)."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    w1 = w1_ptr + bh * Dk * Dh
+    b1 = b1_ptr + bh * Dh
+    w2 = w2_ptr + bh * Dh * Dv
+    gs = gs_ptr + bh * BV * BB
+    b2 = tl.zeros([BV], dtype=tl.float32)
+    if HAS_B2:
+        b2 = _vec(b2_ptr + bh * Dv, Dv, BV)
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    for n in range(0, NF):
+        db2 = _mlp_minibatch(
+            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1, b1, w2, w1, b1, w2, gs,
+            b2, gam, bet, cm, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, Dh, b, N, -tau_b,
+            False, HAS_B1, HAS_B2, HAS_LN, RESIDUAL, PREC, BB, BK, BV, BHD, HB, KC)
+        if HAS_B2:
+            b2 += db2
+    if HAS_B2:
+        _store_vec(b2_ptr + bh * Dv, b2, Dv, BV)
+    if NF < N:
+        sb2 = _mlp_minibatch(
+            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1, b1, w2,
+            s1_ptr + bh * Dk * Dh, sb1_ptr + bh * Dh, s2_ptr + bh * Dh * Dv, gs, b2, gam, bet,
+            cm, bh, h, base_k, base_v, ebase, NF, T, H, Dk, Dv, Dh, b, N, 1.0, True, HAS_B1,
+            HAS_B2, HAS_LN, RESIDUAL, PREC, BB, BK, BV, BHD, HB, KC)
+        if HAS_B2:
+            _store_vec(sb2_ptr + bh * Dv, sb2, Dv, BV)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+class _Shape(NamedTuple):
+    """What every launch of one call shares."""
+
+    B: int
+    T: int
+    H: int
+    Dk: int
+    Dv: int
+    b: int
+    N: int
+    seg: int
+    NC: int
+    consts: dict
+    cfg: TileConfig
+
+    @property
+    def BH(self) -> int:
+        return self.B * self.H
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The sequential kernels' sizes: T, H, Dk, Dv, b, N, NF (full mini-batches), seg."""
+        return self.T, self.H, self.Dk, self.Dv, self.b, self.N, self.T // self.b, self.seg
+
+    def launch(self) -> dict:
+        """The sequential kernels' constexprs, warps and stages (no software pipelining:
+        each mini-batch's loads wait on the previous one's stores)."""
+        return {**self.consts, "num_warps": self.cfg.warps, "num_stages": 1}
+
+
+def _shape(op: str, q: torch.Tensor, v: torch.Tensor, b: int, seg: int | None,
+           flags: dict) -> _Shape:
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    if not 1 <= b <= MAX_MINI_BATCH:
+        raise ValueError(f"mini_batch_size must be in 1..{MAX_MINI_BATCH} for the TTT Triton "
+                         f"kernels, got {b}")
+    if max(Dk, Dv) > MAX_D:
+        raise ValueError(f"the TTT Triton kernels take Dk, Dv <= {MAX_D}, got {Dk}, {Dv}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the TTT Triton kernels take float16, bfloat16 or float32 inputs, "
+                         f"got {q.dtype}")
+    # A direct call with float32 inputs (no spill-free tiling) runs the half tiling: the same
+    # arithmetic, correct, with spilled registers; the dispatcher does not send it here.
+    cfg = tile_config(_arch(q.device), torch.bfloat16, op, max(Dk, Dv))
+    N = triton.cdiv(T, b)
+    seg = max(1, min(seg or SEGMENT, T // b))
+    prec = precisions(torch.float32 if _upcast_tiles(q.dtype) else q.dtype)[1]
+    BK = _pow2(Dk)
+    consts = {"PREC": prec, "BB": _pow2(b), "BK": BK, "BV": _pow2(Dv), "KC": min(BK, cfg.KC),
+              **flags}
+    return _Shape(B, T, H, Dk, Dv, b, N, seg, triton.cdiv(T // b, seg), consts, cfg)
+
+
+def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.to(torch.float32).contiguous()
+
+
+class _LinearTriton(torch.autograd.Function):
+    """(o, W, b, S, s) = TTT-Linear from a mini-batch boundary in the kernels above.
+    q, k [B, T, H, Dk], v [B, T, H, Dv] contiguous in their dtype; eta [B, T, H], tau [H, b],
+    lnw, lnb [H, Dv] or None, W0 [B*H, Dk, Dv], b0 [B*H, Dv] or None, float32 contiguous."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, eta, tau, lnw, lnb, W0, b0, residual, seg):  # type: ignore[override]
+        flags = {"HAS_BIAS": b0 is not None, "HAS_LN": lnw is not None,
+                 "HAS_LNB": lnb is not None, "RESIDUAL": residual}
+        L = _shape("ttt_linear", q, v, tau.shape[-1], seg, flags)
+        f32 = {"dtype": torch.float32, "device": q.device}
+        A = _scores(L, q, k, b0 is not None)
+        o = torch.empty(*q.shape[:3], L.Dv, dtype=q.dtype, device=q.device)
+        W = W0.clone()  # updated in place by the kernel
+        bias = torch.zeros(L.BH, L.Dv, **f32)
+        S = torch.zeros(L.BH, L.Dk, L.Dv, **f32)
+        s = torch.zeros(L.BH, L.Dv, **f32)
+        store = any(ctx.needs_input_grad)
+        ckw = torch.empty(L.BH, L.NC, L.Dk, L.Dv, **f32) if store else W
+        ckb = torch.empty(L.BH, L.NC, L.Dv, **f32) if store else bias
+        _linear_fwd_kernel[(L.BH,)](
+            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), _or(b0, W0),
+            o, W, bias, S, s, ckw, ckb, *L.dims, store, **L.launch())
+        if store:
+            ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, ckw, ckb, W, bias, A)
+            ctx.L = L
+        return o, W, bias, S, s
+
+    @staticmethod
+    def backward(ctx, do, dW, db, dS, ds):  # type: ignore[override]
+        q, k, v, eta, tau, lnw, lnb, ckw, ckb, W, bias, A = ctx.saved_tensors
+        L = ctx.L
+        f32 = {"dtype": torch.float32, "device": q.device}
+
+        def grad(x, *shape):
+            return torch.zeros(*shape, **f32) if x is None else x.to(torch.float32).contiguous()
+
+        do = grad(do, *q.shape[:3], L.Dv)
+        dS, ds = grad(dS, L.BH, L.Dk, L.Dv), grad(ds, L.BH, L.Dv)
+        # the gradient of the returned weights, turned into that of W0 in place
+        dW0 = torch.zeros(L.BH, L.Dk, L.Dv, **f32) if dW is None else dW.to(torch.float32).clone()
+        BB, BV = L.consts["BB"], L.consts["BV"]
+        acc = torch.zeros(L.BH, 3, BV, **f32)  # d (the bias's), dgamma, dbeta per program
+        if db is not None:
+            acc[:, 0, :L.Dv] = db
+        dtau = torch.zeros(L.BH, BB, **f32)
+        dq = torch.empty(q.shape, **f32)
+        dk = torch.empty(q.shape, **f32)
+        dv = torch.empty(v.shape, **f32)
+        deta = torch.empty(eta.shape, **f32)
+        seg = L.seg
+        wn = torch.empty(L.BH, seg, L.Dk, L.Dv, **f32)
+        dn = torch.empty(L.BH, seg, L.Dk, L.Dv, **f32)
+        scb = torch.empty(L.BH, seg, L.Dv, **f32)
+        gs = torch.empty(L.BH, 2, BV, BB, **f32)
+        rows = torch.empty(L.BH, seg, 5, BV, BB, **f32)
+        rr = torch.empty(L.BH, seg, 2, BB, **f32)
+        at = torch.empty(L.BH, seg, BB, BB, **f32)
+        ln = (_or(lnw, tau), _or(lnb, tau))
+        T, H, Dk, Dv, b, N, NF, _ = L.dims
+        consts = {n: L.consts[n] for n in ("RESIDUAL", "PREC", "BB", "BK", "BV", "KC")}
+        DC = min(BV, 32)
+
+        def segment(n0, n1, w, wb, w_stride, tail):
+            _linear_bwd_a_kernel[(L.BH,)](
+                q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
+                T, H, Dk, Dv, b, N, n0, n1, w_stride, seg, DC=DC, **L.launch())
+            _linear_bwd_b_kernel[(L.BH,)](
+                q, k, v, eta, tau, *ln, dn, rows, rr, dS, ds, dW0, acc, dtau, dv, deta,
+                T, H, Dk, Dv, b, n0, n1, seg, TAIL=tail, **L.launch())
+            _linear_bwd_c_kernel[(n1 - n0, L.BH)](
+                q, k, eta, tau, do, wn, dS if tail else dn, rows, at, dq, dk, dv,
+                T, H, Dk, Dv, b, n0, seg, 0 if tail else Dk * Dv, TAIL=tail, **consts,
+                num_warps=L.cfg.warps, num_stages=1)
+
+        if NF < N:  # the last, partial mini-batch starts from the returned weights
+            segment(NF, N, W, bias, Dk * Dv, True)
+        for s in reversed(range(L.NC)):
+            segment(s * seg, min(s * seg + seg, NF), ckw[:, s], ckb[:, s], L.NC * Dk * Dv, False)
+        dtau = dtau.view(L.B, L.H, BB)[..., :L.b].sum(0)
+        acc = acc[..., :L.Dv]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), deta.to(eta.dtype), dtau,
+                None if lnw is None else acc[:, 1].reshape(L.B, L.H, L.Dv).sum(0),
+                None if lnb is None else acc[:, 2].reshape(L.B, L.H, L.Dv).sum(0),
+                dW0, acc[:, 0] if L.consts["HAS_BIAS"] else None, None, None)
+
+
+def _or(x: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    """x, or a stand-in pointer for an argument the kernel does not read (its flag is off)."""
+    return other if x is None else x
+
+
+def _scores(L: _Shape, q: torch.Tensor, k: torch.Tensor, has_bias: bool) -> torch.Tensor:
+    """``_qk_kernel``'s A^T [B*H, N, BB, BB] of every mini-batch (+ 1 with ``has_bias``)."""
+    BB = L.consts["BB"]
+    A = torch.empty(L.BH, L.N, BB, BB, dtype=torch.float32, device=q.device)
+    _qk_kernel[(L.N, L.BH)](q, k, A, L.T, L.H, L.Dk, L.b, L.N, HAS_BIAS=has_bias, num_warps=4,
+                            **{n: L.consts[n] for n in ("PREC", "BB", "BK")})
+    return A
+
+
+def _split_first(run_torch, q, k, v, eta, carry: Carry, b: int):
+    """A call that starts inside a mini-batch: (o of its first b - pos tokens through the
+    PyTorch dual form, the carry after them, the remaining q, k, v, eta); else (None, carry,
+    q, k, v, eta)."""
+    if carry.pos == 0:
+        return None, carry, q, k, v, eta
+    n = min(b - carry.pos, q.shape[1])
+    o, carry = run_torch(*(x[:, :n] for x in (q, k, v, eta)), carry)
+    return o, carry, *(x[:, n:] for x in (q, k, v, eta))
+
+
+def _join(first: torch.Tensor | None, o: torch.Tensor | None) -> torch.Tensor:
+    if first is None:
+        return o
+    return first if o is None else torch.cat([first.to(o.dtype), o], dim=1)
+
+
+def ttt_linear_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
+    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
+    tau: torch.Tensor, checkpoint_group: int | None = None,
+) -> tuple[torch.Tensor, Carry]:
+    """TTT-Linear's dual form (``chunk.ttt_linear_dual``'s arguments and results) in the
+    kernels above. q, k, v in float16, bfloat16 or float32 (read as they are); eta, tau, the
+    LayerNorm's parameters and the carry in float32. Returns (o [B, T, H, Dv] in q's dtype,
+    Carry in float32). ``checkpoint_group``: mini-batches per checkpoint of the backward's
+    recomputation (default ``SEGMENT``); results do not depend on it."""
+    from .chunk import ttt_linear_dual
+
+    b = tau.shape[-1]
+
+    def run_torch(q, k, v, eta, carry):
+        f = torch.float32
+        return ttt_linear_dual(q.to(f), k.to(f), v.to(f), eta, carry, ln_weight, ln_bias,
+                               residual, tau)
+
+    first, carry, q, k, v, eta = _split_first(run_torch, q, k, v, eta, carry, b)
+    if q.shape[1] == 0:
+        return first, carry
+    B, T, H, Dk = q.shape
+    W0, b0 = carry.start
+    o, W, bias, S, s = _LinearTriton.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), _f32(eta), _f32(tau), _f32(ln_weight),
+        _f32(ln_bias), _f32(W0.reshape(B * H, Dk, -1)),
+        None if b0 is None else _f32(b0.reshape(B * H, -1)), residual, checkpoint_group)
+    tail = T % b
+    Dv = v.shape[-1]
+    W, bias = W.view(B, H, Dk, Dv), (None if b0 is None else bias.view(B, H, Dv))
+    grads = None
+    if tail:
+        grads = (S.view(B, H, Dk, Dv), None if b0 is None else s.view(B, H, Dv))
+    return _join(first, o), Carry((W, bias), grads, tail)
+
+
+def ttt_mlp_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Carry,
+    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
+    tau: torch.Tensor, checkpoint_group: int | None = None,
+) -> tuple[torch.Tensor, Carry]:
+    """TTT-MLP's dual form (``chunk.ttt_mlp_dual``'s arguments and results), forward only, in
+    ``_mlp_fwd_kernel``; inputs as ``ttt_linear_triton``'s. No backward: a call that would
+    record gradients is a ValueError (the dispatcher leaves those to PyTorch)."""
+    from .chunk import ttt_mlp_dual
+
+    tensors = (q, k, v, eta, ln_weight, ln_bias, tau, *carry.start, *(carry.grads or ()))
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+        raise ValueError("the TTT-MLP Triton kernels have no backward pass: call without "
+                         "gradients (torch.no_grad) or with backend='torch'")
+    b = tau.shape[-1]
+
+    def run_torch(q, k, v, eta, carry):
+        f = torch.float32
+        return ttt_mlp_dual(q.to(f), k.to(f), v.to(f), eta, carry, ln_weight, ln_bias, residual,
+                            tau)
+
+    first, carry, q, k, v, eta = _split_first(run_torch, q, k, v, eta, carry, b)
+    if q.shape[1] == 0:
+        return first, carry
+    (B, T, H, Dk), Dv = q.shape, v.shape[-1]
+    W1, b1, W2, b2 = carry.start
+    Dh = W1.shape[-1]
+    flags = {"HAS_B1": b1 is not None, "HAS_B2": b2 is not None,
+             "HAS_LN": ln_weight is not None, "HAS_LNB": ln_bias is not None,
+             "RESIDUAL": residual}
+    L = _shape("ttt_mlp", q, v, b, None, flags)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    BH, BB, BV = B * H, L.consts["BB"], L.consts["BV"]
+    f32 = {"dtype": torch.float32, "device": q.device}
+
+    def work(x, *shape):  # a float32 working copy the kernel updates in place
+        return torch.zeros(*shape, **f32) if x is None else x.reshape(*shape).to(**f32).clone()
+
+    w1, w2 = work(W1, BH, Dk, Dh), work(W2, BH, Dh, Dv)
+    c1, c2 = work(b1, BH, Dh), work(b2, BH, Dv)
+    sums = [torch.zeros_like(x) for x in (w1, c1, w2, c2)]
+    o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
+    gs = torch.empty(BH, BV, BB, **f32)
+    tau32, eta32 = _f32(tau), _f32(eta)
+    _mlp_fwd_kernel[(BH,)](
+        q, k, v, eta32, tau32, _scores(L, q, k, b1 is not None), _or(_f32(ln_weight), tau32),
+        _or(_f32(ln_bias), tau32), w1, c1, w2, c2, o, *sums, gs, T, H, Dk, Dv, Dh, b, L.N,
+        T // b, BHD=_pow2(Dh), HB=L.cfg.HB, **L.launch())
+    tail = T % b
+
+    def weights(x1, x2, x3, x4):
+        return (x1.view(B, H, Dk, Dh), None if b1 is None else x2.view(B, H, Dh),
+                x3.view(B, H, Dh, Dv), None if b2 is None else x4.view(B, H, Dv))
+
+    return _join(first, o), Carry(weights(w1, c1, w2, c2), weights(*sums) if tail else None,
+                                  tail)
