@@ -24,6 +24,7 @@ from fastweights.ops import backend as backends
 from fastweights.ops import delta_rule, fwp, gated_delta_rule, linear_attn, sum_norm
 from fastweights.ops.fwp import delta, linear_attention
 from fastweights.ops.fwp.gated_delta_naive import gated_delta_rule_naive
+from fastweights.ops.fwp.kernels import triton_kernels
 from fastweights.ops.fwp.naive import delta_rule_naive, linear_attn_naive
 
 # (B, T, H, Dk, Dv): odd sizes; T never a multiple of the chunk; Dv 70 spans two value blocks.
@@ -198,7 +199,8 @@ def test_use_triton_decision(kernels, monkeypatch, caplog):
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "0")
         assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "1")
-        monkeypatch.setattr(backends, "triton_kernels", lambda: None)
+        monkeypatch.setitem(sys.modules, "fastweights.ops.fwp.triton", None)  # not installed
+        monkeypatch.delattr(fwp, "triton", raising=False)
         assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
@@ -256,10 +258,10 @@ def test_works_without_triton(monkeypatch):
     (checked in a fresh interpreter where ``import triton`` fails)."""
     monkeypatch.setitem(sys.modules, "fastweights.ops.fwp.triton", None)
     monkeypatch.delattr(fwp, "triton", raising=False)  # `from . import` reads this attribute first
-    assert backends.triton_kernels() is None
+    assert triton_kernels() is None
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, fastweights\n"
-            "from fastweights.ops.backend import triton_kernels\n"
+            "from fastweights.ops.fwp.kernels import triton_kernels\n"
             "from fastweights.ops.fwp import linear_attn\n"
             "assert triton_kernels() is None\n"
             "linear_attn(*torch.rand(3, 1, 5, 1, 4).unbind(0))\n")

@@ -122,10 +122,16 @@ class Inputs:
 
 @dataclasses.dataclass(frozen=True)
 class KernelOp:
-    """An op with GPU kernel backends, and how to make its inputs (B, T, H, D, device, gen)."""
+    """An op with GPU kernel backends, and how to make its inputs (B, T, H, D, device, gen):
+    the ``mode`` its kernels compute with chunks (or mini-batches) of ``chunk``; ``backward``:
+    whether its kernels have one (without, exactness is of the forward only and forward+backward
+    runs only on torch)."""
 
     name: str
     make: Callable[[int, int, int, int, torch.device, torch.Generator], Inputs]
+    mode: str = "chunk"
+    chunk: int = 64
+    backward: bool = True
 
     def __call__(self, x: Inputs, initial_state: Any, **kw: Any) -> tuple[torch.Tensor, Any]:
         return getattr(ops, self.name)(*x.qkv, *x.gates, *x.consts, initial_state=initial_state,
@@ -140,14 +146,15 @@ def _linear_inputs(B, T, H, D, device, gen) -> Inputs:
     q, k = (F.elu(_randn(gen, device, B, T, H, D)) + 1 for _ in range(2))
     return Inputs([q, k, _randn(gen, device, B, T, H, D)], [], [],
                   (0.1 * _randn(gen, device, B, H, D, D),
-                   torch.rand(B, H, D, device=device, generator=gen)), {"normalize": True})
+                   torch.rand(B, H, D, device=device, generator=gen)),
+                  {"normalize": True, "scale": D ** -0.5})
 
 
 def _delta_inputs(B, T, H, D, device, gen) -> Inputs:
     q, k = (ops.sum_norm(F.elu(_randn(gen, device, B, T, H, D)) + 1) for _ in range(2))
     beta = torch.rand(B, T, H, device=device, generator=gen)
     return Inputs([q, k, _randn(gen, device, B, T, H, D)], [beta], [],
-                  (0.1 * _randn(gen, device, B, H, D, D),))
+                  (0.1 * _randn(gen, device, B, H, D, D),), {"scale": D ** -0.5})
 
 
 def _gated_inputs(B, T, H, D, device, gen) -> Inputs:
@@ -155,19 +162,37 @@ def _gated_inputs(B, T, H, D, device, gen) -> Inputs:
     beta = torch.rand(B, T, H, device=device, generator=gen)
     g = F.logsigmoid(3 + _randn(gen, device, B, T, H))
     return Inputs([q, k, _randn(gen, device, B, T, H, D)], [beta, g], [],
-                  (0.1 * _randn(gen, device, B, H, D, D),))
+                  (0.1 * _randn(gen, device, B, H, D, D),), {"scale": D ** -0.5})
 
 
 def _decay_inputs(B, T, H, D, device, gen) -> Inputs:
     q, k = ((F.elu(_randn(gen, device, B, T, H, D)) + 1) / D for _ in range(2))
     decay = torch.linspace(0.9, 0.999, H, device=device)  # TransNormer's range
     return Inputs([q, k, _randn(gen, device, B, T, H, D)], [], [decay],
-                  (0.1 * _randn(gen, device, B, H, D, D),))
+                  (0.1 * _randn(gen, device, B, H, D, D),), {"scale": D ** -0.5})
+
+
+def _ttt_inputs(mlp: bool) -> Callable[..., Inputs]:
+    """TTT-Linear's or TTT-MLP's inputs as the layers pass them: keys and queries of unit scale,
+    inner learning rates eta = sigmoid(.) / D, a small learned initial model (batch 1,
+    broadcast), the inner LayerNorm and the residual on, mini-batches of 16."""
+    def make(B, T, H, D, device, gen) -> Inputs:
+        q, k, v = (_randn(gen, device, B, T, H, D) / D ** 0.5 for _ in range(3))
+        eta = torch.sigmoid(_randn(gen, device, B, T, H)) / D
+        sizes = ((D, 4 * D), (4 * D,), (4 * D, D), (D,)) if mlp else ((D, D), (D,))
+        state = tuple(0.02 * _randn(gen, device, 1, H, *size) for size in sizes)
+        options = {"ln_weight": 1 + 0.1 * _randn(gen, device, H, D),
+                   "ln_bias": 0.1 * _randn(gen, device, H, D), "residual": True,
+                   "mini_batch_size": 16}
+        return Inputs([q, k, v], [eta], [], state, options)
+    return make
 
 
 KERNEL_OPS = (KernelOp("linear_attn", _linear_inputs), KernelOp("delta_rule", _delta_inputs),
               KernelOp("gated_delta_rule", _gated_inputs),
-              KernelOp("decay_linear_attn", _decay_inputs))
+              KernelOp("decay_linear_attn", _decay_inputs),
+              KernelOp("ttt_linear", _ttt_inputs(mlp=False), mode="dual", chunk=16),
+              KernelOp("ttt_mlp", _ttt_inputs(mlp=True), mode="dual", chunk=16, backward=False))
 
 
 def _op_state(parts: tuple[torch.Tensor, ...]) -> Any:
@@ -176,13 +201,16 @@ def _op_state(parts: tuple[torch.Tensor, ...]) -> Any:
 
 
 def _parts(state: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(state) if isinstance(state, tuple) else (state,)
+    """The tensors of a final state (a TTT state that ends inside a mini-batch also holds its
+    int place)."""
+    parts = tuple(state) if isinstance(state, tuple) else (state,)
+    return tuple(p for p in parts if isinstance(p, torch.Tensor))
 
 
 def _refusal(op: KernelOp, backend: str, q: torch.Tensor) -> str | None:
     """Why ``backend`` cannot run ``op`` on q (the dispatcher's own reason), or None."""
     try:
-        backends.choose_backend(op.name, q, backend, "chunk", 64)
+        backends.choose_backend(op.name, q, backend, op.mode, op.chunk)
     except ValueError as err:
         return str(err).split(": ", 1)[-1]
     return None
@@ -247,7 +275,7 @@ def exact_case(run: Run, op: KernelOp, backend: str, dtype: torch.dtype,
         return
     if not run.may_start(backend=backend, **fields):
         return
-    kw: dict[str, Any] = {"scale": D ** -0.5}
+    kw: dict[str, Any] = {}
     if docs is not None:
         kw["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(docs)], device=run.device,
                                         dtype=torch.int32)
@@ -261,23 +289,32 @@ def _exact_errors(x: Inputs, op: KernelOp, dtype: torch.dtype, docs: tuple[int, 
     """The relative errors of ``op`` on ``backend`` against the float64 naive form: outputs,
     final states, and the gradients of every input of sum(outputs * w) + sum(states * w')."""
     results = []
+    grad = op.backward or backend == "torch"
     for wide, how in ((torch.float32, {"backend": backend}), (torch.float64, {"mode": "naive"})):
         qkv = [_leaf(t.to(dtype), dtype if wide == torch.float32 else wide) for t in x.qkv]
         rest = [_leaf(t, wide) for t in (*x.gates, *x.state)]
         gates, state = rest[:len(x.gates)], tuple(rest[len(x.gates):])
-        call = Inputs(qkv, gates, [t.to(wide) for t in x.consts], state, x.options)
+        options = {n: v.to(wide) if isinstance(v, torch.Tensor) else v
+                   for n, v in x.options.items()}
+        call = Inputs(qkv, gates, [t.to(wide) for t in x.consts], state, options)
         init = _op_state(state) if docs is None else [_op_state(state)] * len(docs)
-        o, final = op(call, init, **kw, **how)
+        with torch.set_grad_enabled(grad):
+            o, final = op(call, init, **kw, **how)
         final = _parts(final) if docs is None else tuple(
             torch.cat(parts) for parts in zip(*(_parts(f) for f in final)))
-        gen = torch.Generator(device=device).manual_seed(1)
-        loss = sum((t.double() * torch.randn(t.shape, device=device, dtype=torch.float64,
-                                             generator=gen)).sum() for t in (o, *final))
-        grads = torch.autograd.grad(loss, [*qkv, *rest])
+        grads: tuple[torch.Tensor, ...] = ()
+        if grad:
+            gen = torch.Generator(device=device).manual_seed(1)
+            loss = sum((t.double() * torch.randn(t.shape, device=device, dtype=torch.float64,
+                                                 generator=gen)).sum() for t in (o, *final))
+            grads = torch.autograd.grad(loss, [*qkv, *rest], allow_unused=True)
         results.append((o, final, grads))
     (o, S, grads), (o64, S64, grads64) = results
-    return {"err_out": _rel(o, o64), "err_state": max(_rel(a, b) for a, b in zip(S, S64)),
-            "err_grad": max(_rel(a, b) for a, b in zip(grads, grads64))}
+    errors = {"err_out": _rel(o, o64), "err_state": max(_rel(a, b) for a, b in zip(S, S64))}
+    if grad:
+        errors["err_grad"] = max(_rel(a, b) for a, b in zip(grads, grads64)
+                                 if a is not None and b is not None)
+    return errors
 
 
 def _leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -334,8 +371,8 @@ def op_case(run: Run, op: KernelOp | None, backend: str, B: int, T: int) -> None
         if x is None:
             with _flash(run.device):
                 return F.scaled_dot_product_attention(*xs, is_causal=True)
-        return op(Inputs(xs, x.gates, x.consts, (), x.options), None, backend=backend,
-                  scale=D ** -0.5)[0]
+        initial = _op_state(x.state) if op.name.startswith("ttt") else None
+        return op(Inputs(xs, x.gates, x.consts, (), x.options), initial, backend=backend)[0]
 
     def fwd() -> None:
         with torch.no_grad():
@@ -347,6 +384,10 @@ def op_case(run: Run, op: KernelOp | None, backend: str, B: int, T: int) -> None
         forward(leaves).sum().backward()
 
     for p, call in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+        if p == "fwdbwd" and op is not None and not op.backward and backend != "torch":
+            run.row(**fields, **{"pass": p, "status": f"skipped: the {backend} kernels of "
+                                 f"{op.name} have no backward"})
+            continue
         if run.may_start(**fields, **{"pass": p}):
             with _item(run, **fields, **{"pass": p}):
                 run.row(**fields, **{"pass": p}, **_timed(run, call))
@@ -452,7 +493,8 @@ def train_case(run: Run, name: str) -> None:
 # ----------------------------------------------------------------------------- sections
 def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
     """Every item in its order of priority: this project's kernels and the baselines first,
-    then the layers and the training step, fla's items last (their first calls autotune)."""
+    then the layers and the training step, then the ops' PyTorch forms, fla's items last (their
+    first calls autotune)."""
     ours = [b for b in run.backends if b != "fla"]
     fla = ["fla"] if "fla" in run.backends else []
     items: list[Callable[[], None]] = []
@@ -477,12 +519,14 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
     if "exact" in sections:
         exact([*ours, "torch"])  # torch: the PyTorch chunked form, the kernels' yardstick
     if "ops" in sections:
-        op_rows([*ours, "torch"], baseline=True)
+        op_rows(ours, baseline=True)
     if "layers" in sections:
         for T in run.sizes.layers[3]:
             items += [lambda n=n, T=T: layer_case(run, n, T) for n in mixer_names()]
     if "train" in sections:
         items += [lambda n=n: train_case(run, n) for n in mixer_names()]
+    if "ops" in sections:
+        op_rows(["torch"], baseline=False)  # the PyTorch forms: slow for TTT at T 16384
     if "exact" in sections:
         exact(fla)
     if "ops" in sections:

@@ -1,30 +1,24 @@
-"""Which implementation runs a chunked fast-weight op, and the chunk sizes measured fastest
-per device kind. The one place that decides backends: the ops (ops/fwp/linear_attention.py,
-ops/fwp/delta.py, ops/fwp/gated_delta.py, ops/transnormer/decay.py) call ``choose_backend``
-and run what it names; the fla adapters sit beside the ops they adapt (ops/fwp/fla.py,
-ops/transnormer/fla.py) and reach fla through ``fla_ops`` and ``fla_varlen`` here.
+"""Which implementation runs an op that has GPU kernels: the backend registry and the one place
+that decides. An op with kernels registers them when its module is imported (``register``:
+for each backend, a ``Kernel`` saying which of the op's modes it computes and which inputs it
+takes, and the chunk sizes measured fastest per device kind); the op calls ``choose_backend``
+and runs what it names. Nothing here names an op. The fla adapters sit beside the ops they
+adapt and reach fla's functions through ``fla_ops``, which holds the functions the adapters
+registered (``register_fla``); which op has which backend, and why, is in docs/gpu.md.
 
-``linear_attn``, ``delta_rule``, ``gated_delta_rule``, ``decay_linear_attn``, ``ttt_linear``
-and ``ttt_mlp`` take ``backend=`` (the TTT ops' kernels run their dual form, mode="dual", with
-the mini-batch size as chunk size; ops/ttt/triton.py; fla has none):
+Backends, for ``backend=``:
   "fla"     flash-linear-attention's maintained chunk kernels (``pip install
-            flash-linear-attention``), CUDA only;
-  "triton"  this project's kernels (ops/fwp/triton.py), CUDA only, linear_attn, delta_rule and
-            gated_delta_rule (its forward; its backward is the PyTorch chunked form's);
+            flash-linear-attention``), CUDA only, chunks of 64 (``FLA_CHUNK``);
+  "triton"  this project's kernels (each op's family's ``triton.py``), CUDA only,
+            ``chunk_size`` <= 64 and Dk <= ``TRITON_MAX_DK``, the dtypes its module's
+            ``supports(op, dtype)`` has a spill-free tiling for;
   "torch"   the PyTorch forms of ``mode=`` (any device).
 ``backend=None`` (the default) means: the environment variable ``FASTWEIGHTS_BACKEND`` if set
 (one of the three names), else the first of fla, triton, torch that can run the call. An
 explicit choice (argument or environment) that cannot run the call is a ValueError saying why;
 the automatic choice says once per (op, backend, reason), at logging level INFO, what it took.
-``FASTWEIGHTS_TRITON=0`` (older switch) still keeps the automatic choice off Triton.
+``FASTWEIGHTS_TRITON=0`` (older switch) keeps the automatic choice off Triton.
 
-What each backend accepts: fla and triton run mode="chunk" only, on CUDA tensors of float16,
-bfloat16 or float32, except the delta rule's float32 inputs, which neither takes (fla 0.6's
-chunk_delta_rule refuses them; triton has no spill-free tiling for them: torch runs them);
-fla's chunk_gated_delta_rule takes float32 inputs too, triton (the delta rule's kernels) not.
-fla's kernels use chunks of 64, so fla runs chunk_size=64 (the default) only; triton runs
-chunk_size <= 64 and Dk <= 128 (the tilings ``tile_config`` gives, which
-tests/ops/test_fwp_triton_compile.py compiles for sm_80 and sm_90 without register spills).
 The automatic choice never crashes where another backend can run. A kernel backend may still
 refuse a call at run time, in its forward or only in its backward (fla 0.6's gated kernels raise
 a RuntimeError in the backward pass on Hopper GPUs with Triton < 3.7.1, a guard for a Triton
@@ -35,54 +29,102 @@ so the caller's graph and gradients are untouched): if the trial raises, the bac
 for that key from then on, the reason is logged once at WARNING, and the next backend is tried.
 The trial's cost is that of one short call; fla's first-call autotuning, which a trial triggers,
 would have happened in the call itself. An explicit choice is not tried: its refusal raises.
-The automatic choice keeps a one-token call (decoding, T = 1) on torch's recurrent step. Packed
-batches (cu_seqlens) go to fla whole, with fla's own cu_seqlens; triton and torch run them one
-document at a time (ops/_varlen.py). How the fla adapters map fla's conventions to ours:
-ops/fwp/fla.py.
+The automatic choice keeps a one-token call (decoding, T = 1) on torch's step. Packed batches
+(cu_seqlens) go to fla whole, with fla's own cu_seqlens; triton and torch run them one document
+at a time (ops/_varlen.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "PREFERRED_CHUNK_SIZES", "PROBE_TOKENS", "Trial", "choose_backend",
-           "fla_ops", "fla_varlen", "preferred_chunk_size", "triton_kernels", "ttt_triton_kernels"]
+__all__ = ["BACKENDS", "ENV", "FLA_CHUNK", "PROBE_TOKENS", "TRITON_MAX_DK", "Kernel", "Trial",
+           "choose_backend", "fla_ops", "fla_varlen", "kernel_ops", "optional_module",
+           "preferred_chunk_size", "register", "register_fla"]
 
 BACKENDS = ("fla", "triton", "torch")
 ENV = "FASTWEIGHTS_BACKEND"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FLA_CHUNK = 64
-TRITON_MAX_DK = 128  # the key blocks the kernels hold (ops/fwp/triton.py MAX_DK)
-TRITON_OPS = ("linear_attn", "delta_rule", "gated_delta_rule")
-# The TTT ops' dual form (mode="dual", chunk_size = mini_batch_size) in ops/ttt/triton.py.
-TTT_TRITON_OPS = ("ttt_linear", "ttt_mlp")
-KERNEL_MODES = {"ttt_linear": "dual", "ttt_mlp": "dual"}  # the mode kernels run; else "chunk"
+FLA_CHUNK = 64  # fla's kernels use chunks of 64; the ops' default chunk_size
+TRITON_MAX_CHUNK = 64
+TRITON_MAX_DK = 128  # the key blocks the kernels hold
 
-# Chunk sizes measured per device kind (forward and forward+backward, B1 H8 T4096 D64 float32;
-# `fastweights bench fwp-forms --backward --chunk-sizes 16,32,64,128 --modes chunk`,
-# recorded in benchmarks/results/chunk_sizes/). Devices not measured here keep 64, the size
-# flash-linear-attention's GPU kernels use (FLA_CHUNK).
-PREFERRED_CHUNK_SIZES: dict[str, dict[str, int]] = {
-    "cpu": {"linear_attn": 64, "delta_rule": 32, "gated_delta_rule": 32},
-}
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel backend of one op, as the op registers it: the ``mode`` of the op it computes
+    (its ``chunk_size`` called ``chunk_name`` there), the input ``dtypes`` it takes (``refused``
+    says why not the others), and for Triton the module of the kernels (``kernels``, loaded on
+    first use, None where triton is missing; its ``supports(op, dtype)`` says which dtypes
+    have a tiling that compiles without register spills)."""
+
+    mode: str = "chunk"
+    chunk_name: str = "chunk_size"
+    dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES
+    refused: str = ""
+    kernels: Callable[[], ModuleType | None] | None = None
+
+
+@dataclass(frozen=True)
+class _Registered:
+    kernels: dict[str, Kernel]
+    chunk_sizes: Mapping[str, int]
+
+
+_REGISTRY: dict[str, _Registered] = {}
+_FLA: dict[str, tuple[str, str]] = {}  # adapter name -> (fla module, function)
+
+
+def register(op: str, *, fla: Kernel | None = None, triton: Kernel | None = None,
+             chunk_sizes: Mapping[str, int] | None = None) -> None:
+    """Register ``op``'s kernel backends and its measured fastest chunk sizes per device kind
+    (``preferred_chunk_size``). Called once, when the op's module is imported."""
+    if op in _REGISTRY:
+        raise ValueError(f"op {op!r} registered twice")
+    found = {name: k for name, k in (("fla", fla), ("triton", triton)) if k is not None}
+    _REGISTRY[op] = _Registered(found, dict(chunk_sizes or {}))
+
+
+def register_fla(name: str, module: str, function: str) -> None:
+    """Make fla's ``module.function`` reachable as ``fla_ops().name`` (an fla adapter's)."""
+    _FLA[name] = (module, function)
+
+
+def kernel_ops(backend: str) -> list[str]:
+    """The registered ops that have a ``backend`` kernel."""
+    return [op for op, r in _REGISTRY.items() if backend in r.kernels]
+
+
+def optional_module(load: Callable[[], ModuleType]) -> Callable[[], ModuleType | None]:
+    """``load`` (which imports a module of kernels) as a function returning the module, or
+    None where an import fails (triton not installed)."""
+    def module() -> ModuleType | None:
+        try:
+            return load()
+        except ImportError:
+            return None
+
+    return module
 
 
 def preferred_chunk_size(op: str, device: torch.device | str) -> int:
-    """The measured fastest ``chunk_size`` of ``op`` (``"linear_attn"``, ``"delta_rule"`` or
-    ``"gated_delta_rule"``, the last from benchmarks/results/gated_delta_epyc_avx2/) on
-    this kind of device (see ``PREFERRED_CHUNK_SIZES``); 64 where nothing was measured. Layers
-    built with ``chunk_size=None`` use it; the ops themselves keep the default of 64
-    (docs/design.md, "Modes")."""
-    if op not in ("linear_attn", "delta_rule", "gated_delta_rule"):
-        raise ValueError(f"op must be 'linear_attn', 'delta_rule' or 'gated_delta_rule', got {op!r}")
-    return PREFERRED_CHUNK_SIZES.get(torch.device(device).type, {}).get(op, FLA_CHUNK)
+    """The measured fastest ``chunk_size`` of ``op`` on this kind of device (what the op
+    registered, from the records in benchmarks/results/chunk_sizes/ and
+    gated_delta_epyc_avx2/); ``FLA_CHUNK`` where nothing was measured. Layers built with
+    ``chunk_size=None`` use it; the ops themselves keep the default of 64 (docs/design.md,
+    "Modes")."""
+    if op not in _REGISTRY:
+        raise ValueError(f"op must be one of {', '.join(map(repr, _REGISTRY))}, got {op!r}")
+    return _REGISTRY[op].chunk_sizes.get(torch.device(device).type, FLA_CHUNK)
 
 
 _logger = logging.getLogger(__name__)
@@ -147,80 +189,55 @@ def _trial_refusal(op: str, name: str, q: torch.Tensor, trial: Trial | None) -> 
     return _trials[key]
 
 
-def triton_kernels() -> ModuleType | None:
-    """``ops/fwp/triton.py``, imported on first use; None where triton is not installed."""
-    try:
-        from .fwp import triton as kernels
-    except ImportError:
-        return None
-    return kernels
-
-
 def fla_ops() -> Any | None:
-    """fla's chunk functions (linear_attn, delta_rule, simple_gla, gated_delta_rule), or None where
-    flash-linear-attention is not installed. Tests replace this with fla's reference forms."""
+    """fla's functions the adapters registered (``register_fla``), by their names, or None
+    where flash-linear-attention is not installed. Tests replace this with fla's reference
+    forms."""
     try:
-        from fla.ops.delta_rule import chunk_delta_rule
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        from fla.ops.linear_attn import chunk_linear_attn
-        from fla.ops.simple_gla import chunk_simple_gla
+        return SimpleNamespace(**{name: getattr(importlib.import_module(module), function)
+                                  for name, (module, function) in _FLA.items()})
     except ImportError:
         return None
-    return SimpleNamespace(linear_attn=chunk_linear_attn, delta_rule=chunk_delta_rule,
-                           simple_gla=chunk_simple_gla, gated_delta_rule=chunk_gated_delta_rule)
 
 
 def _on_cuda(q: torch.Tensor) -> bool:
     return q.is_cuda
 
 
-def ttt_triton_kernels() -> ModuleType | None:
-    """``ops/ttt/triton.py``, imported on first use; None where triton is not installed."""
-    try:
-        from .ttt import triton as kernels
-    except ImportError:
-        return None
-    return kernels
-
-
 def _why_not(name: str, op: str, q: torch.Tensor, mode: str, chunk_size: int) -> str | None:
     """Why ``name`` cannot run this call, or None if it can."""
     if name == "torch":
         return None
-    kernel_mode = KERNEL_MODES.get(op, "chunk")
-    if mode != kernel_mode:
-        form = "dual" if kernel_mode == "dual" else "chunked"
-        return f"mode={mode!r}: the {name} kernels are the {form} form (mode={kernel_mode!r})"
+    kernel = _REGISTRY[op].kernels.get(name) if op in _REGISTRY else None
+    if kernel is None:
+        return f"no {'Triton' if name == 'triton' else name} kernel for {op}"
+    if mode != kernel.mode:
+        return f"mode={mode!r}: the {name} kernels are the {kernel.mode} form (mode={kernel.mode!r})"
     if not _on_cuda(q):
         return f"inputs on {q.device}, the {name} kernels need CUDA tensors"
     if q.dtype not in KERNEL_DTYPES:
         return f"dtype {q.dtype}: the {name} kernels take float16, bfloat16 or float32"
+    if q.dtype not in kernel.dtypes:
+        return f"{str(q.dtype).removeprefix('torch.')} inputs: {kernel.refused}"
+    size = kernel.chunk_name
     if name == "fla":
-        if op in KERNEL_MODES:
-            return f"fla has no kernel for {op}"
         if chunk_size != FLA_CHUNK:
-            return f"chunk_size={chunk_size}: fla's kernels use chunks of {FLA_CHUNK}"
-        if op == "delta_rule" and q.dtype == torch.float32:
-            return "float32 inputs: fla's chunk_delta_rule refuses them (fla 0.6)"
+            return f"{size}={chunk_size}: fla's kernels use chunks of {FLA_CHUNK}"
         if fla_ops() is None:
             return "flash-linear-attention is not installed (pip install flash-linear-attention)"
         return None
-    if op not in TRITON_OPS + TTT_TRITON_OPS:
-        return f"no Triton kernel for {op}"
-    if chunk_size > 64:
-        size = "mini_batch_size" if op in KERNEL_MODES else "chunk_size"
-        return f"{size}={chunk_size}: the Triton kernels take {size} <= 64"
+    if chunk_size > TRITON_MAX_CHUNK:
+        return f"{size}={chunk_size}: the Triton kernels take {size} <= {TRITON_MAX_CHUNK}"
     if q.shape[-1] > TRITON_MAX_DK:
         return f"Dk={q.shape[-1]}: the Triton kernels take Dk <= {TRITON_MAX_DK}"
     if os.environ.get("FASTWEIGHTS_TRITON", "1") == "0":
         return "FASTWEIGHTS_TRITON=0"
-    kernels = ttt_triton_kernels() if op in KERNEL_MODES else triton_kernels()
+    kernels = kernel.kernels() if kernel.kernels is not None else None
     if kernels is None:
         return "triton is not installed (pip install fastweights[triton])"
     if not kernels.supports(op, q.dtype):
-        family = "ttt" if op in KERNEL_MODES else "fwp"
         return (f"{q.dtype} {op}: no Triton tiling compiles without register spills "
-                f"(ops/{family}/triton.py tile_config)")
+                f"({kernels.__name__} tile_config)")
     return None
 
 
@@ -256,7 +273,8 @@ def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
         if why is not None:
             raise ValueError(f"{source}={backend!r} cannot run {op}: {why}")
         return backend
-    if mode != KERNEL_MODES.get(op, "chunk") or q.shape[1] == 1:
+    kernels = _REGISTRY[op].kernels.values() if op in _REGISTRY else ()
+    if all(mode != k.mode for k in kernels) or q.shape[1] == 1:
         return "torch"  # the oracle / recurrent forms, and one-token decoding steps
     reasons = []
     for name in ("fla", "triton"):

@@ -10,7 +10,7 @@ kernels (``triton.py``; ``backend=``, chosen by ops/backend.py); everywhere else
 gated_delta_rule everywhere, PyTorch.
 """
 
-from ..backend import PREFERRED_CHUNK_SIZES, preferred_chunk_size
+from ..backend import preferred_chunk_size
 from .delta import delta_rule, delta_rule_attn_norm
 from .feature_maps import (
     FEATURE_MAPS,
@@ -27,7 +27,7 @@ from .gated_delta_recurrent import gated_delta_rule_step
 from .linear_attention import MODES, LinearAttnState, linear_attn
 
 __all__ = [
-    "FEATURE_MAPS", "MODES", "PREFERRED_CHUNK_SIZES", "LinearAttnState", "delta_rule",
+    "FEATURE_MAPS", "MODES", "LinearAttnState", "delta_rule",
     "delta_rule_attn_norm", "dpfp", "draw_favor_projection", "elu_plus_one", "favor_features",
     "feature_map", "gated_delta_rule", "gated_delta_rule_step", "linear_attn",
     "preferred_chunk_size", "relu", "sum_norm",

@@ -23,12 +23,20 @@ from ..._checks import (
 from .._autocast import float32_states, products_dtype
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
-from ..backend import Trial, choose_backend, triton_kernels
+from ..backend import Kernel, Trial, choose_backend, register
 from .chunk import delta_rule_chunk
 from .fla import fla_delta_rule
+from .kernels import triton_kernels
 from .linear_attention import MODES, LinearAttnState
 from .naive import delta_rule_attn_norm_naive, delta_rule_naive
 from .recurrent import delta_rule_recurrent
+
+# fla 0.6's chunk_delta_rule refuses float32 inputs; the Triton kernels have no spill-free
+# float32 tiling for it (ops/fwp/triton.py tile_config): torch runs them. Chunks of 32 measured
+# fastest on the CPU (docs/performance.md, "Chunk sizes").
+register("delta_rule", fla=Kernel(dtypes=(torch.float16, torch.bfloat16),
+                                  refused="fla's chunk_delta_rule refuses them (fla 0.6)"),
+         triton=Kernel(kernels=triton_kernels), chunk_sizes={"cpu": 32})
 
 
 @float32_states

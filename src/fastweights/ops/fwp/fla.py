@@ -42,6 +42,10 @@ import torch
 
 from .. import backend
 
+backend.register_fla("linear_attn", "fla.ops.linear_attn", "chunk_linear_attn")
+backend.register_fla("delta_rule", "fla.ops.delta_rule", "chunk_delta_rule")
+backend.register_fla("gated_delta_rule", "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+
 
 def _running_z(k: torch.Tensor, z0: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
     """z_t = z0 + sum_{s <= t} k_s in float32: [B, T, H, Dk]. With ``bounds`` the sum restarts

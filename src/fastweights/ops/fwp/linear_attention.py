@@ -24,9 +24,10 @@ from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed, stack_packed_states
-from ..backend import Trial, choose_backend, triton_kernels
+from ..backend import Kernel, Trial, choose_backend, register
 from .chunk import linear_attn_chunk
 from .fla import fla_linear_attn
+from .kernels import triton_kernels
 from .naive import linear_attn_naive
 from .recurrent import linear_attn_recurrent
 
@@ -52,6 +53,10 @@ class LinearAttnState(NamedTuple):
         check_items(state, cls, "S [B, H, Dk, Dv], z [B, H, Dk]")
         specs = {"S": ((B, H, Dk, Dv), "[B, H, Dk, Dv]"), "z": ((B, H, Dk), "[B, H, Dk]")}
         return cls(**checked_tensors(state, cls, specs, q, state_dtype(q.dtype)))
+
+
+register("linear_attn", fla=Kernel(), triton=Kernel(kernels=triton_kernels),
+         chunk_sizes={"cpu": 64})
 
 
 @float32_states

@@ -23,13 +23,16 @@ from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
-from ..backend import Trial, choose_backend
+from ..backend import Kernel, Trial, choose_backend, register
 from .chunk import decay_linear_attn_chunk
 from .fla import fla_decay_linear_attn
 from .naive import decay_linear_attn_naive
 from .recurrent import decay_linear_attn_recurrent
 
 MODES = RECURRENT_MODES
+
+
+register("decay_linear_attn", fla=Kernel())
 
 
 @float32_compute

@@ -9,6 +9,8 @@ import torch
 
 from .. import backend
 
+backend.register_fla("simple_gla", "fla.ops.simple_gla", "chunk_simple_gla")
+
 
 def fla_decay_linear_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, *, scale: float,

@@ -27,9 +27,10 @@ from .._autocast import float32_compute
 from .._modes import TTT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import check_cu_seqlens, run_packed
-from ..backend import ENV, Trial, choose_backend, ttt_triton_kernels
+from ..backend import ENV, Kernel, Trial, choose_backend, register
 from .chunk import ttt_linear_dual, ttt_mlp_dual
 from .common import Carry, to_dtype
+from .kernels import triton_kernels
 from .naive import linear_f_res, mlp_f_res, ttt_naive
 from .primal import ttt_linear_primal, ttt_mlp_primal
 from .step import ttt_linear_step, ttt_mlp_step
@@ -51,6 +52,10 @@ _KERNELS = {
 
 
 _STEPS = {"linear": ttt_linear_step, "mlp": ttt_mlp_step}
+# The Triton kernels compute the dual form, a mini-batch per step (ops/ttt/triton.py); fla has none.
+for _op in ("ttt_linear", "ttt_mlp"):
+    register(_op, triton=Kernel(mode="dual", chunk_name="mini_batch_size",
+                                kernels=triton_kernels))
 
 
 def _ttt(
@@ -130,7 +135,7 @@ def _ttt(
                "mini_batch_size": b, "token_scale": token_scale}
     if _triton_runs(kind, q, k, v, eta, carry, backend, mode, records_grad, options):
         # The kernels read q, k, v in their own dtype (half inputs stay half in memory).
-        o, carry = getattr(ttt_triton_kernels(), f"ttt_{kind}_triton")(
+        o, carry = getattr(triton_kernels(), f"ttt_{kind}_triton")(
             q, k, v, **{n: inputs[n] for n in ("eta", "carry", "ln_weight", "ln_bias",
                                                "residual", "tau")},
             checkpoint_group=checkpoint_group)
@@ -166,7 +171,7 @@ def _triton_runs(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     trial call (ops/backend.py ``Trial``) starts from the carry's start weights, detached;
     ``options``: the op's other keyword arguments (LayerNorm, residual, mini-batch size, token
     scales)."""
-    kernels = ttt_triton_kernels()
+    kernels = triton_kernels()
     why = None
     if kernels is not None:
         Dk, Dv = q.shape[-1], v.shape[-1]

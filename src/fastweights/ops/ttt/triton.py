@@ -81,7 +81,7 @@ from .common import LN_EPS, Carry
 __all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_config",
            "ttt_linear_triton", "ttt_mlp_triton"]
 
-OPS = ("ttt_linear", "ttt_mlp")  # the ops with kernels here (ops/backend.py TTT_TRITON_OPS)
+OPS = ("ttt_linear", "ttt_mlp")  # the ops with kernels here (registered in inner_loop.py)
 MAX_D = 128  # Dk and Dv (ops/backend.py TRITON_MAX_DK)
 # The dispatcher's head sizes are multiples of this (inner_loop.py): their launches get Triton's
 # alignment specialisation, which the compile test covers; without it (an odd head size) the
