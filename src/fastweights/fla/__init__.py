@@ -6,8 +6,8 @@ run without a GPU. Here each family is rebuilt from a fastweights layer with fla
 names, so the tensors of an fla checkpoint load unchanged, and the same arithmetic (equal in
 float64 to fla's own model code run with its PyTorch references, tests/fla/test_*_reference.py).
 
-- ``modules.py``: fla's building blocks (``FlaRMSNorm``, ``ShortConvolution``, ``SwiGLU``,
-  the head split ``FlaMixer``);
+- ``modules.py``: fla's building blocks (``ShortConvolution``, ``SwiGLU``, the head split
+  ``FlaMixer``; fla's RMSNorm is ``fastweights.layers.RMSNorm``);
 - ``model.py``: ``FlaConfig`` and ``FlaLM``, what every family's config and model share;
 - ``deltanet.py``, ``retnet.py``, ``gated_deltanet.py``: one family each: the layer (``FlaDeltaNet``,
   ``FlaMultiScaleRetention``), the config (``FlaDeltaNetConfig``, ``FlaRetNetConfig``, with
@@ -25,7 +25,7 @@ from .deltanet import FLA_OPTIONS, FlaDeltaNet, FlaDeltaNetConfig, FlaDeltaNetLM
 from .gated_deltanet import FLA_GATED_DELTANET_OPTIONS, FlaGatedDeltaNetConfig, FlaGatedDeltaNetLM
 from .load import from_fla
 from .model import COMMON_FLA_OPTIONS, FlaConfig, FlaLM
-from .modules import FlaRMSNorm, ShortConvolution, SwiGLU
+from .modules import ShortConvolution, SwiGLU
 from .retnet import FLA_RETNET_OPTIONS, FlaMultiScaleRetention, FlaRetNetConfig, FlaRetNetLM
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
     "FlaGatedDeltaNetLM",
     "FlaLM",
     "FlaMultiScaleRetention",
-    "FlaRMSNorm",
     "FlaRetNetConfig",
     "FlaRetNetLM",
     "ShortConvolution",

@@ -35,11 +35,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_bool, check_choice, check_layer_input, check_positive_int
+from .._checks import (
+    check_bool,
+    check_choice,
+    check_layer_input,
+    check_positive_int,
+    state_dtype,
+)
 from ..layers.base import State, merge_heads, split_heads
+from ..layers.norms import RMSNorm
 from ..ops.fwp import delta_rule, elu_plus_one, preferred_chunk_size
 from .model import COMMON_FLA_OPTIONS, FlaConfig, FlaLM
-from .modules import FlaMixer, FlaRMSNorm, ShortConvolution, compute_dtype
+from .modules import FlaMixer, ShortConvolution
 
 QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
 QK_NORMS = ("l2", "sum")
@@ -95,7 +102,7 @@ class FlaDeltaNet(FlaMixer):
             self.v_conv1d = ShortConvolution(value_dim, conv_size, bias=conv_bias, activation=True)
         if use_gate:
             self.g_proj = nn.Linear(d_model, value_dim, bias=False)
-        self.o_norm = FlaRMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)
 
     def _feature(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +113,7 @@ class FlaDeltaNet(FlaMixer):
             x = F.relu(x)
         elif self.qk_activation == "elu":
             x = elu_plus_one(x)
-        xf = x.to(compute_dtype(x))
+        xf = x.to(state_dtype(x.dtype))
         if self.qk_norm == "l2":
             xf = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + L2_EPS)
         else:

@@ -1,7 +1,7 @@
 """The building blocks fla's layers and models share, as fla computes them (fla's
-``fla/modules``): ``FlaRMSNorm`` (optionally SiLU-gated), ``ShortConvolution`` (causal depthwise,
-its last inputs carried in the state), ``SwiGLU`` (fla's GatedMLP) and ``FlaMixer``, the head
-split of fla's layers (``expand_k`` / ``expand_v``).
+``fla/modules``): ``ShortConvolution`` (causal depthwise, its last inputs carried in the state),
+``SwiGLU`` (fla's GatedMLP) and ``FlaMixer``, the head split of fla's layers (``expand_k`` /
+``expand_v``). fla's RMSNorm, gated or not, is ``fastweights.layers.RMSNorm``.
 
 Dimension legend: B batch, T tokens, C channels, W the short-convolution width.
 """
@@ -17,44 +17,6 @@ from torch import nn
 from .._checks import check_bool, check_positive_int, is_number
 from ..layers.base import Mixer
 from ..ops._conv import causal_depthwise_conv
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 for half precisions (as fla's kernels compute), float64 stays float64."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-class FlaRMSNorm(nn.Module):
-    """RMSNorm over the last dim as fla computes it, optionally gated by SiLU of a second input:
-    ``y = x / sqrt(mean(x^2) + eps) * weight [* silu(gate)]``, in float32 (float64 stays
-    float64) and cast back to x's dtype once at the end (fla's fused kernels round once too).
-    The parameter is ``weight`` [dim]; ``elementwise_affine=False`` leaves it out (weight 1)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True) -> None:
-        super().__init__()
-        check_positive_int("dim", dim)
-        if not is_number(eps) or not 0 < eps < 1:
-            raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
-        self.dim, self.eps = dim, float(eps)
-        if check_bool("elementwise_affine", elementwise_affine):
-            self.weight = nn.Parameter(torch.ones(dim))
-        else:
-            self.register_parameter("weight", None)
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., dim], gate None or [..., dim] -> [..., dim] in x's dtype."""
-        cdtype = compute_dtype(x)
-        xf = x.to(cdtype)
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            y = y * self.weight.to(cdtype)
-        if gate is not None:
-            y = y * F.silu(gate.to(cdtype))
-        return y.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}" + ("" if self.weight is not None
-                                                 else ", elementwise_affine=False")
 
 
 class ShortConvolution(nn.Module):

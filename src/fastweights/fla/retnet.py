@@ -47,10 +47,11 @@ from torch import nn
 
 from .._checks import check_bool, check_choice, check_layer_input, check_positive_int
 from ..layers.base import State, merge_heads, split_heads
+from ..layers.norms import RMSNorm
 from ..layers.positional import rotate_halves
 from ..ops.transnormer import decay_linear_attn
 from .model import COMMON_FLA_OPTIONS, FlaConfig, FlaLM
-from .modules import FlaMixer, FlaRMSNorm
+from .modules import FlaMixer
 
 ROPE_BASE = 10000.0  # fla's RotaryEmbedding default, which MultiScaleRetention keeps
 
@@ -143,7 +144,7 @@ class FlaMultiScaleRetention(FlaMixer):
         if use_output_gate:
             self.g_proj = nn.Linear(d_model, value_dim, bias=False)
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)
-        norm = FlaRMSNorm(self.head_v_dim, norm_eps, elementwise_affine=elementwise_affine)
+        norm = RMSNorm(self.head_v_dim, norm_eps, elementwise_affine=elementwise_affine)
         # fla names the norm after whether it is fused with the gate; the maths is the same
         self.norm_name = "g_norm_swish_gate" if fuse_norm and use_output_gate else "g_norm"
         self.add_module(self.norm_name, norm)
