@@ -9,14 +9,9 @@ import json
 import pytest
 import torch
 
-from fastweights.fla import (
-    FLA_OPTIONS,
-    FlaDeltaNet,
-    FlaDeltaNetConfig,
-    FlaDeltaNetLM,
-    ShortConvolution,
-)
-from fastweights.layers import RMSNorm
+from fastweights.fla import FLA_OPTIONS, FlaDeltaNetConfig, FlaDeltaNetLM
+from fastweights.layers import FlaDeltaNet, RMSNorm
+from fastweights.layers.fla_deltanet import ShortConvolution
 from tests.helpers import assert_close64, assert_pieces_and_steps_equal_whole
 
 V = 41
