@@ -94,14 +94,17 @@ class ShortConvolution(nn.Module):
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if state is not None:
+            self.check_state("short-convolution state", state, x.shape[0])
+        return self._run(x, state)
+
+    def _run(self, x: torch.Tensor, state: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` on a state already checked."""
         B, _, C = x.shape
         W = self.kernel_size
         xt = x.transpose(1, 2)  # [B, C, T]
-        if state is None:
-            past = xt.new_zeros(B, C, W - 1)
-        else:
-            self.check_state("short-convolution state", state, B)
-            past = state.to(xt.dtype)
+        past = xt.new_zeros(B, C, W - 1) if state is None else state.to(xt.dtype)
         full = torch.cat([past, xt], dim=2)  # [B, C, W - 1 + T]
         y = causal_depthwise_conv(full, self.weight, self.bias)  # [B, C, T]
         if self.activation:
@@ -112,14 +115,17 @@ class ShortConvolution(nn.Module):
                   bounds: Sequence[int], state_dtype: torch.dtype
                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward`` of the documents packed in x [B, T, C] at ``bounds`` (their starts, then
-        T), document d continuing ``states[d]``: (y [B, T, C], every document's final state in
-        ``state_dtype``)."""
+        T), document d continuing ``states[d]`` (checked by the caller, ``check_state``):
+        (y [B, T, C], every document's final state in ``state_dtype``)."""
+        if len(bounds) == 2:  # one document: every unpacked call, every decoding step
+            y, final = self._run(x, states[0])
+            return y, [final if final.dtype == state_dtype else final.to(state_dtype)]
         outs, finals = [], []
         for (start, stop), state in zip(pairwise(bounds), states):
-            y, final = self(x[:, start:stop], state)
+            y, final = self._run(x[:, start:stop], state)
             outs.append(y)
             finals.append(final if final.dtype == state_dtype else final.to(state_dtype))
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), finals
+        return torch.cat(outs, dim=1), finals
 
     def extra_repr(self) -> str:
         return (f"{self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, "
