@@ -1,4 +1,5 @@
-"""The package's internal import graph: floors, no cycle, the command line on top of everything.
+"""The package's internal import graph: floors, no cycle (between modules, and between the
+package's folders), the command line on top of everything.
 
 ``python tests/test_imports.py`` prints the graph (each module's fastweights-internal imports,
 ``*`` marking those made inside a function), its cycles and its arrows up a floor.
@@ -9,8 +10,6 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
-
-import pytest
 
 import fastweights
 
@@ -34,26 +33,23 @@ FLOORS = (
     ("__main__",),
 )
 
-# Old public import paths kept as thin re-exports of their new home (above them). They hold
-# imports only, and nothing in the package imports them but their own package's lazy
-# attribute lookup (``models.__getattr__`` for the fla names ``fastweights.models`` exported).
-ALIASES = {
-    "fastweights.hf_fla": "fastweights.fla.hf",
-    "fastweights.models.fla": "fastweights.fla",
-}
-
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def part(module: str) -> str:
+    """The top-level part of the package that ``module`` belongs to: its folder, or the root
+    module itself ("" for the package's own ``__init__``)."""
+    return module.split(".")[1] if "." in module else ""
+
+
 def floor(module: str) -> int:
-    """The floor of ``module`` (0 for the root's own modules; an alias's is its home's)."""
-    module = ALIASES.get(module, module)
-    part = module.split(".")[1] if "." in module else ""
+    """The floor of ``module`` (0 for the root's own modules)."""
+    part_ = part(module)
     for i, names in enumerate(FLOORS, start=1):
-        if part in names:
+        if part_ in names:
             return i
     return 0
 
@@ -136,10 +132,18 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def arrows_up(graph: dict[str, dict[str, bool]]) -> list[str]:
-    """Every import of a module on a higher floor, as ``a -> b`` (aliases aside: their own
-    test says who may import them)."""
-    return [f"{m} -> {t}{'*' if late else ''}" for m, imps in graph.items() if m not in ALIASES
-            for t, late in sorted(imps.items()) if t not in ALIASES and floor(t) > floor(m)]
+    """Every import of a module on a higher floor, as ``a -> b``."""
+    return [f"{m} -> {t}{'*' if late else ''}" for m, imps in graph.items()
+            for t, late in sorted(imps.items()) if floor(t) > floor(m)]
+
+
+def folder_graph(graph: dict[str, dict[str, bool]]) -> dict[str, set[str]]:
+    """The import graph between the package's top-level parts (``part``): a part imports
+    another when one of its modules does."""
+    folders: dict[str, set[str]] = {part(m): set() for m in graph}
+    for m, imps in graph.items():
+        folders[part(m)].update(part(t) for t in imps if part(t) != part(m))
+    return folders
 
 
 def test_no_cycle_with_function_level_imports_included():
@@ -151,37 +155,18 @@ def test_no_arrow_up_a_floor_with_function_level_imports_included():
     assert arrows_up(import_graph()) == []
 
 
+def test_no_cycle_between_folders():
+    """No loop at folder level either (models/, fla/ and hf/ formed one through the re-export
+    shims of 0.1.0's old import paths, models/fla.py and hf_fla.py)."""
+    folders = folder_graph(import_graph())
+    assert {"models", "fla", "hf", "layers", "ops"} <= set(folders)
+    assert cycles(folders) == []
+
+
 def test_every_top_level_part_has_a_floor():
     parts = {p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
     ground = {"__init__", "_checks", "_commands", "_files", "_names", "state_tree", "testing"}
-    aliases = {a.split(".")[1] for a in ALIASES if a.count(".") == 1}
-    assert parts - ground - aliases == {name for names in FLOORS for name in names}
-
-
-def test_aliases_only_re_export_and_only_their_package_reaches_them():
-    graph = import_graph()
-    for alias, home in ALIASES.items():
-        tree = ast.parse((ROOT.parent / (alias.replace(".", "/") + ".py")).read_text())
-        body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
-        assert all(isinstance(n, (ast.ImportFrom, ast.Import, ast.Assign)) for n in body), alias
-        assert home in graph[alias], f"{alias} re-exports {home}"
-        importers = {m for m, imps in graph.items() if alias in imps}
-        assert importers <= {alias.rpartition(".")[0]}, f"{alias} imported by {importers}"
-        assert all(graph[m][alias] for m in importers), f"{alias} imported at module level"
-
-
-def test_old_public_paths_still_import():
-    import fastweights.fla as fla
-    import fastweights.models as models
-    from fastweights.models import fla as old_fla
-
-    assert old_fla.from_fla is fla.from_fla and models.FlaRetNetLM is fla.FlaRetNetLM
-    assert old_fla.FLA_OPTIONS is fla.FLA_OPTIONS and models.from_fla is fla.from_fla
-    pytest.importorskip("transformers")
-    from fastweights import hf_fla
-    from fastweights.fla import hf
-
-    assert hf_fla.fla_model_class is hf.fla_model_class
+    assert parts - ground == {name for names in FLOORS for name in names}
 
 
 def test_the_command_is_the_only_entry_point():
@@ -209,3 +194,4 @@ if __name__ == "__main__":
         print(module, "->", ", ".join(f"{t}{'*' if late else ''}" for t, late in sorted(imps.items())))
     print("cycles:", cycles({m: set(imps) for m, imps in graph.items()}) or "none", file=sys.stderr)
     print("arrows up a floor:", arrows_up(graph) or "none", file=sys.stderr)
+    print("cycles between folders:", cycles(folder_graph(graph)) or "none", file=sys.stderr)

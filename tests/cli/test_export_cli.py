@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fastweights.models import LanguageModel, LMConfig
-from fastweights.models.export import flatten_state
+from fastweights.state_tree import flatten
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -42,9 +42,9 @@ def test_export_step_pt2_and_onnx(checkpoint, tmp_path):
     with torch.no_grad():
         _, state = model(ids[:, :6])
         logits, new = model(ids[:, 6:], state)
-    got = program(ids[:, 6:], *flatten_state(state)[0])
+    got = program(ids[:, 6:], *flatten(state)[0])
     torch.testing.assert_close(got[0], logits)
-    for g, w in zip(got[1:], flatten_state(new)[0]):
+    for g, w in zip(got[1:], flatten(new)[0]):
         torch.testing.assert_close(g, w)
     with zipfile.ZipFile(out) as z:
         name = next(n for n in z.namelist() if n.endswith("fastweights.json"))
@@ -52,7 +52,7 @@ def test_export_step_pt2_and_onnx(checkpoint, tmp_path):
     assert meta["step"] and meta["reusable"] and len(meta["state_tensors"]) == 1
     if _has_onnx():
         import onnxruntime as ort
-        feeds = {"input_ids": ids[:, 6:].numpy(), "state_0": flatten_state(state)[0][0].numpy()}
+        feeds = {"input_ids": ids[:, 6:].numpy(), "state_0": flatten(state)[0][0].numpy()}
         logits_onnx = ort.InferenceSession(str(onnx)).run(None, feeds)[0]
         torch.testing.assert_close(torch.from_numpy(logits_onnx), logits, rtol=1e-5, atol=1e-6)
 

@@ -9,14 +9,9 @@ import json
 import pytest
 import torch
 
-from fastweights.fla import (
-    FLA_OPTIONS,
-    FlaDeltaNet,
-    FlaDeltaNetConfig,
-    FlaDeltaNetLM,
-    FlaRMSNorm,
-    ShortConvolution,
-)
+from fastweights.fla import FLA_OPTIONS, FlaDeltaNetConfig, FlaDeltaNetLM
+from fastweights.layers import FlaDeltaNet, RMSNorm
+from fastweights.layers.fla_deltanet import ShortConvolution
 from tests.helpers import assert_close64, assert_pieces_and_steps_equal_whole
 
 V = 41
@@ -95,7 +90,7 @@ def test_short_convolution_half_precision_rounds_once_like_conv1d(dtype):
 
 
 def test_rmsnorm_gate():
-    norm = FlaRMSNorm(5, eps=1e-5).double()
+    norm = RMSNorm(5, eps=1e-5).double()
     with torch.no_grad():
         norm.weight.copy_(torch.randn(5))
     x, g = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastweights.fla import FLA_RETNET_OPTIONS, FlaRetNetConfig, FlaRetNetLM
-from fastweights.fla.retnet import FlaMultiScaleRetention, fla_rotary_tables
+from fastweights.layers.fla_retnet import FlaMultiScaleRetention, fla_rotary_tables
 from fastweights.layers.positional import rotate_halves
 from fastweights.ops.transnormer import decay_linear_attn
 from tests.helpers import assert_close64, assert_pieces_and_steps_equal_whole

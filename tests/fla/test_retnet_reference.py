@@ -31,7 +31,7 @@ with warnings.catch_warnings():  # fla warns that Triton has no CPU driver here
     from tests.fla import common as fla_common
 
 from fastweights.fla import FLA_RETNET_OPTIONS
-from fastweights.fla.retnet import FEATURE_MAPS, retention_decay
+from fastweights.layers.fla_retnet import FEATURE_MAPS, retention_decay
 from tests.helpers import assert_close64
 
 V, T = 53, 70  # T > 64: fastweights' chunk form crosses a chunk border, fla takes its chunk mode

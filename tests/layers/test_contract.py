@@ -32,6 +32,8 @@ SMALL_OPTIONS: dict[str, dict] = {
     "ttt-linear": {"mini_batch_size": 4},
     "ttt-mlp": {"mini_batch_size": 4},
     "gated-delta": {"chunk_size": 4, "num_v_heads": 4, "expand_v": 1.5},
+    "fla-delta": {"chunk_size": 4, "use_gate": True, "conv_size": 3},
+    "retnet": {"chunk_size": 4, "num_kv_heads": 1},
 }
 
 # Mixers whose state is a cache of every token (state_size grows linearly with the length).

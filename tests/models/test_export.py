@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from fastweights.models import LanguageModel, LMConfig
-from fastweights.models.export import (
-    export_forward,
-    export_step,
-    export_step_onnx,
-    flatten_state,
-    unflatten_state,
-)
+from fastweights.models.export import export_forward, export_step, export_step_onnx
 from fastweights.models.registry import mixer_names
+from fastweights.state_tree import flatten, unflatten
 
 # Fixed-size states, and growing caches that one program follows (module docstring).
 REUSABLE = ["linear", "dpfp", "favor", "delta", "aft-simple", "softmax", "infini", "diag",
@@ -43,7 +38,7 @@ def test_forward_export_matches_eager(name):
     program = export_forward(model, ids).module()
     with torch.no_grad():
         logits, state = model(ids)
-    _assert_same(program(ids), [logits, *flatten_state(state)[0]])
+    _assert_same(program(ids), [logits, *flatten(state)[0]])
 
 
 @pytest.mark.parametrize(("name", "multiple", "T"), [("softmax", 1, 21), ("diag", 64, 128)])
@@ -54,7 +49,7 @@ def test_forward_export_dynamic_length(name, multiple, T):
     ids = _ids(2, T, seed=3)
     with torch.no_grad():
         logits, state = model(ids)
-    _assert_same(program(ids), [logits, *flatten_state(state)[0]])
+    _assert_same(program(ids), [logits, *flatten(state)[0]])
 
 
 @pytest.mark.parametrize("name", mixer_names())
@@ -66,9 +61,9 @@ def test_step_export_matches_eager(name):
         nxt = _ids(2, 1, seed=5)
         logits, new = model(nxt, state)
     step = export_step(model, state, nxt, dynamic=False)
-    tensors, _ = flatten_state(state)
+    tensors, _ = flatten(state)
     _assert_same(step.program.module()(nxt, *[t.contiguous() for t in tensors]),
-                 [logits, *flatten_state(new)[0]])
+                 [logits, *flatten(new)[0]])
 
 
 @pytest.mark.parametrize("name", REUSABLE)
@@ -80,13 +75,13 @@ def test_step_program_decodes_from_its_own_state(name):
     step = export_step(model, state, _ids(2, 1, seed=5))
     assert step.reusable
     run = step.program.module()
-    carried = [t.contiguous() for t in flatten_state(state)[0]]
+    carried = [t.contiguous() for t in flatten(state)[0]]
     for i in range(3):
         nxt = _ids(2, 1, seed=10 + i)
         with torch.no_grad():
             logits, state = model(nxt, state)
         out = run(nxt, *carried)
-        _assert_same(out, [logits, *flatten_state(state)[0]])
+        _assert_same(out, [logits, *flatten(state)[0]])
         carried = list(out[1:])
 
 
@@ -102,11 +97,11 @@ def test_state_layout_round_trip():
     model = _model("ttt-linear")
     with torch.no_grad():
         _, state = model(_ids(2, 5))
-    tensors, layout = flatten_state(state)
-    again = unflatten_state(tensors, layout)
-    assert flatten_state(again)[1].same_as(layout)
+    tensors, layout = flatten(state)
+    again = unflatten(tensors, layout)
+    assert flatten(again)[1].same_as(layout)
     with pytest.raises(ValueError, match="holds"):
-        unflatten_state(tensors[:-1], layout)
+        unflatten(tensors[:-1], layout)
 
 
 def test_export_keeps_eager_checks():
@@ -132,8 +127,8 @@ def test_onnx_step_matches_eager(name, tmp_path):
         logits, new = model(nxt, state)
     path = tmp_path / "step.onnx"
     export_step_onnx(model, state, nxt, str(path))
-    tensors = flatten_state(state)[0]
+    tensors = flatten(state)[0]
     feeds = {"input_ids": nxt.numpy(), **{f"state_{i}": t.contiguous().numpy()
                                           for i, t in enumerate(tensors)}}
     out = ort.InferenceSession(str(path)).run(None, feeds)
-    _assert_same([torch.from_numpy(o) for o in out], [logits, *flatten_state(new)[0]])
+    _assert_same([torch.from_numpy(o) for o in out], [logits, *flatten(new)[0]])

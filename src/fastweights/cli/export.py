@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from .. import state_tree
     from ..models import export as ex
     from ..train.checkpoint import load_model
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         if args.step:
             with torch.no_grad():
                 _, state = model(ids)
-            tensors, layout = ex.flatten_state(state)
+            tensors, layout = state_tree.flatten(state)
             step = ex.export_step(model, state, ids[:, :1], dynamic=args.dynamic)
             program = step.program
             meta.update(json.loads(ex.layout_json(layout, tensors)), reusable=step.reusable)

@@ -27,7 +27,8 @@ from torch import nn
 
 from .._checks import check_positive_int, is_int, is_number
 from ..layers.base import Mixer
-from .modules import FlaRMSNorm, SwiGLU
+from ..layers.norms import RMSNorm
+from .modules import SwiGLU
 
 # The options every fla 0.6 causal-LM config has, with the same meaning in every family, and
 # what fastweights does with each (each family's dict adds its own).
@@ -203,9 +204,9 @@ class FlaBlock(nn.Module):
 
     def __init__(self, config: FlaConfig) -> None:
         super().__init__()
-        self.attn_norm = FlaRMSNorm(config.hidden_size, config.norm_eps)
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.attn = config.layer()
-        self.mlp_norm = FlaRMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.mlp_hidden_size())
 
     def forward(self, x: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
@@ -223,7 +224,7 @@ class FlaModel(nn.Module):
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
                                        padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(FlaBlock(config) for _ in range(config.num_hidden_layers))
-        self.norm = FlaRMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
     def forward(self, input_ids: torch.Tensor, state: list[Any] | None = None
                 ) -> tuple[torch.Tensor, list[Any]]:

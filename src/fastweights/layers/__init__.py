@@ -4,6 +4,8 @@ context-parallel strategy (see ``base.Mixer``)."""
 
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .base import Mixer
+from .fla_deltanet import FlaDeltaNet
+from .fla_retnet import FlaMultiScaleRetention
 from .fwp import DeltaNet, LinearAttention
 from .gated_delta import GatedDeltaNet
 from .glu import GLU
@@ -22,6 +24,8 @@ __all__ = [
            "AFTSimple",
            "DeltaNet",
            "DiagAttention",
+           "FlaDeltaNet",
+           "FlaMultiScaleRetention",
            "GatedDeltaNet",
            "InfiniAttention",
            "LinearAttention",

@@ -56,30 +56,9 @@ from .base import (
     packed_or_single,
     split_heads,
 )
+from .norms import GATE_ACTIVATIONS, RMSNorm
 
-GATE_ACTIVATIONS = ("swish", "silu", "sigmoid")
 L2_EPS = 1e-6  # inside the square root, as fla's l2norm kernel and transformers' l2norm
-
-
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim, times act(gate) when a gate is given (norm before gate, as
-    fla's FusedRMSNormGated and transformers' Qwen3.5 RMSNormGated): in x's dtype, which the
-    layer makes float32 or float64. Parameter ``weight [dim]``."""
-
-    def __init__(self, dim: int, eps: float, activation: str = "swish") -> None:
-        super().__init__()
-        self.eps, self.activation = eps, activation
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(x.dtype)
-        if gate is None:
-            return y
-        gate = gate.to(x.dtype)
-        return y * (torch.sigmoid(gate) if self.activation == "sigmoid" else F.silu(gate))
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, activation={self.activation}"
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +137,7 @@ class GatedDeltaNet(Mixer):
                 for c in (self.key_dim, self.key_dim, self.value_dim))
         if use_gate:
             self.g_proj = nn.Linear(d_model, self.value_dim, bias=False)
-        self.o_norm = GatedRMSNorm(Dv, self.norm_eps, gate_activation)
+        self.o_norm = RMSNorm(Dv, self.norm_eps, gate_activation=gate_activation)
         self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
 
     @property

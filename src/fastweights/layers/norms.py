@@ -1,28 +1,67 @@
-"""The language model's norms: ``RMSNorm`` (with a gain) and TransNormer's gain-free
-``SRMSNorm`` (docs/maths.md 3.1). [..., d] -> [..., d]."""
+"""The norms: ``RMSNorm`` (with a gain, optionally gated: the language model's, the output norms
+of the gated-delta and fla layers, fla's models) and TransNormer's gain-free ``SRMSNorm``
+(docs/maths.md 3.1). [..., d] -> [..., d]."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_nonneg_float, check_positive_int, check_tensor
+from .._checks import (
+    check_bool,
+    check_choice,
+    check_nonneg_float,
+    check_positive_int,
+    check_tensor,
+    is_number,
+    state_dtype,
+)
 from ..ops.transnormer import srms_norm
+
+GATE_ACTIVATIONS = ("swish", "silu", "sigmoid")  # "swish" is fla's name for SiLU
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 or wider."""
+    """RMSNorm over the last dim, ``y = x / sqrt(mean(x^2) + eps) * weight``, times
+    ``act(gate)`` when a gate is given (norm before gate, as fla's FusedRMSNormGated and
+    transformers' Qwen3.5 RMSNormGated), ``act`` SiLU (``gate_activation`` "swish" or "silu")
+    or sigmoid. Computed in float32 (float64 stays float64: bfloat16 loses the small-variance
+    rows) and rounded to x's dtype once at the end, as fla's fused kernels round.
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    The parameter is ``weight [dim]``, the name the checkpoints of fastweights, fla and
+    transformers use; ``elementwise_affine=False`` leaves it out (a gain of 1).
+    ``forward(x [..., dim], gate None or [..., dim]) -> [..., dim]`` in x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True,
+                 gate_activation: str = "swish") -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        check_positive_int("dim", dim)
+        if not is_number(eps) or not 0 < eps < 1:
+            raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
+        self.dim, self.eps = dim, float(eps)
+        self.gate_activation = check_choice("gate_activation", gate_activation, GATE_ACTIVATIONS)
+        if check_bool("elementwise_affine", elementwise_affine):
+            self.weight = nn.Parameter(torch.ones(dim))
+        else:
+            self.register_parameter("weight", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Mean of squares in float32 at least: bfloat16 loses the small-variance rows.
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.to(x.dtype) * self.weight.to(x.dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        cdtype = state_dtype(x.dtype)
+        xf = x if x.dtype == cdtype else x.to(cdtype)
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.to(cdtype)
+        if gate is not None:
+            g = gate.to(cdtype)
+            y = y * (torch.sigmoid(g) if self.gate_activation == "sigmoid" else F.silu(g))
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.dim}, eps={self.eps}"
+                + ("" if self.weight is not None else ", elementwise_affine=False")
+                + ("" if self.gate_activation == "swish" else
+                   f", gate_activation={self.gate_activation}"))
 
 
 class SRMSNorm(nn.Module):

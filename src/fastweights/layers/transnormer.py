@@ -52,7 +52,6 @@ from .base import (
     split_heads,
     token_positions,
 )
-from .norms import SRMSNorm as SRMSNorm  # its home before layers/norms.py
 from .positional import rotary_inv_freq, rotate_pairs
 
 ACTIVATIONS = {

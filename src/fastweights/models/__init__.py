@@ -1,10 +1,5 @@
-"""Configs, blocks, the language model and the mixer registry.
-
-fla's models (``FlaDeltaNetLM``, ``from_fla``, ...) live in ``fastweights.fla``; the names this
-package exported before are still found here, looked up on first use.
-"""
-
-from typing import Any
+"""Configs, blocks, the language model and the mixer registry (fla's models:
+``fastweights.fla``)."""
 
 from .config import LMConfig
 from .lm import LanguageModel
@@ -18,13 +13,3 @@ __all__ = [
     "mixer_names",
     "mixer_options",
 ]
-
-_FLA_NAMES = ("FlaDeltaNetConfig", "FlaDeltaNetLM", "FlaRetNetConfig", "FlaRetNetLM", "from_fla")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FLA_NAMES:  # the old path, kept: models.fla re-exports fastweights.fla
-        from . import fla
-
-        return getattr(fla, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

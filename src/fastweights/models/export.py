@@ -2,10 +2,9 @@
 
 A model's state is a list of per-layer states, each a (possibly nested) tuple of tensors, ints
 and None. Exported programs take and return flat tensors only, so the state crosses the program
-boundary as the list of its tensor leaves in ``torch.utils._pytree`` order (``flatten_state``,
-``fastweights.state_tree.flatten``);
-its structure and its non-tensor leaves (the position counters some mixers carry) are a
-``StateLayout`` fixed when the program is exported.
+boundary as the list of its tensor leaves in ``torch.utils._pytree`` order
+(``fastweights.state_tree.flatten``); its structure and its non-tensor leaves (the position
+counters some mixers carry) are a ``state_tree.Layout`` fixed when the program is exported.
 
 - ``ForwardModule(model)``: ``input_ids [B, T] -> (logits [B, T, V], *state tensors)``, the
   prefill from the start of a sequence.
@@ -45,15 +44,10 @@ from .. import state_tree
 from .._checks import check_positive_int
 from .lm import LanguageModel, LMState
 
-# The flat form of a state is the state-tree module's (names kept for this module's users).
-StateLayout = state_tree.Layout
-flatten_state = state_tree.flatten
-unflatten_state = state_tree.unflatten
-
 
 class ForwardModule(nn.Module):
     """``input_ids [B, T] -> (logits [B, T, V], *state tensors)``: the model's forward from the
-    start of a sequence with the final state flattened (``flatten_state``)."""
+    start of a sequence with the final state flattened (``state_tree.flatten``)."""
 
     def __init__(self, model: LanguageModel) -> None:
         super().__init__()
@@ -61,21 +55,21 @@ class ForwardModule(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         logits, state = self.model(input_ids)
-        return (logits, *_dense(flatten_state(state)[0]))
+        return (logits, *_dense(state_tree.flatten(state)[0]))
 
 
 class StepModule(nn.Module):
     """``input_ids [B, 1], *state tensors -> (logits [B, 1, V], *state tensors)``: one decoding
-    step of the model from the state ``unflatten_state(tensors, layout)``."""
+    step of the model from the state ``state_tree.unflatten(tensors, layout)``."""
 
-    def __init__(self, model: LanguageModel, layout: StateLayout) -> None:
+    def __init__(self, model: LanguageModel, layout: state_tree.Layout) -> None:
         super().__init__()
         self.model = model
         self.layout = layout
 
     def forward(self, input_ids: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, new = self.model(input_ids, unflatten_state(state, self.layout))
-        return (logits, *_dense(flatten_state(new)[0]))
+        logits, new = self.model(input_ids, state_tree.unflatten(state, self.layout))
+        return (logits, *_dense(state_tree.flatten(new)[0]))
 
 
 def _dense(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -92,8 +86,8 @@ class ExportedStep:
     the input's layout, so the program can be fed its own state (module docstring)."""
 
     program: torch.export.ExportedProgram
-    layout: StateLayout
-    out_layout: StateLayout
+    layout: state_tree.Layout
+    out_layout: state_tree.Layout
     reusable: bool
 
 
@@ -133,7 +127,8 @@ def export_forward(model: LanguageModel, input_ids: torch.Tensor, *,
         return torch.export.export(ForwardModule(model), (ids,), dynamic_shapes=shapes)
 
 
-def _step_shapes(layout: StateLayout, before: list[torch.Tensor], after_layout: StateLayout,
+def _step_shapes(layout: state_tree.Layout, before: list[torch.Tensor],
+                 after_layout: state_tree.Layout,
                  after: list[torch.Tensor]) -> tuple[Any, ...] | None:
     """Dynamic-shape spec of (input_ids, *state): every state dim that a step changes (a cache
     that grows by one token) is ``Dim.DYNAMIC`` (export fails rather than specialise it); the
@@ -162,11 +157,11 @@ def export_step(model: LanguageModel, state: LMState, input_ids: torch.Tensor, *
         raise TypeError(f"dynamic must be a bool, got {dynamic!r}")
     if ids.shape[1] != 1:
         raise ValueError(f"input_ids must have shape [B, 1] (one token per sequence), got {tuple(ids.shape)}")
-    tensors, layout = flatten_state(state)
+    tensors, layout = state_tree.flatten(state)
     tensors = _dense(tensors)
     with _eval(model), torch.no_grad():
         _, new = model(ids, state)  # eager: checks the state and finds the growing dims
-        after, out_layout = flatten_state(new)
+        after, out_layout = state_tree.flatten(new)
         shapes = _step_shapes(layout, tensors, out_layout, after) if dynamic else None
         program = torch.export.export(StepModule(model, layout), (ids, *tensors),
                                       dynamic_shapes=shapes)
@@ -185,10 +180,10 @@ def export_step_onnx(model: LanguageModel, state: LMState, input_ids: torch.Tens
     not convert with torch 2.13's exporter."""
     model = _check_model(model)
     ids = _check_ids(input_ids, model, "input_ids")
-    tensors, layout = flatten_state(state)
+    tensors, layout = state_tree.flatten(state)
     with _eval(model), torch.no_grad():
         _, new = model(ids, state)
-        after, out_layout = flatten_state(new)
+        after, out_layout = state_tree.flatten(new)
         names = [f"state_{i}" for i in range(len(tensors))]
         out_names = [f"new_state_{i}" for i in range(len(after))]
         torch.onnx.export(
@@ -198,7 +193,7 @@ def export_step_onnx(model: LanguageModel, state: LMState, input_ids: torch.Tens
             verbose=False)
 
 
-def layout_json(layout: StateLayout, tensors: list[torch.Tensor]) -> str:
+def layout_json(layout: state_tree.Layout, tensors: list[torch.Tensor]) -> str:
     """A description of a flattened state for the files ``fastweights export`` writes: each
     tensor's shape and dtype and the state's fixed non-tensor entries."""
     return json.dumps({

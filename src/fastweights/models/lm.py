@@ -395,11 +395,6 @@ def _checkpointed_block(run: Callable[..., Any], block: nn.Module, x: torch.Tens
     return y, state_tree.unflatten(out_leaves, layouts[0])
 
 
-# The state-tree module's walkers under the names this module gave them before.
-map_state = state_tree.map_tensors
-state_tensors = state_tree.tensors
-
-
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
           gen: torch.Generator | None) -> torch.Tensor:
     """Next token ids [B, 1] from last-position logits [B, V]."""

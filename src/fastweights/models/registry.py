@@ -20,6 +20,8 @@ import torch
 from .._checks import check_positive_int
 from ..layers.aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from ..layers.base import Mixer, Option
+from ..layers.fla_deltanet import FlaDeltaNet
+from ..layers.fla_retnet import FlaMultiScaleRetention
 from ..layers.fwp import DeltaNet, LinearAttention
 from ..layers.gated_delta import GatedDeltaNet
 from ..layers.infini import InfiniAttention
@@ -66,6 +68,8 @@ MIXERS: dict[str, MixerEntry] = {
     "ttt-linear": MixerEntry(TTTLinear),
     "ttt-mlp": MixerEntry(TTTMLP),
     "gated-delta": MixerEntry(GatedDeltaNet),
+    "fla-delta": MixerEntry(FlaDeltaNet),
+    "retnet": MixerEntry(FlaMultiScaleRetention),
 }
 
 

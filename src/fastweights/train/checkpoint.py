@@ -25,6 +25,11 @@ The shards are re-cut on load (``load_sharded``), for any world size or mesh, wi
 ``load_model`` (``eval``, ``generate``, ``export``) and ``consolidate_checkpoint`` read a
 sharded checkpoint as one model. The run folder must be on a file system every rank sees.
 
+The trainer saves through ``save_training_checkpoint`` (whole or sharded) and resumes through
+``load_optimizer_state`` (whole, sharded, or a whole checkpoint's optimizer state keyed by
+parameter name for a run resumed under FSDP: ``optimizer_by_name``) and ``carried_rows`` (a
+rank's rows of the carried state).
+
 Test hook: the environment variable ``FASTWEIGHTS_TEST_SLOW_SAVE=<seconds>`` sleeps that long
 before every file of a save and before the ``latest`` update, so that a test can SIGKILL a
 training process while it is saving, deterministically. It changes nothing else.
@@ -45,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -52,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from .. import state_tree
 from .._checks import is_int
 from .._files import (  # the folder format, shared with every reader of checkpoints
     CONFIG_FILE,
@@ -294,6 +301,70 @@ def load_sharded(ckpt: str | Path, model: torch.nn.Module,
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def save_training_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
+                             optimizer: torch.optim.Optimizer, rest: dict[str, Any],
+                             trainer_state: dict[str, Any], *, sharded: bool) -> Path | None:
+    """A training run's checkpoint ``step``: its model and ``optimizer``, ``rest`` (schedule,
+    random states, carried state: what is not sharded) and ``trainer_state``; with ``sharded``
+    (an FSDP run: every rank calls, ``save_sharded_checkpoint``) or whole (rank 0 alone calls,
+    ``save_checkpoint``). Records whether the optimizer had stepped (``load_optimizer_state``
+    reads it back). The folder on rank 0, else None."""
+    # FSDP's state-dict helpers fill an empty AdamW (a save before the first step) with zero
+    # moments at step 1, which a resumed run must drop again.
+    rest = {**rest, "optimizer_started": bool(optimizer.state)}
+    if sharded:
+        return save_sharded_checkpoint(run_dir, step, model, optimizer, rest, trainer_state)
+    return save_checkpoint(run_dir, step, model, {"optimizer": optimizer.state_dict(), **rest},
+                           trainer_state)
+
+
+def optimizer_by_name(saved: dict[str, Any], model: torch.nn.Module,
+                      whole: torch.optim.Optimizer) -> None:
+    """Prepare a whole (single-file) checkpoint's optimizer state to be resumed under FSDP:
+    ``saved["optimizer"]`` (keyed by parameter position) is read through ``whole``, a fresh
+    optimizer over the whole ``model`` built as the run builds its own, and stored as
+    ``saved["optimizer_by_name"]`` (keyed by parameter name), which an FSDP optimizer can load
+    (``load_optimizer_state``). Call it before ``model`` is sharded."""
+    whole.load_state_dict(saved["optimizer"])
+    saved["optimizer_by_name"] = get_optimizer_state_dict(
+        model, whole, options=StateDictOptions(full_state_dict=True))
+
+
+def load_optimizer_state(saved: dict[str, Any], model: torch.nn.Module,
+                         optimizer: torch.optim.Optimizer) -> None:
+    """Restore ``optimizer`` from a checkpoint's optimizer state (``load_checkpoint``'s second
+    item): of a sharded checkpoint, the weights and the moments re-cut for this world
+    (``load_sharded``); of a whole checkpoint resumed under FSDP, the state by name
+    (``optimizer_by_name``); else the whole state as saved. An optimizer saved before its first
+    step is left empty."""
+    if "sharded" in saved:
+        load_sharded(saved["sharded"], model, optimizer)
+    elif "optimizer_by_name" in saved:
+        set_optimizer_state_dict(model, optimizer, saved["optimizer_by_name"],
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(saved["optimizer"])
+    if not saved.get("optimizer_started", True):  # saved before the first step
+        optimizer.state.clear()
+
+
+def carried_rows(carry: dict[str, Any] | None, batch_size: int, first: int, rows: int,
+                 device: torch.device) -> tuple[int, Any]:
+    """A checkpoint's carried state (``carry``: the stream position and the state of the whole
+    global batch of ``batch_size`` rows, as a ``carry_state`` run saves it) for the rank that
+    holds rows ``first`` .. ``first + rows - 1``: (the stream position, those rows on
+    ``device``). ValueError when the checkpoint holds none, or not ``batch_size`` rows."""
+    if carry is None:
+        raise ValueError("the checkpoint holds no carried state, but the run trains with "
+                         "carry_state")
+    state = carry["state"]
+    if any(t.dim() == 0 or t.shape[0] != batch_size for t in state_tree.tensors(state)):
+        raise ValueError(f"the checkpoint's carried state does not hold batch_size {batch_size} "
+                         "rows")
+    return carry["position"], state_tree.map_tensors(
+        lambda t: t[first:first + rows].to(device), state)
 
 
 def consolidate_checkpoint(src: str | Path, dst: str | Path,

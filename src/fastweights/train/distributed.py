@@ -44,7 +44,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from .. import state_tree
 from .._names import FSDP_MIXED  # --fsdp-mixed: the parameters' compute dtype (master: float32)
+from ..parallel import context_parallel_forward
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -114,6 +116,15 @@ def average_gradients(model: torch.nn.Module, world: int) -> None:
         p.grad = g.view_as(p)
 
 
+def seed_all(seed: int) -> torch.Generator:
+    """Seed torch's, Python's and NumPy's random generators with ``seed``; the data generator,
+    seeded likewise (the global batches' positions)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
 def rng_states(data_gen: torch.Generator) -> dict[str, Any]:
     return {"data": data_gen.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -146,20 +157,45 @@ def dist_info() -> tuple[int, int, torch.device, bool]:
     return rank, world, device, created
 
 
-def split_world(rank: int, world: int, cp: int) -> tuple[int, int, int, list[Any], Any]:
+def split_world(rank: int, world: int, cp: int, mesh: DeviceMesh | None = None
+                ) -> tuple[int, int, int, list[Any], Any]:
     """(data-parallel replicas, this rank's replica, its place in its context-parallel group,
     every context-parallel group created, its own group or None without context parallelism).
-    Every rank creates every group, in the same order, as ``new_group`` requires."""
+    Every rank creates every group, in the same order, as ``new_group`` requires; with an FSDP
+    ``mesh`` (``device_mesh``) the group is the mesh's ``cp`` dimension and none is created."""
     dp, dp_rank, cp_rank = world // cp, rank // cp, rank % cp
     groups: list[Any] = []
     own = None
-    if cp > 1:
+    if mesh is not None:
+        own = mesh.get_group("cp") if cp > 1 else None
+    elif cp > 1:
         for d in range(dp):
             group = dist.new_group(list(range(d * cp, (d + 1) * cp)))
             groups.append(group)
             if d == dp_rank:
                 own = group
     return dp, dp_rank, cp_rank, groups, own
+
+
+def gather_rows(state: Any, world: int) -> Any:
+    """Every rank's rows of a (carried) state tree on the CPU, concatenated in rank order along
+    the batch; every rank takes part (None stays None)."""
+    state = state_tree.map_tensors(lambda t: t.detach().cpu(), state)
+    if world > 1:
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, state)
+        if state is not None:
+            state = state_tree.cat_rows(parts, "carried state")
+    return state
+
+
+def end_process_groups(groups: list[Any], owns_world: bool) -> None:
+    """Destroy the subgroups ``groups`` a session created, then the default process group when
+    the session created it (``owns_world``: ``dist_info``'s fourth item)."""
+    for group in groups:
+        dist.destroy_process_group(group)
+    if owns_world:
+        dist.destroy_process_group()
 
 
 def device_mesh(world: int, cp: int, device: torch.device) -> DeviceMesh:
@@ -185,6 +221,18 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, mixed: str | None = No
     for block in model.blocks:
         fully_shard(block, mesh=flat, mp_policy=policy)
     fully_shard(model, mesh=flat, mp_policy=policy)
+
+
+def context_parallel_runner(group: Any, fsdp: bool) -> Any:
+    """The mixer runner (``LanguageModel.set_mixer_runner``) of context parallelism on
+    ``group``; under FSDP every mixer parameter is touched on every rank
+    (``touch_parameters``)."""
+
+    def run(mixer: torch.nn.Module, x: torch.Tensor, state: Any, cu: torch.Tensor | None) -> Any:
+        y, state = context_parallel_forward(mixer, x, group=group, state=state, cu_seqlens=cu)
+        return (touch_parameters(mixer, y) if fsdp else y), state
+
+    return run
 
 
 def touch_parameters(module: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:

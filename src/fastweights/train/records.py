@@ -1,6 +1,6 @@
 """A run folder's record: ``run.json`` (the model and training configs, the data's name and,
 for token data, how the ids were made: ``tokens``, a ``tasks.tokens.TokenData``),
-read back to resume (``resume_run``, ``read_run``, ``resumed_config``, ``check_run_file``), and
+written when a run starts (``open_run``), read back to resume (``resume_run``, ``read_run``, ``resumed_config``, ``check_run_file``), and
 the outputs an overwriting run sets aside and puts back if it fails (``set_aside``,
 ``put_back``).
 
@@ -26,9 +26,9 @@ from .._names import RESUMABLE
 from ..models import LanguageModel, LMConfig
 from ..tasks.text import Corpus
 from ..tasks.tokens import TokenData, open_corpus, tokenizer_sha256
-from .checkpoint import load_checkpoint, resume_point
+from .checkpoint import load_checkpoint, resume_point, write_atomic
 from .config import TrainConfig
-from .metrics import METRICS_FILE
+from .metrics import METRICS_FILE, Metrics
 
 RUN_FILE = "run.json"
 OUTPUTS = (RUN_FILE, METRICS_FILE, "checkpoints", "tensorboard")  # what a run writes in run_dir
@@ -190,6 +190,30 @@ def set_aside(run_dir: Path) -> Path | None:
         put_back(aside, run_dir)
         raise
     return aside
+
+
+def open_run(run_dir: Path, model_config: LMConfig, cfg: TrainConfig, corpus: Corpus, *,
+             overwrite: bool, resume_step: int | None) -> Metrics:
+    """Start writing a run into ``run_dir`` (rank 0, once every check has passed): its
+    ``run.json`` and its metrics (``Metrics``, continued after ``resume_step`` when resuming),
+    returned open. With ``overwrite`` the earlier run's outputs are set aside first, deleted
+    once both are written, put back if that fails."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    aside = set_aside(run_dir) if overwrite else None
+    record = {"model": model_config.to_dict(), "train": dataclasses.asdict(cfg),
+              "data": corpus.name}
+    if corpus.tokens is not None:  # token data: how the ids were made
+        record["tokens"] = corpus.tokens.to_dict()
+    try:
+        write_atomic(run_dir / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode())
+        metrics = Metrics(run_dir, resume_step)
+    except BaseException:
+        if aside is not None:
+            put_back(aside, run_dir)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside)
+    return metrics
 
 
 def put_back(aside: Path, run_dir: Path) -> None:

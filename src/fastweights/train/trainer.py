@@ -30,23 +30,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import math
-import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
 from .. import state_tree
@@ -54,15 +45,14 @@ from .._checks import is_int
 from .._names import RESUMABLE
 from ..models import LanguageModel, LMConfig
 from ..models.lm import LMState
-from ..parallel import context_parallel_forward
 from ..tasks.text import Corpus
 from .batches import BatchSource
 from .checkpoint import (
-    load_sharded,
+    carried_rows,
+    load_optimizer_state,
+    optimizer_by_name,
     prune_checkpoints,
-    save_checkpoint,
-    save_sharded_checkpoint,
-    write_atomic,
+    save_training_checkpoint,
 )
 from .config import TrainConfig, check_fsdp, check_settings, lr_factor, set_inner_lr_ramp
 from .distributed import (
@@ -71,26 +61,20 @@ from .distributed import (
     TrainingInterrupted,
     all_finite,
     average_gradients,
+    context_parallel_runner,
     device_mesh,
     dist_info,
+    end_process_groups,
+    gather_rows,
     rng_states,
+    seed_all,
     set_rng_states,
     shard_model,
     split_world,
-    touch_parameters,
 )
 from .evaluate import evaluate, try_forward
 from .metrics import METRIC_FIELDS, METRICS_FILE, Metrics, mixer_grad_norm
-from .records import (
-    OUTPUTS,
-    RUN_FILE,
-    RunRecord,
-    put_back,
-    read_run,
-    resume_run,
-    same_data,
-    set_aside,
-)
+from .records import OUTPUTS, RUN_FILE, RunRecord, open_run, read_run, resume_run, same_data
 
 # The training API, wherever each piece lives.
 __all__ = ["METRICS_FILE", "METRIC_FIELDS", "OUTPUTS", "RESUMABLE", "RUN_FILE", "RunRecord",
@@ -155,55 +139,39 @@ class Trainer:
         resumed = self._configure()
         check_settings(self.cfg, self.model_config, self.corpus, self.world, self.cp)
         check_fsdp(self.fsdp, self.fsdp_mixed, self.world, self.cfg)
-        if self.fsdp:  # one 2-D mesh; its cp dimension holds the context-parallel groups
-            self.mesh = device_mesh(self.world, self.cp, self.device)
-            self.dp, self.dp_rank, self.cp_rank = (self.world // self.cp, self.rank // self.cp,
-                                                   self.rank % self.cp)
-            self.cp_group = self.mesh.get_group("cp") if self.cp > 1 else None
-        else:
-            self.dp, self.dp_rank, self.cp_rank, self._groups, self.cp_group = split_world(
-                self.rank, self.world, self.cp)
-        torch.manual_seed(self.cfg.seed)
-        random.seed(self.cfg.seed)
-        np.random.seed(self.cfg.seed)
-        self.data_gen = torch.Generator().manual_seed(self.cfg.seed)
+        # FSDP: one 2-D mesh; its cp dimension holds the context-parallel groups
+        self.mesh = device_mesh(self.world, self.cp, self.device) if self.fsdp else None
+        self.dp, self.dp_rank, self.cp_rank, self._groups, self.cp_group = split_world(
+            self.rank, self.world, self.cp, self.mesh)
+        self.data_gen = seed_all(self.cfg.seed)
         self.model = resumed[0] if resumed else LanguageModel(self.model_config)
         self.model.to(self.device)
         if self.cp_group is not None:
-            self.model.set_mixer_runner(self._context_parallel_runner(self.cp_group))
+            self.model.set_mixer_runner(context_parallel_runner(self.cp_group, self.fsdp))
         # before anything is written
         try_forward(self.model, self.cfg.seq_len // self.cp, self.device, self.cfg.carry_state)
         if resumed:
             self._restore_progress(resumed[2])
         if self.main:  # everything is checked: the new run starts writing here
-            self._open_run()
+            self.metrics = open_run(self.run_dir, self.model_config, self.cfg, self.corpus,
+                                    overwrite=self.overwrite,
+                                    resume_step=self.step if self.resume else None)
         self.local = self.cfg.batch_size // self.dp  # rows of a micro-batch per replica
         self.batches = BatchSource(self.cfg, self.corpus, self.data_gen, self.dp_rank, self.local,
                                    self.cp_rank, self.cp, self.device)
         if self.fsdp:  # before the optimizer, which must hold the sharded parameters
             if resumed and "optimizer" in resumed[1]:  # a whole checkpoint
-                resumed[1]["optimizer_by_name"] = self._optimizer_by_name(resumed[1])
+                optimizer_by_name(resumed[1], self.model, self._adamw(self.model))
             shard_model(self.model, self.mesh, self.fsdp_mixed)
         self._build_optimizer(resumed[1] if resumed else None)
         # Context parallelism averages the gradients itself after the backward pass
         # (average_gradients): DDP's reducer would run its all-reduces during the backward,
         # interleaved with the context-parallel collectives, and wait forever for the gradients
         # of parameters that only some ranks use (TTT's initial state, read by the first shard).
-        # FSDP reduces them itself (every parameter touched: _context_parallel_runner).
+        # FSDP reduces them itself (every parameter touched: context_parallel_runner).
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model)
                     if self.world > 1 and self.cp == 1 and not self.fsdp else self.model)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
-
-    def _context_parallel_runner(self, group: Any) -> Any:
-        """The mixer runner of context parallelism on ``group``; under FSDP every mixer
-        parameter is touched on every rank (``touch_parameters``)."""
-        fsdp = self.fsdp
-
-        def run(mixer: torch.nn.Module, x: torch.Tensor, state: Any, cu: torch.Tensor | None) -> Any:
-            y, state = context_parallel_forward(mixer, x, group=group, state=state, cu_seqlens=cu)
-            return (touch_parameters(mixer, y) if fsdp else y), state
-
-        return run
 
     def _configure(self) -> tuple[LanguageModel, dict[str, Any], dict[str, Any]] | None:
         """Sets ``cfg`` and ``model_config``: the given ones, or the run's with ``resume`` (then
@@ -229,25 +197,6 @@ class Trainer:
             raise ValueError(f"steps {self.cfg.steps} is fewer than the {self.step} steps the run "
                              "has trained already (a run can be extended, not shortened)")
 
-    def _open_run(self) -> None:
-        """Write run.json and open metrics.csv (rank 0). With ``overwrite`` the earlier run's
-        outputs are set aside first, deleted once both are written, put back if that fails."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        aside = set_aside(self.run_dir) if self.overwrite else None
-        record = {"model": self.model_config.to_dict(), "train": dataclasses.asdict(self.cfg),
-                  "data": self.corpus.name}
-        if self.corpus.tokens is not None:  # token data: how the ids were made
-            record["tokens"] = self.corpus.tokens.to_dict()
-        try:
-            write_atomic(self.run_dir / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode())
-            self.metrics = Metrics(self.run_dir, self.step if self.resume else None)
-        except BaseException:
-            if aside is not None:
-                put_back(aside, self.run_dir)
-            raise
-        if aside is not None:
-            shutil.rmtree(aside)
-
     def _build_optimizer(self, saved: dict[str, Any] | None) -> None:
         """AdamW (no weight decay on vectors) and the schedule; with ``saved`` (a checkpoint's
         optimizer state) their state and the random states are restored."""
@@ -258,15 +207,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
         if saved is None:
             return
-        if "sharded" in saved:  # the weights and AdamW's moments, re-cut for this world
-            load_sharded(saved["sharded"], model, self.opt)
-        elif "optimizer_by_name" in saved:  # a whole checkpoint, resumed under FSDP
-            set_optimizer_state_dict(model, self.opt, saved["optimizer_by_name"],
-                                     options=StateDictOptions(full_state_dict=True))
-        else:
-            self.opt.load_state_dict(saved["optimizer"])
-        if not saved.get("optimizer_started", True):  # saved before the first step
-            self.opt.state.clear()
+        load_optimizer_state(saved, model, self.opt)
         self.sched.load_state_dict(saved["scheduler"])
         # The optimizer state holds the rate the *saved* schedule set for this step; the
         # schedule is a function of (step, cfg.steps), and cfg.steps may have grown (an extended
@@ -285,28 +226,10 @@ class Trainer:
                                   {"params": no_decay, "weight_decay": 0.0}],
                                  lr=self.cfg.lr, betas=(0.9, 0.95))
 
-    def _optimizer_by_name(self, saved: dict[str, Any]) -> dict[str, Any]:
-        """A whole checkpoint's AdamW state (``saved["optimizer"]``, keyed by parameter
-        position) keyed by parameter name instead, for an FSDP optimizer to load: read through
-        an optimizer over the whole model, before it is sharded."""
-        whole = self._adamw(self.model)
-        whole.load_state_dict(saved["optimizer"])
-        return get_optimizer_state_dict(self.model, whole,
-                                        options=StateDictOptions(full_state_dict=True))
-
     def _restore_carry(self, carry: dict[str, Any] | None) -> None:
         """The stream offset and this rank's rows of the saved global carried state."""
-        if carry is None:
-            raise ValueError("the checkpoint holds no carried state, but the run trains with "
-                             "carry_state")
-        self.batches.stream_pos = carry["position"]
-        state, rows = carry["state"], self.cfg.batch_size
-        if any(t.dim() == 0 or t.shape[0] != rows for t in state_tree.tensors(state)):
-            raise ValueError(f"the checkpoint's carried state does not hold batch_size {rows} "
-                             "rows")
-        first = self.rank * self.local
-        self.carry = state_tree.map_tensors(
-            lambda t: t[first:first + self.local].to(self.device), state)
+        self.batches.stream_pos, self.carry = carried_rows(
+            carry, self.cfg.batch_size, self.rank * self.local, self.local, self.device)
 
     def run(self, stop_after: int | None = None) -> list[tuple[int, float]]:
         """Train until ``cfg.steps`` (or early stopping, or ``stop_after`` without the final
@@ -434,18 +357,12 @@ class Trainer:
         path = None
         carry = self._gathered_carry() if self.cfg.carry_state else None
         extra = {} if carry is None else {"carry": carry}
-        # optimizer_started: FSDP's state-dict helpers fill an empty AdamW (a save before the
-        # first step) with zero moments at step 1, which a resumed run must drop again.
-        rest = {"scheduler": self.sched.state_dict(), "rng": rng_states(self.data_gen),
-                "optimizer_started": bool(self.opt.state), **extra}
+        rest = {"scheduler": self.sched.state_dict(), "rng": rng_states(self.data_gen), **extra}
         trainer_state = {"step": self.step, "best_val_loss": self.best,
                          "since_best": self.since_best, "train": dataclasses.asdict(self.cfg)}
-        if self.fsdp:  # every rank writes its shards
-            path = save_sharded_checkpoint(self.run_dir, self.step, self.model, self.opt, rest,
-                                           trainer_state)
-        elif self.main:
-            path = save_checkpoint(self.run_dir, self.step, self.model,
-                                   {"optimizer": self.opt.state_dict(), **rest}, trainer_state)
+        if self.fsdp or self.main:  # under FSDP every rank writes its shards
+            path = save_training_checkpoint(self.run_dir, self.step, self.model, self.opt, rest,
+                                            trainer_state, sharded=self.fsdp)
         if self.main and self.cfg.keep_last is not None:
             prune_checkpoints(self.run_dir, self.cfg.keep_last)
         if self.world > 1:
@@ -456,13 +373,7 @@ class Trainer:
         """carry_state: the stream offset and the carried state of the whole global batch, on
         the CPU (every rank's rows, gathered in rank order; every rank takes part), so that a
         resumed run, on any number of ranks, continues each row's stream exactly."""
-        state = state_tree.map_tensors(lambda t: t.detach().cpu(), self.carry)
-        if self.world > 1:
-            parts: list[Any] = [None] * self.world
-            dist.all_gather_object(parts, state)
-            if state is not None:
-                state = state_tree.cat_rows(parts, "carried state")
-        return {"position": self.batches.stream_pos, "state": state}
+        return {"position": self.batches.stream_pos, "state": gather_rows(self.carry, self.world)}
 
     def teardown(self) -> None:
         """Close the progress bar and metrics; under DDP free DDP's reducer and end the process
@@ -478,11 +389,8 @@ class Trainer:
             gc.collect()
             if self.model is not None:
                 self.model.set_mixer_runner(None)
-            for group in self._groups:
-                dist.destroy_process_group(group)
+            end_process_groups(self._groups, self._owns_group)
             self._groups = []
-            if self._owns_group:
-                dist.destroy_process_group()
 
 
 def train(run_dir: str | Path, model_config: LMConfig | None, train_config: TrainConfig | None,
