@@ -134,11 +134,11 @@ def test_sequence_longer_than_the_model_supports(tmp_path, text_file, capsys):
 
 
 def test_readme_harness_python_example_runs_as_written(tmp_path, monkeypatch):
-    text = README.read_text()
+    text = (README.parent / "docs" / "training.md").read_text()
     section = text[text.index("## Experiments and training"):]
     section = section[:section.index("\n## ")]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert blocks, "the README's harness section has no python example"
+    assert blocks, "docs/training.md's harness section has no python example"
     monkeypatch.chdir(tmp_path)
     for code in blocks:
         exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})

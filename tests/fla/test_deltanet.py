@@ -308,12 +308,12 @@ def test_l2warp_training_is_refused(checkpoint):
 
 
 def test_readme_example_runs(tmp_path, monkeypatch):
-    """The README's "Released fla checkpoints on CPU" example, on a small fla-format folder with
+    """docs/integrations.md's "Released fla checkpoints on CPU" example, on a small fla-format folder with
     the released models' vocabulary."""
     from fastweights.fla.hf import FlaDeltaNetForCausalLM, FlaDeltaNetHFConfig
     from tests.test_readme import section_blocks
 
-    (block,) = section_blocks("## Released fla checkpoints on CPU")
+    (block,) = section_blocks("## Released fla checkpoints on CPU", "docs/integrations.md")
     cfg = FlaDeltaNetHFConfig(hidden_size=16, num_heads=2, num_hidden_layers=2, vocab_size=32000)
     FlaDeltaNetForCausalLM(cfg).save_pretrained(tmp_path / "checkpoints" / "delta_net")
     monkeypatch.chdir(tmp_path)
