@@ -211,6 +211,29 @@ def test_single_token_steps_mix_modes():
     assert_close64(torch.cat(outs["conv"], 1), aft_conv_naive(qc, kc, vc, wc, True))
 
 
+@MODES
+def test_local_rows_at_their_own_positions_equal_each_row_alone(mode):
+    """A state with per-row positions (pos a long tensor [B]) takes each row's own biases
+    w [B, 1, s]: the same as every row alone at its int position, in every mode."""
+    B, D, s = 3, 4, 3
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, 1, D, generator=g, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(B, 1, s, generator=g, dtype=torch.float64)
+    a, n = (torch.randn(B, D, generator=g, dtype=torch.float64) for _ in range(2))
+    m = torch.rand(B, D, generator=g, dtype=torch.float64) + 0.5
+    caches = [torch.randn(B, s - 1, D, generator=g, dtype=torch.float64) for _ in range(2)]
+    pos = [5, 2, 9]
+    o, state = aft_local(q, k, v, w, window=s, initial_state=(a, n, m, *caches, torch.tensor(pos)),
+                         output_final_state=True, mode=mode)
+    for b in range(B):
+        row = (a[b:b + 1], n[b:b + 1], m[b:b + 1], caches[0][b:b + 1], caches[1][b:b + 1], pos[b])
+        o_b, state_b = aft_local(q[b:b + 1], k[b:b + 1], v[b:b + 1], w[b], window=s,
+                                 initial_state=row, output_final_state=True, mode=mode)
+        assert_close64(o[b:b + 1], o_b)
+        assert_close64(state.k_cache[b:b + 1], state_b.k_cache)
+    assert state.pos.tolist() == [p + 1 for p in pos]
+
+
 def test_final_state_only_when_asked():
     q, k, v, w = make(1, 6, 3)
     assert aft(q, k, v)[1] is None

@@ -6,7 +6,8 @@ on random inputs of odd sizes, float32 and float64: outputs, final states and ev
     mv /tmp/base36ops/src/fastweights /tmp/base36ops/fw_base
     PYTHONPATH=src python benchmarks/results/delta_unified/identity.py
 
-Prints, per case, "identical" or the largest absolute difference of each tensor that differs.
+Prints, per case, "identical" or the largest absolute difference of each tensor that differs
+(and the largest magnitude of that tensor).
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def run(mod, op, xs, w, wS, **kw):
 
 
 def compare(label, a, b, names):
-    diffs = {n: (x - y).abs().max().item() for n, x, y in zip(names, a, b) if not torch.equal(x, y)}
-    print(f"{label}: " + ("identical" if not diffs else
-                          ", ".join(f"{n} {d:.3g}" for n, d in diffs.items())))
+    diffs = {n: ((x - y).abs().max().item(), y.abs().max().item())
+             for n, x, y in zip(names, a, b) if not torch.equal(x, y)}
+    print(f"{label}: " + ("identical" if not diffs else ", ".join(
+        f"{n} {d:.3g} (largest |{n}| {m:.3g})" for n, (d, m) in diffs.items())))
     return diffs
 
 
