@@ -19,11 +19,7 @@ from fastweights.models import LanguageModel, LMConfig
 from fastweights.ops import (
     aft,
     aft_conv,
-    aft_conv_stream,
-    aft_full_stream,
     aft_local,
-    aft_local_stream,
-    aft_simple_stream,
     block_attention,
     decay_linear_attn,
     delta_rule,
@@ -135,13 +131,13 @@ OP_CASES = [
     ("aft_local-causal-str", lambda: aft_local(x3, x3, x3, w, window=2, causal="no"), TypeError,
      ["causal", "bool"]),
     ("aft_conv-chunk-0", lambda: aft_conv(q, kc, q, wc, chunk_size=0), ValueError, ["chunk_size"]),
-    ("aft_simple_stream-state-batch", lambda: aft_simple_stream(
+    ("aft-simple-state-batch", lambda: aft(
         x3, x3, x3, initial_state=(torch.zeros(1, 8),) * 3), ValueError, ["initial_state[0]"]),
-    ("aft_local_stream-window-float", lambda: aft_local_stream(
+    ("aft_local-window-float", lambda: aft_local(
         x3, x3, x3, torch.randn(T, 3), window=2.0), TypeError, ["window"]),
-    ("aft_conv_stream-mode", lambda: aft_conv_stream(q, kc, q, wc, mode="fast"), ValueError,
+    ("aft_conv-mode", lambda: aft_conv(q, kc, q, wc, mode="fast"), ValueError,
      ["mode", "one of"]),
-    ("aft_full_stream-w-int", lambda: aft_full_stream(x3, x3, x3, w.long()), TypeError,
+    ("aft-w-int", lambda: aft(x3, x3, x3, w.long()), TypeError,
      ["w", "floating-point"]),
     # Infini-attention
     ("infini-gate-other-device", lambda: infini_attention(

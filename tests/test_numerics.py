@@ -14,7 +14,6 @@ from fastweights.ops import (
     aft,
     aft_conv,
     aft_local,
-    aft_simple_stream,
     dpfp,
     draw_favor_projection,
     favor_features,
@@ -105,11 +104,11 @@ def test_aft_large_keys_match_float64():
     k = 80.0 + 5 * torch.randn(B, T, D)
     w = torch.randn(T, T)
     calls = {
-        "aft": lambda q, k, v, w: aft(q, k, v, w, chunk_size=5),
-        "aft-noncausal": lambda q, k, v, w: aft(q, k, v, w, causal=False, chunk_size=5),
-        "aft-simple": lambda q, k, v, w: aft(q, k, v),
-        "aft_local": lambda q, k, v, w: aft_local(q, k, v, w, window=4, chunk_size=5),
-        "aft_simple_stream": lambda q, k, v, w: aft_simple_stream(q, k, v)[0],
+        "aft": lambda q, k, v, w: aft(q, k, v, w, chunk_size=5)[0],
+        "aft-noncausal": lambda q, k, v, w: aft(q, k, v, w, causal=False, chunk_size=5)[0],
+        "aft-simple": lambda q, k, v, w: aft(q, k, v)[0],
+        "aft_local": lambda q, k, v, w: aft_local(q, k, v, w[:, :4], window=4, chunk_size=5)[0],
+        "aft-simple-recurrent": lambda q, k, v, w: aft(q, k, v, mode="recurrent")[0],
     }
     for label, call in calls.items():
         o32 = call(q, k, v, w)
@@ -118,8 +117,8 @@ def test_aft_large_keys_match_float64():
         torch.testing.assert_close(o32.double(), o64, rtol=1e-4, atol=1e-4, msg=label)
     qc, vc = torch.randn(B, T, H, 2), torch.randn(B, T, H, 2)
     kc, wc = 80.0 + 5 * torch.randn(B, T, H), torch.randn(H, 5)
-    o32 = aft_conv(qc, kc, vc, wc, chunk_size=4)
-    o64 = aft_conv(qc.double(), kc.double(), vc.double(), wc.double(), chunk_size=4)
+    o32 = aft_conv(qc, kc, vc, wc, chunk_size=4)[0]
+    o64 = aft_conv(qc.double(), kc.double(), vc.double(), wc.double(), chunk_size=4)[0]
     assert torch.isfinite(o32).all()
     torch.testing.assert_close(o32.double(), o64, rtol=1e-4, atol=1e-4)
 

@@ -19,11 +19,7 @@ from hypothesis import strategies as st
 from fastweights.ops import (
     aft,
     aft_conv,
-    aft_conv_stream,
-    aft_full_stream,
     aft_local,
-    aft_local_stream,
-    aft_simple_stream,
     block_attention,
     decay_linear_attn,
     delta_rule,
@@ -199,11 +195,15 @@ def test_ttt(p, kind, bias, residual):
 
 
 # ---------------------------------------------------------------- AFT
-def band(W: torch.Tensor, window: int) -> torch.Tensor:
-    """The window biases of aft_local_stream: band[t, o] = W[t, t - o] (0 before position 0)."""
+def band(W: torch.Tensor, window: int, causal: bool = True) -> torch.Tensor:
+    """The window biases aft_local takes: causal band[t, o] = W[t, t - o]; bidirectional
+    band[t, j] = W[t, t - j + window - 1] (the bias at offset j - (window - 1)); entries outside
+    W are 0 (never read)."""
     T = W.shape[0]
-    rows = torch.arange(T)[:, None] - torch.arange(window)[None, :]
-    return torch.where(rows >= 0, W[torch.arange(T)[:, None], rows.clamp(min=0)], 0.0)
+    offsets = torch.arange(window) if causal else torch.arange(2 * window - 1) - (window - 1)
+    cols = torch.arange(T)[:, None] - offsets[None, :]
+    inside = (cols >= 0) & (cols < T)
+    return torch.where(inside, W[torch.arange(T)[:, None], cols.clamp(0, T - 1)], 0.0)
 
 
 @FAST
@@ -215,21 +215,22 @@ def test_aft_full_and_simple(p, causal):
     d, t0 = p["dtype"], p["split"]
     for w in (W, None):
         want = aft_naive(q, k, v, w, causal)
-        close("aft", aft(*cast(d, q, k, v, w), causal=causal, chunk_size=p["size"]), want, d)
+        for mode in ("chunk", "naive"):
+            o, _ = aft(*cast(d, q, k, v, w), causal=causal, chunk_size=p["size"], mode=mode)
+            close(f"aft-{mode}", o, want, d)
     if not causal:
         return
     want_full, want_simple = aft_naive(q, k, v, W, True), aft_naive(q, k, v, None, True)
-    for mode in ("chunk", "recurrent"):
-        o, _ = aft_simple_stream(*cast(d, q, k, v), mode=mode)
-        close("simple-stream", o, want_simple, d)
+    o, _ = aft(*cast(d, q, k, v), mode="recurrent")
+    close("simple-recurrent", o, want_simple, d)
     if t0 in (0, T):
         return
     (q1, k1, v1), (q2, k2, v2) = halves(t0, q, k, v)
-    o1, s1 = aft_simple_stream(q1, k1, v1, output_final_state=True)
-    o2, _ = aft_simple_stream(q2, k2, v2, initial_state=s1)
+    o1, s1 = aft(q1, k1, v1, output_final_state=True)
+    o2, _ = aft(q2, k2, v2, initial_state=s1)
     close("simple-pieces", torch.cat([o1, o2], 1), want_simple, torch.float64)
-    o1, s1 = aft_full_stream(q1, k1, v1, W[:t0, :t0], output_final_state=True, chunk_size=p["size"])
-    o2, _ = aft_full_stream(q2, k2, v2, W[t0:], initial_state=s1, chunk_size=p["size"])
+    o1, s1 = aft(q1, k1, v1, W[:t0, :t0], output_final_state=True, chunk_size=p["size"])
+    o2, _ = aft(q2, k2, v2, W[t0:], initial_state=s1, chunk_size=p["size"])
     close("full-pieces", torch.cat([o1, o2], 1), want_full, torch.float64)
 
 
@@ -241,19 +242,16 @@ def test_aft_local(p, window, causal):
     q, k, v, W = randn(p, B, T, D), 3 * randn(p, B, T, D), randn(p, B, T, D), randn(p, T, T)
     want = aft_local_naive(q, k, v, W, window, causal)
     d, t0 = p["dtype"], p["split"]
-    close("local", aft_local(*cast(d, q, k, v, W), window=window, causal=causal,
-                             chunk_size=p["size"]), want, d)
-    if not causal:
-        return
-    bw = band(W, window)
-    for mode in ("chunk", "recurrent"):
-        o, _ = aft_local_stream(*cast(d, q, k, v, bw), window=window, mode=mode, chunk_size=p["size"])
-        close("local-stream", o, want, d)
-    if t0 in (0, T):
+    bw = band(W, window, causal)
+    for mode in ("chunk", "recurrent", "naive") if causal else ("chunk", "naive"):
+        o, _ = aft_local(*cast(d, q, k, v, bw), window=window, causal=causal, mode=mode,
+                         chunk_size=p["size"])
+        close(f"local-{mode}", o, want, d)
+    if not causal or t0 in (0, T):
         return
     (q1, k1, v1, b1), (q2, k2, v2, b2) = halves(t0, q, k, v, bw[None])
-    o1, s1 = aft_local_stream(q1, k1, v1, b1[0], window=window, output_final_state=True)
-    o2, _ = aft_local_stream(q2, k2, v2, b2[0], window=window, initial_state=s1)
+    o1, s1 = aft_local(q1, k1, v1, b1[0], window=window, output_final_state=True)
+    o2, _ = aft_local(q2, k2, v2, b2[0], window=window, initial_state=s1)
     close("local-pieces", torch.cat([o1, o2], 1), want, torch.float64)
 
 
@@ -266,17 +264,14 @@ def test_aft_conv(p, half, causal):
     q, k, v, w = randn(p, B, T, H, Dh), 3 * randn(p, B, T, H), randn(p, B, T, H, Dh), randn(p, H, s)
     want = aft_conv_naive(q, k, v, w, causal)
     d, t0 = p["dtype"], p["split"]
-    close("conv", aft_conv(*cast(d, q, k, v, w), causal=causal, chunk_size=p["size"]), want, d)
-    if not causal:
-        return
-    for mode in ("chunk", "recurrent"):
-        o, _ = aft_conv_stream(*cast(d, q, k, v, w), mode=mode, chunk_size=p["size"])
-        close("conv-stream", o, want, d)
-    if t0 in (0, T):
+    for mode in ("chunk", "recurrent", "naive") if causal else ("chunk", "naive"):
+        o, _ = aft_conv(*cast(d, q, k, v, w), causal=causal, mode=mode, chunk_size=p["size"])
+        close(f"conv-{mode}", o, want, d)
+    if not causal or t0 in (0, T):
         return
     (q1, k1, v1), (q2, k2, v2) = halves(t0, q, k, v)
-    o1, s1 = aft_conv_stream(q1, k1, v1, w, output_final_state=True)
-    o2, _ = aft_conv_stream(q2, k2, v2, w, initial_state=s1)
+    o1, s1 = aft_conv(q1, k1, v1, w, output_final_state=True)
+    o2, _ = aft_conv(q2, k2, v2, w, initial_state=s1)
     close("conv-pieces", torch.cat([o1, o2], 1), want, torch.float64)
 
 

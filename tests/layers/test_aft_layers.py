@@ -61,11 +61,13 @@ def test_local_band_is_the_factorised_bias():
     x = x_in()
     q, k, v = layer._qkv(x)
     w = layer.bias.u @ layer.bias.v.T
-    ref = layer.out(aft_local(q, k, v, w, window=3))
+    i = torch.arange(x.shape[1])[:, None]
+    band = torch.where(i >= torch.arange(3), w[i, (i - torch.arange(3)).clamp_min(0)], 0.0)
+    ref = layer.out(aft_local(q, k, v, band, window=3)[0])
     assert_close64(layer(x)[0], ref)
     full = noisy(AFTFull(D_MODEL, 2, max_len=16, d_bias=4))
     q, k, v = full._qkv(x)
-    assert_close64(full(x)[0], full.out(aft(q, k, v, full.bias.u @ full.bias.v.T)))
+    assert_close64(full(x)[0], full.out(aft(q, k, v, full.bias.u @ full.bias.v.T)[0]))
 
 
 @pytest.mark.parametrize("window", [1, 4, 20], ids=lambda w: f"s{w}")
@@ -116,9 +118,10 @@ def test_max_len_is_enforced_including_the_streamed_past(cls):
 
 @pytest.mark.parametrize("cls,opts", [(AFTSimple, {}), (AFTLocal, {"window": 4}), (AFTConv, {"window": 4})],
                          ids=["simple", "local", "conv"])
-def test_recurrent_mode_matches_chunk_mode(cls, opts):
+@pytest.mark.parametrize("mode", ["recurrent", "naive"])
+def test_other_modes_match_chunk_mode(cls, opts, mode):
     chunk = noisy(cls(D_MODEL, 2, mode="chunk", **opts))
-    rec = cls(D_MODEL, 2, mode="recurrent", **opts).double()
+    rec = cls(D_MODEL, 2, mode=mode, **opts).double()
     rec.load_state_dict(chunk.state_dict())
     y, state = chunk(x_in())
     y_rec, state_rec = rec(x_in())
@@ -148,7 +151,7 @@ def test_conv_with_zero_kernel_matches_heads_of_simple():
     x = x_in()
     q, k, v = layer._qkv(x)
     k_per_channel = k.repeat_interleave(D_MODEL // 2, dim=-1)  # head h's key on its channels
-    assert_close64(layer(x)[0], layer.out(aft(q, k_per_channel, v)))
+    assert_close64(layer(x)[0], layer.out(aft(q, k_per_channel, v)[0]))
 
 
 def test_state_sizes():
@@ -188,15 +191,15 @@ def test_bfloat16_forward_is_finite():
 BAD_OPTIONS = [
     ("aft-local", {"window": 0}, ValueError, "window must be >= 1"),
     ("aft-conv", {"window": -1}, ValueError, "window must be >= 1"),
-    ("aft-simple", {"mode": "naive"}, ValueError, "mode must be one of"),
+    ("aft-simple", {"mode": "parallel"}, ValueError, "mode must be one of"),
     ("aft-full", {"max_len": 0}, ValueError, "max_len must be >= 1"),
     ("aft-full", {"d_bias": 0}, ValueError, "d_bias must be >= 1"),
     ("aft-local", {"bias_std": -1.0}, ValueError, "bias_std"),
     ("aft-conv", {"d_hidden": 7}, ValueError, "divisible by n_heads"),
     ("aft-conv", {"reparam": 1}, TypeError, "reparam must be a bool"),
     ("aft-conv", {"nonneg": "no"}, TypeError, "nonneg must be a bool"),
-    ("aft-conv", {"global_context": False, "mode": "recurrent"}, ValueError, "need mode='chunk'"),
-    ("aft-conv", {"nonneg": False, "mode": "recurrent"}, ValueError, "need mode='chunk'"),
+    ("aft-conv", {"global_context": False, "mode": "recurrent"}, ValueError, "no mode='recurrent'"),
+    ("aft-conv", {"nonneg": False, "mode": "recurrent"}, ValueError, "no mode='recurrent'"),
     ("aft-full", {"chunk_size": 0}, ValueError, "chunk_size must be >= 1"),
 ]
 

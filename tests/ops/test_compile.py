@@ -33,7 +33,7 @@ CASES = {
                                     300 * torch.randn(T, T))),
     "aft_simple": lambda T: (lambda q, k, v: ops.aft(q, k, v), (*_flat(T),)),
     "aft_local": lambda T: (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=5, chunk_size=8),
-                            (*_flat(T), torch.randn(T, T))),
+                            (*_flat(T), torch.randn(T, 5))),
     "aft_conv": lambda T: (lambda q, k, v, w: ops.aft_conv(q, k, v, w, chunk_size=8),
                            (_qkv(T)[0], 200 * _qkv(T)[1][..., 0], _qkv(T)[2], torch.randn(H, 5))),
     "infini": lambda T: (lambda q, k, v, g: ops.infini_attention(

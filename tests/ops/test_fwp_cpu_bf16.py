@@ -36,7 +36,7 @@ import torch
 
 from fastweights.ops import _autocast, delta_rule, elu_plus_one, linear_attn, sum_norm
 from fastweights.ops._autocast import CPU_BF16_ENV, cpu_bf16_products, cpu_has_fast_bf16
-from fastweights.ops.fwp.chunk import linear_attn_chunk
+from fastweights.ops.fwp.chunk import delta_rule_chunk, linear_attn_chunk
 from fastweights.ops.fwp.recurrent import delta_rule_recurrent
 
 U = 2.0**-8  # bfloat16 unit roundoff
@@ -347,6 +347,26 @@ def test_gradients_flow_and_agree_loosely_with_float32(monkeypatch, op):
         assert g.dtype == torch.float32
         assert not torch.equal(g, w)
         assert (g - w).norm() <= 10 * U * w.norm()
+
+
+def test_gated_chunk_form_takes_the_products_too():
+    """The chunked form is one for the delta rule and the gated delta rule (ops/fwp/chunk.py):
+    with gates its bfloat16 products stay within 10u (normwise) of its float32 result, output,
+    state and every gradient. (gated_delta_rule itself does not opt into the path.)"""
+    q, k, v, beta, S0, _ = f32(*data(2, 77, 2, 12, 10, seed=6))
+    g = -torch.rand(beta.shape, generator=torch.Generator().manual_seed(7))
+
+    def run(products):
+        xs = [x.clone().requires_grad_() for x in (sum_norm(q), sum_norm(k), v, beta, g, S0)]
+        o, S = delta_rule_chunk(*xs[:4], S=xs[5], chunk_size=16, g=xs[4], products=products)
+        w = torch.cos(torch.arange(o.numel(), dtype=torch.float32)).view_as(o)
+        ((o * w).sum() + S.sin().sum()).backward()
+        return [o.detach(), S.detach()] + [x.grad for x in xs]
+
+    for got, want in zip(run(torch.bfloat16), run(None)):
+        assert got.dtype == torch.float32
+        assert not torch.equal(got, want)
+        assert (got - want).norm() <= 10 * U * want.norm()
 
 
 def test_delta_rule_double_backward_runs(monkeypatch):

@@ -15,7 +15,7 @@ from fastweights.ops import (
     ttt_linear,
     ttt_mlp,
 )
-from fastweights.ops.aft import aft_conv_stream, aft_local_stream, aft_simple_stream
+from fastweights.ops.aft import aft, aft_conv, aft_local
 from tests.helpers import assert_close64
 
 CU = torch.tensor([0, 5, 6, 17, 23])
@@ -40,6 +40,7 @@ def _ttt_init(kind):
 TTT_LIN, TTT_MLP = _ttt_init("linear"), _ttt_init("mlp")
 W_LOCAL = torch.randn(T, 3, generator=g, dtype=torch.float64)
 W_CONV = torch.randn(H, 3, generator=g, dtype=torch.float64)
+W_FULL = torch.randn(T, 2 * T, generator=g, dtype=torch.float64)  # rows: packed tokens
 
 OPS = {
     "linear_attn": (lambda sl, **kw: linear_attn(Q[:, sl], K[:, sl], V[:, sl], normalize=True, chunk_size=4, **kw), None),
@@ -49,9 +50,10 @@ OPS = {
     "ttt_mlp": (lambda sl, **kw: ttt_mlp(Q[:, sl], K[:, sl], V[:, sl], 0.1 * BETA[:, sl], mini_batch_size=4, **kw), TTT_MLP),
     "infini_attention": (lambda sl, **kw: infini_attention(Q[:, sl], K[:, sl], V[:, sl], torch.tensor([0.3, -1.0], dtype=torch.float64), segment_len=3, q_mem=V[:, sl], **kw), None),
     "infini_attention_delta": (lambda sl, **kw: infini_attention(Q[:, sl], K[:, sl], V[:, sl], torch.tensor([0.3, -1.0], dtype=torch.float64), segment_len=4, update="delta", **kw), None),
-    "aft_simple_stream": (lambda sl, **kw: aft_simple_stream(X3[:, sl], X3[:, sl] * 0.5, X3[:, sl] - 1, **kw), None),
-    "aft_local_stream": (lambda sl, **kw: aft_local_stream(X3[:, sl], X3[:, sl] * 0.5, X3[:, sl] - 1, W_LOCAL[sl], window=3, chunk_size=4, **kw), None),
-    "aft_conv_stream": (lambda sl, **kw: aft_conv_stream(Q[:, sl], K[:, sl, :, 0], V[:, sl], W_CONV, chunk_size=4, **kw), None),
+    "aft_simple": (lambda sl, **kw: aft(X3[:, sl], X3[:, sl] * 0.5, X3[:, sl] - 1, **kw), None),
+    "aft_full": (lambda sl, **kw: aft(X3[:, sl], X3[:, sl] * 0.5, X3[:, sl] - 1, W_FULL[sl], chunk_size=4, **kw), None),
+    "aft_local": (lambda sl, **kw: aft_local(X3[:, sl], X3[:, sl] * 0.5, X3[:, sl] - 1, W_LOCAL[sl], window=3, chunk_size=4, **kw), None),
+    "aft_conv": (lambda sl, **kw: aft_conv(Q[:, sl], K[:, sl, :, 0], V[:, sl], W_CONV, chunk_size=4, **kw), None),
 }
 
 

@@ -186,12 +186,13 @@ def _recipe_ttt(mlp: bool) -> Callable[[int, Setting], tuple[list[torch.Tensor],
 
 def _recipe_aft(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
     B, C = s.batch, s.d_model
-    return [_randn(s, B, T, C) for _ in range(3)] + [0.01 * _randn(s, T, T)], {}
+    # w [T, P]: the tokens' bias rows, with columns for the decoded tokens after them too
+    return [_randn(s, B, T, C) for _ in range(3)] + [0.01 * _randn(s, T, T + _DECODE_STEPS)], {}
 
 
 def _recipe_aft_local(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
     args, _ = _recipe_aft(T, s)
-    return args, {"window": 64}
+    return [*args[:3], 0.01 * _randn(s, T, 64)], {"window": 64}  # w: the band [T, window]
 
 
 def _recipe_aft_conv(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
@@ -247,8 +248,14 @@ def _op_workload(op_name: str, mode: str | None, T: int, s: Setting) -> Workload
         _first(fn(*grad_args, **kwargs)).sum().backward()
 
     if "output_final_state" in params:
-        # Decoding feeds one fresh token: every time-indexed input cut to its last position.
-        step_args = [a[:, -1:].clone() if a.dim() >= 3 and a.shape[1] == T else a for a in args]
+        # Decoding feeds one fresh token: every time-indexed input cut to its last position,
+        # [B, T, ...] on dim 1 and AFT's per-token bias rows [T, *] on dim 0.
+        def last(a: torch.Tensor) -> torch.Tensor:
+            if a.dim() >= 3 and a.shape[1] == T:
+                return a[:, -1:].clone()
+            return a[-1:].clone() if op_name in ("aft", "aft_local") and a.dim() == 2 else a
+
+        step_args = [last(a) for a in args]
 
         def prefill() -> Any:
             prefill_kwargs = {k: v for k, v in kwargs.items() if k != "mode"}

@@ -34,14 +34,13 @@ from ..ops.aft import (
     AFTFullState,
     AFTLocalState,
     AFTSimpleState,
-    aft_conv_stream,
-    aft_full_stream,
-    aft_local_stream,
-    aft_simple_stream,
+    aft,
+    aft_conv,
+    aft_local,
 )
 from ..ops.aft.chunk import merge
 from ..ops.aft.common import MODES
-from ..ops.aft.local_stream import local_stream
+from ..ops.aft.local import local_causal
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
@@ -163,16 +162,16 @@ class AFTFull(_AFT):
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         if cu_seqlens is not None:
-            # aft_full_stream has no cu_seqlens: each document attends to its own cache of
-            # its own length, with its own rows of the position table.
+            # Each document attends to its own cache of its own length, with its own rows of
+            # the position table (built per document: rows of different widths).
             return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
         state = self._typed_state(state, AFTFullState)
         past = 0 if state is None else state.k_cache.shape[1]
         w = self.bias.rows(past, past + x.shape[1])
         q, k, v = self._qkv(x)
-        o, state = aft_full_stream(q, k, v, w, initial_state=state, output_final_state=True,
-                                   chunk_size=self.chunk_size)
+        o, state = aft(q, k, v, w, initial_state=state, output_final_state=True,
+                       chunk_size=self.chunk_size)
         return self.out(o), state
 
     def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +201,7 @@ class AFTFull(_AFT):
 class AFTLocal(_AFT):
     """AFT-local (docs/maths.md 4.2): the learned bias inside a causal window of ``window`` tokens
     (0 <= t - t' < s; s = 32 as the labml reference), bias 0 (not a mask) beyond it. ``mode``
-    and ``chunk_size`` pick the op's algorithm (``aft_local_stream``), never its result.
+    and ``chunk_size`` pick the op's algorithm (``aft_local``), never its result.
 
     State ``(a, n, m [B, d'], k_cache, v_cache [B, c, d'], pos)``: the stable sums of the tokens
     that have left the window, the last c = min(pos, s - 1) tokens and the absolute position.
@@ -246,9 +245,9 @@ class AFTLocal(_AFT):
             w = self.bias.band(0, stop, self.window, self.chunk_size)
             w = w[token_positions(bounds, starts, x.device)]  # [T, s]
         q, k, v = self._qkv(x)
-        o, state = aft_local_stream(q, k, v, w, window=self.window, initial_state=state,
-                                    output_final_state=True, mode=self.mode,
-                                    chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
+        o, state = aft_local(q, k, v, w, window=self.window, initial_state=state,
+                             output_final_state=True, mode=self.mode,
+                             chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def _step(self, x: torch.Tensor, state: AFTLocalState | None) -> tuple[torch.Tensor, State]:
@@ -260,7 +259,7 @@ class AFTLocal(_AFT):
                                                                  self.window, q)
             carried = (a, n.unsqueeze(-1), m, k_cache, v_cache.unsqueeze(-1))
         band = self.bias.keys_row(pos, self.window).to(state_dtype(x.dtype)).view(1, 1, -1)
-        o, final = local_stream(q, k, v, band, self.window, carried, pos, "recurrent",
+        o, final = local_causal(q, k, v, band, self.window, carried, pos, "recurrent",
                                 self.chunk_size)
         return self.out(o), final
 
@@ -301,8 +300,8 @@ class AFTSimple(_AFT):
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
-        o, state = aft_simple_stream(q, k, v, initial_state=state, output_final_state=True,
-                                     mode=self.mode, cu_seqlens=cu_seqlens)
+        o, state = aft(q, k, v, initial_state=state, output_final_state=True, mode=self.mode,
+                       cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -338,12 +337,12 @@ class AFTConv(_AFT):
     State ``(a [B, H], n [B, H, Dh], m [B, H], k_cache [B, c, H], v_cache [B, c, H, Dh])``;
     ``state_size`` counts it once the cache is full: 2 H + d' + (s - 1)(H + d').
 
-    Ablations of the paper's three ingredients (``aft_conv_stream``; all on by default):
+    Ablations of the paper's three ingredients (``aft_conv``; all on by default):
     ``global_context=False`` weighs tokens outside the kernel 0 (a local convolution);
     ``nonneg=False`` uses signed kernel weights c = 1 + w (w the kernel after the
     reparameterisation: the first-order expansion of AFT-conv's e^w, so both start at weight 1,
     as AFT-simple) instead of e^w; ``gating=False`` drops sigmoid(Q) and the Q projection with
-    it. The first two need ``mode="chunk"``.
+    it. The first two have no ``mode="recurrent"``.
     """
 
     eps = 1e-5
@@ -362,9 +361,9 @@ class AFTConv(_AFT):
         self.window = check_positive_int("window", window)
         self.reparam = check_bool("reparam", reparam)
         self.mode = check_choice("mode", mode, MODES)
-        if mode != "chunk" and not (global_context and nonneg):
-            raise ValueError(f"global_context=False and nonneg=False need mode='chunk', got "
-                             f"mode={mode!r}")
+        if mode == "recurrent" and not (global_context and nonneg):
+            raise ValueError("global_context=False and nonneg=False have no mode='recurrent'; "
+                             "use mode='chunk' or 'naive'")
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         init = torch.randn(n_heads, window) if reparam else torch.zeros(n_heads, window)
         self.kernel = nn.Parameter(init)
@@ -389,11 +388,11 @@ class AFTConv(_AFT):
         v = split_heads(v, H)
         q = split_heads(q, H) if self.gating else torch.zeros_like(v)  # ignored by the op
         w = self.kernel_weight()
-        o, state = aft_conv_stream(q, k, v, w if self.nonneg else 1.0 + w,
-                                   initial_state=state, output_final_state=True, mode=self.mode,
-                                   chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
-                                   global_context=self.global_context, signed=not self.nonneg,
-                                   gating=self.gating)
+        o, state = aft_conv(q, k, v, w if self.nonneg else 1.0 + w,
+                            initial_state=state, output_final_state=True, mode=self.mode,
+                            chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
+                            global_context=self.global_context, signed=not self.nonneg,
+                            gating=self.gating)
         return self.out(merge_heads(o)), state
 
     def state_size(self, seq_len: int = 1) -> int:

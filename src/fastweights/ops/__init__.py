@@ -1,14 +1,6 @@
 """The mathematics: pure functions on ``[B, T, H, D]`` tensors, one sub-package per family."""
 
-from .aft import (
-    aft,
-    aft_conv,
-    aft_conv_stream,
-    aft_full_stream,
-    aft_local,
-    aft_local_stream,
-    aft_simple_stream,
-)
+from .aft import aft, aft_conv, aft_local
 from .fwp import (
     delta_rule,
     delta_rule_attn_norm,
@@ -30,11 +22,7 @@ __all__ = [
     "InfiniState",
     "aft",
     "aft_conv",
-    "aft_conv_stream",
-    "aft_full_stream",
     "aft_local",
-    "aft_local_stream",
-    "aft_simple_stream",
     "block_attention",
     "decay_linear_attn",
     "delta_rule",

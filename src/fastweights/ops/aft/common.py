@@ -18,11 +18,12 @@ from ..._checks import (
     check_same_dtype_device,
     check_tensor,
 )
-from .._modes import STREAM_MODES
+from .._modes import RECURRENT_MODES
 from .chunk import banded_causal
+from .naive import banded_naive
 from .recurrent import banded_recurrent
 
-MODES = STREAM_MODES
+MODES = RECURRENT_MODES
 
 
 def check_btd(q: Any, k: Any, v: Any) -> tuple[int, int, int]:
@@ -84,18 +85,42 @@ def check_kernel(w: Any, H: int, ref: torch.Tensor) -> int:
     return w.shape[1]
 
 
-def check_stream_flags(output_final_state: Any, mode: Any, chunk_size: Any = 1) -> None:
-    """The streaming ops' flags: output_final_state a bool, mode one of MODES, chunk_size >= 1."""
+def check_flags(causal: Any, initial_state: Any, output_final_state: Any, mode: Any,
+                chunk_size: Any) -> None:
+    """The AFT ops' flags: causal and output_final_state bools, mode one of MODES, chunk_size
+    >= 1; a bidirectional call (causal=False) carries no state and has no recurrent form."""
+    check_bool("causal", causal)
     check_bool("output_final_state", output_final_state)
     check_mode(mode, MODES)
     check_positive_int("chunk_size", chunk_size)
+    if causal:
+        return
+    if initial_state is not None or output_final_state:
+        raise ValueError("causal=False carries no state (every row reads the whole call): "
+                         "initial_state must be None and output_final_state False")
+    if mode == "recurrent":
+        raise ValueError("mode='recurrent' needs causal=True (a bidirectional row reads later "
+                         "tokens); use mode='chunk' or 'naive'")
 
 
 def banded_stream(k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, window: int,
-                  state: tuple | None, mode: str, chunk_size: int) -> tuple[torch.Tensor, tuple]:
-    """The causal banded sums of AFT-local/conv in the chosen ``mode`` (chunk.py/recurrent.py).
-    One token (a decoding step) always takes the recurrent form: it reads the cached window as
-    it is, where the chunked form would rebuild prefix sums over cache and token."""
+                  state: tuple | None, mode: str, chunk_size: int, *,
+                  global_context: bool = True, signed: bool = False) -> tuple[torch.Tensor, tuple]:
+    """The causal banded sums of AFT-local/conv in the chosen ``mode`` (chunk.py, recurrent.py,
+    naive.py). band [T|1, G|1, J] or [T|1, B, G|1, J] (per row) in time order, band[..., -1 - o]
+    at offset o: the biases, or with ``signed`` the weights. One token (a decoding step) takes
+    the recurrent form in mode "chunk": it reads the cached window as it is, where the chunked
+    form would rebuild prefix sums over cache and token. AFT-conv's ablations
+    (``global_context=False``, ``signed``) have the chunked and naive forms (the op checks)."""
+    if mode == "naive":
+        natural = band.flip(-1)  # [..., o]: the bias at offset o
+        natural = natural if natural.dim() == 4 else natural.unsqueeze(1)
+        return banded_naive(k, v, natural, 0, True, window, state, global_context=global_context,
+                            signed=signed)
+    if signed or not global_context:
+        signs = torch.sign(band).detach() if signed else None
+        return banded_causal(k, v, torch.log(band.abs()) if signed else band, window, state,
+                             chunk_size, global_context=global_context, signs=signs)
     if mode == "chunk" and k.shape[1] > 1:
         return banded_causal(k, v, band, window, state, chunk_size)
     return banded_recurrent(k, v, band, window, state)

@@ -1,8 +1,7 @@
-"""AFT-conv (docs/maths.md 4.2): ``aft_conv`` over a whole sequence and ``aft_conv_stream``, its
-causal form with a carried state.
+"""AFT-conv (docs/maths.md 4.2-4.3): ``aft_conv``, with its state ``AFTConvState``.
 
 Dimension legend: B batch, T time, H heads, Dh channels per head, s kernel size,
-c = min(tokens seen, s - 1) cached tokens. ``w`` is the [H, s] kernel in both ops.
+c = min(tokens seen, s - 1) cached tokens. ``w`` is the [H, s] kernel.
 """
 
 from __future__ import annotations
@@ -11,12 +10,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..._checks import check_bool, check_positive_int, check_tensor, state_dtype
+from ..._checks import check_bool, check_tensor, state_dtype
 from .._autocast import float32_compute
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed
-from .chunk import banded_bidirectional, banded_causal
-from .common import banded_stream, check_conv_qkv, check_kernel, check_stream_flags, gate
+from .chunk import banded_bidirectional
+from .common import banded_stream, check_conv_qkv, check_flags, check_kernel, gate
+from .naive import banded_naive
 
 
 class AFTConvState(NamedTuple):
@@ -48,8 +48,10 @@ class AFTConvState(NamedTuple):
 @float32_compute
 def aft_conv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, causal: bool = True,
-    chunk_size: int = 64,
-) -> torch.Tensor:
+    initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
+    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, global_context: bool = True,
+    signed: bool = False, gating: bool = True,
+) -> tuple[torch.Tensor, AFTConvState | None]:
     """AFT-conv (docs/maths.md 4.2): per head h, one key channel k[..., h] shared by the head's Dh
     value channels and a bias depending only on the offset t - t':
 
@@ -58,39 +60,15 @@ def aft_conv(
       kernel, index (s - 1) / 2 being t itself).
 
     Pairs at other offsets count with bias 0, so this equals AFT-local with window s (causal) or
-    (s + 1) / 2 (bidirectional) and the per-head Toeplitz bias. O(T s H Dh), as banded matrix
-    products over blocks of ``chunk_size`` rows.
-    q, v: [B, T, H, Dh]; k: [B, T, H]; w: [H, s]. Returns o [B, T, H, Dh] in q's dtype.
-    """
-    H = check_conv_qkv(q, k, v)[2]
-    s = check_kernel(w, H, q)
-    check_bool("causal", causal)
-    check_positive_int("chunk_size", chunk_size)
-    if not causal and s % 2 == 0:
-        raise ValueError(f"w must have an odd kernel size s for causal=False (centred kernel), got s = {s}")
-    cdtype = state_dtype(q.dtype)
-    band = w.to(cdtype).flip(-1).unsqueeze(0)  # [1, H, s]: offset s-1-j for causal, r-j centred
-    if causal:
-        ratio = banded_causal(k.to(cdtype), v.to(cdtype), band, s, None, chunk_size)[0]
-    else:
-        r = (s - 1) // 2
-        ratio = banded_bidirectional(k.to(cdtype), v.to(cdtype), band, r, r, chunk_size)
-    return gate(q, ratio)
-
-
-@float32_compute
-def aft_conv_stream(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *,
-    initial_state: tuple | None = None, output_final_state: bool = False, mode: str = "chunk",
-    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, global_context: bool = True,
-    signed: bool = False, gating: bool = True,
-) -> tuple[torch.Tensor, AFTConvState | None]:
-    """Causal AFT-conv with a carried state (the streaming form of ``aft_conv``, causal=True).
-
-    q, v: [B, T, H, Dh]; k: [B, T, H]; w: [H, s] (w[h, j] is the bias at offset t - t' = j).
-    State: an ``AFTConvState`` (a, n, m, k_cache, v_cache).
+    (s + 1) / 2 (bidirectional) and the per-head Toeplitz bias.
+    q, v: [B, T, H, Dh]; k: [B, T, H]; w: [H, s].
     Returns (o [B, T, H, Dh] in q's dtype, state in float32/float64 or None).
-    ``cu_seqlens``: packed documents in a batch of one, as in ``aft_simple_stream``.
+
+    State (causal only): an ``AFTConvState`` (a, n, m, k_cache, v_cache). ``mode``: "chunk"
+    (default; banded matrix products over blocks of ``chunk_size`` rows, O(T s H Dh); a
+    one-token call runs the recurrent step), "recurrent" (causal only: token by token with an
+    online log-sum-exp) or "naive" (the literal sums, the oracle). ``cu_seqlens``: packed
+    documents in a batch of one, each on its own (ops/_varlen.py).
 
     Ablations of AFT-conv's three ingredients (the paper's reading of it as a convnet with global
     connectivity, non-negative weights and divisive/multiplicative gating; defaults = AFT-conv):
@@ -101,31 +79,37 @@ def aft_conv_stream(
       denominator (weight 1 outside the kernel), so c = e^{w} gives AFT-conv with biases w and a
       negative c subtracts its values;
     - ``gating=False``: o = the ratio itself, q is ignored (not gated by sigmoid(Q)).
-    The first two have the chunked form only (``mode="recurrent"`` raises ValueError).
+    The first two have the causal chunked form and the naive one (mode="recurrent", and
+    mode="chunk" with causal=False, raise ValueError).
     """
     B, _, H, Dh = check_conv_qkv(q, k, v)
     s = check_kernel(w, H, q)
-    check_stream_flags(output_final_state, mode, chunk_size)
+    check_flags(causal, initial_state, output_final_state, mode, chunk_size)
     for name, flag in (("global_context", global_context), ("signed", signed), ("gating", gating)):
         check_bool(name, flag)
+    if not causal and s % 2 == 0:
+        raise ValueError(f"w must have an odd kernel size s for causal=False (centred kernel), got s = {s}")
     ablated = signed or not global_context
-    if ablated and mode != "chunk":
-        raise ValueError(f"global_context=False and signed=True have the chunk form only, got "
-                         f"mode={mode!r}; use mode='chunk'")
+    if ablated and (mode == "recurrent" or (mode == "chunk" and not causal)):
+        raise ValueError(f"global_context=False and signed=True have the causal chunk form and the "
+                         f"naive one only, got mode={mode!r} with causal={causal}")
+    flags = {"global_context": global_context, "signed": signed}
     if cu_seqlens is not None:
-        return run_packed(aft_conv_stream, (q, k, v), cu_seqlens, initial_state,
-                          output_final_state, w=w, mode=mode, chunk_size=chunk_size,
-                          global_context=global_context, signed=signed, gating=gating)
-    carried = None if initial_state is None else AFTConvState.check(initial_state, B, H, Dh, s, q)
+        return run_packed(aft_conv, (q, k, v), cu_seqlens, initial_state, output_final_state,
+                          w=w, causal=causal, mode=mode, chunk_size=chunk_size, gating=gating,
+                          **flags)
     cdtype = state_dtype(q.dtype)
-    kernel = w.to(cdtype).flip(-1).unsqueeze(0)  # [1, H, s], kernel[..., -1 - o] = w[:, o]
-    kc, vc = k.to(cdtype), v.to(cdtype)
-    if ablated:
-        signs = torch.sign(kernel).detach() if signed else None
-        band = torch.log(kernel.abs()) if signed else kernel
-        ratio, final = banded_causal(kc, vc, band, s, carried, chunk_size,
-                                     global_context=global_context, signs=signs)
+    kc, vc, wc = k.to(cdtype), v.to(cdtype), w.to(cdtype)
+    final = None
+    if not causal:
+        r = (s - 1) // 2
+        if mode == "naive":
+            ratio = banded_naive(kc, vc, wc[None, None], r, False, s, None, **flags)[0]
+        else:  # band[..., j]: t' = t - r + j, the flipped kernel
+            ratio = banded_bidirectional(kc, vc, wc.flip(-1).unsqueeze(0), r, r, chunk_size)
     else:
-        ratio, final = banded_stream(kc, vc, kernel, s, carried, mode, chunk_size)
+        carried = None if initial_state is None else AFTConvState.check(initial_state, B, H, Dh, s, q)
+        kernel = wc.flip(-1).unsqueeze(0)  # [1, H, s], kernel[..., -1 - o] = w[:, o]
+        ratio, final = banded_stream(kc, vc, kernel, s, carried, mode, chunk_size, **flags)
     o = gate(q, ratio) if gating else ratio.to(q.dtype)
     return o, (AFTConvState(*final) if output_final_state else None)

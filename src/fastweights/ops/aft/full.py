@@ -1,8 +1,8 @@
-"""AFT-full and AFT-simple over whole sequences (docs/maths.md 4.1-4.2): ``aft``; causal AFT-full
-with a key/value cache (docs/maths.md 4.3): ``aft_full_stream``.
+"""AFT-full and AFT-simple (docs/maths.md 4.1-4.3): ``aft``, with its states ``AFTFullState`` (the
+key/value cache of AFT-full) and ``AFTSimpleState`` (the stable sums of AFT-simple).
 
 Dimension legend: B batch, T time, D channels (every channel its own head), p cached tokens.
-In both ops ``w`` is a table of pairwise position biases, rows = queries, columns = keys.
+``w`` is a table of pairwise position biases, rows = the call's tokens, columns = keys.
 """
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..._checks import check_bool, check_positive_int, check_tensor, state_dtype
+from ..._checks import check_tensor, state_dtype
 from .._autocast import float32_compute
 from .._state import check_items, checked_tensors
+from .._varlen import run_packed
 from .chunk import full_rows, simple_bidirectional, simple_causal
-from .common import check_bias_matrix, check_btd, gate
+from .common import check_bias_matrix, check_btd, check_flags, gate
+from .naive import banded_naive, full_naive
+from .recurrent import simple_recurrent
 
 
 class AFTFullState(NamedTuple):
@@ -35,60 +38,111 @@ class AFTFullState(NamedTuple):
                                      state_dtype(q.dtype)))
 
 
+class AFTSimpleState(NamedTuple):
+    """The past of causal AFT-simple, each [B, D]: it sums to e^a n (numerator sum e^K V) and
+    e^a m (denominator sum e^K); a is a stabilising reference (the running key maximum in
+    ``"recurrent"`` and ``"naive"`` mode, the log-sum-exp with m = 1 in ``"chunk"`` mode)."""
+
+    a: torch.Tensor
+    n: torch.Tensor
+    m: torch.Tensor
+
+    @classmethod
+    def check(cls, state: Any, B: int, D: int, q: torch.Tensor) -> AFTSimpleState:
+        """A carried state for q [B, T, D], in the compute dtype."""
+        check_items(state, cls)
+        spec = ((B, D), "[B, D]")
+        return cls(**checked_tensors(state, cls, dict.fromkeys(cls._fields, spec), q,
+                                     state_dtype(q.dtype)))
+
+
 @float32_compute
 def aft(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None, *,
-    causal: bool = True, chunk_size: int = 64,
-) -> torch.Tensor:
+    causal: bool = True, initial_state: tuple[torch.Tensor, ...] | None = None,
+    output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, AFTFullState | AFTSimpleState | None]:
     """AFT-full (docs/maths.md 4.1), or AFT-simple (docs/maths.md 4.2) with ``w=None``.
 
-    q, k, v: [B, T, D]; w: [T_max, T_max] pairwise position bias with T_max >= T (its top-left
-    T x T block is used) or None. Y_t = sigmoid(Q_t) * sum_t' e^{K_t' + w_tt'} V_t' /
-    sum_t' e^{K_t' + w_tt'} over t' <= t (causal) or all t'. AFT-full costs O(T^2 D) time: one
-    pair of matrix products (bidirectional), or per block of ``chunk_size`` query rows matrix
-    products over the earlier keys plus a causal window over the block's own keys (causal).
-    AFT-simple runs as stabilised prefix sums (causal, O(T D)) or one softmax over time.
-    Returns o [B, T, D] in q's dtype.
-    """
-    T = check_btd(q, k, v)[1]
-    if w is not None:
-        check_bias_matrix("w", w, T, T, False, q, "[T_max, T_max]")
-    check_bool("causal", causal)
-    check_positive_int("chunk_size", chunk_size)
-    cdtype = state_dtype(q.dtype)
-    k_c, v_c = k.to(cdtype), v.to(cdtype).unsqueeze(-1)  # G = D key channels, E = 1 value each
-    if w is None:
-        ratio = simple_causal(k_c, v_c, None)[0] if causal else simple_bidirectional(k_c, v_c)
-    else:
-        ratio = full_rows(k_c, v_c, w[:T, :T].to(cdtype), 0, causal, chunk_size)
-    return gate(q, ratio.squeeze(-1))
+    q, k, v: [B, T, D]. Y_t = sigmoid(Q_t) * sum_t' e^{K_t' + w_tt'} V_t' / sum_t' e^{K_t' + w_tt'}
+    over t' <= t (causal) or all t'. w: [T', P] pairwise biases, row i those of the call's i-th
+    token (absolute position p + i, p the tokens in the state) against the keys at positions
+    0..P-1, with T' >= T and P >= p + T (other rows and columns are not read): without a state,
+    the top-left T x T block of a [T_max, T_max] table.
+    Returns (o [B, T, D] in q's dtype, the state or None).
 
+    State (causal only: ``initial_state`` / ``output_final_state``): AFT-full's is an
+    ``AFTFullState``, the cache of every key and value seen (an arbitrary pairwise bias has no
+    constant-size state); AFT-simple's an ``AFTSimpleState`` (a, n, m), each [B, D].
 
-@float32_compute
-def aft_full_stream(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *,
-    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-    output_final_state: bool = False, chunk_size: int = 64,
-) -> tuple[torch.Tensor, AFTFullState | None]:
-    """Causal AFT-full with a key/value cache (docs/maths.md 4.3: an arbitrary pairwise bias has no
-    constant-size state, so the state grows with the sequence).
-
-    q, k, v: [B, T, D] at absolute positions p..p+T-1, p = cached tokens; w: [T, P] with
-    P >= p + T, the bias rows of these tokens against key positions 0..P-1.
-    State: an ``AFTFullState`` (k_cache [B, p, D], v_cache [B, p, D]).
-    Returns (o [B, T, D] in q's dtype, state or None).
+    ``mode``: "chunk" (default; AFT-full per block of ``chunk_size`` query rows, matrix products
+    over the earlier keys plus a causal window over the block's own, O(T^2 D) and O(T (p + T) D)
+    with a cache; bidirectional, one pair of matrix products; AFT-simple as stabilised prefix
+    sums, O(T D), or one softmax over time), "recurrent" (causal AFT-simple only: token by token
+    with an online log-sum-exp; AFT-full has no recurrence) or "naive" (the literal sums, the
+    oracle). ``chunk_size`` never changes the result. ``cu_seqlens`` [N + 1]: packed documents in
+    a batch of one, each on its own (for AFT-full w then has exactly T rows, aligned with the
+    packed tokens, each document's against its own key positions from 0); initial/final states
+    are lists with one state per document (ops/_varlen.py).
     """
     B, T, D = check_btd(q, k, v)
-    check_bool("output_final_state", output_final_state)
-    check_positive_int("chunk_size", chunk_size)
+    check_flags(causal, initial_state, output_final_state, mode, chunk_size)
+    if w is not None and mode == "recurrent":
+        raise ValueError("AFT-full (w given) has no recurrent form (an arbitrary pairwise bias "
+                         "has no constant-size state); use mode='chunk' or 'naive'")
+    if cu_seqlens is not None:
+        if w is None:
+            return run_packed(aft, (q, k, v), cu_seqlens, initial_state, output_final_state,
+                              causal=causal, mode=mode, chunk_size=chunk_size)
+        check_tensor("w", w, 2, "[T, P]")
+        if w.shape[0] != T:
+            raise ValueError(f"w must have shape [T, P] with exactly T = {T} rows (one per packed "
+                             f"token) under cu_seqlens, got {tuple(w.shape)}")
+
+        def one_document(q, k, v, w_t, **kw):
+            return aft(q, k, v, w_t[0], causal=causal, mode=mode, chunk_size=chunk_size, **kw)
+
+        return run_packed(one_document, (q, k, v, w.unsqueeze(0)), cu_seqlens, initial_state,
+                          output_final_state)
     cdtype = state_dtype(q.dtype)
+    k_c, v_c = k.to(cdtype), v.to(cdtype)
+    if w is None:
+        ratio, final = _simple(k_c, v_c.unsqueeze(-1), initial_state, causal, mode, q)
+        return gate(q, ratio.squeeze(-1)), (final if output_final_state else None)
     if initial_state is None:
-        cache = AFTFullState(k.new_zeros(B, 0, D, dtype=cdtype), v.new_zeros(B, 0, D, dtype=cdtype))
+        cache = AFTFullState(k_c[:, :0], v_c[:, :0])
     else:
         cache = AFTFullState.check(initial_state, B, D, q)
     pos = cache.k_cache.shape[1]
-    check_bias_matrix("w", w, T, pos + T, True, q, "[T, P]")
-    k_all = torch.cat([cache.k_cache, k.to(cdtype)], dim=1)
-    v_all = torch.cat([cache.v_cache, v.to(cdtype)], dim=1)
-    ratio = full_rows(k_all, v_all.unsqueeze(-1), w[:, :pos + T].to(cdtype), pos, True, chunk_size)
+    check_bias_matrix("w", w, T, pos + T, False, q, "[T', P]")
+    k_all = torch.cat([cache.k_cache, k_c], dim=1)
+    v_all = torch.cat([cache.v_cache, v_c], dim=1)
+    wc = w[:T, :pos + T].to(cdtype)
+    if mode == "chunk":
+        ratio = full_rows(k_all, v_all.unsqueeze(-1), wc, pos, causal, chunk_size)
+    else:
+        ratio = full_naive(k_all, v_all.unsqueeze(-1), wc, pos, causal)
     return gate(q, ratio.squeeze(-1)), (AFTFullState(k_all, v_all) if output_final_state else None)
+
+
+def _simple(
+    k: torch.Tensor, v: torch.Tensor, initial_state: Any, causal: bool, mode: str,
+    q: torch.Tensor,
+) -> tuple[torch.Tensor, AFTSimpleState | None]:
+    """AFT-simple in the chosen ``mode`` on k [B, T, D], v [B, T, D, 1] in the compute dtype:
+    (R [B, T, D, 1], the state after the tokens; None when bidirectional)."""
+    if not causal:
+        if mode == "chunk":
+            return simple_bidirectional(k, v), None
+        return banded_naive(k, v, k.new_zeros(1, 1, 1, 1), 0, False, 1, None)[0], None
+    prefix = None
+    if initial_state is not None:
+        a, n, m = AFTSimpleState.check(initial_state, k.shape[0], k.shape[2], q)
+        prefix = (a, n.unsqueeze(-1), m)
+    if mode == "naive":  # AFT-simple is AFT-local with a window of the token itself, bias 0
+        state = None if prefix is None else (*prefix, k[:, :0], v[:, :0])
+        ratio, (a, n, m, _, _) = banded_naive(k, v, k.new_zeros(1, 1, 1, 1), 0, True, 1, state)
+    else:
+        ratio, (a, n, m) = (simple_causal if mode == "chunk" else simple_recurrent)(k, v, prefix)
+    return ratio, AFTSimpleState(a, n.squeeze(-1), m)

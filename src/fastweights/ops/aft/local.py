@@ -1,61 +1,151 @@
-"""AFT-local over a whole sequence (docs/maths.md 4.2): ``aft_local``.
+"""AFT-local (docs/maths.md 4.2-4.3): ``aft_local``, with its state ``AFTLocalState``.
 
-Dimension legend: B batch, T time, D channels (every channel its own head), s window.
-Here ``w`` is the [T_max, T_max] table of pairwise biases; ``band`` the [T, 1, J] window of it
-that each row sees.
+Dimension legend: B batch, T time, D channels (every channel its own head), s window,
+c = min(p, s - 1) cached tokens, p tokens seen so far. ``w`` is the band of window biases of the
+call's tokens, never a [T, T] table: a layer never builds the O(T^2) matrix.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 
-from ..._checks import check_bool, check_int, check_positive_int, state_dtype
+from ..._checks import check_arg, check_positive_int, check_shape, check_tensor, is_int, state_dtype
 from .._autocast import float32_compute
-from .chunk import banded_bidirectional, banded_causal
-from .common import check_bias_matrix, check_btd, gate
-from .full import aft
+from .._state import check_items, checked_tensors
+from .._varlen import run_packed
+from .chunk import banded_bidirectional
+from .common import banded_stream, check_btd, check_flags, gate
+from .naive import banded_naive
 
 
-def _local_band(w_rows: torch.Tensor, first: int, r_left: int, r_right: int) -> torch.Tensor:
-    """Biases of the window [t - r_left, t + r_right] of rows t = first .. first + T - 1.
+class AFTLocalState(NamedTuple):
+    """The past of causal AFT-local: e^a n and e^a m (a, n, m [B, D]) sum the tokens that have
+    left the window (bias 0), the caches (k_cache, v_cache [B, c, D]) hold the last
+    c = min(pos, s - 1) tokens and ``pos`` is the absolute position of the next token: an int,
+    or a long tensor [B] for rows at their own positions (every one >= s - 1, so that every
+    row's cache is full)."""
 
-    w_rows [T, P]: the rows' biases against key positions 0..P-1. Returns [T, 1, J] with
-    [i, 0, j] = w_rows[i, first + i - r_left + j]; positions outside 0..P-1 are clamped (their
-    keys are -inf in the window, so these finite stand-ins never count)."""
-    T, P = w_rows.shape
-    i = torch.arange(T, device=w_rows.device).unsqueeze(1)
-    j = torch.arange(r_left + r_right + 1, device=w_rows.device)
-    cols = (first + i - r_left + j).clamp(0, P - 1)
-    return w_rows.gather(1, cols).unsqueeze(1)
+    a: torch.Tensor
+    n: torch.Tensor
+    m: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    pos: int | torch.Tensor
+
+    @classmethod
+    def check(cls, state: Any, B: int, D: int, window: int, q: torch.Tensor) -> AFTLocalState:
+        """A carried state for q [B, T, D] and this window, tensors in the compute dtype."""
+        check_items(state, cls)
+        pos = state[5]
+        if isinstance(pos, torch.Tensor):
+            if pos.dtype != torch.long or pos.shape != (B,) or pos.device != q.device:
+                raise ValueError(f"initial_state[5] (pos) given per row must be a long tensor "
+                                 f"[B] = [{B}] on {q.device}, got {pos.dtype} "
+                                 f"{tuple(pos.shape)} on {pos.device}")
+            # Data-dependent: eager only (a traced program cannot branch on it).
+            if not torch.compiler.is_compiling() and bool((pos < window - 1).any()):
+                raise ValueError(f"initial_state[5] (pos) per row must be >= window - 1 = "
+                                 f"{window - 1} (full caches), got {pos.tolist()}")
+            c = window - 1
+        elif not is_int(pos):
+            raise TypeError(f"initial_state[5] (pos) must be an int, got {pos!r}")
+        elif pos < 0:
+            raise ValueError(f"initial_state[5] (pos) must be >= 0, got {pos}")
+        else:
+            c = min(pos, window - 1)
+        row, cache = ((B, D), "[B, D]"), ((B, c, D), "[B, min(pos, window - 1), D]")
+        specs = {"a": row, "n": row, "m": row, "k_cache": cache, "v_cache": cache}
+        return cls(**checked_tensors(state, cls, specs, q, state_dtype(q.dtype)), pos=pos)
 
 
 @float32_compute
 def aft_local(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, window: int,
-    causal: bool = True, chunk_size: int = 64,
-) -> torch.Tensor:
+    causal: bool = True, initial_state: tuple | None = None, output_final_state: bool = False,
+    mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, AFTLocalState | None]:
     """AFT-local (docs/maths.md 4.2): AFT-full whose bias is w_tt' inside the window
-    (0 <= t - t' < s causal, |t - t'| < s bidirectional, s = ``window``) and 0 outside it
+    (0 <= t - t' < s causal, |t - t'| < s bidirectional, s = ``window`` >= 1) and 0 outside it
     (those pairs still count).
 
-    q, k, v: [B, T, D]; w: [T_max, T_max] with T_max >= T (top-left block used).
-    ``window`` is an int >= 0; 0 leaves no pair in the window, which is AFT-simple
-    (docs/maths.md 4.5). O(T s D): prefix (and suffix) sums for the pairs outside the window plus
-    the window itself, as banded matrix products over blocks of ``chunk_size`` rows. Returns o
-    [B, T, D] in q's dtype.
+    q, k, v: [B, T, D], the tokens at absolute positions p..p+T-1 (p = tokens in the state).
+    w, the band of window biases of these tokens (only the band is passed, so a caller never
+    builds the O(T^2) table W): causal, [T, s] with w[i, o] = W[p + i, p + i - o], the bias at
+    offset o = t - t' of the call's token i (entries reaching before position 0 are not read);
+    bidirectional, [T, 2s - 1] with w[i, j] the bias at offset t - t' = j - (s - 1).
+    Returns (o [B, T, D] in q's dtype, state in float32/float64 or None).
+
+    State (causal only): an ``AFTLocalState`` (a, n, m, k_cache, v_cache, pos). With pos per row
+    (a long tensor [B], rows at their own positions) the call takes one token (T = 1) and w is
+    [B, 1, s], each row's own biases.
+
+    ``mode``: "chunk" (default; prefix (and suffix) sums for the pairs outside the window plus
+    the window itself as banded matrix products over blocks of ``chunk_size`` rows, O(T s D); a
+    one-token call runs the recurrent step), "recurrent" (causal only: token by token with an
+    online log-sum-exp) or "naive" (the literal sums, the oracle). ``cu_seqlens``: packed
+    documents in a batch of one, each on its own (ops/_varlen.py); the rows of ``w`` stay
+    aligned with the packed tokens (each document's rows are its own window biases, positions
+    counted from the document's start).
     """
-    T = check_btd(q, k, v)[1]
-    check_int("window", window, 0)  # 0: no window, AFT-simple
-    check_bias_matrix("w", w, T, T, False, q, "[T_max, T_max]")
-    check_bool("causal", causal)
-    check_positive_int("chunk_size", chunk_size)
-    if window == 0:
-        return aft(q, k, v, None, causal=causal, chunk_size=chunk_size)
+    B, T, D = check_btd(q, k, v)
+    check_positive_int("window", window)
+    check_flags(causal, initial_state, output_final_state, mode, chunk_size)
+    width, layout = (window, "[T, window]") if causal else (2 * window - 1, "[T, 2 window - 1]")
+    if cu_seqlens is not None:
+        check_tensor("w", w, 2, layout)
+        check_shape("w", w, (T, width), layout)
+
+        def one_document(q, k, v, w_t, **kw):
+            return aft_local(q, k, v, w_t[0], window=window, causal=causal, mode=mode,
+                             chunk_size=chunk_size, **kw)
+
+        return run_packed(one_document, (q, k, v, w.unsqueeze(0)), cu_seqlens, initial_state,
+                          output_final_state)
     cdtype = state_dtype(q.dtype)
-    k_c, v_c, w_c = k.to(cdtype), v.to(cdtype).unsqueeze(-1), w[:T, :T].to(cdtype)
-    r = min(window, T) - 1  # offsets beyond T - 1 cannot occur
-    if causal:
-        ratio = banded_causal(k_c, v_c, _local_band(w_c, 0, r, 0), window, None, chunk_size)[0]
+    if not causal:
+        check_tensor("w", w, 2, layout)
+        check_arg("w", w, (T, width), layout, q)
+        k_c, v_c, w_c = k.to(cdtype), v.to(cdtype).unsqueeze(-1), w.to(cdtype)
+        if mode == "naive":
+            ratio = banded_naive(k_c, v_c, w_c[:, None, None], window - 1, False, window, None)[0]
+        else:  # banded_bidirectional's band[..., j]: t' = t - (s - 1) + j, the flipped band
+            ratio = banded_bidirectional(k_c, v_c, w_c.flip(-1).unsqueeze(1), window - 1,
+                                         window - 1, chunk_size)
+        return gate(q, ratio.squeeze(-1)), None
+    pos, carried = 0, None
+    if initial_state is not None:
+        a, n, m, k_cache, v_cache, pos = AFTLocalState.check(initial_state, B, D, window, q)
+        carried = (a, n.unsqueeze(-1), m, k_cache, v_cache.unsqueeze(-1))
+    if isinstance(pos, torch.Tensor):
+        if T != 1:
+            raise ValueError(f"a state with per-row positions continues one token per call, "
+                             f"got T={T}")
+        check_tensor("w", w, 3, "[B, 1, window] (per-row positions)")
+        check_arg("w", w, (B, 1, window), "[B, 1, window]", q)
+        band = w.to(cdtype).flip(-1).transpose(0, 1).unsqueeze(2)  # [1, B, 1, s], per row
     else:
-        ratio = banded_bidirectional(k_c, v_c, _local_band(w_c, 0, r, r), r, r, chunk_size)
-    return gate(q, ratio.squeeze(-1))
+        check_tensor("w", w, 2, layout)
+        check_arg("w", w, (T, window), layout, q)
+        band = w.to(cdtype).flip(-1).unsqueeze(1)  # [T, 1, s], band[..., -1 - o] = w[:, o]
+    o, final = local_causal(q, k, v, band, window, carried, pos, mode, chunk_size)
+    return o, (final if output_final_state else None)
+
+
+def local_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: torch.Tensor, window: int,
+    carried: tuple[torch.Tensor, ...] | None, pos: int | torch.Tensor, mode: str,
+    chunk_size: int,
+) -> tuple[torch.Tensor, AFTLocalState]:
+    """Causal ``aft_local`` past its checks, also run directly by AFTLocal's decoding step on
+    the state it checked: ``band`` the biases in the compute dtype and time order ([T, 1, J],
+    or [1, B, 1, J] per row; band[..., -1 - o] at offset o, J >= the window the tokens see),
+    ``carried`` the checked state's (a, n [B, D, 1], m, k_cache, v_cache [B, c, D, 1]) or None.
+    Returns (o [B, T, D] in q's dtype, the state after the tokens)."""
+    cdtype = state_dtype(q.dtype)
+    k, v = (t if t.dtype == cdtype else t.to(cdtype) for t in (k, v))
+    ratio, (a, n, m, k_cache, v_cache) = banded_stream(
+        k, v.unsqueeze(-1), band, window, carried, mode, chunk_size)
+    final = AFTLocalState(a, n.squeeze(-1), m, k_cache, v_cache.squeeze(-1), pos + k.shape[1])
+    return gate(q, ratio.squeeze(-1)), final

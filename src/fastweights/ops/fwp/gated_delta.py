@@ -3,9 +3,8 @@ single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = gated_delta_rule(...)``
 rule's.
 
 The forms: ``gated_delta_naive.py`` (the oracle), ``gated_delta_recurrent.py`` (token by token,
-and the one-token step a layer's decoding calls), ``gated_delta_chunk.py`` (the chunked WY/UT
-form with its hand-written backward). Files of their own beside naive.py, recurrent.py and
-chunk.py while the package layout is being restructured.
+and the one-token step a layer's decoding calls), and the delta rule's chunked WY/UT form with
+its hand-written backward, gates on (``chunk.delta_rule_chunk`` with ``g``).
 
 Dimension legend: B batch, T time, Hk query/key heads, H value heads (a multiple of Hk), Dk
 key/query dim, Dv value dim.
@@ -31,8 +30,8 @@ from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
 from ..backend import Kernel, Trial, choose_backend, register
+from .chunk import delta_rule_chunk
 from .fla import fla_gated_delta_rule
-from .gated_delta_chunk import gated_delta_rule_chunk
 from .gated_delta_naive import gated_delta_rule_naive
 from .gated_delta_recurrent import gated_delta_rule_recurrent, gated_delta_rule_step
 from .kernels import triton_kernels
@@ -184,7 +183,7 @@ def gated_delta_rule(
         C = min(chunk_size, T)
 
         def run(q, k, v, beta, g, S):  # long CPU calls go in pieces of whole chunks (_pieces.py)
-            return gated_delta_rule_chunk(q=q, k=k, v=v, beta=beta, g=g, S=S, chunk_size=min(C, q.shape[1]))
+            return delta_rule_chunk(q=q, k=k, v=v, beta=beta, S=S, chunk_size=min(C, q.shape[1]), g=g)
 
         o, S = in_pieces(run, [args[n] for n in ("q", "k", "v", "beta", "g")], S0,
                          piece_length(args["v"], max(Dk, Dv), C))

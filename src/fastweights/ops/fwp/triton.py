@@ -13,8 +13,8 @@ Linear attention is the delta rule with W = 0 and U0 = V (the UT form of docs/ma
 both ops share the kernels below, with ``HAS_W`` off for linear attention; normalised linear
 attention runs as the unnormalised one with a column of ones appended to V and divides by it in
 PyTorch. The gated delta rule (``gated_delta_rule_triton``) runs the delta rule's forward kernels
-with ``HAS_G`` on, in the algebra of ops/fwp/gated_delta_chunk.py; its backward is the PyTorch
-chunked form's. The kernels, each documented where it is defined:
+with ``HAS_G`` on, in the algebra of ops/fwp/chunk.py's ``delta_rule_chunk`` with gates; its
+backward is the PyTorch chunked form's. The kernels, each documented where it is defined:
 
 forward   (a) ``_ut_fwd_kernel``     delta only: the per-chunk solve, W and U0
           (b) ``_state_fwd_kernel``  sequential over chunks: the chunk-entering states
@@ -287,7 +287,7 @@ def _ut_fwd_kernel(
     """(a) Per chunk: Xinv = (I + A)^-1, A = stril(diag(beta) K K^T); W = Xinv diag(beta) K,
     U0 = Xinv diag(beta) V (float32, [B, T, H, Dk] / [B, T, H, Dv]); Xinv [B, T, H, BT] if
     ``store_x`` (the backward needs it; a runtime flag: one compiled kernel for both).
-    Gated delta rule (HAS_G, log-gates g [B, T, H]; ops/fwp/gated_delta_chunk.py's algebra):
+    Gated delta rule (HAS_G, log-gates g [B, T, H]; ops/fwp/chunk.py's algebra):
     A = stril(diag(beta) (K K^T * Gam)), W = Xinv diag(beta) diag(gam) K, and the decay from
     each token to the chunk's end, last_j = Gam_{C-1, j}, stored to last [B, T, H] for (b).
     K has HK heads (HK divides H; value head h reads key head h // (H / HK))."""
@@ -847,7 +847,7 @@ def delta_rule_triton(
 
 class _GatedDeltaTriton(torch.autograd.Function):
     """(o, S) = the chunked gated delta rule, forward in the kernels (a), (b), (c) with the gates
-    on (HAS_G); backward by PyTorch: the chunked form of ops/fwp/gated_delta_chunk.py is
+    on (HAS_G); backward by PyTorch: the chunked form of ops/fwp/chunk.py (with gates) is
     recomputed from the saved inputs in float32 and differentiated by its hand-written backward
     (no Triton backward kernels for the gates yet). S0 [B*H, Dk, Dv] float32."""
 
@@ -863,15 +863,15 @@ class _GatedDeltaTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dS):  # type: ignore[override]
-        from .gated_delta_chunk import gated_delta_rule_chunk
+        from .chunk import delta_rule_chunk
 
         saved = ctx.saved_tensors
         B, _, H, Dv = saved[2].shape
         Dk = saved[0].shape[-1]
         with torch.enable_grad():
             xs = [x.detach().to(torch.float32).requires_grad_() for x in saved]
-            o, S = gated_delta_rule_chunk(*xs[:5], S=xs[5].reshape(B, H, Dk, Dv),
-                                          chunk_size=ctx.chunk_size)
+            o, S = delta_rule_chunk(*xs[:4], S=xs[5].reshape(B, H, Dk, Dv),
+                                    chunk_size=ctx.chunk_size, g=xs[4])
             outs = [(o, do), (S.reshape(B * H, Dk, Dv), dS)]
             outs = [(t, d) for t, d in outs if d is not None]
             grads = torch.autograd.grad([t for t, _ in outs], xs, [d for _, d in outs],
@@ -885,8 +885,8 @@ def gated_delta_rule_triton(
     S0: torch.Tensor, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule (docs/maths.md 5b; the WY/UT form with the decay folded in as
-    segment sums of the log-gates, ops/fwp/gated_delta_chunk.py) in the delta rule's kernels with
-    the gates on; see ``gated_delta_chunk.gated_delta_rule_chunk``.
+    segment sums of the log-gates, ops/fwp/chunk.py) in the delta rule's kernels with the gates
+    on; see ``chunk.delta_rule_chunk``.
 
     q (scaled), k [B, T, Hk, Dk], v [B, T, H, Dv] (H a multiple of Hk: value head h reads key
     head h // (H / Hk)) in float16/bfloat16/float32; beta, g (log-decays <= 0, -inf a reset)
