@@ -66,7 +66,8 @@ def test_quick_end_to_end(name, tmp_path, text_file):
         assert len({r["tokens"] for r in rows}) == 1
     md = (out / "results.md").read_text()
     table = md[md.index("## Claims"):md.index("Verdict rule")]
-    verdicts = re.findall(r"\*\*(reproduced|not reproduced|inconclusive|not measured)\*\*", table)
+    verdicts = re.findall(r"\*\*(reproduced|not reproduced|smaller than claimed|inconclusive|not measured)\*\*",
+                          table)
     claim_rows = [line for line in table.splitlines()
                   if line.startswith("| ") and not line.startswith("| claim |")]
     assert len(verdicts) == len(claim_rows) and verdicts  # one verdict per claim row
