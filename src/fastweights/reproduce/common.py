@@ -387,6 +387,17 @@ def load_result(out: Path, spec: RunSpec) -> dict[str, Any] | None:
     return result if isinstance(result, dict) and "metrics" in result else None
 
 
+def finished_results(out: Path) -> list[dict[str, Any]]:
+    """Every finished run's result in ``out`` (its ``runs/*/result.json``), in folder order."""
+    found = []
+    for path in sorted((out / RUNS).glob(f"*/{RESULT_FILE}")):
+        with contextlib.suppress(OSError, ValueError):
+            result = json.loads(path.read_text())
+            if isinstance(result, dict) and "metrics" in result:
+                found.append(result)
+    return found
+
+
 def save_result(out: Path, spec: RunSpec, result: dict[str, Any]) -> None:
     path = out / RUNS / spec.key / RESULT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
