@@ -61,7 +61,8 @@ def test_quick_end_to_end(name, tmp_path, text_file):
     models = {r["model"] for r in rows}
     assert len(rows) == 2 * len(models)  # one row per (model, seed)
     if name != "fwp-recall":  # every LM run at one parameter count (within 3 %) and token budget
-        params = [int(r["parameters"]) for r in rows]
+        unmatched = getattr(EXPERIMENTS[name], "unmatched", ())
+        params = [int(r["parameters"]) for r in rows if r["model"] not in unmatched]
         assert max(params) <= 1.03 * min(params)
         assert len({r["tokens"] for r in rows}) == 1
     md = (out / "results.md").read_text()

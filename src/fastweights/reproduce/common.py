@@ -660,7 +660,8 @@ class Experiment:
     settings in ``options``); ``execute(spec, plan, workdir)`` -> the run's ``parameters, steps,
     tokens, metrics``; ``claims(plan)``; ``metrics(plan)`` the columns of the per-model table;
     ``plots(rows, out, plan)`` -> the PNG file names written (none without matplotlib);
-    ``notes(plan, rows)`` -> lines for results.md (deviations from the paper, ...)."""
+    ``notes(plan, rows)`` -> lines for results.md (deviations from the paper, ...);
+    ``unmatched``: models whose parameter count is not matched to the rest, by design."""
 
     name: str
     title: str
@@ -671,3 +672,4 @@ class Experiment:
     metrics: Callable[[Plan], list[str]]
     plots: Callable[[list[dict[str, Any]], Path, Plan], list[str]]
     notes: Callable[[Plan, list[dict[str, Any]]], list[str]]
+    unmatched: tuple[str, ...] = ()  # models left out of the parameter matching (by design)
