@@ -32,11 +32,11 @@ from .common import (
 from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 500, "lr": 2e-3, "eval_windows": 256, "windows": [4, 32, 64],
-           "moderate": 32, "conv_window": 32, "d_bias": 16, "full_rank": True}
+           "steps": 500, "lr": 2e-3, "eval_windows": 256, "stuck_fraction": 0.95,
+           "windows": [4, 32, 64], "moderate": 32, "conv_window": 32, "d_bias": 16, "full_rank": True}
 QUICK = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "eval_windows": 3, "windows": [2, 4, 8], "moderate": 4,
-         "conv_window": 4, "d_bias": 4, "full_rank": True}
+         "steps": 3, "lr": 2e-3, "eval_windows": 3, "stuck_fraction": None, "windows": [2, 4, 8],
+         "moderate": 4, "conv_window": 4, "d_bias": 4, "full_rank": True}
 REFERENCE = "softmax"
 FULL_RANK = "aft-full, full-rank bias"
 UNMATCHED = (FULL_RANK,)  # not parameter-matched: AFT-full's feed-forward, a larger bias
@@ -87,7 +87,8 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     T = s["seq_len"]
     loss = lm.windows_loss(model, corpus.val, lm.eval_starts(corpus, T, s["eval_windows"]), T)
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
-            "metrics": {"loss": loss, "ppl": lm.perplexity(loss)}}
+            "metrics": {"loss": loss, "ppl": lm.perplexity(loss),
+                        "trained": lm.trained_flag(loss, corpus, s.get("stuck_fraction"))}}
 
 
 def claims(p: Plan) -> list[Claim]:
@@ -132,7 +133,7 @@ def claims(p: Plan) -> list[Claim]:
 
 
 def metrics(p: Plan) -> list[str]:
-    return ["loss", "ppl"]
+    return ["loss", "ppl", "trained"]
 
 
 def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
@@ -150,6 +151,8 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     return [
         lm.setup_note(s, rows, REFERENCE),
+        lm.eval_note(s),
+        lm.trained_note(s),
         (f"AFT-full/local position biases are factorised w = U V^T with rank d_bias = "
          f"{s['d_bias']} (the library default is 128, ComVEX's; at this width 128 would be most "
          f"of the parameter budget), max_len = seq_len. `{FULL_RANK}`: AFT-full with d_bias = "

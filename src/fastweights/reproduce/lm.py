@@ -123,6 +123,23 @@ def windows_loss(model: LanguageModel, data: torch.Tensor, starts: torch.Tensor,
     return total / count
 
 
+def eval_note(s: dict[str, Any]) -> str:
+    """The results.md line on the evaluation windows of ``eval_starts`` / ``windows_loss``."""
+    return (f"Validation loss: {s['eval_windows']} windows of {s['seq_len']} bytes spread over "
+            "every file of the validation split (`lm.eval_starts`: at least one per file that "
+            "holds a window, the rest by size), each read from a fresh state; the first records "
+            "read the first 8 KB of the split (two files).")
+
+
+def trained_note(s: dict[str, Any], loss: str = "validation loss") -> str:
+    """The results.md line on the ``trained`` flag of ``trained_flag``."""
+    if not s.get("stuck_fraction"):
+        return "`trained`: no check at this size (the --quick runs are too short to learn)."
+    return (f"`trained` = 1 when the run's {loss} is below {s['stuck_fraction']:.0%} of the "
+            "validation split's unigram entropy (a model that predicts only byte frequencies "
+            "scores the entropy); a claim on a run with 0 is not measured.")
+
+
 def trained_flag(loss: float, corpus: Corpus, fraction: float | None) -> float:
     """1.0 when ``loss`` is below ``fraction`` of the validation split's byte-frequency entropy
     (a model that learned only byte frequencies scores the entropy), else 0.0 (the run did not

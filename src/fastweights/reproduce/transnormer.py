@@ -50,11 +50,13 @@ from .common import (
 from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 4, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 400, "lr": 2e-3, "eval_windows": 256, "block": 32, "blocks": [8, 16, 64],
+           "steps": 400, "lr": 2e-3, "eval_windows": 256, "stuck_fraction": 0.95, "block": 32,
+           "blocks": [8, 16, 64],
            "ratios": [0.0625, 0.125, 0.25], "dilution_windows": 8, "grad_norm": "mixers",
            "grad_scales": [1.0, 1e-2, 1e-4, 1e-6], "glu": "silu"}
 QUICK = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "eval_windows": 3, "block": 4, "blocks": [2, 8],
+         "steps": 3, "lr": 2e-3, "eval_windows": 3, "stuck_fraction": None, "block": 4,
+         "blocks": [2, 8],
          "ratios": [0.125, 0.25], "dilution_windows": 2, "grad_norm": "mixers",
          "grad_scales": [1.0, 1e-3], "glu": "silu"}
 REFERENCE = "diag/norm"
@@ -207,7 +209,7 @@ def _grad_norms(workdir: Path, column: str = "grad_norm") -> list[float]:
 def _metric_names(s: dict[str, Any]) -> list[str]:
     return ["loss", "ppl", "grad_norm_max", "grad_norm_mean", "mixer_grad_norm_max",
             "mixer_grad_norm_mean", *map(far_metric, s["ratios"]),
-            *map(grad_metric, s.get("grad_scales", [])[1:])]
+            *map(grad_metric, s.get("grad_scales", [])[1:]), "trained"]
 
 
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
@@ -226,7 +228,8 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     mixer = _grad_norms(workdir, "mixer_grad_norm")  # the token mixers' gradients only
     metrics = {"loss": loss, "ppl": lm.perplexity(loss), "grad_norm_max": max(norms),
                "grad_norm_mean": sum(norms) / len(norms),
-               "mixer_grad_norm_max": max(mixer), "mixer_grad_norm_mean": sum(mixer) / len(mixer)}
+               "mixer_grad_norm_max": max(mixer), "mixer_grad_norm_mean": sum(mixer) / len(mixer),
+               "trained": lm.trained_flag(loss, corpus, s.get("stuck_fraction"))}
     metrics.update({far_metric(r): sum(far_share(A, r) for A in mats) / len(mats) for r in s["ratios"]})
     if spec.model in GRADIENTS and s.get("grad_scales"):
         growth = score_gradients(model, x, s["grad_scales"], GRADIENTS[spec.model])
@@ -359,6 +362,8 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     return [
         lm.setup_note(s, rows, REFERENCE),
+        lm.eval_note(s),
+        lm.trained_note(s),
         (f"TransNormer layers: the library's T2 defaults (NormAttention with 1+ELU and LRPE, "
          f"DiagAttention with softmax and block-local LRPE, block w = {s['block']} unless swept); "
          f"the lower half of the {s['n_layers']} layers is the first name of `lower/upper`. The "

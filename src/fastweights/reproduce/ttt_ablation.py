@@ -37,10 +37,10 @@ from .common import (
 from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 300, "lr": 2e-3, "eval_windows": 256, "sweep": [1, 4, 16, 64]}
+           "steps": 300, "lr": 2e-3, "eval_windows": 256, "stuck_fraction": 0.95, "sweep": [1, 4, 16, 64]}
 NOTE = "001-ttt.txt"  # the seed note (/work/shared/seeds)
 QUICK = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "eval_windows": 3, "sweep": [1, 4, 16]}
+         "steps": 3, "lr": 2e-3, "eval_windows": 3, "stuck_fraction": None, "sweep": [1, 4, 16]}
 
 WALK = ("0 linear attention", "1 + LN & residual", "2 + mini-batch b=16",
         "3 + learnable eta", "4 + Mamba backbone")
@@ -84,7 +84,8 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     seconds = _train_seconds(workdir)
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
             "metrics": {"loss": loss, "ppl": lm.perplexity(loss),
-                        "ms_per_step": 1000 * seconds / s["steps"]}}
+                        "ms_per_step": 1000 * seconds / s["steps"],
+                        "trained": lm.trained_flag(loss, corpus, s.get("stuck_fraction"))}}
 
 
 def _train_seconds(workdir: Path) -> float:
@@ -132,7 +133,7 @@ def claims(p: Plan) -> list[Claim]:
 
 
 def metrics(p: Plan) -> list[str]:
-    return ["loss", "ppl", "ms_per_step"]
+    return ["loss", "ppl", "ms_per_step", "trained"]
 
 
 def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
@@ -164,6 +165,8 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     return [
         lm.setup_note(s, rows, WALK[0]),
+        lm.eval_note(s),
+        lm.trained_note(s),
         ("Step 0 is the TTT layer in its linear-attention configuration (SPEC 2.8: batch GD over "
         f"the whole window, b = seq_len = {s['seq_len']}, no LN/residual, fixed eta); it keeps "
         "the layer's learned initial weights and token scales. The paper's numbers are word-level "
