@@ -42,7 +42,7 @@ KINDS = {
     "better": ("<", "A is lower (better) than B"),
     "degrades": (">", "A is higher (worse) than B: the quantity degrades from B to A"),
     "not_worse": ("<=", "A is no higher than B (matches or beats it)"),
-    "flat": ("~", "A and B are equal within the margin (stays flat)"),
+    "flat": ("~", "A and B are equal within the margin (an equality: they match)"),
 }
 SMALLER = "smaller than claimed"  # resolved: the interval excludes the claimed size
 VERDICTS = ("reproduced", "not reproduced", SMALLER, "inconclusive", "not measured")
