@@ -30,11 +30,19 @@ def test_ranges_double_from_the_training_length():
                                                                    (1024, 2048)]
 
 
+def streams(data: torch.Tensor) -> torch.Tensor:
+    return data[:4 * 65].long().view(4, 65)  # 4 streams of 64 + 1 bytes
+
+
+FILES = [0, 1, 2, 3]  # each stream in its own file
+
+
 @pytest.mark.parametrize("mixer,options", [("delta", {}), ("softmax", {}), ("infini", {"segment_len": 8})])
 def test_own_prefix_is_the_ordinary_reading(mixer, options, data):
     m = model(mixer, **options)
-    per_position = lm.position_losses(m, data, 64, 4, piece=16)
-    got = lc.control_losses(m, data, SETTINGS)
+    per_position = lm.position_losses(m, streams(data), piece=16)
+    got = lc.control_losses(m, streams(data), FILES, SETTINGS)
+    assert got["unrelated_same_file"] == 0.0
     for lo, hi in lc.control_ranges(SETTINGS):
         assert got[lc.control_metric("own", lo, hi)] == pytest.approx(float(per_position[lo:hi].mean()), abs=1e-5)
     # a model with a memory reads the three prefixes differently
@@ -46,7 +54,7 @@ def test_own_prefix_is_the_ordinary_reading(mixer, options, data):
 def test_a_model_without_memory_beyond_its_block_cannot_tell_the_prefixes_apart(data):
     """Block-local attention (blocks of 8, ranges starting on a block boundary) sees nothing of
     the prefix: own, unrelated and fresh give one loss, so the control cannot pass by accident."""
-    got = lc.control_losses(model("diag", block_size=8), data, SETTINGS)
+    got = lc.control_losses(model("diag", block_size=8), streams(data), FILES, SETTINGS)
     for lo, hi in lc.control_ranges(SETTINGS):
         own = got[lc.control_metric("own", lo, hi)]
         assert got[lc.control_metric("unrelated", lo, hi)] == pytest.approx(own, abs=1e-6)
@@ -57,3 +65,27 @@ def test_a_prefix_of_the_wrong_shape_is_refused(data):
     x = data[:4 * 65].long().view(4, 65)
     with pytest.raises(ValueError, match="prefix"):
         lm.range_loss(model("delta"), x, x[:, :8], 16, 32, 16)
+
+
+def test_the_unrelated_prefix_comes_from_another_file():
+    # two streams per file in stream order: the half-way shift would pair each with ... another
+    # file; a shift of 1 would pair streams of the same file
+    files = [0, 0, 1, 1, 2, 2, 3, 3]
+    shift = lc.unrelated_shift(files)
+    assert all(files[i] != files[(i - shift) % 8] for i in range(8))
+    files = [0, 0, 0, 0, 0, 1]  # one file dominates: as few same-file pairs as can be
+    shift = lc.unrelated_shift(files)
+    assert sum(files[i] == files[(i - shift) % 6] for i in range(6)) == 4
+
+
+def test_streams_lie_inside_files_spread_over_all_of_them():
+    from fastweights.tasks.text import Corpus
+
+    val = torch.arange(1000, dtype=torch.long).to(torch.uint8)
+    starts = torch.tensor([0, 101, 402, 703])  # files of 100, 300, 300 and 296 bytes
+    corpus = Corpus("t", val, val, val_starts=starts)
+    got = lm.stream_starts(corpus, 63, 6)
+    files = lm.file_of(corpus, got)
+    assert sorted(set(files)) == [0, 1, 2, 3]
+    ends = [*starts.tolist()[1:], 1001]
+    assert all(starts[f] <= g and g + 64 <= ends[f] - 1 for g, f in zip(got.tolist(), files))

@@ -106,3 +106,18 @@ def test_mixer_gradient_norm_is_the_norm_over_the_mixers_parameters():
     logits.square().mean().backward()
     grads = [p.grad.flatten() for m in model.modules() if isinstance(m, Mixer) for p in m.parameters()]
     assert mixer_grad_norm(model) == pytest.approx(float(torch.cat(grads).norm()), rel=1e-5)
+
+
+@pytest.mark.parametrize("mixer,srms", [("linear", False), ("norm", True)])
+def test_score_gradients_grow_as_one_over_c_until_the_eps(mixer, srms):
+    """(b)'s direct test: scaling the keys by c scales the scores (and linear attention's
+    denominators) by c; both normalised forms are scale-free in them, so the gradient with respect
+    to the keys grows as 1/c (3 decades at c = 1e-3) until the normaliser's eps caps it."""
+    from fastweights.reproduce.transnormer import grad_metric, score_gradients
+
+    m = model([mixer], [{}])
+    x = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(3))
+    got = score_gradients(m, x, [1.0, 1e-3, 1e-14], srms)
+    assert got[grad_metric(1.0)] == 0.0
+    assert got[grad_metric(1e-3)] == pytest.approx(3.0, abs=0.05)
+    assert got[grad_metric(1e-14)] < 13.0  # the eps caps the growth short of 14 decades

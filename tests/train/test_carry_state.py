@@ -4,6 +4,7 @@ splits exactly over DDP ranks, and refuses what cannot carry a state."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -15,11 +16,13 @@ import torch.nn.functional as F
 
 from fastweights.models import LanguageModel, LMConfig
 from fastweights.tasks import load_corpus
+from fastweights.train.batches import STREAM_WINDOWS, BatchSource
 from fastweights.train.checkpoint import load_checkpoint
 from fastweights.train.trainer import TrainConfig, lr_factor, train
 from tests.train.test_trainer import _free_port
 
-# Short enough that each of the 4 rows' streams (about 350 bytes) wraps within 12 steps of 16.
+# About 1,300 training bytes: segments of STREAM_WINDOWS = 16 windows of 16 bytes fit, and 30 steps
+# cross one segment boundary (a jump to new offsets with a fresh state).
 TEXT = "".join(f"def g{i}(x):\n    return x - {i % 9}\n\n" for i in range(45))
 
 
@@ -42,9 +45,10 @@ def train_cfg(**kw) -> TrainConfig:
 
 def hand_loop(mcfg: LMConfig, cfg: TrainConfig, data: torch.Tensor,
               carry: bool = True) -> tuple[list[float], int]:
-    """The trainer's carried-state training written out: shard r of the training bytes is row
-    r's stream, read window after window from a seeded random offset, the state detached and
-    carried, restarted fresh at offset 0 when a window no longer fits. Also returns the resets."""
+    """The trainer's carried-state training written out: every row reads a segment of
+    STREAM_WINDOWS consecutive windows from its own random offset (drawn from the seeded data
+    generator over the offsets where the segment fits), the state detached and carried; after
+    the segment every row jumps to a new offset with a fresh state. Also returns the jumps."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     model = LanguageModel(mcfg)
@@ -54,15 +58,13 @@ def hand_loop(mcfg: LMConfig, cfg: TrainConfig, data: torch.Tensor,
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    B, T = cfg.batch_size, cfg.seq_len
-    shard = data.numel() // B
-    pos = int(torch.randint(0, shard - T, (1,), generator=gen))
-    state, losses, resets = None, [], 0
+    B, T, K = cfg.batch_size, cfg.seq_len, STREAM_WINDOWS
+    state, losses, resets, starts, w = None, [], 0, None, K
     for _ in range(cfg.steps):
-        if pos + T + 1 > shard:
-            pos, state, resets = 0, None, resets + 1
-        rows = [data[r * shard + pos: r * shard + pos + T + 1].long() for r in range(B)]
-        batch = torch.stack(rows)
+        if w == K:
+            resets += starts is not None
+            starts, state, w = torch.randint(0, data.numel() - K * T, (B,), generator=gen), None, 0
+        batch = torch.stack([data[s + w * T: s + w * T + T + 1].long() for s in starts.tolist()])
         logits, state = model(batch[:, :-1], state)
         state = [tuple(t.detach() for t in s) for s in state] if carry else None  # delta: (S,)
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
@@ -72,8 +74,48 @@ def hand_loop(mcfg: LMConfig, cfg: TrainConfig, data: torch.Tensor,
         opt.step()
         sched.step()
         losses.append(loss.item())
-        pos += T
+        w += 1
     return losses, resets
+
+
+def source(corpus, batch_size: int = 4, seq_len: int = 16, seed: int = 5) -> BatchSource:
+    cfg = train_cfg(batch_size=batch_size, seq_len=seq_len, seed=seed)
+    return BatchSource(cfg, corpus, torch.Generator().manual_seed(seed), 0, batch_size, 0, 1,
+                       torch.device("cpu"))
+
+
+def test_streams_are_segments_of_consecutive_windows_from_independent_offsets(corpus):
+    src = source(corpus)
+    data = corpus.train
+    got = [src.next() for _ in range(STREAM_WINDOWS + 1)]
+    assert [restarted for _, restarted in got] == [False] * STREAM_WINDOWS + [True]
+    windows = [batches[0][:2] for batches, _ in got]  # (x, y) of each step
+    assert len({bytes(row.tolist()) for row in windows[0][0]}) == 4  # every row its own offset
+    for (_, y_prev), (x, _) in itertools.pairwise(windows[:STREAM_WINDOWS]):
+        assert torch.equal(x[:, 0], y_prev[:, -1])  # window w continues window w - 1, every row
+    starts = src.stream_pos["starts"]  # the new segment's offsets, after the jump
+    x, y = windows[-1]
+    assert torch.equal(x, torch.stack([data[s:s + 16].long() for s in starts]))
+    assert torch.equal(y, torch.stack([data[s + 1:s + 17].long() for s in starts]))
+
+
+def test_one_rows_segments_spread_over_the_whole_split(corpus):
+    """Row 0 jumps over the whole training split (the old layout kept it in its quarter)."""
+    src = source(corpus, batch_size=4)
+    seen = []
+    for _ in range(40 * STREAM_WINDOWS):
+        src.next()
+        if src.stream_pos["window"] == 1:
+            seen.append(src.stream_pos["starts"][0])
+    quarter = corpus.train.numel() / 4
+    assert {int(s // quarter) for s in seen} == {0, 1, 2, 3}
+
+
+def test_an_old_integer_stream_position_starts_a_new_segment(corpus):
+    src = source(corpus)
+    src.stream_pos = 7  # a checkpoint of the one-shard-per-row layout
+    _, restarted = src.next()
+    assert restarted and src.stream_pos["window"] == 1 and len(src.stream_pos["starts"]) == 4
 
 
 def test_carried_training_equals_a_hand_written_carrying_loop(tmp_path, corpus):

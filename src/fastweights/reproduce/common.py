@@ -31,17 +31,21 @@ OUTPUTS = (MANIFEST, RUNS, "results.csv", "results.md")  # plus the experiment's
 BASE_FIELDS = ("experiment", "model", "seed", "parameters", "steps", "tokens", "seconds")
 
 # The verdict rule's constants (quoted in every results.md).
-Z = 2.0             # noise = Z standard errors of the difference (paired by seed where it can be)
+CONFIDENCE = 0.95   # noise = the half-width of the two-sided Student-t interval of the difference
 REL_MARGIN = 0.01   # the smallest difference that counts: 1 % of |mean(B)|
+MIN_SEEDS = 4       # fewer seeds (pairs) than this: no verdict
+NEAR_SEEDS = 6      # an effect within NEAR_FACTOR x the margin needs this many seeds
+NEAR_FACTOR = 2.0
 
 KINDS = {
     # kind: (the relation written in the table, what the paper says)
     "better": ("<", "A is lower (better) than B"),
     "degrades": (">", "A is higher (worse) than B: the quantity degrades from B to A"),
     "not_worse": ("<=", "A is no higher than B (matches or beats it)"),
-    "flat": ("~", "A and B are equal within the margin (stays flat)"),
+    "flat": ("~", "A and B are equal within the margin (an equality: they match)"),
 }
-VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not measured")
+SMALLER = "smaller than claimed"  # resolved: the interval excludes the claimed size
+VERDICTS = ("reproduced", "not reproduced", SMALLER, "inconclusive", "not measured")
 
 
 class ReproduceError(ValueError):
@@ -81,8 +85,9 @@ class Claim:
     ``margin_abs`` replaces it by an absolute difference (accuracies: a share of 0 % has no 1 %).
     ``unmeasured``: why the recorded quantities cannot test the claim (a timing taken on a shared
     machine, the whole model's gradient for the attention's): the verdict is *not measured*, the
-    numbers are still shown. ``with_untrained``: keep runs flagged as not trained (a claim
-    that a model fails to learn, such as a collapse, is about exactly those runs)."""
+    numbers are still shown. ``source``: where the claim comes from, the seed note of the paper
+    (the papers' seed notes, by file and section or table) or docs/maths.md's recollection marked
+    "[unverified]"; every claim that is not a control names one."""
 
     name: str
     paper: str
@@ -96,7 +101,7 @@ class Claim:
     margin: float = REL_MARGIN
     margin_abs: float | None = None
     unmeasured: str = ""
-    with_untrained: bool = False
+    source: str = ""
 
     def __post_init__(self) -> None:
         if self.margin_abs is not None and not (isinstance(self.margin_abs, (int, float))
@@ -108,6 +113,9 @@ class Claim:
             raise ValueError(f"Claim.kind must be one of {list(KINDS)}, got {self.kind!r}")
         if self.floor is not None and self.ceiling is not None and self.ceiling >= self.floor:
             raise ValueError(f"Claim.ceiling ({self.ceiling}) must be below Claim.floor ({self.floor})")
+        if not self.control and not self.source.strip():
+            raise ValueError(f"Claim {self.name!r} must name its source (a seed note and its "
+                             "section, or docs/maths.md marked [unverified])")
 
 
 @dataclass
@@ -118,7 +126,7 @@ class Verdict:
     mean_b: float
     spread_b: float
     d: float         # mean(B) - mean(A) (> 0: A is lower); the mean per-seed difference if paired
-    noise: float     # Z x the standard error of d (nan with one seed per side)
+    noise: float     # the t interval's half-width (CONFIDENCE; nan with one seed per side)
     margin: float    # the claim's margin (default REL_MARGIN) x |mean(B)|
     n_a: int
     n_b: int
@@ -151,6 +159,41 @@ def _by_seed(values: Mapping[int, float] | Sequence[float]) -> dict[int, float]:
     return dict(values) if isinstance(values, Mapping) else dict(enumerate(values))
 
 
+def t_cdf_two_sided(t: float, dof: int) -> float:
+    """P(|T| <= t) for Student's t with an integer ``dof`` >= 1 (the closed forms in
+    theta = atan(t / sqrt(dof)): odd dof (2/pi)(theta + sin cos (1 + 2/3 cos^2 + ...)), even dof
+    sin (1 + 1/2 cos^2 + 1.3/(2.4) cos^4 + ...))."""
+    if dof < 1:
+        raise ValueError(f"dof must be an int >= 1, got {dof!r}")
+    theta = math.atan(abs(t) / math.sqrt(dof))
+    c2, sin, cos = math.cos(theta) ** 2, math.sin(theta), math.cos(theta)
+    if dof % 2:
+        term, total = 1.0, 1.0 if dof > 1 else 0.0
+        for k in range(1, (dof - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        return (2 / math.pi) * (theta + sin * cos * total)
+    term, total = 1.0, 1.0
+    for k in range(1, dof // 2):
+        term *= c2 * (2 * k - 1) / (2 * k)
+        total += term
+    return sin * total
+
+
+def t_quantile(confidence: float, dof: int) -> float:
+    """The half-width factor t of the two-sided ``confidence`` interval of Student's t with
+    ``dof`` degrees of freedom: P(|T| <= t) = confidence (bisection on ``t_cdf_two_sided``)."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    lo, hi = 0.0, 1.0
+    while t_cdf_two_sided(hi, dof) < confidence:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf_two_sided(mid, dof) < confidence else (lo, mid)
+    return (lo + hi) / 2
+
+
 def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Sequence[float],
            kind: str, *, paired: bool = False, floor: float | None = None,
            ceiling: float | None = None, margin: float = REL_MARGIN,
@@ -161,20 +204,29 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
     - No value on a side, both sides diverged (NaN), both at or above ``floor`` (not learned),
       or both at or below ``ceiling`` (perfect): **not measured**, the comparison says nothing.
     - One side diverged: it is infinitely bad.
-    - d = mean(B) - mean(A); paired (``paired`` and the same >= 2 seeds on both sides): d is the
-      mean of the per-seed differences and its standard error their spread / sqrt(n); unpaired:
-      sqrt(s_a^2/n_a + s_b^2/n_b) with >= 2 seeds per side, else unknown (only the margin
-      applies: provisional). noise = Z x that standard error; margin = ``margin`` x |mean(B)|
-      (default REL_MARGIN), or ``margin_abs`` when given.
-    - ``better`` (A < B): reproduced if d > max(noise, margin); not reproduced if
-      d < -max(noise, margin) (with a relative margin larger than REL_MARGIN, the opposite
-      direction already counts beyond max(noise, REL_MARGIN x |mean(B)|)); else inconclusive.
-      ``degrades`` (A > B): the same with -d. A numerically worse A is never reproduced.
+    - d = mean(B) - mean(A); paired (``paired`` and >= 2 seeds in common): d is the mean of the
+      per-seed differences over the common seeds and its standard error their spread /
+      sqrt(n), with n - 1 degrees of freedom; unpaired: Welch's sqrt(s_a^2/n_a + s_b^2/n_b)
+      with the Welch-Satterthwaite degrees of freedom (rounded down), with >= 2 seeds per side,
+      else unknown (only the margin applies: provisional). noise = the half-width of the
+      two-sided ``CONFIDENCE`` Student-t interval, t x the standard error; margin = ``margin``
+      x |mean(B)| (default REL_MARGIN), or ``margin_abs`` when given: the claimed size.
+    - ``better`` (A < B), with e = d: reproduced if e > max(noise, margin) (the interval above 0,
+      the estimate beyond the margin); not reproduced if e < -max(noise, margin') (margin' the
+      default margin where a claim asks for a larger effect: a clear opposite effect refutes a
+      collapse); **smaller than claimed** if the interval's upper end e + noise is below the
+      margin (it excludes the claimed size: the effect, if any, is smaller); else inconclusive.
+      ``degrades`` (A > B): the same with e = -d. A numerically worse A is never reproduced.
     - ``not_worse`` (A <= B): reproduced if A's excess -d is within the margin even at its noisy
       worst (-d + noise <= margin); not reproduced if -d - noise > margin; else inconclusive.
-      A noisy side therefore makes the claim inconclusive, never reproduced.
-    - ``flat`` (A ~ B): reproduced if |d| + noise <= margin; not reproduced if
-      |d| - noise > margin; else inconclusive."""
+    - ``flat`` (A ~ B, an equality test): reproduced if the whole interval lies within
+      +-margin (|d| + noise <= margin); not reproduced if it lies outside (|d| - noise > margin);
+      else inconclusive.
+    - Seeds: with fewer than ``MIN_SEEDS`` (pairs, or on the smaller side) a measured verdict
+      becomes inconclusive; a decided verdict whose |d| is within ``NEAR_FACTOR`` x the
+      boundary it was decided against (the margin; for a refutation of a directional claim the
+      opposite threshold) needs ``NEAR_SEEDS`` seeds, else it is inconclusive too (the reason
+      says so)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     sa, sb = _by_seed(a), _by_seed(b)
@@ -202,15 +254,21 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
         return out
     common = sorted(set(sa) & set(sb))
     out.margin = margin * abs(mb) if margin_abs is None else margin_abs
-    if paired and len(common) >= 2 and set(sa) == set(sb):
+    if paired and len(common) >= 2:
         out.paired = True
         out.diffs = {s: sb[s] - sa[s] for s in common}
+        n = len(common)
         out.d = statistics.fmean(out.diffs.values())
-        out.noise = Z * statistics.stdev(out.diffs.values()) / math.sqrt(len(common))
+        out.noise = t_quantile(CONFIDENCE, n - 1) * statistics.stdev(out.diffs.values()) / math.sqrt(n)
     else:
         out.d = mb - ma
+        n = min(len(sa), len(sb))
         if len(sa) > 1 and len(sb) > 1:
-            out.noise = Z * math.sqrt(spa ** 2 / len(sa) + spb ** 2 / len(sb))
+            va, vb = spa ** 2 / len(sa), spb ** 2 / len(sb)
+            se = math.sqrt(va + vb)
+            dof = ((va + vb) ** 2 / (va ** 2 / (len(sa) - 1) + vb ** 2 / (len(sb) - 1))
+                   if va + vb > 0 else len(sa) + len(sb) - 2)
+            out.noise = t_quantile(CONFIDENCE, max(1, math.floor(dof + 1e-9))) * se
         if paired and common:
             out.diffs = {s: sb[s] - sa[s] for s in common}
     noise = 0.0 if math.isnan(out.noise) else out.noise
@@ -220,7 +278,8 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
         # the opposite direction counts beyond the default margin even where the claim asks for
         # a larger effect (a collapse): a clear fall refutes "it collapses"
         against = thr if margin_abs is not None else max(noise, min(out.margin, REL_MARGIN * abs(mb)))
-        out.verdict = "reproduced" if e > thr else "not reproduced" if e < -against else "inconclusive"
+        out.verdict = ("reproduced" if e > thr else "not reproduced" if e < -against else
+                       SMALLER if not math.isnan(out.noise) and e + noise < margin else "inconclusive")
     elif kind == "not_worse":
         excess = -d
         out.verdict = ("reproduced" if excess + noise <= margin else
@@ -230,27 +289,45 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
                        "not reproduced" if abs(d) - noise > margin else "inconclusive")
     if math.isnan(out.noise):
         out.reason = "one seed on a side: only the margin applies (provisional)"
+    decided = out.verdict != "inconclusive"
+    # the boundary this verdict was decided against: the margin, or for a refutation of a
+    # directional claim the opposite threshold
+    near = against if kind in ("better", "degrades") and out.verdict == "not reproduced" else margin
+    if decided and n < MIN_SEEDS:
+        out.reason = (f"{n} seed{'s' if n != 1 else ''}{' in common' if out.paired else ''}, "
+                      f"fewer than {MIN_SEEDS}: no verdict (the data alone would say "
+                      f"{out.verdict})")
+        out.verdict = "inconclusive"
+    elif decided and n < NEAR_SEEDS and abs(d) < NEAR_FACTOR * near:
+        out.reason = (f"|d| within {NEAR_FACTOR:g} x the margin needs {NEAR_SEEDS} seeds, has "
+                      f"{n} (the data alone would say {out.verdict})")
+        out.verdict = "inconclusive"
     return out
 
 
 RULE_TEXT = (
     "Verdict rule (lower is better for every quantity): d = mean(B) - mean(A); where both sides "
-    "are the same seeds and a seed fixes the data order (or both sides come from the same run), "
-    f"d is the mean of the per-seed differences and its noise {Z:g} x their standard error "
-    f"(paired), otherwise {Z:g} x the unpaired standard error; margin = {REL_MARGIN:.0%} of "
-    "|mean(B)| (or the share or absolute difference a claim states), the smallest difference "
-    "that counts. \"A < B\" (better): reproduced if d > "
-    "max(noise, margin), not reproduced if d < -max(noise, margin) (a claim asking for a larger "
-    "effect, such as a collapse, is refuted by the opposite direction beyond the default margin), "
-    "otherwise inconclusive at this scale; \"A > B\" (degrades) the same with -d. \"A <= B\" (no worse): reproduced if "
-    "A's excess over B stays within the margin at its noisy worst (-d + noise <= margin), not "
-    "reproduced if -d - noise > margin, otherwise inconclusive. \"A ~ B\" (stays flat): "
-    "reproduced if |d| + noise <= margin, not reproduced if |d| - noise > margin. **Not "
-    "measured**: a side without runs, both sides diverged, or both sides at the claim's floor of "
-    "learning (chance, 0 % accuracy) or both at its ceiling (100 %): such a comparison says "
-    "nothing either way. A run flagged as not trained (its loss stuck) is left out of every "
-    "comparison and reported. A diverged run (NaN) counts as infinitely bad. With one seed the "
-    "noise is unknown and only the margin applies: treat such verdicts as provisional.")
+    "share seeds and a seed fixes the data order (or both sides come from the same run), d is "
+    "the mean of the per-seed differences over the common seeds (paired), otherwise the "
+    "difference of the means (unpaired, Welch). noise = the half-width of the two-sided "
+    f"{CONFIDENCE:.0%} Student-t interval of d (n - 1 degrees of freedom paired, "
+    "Welch-Satterthwaite unpaired); margin = the claimed size: "
+    f"{REL_MARGIN:.0%} of |mean(B)| unless the claim states a share or an absolute difference. "
+    "\"A < B\" (better): reproduced if d > max(noise, margin); not reproduced if d < "
+    "-max(noise, margin) (a claim asking for a larger effect, such as a collapse, is refuted by "
+    "the opposite direction beyond the default margin); **smaller than claimed** (resolved: the "
+    "interval excludes the claimed size) if d + noise < margin; otherwise inconclusive. \"A > "
+    "B\" (degrades) the same with -d. \"A <= B\" (no worse): reproduced if A's excess over B "
+    "stays within the margin at its noisy worst (-d + noise <= margin), not reproduced if -d - "
+    "noise > margin. \"A ~ B\" (equal, where a paper says two things match): reproduced if the "
+    "whole interval lies within +-margin (|d| + noise <= margin), not reproduced if it lies "
+    f"outside (|d| - noise > margin). Seeds: fewer than {MIN_SEEDS} (pairs) give no verdict "
+    f"(inconclusive), and a verdict whose |d| is within {NEAR_FACTOR:g} x the margin needs "
+    f"{NEAR_SEEDS}. **Not measured**: a side without runs, both sides diverged, both sides at "
+    "the claim's floor of learning (chance, 0 % accuracy) or both at its ceiling (100 %), or a "
+    "run of either side that did not train (flagged by its experiment): such a comparison says "
+    "nothing either way. A diverged run (NaN) counts as infinitely bad. With one seed the noise "
+    "is unknown: no verdict.")
 
 
 def fmt(mean: float, spread: float) -> str:
@@ -308,6 +385,17 @@ def load_result(out: Path, spec: RunSpec) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return result if isinstance(result, dict) and "metrics" in result else None
+
+
+def finished_results(out: Path) -> list[dict[str, Any]]:
+    """Every finished run's result in ``out`` (its ``runs/*/result.json``), in folder order."""
+    found = []
+    for path in sorted((out / RUNS).glob(f"*/{RESULT_FILE}")):
+        with contextlib.suppress(OSError, ValueError):
+            result = json.loads(path.read_text())
+            if isinstance(result, dict) and "metrics" in result:
+                found.append(result)
+    return found
 
 
 def save_result(out: Path, spec: RunSpec, result: dict[str, Any]) -> None:
@@ -378,11 +466,11 @@ def seed_values(rows: list[dict[str, Any]], model: str, metric: str, *,
 
 
 def judge(rows: list[dict[str, Any]], claims: list[Claim]) -> list[tuple[Claim, Verdict]]:
-    """Each claim's verdict (``decide``); runs flagged as not trained are left out and named."""
+    """Each claim's verdict (``decide``); a run of either side flagged as not trained makes the
+    claim *not measured* (no verdict rests on a model that did not learn), its numbers shown."""
     out = []
     for c in claims:
-        only = not c.with_untrained
-        v = decide(seed_values(rows, *c.a, only_trained=only), seed_values(rows, *c.b, only_trained=only),
+        v = decide(seed_values(rows, *c.a, only_trained=False), seed_values(rows, *c.b, only_trained=False),
                    c.kind, paired=c.paired, floor=c.floor, ceiling=c.ceiling, margin=c.margin,
                    margin_abs=c.margin_abs)
         if c.unmeasured:
@@ -390,9 +478,9 @@ def judge(rows: list[dict[str, Any]], claims: list[Claim]) -> list[tuple[Claim, 
         stuck = [f"{model} seed {r['seed']}" for model in dict.fromkeys((c.a[0], c.b[0]))
                  for r in rows if r["model"] == model and not trained(r)]
         if stuck:
-            note = (f"{'kept, as the claim is about failing to learn' if c.with_untrained else 'left out'}"
-                    f", did not train: {', '.join(stuck)}")
-            v.reason = note if not v.reason or v.verdict == "not measured" else f"{v.reason}; {note}"
+            note = f"did not train: {', '.join(stuck)}"
+            v.reason = note if not v.reason or v.verdict == "not measured" else f"{note}; {v.reason}"
+            v.verdict = "not measured"
         out.append((c, v))
     return out
 
@@ -405,9 +493,9 @@ def _signed(x: float) -> str:
 def claims_table(judged: list[tuple[Claim, Verdict]]) -> str:
     """One row per claim: the claim, the paper's statement and its direction, both sides, the
     difference with its per-seed values and the thresholds, the verdict (and why)."""
-    lines = ["| claim | paper (where; direction) | ours: A vs B (mean ± sd over seeds) | "
+    lines = ["| claim | paper (where; direction) | source | ours: A vs B (mean ± sd over seeds) | "
              "d = B - A (per seed); noise, margin | verdict |",
-             "|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|"]
     for c, v in judged:
         rel, meaning = KINDS[c.kind]
         ours = (f"A = {c.a[0]} [{c.a[1]}] {fmt(v.mean_a, v.spread_a)} {rel} "
@@ -417,11 +505,13 @@ def claims_table(judged: list[tuple[Claim, Verdict]]) -> str:
         else:
             per = ", ".join(f"s{k} {_signed(x)}" for k, x in sorted(v.diffs.items()))
             kind = "paired" if v.paired else "unpaired"
+            kind += f", n = {len(v.diffs)}" if v.paired else ""
             diff = (f"{_signed(v.d)} ({kind}{': ' + per if per else ''}); noise "
                     f"{'n/a' if math.isnan(v.noise) else f'{v.noise:.2g}'}, margin "
                     f"{'n/a' if math.isnan(v.margin) else f'{v.margin:.2g}'}")
         verdict = f"**{v.verdict}**" + (f" ({v.reason})" if v.reason else "")
-        lines.append(f"| {c.name} | {c.paper} ({meaning}) | {ours} | {diff} | {verdict} |")
+        source = c.source or ("control" if c.control else "n/a")
+        lines.append(f"| {c.name} | {c.paper} ({meaning}) | {source} | {ours} | {diff} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -570,7 +660,8 @@ class Experiment:
     settings in ``options``); ``execute(spec, plan, workdir)`` -> the run's ``parameters, steps,
     tokens, metrics``; ``claims(plan)``; ``metrics(plan)`` the columns of the per-model table;
     ``plots(rows, out, plan)`` -> the PNG file names written (none without matplotlib);
-    ``notes(plan, rows)`` -> lines for results.md (deviations from the paper, ...)."""
+    ``notes(plan, rows)`` -> lines for results.md (deviations from the paper, ...);
+    ``unmatched``: models whose parameter count is not matched to the rest, by design."""
 
     name: str
     title: str
@@ -581,3 +672,4 @@ class Experiment:
     metrics: Callable[[Plan], list[str]]
     plots: Callable[[list[dict[str, Any]], Path, Plan], list[str]]
     notes: Callable[[Plan, list[dict[str, Any]]], list[str]]
+    unmatched: tuple[str, ...] = ()  # models left out of the parameter matching (by design)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from . import EXPERIMENTS
@@ -13,6 +14,7 @@ from .common import (
     Experiment,
     Plan,
     ReproduceError,
+    finished_results,
     judge,
     prepare_out,
     read_csv,
@@ -30,19 +32,34 @@ def experiment(name: str) -> Experiment:
 
 
 def reproduce(name: str, out: Path, seeds: list[int], *, quick: bool = False, data: str = "stdlib",
-              overwrite: bool = False, progress: bool = True) -> Path:
-    """Run (or continue) experiment ``name`` into ``out``; returns the path of results.md."""
+              overwrite: bool = False, progress: bool = True,
+              models: Sequence[str] | None = None) -> Path:
+    """Run (or continue) experiment ``name`` into ``out``; returns the path of results.md.
+    ``models``: run only these models' runs of ``seeds`` (more seeds for the models of a claim
+    whose effect is near its margin); results.csv then holds every finished run in ``out``."""
     exp = experiment(name)
     plan = exp.plan(quick, seeds, data)
     manifest = {"experiment": name, "size": "quick" if quick else "default",
                 "settings": plan.settings,
                 "models": {r.model: r.options for r in plan.runs if r.seed == seeds[0]}}
+    order = list(manifest["models"])
+    if models is not None:
+        unknown = sorted(set(models) - set(order))
+        if unknown:
+            raise ReproduceError(f"experiment {name} has no model {unknown[0]!r}; its models: "
+                                 f"{', '.join(order)}")
+        plan = Plan(plan.settings, [r for r in plan.runs if r.model in models])
     resumed = prepare_out(out, manifest, overwrite)
     start = time.perf_counter()
     rows, reused = run_all(out, name, plan, lambda spec, wd: exp.execute(spec, plan, wd),
                            progress=progress)
+    if models is not None:  # every finished run of the folder, in plan order
+        done = {(r["model"], r["seed"]) for r in rows}
+        rows += [r for r in finished_results(out) if (r["model"], r["seed"]) not in done]
+        rows.sort(key=lambda r: (r["seed"], order.index(r["model"]) if r["model"] in order else len(order)))
     write_csv(out / "results.csv", rows)
-    _write_results(exp, plan, rows, out, seeds, time.perf_counter() - start)
+    _write_results(exp, plan, rows, out, sorted({r["seed"] for r in rows}),
+                   time.perf_counter() - start)
     if resumed and progress:
         print(f"continued {out}: {reused} finished run(s) reused", file=sys.stderr)
     return out / "results.md"

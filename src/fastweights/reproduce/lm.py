@@ -4,6 +4,7 @@ per-position loss of long streams read with the state carried."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import itertools
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import LanguageModel, LMConfig
-from ..tasks.text import Corpus
+from ..tasks.text import Corpus, spread_starts
 from ..train.checkpoint import load_model
 from ..train.trainer import RUN_FILE, TrainConfig, TrainingAnomaly, train
 from .common import Plan, ReproduceError, RunSpec
@@ -73,15 +74,77 @@ def diverged(config: LMConfig, settings: dict[str, Any], metrics: list[str]) -> 
             "tokens": tokens(settings), "diverged": True, "metrics": dict.fromkeys(metrics, math.nan)}
 
 
+TRAINER_EVAL_WINDOWS = 8  # the trainer's own end-of-run validation (metrics.csv), not a verdict's
+
+
 def train_config(settings: dict[str, Any], seed: int, carry_state: bool = False) -> TrainConfig:
     """The TrainConfig of one run; checkpoints every quarter so an interrupted run resumes.
-    ``carry_state``: truncated backpropagation through time over consecutive windows of each
-    row's stream (``TrainConfig.carry_state``) instead of independent random windows."""
+    ``carry_state``: truncated backpropagation through time over stream segments of
+    consecutive windows (``TrainConfig.carry_state``; ``train.batches``: every row from its own
+    random offset, a new one every ``STREAM_WINDOWS`` windows) instead of independent random
+    windows. The verdicts' evaluation is the experiment's own (``windows_loss``); the
+    trainer's validation reads only ``TRAINER_EVAL_WINDOWS`` windows."""
     steps = settings["steps"]
     return TrainConfig(steps=steps, batch_size=settings["batch_size"], seq_len=settings["seq_len"],
                        lr=settings["lr"], warmup=min(30, max(1, steps // 10)), eval_every=steps,
-                       eval_windows=settings["eval_windows"], save_every=max(1, steps // 4), seed=seed,
+                       eval_windows=TRAINER_EVAL_WINDOWS, save_every=max(1, steps // 4), seed=seed,
                        anomaly_guard=True, carry_state=carry_state)
+
+
+def eval_starts(corpus: Corpus, seq_len: int, n: int, context: int = 0) -> torch.Tensor:
+    """Start offsets [n] of ``n`` evaluation windows of ``seq_len`` bytes spread over every file
+    of the validation split (``tasks.text.spread_starts``: at least one per file that holds a
+    window, the rest in proportion to the file's size), each at least ``context`` bytes into the
+    split so that the ``context`` bytes before it can be read first."""
+    starts = (corpus.val_starts - context).clamp_min(0)
+    keep = torch.cat([starts[:1], starts[1:][starts[1:] > 0]])
+    try:
+        return spread_starts(keep, corpus.val.numel() - context, seq_len + 1, n) + context
+    except ValueError as err:
+        raise ReproduceError(f"the validation split of {corpus.name} cannot hold {n} windows of "
+                             f"{seq_len} bytes: {err}") from None
+
+
+@torch.no_grad()
+def windows_loss(model: LanguageModel, data: torch.Tensor, starts: torch.Tensor, seq_len: int,
+                 context: int = 0, batch: int = 32) -> float:
+    """Mean next-byte loss over the windows [start, start + seq_len) of ``data`` (``starts``
+    [n]), each scored after reading the ``context`` bytes before it with the state carried, in
+    pieces of ``seq_len`` (``range_loss``); ``context`` 0: every window from a fresh state, the
+    truncated reading."""
+    device = next(model.parameters()).device
+    span = starts.long()[:, None] - context + torch.arange(context + seq_len + 1)
+    total, count = 0.0, 0
+    for i in range(0, span.shape[0], batch):
+        x = data[span[i:i + batch]].long().to(device)  # [b, context + T + 1]
+        prefix = x[:, :context] if context else None
+        total += range_loss(model, x, prefix, context, context + seq_len, seq_len) * x.shape[0]
+        count += x.shape[0]
+    return total / count
+
+
+def eval_note(s: dict[str, Any]) -> str:
+    """The results.md line on the evaluation windows of ``eval_starts`` / ``windows_loss``."""
+    return (f"Validation loss: {s['eval_windows']} windows of {s['seq_len']} bytes spread over "
+            "every file of the validation split (`lm.eval_starts`: at least one per file that "
+            "holds a window, the rest by size), each read from a fresh state; the first records "
+            "read the first 8 KB of the split (two files).")
+
+
+def trained_note(s: dict[str, Any], loss: str = "validation loss") -> str:
+    """The results.md line on the ``trained`` flag of ``trained_flag``."""
+    if not s.get("stuck_fraction"):
+        return "`trained`: no check at this size (the --quick runs are too short to learn)."
+    return (f"`trained` = 1 when the run's {loss} is below {s['stuck_fraction']:.0%} of the "
+            "validation split's unigram entropy (a model that predicts only byte frequencies "
+            "scores the entropy); a claim on a run with 0 is not measured.")
+
+
+def trained_flag(loss: float, corpus: Corpus, fraction: float | None) -> float:
+    """1.0 when ``loss`` is below ``fraction`` of the validation split's byte-frequency entropy
+    (a model that learned only byte frequencies scores the entropy), else 0.0 (the run did not
+    train: no verdict rests on it); ``fraction`` None (the --quick sizes): 1.0."""
+    return float(fraction is None or loss < fraction * unigram_entropy(corpus.val))
 
 
 def tokens(settings: dict[str, Any]) -> int:
@@ -89,13 +152,12 @@ def tokens(settings: dict[str, Any]) -> int:
 
 
 @torch.no_grad()
-def position_losses(model: LanguageModel, data: torch.Tensor, length: int, streams: int,
-                    piece: int) -> torch.Tensor:
-    """Mean next-byte loss at every position [length] over ``streams`` consecutive,
-    non-overlapping streams of ``length + 1`` bytes taken from the start of ``data``, each read in
-    pieces of ``piece`` tokens with the recurrent state carried (all streams as one batch)."""
-    x = stream_batch(model, data, length, streams)
+def position_losses(model: LanguageModel, x: torch.Tensor, piece: int) -> torch.Tensor:
+    """Mean next-byte loss at every position [L] over the streams ``x`` [S, L + 1] (inputs
+    0..L-1, targets 1..L), read in pieces of ``piece`` tokens with the recurrent state carried
+    (all streams as one batch)."""
     model.eval()
+    length = x.shape[1] - 1
     total = torch.zeros(length, dtype=torch.float64)
     state = None
     for start in range(0, length, piece):
@@ -133,15 +195,28 @@ def range_loss(model: LanguageModel, x: torch.Tensor, prefix: torch.Tensor | Non
     return total / count
 
 
-def stream_batch(model: LanguageModel, data: torch.Tensor, length: int, streams: int) -> torch.Tensor:
-    """The ``streams`` consecutive, non-overlapping streams of ``length + 1`` bytes from the start
-    of ``data`` that ``position_losses`` reads, as one long tensor [streams, length + 1] on the
-    model's device."""
-    need = streams * (length + 1)
-    if data.numel() < need:
-        raise ReproduceError(f"the validation split has {data.numel()} bytes, fewer than the "
-                             f"{need} the long-context evaluation reads")
-    return data[:need].long().view(streams, length + 1).to(next(model.parameters()).device)
+def stream_starts(corpus: Corpus, length: int, streams: int) -> torch.Tensor:
+    """Start offsets [streams] of ``streams`` validation streams of ``length + 1`` bytes, each
+    inside one file, spread over every file that holds one (``tasks.text.spread_starts``)."""
+    try:
+        return spread_starts(corpus.val_starts, corpus.val.numel(), length + 1, streams)
+    except ValueError as err:
+        raise ReproduceError(f"the validation split of {corpus.name} cannot hold {streams} "
+                             f"streams of {length + 1} bytes: {err}") from None
+
+
+def stream_batch(model: LanguageModel, data: torch.Tensor, starts: torch.Tensor,
+                 length: int) -> torch.Tensor:
+    """The streams of ``length + 1`` bytes of ``data`` from ``starts`` [S], as one tensor
+    [S, length + 1] on the model's device."""
+    span = starts.long()[:, None] + torch.arange(length + 1)
+    return data[span].long().to(next(model.parameters()).device)
+
+
+def file_of(corpus: Corpus, starts: torch.Tensor) -> list[int]:
+    """The index of the validation file each offset of ``starts`` lies in."""
+    bounds = corpus.val_starts.tolist()
+    return [bisect.bisect_right(bounds, int(s)) - 1 for s in starts]
 
 
 def log_buckets(length: int) -> list[tuple[int, int]]:

@@ -1,17 +1,19 @@
 """``long-context``: does the loss keep falling with more context? (the TTT paper's per-position
 figure, Sun et al. 2024, docs/maths.md 2.9), on the bytes of ``stdlib``.
 
-Every recurrent model is trained with its state carried across consecutive windows of
-``seq_len`` bytes of each row's stream (``TrainConfig.carry_state``, truncated backpropagation
-through time: it sees long contexts in training, as the paper's models do); softmax attention,
-whose cache cannot be carried, is trained on independent windows. Each model then reads
-held-out streams of
-``factor * seq_len`` bytes in pieces of ``seq_len`` with its state carried (softmax: its
-key/value cache grows and RoPE positions continue past the training window). The loss at each
+Every recurrent model is trained with its state carried across windows of ``seq_len`` bytes
+(``TrainConfig.carry_state``, truncated backpropagation through time: every batch row reads a
+segment of ``train.batches.STREAM_WINDOWS`` consecutive windows from a random offset, then jumps
+to a new one, so it sees contexts of up to that many windows with the data diversity of window
+training); softmax attention, whose cache cannot be carried, is trained on independent windows.
+Each model then reads ``streams`` held-out streams of ``factor * seq_len`` bytes, each inside
+one validation file and spread over every file (``lm.stream_starts``), in pieces of ``seq_len``
+with its state carried (softmax: its key/value cache grows and RoPE positions continue past the
+training window). The loss at each
 position is averaged over the streams and over log-spaced position buckets [1, 2), [2, 4), ...
 The built-in control: each position range [T, 2T), [2T, 4T), ... beyond the training window is
-also scored after the first ``lo`` bytes of an unrelated stream (half the evaluation batch away)
-and from a fresh state (``control_losses``). A loss that falls with position may come from any
+also scored after the first ``lo`` bytes of an unrelated stream (from another validation
+file) and from a fresh state (``control_losses``). A loss that falls with position may come from any
 warmed-up state; "uses its own context" is the own prefix beating the unrelated one.
 Claims, each on the same bytes: more context lowers TTT-Linear/MLP's loss (own prefix < fresh
 state; the TTT paper); TTT, DeltaNet and Infini use their own context (own < unrelated); the
@@ -26,17 +28,21 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..models import LMConfig
+from ..train.batches import STREAM_WINDOWS
 from . import lm
 from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_spread, values
 from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 400, "lr": 2e-3, "eval_windows": 16, "factor": 16, "streams": 16,
-           "carry_state": "all but softmax", "control": "own / unrelated / fresh prefix"}
+           "steps": 400, "lr": 2e-3, "factor": 16, "streams": 128, "stuck_fraction": 0.95,
+           "carry_state": "all but softmax", "control": "own / unrelated (another file) / fresh prefix"}
 QUICK = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "eval_windows": 2, "factor": 8, "streams": 2,
-         "carry_state": "all but softmax", "control": "own / unrelated / fresh prefix"}
+         "steps": 3, "lr": 2e-3, "factor": 8, "streams": 2, "stuck_fraction": None,
+         "carry_state": "all but softmax", "control": "own / unrelated (another file) / fresh prefix"}
+FWP, TTT = "000-fast-weight-programmers.txt", "001-ttt.txt"  # the seed notes on the papers
 WINDOWED = ("softmax",)  # trained on independent windows; every other model with carry_state
 RECURRENT = ("delta", "ttt-linear", "ttt-mlp", "infini", "diag/norm")
 
@@ -90,16 +96,28 @@ def control_metric(condition: str, lo: int, hi: int) -> str:
     return f"{condition}@{lo}-{hi - 1}"
 
 
-def control_losses(model: Any, data: Any, s: dict[str, Any]) -> dict[str, float]:
-    """The built-in control: the loss at each of ``control_ranges`` read after the stream's own
-    first ``lo`` bytes (``own``), after the first ``lo`` bytes of an unrelated stream (the stream
-    half the batch away: ``streams / 2`` x the stream length further into the validation split,
-    ``unrelated``), and from a fresh state (``fresh``). ``own < unrelated`` says the model uses
-    its own context; ``unrelated < fresh`` only that a warmed-up state helps."""
-    T, length, n = s["seq_len"], s["seq_len"] * s["factor"], s["streams"]
-    x = lm.stream_batch(model, data, length, n)
-    other = x.roll(n // 2, dims=0)  # stream i reads the prefix of stream i - n/2 (mod n)
-    out = {}
+def unrelated_shift(files: list[int]) -> int:
+    """The shift r (mod n) such that stream i reads the prefix of stream i - r: the one closest
+    to n / 2 for which every stream's unrelated prefix comes from another file, else (a corpus
+    with too few files) the one with the fewest same-file pairs."""
+    n = len(files)
+    shifts = sorted(range(1, n), key=lambda r: abs(r - n / 2)) or [0]
+    return min(shifts, key=lambda r: sum(files[i] == files[(i - r) % n] for i in range(n)))
+
+
+def control_losses(model: Any, x: torch.Tensor, files: list[int], s: dict[str, Any]) -> dict[str, float]:
+    """The built-in control on the streams ``x`` [S, L + 1] (stream i in validation file
+    ``files[i]``): the loss at each of ``control_ranges`` read after the stream's own first
+    ``lo`` bytes (``own``), after the first ``lo`` bytes of an unrelated stream from another file
+    (``unrelated_shift``; ``unrelated``), and from a fresh state (``fresh``). ``own <
+    unrelated`` says the model uses its own context; ``unrelated < fresh`` only that a warmed-up
+    state helps. Also ``unrelated_same_file``: the share of streams whose unrelated prefix had to
+    come from their own file (0 unless the corpus has too few files)."""
+    T = s["seq_len"]
+    shift = unrelated_shift(files)
+    other = x.roll(shift, dims=0)  # stream i reads the prefix of stream i - shift (mod n)
+    n = len(files)
+    out = {"unrelated_same_file": sum(files[i] == files[(i - shift) % n] for i in range(n)) / n}
     for lo, hi in control_ranges(s):
         out[control_metric("own", lo, hi)] = lm.range_loss(model, x, x[:, :lo], lo, hi, T)
         out[control_metric("unrelated", lo, hi)] = lm.range_loss(model, x, other[:, :lo], lo, hi, T)
@@ -118,9 +136,13 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
         names = [lm.bucket_name(lo, hi) for lo, hi in lm.log_buckets(length)]
         controls = [f"{c}@{lo}-{hi - 1}" for lo, hi in control_ranges(s) for c in CONDITIONS]
         return lm.diverged(config, s, ["loss_window", "loss_beyond", *names, *controls])
-    per_pos = lm.position_losses(model, corpus.val, length, s["streams"], piece=T)
-    metrics = {"loss_window": float(per_pos[:T].mean()), "loss_beyond": float(per_pos[T:].mean()),
-               **lm.bucket_losses(per_pos), **control_losses(model, corpus.val, s)}
+    starts = lm.stream_starts(corpus, length, s["streams"])
+    x = lm.stream_batch(model, corpus.val, starts, length)
+    per_pos = lm.position_losses(model, x, piece=T)
+    window = float(per_pos[:T].mean())
+    metrics = {"loss_window": window, "loss_beyond": float(per_pos[T:].mean()),
+               **lm.bucket_losses(per_pos), **control_losses(model, x, lm.file_of(corpus, starts), s),
+               "trained": lm.trained_flag(window, corpus, s.get("stuck_fraction"))}
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
             "metrics": metrics}
 
@@ -128,14 +150,17 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
 TTT_FIGURE = ("Sun et al. 2024, Figure 2 (right) / §3 (Books, 32k context): TTT-Linear and "
               "TTT-MLP keep lowering the loss as they condition on more tokens, where Mamba "
               "plateaus after 16k")
+TTT_SOURCE = (f"docs/maths.md 2.9 [unverified]: the seed note {TTT} (experiments, Books) records only "
+              "that TTT beats Mamba at 32k and that its advantage grows with the context")
 USES_CONTEXT = {
-    "ttt-linear": TTT_FIGURE + " [implied: the fall comes from the stream's own context]",
-    "ttt-mlp": TTT_FIGURE + " [implied: the fall comes from the stream's own context]",
+    "ttt-linear": (TTT_FIGURE + " [implied: the fall comes from the stream's own context]", TTT_SOURCE),
+    "ttt-mlp": (TTT_FIGURE + " [implied: the fall comes from the stream's own context]", TTT_SOURCE),
     "delta": ("Schlag et al. 2021, §6.3, Table 4: trained and evaluated without truncating the "
               "context, the delta net improves slightly on its truncated version [implied: it "
-              "uses context beyond the window]"),
+              "uses context beyond the window]", f"{FWP}, §6.3 long sequences (Table 4) [implied]"),
     "infini": ("Munkhdalai et al. 2024, §4.1, Table 2 (PG19, Arxiv-math): the compressive memory "
-               "carries the earlier segments' context and lowers perplexity [implied]"),
+               "carries the earlier segments' context and lowers perplexity [implied]",
+               "docs/maths.md 5.6 [unverified]: the seed note 004-infini-attention.txt has no experiments"),
 }
 
 
@@ -146,14 +171,16 @@ def claims(p: Plan) -> list[Claim]:
     own, unrelated, fresh = (control_metric(c, lo, hi) for c in CONDITIONS)
     at = f"{lo}-{hi - 1}"
     out = [Claim(f"{m}: more context lowers the loss on the same bytes: own prefix < fresh state "
-                 f"at {at}", TTT_FIGURE, (m, own), (m, fresh)) for m in ("ttt-linear", "ttt-mlp")]
+                 f"at {at}", TTT_FIGURE, (m, own), (m, fresh), source=TTT_SOURCE)
+           for m in ("ttt-linear", "ttt-mlp")]
     out += [Claim(f"{m} uses its own context: own prefix < unrelated prefix at {at}", paper,
-                  (m, own), (m, unrelated)) for m, paper in USES_CONTEXT.items()]
+                  (m, own), (m, unrelated), source=source)
+            for m, (paper, source) in USES_CONTEXT.items()]
     out.append(Claim(f"linear (sum rule) collapses on long streams: own prefix > fresh state at "
                      f"{at} by more than 10 %",
                      "Schlag et al. 2021, §6.3, Table 4: without truncation the linear "
                      "Transformer (sum rule) collapses", ("linear", own), ("linear", fresh),
-                     "degrades", margin=0.1))
+                     "degrades", margin=0.1, source=f"{FWP}, §6.3 long sequences (Table 4)"))
     controls = [Claim(f"softmax degrades beyond its training window: own prefix > fresh state at {at}",
                       "control: its cache grows past the window it trained on (RoPE positions "
                       "never seen)", ("softmax", own), ("softmax", fresh), "degrades", control=True)]
@@ -173,7 +200,7 @@ def metrics(p: Plan) -> list[str]:
     s = p.settings
     lo, hi = control_ranges(s)[-1]
     return ["loss_window", "loss_beyond", _window_bucket(s), _far_bucket(s),
-            *(control_metric(c, lo, hi) for c in CONDITIONS)]
+            *(control_metric(c, lo, hi) for c in CONDITIONS), "trained"]
 
 
 def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
@@ -221,26 +248,36 @@ def _control_table(s: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
+    length = s["factor"] * s["seq_len"]
+    same = [r["metrics"].get("unrelated_same_file", 0.0) for r in rows]
     return [
         lm.setup_note(s, rows, "softmax"),
-        ("Training: every model but softmax trains with its state carried across consecutive "
-        f"windows of {s['seq_len']} bytes (`train --carry-state`: each batch row reads one "
-        "contiguous shard of the training split, the state detached at every window boundary), "
-        "so it has seen contexts far longer than one window; softmax trains on independent "
-        "windows (its cache cannot be carried)."),
-        (f"Evaluation: {s['streams']} consecutive streams of {s['factor']} x {s['seq_len']} = "
-        f"{s['factor'] * s['seq_len']} bytes from the start of the validation split, read in "
-        f"pieces of {s['seq_len']} with the state carried; `loss@a-b` is the mean loss at "
-        "positions a..b (1-based), `loss_window` over the training length, `loss_beyond` after it."),
+        ("Training: every model but softmax trains with its state carried across windows of "
+         f"{s['seq_len']} bytes (`train --carry-state`): every batch row reads a segment of "
+         f"{STREAM_WINDOWS} consecutive windows ({STREAM_WINDOWS * s['seq_len']} bytes) from its "
+         "own random offset of the training split, then jumps to a new random offset with a "
+         "fresh state; the state is detached at every window boundary. So it has seen contexts "
+         "of up to the evaluation length, with the data diversity of window training (the first "
+         "records read one contiguous region of 51-64 KB per row, and their TTT models did not "
+         "train). Softmax trains on independent windows (its cache cannot be carried)."),
+        (f"Evaluation: {s['streams']} streams of {s['factor']} x {s['seq_len']} = {length} bytes, "
+         "each inside one validation file, spread over every file that holds one "
+         "(`lm.stream_starts`), read in pieces of "
+         f"{s['seq_len']} with the state carried; `loss@a-b` is the mean loss at positions a..b "
+         "(1-based), `loss_window` over the training length, `loss_beyond` after it."),
         ("Softmax is evaluated beyond its window too (growing cache, RoPE positions it never saw "
         "in training; dashed in the plot, as the sum-rule `linear`): a control, it cannot use "
         "that context. Infini's segment and Diag's block are half the training length."),
         ("The control (`own@a-b`, `unrelated@a-b`, `fresh@a-b`, positions a..b 0-based inputs): "
          "the same bytes a..b of every stream scored after reading the stream's own bytes 0..a-1 "
-         f"(= the ordinary reading), after bytes 0..a-1 of the stream {s['streams'] // 2} streams "
-         f"further on ({s['streams'] // 2} x {s['factor'] * s['seq_len'] + 1} bytes away, "
-         "unrelated text), and from a fresh state. A model that uses its context has own < "
-         "unrelated; unrelated < fresh only says that any warmed-up state helps."),
+         "(= the ordinary reading), after bytes 0..a-1 of another stream from another validation "
+         "file (`long_context.unrelated_shift`; share of streams whose unrelated prefix had to "
+         f"come from their own file: {max(same, default=0.0):.0%}), and from a fresh state. A "
+         "model that uses its context has own < unrelated; unrelated < fresh only says that any "
+         "warmed-up state helps."),
+        (f"`trained` = 1 when the run's `loss_window` is below {s['stuck_fraction']:.0%} of the "
+         "validation split's unigram entropy; a claim on a run with 0 is not measured."
+         if s.get("stuck_fraction") else "`trained`: no check at this size."),
         _control_table(s, rows),
         ("The paper's figure is at 125M-1.3B parameters and up to 32k tokens; ours is a "
         "direction check at toy scale."),

@@ -23,7 +23,7 @@ from ..layers import InfiniAttention
 from ..models import LanguageModel, LMConfig
 from ..train.trainer import TrainConfig, lr_factor
 from . import lm
-from .common import RUNS, Plan, RunSpec, mean_spread, values
+from .common import RESULT_FILE, RUNS, Plan, RunSpec, mean_spread, values
 
 MODEL_DIR = "model"  # the trained weights, in each run's folder
 Curve = list[list[float]]  # [step, mean loss, mean batch accuracy] per point
@@ -42,8 +42,9 @@ def miss_metric(length: int) -> str:
 
 
 def metrics_with_train_loss(p: Plan) -> list[str]:
-    """The metrics table's columns: miss at every evaluated length, then the final training loss."""
-    return [*(miss_metric(n) for n in p.settings["lengths"]), "final_train_loss"]
+    """The metrics table's columns: miss at every evaluated length, the final training loss and
+    whether the model trained."""
+    return [*(miss_metric(n) for n in p.settings["lengths"]), "final_train_loss", "trained"]
 
 
 def train(config: LMConfig, s: dict[str, Any], seed: int, step_loss: StepLoss,
@@ -146,6 +147,29 @@ def diverged(config: LMConfig, s: dict[str, Any], tokens: int, lengths: Sequence
         out["curve"] = curve
     out["metrics"] = dict.fromkeys(map(miss_metric, lengths), math.nan)
     return out
+
+
+TRAINED_MISS = 0.1  # a model has learned the task: miss at most this inside its training lengths
+INFINI = "004-infini-attention.txt"
+INFINI_SOURCE = (f"docs/maths.md 5.6 [unverified]: the seed note {INFINI} describes the method only, "
+                 "no experiments")
+
+
+def trained_flag(metrics: dict[str, float], inside: Sequence[int], workdir: Path, spec: RunSpec,
+                 source: str | None) -> dict[str, float]:
+    """``{"trained": 1.0 or 0.0}``: 1 when the run's miss averaged over the lengths ``inside``
+    its training range is at most ``TRAINED_MISS`` (it retrieves at least 90 % where it was
+    trained); a memory-off run (``source``: the run whose weights it evaluates) takes its
+    source's flag, read from that run's result (none when it is missing): the weights trained,
+    the memory is switched off by design."""
+    if source:
+        try:
+            result = json.loads((workdir.parent / RunSpec(source, spec.seed).key / RESULT_FILE).read_text())
+            return {"trained": float(result["metrics"]["trained"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+    misses = [metrics[miss_metric(n)] for n in inside if miss_metric(n) in metrics]
+    return {"trained": float(bool(misses) and sum(misses) / len(misses) <= TRAINED_MISS)}
 
 
 def final_train_loss(curve: Curve) -> float:

@@ -3,28 +3,38 @@
 
 (a) layer order: DiagAttention below and NormAttention above (local then global) against the
     reverse order, all-Norm and all-Diag, at equal parameters;
-(b) gradient norms: NormAttention (no denominator, SRMSNorm) against attention-normalised linear
-    attention with the same 1+ELU features (the ``linear`` mixer): the gradient norm of the token
-    mixers' parameters before clipping, logged at every training step (``metrics.csv``'s
-    ``mixer_grad_norm``; ``grad_norm`` is the whole model's), maxima reported;
+(b) bounded gradients, tested directly (``score_gradients``): on each trained model's first
+    layer, its own q, k, v of validation windows with the keys scaled by c -> 0, which drives
+    the scores q.k and attention-normalised linear attention's denominators to 0 (the case the
+    paper's unbounded 1/s_ik bound is about); the gradient of the layer's mixing output (op, and
+    for NormAttention the SRMSNorm after it) with respect to the scaled keys, as a growth factor
+    over c = 1. NormAttention (no denominator, SRMSNorm) against attention-normalised linear
+    attention (the ``linear`` mixer). The training runs' gradient norms (``metrics.csv``'s
+    ``mixer_grad_norm``) are still reported, as data: they do not test the bound;
 (c) attention dilution on the trained models: the share of each query's attention mass within
     its r*N nearest positions (the paper's l(i, r, N)), see ``attention_matrices``;
 (d) DiagAttention block-size sweep in the local-then-global model (data only: the paper's
-    block-size table gives no direction our notes record, so there is no verdict on it).
+    block-size table gives no direction our notes record, so there is no verdict on it);
+(e) the feed-forward: TransNormer's GLU against the plain feed-forward, in the diag/norm model;
+(f) TransNormer (diag/norm) against attention-normalised linear attention and against softmax
+    attention.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..layers.base import merge_heads
 from ..models import LanguageModel, LMConfig
-from ..train.trainer import METRICS_FILE, evaluate
+from ..ops.transnormer import srms_norm
+from ..train.trainer import METRICS_FILE
 from . import lm
 from .common import (
     Claim,
@@ -40,12 +50,19 @@ from .common import (
 from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 4, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 400, "lr": 2e-3, "eval_windows": 64, "block": 32, "blocks": [8, 16, 64],
-           "ratios": [0.0625, 0.125, 0.25], "dilution_windows": 8, "grad_norm": "mixers"}
+           "steps": 400, "lr": 2e-3, "eval_windows": 256, "stuck_fraction": 0.95, "block": 32,
+           "blocks": [8, 16, 64],
+           "ratios": [0.0625, 0.125, 0.25], "dilution_windows": 8, "grad_norm": "mixers",
+           "grad_scales": [1.0, 1e-2, 1e-4, 1e-6], "glu": "silu"}
 QUICK = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "eval_windows": 3, "block": 4, "blocks": [2, 8],
-         "ratios": [0.125, 0.25], "dilution_windows": 2, "grad_norm": "mixers"}
+         "steps": 3, "lr": 2e-3, "eval_windows": 3, "stuck_fraction": None, "block": 4,
+         "blocks": [2, 8],
+         "ratios": [0.125, 0.25], "dilution_windows": 2, "grad_norm": "mixers",
+         "grad_scales": [1.0, 1e-3], "glu": "silu"}
 REFERENCE = "diag/norm"
+GLU = "diag/norm, GLU"
+NOTE = "002-transnormer.txt"  # the seed note on the paper (the notes the project was written from)
+GRADIENTS = {"all-norm": True, "linear (attention-normalised)": False}  # model: SRMSNorm after the op
 ORDERS = {"diag/norm": ("diag", "norm"), "norm/diag": ("norm", "diag"),
           "all-norm": ("norm", "norm"), "all-diag": ("diag", "diag")}
 DILUTION = ("softmax", "linear (attention-normalised)", "all-norm", "diag/norm")
@@ -75,6 +92,10 @@ def _models(s: dict[str, Any]) -> dict[str, LMConfig]:
     configs = {label: LMConfig(vocab_size=256, d_model=s["d_model"], n_layers=L,
                                n_heads=s["n_heads"], mixer=name, mixer_options=opts)
                for label, (name, opts) in mixers.items()}
+    if "glu" in s:  # TransNormer's GLU feed-forward (its named activation; docs/maths.md 3.4)
+        names, opts = _layers("diag", "norm", L, s["block"])
+        configs[GLU] = LMConfig(vocab_size=256, d_model=s["d_model"], n_layers=L, n_heads=s["n_heads"],
+                                mixer=names, mixer_options=opts, ffn="glu", glu_activation=s["glu"])
     return lm.match_parameters(configs, REFERENCE)
 
 
@@ -86,14 +107,14 @@ def plan(quick: bool, seeds: list[int], data: str) -> Plan:
 
 @contextlib.contextmanager
 def _capture_ops(model: LanguageModel
-                 ) -> Iterator[list[tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any]]]]:
-    """Record (op, q, k, keyword arguments) of every mixing op the model's layers call inside
+                 ) -> Iterator[list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]]]:
+    """Record (op, q, k, v, keyword arguments) of every mixing op the model's layers call inside
     the block, through each layer's ``op_hook`` (``Mixer.op_hook``)."""
-    calls: list[tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+    calls: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]] = []
 
     def record(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kw: dict[str, Any]) -> None:
-        calls.append((op, q.detach(), k.detach(), kw))
+        calls.append((op, q.detach(), k.detach(), v.detach(), kw))
 
     mixers = [block.mixer for block in model.blocks]
     try:
@@ -119,7 +140,7 @@ def attention_matrices(model: LanguageModel, x: torch.Tensor) -> list[torch.Tens
     with _capture_ops(model) as calls:
         model(x)
     mats = []
-    for op, q, k, kw in calls:
+    for op, q, k, _, kw in calls:
         H = q.shape[2]
         eye = torch.eye(q.shape[1], dtype=q.dtype, device=q.device)[None, :, None, :]
         kw = {key: val for key, val in kw.items() if key not in ("initial_state", "output_final_state")}
@@ -142,6 +163,40 @@ def far_share(A: torch.Tensor, r: float) -> float:
     return float(1.0 - share[..., T // 2:].mean())
 
 
+def grad_metric(c: float) -> str:
+    return f"log10_grad_growth@c={c:g}"
+
+
+def score_gradients(model: LanguageModel, x: torch.Tensor, scales: list[float],
+                    srms: bool) -> dict[str, float]:
+    """The direct test of (b): the first layer's op is rerun on its own q, k, v (read from
+    ``model(x)``, x [B, T] ids) with the keys scaled by each c in ``scales``, so the scores q.k
+    and an attention-normalised op's denominators shrink by c; the norm of the gradient of
+    <g, out> (g fixed, random) with respect to the scaled keys, divided by its value at the
+    first scale, is the growth; ``log10_grad_growth@c`` its base-10 logarithm (decades). ``srms``: out is the op's output, heads merged, through
+    ``srms_norm`` (NormAttention's normalisation after its op, as the layer applies it); else
+    the op's output (attention-normalised linear attention divides inside the op). A gradient
+    that stays bounded as the denominators vanish keeps a growth near 1 (0 decades); the
+    paper's 1/s bound grows as 1/c. Float64."""
+    with _capture_ops(model) as calls:
+        model(x)
+    op, q, k, v, kw = calls[0]
+    kw = {key: val for key, val in kw.items() if key not in ("initial_state", "output_final_state")}
+    q, k, v = q.double(), k.double(), v.double()
+    g = torch.randn((*q.shape[:3], v.shape[-1]), generator=torch.Generator().manual_seed(0),
+                    dtype=torch.float64)
+    norms = []
+    for c in scales:
+        keys = (k * c).requires_grad_()
+        out = op(q, keys, v, **kw)
+        out = out[0] if isinstance(out, tuple) else out
+        if srms:
+            out = srms_norm(merge_heads(out))
+        (grad,) = torch.autograd.grad((out * g.reshape(out.shape)).sum(), keys)
+        norms.append(float(grad.norm()))
+    return {grad_metric(c): math.log10(n / norms[0]) for c, n in zip(scales, norms)}
+
+
 # ------------------------------------------------------------------------------- the runs
 
 
@@ -153,7 +208,8 @@ def _grad_norms(workdir: Path, column: str = "grad_norm") -> list[float]:
 
 def _metric_names(s: dict[str, Any]) -> list[str]:
     return ["loss", "ppl", "grad_norm_max", "grad_norm_mean", "mixer_grad_norm_max",
-            "mixer_grad_norm_mean", *map(far_metric, s["ratios"])]
+            "mixer_grad_norm_mean", *map(far_metric, s["ratios"]),
+            *map(grad_metric, s.get("grad_scales", [])[1:]), "trained"]
 
 
 def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
@@ -163,16 +219,21 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     model = lm.train_run(workdir, config, lm.train_config(s, spec.seed), corpus)
     if model is None:
         return lm.diverged(config, s, _metric_names(s))
-    loss = evaluate(model, corpus.val, s["seq_len"], s["eval_windows"])
-    norms = _grad_norms(workdir)
     T, n = s["seq_len"], s["dilution_windows"]
-    x = corpus.val[:n * T].long().view(n, T)
+    loss = lm.windows_loss(model, corpus.val, lm.eval_starts(corpus, T, s["eval_windows"]), T)
+    norms = _grad_norms(workdir)
+    starts = lm.eval_starts(corpus, T, n)  # n windows spread over the validation files
+    x = corpus.val[starts[:, None] + torch.arange(T)].long()
     mats = attention_matrices(model, x)
     mixer = _grad_norms(workdir, "mixer_grad_norm")  # the token mixers' gradients only
     metrics = {"loss": loss, "ppl": lm.perplexity(loss), "grad_norm_max": max(norms),
                "grad_norm_mean": sum(norms) / len(norms),
-               "mixer_grad_norm_max": max(mixer), "mixer_grad_norm_mean": sum(mixer) / len(mixer)}
+               "mixer_grad_norm_max": max(mixer), "mixer_grad_norm_mean": sum(mixer) / len(mixer),
+               "trained": lm.trained_flag(loss, corpus, s.get("stuck_fraction"))}
     metrics.update({far_metric(r): sum(far_share(A, r) for A in mats) / len(mats) for r in s["ratios"]})
+    if spec.model in GRADIENTS and s.get("grad_scales"):
+        growth = score_gradients(model, x, s["grad_scales"], GRADIENTS[spec.model])
+        metrics.update({k: v for k, v in growth.items() if k != grad_metric(s["grad_scales"][0])})
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
             "metrics": metrics}
 
@@ -182,31 +243,65 @@ def claims(p: Plan) -> list[Claim]:
     loss = "loss"
     order = ("Qin et al. 2022, the layer-order ablations (Tables 8-9): the lower layers should "
              "attend locally (DiagAttention), the upper ones globally (NormAttention)")
-    out = [Claim(f"(a) diag/norm < {other}", order, (REFERENCE, loss), (other, loss))
-           for other in ("norm/diag", "all-norm")]
-    out.append(Claim("(b) NormAttention's gradient norm max < linear attention's",
-                     "Qin et al. 2022, §3 (unbounded gradients) and its proof: the gradients of "
-                     "attention-normalised linear attention are unbounded, NormAttention's are "
-                     "bounded", ("all-norm", "mixer_grad_norm_max"),
-                     ("linear (attention-normalised)", "mixer_grad_norm_max"),
-                     unmeasured=("" if s.get("grad_norm") == "mixers" else
-                                 "this record has the whole model's gradient norm only, not the "
-                                 "attention layers'")))
+    out = [Claim(f"(a) diag/norm < {other}", order, (REFERENCE, loss), (other, loss),
+                 source=f"{NOTE}, §3 experiments: Table 8 (early stages local, later stages "
+                        "global) and Table 9 (BlockAttention early, NormAttention late)")
+           for other in ("norm/diag", "all-norm", "all-diag")]
+    scales = s.get("grad_scales", [])
+    if scales:
+        c = scales[-1]
+        out.append(Claim(f"(b) NormAttention's gradient stays bounded as the scores vanish: its growth "
+                         f"[{grad_metric(c)}] < attention-normalised linear attention's",
+                         "Qin et al. 2022, §3 (unbounded gradients) and its proof: the gradients of "
+                         "attention-normalised linear attention grow as 1/s_ik when the scores (its "
+                         "denominators) approach 0, NormAttention's are bounded",
+                         ("all-norm", grad_metric(c)), ("linear (attention-normalised)", grad_metric(c)),
+                         paired=False, margin_abs=1.0,  # one decade
+                         source=f"{NOTE}, §1.1 (unbounded gradients: |dp/ds| <= 1/(4|s|)) and §2.1 "
+                                "(NormAttention, bounded: proof in the appendix)"))
+    else:  # the first records had only training gradient norms
+        out.append(Claim("(b) NormAttention's gradient norm max < linear attention's",
+                         "Qin et al. 2022, §3 (unbounded gradients) and its proof",
+                         ("all-norm", "mixer_grad_norm_max"),
+                         ("linear (attention-normalised)", "mixer_grad_norm_max"),
+                         unmeasured="a training run's largest parameter-gradient norm does not "
+                                    "test the bound (issue 35); this record has no direct test",
+                         source=f"{NOTE}, §1.1 and §2.1"))
     r = far_metric(s["ratios"][len(s["ratios"]) // 2])
     out.append(Claim(f"(c) dilution: softmax [{r}] < linear attention",
                      "Qin et al. 2022, §3 (attention dilution) and its locality figure l(i, r, N): "
                      "linear attention spreads its weight over distant tokens, where vanilla "
                      "softmax attention concentrates on neighbours",
-                     ("softmax", r), ("linear (attention-normalised)", r)))
+                     ("softmax", r), ("linear (attention-normalised)", r),
+                     source=f"{NOTE}, §1.2 (attention dilution, l(i, r, N) figure)"))
+    out.append(Claim("(e) GLU feed-forward < plain feed-forward (diag/norm)",
+                     "Qin et al. 2022, Table 10: the GLU feed-forward works better than the plain FFN",
+                     (GLU, loss), (REFERENCE, loss), source=f"{NOTE}, §3 experiments (Table 10)"))
+    out.append(Claim("(f) TransNormer < attention-normalised linear attention",
+                     "Qin et al. 2022: NormAttention and DiagAttention remove the two causes of "
+                     "linear transformers' gap (unbounded gradients, attention dilution)",
+                     (REFERENCE, loss), ("linear (attention-normalised)", loss),
+                     source=f"{NOTE}, introduction and §2 (the gap and its two causes); the "
+                            "WikiText-103 numbers: docs/maths.md 3.7 [unverified]"))
+    out.append(Claim("(f) TransNormer no worse than softmax attention",
+                     "Qin et al. 2022: with the two fixes the linear model closes the gap to the "
+                     "vanilla (softmax) Transformer (T1/T2 within ~1 ppl on WikiText-103)",
+                     (REFERENCE, loss), ("softmax", loss), "not_worse",
+                     source=f"{NOTE}, introduction (the gap to the standard transformer that "
+                            "TransNormer addresses); within ~1 ppl: docs/maths.md 3.7 [unverified]"))
     out += [
-        Claim(f"(a) reference: diag/norm vs all-diag (no global layer) [{loss}]", "control: not a "
-              "comparison our notes of the paper's tables make", (REFERENCE, loss), ("all-diag", loss),
-              control=True),
         Claim(f"(c) NormAttention alone: all-norm [{r}] < linear attention", "control: the "
               "diag/norm model's low far share is partly built in (its Diag layers have no mass "
               "beyond their block); all-Norm has no Diag layer", ("all-norm", r),
               ("linear (attention-normalised)", r), control=True),
     ]
+    if scales:
+        c = scales[-1]
+        out.append(Claim(f"(b) linear attention's gradient grows as its denominators vanish: growth "
+                         f"at c = {c:g} > at c = {scales[1]:g} (by more than a decade)",
+                         "control: the unbounded case the test drives the inputs to is reached", ("linear (attention-normalised)", grad_metric(c)),
+                         ("linear (attention-normalised)", grad_metric(scales[1])), "degrades",
+                         paired=True, margin_abs=1.0, control=True))
     return out
 
 
@@ -267,14 +362,26 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     return [
         lm.setup_note(s, rows, REFERENCE),
+        lm.eval_note(s),
+        lm.trained_note(s),
         (f"TransNormer layers: the library's T2 defaults (NormAttention with 1+ELU and LRPE, "
          f"DiagAttention with softmax and block-local LRPE, block w = {s['block']} unless swept); "
          f"the lower half of the {s['n_layers']} layers is the first name of `lower/upper`. The "
-         "LM's feed-forward is the library's block, not TransNormer's GLU."),
-        ("(b) mixer_grad_norm is the gradient norm of the token mixers' parameters (every "
-         "layer's attention) before clipping (clip 1.0), from every training step; grad_norm is "
-         "the whole model's, which the first record used; the attention-normalised model is the "
-         "`linear` mixer (phi = ELU+1, o = phi(q)S / (phi(q).z + eps), no LRPE), every layer."),
+         "LM's feed-forward is the library's block (Linear-GELU-Linear) except in "
+         f"`{GLU}` (TransNormer's GLU, activation {s.get('glu', 'silu')}; docs/maths.md 3.4: the published "
+         "code fell back to identity), whose width is matched like every other model's."),
+        ("(b) The direct test (`transnormer.score_gradients`): on each trained model's first "
+         f"layer, its q, k, v of {s['dilution_windows']} validation windows, the keys scaled by c "
+         f"in {s.get('grad_scales')} (the scores q.k and the linear op's denominators shrink by c), "
+         "the gradient of <g, output> with respect to the scaled keys (g fixed, random; "
+         "NormAttention's output = SRMSNorm of its op's merged heads, as the layer computes it; "
+         "linear attention's = its normalised op), as log10 of its growth over c = 1: 0 for a "
+         "bounded gradient, -log10 c for one that grows as 1/c. The eps of each normaliser "
+         "(SRMSNorm 1e-8 on the RMS, linear attention 1e-6 on the denominator) caps the growth "
+         "only at far smaller c. mixer_grad_norm (the token mixers' parameters' gradient norm "
+         "before clipping, every training step; grad_norm: the whole model's) is data only: "
+         "a training run's largest gradient does not test the bound. The attention-normalised "
+         "model is the `linear` mixer (phi = ELU+1, o = phi(q)S / (phi(q).z + eps), no LRPE)."),
         (f"(c) The mixing matrix of each layer is read by rerunning the layer's own op on its q, k "
          f"with identity values; far_share@r = 1 - l(i, r, N) = the share of |A_ij| (j <= i) "
          f"further back than r*N positions (N = {s['seq_len']}), averaged over the queries of the "

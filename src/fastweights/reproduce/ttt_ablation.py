@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from ..models import LMConfig
-from ..train.trainer import evaluate
 from . import lm
 from .common import (
     Claim,
@@ -38,9 +37,10 @@ from .common import (
 from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 300, "lr": 2e-3, "eval_windows": 64, "sweep": [1, 4, 16, 64]}
+           "steps": 300, "lr": 2e-3, "eval_windows": 256, "stuck_fraction": 0.95, "sweep": [1, 4, 16, 64]}
+NOTE = "001-ttt.txt"  # the seed note on the paper (the notes the project was written from)
 QUICK = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "eval_windows": 3, "sweep": [1, 4, 16]}
+         "steps": 3, "lr": 2e-3, "eval_windows": 3, "stuck_fraction": None, "sweep": [1, 4, 16]}
 
 WALK = ("0 linear attention", "1 + LN & residual", "2 + mini-batch b=16",
         "3 + learnable eta", "4 + Mamba backbone")
@@ -78,12 +78,14 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     model = lm.train_run(workdir, config, lm.train_config(s, spec.seed), corpus)
     if model is None:
         return lm.diverged(config, s, ["loss", "ppl", "ms_per_step"])
-    loss = evaluate(model, corpus.val, s["seq_len"], s["eval_windows"])
+    T = s["seq_len"]
+    loss = lm.windows_loss(model, corpus.val, lm.eval_starts(corpus, T, s["eval_windows"]), T)
     # The wall time of training alone: the trainer's own clock, from metrics.csv.
     seconds = _train_seconds(workdir)
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
             "metrics": {"loss": loss, "ppl": lm.perplexity(loss),
-                        "ms_per_step": 1000 * seconds / s["steps"]}}
+                        "ms_per_step": 1000 * seconds / s["steps"],
+                        "trained": lm.trained_flag(loss, corpus, s.get("stuck_fraction"))}}
 
 
 def _train_seconds(workdir: Path) -> float:
@@ -108,12 +110,17 @@ def claims(p: Plan) -> list[Claim]:
              ("mini-batch TTT, b = 16", "15.9 -> 12.3 together with LN and residual"),
              ("a learnable inner learning rate", "~12.3 -> ~12.0"),
              ("the Mamba backbone", "~12.0 -> ~11.1")]
+    walk_source = f"docs/maths.md 2.9 [unverified]: the seed note {NOTE} has no ablation table"
+    sweep_source = (f"{NOTE}, mini-batch TTT (小批量的TTT并行计算): b trades speed for quality "
+                    "(its figure; b = 16 chosen)")
     out = [Claim(f"walk: {WALK[i + 1]} < {WALK[i]}", table.format(what=what, ppl=ppl),
-                 (WALK[i + 1], "loss"), (WALK[i], "loss")) for i, (what, ppl) in enumerate(steps)]
+                 (WALK[i + 1], "loss"), (WALK[i], "loss"), source=walk_source)
+           for i, (what, ppl) in enumerate(steps)]
     sweep = sorted(p.settings["sweep"])
     out += [Claim(f"b sweep: b={a} < b={b}", "Sun et al. 2024, §2.4 (mini-batch TTT) and its "
                   "mini-batch size figure: a smaller inner mini-batch b gives lower perplexity, at "
-                  "more time per token", (sweep_label(a), "loss"), (sweep_label(b), "loss"))
+                  "more time per token", (sweep_label(a), "loss"), (sweep_label(b), "loss"),
+                  source=sweep_source)
             for a, b in itertools.pairwise(sweep)]
     out.append(Claim(f"b sweep: b={sweep[-1]} is faster than b={sweep[0]}",
                      "Sun et al. 2024, §2.4: a smaller b means more sequential inner steps, so "
@@ -121,12 +128,12 @@ def claims(p: Plan) -> list[Claim]:
                      (sweep_label(sweep[0]), "ms_per_step"),
                      unmeasured="ms_per_step is each run's own training clock on a shared CPU "
                                 "whose load changed between runs; the record says the times are "
-                                "not comparable across runs"))
+                                "not comparable across runs", source=sweep_source))
     return out
 
 
 def metrics(p: Plan) -> list[str]:
-    return ["loss", "ppl", "ms_per_step"]
+    return ["loss", "ppl", "ms_per_step", "trained"]
 
 
 def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
@@ -158,10 +165,12 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     s = p.settings
     return [
         lm.setup_note(s, rows, WALK[0]),
-        ("Step 0 is the TTT layer in its linear-attention configuration (docs/maths.md 2.8: batch "
-        f"GD over the whole window, b = seq_len = {s['seq_len']}, no LN/residual, fixed eta); it "
-        "keeps the layer's learned initial weights and token scales. The paper's numbers are "
-        "word-level perplexities of 125M models on the Pile: only directions are comparable."),
+        lm.eval_note(s),
+        lm.trained_note(s),
+        ("Step 0 is the TTT layer in its linear-attention configuration (docs/maths.md 2.8: batch GD over "
+        f"the whole window, b = seq_len = {s['seq_len']}, no LN/residual, fixed eta); it keeps "
+        "the layer's learned initial weights and token scales. The paper's numbers are word-level "
+        "perplexities of 125M models on the Pile: only directions are comparable."),
         ("ms_per_step is the trainer's own clock (training only) on a shared CPU: compare within "
         "one run of this experiment only."),
     ]

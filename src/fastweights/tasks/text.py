@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,22 +195,65 @@ def packed_windows(data: torch.Tensor, doc_starts: torch.Tensor, batch_size: int
 
 
 def stream_shard_len(data: torch.Tensor, batch_size: int) -> int:
-    """Bytes of each row's stream in carried-state training: ``data`` cut into ``batch_size``
-    contiguous shards of this length (the remainder at the end is not read)."""
+    """Bytes of each row's share of ``data`` when it is cut into ``batch_size`` equal parts (the
+    remainder at the end is not counted): ``TrainConfig.carry_state`` asks for at least one
+    window in it."""
     return data.numel() // batch_size
 
 
-def stream_windows(data: torch.Tensor, batch_size: int, seq_len: int,
-                   position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Carried-state training batches: row r reads shard r of ``data`` (``stream_shard_len``
-    bytes from r times that length) at offset ``position``, so consecutive positions
-    (``position + seq_len``, ...) give consecutive windows of one long stream per row. Inputs
-    [N, T] and next-byte targets [N, T] (long); ``position + seq_len + 1`` must fit in a shard."""
-    shard = stream_shard_len(data, batch_size)
-    if not 0 <= position <= shard - seq_len - 1:
-        raise ValueError(f"position must be in [0, {shard - seq_len - 1}] (shards of {shard} "
-                         f"bytes, windows of seq_len + 1 = {seq_len + 1}), got {position}")
-    return _windows(data, torch.arange(batch_size) * shard + position, seq_len)
+def segment_windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int,
+                    window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Carried-state training batches: row r reads its stream segment from ``starts[r]``; window
+    ``window`` of it covers bytes ``starts[r] + window * seq_len`` onward, so windows 0, 1, ...
+    are consecutive pieces of one stream per row. Inputs [N, T] and next-byte targets [N, T]
+    (long); every row's window and its next byte must lie inside ``data``."""
+    offsets = starts.long() + window * seq_len
+    if starts.dim() != 1 or window < 0 or bool((offsets < 0).any()) or \
+            bool((offsets > data.numel() - seq_len - 1).any()):
+        raise ValueError(f"window {window} of the segments starting at {starts.tolist()} does not "
+                         f"fit in the {data.numel()} {_unit(data)} of data (windows of seq_len + 1 "
+                         f"= {seq_len + 1})")
+    return _windows(data, offsets, seq_len)
+
+
+def spread_starts(doc_starts: torch.Tensor, total: int, length: int, n: int) -> torch.Tensor:
+    """Start offsets [n] of ``n`` stretches of ``length`` items spread over every document of a
+    stream of ``total`` items whose documents begin at ``doc_starts`` (documents joined by one
+    separator): each document that holds a stretch gets at least one (when ``n`` allows) and the
+    rest in proportion to its size, evenly spaced inside it, every stretch within its document.
+    Deterministic; in stream order. ValueError when no document holds ``length`` items or
+    ``n`` stretches do not fit."""
+    bounds = [*doc_starts.tolist(), total + 1]
+    docs = [(a, b - 1 - a) for a, b in itertools.pairwise(bounds) if b - 1 - a >= length]
+    if not docs:
+        raise ValueError(f"no document holds {length} items")
+    room = [size // length for _, size in docs]  # non-overlapping stretches each can take
+    if n > sum(room):
+        raise ValueError(f"{n} stretches of {length} items do not fit in the documents "
+                         f"({sum(room)} fit)")
+    if n < len(docs):  # fewer stretches than documents: every k-th document, evenly
+        picked = [docs[round(i * (len(docs) - 1) / max(1, n - 1))] for i in range(n)] if n > 1 \
+            else [docs[len(docs) // 2]]
+        return torch.tensor([a + (size - length) // 2 for a, size in picked], dtype=torch.long)
+    counts = [1] * len(docs)
+    sizes = [size for _, size in docs]
+    while sum(counts) < n:  # the next stretch to the document with the most items per stretch
+        i = max((i for i in range(len(docs)) if counts[i] < room[i]),
+                key=lambda i: sizes[i] / (counts[i] + 1))
+        counts[i] += 1
+    out = []
+    for (a, size), k in zip(docs, counts):
+        gap = (size - k * length) / k  # free items per stretch, spread around each
+        out += [a + int(gap / 2 + i * (length + gap)) for i in range(k)]
+    return torch.tensor(out, dtype=torch.long)
+
+
+def spread_windows(data: torch.Tensor, doc_starts: torch.Tensor, seq_len: int,
+                   n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` evaluation windows spread over every document of ``data`` (``spread_starts`` with
+    stretches of seq_len + 1): inputs [n, T] and next-byte targets [n, T] (long). Unlike
+    ``eval_windows`` (the start of the split) they sample every validation file."""
+    return _windows(data, spread_starts(doc_starts, data.numel(), seq_len + 1, n), seq_len)
 
 
 def eval_windows(data: torch.Tensor, seq_len: int, max_windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
