@@ -46,7 +46,7 @@ ALIGNED_DTYPES = ("bfloat16", "float32")
 # Relative compile cost by kernel family (measured, float32 about twice half), for the order.
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
-        "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3}
+        "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "linear_decode": 0.5}
 # TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
 # (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
 # The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
@@ -144,8 +144,9 @@ def signatures(kernels, dtype: str, arch: int):
 
 
 def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
-    """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py) on small CPU tensors
-    (kernels replaced by recorders): b = 16, T = b + 3, the flags of ``TTT_FLAGS[flags]``."""
+    """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py), TTT-MLP's forward
+    and two TTT-Linear decoding steps (ops/ttt/triton_decode.py) on small CPU tensors (kernels
+    replaced by recorders): b = 16, T = b + 3, the flags of ``TTT_FLAGS[flags]``."""
     import torch
 
     bias, ln, ln_bias, residual = TTT_FLAGS[flags]
@@ -168,6 +169,17 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
              f(B, H, D) if bias else None)
     kernels.ttt_mlp_triton(q, q, q, f(B, T, H), Carry(start, None, 0), f(H, D) if ln else None,
                            f(H, D) if ln_bias else None, residual, torch.ones(H, b))
+    # The TTT-Linear decoding step (ops/ttt/triton_decode.py): a step inside a mini-batch and
+    # one that completes it
+    from fastweights.ops.ttt import triton_decode
+    from fastweights.ops.ttt.decode import DecodeCarry
+
+    for pos in (1, b - 1):
+        rows = (f(B, H, pos, D), f(B, H, pos, D))
+        carry = DecodeCarry((f(B, H, D, D), f(B, H, D) if bias else None), None, rows, pos, 0)
+        triton_decode.ttt_linear_decode_triton(
+            q[:, :1], q[:, :1], q[:, :1], f(B, 1, H, dtype=dtype), carry,
+            f(H, D) if ln else None, f(H, D) if ln_bias else None, residual, torch.ones(H, b))
 
 
 def ttt_signatures(kernels, case: tuple, arch: int):
@@ -175,20 +187,26 @@ def ttt_signatures(kernels, case: tuple, arch: int):
     of one case of TTT_CASES on sm_``arch``, recorded from the host code."""
     import torch
 
+    from fastweights.ops.ttt import triton_decode
+
     dtype, D, flags, _ = case
     out: list = []
-    names = [n for n in vars(kernels) if n.startswith("_") and n.endswith("_kernel")]
-    saved = {n: getattr(kernels, n) for n in names}
-    saved_arch = kernels._arch
+    modules = (kernels, triton_decode)
+    names = [(m, n) for m in modules for n in vars(m)
+             if n.startswith("_") and n.endswith("_kernel")]
+    saved = {(m, n): getattr(m, n) for m, n in names}
+    saved_arch = [m._arch for m in modules]
     try:
-        for n in names:
-            setattr(kernels, n, _Recorder(saved[n], out))
-        kernels._arch = lambda device: arch
+        for m, n in names:
+            setattr(m, n, _Recorder(saved[m, n], out))
+        for m in modules:
+            m._arch = lambda device: arch
         _run_ttt_host(kernels, getattr(torch, dtype), D, flags)
     finally:
-        for n in names:
-            setattr(kernels, n, saved[n])
-        kernels._arch = saved_arch
+        for m, n in names:
+            setattr(m, n, saved[m, n])
+        for m, a in zip(modules, saved_arch):
+            m._arch = a
     seen, unique = set(), []
     for fn, sig, const, warps, stages in out:
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps, stages)
@@ -197,6 +215,8 @@ def ttt_signatures(kernels, case: tuple, arch: int):
             name = fn.__name__.strip("_").removesuffix("_kernel")
             if const.get("TAIL"):
                 name += "[TAIL]"
+            if const.get("COMMIT"):
+                name += "[COMMIT]"
             unique.append((fn, name, sig, const, warps, stages))
     return unique
 

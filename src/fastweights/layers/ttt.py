@@ -88,9 +88,10 @@ class _TTTLayer(RotaryFrequencies, Mixer):
       convolutions (kernel 4, with bias) giving XQ and XK, and a GELU (tanh) output gate
       gelu(x W_g) after the post-LayerNorm (docs/maths.md 2.1, 2.5).
     - ``mode``: the ops' "dual" (default), "primal" or "naive".
-    - ``backend``: the ops' ``backend=`` for calls of more than one token: None (default,
-      the automatic choice: the Triton kernels of the dual form where they can run the call,
-      ops/backend.py), "triton" or "torch".
+    - ``backend``: the ops' ``backend=``, and the decoding step's (``ttt_decode_step``, one
+      token): None (default, the automatic choice: the Triton kernels of the dual form, and
+      TTT-Linear's fused decoding step, where they can run the call, ops/backend.py), "triton"
+      or "torch".
 
     State: ``(pos, conv_cache, inner)``: pos (int) the position inside the current mini-batch,
     conv_cache [B, 3, H * D] the last three shared Q/K projections (Mamba backbone, else None),
@@ -299,7 +300,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             # completes (ops/ttt/decode.py); the state stays a DecodeCarry while decoding.
             o, inner = ttt_decode_step(
                 self.kind, q, k, v, eta, state=self._learned() if inners[0] is None else inners[0],
-                residual=self.residual, mini_batch_size=b, token_scale=tau, **norm)
+                residual=self.residual, mini_batch_size=b, token_scale=tau, backend=self.backend,
+                **norm)
         else:
             starts = [to_op_state(s, tau) if isinstance(s, DecodeCarry) else s for s in inners]
             if all(s is None for s in starts):
@@ -349,7 +351,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             self.kind, qk[:, :, :H], qk[:, :, H:], v, self._inner_lr(x),
             state=state.inner, ln_weight=self.ln_weight if self.inner_norm else None,
             ln_bias=self.ln_bias if self.inner_norm else None, residual=self.residual,
-            mini_batch_size=b, token_scale=tau, token_scale_values=values)
+            mini_batch_size=b, token_scale=tau, token_scale_values=values, backend=self.backend)
         return self.out(self.post_norm(merge_heads(o))), TTTLayerState((state.pos + 1) % b, None,
                                                                        inner)
 

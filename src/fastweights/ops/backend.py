@@ -29,9 +29,10 @@ so the caller's graph and gradients are untouched): if the trial raises, the bac
 for that key from then on, the reason is logged once at WARNING, and the next backend is tried.
 The trial's cost is that of one short call; fla's first-call autotuning, which a trial triggers,
 would have happened in the call itself. An explicit choice is not tried: its refusal raises.
-The automatic choice keeps a one-token call (decoding, T = 1) on torch's step. Packed batches
-(cu_seqlens) go to fla whole, with fla's own cu_seqlens; triton and torch run them one document
-at a time (ops/_varlen.py).
+The automatic choice keeps a one-token call (decoding, T = 1) on torch's step, unless the op
+is a one-token step with a kernel of its own (``Kernel.one_token``: the TTT layers' decoding
+step). Packed batches (cu_seqlens) go to fla whole, with fla's own cu_seqlens; triton and
+torch run them one document at a time (ops/_varlen.py).
 """
 
 from __future__ import annotations
@@ -65,13 +66,16 @@ class Kernel:
     (its ``chunk_size`` called ``chunk_name`` there), the input ``dtypes`` it takes (``refused``
     says why not the others), and for Triton the module of the kernels (``kernels``, loaded on
     first use, None where triton is missing; its ``supports(op, dtype)`` says which dtypes
-    have a tiling that compiles without register spills)."""
+    have a tiling that compiles without register spills). ``one_token``: a kernel of a
+    one-token step (decoding), which the automatic choice takes for one-token calls (it keeps
+    those of the other ops on torch)."""
 
     mode: str = "chunk"
     chunk_name: str = "chunk_size"
     dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES
     refused: str = ""
     kernels: Callable[[], ModuleType | None] | None = None
+    one_token: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,8 +278,9 @@ def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
             raise ValueError(f"{source}={backend!r} cannot run {op}: {why}")
         return backend
     kernels = _REGISTRY[op].kernels.values() if op in _REGISTRY else ()
-    if all(mode != k.mode for k in kernels) or q.shape[1] == 1:
-        return "torch"  # the oracle / recurrent forms, and one-token decoding steps
+    if all(mode != k.mode for k in kernels) or (
+            q.shape[1] == 1 and not any(k.one_token for k in kernels)):
+        return "torch"  # the oracle / recurrent forms, and one-token steps without a kernel
     reasons = []
     for name in ("fla", "triton"):
         why = _why_not(name, op, q, mode, chunk_size)

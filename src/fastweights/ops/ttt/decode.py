@@ -35,7 +35,9 @@ import torch.nn.functional as F
 
 from ..._checks import state_dtype
 from .._autocast import float32_compute
+from ..backend import Kernel, Trial, register
 from .common import LN_EPS, Carry, Weights, to_dtype
+from .kernels import decode_kernels, head_size_refusal, triton_chosen
 from .step import _loss_grad, _norm
 
 Rows = tuple[torch.Tensor, ...]  # per inner layer (X [B, H, r, Din], EG [B, H, r, Dout])
@@ -461,12 +463,55 @@ def layer_state_after(
     return DecodeCarry(start, before.prior if steps else None, rows, pos, steps)
 
 
+# The decoding step's Triton kernel (ops/ttt/triton_decode.py, TTT-Linear): a one-token step,
+# taken by the automatic choice for one-token calls; TTT-MLP has none.
+register("ttt_decode_linear", triton=Kernel(mode="step", chunk_name="mini_batch_size",
+                                            kernels=decode_kernels, one_token=True))
+
+
+def _kernel_runs(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 eta: torch.Tensor, carry: DecodeCarry, backend: str | None,
+                 options: dict[str, Any]) -> bool:
+    """Whether this step runs in the decoding kernel (ops/ttt/triton_decode.py): the
+    dispatcher's choice for the op "ttt_decode_<kind>" (CUDA, half-precision q, k, v, Dk <= 128,
+    mini-batch <= 64), unless the kernel cannot take the step: head sizes the TTT kernels do
+    not take (ops/ttt/kernels.py), per-row places, prior sums, weights not in float32, or
+    gradients being recorded (it has no backward). Those stay on the PyTorch step; an explicit
+    backend="triton" is then a ValueError saying why. ``options``: the step's other keyword
+    arguments (state aside), for the automatic choice's trial step."""
+    tensors = (q, k, v, eta, options["ln_weight"], options["ln_bias"], options["token_scale"],
+               *carry.start, *carry.rows, *(carry.prior or ()))
+    why = head_size_refusal(q.shape[-1], v.shape[-1])
+    if why is not None:
+        pass  # the head sizes say it
+    elif isinstance(carry.pos, torch.Tensor):
+        why = "a state with per-row places in the mini-batch (a long tensor pos)"
+    elif carry.prior is not None:
+        why = ("a state that continues an op state inside a mini-batch (its gradient sums, "
+               "until that mini-batch completes)")
+    elif carry.start[0].dtype != torch.float32:
+        why = f"{carry.start[0].dtype} inner weights (the kernel keeps them in float32)"
+    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+        why = ("the decoding kernel has no backward pass (gradients are being recorded); "
+               "without gradients (torch.no_grad) it runs")
+
+    def trial() -> Trial:
+        def step(q, k, v, eta, *, backend, output_final_state, **kw):
+            del output_final_state  # Trial asks every op for it; a step always returns it
+            return ttt_decode_step(kind, q, k, v, eta, backend=backend, **kw)
+
+        return Trial(step, (q, k, v, eta), state=carry, **options)
+
+    return triton_chosen(f"ttt_decode_{kind}", q, backend, "step", options["mini_batch_size"],
+                         why, trial)
+
+
 @float32_compute
 def ttt_decode_step(
     kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, *,
     state: Any, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
     mini_batch_size: int, token_scale: torch.Tensor | None,
-    token_scale_values: Sequence[float] | None = None,
+    token_scale_values: Sequence[float] | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, DecodeCarry]:
     """One decoding step of TTT-Linear (``kind`` "linear") or TTT-MLP ("mlp") for the layers.
 
@@ -478,6 +523,11 @@ def ttt_decode_step(
     decoding without gradients may pass (the TTT layers keep them): tau_i then scales the
     products as a number instead of a tensor (ignored with gradients recorded, while tracing,
     and for per-row places).
+    backend: "triton" (the fused step of ops/ttt/triton_decode.py: TTT-Linear, CUDA, float16 or
+    bfloat16 q, k, v, head sizes multiples of 16 up to 128, mini_batch_size <= 64, one place
+    for every row and no op state's gradient sums, no gradients recorded), "torch", or None
+    (the automatic choice: the kernel where it can run the step). An explicit choice that
+    cannot run the step is a ValueError saying why.
     The caller (a TTT layer) has checked the shapes; an op state is checked by ``Carry.check``.
     """
     B, T, H, Dk = q.shape
@@ -486,6 +536,12 @@ def ttt_decode_step(
         raise ValueError(f"ttt_decode_step takes one token (q of shape [B, 1, H, D]), got T={T}")
     b = mini_batch_size
     carry = decode_carry(state, kind, B, H, Dk, Dv, b, q)
+    options = {"ln_weight": ln_weight, "ln_bias": ln_bias, "residual": residual,
+               "mini_batch_size": b, "token_scale": token_scale}
+    if _kernel_runs(kind, q, k, v, eta, carry, backend, options):
+        tau = q.new_ones(b, dtype=torch.float32) if token_scale is None else token_scale
+        return decode_kernels().ttt_linear_decode_triton(q, k, v, eta, carry, ln_weight,
+                                                         ln_bias, residual, tau)
     cdtype = state_dtype(q.dtype)
 
     def cast(x: torch.Tensor | None) -> torch.Tensor | None:

@@ -7,7 +7,6 @@ Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mi
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,10 +26,10 @@ from .._autocast import float32_compute
 from .._modes import TTT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import check_cu_seqlens, run_packed
-from ..backend import ENV, Kernel, Trial, choose_backend, register
+from ..backend import Kernel, Trial, register
 from .chunk import ttt_linear_dual, ttt_mlp_dual
 from .common import Carry, to_dtype
-from .kernels import triton_kernels
+from .kernels import head_size_refusal, triton_chosen, triton_kernels
 from .naive import linear_f_res, mlp_f_res, ttt_naive
 from .primal import ttt_linear_primal, ttt_mlp_primal
 from .step import ttt_linear_step, ttt_mlp_step
@@ -171,39 +170,22 @@ def _triton_runs(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     trial call (ops/backend.py ``Trial``) starts from the carry's start weights, detached;
     ``options``: the op's other keyword arguments (LayerNorm, residual, mini-batch size, token
     scales)."""
-    kernels = triton_kernels()
-    why = None
-    if kernels is not None:
-        Dk, Dv = q.shape[-1], v.shape[-1]
-        if Dv > kernels.MAX_D:
-            why = f"Dv={Dv}: the Triton kernels take Dv <= {kernels.MAX_D}"
-        elif Dk % kernels.HEAD_MULTIPLE or Dv % kernels.HEAD_MULTIPLE:
-            why = (f"Dk={Dk}, Dv={Dv}: the TTT Triton kernels take head sizes that are "
-                   f"multiples of {kernels.HEAD_MULTIPLE} (the compiled, spill-free "
-                   "specialisations)")
-        elif isinstance(carry.pos, torch.Tensor):
-            why = "a state with per-row places in the mini-batch (a long tensor pos)"
-        elif kind == "mlp" and records_grad:
-            why = ("the TTT-MLP kernels have no backward pass (gradients are being recorded); "
-                   "without gradients (torch.no_grad) they run")
-    explicit = backend is not None or bool(os.environ.get(ENV))
-    if why is not None and not explicit:
-        return False
-    trial = None
-    if not explicit:
+    why = head_size_refusal(q.shape[-1], v.shape[-1])
+    if why is None and isinstance(carry.pos, torch.Tensor):
+        why = "a state with per-row places in the mini-batch (a long tensor pos)"
+    elif why is None and kind == "mlp" and records_grad:
+        why = ("the TTT-MLP kernels have no backward pass (gradients are being recorded); "
+               "without gradients (torch.no_grad) they run")
+
+    def trial() -> Trial:
         def detached(x: Any) -> Any:
             return x.detach() if isinstance(x, torch.Tensor) else x
 
-        trial = Trial(ttt_linear if kind == "linear" else ttt_mlp, (q, k, v, eta),
-                      initial_state=tuple(detached(w) for w in carry.start),
-                      **{n: detached(x) for n, x in options.items()})
-    if choose_backend(f"ttt_{kind}", q, backend, mode, options["mini_batch_size"],
-                      trial) != "triton":
-        return False
-    if why is not None:
-        source = "backend" if backend is not None else ENV
-        raise ValueError(f"{source}='triton' cannot run ttt_{kind}: {why}")
-    return True
+        return Trial(ttt_linear if kind == "linear" else ttt_mlp, (q, k, v, eta),
+                     initial_state=tuple(detached(w) for w in carry.start),
+                     **{n: detached(x) for n, x in options.items()})
+
+    return triton_chosen(f"ttt_{kind}", q, backend, mode, options["mini_batch_size"], why, trial)
 
 
 @float32_compute
