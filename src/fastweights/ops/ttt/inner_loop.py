@@ -27,15 +27,15 @@ from .._autocast import float32_compute
 from .._modes import TTT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import check_cu_seqlens, run_packed
-from ..backend import ENV, Kernel, Trial, choose_backend, register
+from ..backend import ENV, Kernel, Trial, choose_backend, optional_module, register
 from .chunk import ttt_linear_dual, ttt_mlp_dual
 from .common import Carry, to_dtype
-from .kernels import triton_kernels
 from .naive import linear_f_res, mlp_f_res, ttt_naive
 from .primal import ttt_linear_primal, ttt_mlp_primal
 from .step import ttt_linear_step, ttt_mlp_step
 
 MODES = TTT_MODES
+triton_kernels = optional_module(f"{__package__}.triton")  # None without triton
 TTTState = tuple[Any, ...]  # (*weights) or (*weights, *start weights, *gradient sums, pos)
 
 # The forms, called with keywords (q, k, v, eta, carry, ln_weight, ln_bias, residual, tau).
