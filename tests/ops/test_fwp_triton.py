@@ -207,6 +207,7 @@ def test_use_triton_decision(kernels, monkeypatch, caplog):
         assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "1")
         monkeypatch.setitem(sys.modules, "fastweights.ops.linear_attn.triton", None)  # not installed
+        monkeypatch.delattr(OPS["linear_attn"], "triton", raising=False)
         assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
@@ -264,6 +265,8 @@ def test_works_without_triton(monkeypatch):
     """Without triton the kernels module is None for the dispatcher, and the package imports
     (checked in a fresh interpreter where ``import triton`` fails)."""
     monkeypatch.setitem(sys.modules, "fastweights.ops.linear_attn.triton", None)
+    # `from . import triton` reads the package's attribute first
+    monkeypatch.delattr(OPS["linear_attn"], "triton", raising=False)
     assert triton_kernels() is None
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, fastweights\n"

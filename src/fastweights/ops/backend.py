@@ -104,12 +104,13 @@ def kernel_ops(backend: str) -> list[str]:
     return [op for op, r in _REGISTRY.items() if backend in r.kernels]
 
 
-def optional_module(name: str) -> Callable[[], ModuleType | None]:
-    """The module of kernels ``name`` (an op's ``triton.py``), imported on first use, as a
-    function returning the module, or None where the import fails (triton not installed)."""
+def optional_module(load: Callable[[], ModuleType]) -> Callable[[], ModuleType | None]:
+    """``load`` (which imports a module of kernels, an op's ``triton.py``: ``from . import
+    triton``, an import statement torch.compile traces) as a function returning the module, or
+    None where the import fails (triton not installed)."""
     def module() -> ModuleType | None:
         try:
-            return importlib.import_module(name)
+            return load()
         except ImportError:
             return None
 

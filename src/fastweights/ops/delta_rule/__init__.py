@@ -10,6 +10,8 @@ Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from ..._checks import (
@@ -32,7 +34,14 @@ from .fla import fla_delta_rule
 from .naive import delta_rule_attn_norm_naive, delta_rule_naive
 from .recurrent import delta_rule_recurrent
 
-triton_kernels = optional_module(f"{__name__}.triton")  # this op's triton.py, None without triton
+
+def _triton() -> ModuleType:
+    from . import triton
+
+    return triton
+
+
+triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
 
 # fla 0.6's chunk_delta_rule refuses float32 inputs; the Triton kernels have no spill-free
 # float32 tiling for it (triton.py tile_config): torch runs them. Chunks of 32 measured

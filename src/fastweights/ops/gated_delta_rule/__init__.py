@@ -13,6 +13,8 @@ key/query dim, Dv value dim.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from ..._checks import (
@@ -37,7 +39,13 @@ from .naive import gated_delta_rule_naive
 from .recurrent import gated_delta_rule_recurrent, gated_delta_rule_step
 
 MODES = RECURRENT_MODES
-triton_kernels = optional_module(f"{__name__}.triton")  # this op's triton.py, None without triton
+def _triton() -> ModuleType:
+    from . import triton
+
+    return triton
+
+
+triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
 
 
 def check_grouped_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int]:

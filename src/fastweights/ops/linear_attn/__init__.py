@@ -8,6 +8,7 @@ Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -33,7 +34,13 @@ from .naive import linear_attn_naive
 from .recurrent import linear_attn_recurrent
 
 MODES = RECURRENT_MODES
-triton_kernels = optional_module(f"{__name__}.triton")  # this op's triton.py, None without triton
+def _triton() -> ModuleType:
+    from . import triton
+
+    return triton
+
+
+triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
 
 
 class LinearAttnState(NamedTuple):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,7 +36,16 @@ from .primal import ttt_linear_primal, ttt_mlp_primal
 from .step import ttt_linear_step, ttt_mlp_step
 
 MODES = TTT_MODES
-triton_kernels = optional_module(f"{__package__}.triton")  # None without triton
+
+
+def _triton() -> ModuleType:
+    from . import triton
+
+    return triton
+
+
+triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
+
 TTTState = tuple[Any, ...]  # (*weights) or (*weights, *start weights, *gradient sums, pos)
 
 # The forms, called with keywords (q, k, v, eta, carry, ln_weight, ln_bias, residual, tau).
