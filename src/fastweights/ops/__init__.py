@@ -1,5 +1,5 @@
 """The mathematics: pure functions on ``[B, T, H, D]`` tensors, one folder per op or family of ops
-that share their forms (docs/design.md, "Ops"), and the feature maps."""
+that share their forms (docs/design.md, "Floors"), and the feature maps."""
 
 from .aft import aft, aft_conv, aft_local
 from .delta_rule import delta_rule, delta_rule_attn_norm
