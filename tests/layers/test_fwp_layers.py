@@ -86,7 +86,7 @@ def test_bad_layer_options():
 
 
 def test_chunk_size_default_is_the_measured_one_per_device():
-    from fastweights.ops.fwp import preferred_chunk_size
+    from fastweights.ops.backend import preferred_chunk_size
 
     assert preferred_chunk_size("delta_rule", "cpu") == 32  # measured (docs/performance.md)
     assert preferred_chunk_size("linear_attn", torch.device("cpu")) == 64

@@ -286,7 +286,7 @@ def test_unit_lower_inverse_equals_the_triangular_solve(n, overwrite):
     """The blocked (I + stril(A))^-1 (16 x 16 solves merged by products; other sizes: the plain
     solve) equals torch's unitriangular solve in float64; only the strictly lower triangle is
     read, and A is left alone unless ``overwrite``."""
-    from fastweights.ops.fwp.chunk import unit_lower_inverse
+    from fastweights.ops.delta_rule.chunk import unit_lower_inverse
 
     gen = torch.Generator().manual_seed(n)
     A = 0.3 * torch.randn(4, 3, n, n, generator=gen, dtype=torch.float64)

@@ -36,8 +36,9 @@ import torch
 
 from fastweights.ops import _autocast, delta_rule, elu_plus_one, linear_attn, sum_norm
 from fastweights.ops._autocast import CPU_BF16_ENV, cpu_bf16_products, cpu_has_fast_bf16
-from fastweights.ops.fwp.chunk import delta_rule_chunk, linear_attn_chunk
-from fastweights.ops.fwp.recurrent import delta_rule_recurrent
+from fastweights.ops.delta_rule.chunk import delta_rule_chunk
+from fastweights.ops.delta_rule.recurrent import delta_rule_recurrent
+from fastweights.ops.linear_attn.chunk import linear_attn_chunk
 
 U = 2.0**-8  # bfloat16 unit roundoff
 U32 = 2.0**-24  # float32 unit roundoff
@@ -350,7 +351,7 @@ def test_gradients_flow_and_agree_loosely_with_float32(monkeypatch, op):
 
 
 def test_gated_chunk_form_takes_the_products_too():
-    """The chunked form is one for the delta rule and the gated delta rule (ops/fwp/chunk.py):
+    """The chunked form is one for the delta rule and the gated delta rule (ops/delta_rule/chunk.py):
     with gates its bfloat16 products stay within 10u (normwise) of its float32 result, output,
     state and every gradient. (gated_delta_rule itself does not opt into the path.)"""
     q, k, v, beta, S0, _ = f32(*data(2, 77, 2, 12, 10, seed=6))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastweights.ops import delta_rule_attn_norm, elu_plus_one, sum_norm
-from fastweights.ops.fwp import LinearAttnState
+from fastweights.ops.linear_attn import LinearAttnState
 from tests.helpers import assert_close64
 
 SHAPES = [(2, 37, 3, 5, 7), (1, 1, 1, 4, 4), (1, 65, 2, 6, 6)]

@@ -1,4 +1,4 @@
-"""Triton kernels of linear_attn / delta_rule / gated_delta_rule (ops/fwp/triton.py) run by the
+"""Triton kernels of linear_attn / delta_rule / gated_delta_rule (ops/*/triton.py) run by the
 Triton CPU interpreter against the naive oracles (docs/maths.md 1.3, 1.4, 5b), and the mode="chunk"
 dispatcher.
 
@@ -9,6 +9,7 @@ imports triton, and the ``kernels`` fixture checks that the kernels really are i
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import subprocess
@@ -21,11 +22,17 @@ import torch
 pytest.importorskip("triton")
 
 from fastweights.ops import backend as backends
-from fastweights.ops import delta_rule, fwp, gated_delta_rule, linear_attn, sum_norm
-from fastweights.ops.fwp import delta, linear_attention
-from fastweights.ops.fwp.gated_delta_naive import gated_delta_rule_naive
-from fastweights.ops.fwp.kernels import triton_kernels
-from fastweights.ops.fwp.naive import delta_rule_naive, linear_attn_naive
+from fastweights.ops import delta_rule, gated_delta_rule, linear_attn, sum_norm
+from fastweights.ops.delta_rule.chunk import delta_rule_chunk
+from fastweights.ops.delta_rule.naive import delta_rule_naive
+from fastweights.ops.gated_delta_rule.naive import gated_delta_rule_naive
+from fastweights.ops.linear_attn import triton_kernels
+from fastweights.ops.linear_attn.chunk import linear_attn_chunk
+from fastweights.ops.linear_attn.naive import linear_attn_naive
+
+# The ops' modules (fastweights.ops.linear_attn etc. are the op functions as attributes).
+OPS = {name: importlib.import_module(f"fastweights.ops.{name}")
+       for name in ("linear_attn", "delta_rule", "gated_delta_rule")}
 
 # (B, T, H, Dk, Dv): odd sizes; T never a multiple of the chunk; Dv 70 spans two value blocks.
 SHAPES = [(2, 37, 3, 5, 7), (1, 20, 2, 16, 16), (1, 9, 1, 7, 70)]
@@ -37,12 +44,12 @@ TOL32 = 1e-4
 def kernels():
     from triton.runtime.interpreter import InterpretedFunction
 
-    from fastweights.ops.fwp import triton as module
-
-    if not isinstance(module._state_fwd_kernel, InterpretedFunction):
+    modules = SimpleNamespace(**{name: importlib.import_module(f"fastweights.ops.{name}.triton")
+                                 for name in OPS})
+    if not isinstance(modules.delta_rule._state_fwd_kernel, InterpretedFunction):
         pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
                     "(or it is set to 0): these CPU tests need the Triton interpreter")
-    return module
+    return modules  # each op's triton.py: the module its dispatcher calls
 
 
 def inputs(B, T, H, Dk, Dv, seed=0):
@@ -68,7 +75,7 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_linear_attn_kernel_matches_naive(kernels, shape, normalize, chunk):
     q, k, v, _, S0, z0 = inputs(*shape)
     args32 = [x.float() for x in (q, k, v, S0, z0)]
-    o, S, z = kernels.linear_attn_triton(*args32, normalize, 1e-6, chunk)
+    o, S, z = kernels.linear_attn.linear_attn_triton(*args32, normalize, 1e-6, chunk)
     ref, Sr, zr = linear_attn_naive(*(x.double() for x in args32), normalize, 1e-6)
     assert o.dtype == S.dtype == z.dtype == torch.float32
     for name, got, want in (("o", o, ref), ("S", S, Sr), ("z", z, zr)):
@@ -80,7 +87,7 @@ def test_linear_attn_kernel_matches_naive(kernels, shape, normalize, chunk):
 def test_delta_rule_kernel_matches_naive(kernels, shape, chunk):
     q, k, v, beta, S0, _ = inputs(*shape)
     args32 = [x.float() for x in (q, sum_norm(k), v, beta, S0)]
-    o, S = kernels.delta_rule_triton(*args32, chunk)
+    o, S = kernels.delta_rule.delta_rule_triton(*args32, chunk)
     ref, Sr = delta_rule_naive(*(x.double() for x in args32))
     assert o.dtype == S.dtype == torch.float32
     assert max_err(o, ref) <= TOL32, f"o: {max_err(o, ref):.2e}"
@@ -96,12 +103,12 @@ def test_half_inputs_keep_float32_states(kernels, dtype):
     q, k, v, beta = (x.to(dtype) for x in (q, sum_norm(k), v, beta))
     S0, z0 = S0.float(), z0.float()
     eps = torch.finfo(dtype).eps
-    o, S, z = kernels.linear_attn_triton(q, k, v, S0, z0, True, 1e-6, 16)
+    o, S, z = kernels.linear_attn.linear_attn_triton(q, k, v, S0, z0, True, 1e-6, 16)
     ref, Sr, zr = linear_attn_naive(*(x.double() for x in (q, k, v, S0, z0)), True, 1e-6)
     assert o.dtype == dtype and S.dtype == z.dtype == torch.float32
     assert max_err(o, ref) <= eps * ref.abs().max().item()
     assert max_err(S, Sr) <= TOL32 and max_err(z, zr) <= TOL32
-    o, S = kernels.delta_rule_triton(q, k, v, beta, S0, 16)
+    o, S = kernels.delta_rule.delta_rule_triton(q, k, v, beta, S0, 16)
     ref, Sr = delta_rule_naive(*(x.double() for x in (q, k, v, beta, S0)))
     assert o.dtype == dtype and S.dtype == torch.float32
     assert max_err(o, ref) <= eps * ref.abs().max().item()
@@ -126,13 +133,13 @@ def test_gradients_match_naive(kernels, use_state):
         return total
 
     cases = [
-        (kernels.linear_attn_triton, linear_attn_naive, (q, k, v, S0, z0), (True, 1e-6)),
-        (kernels.delta_rule_triton, delta_rule_naive, (q, k, v, beta, S0), ()),
+        (kernels.linear_attn.linear_attn_triton, linear_attn_naive, (q, k, v, S0, z0), (True, 1e-6)),
+        (kernels.delta_rule.delta_rule_triton, delta_rule_naive, (q, k, v, beta, S0), ()),
     ]
     for fast, naive, tensors, extra in cases:
         x32 = [x.float().requires_grad_() for x in tensors]
         x64 = [x.detach().clone().requires_grad_() for x in tensors]
-        if fast is kernels.linear_attn_triton:
+        if fast is kernels.linear_attn.linear_attn_triton:
             loss(*fast(*x32, *extra, 16)).backward()
         else:
             loss(*fast(*x32, 16)).backward()
@@ -145,16 +152,16 @@ def test_gradients_match_naive(kernels, use_state):
 
 def test_dispatch_uses_pytorch_on_cpu(kernels, monkeypatch):
     calls = []
-    monkeypatch.setattr(linear_attention, "linear_attn_chunk",
-                        lambda **kw: calls.append("la") or fwp.chunk.linear_attn_chunk(**kw))
-    monkeypatch.setattr(delta, "delta_rule_chunk",
-                        lambda **kw: calls.append("dr") or fwp.chunk.delta_rule_chunk(**kw))
+    monkeypatch.setattr(OPS["linear_attn"], "linear_attn_chunk",
+                        lambda **kw: calls.append("la") or linear_attn_chunk(**kw))
+    monkeypatch.setattr(OPS["delta_rule"], "delta_rule_chunk",
+                        lambda **kw: calls.append("dr") or delta_rule_chunk(**kw))
 
     def forbidden(*args):
         raise AssertionError("the Triton path ran for a CPU tensor")
 
-    monkeypatch.setattr(kernels, "linear_attn_triton", forbidden)
-    monkeypatch.setattr(kernels, "delta_rule_triton", forbidden)
+    monkeypatch.setattr(kernels.linear_attn, "linear_attn_triton", forbidden)
+    monkeypatch.setattr(kernels.delta_rule, "delta_rule_triton", forbidden)
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     q, k, v, beta, _, _ = inputs(1, 9, 1, 4, 4)
     for dtype in (torch.float32, torch.bfloat16):
@@ -199,8 +206,8 @@ def test_use_triton_decision(kernels, monkeypatch, caplog):
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "0")
         assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
         monkeypatch.setenv("FASTWEIGHTS_TRITON", "1")
-        monkeypatch.setitem(sys.modules, "fastweights.ops.fwp.triton", None)  # not installed
-        monkeypatch.delattr(fwp, "triton", raising=False)
+        monkeypatch.setitem(sys.modules, "fastweights.ops.linear_attn.triton", None)  # not installed
+        monkeypatch.delattr(OPS["linear_attn"], "triton", raising=False)
         assert choose(cuda16) == "torch" and choose(cuda16) == "torch"
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
@@ -214,8 +221,9 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
     ran = []
     monkeypatch.setattr(backends, "_trials", {})
     for name in ("linear_attn_triton", "delta_rule_triton"):
-        fn = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
+        module = getattr(kernels, name.removesuffix("_triton"))
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
     monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
     monkeypatch.setattr(backends, "fla_ops", lambda: None)
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
@@ -256,13 +264,14 @@ def test_dispatcher_wiring_through_the_kernels(kernels, monkeypatch):
 def test_works_without_triton(monkeypatch):
     """Without triton the kernels module is None for the dispatcher, and the package imports
     (checked in a fresh interpreter where ``import triton`` fails)."""
-    monkeypatch.setitem(sys.modules, "fastweights.ops.fwp.triton", None)
-    monkeypatch.delattr(fwp, "triton", raising=False)  # `from . import` reads this attribute first
+    monkeypatch.setitem(sys.modules, "fastweights.ops.linear_attn.triton", None)
+    # `from . import triton` reads the package's attribute first
+    monkeypatch.delattr(OPS["linear_attn"], "triton", raising=False)
     assert triton_kernels() is None
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, fastweights\n"
-            "from fastweights.ops.fwp.kernels import triton_kernels\n"
-            "from fastweights.ops.fwp import linear_attn\n"
+            "from fastweights.ops.linear_attn import triton_kernels\n"
+            "from fastweights.ops import linear_attn\n"
             "assert triton_kernels() is None\n"
             "linear_attn(*torch.rand(3, 1, 5, 1, 4).unbind(0))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -290,10 +299,10 @@ def test_backward_kernels_match_naive(kernels, case):
         x_fast = [x.detach().clone().requires_grad_() for x in xd]
         x_ref = [x.detach().double().requires_grad_() for x in xd]
         if name == "delta":
-            o, S = kernels.delta_rule_triton(*x_fast, chunk)
+            o, S = kernels.delta_rule.delta_rule_triton(*x_fast, chunk)
             ro, rS = delta_rule_naive(*x_ref)
         else:
-            o, S, _ = kernels.linear_attn_triton(*x_fast, name == "linear_norm", 1e-6, chunk)
+            o, S, _ = kernels.linear_attn.linear_attn_triton(*x_fast, name == "linear_norm", 1e-6, chunk)
             ro, rS, _ = linear_attn_naive(*x_ref, name == "linear_norm", 1e-6)
         ((o.double() * wo).sum() + (S.double() * wS).sum()).backward()
         ((ro * wo).sum() + (rS * wS).sum()).backward()
@@ -309,10 +318,10 @@ def test_backward_kernels_match_naive(kernels, case):
 def test_kernel_limits_are_errors(kernels):
     q, k, v, beta, S0, z0 = (x.float() for x in inputs(1, 5, 1, 4, 4))
     with pytest.raises(ValueError, match=r"chunk_size must be in 1\.\.64"):
-        kernels.linear_attn_triton(q, k, v, S0, z0, False, 1e-6, 65)
+        kernels.linear_attn.linear_attn_triton(q, k, v, S0, z0, False, 1e-6, 65)
     big = torch.zeros(1, 5, 1, 129)
     with pytest.raises(ValueError, match="Dk <= 128"):
-        kernels.delta_rule_triton(big, big, v, beta, torch.zeros(1, 1, 129, 4), 16)
+        kernels.delta_rule.delta_rule_triton(big, big, v, beta, torch.zeros(1, 1, 129, 4), 16)
 
 
 @pytest.mark.parametrize("op", ["delta", "linear_norm"])
@@ -330,9 +339,9 @@ def test_two_key_blocks_match_naive(kernels, op):
     x32 = [x.float().requires_grad_() for x in base]
     x64 = [x.detach().clone().requires_grad_() for x in base]
     if op == "delta":
-        (o, S), (ro, rS) = kernels.delta_rule_triton(*x32, 8), delta_rule_naive(*x64)
+        (o, S), (ro, rS) = kernels.delta_rule.delta_rule_triton(*x32, 8), delta_rule_naive(*x64)
     else:
-        o, S, _ = kernels.linear_attn_triton(*x32, True, 1e-6, 8)
+        o, S, _ = kernels.linear_attn.linear_attn_triton(*x32, True, 1e-6, 8)
         ro, rS, _ = linear_attn_naive(*x64, True, 1e-6)
     assert max(max_err(o, ro), max_err(S, rS)) <= TOL32
     ((o.double() * wo).sum() + (S.double() * wS).sum()).backward()
@@ -371,7 +380,7 @@ def test_gated_delta_kernel_matches_naive(kernels, shape, chunk):
     a hard reset stay finite) against the float64 literal recurrence on the same float32
     inputs: output and final state to float32 accuracy."""
     args32 = [x.float() for x in gated_inputs(*shape)]
-    o, S = kernels.gated_delta_rule_triton(*args32, chunk)
+    o, S = kernels.gated_delta_rule.gated_delta_rule_triton(*args32, chunk)
     ref, Sr = gated_delta_rule_naive(*(x.double() for x in args32[:5]), S0=args32[5].double())
     assert o.dtype == S.dtype == torch.float32 and o.shape == ref.shape
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
@@ -385,7 +394,7 @@ def test_gated_delta_kernel_half_inputs_and_gradients(kernels):
     backward is the PyTorch chunked form's) equal autograd of the float64 oracle."""
     q, k, v, beta, g, S0 = gated_inputs(1, 21, 1, 2, 6, 5, seed=2)
     qh, kh, vh = (x.bfloat16() for x in (q, k, v))
-    o, S = kernels.gated_delta_rule_triton(qh, kh, vh, beta.float(), g.float(), S0.float(), 8)
+    o, S = kernels.gated_delta_rule.gated_delta_rule_triton(qh, kh, vh, beta.float(), g.float(), S0.float(), 8)
     ref, Sr = gated_delta_rule_naive(qh.double(), kh.double(), vh.double(),
                                      beta.float().double(), g.float().double(), S0.float().double())
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
@@ -397,7 +406,7 @@ def test_gated_delta_kernel_half_inputs_and_gradients(kernels):
     g = g.clamp_min(-30.0)  # finite gates: the gradient through a -inf gate is not a number
     x32 = [x.float().requires_grad_() for x in (q, k, v, beta, g, S0)]
     x64 = [x.detach().clone().requires_grad_() for x in (q, k, v, beta, g, S0)]
-    o, S = kernels.gated_delta_rule_triton(*x32, 8)
+    o, S = kernels.gated_delta_rule.gated_delta_rule_triton(*x32, 8)
     ro, rS = gated_delta_rule_naive(*x64[:5], S0=x64[5])
     ((o.double() * wo).sum() + (S.double() * wS).sum()).backward()
     ((ro * wo).sum() + (rS * wS).sum()).backward()
@@ -415,8 +424,8 @@ def test_gated_delta_dispatch_through_the_kernels(kernels, monkeypatch):
     trial call first (ops/backend.py)."""
     ran = []
     monkeypatch.setattr(backends, "_trials", {})
-    fn = kernels.gated_delta_rule_triton
-    monkeypatch.setattr(kernels, "gated_delta_rule_triton", lambda *a: ran.append(1) or fn(*a))
+    fn = kernels.gated_delta_rule.gated_delta_rule_triton
+    monkeypatch.setattr(kernels.gated_delta_rule, "gated_delta_rule_triton", lambda *a: ran.append(1) or fn(*a))
     monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
     monkeypatch.setattr(backends, "fla_ops", lambda: None)
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)

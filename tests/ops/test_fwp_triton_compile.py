@@ -1,4 +1,4 @@
-"""Every Triton kernel of ops/fwp/triton.py compiles for real GPUs, checked without one.
+"""Every Triton kernel of ops/delta_rule/triton.py compiles for real GPUs, checked without one.
 
 tests/ops/triton_aot.py records every kernel launch the host code makes (forward and backward of
 linear attention, normalised linear attention and the delta rule, and the gated delta rule's
@@ -111,7 +111,7 @@ def test_dispatched_configurations_are_the_compiled_ones(monkeypatch):
     import torch
 
     from fastweights.ops import backend
-    from fastweights.ops.fwp import triton as kernels
+    from fastweights.ops.delta_rule import triton as kernels
 
     assert backend.TRITON_MAX_DK == kernels.MAX_DK == 2 * kernels.BK
     assert set(kernels.OPS) <= set(backend.kernel_ops("triton"))

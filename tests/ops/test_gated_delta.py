@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops import decay_linear_attn, delta_rule, gated_delta_rule
-from fastweights.ops.fwp import gated_delta_rule_step
+from fastweights.ops.gated_delta_rule import gated_delta_rule_step
 from tests.helpers import assert_close64
 
 F64 = torch.float64

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from fastweights.ops import gated_delta_rule
-from fastweights.ops.fwp import gated_delta_rule_step
+from fastweights.ops.gated_delta_rule import gated_delta_rule_step
 from tests.ops.test_gated_delta import make, rel_err, state0
 
 pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")

@@ -3,6 +3,8 @@ final states and gradients as one call, pieces that end on chunk / mini-batch bo
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -99,9 +101,9 @@ def test_pieces_equal_one_call(name, monkeypatch):
         return real(run_piece, xs, state, piece, first)
 
     monkeypatch.setattr(_pieces, "in_pieces", spy)
-    for module in ("fwp.delta", "fwp.linear_attention", "fwp.gated_delta", "transnormer.decay",
+    for module in ("delta_rule", "linear_attn", "gated_delta_rule", "transnormer.decay",
                    "ttt.inner_loop"):
-        monkeypatch.setattr(f"fastweights.ops.{module}.in_pieces", spy)
+        monkeypatch.setattr(importlib.import_module(f"fastweights.ops.{module}"), "in_pieces", spy)
     per_token = B * H * D * 8
     monkeypatch.setattr(_pieces, "PIECE_BYTES", 2 * unit * per_token + 5)  # 2 units per piece
     parts, part_grads = run()

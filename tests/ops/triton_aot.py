@@ -1,5 +1,6 @@
-"""Ahead-of-time compilation of every kernel of ops/fwp/triton.py for real GPU targets, on a
-machine without a GPU (Triton's own ptxas compiles PTX to a cubin).
+"""Ahead-of-time compilation of every kernel of ops/delta_rule/triton.py (the fast-weight ops'
+kernels) for real GPU targets, on a machine without a GPU (Triton's own ptxas compiles PTX to a
+cubin).
 
 Run as a script (``python tests/ops/triton_aot.py OUT.json [--ttt | --ttt-full] [arch ...]``)
 in a process where
@@ -84,7 +85,7 @@ class _Ctx:
 
 
 def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
-    """One forward and backward of ``op`` through the host code of ops/fwp/triton.py on small
+    """One forward and backward of ``op`` through the host code of ops/*/triton.py on small
     CPU tensors, every kernel launch recorded into ``out`` instead of run."""
     import torch
 
@@ -92,10 +93,12 @@ def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
     q, k = (torch.zeros(B, T, H, Dk, dtype=dtype) for _ in range(2))
     v = torch.zeros(B, T, H, Dv, dtype=dtype)
     if op == "gated":  # one value head per key head, and grouped heads (two per key head)
+        from fastweights.ops.gated_delta_rule import triton as gated
+
         for Hv in (1, 2):
             v, gates = torch.zeros(B, T, Hv, Dv, dtype=dtype), torch.zeros(2, B, T, Hv)
             S0 = torch.zeros(B * Hv, Dk, Dv)
-            kernels._GatedDeltaTriton.forward(_Ctx(), q, k, v, *gates, S0, 4)
+            gated._GatedDeltaTriton.forward(_Ctx(), q, k, v, *gates, S0, 4)
         return
     beta = torch.zeros(B, T, H, dtype=dtype) if op == "delta" else None
     S0 = torch.zeros(B * H, Dk, Dv + (op == "linear_norm"), dtype=torch.float32)
@@ -256,7 +259,7 @@ def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
                 for case in ttt
                 for i, (_, name, *_) in enumerate(ttt_signatures(ttt_kernels, case, arch))]
         return [task for _, task in sorted(todo, key=lambda c: -c[0])]
-    from fastweights.ops.fwp import triton as kernels
+    from fastweights.ops.delta_rule import triton as kernels
 
     out = []
     for arch in archs:
@@ -287,7 +290,7 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
                "stages": stages}
         options = {"num_warps": warps, "num_stages": stages}
     else:
-        from fastweights.ops.fwp import triton as kernels
+        from fastweights.ops.delta_rule import triton as kernels
 
         arch, dtype, i, spec = task
         fn, name, sig, const, warps = signatures(kernels, dtype, arch)[i]

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from fastweights.ops.fwp import chunk as fch
-from fastweights.ops.fwp import triton as fk
+from fastweights.ops.delta_rule import chunk as dch, triton as dk
+from fastweights.ops.linear_attn import chunk as lch, triton as lk
 from fastweights.ops import linear_attn, delta_rule
 
 dev = "cuda"
@@ -44,11 +44,11 @@ if MODE in ("all", "correct"):
                     if op.startswith("linear"):
                         nz = op == "linear_norm"
                         qq, kk = (q.abs(), k.abs()) if nz else (q, k)
-                        o, S, z = fk.linear_attn_triton(qq, kk, v, S0, z0, nz, 1e-6, C)
-                        ro, rS, rz = fch.linear_attn_chunk(f32(qq), f32(kk), f32(v), S0, z0, nz, 1e-6, C)
+                        o, S, z = lk.linear_attn_triton(qq, kk, v, S0, z0, nz, 1e-6, C)
+                        ro, rS, rz = lch.linear_attn_chunk(f32(qq), f32(kk), f32(v), S0, z0, nz, 1e-6, C)
                     else:
-                        o, S = fk.delta_rule_triton(q, k, v, beta, S0, C)
-                        ro, rS = fch.delta_rule_chunk(f32(q), f32(k), f32(v), f32(beta), S0, C)
+                        o, S = dk.delta_rule_triton(q, k, v, beta, S0, C)
+                        ro, rS = dch.delta_rule_chunk(f32(q), f32(k), f32(v), f32(beta), S0, C)
                     torch.cuda.synchronize()
                     row["S_max"] = rS.abs().max().item()
                     row["o_err"] = ((o.float() - ro).abs().max() / ro.abs().max()).item()
@@ -73,12 +73,12 @@ if MODE in ("all", "correct"):
                     a = [x.detach().clone().requires_grad_() for x in base]
                     r = [x.detach().float().clone().requires_grad_() for x in base]
                     if op == "delta":
-                        o, S = fk.delta_rule_triton(a[0], a[1], a[2], a[3], a[4], C)
-                        ro, rS = fch.delta_rule_chunk(r[0], r[1], r[2], r[3], r[4], C)
+                        o, S = dk.delta_rule_triton(a[0], a[1], a[2], a[3], a[4], C)
+                        ro, rS = dch.delta_rule_chunk(r[0], r[1], r[2], r[3], r[4], C)
                         idx = (0, 1, 2, 3, 4)
                     else:
-                        o, S, z = fk.linear_attn_triton(a[0], a[1], a[2], a[4], a[5], nz, 1e-6, C)
-                        ro, rS, rz = fch.linear_attn_chunk(r[0], r[1], r[2], r[4], r[5], nz, 1e-6, C)
+                        o, S, z = lk.linear_attn_triton(a[0], a[1], a[2], a[4], a[5], nz, 1e-6, C)
+                        ro, rS, rz = lch.linear_attn_chunk(r[0], r[1], r[2], r[4], r[5], nz, 1e-6, C)
                         idx = (0, 1, 2, 4, 5) if nz else (0, 1, 2, 4)
                     ((o.float() * wo).sum() + (S * wS).sum()).backward()
                     ((ro * wo).sum() + (rS * wS).sum()).backward()

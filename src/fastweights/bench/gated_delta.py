@@ -56,7 +56,7 @@ from .._commands import (
     user_errors,
 )
 from ..ops import delta_rule, gated_delta_rule
-from ..ops.fwp import gated_delta_rule_step
+from ..ops.gated_delta_rule import gated_delta_rule_step
 from .measure import prepare_cpu_memory_accounting
 from .suite import cpu_info
 

@@ -39,7 +39,7 @@ from ..ops import (
     sum_norm,
     ttt_linear,
 )
-from ..ops.fwp import preferred_chunk_size
+from ..ops.backend import preferred_chunk_size
 from .measure import time_rounds
 
 __all__ = ["PEER_COLUMNS", "PeerRow", "run_peers"]

@@ -63,7 +63,8 @@ from torch import nn
 from .._checks import state_dtype
 from ..layers.gated_delta import l2_normalize
 from ..ops._conv import causal_depthwise_conv
-from ..ops.fwp import gated_delta_rule, gated_delta_rule_step, preferred_chunk_size
+from ..ops.backend import preferred_chunk_size
+from ..ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 
 __all__ = ["gated_delta_architectures", "is_gated_delta_layer", "use_fastweights"]
 

@@ -41,7 +41,9 @@ from torch import nn
 
 from .._checks import check_bool, check_choice, check_positive_int, is_number, state_dtype
 from ..ops._conv import causal_depthwise_conv
-from ..ops.fwp import delta_rule, elu_plus_one, preferred_chunk_size
+from ..ops.backend import preferred_chunk_size
+from ..ops.delta_rule import delta_rule
+from ..ops.feature_maps import elu_plus_one
 from .base import (
     ContextParallel,
     Mixer,

@@ -1,6 +1,7 @@
 """Fast weight programmer layers: linear attention with a choice of feature map, normalisation and
 update rule, and DeltaNet (docs/maths.md 1.1-1.4). The mathematics lives in
-``fastweights.ops.fwp``."""
+``fastweights.ops.linear_attn``, ``fastweights.ops.delta_rule`` and
+``fastweights.ops.feature_maps``."""
 
 from __future__ import annotations
 
@@ -18,17 +19,10 @@ from .._checks import (
     is_int,
     state_dtype,
 )
-from ..ops.fwp import (
-    FEATURE_MAPS,
-    MODES,
-    delta_rule,
-    delta_rule_attn_norm,
-    draw_favor_projection,
-    feature_map,
-    linear_attn,
-    preferred_chunk_size,
-    sum_norm,
-)
+from ..ops.backend import preferred_chunk_size
+from ..ops.delta_rule import delta_rule, delta_rule_attn_norm
+from ..ops.feature_maps import FEATURE_MAPS, draw_favor_projection, feature_map, sum_norm
+from ..ops.linear_attn import MODES, linear_attn
 from .base import (
     ContextParallel,
     Mixer,
@@ -54,13 +48,13 @@ class LinearAttention(Mixer):
     as DeltaNet) or ``sum+attention`` (both: sum-normalised features, then the attention
     normaliser; the fast weight paper's ablation); ``update`` is ``sum`` (W += k^T v) or ``delta``.
     The delta rule with ``attention`` or ``sum+attention`` is the paper's Table 3 ablation
-    (``ops.fwp.delta_rule_attn_norm``: the retrieved value and the read-out divided by the
+    (``ops.delta_rule_attn_norm``: the retrieved value and the read-out divided by the
     normaliser; packed documents run one by one). Heads are concatenated,
     multiplied by ``out_scale`` (default 1/sqrt(head_dim), as every lmtool fast-weight layer) and
     projected back to d_model. FAVOR+ redraws its projection on every training forward and keeps
     the last draw in eval mode (``redraw=False`` keeps it fixed always). ``chunk_size`` None (the
     default) takes the size measured fastest on the input's device kind
-    (``ops.fwp.preferred_chunk_size``: 32 for the delta rule on CPU, 64 otherwise; the choice
+    (``ops.backend.preferred_chunk_size``: 32 for the delta rule on CPU, 64 otherwise; the choice
     changes only float rounding, and is fixed per device kind, so runs stay reproducible).
     The defaults ``nu=2``
     and ``m=16`` are lmtool's (docs/maths.md 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
@@ -91,7 +85,7 @@ class LinearAttention(Mixer):
         self.orthogonal = check_bool("orthogonal", orthogonal)
         self.mode = check_choice("mode", mode, MODES)
         # None: the size measured fastest for this op on the input's device kind
-        # (ops.fwp.preferred_chunk_size: 32 for the delta rule on CPU, else 64).
+        # (ops.backend.preferred_chunk_size: 32 for the delta rule on CPU, else 64).
         self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
         H, D = n_heads, self.head_dim
         self.n_beta = 1 if update == "delta" else 0

@@ -1,5 +1,5 @@
 """Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024; docs/maths.md 5b): the layer ``GatedDeltaNet``,
-registered as ``gated-delta``. The mathematics is ``fastweights.ops.fwp.gated_delta_rule``.
+registered as ``gated-delta``. The mathematics is ``fastweights.ops.gated_delta_rule``.
 
 The layer as published and as flash-linear-attention 0.6 builds it (``fla/layers/
 gated_deltanet.py``, whose parameter names it keeps, so fla's tensors load unchanged:
@@ -45,7 +45,8 @@ from .._checks import (
     state_dtype,
 )
 from ..ops._conv import causal_depthwise_conv
-from ..ops.fwp import gated_delta_rule, gated_delta_rule_step, preferred_chunk_size
+from ..ops.backend import preferred_chunk_size
+from ..ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 from .base import (
     ContextParallel,
     Mixer,

@@ -28,7 +28,8 @@ from .._checks import (
     is_int,
     state_dtype,
 )
-from ..ops.fwp import MODES, elu_plus_one, linear_attn
+from ..ops.feature_maps import elu_plus_one
+from ..ops.linear_attn import MODES, linear_attn
 from ..ops.transnormer import (
     KERNELS,
     block_attention,

@@ -32,7 +32,7 @@ from torch import nn
 
 from .._checks import check_choice, check_positive_int
 from ..ops import delta_rule, draw_favor_projection, linear_attn, softmax_attention, sum_norm
-from ..ops.fwp import feature_map
+from ..ops.feature_maps import feature_map
 
 MEMORIES = ("linear", "dpfp", "favor", "delta", "softmax")
 FEATURE_MAPS = ("elu", "dpfp", "favor")

@@ -9,7 +9,7 @@ registered (``register_fla``); which op has which backend, and why, is in docs/g
 Backends, for ``backend=``:
   "fla"     flash-linear-attention's maintained chunk kernels (``pip install
             flash-linear-attention``), CUDA only, chunks of 64 (``FLA_CHUNK``);
-  "triton"  this project's kernels (each op's family's ``triton.py``), CUDA only,
+  "triton"  this project's kernels (each op's ``triton.py``), CUDA only,
             ``chunk_size`` <= 64 and Dk <= ``TRITON_MAX_DK``, the dtypes its module's
             ``supports(op, dtype)`` has a spill-free tiling for;
   "torch"   the PyTorch forms of ``mode=`` (any device).
@@ -109,8 +109,9 @@ def kernel_ops(backend: str) -> list[str]:
 
 
 def optional_module(load: Callable[[], ModuleType]) -> Callable[[], ModuleType | None]:
-    """``load`` (which imports a module of kernels) as a function returning the module, or
-    None where an import fails (triton not installed)."""
+    """``load`` (which imports a module of kernels, an op's ``triton.py``: ``from . import
+    triton``, an import statement torch.compile traces) as a function returning the module, or
+    None where the import fails (triton not installed)."""
     def module() -> ModuleType | None:
         try:
             return load()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fwp.feature_maps import elu_plus_one
+from ..feature_maps import elu_plus_one
 
 
 def sigma(x: torch.Tensor) -> torch.Tensor:

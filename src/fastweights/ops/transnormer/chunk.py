@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fwp.chunk import (
+from .._chunks import (
     _entering_states,
     _from_chunks,
     _head_slices,
@@ -34,9 +34,9 @@ def decay_linear_attn_chunk(
 
     Every decay factor is a power lambda^e with 0 <= e <= C (never lambda^-e, which overflows
     for small lambda), and D and Λ_q are the same for every chunk: built once per call as small
-    tables, never as a T x T matrix. As in the sum rule's chunk form (fwp/chunk.py), every
-    product is one batched matmul per head over all chunks, read in place from the inputs, and
-    only the state hand-off between chunks is a loop."""
+    tables, never as a T x T matrix. As in the sum rule's chunk form (ops/linear_attn/chunk.py),
+    every product is one batched matmul per head over all chunks, read in place from the inputs,
+    and only the state hand-off between chunks is a loop."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     C = min(chunk_size, T)

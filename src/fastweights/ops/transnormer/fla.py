@@ -1,6 +1,6 @@
 """decay_linear_attn through flash-linear-attention's ``chunk_simple_gla`` (the ``"fla"``
 backend, ops/backend.py chooses it): the per-head lambda is simple GLA's log-decay
-g = log(lambda), broadcast over [B, T, H]; the other conventions are ops/fwp/fla.py's.
+g = log(lambda), broadcast over [B, T, H]; the other conventions are ops/linear_attn/fla.py's.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._steps import stack_time
-from ..fwp.recurrent import outer_add, read
+from .._steps import outer_add, read, stack_time
 
 
 def decay_linear_attn_recurrent(

@@ -35,6 +35,8 @@ from .primal import ttt_linear_primal, ttt_mlp_primal
 from .step import ttt_linear_step, ttt_mlp_step
 
 MODES = TTT_MODES
+
+
 TTTState = tuple[Any, ...]  # (*weights) or (*weights, *start weights, *gradient sums, pos)
 
 # The forms, called with keywords (q, k, v, eta, carry, ln_weight, ln_bias, residual, tau).

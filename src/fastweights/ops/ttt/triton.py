@@ -53,7 +53,7 @@ call's sums; the result is the state round trip the PyTorch forms make between p
 
 Precision: q, k, v arrive in their own dtype (float16, bfloat16, float32) and are upcast on
 chip; weights, gradient sums, LayerNorm statistics and every accumulation are float32.
-Products run with ``precisions``' float32 setting of ops/fwp/triton.py: exact float32 for
+Products run with ``precisions``' float32 setting of ops/_triton_common.py: exact float32 for
 float32 inputs, TF32 for half inputs (a bfloat16 or float16 value is exact in TF32).
 
 TTT-MLP (``_mlp_fwd_kernel``, forward only: calls that record gradients run PyTorch): W1
@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fwp.triton import _arch, _upcast_tiles, precisions
+from .._triton_common import _arch, _upcast_tiles, precisions
 from .common import LN_EPS, Carry
 
 __all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_config",

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fwp.triton import _arch
+from .._triton_common import _arch
 from .common import LN_EPS
 
 __all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "DecodeTiles", "supports", "tile_config",

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..._checks import (
+from .._checks import (
     FLOAT_DTYPES,
     check_bool,
     check_device,
@@ -20,7 +20,7 @@ from ..._checks import (
     check_positive_int,
     check_tensor,
 )
-from .._autocast import float32_compute
+from ._autocast import float32_compute
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:

@@ -2,15 +2,18 @@
 single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = gated_delta_rule(...)``), as the delta
 rule's.
 
-The forms: ``gated_delta_naive.py`` (the oracle), ``gated_delta_recurrent.py`` (token by token,
-and the one-token step a layer's decoding calls), and the delta rule's chunked WY/UT form with
-its hand-written backward, gates on (``chunk.delta_rule_chunk`` with ``g``).
+The forms: ``naive.py`` (the oracle), ``recurrent.py`` (token by token, and the one-token step
+a layer's decoding calls), and the delta rule's chunked WY/UT form with its hand-written
+backward, gates on (ops/delta_rule/chunk.py, ``delta_rule_chunk`` with ``g``); on CUDA fla's
+kernels (``fla.py``) or this project's (``triton.py``).
 
 Dimension legend: B batch, T time, Hk query/key heads, H value heads (a multiple of Hk), Dk
 key/query dim, Dv value dim.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
@@ -29,14 +32,20 @@ from .._autocast import float32_compute
 from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
-from ..backend import Kernel, Trial, choose_backend, register
-from .chunk import delta_rule_chunk
+from ..backend import Kernel, Trial, choose_backend, optional_module, register
+from ..delta_rule.chunk import delta_rule_chunk
 from .fla import fla_gated_delta_rule
-from .gated_delta_naive import gated_delta_rule_naive
-from .gated_delta_recurrent import gated_delta_rule_recurrent, gated_delta_rule_step
-from .kernels import triton_kernels
+from .naive import gated_delta_rule_naive
+from .recurrent import gated_delta_rule_recurrent, gated_delta_rule_step
 
 MODES = RECURRENT_MODES
+def _triton() -> ModuleType:
+    from . import triton
+
+    return triton
+
+
+triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
 
 
 def check_grouped_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int]:
@@ -133,7 +142,7 @@ def gated_delta_rule(
 
     ``backend`` (ops/backend.py, as for delta_rule): "fla" (flash-linear-attention's
     ``chunk_gated_delta_rule``, CUDA, mode="chunk" with chunk_size=64, float16/bfloat16/float32
-    inputs; packed batches go to it whole), "triton" (ops/fwp/triton.py, CUDA, mode="chunk",
+    inputs; packed batches go to it whole), "triton" (triton.py, CUDA, mode="chunk",
     chunk_size <= 64, Dk <= 128, float16/bfloat16 inputs; its backward is the chunked form's
     here; packed batches one document at a time), "torch" (the forms above, any device), or
     None: the environment variable ``FASTWEIGHTS_BACKEND``, else fla, triton, torch, the first

@@ -1,8 +1,6 @@
 """Token-by-token form of the gated delta rule (docs/maths.md 5b): the recurrence and its one-token
 step, the decoding form.
 
-(A file of its own beside recurrent.py while the package layout is being restructured.)
-
 Per token, with S' = exp(g_t) S_{t-1} the decayed state:
 v_bar = k_t S',  u = beta_t (v_t - v_bar),  S_t = S' + k_t^T u,  o_t = q_t S_t.
 
@@ -23,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._steps import stack_time
-from .gated_delta_naive import expand_heads
+from .naive import expand_heads
 
 
 def gated_delta_rule_step(

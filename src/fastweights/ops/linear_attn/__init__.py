@@ -1,11 +1,14 @@
 """Linear attention, the sum rule of fast weight programmers (docs/maths.md 1.3): ``linear_attn``
-and its state.
+and its state. The forms: ``naive.py`` (the oracle), ``recurrent.py`` (token by token),
+``chunk.py`` (chunked, the default); on CUDA fla's kernels (``fla.py``) or this project's
+(``triton.py``).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -24,14 +27,20 @@ from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed, stack_packed_states
-from ..backend import Kernel, Trial, choose_backend, register
+from ..backend import Kernel, Trial, choose_backend, optional_module, register
 from .chunk import linear_attn_chunk
 from .fla import fla_linear_attn
-from .kernels import triton_kernels
 from .naive import linear_attn_naive
 from .recurrent import linear_attn_recurrent
 
 MODES = RECURRENT_MODES
+def _triton() -> ModuleType:
+    from . import triton
+
+    return triton
+
+
+triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
 
 
 class LinearAttnState(NamedTuple):
@@ -83,7 +92,7 @@ def linear_attn(
     chunked form (T > 1, torch backend, float32 compute) runs its four products (K^T V, Q K^T,
     scores V, Q S_prev) with bfloat16 operands, each result widened to float32 before it is
     added to anything; S, z, the sum of chunk states and the denominator stay float32 (within
-    about 6 bfloat16 roundings of the terms' magnitudes; ops/_autocast.py, ops/fwp/chunk.py).
+    about 6 bfloat16 roundings of the terms' magnitudes; ops/_autocast.py, ops/_chunks.py).
     Any other value of the variable is a ValueError. Outputs come back in q's dtype, states in
     float32 either way.
     """

@@ -10,11 +10,10 @@ C or T and columns past Dk or Dv load as zeros and are never stored, so neither 
 has to be a power of two.
 
 Linear attention is the delta rule with W = 0 and U0 = V (the UT form of docs/maths.md 1.4), so
-both ops share the kernels below, with ``HAS_W`` off for linear attention; normalised linear
-attention runs as the unnormalised one with a column of ones appended to V and divides by it in
-PyTorch. The gated delta rule (``gated_delta_rule_triton``) runs the delta rule's forward kernels
-with ``HAS_G`` on, in the algebra of ops/fwp/chunk.py's ``delta_rule_chunk`` with gates; its
-backward is the PyTorch chunked form's. The kernels, each documented where it is defined:
+the kernels below serve three ops: the delta rule (``delta_rule_triton``), linear attention
+with ``HAS_W`` off (ops/linear_attn/triton.py) and the gated delta rule with ``HAS_G`` on in
+the forward kernels, in the algebra of ops/delta_rule/chunk.py's ``delta_rule_chunk`` with
+gates (ops/gated_delta_rule/triton.py). The kernels, each documented where it is defined:
 
 forward   (a) ``_ut_fwd_kernel``     delta only: the per-chunk solve, W and U0
           (b) ``_state_fwd_kernel``  sequential over chunks: the chunk-entering states
@@ -43,8 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_CHUNK", "MAX_DK", "OPS", "TileConfig", "Tiles", "delta_rule_triton",
-           "gated_delta_rule_triton", "linear_attn_triton", "supports", "tile_config"]
+from .._triton_common import _arch, _upcast_tiles, precisions
+
+__all__ = ["MAX_CHUNK", "MAX_DK", "OPS", "TileConfig", "Tiles", "delta_rule_triton", "supports",
+           "tile_config"]
 
 BT = 64  # the chunk tile: chunk sizes 1..64 run in it (fla's chunk size is 64 too)
 MAX_CHUNK = BT
@@ -131,24 +132,6 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
 def supports(op: str, dtype: torch.dtype) -> bool:
     """Whether ``op`` with ``dtype`` inputs has a tiling on every target (sm_80 and up)."""
     return all(tile_config(arch, dtype, op) is not None for arch in (80, 90))
-
-
-def _upcast_tiles(dtype: torch.dtype) -> bool:
-    """Whether the kernels upcast their bfloat16 input tiles to float32 before tl.dot.
-
-    Only under the CPU interpreter (TRITON_INTERPRET=1), whose bfloat16 tl.dot returns garbage
-    (Triton 3.9; float16 and float32 are right). The upcast computes the same thing: a product
-    of two bfloat16 numbers is exact in float32, so the float32 dot differs from the tensor-core
-    bfloat16 dot with float32 accumulation only in summation order."""
-    return dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret)
-
-
-def precisions(dtype: torch.dtype) -> tuple[str, str]:
-    """(IN_PREC, F32_PREC): tl.dot precision for products of two input tiles and for products
-    with a float32 operand (see the module docstring and docs/kernels.md, "Precision")."""
-    if dtype == torch.float32 or _upcast_tiles(dtype):
-        return "ieee", "ieee" if dtype == torch.float32 else "tf32"
-    return "tf32", "tf32"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +270,7 @@ def _ut_fwd_kernel(
     """(a) Per chunk: Xinv = (I + A)^-1, A = stril(diag(beta) K K^T); W = Xinv diag(beta) K,
     U0 = Xinv diag(beta) V (float32, [B, T, H, Dk] / [B, T, H, Dv]); Xinv [B, T, H, BT] if
     ``store_x`` (the backward needs it; a runtime flag: one compiled kernel for both).
-    Gated delta rule (HAS_G, log-gates g [B, T, H]; ops/fwp/chunk.py's algebra):
+    Gated delta rule (HAS_G, log-gates g [B, T, H]; ops/delta_rule/chunk.py's algebra):
     A = stril(diag(beta) (K K^T * Gam)), W = Xinv diag(beta) diag(gam) K, and the decay from
     each token to the chunk's end, last_j = Gam_{C-1, j}, stored to last [B, T, H] for (b).
     K has HK heads (HK divides H; value head h reads key head h // (H / HK))."""
@@ -624,15 +607,6 @@ def _grad_kernel(
 # Host side
 
 
-def _arch(device: torch.device) -> int:
-    """The compute capability the launch compiles for (10 * major + minor); 80 off CUDA (the
-    interpreter), so the tiling there is sm_80's."""
-    if device.type != "cuda":
-        return 80
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
-
-
 class _Launch(NamedTuple):
     """What every launch of one call shares."""
 
@@ -800,33 +774,6 @@ def _prepare(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x.contiguous() for x in xs]
 
 
-def linear_attn_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor, z0: torch.Tensor,
-    normalize: bool, eps: float, chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunked linear attention (docs/maths.md 1.3) in the kernels above; see
-    ``chunk.linear_attn_chunk``.
-
-    q (scaled), k [B, T, H, Dk], v [B, T, H, Dv] in float16/bfloat16/float32; S0 [B, H, Dk, Dv]
-    and z0 [B, H, Dk] float32; chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's
-    dtype, S, z in float32). With ``normalize`` V gains a column of ones whose state is z."""
-    B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
-    q, k = _prepare(q, k)
-    S0, z0 = S0.to(torch.float32), z0.to(torch.float32)
-    if normalize:
-        v = torch.cat([v, v.new_ones(B, T, H, 1)], dim=-1)
-        S0 = torch.cat([S0, z0.unsqueeze(-1)], dim=-1)
-    v = v.contiguous()
-    o, S = _FastWeightsTriton.apply(q, k, v, None, S0.reshape(B * H, Dk, -1), chunk_size,
-                                    torch.float32 if normalize else q.dtype)
-    S = S.reshape(B, H, Dk, -1)
-    if normalize:
-        o = (o[..., :Dv] / (o[..., Dv:] + eps)).to(q.dtype)
-        return o, S[..., :Dv], S[..., Dv]
-    return o, S, z0 + k.to(torch.float32).sum(dim=1)
-
-
 def delta_rule_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor,
     chunk_size: int,
@@ -843,61 +790,3 @@ def delta_rule_triton(
     o, S = _FastWeightsTriton.apply(q, k, v, beta, S0.to(torch.float32).reshape(B * H, Dk, -1),
                                     chunk_size, q.dtype)
     return o, S.reshape(B, H, Dk, -1)
-
-
-class _GatedDeltaTriton(torch.autograd.Function):
-    """(o, S) = the chunked gated delta rule, forward in the kernels (a), (b), (c) with the gates
-    on (HAS_G); backward by PyTorch: the chunked form of ops/fwp/chunk.py (with gates) is
-    recomputed from the saved inputs in float32 and differentiated by its hand-written backward
-    (no Triton backward kernels for the gates yet). S0 [B*H, Dk, Dv] float32."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, beta, g, S0, chunk_size):  # type: ignore[override]
-        L = _launch(q, v, chunk_size, "gated_delta_rule")
-        W, U0, _, last = _ut_forward(L, k, v, beta, store_x=False, g=g)
-        h, U, S = _state_forward(L, k, W, U0, S0, g=g, last=last)
-        o = _forward(L, q, k, U, h, q.dtype, g=g)
-        ctx.save_for_backward(q, k, v, beta, g, S0)
-        ctx.chunk_size = chunk_size
-        return o, S
-
-    @staticmethod
-    def backward(ctx, do, dS):  # type: ignore[override]
-        from .chunk import delta_rule_chunk
-
-        saved = ctx.saved_tensors
-        B, _, H, Dv = saved[2].shape
-        Dk = saved[0].shape[-1]
-        with torch.enable_grad():
-            xs = [x.detach().to(torch.float32).requires_grad_() for x in saved]
-            o, S = delta_rule_chunk(*xs[:4], S=xs[5].reshape(B, H, Dk, Dv),
-                                    chunk_size=ctx.chunk_size, g=xs[4])
-            outs = [(o, do), (S.reshape(B * H, Dk, Dv), dS)]
-            outs = [(t, d) for t, d in outs if d is not None]
-            grads = torch.autograd.grad([t for t, _ in outs], xs, [d for _, d in outs],
-                                        allow_unused=True)
-        grads = [None if gr is None else gr.to(x.dtype) for gr, x in zip(grads, saved)]
-        return (*grads, None)
-
-
-def gated_delta_rule_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-    S0: torch.Tensor, chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked gated delta rule (docs/maths.md 5b; the WY/UT form with the decay folded in as
-    segment sums of the log-gates, ops/fwp/chunk.py) in the delta rule's kernels with the gates
-    on; see ``chunk.delta_rule_chunk``.
-
-    q (scaled), k [B, T, Hk, Dk], v [B, T, H, Dv] (H a multiple of Hk: value head h reads key
-    head h // (H / Hk)) in float16/bfloat16/float32; beta, g (log-decays <= 0, -inf a reset)
-    [B, T, H] in any floating dtype (read as float32); S0 [B, H, Dk, Dv] float32;
-    chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's dtype, S float32).
-    Differentiable: the backward is the PyTorch chunked form's (``_GatedDeltaTriton``)."""
-    B, _, H, Dv = v.shape
-    Dk = q.shape[-1]
-    q, k, v = _prepare(q, k, v)
-    beta, g = (x.to(torch.float32).contiguous() for x in (beta, g))
-    o, S = _GatedDeltaTriton.apply(q, k, v, beta, g,
-                                   S0.to(torch.float32).reshape(B * H, Dk, Dv).contiguous(),
-                                   chunk_size)
-    return o, S.reshape(B, H, Dk, Dv)

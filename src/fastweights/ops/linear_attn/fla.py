@@ -1,7 +1,8 @@
-"""linear_attn, delta_rule and gated_delta_rule through flash-linear-attention's chunk kernels (the ``"fla"``
-backend, ops/backend.py chooses it). Arguments arrive checked by the public op; states are
-float32. With ``bounds`` (the document boundaries of a packed batch, B = 1) fla gets
-``cu_seqlens`` itself and the states are stacked per document ([N, ...]).
+"""linear_attn through flash-linear-attention's ``chunk_linear_attn`` (the ``"fla"`` backend,
+ops/backend.py chooses it). Arguments arrive checked by the public op; states are float32.
+With ``bounds`` (the document boundaries of a packed batch, B = 1) fla gets ``cu_seqlens``
+itself and the states are stacked per document ([N, ...]). The conventions below, but for the
+normalisation, are every fla adapter's (ops/*/fla.py).
 
 The adapters map the two conventions exactly (checked against fla's own reference
 functions in tests/ops/test_backend.py):
@@ -10,19 +11,6 @@ functions in tests/ops/test_backend.py):
   unnormalised and divide by (scale q . z_t + eps) in float32 ourselves, with our eps and
   z_t = z0 + cumsum(k) (docs/maths.md 1.3); the final (S, z) keep our layout [B, H, Dk, Dv],
   [B, H, Dk] (fla's z is [B, 1, H, Dk]);
-- the delta rule: fla's ``use_qk_l2norm_in_kernel`` stays False: our callers normalise keys
-  (sum_norm or L2) themselves and the op uses k as given; beta is passed in q's dtype (fla's
-  kernels read beta like q), so a float32 beta driving bfloat16 q, k, v is rounded to bfloat16
-  there, unlike the torch and triton backends;
-- decay (decay_linear_attn, ops/transnormer/fla.py): simple GLA's log-decay g = log(lambda);
-- the gated delta rule: ``chunk_gated_delta_rule(q, k, v, g, beta, ...)`` takes g before beta
-  (ours: beta, g) and the same log-decay g (fla's kernels take cumulative sums of it per chunk);
-  g goes in float32 (as fla's own GatedDeltaNet layer computes it), beta in q's dtype as for the
-  delta rule; ``use_qk_l2norm_in_kernel``, ``use_beta_sigmoid_in_kernel`` and
-  ``allow_neg_eigval`` stay False (our layer normalises q, k and makes beta itself, in [0, 2)
-  with allow_neg_eigval); grouped heads (v, beta, g with H = a multiple of Hk heads) map
-  as they are: fla's value head i_hv reads key head i_hv // (H / Hk), as ours; the state is
-  fla's default K-first [B, H, Dk, Dv] (``state_v_first`` False);
 - states are float32 [B, H, Dk, Dv] on both sides; inputs are [B, T, H, D] on both sides
   (fla 0.6 has no head-first layout);
 - packed batches: our cu_seqlens (any integer dtype) goes to fla as int64, with its CPU copy
@@ -43,8 +31,6 @@ import torch
 from .. import backend
 
 backend.register_fla("linear_attn", "fla.ops.linear_attn", "chunk_linear_attn")
-backend.register_fla("delta_rule", "fla.ops.delta_rule", "chunk_delta_rule")
-backend.register_fla("gated_delta_rule", "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 
 
 def _running_z(k: torch.Tensor, z0: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
@@ -91,32 +77,3 @@ def fla_linear_attn(
         z = (z0 + k.to(torch.float32).sum(dim=1) if bounds is None
              else _last_of_each(_running_z(k, z0, bounds), bounds))
     return o, ((S.to(torch.float32), z) if output_final_state else None)
-
-
-def fla_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, scale: float,
-    S0: torch.Tensor, output_final_state: bool, cu_seqlens: torch.Tensor | None = None,
-    bounds: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """delta_rule through fla's ``chunk_delta_rule`` with the keys as given (states as in
-    ``fla_linear_attn``)."""
-    o, S = backend.fla_ops().delta_rule(q, k, v, beta.to(q.dtype), scale=scale, initial_state=S0,
-                                output_final_state=output_final_state,
-                                use_qk_l2norm_in_kernel=False, **backend.fla_varlen(cu_seqlens, bounds))
-    return o, (S.to(torch.float32) if output_final_state else None)
-
-
-def fla_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, *,
-    scale: float, S0: torch.Tensor, output_final_state: bool,
-    cu_seqlens: torch.Tensor | None = None, bounds: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """gated_delta_rule through fla's ``chunk_gated_delta_rule`` (see the module docstring):
-    q, k [B, T, Hk, Dk], v [B, T, H, Dv], beta, g [B, T, H]; states [B, H, Dk, Dv] float32
-    ([N, H, Dk, Dv] for a packed batch, as in ``fla_linear_attn``)."""
-    o, S = backend.fla_ops().gated_delta_rule(
-        q, k, v, g.to(torch.float32), beta.to(q.dtype), scale=scale, initial_state=S0,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-        **backend.fla_varlen(cu_seqlens, bounds))
-    return o, (S.to(torch.float32) if output_final_state else None)

@@ -1,9 +1,6 @@
 """Oracle of the gated delta rule (Gated DeltaNet, docs/maths.md 5b), written straight from the
 recurrence: one token at a time, the state decayed, then erased along k_t and written.
 
-(A file of its own beside naive.py while the package layout is being restructured; it belongs
-with the family's other oracles there.)
-
 Dimension legend: B batch, T time, Hk query/key heads, H value heads (a multiple of Hk), Dk
 key/query dim, Dv value dim. Inputs are in the compute dtype (float32/float64), already
 validated, q already multiplied by ``scale``; q, k ``[B, T, Hk, Dk]``, v ``[B, T, H, Dv]``,

@@ -1,12 +1,16 @@
 """The delta rule (DeltaNet), read after write (docs/maths.md 1.4): ``delta_rule``. Its state is the
 single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = delta_rule(...)``). And the delta rule
 with attention normalisation, ``delta_rule_attn_norm`` (the fast weight paper's Table 3
-ablation), whose state is a ``LinearAttnState`` (S, z).
+ablation), whose state is a ``LinearAttnState`` (S, z). The forms: ``naive.py`` (the
+oracles), ``recurrent.py`` (token by token), ``chunk.py`` (the chunked WY/UT form, shared with
+the gated delta rule); on CUDA fla's kernels (``fla.py``) or this project's (``triton.py``).
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
@@ -23,16 +27,24 @@ from ..._checks import (
 from .._autocast import float32_states, products_dtype
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed, stack_packed_states
-from ..backend import Kernel, Trial, choose_backend, register
+from ..backend import Kernel, Trial, choose_backend, optional_module, register
+from ..linear_attn import MODES, LinearAttnState
 from .chunk import delta_rule_chunk
 from .fla import fla_delta_rule
-from .kernels import triton_kernels
-from .linear_attention import MODES, LinearAttnState
 from .naive import delta_rule_attn_norm_naive, delta_rule_naive
 from .recurrent import delta_rule_recurrent
 
+
+def _triton() -> ModuleType:
+    from . import triton
+
+    return triton
+
+
+triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
+
 # fla 0.6's chunk_delta_rule refuses float32 inputs; the Triton kernels have no spill-free
-# float32 tiling for it (ops/fwp/triton.py tile_config): torch runs them. Chunks of 32 measured
+# float32 tiling for it (triton.py tile_config): torch runs them. Chunks of 32 measured
 # fastest on the CPU (docs/performance.md, "Chunk sizes").
 register("delta_rule", fla=Kernel(dtypes=(torch.float16, torch.bfloat16),
                                   refused="fla's chunk_delta_rule refuses them (fla 0.6)"),
@@ -60,7 +72,7 @@ def delta_rule(
     ``FASTWEIGHTS_CPU_BF16`` "on", or "auto" on a CPU with AMX-BF16 / AVX512-BF16) the chunked
     form takes bfloat16 operands in U0 = Tm V, Q K^T, tril(Q K^T) U and Q S (and the matching
     backward products); K K^T, the triangular solve, W = Tm K and the state hand-off between
-    chunks stay float32, as does the returned state (see ops/fwp/chunk.py).
+    chunks stay float32, as does the returned state (see chunk.py).
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_arg("beta", beta, (B, T, H), "[B, T, H]", q)
