@@ -540,8 +540,11 @@ def ttt_decode_step(
                "mini_batch_size": b, "token_scale": token_scale}
     if _kernel_runs(kind, q, k, v, eta, carry, backend, options):
         tau = q.new_ones(b, dtype=torch.float32) if token_scale is None else token_scale
-        return decode_kernels().ttt_linear_decode_triton(q, k, v, eta, carry, ln_weight,
-                                                         ln_bias, residual, tau)
+        o, committed, rows = decode_kernels().ttt_linear_decode_triton(
+            q, k, v, eta, carry, ln_weight, ln_bias, residual, tau)
+        if committed is not None:  # the token completed the mini-batch
+            return o, DecodeCarry(committed, None, _empty_rows(committed, 1, 0), 0, 0)
+        return o, DecodeCarry(carry.start, None, rows, carry.pos + 1, 0)
     cdtype = state_dtype(q.dtype)
 
     def cast(x: torch.Tensor | None) -> torch.Tensor | None:

@@ -216,14 +216,16 @@ def ttt_linear_decode_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, carry: Any,
     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
     tau: torch.Tensor,
-) -> tuple[torch.Tensor, Any]:
+) -> tuple[torch.Tensor, tuple[Any, Any] | None, tuple[Any, Any] | None]:
     """One TTT-Linear decoding step in ``_linear_decode_kernel``: ``decode._linear_step``'s
-    result for a carry (``DecodeCarry``) at an int place without prior sums. q, k
+    result for a carry (``decode.DecodeCarry``) at an int place without prior sums. q, k
     [B, 1, H, Dk], v [B, 1, H, Dv], eta [B, 1, H] in their own dtype (read as they are), tau
     [b] or [H, b]; the carry's weights and rows float32. Returns (o [B, 1, H, Dv] in q's dtype,
-    the DecodeCarry after the token: fresh tensors, the given carry is not written)."""
-    from .decode import DecodeCarry, _empty_rows
-
+    committed, rows): on the token that completes the mini-batch ``committed`` is the new start
+    weights (W [B, H, Dk, Dv], bias [B, H, Dv] or None) and ``rows`` None, otherwise
+    ``committed`` is None and ``rows`` the mini-batch's rows with the token appended
+    (X [B, H, pos + 1, Dk], EG [B, H, pos + 1, Dv]); fresh tensors, the given carry is not
+    written. decode.py builds the next carry from them."""
     B, _, H, Dk = q.shape
     Dv, b, pos = v.shape[-1], tau.shape[-1], carry.pos
     if not isinstance(pos, int) or carry.prior is not None:
@@ -265,6 +267,5 @@ def ttt_linear_decode_triton(
         RESIDUAL=residual, COMMIT=commit, BK=_pow2(Dk), BV=_pow2(Dv),
         KC=min(_pow2(Dk), tiles.KC), RB=tiles.RB, num_warps=tiles.warps, num_stages=1)
     if commit:
-        start = (Wn, None if b0 is None else bn)
-        return o, DecodeCarry(start, None, _empty_rows(start, 1, 0), 0, 0)
-    return o, DecodeCarry(carry.start, None, (Xn, EGn), pos + 1, 0)
+        return o, (Wn, None if b0 is None else bn), None
+    return o, None, (Xn, EGn)
