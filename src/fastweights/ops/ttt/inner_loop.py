@@ -175,9 +175,6 @@ def _triton_runs(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     why = head_size_refusal(q.shape[-1], v.shape[-1])
     if why is None and isinstance(carry.pos, torch.Tensor):
         why = "a state with per-row places in the mini-batch (a long tensor pos)"
-    elif why is None and kind == "mlp" and records_grad:
-        why = ("the TTT-MLP kernels have no backward pass (gradients are being recorded); "
-               "without gradients (torch.no_grad) they run")
 
     def trial() -> Trial:
         def detached(x: Any) -> Any:

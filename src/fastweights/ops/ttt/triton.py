@@ -874,8 +874,8 @@ def _mlp_minibatch(
 @triton.jit
 def _mlp_fwd_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr,
-    b2_ptr, o_ptr, s1_ptr, sb1_ptr, s2_ptr, sb2_ptr, gs_ptr,
-    T, H, Dk, Dv, Dh, b, N, NF,
+    b2_ptr, o_ptr, s1_ptr, sb1_ptr, s2_ptr, sb2_ptr, gs_ptr, ck1_ptr, ckb1_ptr, ck2_ptr,
+    ckb2_ptr, T, H, Dk, Dv, Dh, b, N, NF, seg, store_ck,
     HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
@@ -906,7 +906,16 @@ def _mlp_fwd_kernel(
         if HAS_LNB:
             bet = _vec(lnb_ptr + h * Dv, Dv, BV)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    NC = tl.cdiv(NF, seg)
     for n in range(0, NF):
+        if store_ck and n % seg == 0:  # the weights entering every seg-th mini-batch
+            c = bh * NC + n // seg
+            _copy_mat(w1, ck1_ptr + c * Dk * Dh, Dk, Dh, BK, BHD, KC)
+            _copy_mat(w2, ck2_ptr + c * Dh * Dv, Dh, Dv, BHD, BV, KC)
+            if HAS_B1:
+                _store_vec(ckb1_ptr + c * Dh, _vec(b1, Dh, BHD), Dh, BHD)
+            if HAS_B2:
+                _store_vec(ckb2_ptr + c * Dv, b2, Dv, BV)
         db2 = _mlp_minibatch(
             q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1, b1, w2, w1, b1, w2, gs,
             b2, gam, bet, cm, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, Dh, b, N, -tau_b,
@@ -923,6 +932,252 @@ def _mlp_fwd_kernel(
             HAS_B2, HAS_LN, RESIDUAL, PREC, BB, BK, BV, BHD, HB, KC)
         if HAS_B2:
             _store_vec(sb2_ptr + bh * Dv, sb2, Dv, BV)
+
+
+# ---------------------------------------------------------------------------------------------
+# TTT-MLP (backward)
+
+
+@triton.jit
+def _gelu2(x):
+    """gelu_tanh(x), gelu'(x) and gelu''(x) (mlp_scan.py's ``_gelu_parts``): with
+    u' = c (1 + 3 a x^2), gelu'' = 4 s (1 - s) (u' + 3 a c x^2 + x u'^2 (1 - 2 s))."""
+    y, g1 = _gelu(x)
+    x2 = x * x
+    s = tl.sigmoid(x * (x2 * _GELU_A + 1.0) * (2.0 * _GELU_C))
+    up = (x2 * (3.0 * _GELU_A) + 1.0) * _GELU_C
+    g2 = s * (1.0 - s) * 4.0 * (up + x2 * (3.0 * _GELU_A) * _GELU_C + x * up * up * (1.0 - 2.0 * s))
+    return y, g1, g2
+
+
+@triton.jit
+def _mlp_recompute_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr,
+    b2_ptr, o_ptr, gs_ptr, T, H, Dk, Dv, Dh, b, N, n0, n1, seg,
+    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+):
+    """Backward, first pass over mini-batches n0..n1-1 of one (batch, head): the forward
+    again from the weights in slot 0 of w1 [B*H, seg + 1, Dk, Dh], b1 [B*H, seg + 1, Dh],
+    w2 [B*H, seg + 1, Dh, Dv], b2 [B*H, seg + 1, Dv] (a checkpoint), writing the weights
+    entering mini-batch n0 + j into slot j (its read-out goes to the scratch o)."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    S = seg + 1
+    gs = gs_ptr + bh * BV * BB
+    b2 = tl.zeros([BV], dtype=tl.float32)
+    if HAS_B2:
+        b2 = _vec(b2_ptr + bh * S * Dv, Dv, BV)
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    for n in range(n0, n1 - 1):
+        j = bh * S + n - n0
+        db2 = _mlp_minibatch(
+            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1_ptr + j * Dk * Dh,
+            b1_ptr + j * Dh, w2_ptr + j * Dh * Dv, w1_ptr + (j + 1) * Dk * Dh,
+            b1_ptr + (j + 1) * Dh, w2_ptr + (j + 1) * Dh * Dv, gs, b2, gam, bet, cm, bh, h,
+            base_k, base_v, ebase, n, T, H, Dk, Dv, Dh, b, N, -tau_b, False, HAS_B1, HAS_B2,
+            HAS_LN, RESIDUAL, PREC, BB, BK, BV, BHD, HB, KC)
+        if HAS_B2:
+            b2 += db2
+            _store_vec(b2_ptr + (j + 1) * Dv, b2, Dv, BV)
+
+
+@triton.jit
+def _mlp_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr,
+    w1_ptr, b1_ptr, w2_ptr, b2_ptr, do_ptr, ds1_ptr, dsb1_ptr, ds2_ptr, dsb2_ptr,
+    dw1_ptr, db1_ptr, dw2_ptr, db2_ptr, acc_ptr, dtau_ptr, dq_ptr, dk_ptr, dv_ptr, deta_ptr,
+    T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j,
+    TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
+    HAS_LNB: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BHD: tl.constexpr,
+):
+    """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head): each
+    mini-batch's forward again from its start weights (slot bh * w_bh + j * w_j of w1
+    [., Dk, Dh], b1 [., Dh], w2 [., Dh, Dv], b2 [., Dv]) and its whole backward with the
+    carried gradient of the weights leaving it, dw1 [B*H, Dk, Dh], db1, dw2, db2 (updated in
+    place into that of the weights entering n0; TAIL: n0 is a last partial mini-batch, whose
+    sums' gradient is ds1, dsb1, ds2, dsb2). Writes dq, dk, dv, deta; adds to acc [B*H, 2, BV]
+    (dgamma, dbeta) and dtau [B*H, BB]. Per mini-batch, with the forward of
+    ``_mlp_minibatch`` (M1 = E * (Q K^T [+ 1]), M2 = E * (Xbar2 X2^T [+ 1])):
+    the read-out's backward through Zbar2 = Xbar2 W2 + b2 - M2 G2 and
+    Zbar1 = Q W1 + b1 - M1 G1, the update's (W <- W - tau_b S), then G1 = (G2 W2^T) gelu'(Z1)
+    (gelu'' enters), the keys' LayerNorm gradient G2 = dl/dZ2 (differentiated once more) and
+    Z2 = gelu(K W1 + b1) W2 + b2. Every tile is held whole: hidden tiles [BHD, BB]."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    acc = acc_ptr + bh * 2 * BV
+    dgam = _vec(acc, BV, BV)
+    dbet = _vec(acc + BV, BV, BV)
+    dtau = _vec(dtau_ptr + bh * BB, BB, BB)
+    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
+    dw1 = dw1_ptr + bh * Dk * Dh
+    dw2 = dw2_ptr + bh * Dh * Dv
+    z1 = tl.zeros([BHD], dtype=tl.float32)
+    z2 = tl.zeros([BV], dtype=tl.float32)
+    for nr in range(n0, n1):
+        n = n1 - 1 + n0 - nr
+        slot = bh * w_bh + (n - n0) * w_j
+        w1 = w1_ptr + slot * Dk * Dh
+        w2 = w2_ptr + slot * Dh * Dv
+        i, t, m, eta, tau, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
+                                                b, N, BB)
+        W1t = _blockT(w1, 0, 0, Dk, Dh, BK, BHD)  # [BHD, BK]
+        W1 = _block(w1, 0, 0, Dk, Dh, BK, BHD)  # [BK, BHD]
+        W2t = _blockT(w2, 0, 0, Dh, Dv, BHD, BV)  # [BV, BHD]
+        W2 = _block(w2, 0, 0, Dh, Dv, BHD, BV)  # [BHD, BV]
+        b1v = z1
+        b2v = z2
+        if HAS_B1:
+            b1v = _vec(b1_ptr + slot * Dh, Dh, BHD)
+        if HAS_B2:
+            b2v = _vec(b2_ptr + slot * Dv, Dv, BV)
+        kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
+        qt = _cols(q_ptr, base_k, t, m, H, Dk, BK)
+        tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:  # Dk == Dv
+            tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
+        # the forward
+        Z1 = _dot(W1t, kt, PREC) + b1v[:, None]
+        X2, g1p, g1pp = _gelu2(Z1)
+        Z2 = _dot(W2t, X2, PREC) + b2v[:, None]
+        G2, xh, r, g = _loss_grad(Z2, tgt, gam, bet, cm, Dv, HAS_LN)
+        A = _dot(W2, G2, PREC)
+        G1 = A * g1p
+        M1t = Et * A1t
+        Zb1 = _dot(W1t, qt, PREC) + b1v[:, None] - _dot(G1, M1t, PREC)
+        Xb2, gbp = _gelu(Zb1)
+        A2t = _dot(tl.trans(X2), Xb2, PREC)
+        if HAS_B2:
+            A2t += 1.0
+        M2t = Et * A2t
+        Zb2 = _dot(W2t, Xb2, PREC) + b2v[:, None] - _dot(G2, M2t, PREC)
+        # the read-out o = [LN](Zbar2) [+ q]
+        dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
+        dzb2 = dO
+        if HAS_LN:
+            xo, ro = _ln(Zb2, cm, Dv)
+            dgam += tl.sum(dO * xo, axis=1)
+            dbet += tl.sum(dO, axis=1)
+            dzb2 = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
+        causal = i[:, None] <= i[None, :]
+        # Zbar2 = Xbar2 W2 + b2 - M2 G2
+        dXb2 = _dot(W2, dzb2, PREC)
+        dG2 = -_dot(dzb2, tl.trans(M2t), PREC)
+        dM2t = -_dot(tl.trans(G2), dzb2, PREC)
+        dA2t = tl.where(causal, dM2t * Et, 0.0)
+        dEt = tl.where(causal, dM2t * A2t, 0.0)
+        dX2 = _dot(Xb2, tl.trans(dA2t), PREC)
+        dXb2 += _dot(X2, dA2t, PREC)
+        # Zbar1 = Q W1 + b1 - M1 G1
+        dzb1 = dXb2 * gbp
+        dG1 = -_dot(dzb1, tl.trans(M1t), PREC)
+        dM1t = -_dot(tl.trans(G1), dzb1, PREC)
+        dA1t = tl.where(causal, dM1t * Et, 0.0)
+        dEt += tl.where(causal, dM1t * A1t, 0.0)
+        dq = _dot(W1, dzb1, PREC, _dot(kt, dA1t, PREC))
+        dk = _dot(qt, tl.trans(dA1t), PREC)
+        dtau += tl.sum(dEt * eta[:, None], axis=0)
+        deta = tl.sum(dEt * tau[None, :], axis=1)
+        # the gradient sums S1 = K^T (eta G1), S2 = X2^T (eta G2) (and the biases'): handed
+        # on (TAIL, gradients ds) or applied, W' = W - tau_b S (gradient -tau_b D)
+        H1 = G1 * eta[None, :]
+        H2 = G2 * eta[None, :]
+        Dc1 = _block(dw1, 0, 0, Dk, Dh, BK, BHD)
+        Dc2 = _block(dw2, 0, 0, Dh, Dv, BHD, BV)
+        dc1 = z1
+        dc2 = z2
+        if HAS_B1:
+            dc1 = _vec(db1_ptr + bh * Dh, Dh, BHD)
+        if HAS_B2:
+            dc2 = _vec(db2_ptr + bh * Dv, Dv, BV)
+        coef = -tau_b
+        D1 = Dc1
+        D2 = Dc2
+        d1 = dc1
+        d2 = dc2
+        if TAIL:
+            coef = 1.0
+            D1 = _block(ds1_ptr + bh * Dk * Dh, 0, 0, Dk, Dh, BK, BHD)
+            D2 = _block(ds2_ptr + bh * Dh * Dv, 0, 0, Dh, Dv, BHD, BV)
+            if HAS_B1:
+                d1 = _vec(dsb1_ptr + bh * Dh, Dh, BHD)
+            if HAS_B2:
+                d2 = _vec(dsb2_ptr + bh * Dv, Dv, BV)
+        kD1 = _dot(tl.trans(D1), kt, PREC) + d1[:, None]  # [BHD, BB]
+        xD2 = _dot(tl.trans(D2), X2, PREC) + d2[:, None]  # [BV, BB]
+        if not TAIL:
+            dtau_b -= tl.sum(tl.sum(H1 * kD1, axis=1), axis=0) + tl.sum(
+                tl.sum(H2 * xD2, axis=1), axis=0)
+        dk += coef * _dot(D1, H1, PREC)
+        dX2 += coef * _dot(D2, H2, PREC)
+        dG1 += (coef * kD1) * eta[None, :]
+        dG2 += (coef * xD2) * eta[None, :]
+        deta += coef * (tl.sum(G1 * kD1, axis=0) + tl.sum(G2 * xD2, axis=0))
+        # G1 = A * gelu'(Z1), A = G2 W2^T
+        dA = dG1 * g1p
+        dZ1 = dG1 * A * g1pp
+        dG2 += _dot(W2t, dA, PREC)
+        # G2 = dl/dZ2 of the keys' loss
+        dtgt = -dG2
+        dZ2 = dG2
+        if HAS_LN:
+            dZ2, dg = _ln_grad_back(dG2, G2, xh, r, g, gam, cm, Dv)
+            dtgt = -gam[:, None] * dg
+            dgam += tl.sum(dg * (gam[:, None] * xh + bet[:, None] - tgt + gam[:, None] * xh),
+                           axis=1)
+            dbet -= tl.sum(dtgt, axis=1)
+        # Z2 = X2 W2 + b2, X2 = gelu(Z1), Z1 = K W1 + b1
+        dX2 += _dot(W2, dZ2, PREC)
+        dZ1 += dX2 * g1p
+        dk = _dot(W1, dZ1, PREC, dk)
+        if RESIDUAL:  # Dk == Dv
+            dq += dO
+            dk -= dtgt
+        _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, BK)
+        _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, BK)
+        _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
+        tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+        # the gradient of the weights entering the mini-batch
+        Dc1 = _dot(qt, tl.trans(dzb1), PREC, _dot(kt, tl.trans(dZ1), PREC, Dc1))
+        Dc2 = _dot(Xb2, tl.trans(dzb2), PREC, _dot(X2, tl.trans(dZ2), PREC,
+                                                   _dot(dA, tl.trans(G2), PREC, Dc2)))
+        tl.debug_barrier()  # every thread has read D before it is overwritten
+        _store_blockT(dw1, tl.trans(Dc1), 0, 0, Dk, Dh, BK, BHD)
+        _store_blockT(dw2, tl.trans(Dc2), 0, 0, Dh, Dv, BHD, BV)
+        if HAS_B1:
+            _store_vec(db1_ptr + bh * Dh, dc1 + tl.sum(dzb1 + dZ1, axis=1), Dh, BHD)
+        if HAS_B2:
+            _store_vec(db2_ptr + bh * Dv, dc2 + tl.sum(dzb2 + dZ2, axis=1), Dv, BV)
+        tl.debug_barrier()
+    _store_vec(acc, dgam, BV, BV)
+    _store_vec(acc + BV, dbet, BV, BV)
+    dtau = tl.where(tl.arange(0, BB) == b - 1, dtau + dtau_b, dtau)
+    _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1078,6 +1333,95 @@ class _LinearTriton(torch.autograd.Function):
                 dW0, acc[:, 0] if L.consts["HAS_BIAS"] else None, None, None)
 
 
+class _MLPTriton(torch.autograd.Function):
+    """(o, W1, b1, W2, b2, S1, s1, S2, s2) = TTT-MLP from a mini-batch boundary in the kernels
+    above. q, k [B, T, H, Dk], v [B, T, H, Dv] contiguous in their dtype; eta [B, T, H],
+    tau [H, b], lnw, lnb [H, Dv] or None; W1 [B*H, Dk, Dh], b1 [B*H, Dh] or None,
+    W2 [B*H, Dh, Dv], b2 [B*H, Dv] or None, float32 contiguous. The biases returned are
+    zeros where the input is None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, eta, tau, lnw, lnb, W1, b1, W2, b2, residual, seg):  # type: ignore[override]
+        flags = {"HAS_B1": b1 is not None, "HAS_B2": b2 is not None, "HAS_LN": lnw is not None,
+                 "HAS_LNB": lnb is not None, "RESIDUAL": residual}
+        L = _shape("ttt_mlp", q, v, tau.shape[-1], seg, flags)
+        BH, Dk, Dv, Dh = L.BH, L.Dk, L.Dv, W1.shape[-1]
+        f32 = {"dtype": torch.float32, "device": q.device}
+        BB, BV = L.consts["BB"], L.consts["BV"]
+        w1, w2 = W1.clone(), W2.clone()  # updated in place by the kernel
+        c1 = torch.zeros(BH, Dh, **f32) if b1 is None else b1.clone()
+        c2 = torch.zeros(BH, Dv, **f32) if b2 is None else b2.clone()
+        sums = [torch.zeros_like(x) for x in (w1, c1, w2, c2)]
+        o = torch.empty(*q.shape[:3], Dv, dtype=q.dtype, device=q.device)
+        A = _scores(L, q, k, b1 is not None)
+        store = any(ctx.needs_input_grad)
+        NC = L.NC if store else 0
+        cks = [torch.empty(BH, NC, *x.shape[1:], **f32) for x in (w1, c1, w2, c2)]
+        _mlp_fwd_kernel[(BH,)](
+            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), w1, c1, w2, c2, o, *sums,
+            torch.empty(BH, BV, BB, **f32), *cks, L.T, L.H, Dk, Dv, Dh, L.b, L.N, L.T // L.b,
+            L.seg, store, BHD=_pow2(Dh), HB=L.cfg.HB, **L.launch())
+        if store:
+            ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, A, w1, c1, w2, c2, *cks)
+            ctx.L = L
+        return o, w1, c1, w2, c2, *sums
+
+    @staticmethod
+    def backward(ctx, do, dw1, dc1, dw2, dc2, ds1, dsb1, ds2, dsb2):  # type: ignore[override]
+        q, k, v, eta, tau, lnw, lnb, A, w1, c1, w2, c2, *cks = ctx.saved_tensors
+        L = ctx.L
+        T, H, Dk, Dv, b, N, NF, seg = L.dims
+        BH, Dh = L.BH, w1.shape[-1]
+        f32 = {"dtype": torch.float32, "device": q.device}
+        shapes = [x.shape for x in (w1, c1, w2, c2)]
+
+        def grad(x, shape):
+            return torch.zeros(shape, **f32) if x is None else x.to(torch.float32).clone()
+
+        do = grad(do, (*q.shape[:3], Dv))
+        carried = [grad(x, s) for x, s in zip((dw1, dc1, dw2, dc2), shapes)]  # in place
+        dsums = [grad(x, s) for x, s in zip((ds1, dsb1, ds2, dsb2), shapes)]
+        BB, BV = L.consts["BB"], L.consts["BV"]
+        acc = torch.zeros(BH, 2, BV, **f32)  # dgamma, dbeta per program
+        dtau = torch.zeros(BH, BB, **f32)
+        dq, dk = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32)
+        dv, deta = torch.empty(v.shape, **f32), torch.empty(eta.shape, **f32)
+        slots = [torch.empty(BH, seg + 1, *s[1:], **f32) for s in shapes]
+        o = torch.empty(*q.shape[:3], Dv, **f32)  # the recomputed read-out (unused)
+        gs = torch.empty(BH, BV, BB, **f32)
+        ln = (_or(lnw, tau), _or(lnb, tau))
+        fl = {n: L.consts[n] for n in ("HAS_B1", "HAS_B2", "HAS_LN", "HAS_LNB", "RESIDUAL",
+                                       "PREC", "BB", "BK", "BV")}
+        BHD = _pow2(Dh)
+        warps = {"num_warps": L.cfg.warps, "num_stages": 1}
+
+        def back(n0, n1, ws, w_bh, w_j, tail):
+            _mlp_bwd_kernel[(BH,)](
+                q, k, v, eta, tau, A, *ln, *ws, do, *dsums, *carried, acc, dtau, dq, dk, dv,
+                deta, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j, TAIL=tail, BHD=BHD, **fl,
+                **warps)
+
+        if NF < N:  # the last, partial mini-batch starts from the returned weights
+            back(NF, N, (w1, c1, w2, c2), 1, 0, True)
+        for s in reversed(range(L.NC)):
+            n0, n1 = s * seg, min(s * seg + seg, NF)
+            for x, ck in zip(slots, cks):
+                x[:, 0] = ck[:, s]
+            if n1 - n0 > 1:
+                _mlp_recompute_kernel[(BH,)](
+                    q, k, v, eta, tau, A, *ln, *slots, o, gs, T, H, Dk, Dv, Dh, b, N, n0, n1,
+                    seg, BHD=BHD, HB=L.cfg.HB, KC=L.consts["KC"], **fl, **warps)
+            back(n0, n1, slots, seg + 1, 1, False)
+        dtau = dtau.view(L.B, L.H, BB)[..., :b].sum(0)
+        acc = acc[..., :Dv]
+        fl = L.consts
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), deta.to(eta.dtype), dtau,
+                None if lnw is None else acc[:, 0].reshape(L.B, H, Dv).sum(0),
+                None if lnb is None else acc[:, 1].reshape(L.B, H, Dv).sum(0),
+                carried[0], carried[1] if fl["HAS_B1"] else None, carried[2],
+                carried[3] if fl["HAS_B2"] else None, None, None)
+
+
 def _or(x: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
     """x, or a stand-in pointer for an argument the kernel does not read (its flag is off)."""
     return other if x is None else x
@@ -1151,15 +1495,12 @@ def ttt_mlp_triton(
     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
     tau: torch.Tensor, checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, Carry]:
-    """TTT-MLP's dual form (``chunk.ttt_mlp_dual``'s arguments and results), forward only, in
-    ``_mlp_fwd_kernel``; inputs as ``ttt_linear_triton``'s. No backward: a call that would
-    record gradients is a ValueError (the dispatcher leaves those to PyTorch)."""
+    """TTT-MLP's dual form (``chunk.ttt_mlp_dual``'s arguments and results) in the kernels
+    above, forward and backward; inputs as ``ttt_linear_triton``'s. ``checkpoint_group``:
+    mini-batches per checkpoint of the backward's recomputation (default ``SEGMENT``);
+    results do not depend on it."""
     from .chunk import ttt_mlp_dual
 
-    tensors = (q, k, v, eta, ln_weight, ln_bias, tau, *carry.start, *(carry.grads or ()))
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        raise ValueError("the TTT-MLP Triton kernels have no backward pass: call without "
-                         "gradients (torch.no_grad) or with backend='torch'")
     b = tau.shape[-1]
 
     def run_torch(q, k, v, eta, carry):
@@ -1173,32 +1514,18 @@ def ttt_mlp_triton(
     (B, T, H, Dk), Dv = q.shape, v.shape[-1]
     W1, b1, W2, b2 = carry.start
     Dh = W1.shape[-1]
-    flags = {"HAS_B1": b1 is not None, "HAS_B2": b2 is not None,
-             "HAS_LN": ln_weight is not None, "HAS_LNB": ln_bias is not None,
-             "RESIDUAL": residual}
-    L = _shape("ttt_mlp", q, v, b, None, flags)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    BH, BB, BV = B * H, L.consts["BB"], L.consts["BV"]
-    f32 = {"dtype": torch.float32, "device": q.device}
 
-    def work(x, *shape):  # a float32 working copy the kernel updates in place
-        return torch.zeros(*shape, **f32) if x is None else x.reshape(*shape).to(**f32).clone()
+    def flat(x, *shape):
+        return None if x is None else _f32(x.reshape(*shape))
 
-    w1, w2 = work(W1, BH, Dk, Dh), work(W2, BH, Dh, Dv)
-    c1, c2 = work(b1, BH, Dh), work(b2, BH, Dv)
-    sums = [torch.zeros_like(x) for x in (w1, c1, w2, c2)]
-    o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
-    gs = torch.empty(BH, BV, BB, **f32)
-    tau32, eta32 = _f32(tau), _f32(eta)
-    _mlp_fwd_kernel[(BH,)](
-        q, k, v, eta32, tau32, _scores(L, q, k, b1 is not None), _or(_f32(ln_weight), tau32),
-        _or(_f32(ln_bias), tau32), w1, c1, w2, c2, o, *sums, gs, T, H, Dk, Dv, Dh, b, L.N,
-        T // b, BHD=_pow2(Dh), HB=L.cfg.HB, **L.launch())
+    o, *out = _MLPTriton.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), _f32(eta), _f32(tau), _f32(ln_weight),
+        _f32(ln_bias), flat(W1, B * H, Dk, Dh), flat(b1, B * H, Dh), flat(W2, B * H, Dh, Dv),
+        flat(b2, B * H, Dv), residual, checkpoint_group)
     tail = T % b
 
     def weights(x1, x2, x3, x4):
         return (x1.view(B, H, Dk, Dh), None if b1 is None else x2.view(B, H, Dh),
                 x3.view(B, H, Dh, Dv), None if b2 is None else x4.view(B, H, Dv))
 
-    return _join(first, o), Carry(weights(w1, c1, w2, c2), weights(*sums) if tail else None,
-                                  tail)
+    return _join(first, o), Carry(weights(*out[:4]), weights(*out[4:]) if tail else None, tail)
