@@ -77,6 +77,7 @@ def exact(kernels, on_gpu, monkeypatch):
     oracle on odd sizes."""
     monkeypatch.setattr(kernels, "supports", lambda op, dtype: True)
     monkeypatch.setattr(kernels, "HEAD_MULTIPLE", 1)
+    monkeypatch.setattr(kernels, "BACKWARD_OPS", kernels.OPS)
 
 
 
@@ -276,6 +277,10 @@ def test_dispatch(launches, on_gpu, monkeypatch):
         ttt_linear(*(x.half() if x.dim() == 4 else x for x in odd), backend="triton", **kw_odd)
     per_row = (*[torch.zeros(1, 2, *s) for s in ((16, 64), (64,), (64, 16), (16,))] * 3,
                torch.tensor([1]))
+    mlp_state = (torch.zeros(1, 2, 16, 64), None, torch.zeros(1, 2, 64, 16), None)
+    with pytest.raises(ValueError, match="no spill-free tiling"):
+        ttt_mlp(*half, backend="triton", initial_state=mlp_state, mini_batch_size=4,
+                ln_weight=torch.ones(2, 16, requires_grad=True))
     with pytest.raises(ValueError, match="per-row places"):
         ttt_mlp(*(x[:, :1] for x in half), backend="triton", initial_state=per_row,
                 mini_batch_size=4)
