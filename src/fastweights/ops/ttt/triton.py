@@ -1,6 +1,5 @@
-"""Triton kernels for the dual form of TTT-Linear (docs/maths.md 2.2-2.4), forward and
-backward, and of TTT-MLP, forward only: one program per (batch, head) walks the sequence one
-mini-batch at a time.
+"""Triton kernels for the dual form of TTT-Linear and TTT-MLP (docs/maths.md 2.2-2.4), forward
+and backward: one program per (batch, head) walks the sequence one mini-batch at a time.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mini-batch size,
 N = ceil(T / b) mini-batches, NF = floor(T / b) full ones; BB = max(16, next power of two >= b)
@@ -56,14 +55,20 @@ chip; weights, gradient sums, LayerNorm statistics and every accumulation are fl
 Products run with ``precisions``' float32 setting of ops/_triton_common.py: exact float32 for
 float32 inputs, TF32 for half inputs (a bfloat16 or float16 value is exact in TF32).
 
-TTT-MLP (``_mlp_fwd_kernel``, forward only: calls that record gradients run PyTorch): W1
+TTT-MLP (``_mlp_fwd_kernel``): W1
 [Dk, Dh], W2 [Dh, Dv] (Dh = 4 Dk; 2 x 256 KiB per head at D = 128) stream the same way, in
 hidden blocks of HB units; per mini-batch two passes over the blocks: the first forms
 Z2 = gelu(K W1 + b1) W2 + b2 and its LayerNorm gradient G2; the second per block G1 =
 (G2 W2^T) * gelu'(Z1) (G2 read back from scratch by blocks of value rows), the queries'
 Zbar1 = Q W1 + b1 - (E * (Q K^T [+ 1])) G1, Xbar2 = gelu(Zbar1) through W2 into the read-out,
-the b x b scores Xbar2 X2^T, and the block's update. TTT-MLP's backward has no kernel: it
-would take the TTT-Linear backward's three passes with the hidden blocks, recomputing Z1.
+the b x b scores Xbar2 X2^T, and the block's update; with gradients it also stores the
+weights entering every ``seg``-th mini-batch. Backward, per segment, last first (a partial last
+mini-batch first of all): ``_mlp_recompute_kernel`` (B*H, sequential) the segment's forward
+again from its checkpoint, each mini-batch's start weights into slots; ``_mlp_bwd_kernel``
+(B*H, sequential, last mini-batch first) each mini-batch's forward again from its slot and its
+whole backward with the carried gradient of the weights (the formulas: its docstring and
+mlp_scan.py's). ``_mlp_bwd_kernel`` holds whole weight and hidden tiles and spills registers on
+a GPU (docs/gpu_ttt_kernels.md): exact, but the dispatcher does not use it (``BACKWARD_OPS``).
 """
 
 from __future__ import annotations
@@ -897,7 +902,8 @@ def _mlp_fwd_kernel(
     [B*H, Dk, Dh], b1 [B*H, Dh], w2 [B*H, Dh, Dv], b2 [B*H, Dv] hold the start weights and are
     updated in place into the weights after the last full mini-batch; writes o and the
     gradient sums of a last partial mini-batch (s1, sb1, s2, sb2, if NF < N). a: the scores of
-    ``_qk_kernel``; gs [B*H, BV, BB]: scratch (G2 read back by blocks)."""
+    ``_qk_kernel``; gs [B*H, BV, BB]: scratch (G2 read back by blocks). With ``store_ck``, the
+    weights entering every ``seg``-th mini-batch into ck1 [B*H, NC, Dk, Dh], ckb1, ck2, ckb2."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
