@@ -1018,10 +1018,10 @@ def _mlp_bwd_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr,
     w1_ptr, b1_ptr, w2_ptr, b2_ptr, do_ptr, ds1_ptr, dsb1_ptr, ds2_ptr, dsb2_ptr,
     dw1_ptr, db1_ptr, dw2_ptr, db2_ptr, acc_ptr, dtau_ptr, dq_ptr, dk_ptr, dv_ptr, deta_ptr,
-    T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j,
+    hs_ptr, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j,
     TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
     HAS_LNB: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BHD: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr,
 ):
     """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head): each
     mini-batch's forward again from its start weights (slot bh * w_bh + j * w_j of w1
@@ -1029,12 +1029,15 @@ def _mlp_bwd_kernel(
     carried gradient of the weights leaving it, dw1 [B*H, Dk, Dh], db1, dw2, db2 (updated in
     place into that of the weights entering n0; TAIL: n0 is a last partial mini-batch, whose
     sums' gradient is ds1, dsb1, ds2, dsb2). Writes dq, dk, dv, deta; adds to acc [B*H, 2, BV]
-    (dgamma, dbeta) and dtau [B*H, BB]. Per mini-batch, with the forward of
-    ``_mlp_minibatch`` (M1 = E * (Q K^T [+ 1]), M2 = E * (Xbar2 X2^T [+ 1])):
-    the read-out's backward through Zbar2 = Xbar2 W2 + b2 - M2 G2 and
-    Zbar1 = Q W1 + b1 - M1 G1, the update's (W <- W - tau_b S), then G1 = (G2 W2^T) gelu'(Z1)
-    (gelu'' enters), the keys' LayerNorm gradient G2 = dl/dZ2 (differentiated once more) and
-    Z2 = gelu(K W1 + b1) W2 + b2. Every tile is held whole: hidden tiles [BHD, BB]."""
+    (dgamma, dbeta) and dtau [B*H, BB]. The weights stream in hidden blocks of HB units, four
+    passes per mini-batch, the hidden rows [BHD, BB] kept in the program's scratch hs
+    [B*H, 10, BHD, BB]: (1) Z1, X2 = gelu(Z1) and Z2 = X2 W2 + b2 of the keys, their loss
+    gradient G2; (2) A = G2 W2^T, G1 = A gelu'(Z1), the queries' Zbar1 = Q W1 + b1 - M1 G1,
+    Xbar2 and Zbar2 = Xbar2 W2 + b2 - M2 G2 (M1 = E * (Q K^T [+ 1]), M2 = E * (Xbar2 X2^T
+    [+ 1])); the read-out's backward; (3) per block dZbar1, dG1 (read-out and update W' = W -
+    tau_b S, with the carried D), dA, and their sums over blocks: dG2, M1's gradient, dQ;
+    the keys' LayerNorm gradient differentiated (dZ2); (4) dX2, dZ1 (gelu'' enters), dK and
+    the gradient of the block's start weights."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
@@ -1056,8 +1059,13 @@ def _mlp_bwd_kernel(
     dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
     dw1 = dw1_ptr + bh * Dk * Dh
     dw2 = dw2_ptr + bh * Dh * Dv
-    z1 = tl.zeros([BHD], dtype=tl.float32)
-    z2 = tl.zeros([BV], dtype=tl.float32)
+    ds1 = ds1_ptr + bh * Dk * Dh
+    ds2 = ds2_ptr + bh * Dh * Dv
+    hs = hs_ptr + bh * 10 * BHD * BB
+    SL = BHD * BB  # one scratch slot: X2, g1', g1'', A, G1, Xbar2, gbar', dZbar1, dA, dZ1'
+    coef = -tau_b
+    if TAIL:
+        coef = 1.0
     for nr in range(n0, n1):
         n = n1 - 1 + n0 - nr
         slot = bh * w_bh + (n - n0) * w_j
@@ -1065,37 +1073,50 @@ def _mlp_bwd_kernel(
         w2 = w2_ptr + slot * Dh * Dv
         i, t, m, eta, tau, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
                                                 b, N, BB)
-        W1t = _blockT(w1, 0, 0, Dk, Dh, BK, BHD)  # [BHD, BK]
-        W1 = _block(w1, 0, 0, Dk, Dh, BK, BHD)  # [BK, BHD]
-        W2t = _blockT(w2, 0, 0, Dh, Dv, BHD, BV)  # [BV, BHD]
-        W2 = _block(w2, 0, 0, Dh, Dv, BHD, BV)  # [BHD, BV]
-        b1v = z1
-        b2v = z2
-        if HAS_B1:
-            b1v = _vec(b1_ptr + slot * Dh, Dh, BHD)
-        if HAS_B2:
-            b2v = _vec(b2_ptr + slot * Dv, Dv, BV)
         kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
         qt = _cols(q_ptr, base_k, t, m, H, Dk, BK)
         tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
         if RESIDUAL:  # Dk == Dv
             tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
-        # the forward
-        Z1 = _dot(W1t, kt, PREC) + b1v[:, None]
-        X2, g1p, g1pp = _gelu2(Z1)
-        Z2 = _dot(W2t, X2, PREC) + b2v[:, None]
-        G2, xh, r, g = _loss_grad(Z2, tgt, gam, bet, cm, Dv, HAS_LN)
-        A = _dot(W2, G2, PREC)
-        G1 = A * g1p
+        b2v = tl.zeros([BV], dtype=tl.float32)
+        if HAS_B2:
+            b2v = _vec(b2_ptr + slot * Dv, Dv, BV)
         M1t = Et * A1t
-        Zb1 = _dot(W1t, qt, PREC) + b1v[:, None] - _dot(G1, M1t, PREC)
-        Xb2, gbp = _gelu(Zb1)
-        A2t = _dot(tl.trans(X2), Xb2, PREC)
+        # (1) the keys' forward
+        Z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
+        for j0 in range(0, BHD, HB):
+            Z1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB), kt, PREC)
+            if HAS_B1:
+                Z1 += _vec(b1_ptr + slot * Dh + j0, Dh - j0, HB)[:, None]
+            X2, g1p, g1pp = _gelu2(Z1)
+            Z2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), X2, PREC, Z2)
+            _store_tile(hs + j0 * BB, X2, HB, BB)
+            _store_tile(hs + SL + j0 * BB, g1p, HB, BB)
+            _store_tile(hs + 2 * SL + j0 * BB, g1pp, HB, BB)
+        G2, xh, r, g = _loss_grad(Z2, tgt, gam, bet, cm, Dv, HAS_LN)
+        tl.debug_barrier()
+        # (2) the queries' read-out
+        Zb2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
+        A2t = tl.zeros([BB, BB], dtype=tl.float32)
+        for j0 in range(0, BHD, HB):
+            A = _dot(_block(w2, j0, 0, Dh, Dv, HB, BV), G2, PREC)
+            G1 = A * _load_tile(hs + SL + j0 * BB, HB, BB)
+            Zb1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB), qt, PREC) - _dot(G1, M1t, PREC)
+            if HAS_B1:
+                Zb1 += _vec(b1_ptr + slot * Dh + j0, Dh - j0, HB)[:, None]
+            Xb2, gbp = _gelu(Zb1)
+            A2t = _dot(tl.trans(_load_tile(hs + j0 * BB, HB, BB)), Xb2, PREC, A2t)
+            Zb2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), Xb2, PREC, Zb2)
+            _store_tile(hs + 3 * SL + j0 * BB, A, HB, BB)
+            _store_tile(hs + 4 * SL + j0 * BB, G1, HB, BB)
+            _store_tile(hs + 5 * SL + j0 * BB, Xb2, HB, BB)
+            _store_tile(hs + 6 * SL + j0 * BB, gbp, HB, BB)
         if HAS_B2:
             A2t += 1.0
         M2t = Et * A2t
-        Zb2 = _dot(W2t, Xb2, PREC) + b2v[:, None] - _dot(G2, M2t, PREC)
-        # the read-out o = [LN](Zbar2) [+ q]
+        Zb2 -= _dot(G2, M2t, PREC)
+        tl.debug_barrier()
+        # the read-out o = [LN](Zbar2) [+ q] and Zbar2's b x b term
         dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
         dzb2 = dO
         if HAS_LN:
@@ -1104,63 +1125,67 @@ def _mlp_bwd_kernel(
             dbet += tl.sum(dO, axis=1)
             dzb2 = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
         causal = i[:, None] <= i[None, :]
-        # Zbar2 = Xbar2 W2 + b2 - M2 G2
-        dXb2 = _dot(W2, dzb2, PREC)
         dG2 = -_dot(dzb2, tl.trans(M2t), PREC)
         dM2t = -_dot(tl.trans(G2), dzb2, PREC)
         dA2t = tl.where(causal, dM2t * Et, 0.0)
         dEt = tl.where(causal, dM2t * A2t, 0.0)
-        dX2 = _dot(Xb2, tl.trans(dA2t), PREC)
-        dXb2 += _dot(X2, dA2t, PREC)
-        # Zbar1 = Q W1 + b1 - M1 G1
-        dzb1 = dXb2 * gbp
-        dG1 = -_dot(dzb1, tl.trans(M1t), PREC)
-        dM1t = -_dot(tl.trans(G1), dzb1, PREC)
+        # the gradient sums S1 = K^T (eta G1), S2 = X2^T (eta G2) (and the biases'): handed
+        # on (TAIL, gradients ds) or applied, W' = W - tau_b S (gradient coef D)
+        H2 = G2 * eta[None, :]
+        xD2 = tl.zeros([BV, BB], dtype=tl.float32)
+        if HAS_B2:
+            if TAIL:
+                xD2 += _vec(dsb2_ptr + bh * Dv, Dv, BV)[:, None]
+            else:
+                xD2 += _vec(db2_ptr + bh * Dv, Dv, BV)[:, None]
+        # (3) per block: dZbar1, dG1, dA; sums over blocks
+        dM1t = tl.zeros([BB, BB], dtype=tl.float32)
+        dq = tl.zeros([BK, BB], dtype=tl.float32)
+        dkD = tl.zeros([BK, BB], dtype=tl.float32)
+        se1 = tl.zeros([BB], dtype=tl.float32)
+        for j0 in range(0, BHD, HB):
+            X2 = _load_tile(hs + j0 * BB, HB, BB)
+            G1 = _load_tile(hs + 4 * SL + j0 * BB, HB, BB)
+            dXb2 = _dot(_block(w2, j0, 0, Dh, Dv, HB, BV), dzb2, PREC, _dot(X2, dA2t, PREC))
+            dzb1 = dXb2 * _load_tile(hs + 6 * SL + j0 * BB, HB, BB)
+            if TAIL:
+                D1b = _block(ds1, 0, j0, Dk, Dh, BK, HB)
+                D2b = _block(ds2, j0, 0, Dh, Dv, HB, BV)
+            else:
+                D1b = _block(dw1, 0, j0, Dk, Dh, BK, HB)
+                D2b = _block(dw2, j0, 0, Dh, Dv, HB, BV)
+            kD1 = _dot(tl.trans(D1b), kt, PREC)
+            if HAS_B1:
+                if TAIL:
+                    kD1 += _vec(dsb1_ptr + bh * Dh + j0, Dh - j0, HB)[:, None]
+                else:
+                    kD1 += _vec(db1_ptr + bh * Dh + j0, Dh - j0, HB)[:, None]
+            xD2 = _dot(tl.trans(D2b), X2, PREC, xD2)
+            H1 = G1 * eta[None, :]
+            dkD = _dot(D1b, H1, PREC, dkD)
+            se1 += tl.sum(G1 * kD1, axis=0)
+            dG1 = (coef * kD1) * eta[None, :] - _dot(dzb1, tl.trans(M1t), PREC)
+            dM1t = _dot(tl.trans(G1), dzb1, PREC, dM1t)
+            dq = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dzb1, PREC, dq)
+            A = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
+            dA = dG1 * _load_tile(hs + SL + j0 * BB, HB, BB)
+            dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), dA, PREC, dG2)
+            _store_tile(hs + 7 * SL + j0 * BB, dzb1, HB, BB)
+            _store_tile(hs + 8 * SL + j0 * BB, dA, HB, BB)
+            _store_tile(hs + 9 * SL + j0 * BB, dG1 * A * _load_tile(hs + 2 * SL + j0 * BB, HB,
+                                                                       BB), HB, BB)
+        tl.debug_barrier()
+        if not TAIL:
+            dtau_b -= tl.sum(se1 * eta, axis=0) + tl.sum(tl.sum(H2 * xD2, axis=1), axis=0)
+        dG2 += (coef * xD2) * eta[None, :]
+        deta = coef * (se1 + tl.sum(G2 * xD2, axis=0))
+        dM1t = -dM1t
         dA1t = tl.where(causal, dM1t * Et, 0.0)
         dEt += tl.where(causal, dM1t * A1t, 0.0)
-        dq = _dot(W1, dzb1, PREC, _dot(kt, dA1t, PREC))
-        dk = _dot(qt, tl.trans(dA1t), PREC)
+        dq = _dot(kt, dA1t, PREC, dq)
+        dk = _dot(qt, tl.trans(dA1t), PREC, coef * dkD)
         dtau += tl.sum(dEt * eta[:, None], axis=0)
-        deta = tl.sum(dEt * tau[None, :], axis=1)
-        # the gradient sums S1 = K^T (eta G1), S2 = X2^T (eta G2) (and the biases'): handed
-        # on (TAIL, gradients ds) or applied, W' = W - tau_b S (gradient -tau_b D)
-        H1 = G1 * eta[None, :]
-        H2 = G2 * eta[None, :]
-        Dc1 = _block(dw1, 0, 0, Dk, Dh, BK, BHD)
-        Dc2 = _block(dw2, 0, 0, Dh, Dv, BHD, BV)
-        dc1 = z1
-        dc2 = z2
-        if HAS_B1:
-            dc1 = _vec(db1_ptr + bh * Dh, Dh, BHD)
-        if HAS_B2:
-            dc2 = _vec(db2_ptr + bh * Dv, Dv, BV)
-        coef = -tau_b
-        D1 = Dc1
-        D2 = Dc2
-        d1 = dc1
-        d2 = dc2
-        if TAIL:
-            coef = 1.0
-            D1 = _block(ds1_ptr + bh * Dk * Dh, 0, 0, Dk, Dh, BK, BHD)
-            D2 = _block(ds2_ptr + bh * Dh * Dv, 0, 0, Dh, Dv, BHD, BV)
-            if HAS_B1:
-                d1 = _vec(dsb1_ptr + bh * Dh, Dh, BHD)
-            if HAS_B2:
-                d2 = _vec(dsb2_ptr + bh * Dv, Dv, BV)
-        kD1 = _dot(tl.trans(D1), kt, PREC) + d1[:, None]  # [BHD, BB]
-        xD2 = _dot(tl.trans(D2), X2, PREC) + d2[:, None]  # [BV, BB]
-        if not TAIL:
-            dtau_b -= tl.sum(tl.sum(H1 * kD1, axis=1), axis=0) + tl.sum(
-                tl.sum(H2 * xD2, axis=1), axis=0)
-        dk += coef * _dot(D1, H1, PREC)
-        dX2 += coef * _dot(D2, H2, PREC)
-        dG1 += (coef * kD1) * eta[None, :]
-        dG2 += (coef * xD2) * eta[None, :]
-        deta += coef * (tl.sum(G1 * kD1, axis=0) + tl.sum(G2 * xD2, axis=0))
-        # G1 = A * gelu'(Z1), A = G2 W2^T
-        dA = dG1 * g1p
-        dZ1 = dG1 * A * g1pp
-        dG2 += _dot(W2t, dA, PREC)
+        deta += tl.sum(dEt * tau[None, :], axis=1)
         # G2 = dl/dZ2 of the keys' loss
         dtgt = -dG2
         dZ2 = dG2
@@ -1170,10 +1195,36 @@ def _mlp_bwd_kernel(
             dgam += tl.sum(dg * (gam[:, None] * xh + bet[:, None] - tgt + gam[:, None] * xh),
                            axis=1)
             dbet -= tl.sum(dtgt, axis=1)
-        # Z2 = X2 W2 + b2, X2 = gelu(Z1), Z1 = K W1 + b1
-        dX2 += _dot(W2, dZ2, PREC)
-        dZ1 += dX2 * g1p
-        dk = _dot(W1, dZ1, PREC, dk)
+        # (4) per block: dX2, dZ1, dK and the gradient of the block's start weights
+        for j0 in range(0, BHD, HB):
+            X2 = _load_tile(hs + j0 * BB, HB, BB)
+            Xb2 = _load_tile(hs + 5 * SL + j0 * BB, HB, BB)
+            dzb1 = _load_tile(hs + 7 * SL + j0 * BB, HB, BB)
+            dA = _load_tile(hs + 8 * SL + j0 * BB, HB, BB)
+            W2b = _block(w2, j0, 0, Dh, Dv, HB, BV)
+            D2c = _block(dw2, j0, 0, Dh, Dv, HB, BV)
+            D2b = D2c
+            if TAIL:
+                D2b = _block(ds2, j0, 0, Dh, Dv, HB, BV)
+            dX2 = _dot(Xb2, tl.trans(dA2t), PREC, _dot(W2b, dZ2, PREC))
+            dX2 += coef * _dot(D2b, H2, PREC)
+            dZ1 = _load_tile(hs + 9 * SL + j0 * BB, HB, BB) + dX2 * _load_tile(
+                hs + SL + j0 * BB, HB, BB)
+            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dZ1, PREC, dk)
+            D1c = _dot(qt, tl.trans(dzb1), PREC, _dot(kt, tl.trans(dZ1), PREC,
+                                                      _block(dw1, 0, j0, Dk, Dh, BK, HB)))
+            D2c = _dot(Xb2, tl.trans(dzb2), PREC, _dot(X2, tl.trans(dZ2), PREC,
+                                                       _dot(dA, tl.trans(G2), PREC, D2c)))
+            tl.debug_barrier()  # every thread has read the blocks before they are overwritten
+            _store_blockT(dw1, tl.trans(D1c), 0, j0, Dk, Dh, BK, HB)
+            _store_blockT(dw2, tl.trans(D2c), j0, 0, Dh, Dv, HB, BV)
+            if HAS_B1:
+                db1 = db1_ptr + bh * Dh + j0
+                _store_vec(db1, _vec(db1, Dh - j0, HB) + tl.sum(dzb1 + dZ1, axis=1), Dh - j0,
+                           HB)
+        if HAS_B2:
+            _store_vec(db2_ptr + bh * Dv, _vec(db2_ptr + bh * Dv, Dv, BV) +
+                       tl.sum(dzb2 + dZ2, axis=1), Dv, BV)
         if RESIDUAL:  # Dk == Dv
             dq += dO
             dk -= dtgt
@@ -1181,17 +1232,6 @@ def _mlp_bwd_kernel(
         _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, BK)
         _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
         tl.store(deta_ptr + ebase + t * H, deta, mask=m)
-        # the gradient of the weights entering the mini-batch
-        Dc1 = _dot(qt, tl.trans(dzb1), PREC, _dot(kt, tl.trans(dZ1), PREC, Dc1))
-        Dc2 = _dot(Xb2, tl.trans(dzb2), PREC, _dot(X2, tl.trans(dZ2), PREC,
-                                                   _dot(dA, tl.trans(G2), PREC, Dc2)))
-        tl.debug_barrier()  # every thread has read D before it is overwritten
-        _store_blockT(dw1, tl.trans(Dc1), 0, 0, Dk, Dh, BK, BHD)
-        _store_blockT(dw2, tl.trans(Dc2), 0, 0, Dh, Dv, BHD, BV)
-        if HAS_B1:
-            _store_vec(db1_ptr + bh * Dh, dc1 + tl.sum(dzb1 + dZ1, axis=1), Dh, BHD)
-        if HAS_B2:
-            _store_vec(db2_ptr + bh * Dv, dc2 + tl.sum(dzb2 + dZ2, axis=1), Dv, BV)
         tl.debug_barrier()
     _store_vec(acc, dgam, BV, BV)
     _store_vec(acc + BV, dbet, BV, BV)
@@ -1408,6 +1448,8 @@ class _MLPTriton(torch.autograd.Function):
         slots = [torch.empty(BH, seg + 1, *s[1:], **f32) for s in shapes]
         o = torch.empty(*q.shape[:3], Dv, **f32)  # the recomputed read-out (unused)
         gs = torch.empty(BH, BV, BB, **f32)
+        BHD = _pow2(Dh)
+        hs = torch.empty(BH, 10, BHD, BB, **f32)  # the backward kernel's hidden rows
         ln = (_or(lnw, tau), _or(lnb, tau))
         fl = {n: L.consts[n] for n in ("HAS_B1", "HAS_B2", "HAS_LN", "HAS_LNB", "RESIDUAL",
                                        "PREC", "BB", "BK", "BV")}
@@ -1417,8 +1459,8 @@ class _MLPTriton(torch.autograd.Function):
         def back(n0, n1, ws, w_bh, w_j, tail):
             _mlp_bwd_kernel[(BH,)](
                 q, k, v, eta, tau, A, *ln, *ws, do, *dsums, *carried, acc, dtau, dq, dk, dv,
-                deta, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j, TAIL=tail, BHD=BHD, **fl,
-                **warps)
+                deta, hs, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j, TAIL=tail, BHD=BHD,
+                HB=min(L.cfg.HB, BHD), **fl, **warps)
 
         if NF < N:  # the last, partial mini-batch starts from the returned weights
             back(NF, N, (w1, c1, w2, c2), 1, 0, True)
