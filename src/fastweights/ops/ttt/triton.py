@@ -111,6 +111,7 @@ class TileConfig(NamedTuple):
     warps: int
     KC: int = 16
     HB: int = 32
+    HBB: int = 16  # TTT-MLP's backward kernel's hidden block
 
 
 def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> TileConfig | None:
@@ -1018,7 +1019,7 @@ def _mlp_bwd_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr,
     w1_ptr, b1_ptr, w2_ptr, b2_ptr, do_ptr, ds1_ptr, dsb1_ptr, ds2_ptr, dsb2_ptr,
     dw1_ptr, db1_ptr, dw2_ptr, db2_ptr, acc_ptr, dtau_ptr, dq_ptr, dk_ptr, dv_ptr, deta_ptr,
-    hs_ptr, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j,
+    hs_ptr, vs_ptr, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j,
     TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
     HAS_LNB: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr,
@@ -1062,6 +1063,8 @@ def _mlp_bwd_kernel(
     ds1 = ds1_ptr + bh * Dk * Dh
     ds2 = ds2_ptr + bh * Dh * Dv
     hs = hs_ptr + bh * 10 * BHD * BB
+    vs = vs_ptr + bh * 4 * BV * BB  # x_hat, g, the target, dO
+    VS = BV * BB
     SL = BHD * BB  # one scratch slot: X2, g1', g1'', A, G1, Xbar2, gbar', dZbar1, dA, dZ1'
     coef = -tau_b
     if TAIL:
@@ -1074,7 +1077,6 @@ def _mlp_bwd_kernel(
         i, t, m, eta, tau, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
                                                 b, N, BB)
         kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
-        qt = _cols(q_ptr, base_k, t, m, H, Dk, BK)
         tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
         if RESIDUAL:  # Dk == Dv
             tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
@@ -1094,6 +1096,9 @@ def _mlp_bwd_kernel(
             _store_tile(hs + SL + j0 * BB, g1p, HB, BB)
             _store_tile(hs + 2 * SL + j0 * BB, g1pp, HB, BB)
         G2, xh, r, g = _loss_grad(Z2, tgt, gam, bet, cm, Dv, HAS_LN)
+        _store_tile(vs, xh, BV, BB)  # read back for the LayerNorm's backward
+        _store_tile(vs + VS, g, BV, BB)
+        _store_tile(vs + 2 * VS, tgt, BV, BB)
         tl.debug_barrier()
         # (2) the queries' read-out
         Zb2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
@@ -1101,7 +1106,8 @@ def _mlp_bwd_kernel(
         for j0 in range(0, BHD, HB):
             A = _dot(_block(w2, j0, 0, Dh, Dv, HB, BV), G2, PREC)
             G1 = A * _load_tile(hs + SL + j0 * BB, HB, BB)
-            Zb1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB), qt, PREC) - _dot(G1, M1t, PREC)
+            Zb1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB),
+                       _cols(q_ptr, base_k, t, m, H, Dk, BK), PREC) - _dot(G1, M1t, PREC)
             if HAS_B1:
                 Zb1 += _vec(b1_ptr + slot * Dh + j0, Dh - j0, HB)[:, None]
             Xb2, gbp = _gelu(Zb1)
@@ -1124,6 +1130,8 @@ def _mlp_bwd_kernel(
             dgam += tl.sum(dO * xo, axis=1)
             dbet += tl.sum(dO, axis=1)
             dzb2 = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
+        if RESIDUAL:
+            _store_tile(vs + 3 * VS, dO, BV, BB)
         causal = i[:, None] <= i[None, :]
         dG2 = -_dot(dzb2, tl.trans(M2t), PREC)
         dM2t = -_dot(tl.trans(G2), dzb2, PREC)
@@ -1154,7 +1162,7 @@ def _mlp_bwd_kernel(
             else:
                 D1b = _block(dw1, 0, j0, Dk, Dh, BK, HB)
                 D2b = _block(dw2, j0, 0, Dh, Dv, HB, BV)
-            kD1 = _dot(tl.trans(D1b), kt, PREC)
+            kD1 = _dot(tl.trans(D1b), _cols(k_ptr, base_k, t, m, H, Dk, BK), PREC)
             if HAS_B1:
                 if TAIL:
                     kD1 += _vec(dsb1_ptr + bh * Dh + j0, Dh - j0, HB)[:, None]
@@ -1182,18 +1190,20 @@ def _mlp_bwd_kernel(
         dM1t = -dM1t
         dA1t = tl.where(causal, dM1t * Et, 0.0)
         dEt += tl.where(causal, dM1t * A1t, 0.0)
-        dq = _dot(kt, dA1t, PREC, dq)
-        dk = _dot(qt, tl.trans(dA1t), PREC, coef * dkD)
+        dq = _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), dA1t, PREC, dq)
+        dk = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dA1t), PREC, coef * dkD)
         dtau += tl.sum(dEt * eta[:, None], axis=0)
         deta += tl.sum(dEt * tau[None, :], axis=1)
         # G2 = dl/dZ2 of the keys' loss
         dtgt = -dG2
         dZ2 = dG2
         if HAS_LN:
-            dZ2, dg = _ln_grad_back(dG2, G2, xh, r, g, gam, cm, Dv)
+            xh = _load_tile(vs, BV, BB)
+            dZ2, dg = _ln_grad_back(dG2, G2, xh, r, _load_tile(vs + VS, BV, BB), gam, cm, Dv)
             dtgt = -gam[:, None] * dg
-            dgam += tl.sum(dg * (gam[:, None] * xh + bet[:, None] - tgt + gam[:, None] * xh),
-                           axis=1)
+            dgam += tl.sum(dg * (gam[:, None] * xh + bet[:, None] - _load_tile(vs + 2 * VS, BV,
+                                                                                BB)
+                                 + gam[:, None] * xh), axis=1)
             dbet -= tl.sum(dtgt, axis=1)
         # (4) per block: dX2, dZ1, dK and the gradient of the block's start weights
         for j0 in range(0, BHD, HB):
@@ -1211,7 +1221,8 @@ def _mlp_bwd_kernel(
             dZ1 = _load_tile(hs + 9 * SL + j0 * BB, HB, BB) + dX2 * _load_tile(
                 hs + SL + j0 * BB, HB, BB)
             dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dZ1, PREC, dk)
-            D1c = _dot(qt, tl.trans(dzb1), PREC, _dot(kt, tl.trans(dZ1), PREC,
+            D1c = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dzb1), PREC,
+                       _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), tl.trans(dZ1), PREC,
                                                       _block(dw1, 0, j0, Dk, Dh, BK, HB)))
             D2c = _dot(Xb2, tl.trans(dzb2), PREC, _dot(X2, tl.trans(dZ2), PREC,
                                                        _dot(dA, tl.trans(G2), PREC, D2c)))
@@ -1226,7 +1237,7 @@ def _mlp_bwd_kernel(
             _store_vec(db2_ptr + bh * Dv, _vec(db2_ptr + bh * Dv, Dv, BV) +
                        tl.sum(dzb2 + dZ2, axis=1), Dv, BV)
         if RESIDUAL:  # Dk == Dv
-            dq += dO
+            dq += _load_tile(vs + 3 * VS, BV, BB)
             dk -= dtgt
         _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, BK)
         _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, BK)
@@ -1450,6 +1461,7 @@ class _MLPTriton(torch.autograd.Function):
         gs = torch.empty(BH, BV, BB, **f32)
         BHD = _pow2(Dh)
         hs = torch.empty(BH, 10, BHD, BB, **f32)  # the backward kernel's hidden rows
+        vs = torch.empty(BH, 4, BV, BB, **f32)  # and value rows
         ln = (_or(lnw, tau), _or(lnb, tau))
         fl = {n: L.consts[n] for n in ("HAS_B1", "HAS_B2", "HAS_LN", "HAS_LNB", "RESIDUAL",
                                        "PREC", "BB", "BK", "BV")}
@@ -1459,8 +1471,8 @@ class _MLPTriton(torch.autograd.Function):
         def back(n0, n1, ws, w_bh, w_j, tail):
             _mlp_bwd_kernel[(BH,)](
                 q, k, v, eta, tau, A, *ln, *ws, do, *dsums, *carried, acc, dtau, dq, dk, dv,
-                deta, hs, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j, TAIL=tail, BHD=BHD,
-                HB=min(L.cfg.HB, BHD), **fl, **warps)
+                deta, hs, vs, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j, TAIL=tail, BHD=BHD,
+                HB=min(L.cfg.HBB, BHD), **fl, **warps)
 
         if NF < N:  # the last, partial mini-batch starts from the returned weights
             back(NF, N, (w1, c1, w2, c2), 1, 0, True)
