@@ -67,8 +67,9 @@ mini-batch first of all): ``_mlp_recompute_kernel`` (B*H, sequential) the segmen
 again from its checkpoint, each mini-batch's start weights into slots; ``_mlp_bwd_kernel``
 (B*H, sequential, last mini-batch first) each mini-batch's forward again from its slot and its
 whole backward with the carried gradient of the weights (the formulas: its docstring and
-mlp_scan.py's). ``_mlp_bwd_kernel`` holds whole weight and hidden tiles and spills registers on
-a GPU (docs/gpu_ttt_kernels.md): exact, but the dispatcher does not use it (``BACKWARD_OPS``).
+mlp_scan.py's), the weights streamed in hidden blocks of 16 units, four passes per mini-batch,
+the hidden rows in a per-program scratch. ``_mlp_bwd_kernel`` still spills registers at
+D = 128 (docs/gpu_ttt_kernels.md): exact, but the dispatcher does not use it (``BACKWARD_OPS``).
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ HEAD_MULTIPLE = 16
 MAX_MINI_BATCH = 64  # the mini-batch tile BB
 # The ops whose backward kernels compile without register spills (the compile test,
 # tests/ops/test_ttt_triton_compile.py): the dispatcher leaves calls of the others that record
-# gradients to PyTorch. TTT-MLP's backward kernel holds whole weight tiles and spills
-# (docs/gpu_ttt_kernels.md); it runs exactly (the CPU interpreter's tests).
+# gradients to PyTorch. TTT-MLP's backward kernel (``_mlp_bwd_kernel``) still spills 1.3-3 KB
+# per thread at D = 128 (docs/gpu_ttt_kernels.md); it runs exactly (the interpreter's tests).
 BACKWARD_OPS = ("ttt_linear",)
 SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
 _EPS = tl.constexpr(LN_EPS)
