@@ -281,6 +281,11 @@ def test_dispatch(launches, on_gpu, monkeypatch):
     with pytest.raises(ValueError, match="no spill-free tiling"):
         ttt_mlp(*half, backend="triton", initial_state=mlp_state, mini_batch_size=4,
                 ln_weight=torch.ones(2, 16, requires_grad=True))
+    # automatic: TTT-MLP calls that record gradients run PyTorch (its backward kernel spills)
+    lnw = torch.ones(2, 16, requires_grad=True)
+    o, _ = ttt_mlp(*half, initial_state=mlp_state, mini_batch_size=4, ln_weight=lnw)
+    o.float().sum().backward()
+    assert lnw.grad is not None and launches["mlp_bwd"] == 0 and launches["mlp_fwd"] == 0
     with pytest.raises(ValueError, match="per-row places"):
         ttt_mlp(*(x[:, :1] for x in half), backend="triton", initial_state=per_row,
                 mini_batch_size=4)
