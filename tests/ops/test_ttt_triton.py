@@ -77,6 +77,7 @@ def exact(kernels, on_gpu, monkeypatch):
     oracle on odd sizes."""
     monkeypatch.setattr(kernels, "supports", lambda op, dtype: True)
     monkeypatch.setattr(kernels, "HEAD_MULTIPLE", 1)
+    monkeypatch.setattr(kernels, "BACKWARD_OPS", kernels.OPS)
 
 
 
@@ -274,10 +275,20 @@ def test_dispatch(launches, on_gpu, monkeypatch):
                    mini_batch_size=4)
     with pytest.raises(ValueError, match="multiples of 16"):
         ttt_linear(*(x.half() if x.dim() == 4 else x for x in odd), backend="triton", **kw_odd)
+    per_row = (*[torch.zeros(1, 2, *s) for s in ((16, 64), (64,), (64, 16), (16,))] * 3,
+               torch.tensor([1]))
     mlp_state = (torch.zeros(1, 2, 16, 64), None, torch.zeros(1, 2, 64, 16), None)
-    with pytest.raises(ValueError, match="no backward"):
+    with pytest.raises(ValueError, match="no spill-free tiling"):
         ttt_mlp(*half, backend="triton", initial_state=mlp_state, mini_batch_size=4,
                 ln_weight=torch.ones(2, 16, requires_grad=True))
+    # automatic: TTT-MLP calls that record gradients run PyTorch (its backward kernel spills)
+    lnw = torch.ones(2, 16, requires_grad=True)
+    o, _ = ttt_mlp(*half, initial_state=mlp_state, mini_batch_size=4, ln_weight=lnw)
+    o.float().sum().backward()
+    assert lnw.grad is not None and launches["mlp_bwd"] == 0 and launches["mlp_fwd"] == 0
+    with pytest.raises(ValueError, match="per-row places"):
+        ttt_mlp(*(x[:, :1] for x in half), backend="triton", initial_state=per_row,
+                mini_batch_size=4)
     assert backends.choose_backend("ttt_linear", half[0], None, "dual", 4) == "triton"
     assert launches["linear_fwd"] == 4
 
@@ -301,13 +312,41 @@ def test_mlp_forward_kernel_matches_naive(launches, exact, T, b, ln, res, bias, 
         got = ttt_mlp(*a32, output_final_state=True, backend="triton", **kw32)
     assert launches == Counter(qk=1, mlp_fwd=1), launches
     assert_matches((*got, []), (*want, []), TOL32, "mlp")
-    o, _ = ttt_mlp(*a32, output_final_state=True, **kw32)  # records gradients: PyTorch
-    assert o.requires_grad and launches["mlp_fwd"] == 1
+
+
+# (T, b, LayerNorm, residual, bias, Dk, Dv, checkpoint_group), as LINEAR_CASES
+MLP_GRAD_CASES = [
+    (11, 4, True, True, True, 5, 5, 1),
+    (10, 3, False, False, False, 4, 6, None),
+    (7, 7, True, False, True, 3, 2, None),  # one full mini-batch, no tail
+]
+
+
+@pytest.mark.parametrize("T,b,ln,res,bias,Dk,Dv,group", MLP_GRAD_CASES,
+                         ids=[f"T{c[0]}-b{c[1]}-{'ln' if c[2] else 'noln'}-"
+                              f"{'res' if c[3] else 'nores'}-{'bias' if c[4] else 'nobias'}"
+                              for c in MLP_GRAD_CASES])
+def test_mlp_kernels_match_naive(launches, exact, T, b, ln, res, bias, Dk, Dv, group):
+    """TTT-MLP under autograd in the kernels, forward and backward: output, final state and
+    the gradients of q, k, v, eta, W1, b1, W2, b2, the LayerNorm's weight and bias and the
+    token scales against autograd through the float64 token loop."""
+    args, kw = case(T=T, b=b, ln=ln, bias=bias, Dk=Dk, Dv=Dv, kind="mlp", seed=8)
+    kw["residual"] = res
+    want = run(ttt_mlp, args, kw, F64, mode="naive")
+    got = run(ttt_mlp, args, kw, torch.float32, backend="triton", checkpoint_group=group)
+    assert_matches(got, want, TOL32, "mlp triton")
+    seg = min(group or 16, T // b)
+    starts = range(0, T // b, seg)
+    recompute = sum(min(n + seg, T // b) - n > 1 for n in starts)
+    want_launches = Counter(qk=1, mlp_fwd=1, mlp_bwd=len(starts) + (T % b > 0),
+                            mlp_recompute=recompute)
+    assert launches == +want_launches, launches
 
 
 def test_mlp_continues_a_state_inside_a_mini_batch(launches, exact):
     """A TTT-MLP call from a state that ends inside a mini-batch: the first tokens in PyTorch,
-    the rest in the kernel; equal to the oracle."""
+    the rest in the kernels; output, state and (under autograd) the gradients, those of the
+    carried start weights and sums too, equal the oracle's."""
     args, kw = case(T=12, b=5, kind="mlp", seed=7)
     kw["residual"] = True
     _, mid = ttt_mlp(*(x[:, :2] for x in args), output_final_state=True, mode="naive", **kw)
@@ -318,6 +357,10 @@ def test_mlp_continues_a_state_inside_a_mini_batch(launches, exact):
         got = ttt_mlp(*a32, output_final_state=True, backend="triton", **kw32)
     assert launches["mlp_fwd"] == 1
     assert_matches((*got, []), (*want, []), TOL32, "mlp continued")
+    want = run(ttt_mlp, rest, kw_mid, F64, mode="naive")
+    got = run(ttt_mlp, rest, kw_mid, torch.float32, backend="triton")
+    assert_matches(got, want, TOL32, "mlp continued, gradients")
+    assert launches["mlp_fwd"] == 2 and launches["mlp_bwd"] == 2
 
 
 def test_layer_passes_backend_through(launches, exact):

@@ -47,7 +47,8 @@ ALIGNED_DTYPES = ("bfloat16", "float32")
 # Relative compile cost by kernel family (measured, float32 about twice half), for the order.
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
-        "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "linear_decode": 0.5}
+        "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "mlp_recompute": 3, "mlp_bwd": 4,
+        "linear_decode": 0.5}
 # TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
 # (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
 # The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
@@ -147,7 +148,7 @@ def signatures(kernels, dtype: str, arch: int):
 
 
 def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
-    """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py), TTT-MLP's forward
+    """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py) and of ``_MLPTriton``
     and two TTT-Linear decoding steps (ops/ttt/triton_decode.py) on small CPU tensors (kernels
     replaced by recorders): b = 16, T = b + 3, the flags of ``TTT_FLAGS[flags]``."""
     import torch
@@ -164,14 +165,18 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
         f(H, D) if ln_bias else None, f(B * H, D, D), f(B * H, D) if bias else None, residual,
         None)
     kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
-    # TTT-MLP, forward only
-    from fastweights.ops.ttt.common import Carry
-
+    # TTT-MLP, forward and backward (two full mini-batches and a partial one: the recompute
+    # kernel runs, and both variants of the backward kernel)
     Dh = 4 * D
-    start = (f(B, H, D, Dh), f(B, H, Dh) if bias else None, f(B, H, Dh, D),
-             f(B, H, D) if bias else None)
-    kernels.ttt_mlp_triton(q, q, q, f(B, T, H), Carry(start, None, 0), f(H, D) if ln else None,
-                           f(H, D) if ln_bias else None, residual, torch.ones(H, b))
+    T2 = 2 * b + 3
+    q2 = torch.zeros(B, T2, H, D, dtype=dtype)
+    ctx = _Ctx()
+    ctx.needs_input_grad = (True,) * 13
+    res = kernels._MLPTriton.forward(
+        ctx, q2, q2, q2, f(B, T2, H), torch.ones(H, b), f(H, D) if ln else None,
+        f(H, D) if ln_bias else None, f(B * H, D, Dh), f(B * H, Dh) if bias else None,
+        f(B * H, Dh, D), f(B * H, D) if bias else None, residual, None)
+    kernels._MLPTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
     # The TTT-Linear decoding step (ops/ttt/triton_decode.py): a step inside a mini-batch and
     # one that completes it
     from fastweights.ops.ttt import triton_decode
@@ -224,6 +229,13 @@ def ttt_signatures(kernels, case: tuple, arch: int):
     return unique
 
 
+def dispatched(ttt_kernels, name: str) -> bool:
+    """Whether the dispatcher sends launches of the TTT kernel ``name``: not the backward
+    kernels of ops outside ops/ttt/triton.py's ``BACKWARD_OPS`` (TTT-MLP's, which spill and
+    are not compiled here)."""
+    return not (name.startswith("mlp_bwd") and "ttt_mlp" not in ttt_kernels.BACKWARD_OPS)
+
+
 def _name(kernel: str, sig: dict, const: dict) -> str:
     """A record's name: the kernel family and what tells its launches apart (flags, NK, and the
     pointer dtypes that differ between ops)."""
@@ -257,7 +269,8 @@ def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
 
         todo = [(COST[name.split("[")[0]], ("ttt", arch, case, i)) for arch in archs
                 for case in ttt
-                for i, (_, name, *_) in enumerate(ttt_signatures(ttt_kernels, case, arch))]
+                for i, (_, name, *_) in enumerate(ttt_signatures(ttt_kernels, case, arch))
+                if dispatched(ttt_kernels, name)]
         return [task for _, task in sorted(todo, key=lambda c: -c[0])]
     from fastweights.ops.delta_rule import triton as kernels
 

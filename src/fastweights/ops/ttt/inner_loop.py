@@ -167,7 +167,8 @@ def _triton_runs(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     choice (ops/backend.py, from q's device, dtype, Dk and the mini-batch size), unless the
     kernels cannot take the call's head sizes (Dv > 128, or not multiples of 16), a state
     whose rows sit at their own places in the mini-batch (per-row ``pos``, decoding only) or,
-    for TTT-MLP (whose kernels have no backward), a call that records gradients: an explicit
+    for an op whose backward kernel spills registers (``BACKWARD_OPS`` of ops/ttt/triton.py:
+    TTT-MLP's), a call that records gradients: an explicit
     choice of triton is then an error, the automatic one runs PyTorch. The automatic choice's
     trial call (ops/backend.py ``Trial``) starts from the carry's start weights, detached;
     ``options``: the op's other keyword arguments (LayerNorm, residual, mini-batch size, token
@@ -175,9 +176,10 @@ def _triton_runs(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     why = head_size_refusal(q.shape[-1], v.shape[-1])
     if why is None and isinstance(carry.pos, torch.Tensor):
         why = "a state with per-row places in the mini-batch (a long tensor pos)"
-    elif why is None and kind == "mlp" and records_grad:
-        why = ("the TTT-MLP kernels have no backward pass (gradients are being recorded); "
-               "without gradients (torch.no_grad) they run")
+    elif why is None and records_grad and f"ttt_{kind}" not in getattr(
+            triton_kernels(), "BACKWARD_OPS", (f"ttt_{kind}",)):
+        why = (f"the ttt_{kind} backward kernel has no spill-free tiling (gradients are being "
+               "recorded); without gradients (torch.no_grad) the forward kernel runs")
 
     def trial() -> Trial:
         def detached(x: Any) -> Any:
@@ -232,7 +234,7 @@ def ttt_linear(
     (default 16 mini-batches).
     backend: "triton" (the dual form's kernels, ops/ttt/triton.py: CUDA, float16 or bfloat16
     q, k, v, Dk and Dv multiples of 16 up to 128, mini_batch_size <= 64, mode "dual"; TTT-MLP's
-    forward only, without gradients), "torch", or None for the automatic choice
+    forward kernel only, without gradients: its backward kernel exists but spills), "torch", or None for the automatic choice
     (ops/backend.py: triton where it can run the call, except one-token calls). An explicit
     choice that cannot run the call is a ValueError saying why.
     """

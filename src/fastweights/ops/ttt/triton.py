@@ -1,6 +1,5 @@
-"""Triton kernels for the dual form of TTT-Linear (docs/maths.md 2.2-2.4), forward and
-backward, and of TTT-MLP, forward only: one program per (batch, head) walks the sequence one
-mini-batch at a time.
+"""Triton kernels for the dual form of TTT-Linear and TTT-MLP (docs/maths.md 2.2-2.4), forward
+and backward: one program per (batch, head) walks the sequence one mini-batch at a time.
 
 Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim, b mini-batch size,
 N = ceil(T / b) mini-batches, NF = floor(T / b) full ones; BB = max(16, next power of two >= b)
@@ -56,14 +55,21 @@ chip; weights, gradient sums, LayerNorm statistics and every accumulation are fl
 Products run with ``precisions``' float32 setting of ops/_triton_common.py: exact float32 for
 float32 inputs, TF32 for half inputs (a bfloat16 or float16 value is exact in TF32).
 
-TTT-MLP (``_mlp_fwd_kernel``, forward only: calls that record gradients run PyTorch): W1
+TTT-MLP (``_mlp_fwd_kernel``): W1
 [Dk, Dh], W2 [Dh, Dv] (Dh = 4 Dk; 2 x 256 KiB per head at D = 128) stream the same way, in
 hidden blocks of HB units; per mini-batch two passes over the blocks: the first forms
 Z2 = gelu(K W1 + b1) W2 + b2 and its LayerNorm gradient G2; the second per block G1 =
 (G2 W2^T) * gelu'(Z1) (G2 read back from scratch by blocks of value rows), the queries'
 Zbar1 = Q W1 + b1 - (E * (Q K^T [+ 1])) G1, Xbar2 = gelu(Zbar1) through W2 into the read-out,
-the b x b scores Xbar2 X2^T, and the block's update. TTT-MLP's backward has no kernel: it
-would take the TTT-Linear backward's three passes with the hidden blocks, recomputing Z1.
+the b x b scores Xbar2 X2^T, and the block's update; with gradients it also stores the
+weights entering every ``seg``-th mini-batch. Backward, per segment, last first (a partial last
+mini-batch first of all): ``_mlp_recompute_kernel`` (B*H, sequential) the segment's forward
+again from its checkpoint, each mini-batch's start weights into slots; ``_mlp_bwd_kernel``
+(B*H, sequential, last mini-batch first) each mini-batch's forward again from its slot and its
+whole backward with the carried gradient of the weights (the formulas: its docstring and
+mlp_scan.py's), the weights streamed in hidden blocks of 16 units, four passes per mini-batch,
+the hidden rows in a per-program scratch. ``_mlp_bwd_kernel`` still spills registers at
+D = 128 (docs/gpu_ttt_kernels.md): exact, but the dispatcher does not use it (``BACKWARD_OPS``).
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ import triton.language as tl
 from .._triton_common import _arch, _upcast_tiles, precisions
 from .common import LN_EPS, Carry
 
-__all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_config",
+__all__ = ["BACKWARD_OPS", "MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_config",
            "ttt_linear_triton", "ttt_mlp_triton"]
 
 OPS = ("ttt_linear", "ttt_mlp")  # the ops with kernels here (registered in inner_loop.py)
@@ -88,6 +94,11 @@ MAX_D = 128  # Dk and Dv (ops/backend.py TRITON_MAX_DK)
 # loads are not vectorised and the forward spills at D = 128.
 HEAD_MULTIPLE = 16
 MAX_MINI_BATCH = 64  # the mini-batch tile BB
+# The ops whose backward kernels compile without register spills (the compile test,
+# tests/ops/test_ttt_triton_compile.py): the dispatcher leaves calls of the others that record
+# gradients to PyTorch. TTT-MLP's backward kernel (``_mlp_bwd_kernel``) still spills 1.3-3 KB
+# per thread at D = 128 (docs/gpu_ttt_kernels.md); it runs exactly (the interpreter's tests).
+BACKWARD_OPS = ("ttt_linear",)
 SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
 _EPS = tl.constexpr(LN_EPS)
 _GELU_C = tl.constexpr(math.sqrt(2.0 / math.pi))
@@ -101,6 +112,7 @@ class TileConfig(NamedTuple):
     warps: int
     KC: int = 16
     HB: int = 32
+    HBB: int = 16  # TTT-MLP's backward kernel's hidden block
 
 
 def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> TileConfig | None:
@@ -208,6 +220,14 @@ def _copy_mat(src, dst, R, C, BR: tl.constexpr, BC: tl.constexpr, KC: tl.constex
     for c0 in tl.static_range(0, BR, KC):
         _store_wrows(dst, _wrows(src, c0, R, C, BC, KC), c0, R, C, BC, KC)
     tl.debug_barrier()
+
+
+@triton.jit
+def _copy_flat(src, dst, n, BLK: tl.constexpr):
+    """dst[:n] = src[:n] (float32), BLK elements at a time."""
+    for o in range(0, n, BLK):
+        c = o + tl.arange(0, BLK)
+        tl.store(dst + c, tl.load(src + c, mask=c < n), mask=c < n)
 
 
 @triton.jit
@@ -874,8 +894,8 @@ def _mlp_minibatch(
 @triton.jit
 def _mlp_fwd_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr,
-    b2_ptr, o_ptr, s1_ptr, sb1_ptr, s2_ptr, sb2_ptr, gs_ptr,
-    T, H, Dk, Dv, Dh, b, N, NF,
+    b2_ptr, o_ptr, s1_ptr, sb1_ptr, s2_ptr, sb2_ptr, gs_ptr, ck1_ptr, ckb1_ptr, ck2_ptr,
+    ckb2_ptr, T, H, Dk, Dv, Dh, b, N, NF, seg, store_ck,
     HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
@@ -884,7 +904,8 @@ def _mlp_fwd_kernel(
     [B*H, Dk, Dh], b1 [B*H, Dh], w2 [B*H, Dh, Dv], b2 [B*H, Dv] hold the start weights and are
     updated in place into the weights after the last full mini-batch; writes o and the
     gradient sums of a last partial mini-batch (s1, sb1, s2, sb2, if NF < N). a: the scores of
-    ``_qk_kernel``; gs [B*H, BV, BB]: scratch (G2 read back by blocks)."""
+    ``_qk_kernel``; gs [B*H, BV, BB]: scratch (G2 read back by blocks). With ``store_ck``, the
+    weights entering every ``seg``-th mini-batch into ck1 [B*H, NC, Dk, Dh], ckb1, ck2, ckb2."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
@@ -906,7 +927,16 @@ def _mlp_fwd_kernel(
         if HAS_LNB:
             bet = _vec(lnb_ptr + h * Dv, Dv, BV)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    NC = tl.cdiv(NF, seg)
     for n in range(0, NF):
+        if store_ck and n % seg == 0:  # the weights entering every seg-th mini-batch
+            c = bh * NC + n // seg
+            _copy_flat(w1, ck1_ptr + c * Dk * Dh, Dk * Dh, KC * BV)
+            _copy_flat(w2, ck2_ptr + c * Dh * Dv, Dh * Dv, KC * BV)
+            if HAS_B1:
+                _copy_flat(b1, ckb1_ptr + c * Dh, Dh, KC * BV)
+            if HAS_B2:
+                _store_vec(ckb2_ptr + c * Dv, b2, Dv, BV)
         db2 = _mlp_minibatch(
             q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1, b1, w2, w1, b1, w2, gs,
             b2, gam, bet, cm, bh, h, base_k, base_v, ebase, n, T, H, Dk, Dv, Dh, b, N, -tau_b,
@@ -923,6 +953,302 @@ def _mlp_fwd_kernel(
             HAS_B2, HAS_LN, RESIDUAL, PREC, BB, BK, BV, BHD, HB, KC)
         if HAS_B2:
             _store_vec(sb2_ptr + bh * Dv, sb2, Dv, BV)
+
+
+# ---------------------------------------------------------------------------------------------
+# TTT-MLP (backward)
+
+
+@triton.jit
+def _gelu2(x):
+    """gelu_tanh(x), gelu'(x) and gelu''(x) (mlp_scan.py's ``_gelu_parts``): with
+    u' = c (1 + 3 a x^2), gelu'' = 4 s (1 - s) (u' + 3 a c x^2 + x u'^2 (1 - 2 s))."""
+    y, g1 = _gelu(x)
+    x2 = x * x
+    s = tl.sigmoid(x * (x2 * _GELU_A + 1.0) * (2.0 * _GELU_C))
+    up = (x2 * (3.0 * _GELU_A) + 1.0) * _GELU_C
+    g2 = s * (1.0 - s) * 4.0 * (up + x2 * (3.0 * _GELU_A) * _GELU_C + x * up * up * (1.0 - 2.0 * s))
+    return y, g1, g2
+
+
+@triton.jit
+def _mlp_recompute_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr,
+    b2_ptr, o_ptr, gs_ptr, T, H, Dk, Dv, Dh, b, N, n0, n1, seg,
+    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+):
+    """Backward, first pass over mini-batches n0..n1-1 of one (batch, head): the forward
+    again from the weights in slot 0 of w1 [B*H, seg + 1, Dk, Dh], b1 [B*H, seg + 1, Dh],
+    w2 [B*H, seg + 1, Dh, Dv], b2 [B*H, seg + 1, Dv] (a checkpoint), writing the weights
+    entering mini-batch n0 + j into slot j (its read-out goes to the scratch o)."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    S = seg + 1
+    gs = gs_ptr + bh * BV * BB
+    b2 = tl.zeros([BV], dtype=tl.float32)
+    if HAS_B2:
+        b2 = _vec(b2_ptr + bh * S * Dv, Dv, BV)
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    for n in range(n0, n1 - 1):
+        j = bh * S + n - n0
+        db2 = _mlp_minibatch(
+            q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, w1_ptr + j * Dk * Dh,
+            b1_ptr + j * Dh, w2_ptr + j * Dh * Dv, w1_ptr + (j + 1) * Dk * Dh,
+            b1_ptr + (j + 1) * Dh, w2_ptr + (j + 1) * Dh * Dv, gs, b2, gam, bet, cm, bh, h,
+            base_k, base_v, ebase, n, T, H, Dk, Dv, Dh, b, N, -tau_b, False, HAS_B1, HAS_B2,
+            HAS_LN, RESIDUAL, PREC, BB, BK, BV, BHD, HB, KC)
+        if HAS_B2:
+            b2 += db2
+            _store_vec(b2_ptr + (j + 1) * Dv, b2, Dv, BV)
+
+
+@triton.jit
+def _mlp_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr,
+    w1_ptr, b1_ptr, w2_ptr, b2_ptr, do_ptr, ds1_ptr, dsb1_ptr, ds2_ptr, dsb2_ptr,
+    dw1_ptr, db1_ptr, dw2_ptr, db2_ptr, acc_ptr, dtau_ptr, dq_ptr, dk_ptr, dv_ptr, deta_ptr,
+    hs_ptr, vs_ptr, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j,
+    TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
+    HAS_LNB: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr,
+):
+    """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head): each
+    mini-batch's forward again from its start weights (slot bh * w_bh + j * w_j of w1
+    [., Dk, Dh], b1 [., Dh], w2 [., Dh, Dv], b2 [., Dv]) and its whole backward with the
+    carried gradient of the weights leaving it, dw1 [B*H, Dk, Dh], db1, dw2, db2 (updated in
+    place into that of the weights entering n0; TAIL: n0 is a last partial mini-batch, whose
+    sums' gradient is ds1, dsb1, ds2, dsb2). Writes dq, dk, dv, deta; adds to acc [B*H, 2, BV]
+    (dgamma, dbeta) and dtau [B*H, BB]. The weights stream in hidden blocks of HB units, four
+    passes per mini-batch, the hidden rows [BHD, BB] kept in the program's scratch hs
+    [B*H, 10, BHD, BB]: (1) Z1, X2 = gelu(Z1) and Z2 = X2 W2 + b2 of the keys, their loss
+    gradient G2; (2) A = G2 W2^T, G1 = A gelu'(Z1), the queries' Zbar1 = Q W1 + b1 - M1 G1,
+    Xbar2 and Zbar2 = Xbar2 W2 + b2 - M2 G2 (M1 = E * (Q K^T [+ 1]), M2 = E * (Xbar2 X2^T
+    [+ 1])); the read-out's backward; (3) per block dZbar1, dG1 (read-out and update W' = W -
+    tau_b S, with the carried D), dA, and their sums over blocks: dG2, M1's gradient, dQ;
+    the keys' LayerNorm gradient differentiated (dZ2); (4) dX2, dZ1 (gelu'' enters), dK and
+    the gradient of the block's start weights."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    acc = acc_ptr + bh * 2 * BV
+    dgam = _vec(acc, BV, BV)
+    dbet = _vec(acc + BV, BV, BV)
+    dtau = _vec(dtau_ptr + bh * BB, BB, BB)
+    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
+    dw1 = dw1_ptr + bh * Dk * Dh
+    dw2 = dw2_ptr + bh * Dh * Dv
+    ds1 = ds1_ptr + bh * Dk * Dh
+    ds2 = ds2_ptr + bh * Dh * Dv
+    hs = hs_ptr + bh * 10 * BHD * BB
+    vs = vs_ptr + bh * 4 * BV * BB  # x_hat, g, the target, dO
+    VS = BV * BB
+    SL = BHD * BB  # one scratch slot: X2, g1', g1'', A, G1, Xbar2, gbar', dZbar1, dA, dZ1'
+    coef = -tau_b
+    if TAIL:
+        coef = 1.0
+    for nr in range(n0, n1):
+        n = n1 - 1 + n0 - nr
+        slot = bh * w_bh + (n - n0) * w_j
+        w1 = w1_ptr + slot * Dk * Dh
+        w2 = w2_ptr + slot * Dh * Dv
+        i, t, m, eta, tau, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
+                                                b, N, BB)
+        kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
+        tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:  # Dk == Dv
+            tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
+        b2v = tl.zeros([BV], dtype=tl.float32)
+        if HAS_B2:
+            b2v = _vec(b2_ptr + slot * Dv, Dv, BV)
+        M1t = Et * A1t
+        # (1) the keys' forward
+        Z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
+        for j0 in range(0, BHD, HB):
+            Z1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB), kt, PREC)
+            if HAS_B1:
+                Z1 += _vec(b1_ptr + slot * Dh + j0, Dh - j0, HB)[:, None]
+            X2, g1p, g1pp = _gelu2(Z1)
+            Z2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), X2, PREC, Z2)
+            _store_tile(hs + j0 * BB, X2, HB, BB)
+            _store_tile(hs + SL + j0 * BB, g1p, HB, BB)
+            _store_tile(hs + 2 * SL + j0 * BB, g1pp, HB, BB)
+        G2, xh, r, g = _loss_grad(Z2, tgt, gam, bet, cm, Dv, HAS_LN)
+        _store_tile(vs, xh, BV, BB)  # read back for the LayerNorm's backward
+        _store_tile(vs + VS, g, BV, BB)
+        _store_tile(vs + 2 * VS, tgt, BV, BB)
+        tl.debug_barrier()
+        # (2) the queries' read-out
+        Zb2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
+        A2t = tl.zeros([BB, BB], dtype=tl.float32)
+        for j0 in range(0, BHD, HB):
+            A = _dot(_block(w2, j0, 0, Dh, Dv, HB, BV), G2, PREC)
+            G1 = A * _load_tile(hs + SL + j0 * BB, HB, BB)
+            Zb1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB),
+                       _cols(q_ptr, base_k, t, m, H, Dk, BK), PREC) - _dot(G1, M1t, PREC)
+            if HAS_B1:
+                Zb1 += _vec(b1_ptr + slot * Dh + j0, Dh - j0, HB)[:, None]
+            Xb2, gbp = _gelu(Zb1)
+            A2t = _dot(tl.trans(_load_tile(hs + j0 * BB, HB, BB)), Xb2, PREC, A2t)
+            Zb2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), Xb2, PREC, Zb2)
+            _store_tile(hs + 3 * SL + j0 * BB, A, HB, BB)
+            _store_tile(hs + 4 * SL + j0 * BB, G1, HB, BB)
+            _store_tile(hs + 5 * SL + j0 * BB, Xb2, HB, BB)
+            _store_tile(hs + 6 * SL + j0 * BB, gbp, HB, BB)
+        if HAS_B2:
+            A2t += 1.0
+        M2t = Et * A2t
+        Zb2 -= _dot(G2, M2t, PREC)
+        tl.debug_barrier()
+        # the read-out o = [LN](Zbar2) [+ q] and Zbar2's b x b term
+        dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
+        dzb2 = dO
+        if HAS_LN:
+            xo, ro = _ln(Zb2, cm, Dv)
+            dgam += tl.sum(dO * xo, axis=1)
+            dbet += tl.sum(dO, axis=1)
+            dzb2 = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
+        if RESIDUAL:
+            _store_tile(vs + 3 * VS, dO, BV, BB)
+        causal = i[:, None] <= i[None, :]
+        dG2 = -_dot(dzb2, tl.trans(M2t), PREC)
+        dM2t = -_dot(tl.trans(G2), dzb2, PREC)
+        dA2t = tl.where(causal, dM2t * Et, 0.0)
+        dEt = tl.where(causal, dM2t * A2t, 0.0)
+        # the gradient sums S1 = K^T (eta G1), S2 = X2^T (eta G2) (and the biases'): handed
+        # on (TAIL, gradients ds) or applied, W' = W - tau_b S (gradient coef D)
+        H2 = G2 * eta[None, :]
+        xD2 = tl.zeros([BV, BB], dtype=tl.float32)
+        if HAS_B2:
+            if TAIL:
+                xD2 += _vec(dsb2_ptr + bh * Dv, Dv, BV)[:, None]
+            else:
+                xD2 += _vec(db2_ptr + bh * Dv, Dv, BV)[:, None]
+        # (3) per block: dZbar1, dG1, dA; sums over blocks
+        dM1t = tl.zeros([BB, BB], dtype=tl.float32)
+        dq = tl.zeros([BK, BB], dtype=tl.float32)
+        dkD = tl.zeros([BK, BB], dtype=tl.float32)
+        se1 = tl.zeros([BB], dtype=tl.float32)
+        for j0 in range(0, BHD, HB):
+            X2 = _load_tile(hs + j0 * BB, HB, BB)
+            G1 = _load_tile(hs + 4 * SL + j0 * BB, HB, BB)
+            dXb2 = _dot(_block(w2, j0, 0, Dh, Dv, HB, BV), dzb2, PREC, _dot(X2, dA2t, PREC))
+            dzb1 = dXb2 * _load_tile(hs + 6 * SL + j0 * BB, HB, BB)
+            if TAIL:
+                D1b = _block(ds1, 0, j0, Dk, Dh, BK, HB)
+                D2b = _block(ds2, j0, 0, Dh, Dv, HB, BV)
+            else:
+                D1b = _block(dw1, 0, j0, Dk, Dh, BK, HB)
+                D2b = _block(dw2, j0, 0, Dh, Dv, HB, BV)
+            kD1 = _dot(tl.trans(D1b), _cols(k_ptr, base_k, t, m, H, Dk, BK), PREC)
+            if HAS_B1:
+                if TAIL:
+                    kD1 += _vec(dsb1_ptr + bh * Dh + j0, Dh - j0, HB)[:, None]
+                else:
+                    kD1 += _vec(db1_ptr + bh * Dh + j0, Dh - j0, HB)[:, None]
+            xD2 = _dot(tl.trans(D2b), X2, PREC, xD2)
+            H1 = G1 * eta[None, :]
+            dkD = _dot(D1b, H1, PREC, dkD)
+            se1 += tl.sum(G1 * kD1, axis=0)
+            dG1 = (coef * kD1) * eta[None, :] - _dot(dzb1, tl.trans(M1t), PREC)
+            dM1t = _dot(tl.trans(G1), dzb1, PREC, dM1t)
+            dq = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dzb1, PREC, dq)
+            A = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
+            dA = dG1 * _load_tile(hs + SL + j0 * BB, HB, BB)
+            dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), dA, PREC, dG2)
+            _store_tile(hs + 7 * SL + j0 * BB, dzb1, HB, BB)
+            _store_tile(hs + 8 * SL + j0 * BB, dA, HB, BB)
+            _store_tile(hs + 9 * SL + j0 * BB, dG1 * A * _load_tile(hs + 2 * SL + j0 * BB, HB,
+                                                                       BB), HB, BB)
+        tl.debug_barrier()
+        if not TAIL:
+            dtau_b -= tl.sum(se1 * eta, axis=0) + tl.sum(tl.sum(H2 * xD2, axis=1), axis=0)
+        dG2 += (coef * xD2) * eta[None, :]
+        deta = coef * (se1 + tl.sum(G2 * xD2, axis=0))
+        dM1t = -dM1t
+        dA1t = tl.where(causal, dM1t * Et, 0.0)
+        dEt += tl.where(causal, dM1t * A1t, 0.0)
+        dq = _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), dA1t, PREC, dq)
+        dk = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dA1t), PREC, coef * dkD)
+        dtau += tl.sum(dEt * eta[:, None], axis=0)
+        deta += tl.sum(dEt * tau[None, :], axis=1)
+        # G2 = dl/dZ2 of the keys' loss
+        dtgt = -dG2
+        dZ2 = dG2
+        if HAS_LN:
+            xh = _load_tile(vs, BV, BB)
+            dZ2, dg = _ln_grad_back(dG2, G2, xh, r, _load_tile(vs + VS, BV, BB), gam, cm, Dv)
+            dtgt = -gam[:, None] * dg
+            dgam += tl.sum(dg * (gam[:, None] * xh + bet[:, None] - _load_tile(vs + 2 * VS, BV,
+                                                                                BB)
+                                 + gam[:, None] * xh), axis=1)
+            dbet -= tl.sum(dtgt, axis=1)
+        # (4) per block: dX2, dZ1, dK and the gradient of the block's start weights
+        for j0 in range(0, BHD, HB):
+            X2 = _load_tile(hs + j0 * BB, HB, BB)
+            Xb2 = _load_tile(hs + 5 * SL + j0 * BB, HB, BB)
+            dzb1 = _load_tile(hs + 7 * SL + j0 * BB, HB, BB)
+            dA = _load_tile(hs + 8 * SL + j0 * BB, HB, BB)
+            W2b = _block(w2, j0, 0, Dh, Dv, HB, BV)
+            D2c = _block(dw2, j0, 0, Dh, Dv, HB, BV)
+            D2b = D2c
+            if TAIL:
+                D2b = _block(ds2, j0, 0, Dh, Dv, HB, BV)
+            dX2 = _dot(Xb2, tl.trans(dA2t), PREC, _dot(W2b, dZ2, PREC))
+            dX2 += coef * _dot(D2b, H2, PREC)
+            dZ1 = _load_tile(hs + 9 * SL + j0 * BB, HB, BB) + dX2 * _load_tile(
+                hs + SL + j0 * BB, HB, BB)
+            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dZ1, PREC, dk)
+            D1c = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dzb1), PREC,
+                       _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), tl.trans(dZ1), PREC,
+                                                      _block(dw1, 0, j0, Dk, Dh, BK, HB)))
+            D2c = _dot(Xb2, tl.trans(dzb2), PREC, _dot(X2, tl.trans(dZ2), PREC,
+                                                       _dot(dA, tl.trans(G2), PREC, D2c)))
+            tl.debug_barrier()  # every thread has read the blocks before they are overwritten
+            _store_blockT(dw1, tl.trans(D1c), 0, j0, Dk, Dh, BK, HB)
+            _store_blockT(dw2, tl.trans(D2c), j0, 0, Dh, Dv, HB, BV)
+            if HAS_B1:
+                db1 = db1_ptr + bh * Dh + j0
+                _store_vec(db1, _vec(db1, Dh - j0, HB) + tl.sum(dzb1 + dZ1, axis=1), Dh - j0,
+                           HB)
+        if HAS_B2:
+            _store_vec(db2_ptr + bh * Dv, _vec(db2_ptr + bh * Dv, Dv, BV) +
+                       tl.sum(dzb2 + dZ2, axis=1), Dv, BV)
+        if RESIDUAL:  # Dk == Dv
+            dq += _load_tile(vs + 3 * VS, BV, BB)
+            dk -= dtgt
+        _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, BK)
+        _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, BK)
+        _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
+        tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+        tl.debug_barrier()
+    _store_vec(acc, dgam, BV, BV)
+    _store_vec(acc + BV, dbet, BV, BV)
+    dtau = tl.where(tl.arange(0, BB) == b - 1, dtau + dtau_b, dtau)
+    _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1078,6 +1404,98 @@ class _LinearTriton(torch.autograd.Function):
                 dW0, acc[:, 0] if L.consts["HAS_BIAS"] else None, None, None)
 
 
+class _MLPTriton(torch.autograd.Function):
+    """(o, W1, b1, W2, b2, S1, s1, S2, s2) = TTT-MLP from a mini-batch boundary in the kernels
+    above. q, k [B, T, H, Dk], v [B, T, H, Dv] contiguous in their dtype; eta [B, T, H],
+    tau [H, b], lnw, lnb [H, Dv] or None; W1 [B*H, Dk, Dh], b1 [B*H, Dh] or None,
+    W2 [B*H, Dh, Dv], b2 [B*H, Dv] or None, float32 contiguous. The biases returned are
+    zeros where the input is None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, eta, tau, lnw, lnb, W1, b1, W2, b2, residual, seg):  # type: ignore[override]
+        flags = {"HAS_B1": b1 is not None, "HAS_B2": b2 is not None, "HAS_LN": lnw is not None,
+                 "HAS_LNB": lnb is not None, "RESIDUAL": residual}
+        L = _shape("ttt_mlp", q, v, tau.shape[-1], seg, flags)
+        BH, Dk, Dv, Dh = L.BH, L.Dk, L.Dv, W1.shape[-1]
+        f32 = {"dtype": torch.float32, "device": q.device}
+        BB, BV = L.consts["BB"], L.consts["BV"]
+        w1, w2 = W1.clone(), W2.clone()  # updated in place by the kernel
+        c1 = torch.zeros(BH, Dh, **f32) if b1 is None else b1.clone()
+        c2 = torch.zeros(BH, Dv, **f32) if b2 is None else b2.clone()
+        sums = [torch.zeros_like(x) for x in (w1, c1, w2, c2)]
+        o = torch.empty(*q.shape[:3], Dv, dtype=q.dtype, device=q.device)
+        A = _scores(L, q, k, b1 is not None)
+        store = any(ctx.needs_input_grad)
+        NC = L.NC if store else 0
+        cks = [torch.empty(BH, NC, *x.shape[1:], **f32) for x in (w1, c1, w2, c2)]
+        _mlp_fwd_kernel[(BH,)](
+            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), w1, c1, w2, c2, o, *sums,
+            torch.empty(BH, BV, BB, **f32), *cks, L.T, L.H, Dk, Dv, Dh, L.b, L.N, L.T // L.b,
+            L.seg, store, BHD=_pow2(Dh), HB=L.cfg.HB, **L.launch())
+        if store:
+            ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, A, w1, c1, w2, c2, *cks)
+            ctx.L = L
+        return o, w1, c1, w2, c2, *sums
+
+    @staticmethod
+    def backward(ctx, do, dw1, dc1, dw2, dc2, ds1, dsb1, ds2, dsb2):  # type: ignore[override]
+        q, k, v, eta, tau, lnw, lnb, A, w1, c1, w2, c2, *cks = ctx.saved_tensors
+        L = ctx.L
+        T, H, Dk, Dv, b, N, NF, seg = L.dims
+        BH, Dh = L.BH, w1.shape[-1]
+        f32 = {"dtype": torch.float32, "device": q.device}
+        shapes = [x.shape for x in (w1, c1, w2, c2)]
+
+        def grad(x, shape):
+            return torch.zeros(shape, **f32) if x is None else x.to(torch.float32).clone()
+
+        do = grad(do, (*q.shape[:3], Dv))
+        carried = [grad(x, s) for x, s in zip((dw1, dc1, dw2, dc2), shapes)]  # in place
+        dsums = [grad(x, s) for x, s in zip((ds1, dsb1, ds2, dsb2), shapes)]
+        BB, BV = L.consts["BB"], L.consts["BV"]
+        acc = torch.zeros(BH, 2, BV, **f32)  # dgamma, dbeta per program
+        dtau = torch.zeros(BH, BB, **f32)
+        dq, dk = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32)
+        dv, deta = torch.empty(v.shape, **f32), torch.empty(eta.shape, **f32)
+        slots = [torch.empty(BH, seg + 1, *s[1:], **f32) for s in shapes]
+        o = torch.empty(*q.shape[:3], Dv, **f32)  # the recomputed read-out (unused)
+        gs = torch.empty(BH, BV, BB, **f32)
+        BHD = _pow2(Dh)
+        hs = torch.empty(BH, 10, BHD, BB, **f32)  # the backward kernel's hidden rows
+        vs = torch.empty(BH, 4, BV, BB, **f32)  # and value rows
+        ln = (_or(lnw, tau), _or(lnb, tau))
+        fl = {n: L.consts[n] for n in ("HAS_B1", "HAS_B2", "HAS_LN", "HAS_LNB", "RESIDUAL",
+                                       "PREC", "BB", "BK", "BV")}
+        BHD = _pow2(Dh)
+        warps = {"num_warps": L.cfg.warps, "num_stages": 1}
+
+        def back(n0, n1, ws, w_bh, w_j, tail):
+            _mlp_bwd_kernel[(BH,)](
+                q, k, v, eta, tau, A, *ln, *ws, do, *dsums, *carried, acc, dtau, dq, dk, dv,
+                deta, hs, vs, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j, TAIL=tail, BHD=BHD,
+                HB=min(L.cfg.HBB, BHD), **fl, **warps)
+
+        if NF < N:  # the last, partial mini-batch starts from the returned weights
+            back(NF, N, (w1, c1, w2, c2), 1, 0, True)
+        for s in reversed(range(L.NC)):
+            n0, n1 = s * seg, min(s * seg + seg, NF)
+            for x, ck in zip(slots, cks):
+                x[:, 0] = ck[:, s]
+            if n1 - n0 > 1:
+                _mlp_recompute_kernel[(BH,)](
+                    q, k, v, eta, tau, A, *ln, *slots, o, gs, T, H, Dk, Dv, Dh, b, N, n0, n1,
+                    seg, BHD=BHD, HB=L.cfg.HB, KC=L.consts["KC"], **fl, **warps)
+            back(n0, n1, slots, seg + 1, 1, False)
+        dtau = dtau.view(L.B, L.H, BB)[..., :b].sum(0)
+        acc = acc[..., :Dv]
+        fl = L.consts
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), deta.to(eta.dtype), dtau,
+                None if lnw is None else acc[:, 0].reshape(L.B, H, Dv).sum(0),
+                None if lnb is None else acc[:, 1].reshape(L.B, H, Dv).sum(0),
+                carried[0], carried[1] if fl["HAS_B1"] else None, carried[2],
+                carried[3] if fl["HAS_B2"] else None, None, None)
+
+
 def _or(x: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
     """x, or a stand-in pointer for an argument the kernel does not read (its flag is off)."""
     return other if x is None else x
@@ -1151,15 +1569,12 @@ def ttt_mlp_triton(
     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
     tau: torch.Tensor, checkpoint_group: int | None = None,
 ) -> tuple[torch.Tensor, Carry]:
-    """TTT-MLP's dual form (``chunk.ttt_mlp_dual``'s arguments and results), forward only, in
-    ``_mlp_fwd_kernel``; inputs as ``ttt_linear_triton``'s. No backward: a call that would
-    record gradients is a ValueError (the dispatcher leaves those to PyTorch)."""
+    """TTT-MLP's dual form (``chunk.ttt_mlp_dual``'s arguments and results) in the kernels
+    above, forward and backward; inputs as ``ttt_linear_triton``'s. ``checkpoint_group``:
+    mini-batches per checkpoint of the backward's recomputation (default ``SEGMENT``);
+    results do not depend on it."""
     from .chunk import ttt_mlp_dual
 
-    tensors = (q, k, v, eta, ln_weight, ln_bias, tau, *carry.start, *(carry.grads or ()))
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        raise ValueError("the TTT-MLP Triton kernels have no backward pass: call without "
-                         "gradients (torch.no_grad) or with backend='torch'")
     b = tau.shape[-1]
 
     def run_torch(q, k, v, eta, carry):
@@ -1173,32 +1588,18 @@ def ttt_mlp_triton(
     (B, T, H, Dk), Dv = q.shape, v.shape[-1]
     W1, b1, W2, b2 = carry.start
     Dh = W1.shape[-1]
-    flags = {"HAS_B1": b1 is not None, "HAS_B2": b2 is not None,
-             "HAS_LN": ln_weight is not None, "HAS_LNB": ln_bias is not None,
-             "RESIDUAL": residual}
-    L = _shape("ttt_mlp", q, v, b, None, flags)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    BH, BB, BV = B * H, L.consts["BB"], L.consts["BV"]
-    f32 = {"dtype": torch.float32, "device": q.device}
 
-    def work(x, *shape):  # a float32 working copy the kernel updates in place
-        return torch.zeros(*shape, **f32) if x is None else x.reshape(*shape).to(**f32).clone()
+    def flat(x, *shape):
+        return None if x is None else _f32(x.reshape(*shape))
 
-    w1, w2 = work(W1, BH, Dk, Dh), work(W2, BH, Dh, Dv)
-    c1, c2 = work(b1, BH, Dh), work(b2, BH, Dv)
-    sums = [torch.zeros_like(x) for x in (w1, c1, w2, c2)]
-    o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
-    gs = torch.empty(BH, BV, BB, **f32)
-    tau32, eta32 = _f32(tau), _f32(eta)
-    _mlp_fwd_kernel[(BH,)](
-        q, k, v, eta32, tau32, _scores(L, q, k, b1 is not None), _or(_f32(ln_weight), tau32),
-        _or(_f32(ln_bias), tau32), w1, c1, w2, c2, o, *sums, gs, T, H, Dk, Dv, Dh, b, L.N,
-        T // b, BHD=_pow2(Dh), HB=L.cfg.HB, **L.launch())
+    o, *out = _MLPTriton.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), _f32(eta), _f32(tau), _f32(ln_weight),
+        _f32(ln_bias), flat(W1, B * H, Dk, Dh), flat(b1, B * H, Dh), flat(W2, B * H, Dh, Dv),
+        flat(b2, B * H, Dv), residual, checkpoint_group)
     tail = T % b
 
     def weights(x1, x2, x3, x4):
         return (x1.view(B, H, Dk, Dh), None if b1 is None else x2.view(B, H, Dh),
                 x3.view(B, H, Dh, Dv), None if b2 is None else x4.view(B, H, Dv))
 
-    return _join(first, o), Carry(weights(w1, c1, w2, c2), weights(*sums) if tail else None,
-                                  tail)
+    return _join(first, o), Carry(weights(*out[:4]), weights(*out[4:]) if tail else None, tail)
