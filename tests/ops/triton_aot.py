@@ -267,10 +267,19 @@ def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
     if ttt:
         from fastweights.ops.ttt import triton as ttt_kernels
 
-        todo = [(COST[name.split("[")[0]], ("ttt", arch, case, i)) for arch in archs
-                for case in ttt
-                for i, (_, name, *_) in enumerate(ttt_signatures(ttt_kernels, case, arch))
-                if dispatched(ttt_kernels, name)]
+        # A launch whose kernel has no T or N argument (the decoding step) compiles to the same
+        # program under "odd_T" as under "aligned": compiled once (a second compile would be a
+        # cache hit, which prints no ptxas log).
+        todo, seen = [], set()
+        for arch in archs:
+            for case in ttt:
+                for i, (_, name, sig, const, warps, stages) in enumerate(
+                        ttt_signatures(ttt_kernels, case, arch)):
+                    key = (arch, name, tuple(sig.items()), tuple(sorted(const.items())), warps,
+                           stages, tuple(sorted(specialization(sig, case[3]))))
+                    if dispatched(ttt_kernels, name) and key not in seen:
+                        seen.add(key)
+                        todo.append((COST[name.split("[")[0]], ("ttt", arch, case, i)))
         return [task for _, task in sorted(todo, key=lambda c: -c[0])]
     from fastweights.ops.delta_rule import triton as kernels
 
