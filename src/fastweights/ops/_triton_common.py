@@ -5,6 +5,9 @@ for and the precision of ``tl.dot`` per input dtype (docs/kernels.md, "Precision
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 
@@ -34,3 +37,16 @@ def precisions(dtype: torch.dtype) -> tuple[str, str]:
     if dtype == torch.float32 or _upcast_tiles(dtype):
         return "ieee", "ieee" if dtype == torch.float32 else "tf32"
     return "tf32", "tf32"
+
+
+def _pow2(n: int) -> int:
+    """The block a size of n fills: the next power of two, at least 16 (one tl.dot tile)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def tiled_everywhere(tile_config: Callable[..., Any], op: str, dtype: torch.dtype,
+                     max_d: int) -> bool:
+    """Whether ``tile_config(arch, dtype, op, D)`` has a tiling on every target (sm_80, sm_90)
+    for the head sizes up to ``max_d`` (the tiles change at 64): a TTT module's ``supports``."""
+    return all(tile_config(arch, dtype, op, D) is not None for arch in (80, 90)
+               for D in (64, max_d))

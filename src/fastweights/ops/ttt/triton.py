@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import _arch, _upcast_tiles, precisions
+from .._triton_common import _arch, _pow2, _upcast_tiles, precisions, tiled_everywhere
 from .common import LN_EPS, Carry
 
 __all__ = ["BACKWARD_OPS", "MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_config",
@@ -137,8 +137,7 @@ def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> TileC
 def supports(op: str, dtype: torch.dtype) -> bool:
     """Whether ``op`` with ``dtype`` inputs has a tiling on every target (sm_80 and up) for
     every head size up to MAX_D."""
-    return all(tile_config(arch, dtype, op, D) is not None for arch in (80, 90)
-               for D in (64, MAX_D))
+    return tiled_everywhere(tile_config, op, dtype, MAX_D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +233,19 @@ def _copy_flat(src, dst, n, BLK: tl.constexpr):
 def _vec(ptr, n, BN: tl.constexpr):
     c = tl.arange(0, BN)
     return tl.load(ptr + c, mask=c < n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV: tl.constexpr, HAS_LN: tl.constexpr,
+               HAS_LNB: tl.constexpr):
+    """Head h's inner-LayerNorm gain and bias [BV] as float32 (zero without them)."""
+    gam = tl.zeros([BV], dtype=tl.float32)
+    bet = tl.zeros([BV], dtype=tl.float32)
+    if HAS_LN:
+        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
+        if HAS_LNB:
+            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    return gam, bet
 
 
 @triton.jit
@@ -427,12 +439,7 @@ def _linear_fwd_kernel(
     bv = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
         bv = _vec(b0_ptr + bh * Dv, Dv, BV)
-    gam = tl.zeros([BV], dtype=tl.float32)
-    bet = tl.zeros([BV], dtype=tl.float32)
-    if HAS_LN:
-        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
-        if HAS_LNB:
-            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     kt = tl.zeros([BV, BB], dtype=tl.float32)
     for n in range(0, NF):
@@ -581,12 +588,7 @@ def _linear_bwd_a_kernel(
     base_v = (bb * T * H + h) * Dv
     ebase = bb * T * H + h
     cm = tl.arange(0, BV) < Dv
-    gam = tl.zeros([BV], dtype=tl.float32)
-    bet = tl.zeros([BV], dtype=tl.float32)
-    if HAS_LN:
-        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
-        if HAS_LNB:
-            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     acc = acc_ptr + bh * 3 * BV
     dgam = _vec(acc + BV, BV, BV)
@@ -758,12 +760,7 @@ def _linear_bwd_b_kernel(
     base_v = (bb * T * H + h) * Dv
     ebase = bb * T * H + h
     cm = tl.arange(0, BV) < Dv
-    gam = tl.zeros([BV], dtype=tl.float32)
-    bet = tl.zeros([BV], dtype=tl.float32)
-    if HAS_LN:
-        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
-        if HAS_LNB:
-            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     acc = acc_ptr + bh * 3 * BV
     d = _vec(acc, BV, BV)
@@ -920,12 +917,7 @@ def _mlp_fwd_kernel(
     b2 = tl.zeros([BV], dtype=tl.float32)
     if HAS_B2:
         b2 = _vec(b2_ptr + bh * Dv, Dv, BV)
-    gam = tl.zeros([BV], dtype=tl.float32)
-    bet = tl.zeros([BV], dtype=tl.float32)
-    if HAS_LN:
-        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
-        if HAS_LNB:
-            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     NC = tl.cdiv(NF, seg)
     for n in range(0, NF):
@@ -995,12 +987,7 @@ def _mlp_recompute_kernel(
     b2 = tl.zeros([BV], dtype=tl.float32)
     if HAS_B2:
         b2 = _vec(b2_ptr + bh * S * Dv, Dv, BV)
-    gam = tl.zeros([BV], dtype=tl.float32)
-    bet = tl.zeros([BV], dtype=tl.float32)
-    if HAS_LN:
-        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
-        if HAS_LNB:
-            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     for n in range(n0, n1 - 1):
         j = bh * S + n - n0
@@ -1047,12 +1034,7 @@ def _mlp_bwd_kernel(
     base_v = (bb * T * H + h) * Dv
     ebase = bb * T * H + h
     cm = tl.arange(0, BV) < Dv
-    gam = tl.zeros([BV], dtype=tl.float32)
-    bet = tl.zeros([BV], dtype=tl.float32)
-    if HAS_LN:
-        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
-        if HAS_LNB:
-            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     acc = acc_ptr + bh * 2 * BV
     dgam = _vec(acc, BV, BV)
@@ -1253,10 +1235,6 @@ def _mlp_bwd_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Host side
-
-
-def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
 
 
 class _Shape(NamedTuple):

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import _arch
+from .._triton_common import _arch, _pow2, tiled_everywhere
 from .common import LN_EPS
 
 __all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "DecodeTiles", "supports", "tile_config",
@@ -73,8 +73,7 @@ def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> Decod
 def supports(op: str, dtype: torch.dtype) -> bool:
     """Whether ``op`` with ``dtype`` inputs has a tiling on every target for every head size up
     to MAX_D (the dispatcher's question, ops/backend.py)."""
-    return all(tile_config(arch, dtype, op, D) is not None for arch in (80, 90)
-               for D in (64, MAX_D))
+    return tiled_everywhere(tile_config, op, dtype, MAX_D)
 
 
 @triton.jit
@@ -197,10 +196,6 @@ def _linear_decode_kernel(
     else:
         tl.store(xn_ptr + bh * (pos + 1) * Dk + pos * Dk + ck, _row(kp, ck, Dk), mask=ck < Dk)
         tl.store(egn_ptr + bh * (pos + 1) * Dv + pos * Dv + cv, eg, mask=mv)
-
-
-def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
 
 
 def _rows_major(x: torch.Tensor) -> torch.Tensor:
