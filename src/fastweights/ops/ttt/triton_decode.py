@@ -36,6 +36,7 @@ import triton.language as tl
 
 from .._triton_common import _arch, _pow2, tiled_everywhere
 from .common import LN_EPS
+from .triton import _ln_affine
 
 __all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "DecodeTiles", "supports", "tile_config",
            "ttt_linear_decode_triton"]
@@ -136,12 +137,8 @@ def _linear_decode_kernel(
     if RESIDUAL:  # Dk == Dv
         tgt -= _row(kp, cv, Dv)
     G = zk - tgt
-    gam = tl.zeros([BV], dtype=tl.float32)
-    bet = tl.zeros([BV], dtype=tl.float32)
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     if HAS_LN:
-        gam = _row(lnw_ptr + h * Dv, cv, Dv)
-        if HAS_LNB:
-            bet = _row(lnb_ptr + h * Dv, cv, Dv)
         mu = tl.sum(zk, axis=0) / Dv
         zc = tl.where(mv, zk - mu, 0.0)
         rs = 1.0 / tl.sqrt(tl.sum(zc * zc, axis=0) / Dv + _EPS)
