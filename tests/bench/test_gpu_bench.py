@@ -109,3 +109,19 @@ def test_bad_sections_and_existing_results_are_refused(tmp_path, capsys):
     (out / "results.csv").write_text("mine\n")
     assert main(["bench", "gpu", "--dry-run", "--out", str(out)]) == 2
     assert (out / "results.csv").read_text() == "mine\n"
+
+
+def test_ops_and_mixers_restrict_the_sections_softmax_stays(tmp_path, capsys):
+    out = tmp_path / "few"
+    assert main(["bench", "gpu", "--dry-run", "--sections", "exact,layers", "--ops", "ttt_mlp",
+                 "--mixers", "ttt-mlp", "--out", str(out)]) == 0
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["name"] for r in rows if r["section"] == "exact"} == {"ttt_mlp"}
+    assert {r["name"] for r in rows if r["section"] == "layers"} == {"softmax", "ttt-mlp"}
+    assert _ok(rows, section="layers", name="ttt-mlp", **{"pass": "fwd"})[0]["vs_baseline"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["ops"] == ["ttt_mlp"] and meta["mixers"] == ["softmax", "ttt-mlp"]
+    for flag, bad in (("--ops", "ttt_linear,attention"), ("--mixers", "ttt-mlp,transformer")):
+        assert main(["bench", "gpu", "--dry-run", flag, bad, "--out", str(tmp_path / "x")]) == 2
+        assert flag in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -30,7 +30,8 @@ for minutes, last), an item starts only while the time left exceeds its reserve 
 and an item that does not start is a row ``skipped: time budget``. ``--dry-run`` runs the same
 code at tiny sizes on the CPU (the training step under CPU autocast with CUDA's dtype policy,
 ``fastweights.testing.cuda_autocast_policy``), where the kernel backends are rows skipped with
-their reason; CI runs it.
+their reason; CI runs it. ``--ops`` and ``--mixers`` restrict the sections to some kernel ops
+and some mixers (softmax, the baseline of layers and train, always runs).
 """
 
 from __future__ import annotations
@@ -226,6 +227,8 @@ class Run:
     deadline: float
     backends: tuple[str, ...]
     matmul_tflops: float
+    ops: tuple[str, ...] = ()  # the kernel ops of exact and ops (KERNEL_OPS' names)
+    mixers: tuple[str, ...] = ()  # the mixers of layers and train, softmax (the baseline) first
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def row(self, **fields: Any) -> dict[str, Any]:
@@ -497,10 +500,11 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
     first calls autotune)."""
     ours = [b for b in run.backends if b != "fla"]
     fla = ["fla"] if "fla" in run.backends else []
+    kernel_ops = [op for op in KERNEL_OPS if op.name in run.ops]
     items: list[Callable[[], None]] = []
 
     def exact(names: list[str]) -> None:
-        for op in KERNEL_OPS:
+        for op in kernel_ops:
             for backend in names:
                 for dtype in (torch.bfloat16, torch.float16):
                     items.append(lambda op=op, b=backend, dt=dtype: exact_case(run, op, b, dt, None))
@@ -512,7 +516,7 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
             if baseline:
                 items.append(lambda B=B, T=T: op_case(run, None, "flash" if run.device.type
                                                       == "cuda" else "sdpa", B, T))
-            for op in KERNEL_OPS:
+            for op in kernel_ops:
                 for backend in names:
                     items.append(lambda op=op, b=backend, B=B, T=T: op_case(run, op, b, B, T))
 
@@ -522,9 +526,9 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
         op_rows(ours, baseline=True)
     if "layers" in sections:
         for T in run.sizes.layers[3]:
-            items += [lambda n=n, T=T: layer_case(run, n, T) for n in mixer_names()]
+            items += [lambda n=n, T=T: layer_case(run, n, T) for n in run.mixers]
     if "train" in sections:
-        items += [lambda n=n: train_case(run, n) for n in mixer_names()]
+        items += [lambda n=n: train_case(run, n) for n in run.mixers]
     if "ops" in sections:
         op_rows(["torch"], baseline=False)  # the PyTorch forms: slow for TTT at T 16384
     if "exact" in sections:
@@ -654,23 +658,30 @@ def device_name(device: torch.device) -> str:
 
 def run_benchmark(out: Path, *, dry_run: bool, device: torch.device, budget_s: float,
                   sections: tuple[str, ...], fla: bool, repeats: int | None,
-                  command: str) -> list[dict[str, Any]]:
+                  command: str, kernel_ops: tuple[str, ...] | None = None,
+                  mixers: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """Run the benchmark into ``out`` (results.md, results.csv, meta.json, rewritten after
-    every section so that a run cut short keeps what it measured); returns the rows."""
+    every section so that a run cut short keeps what it measured); returns the rows.
+    ``kernel_ops`` (names of ``KERNEL_OPS``) and ``mixers`` (registered mixer names) restrict
+    the sections to them (None: all); softmax, the baseline of layers and train, always runs."""
     start = time.monotonic()
     sizes = DRY_SIZES if dry_run else GPU_SIZES
     if repeats is not None:
         sizes = dataclasses.replace(sizes, repeats=repeats)
     rate, _ = matmul_gflops(device, torch.bfloat16, sizes.matmul_sizes,
                             min_seconds=0.02 if dry_run else 0.3)
+    names = mixer_names() if mixers is None else ("softmax", *(m for m in mixers
+                                                                 if m != "softmax"))
     run = Run(sizes, device, start + budget_s,
-              ("triton", "fla") if fla else ("triton",), rate / 1e3)
+              ("triton", "fla") if fla else ("triton",), rate / 1e3,
+              ops=tuple(op.name for op in KERNEL_OPS) if kernel_ops is None else kernel_ops,
+              mixers=tuple(names))
     meta = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "device": device_name(device), "dry_run": dry_run, "budget_s": budget_s,
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
             "fla": _version("flash-linear-attention"), "python": platform.python_version(),
             "matmul_tflops": run.matmul_tflops, "sizes": dataclasses.asdict(sizes),
-            "sections": list(sections)}
+            "sections": list(sections), "ops": list(run.ops), "mixers": list(run.mixers)}
 
     def write() -> None:
         rows = [dict(r) for r in run.rows]
@@ -705,6 +716,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, some of {', '.join(SECTIONS)}")
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed calls per item (default: 10 on a GPU, 1 in a dry run)")
+    p.add_argument("--ops", default=None,
+                   help="comma-separated kernel ops of exact and ops, some of "
+                        f"{', '.join(op.name for op in KERNEL_OPS)} (default: all)")
+    p.add_argument("--mixers", default=None,
+                   help="comma-separated mixers of layers and train (default: every registered "
+                        "mixer); softmax, their baseline, always runs")
     p.add_argument("--no-fla", action="store_true",
                    help="leave out fla's rows (its first calls autotune for minutes)")
 
@@ -713,6 +730,10 @@ def run(args: argparse.Namespace) -> int:
     from .._commands import UserError, command_line, parse_name_list, prepare_out
 
     sections = parse_name_list("--sections", args.sections, SECTIONS)
+    kernel_ops = None if args.ops is None else parse_name_list(
+        "--ops", args.ops, tuple(op.name for op in KERNEL_OPS))
+    mixers = None if args.mixers is None else parse_name_list("--mixers", args.mixers,
+                                                               tuple(mixer_names()))
     if args.dry_run:
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
@@ -723,7 +744,8 @@ def run(args: argparse.Namespace) -> int:
     prepare_out(args.out, args.overwrite, OUTPUT_FILES)
     rows = run_benchmark(args.out, dry_run=args.dry_run, device=device, budget_s=args.budget_s,
                          sections=sections, fla=not args.no_fla, repeats=args.repeats,
-                         command=command_line(["fastweights", "bench", NAME], args))
+                         command=command_line(["fastweights", "bench", NAME], args),
+                         kernel_ops=kernel_ops, mixers=mixers)
     failed = [r for r in rows if r["status"].startswith("failed")]
     print(f"fastweights bench gpu: {len(rows)} rows ({len(failed)} failed) in {args.out}/")
     for r in failed:
