@@ -396,3 +396,17 @@ def test_dual_single_sequence_single_head_leaves_inputs_untouched(kind, grad):
     assert_close64(o.detach(), ref, what="dual")
     assert_states_close([s.detach() if isinstance(s, torch.Tensor) else s for s in state],
                         ref_state, what="dual")
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_naive_under_no_grad_with_a_grad_requiring_broadcast_state(kind):
+    """The oracle under torch.no_grad with an initial state of batch 1 that requires grad (the
+    broadcast view over B is then made in no-grad mode, which autograd cannot differentiate
+    through: the inner gradient must be taken on detached weights): equal to the dual form."""
+    args, kw = make_case(kind, B=2, T=9, b=4)
+    kw["initial_state"] = tuple(w[:1].clone().requires_grad_() for w in kw["initial_state"])
+    with torch.no_grad():
+        outs = {m: OPS[kind](*args, **kw, mode=m, output_final_state=True) for m in
+                ("naive", "dual")}
+    assert_close64(outs["naive"][0], outs["dual"][0])
+    assert_states_close(outs["naive"][1], outs["dual"][1])

@@ -55,10 +55,14 @@ def _inner(
 
 
 def _grads(loss_of: Callable[[Weights], torch.Tensor], weights: Weights, create_graph: bool) -> Weights:
-    """Autograd gradient of a scalar inner loss w.r.t. each weight (None items stay None)."""
+    """Autograd gradient of a scalar inner loss w.r.t. each weight (None items stay None).
+    Without ``create_graph`` every weight is detached first: a weight that requires grad but was
+    made in no-grad mode (an initial state broadcast over the batch under torch.no_grad) is a
+    view autograd does not differentiate through."""
     with torch.enable_grad():
         leaves = tuple(
-            None if w is None else (w if w.requires_grad else w.detach().requires_grad_())
+            None if w is None else (
+                w if create_graph and w.requires_grad else w.detach().requires_grad_())
             for w in weights
         )
         present = [w for w in leaves if w is not None]
