@@ -125,3 +125,20 @@ def test_ops_and_mixers_restrict_the_sections_softmax_stays(tmp_path, capsys):
     for flag, bad in (("--ops", "ttt_linear,attention"), ("--mixers", "ttt-mlp,transformer")):
         assert main(["bench", "gpu", "--dry-run", flag, bad, "--out", str(tmp_path / "x")]) == 2
         assert flag in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_timed_calls_shrink_to_fit_the_budget_never_below_one():
+    """An item that started inside the budget times fewer calls (at least one) rather than
+    overrun it, and says how many (the calls column)."""
+    import time
+
+    calls = []
+    sizes = gpu.dataclasses.replace(gpu.DRY_SIZES, repeats=5)
+
+    def run_at(deadline):
+        calls.clear()
+        run = gpu.Run(sizes, torch.device("cpu"), deadline, ("triton",), 1.0)
+        return gpu._timed(run, lambda: calls.append(time.sleep(0.01)))
+
+    assert run_at(time.monotonic() + 1000)["calls"] == 5 and len(calls) == 7
+    assert run_at(time.monotonic())["calls"] == 1 and len(calls) == 3

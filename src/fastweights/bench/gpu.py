@@ -21,7 +21,8 @@ Sections (``--sections``; all by default), each item a row of results.csv:
   byte vocabulary, float32 weights, fused AdamW, forward under bfloat16 autocast): tokens per
   second and peak memory.
 
-Every timed figure is the median of ``--repeats`` calls after one warm-up call; the first call
+Every timed figure is the median of ``--repeats`` calls after one warm-up call (fewer, at least
+one, where that many would overrun the budget: the ``calls`` column); the first call
 of every (item, pass), where Triton compiles and fla autotunes, is timed on its own and
 reported as ``first_call_s``, never inside the timings. The wall-clock budget ``--budget-s``
 keeps the whole run inside its five minutes: items run in a fixed order of priority (this
@@ -80,7 +81,7 @@ KERNEL_BACKENDS = ("triton", "fla")
 # minutes per op on an H200); everything else compiles in seconds.
 RESERVE_S = {"fla": 150.0, "default": 10.0}
 COLUMNS = ("section", "name", "backend", "dtype", "shape", "pass", "status", "median_ms",
-           "min_ms", "max_ms", "first_call_s", "vs_baseline", "tokens_per_s", "peak_mib",
+           "min_ms", "max_ms", "calls", "first_call_s", "vs_baseline", "tokens_per_s", "peak_mib",
            "tflops", "pct_matmul", "err_out", "err_state", "err_grad")
 
 
@@ -325,13 +326,16 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _timed(run: Run, call: Callable[[], Any]) -> dict[str, Any]:
-    """The first call's seconds apart, one warm-up call, then the median, min and max of
-    ``repeats`` calls in ms."""
+    """The first call's seconds apart, one timed warm-up call, then the median, min and max of
+    ``repeats`` calls in ms, fewer (at least one) where ``repeats`` calls of the warm-up's
+    length would overrun the budget; ``calls``: how many were timed."""
     first = time_call(call, run.device)
-    call()
-    times = sorted(time_call(call, run.device) for _ in range(run.sizes.repeats))
+    warm = time_call(call, run.device)
+    fit = int((run.deadline - time.monotonic()) / max(warm, 1e-9))
+    times = sorted(time_call(call, run.device) for _ in range(max(1, min(run.sizes.repeats,
+                                                                          fit))))
     return {"first_call_s": first, "median_ms": 1e3 * times[len(times) // 2],
-            "min_ms": 1e3 * times[0], "max_ms": 1e3 * times[-1]}
+            "min_ms": 1e3 * times[0], "max_ms": 1e3 * times[-1], "calls": len(times)}
 
 
 @contextlib.contextmanager
@@ -450,6 +454,7 @@ def layer_case(run: Run, name: str, T: int) -> None:
             timed = _timed(run, lambda: work.step(state))
             steps = work.decode_steps
             run.row(**fields, **{"pass": "decode"}, first_call_s=timed["first_call_s"],
+                    calls=timed["calls"],
                     **{k: timed[k] / steps for k in ("median_ms", "min_ms", "max_ms")})
 
 
