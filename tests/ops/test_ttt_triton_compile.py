@@ -31,8 +31,8 @@ from tests.ops.triton_aot import TTT_CASES, dispatched
 HERE = Path(__file__).parent
 KERNELS = {"qk", "linear_fwd", "linear_bwd_a", "linear_bwd_b", "linear_bwd_b[TAIL]",
            "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd", "mlp_recompute", "mlp_bwd",
-           "mlp_bwd[TAIL]", "linear_decode",
-           "linear_decode[COMMIT]"}
+           "mlp_bwd[TAIL]", "linear_decode", "linear_decode[COMMIT]", "mlp_decode",
+           "mlp_decode[COMMIT]"}
 
 
 def compile_records(tmp_path: Path, which: str) -> list[dict]:

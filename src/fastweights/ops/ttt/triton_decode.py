@@ -48,12 +48,13 @@ _EPS = tl.constexpr(LN_EPS)
 
 
 class DecodeTiles(NamedTuple):
-    """Warps of the decoding kernel, KC the rows of a weight block, RB of a row block."""
+    """Warps of the decoding kernels, KC the rows of a weight block, RB of a row block
+    (TTT-Linear's), HB the hidden units of a block (TTT-MLP's)."""
 
     warps: int
     KC: int = 32
     RB: int = 16
-    HB: int = 32  # TTT-MLP's hidden block
+    HB: int = 16  # TTT-MLP's hidden block
 
 
 def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> DecodeTiles | None:
@@ -62,8 +63,9 @@ def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> Decod
     where the dispatcher leaves the step to PyTorch. tests/ops/test_ttt_triton_compile.py
     compiles the launches with these for sm_80 and sm_90 without register spills.
 
-    Half inputs: 4 warps up to D = 64, 8 above. Float32 inputs stay on PyTorch, as for the
-    dual form's kernels (the dispatch rules are one for the TTT kernels; this kernel's
+    Half inputs: 4 warps up to D = 64, 8 above; TTT-MLP's hidden blocks of 16 units (with
+    blocks of 32 its step at b = 64 takes all 255 registers a thread has; Triton 3.6 spills
+    with 8 warps at D = 64). Float32 inputs stay on PyTorch, as for the dual form's kernels (the dispatch rules are one for the TTT kernels; this kernel's
     arithmetic would take them as they are: it has no tensor-core products)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -299,7 +301,7 @@ def _mlp_decode_kernel(
     tl.debug_barrier()  # zs written before it is read
     # pass 2: per block G1 = (G2 W2_0^T) * gelu'(Z1k), the query's
     # z1 = Z1q - tau_pos (sum_j c1_j eg1_j + c1k eg1), xq = gelu(z1) through W2_0 and into the
-    # second layer's coefficients xq . x2_j; the block's rows or its committed weights
+    # second layer's coefficients xq . x2_j; the block's rows
     acc = tl.zeros([HB, BV], dtype=tl.float32)
     c2 = tl.zeros([BR], dtype=tl.float32)
     c2k = tl.zeros([HB], dtype=tl.float32)
@@ -319,27 +321,7 @@ def _mlp_decode_kernel(
         x2r = tl.load(x2p + rr[:, None] * sx2_r + cj[None, :], mask=rm, other=0.0)
         c2 += tl.sum(x2r * xq[None, :], axis=1)
         c2k += xq * x2k
-        if COMMIT:
-            # W1_0 - tau_b (sum_j x1_j^T eg1_j + k^T eg1) and W2_0 - tau_b (sum_j x2_j^T eg2_j
-            # + x2k^T eg2) on the block's columns / rows; tau_b = tau_pos
-            wm = mk[:, None] & mj[None, :]
-            u1 = k[:, None] * eg1[None, :]
-            u2 = x2k[:, None] * eg2[None, :]
-            for j in range(0, pos):
-                u1 += _row(x1p + j * sx1_r, ck, Dk)[:, None] * _row(g1p + j * sg1_r, cj,
-                                                                    Dh)[None, :]
-                u2 += _row(x2p + j * sx2_r, cj, Dh)[:, None] * _row(g2p + j * sg2_r, cv,
-                                                                    Dv)[None, :]
-            w1 = tl.load(w1p + ck[:, None] * Dh + cj[None, :], mask=wm, other=0.0)
-            w1n = w1n_ptr + bh * Dk * Dh
-            tl.store(w1n + ck[:, None] * Dh + cj[None, :], w1 - t_pos * u1, mask=wm)
-            w2n = w2n_ptr + bh * Dh * Dv
-            tl.store(w2n + cj[:, None] * Dv + cv[None, :], w2 - t_pos * u2,
-                     mask=mj[:, None] & mv[None, :])
-            if HAS_B1:
-                tl.store(b1n_ptr + bh * Dh + cj,
-                         _row(b1p, cj, Dh) - t_pos * (tl.sum(eg1r, axis=0) + eg1), mask=mj)
-        else:
+        if not COMMIT:  # the block's rows and the token's, into fresh buffers
             g1n = g1n_ptr + bh * (pos + 1) * Dh
             x2n = x2n_ptr + bh * (pos + 1) * Dh
             tl.store(g1n + rr[:, None] * Dh + cj[None, :], eg1r, mask=rm)
@@ -354,6 +336,33 @@ def _mlp_decode_kernel(
                                               + (tl.sum(c2k, axis=0) + one2) * eg2)
     _store_out(o_ptr + bh * Dv, z2, qp, gam, bet, cv, Dv, HAS_LN, RESIDUAL)
     if COMMIT:
+        # pass 3: W1_0 - tau_b (sum_j x1_j^T eg1_j + k^T eg1), W2_0 - tau_b (sum_j x2_j^T eg2_j
+        # + x2k^T eg2) and the biases' sums, block by block (tau_b = tau_pos); eg1 formed again
+        # as in pass 2 (a pass of its own, so that pass 2 holds no update tiles)
+        for j0 in range(0, BHD, HB):
+            cj = j0 + tl.arange(0, HB)
+            mj = cj < Dh
+            x2k, gp = _gelu(tl.load(zs + cj, mask=mj, other=0.0))
+            m2 = mj[:, None] & mv[None, :]
+            w2 = tl.load(w2p + cj[:, None] * Dv + cv[None, :], mask=m2, other=0.0)
+            eg1 = eta * tl.sum(w2 * g2[None, :], axis=1) * gp
+            u1 = k[:, None] * eg1[None, :]
+            u2 = x2k[:, None] * eg2[None, :]
+            s1 = eg1
+            for j in range(0, pos):
+                g1j = _row(g1p + j * sg1_r, cj, Dh)
+                u1 += _row(x1p + j * sx1_r, ck, Dk)[:, None] * g1j[None, :]
+                u2 += _row(x2p + j * sx2_r, cj, Dh)[:, None] * _row(g2p + j * sg2_r, cv,
+                                                                    Dv)[None, :]
+                s1 += g1j
+            tl.store(w2n_ptr + bh * Dh * Dv + cj[:, None] * Dv + cv[None, :], w2 - t_pos * u2,
+                     mask=m2)
+            m1 = mk[:, None] & mj[None, :]
+            w1 = tl.load(w1p + ck[:, None] * Dh + cj[None, :], mask=m1, other=0.0)
+            tl.store(w1n_ptr + bh * Dk * Dh + ck[:, None] * Dh + cj[None, :], w1 - t_pos * u1,
+                     mask=m1)
+            if HAS_B1:
+                tl.store(b1n_ptr + bh * Dh + cj, _row(b1p, cj, Dh) - t_pos * s1, mask=mj)
         if HAS_B2:
             tl.store(b2n_ptr + bh * Dv + cv, b2 - t_pos * (tl.sum(eg2r, axis=0) + eg2), mask=mv)
     else:
