@@ -1,10 +1,12 @@
-"""A Triton kernel for the TTT-Linear one-token decoding step (ops/ttt/decode.py's
-``_linear_step`` for an int place, no prior sums): the whole step in one launch.
+"""Triton kernels for the TTT layers' one-token decoding step (ops/ttt/decode.py's
+``_linear_step`` and ``_mlp_step`` for an int place, no prior sums): the whole step in one
+launch.
 
 Dimension legend: B batch, H heads, Dk key/query dim, Dv value dim, b mini-batch size, p the
 token's place in its mini-batch (the rows of the current mini-batch held before it); BK, BV the
 key and value tiles (powers of two >= Dk, Dv, at least 16), KC the rows of a weight block, RB
-the rows of a block of the mini-batch's rows.
+the rows of a block of the mini-batch's rows; TTT-MLP: Dh = 4 Dk hidden units, HB the units of
+a hidden block, BR >= b the mini-batch's rows as one tile.
 
 One program per (batch, head): the inner LayerNorm needs all Dv columns of the key's Z = k W_0
 + b_0 (its mean and variance), so the value columns cannot go to separate programs (as for the
@@ -19,6 +21,21 @@ and either the rows with the token appended (x_p = k, eg_p = eg; copied into fre
 that a carry a caller keeps is never written), or, when the token completes the mini-batch
 (p = b - 1, ``COMMIT``), the next start weights W_0 - tau_b sum_j x_j^T eg_j (and bias
 b_0 - tau_b sum_j eg_j), a second pass over W_0.
+
+TTT-MLP (``_mlp_decode_kernel``), the same program with W1 [Dk, Dh], b1, W2 [Dh, Dv], b2 and
+two rows per layer (x1_j = k_j, eg1_j; x2_j = gelu(Z1 of k_j), eg2_j): the weights (2 x 256
+KiB float32 per head at D = 128) do not fit on chip and stream from global memory in hidden
+blocks of HB units, in passes over the blocks:
+    1. Z1k = k W1_0 + b1_0, Z1q = q W1_0 + b1_0 (into a scratch [2, Dh] per program),
+       Z2 = gelu(Z1k) W2_0 + b2_0; then eg2 = eta dl/dZ2 (the LayerNorm gradient);
+    2. per block, eg1 = eta (G2 W2_0^T) * gelu'(Z1k), the query's
+       z1 = Z1q - tau_p (sum_j (q . x1_j [+ 1]) eg1_j + (q . k [+ 1]) eg1), xq = gelu(z1)
+       through W2_0 and into the coefficients xq . x2_j (summed over the blocks); then
+       o = [LN](xq W2_0 + b2_0 - tau_p (sum_j (xq . x2_j [+ 1]) eg2_j + (xq . x2k [+ 1]) eg2))
+       [+ q], and the rows with the token appended (fresh buffers, as above);
+    3. (``COMMIT`` only) per block, eg1 again and W1_0 - tau_b X1^T EG1, W2_0 - tau_b X2^T EG2
+       and the biases' sums (a pass of its own keeps pass 2's registers low).
+W1 is read once (twice on a commit), W2 twice (three times).
 
 Every product is a matrix-vector product or a sum of b rank-one terms: no tensor-core tiles,
 float32 FMAs on float32 weights and rows throughout, the same arithmetic as the PyTorch step's
