@@ -31,8 +31,8 @@ from tests.ops.triton_aot import TTT_CASES, dispatched
 HERE = Path(__file__).parent
 KERNELS = {"qk", "linear_fwd", "linear_bwd_a", "linear_bwd_b", "linear_bwd_b[TAIL]",
            "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd", "mlp_recompute", "mlp_bwd",
-           "mlp_bwd[TAIL]", "linear_decode",
-           "linear_decode[COMMIT]"}
+           "mlp_bwd[TAIL]", "linear_decode", "linear_decode[COMMIT]", "mlp_decode",
+           "mlp_decode[COMMIT]"}
 
 
 def compile_records(tmp_path: Path, which: str) -> list[dict]:
@@ -128,7 +128,7 @@ def test_dispatched_configurations_are_the_compiled_ones(monkeypatch):
 
 
 def test_dispatched_decode_configurations_are_the_compiled_ones(monkeypatch):
-    """The decoding kernel (ops/ttt/triton_decode.py): the dispatcher takes it for one-token
+    """The decoding kernels (ops/ttt/triton_decode.py): the dispatcher takes them for one-token
     calls with half inputs (compiled above at head sizes 64 and 128), float32 goes to PyTorch,
     and for the dual form's ops one-token calls stay on PyTorch."""
     from types import SimpleNamespace
@@ -142,13 +142,17 @@ def test_dispatched_decode_configurations_are_the_compiled_ones(monkeypatch):
     assert triton_decode.MAX_D == backend.TRITON_MAX_DK
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for D in (16, 64, 128):
-            cuda = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(4, 1, 8, D), device="cuda:0")
-            chosen = backend.choose_backend("ttt_decode_linear", cuda, None, "step", 16)
-            dispatched = dtype != torch.float32
-            assert chosen == ("triton" if dispatched else "torch"), (dtype, D, chosen)
-            for arch in ARCHS:
-                cfg = triton_decode.tile_config(arch, dtype, "ttt_decode_linear", D)
-                assert (cfg is not None) == dispatched
-            assert backend.choose_backend("ttt_linear", cuda, None, "dual", 16) == "torch"
+    assert triton_decode.OPS == ("ttt_decode_linear", "ttt_decode_mlp")
+    for op in triton_decode.OPS:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for D in (16, 64, 128):
+                cuda = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(4, 1, 8, D),
+                                       device="cuda:0")
+                chosen = backend.choose_backend(op, cuda, None, "step", 16)
+                dispatched = dtype != torch.float32
+                assert chosen == ("triton" if dispatched else "torch"), (op, dtype, D, chosen)
+                for arch in ARCHS:
+                    cfg = triton_decode.tile_config(arch, dtype, op, D)
+                    assert (cfg is not None) == dispatched
+                dual = op.replace("_decode", "")
+                assert backend.choose_backend(dual, cuda, None, "dual", 16) == "torch"

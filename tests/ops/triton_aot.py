@@ -48,7 +48,7 @@ ALIGNED_DTYPES = ("bfloat16", "float32")
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
         "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "mlp_recompute": 3, "mlp_bwd": 4,
-        "linear_decode": 0.5}
+        "linear_decode": 0.5, "mlp_decode": 1}
 # TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
 # (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
 # The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
@@ -149,7 +149,7 @@ def signatures(kernels, dtype: str, arch: int):
 
 def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
     """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py) and of ``_MLPTriton``
-    and two TTT-Linear decoding steps (ops/ttt/triton_decode.py) on small CPU tensors (kernels
+    and decoding steps of each (ops/ttt/triton_decode.py) on small CPU tensors (kernels
     replaced by recorders): b = 16, T = b + 3, the flags of ``TTT_FLAGS[flags]``."""
     import torch
 
@@ -188,6 +188,16 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
         triton_decode.ttt_linear_decode_triton(
             q[:, :1], q[:, :1], q[:, :1], f(B, 1, H, dtype=dtype), carry,
             f(H, D) if ln else None, f(H, D) if ln_bias else None, residual, torch.ones(H, b))
+    # TTT-MLP's, whose row tiles grow with b: also at the largest mini-batch the kernel takes
+    start = (f(B, H, D, Dh), f(B, H, Dh) if bias else None, f(B, H, Dh, D),
+             f(B, H, D) if bias else None)
+    for bd in (b, triton_decode.MAX_MINI_BATCH):
+        for pos in (1, bd - 1):
+            rows = tuple(f(B, H, pos, n) for n in (D, Dh, Dh, D))
+            triton_decode.ttt_mlp_decode_triton(
+                q[:, :1], q[:, :1], q[:, :1], f(B, 1, H, dtype=dtype),
+                DecodeCarry(start, None, rows, pos, 0), f(H, D) if ln else None,
+                f(H, D) if ln_bias else None, residual, torch.ones(H, bd))
 
 
 def ttt_signatures(kernels, case: tuple, arch: int):

@@ -90,8 +90,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     - ``mode``: the ops' "dual" (default), "primal" or "naive".
     - ``backend``: the ops' ``backend=``, and the decoding step's (``ttt_decode_step``, one
       token): None (default, the automatic choice: the Triton kernels of the dual form, and
-      TTT-Linear's fused decoding step, where they can run the call, ops/backend.py), "triton"
-      or "torch".
+      the fused decoding step, where they can run the call, ops/backend.py), "triton" or
+      "torch".
 
     State: ``(pos, conv_cache, inner)``: pos (int) the position inside the current mini-batch,
     conv_cache [B, 3, H * D] the last three shared Q/K projections (Mamba backbone, else None),

@@ -463,10 +463,11 @@ def layer_state_after(
     return DecodeCarry(start, before.prior if steps else None, rows, pos, steps)
 
 
-# The decoding step's Triton kernel (ops/ttt/triton_decode.py, TTT-Linear): a one-token step,
-# taken by the automatic choice for one-token calls; TTT-MLP has none.
-register("ttt_decode_linear", triton=Kernel(mode="step", chunk_name="mini_batch_size",
-                                            kernels=decode_kernels, one_token=True))
+# The decoding step's Triton kernels (ops/ttt/triton_decode.py): one-token steps, taken by the
+# automatic choice for one-token calls.
+for _op in ("ttt_decode_linear", "ttt_decode_mlp"):
+    register(_op, triton=Kernel(mode="step", chunk_name="mini_batch_size",
+                                kernels=decode_kernels, one_token=True))
 
 
 def _kernel_runs(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -523,7 +524,7 @@ def ttt_decode_step(
     decoding without gradients may pass (the TTT layers keep them): tau_i then scales the
     products as a number instead of a tensor (ignored with gradients recorded, while tracing,
     and for per-row places).
-    backend: "triton" (the fused step of ops/ttt/triton_decode.py: TTT-Linear, CUDA, float16 or
+    backend: "triton" (the fused step of ops/ttt/triton_decode.py: CUDA, float16 or
     bfloat16 q, k, v, head sizes multiples of 16 up to 128, mini_batch_size <= 64, one place
     for every row and no op state's gradient sums, no gradients recorded), "torch", or None
     (the automatic choice: the kernel where it can run the step). An explicit choice that
@@ -540,10 +541,13 @@ def ttt_decode_step(
                "mini_batch_size": b, "token_scale": token_scale}
     if _kernel_runs(kind, q, k, v, eta, carry, backend, options):
         tau = q.new_ones(b, dtype=torch.float32) if token_scale is None else token_scale
-        o, committed, rows = decode_kernels().ttt_linear_decode_triton(
-            q, k, v, eta, carry, ln_weight, ln_bias, residual, tau)
+        kernels = decode_kernels()
+        run = kernels.ttt_linear_decode_triton if kind == "linear" else \
+            kernels.ttt_mlp_decode_triton
+        o, committed, rows = run(q, k, v, eta, carry, ln_weight, ln_bias, residual, tau)
         if committed is not None:  # the token completed the mini-batch
-            return o, DecodeCarry(committed, None, _empty_rows(committed, 1, 0), 0, 0)
+            return o, DecodeCarry(committed, None, _empty_rows(committed, len(committed) // 2, 0),
+                                  0, 0)
         return o, DecodeCarry(carry.start, None, rows, carry.pos + 1, 0)
     cdtype = state_dtype(q.dtype)
 
