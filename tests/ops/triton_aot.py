@@ -148,8 +148,9 @@ def signatures(kernels, dtype: str, arch: int):
 
 
 def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
-    """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py) and of ``_MLPTriton``
-    and two TTT-Linear decoding steps (ops/ttt/triton_decode.py) on small CPU tensors (kernels
+    """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py; the forward with
+    either kernel, ops/ttt/triton_regs.py) and of ``_MLPTriton`` and two TTT-Linear decoding
+    steps (ops/ttt/triton_decode.py) on small CPU tensors (kernels
     replaced by recorders): b = 16, T = b + 3, the flags of ``TTT_FLAGS[flags]``."""
     import torch
 

@@ -228,7 +228,7 @@ def launch_forward(L, store: bool, *args) -> bool:
     if fwd_variant(arch, max(L.Dk, L.Dv)) != "regs":
         return False
     # forced where it has no tiling (a float32 or diagnostic call): the largest one
-    cfg = regs_config(arch, torch.bfloat16, max(L.Dk, L.Dv)) or RegsConfig(8, KC=64)
+    cfg = regs_config(arch, torch.bfloat16, max(L.Dk, L.Dv)) or RegsConfig(8)
     consts = {**L.consts, "KC": min(L.consts["BK"], cfg.KC)}
     _linear_fwd_regs_kernel[(L.BH,)](*args, store, STAGES=cfg.stages, **consts,
                                      num_warps=cfg.warps, num_stages=cfg.stages)
