@@ -30,8 +30,10 @@ def kernels():
     from triton.runtime.interpreter import InterpretedFunction
 
     from fastweights.ops.ttt import triton as module
+    from fastweights.ops.ttt import triton_regs
 
-    if not isinstance(module._linear_fwd_kernel, InterpretedFunction):
+    if not all(isinstance(f, InterpretedFunction)
+               for f in (module._linear_fwd_kernel, triton_regs._linear_fwd_regs_kernel)):
         pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
                     "(or it is set to 0): these CPU tests need the Triton interpreter")
     return module
@@ -50,13 +52,36 @@ class _Counted:
 
 @pytest.fixture
 def launches(kernels, monkeypatch) -> Counter:
-    """Launches per kernel (name without the leading underscore and ``_kernel``)."""
+    """Launches per kernel (name without the leading underscore and ``_kernel``) of
+    ops/ttt/triton.py and triton_regs.py (the register-resident forward, ``linear_fwd_regs``)."""
+    from fastweights.ops.ttt import triton_regs
+
     counts: Counter = Counter()
-    for name in [n for n in vars(kernels) if n.endswith("_kernel")]:
-        monkeypatch.setattr(kernels, name, _Counted(getattr(kernels, name),
-                                                    name.strip("_").removesuffix("_kernel"),
-                                                    counts))
+    for module in (kernels, triton_regs):
+        for name in [n for n in vars(module) if n.endswith("_kernel")]:
+            monkeypatch.setattr(module, name, _Counted(getattr(module, name),
+                                                       name.strip("_").removesuffix("_kernel"),
+                                                       counts))
     return counts
+
+
+# TTT-Linear's two forward kernels by FASTWEIGHTS_TTT_FWD's values (ops/ttt/triton_regs.py)
+FWD = {"stream": "linear_fwd", "regs": "linear_fwd_regs"}
+
+
+@pytest.fixture(params=list(FWD))
+def fwd(request, monkeypatch) -> str:
+    """Each forward kernel in turn, chosen by FASTWEIGHTS_TTT_FWD: the name it counts under."""
+    monkeypatch.setenv("FASTWEIGHTS_TTT_FWD", request.param)
+    return FWD[request.param]
+
+
+def default_fwd(D: int) -> str:
+    """The forward kernel a call with head size D runs without FASTWEIGHTS_TTT_FWD under the
+    interpreter (sm_80's choice)."""
+    from fastweights.ops.ttt.triton_regs import regs_config
+
+    return FWD["regs" if regs_config(80, torch.bfloat16, D) else "stream"]
 
 
 @pytest.fixture
@@ -67,6 +92,7 @@ def on_gpu(monkeypatch):
     monkeypatch.setattr(backends, "_trials", {})  # the automatic choice's trial runs afresh
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
+    monkeypatch.delenv("FASTWEIGHTS_TTT_FWD", raising=False)
 
 
 @pytest.fixture
@@ -173,6 +199,7 @@ LINEAR_CASES = [
     (11, 4, True, True, True, 5, 5, 2),
     (10, 3, False, False, False, 4, 6, 1),
     (7, 7, True, False, True, 6, 3, None),  # one full mini-batch, no tail
+    (3, 4, True, True, False, 5, 5, None),  # no full mini-batch: only the partial one
 ]
 
 
@@ -180,21 +207,23 @@ LINEAR_CASES = [
                          ids=[f"T{c[0]}-b{c[1]}-{'ln' if c[2] else 'noln'}-"
                               f"{'res' if c[3] else 'nores'}-{'bias' if c[4] else 'nobias'}"
                               for c in LINEAR_CASES])
-def test_linear_kernels_match_naive(launches, exact, T, b, ln, res, bias, Dk, Dv, group):
+def test_linear_kernels_match_naive(launches, exact, fwd, T, b, ln, res, bias, Dk, Dv,
+                                    group):
     """Output, final state and the gradients of q, k, v, eta, the initial weights and bias,
-    the LayerNorm's weight and bias and the token scales: the kernels on float32 inputs
-    against autograd through the float64 token loop."""
+    the LayerNorm's weight and bias and the token scales: the kernels (either forward kernel:
+    the backward reads its checkpoints) on float32 inputs against autograd through the
+    float64 token loop."""
     args, kw = case(T=T, b=b, ln=ln, bias=bias, Dk=Dk, Dv=Dv)
     kw["residual"] = res
     want = run(ttt_linear, args, kw, F64, mode="naive")
     got = run(ttt_linear, args, kw, torch.float32, backend="triton", checkpoint_group=group)
     assert_matches(got, want, TOL32, "triton")
     segments = -(-(T // b) // (group or 16)) + (T % b > 0)
-    assert launches == Counter(qk=1, linear_fwd=1, linear_bwd_a=segments,
-                               linear_bwd_b=segments, linear_bwd_c=segments), launches
+    assert launches == Counter({"qk": 1, fwd: 1, "linear_bwd_a": segments,
+                                "linear_bwd_b": segments, "linear_bwd_c": segments}), launches
 
 
-def test_linear_continues_a_state_inside_a_mini_batch(launches, exact):
+def test_linear_continues_a_state_inside_a_mini_batch(launches, exact, fwd):
     """A call that starts inside a mini-batch (the state of a call that ended inside one:
     current weights, start weights, gradient sums, pos): its first tokens complete that
     mini-batch in PyTorch, the kernels run the rest; output, state and gradients (those of the
@@ -209,10 +238,10 @@ def test_linear_continues_a_state_inside_a_mini_batch(launches, exact):
     want = run(ttt_linear, rest, kw_mid, F64, mode="naive")
     got = run(ttt_linear, rest, kw_mid, torch.float32, backend="triton")
     assert_matches(got, want, TOL32, "continued")
-    assert launches["linear_fwd"] == 1 and launches["linear_bwd_b"] == 2
+    assert launches[fwd] == 1 and launches["linear_bwd_b"] == 2
 
 
-def test_linear_half_inputs(launches, on_gpu):
+def test_linear_half_inputs(launches, on_gpu, fwd):
     """bfloat16 q, k, v: output in bfloat16 within its rounding of the oracle on the same
     rounded inputs; state in float32, to float32 accuracy."""
     args, kw = case(T=9, b=4, Dk=16, Dv=16, seed=3)
@@ -221,7 +250,7 @@ def test_linear_half_inputs(launches, on_gpu):
     o, state = ttt_linear(*args, output_final_state=True, backend="triton", **kw)
     ro, rstate = ttt_linear(*(x.double() for x in args), output_final_state=True, mode="naive",
                             **kw)
-    assert o.dtype == torch.bfloat16 and launches["linear_fwd"] == 1
+    assert o.dtype == torch.bfloat16 and launches[fwd] == 1
     assert max_err(o, ro) <= 2 * torch.finfo(torch.bfloat16).eps * ro.abs().max().item()
     for x, y in zip(state, rstate):
         if isinstance(y, torch.Tensor):
@@ -232,13 +261,15 @@ def test_dispatch(launches, on_gpu, monkeypatch):
     """The automatic choice takes the kernels for half inputs on "CUDA" with head sizes that
     are multiples of 16 (float32 and other head sizes: PyTorch, no spill-free tiling), PyTorch
     for one-token calls, other modes, CPU tensors and backend="torch"; packed documents run
-    one document at a time through the kernels; explicit choices that cannot run are
-    ValueErrors naming the reason."""
+    one document at a time through the kernels, the forward by default the register-resident
+    one (where it has a tiling); explicit choices that cannot run, and a FASTWEIGHTS_TTT_FWD
+    that names no forward kernel, are ValueErrors naming the reason."""
     args, kw = case(T=6, b=4, Dk=16, Dv=16, seed=4)
     kw["residual"] = True
     half = [x.half() if i < 3 else x.float() for i, x in enumerate(args)]
     ttt_linear(*half, **kw)  # the automatic choice's trial call (once), then the call
-    assert launches["linear_fwd"] == 2
+    fwd = default_fwd(16)
+    assert launches[fwd] == 2 and launches["linear_fwd"] + launches["linear_fwd_regs"] == 2
     assert backends._trials == {("ttt_linear", "triton", torch.float16, "cpu", False): None}
     ttt_linear(*(x.float() for x in args), **kw)  # float32: PyTorch
     odd, kw_odd = case(T=6, b=4, Dk=8, Dv=8, seed=4)
@@ -249,14 +280,14 @@ def test_dispatch(launches, on_gpu, monkeypatch):
     monkeypatch.setenv("FASTWEIGHTS_BACKEND", "torch")
     ttt_linear(*half, **kw)
     monkeypatch.delenv("FASTWEIGHTS_BACKEND")
-    assert launches["linear_fwd"] == 2
+    assert launches[fwd] == 2
     cu = torch.tensor([0, 2, 6])
     packed = {**kw, "initial_state": tuple(x[:1] for x in kw["initial_state"])}
     o, states = ttt_linear(*(x[:1] for x in half), cu_seqlens=cu, output_final_state=True,
                            **packed)
     ro, rstates = ttt_linear(*(x[:1].double() for x in half), cu_seqlens=cu,
                              output_final_state=True, mode="naive", **packed)
-    assert launches["linear_fwd"] == 4 and len(states) == 2
+    assert launches[fwd] == 4 and len(states) == 2
     assert max_err(o, ro) <= 2 * torch.finfo(torch.float16).eps * ro.abs().max().item()
     for st, rst in zip(states, rstates):
         for x, y in zip(st, rst):
@@ -290,7 +321,10 @@ def test_dispatch(launches, on_gpu, monkeypatch):
         ttt_mlp(*(x[:, :1] for x in half), backend="triton", initial_state=per_row,
                 mini_batch_size=4)
     assert backends.choose_backend("ttt_linear", half[0], None, "dual", 4) == "triton"
-    assert launches["linear_fwd"] == 4
+    assert launches[fwd] == 4
+    monkeypatch.setenv("FASTWEIGHTS_TTT_FWD", "fast")
+    with pytest.raises(ValueError, match="FASTWEIGHTS_TTT_FWD"):
+        ttt_linear(*half, backend="triton", **kw)
 
 
 MLP_CASES = [(11, 4, True, True, True, 5), (10, 3, False, False, False, 9), (8, 8, True, True, True, 6)]
@@ -375,7 +409,7 @@ def test_layer_passes_backend_through(launches, exact):
     ref.load_state_dict(layer.state_dict())
     y, _ = layer(x)
     y_ref, _ = ref(x)
-    assert launches["linear_fwd"] == 1
+    assert launches[default_fwd(8)] == 1
     assert max_err(y, y_ref) <= TOL32
     w = torch.randn(y.shape)
     (y * w).sum().backward()

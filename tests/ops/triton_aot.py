@@ -48,7 +48,7 @@ ALIGNED_DTYPES = ("bfloat16", "float32")
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
         "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "mlp_recompute": 3, "mlp_bwd": 4,
-        "linear_decode": 0.5, "mlp_decode": 1}
+        "linear_decode": 0.5, "mlp_decode": 1, "linear_fwd_regs": 1.5}
 # TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
 # (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
 # The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
@@ -148,8 +148,9 @@ def signatures(kernels, dtype: str, arch: int):
 
 
 def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
-    """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py) and of ``_MLPTriton``
-    and decoding steps of each (ops/ttt/triton_decode.py) on small CPU tensors (kernels
+    """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py; the forward with
+    either kernel, ops/ttt/triton_regs.py) and of ``_MLPTriton``, and decoding steps of each
+    (ops/ttt/triton_decode.py) on small CPU tensors (kernels
     replaced by recorders): b = 16, T = b + 3, the flags of ``TTT_FLAGS[flags]``."""
     import torch
 
@@ -157,14 +158,27 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
     B, H, b = 1, 1, 16
     T = b + 3
     q = torch.zeros(B, T, H, D, dtype=dtype)
-    ctx = _Ctx()
-    ctx.needs_input_grad = (True,) * 11
     f = torch.zeros
-    res = kernels._LinearTriton.forward(
-        ctx, q, q, q, f(B, T, H), torch.ones(H, b), f(H, D) if ln else None,
-        f(H, D) if ln_bias else None, f(B * H, D, D), f(B * H, D) if bias else None, residual,
-        None)
-    kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
+    # TTT-Linear with either forward kernel (ops/ttt/triton_regs.py: the streamed one, then
+    # the dispatcher's default, the register-resident one where it has a tiling)
+    from fastweights.ops.ttt import triton_regs
+
+    saved = os.environ.pop(triton_regs.ENV, None)
+    try:
+        for variant in ("stream", ""):
+            os.environ[triton_regs.ENV] = variant
+            ctx = _Ctx()
+            ctx.needs_input_grad = (True,) * 11
+            res = kernels._LinearTriton.forward(
+                ctx, q, q, q, f(B, T, H), torch.ones(H, b), f(H, D) if ln else None,
+                f(H, D) if ln_bias else None, f(B * H, D, D), f(B * H, D) if bias else None,
+                residual, None)
+            if variant:  # the backward once (it does not depend on the forward kernel)
+                kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
+    finally:
+        os.environ.pop(triton_regs.ENV)
+        if saved is not None:
+            os.environ[triton_regs.ENV] = saved
     # TTT-MLP, forward and backward (two full mini-batches and a partial one: the recompute
     # kernel runs, and both variants of the backward kernel)
     Dh = 4 * D
@@ -205,11 +219,11 @@ def ttt_signatures(kernels, case: tuple, arch: int):
     of one case of TTT_CASES on sm_``arch``, recorded from the host code."""
     import torch
 
-    from fastweights.ops.ttt import triton_decode
+    from fastweights.ops.ttt import triton_decode, triton_regs
 
     dtype, D, flags, _ = case
     out: list = []
-    modules = (kernels, triton_decode)
+    modules = (kernels, triton_decode, triton_regs)
     names = [(m, n) for m in modules for n in vars(m)
              if n.startswith("_") and n.endswith("_kernel")]
     saved = {(m, n): getattr(m, n) for m, n in names}

@@ -1315,9 +1315,12 @@ class _LinearTriton(torch.autograd.Function):
         store = any(ctx.needs_input_grad)
         ckw = torch.empty(L.BH, L.NC, L.Dk, L.Dv, **f32) if store else W
         ckb = torch.empty(L.BH, L.NC, L.Dv, **f32) if store else bias
-        _linear_fwd_kernel[(L.BH,)](
-            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), _or(b0, W0),
-            o, W, bias, S, s, ckw, ckb, *L.dims, store, **L.launch())
+        args = (q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), _or(b0, W0),
+                o, W, bias, S, s, ckw, ckb, *L.dims)
+        from . import triton_regs  # the register-resident variant (FASTWEIGHTS_TTT_FWD)
+
+        if not triton_regs.launch_forward(L, store, *args):
+            _linear_fwd_kernel[(L.BH,)](*args, store, **L.launch())
         if store:
             ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, ckw, ckb, W, bias, A)
             ctx.L = L
