@@ -338,7 +338,8 @@ def test_mlp_kernels_match_naive(launches, exact, T, b, ln, res, bias, Dk, Dv, g
     seg = min(group or 16, T // b)
     starts = range(0, T // b, seg)
     recompute = sum(min(n + seg, T // b) - n > 1 for n in starts)
-    want_launches = Counter(qk=1, mlp_fwd=1, mlp_bwd=len(starts) + (T % b > 0),
+    segments = len(starts) + (T % b > 0)
+    want_launches = Counter(qk=1, mlp_fwd=1, mlp_bwd_a=segments, mlp_bwd_b=segments,
                             mlp_recompute=recompute)
     assert launches == +want_launches, launches
 
@@ -360,7 +361,7 @@ def test_mlp_continues_a_state_inside_a_mini_batch(launches, exact):
     want = run(ttt_mlp, rest, kw_mid, F64, mode="naive")
     got = run(ttt_mlp, rest, kw_mid, torch.float32, backend="triton")
     assert_matches(got, want, TOL32, "mlp continued, gradients")
-    assert launches["mlp_fwd"] == 2 and launches["mlp_bwd"] == 2
+    assert launches["mlp_fwd"] == 2 and launches["mlp_bwd_b"] == 2
 
 
 def test_layer_passes_backend_through(launches, exact):

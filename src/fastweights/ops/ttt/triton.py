@@ -203,6 +203,13 @@ def _block(ptr, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _store_block(ptr, x, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    r = r0 + tl.arange(0, BR)
+    c = c0 + tl.arange(0, BC)
+    tl.store(ptr + r[:, None] * C + c[None, :], x, mask=(r < R)[:, None] & (c < C)[None, :])
+
+
+@triton.jit
 def _wrows(ptr, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
     """Rows c0..c0+KC of a row-major float32 [R, C] matrix, transposed: a [BC, KC] tile."""
     return _blockT(ptr, c0, 0, R, C, KC, BC)
@@ -1003,30 +1010,167 @@ def _mlp_recompute_kernel(
 
 
 @triton.jit
-def _mlp_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr,
-    w1_ptr, b1_ptr, w2_ptr, b2_ptr, do_ptr, ds1_ptr, dsb1_ptr, ds2_ptr, dsb2_ptr,
-    dw1_ptr, db1_ptr, dw2_ptr, db2_ptr, acc_ptr, dtau_ptr, dq_ptr, dk_ptr, dv_ptr, deta_ptr,
-    hs_ptr, vs_ptr, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j,
+def _rows_through(w_ptr, j0, rows_ptr, acc, Dh, Dv, PREC: tl.constexpr, BB: tl.constexpr,
+                  BV: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr):
+    """acc + W[j0:j0+HB] R [HB, BB] for w [Dh, Dv] (row-major) and R [BV, BB], a tile in the
+    program's global scratch (``rows_ptr``, row-major) read back by blocks of KC value rows:
+    held whole, a product with HB rows and the value dim as its depth has every warp hold its
+    whole operands (the warps replicate its rows)."""
+    a = acc
+    r = tl.arange(0, KC)
+    c = tl.arange(0, BB)
+    for v0 in range(0, BV, KC):
+        a = _dot(_block(w_ptr, j0, v0, Dh, Dv, HB, KC),
+                 tl.load(rows_ptr + (v0 + r)[:, None] * BB + c[None, :]), PREC, a)
+    return a
+
+
+@triton.jit
+def _mlp_bwd_a_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr,
+    b2_ptr, do_ptr, hs_ptr, vs_ptr, rr_ptr, at_ptr, acc_ptr, dtau_ptr, dq_ptr, dk_ptr,
+    deta_ptr, T, H, Dk, Dv, Dh, b, N, n0, seg, w_bh, w_j,
+    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+    DC: tl.constexpr,
+):
+    """Backward, first pass: mini-batch n = n0 + j of one (batch, head) (program (j, b*h), in
+    parallel), its forward again from its start weights (slot bh * w_bh + j * w_j of w1
+    [., Dk, Dh], b1 [., Dh], w2 [., Dh, Dv], b2 [., Dv]) and the backward of its read-out,
+    which needs no gradient of later weights. Writes dq (final), dk and deta (the read-out's
+    shares), acc [B*H, N, 2, BV] (dgamma, dbeta) and dtau [B*H, N, BB] of the mini-batch, and
+    its rows: hidden hs [B*H, seg, 5, BHD, BB] (Z1, A = G2 W2^T, Zbar1, dZbar1; slot 4 is
+    ``_mlp_bwd_b_kernel``'s), value vs [B*H, seg, 6, BV, BB] (G2, dZbar2, the read-out's
+    share of dG2, the keys' LayerNorm x_hat and g; slot 5 is the second pass's), rr [B*H, seg,
+    BB] (that LayerNorm's 1/s), at [B*H, seg, BB, BB] (dA2^T, A2 = Xbar2 X2^T [+ 1]).
+    Three passes over hidden blocks of HB units: (1) Z1 = K W1 + b1, Z2 = gelu(Z1) W2 + b2
+    and the loss gradient G2; (2) A, G1 = A gelu'(Z1), Zbar1 = Q W1 + b1 - M1 G1, Xbar2 =
+    gelu(Zbar1), A2, Zbar2 = Xbar2 W2 + b2 - M2 G2 (M = E * A); the read-out o = [LN](Zbar2)
+    [+ q] differentiated; (3) dXbar2 = dZbar2 W2^T + dA2 X2, dZbar1, M1's gradient, dQ."""
+    j = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    n = n0 + j
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
+    cm = tl.arange(0, BV) < Dv
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
+    slot = bh * w_bh + j * w_j
+    w1 = w1_ptr + slot * Dk * Dh
+    b1 = b1_ptr + slot * Dh
+    w2 = w2_ptr + slot * Dh * Dv
+    row = bh * seg + j
+    hs = hs_ptr + row * 5 * BHD * BB
+    SL = BHD * BB
+    vs = vs_ptr + row * 6 * BV * BB
+    VS = BV * BB
+    i, t, m, eta, tau, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
+                                            N, BB)
+    tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+    if RESIDUAL:  # Dk == Dv
+        tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
+    b2v = tl.zeros([BV], dtype=tl.float32)
+    if HAS_B2:
+        b2v = _vec(b2_ptr + slot * Dv, Dv, BV)
+    # (1) the keys' forward
+    Z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
+    for j0 in range(0, BHD, HB):
+        Z1 = _mlp_hidden(w1, b1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
+                         HAS_B1)
+        _store_tile(hs + j0 * BB, Z1, HB, BB)
+        Z2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), _gelu(Z1)[0], PREC, Z2)
+    G2, xh, r, g = _loss_grad(Z2, tgt, gam, bet, cm, Dv, HAS_LN)
+    _store_tile(vs, G2, BV, BB)
+    if HAS_LN:
+        _store_tile(vs + 3 * VS, xh, BV, BB)
+        _store_tile(vs + 4 * VS, g, BV, BB)
+        tl.store(rr_ptr + row * BB + tl.arange(0, BB), r)
+    tl.debug_barrier()
+    # (2) the queries' read-out
+    M1t = Et * A1t
+    Zb2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
+    A2t = tl.zeros([BB, BB], dtype=tl.float32)
+    for j0 in range(0, BHD, HB):
+        X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
+        A = _rows_through(w2, j0, vs, tl.zeros([HB, BB], dtype=tl.float32), Dh, Dv, PREC, BB,
+                          BV, HB, KC)
+        Zb1 = _mlp_hidden(w1, b1, q_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
+                          HAS_B1) - _dot(A * g1p, M1t, PREC)
+        Xb2 = _gelu(Zb1)[0]
+        A2t = _dot(tl.trans(X2), Xb2, PREC, A2t)
+        Zb2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), Xb2, PREC, Zb2)
+        _store_tile(hs + SL + j0 * BB, A, HB, BB)
+        _store_tile(hs + 2 * SL + j0 * BB, Zb1, HB, BB)
+    if HAS_B2:
+        A2t += 1.0
+    M2t = Et * A2t
+    Zb2 -= _dot(G2, M2t, PREC)
+    # the read-out o = [LN](Zbar2) [+ q] and Zbar2's b x b term -M2 G2
+    dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
+    dzb2 = dO
+    acc = acc_ptr + (bh * N + n) * 2 * BV
+    if HAS_LN:
+        xo, ro = _ln(Zb2, cm, Dv)
+        _store_vec(acc, tl.sum(dO * xo, axis=1), BV, BV)
+        _store_vec(acc + BV, tl.sum(dO, axis=1), BV, BV)
+        dzb2 = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
+    _store_tile(vs + 2 * VS, -_dot(dzb2, tl.trans(M2t), PREC), BV, BB)
+    dM2t = _scores_grad(vs, G2, dzb2, PREC, BV, BB, DC)  # G2, dZbar2 into slots 0, 1
+    causal = i[:, None] <= i[None, :]
+    dA2t = tl.where(causal, dM2t * Et, 0.0)
+    _store_tile(at_ptr + row * BB * BB, dA2t, BB, BB)
+    dEt = tl.where(causal, dM2t * A2t, 0.0)
+    # (3) per block: dXbar2, dZbar1, M1's gradient -dZbar1 G1^T, dQ's share dZbar1 W1^T
+    dM1t = tl.zeros([BB, BB], dtype=tl.float32)
+    dq = tl.zeros([BK, BB], dtype=tl.float32)
+    for j0 in range(0, BHD, HB):
+        X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
+        G1 = _load_tile(hs + SL + j0 * BB, HB, BB) * g1p
+        dzb1 = _rows_through(w2, j0, vs + VS, _dot(X2, dA2t, PREC), Dh, Dv, PREC, BB, BV,
+                             HB, KC)
+        dzb1 *= _gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[1]
+        _store_tile(hs + 3 * SL + j0 * BB, dzb1, HB, BB)
+        dM1t = _dot(tl.trans(G1), dzb1, PREC, dM1t)
+        dq = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dzb1, PREC, dq)
+    dM1t = -dM1t
+    dA1t = tl.where(causal, dM1t * Et, 0.0)
+    dEt += tl.where(causal, dM1t * A1t, 0.0)
+    dq = _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), dA1t, PREC, dq)
+    if RESIDUAL:  # Dk == Dv
+        dq += dO
+    _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, BK)
+    _store_cols(dk_ptr, _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dA1t), PREC),
+                base_k, t, m, H, Dk, BK)
+    tl.store(deta_ptr + ebase + t * H, tl.sum(dEt * tau[None, :], axis=1), mask=m)
+    _store_vec(dtau_ptr + (bh * N + n) * BB, tl.sum(dEt * eta[:, None], axis=0), BB, BB)
+
+
+@triton.jit
+def _mlp_bwd_b_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, w2_ptr,
+    ds1_ptr, dsb1_ptr, ds2_ptr, dsb2_ptr, dw1_ptr, db1_ptr, dw2_ptr, db2_ptr,
+    hs_ptr, vs_ptr, rr_ptr, at_ptr, acc_ptr, dtau_ptr, dk_ptr, dv_ptr, deta_ptr,
+    T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j,
     TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
     HAS_LNB: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr,
+    KC: tl.constexpr,
 ):
-    """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head): each
-    mini-batch's forward again from its start weights (slot bh * w_bh + j * w_j of w1
-    [., Dk, Dh], b1 [., Dh], w2 [., Dh, Dv], b2 [., Dv]) and its whole backward with the
-    carried gradient of the weights leaving it, dw1 [B*H, Dk, Dh], db1, dw2, db2 (updated in
-    place into that of the weights entering n0; TAIL: n0 is a last partial mini-batch, whose
-    sums' gradient is ds1, dsb1, ds2, dsb2). Writes dq, dk, dv, deta; adds to acc [B*H, 2, BV]
-    (dgamma, dbeta) and dtau [B*H, BB]. The weights stream in hidden blocks of HB units, four
-    passes per mini-batch, the hidden rows [BHD, BB] kept in the program's scratch hs
-    [B*H, 10, BHD, BB]: (1) Z1, X2 = gelu(Z1) and Z2 = X2 W2 + b2 of the keys, their loss
-    gradient G2; (2) A = G2 W2^T, G1 = A gelu'(Z1), the queries' Zbar1 = Q W1 + b1 - M1 G1,
-    Xbar2 and Zbar2 = Xbar2 W2 + b2 - M2 G2 (M1 = E * (Q K^T [+ 1]), M2 = E * (Xbar2 X2^T
-    [+ 1])); the read-out's backward; (3) per block dZbar1, dG1 (read-out and update W' = W -
-    tau_b S, with the carried D), dA, and their sums over blocks: dG2, M1's gradient, dQ;
-    the keys' LayerNorm gradient differentiated (dZ2); (4) dX2, dZ1 (gelu'' enters), dK and
-    the gradient of the block's start weights."""
+    """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head) with the
+    carried gradient of the weights leaving each, dw1 [B*H, Dk, Dh], db1, dw2, db2 (updated
+    in place into that of the weights entering n0; TAIL: n0 is a last partial mini-batch,
+    whose sums' gradient is ds1, dsb1, ds2, dsb2), the start weights w1, w2 (slots as
+    ``_mlp_bwd_a_kernel``'s) and its rows. Two passes over hidden blocks per mini-batch:
+    (1) the update W' = W - tau_b S (S1 = K^T (eta G1), S2 = X2^T (eta G2); gradient
+    coef D): dG1 (with the read-out's -dZbar1 M1^T), dA = dG1 gelu'(Z1), dG2 += dA W2, and
+    D2 X2, D1 (eta G1) for dK; the keys' LayerNorm gradient differentiated (dZ2, dV);
+    (2) dX2 = dZ2 W2^T + coef (eta G2) D2^T + dA2^T Xbar2, dZ1 (gelu'' enters), dK's share
+    dZ1 W1^T, and the gradient of the block's start weights. Completes dk and deta (adds to
+    ``_mlp_bwd_a_kernel``'s shares), writes dv; adds to acc [B*H, 2, BV] (dgamma, dbeta)
+    and dtau [B*H, BB] (tau_b's share)."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
@@ -1039,198 +1183,115 @@ def _mlp_bwd_kernel(
     acc = acc_ptr + bh * 2 * BV
     dgam = _vec(acc, BV, BV)
     dbet = _vec(acc + BV, BV, BV)
-    dtau = _vec(dtau_ptr + bh * BB, BB, BB)
     dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
     dw1 = dw1_ptr + bh * Dk * Dh
+    db1 = db1_ptr + bh * Dh
     dw2 = dw2_ptr + bh * Dh * Dv
-    ds1 = ds1_ptr + bh * Dk * Dh
-    ds2 = ds2_ptr + bh * Dh * Dv
-    hs = hs_ptr + bh * 10 * BHD * BB
-    vs = vs_ptr + bh * 4 * BV * BB  # x_hat, g, the target, dO
-    VS = BV * BB
-    SL = BHD * BB  # one scratch slot: X2, g1', g1'', A, G1, Xbar2, gbar', dZbar1, dA, dZ1'
+    db2 = db2_ptr + bh * Dv
+    # the gradient of the sums S: coef D (the weights' carried gradient) or dS (TAIL)
+    d1, e1, d2, e2 = dw1, db1, dw2, db2
     coef = -tau_b
     if TAIL:
+        d1, e1 = ds1_ptr + bh * Dk * Dh, dsb1_ptr + bh * Dh
+        d2, e2 = ds2_ptr + bh * Dh * Dv, dsb2_ptr + bh * Dv
         coef = 1.0
+    SL = BHD * BB
+    VS = BV * BB
+    rb = tl.arange(0, BB)
     for nr in range(n0, n1):
         n = n1 - 1 + n0 - nr
+        row = bh * seg + n - n0
         slot = bh * w_bh + (n - n0) * w_j
         w1 = w1_ptr + slot * Dk * Dh
         w2 = w2_ptr + slot * Dh * Dv
-        i, t, m, eta, tau, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
-                                                b, N, BB)
-        kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
-        tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
-        if RESIDUAL:  # Dk == Dv
-            tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
-        b2v = tl.zeros([BV], dtype=tl.float32)
-        if HAS_B2:
-            b2v = _vec(b2_ptr + slot * Dv, Dv, BV)
+        hs = hs_ptr + row * 5 * BHD * BB
+        vs = vs_ptr + row * 6 * BV * BB
+        _, t, m, eta, _, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
+                                              b, N, BB)
         M1t = Et * A1t
-        # (1) the keys' forward
-        Z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
-        for j0 in range(0, BHD, HB):
-            Z1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB), kt, PREC)
-            if HAS_B1:
-                Z1 += _vec(b1_ptr + slot * Dh + j0, Dh - j0, HB)[:, None]
-            X2, g1p, g1pp = _gelu2(Z1)
-            Z2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), X2, PREC, Z2)
-            _store_tile(hs + j0 * BB, X2, HB, BB)
-            _store_tile(hs + SL + j0 * BB, g1p, HB, BB)
-            _store_tile(hs + 2 * SL + j0 * BB, g1pp, HB, BB)
-        G2, xh, r, g = _loss_grad(Z2, tgt, gam, bet, cm, Dv, HAS_LN)
-        _store_tile(vs, xh, BV, BB)  # read back for the LayerNorm's backward
-        _store_tile(vs + VS, g, BV, BB)
-        _store_tile(vs + 2 * VS, tgt, BV, BB)
-        tl.debug_barrier()
-        # (2) the queries' read-out
-        Zb2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
-        A2t = tl.zeros([BB, BB], dtype=tl.float32)
-        for j0 in range(0, BHD, HB):
-            A = _dot(_block(w2, j0, 0, Dh, Dv, HB, BV), G2, PREC)
-            G1 = A * _load_tile(hs + SL + j0 * BB, HB, BB)
-            Zb1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB),
-                       _cols(q_ptr, base_k, t, m, H, Dk, BK), PREC) - _dot(G1, M1t, PREC)
-            if HAS_B1:
-                Zb1 += _vec(b1_ptr + slot * Dh + j0, Dh - j0, HB)[:, None]
-            Xb2, gbp = _gelu(Zb1)
-            A2t = _dot(tl.trans(_load_tile(hs + j0 * BB, HB, BB)), Xb2, PREC, A2t)
-            Zb2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), Xb2, PREC, Zb2)
-            _store_tile(hs + 3 * SL + j0 * BB, A, HB, BB)
-            _store_tile(hs + 4 * SL + j0 * BB, G1, HB, BB)
-            _store_tile(hs + 5 * SL + j0 * BB, Xb2, HB, BB)
-            _store_tile(hs + 6 * SL + j0 * BB, gbp, HB, BB)
-        if HAS_B2:
-            A2t += 1.0
-        M2t = Et * A2t
-        Zb2 -= _dot(G2, M2t, PREC)
-        tl.debug_barrier()
-        # the read-out o = [LN](Zbar2) [+ q] and Zbar2's b x b term
-        dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
-        dzb2 = dO
-        if HAS_LN:
-            xo, ro = _ln(Zb2, cm, Dv)
-            dgam += tl.sum(dO * xo, axis=1)
-            dbet += tl.sum(dO, axis=1)
-            dzb2 = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
-        if RESIDUAL:
-            _store_tile(vs + 3 * VS, dO, BV, BB)
-        causal = i[:, None] <= i[None, :]
-        dG2 = -_dot(dzb2, tl.trans(M2t), PREC)
-        dM2t = -_dot(tl.trans(G2), dzb2, PREC)
-        dA2t = tl.where(causal, dM2t * Et, 0.0)
-        dEt = tl.where(causal, dM2t * A2t, 0.0)
-        # the gradient sums S1 = K^T (eta G1), S2 = X2^T (eta G2) (and the biases'): handed
-        # on (TAIL, gradients ds) or applied, W' = W - tau_b S (gradient coef D)
-        H2 = G2 * eta[None, :]
+        ce = coef * eta
+        # (1) per block: dG1, dA, and the sums over blocks dG2, D2 X2, D1 (eta G1), G1 . (K D1)
+        dG2 = tl.zeros([BV, BB], dtype=tl.float32)
         xD2 = tl.zeros([BV, BB], dtype=tl.float32)
         if HAS_B2:
-            if TAIL:
-                xD2 += _vec(dsb2_ptr + bh * Dv, Dv, BV)[:, None]
-            else:
-                xD2 += _vec(db2_ptr + bh * Dv, Dv, BV)[:, None]
-        # (3) per block: dZbar1, dG1, dA; sums over blocks
-        dM1t = tl.zeros([BB, BB], dtype=tl.float32)
-        dq = tl.zeros([BK, BB], dtype=tl.float32)
+            xD2 += _vec(e2, Dv, BV)[:, None]
         dkD = tl.zeros([BK, BB], dtype=tl.float32)
         se1 = tl.zeros([BB], dtype=tl.float32)
         for j0 in range(0, BHD, HB):
-            X2 = _load_tile(hs + j0 * BB, HB, BB)
-            G1 = _load_tile(hs + 4 * SL + j0 * BB, HB, BB)
-            dXb2 = _dot(_block(w2, j0, 0, Dh, Dv, HB, BV), dzb2, PREC, _dot(X2, dA2t, PREC))
-            dzb1 = dXb2 * _load_tile(hs + 6 * SL + j0 * BB, HB, BB)
-            if TAIL:
-                D1b = _block(ds1, 0, j0, Dk, Dh, BK, HB)
-                D2b = _block(ds2, j0, 0, Dh, Dv, HB, BV)
-            else:
-                D1b = _block(dw1, 0, j0, Dk, Dh, BK, HB)
-                D2b = _block(dw2, j0, 0, Dh, Dv, HB, BV)
-            kD1 = _dot(tl.trans(D1b), _cols(k_ptr, base_k, t, m, H, Dk, BK), PREC)
-            if HAS_B1:
-                if TAIL:
-                    kD1 += _vec(dsb1_ptr + bh * Dh + j0, Dh - j0, HB)[:, None]
-                else:
-                    kD1 += _vec(db1_ptr + bh * Dh + j0, Dh - j0, HB)[:, None]
-            xD2 = _dot(tl.trans(D2b), X2, PREC, xD2)
-            H1 = G1 * eta[None, :]
-            dkD = _dot(D1b, H1, PREC, dkD)
+            X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
+            G1 = _load_tile(hs + SL + j0 * BB, HB, BB) * g1p
+            kD1 = _mlp_hidden(d1, e1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
+                              HAS_B1)
             se1 += tl.sum(G1 * kD1, axis=0)
-            dG1 = (coef * kD1) * eta[None, :] - _dot(dzb1, tl.trans(M1t), PREC)
-            dM1t = _dot(tl.trans(G1), dzb1, PREC, dM1t)
-            dq = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dzb1, PREC, dq)
-            A = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
-            dA = dG1 * _load_tile(hs + SL + j0 * BB, HB, BB)
-            dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), dA, PREC, dG2)
-            _store_tile(hs + 7 * SL + j0 * BB, dzb1, HB, BB)
-            _store_tile(hs + 8 * SL + j0 * BB, dA, HB, BB)
-            _store_tile(hs + 9 * SL + j0 * BB, dG1 * A * _load_tile(hs + 2 * SL + j0 * BB, HB,
-                                                                       BB), HB, BB)
-        tl.debug_barrier()
+            dG1 = kD1 * ce[None, :] - _dot(_load_tile(hs + 3 * SL + j0 * BB, HB, BB),
+                                           tl.trans(M1t), PREC)
+            _store_tile(hs + 4 * SL + j0 * BB, dG1, HB, BB)
+            dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), dG1 * g1p, PREC, dG2)
+            xD2 = _dot(_blockT(d2, j0, 0, Dh, Dv, HB, BV), X2, PREC, xD2)
+            dkD = _dot(_block(d1, 0, j0, Dk, Dh, BK, HB), G1 * ce[None, :], PREC, dkD)
+        G2 = _load_tile(vs, BV, BB)
+        dG2 += _load_tile(vs + 2 * VS, BV, BB) + xD2 * ce[None, :]
+        se = se1 + tl.sum(G2 * xD2, axis=0)  # per token: G1 . (K D1 + d1) + G2 . (X2 D2 + d2)
         if not TAIL:
-            dtau_b -= tl.sum(se1 * eta, axis=0) + tl.sum(tl.sum(H2 * xD2, axis=1), axis=0)
-        dG2 += (coef * xD2) * eta[None, :]
-        deta = coef * (se1 + tl.sum(G2 * xD2, axis=0))
-        dM1t = -dM1t
-        dA1t = tl.where(causal, dM1t * Et, 0.0)
-        dEt += tl.where(causal, dM1t * A1t, 0.0)
-        dq = _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), dA1t, PREC, dq)
-        dk = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dA1t), PREC, coef * dkD)
-        dtau += tl.sum(dEt * eta[:, None], axis=0)
-        deta += tl.sum(dEt * tau[None, :], axis=1)
+            dtau_b -= tl.sum(se * eta, axis=0)
+        deta = coef * se
+        p = deta_ptr + ebase + t * H
+        tl.store(p, tl.load(p, mask=m, other=0.0) + deta, mask=m)
         # G2 = dl/dZ2 of the keys' loss
         dtgt = -dG2
         dZ2 = dG2
         if HAS_LN:
-            xh = _load_tile(vs, BV, BB)
-            dZ2, dg = _ln_grad_back(dG2, G2, xh, r, _load_tile(vs + VS, BV, BB), gam, cm, Dv)
+            xh = _load_tile(vs + 3 * VS, BV, BB)
+            dZ2, dg = _ln_grad_back(dG2, G2, xh, tl.load(rr_ptr + row * BB + rb),
+                                    _load_tile(vs + 4 * VS, BV, BB), gam, cm, Dv)
             dtgt = -gam[:, None] * dg
-            dgam += tl.sum(dg * (gam[:, None] * xh + bet[:, None] - _load_tile(vs + 2 * VS, BV,
-                                                                                BB)
-                                 + gam[:, None] * xh), axis=1)
+            e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
+            if RESIDUAL:
+                e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
+            dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
             dbet -= tl.sum(dtgt, axis=1)
-        # (4) per block: dX2, dZ1, dK and the gradient of the block's start weights
-        for j0 in range(0, BHD, HB):
-            X2 = _load_tile(hs + j0 * BB, HB, BB)
-            Xb2 = _load_tile(hs + 5 * SL + j0 * BB, HB, BB)
-            dzb1 = _load_tile(hs + 7 * SL + j0 * BB, HB, BB)
-            dA = _load_tile(hs + 8 * SL + j0 * BB, HB, BB)
-            W2b = _block(w2, j0, 0, Dh, Dv, HB, BV)
-            D2c = _block(dw2, j0, 0, Dh, Dv, HB, BV)
-            D2b = D2c
-            if TAIL:
-                D2b = _block(ds2, j0, 0, Dh, Dv, HB, BV)
-            dX2 = _dot(Xb2, tl.trans(dA2t), PREC, _dot(W2b, dZ2, PREC))
-            dX2 += coef * _dot(D2b, H2, PREC)
-            dZ1 = _load_tile(hs + 9 * SL + j0 * BB, HB, BB) + dX2 * _load_tile(
-                hs + SL + j0 * BB, HB, BB)
-            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dZ1, PREC, dk)
-            D1c = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dzb1), PREC,
-                       _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), tl.trans(dZ1), PREC,
-                                                      _block(dw1, 0, j0, Dk, Dh, BK, HB)))
-            D2c = _dot(Xb2, tl.trans(dzb2), PREC, _dot(X2, tl.trans(dZ2), PREC,
-                                                       _dot(dA, tl.trans(G2), PREC, D2c)))
-            tl.debug_barrier()  # every thread has read the blocks before they are overwritten
-            _store_blockT(dw1, tl.trans(D1c), 0, j0, Dk, Dh, BK, HB)
-            _store_blockT(dw2, tl.trans(D2c), j0, 0, Dh, Dv, HB, BV)
-            if HAS_B1:
-                db1 = db1_ptr + bh * Dh + j0
-                _store_vec(db1, _vec(db1, Dh - j0, HB) + tl.sum(dzb1 + dZ1, axis=1), Dh - j0,
-                           HB)
-        if HAS_B2:
-            _store_vec(db2_ptr + bh * Dv, _vec(db2_ptr + bh * Dv, Dv, BV) +
-                       tl.sum(dzb2 + dZ2, axis=1), Dv, BV)
-        if RESIDUAL:  # Dk == Dv
-            dq += _load_tile(vs + 3 * VS, BV, BB)
-            dk -= dtgt
-        _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, BK)
-        _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, BK)
         _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
-        tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+        _store_tile(vs + 5 * VS, dZ2, BV, BB)  # read back by blocks of value rows
+        tl.debug_barrier()
+        # (2) per block: dX2, dZ1, dK's share, and the gradient of the block's start weights
+        dzb2 = _load_tile(vs + VS, BV, BB)
+        dA2t = _load_tile(at_ptr + row * BB * BB, BB, BB)
+        qt = _cols(q_ptr, base_k, t, m, H, Dk, BK)
+        kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
+        dk = dkD
+        for j0 in range(0, BHD, HB):
+            X2, g1p, g1pp = _gelu2(_load_tile(hs + j0 * BB, HB, BB))
+            Xb2 = _gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0]
+            dzb1 = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
+            dG1 = _load_tile(hs + 4 * SL + j0 * BB, HB, BB)
+            dA = dG1 * g1p
+            dX2 = _rows_through(w2, j0, vs + 5 * VS, _dot(Xb2, tl.trans(dA2t), PREC), Dh, Dv,
+                                PREC, BB, BV, HB, KC)
+            dX2 += _rows_through(d2, j0, vs, tl.zeros([HB, BB], dtype=tl.float32), Dh, Dv,
+                                 PREC, BB, BV, HB, KC) * ce[None, :]
+            dZ1 = dG1 * _load_tile(hs + SL + j0 * BB, HB, BB) * g1pp + dX2 * g1p
+            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dZ1, PREC, dk)
+            D1c = _dot(qt, tl.trans(dzb1), PREC, _dot(kt, tl.trans(dZ1), PREC,
+                                                      _block(dw1, 0, j0, Dk, Dh, BK, HB)))
+            D2c = _dot(dzb2, tl.trans(Xb2), PREC, _dot(dZ2, tl.trans(X2), PREC, _dot(
+                G2, tl.trans(dA), PREC, _blockT(dw2, j0, 0, Dh, Dv, HB, BV))))
+            tl.debug_barrier()  # every thread has read the blocks before they are overwritten
+            _store_block(dw1, D1c, 0, j0, Dk, Dh, BK, HB)
+            _store_blockT(dw2, D2c, j0, 0, Dh, Dv, HB, BV)
+            if HAS_B1:
+                _store_vec(db1 + j0, _vec(db1 + j0, Dh - j0, HB) + tl.sum(dzb1 + dZ1, axis=1),
+                           Dh - j0, HB)
+        if HAS_B2:
+            _store_vec(db2, _vec(db2, Dv, BV) + tl.sum(dzb2 + dZ2, axis=1), Dv, BV)
+        if RESIDUAL:  # Dk == Dv
+            dk -= dtgt
+        _store_cols(dk_ptr, _cols(dk_ptr, base_k, t, m, H, Dk, BK) + dk, base_k, t, m, H, Dk,
+                    BK)
         tl.debug_barrier()
     _store_vec(acc, dgam, BV, BV)
     _store_vec(acc + BV, dbet, BV, BV)
-    dtau = tl.where(tl.arange(0, BB) == b - 1, dtau + dtau_b, dtau)
-    _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
+    p = dtau_ptr + bh * BB + b - 1
+    tl.store(p, tl.load(p) + dtau_b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1439,19 +1500,27 @@ class _MLPTriton(torch.autograd.Function):
         o = torch.empty(*q.shape[:3], Dv, **f32)  # the recomputed read-out (unused)
         gs = torch.empty(BH, BV, BB, **f32)
         BHD = _pow2(Dh)
-        hs = torch.empty(BH, 10, BHD, BB, **f32)  # the backward kernel's hidden rows
-        vs = torch.empty(BH, 4, BV, BB, **f32)  # and value rows
+        # each mini-batch's rows (``_mlp_bwd_a_kernel``), the first pass's accumulators
+        hs = torch.empty(BH, seg, 5, BHD, BB, **f32)
+        vs = torch.empty(BH, seg, 6, BV, BB, **f32)
+        rr = torch.empty(BH, seg, BB, **f32)
+        at = torch.empty(BH, seg, BB, BB, **f32)
+        acc_a = torch.zeros(BH, N, 2, BV, **f32)
+        dtau_a = torch.zeros(BH, N, BB, **f32)
         ln = (_or(lnw, tau), _or(lnb, tau))
         fl = {n: L.consts[n] for n in ("HAS_B1", "HAS_B2", "HAS_LN", "HAS_LNB", "RESIDUAL",
-                                       "PREC", "BB", "BK", "BV")}
-        BHD = _pow2(Dh)
+                                       "PREC", "BB", "BK", "BV", "KC")}
+        hb = {"BHD": BHD, "HB": min(L.cfg.HBB, BHD)}
         warps = {"num_warps": L.cfg.warps, "num_stages": 1}
 
         def back(n0, n1, ws, w_bh, w_j, tail):
-            _mlp_bwd_kernel[(BH,)](
-                q, k, v, eta, tau, A, *ln, *ws, do, *dsums, *carried, acc, dtau, dq, dk, dv,
-                deta, hs, vs, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j, TAIL=tail, BHD=BHD,
-                HB=min(L.cfg.HBB, BHD), **fl, **warps)
+            _mlp_bwd_a_kernel[(n1 - n0, BH)](
+                q, k, v, eta, tau, A, *ln, *ws, do, hs, vs, rr, at, acc_a, dtau_a, dq, dk, deta,
+                T, H, Dk, Dv, Dh, b, N, n0, seg, w_bh, w_j, DC=min(BV, 32), **hb, **fl, **warps)
+            _mlp_bwd_b_kernel[(BH,)](
+                q, k, v, eta, tau, A, *ln, ws[0], ws[2], *dsums, *carried, hs, vs, rr, at, acc,
+                dtau, dk, dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, TAIL=tail,
+                **hb, **fl, **warps)
 
         if NF < N:  # the last, partial mini-batch starts from the returned weights
             back(NF, N, (w1, c1, w2, c2), 1, 0, True)
@@ -1462,8 +1531,10 @@ class _MLPTriton(torch.autograd.Function):
             if n1 - n0 > 1:
                 _mlp_recompute_kernel[(BH,)](
                     q, k, v, eta, tau, A, *ln, *slots, o, gs, T, H, Dk, Dv, Dh, b, N, n0, n1,
-                    seg, BHD=BHD, HB=L.cfg.HB, KC=L.consts["KC"], **fl, **warps)
+                    seg, BHD=BHD, HB=L.cfg.HB, **fl, **warps)
             back(n0, n1, slots, seg + 1, 1, False)
+        acc += acc_a.sum(1)
+        dtau += dtau_a.sum(1)
         dtau = dtau.view(L.B, L.H, BB)[..., :b].sum(0)
         acc = acc[..., :Dv]
         fl = L.consts
