@@ -1063,7 +1063,7 @@ def _mlp_bwd_a_kernel(
     b1 = b1_ptr + slot * Dh
     w2 = w2_ptr + slot * Dh * Dv
     row = bh * seg + j
-    hs = hs_ptr + row * 5 * BHD * BB
+    hs = hs_ptr + row * 6 * BHD * BB
     SL = BHD * BB
     vs = vs_ptr + row * 6 * BV * BB
     VS = BV * BB
@@ -1204,39 +1204,41 @@ def _mlp_bwd_b_kernel(
         slot = bh * w_bh + (n - n0) * w_j
         w1 = w1_ptr + slot * Dk * Dh
         w2 = w2_ptr + slot * Dh * Dv
-        hs = hs_ptr + row * 5 * BHD * BB
+        hs = hs_ptr + row * 6 * BHD * BB
         vs = vs_ptr + row * 6 * BV * BB
         _, t, m, eta, _, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
                                               b, N, BB)
         M1t = Et * A1t
         ce = coef * eta
-        # (1) per block: dG1, dA, and the sums over blocks dG2, D2 X2, D1 (eta G1), G1 . (K D1)
-        dG2 = tl.zeros([BV, BB], dtype=tl.float32)
-        xD2 = tl.zeros([BV, BB], dtype=tl.float32)
-        if HAS_B2:
-            xD2 += _vec(e2, Dv, BV)[:, None]
-        dkD = tl.zeros([BK, BB], dtype=tl.float32)
+        # (1a) per block: dG1 = coef eta (K D1 + d1) - dZbar1 M1^T, and G1 . (K D1 + d1)
         se1 = tl.zeros([BB], dtype=tl.float32)
         for j0 in range(0, BHD, HB):
-            X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
-            G1 = _load_tile(hs + SL + j0 * BB, HB, BB) * g1p
+            G1 = _load_tile(hs + SL + j0 * BB, HB, BB) * _gelu(_load_tile(hs + j0 * BB, HB,
+                                                                          BB))[1]
             kD1 = _mlp_hidden(d1, e1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
                               HAS_B1)
             se1 += tl.sum(G1 * kD1, axis=0)
             dG1 = kD1 * ce[None, :] - _dot(_load_tile(hs + 3 * SL + j0 * BB, HB, BB),
                                            tl.trans(M1t), PREC)
             _store_tile(hs + 4 * SL + j0 * BB, dG1, HB, BB)
-            dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), dG1 * g1p, PREC, dG2)
+        tl.debug_barrier()
+        # (1b) the sums over blocks dG2 += dA W2 (dA = dG1 gelu'(Z1)) and X2 D2 + d2
+        dG2 = _load_tile(vs + 2 * VS, BV, BB)
+        xD2 = tl.zeros([BV, BB], dtype=tl.float32)
+        if HAS_B2:
+            xD2 += _vec(e2, Dv, BV)[:, None]
+        for j0 in range(0, BHD, HB):
+            X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
+            dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV),
+                       _load_tile(hs + 4 * SL + j0 * BB, HB, BB) * g1p, PREC, dG2)
             xD2 = _dot(_blockT(d2, j0, 0, Dh, Dv, HB, BV), X2, PREC, xD2)
-            dkD = _dot(_block(d1, 0, j0, Dk, Dh, BK, HB), G1 * ce[None, :], PREC, dkD)
         G2 = _load_tile(vs, BV, BB)
-        dG2 += _load_tile(vs + 2 * VS, BV, BB) + xD2 * ce[None, :]
+        dG2 += xD2 * ce[None, :]
         se = se1 + tl.sum(G2 * xD2, axis=0)  # per token: G1 . (K D1 + d1) + G2 . (X2 D2 + d2)
         if not TAIL:
             dtau_b -= tl.sum(se * eta, axis=0)
-        deta = coef * se
         p = deta_ptr + ebase + t * H
-        tl.store(p, tl.load(p, mask=m, other=0.0) + deta, mask=m)
+        tl.store(p, tl.load(p, mask=m, other=0.0) + coef * se, mask=m)
         # G2 = dl/dZ2 of the keys' loss
         dtgt = -dG2
         dZ2 = dG2
@@ -1252,41 +1254,57 @@ def _mlp_bwd_b_kernel(
             dbet -= tl.sum(dtgt, axis=1)
         _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
         _store_tile(vs + 5 * VS, dZ2, BV, BB)  # read back by blocks of value rows
+        if HAS_B2:
+            _store_vec(db2, _vec(db2, Dv, BV) + tl.sum(_load_tile(vs + VS, BV, BB) + dZ2, axis=1),
+                       Dv, BV)
         tl.debug_barrier()
-        # (2) per block: dX2, dZ1, dK's share, and the gradient of the block's start weights
-        dzb2 = _load_tile(vs + VS, BV, BB)
+        # (2a) per block: dK's shares coef (eta G1) D1^T and dZ1 W1^T, with dX2 = dZ2 W2^T
+        # + coef (eta G2) D2^T + dA2^T Xbar2 and dZ1 (gelu'' enters)
         dA2t = _load_tile(at_ptr + row * BB * BB, BB, BB)
-        qt = _cols(q_ptr, base_k, t, m, H, Dk, BK)
-        kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
-        dk = dkD
+        dk = tl.zeros([BK, BB], dtype=tl.float32)
+        if RESIDUAL:  # Dk == Dv
+            dk = -dtgt
         for j0 in range(0, BHD, HB):
             X2, g1p, g1pp = _gelu2(_load_tile(hs + j0 * BB, HB, BB))
-            Xb2 = _gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0]
-            dzb1 = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
-            dG1 = _load_tile(hs + 4 * SL + j0 * BB, HB, BB)
-            dA = dG1 * g1p
-            dX2 = _rows_through(w2, j0, vs + 5 * VS, _dot(Xb2, tl.trans(dA2t), PREC), Dh, Dv,
-                                PREC, BB, BV, HB, KC)
+            A = _load_tile(hs + SL + j0 * BB, HB, BB)
+            dX2 = _rows_through(w2, j0, vs + 5 * VS, _dot(
+                _gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0], tl.trans(dA2t), PREC), Dh,
+                Dv, PREC, BB, BV, HB, KC)
             dX2 += _rows_through(d2, j0, vs, tl.zeros([HB, BB], dtype=tl.float32), Dh, Dv,
                                  PREC, BB, BV, HB, KC) * ce[None, :]
-            dZ1 = dG1 * _load_tile(hs + SL + j0 * BB, HB, BB) * g1pp + dX2 * g1p
-            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dZ1, PREC, dk)
-            D1c = _dot(qt, tl.trans(dzb1), PREC, _dot(kt, tl.trans(dZ1), PREC,
-                                                      _block(dw1, 0, j0, Dk, Dh, BK, HB)))
-            D2c = _dot(dzb2, tl.trans(Xb2), PREC, _dot(dZ2, tl.trans(X2), PREC, _dot(
-                G2, tl.trans(dA), PREC, _blockT(dw2, j0, 0, Dh, Dv, HB, BV))))
-            tl.debug_barrier()  # every thread has read the blocks before they are overwritten
-            _store_block(dw1, D1c, 0, j0, Dk, Dh, BK, HB)
-            _store_blockT(dw2, D2c, j0, 0, Dh, Dv, HB, BV)
-            if HAS_B1:
-                _store_vec(db1 + j0, _vec(db1 + j0, Dh - j0, HB) + tl.sum(dzb1 + dZ1, axis=1),
-                           Dh - j0, HB)
-        if HAS_B2:
-            _store_vec(db2, _vec(db2, Dv, BV) + tl.sum(dzb2 + dZ2, axis=1), Dv, BV)
-        if RESIDUAL:  # Dk == Dv
-            dk -= dtgt
+            dZ1 = _load_tile(hs + 4 * SL + j0 * BB, HB, BB) * A * g1pp + dX2 * g1p
+            _store_tile(hs + 5 * SL + j0 * BB, dZ1, HB, BB)
+            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dZ1, PREC,
+                      _dot(_block(d1, 0, j0, Dk, Dh, BK, HB), A * g1p * ce[None, :], PREC, dk))
         _store_cols(dk_ptr, _cols(dk_ptr, base_k, t, m, H, Dk, BK) + dk, base_k, t, m, H, Dk,
                     BK)
+        tl.debug_barrier()  # D1, D2 are read before they are updated
+        # (2b) the gradient of the block's start weights: D1 += Q^T dZbar1 + K^T dZ1
+        for j0 in range(0, BHD, HB):
+            dzb1 = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
+            dZ1 = _load_tile(hs + 5 * SL + j0 * BB, HB, BB)
+            D1c = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dzb1), PREC,
+                       _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), tl.trans(dZ1), PREC,
+                            _block(dw1, 0, j0, Dk, Dh, BK, HB)))
+            s1 = tl.sum(dzb1 + dZ1, axis=1)
+            if HAS_B1:
+                s1 += _vec(db1 + j0, Dh - j0, HB)
+            tl.debug_barrier()  # every thread has read the block before it is overwritten
+            _store_block(dw1, D1c, 0, j0, Dk, Dh, BK, HB)
+            if HAS_B1:
+                _store_vec(db1 + j0, s1, Dh - j0, HB)
+        # (2c) D2 += Xbar2^T dZbar2 + X2^T dZ2 + dA^T G2 (as D2^T blocks)
+        dzb2 = _load_tile(vs + VS, BV, BB)
+        dZ2 = _load_tile(vs + 5 * VS, BV, BB)
+        G2 = _load_tile(vs, BV, BB)
+        for j0 in range(0, BHD, HB):
+            X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
+            dA = _load_tile(hs + 4 * SL + j0 * BB, HB, BB) * g1p
+            D2c = _dot(dzb2, tl.trans(_gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0]),
+                       PREC, _dot(dZ2, tl.trans(X2), PREC, _dot(
+                           G2, tl.trans(dA), PREC, _blockT(dw2, j0, 0, Dh, Dv, HB, BV))))
+            tl.debug_barrier()
+            _store_blockT(dw2, D2c, j0, 0, Dh, Dv, HB, BV)
         tl.debug_barrier()
     _store_vec(acc, dgam, BV, BV)
     _store_vec(acc + BV, dbet, BV, BV)
@@ -1501,7 +1519,7 @@ class _MLPTriton(torch.autograd.Function):
         gs = torch.empty(BH, BV, BB, **f32)
         BHD = _pow2(Dh)
         # each mini-batch's rows (``_mlp_bwd_a_kernel``), the first pass's accumulators
-        hs = torch.empty(BH, seg, 5, BHD, BB, **f32)
+        hs = torch.empty(BH, seg, 6, BHD, BB, **f32)
         vs = torch.empty(BH, seg, 6, BV, BB, **f32)
         rr = torch.empty(BH, seg, BB, **f32)
         at = torch.empty(BH, seg, BB, BB, **f32)
