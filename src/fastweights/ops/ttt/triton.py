@@ -1177,13 +1177,8 @@ def _mlp_bwd_b_kernel(
     base_k = (bb * T * H + h) * Dk
     base_v = (bb * T * H + h) * Dv
     ebase = bb * T * H + h
-    cm = tl.arange(0, BV) < Dv
-    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     acc = acc_ptr + bh * 2 * BV
-    dgam = _vec(acc, BV, BV)
-    dbet = _vec(acc + BV, BV, BV)
-    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
     dw1 = dw1_ptr + bh * Dk * Dh
     db1 = db1_ptr + bh * Dh
     dw2 = dw2_ptr + bh * Dh * Dv
@@ -1235,51 +1230,61 @@ def _mlp_bwd_b_kernel(
         G2 = _load_tile(vs, BV, BB)
         dG2 += xD2 * ce[None, :]
         se = se1 + tl.sum(G2 * xD2, axis=0)  # per token: G1 . (K D1 + d1) + G2 . (X2 D2 + d2)
-        if not TAIL:
-            dtau_b -= tl.sum(se * eta, axis=0)
         p = deta_ptr + ebase + t * H
         tl.store(p, tl.load(p, mask=m, other=0.0) + coef * se, mask=m)
+        if not TAIL:  # tau_b's share (no accumulator held across iterations)
+            p = dtau_ptr + bh * BB + b - 1
+            tl.store(p, tl.load(p) - tl.sum(se * eta, axis=0))
         # G2 = dl/dZ2 of the keys' loss
         dtgt = -dG2
         dZ2 = dG2
-        if HAS_LN:
+        if HAS_LN:  # (the LayerNorm's parameters and gradients not held across iterations)
+            gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
             xh = _load_tile(vs + 3 * VS, BV, BB)
             dZ2, dg = _ln_grad_back(dG2, G2, xh, tl.load(rr_ptr + row * BB + rb),
-                                    _load_tile(vs + 4 * VS, BV, BB), gam, cm, Dv)
+                                    _load_tile(vs + 4 * VS, BV, BB), gam, tl.arange(0, BV) < Dv,
+                                    Dv)
             dtgt = -gam[:, None] * dg
             e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
             if RESIDUAL:
                 e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
-            dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
-            dbet -= tl.sum(dtgt, axis=1)
+            _store_vec(acc, _vec(acc, BV, BV) + tl.sum(dg * (e + gam[:, None] * xh), axis=1),
+                       BV, BV)
+            _store_vec(acc + BV, _vec(acc + BV, BV, BV) - tl.sum(dtgt, axis=1), BV, BV)
         _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
         _store_tile(vs + 5 * VS, dZ2, BV, BB)  # read back by blocks of value rows
         if HAS_B2:
             _store_vec(db2, _vec(db2, Dv, BV) + tl.sum(_load_tile(vs + VS, BV, BB) + dZ2, axis=1),
                        Dv, BV)
         tl.debug_barrier()
-        # (2a) per block: dK's shares coef (eta G1) D1^T and dZ1 W1^T, with dX2 = dZ2 W2^T
-        # + coef (eta G2) D2^T + dA2^T Xbar2 and dZ1 (gelu'' enters)
+        # (2a) per block: dX2 = dZ2 W2^T + coef (eta G2) D2^T + dA2^T Xbar2, dZ1 (gelu''
+        # enters)
         dA2t = _load_tile(at_ptr + row * BB * BB, BB, BB)
-        dk = tl.zeros([BK, BB], dtype=tl.float32)
-        if RESIDUAL:  # Dk == Dv
-            dk = -dtgt
         for j0 in range(0, BHD, HB):
             X2, g1p, g1pp = _gelu2(_load_tile(hs + j0 * BB, HB, BB))
-            A = _load_tile(hs + SL + j0 * BB, HB, BB)
             dX2 = _rows_through(w2, j0, vs + 5 * VS, _dot(
                 _gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0], tl.trans(dA2t), PREC), Dh,
                 Dv, PREC, BB, BV, HB, KC)
             dX2 += _rows_through(d2, j0, vs, tl.zeros([HB, BB], dtype=tl.float32), Dh, Dv,
                                  PREC, BB, BV, HB, KC) * ce[None, :]
-            dZ1 = _load_tile(hs + 4 * SL + j0 * BB, HB, BB) * A * g1pp + dX2 * g1p
+            dZ1 = (_load_tile(hs + 4 * SL + j0 * BB, HB, BB) * _load_tile(hs + SL + j0 * BB, HB,
+                                                                          BB) * g1pp
+                   + dX2 * g1p)
             _store_tile(hs + 5 * SL + j0 * BB, dZ1, HB, BB)
-            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dZ1, PREC,
-                      _dot(_block(d1, 0, j0, Dk, Dh, BK, HB), A * g1p * ce[None, :], PREC, dk))
+        tl.debug_barrier()
+        # (2b) dK's shares coef (eta G1) D1^T and dZ1 W1^T
+        dk = tl.zeros([BK, BB], dtype=tl.float32)
+        if RESIDUAL:  # Dk == Dv
+            dk = -dtgt
+        for j0 in range(0, BHD, HB):
+            H1 = _load_tile(hs + SL + j0 * BB, HB, BB) * _gelu(_load_tile(hs + j0 * BB, HB,
+                                                                          BB))[1]
+            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), _load_tile(hs + 5 * SL + j0 * BB, HB, BB),
+                      PREC, _dot(_block(d1, 0, j0, Dk, Dh, BK, HB), H1 * ce[None, :], PREC, dk))
         _store_cols(dk_ptr, _cols(dk_ptr, base_k, t, m, H, Dk, BK) + dk, base_k, t, m, H, Dk,
                     BK)
         tl.debug_barrier()  # D1, D2 are read before they are updated
-        # (2b) the gradient of the block's start weights: D1 += Q^T dZbar1 + K^T dZ1
+        # (2c) the gradient of the blocks' start weights: D1 += Q^T dZbar1 + K^T dZ1
         for j0 in range(0, BHD, HB):
             dzb1 = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
             dZ1 = _load_tile(hs + 5 * SL + j0 * BB, HB, BB)
@@ -1293,7 +1298,7 @@ def _mlp_bwd_b_kernel(
             _store_block(dw1, D1c, 0, j0, Dk, Dh, BK, HB)
             if HAS_B1:
                 _store_vec(db1 + j0, s1, Dh - j0, HB)
-        # (2c) D2 += Xbar2^T dZbar2 + X2^T dZ2 + dA^T G2 (as D2^T blocks)
+        # (2d) D2 += Xbar2^T dZbar2 + X2^T dZ2 + dA^T G2 (as D2^T blocks)
         dzb2 = _load_tile(vs + VS, BV, BB)
         dZ2 = _load_tile(vs + 5 * VS, BV, BB)
         G2 = _load_tile(vs, BV, BB)
@@ -1306,10 +1311,6 @@ def _mlp_bwd_b_kernel(
             tl.debug_barrier()
             _store_blockT(dw2, D2c, j0, 0, Dh, Dv, HB, BV)
         tl.debug_barrier()
-    _store_vec(acc, dgam, BV, BV)
-    _store_vec(acc + BV, dbet, BV, BV)
-    p = dtau_ptr + bh * BB + b - 1
-    tl.store(p, tl.load(p) + dtau_b)
 
 
 # ---------------------------------------------------------------------------------------------
