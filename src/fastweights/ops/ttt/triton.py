@@ -1063,7 +1063,7 @@ def _mlp_bwd_a_kernel(
     b1 = b1_ptr + slot * Dh
     w2 = w2_ptr + slot * Dh * Dv
     row = bh * seg + j
-    hs = hs_ptr + row * 6 * BHD * BB
+    hs = hs_ptr + row * 7 * BHD * BB
     SL = BHD * BB
     vs = vs_ptr + row * 6 * BV * BB
     VS = BV * BB
@@ -1193,13 +1193,13 @@ def _mlp_bwd_b_kernel(
     SL = BHD * BB
     VS = BV * BB
     rb = tl.arange(0, BB)
-    for nr in range(n0, n1):
+    for nr in tl.range(n0, n1, disable_licm=True):
         n = n1 - 1 + n0 - nr
         row = bh * seg + n - n0
         slot = bh * w_bh + (n - n0) * w_j
         w1 = w1_ptr + slot * Dk * Dh
         w2 = w2_ptr + slot * Dh * Dv
-        hs = hs_ptr + row * 6 * BHD * BB
+        hs = hs_ptr + row * 7 * BHD * BB
         vs = vs_ptr + row * 6 * BV * BB
         _, t, m, eta, _, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
                                               b, N, BB)
@@ -1207,7 +1207,7 @@ def _mlp_bwd_b_kernel(
         ce = coef * eta
         # (1a) per block: dG1 = coef eta (K D1 + d1) - dZbar1 M1^T, and G1 . (K D1 + d1)
         se1 = tl.zeros([BB], dtype=tl.float32)
-        for j0 in range(0, BHD, HB):
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
             G1 = _load_tile(hs + SL + j0 * BB, HB, BB) * _gelu(_load_tile(hs + j0 * BB, HB,
                                                                           BB))[1]
             kD1 = _mlp_hidden(d1, e1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
@@ -1222,7 +1222,7 @@ def _mlp_bwd_b_kernel(
         xD2 = tl.zeros([BV, BB], dtype=tl.float32)
         if HAS_B2:
             xD2 += _vec(e2, Dv, BV)[:, None]
-        for j0 in range(0, BHD, HB):
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
             X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
             dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV),
                        _load_tile(hs + 4 * SL + j0 * BB, HB, BB) * g1p, PREC, dG2)
@@ -1257,16 +1257,20 @@ def _mlp_bwd_b_kernel(
             _store_vec(db2, _vec(db2, Dv, BV) + tl.sum(_load_tile(vs + VS, BV, BB) + dZ2, axis=1),
                        Dv, BV)
         tl.debug_barrier()
-        # (2a) per block: dX2 = dZ2 W2^T + coef (eta G2) D2^T + dA2^T Xbar2, dZ1 (gelu''
-        # enters)
+        # (2a) per block: dX2 = dZ2 W2^T + coef (eta G2) D2^T + dA2^T Xbar2 (the last two
+        # first, then the first), dZ1 (gelu'' enters)
         dA2t = _load_tile(at_ptr + row * BB * BB, BB, BB)
-        for j0 in range(0, BHD, HB):
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
+            dX2 = _rows_through(d2, j0, vs, tl.zeros([HB, BB], dtype=tl.float32), Dh, Dv, PREC,
+                                BB, BV, HB, KC) * ce[None, :]
+            dX2 = _dot(_gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0], tl.trans(dA2t),
+                       PREC, dX2)
+            _store_tile(hs + 6 * SL + j0 * BB, dX2, HB, BB)
+        tl.debug_barrier()
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
             X2, g1p, g1pp = _gelu2(_load_tile(hs + j0 * BB, HB, BB))
-            dX2 = _rows_through(w2, j0, vs + 5 * VS, _dot(
-                _gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0], tl.trans(dA2t), PREC), Dh,
-                Dv, PREC, BB, BV, HB, KC)
-            dX2 += _rows_through(d2, j0, vs, tl.zeros([HB, BB], dtype=tl.float32), Dh, Dv,
-                                 PREC, BB, BV, HB, KC) * ce[None, :]
+            dX2 = _rows_through(w2, j0, vs + 5 * VS, _load_tile(hs + 6 * SL + j0 * BB, HB, BB),
+                                Dh, Dv, PREC, BB, BV, HB, KC)
             dZ1 = (_load_tile(hs + 4 * SL + j0 * BB, HB, BB) * _load_tile(hs + SL + j0 * BB, HB,
                                                                           BB) * g1pp
                    + dX2 * g1p)
@@ -1276,7 +1280,7 @@ def _mlp_bwd_b_kernel(
         dk = tl.zeros([BK, BB], dtype=tl.float32)
         if RESIDUAL:  # Dk == Dv
             dk = -dtgt
-        for j0 in range(0, BHD, HB):
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
             H1 = _load_tile(hs + SL + j0 * BB, HB, BB) * _gelu(_load_tile(hs + j0 * BB, HB,
                                                                           BB))[1]
             dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), _load_tile(hs + 5 * SL + j0 * BB, HB, BB),
@@ -1285,7 +1289,7 @@ def _mlp_bwd_b_kernel(
                     BK)
         tl.debug_barrier()  # D1, D2 are read before they are updated
         # (2c) the gradient of the blocks' start weights: D1 += Q^T dZbar1 + K^T dZ1
-        for j0 in range(0, BHD, HB):
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
             dzb1 = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
             dZ1 = _load_tile(hs + 5 * SL + j0 * BB, HB, BB)
             D1c = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dzb1), PREC,
@@ -1302,7 +1306,7 @@ def _mlp_bwd_b_kernel(
         dzb2 = _load_tile(vs + VS, BV, BB)
         dZ2 = _load_tile(vs + 5 * VS, BV, BB)
         G2 = _load_tile(vs, BV, BB)
-        for j0 in range(0, BHD, HB):
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
             X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
             dA = _load_tile(hs + 4 * SL + j0 * BB, HB, BB) * g1p
             D2c = _dot(dzb2, tl.trans(_gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0]),
@@ -1520,7 +1524,7 @@ class _MLPTriton(torch.autograd.Function):
         gs = torch.empty(BH, BV, BB, **f32)
         BHD = _pow2(Dh)
         # each mini-batch's rows (``_mlp_bwd_a_kernel``), the first pass's accumulators
-        hs = torch.empty(BH, seg, 6, BHD, BB, **f32)
+        hs = torch.empty(BH, seg, 7, BHD, BB, **f32)
         vs = torch.empty(BH, seg, 6, BV, BB, **f32)
         rr = torch.empty(BH, seg, BB, **f32)
         at = torch.empty(BH, seg, BB, BB, **f32)
