@@ -1077,7 +1077,7 @@ def _mlp_bwd_a_kernel(
         b2v = _vec(b2_ptr + slot * Dv, Dv, BV)
     # (1) the keys' forward
     Z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
-    for j0 in range(0, BHD, HB):
+    for j0 in tl.range(0, BHD, HB, disable_licm=True):
         Z1 = _mlp_hidden(w1, b1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
                          HAS_B1)
         _store_tile(hs + j0 * BB, Z1, HB, BB)
@@ -1093,17 +1093,19 @@ def _mlp_bwd_a_kernel(
     M1t = Et * A1t
     Zb2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
     A2t = tl.zeros([BB, BB], dtype=tl.float32)
-    for j0 in range(0, BHD, HB):
-        X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
+    for j0 in tl.range(0, BHD, HB, disable_licm=True):
         A = _rows_through(w2, j0, vs, tl.zeros([HB, BB], dtype=tl.float32), Dh, Dv, PREC, BB,
                           BV, HB, KC)
-        Zb1 = _mlp_hidden(w1, b1, q_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
-                          HAS_B1) - _dot(A * g1p, M1t, PREC)
-        Xb2 = _gelu(Zb1)[0]
-        A2t = _dot(tl.trans(X2), Xb2, PREC, A2t)
-        Zb2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), Xb2, PREC, Zb2)
+        G1 = A * _gelu(_load_tile(hs + j0 * BB, HB, BB))[1]
         _store_tile(hs + SL + j0 * BB, A, HB, BB)
-        _store_tile(hs + 2 * SL + j0 * BB, Zb1, HB, BB)
+        _store_tile(hs + 2 * SL + j0 * BB, _mlp_hidden(
+            w1, b1, q_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC, HAS_B1)
+            - _dot(G1, M1t, PREC), HB, BB)
+    tl.debug_barrier()
+    for j0 in tl.range(0, BHD, HB, disable_licm=True):
+        Xb2 = _gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0]
+        A2t = _dot(tl.trans(_gelu(_load_tile(hs + j0 * BB, HB, BB))[0]), Xb2, PREC, A2t)
+        Zb2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), Xb2, PREC, Zb2)
     if HAS_B2:
         A2t += 1.0
     M2t = Et * A2t
@@ -1126,7 +1128,7 @@ def _mlp_bwd_a_kernel(
     # (3) per block: dXbar2, dZbar1, M1's gradient -dZbar1 G1^T, dQ's share dZbar1 W1^T
     dM1t = tl.zeros([BB, BB], dtype=tl.float32)
     dq = tl.zeros([BK, BB], dtype=tl.float32)
-    for j0 in range(0, BHD, HB):
+    for j0 in tl.range(0, BHD, HB, disable_licm=True):
         X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
         G1 = _load_tile(hs + SL + j0 * BB, HB, BB) * g1p
         dzb1 = _rows_through(w2, j0, vs + VS, _dot(X2, dA2t, PREC), Dh, Dv, PREC, BB, BV,
