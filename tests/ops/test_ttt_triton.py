@@ -228,7 +228,7 @@ def test_linear_half_inputs(launches, on_gpu):
             assert x.dtype == torch.float32 and max_err(x, y) <= TOL32 * y.abs().max().item()
 
 
-def test_dispatch(launches, on_gpu, monkeypatch):
+def test_dispatch(launches, kernels, on_gpu, monkeypatch):
     """The automatic choice takes the kernels for half inputs on "CUDA" with head sizes that
     are multiples of 16 (float32 and other head sizes: PyTorch, no spill-free tiling), PyTorch
     for one-token calls, other modes, CPU tensors and backend="torch"; packed documents run
@@ -278,14 +278,20 @@ def test_dispatch(launches, on_gpu, monkeypatch):
     per_row = (*[torch.zeros(1, 2, *s) for s in ((16, 64), (64,), (64, 16), (16,))] * 3,
                torch.tensor([1]))
     mlp_state = (torch.zeros(1, 2, 16, 64), None, torch.zeros(1, 2, 64, 16), None)
-    with pytest.raises(ValueError, match="no spill-free tiling"):
-        ttt_mlp(*half, backend="triton", initial_state=mlp_state, mini_batch_size=4,
-                ln_weight=torch.ones(2, 16, requires_grad=True))
-    # automatic: TTT-MLP calls that record gradients run PyTorch (its backward kernel spills)
+    # automatic: TTT-MLP calls that record gradients run the kernels, forward and backward
     lnw = torch.ones(2, 16, requires_grad=True)
     o, _ = ttt_mlp(*half, initial_state=mlp_state, mini_batch_size=4, ln_weight=lnw)
     o.float().sum().backward()
-    assert lnw.grad is not None and launches["mlp_bwd"] == 0 and launches["mlp_fwd"] == 0
+    assert lnw.grad is not None and launches["mlp_fwd"] == 2 and launches["mlp_bwd_b"] == 2
+    # an op outside BACKWARD_OPS (a backward kernel that spills) runs PyTorch when it records
+    # gradients, and an explicit choice of triton is an error
+    monkeypatch.setattr(kernels, "BACKWARD_OPS", ("ttt_linear",))
+    with pytest.raises(ValueError, match="no spill-free tiling"):
+        ttt_mlp(*half, backend="triton", initial_state=mlp_state, mini_batch_size=4,
+                ln_weight=lnw)
+    o, _ = ttt_mlp(*half, initial_state=mlp_state, mini_batch_size=4, ln_weight=lnw)
+    o.float().sum().backward()
+    assert launches["mlp_fwd"] == 2 and launches["mlp_bwd_b"] == 2
     with pytest.raises(ValueError, match="per-row places"):
         ttt_mlp(*(x[:, :1] for x in half), backend="triton", initial_state=per_row,
                 mini_batch_size=4)

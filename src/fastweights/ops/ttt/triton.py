@@ -1063,9 +1063,9 @@ def _mlp_bwd_a_kernel(
     b1 = b1_ptr + slot * Dh
     w2 = w2_ptr + slot * Dh * Dv
     row = bh * seg + j
-    hs = hs_ptr + row * 7 * BHD * BB
+    hs = hs_ptr + row * 4 * BHD * BB
     SL = BHD * BB
-    vs = vs_ptr + row * 6 * BV * BB
+    vs = vs_ptr + row * 5 * BV * BB
     VS = BV * BB
     i, t, m, eta, tau, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
                                             N, BB)
@@ -1154,7 +1154,7 @@ def _mlp_bwd_a_kernel(
 def _mlp_bwd_b_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, w2_ptr,
     ds1_ptr, dsb1_ptr, ds2_ptr, dsb2_ptr, dw1_ptr, db1_ptr, dw2_ptr, db2_ptr,
-    hs_ptr, vs_ptr, rr_ptr, at_ptr, acc_ptr, dtau_ptr, dk_ptr, dv_ptr, deta_ptr,
+    hs_ptr, vs_ptr, rr_ptr, at_ptr, sc_ptr, acc_ptr, dtau_ptr, dk_ptr, dv_ptr, deta_ptr,
     T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j,
     TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
     HAS_LNB: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
@@ -1194,6 +1194,7 @@ def _mlp_bwd_b_kernel(
         coef = 1.0
     SL = BHD * BB
     VS = BV * BB
+    sc = sc_ptr + bh * (3 * SL + VS)  # dG1, dZ1, part of dX2 [BHD, BB]; dZ2 [BV, BB]
     rb = tl.arange(0, BB)
     for nr in tl.range(n0, n1, disable_licm=True):
         n = n1 - 1 + n0 - nr
@@ -1201,8 +1202,8 @@ def _mlp_bwd_b_kernel(
         slot = bh * w_bh + (n - n0) * w_j
         w1 = w1_ptr + slot * Dk * Dh
         w2 = w2_ptr + slot * Dh * Dv
-        hs = hs_ptr + row * 7 * BHD * BB
-        vs = vs_ptr + row * 6 * BV * BB
+        hs = hs_ptr + row * 4 * BHD * BB
+        vs = vs_ptr + row * 5 * BV * BB
         _, t, m, eta, _, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
                                               b, N, BB)
         M1t = Et * A1t
@@ -1217,7 +1218,7 @@ def _mlp_bwd_b_kernel(
             se1 += tl.sum(G1 * kD1, axis=0)
             dG1 = kD1 * ce[None, :] - _dot(_load_tile(hs + 3 * SL + j0 * BB, HB, BB),
                                            tl.trans(M1t), PREC)
-            _store_tile(hs + 4 * SL + j0 * BB, dG1, HB, BB)
+            _store_tile(sc + j0 * BB, dG1, HB, BB)
         tl.debug_barrier()
         # (1b) the sums over blocks dG2 += dA W2 (dA = dG1 gelu'(Z1)) and X2 D2 + d2
         dG2 = _load_tile(vs + 2 * VS, BV, BB)
@@ -1227,7 +1228,7 @@ def _mlp_bwd_b_kernel(
         for j0 in tl.range(0, BHD, HB, disable_licm=True):
             X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
             dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV),
-                       _load_tile(hs + 4 * SL + j0 * BB, HB, BB) * g1p, PREC, dG2)
+                       _load_tile(sc + j0 * BB, HB, BB) * g1p, PREC, dG2)
             xD2 = _dot(_blockT(d2, j0, 0, Dh, Dv, HB, BV), X2, PREC, xD2)
         G2 = _load_tile(vs, BV, BB)
         dG2 += xD2 * ce[None, :]
@@ -1254,7 +1255,7 @@ def _mlp_bwd_b_kernel(
                        BV, BV)
             _store_vec(acc + BV, _vec(acc + BV, BV, BV) - tl.sum(dtgt, axis=1), BV, BV)
         _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
-        _store_tile(vs + 5 * VS, dZ2, BV, BB)  # read back by blocks of value rows
+        _store_tile(sc + 3 * SL, dZ2, BV, BB)  # read back by blocks of value rows
         if HAS_B2:
             _store_vec(db2, _vec(db2, Dv, BV) + tl.sum(_load_tile(vs + VS, BV, BB) + dZ2, axis=1),
                        Dv, BV)
@@ -1267,16 +1268,16 @@ def _mlp_bwd_b_kernel(
                                 BB, BV, HB, KC) * ce[None, :]
             dX2 = _dot(_gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0], tl.trans(dA2t),
                        PREC, dX2)
-            _store_tile(hs + 6 * SL + j0 * BB, dX2, HB, BB)
+            _store_tile(sc + 2 * SL + j0 * BB, dX2, HB, BB)
         tl.debug_barrier()
         for j0 in tl.range(0, BHD, HB, disable_licm=True):
             X2, g1p, g1pp = _gelu2(_load_tile(hs + j0 * BB, HB, BB))
-            dX2 = _rows_through(w2, j0, vs + 5 * VS, _load_tile(hs + 6 * SL + j0 * BB, HB, BB),
+            dX2 = _rows_through(w2, j0, sc + 3 * SL, _load_tile(sc + 2 * SL + j0 * BB, HB, BB),
                                 Dh, Dv, PREC, BB, BV, HB, KC)
-            dZ1 = (_load_tile(hs + 4 * SL + j0 * BB, HB, BB) * _load_tile(hs + SL + j0 * BB, HB,
+            dZ1 = (_load_tile(sc + j0 * BB, HB, BB) * _load_tile(hs + SL + j0 * BB, HB,
                                                                           BB) * g1pp
                    + dX2 * g1p)
-            _store_tile(hs + 5 * SL + j0 * BB, dZ1, HB, BB)
+            _store_tile(sc + SL + j0 * BB, dZ1, HB, BB)
         tl.debug_barrier()
         # (2b) dK's shares coef (eta G1) D1^T and dZ1 W1^T
         dk = tl.zeros([BK, BB], dtype=tl.float32)
@@ -1285,7 +1286,7 @@ def _mlp_bwd_b_kernel(
         for j0 in tl.range(0, BHD, HB, disable_licm=True):
             H1 = _load_tile(hs + SL + j0 * BB, HB, BB) * _gelu(_load_tile(hs + j0 * BB, HB,
                                                                           BB))[1]
-            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), _load_tile(hs + 5 * SL + j0 * BB, HB, BB),
+            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), _load_tile(sc + SL + j0 * BB, HB, BB),
                       PREC, _dot(_block(d1, 0, j0, Dk, Dh, BK, HB), H1 * ce[None, :], PREC, dk))
         _store_cols(dk_ptr, _cols(dk_ptr, base_k, t, m, H, Dk, BK) + dk, base_k, t, m, H, Dk,
                     BK)
@@ -1293,7 +1294,7 @@ def _mlp_bwd_b_kernel(
         # (2c) the gradient of the blocks' start weights: D1 += Q^T dZbar1 + K^T dZ1
         for j0 in tl.range(0, BHD, HB, disable_licm=True):
             dzb1 = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
-            dZ1 = _load_tile(hs + 5 * SL + j0 * BB, HB, BB)
+            dZ1 = _load_tile(sc + SL + j0 * BB, HB, BB)
             D1c = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dzb1), PREC,
                        _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), tl.trans(dZ1), PREC,
                             _block(dw1, 0, j0, Dk, Dh, BK, HB)))
@@ -1306,11 +1307,11 @@ def _mlp_bwd_b_kernel(
                 _store_vec(db1 + j0, s1, Dh - j0, HB)
         # (2d) D2 += Xbar2^T dZbar2 + X2^T dZ2 + dA^T G2 (as D2^T blocks)
         dzb2 = _load_tile(vs + VS, BV, BB)
-        dZ2 = _load_tile(vs + 5 * VS, BV, BB)
+        dZ2 = _load_tile(sc + 3 * SL, BV, BB)
         G2 = _load_tile(vs, BV, BB)
         for j0 in tl.range(0, BHD, HB, disable_licm=True):
             X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
-            dA = _load_tile(hs + 4 * SL + j0 * BB, HB, BB) * g1p
+            dA = _load_tile(sc + j0 * BB, HB, BB) * g1p
             D2c = _dot(dzb2, tl.trans(_gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0]),
                        PREC, _dot(dZ2, tl.trans(X2), PREC, _dot(
                            G2, tl.trans(dA), PREC, _blockT(dw2, j0, 0, Dh, Dv, HB, BV))))
@@ -1526,10 +1527,11 @@ class _MLPTriton(torch.autograd.Function):
         gs = torch.empty(BH, BV, BB, **f32)
         BHD = _pow2(Dh)
         # each mini-batch's rows (``_mlp_bwd_a_kernel``), the first pass's accumulators
-        hs = torch.empty(BH, seg, 7, BHD, BB, **f32)
-        vs = torch.empty(BH, seg, 6, BV, BB, **f32)
+        hs = torch.empty(BH, seg, 4, BHD, BB, **f32)
+        vs = torch.empty(BH, seg, 5, BV, BB, **f32)
         rr = torch.empty(BH, seg, BB, **f32)
         at = torch.empty(BH, seg, BB, BB, **f32)
+        sc = torch.empty(BH, 3 * BHD * BB + BV * BB, **f32)  # ``_mlp_bwd_b_kernel``'s scratch
         acc_a = torch.zeros(BH, N, 2, BV, **f32)
         dtau_a = torch.zeros(BH, N, BB, **f32)
         ln = (_or(lnw, tau), _or(lnb, tau))
@@ -1543,7 +1545,7 @@ class _MLPTriton(torch.autograd.Function):
                 q, k, v, eta, tau, A, *ln, *ws, do, hs, vs, rr, at, acc_a, dtau_a, dq, dk, deta,
                 T, H, Dk, Dv, Dh, b, N, n0, seg, w_bh, w_j, DC=min(BV, 32), **hb, **fl, **warps)
             _mlp_bwd_b_kernel[(BH,)](
-                q, k, v, eta, tau, A, *ln, ws[0], ws[2], *dsums, *carried, hs, vs, rr, at, acc,
+                q, k, v, eta, tau, A, *ln, ws[0], ws[2], *dsums, *carried, hs, vs, rr, at, sc, acc,
                 dtau, dk, dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, TAIL=tail,
                 **hb, **fl, **warps)
 
