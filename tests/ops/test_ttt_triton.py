@@ -370,6 +370,23 @@ def test_mlp_continues_a_state_inside_a_mini_batch(launches, exact):
     assert launches["mlp_fwd"] == 2 and launches["mlp_bwd_b"] == 2
 
 
+def test_mlp_packed_documents(launches, exact):
+    """Packed documents (``cu_seqlens``) under autograd: each document runs through the
+    kernels, forward and backward, with gradients of every input equal to the float64 token
+    loop's (documents of 6 and 5 tokens, b = 4: partial last mini-batches)."""
+    args, kw = case(T=11, b=4, Dk=3, Dv=3, kind="mlp", seed=9)
+    kw["residual"] = True
+
+    def packed(*a, **k):  # the documents' final states in one tuple (the loss reads them)
+        o, states = ttt_mlp(*a, cu_seqlens=torch.tensor([0, 6, 11]), **k)
+        return o, tuple(x for st in states for x in st)
+
+    want = run(packed, args, kw, F64, mode="naive")
+    got = run(packed, args, kw, torch.float32, backend="triton")
+    assert_matches(got, want, TOL32, "mlp packed")
+    assert launches["mlp_fwd"] == 2 and launches["mlp_bwd_a"] == 4 and launches["mlp_bwd_b"] == 4
+
+
 def test_layer_passes_backend_through(launches, exact):
     """TTTLinear(backend=...) hands its choice to the op: "triton" runs the kernels, with the
     output and the gradients of every parameter (the learned initial weights broadcast over a

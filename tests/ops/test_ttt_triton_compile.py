@@ -5,8 +5,8 @@ file's).
 
 The launches are recorded from ``_LinearTriton``'s and ``_MLPTriton``'s forward and backward
 (calls with full and partial mini-batches, so that every variant of the backward's kernels is
-launched; TTT-MLP's backward kernel, which spills and which the dispatcher does not send
-gradient-recording calls to, is left out: ``triton_aot.dispatched``) for the
+launched; the backward kernels of an op outside ``BACKWARD_OPS``, which the dispatcher does
+not send gradient-recording calls to, would be left out: ``triton_aot.dispatched``) for the
 cases of ``triton_aot.TTT_CASES`` and compiled for sm_80 and sm_90 by Triton's ahead-of-time
 compiler and the ptxas of the triton wheel. By default the target shapes (bfloat16, head size
 128, aligned; every flag on, as the layers call it, and every flag off); ``-m slow`` compiles
@@ -30,9 +30,8 @@ from tests.ops.triton_aot import TTT_CASES, dispatched
 
 HERE = Path(__file__).parent
 KERNELS = {"qk", "linear_fwd", "linear_bwd_a", "linear_bwd_b", "linear_bwd_b[TAIL]",
-           "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd", "mlp_recompute", "mlp_bwd",
-           "mlp_bwd[TAIL]", "linear_decode",
-           "linear_decode[COMMIT]"}
+           "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd", "mlp_recompute", "mlp_bwd_a",
+           "mlp_bwd_b", "mlp_bwd_b[TAIL]", "linear_decode", "linear_decode[COMMIT]"}
 
 
 def compile_records(tmp_path: Path, which: str) -> list[dict]:

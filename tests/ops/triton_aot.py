@@ -232,8 +232,8 @@ def ttt_signatures(kernels, case: tuple, arch: int):
 
 def dispatched(ttt_kernels, name: str) -> bool:
     """Whether the dispatcher sends launches of the TTT kernel ``name``: not the backward
-    kernels of ops outside ops/ttt/triton.py's ``BACKWARD_OPS`` (TTT-MLP's, which spill and
-    are not compiled here)."""
+    kernels of ops outside ops/ttt/triton.py's ``BACKWARD_OPS`` (none today: TTT-MLP's were,
+    before they were split into spill-free kernels), which are not compiled here."""
     return not (name.startswith("mlp_bwd") and "ttt_mlp" not in ttt_kernels.BACKWARD_OPS)
 
 

@@ -63,13 +63,19 @@ Z2 = gelu(K W1 + b1) W2 + b2 and its LayerNorm gradient G2; the second per block
 Zbar1 = Q W1 + b1 - (E * (Q K^T [+ 1])) G1, Xbar2 = gelu(Zbar1) through W2 into the read-out,
 the b x b scores Xbar2 X2^T, and the block's update; with gradients it also stores the
 weights entering every ``seg``-th mini-batch. Backward, per segment, last first (a partial last
-mini-batch first of all): ``_mlp_recompute_kernel`` (B*H, sequential) the segment's forward
-again from its checkpoint, each mini-batch's start weights into slots; ``_mlp_bwd_kernel``
-(B*H, sequential, last mini-batch first) each mini-batch's forward again from its slot and its
-whole backward with the carried gradient of the weights (the formulas: its docstring and
-mlp_scan.py's), the weights streamed in hidden blocks of 16 units, four passes per mini-batch,
-the hidden rows in a per-program scratch. ``_mlp_bwd_kernel`` still spills registers at
-D = 128 (docs/gpu_ttt_kernels.md): exact, but the dispatcher does not use it (``BACKWARD_OPS``).
+mini-batch first of all), split as TTT-Linear's:
+    ``_mlp_recompute_kernel`` (B*H, sequential): the segment's forward again from its
+        checkpoint, each mini-batch's start weights into slots;
+    ``_mlp_bwd_a_kernel`` (segment x B*H, parallel): each mini-batch's forward again from its
+        slot and the backward of its read-out (no gradient of later weights needed): dQ, the
+        read-out's shares of dK, deta, dtau, dgamma, dbeta, and the hidden and value rows;
+    ``_mlp_bwd_b_kernel`` (B*H, sequential, last mini-batch first): the carried gradient of
+        the weights through the update and the keys' LayerNorm gradient: dV, the rest of dK
+        and deta, the gradients of the start weights.
+The weights stream in hidden blocks of 16 units, the hidden rows go through per-mini-batch
+scratch; products whose depth is the value dim (G2 W2^T and the like) read their value rows
+back by blocks of 16, as the forward does. Every kernel compiles without register spills
+(docs/gpu_ttt_kernels.md has the figures and the costs; mlp_scan.py the formulas).
 """
 
 from __future__ import annotations
@@ -95,10 +101,9 @@ MAX_D = 128  # Dk and Dv (ops/backend.py TRITON_MAX_DK)
 HEAD_MULTIPLE = 16
 MAX_MINI_BATCH = 64  # the mini-batch tile BB
 # The ops whose backward kernels compile without register spills (the compile test,
-# tests/ops/test_ttt_triton_compile.py): the dispatcher leaves calls of the others that record
-# gradients to PyTorch. TTT-MLP's backward kernel (``_mlp_bwd_kernel``) still spills 1.3-3 KB
-# per thread at D = 128 (docs/gpu_ttt_kernels.md); it runs exactly (the interpreter's tests).
-BACKWARD_OPS = ("ttt_linear",)
+# tests/ops/test_ttt_triton_compile.py): the dispatcher leaves calls of any other op that
+# record gradients to PyTorch (inner_loop.py). Both are.
+BACKWARD_OPS = ("ttt_linear", "ttt_mlp")
 SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
 _EPS = tl.constexpr(LN_EPS)
 _GELU_C = tl.constexpr(math.sqrt(2.0 / math.pi))
@@ -112,7 +117,7 @@ class TileConfig(NamedTuple):
     warps: int
     KC: int = 16
     HB: int = 32
-    HBB: int = 16  # TTT-MLP's backward kernel's hidden block
+    HBB: int = 16  # TTT-MLP's backward kernels' hidden block
 
 
 def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> TileConfig | None:
@@ -1040,14 +1045,15 @@ def _mlp_bwd_a_kernel(
     [., Dk, Dh], b1 [., Dh], w2 [., Dh, Dv], b2 [., Dv]) and the backward of its read-out,
     which needs no gradient of later weights. Writes dq (final), dk and deta (the read-out's
     shares), acc [B*H, N, 2, BV] (dgamma, dbeta) and dtau [B*H, N, BB] of the mini-batch, and
-    its rows: hidden hs [B*H, seg, 5, BHD, BB] (Z1, A = G2 W2^T, Zbar1, dZbar1; slot 4 is
-    ``_mlp_bwd_b_kernel``'s), value vs [B*H, seg, 6, BV, BB] (G2, dZbar2, the read-out's
-    share of dG2, the keys' LayerNorm x_hat and g; slot 5 is the second pass's), rr [B*H, seg,
-    BB] (that LayerNorm's 1/s), at [B*H, seg, BB, BB] (dA2^T, A2 = Xbar2 X2^T [+ 1]).
-    Three passes over hidden blocks of HB units: (1) Z1 = K W1 + b1, Z2 = gelu(Z1) W2 + b2
-    and the loss gradient G2; (2) A, G1 = A gelu'(Z1), Zbar1 = Q W1 + b1 - M1 G1, Xbar2 =
-    gelu(Zbar1), A2, Zbar2 = Xbar2 W2 + b2 - M2 G2 (M = E * A); the read-out o = [LN](Zbar2)
-    [+ q] differentiated; (3) dXbar2 = dZbar2 W2^T + dA2 X2, dZbar1, M1's gradient, dQ."""
+    its rows for ``_mlp_bwd_b_kernel``: hidden hs [B*H, seg, 4, BHD, BB] (Z1, A = G2 W2^T,
+    Zbar1, dZbar1), value vs [B*H, seg, 5, BV, BB] (G2, dZbar2, the read-out's share of dG2,
+    the keys' LayerNorm x_hat and g), rr [B*H, seg, BB] (that LayerNorm's 1/s), at [B*H, seg,
+    BB, BB] (dA2^T, A2 = Xbar2 X2^T [+ 1]). Passes over hidden blocks of HB units (each
+    loop's body small, its invariants not hoisted: held across the loop they spilled):
+    (1) Z1 = K W1 + b1, Z2 = gelu(Z1) W2 + b2 and the loss gradient G2; (2) A, G1 = A
+    gelu'(Z1), Zbar1 = Q W1 + b1 - M1 G1; (3) Xbar2 = gelu(Zbar1), A2, Zbar2 = Xbar2 W2 + b2
+    - M2 G2 (M = E * A); the read-out o = [LN](Zbar2) [+ q] differentiated; (4) dXbar2 =
+    dZbar2 W2^T + dA2 X2, dZbar1, M1's gradient, dQ."""
     j = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     n = n0 + j
@@ -1165,14 +1171,17 @@ def _mlp_bwd_b_kernel(
     carried gradient of the weights leaving each, dw1 [B*H, Dk, Dh], db1, dw2, db2 (updated
     in place into that of the weights entering n0; TAIL: n0 is a last partial mini-batch,
     whose sums' gradient is ds1, dsb1, ds2, dsb2), the start weights w1, w2 (slots as
-    ``_mlp_bwd_a_kernel``'s) and its rows. Two passes over hidden blocks per mini-batch:
-    (1) the update W' = W - tau_b S (S1 = K^T (eta G1), S2 = X2^T (eta G2); gradient
-    coef D): dG1 (with the read-out's -dZbar1 M1^T), dA = dG1 gelu'(Z1), dG2 += dA W2, and
-    D2 X2, D1 (eta G1) for dK; the keys' LayerNorm gradient differentiated (dZ2, dV);
-    (2) dX2 = dZ2 W2^T + coef (eta G2) D2^T + dA2^T Xbar2, dZ1 (gelu'' enters), dK's share
-    dZ1 W1^T, and the gradient of the block's start weights. Completes dk and deta (adds to
-    ``_mlp_bwd_a_kernel``'s shares), writes dv; adds to acc [B*H, 2, BV] (dgamma, dbeta)
-    and dtau [B*H, BB] (tau_b's share)."""
+    ``_mlp_bwd_a_kernel``'s) and its rows; sc [B*H, 3 BHD BB + BV BB] is the program's
+    scratch. Per mini-batch, passes over hidden blocks: the update W' = W - tau_b S
+    (S1 = K^T (eta G1), S2 = X2^T (eta G2); gradient coef D) gives (1a) dG1 = coef eta
+    (K D1 + d1) - dZbar1 M1^T, (1b) dG2 += dA W2 (dA = dG1 gelu'(Z1)) and X2 D2 + d2; the
+    keys' LayerNorm gradient differentiated (dZ2, dV); (2a) dX2 = dZ2 W2^T + coef (eta G2)
+    D2^T + dA2^T Xbar2 and dZ1 (gelu'' enters); (2b) dK's shares coef (eta G1) D1^T +
+    dZ1 W1^T; (2c, 2d) the gradient of the start weights. Completes dk and deta (adds to
+    ``_mlp_bwd_a_kernel``'s shares), writes dv; adds to acc [B*H, 2, BV] (dgamma, dbeta) and
+    dtau [B*H, BB] (tau_b's share) in memory each mini-batch: it holds no tile across
+    mini-batches or passes that it can read back, and its loops hoist no invariants (with
+    either, the kernel spilled)."""
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // H
     h = bh % H
