@@ -257,7 +257,7 @@ def test_linear_half_inputs(launches, on_gpu, fwd):
             assert x.dtype == torch.float32 and max_err(x, y) <= TOL32 * y.abs().max().item()
 
 
-def test_dispatch(launches, on_gpu, monkeypatch):
+def test_dispatch(launches, kernels, on_gpu, monkeypatch):
     """The automatic choice takes the kernels for half inputs on "CUDA" with head sizes that
     are multiples of 16 (float32 and other head sizes: PyTorch, no spill-free tiling), PyTorch
     for one-token calls, other modes, CPU tensors and backend="torch"; packed documents run
@@ -309,14 +309,20 @@ def test_dispatch(launches, on_gpu, monkeypatch):
     per_row = (*[torch.zeros(1, 2, *s) for s in ((16, 64), (64,), (64, 16), (16,))] * 3,
                torch.tensor([1]))
     mlp_state = (torch.zeros(1, 2, 16, 64), None, torch.zeros(1, 2, 64, 16), None)
-    with pytest.raises(ValueError, match="no spill-free tiling"):
-        ttt_mlp(*half, backend="triton", initial_state=mlp_state, mini_batch_size=4,
-                ln_weight=torch.ones(2, 16, requires_grad=True))
-    # automatic: TTT-MLP calls that record gradients run PyTorch (its backward kernel spills)
+    # automatic: TTT-MLP calls that record gradients run the kernels, forward and backward
     lnw = torch.ones(2, 16, requires_grad=True)
     o, _ = ttt_mlp(*half, initial_state=mlp_state, mini_batch_size=4, ln_weight=lnw)
     o.float().sum().backward()
-    assert lnw.grad is not None and launches["mlp_bwd"] == 0 and launches["mlp_fwd"] == 0
+    assert lnw.grad is not None and launches["mlp_fwd"] == 2 and launches["mlp_bwd_b"] == 2
+    # an op outside BACKWARD_OPS (a backward kernel that spills) runs PyTorch when it records
+    # gradients, and an explicit choice of triton is an error
+    monkeypatch.setattr(kernels, "BACKWARD_OPS", ("ttt_linear",))
+    with pytest.raises(ValueError, match="no spill-free tiling"):
+        ttt_mlp(*half, backend="triton", initial_state=mlp_state, mini_batch_size=4,
+                ln_weight=lnw)
+    o, _ = ttt_mlp(*half, initial_state=mlp_state, mini_batch_size=4, ln_weight=lnw)
+    o.float().sum().backward()
+    assert launches["mlp_fwd"] == 2 and launches["mlp_bwd_b"] == 2
     with pytest.raises(ValueError, match="per-row places"):
         ttt_mlp(*(x[:, :1] for x in half), backend="triton", initial_state=per_row,
                 mini_batch_size=4)
@@ -372,7 +378,8 @@ def test_mlp_kernels_match_naive(launches, exact, T, b, ln, res, bias, Dk, Dv, g
     seg = min(group or 16, T // b)
     starts = range(0, T // b, seg)
     recompute = sum(min(n + seg, T // b) - n > 1 for n in starts)
-    want_launches = Counter(qk=1, mlp_fwd=1, mlp_bwd=len(starts) + (T % b > 0),
+    segments = len(starts) + (T % b > 0)
+    want_launches = Counter(qk=1, mlp_fwd=1, mlp_bwd_a=segments, mlp_bwd_b=segments,
                             mlp_recompute=recompute)
     assert launches == +want_launches, launches
 
@@ -394,7 +401,24 @@ def test_mlp_continues_a_state_inside_a_mini_batch(launches, exact):
     want = run(ttt_mlp, rest, kw_mid, F64, mode="naive")
     got = run(ttt_mlp, rest, kw_mid, torch.float32, backend="triton")
     assert_matches(got, want, TOL32, "mlp continued, gradients")
-    assert launches["mlp_fwd"] == 2 and launches["mlp_bwd"] == 2
+    assert launches["mlp_fwd"] == 2 and launches["mlp_bwd_b"] == 2
+
+
+def test_mlp_packed_documents(launches, exact):
+    """Packed documents (``cu_seqlens``) under autograd: each document runs through the
+    kernels, forward and backward, with gradients of every input equal to the float64 token
+    loop's (documents of 6 and 5 tokens, b = 4: partial last mini-batches)."""
+    args, kw = case(T=11, b=4, Dk=3, Dv=3, kind="mlp", seed=9)
+    kw["residual"] = True
+
+    def packed(*a, **k):  # the documents' final states in one tuple (the loss reads them)
+        o, states = ttt_mlp(*a, cu_seqlens=torch.tensor([0, 6, 11]), **k)
+        return o, tuple(x for st in states for x in st)
+
+    want = run(packed, args, kw, F64, mode="naive")
+    got = run(packed, args, kw, torch.float32, backend="triton")
+    assert_matches(got, want, TOL32, "mlp packed")
+    assert launches["mlp_fwd"] == 2 and launches["mlp_bwd_a"] == 4 and launches["mlp_bwd_b"] == 4
 
 
 def test_layer_passes_backend_through(launches, exact):

@@ -6,9 +6,9 @@ file's).
 The launches are recorded from ``_LinearTriton``'s and ``_MLPTriton``'s forward and backward
 (calls with full and partial mini-batches, so that every variant of the backward's kernels is
 launched; TTT-Linear with both forward kernels, the register-resident one of
-ops/ttt/triton_regs.py where ``regs_config`` has a tiling; TTT-MLP's backward kernel, which
-spills and which the dispatcher does not send gradient-recording calls to, is left out:
-``triton_aot.dispatched``) for the cases of ``triton_aot.TTT_CASES`` and compiled for sm_80 and sm_90 by Triton's ahead-of-time
+ops/ttt/triton_regs.py where ``regs_config`` has a tiling; the backward kernels of an op outside ``BACKWARD_OPS``, which the dispatcher does
+not send gradient-recording calls to, would be left out: ``triton_aot.dispatched``) for the
+cases of ``triton_aot.TTT_CASES`` and compiled for sm_80 and sm_90 by Triton's ahead-of-time
 compiler and the ptxas of the triton wheel. By default the target shapes (bfloat16, head size
 128, aligned; every flag on, as the layers call it, and every flag off); ``-m slow`` compiles
 all cases (head sizes 64 and 128, float16, the generic specialisation).
@@ -31,8 +31,8 @@ from tests.ops.triton_aot import TTT_CASES, dispatched
 
 HERE = Path(__file__).parent
 KERNELS = {"qk", "linear_fwd", "linear_bwd_a", "linear_bwd_b", "linear_bwd_b[TAIL]",
-           "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd", "mlp_recompute", "mlp_bwd",
-           "mlp_bwd[TAIL]", "linear_decode", "linear_decode[COMMIT]", "mlp_decode",
+           "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd", "mlp_recompute", "mlp_bwd_a",
+           "mlp_bwd_b", "mlp_bwd_b[TAIL]", "linear_decode", "linear_decode[COMMIT]", "mlp_decode",
            "mlp_decode[COMMIT]", "linear_fwd_regs"}
 
 

@@ -47,8 +47,8 @@ ALIGNED_DTYPES = ("bfloat16", "float32")
 # Relative compile cost by kernel family (measured, float32 about twice half), for the order.
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
-        "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "mlp_recompute": 3, "mlp_bwd": 4,
-        "linear_decode": 0.5, "mlp_decode": 1, "linear_fwd_regs": 1.5}
+        "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "mlp_recompute": 3, "mlp_bwd_a": 3,
+        "mlp_bwd_b": 3, "linear_decode": 0.5, "mlp_decode": 1, "linear_fwd_regs": 1.5}
 # TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
 # (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
 # The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
@@ -255,8 +255,8 @@ def ttt_signatures(kernels, case: tuple, arch: int):
 
 def dispatched(ttt_kernels, name: str) -> bool:
     """Whether the dispatcher sends launches of the TTT kernel ``name``: not the backward
-    kernels of ops outside ops/ttt/triton.py's ``BACKWARD_OPS`` (TTT-MLP's, which spill and
-    are not compiled here)."""
+    kernels of ops outside ops/ttt/triton.py's ``BACKWARD_OPS`` (none today: TTT-MLP's were,
+    before they were split into spill-free kernels), which are not compiled here."""
     return not (name.startswith("mlp_bwd") and "ttt_mlp" not in ttt_kernels.BACKWARD_OPS)
 
 

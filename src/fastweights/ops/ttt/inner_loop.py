@@ -167,8 +167,8 @@ def _triton_runs(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     choice (ops/backend.py, from q's device, dtype, Dk and the mini-batch size), unless the
     kernels cannot take the call's head sizes (Dv > 128, or not multiples of 16), a state
     whose rows sit at their own places in the mini-batch (per-row ``pos``, decoding only) or,
-    for an op whose backward kernel spills registers (``BACKWARD_OPS`` of ops/ttt/triton.py:
-    TTT-MLP's), a call that records gradients: an explicit
+    for an op whose backward kernels spill registers (outside ``BACKWARD_OPS`` of
+    ops/ttt/triton.py; none today), a call that records gradients: an explicit
     choice of triton is then an error, the automatic one runs PyTorch. The automatic choice's
     trial call (ops/backend.py ``Trial``) starts from the carry's start weights, detached;
     ``options``: the op's other keyword arguments (LayerNorm, residual, mini-batch size, token

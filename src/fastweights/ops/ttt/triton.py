@@ -63,13 +63,19 @@ Z2 = gelu(K W1 + b1) W2 + b2 and its LayerNorm gradient G2; the second per block
 Zbar1 = Q W1 + b1 - (E * (Q K^T [+ 1])) G1, Xbar2 = gelu(Zbar1) through W2 into the read-out,
 the b x b scores Xbar2 X2^T, and the block's update; with gradients it also stores the
 weights entering every ``seg``-th mini-batch. Backward, per segment, last first (a partial last
-mini-batch first of all): ``_mlp_recompute_kernel`` (B*H, sequential) the segment's forward
-again from its checkpoint, each mini-batch's start weights into slots; ``_mlp_bwd_kernel``
-(B*H, sequential, last mini-batch first) each mini-batch's forward again from its slot and its
-whole backward with the carried gradient of the weights (the formulas: its docstring and
-mlp_scan.py's), the weights streamed in hidden blocks of 16 units, four passes per mini-batch,
-the hidden rows in a per-program scratch. ``_mlp_bwd_kernel`` still spills registers at
-D = 128 (docs/gpu_ttt_kernels.md): exact, but the dispatcher does not use it (``BACKWARD_OPS``).
+mini-batch first of all), split as TTT-Linear's:
+    ``_mlp_recompute_kernel`` (B*H, sequential): the segment's forward again from its
+        checkpoint, each mini-batch's start weights into slots;
+    ``_mlp_bwd_a_kernel`` (segment x B*H, parallel): each mini-batch's forward again from its
+        slot and the backward of its read-out (no gradient of later weights needed): dQ, the
+        read-out's shares of dK, deta, dtau, dgamma, dbeta, and the hidden and value rows;
+    ``_mlp_bwd_b_kernel`` (B*H, sequential, last mini-batch first): the carried gradient of
+        the weights through the update and the keys' LayerNorm gradient: dV, the rest of dK
+        and deta, the gradients of the start weights.
+The weights stream in hidden blocks of 16 units, the hidden rows go through per-mini-batch
+scratch; products whose depth is the value dim (G2 W2^T and the like) read their value rows
+back by blocks of 16, as the forward does. Every kernel compiles without register spills
+(docs/gpu_ttt_kernels.md has the figures and the costs; mlp_scan.py the formulas).
 """
 
 from __future__ import annotations
@@ -95,10 +101,9 @@ MAX_D = 128  # Dk and Dv (ops/backend.py TRITON_MAX_DK)
 HEAD_MULTIPLE = 16
 MAX_MINI_BATCH = 64  # the mini-batch tile BB
 # The ops whose backward kernels compile without register spills (the compile test,
-# tests/ops/test_ttt_triton_compile.py): the dispatcher leaves calls of the others that record
-# gradients to PyTorch. TTT-MLP's backward kernel (``_mlp_bwd_kernel``) still spills 1.3-3 KB
-# per thread at D = 128 (docs/gpu_ttt_kernels.md); it runs exactly (the interpreter's tests).
-BACKWARD_OPS = ("ttt_linear",)
+# tests/ops/test_ttt_triton_compile.py): the dispatcher leaves calls of any other op that
+# record gradients to PyTorch (inner_loop.py). Both are.
+BACKWARD_OPS = ("ttt_linear", "ttt_mlp")
 SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
 _EPS = tl.constexpr(LN_EPS)
 _GELU_C = tl.constexpr(math.sqrt(2.0 / math.pi))
@@ -112,7 +117,7 @@ class TileConfig(NamedTuple):
     warps: int
     KC: int = 16
     HB: int = 32
-    HBB: int = 16  # TTT-MLP's backward kernel's hidden block
+    HBB: int = 16  # TTT-MLP's backward kernels' hidden block
 
 
 def tile_config(arch: int, dtype: torch.dtype, op: str, D: int = MAX_D) -> TileConfig | None:
@@ -200,6 +205,13 @@ def _block(ptr, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
     c = c0 + tl.arange(0, BC)
     return tl.load(ptr + r[:, None] * C + c[None, :], mask=(r < R)[:, None] & (c < C)[None, :],
                    other=0.0)
+
+
+@triton.jit
+def _store_block(ptr, x, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    r = r0 + tl.arange(0, BR)
+    c = c0 + tl.arange(0, BC)
+    tl.store(ptr + r[:, None] * C + c[None, :], x, mask=(r < R)[:, None] & (c < C)[None, :])
 
 
 @triton.jit
@@ -1003,31 +1015,48 @@ def _mlp_recompute_kernel(
 
 
 @triton.jit
-def _mlp_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr,
-    w1_ptr, b1_ptr, w2_ptr, b2_ptr, do_ptr, ds1_ptr, dsb1_ptr, ds2_ptr, dsb2_ptr,
-    dw1_ptr, db1_ptr, dw2_ptr, db2_ptr, acc_ptr, dtau_ptr, dq_ptr, dk_ptr, dv_ptr, deta_ptr,
-    hs_ptr, vs_ptr, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j,
-    TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
-    HAS_LNB: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr,
+def _rows_through(w_ptr, j0, rows_ptr, acc, Dh, Dv, PREC: tl.constexpr, BB: tl.constexpr,
+                  BV: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr):
+    """acc + W[j0:j0+HB] R [HB, BB] for w [Dh, Dv] (row-major) and R [BV, BB], a tile in the
+    program's global scratch (``rows_ptr``, row-major) read back by blocks of KC value rows:
+    held whole, a product with HB rows and the value dim as its depth has every warp hold its
+    whole operands (the warps replicate its rows)."""
+    a = acc
+    r = tl.arange(0, KC)
+    c = tl.arange(0, BB)
+    for v0 in range(0, BV, KC):
+        a = _dot(_block(w_ptr, j0, v0, Dh, Dv, HB, KC),
+                 tl.load(rows_ptr + (v0 + r)[:, None] * BB + c[None, :]), PREC, a)
+    return a
+
+
+@triton.jit
+def _mlp_bwd_a_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr,
+    b2_ptr, do_ptr, hs_ptr, vs_ptr, rr_ptr, at_ptr, acc_ptr, dtau_ptr, dq_ptr, dk_ptr,
+    deta_ptr, T, H, Dk, Dv, Dh, b, N, n0, seg, w_bh, w_j,
+    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr, KC: tl.constexpr,
+    DC: tl.constexpr,
 ):
-    """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head): each
-    mini-batch's forward again from its start weights (slot bh * w_bh + j * w_j of w1
-    [., Dk, Dh], b1 [., Dh], w2 [., Dh, Dv], b2 [., Dv]) and its whole backward with the
-    carried gradient of the weights leaving it, dw1 [B*H, Dk, Dh], db1, dw2, db2 (updated in
-    place into that of the weights entering n0; TAIL: n0 is a last partial mini-batch, whose
-    sums' gradient is ds1, dsb1, ds2, dsb2). Writes dq, dk, dv, deta; adds to acc [B*H, 2, BV]
-    (dgamma, dbeta) and dtau [B*H, BB]. The weights stream in hidden blocks of HB units, four
-    passes per mini-batch, the hidden rows [BHD, BB] kept in the program's scratch hs
-    [B*H, 10, BHD, BB]: (1) Z1, X2 = gelu(Z1) and Z2 = X2 W2 + b2 of the keys, their loss
-    gradient G2; (2) A = G2 W2^T, G1 = A gelu'(Z1), the queries' Zbar1 = Q W1 + b1 - M1 G1,
-    Xbar2 and Zbar2 = Xbar2 W2 + b2 - M2 G2 (M1 = E * (Q K^T [+ 1]), M2 = E * (Xbar2 X2^T
-    [+ 1])); the read-out's backward; (3) per block dZbar1, dG1 (read-out and update W' = W -
-    tau_b S, with the carried D), dA, and their sums over blocks: dG2, M1's gradient, dQ;
-    the keys' LayerNorm gradient differentiated (dZ2); (4) dX2, dZ1 (gelu'' enters), dK and
-    the gradient of the block's start weights."""
-    bh = tl.program_id(0).to(tl.int64)
+    """Backward, first pass: mini-batch n = n0 + j of one (batch, head) (program (j, b*h), in
+    parallel), its forward again from its start weights (slot bh * w_bh + j * w_j of w1
+    [., Dk, Dh], b1 [., Dh], w2 [., Dh, Dv], b2 [., Dv]) and the backward of its read-out,
+    which needs no gradient of later weights. Writes dq (final), dk and deta (the read-out's
+    shares), acc [B*H, N, 2, BV] (dgamma, dbeta) and dtau [B*H, N, BB] of the mini-batch, and
+    its rows for ``_mlp_bwd_b_kernel``: hidden hs [B*H, seg, 4, BHD, BB] (Z1, A = G2 W2^T,
+    Zbar1, dZbar1), value vs [B*H, seg, 5, BV, BB] (G2, dZbar2, the read-out's share of dG2,
+    the keys' LayerNorm x_hat and g), rr [B*H, seg, BB] (that LayerNorm's 1/s), at [B*H, seg,
+    BB, BB] (dA2^T, A2 = Xbar2 X2^T [+ 1]). Passes over hidden blocks of HB units (each
+    loop's body small, its invariants not hoisted: held across the loop they spilled):
+    (1) Z1 = K W1 + b1, Z2 = gelu(Z1) W2 + b2 and the loss gradient G2; (2) A, G1 = A
+    gelu'(Z1), Zbar1 = Q W1 + b1 - M1 G1; (3) Xbar2 = gelu(Zbar1), A2, Zbar2 = Xbar2 W2 + b2
+    - M2 G2 (M = E * A); the read-out o = [LN](Zbar2) [+ q] differentiated; (4) dXbar2 =
+    dZbar2 W2^T + dA2 X2, dZbar1, M1's gradient, dQ."""
+    j = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    n = n0 + j
     bb = bh // H
     h = bh % H
     base_k = (bb * T * H + h) * Dk
@@ -1035,202 +1064,269 @@ def _mlp_bwd_kernel(
     ebase = bb * T * H + h
     cm = tl.arange(0, BV) < Dv
     gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
+    slot = bh * w_bh + j * w_j
+    w1 = w1_ptr + slot * Dk * Dh
+    b1 = b1_ptr + slot * Dh
+    w2 = w2_ptr + slot * Dh * Dv
+    row = bh * seg + j
+    hs = hs_ptr + row * 4 * BHD * BB
+    SL = BHD * BB
+    vs = vs_ptr + row * 5 * BV * BB
+    VS = BV * BB
+    i, t, m, eta, tau, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b,
+                                            N, BB)
+    tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
+    if RESIDUAL:  # Dk == Dv
+        tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
+    b2v = tl.zeros([BV], dtype=tl.float32)
+    if HAS_B2:
+        b2v = _vec(b2_ptr + slot * Dv, Dv, BV)
+    # (1) the keys' forward
+    Z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
+    for j0 in tl.range(0, BHD, HB, disable_licm=True):
+        Z1 = _mlp_hidden(w1, b1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
+                         HAS_B1)
+        _store_tile(hs + j0 * BB, Z1, HB, BB)
+        Z2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), _gelu(Z1)[0], PREC, Z2)
+    G2, xh, r, g = _loss_grad(Z2, tgt, gam, bet, cm, Dv, HAS_LN)
+    _store_tile(vs, G2, BV, BB)
+    if HAS_LN:
+        _store_tile(vs + 3 * VS, xh, BV, BB)
+        _store_tile(vs + 4 * VS, g, BV, BB)
+        tl.store(rr_ptr + row * BB + tl.arange(0, BB), r)
+    tl.debug_barrier()
+    # (2) the queries' read-out
+    M1t = Et * A1t
+    Zb2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
+    A2t = tl.zeros([BB, BB], dtype=tl.float32)
+    for j0 in tl.range(0, BHD, HB, disable_licm=True):
+        A = _rows_through(w2, j0, vs, tl.zeros([HB, BB], dtype=tl.float32), Dh, Dv, PREC, BB,
+                          BV, HB, KC)
+        G1 = A * _gelu(_load_tile(hs + j0 * BB, HB, BB))[1]
+        _store_tile(hs + SL + j0 * BB, A, HB, BB)
+        _store_tile(hs + 2 * SL + j0 * BB, _mlp_hidden(
+            w1, b1, q_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC, HAS_B1)
+            - _dot(G1, M1t, PREC), HB, BB)
+    tl.debug_barrier()
+    for j0 in tl.range(0, BHD, HB, disable_licm=True):
+        Xb2 = _gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0]
+        A2t = _dot(tl.trans(_gelu(_load_tile(hs + j0 * BB, HB, BB))[0]), Xb2, PREC, A2t)
+        Zb2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), Xb2, PREC, Zb2)
+    if HAS_B2:
+        A2t += 1.0
+    M2t = Et * A2t
+    Zb2 -= _dot(G2, M2t, PREC)
+    # the read-out o = [LN](Zbar2) [+ q] and Zbar2's b x b term -M2 G2
+    dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
+    dzb2 = dO
+    acc = acc_ptr + (bh * N + n) * 2 * BV
+    if HAS_LN:
+        xo, ro = _ln(Zb2, cm, Dv)
+        _store_vec(acc, tl.sum(dO * xo, axis=1), BV, BV)
+        _store_vec(acc + BV, tl.sum(dO, axis=1), BV, BV)
+        dzb2 = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
+    _store_tile(vs + 2 * VS, -_dot(dzb2, tl.trans(M2t), PREC), BV, BB)
+    dM2t = _scores_grad(vs, G2, dzb2, PREC, BV, BB, DC)  # G2, dZbar2 into slots 0, 1
+    causal = i[:, None] <= i[None, :]
+    dA2t = tl.where(causal, dM2t * Et, 0.0)
+    _store_tile(at_ptr + row * BB * BB, dA2t, BB, BB)
+    dEt = tl.where(causal, dM2t * A2t, 0.0)
+    # (3) per block: dXbar2, dZbar1, M1's gradient -dZbar1 G1^T, dQ's share dZbar1 W1^T
+    dM1t = tl.zeros([BB, BB], dtype=tl.float32)
+    dq = tl.zeros([BK, BB], dtype=tl.float32)
+    for j0 in tl.range(0, BHD, HB, disable_licm=True):
+        X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
+        G1 = _load_tile(hs + SL + j0 * BB, HB, BB) * g1p
+        dzb1 = _rows_through(w2, j0, vs + VS, _dot(X2, dA2t, PREC), Dh, Dv, PREC, BB, BV,
+                             HB, KC)
+        dzb1 *= _gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[1]
+        _store_tile(hs + 3 * SL + j0 * BB, dzb1, HB, BB)
+        dM1t = _dot(tl.trans(G1), dzb1, PREC, dM1t)
+        dq = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dzb1, PREC, dq)
+    dM1t = -dM1t
+    dA1t = tl.where(causal, dM1t * Et, 0.0)
+    dEt += tl.where(causal, dM1t * A1t, 0.0)
+    dq = _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), dA1t, PREC, dq)
+    if RESIDUAL:  # Dk == Dv
+        dq += dO
+    _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, BK)
+    _store_cols(dk_ptr, _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dA1t), PREC),
+                base_k, t, m, H, Dk, BK)
+    tl.store(deta_ptr + ebase + t * H, tl.sum(dEt * tau[None, :], axis=1), mask=m)
+    _store_vec(dtau_ptr + (bh * N + n) * BB, tl.sum(dEt * eta[:, None], axis=0), BB, BB)
+
+
+@triton.jit
+def _mlp_bwd_b_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w1_ptr, w2_ptr,
+    ds1_ptr, dsb1_ptr, ds2_ptr, dsb2_ptr, dw1_ptr, db1_ptr, dw2_ptr, db2_ptr,
+    hs_ptr, vs_ptr, rr_ptr, at_ptr, sc_ptr, acc_ptr, dtau_ptr, dk_ptr, dv_ptr, deta_ptr,
+    T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j,
+    TAIL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_LN: tl.constexpr,
+    HAS_LNB: tl.constexpr, RESIDUAL: tl.constexpr, PREC: tl.constexpr, BB: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BHD: tl.constexpr, HB: tl.constexpr,
+    KC: tl.constexpr,
+):
+    """Backward, second pass over mini-batches n1-1 down to n0 of one (batch, head) with the
+    carried gradient of the weights leaving each, dw1 [B*H, Dk, Dh], db1, dw2, db2 (updated
+    in place into that of the weights entering n0; TAIL: n0 is a last partial mini-batch,
+    whose sums' gradient is ds1, dsb1, ds2, dsb2), the start weights w1, w2 (slots as
+    ``_mlp_bwd_a_kernel``'s) and its rows; sc [B*H, 3 BHD BB + BV BB] is the program's
+    scratch. Per mini-batch, passes over hidden blocks: the update W' = W - tau_b S
+    (S1 = K^T (eta G1), S2 = X2^T (eta G2); gradient coef D) gives (1a) dG1 = coef eta
+    (K D1 + d1) - dZbar1 M1^T, (1b) dG2 += dA W2 (dA = dG1 gelu'(Z1)) and X2 D2 + d2; the
+    keys' LayerNorm gradient differentiated (dZ2, dV); (2a) dX2 = dZ2 W2^T + coef (eta G2)
+    D2^T + dA2^T Xbar2 and dZ1 (gelu'' enters); (2b) dK's shares coef (eta G1) D1^T +
+    dZ1 W1^T; (2c, 2d) the gradient of the start weights. Completes dk and deta (adds to
+    ``_mlp_bwd_a_kernel``'s shares), writes dv; adds to acc [B*H, 2, BV] (dgamma, dbeta) and
+    dtau [B*H, BB] (tau_b's share) in memory each mini-batch: it holds no tile across
+    mini-batches or passes that it can read back, and its loops hoist no invariants (with
+    either, the kernel spilled)."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    h = bh % H
+    base_k = (bb * T * H + h) * Dk
+    base_v = (bb * T * H + h) * Dv
+    ebase = bb * T * H + h
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     acc = acc_ptr + bh * 2 * BV
-    dgam = _vec(acc, BV, BV)
-    dbet = _vec(acc + BV, BV, BV)
-    dtau = _vec(dtau_ptr + bh * BB, BB, BB)
-    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
     dw1 = dw1_ptr + bh * Dk * Dh
+    db1 = db1_ptr + bh * Dh
     dw2 = dw2_ptr + bh * Dh * Dv
-    ds1 = ds1_ptr + bh * Dk * Dh
-    ds2 = ds2_ptr + bh * Dh * Dv
-    hs = hs_ptr + bh * 10 * BHD * BB
-    vs = vs_ptr + bh * 4 * BV * BB  # x_hat, g, the target, dO
-    VS = BV * BB
-    SL = BHD * BB  # one scratch slot: X2, g1', g1'', A, G1, Xbar2, gbar', dZbar1, dA, dZ1'
+    db2 = db2_ptr + bh * Dv
+    # the gradient of the sums S: coef D (the weights' carried gradient) or dS (TAIL)
+    d1, e1, d2, e2 = dw1, db1, dw2, db2
     coef = -tau_b
     if TAIL:
+        d1, e1 = ds1_ptr + bh * Dk * Dh, dsb1_ptr + bh * Dh
+        d2, e2 = ds2_ptr + bh * Dh * Dv, dsb2_ptr + bh * Dv
         coef = 1.0
-    for nr in range(n0, n1):
+    SL = BHD * BB
+    VS = BV * BB
+    sc = sc_ptr + bh * (3 * SL + VS)  # dG1, dZ1, part of dX2 [BHD, BB]; dZ2 [BV, BB]
+    rb = tl.arange(0, BB)
+    for nr in tl.range(n0, n1, disable_licm=True):
         n = n1 - 1 + n0 - nr
+        row = bh * seg + n - n0
         slot = bh * w_bh + (n - n0) * w_j
         w1 = w1_ptr + slot * Dk * Dh
         w2 = w2_ptr + slot * Dh * Dv
-        i, t, m, eta, tau, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
-                                                b, N, BB)
-        kt = _cols(k_ptr, base_k, t, m, H, Dk, BK)
-        tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
-        if RESIDUAL:  # Dk == Dv
-            tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
-        b2v = tl.zeros([BV], dtype=tl.float32)
-        if HAS_B2:
-            b2v = _vec(b2_ptr + slot * Dv, Dv, BV)
+        hs = hs_ptr + row * 4 * BHD * BB
+        vs = vs_ptr + row * 5 * BV * BB
+        _, t, m, eta, _, Et, A1t = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H,
+                                              b, N, BB)
         M1t = Et * A1t
-        # (1) the keys' forward
-        Z2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
-        for j0 in range(0, BHD, HB):
-            Z1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB), kt, PREC)
-            if HAS_B1:
-                Z1 += _vec(b1_ptr + slot * Dh + j0, Dh - j0, HB)[:, None]
-            X2, g1p, g1pp = _gelu2(Z1)
-            Z2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), X2, PREC, Z2)
-            _store_tile(hs + j0 * BB, X2, HB, BB)
-            _store_tile(hs + SL + j0 * BB, g1p, HB, BB)
-            _store_tile(hs + 2 * SL + j0 * BB, g1pp, HB, BB)
-        G2, xh, r, g = _loss_grad(Z2, tgt, gam, bet, cm, Dv, HAS_LN)
-        _store_tile(vs, xh, BV, BB)  # read back for the LayerNorm's backward
-        _store_tile(vs + VS, g, BV, BB)
-        _store_tile(vs + 2 * VS, tgt, BV, BB)
+        ce = coef * eta
+        # (1a) per block: dG1 = coef eta (K D1 + d1) - dZbar1 M1^T, and G1 . (K D1 + d1)
+        se1 = tl.zeros([BB], dtype=tl.float32)
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
+            G1 = _load_tile(hs + SL + j0 * BB, HB, BB) * _gelu(_load_tile(hs + j0 * BB, HB,
+                                                                          BB))[1]
+            kD1 = _mlp_hidden(d1, e1, k_ptr, base_k, t, m, j0, H, Dk, Dh, PREC, BK, BB, HB, KC,
+                              HAS_B1)
+            se1 += tl.sum(G1 * kD1, axis=0)
+            dG1 = kD1 * ce[None, :] - _dot(_load_tile(hs + 3 * SL + j0 * BB, HB, BB),
+                                           tl.trans(M1t), PREC)
+            _store_tile(sc + j0 * BB, dG1, HB, BB)
         tl.debug_barrier()
-        # (2) the queries' read-out
-        Zb2 = tl.zeros([BV, BB], dtype=tl.float32) + b2v[:, None]
-        A2t = tl.zeros([BB, BB], dtype=tl.float32)
-        for j0 in range(0, BHD, HB):
-            A = _dot(_block(w2, j0, 0, Dh, Dv, HB, BV), G2, PREC)
-            G1 = A * _load_tile(hs + SL + j0 * BB, HB, BB)
-            Zb1 = _dot(_blockT(w1, 0, j0, Dk, Dh, BK, HB),
-                       _cols(q_ptr, base_k, t, m, H, Dk, BK), PREC) - _dot(G1, M1t, PREC)
-            if HAS_B1:
-                Zb1 += _vec(b1_ptr + slot * Dh + j0, Dh - j0, HB)[:, None]
-            Xb2, gbp = _gelu(Zb1)
-            A2t = _dot(tl.trans(_load_tile(hs + j0 * BB, HB, BB)), Xb2, PREC, A2t)
-            Zb2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), Xb2, PREC, Zb2)
-            _store_tile(hs + 3 * SL + j0 * BB, A, HB, BB)
-            _store_tile(hs + 4 * SL + j0 * BB, G1, HB, BB)
-            _store_tile(hs + 5 * SL + j0 * BB, Xb2, HB, BB)
-            _store_tile(hs + 6 * SL + j0 * BB, gbp, HB, BB)
-        if HAS_B2:
-            A2t += 1.0
-        M2t = Et * A2t
-        Zb2 -= _dot(G2, M2t, PREC)
-        tl.debug_barrier()
-        # the read-out o = [LN](Zbar2) [+ q] and Zbar2's b x b term
-        dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
-        dzb2 = dO
-        if HAS_LN:
-            xo, ro = _ln(Zb2, cm, Dv)
-            dgam += tl.sum(dO * xo, axis=1)
-            dbet += tl.sum(dO, axis=1)
-            dzb2 = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
-        if RESIDUAL:
-            _store_tile(vs + 3 * VS, dO, BV, BB)
-        causal = i[:, None] <= i[None, :]
-        dG2 = -_dot(dzb2, tl.trans(M2t), PREC)
-        dM2t = -_dot(tl.trans(G2), dzb2, PREC)
-        dA2t = tl.where(causal, dM2t * Et, 0.0)
-        dEt = tl.where(causal, dM2t * A2t, 0.0)
-        # the gradient sums S1 = K^T (eta G1), S2 = X2^T (eta G2) (and the biases'): handed
-        # on (TAIL, gradients ds) or applied, W' = W - tau_b S (gradient coef D)
-        H2 = G2 * eta[None, :]
+        # (1b) the sums over blocks dG2 += dA W2 (dA = dG1 gelu'(Z1)) and X2 D2 + d2
+        dG2 = _load_tile(vs + 2 * VS, BV, BB)
         xD2 = tl.zeros([BV, BB], dtype=tl.float32)
         if HAS_B2:
-            if TAIL:
-                xD2 += _vec(dsb2_ptr + bh * Dv, Dv, BV)[:, None]
-            else:
-                xD2 += _vec(db2_ptr + bh * Dv, Dv, BV)[:, None]
-        # (3) per block: dZbar1, dG1, dA; sums over blocks
-        dM1t = tl.zeros([BB, BB], dtype=tl.float32)
-        dq = tl.zeros([BK, BB], dtype=tl.float32)
-        dkD = tl.zeros([BK, BB], dtype=tl.float32)
-        se1 = tl.zeros([BB], dtype=tl.float32)
-        for j0 in range(0, BHD, HB):
-            X2 = _load_tile(hs + j0 * BB, HB, BB)
-            G1 = _load_tile(hs + 4 * SL + j0 * BB, HB, BB)
-            dXb2 = _dot(_block(w2, j0, 0, Dh, Dv, HB, BV), dzb2, PREC, _dot(X2, dA2t, PREC))
-            dzb1 = dXb2 * _load_tile(hs + 6 * SL + j0 * BB, HB, BB)
-            if TAIL:
-                D1b = _block(ds1, 0, j0, Dk, Dh, BK, HB)
-                D2b = _block(ds2, j0, 0, Dh, Dv, HB, BV)
-            else:
-                D1b = _block(dw1, 0, j0, Dk, Dh, BK, HB)
-                D2b = _block(dw2, j0, 0, Dh, Dv, HB, BV)
-            kD1 = _dot(tl.trans(D1b), _cols(k_ptr, base_k, t, m, H, Dk, BK), PREC)
-            if HAS_B1:
-                if TAIL:
-                    kD1 += _vec(dsb1_ptr + bh * Dh + j0, Dh - j0, HB)[:, None]
-                else:
-                    kD1 += _vec(db1_ptr + bh * Dh + j0, Dh - j0, HB)[:, None]
-            xD2 = _dot(tl.trans(D2b), X2, PREC, xD2)
-            H1 = G1 * eta[None, :]
-            dkD = _dot(D1b, H1, PREC, dkD)
-            se1 += tl.sum(G1 * kD1, axis=0)
-            dG1 = (coef * kD1) * eta[None, :] - _dot(dzb1, tl.trans(M1t), PREC)
-            dM1t = _dot(tl.trans(G1), dzb1, PREC, dM1t)
-            dq = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dzb1, PREC, dq)
-            A = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
-            dA = dG1 * _load_tile(hs + SL + j0 * BB, HB, BB)
-            dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV), dA, PREC, dG2)
-            _store_tile(hs + 7 * SL + j0 * BB, dzb1, HB, BB)
-            _store_tile(hs + 8 * SL + j0 * BB, dA, HB, BB)
-            _store_tile(hs + 9 * SL + j0 * BB, dG1 * A * _load_tile(hs + 2 * SL + j0 * BB, HB,
-                                                                       BB), HB, BB)
-        tl.debug_barrier()
-        if not TAIL:
-            dtau_b -= tl.sum(se1 * eta, axis=0) + tl.sum(tl.sum(H2 * xD2, axis=1), axis=0)
-        dG2 += (coef * xD2) * eta[None, :]
-        deta = coef * (se1 + tl.sum(G2 * xD2, axis=0))
-        dM1t = -dM1t
-        dA1t = tl.where(causal, dM1t * Et, 0.0)
-        dEt += tl.where(causal, dM1t * A1t, 0.0)
-        dq = _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), dA1t, PREC, dq)
-        dk = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dA1t), PREC, coef * dkD)
-        dtau += tl.sum(dEt * eta[:, None], axis=0)
-        deta += tl.sum(dEt * tau[None, :], axis=1)
+            xD2 += _vec(e2, Dv, BV)[:, None]
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
+            X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
+            dG2 = _dot(_blockT(w2, j0, 0, Dh, Dv, HB, BV),
+                       _load_tile(sc + j0 * BB, HB, BB) * g1p, PREC, dG2)
+            xD2 = _dot(_blockT(d2, j0, 0, Dh, Dv, HB, BV), X2, PREC, xD2)
+        G2 = _load_tile(vs, BV, BB)
+        dG2 += xD2 * ce[None, :]
+        se = se1 + tl.sum(G2 * xD2, axis=0)  # per token: G1 . (K D1 + d1) + G2 . (X2 D2 + d2)
+        p = deta_ptr + ebase + t * H
+        tl.store(p, tl.load(p, mask=m, other=0.0) + coef * se, mask=m)
+        if not TAIL:  # tau_b's share (no accumulator held across iterations)
+            p = dtau_ptr + bh * BB + b - 1
+            tl.store(p, tl.load(p) - tl.sum(se * eta, axis=0))
         # G2 = dl/dZ2 of the keys' loss
         dtgt = -dG2
         dZ2 = dG2
-        if HAS_LN:
-            xh = _load_tile(vs, BV, BB)
-            dZ2, dg = _ln_grad_back(dG2, G2, xh, r, _load_tile(vs + VS, BV, BB), gam, cm, Dv)
+        if HAS_LN:  # (the LayerNorm's parameters and gradients not held across iterations)
+            gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
+            xh = _load_tile(vs + 3 * VS, BV, BB)
+            dZ2, dg = _ln_grad_back(dG2, G2, xh, tl.load(rr_ptr + row * BB + rb),
+                                    _load_tile(vs + 4 * VS, BV, BB), gam, tl.arange(0, BV) < Dv,
+                                    Dv)
             dtgt = -gam[:, None] * dg
-            dgam += tl.sum(dg * (gam[:, None] * xh + bet[:, None] - _load_tile(vs + 2 * VS, BV,
-                                                                                BB)
-                                 + gam[:, None] * xh), axis=1)
-            dbet -= tl.sum(dtgt, axis=1)
-        # (4) per block: dX2, dZ1, dK and the gradient of the block's start weights
-        for j0 in range(0, BHD, HB):
-            X2 = _load_tile(hs + j0 * BB, HB, BB)
-            Xb2 = _load_tile(hs + 5 * SL + j0 * BB, HB, BB)
-            dzb1 = _load_tile(hs + 7 * SL + j0 * BB, HB, BB)
-            dA = _load_tile(hs + 8 * SL + j0 * BB, HB, BB)
-            W2b = _block(w2, j0, 0, Dh, Dv, HB, BV)
-            D2c = _block(dw2, j0, 0, Dh, Dv, HB, BV)
-            D2b = D2c
-            if TAIL:
-                D2b = _block(ds2, j0, 0, Dh, Dv, HB, BV)
-            dX2 = _dot(Xb2, tl.trans(dA2t), PREC, _dot(W2b, dZ2, PREC))
-            dX2 += coef * _dot(D2b, H2, PREC)
-            dZ1 = _load_tile(hs + 9 * SL + j0 * BB, HB, BB) + dX2 * _load_tile(
-                hs + SL + j0 * BB, HB, BB)
-            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), dZ1, PREC, dk)
+            e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
+            if RESIDUAL:
+                e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
+            _store_vec(acc, _vec(acc, BV, BV) + tl.sum(dg * (e + gam[:, None] * xh), axis=1),
+                       BV, BV)
+            _store_vec(acc + BV, _vec(acc + BV, BV, BV) - tl.sum(dtgt, axis=1), BV, BV)
+        _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
+        _store_tile(sc + 3 * SL, dZ2, BV, BB)  # read back by blocks of value rows
+        if HAS_B2:
+            _store_vec(db2, _vec(db2, Dv, BV) + tl.sum(_load_tile(vs + VS, BV, BB) + dZ2, axis=1),
+                       Dv, BV)
+        tl.debug_barrier()
+        # (2a) per block: dX2 = dZ2 W2^T + coef (eta G2) D2^T + dA2^T Xbar2 (the last two
+        # first, then the first), dZ1 (gelu'' enters)
+        dA2t = _load_tile(at_ptr + row * BB * BB, BB, BB)
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
+            dX2 = _rows_through(d2, j0, vs, tl.zeros([HB, BB], dtype=tl.float32), Dh, Dv, PREC,
+                                BB, BV, HB, KC) * ce[None, :]
+            dX2 = _dot(_gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0], tl.trans(dA2t),
+                       PREC, dX2)
+            _store_tile(sc + 2 * SL + j0 * BB, dX2, HB, BB)
+        tl.debug_barrier()
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
+            X2, g1p, g1pp = _gelu2(_load_tile(hs + j0 * BB, HB, BB))
+            dX2 = _rows_through(w2, j0, sc + 3 * SL, _load_tile(sc + 2 * SL + j0 * BB, HB, BB),
+                                Dh, Dv, PREC, BB, BV, HB, KC)
+            dZ1 = (_load_tile(sc + j0 * BB, HB, BB) * _load_tile(hs + SL + j0 * BB, HB,
+                                                                          BB) * g1pp
+                   + dX2 * g1p)
+            _store_tile(sc + SL + j0 * BB, dZ1, HB, BB)
+        tl.debug_barrier()
+        # (2b) dK's shares coef (eta G1) D1^T and dZ1 W1^T
+        dk = tl.zeros([BK, BB], dtype=tl.float32)
+        if RESIDUAL:  # Dk == Dv
+            dk = -dtgt
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
+            H1 = _load_tile(hs + SL + j0 * BB, HB, BB) * _gelu(_load_tile(hs + j0 * BB, HB,
+                                                                          BB))[1]
+            dk = _dot(_block(w1, 0, j0, Dk, Dh, BK, HB), _load_tile(sc + SL + j0 * BB, HB, BB),
+                      PREC, _dot(_block(d1, 0, j0, Dk, Dh, BK, HB), H1 * ce[None, :], PREC, dk))
+        _store_cols(dk_ptr, _cols(dk_ptr, base_k, t, m, H, Dk, BK) + dk, base_k, t, m, H, Dk,
+                    BK)
+        tl.debug_barrier()  # D1, D2 are read before they are updated
+        # (2c) the gradient of the blocks' start weights: D1 += Q^T dZbar1 + K^T dZ1
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
+            dzb1 = _load_tile(hs + 3 * SL + j0 * BB, HB, BB)
+            dZ1 = _load_tile(sc + SL + j0 * BB, HB, BB)
             D1c = _dot(_cols(q_ptr, base_k, t, m, H, Dk, BK), tl.trans(dzb1), PREC,
                        _dot(_cols(k_ptr, base_k, t, m, H, Dk, BK), tl.trans(dZ1), PREC,
-                                                      _block(dw1, 0, j0, Dk, Dh, BK, HB)))
-            D2c = _dot(Xb2, tl.trans(dzb2), PREC, _dot(X2, tl.trans(dZ2), PREC,
-                                                       _dot(dA, tl.trans(G2), PREC, D2c)))
-            tl.debug_barrier()  # every thread has read the blocks before they are overwritten
-            _store_blockT(dw1, tl.trans(D1c), 0, j0, Dk, Dh, BK, HB)
-            _store_blockT(dw2, tl.trans(D2c), j0, 0, Dh, Dv, HB, BV)
+                            _block(dw1, 0, j0, Dk, Dh, BK, HB)))
+            s1 = tl.sum(dzb1 + dZ1, axis=1)
             if HAS_B1:
-                db1 = db1_ptr + bh * Dh + j0
-                _store_vec(db1, _vec(db1, Dh - j0, HB) + tl.sum(dzb1 + dZ1, axis=1), Dh - j0,
-                           HB)
-        if HAS_B2:
-            _store_vec(db2_ptr + bh * Dv, _vec(db2_ptr + bh * Dv, Dv, BV) +
-                       tl.sum(dzb2 + dZ2, axis=1), Dv, BV)
-        if RESIDUAL:  # Dk == Dv
-            dq += _load_tile(vs + 3 * VS, BV, BB)
-            dk -= dtgt
-        _store_cols(dq_ptr, dq, base_k, t, m, H, Dk, BK)
-        _store_cols(dk_ptr, dk, base_k, t, m, H, Dk, BK)
-        _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
-        tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+                s1 += _vec(db1 + j0, Dh - j0, HB)
+            tl.debug_barrier()  # every thread has read the block before it is overwritten
+            _store_block(dw1, D1c, 0, j0, Dk, Dh, BK, HB)
+            if HAS_B1:
+                _store_vec(db1 + j0, s1, Dh - j0, HB)
+        # (2d) D2 += Xbar2^T dZbar2 + X2^T dZ2 + dA^T G2 (as D2^T blocks)
+        dzb2 = _load_tile(vs + VS, BV, BB)
+        dZ2 = _load_tile(sc + 3 * SL, BV, BB)
+        G2 = _load_tile(vs, BV, BB)
+        for j0 in tl.range(0, BHD, HB, disable_licm=True):
+            X2, g1p = _gelu(_load_tile(hs + j0 * BB, HB, BB))
+            dA = _load_tile(sc + j0 * BB, HB, BB) * g1p
+            D2c = _dot(dzb2, tl.trans(_gelu(_load_tile(hs + 2 * SL + j0 * BB, HB, BB))[0]),
+                       PREC, _dot(dZ2, tl.trans(X2), PREC, _dot(
+                           G2, tl.trans(dA), PREC, _blockT(dw2, j0, 0, Dh, Dv, HB, BV))))
+            tl.debug_barrier()
+            _store_blockT(dw2, D2c, j0, 0, Dh, Dv, HB, BV)
         tl.debug_barrier()
-    _store_vec(acc, dgam, BV, BV)
-    _store_vec(acc + BV, dbet, BV, BV)
-    dtau = tl.where(tl.arange(0, BB) == b - 1, dtau + dtau_b, dtau)
-    _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1442,19 +1538,28 @@ class _MLPTriton(torch.autograd.Function):
         o = torch.empty(*q.shape[:3], Dv, **f32)  # the recomputed read-out (unused)
         gs = torch.empty(BH, BV, BB, **f32)
         BHD = _pow2(Dh)
-        hs = torch.empty(BH, 10, BHD, BB, **f32)  # the backward kernel's hidden rows
-        vs = torch.empty(BH, 4, BV, BB, **f32)  # and value rows
+        # each mini-batch's rows (``_mlp_bwd_a_kernel``), the first pass's accumulators
+        hs = torch.empty(BH, seg, 4, BHD, BB, **f32)
+        vs = torch.empty(BH, seg, 5, BV, BB, **f32)
+        rr = torch.empty(BH, seg, BB, **f32)
+        at = torch.empty(BH, seg, BB, BB, **f32)
+        sc = torch.empty(BH, 3 * BHD * BB + BV * BB, **f32)  # ``_mlp_bwd_b_kernel``'s scratch
+        acc_a = torch.zeros(BH, N, 2, BV, **f32)
+        dtau_a = torch.zeros(BH, N, BB, **f32)
         ln = (_or(lnw, tau), _or(lnb, tau))
         fl = {n: L.consts[n] for n in ("HAS_B1", "HAS_B2", "HAS_LN", "HAS_LNB", "RESIDUAL",
-                                       "PREC", "BB", "BK", "BV")}
-        BHD = _pow2(Dh)
+                                       "PREC", "BB", "BK", "BV", "KC")}
+        hb = {"BHD": BHD, "HB": min(L.cfg.HBB, BHD)}
         warps = {"num_warps": L.cfg.warps, "num_stages": 1}
 
         def back(n0, n1, ws, w_bh, w_j, tail):
-            _mlp_bwd_kernel[(BH,)](
-                q, k, v, eta, tau, A, *ln, *ws, do, *dsums, *carried, acc, dtau, dq, dk, dv,
-                deta, hs, vs, T, H, Dk, Dv, Dh, b, N, n0, n1, w_bh, w_j, TAIL=tail, BHD=BHD,
-                HB=min(L.cfg.HBB, BHD), **fl, **warps)
+            _mlp_bwd_a_kernel[(n1 - n0, BH)](
+                q, k, v, eta, tau, A, *ln, *ws, do, hs, vs, rr, at, acc_a, dtau_a, dq, dk, deta,
+                T, H, Dk, Dv, Dh, b, N, n0, seg, w_bh, w_j, DC=min(BV, 32), **hb, **fl, **warps)
+            _mlp_bwd_b_kernel[(BH,)](
+                q, k, v, eta, tau, A, *ln, ws[0], ws[2], *dsums, *carried, hs, vs, rr, at, sc, acc,
+                dtau, dk, dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, TAIL=tail,
+                **hb, **fl, **warps)
 
         if NF < N:  # the last, partial mini-batch starts from the returned weights
             back(NF, N, (w1, c1, w2, c2), 1, 0, True)
@@ -1465,8 +1570,10 @@ class _MLPTriton(torch.autograd.Function):
             if n1 - n0 > 1:
                 _mlp_recompute_kernel[(BH,)](
                     q, k, v, eta, tau, A, *ln, *slots, o, gs, T, H, Dk, Dv, Dh, b, N, n0, n1,
-                    seg, BHD=BHD, HB=L.cfg.HB, KC=L.consts["KC"], **fl, **warps)
+                    seg, BHD=BHD, HB=L.cfg.HB, **fl, **warps)
             back(n0, n1, slots, seg + 1, 1, False)
+        acc += acc_a.sum(1)
+        dtau += dtau_a.sum(1)
         dtau = dtau.view(L.B, L.H, BB)[..., :b].sum(0)
         acc = acc[..., :Dv]
         fl = L.consts
