@@ -125,15 +125,12 @@ class Inputs:
 @dataclasses.dataclass(frozen=True)
 class KernelOp:
     """An op with GPU kernel backends, and how to make its inputs (B, T, H, D, device, gen):
-    the ``mode`` its kernels compute with chunks (or mini-batches) of ``chunk``; ``backward``:
-    whether its kernels have one (without, exactness is of the forward only and forward+backward
-    runs only on torch)."""
+    the ``mode`` its kernels compute with chunks (or mini-batches) of ``chunk``."""
 
     name: str
     make: Callable[[int, int, int, int, torch.device, torch.Generator], Inputs]
     mode: str = "chunk"
     chunk: int = 64
-    backward: bool = True
 
     def __call__(self, x: Inputs, initial_state: Any, **kw: Any) -> tuple[torch.Tensor, Any]:
         return getattr(ops, self.name)(*x.qkv, *x.gates, *x.consts, initial_state=initial_state,
@@ -194,7 +191,7 @@ KERNEL_OPS = (KernelOp("linear_attn", _linear_inputs), KernelOp("delta_rule", _d
               KernelOp("gated_delta_rule", _gated_inputs),
               KernelOp("decay_linear_attn", _decay_inputs),
               KernelOp("ttt_linear", _ttt_inputs(mlp=False), mode="dual", chunk=16),
-              KernelOp("ttt_mlp", _ttt_inputs(mlp=True), mode="dual", chunk=16, backward=False))
+              KernelOp("ttt_mlp", _ttt_inputs(mlp=True), mode="dual", chunk=16))
 
 
 def _op_state(parts: tuple[torch.Tensor, ...]) -> Any:
@@ -293,7 +290,6 @@ def _exact_errors(x: Inputs, op: KernelOp, dtype: torch.dtype, docs: tuple[int, 
     """The relative errors of ``op`` on ``backend`` against the float64 naive form: outputs,
     final states, and the gradients of every input of sum(outputs * w) + sum(states * w')."""
     results = []
-    grad = op.backward or backend == "torch"
     for wide, how in ((torch.float32, {"backend": backend}), (torch.float64, {"mode": "naive"})):
         qkv = [_leaf(t.to(dtype), dtype if wide == torch.float32 else wide) for t in x.qkv]
         rest = [_leaf(t, wide) for t in (*x.gates, *x.state)]
@@ -302,23 +298,18 @@ def _exact_errors(x: Inputs, op: KernelOp, dtype: torch.dtype, docs: tuple[int, 
                    for n, v in x.options.items()}
         call = Inputs(qkv, gates, [t.to(wide) for t in x.consts], state, options)
         init = _op_state(state) if docs is None else [_op_state(state)] * len(docs)
-        with torch.set_grad_enabled(grad):
-            o, final = op(call, init, **kw, **how)
+        o, final = op(call, init, **kw, **how)
         final = _parts(final) if docs is None else tuple(
             torch.cat(parts) for parts in zip(*(_parts(f) for f in final)))
-        grads: tuple[torch.Tensor, ...] = ()
-        if grad:
-            gen = torch.Generator(device=device).manual_seed(1)
-            loss = sum((t.double() * torch.randn(t.shape, device=device, dtype=torch.float64,
-                                                 generator=gen)).sum() for t in (o, *final))
-            grads = torch.autograd.grad(loss, [*qkv, *rest], allow_unused=True)
+        gen = torch.Generator(device=device).manual_seed(1)
+        loss = sum((t.double() * torch.randn(t.shape, device=device, dtype=torch.float64,
+                                             generator=gen)).sum() for t in (o, *final))
+        grads = torch.autograd.grad(loss, [*qkv, *rest], allow_unused=True)
         results.append((o, final, grads))
     (o, S, grads), (o64, S64, grads64) = results
-    errors = {"err_out": _rel(o, o64), "err_state": max(_rel(a, b) for a, b in zip(S, S64))}
-    if grad:
-        errors["err_grad"] = max(_rel(a, b) for a, b in zip(grads, grads64)
-                                 if a is not None and b is not None)
-    return errors
+    return {"err_out": _rel(o, o64), "err_state": max(_rel(a, b) for a, b in zip(S, S64)),
+            "err_grad": max(_rel(a, b) for a, b in zip(grads, grads64)
+                            if a is not None and b is not None)}
 
 
 def _leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -391,10 +382,6 @@ def op_case(run: Run, op: KernelOp | None, backend: str, B: int, T: int) -> None
         forward(leaves).sum().backward()
 
     for p, call in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-        if p == "fwdbwd" and op is not None and not op.backward and backend != "torch":
-            run.row(**fields, **{"pass": p, "status": f"skipped: the {backend} kernels of "
-                                 f"{op.name} have no backward"})
-            continue
         if run.may_start(**fields, **{"pass": p}):
             with _item(run, **fields, **{"pass": p}):
                 run.row(**fields, **{"pass": p}, **_timed(run, call))
