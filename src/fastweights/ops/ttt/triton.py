@@ -1203,9 +1203,9 @@ def _mlp_bwd_b_kernel(
         coef = 1.0
     SL = BHD * BB
     VS = BV * BB
-    sc = sc_ptr + bh * (3 * SL + VS)  # dG1, dZ1, part of dX2 [BHD, BB]; dZ2 [BV, BB]
     rb = tl.arange(0, BB)
     for nr in tl.range(n0, n1, disable_licm=True):
+        sc = sc_ptr + bh * (3 * SL + VS)  # dG1, dZ1, part of dX2 [BHD, BB]; dZ2 [BV, BB]
         n = n1 - 1 + n0 - nr
         row = bh * seg + n - n0
         slot = bh * w_bh + (n - n0) * w_j
