@@ -88,7 +88,31 @@ import triton
 import triton.language as tl
 
 from .._triton_common import _arch, _pow2, _upcast_tiles, precisions, tiled_everywhere
-from .common import LN_EPS, Carry
+from .common import Carry
+from .triton_tiles import (
+    _block,
+    _blockT,
+    _cols,
+    _copy_flat,
+    _copy_mat,
+    _dot,
+    _head,
+    _linear_in,
+    _linear_out,
+    _ln,
+    _ln_affine,
+    _ln_back,
+    _ln_grad_back,
+    _loss_grad,
+    _mb,
+    _store_block,
+    _store_blockT,
+    _store_cols,
+    _store_vec,
+    _store_wrows,
+    _vec,
+    _wrows,
+)
 
 __all__ = ["BACKWARD_OPS", "MAX_D", "MAX_MINI_BATCH", "OPS", "TileConfig", "supports", "tile_config",
            "ttt_linear_triton", "ttt_mlp_triton"]
@@ -105,7 +129,6 @@ MAX_MINI_BATCH = 64  # the mini-batch tile BB
 # record gradients to PyTorch (inner_loop.py). Both are.
 BACKWARD_OPS = ("ttt_linear", "ttt_mlp")
 SEGMENT = 16  # mini-batches per checkpoint when no checkpoint_group is given
-_EPS = tl.constexpr(LN_EPS)
 _GELU_C = tl.constexpr(math.sqrt(2.0 / math.pi))
 _GELU_A = tl.constexpr(0.044715)
 
@@ -146,192 +169,6 @@ def supports(op: str, dtype: torch.dtype) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared pieces. Token t of batch row bb, head h of a [B, T, H, D] tensor sits at
-# ((bb*T + t)*H + h)*D: a scalar int64 base per program, int32 offsets inside a tile.
-#
-# Every per-token tile is held transposed, [D, BB] (a mini-batch's rows as columns), and every
-# weight as W^T [Dv, Dk]: the products then have the head dim, not the mini-batch, as their M
-# (rows) dimension. Triton stacks the warps of a chain of products along M (sm_80's mma), and
-# Hopper's wgmma takes M in multiples of 64 per warp group: with b = 16 rows as M, 8 warps would
-# each hold a whole [16, D] tile (the same rows replicated), and a [16, 128] float32 tile alone
-# is then 64 registers per thread.
-
-
-@triton.jit
-def _mb(n, b, T, BB: tl.constexpr):
-    """Positions 0..BB-1 of mini-batch n, their token indices and the mask of real rows."""
-    i = tl.arange(0, BB)
-    t = n * b + i
-    return i, t, (i < b) & (t < T)
-
-
-@triton.jit
-def _cols(ptr, base, t, m, H, D, BD: tl.constexpr, c0=0):
-    """Tokens t (mask m) of a [B, T, H, D] tensor at ``base`` (the (batch, head)'s token 0),
-    features c0..c0+BD, as the columns of a float32 [BD, BB] tile."""
-    c = c0 + tl.arange(0, BD)
-    offs = c[:, None] + (t * H * D)[None, :]
-    return tl.load(ptr + base + offs, mask=(c < D)[:, None] & m[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_cols(ptr, x, base, t, m, H, D, BD: tl.constexpr, c0=0):
-    c = c0 + tl.arange(0, BD)
-    offs = c[:, None] + (t * H * D)[None, :]
-    tl.store(ptr + base + offs, x.to(ptr.dtype.element_ty), mask=(c < D)[:, None] & m[None, :])
-
-
-@triton.jit
-def _blockT(ptr, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    """Rows r0..r0+BR, columns c0..c0+BC of a row-major float32 [R, C] matrix, transposed:
-    a [BC, BR] tile."""
-    r = r0 + tl.arange(0, BR)
-    c = c0 + tl.arange(0, BC)
-    return tl.load(ptr + c[:, None] + r[None, :] * C, mask=(c < C)[:, None] & (r < R)[None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _store_blockT(ptr, x, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    r = r0 + tl.arange(0, BR)
-    c = c0 + tl.arange(0, BC)
-    tl.store(ptr + c[:, None] + r[None, :] * C, x, mask=(c < C)[:, None] & (r < R)[None, :])
-
-
-@triton.jit
-def _block(ptr, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    """Rows r0..r0+BR, columns c0..c0+BC of a row-major float32 [R, C] matrix: [BR, BC]."""
-    r = r0 + tl.arange(0, BR)
-    c = c0 + tl.arange(0, BC)
-    return tl.load(ptr + r[:, None] * C + c[None, :], mask=(r < R)[:, None] & (c < C)[None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _store_block(ptr, x, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    r = r0 + tl.arange(0, BR)
-    c = c0 + tl.arange(0, BC)
-    tl.store(ptr + r[:, None] * C + c[None, :], x, mask=(r < R)[:, None] & (c < C)[None, :])
-
-
-@triton.jit
-def _wrows(ptr, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
-    """Rows c0..c0+KC of a row-major float32 [R, C] matrix, transposed: a [BC, KC] tile."""
-    return _blockT(ptr, c0, 0, R, C, KC, BC)
-
-
-@triton.jit
-def _store_wrows(ptr, x, c0, R, C, BC: tl.constexpr, KC: tl.constexpr):
-    _store_blockT(ptr, x, c0, 0, R, C, KC, BC)
-
-
-@triton.jit
-def _copy_mat(src, dst, R, C, BR: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr):
-    """dst = src for row-major [R, C] matrices, in blocks of KC rows."""
-    for c0 in tl.static_range(0, BR, KC):
-        _store_wrows(dst, _wrows(src, c0, R, C, BC, KC), c0, R, C, BC, KC)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _copy_flat(src, dst, n, BLK: tl.constexpr):
-    """dst[:n] = src[:n] (float32), BLK elements at a time."""
-    for o in range(0, n, BLK):
-        c = o + tl.arange(0, BLK)
-        tl.store(dst + c, tl.load(src + c, mask=c < n), mask=c < n)
-
-
-@triton.jit
-def _vec(ptr, n, BN: tl.constexpr):
-    c = tl.arange(0, BN)
-    return tl.load(ptr + c, mask=c < n, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV: tl.constexpr, HAS_LN: tl.constexpr,
-               HAS_LNB: tl.constexpr):
-    """Head h's inner-LayerNorm gain and bias [BV] as float32 (zero without them)."""
-    gam = tl.zeros([BV], dtype=tl.float32)
-    bet = tl.zeros([BV], dtype=tl.float32)
-    if HAS_LN:
-        gam = _vec(lnw_ptr + h * Dv, Dv, BV)
-        if HAS_LNB:
-            bet = _vec(lnb_ptr + h * Dv, Dv, BV)
-    return gam, bet
-
-
-@triton.jit
-def _store_vec(ptr, x, n, BN: tl.constexpr):
-    c = tl.arange(0, BN)
-    tl.store(ptr + c, x, mask=c < n)
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr, acc=None):
-    return tl.dot(a, b, acc, input_precision=PREC)
-
-
-@triton.jit
-def _ln(z, cm, Dv):
-    """LayerNorm statistics of the columns of z [BV, BB] (rows past Dv zero, cm their mask):
-    (x_hat, 1/s), x_hat zero past Dv."""
-    mu = tl.sum(z, axis=0) / Dv
-    zc = tl.where(cm[:, None], z - mu[None, :], 0.0)
-    r = 1.0 / tl.sqrt(tl.sum(zc * zc, axis=0) / Dv + _EPS)
-    return zc * r[None, :], r
-
-
-@triton.jit
-def _ln_back(dy, xh, r, cm, Dv):
-    """The backward of LayerNorm without affine at columns with x_hat, 1/s: r (dy - mean(dy)
-    - x_hat mean(dy x_hat)), zero past Dv."""
-    mean_dy = tl.sum(dy, axis=0) / Dv
-    mean_dyx = tl.sum(dy * xh, axis=0) / Dv
-    return tl.where(cm[:, None], r[None, :] * (dy - mean_dy[None, :] - xh * mean_dyx[None, :]),
-                    0.0)
-
-
-@triton.jit
-def _loss_grad(z, tgt, gam, bet, cm, Dv, HAS_LN: tl.constexpr):
-    """dl/dZ of l = 1/2 ||[LN](Z) - tgt||^2 per column (token) of z [BV, BB] (docs/maths.md
-    2.2), and the LayerNorm's x_hat, 1/s and g = gamma (LN(Z) - tgt) that its backward reads
-    (placeholders without LayerNorm)."""
-    G = z - tgt
-    xh = z
-    r = tl.sum(z, axis=0)  # placeholders without LayerNorm (unused there)
-    g = z
-    if HAS_LN:
-        xh, r = _ln(z, cm, Dv)
-        g = gam[:, None] * (gam[:, None] * xh + bet[:, None] - tgt)
-        G = _ln_back(g, xh, r, cm, Dv)
-    return G, xh, r, g
-
-
-@triton.jit
-def _ln_grad_back(dG, G, xh, r, g, gam, cm, Dv):
-    """Vector-Jacobian product of ``_loss_grad`` (with LayerNorm) w.r.t. Z, and dg (the
-    gradient w.r.t. g = gamma (LN(Z) - tgt)); as mlp_scan.py's ``_ln_grad_backward``:
-    dg = LNB(dG), dx_hat = gamma^2 dg - r mean(g x_hat) dG - g mean(dG r x_hat),
-    dZ = LNB(dx_hat) - r x_hat mean(dG G)."""
-    dg = _ln_back(dG, xh, r, cm, Dv)
-    c = r * (tl.sum(g * xh, axis=0) / Dv)
-    m = tl.sum(dG * xh, axis=0) / Dv * r
-    dxh = gam[:, None] * gam[:, None] * dg - c[None, :] * dG - g * m[None, :]
-    mdg = tl.sum(dG * G, axis=0) / Dv
-    return _ln_back(dxh, xh, r, cm, Dv) - (r * mdg)[None, :] * xh, dg
-
-
-@triton.jit
-def _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB: tl.constexpr):
-    """eta [BB] of the mini-batch's tokens (0 past b and T), tau [BB] of the head's positions,
-    and the transposed causal step sizes Et [BB, BB], Et_ji = E_ij = tau_i eta_j for j <= i."""
-    eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
-    tau = tl.load(tau_ptr + h * b + i, mask=i < b, other=0.0).to(tl.float32)
-    Et = tl.where(i[:, None] <= i[None, :], eta[:, None] * tau[None, :], 0.0)
-    return eta, tau, Et
-
-
-# ---------------------------------------------------------------------------------------------
 # TTT-Linear
 
 
@@ -353,17 +190,6 @@ def _qk_kernel(q_ptr, k_ptr, a_ptr, T, H, Dk, b, N, HAS_BIAS: tl.constexpr, PREC
         At += 1.0
     r = tl.arange(0, BB)
     tl.store(a_ptr + ((bh * N + n) * BB + r[:, None]) * BB + r[None, :], At)
-
-
-@triton.jit
-def _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b, N, BB: tl.constexpr):
-    """Mini-batch n's positions i, tokens t, mask m, eta, tau [BB], Et and A^T [BB, BB]
-    (``_step_scales``, ``_qk_kernel``)."""
-    i, t, m = _mb(n, b, T, BB)
-    eta, tau, Et = _step_scales(eta_ptr, tau_ptr, ebase, h, t, m, i, b, H, BB)
-    r = tl.arange(0, BB)
-    At = tl.load(a_ptr + ((bh * N + n) * BB + r[:, None]) * BB + r[None, :])
-    return i, t, m, eta, tau, Et, At
 
 
 @triton.jit
@@ -412,19 +238,6 @@ def _linear_cols(w_ptr, bv, k_ptr, q_ptr, base_k, t, m, kt, vt, Mt, gam, bet, cm
 
 
 @triton.jit
-def _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv,
-                HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, BV: tl.constexpr):
-    """o = [LN](Zbar) [+ q] stored for the mini-batch's tokens."""
-    out = zbar
-    if HAS_LN:
-        xo, _ = _ln(zbar, cm, Dv)
-        out = gam[:, None] * xo + bet[:, None]
-    if RESIDUAL:  # Dk == Dv: q's rows have o's address
-        out += _cols(q_ptr, base_v, t, m, H, Dv, BV)
-    _store_cols(o_ptr, out, base_v, t, m, H, Dv, BV)
-
-
-@triton.jit
 def _linear_fwd_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, b0_ptr,
     o_ptr, w_ptr, bias_ptr, sw_ptr, sb_ptr, ckw_ptr, ckb_ptr,
@@ -440,11 +253,7 @@ def _linear_fwd_kernel(
     weights entering every ``seg``-th mini-batch (ckw [B*H, NC, Dk, Dv], ckb [B*H, NC, Dv]).
     a: the scores of ``_qk_kernel``."""
     bh = tl.program_id(0).to(tl.int64)
-    bb = bh // H
-    h = bh % H
-    base_k = (bb * T * H + h) * Dk
-    base_v = (bb * T * H + h) * Dv
-    ebase = bb * T * H + h
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     NC = tl.cdiv(NF, seg)
     cm = tl.arange(0, BV) < Dv
     wp = w_ptr + bh * Dk * Dv
@@ -594,11 +403,7 @@ def _linear_bwd_a_kernel(
     [B*H, 2, BV, BB] is ``_scores_grad``'s scratch. Adds to the accumulators acc [B*H, 3, BV]
     (d, dgamma, dbeta) and dtau [B*H, BB]."""
     bh = tl.program_id(0).to(tl.int64)
-    bb = bh // H
-    h = bh % H
-    base_k = (bb * T * H + h) * Dk
-    base_v = (bb * T * H + h) * Dv
-    ebase = bb * T * H + h
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     cm = tl.arange(0, BV) < Dv
     gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
@@ -766,11 +571,7 @@ def _linear_bwd_b_kernel(
     the gradient leaving it into dn [B*H, seg, Dk, Dv], and adds to the accumulators
     acc [B*H, 3, BV] (d, dgamma, dbeta) and dtau [B*H, BB] (tau_b's share)."""
     bh = tl.program_id(0).to(tl.int64)
-    bb = bh // H
-    h = bh % H
-    base_k = (bb * T * H + h) * Dk
-    base_v = (bb * T * H + h) * Dv
-    ebase = bb * T * H + h
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     cm = tl.arange(0, BV) < Dv
     gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
@@ -916,11 +717,7 @@ def _mlp_fwd_kernel(
     ``_qk_kernel``; gs [B*H, BV, BB]: scratch (G2 read back by blocks). With ``store_ck``, the
     weights entering every ``seg``-th mini-batch into ck1 [B*H, NC, Dk, Dh], ckb1, ck2, ckb2."""
     bh = tl.program_id(0).to(tl.int64)
-    bb = bh // H
-    h = bh % H
-    base_k = (bb * T * H + h) * Dk
-    base_v = (bb * T * H + h) * Dv
-    ebase = bb * T * H + h
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     cm = tl.arange(0, BV) < Dv
     w1 = w1_ptr + bh * Dk * Dh
     b1 = b1_ptr + bh * Dh
@@ -988,11 +785,7 @@ def _mlp_recompute_kernel(
     w2 [B*H, seg + 1, Dh, Dv], b2 [B*H, seg + 1, Dv] (a checkpoint), writing the weights
     entering mini-batch n0 + j into slot j (its read-out goes to the scratch o)."""
     bh = tl.program_id(0).to(tl.int64)
-    bb = bh // H
-    h = bh % H
-    base_k = (bb * T * H + h) * Dk
-    base_v = (bb * T * H + h) * Dv
-    ebase = bb * T * H + h
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     cm = tl.arange(0, BV) < Dv
     S = seg + 1
     gs = gs_ptr + bh * BV * BB
@@ -1057,11 +850,7 @@ def _mlp_bwd_a_kernel(
     j = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     n = n0 + j
-    bb = bh // H
-    h = bh % H
-    base_k = (bb * T * H + h) * Dk
-    base_v = (bb * T * H + h) * Dv
-    ebase = bb * T * H + h
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     cm = tl.arange(0, BV) < Dv
     gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
     slot = bh * w_bh + j * w_j
@@ -1183,11 +972,7 @@ def _mlp_bwd_b_kernel(
     mini-batches or passes that it can read back, and its loops hoist no invariants (with
     either, the kernel spilled)."""
     bh = tl.program_id(0).to(tl.int64)
-    bb = bh // H
-    h = bh % H
-    base_k = (bb * T * H + h) * Dk
-    base_v = (bb * T * H + h) * Dv
-    ebase = bb * T * H + h
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     acc = acc_ptr + bh * 2 * BV
     dw1 = dw1_ptr + bh * Dk * Dh

@@ -53,7 +53,8 @@ import triton.language as tl
 
 from .._triton_common import _arch, _pow2, tiled_everywhere
 from .common import LN_EPS
-from .triton import _gelu, _ln_affine
+from .triton import _gelu
+from .triton_tiles import _ln_affine
 
 __all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "DecodeTiles", "supports", "tile_config",
            "ttt_linear_decode_triton", "ttt_mlp_decode_triton"]

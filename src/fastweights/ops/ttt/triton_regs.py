@@ -25,9 +25,10 @@ import triton
 import triton.language as tl
 
 from .._triton_common import _arch
-from .triton import (
+from .triton_tiles import (
     _cols,
     _dot,
+    _head,
     _linear_in,
     _linear_out,
     _ln_affine,
@@ -166,11 +167,7 @@ def _linear_fwd_regs_kernel(
     NKC: tl.constexpr = BK // KC
     tl.static_assert(NKC == 1 or NKC == 2 or NKC == 4)
     bh = tl.program_id(0).to(tl.int64)
-    bb = bh // H
-    h = bh % H
-    base_k = (bb * T * H + h) * Dk
-    base_v = (bb * T * H + h) * Dv
-    ebase = bb * T * H + h
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     NC = tl.cdiv(NF, seg)
     cm = tl.arange(0, BV) < Dv
     w0, w1, w2, w3 = _w_load(w_ptr + bh * Dk * Dv, Dk, Dv, BV, KC, NKC)
