@@ -1176,6 +1176,15 @@ def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.to(torch.float32).contiguous()
 
 
+def _grad_in(x: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
+             ) -> torch.Tensor:
+    """An incoming gradient of a backward as a fresh float32 contiguous tensor that the kernels
+    may update in place (zeros where autograd passes None)."""
+    if x is None:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    return x.to(torch.float32, copy=True).contiguous()
+
+
 class _LinearTriton(torch.autograd.Function):
     """(o, W, b, S, s) = TTT-Linear from a mini-batch boundary in the kernels above.
     q, k [B, T, H, Dk], v [B, T, H, Dv] contiguous in their dtype; eta [B, T, H], tau [H, b],
@@ -1212,14 +1221,10 @@ class _LinearTriton(torch.autograd.Function):
         q, k, v, eta, tau, lnw, lnb, ckw, ckb, W, bias, A = ctx.saved_tensors
         L = ctx.L
         f32 = {"dtype": torch.float32, "device": q.device}
-
-        def grad(x, *shape):
-            return torch.zeros(*shape, **f32) if x is None else x.to(torch.float32).contiguous()
-
-        do = grad(do, *q.shape[:3], L.Dv)
-        dS, ds = grad(dS, L.BH, L.Dk, L.Dv), grad(ds, L.BH, L.Dv)
+        do = _grad_in(do, (*q.shape[:3], L.Dv), q.device)
+        dS, ds = _grad_in(dS, (L.BH, L.Dk, L.Dv), q.device), _grad_in(ds, (L.BH, L.Dv), q.device)
         # the gradient of the returned weights, turned into that of W0 in place
-        dW0 = torch.zeros(L.BH, L.Dk, L.Dv, **f32) if dW is None else dW.to(torch.float32).clone()
+        dW0 = _grad_in(dW, (L.BH, L.Dk, L.Dv), q.device)
         BB, BV = L.consts["BB"], L.consts["BV"]
         acc = torch.zeros(L.BH, 3, BV, **f32)  # d (the bias's), dgamma, dbeta per program
         if db is not None:
@@ -1307,13 +1312,9 @@ class _MLPTriton(torch.autograd.Function):
         BH, Dh = L.BH, w1.shape[-1]
         f32 = {"dtype": torch.float32, "device": q.device}
         shapes = [x.shape for x in (w1, c1, w2, c2)]
-
-        def grad(x, shape):
-            return torch.zeros(shape, **f32) if x is None else x.to(torch.float32).clone()
-
-        do = grad(do, (*q.shape[:3], Dv))
-        carried = [grad(x, s) for x, s in zip((dw1, dc1, dw2, dc2), shapes)]  # in place
-        dsums = [grad(x, s) for x, s in zip((ds1, dsb1, ds2, dsb2), shapes)]
+        do = _grad_in(do, (*q.shape[:3], Dv), q.device)
+        carried = [_grad_in(x, s, q.device) for x, s in zip((dw1, dc1, dw2, dc2), shapes)]
+        dsums = [_grad_in(x, s, q.device) for x, s in zip((ds1, dsb1, ds2, dsb2), shapes)]
         BB, BV = L.consts["BB"], L.consts["BV"]
         acc = torch.zeros(BH, 2, BV, **f32)  # dgamma, dbeta per program
         dtau = torch.zeros(BH, BB, **f32)
@@ -1361,12 +1362,11 @@ class _MLPTriton(torch.autograd.Function):
         dtau += dtau_a.sum(1)
         dtau = dtau.view(L.B, L.H, BB)[..., :b].sum(0)
         acc = acc[..., :Dv]
-        fl = L.consts
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), deta.to(eta.dtype), dtau,
                 None if lnw is None else acc[:, 0].reshape(L.B, H, Dv).sum(0),
                 None if lnb is None else acc[:, 1].reshape(L.B, H, Dv).sum(0),
-                carried[0], carried[1] if fl["HAS_B1"] else None, carried[2],
-                carried[3] if fl["HAS_B2"] else None, None, None)
+                carried[0], carried[1] if L.consts["HAS_B1"] else None, carried[2],
+                carried[3] if L.consts["HAS_B2"] else None, None, None)
 
 
 def _or(x: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
