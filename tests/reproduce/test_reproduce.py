@@ -19,7 +19,7 @@ import pytest
 from fastweights.cli import main
 from fastweights.models import LMConfig
 from fastweights.reproduce import EXPERIMENTS
-from fastweights.reproduce.common import ReproduceError, decide
+from fastweights.reproduce.common import VERDICTS, ReproduceError, decide
 from fastweights.reproduce.lm import count_parameters, log_buckets, match_parameters
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -67,8 +67,7 @@ def test_quick_end_to_end(name, tmp_path, text_file):
         assert len({r["tokens"] for r in rows}) == 1
     md = (out / "results.md").read_text()
     table = md[md.index("## Claims"):md.index("Verdict rule")]
-    verdicts = re.findall(r"\*\*(reproduced|not reproduced|smaller than claimed|inconclusive|not measured)\*\*",
-                          table)
+    verdicts = re.findall(r"\*\*(" + "|".join(map(re.escape, VERDICTS)) + r")\*\*", table)
     claim_rows = [line for line in table.splitlines()
                   if line.startswith("| ") and not line.startswith("| claim |")]
     assert len(verdicts) == len(claim_rows) and verdicts  # one verdict per claim row
