@@ -27,7 +27,8 @@ from ..train.checkpoint import write_atomic
 MANIFEST = "reproduce.json"
 RUNS = "runs"
 RESULT_FILE = "result.json"
-OUTPUTS = (MANIFEST, RUNS, "results.csv", "results.md")  # plus the experiment's PNG files
+WINDOWS = "windows.csv"  # the runs' per-window evaluation losses, where an experiment records them
+OUTPUTS = (MANIFEST, RUNS, "results.csv", "results.md", WINDOWS)  # plus the experiment's PNG files
 BASE_FIELDS = ("experiment", "model", "seed", "parameters", "steps", "tokens", "seconds")
 
 # The verdict rule's constants (quoted in every results.md).
@@ -498,6 +499,33 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     write_atomic(path, text.getvalue().encode())
 
 
+def write_windows(path: Path, results: list[dict[str, Any]]) -> bool:
+    """``windows.csv``: one line per (run, metric) that recorded its per-window evaluation
+    losses (a result's ``windows``: metric -> [W] values, in the order of the experiment's
+    evaluation windows, the same for every run): model, seed, metric and the W values separated
+    by spaces. False (no file written, an old one removed) when no run recorded any."""
+    lines = [(r["model"], r["seed"], metric, " ".join(f"{x:.6g}" for x in vals))
+             for r in results for metric, vals in (r.get("windows") or {}).items()]
+    if not lines:
+        path.unlink(missing_ok=True)
+        return False
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    w.writerow(["model", "seed", "metric", "values"])
+    w.writerows(lines)
+    write_atomic(path, text.getvalue().encode())
+    return True
+
+
+def read_windows(path: Path) -> dict[tuple[str, int, str], list[float]] | None:
+    """What ``write_windows`` wrote, (model, seed, metric) -> per-window values; None without
+    the file (a record whose runs did not keep them)."""
+    if not path.is_file():
+        return None
+    return {(r["model"], int(r["seed"]), r["metric"]): [float(x) for x in r["values"].split()]
+            for r in csv.DictReader(io.StringIO(path.read_text()))}
+
+
 TRAINED = "trained"  # a metric: 1 if the run's model learned, 0 if its loss stayed stuck
 
 
@@ -652,9 +680,16 @@ def write_markdown(path: Path, *, title: str, intro: str, settings: dict[str, An
             if seconds is None else
             f"Wall time of this invocation: {seconds:.0f} s (runs finished earlier and reused are "
             "not included)")
+    used = judged_seeds(rows, [c for c, _ in judged])
+    extra = [f"{m} seed{'s' if len(ss) > 1 else ''} {', '.join(map(str, ss))}"
+             for m in dict.fromkeys(r["model"] for r in rows)
+             if (ss := sorted(r["seed"] for r in rows if r["model"] == m and r["seed"] not in used))]
+    left = (f" The verdicts use seeds {', '.join(map(str, used))}, which every model of the "
+            "claims has; left out of them (a seed added to one claim is added to all, or to "
+            f"none): {'; '.join(extra)}." if extra else "")
     parts = [f"# {title}", "", intro, "",
              (f"Seeds: {', '.join(map(str, seeds))}. {when}; the runs' own times add up to "
-              f"{total:.0f} s (results.csv has each)."), "",
+              f"{total:.0f} s (results.csv has each).{left}"), "",
              "Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), "",
              "## Claims", "", claims_table([(c, v) for c, v in judged if not c.control]), "",
              *(["## Controls (checks of the experiment itself, not claims of the paper)", "",
@@ -775,7 +810,12 @@ class Experiment:
     tokens, metrics``; ``claims(plan)``; ``metrics(plan)`` the columns of the per-model table;
     ``plots(rows, out, plan)`` -> the PNG file names written (none without matplotlib);
     ``notes(plan, rows)`` -> lines for results.md (deviations from the paper, ...);
-    ``unmatched``: models whose parameter count is not matched to the rest, by design."""
+    ``unmatched``: models whose parameter count is not matched to the rest, by design;
+    ``untrained``: what a run flagged ``trained`` = 0 failed (the verdict's reason names it);
+    ``seeds``: the record's seeds, the command line's default; ``budget``: what they cost (CPU
+    time of one core, from the record), for ``--help``. A run's result may carry ``windows``
+    (metric -> per-window losses): the driver writes them to ``windows.csv`` and the verdicts
+    add the evaluation windows' noise (``window_se``)."""
 
     name: str
     title: str
@@ -787,3 +827,8 @@ class Experiment:
     plots: Callable[[list[dict[str, Any]], Path, Plan], list[str]]
     notes: Callable[[Plan, list[dict[str, Any]]], list[str]]
     unmatched: tuple[str, ...] = ()  # models left out of the parameter matching (by design)
+    # the trained bar, named for the verdicts of the runs that fail it (``judge``)
+    untrained: str = UNTRAINED
+    # the record's seeds (the command line's default) and what they cost on one CPU core
+    seeds: tuple[int, ...] = (0, 1, 2, 3)
+    budget: str = ""

@@ -11,6 +11,7 @@ from pathlib import Path
 from . import EXPERIMENTS
 from .common import (
     MANIFEST,
+    WINDOWS,
     Experiment,
     Plan,
     ReproduceError,
@@ -18,9 +19,11 @@ from .common import (
     judge,
     prepare_out,
     read_csv,
+    read_windows,
     run_all,
     write_csv,
     write_markdown,
+    write_windows,
 )
 
 
@@ -58,6 +61,7 @@ def reproduce(name: str, out: Path, seeds: list[int], *, quick: bool = False, da
         rows += [r for r in finished_results(out) if (r["model"], r["seed"]) not in done]
         rows.sort(key=lambda r: (r["seed"], order.index(r["model"]) if r["model"] in order else len(order)))
     write_csv(out / "results.csv", rows)
+    write_windows(out / WINDOWS, rows)
     _write_results(exp, plan, rows, out, sorted({r["seed"] for r in rows}),
                    time.perf_counter() - start)
     if resumed and progress:
@@ -67,12 +71,14 @@ def reproduce(name: str, out: Path, seeds: list[int], *, quick: bool = False, da
 
 def _write_results(exp: Experiment, plan: Plan, rows: list[dict], out: Path, seeds: list[int],
                    seconds: float | None) -> None:
-    """results.md; ``seconds`` None (a re-render) keeps the recorded plots as they are (some
-    are drawn from the run folders, which a record need not keep)."""
+    """results.md (the verdicts with the runs' per-window losses of ``windows.csv`` where
+    recorded); ``seconds`` None (a re-render) keeps the recorded plots as they are (some are
+    drawn from the run folders, which a record need not keep)."""
     plots = (exp.plots(rows, out, plan) if seconds is not None else
              sorted(p.name for p in out.glob("*.png")))
+    judged = judge(rows, exp.claims(plan), untrained=exp.untrained, windows=read_windows(out / WINDOWS))
     write_markdown(out / "results.md", title=exp.title, intro=exp.intro,
-                   settings=dict(plan.settings), judged=judge(rows, exp.claims(plan)), rows=rows,
+                   settings=dict(plan.settings), judged=judged, rows=rows,
                    metrics=exp.metrics(plan), notes=exp.notes(plan, rows), plots=plots,
                    seeds=seeds, seconds=seconds)
 
