@@ -608,7 +608,8 @@ def judge(rows: list[dict[str, Any]], claims: list[Claim], *, untrained: str = U
                  for r in rows if r["model"] == model and not trained(r)]
         if stuck:
             note = f"{untrained}: {', '.join(stuck)}"
-            v.reason = note if not v.reason or v.verdict == NOT_MEASURED else f"{note}; {v.reason}"
+            v.reason = (note if not v.reason else f"{v.reason}; also {note}" if v.verdict == NOT_MEASURED
+                        else f"{note}; {v.reason}")
             v.verdict = NOT_MEASURED
         out.append((c, v))
     for control in (False, True):
@@ -650,7 +651,8 @@ def claims_table(judged: list[tuple[Claim, Verdict]]) -> str:
                     + ("" if math.isnan(v.noise) else f"interval [{_signed(lo)}, {_signed(hi)}], ")
                     + f"noise {'n/a' if math.isnan(v.noise) else f'{v.noise:.2g}'}{windows}, margin "
                     f"{'n/a' if math.isnan(v.margin) else f'{v.margin:.2g}'}"
-                    + ("" if math.isnan(v.p) else f"; p {_p(v.p)} (Holm {_p(v.p_holm)})"))
+                    + ("" if math.isnan(v.p) or v.verdict == NOT_MEASURED else
+                       f"; p {_p(v.p)} (Holm {_p(v.p_holm)})"))
         verdict = f"**{v.verdict}**" + (f" ({v.reason})" if v.reason else "")
         source = c.source or ("control" if c.control else "n/a")
         lines.append(f"| {c.name} | {c.paper} ({meaning}) | {source} | {ours} | {diff} | {verdict} |")

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..train.checkpoint import write_atomic
 from . import EXPERIMENTS
 from .common import (
     MANIFEST,
@@ -25,6 +26,7 @@ from .common import (
     write_markdown,
     write_windows,
 )
+from .prose import readme_of
 
 
 def experiment(name: str) -> Experiment:
@@ -81,12 +83,16 @@ def _write_results(exp: Experiment, plan: Plan, rows: list[dict], out: Path, see
                    settings=dict(plan.settings), judged=judged, rows=rows,
                    metrics=exp.metrics(plan), notes=exp.notes(plan, rows), plots=plots,
                    seeds=seeds, seconds=seconds)
+    readme = readme_of(out, rows, judged)
+    if readme is not None:
+        write_atomic(out / "README.md", readme.encode())
 
 
 def render(out: Path, name: str | None = None) -> Path:
-    """Rewrite ``out``'s results.md from its recorded ``reproduce.json`` and
-    ``results.csv`` with the current claims and verdict rule, training nothing. ``name``: the
-    experiment whose claims to apply (default: the one the manifest names). Returns results.md."""
+    """Rewrite ``out``'s results.md (and README.md from its README.in.md, ``prose``) from its
+    recorded ``reproduce.json``, ``results.csv`` and ``windows.csv`` with the current claims and
+    verdict rule, training nothing. ``name``: the experiment whose claims to apply (default: the
+    one the manifest names). Returns results.md."""
     import json
 
     try:
@@ -101,3 +107,24 @@ def render(out: Path, name: str | None = None) -> Path:
     seeds = sorted({r["seed"] for r in rows})
     _write_results(exp, plan, rows, out, seeds, None)
     return out / "results.md"
+
+
+RENDERED = ("results.md", "README.md")  # what ``render`` writes (README.md only from README.in.md)
+
+
+def check(record: Path, name: str | None = None) -> list[str]:
+    """The files of ``record`` that differ from what ``render`` makes of its recorded results
+    (rendered in a scratch copy; the record is not touched): [] when its results.md and README.md
+    are exactly their rendering, so that no figure in them can be edited by hand."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / record.name
+        copy.mkdir()
+        for f in record.iterdir():
+            if f.is_file() and f.name not in RENDERED:
+                shutil.copy2(f, copy / f.name)
+        render(copy, name)
+        return [f for f in RENDERED if (copy / f).is_file() != (record / f).is_file() or
+                ((copy / f).is_file() and (copy / f).read_bytes() != (record / f).read_bytes())]

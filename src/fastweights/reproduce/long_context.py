@@ -180,7 +180,9 @@ USES_CONTEXT = {
     "ttt-mlp": (TTT_FIGURE + " [implied: the fall comes from the stream's own context]", TTT_SOURCE),
     "delta": ("Schlag et al. 2021, §6.3, Table 4: trained and evaluated without truncating the "
               "context, the delta net improves slightly on its truncated version [implied: it "
-              "uses context beyond the window]", f"{FWP}, §6.3 long sequences (Table 4) [implied]"),
+              "uses context beyond the window]", f"[unverified]: implied, not stated; the seed note "
+              f"{FWP}, §6.3 long sequences (Table 4), states only that the delta net improves "
+              "slightly without truncation"),
     "infini": ("Munkhdalai et al. 2024, §4.1, Table 2 (PG19, Arxiv-math): the compressive memory "
                "carries the earlier segments' context and lowers perplexity [implied]",
                "docs/maths.md 5.6 [unverified]: the seed note 004-infini-attention.txt has no experiments"),

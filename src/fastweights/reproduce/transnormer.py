@@ -292,14 +292,16 @@ def claims(p: Plan) -> list[Claim]:
                      "Qin et al. 2022: NormAttention and DiagAttention remove the two causes of "
                      "linear transformers' gap (unbounded gradients, attention dilution)",
                      (REFERENCE, loss), ("linear (attention-normalised)", loss),
-                     source=f"{NOTE}, introduction and §2 (the gap and its two causes); the "
-                            "WikiText-103 numbers: docs/maths.md 3.7 [unverified]"))
+                     source=f"[unverified]: the seed note {NOTE} (introduction, §2) states the gap "
+                            "and its two causes, not that TransNormer closes it; the WikiText-103 "
+                            "numbers: docs/maths.md 3.7"))
     out.append(Claim("(f) TransNormer no worse than softmax attention",
                      "Qin et al. 2022: with the two fixes the linear model closes the gap to the "
                      "vanilla (softmax) Transformer (T1/T2 within ~1 ppl on WikiText-103)",
                      (REFERENCE, loss), ("softmax", loss), "not_worse",
-                     source=f"{NOTE}, introduction (the gap to the standard transformer that "
-                            "TransNormer addresses); within ~1 ppl: docs/maths.md 3.7 [unverified]"))
+                     source=f"[unverified]: the seed note {NOTE} (introduction) states the gap to the "
+                            "standard transformer that TransNormer addresses, not its result; "
+                            "within ~1 ppl: docs/maths.md 3.7"))
     out += [
         Claim(f"(c) NormAttention alone: all-norm [{r}] < linear attention", "control: the "
               "diag/norm model's low far share is partly built in (its Diag layers have no mass "
