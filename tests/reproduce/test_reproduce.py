@@ -222,3 +222,17 @@ def test_render_rewrites_results_md_from_the_recorded_csv_without_training(tmp_p
     assert main(["reproduce", "fwp-recall", "--render", "--out", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "holds no reproduction" in err
+
+
+def test_steps_factor_trains_k_times_the_steps_and_records_it(tmp_path, text_file):
+    from fastweights.reproduce.driver import reproduce
+
+    out = tmp_path / "x"
+    reproduce("fwp-lm", out, [0], quick=True, data=text_file, models=["linear (delta)"],
+              steps_factor=2, progress=False)
+    rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
+    manifest = json.loads((out / "reproduce.json").read_text())
+    assert [r["steps"] for r in rows] == ["6"]  # the quick size's 3 steps, twice
+    assert manifest["settings"]["steps"] == 6 and manifest["settings"]["steps_factor"] == 2
+    with pytest.raises(ReproduceError, match="steps-factor"):
+        reproduce("fwp-lm", tmp_path / "y", [0], quick=True, data=text_file, steps_factor=0)

@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--render", action="store_true",
                    help="train nothing: rewrite results.md in --out from its recorded "
                         "results.csv with the current claims and verdict rule (plots kept)")
+    p.add_argument("--steps-factor", type=int, default=1, metavar="K",
+                   help="train every run K times the experiment's steps (one step past toy "
+                        "scale; default --out runs/reproduce/NAME-Kx)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -61,12 +64,14 @@ def run(args: argparse.Namespace) -> int:
         exp = experiment(args.name)
         seeds = (parse_seeds(args.seeds) if args.seeds is not None else
                  [0] if args.quick else list(SEEDS[exp.name][0]))
-        out = Path(args.out) if args.out else Path("runs") / "reproduce" / exp.name
+        out = (Path(args.out) if args.out else Path("runs") / "reproduce" /
+               (exp.name if args.steps_factor == 1 else f"{exp.name}-{args.steps_factor}x"))
         if args.render:
             md = render(out, exp.name)
         else:
             md = reproduce(exp.name, out, seeds, quick=args.quick, data=args.data,
-                           overwrite=args.overwrite, progress=not args.quiet)
+                           overwrite=args.overwrite, progress=not args.quiet,
+                           steps_factor=args.steps_factor)
     text = md.read_text()
     claims = text[text.index("## Claims"):text.index("## Runs")].strip()
     print(claims.split("\n\nVerdict rule")[0])

@@ -38,12 +38,22 @@ def experiment(name: str) -> Experiment:
 
 def reproduce(name: str, out: Path, seeds: list[int], *, quick: bool = False, data: str = "stdlib",
               overwrite: bool = False, progress: bool = True,
-              models: Sequence[str] | None = None) -> Path:
+              models: Sequence[str] | None = None, steps_factor: int = 1) -> Path:
     """Run (or continue) experiment ``name`` into ``out``; returns the path of results.md.
     ``models``: run only these models' runs of ``seeds`` (more seeds for the models of a claim
-    whose effect is near its margin); results.csv then holds every finished run in ``out``."""
+    whose effect is near its margin); results.csv then holds every finished run in ``out``.
+    ``steps_factor`` K: every run trains K times the experiment's steps (the settings record
+    ``steps`` and ``steps_factor``; docs/reproductions.md, "One step past toy scale")."""
     exp = experiment(name)
     plan = exp.plan(quick, seeds, data)
+    if not (isinstance(steps_factor, int) and steps_factor >= 1):
+        raise ReproduceError(f"--steps-factor must be an int >= 1, got {steps_factor!r}")
+    if steps_factor > 1:
+        if "steps" not in plan.settings:
+            raise ReproduceError(f"experiment {name} has no steps setting to multiply "
+                                 "(--steps-factor)")
+        plan.settings["steps"] *= steps_factor
+        plan.settings["steps_factor"] = steps_factor
     manifest = {"experiment": name, "size": "quick" if quick else "default",
                 "settings": plan.settings,
                 "models": {r.model: r.options for r in plan.runs if r.seed == seeds[0]}}
