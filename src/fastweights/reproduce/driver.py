@@ -74,6 +74,7 @@ def reproduce(name: str, out: Path, seeds: list[int], *, quick: bool = False, da
         rows.sort(key=lambda r: (r["seed"], order.index(r["model"]) if r["model"] in order else len(order)))
     write_csv(out / "results.csv", rows)
     write_windows(out / WINDOWS, rows)
+    rows = read_csv(out / "results.csv")  # the verdicts from the numbers as recorded, as --render
     _write_results(exp, plan, rows, out, sorted({r["seed"] for r in rows}),
                    time.perf_counter() - start)
     if resumed and progress:
@@ -88,14 +89,32 @@ def _write_results(exp: Experiment, plan: Plan, rows: list[dict], out: Path, see
     drawn from the run folders, which a record need not keep)."""
     plots = (exp.plots(rows, out, plan) if seconds is not None else
              sorted(p.name for p in out.glob("*.png")))
-    judged = judge(rows, exp.claims(plan), untrained=exp.untrained, windows=read_windows(out / WINDOWS))
+    windows = read_windows(out / WINDOWS)
+    judged = judge(rows, exp.claims(plan), untrained=exp.untrained, windows=windows)
     write_markdown(out / "results.md", title=exp.title, intro=exp.intro,
                    settings=dict(plan.settings), judged=judged, rows=rows,
-                   metrics=exp.metrics(plan), notes=exp.notes(plan, rows), plots=plots,
-                   seeds=seeds, seconds=seconds)
+                   metrics=exp.metrics(plan), notes=[*exp.notes(plan, rows), *_noise_note(plan, rows, windows)],
+                   plots=plots, seeds=seeds, seconds=seconds)
     readme = readme_of(out, rows, judged)
     if readme is not None:
         write_atomic(out / "README.md", readme.encode())
+
+
+def _noise_note(plan: Plan, rows: list[dict], windows: dict | None) -> list[str]:
+    """The results.md line on the evaluation windows' noise of an LM experiment (one scored on
+    a fixed set of validation windows or streams): which runs kept their per-window losses."""
+    if not {"eval_windows", "streams"} & set(plan.settings):
+        return []
+    kept = {k[:2] for k in windows or {}}
+    missing = [r for r in rows if (r["model"], r["seed"]) not in kept]
+    if not missing:
+        return ["Evaluation noise: every run kept its per-window losses (windows.csv); each "
+                "interval adds the windows' standard error to the seeds' (`common.window_se`)."]
+    return [f"Evaluation noise: {len(missing)} of {len(rows)} runs did not keep their per-window "
+            "losses (runs recorded before issue 44: the run folders were not kept, and "
+            "recomputing them means retraining), so the intervals of the claims on them are the "
+            "seeds' alone and treat the evaluation windows as fixed; a claim whose runs all kept "
+            "them (windows.csv) adds the windows' standard error (`common.window_se`)."]
 
 
 def render(out: Path, name: str | None = None) -> Path:
