@@ -745,17 +745,21 @@ def sweep_plot(path: Path, rows: list[dict[str, Any]], points: dict[int, str], m
                xlabel: str, ylabel: str, title: str, references: Sequence[str] = ()) -> bool:
     """Mean ± sd of ``metric`` against a swept size (``points``: size -> model label, log2 x
     axis), with each ``references`` model's mean as a labelled horizontal line; False without
-    matplotlib."""
+    matplotlib, or when none of the swept models has run (a reproduction of some models only)."""
     plt = matplotlib_pyplot()
     if plt is None:
         return False
     xs = sorted(points)
     stats = [mean_spread(values(rows, points[x], metric)) for x in xs]
+    if not any(math.isfinite(m) for m, _ in stats):  # none of the swept models ran (a subset)
+        return False
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     ax.errorbar(xs, [m for m, _ in stats], yerr=[sd if math.isfinite(sd) else 0 for _, sd in stats],
                 marker="o", capsize=3)
     for label, ls in zip(references, ("--", ":", "-.", (0, (1, 3)))):
         mean = mean_spread(values(rows, label, metric))[0]
+        if not math.isfinite(mean):
+            continue
         ax.axhline(mean, ls=ls, color="grey", lw=1)
         ax.text(xs[-1], mean, f" {label}", va="bottom", ha="right", fontsize=8, color="grey")
     ax.set_xscale("log", base=2)
