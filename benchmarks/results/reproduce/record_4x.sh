@@ -12,7 +12,7 @@
 #   fwp-lm     softmax, linear (delta)                              ~18 min
 #   ttt        b=1, b=4, 4 + Mamba backbone (b=16), b=64             ~42 min
 #   aft-local  aft-full, aft-local s=4, s=32, s=64                   ~48 min
-#   aft-conv   aft-conv, aft-conv signed weights, no sigmoid(Q) gate ~22 min
+#   aft-conv   aft-conv, signed weights, no sigmoid(Q) gate, aft-simple ~27 min
 set -u
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -22,7 +22,7 @@ declare -A NAME MODELS
 NAME[fwp-lm]=fwp-lm;            MODELS[fwp-lm]='softmax|linear (delta)'
 NAME[ttt]=ttt-ablation;         MODELS[ttt]='b=1|b=4|4 + Mamba backbone|b=64'
 NAME[aft-local]=aft;            MODELS[aft-local]='aft-full|aft-local s=4|aft-local s=32|aft-local s=64'
-NAME[aft-conv]=aft;             MODELS[aft-conv]='aft-conv|aft-conv, signed weights|aft-conv, no sigmoid(Q) gate'
+NAME[aft-conv]=aft;             MODELS[aft-conv]='aft-conv|aft-conv, signed weights|aft-conv, no sigmoid(Q) gate|aft-simple'
 for group in "${@:-fwp-lm ttt aft-local aft-conv}"; do
   for g in $group; do
     name=${NAME[$g]} out=runs/reproduce/${NAME[$g]}-4x
