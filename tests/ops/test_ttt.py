@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops import delta_rule, linear_attn, ttt_linear, ttt_mlp
+from fastweights.ops.ttt.chunk import _ttt_mlp_dual_traced
 from fastweights.ops.ttt.common import gelu, gelu_grad, loss_grad
+from fastweights.ops.ttt.inner_loop import _KERNELS
 from tests.helpers import assert_close64
 
 OPS = {"linear": ttt_linear, "mlp": ttt_mlp}
@@ -226,6 +228,45 @@ def test_gradients_match_naive(kind, mode):
         grads[m] = [x.grad.clone() for x in leaves]
     for i, (a, b) in enumerate(zip(grads["naive"], grads[mode])):
         assert_close64(b, a, atol=1e-9, what=f"grad of leaf {i}")
+
+
+DUAL_FORMS = [("linear", "autograd"), ("mlp", "scan"), ("mlp", "traced")]
+
+
+@pytest.mark.parametrize(("kind", "form"), DUAL_FORMS, ids=[f"{k}-{f}" for k, f in DUAL_FORMS])
+@pytest.mark.parametrize("group", [None, 2], ids=["whole", "checkpointed"])
+@pytest.mark.parametrize("full", [True, False], ids=["ln-bias", "plain"])
+def test_dual_forms_with_gradients_from_a_mid_minibatch_carry_equal_naive(
+        kind, form, group, full, monkeypatch):
+    """The dual forms that record gradients, continued from a state inside a mini-batch (start
+    weights and carried gradient sums, reached by the naive form): outputs, final state and the
+    gradients w.r.t. the tokens, the start weights and the gradient sums equal the naive form's. ``autograd``:
+    TTT-Linear's scan under autograd (what torch.compile traces too); ``scan``: TTT-MLP's
+    hand-written backward (mlp_scan.py); ``traced``: ``_ttt_mlp_dual_traced``, what
+    torch.compile runs for TTT-MLP (put in the dispatch table here, so it runs eagerly;
+    tests/ops/test_compile.py compiles both)."""
+    if form == "traced":
+        monkeypatch.setitem(_KERNELS["mlp"], "dual", _ttt_mlp_dual_traced)
+    args, kw = make_case(kind, B=2, T=15, H=2, Dk=4, Dv=3, b=4, ln=full, residual=False,
+                         bias=full, seed=11)
+    _, state = OPS[kind](*(x[:, :6] for x in args), mode="naive", output_final_state=True, **kw)
+    assert state[-1] == 2  # two tokens into the mini-batch: gradient sums carried
+    results = {}
+    for mode in ("naive", "dual"):
+        rest = [x[:, 6:].clone().requires_grad_() for x in args]
+        carried = [s.clone().requires_grad_() if isinstance(s, torch.Tensor) else s for s in state]
+        o, final = OPS[kind](*rest, **{**kw, "initial_state": tuple(carried)}, mode=mode,
+                             output_final_state=True, checkpoint_group=group)
+        loss = o.square().sum() + sum(x.square().sum() for x in final if torch.is_tensor(x))
+        n = 2 if kind == "linear" else 4  # the leading current weights are implied by the rest
+        leaves = rest + [s for s in carried[n:] if torch.is_tensor(s)]
+        results[mode] = (o, final, torch.autograd.grad(loss, leaves))
+    (o_ref, s_ref, g_ref), (o, s, g) = results["naive"], results["dual"]
+    assert_close64(o, o_ref, what=form)
+    assert_states_close([x.detach() if torch.is_tensor(x) else x for x in s],
+                        [x.detach() if torch.is_tensor(x) else x for x in s_ref], what=form)
+    for i, (a, b) in enumerate(zip(g, g_ref)):
+        assert_close64(a, b, atol=1e-9, what=f"{form} grad of leaf {i}")
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
