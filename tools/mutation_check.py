@@ -219,7 +219,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("keep-last-off-by-one", "train", "train/checkpoint.py",
              "if intact == keep_last:", "if intact == keep_last + 1:",
              "keep_last K keeps K + 1 checkpoints",
-             ("tests/train/test_signals.py",)),
+             ("tests/train/test_signals.py::test_prune_keeps_the_newest_complete_checkpoints",
+              "tests/train/test_signals.py::test_prune_never_deletes_latest_or_the_newest_intact_one")),
 )
 
 
@@ -351,8 +352,8 @@ def write_record(rows: list[dict[str, str]], out: Path, mode: str, argv: list[st
     caught = sum(r["result"] == "caught" for r in rows)
     lines = [
         f"# Mutation check ({mode})", "",
-        f"Command: `OMP_NUM_THREADS={_env()['OMP_NUM_THREADS']} python tools/mutation_check.py "
-        f"{' '.join(argv)}`".replace(" `", "`").replace("py `", "py`"),
+        "Command: `" + " ".join([f"OMP_NUM_THREADS={_env()['OMP_NUM_THREADS']}", "python",
+                                 "tools/mutation_check.py", *argv]) + "`",
         f"Commit: {commit} (the planted texts are in tools/mutation_check.py); "
         f"date: {datetime.date.today().isoformat()}; machine: {_machine()}; "
         f"torch {_torch_version()}.", "",
