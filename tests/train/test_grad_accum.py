@@ -58,16 +58,29 @@ def corpus_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, corpus_path) -> dict[str, tuple[list, Path]]:
+def docs_path(tmp_path_factory) -> Path:
+    """A folder corpus of 80 short documents of unequal lengths: packed windows cross document
+    boundaries, whose targets are ignored (-100), so the micro-batches of a step predict
+    different numbers of tokens."""
+    root = tmp_path_factory.mktemp("accum-docs")
+    for i in range(80):
+        (root / f"doc{i:02d}.txt").write_text(f"def d{i}(z): return z * {i % 9}\n" * (1 + i % 4))
+    return root
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, corpus_path, docs_path) -> dict[str, tuple[list, Path]]:
     """One process, float64: (losses, run folder) of one batch of 4 rows per step, and of 2
-    micro-batches of 2 rows, with and without packing."""
+    micro-batches of 2 rows, with and without packing (packed: on the corpus of many
+    documents, where the micro-batches' token counts weigh their losses)."""
     root = tmp_path_factory.mktemp("accum-one")
-    corpus = load_corpus(str(corpus_path))
+    corpus, docs = load_corpus(str(corpus_path)), load_corpus(str(docs_path))
     cases = {"whole": {}, "accum": {"batch_size": 2, "grad_accum": 2},
              "whole-pack": {"pack": True}, "accum-pack": {"batch_size": 2, "grad_accum": 2,
                                                          "pack": True}}
     with float64_default():
-        return {name: (train(root / name, model_cfg(), train_cfg(**kw), corpus, progress=False),
+        return {name: (train(root / name, model_cfg(), train_cfg(**kw),
+                             docs if kw.get("pack") else corpus, progress=False),
                        root / name) for name, kw in cases.items()}
 
 
