@@ -108,20 +108,20 @@ MUTATIONS: tuple[Mutation, ...] = (
              "S, entering, Us = S0, [], []", "S, entering, Us = torch.zeros_like(S0), [], []",
              "the delta rule's chunked form, on its autograd / traced path, ignores the initial "
              "state",
-             ("tests/ops/test_fwp.py",)),
+             ("tests/ops/test_fwp.py", "tests/ops/test_grad_paths.py")),
     Mutation("chunk-scan-autograd-drops-first", "ops", "ops/_chunks.py",
              "entering = torch.cat([first.unsqueeze(2), per_chunk[:, :, :-1]], dim=2).cumsum(dim=2)",
              "entering = torch.cat([torch.zeros_like(first).unsqueeze(2), per_chunk[:, :, :-1]], "
              "dim=2).cumsum(dim=2)",
              "the chunk scan of the sum rule, on its autograd / traced path, ignores the initial "
              "state",
-             ("tests/ops/test_fwp.py",)),
+             ("tests/ops/test_fwp.py", "tests/ops/test_grad_paths.py")),
     Mutation("gated-delta-step-autograd-skips-decay", "ops", "ops/gated_delta_rule/recurrent.py",
              "Sd = torch.baddbmm(Sd, kr.transpose(1, 2), u)  # autograd",
              "Sd = torch.baddbmm(S.reshape(B * H, Dk, Dv), kr.transpose(1, 2), u)  # autograd",
              "Gated DeltaNet's one-token step, when it records gradients, adds the update to the "
              "undecayed state",
-             ("tests/ops/test_gated_delta.py",)),
+             ("tests/ops/test_gated_delta.py", "tests/ops/test_grad_paths.py")),
     Mutation("softmax-padding-mask-off-by-one", "ops", "ops/softmax/attention.py",
              "mask = keys >= (Tk - kv_lengths).view(-1, 1, 1, 1)",
              "mask = keys > (Tk - kv_lengths).view(-1, 1, 1, 1)",
