@@ -94,6 +94,13 @@ MUTATIONS: tuple[Mutation, ...] = (
              "the dual form's step-size matrix E (autograd and traced forms) leaves out each "
              "token's own gradient",
              ("tests/ops/test_ttt.py",)),
+    Mutation("ttt-mlp-double-backward-total-derivatives", "ops", "ops/ttt/mlp_scan.py",
+             "alias = [None if t is None else t.view_as(t) for t in inputs]",
+             "alias = list(inputs)",
+             "TTT-MLP's double backward differentiates w.r.t. its inputs themselves, which depend "
+             "on one another (E on eta, the target on the keys): first derivatives under "
+             "create_graph count those paths twice (a real bug, fixed with issue 45)",
+             ("tests/ops/test_ttt_mlp_backward.py", "tests/ops/test_grad_paths.py")),
     Mutation("infini-retrieve-shifted-eps", "ops", "ops/infini/memory.py",
              "den = (sq @ z.unsqueeze(-1)).clamp_min(eps)", "den = (sq @ z.unsqueeze(-1)) + eps",
              "Infini's memory retrieval divides by sigma(q).z + eps instead of clamping at eps "
