@@ -22,7 +22,7 @@ from fastweights.train.checkpoint import (
     save_checkpoint,
 )
 from fastweights.train.trainer import TrainConfig, lr_factor, train
-from tests.spawned import assert_same_run, float64_default, free_port
+from tests.spawned import assert_same_run, float64_default, free_port, val_loss
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 5}\n\n" for i in range(400))
 
@@ -115,6 +115,16 @@ def test_two_process_ddp_equals_one_process(tmp_path, corpus):
     for rank in (0, 1):
         two = json.loads((tmp_path / "two" / f"losses-{rank}.json").read_text())
         assert_same_run(two, tmp_path / "two", one, tmp_path / "one")
+
+
+def test_a_float64_model_trains_and_validates_in_float64(tmp_path, corpus):
+    """Its training and validation losses are float64 cross-entropies, not float32 ones (a
+    float64 value is float32-representable by chance with probability ~2^-29)."""
+    with float64_default():
+        losses = train(tmp_path / "run", model_cfg(), train_cfg(steps=2, eval_every=2), corpus,
+                       progress=False)
+    values = [x for _, x in losses] + [val_loss(tmp_path / "run")]
+    assert all(float(torch.tensor(x, dtype=torch.float32)) != x for x in values), values
 
 
 def test_recompute_trains_to_the_same_losses(tmp_path, corpus):
