@@ -1,4 +1,5 @@
-"""Trainer: loss goes down, schedule, atomic checkpoints, exact resume, 2-process DDP == 1 process."""
+"""Trainer: loss goes down, schedule, atomic checkpoints, exact resume, 2-process DDP == 1 process
+(float64)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import itertools
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from fastweights.train.checkpoint import (
     save_checkpoint,
 )
 from fastweights.train.trainer import TrainConfig, Trainer, lr_factor, train
+from tests.spawned import assert_same_run, float64_default, free_port, val_loss
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 5}\n\n" for i in range(400))
 
@@ -168,16 +169,11 @@ def test_interrupted_save_keeps_latest_complete(tmp_path):
     assert resolve_checkpoint(tmp_path).name == "step-0000010"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world: int, port: int, run_dir: str, corpus_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                       RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
     losses = train(run_dir, model_cfg(), train_cfg(steps=6, eval_every=6), load_corpus(corpus_path),
                    progress=False)
     Path(run_dir, f"losses-{rank}.json").write_text(json.dumps(losses))
@@ -185,18 +181,26 @@ def _ddp_worker(rank: int, world: int, port: int, run_dir: str, corpus_path: str
 
 
 def test_two_process_ddp_equals_one_process(tmp_path, corpus):
-    one = train(tmp_path / "one", model_cfg(), train_cfg(steps=6, eval_every=6), corpus, progress=False)
+    """Float64 end to end: losses, validation loss and weights within TOL64 (tests/spawned.py)."""
+    with float64_default():
+        one = train(tmp_path / "one", model_cfg(), train_cfg(steps=6, eval_every=6), corpus,
+                    progress=False)
     (tmp_path / "corpus.txt").write_text(TEXT)
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path / "two"), str(tmp_path / "corpus.txt")),
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path / "two"), str(tmp_path / "corpus.txt")),
              nprocs=2, join=True)
     for rank in (0, 1):
         two = json.loads((tmp_path / "two" / f"losses-{rank}.json").read_text())
-        assert [s for s, _ in two] == [s for s, _ in one]
-        assert max(abs(a - b) for (_, a), (_, b) in zip(two, one)) < 1e-5
-    a = LanguageModel.from_pretrained(resolve_checkpoint(tmp_path / "one"))
-    b = LanguageModel.from_pretrained(resolve_checkpoint(tmp_path / "two"))
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.allclose(p, q, atol=1e-5)
+        assert_same_run(two, tmp_path / "two", one, tmp_path / "one")
+
+
+def test_a_float64_model_trains_and_validates_in_float64(tmp_path, corpus):
+    """Its training and validation losses are float64 cross-entropies, not float32 ones (a
+    float64 value is float32-representable by chance with probability ~2^-29)."""
+    with float64_default():
+        losses = train(tmp_path / "run", model_cfg(), train_cfg(steps=2, eval_every=2), corpus,
+                       progress=False)
+    values = [x for _, x in losses] + [val_loss(tmp_path / "run")]
+    assert all(float(torch.tensor(x, dtype=torch.float32)) != x for x in values), values
 
 
 def test_recompute_trains_to_the_same_losses(tmp_path, corpus):
