@@ -15,9 +15,10 @@ from ..._checks import check_tensor, state_dtype
 from .._autocast import float32_compute
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed
-from .chunk import full_rows, simple_bidirectional, simple_causal
+from .chunk import simple_bidirectional, simple_causal
 from .common import check_bias_matrix, check_btd, check_flags, gate
 from .naive import banded_naive, full_naive
+from .product import exact_rows, full_product, redo_lossy
 from .recurrent import simple_recurrent
 
 
@@ -120,10 +121,20 @@ def aft(
     v_all = torch.cat([cache.v_cache, v_c], dim=1)
     wc = w[:T, :pos + T].to(cdtype)
     if mode == "chunk":
-        ratio = full_rows(k_all, v_all.unsqueeze(-1), wc, pos, causal, chunk_size)
+        ratio, lossy = full_product(k_all, v_all, wc, pos, causal, chunk_size)
+        o = redo_lossy(gate(q, ratio), lossy, _exact_gated(pos, causal), q, k_all, v_all, wc)
     else:
-        ratio = full_naive(k_all, v_all.unsqueeze(-1), wc, pos, causal)
-    return gate(q, ratio.squeeze(-1)), (AFTFullState(k_all, v_all) if output_final_state else None)
+        o = gate(q, full_naive(k_all, v_all.unsqueeze(-1), wc, pos, causal).squeeze(-1))
+    return o, (AFTFullState(k_all, v_all) if output_final_state else None)
+
+
+def _exact_gated(first: int, causal: bool):
+    """``redo_lossy``'s redo of AFT-full: the gated rows in the log-sum-exp form."""
+    def redo(rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             w: torch.Tensor) -> torch.Tensor:
+        return gate(q.index_select(1, rows), exact_rows(k, v, w, rows, first, causal))
+
+    return redo
 
 
 def _simple(
