@@ -1,13 +1,14 @@
 """Ahead-of-time compilation of every kernel launch of ops/aft/triton.py (AFT's kernels) for real
 GPU targets without a GPU, as tests/ops/triton_aot.py does for the fast-weight kernels (whose
-recorder, worker set-up and ptxas log parsing this reuses).
+launch recorder and compile worker set-up this reuses).
 
-Run as a script (``python tests/ops/triton_aot_aft.py OUT.json [arch ...]``) in a process where
-TRITON_INTERPRET is unset. The launches are recorded from the host code: ``_AFTFullTriton``'s
-forward and backward, causal (with a cached past: first > 0) and bidirectional, on small CPU
-tensors with the kernels replaced by recorders, for each half input dtype (the dispatcher sends
-float32 to PyTorch: ``supports``). Each distinct launch is compiled for both specialisations
-of ``SPECS``. One record per compile: registers, spill bytes, shared memory, or the error.
+Run as a script (``python tests/ops/triton_aot_aft.py OUT.json [DTYPE,... [arch ...]]``) in a
+process where TRITON_INTERPRET is unset. The launches are recorded from the host code:
+``_AFTFullTriton``'s forward and backward, causal (with a cached past: first > 0) and
+bidirectional, on small CPU tensors with the kernels replaced by recorders, for each half input
+dtype (the dispatcher sends float32 to PyTorch: ``supports``). Each distinct launch is compiled
+for both specialisations of ``SPECS``. One record per compile: registers, spill bytes, shared
+memory, or the error.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, processes: int | None = None) -> lis
 
 
 if __name__ == "__main__":
-    archs = tuple(int(a) for a in sys.argv[2:]) or ARCHS
-    result = compile_all(archs)
+    dtypes = tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else DTYPES
+    archs = tuple(int(a) for a in sys.argv[3:]) or ARCHS
+    result = compile_all(archs, dtypes)
     with open(sys.argv[1], "w") as fh:
         json.dump(result, fh)

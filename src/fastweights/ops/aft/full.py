@@ -139,10 +139,11 @@ def aft(
         cache = AFTFullState.check(initial_state, B, D, q)
         pos = cache.k_cache.shape[1]
     check_bias_matrix("w", w, T, pos + T, False, q, "[T', P]")
-    # Trial runs carry a state, which a bidirectional call refuses: those go untried.
+    # Trial runs carry a state, which a bidirectional call refuses: those go untried. The trial
+    # detaches its sequences, not its options: w, detached here, must not get its gradient.
     on_triton = triton_chosen(
         "aft", q.unsqueeze(-1), backend, mode, chunk_size, _channels_refusal(D),
-        lambda: Trial(aft, (q, k, v), w=w, chunk_size=chunk_size) if causal else None)
+        lambda: Trial(aft, (q, k, v), w=w.detach(), chunk_size=chunk_size) if causal else None)
     chosen = "triton" if on_triton else "torch"
     # The keys and values in view; the kernels read a call without a cache in its own dtype.
     if cache is None:
