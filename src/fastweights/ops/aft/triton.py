@@ -43,6 +43,7 @@ OPS = ("aft",)
 # The dispatcher sends channel counts D that are multiples of 16 only: the tiles' rows are then
 # 64-byte aligned, which the spill-free compiles rely on (tests/ops/triton_aot_aft.py).
 CHANNEL_MULTIPLE = 16
+GROUP = 8  # row blocks per group of programs (``_grouped``)
 
 
 class Tiles(NamedTuple):
@@ -115,6 +116,18 @@ def _bias(w_ptr, r0, j0, T, L, first, sw0, CAUSAL: tl.constexpr, BT: tl.constexp
 
 
 @triton.jit
+def _grouped(n_rows, n_cols, GROUP: tl.constexpr):
+    """(row block, column block) of this program in a 1-D grid of n_rows * n_cols programs
+    taken in groups of GROUP row blocks (Triton's matmul tutorial): the programs that run
+    together share GROUP row blocks and a few column blocks, whose tiles then come from L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP * n_cols
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(n_rows - first, GROUP)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
 def _prep_kernel(k_ptr, v_ptr, m_ptr, xe_ptr, xev_ptr, L, D, BT: tl.constexpr,
                  BD: tl.constexpr):
     """(a) X_e = exp(K - M), X_ev = X_e V for BT keys and BD channels of one batch row."""
@@ -131,11 +144,12 @@ def _prep_kernel(k_ptr, v_ptr, m_ptr, xe_ptr, xev_ptr, L, D, BT: tl.constexpr,
 @triton.jit
 def _fwd_kernel(q_ptr, xe_ptr, xev_ptr, w_ptr, o_ptr, r_ptr, den_ptr, mw_ptr, flag_ptr, T, L, D,
                 first, sw0, NB, thr, CAUSAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BD: tl.constexpr, PREC: tl.constexpr):
-    """(b) One channel block of one batch row (axis 0: the programs that share a query block,
-    hence its tiles of w, run together) and one query block (axis 1, the longest first)."""
-    pc = tl.program_id(0)
-    i = tl.num_programs(1) - 1 - tl.program_id(1)
+                BD: tl.constexpr, PREC: tl.constexpr, GROUP: tl.constexpr):
+    """(b) One query block and one channel block of one batch row, grouped (``_grouped``);
+    the longest query blocks first."""
+    NT = tl.cdiv(T, BT)
+    i, pc = _grouped(NT, tl.num_programs(0) // NT, GROUP)
+    i = NT - 1 - i
     b, c0, r0 = pc // NB, (pc % NB) * BD, i * BT
     m = tl.full([BT], float("-inf"), tl.float32)
     num = tl.zeros([BT, BD], tl.float32)
@@ -190,10 +204,11 @@ def _bwd_prep_kernel(do_ptr, q_ptr, r_ptr, den_ptr, u_ptr, z_ptr, dq_ptr, T, D,
 @triton.jit
 def _bwd_kv_kernel(k_ptr, v_ptr, m_ptr, u_ptr, z_ptr, w_ptr, mw_ptr, dk_ptr, dv_ptr, T, L, D,
                    first, sw0, NB, CAUSAL: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
-    """(d) One channel block of one batch row (axis 0) and one key block (axis 1; the first,
-    which most rows see, first)."""
-    pc, j = tl.program_id(0), tl.program_id(1)
+                   BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, GROUP: tl.constexpr):
+    """(d) One key block and one channel block of one batch row, grouped (``_grouped``); the
+    first key blocks, which most rows see, first."""
+    NK = tl.cdiv(L, BK)
+    j, pc = _grouped(NK, tl.num_programs(0) // NK, GROUP)
     b, c0, j0 = pc // NB, (pc % NB) * BD, j * BK
     gv = tl.zeros([BK, BD], tl.float32)
     gz = tl.zeros([BK, BD], tl.float32)
@@ -221,11 +236,13 @@ def _bwd_kv_kernel(k_ptr, v_ptr, m_ptr, u_ptr, z_ptr, w_ptr, mw_ptr, dk_ptr, dv_
 @triton.jit
 def _bwd_w_kernel(u_ptr, z_ptr, xe_ptr, xev_ptr, w_ptr, mw_ptr, dw_ptr, B, T, L, D, first, sw0,
                   CAUSAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BD: tl.constexpr, PREC: tl.constexpr):
-    """(e) One tile of dw [T, L] (axis 0 key blocks, axis 1 query blocks), contracted over every
-    batch row and channel. A causal tile wholly after the diagonal runs no step and stores
-    nothing (dw starts at zero)."""
-    j0, r0 = tl.program_id(0) * BK, tl.program_id(1) * BT
+                  BD: tl.constexpr, PREC: tl.constexpr, GROUP: tl.constexpr):
+    """(e) One tile of dw [T, L] (query block, key block; grouped, ``_grouped``), contracted
+    over every batch row and channel. A causal tile wholly after the diagonal runs no step and
+    stores nothing (dw starts at zero)."""
+    NT = tl.cdiv(T, BT)
+    i, j = _grouped(NT, tl.num_programs(0) // NT, GROUP)
+    j0, r0 = j * BK, i * BT
     last = L - 1  # the last key any row of the tile sees
     if CAUSAL:
         last = first + tl.minimum(r0 + BT, T) - 1
@@ -268,7 +285,7 @@ class _Launch(NamedTuple):
 
     def args(self, kernel: str, products: bool = True) -> dict:
         t = self.tiles[kernel]
-        extra = {"BK": t.BK, "CAUSAL": self.causal, **self.consts} if products else {}
+        extra = {"BK": t.BK, "CAUSAL": self.causal, "GROUP": GROUP, **self.consts} if products else {}
         stages = {} if t.stages is None else {"num_stages": t.stages}
         return {"BT": t.BT, "BD": t.BD, "num_warps": t.warps, **stages, **extra}
 
@@ -303,7 +320,7 @@ def _forward(L: _Launch, q, k, v, w):
     mw = torch.empty(L.T, dtype=torch.float32, device=dev)
     flags = torch.zeros(L.T, dtype=torch.int32, device=dev)
     t = L.tiles["fwd"]
-    _fwd_kernel[(L.B * L.nb("fwd"), triton.cdiv(L.T, t.BT))](
+    _fwd_kernel[(L.B * L.nb("fwd") * triton.cdiv(L.T, t.BT),)](
         q, xe, xev, w, o, ratio, den, mw, flags, L.T, L.L, L.D, L.first, w.stride(0),
         L.nb("fwd"), lossy_threshold(q.dtype, L.L), **L.args("fwd"))
     return o, (ratio, den, mw), flags
@@ -324,14 +341,14 @@ def _backward(L: _Launch, q, k, v, w, saved, do, needs):
     if needs[1] or needs[2]:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         t = L.tiles["bwd_kv"]
-        _bwd_kv_kernel[(L.B * L.nb("bwd_kv"), triton.cdiv(L.L, t.BK))](
+        _bwd_kv_kernel[(L.B * L.nb("bwd_kv") * triton.cdiv(L.L, t.BK),)](
             k, v, M, u, z, w, mw, dk, dv, L.T, L.L, L.D, L.first, w.stride(0),
             L.nb("bwd_kv"), **L.args("bwd_kv"))
     if needs[3]:
         dw = (torch.zeros if L.causal else torch.empty)(L.T, L.L, dtype=torch.float32,
                                                         device=q.device)
         t = L.tiles["bwd_w"]
-        _bwd_w_kernel[(triton.cdiv(L.L, t.BK), triton.cdiv(L.T, t.BT))](
+        _bwd_w_kernel[(triton.cdiv(L.L, t.BK) * triton.cdiv(L.T, t.BT),)](
             u, z, xe, xev, w, mw, dw, L.B, L.T, L.L, L.D, L.first, w.stride(0),
             **L.args("bwd_w"))
         dw = dw.to(w.dtype)
