@@ -114,33 +114,44 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
     if init is None:
         a, y0, _ = empty_prefix(k, v)
         init = (a, y0)
-    k = torch.cat([init[0].unsqueeze(1), k], dim=1)
-    v = torch.cat([init[1].unsqueeze(1), v], dim=1)
-    top = k.detach().cummax(dim=1).values  # running maximum of the keys
-    ref = top[:, -1:]  # [B, 1, G]
+    ell0, y0 = init
+    ref = torch.maximum(k.detach().amax(dim=1), ell0.detach())  # [B, G]
     # Plain prefix sums of e^{K - max K} are exact while no prefix falls below the smallest
     # normal float (then every sum keeps full relative precision); the margin leaves room for
-    # numerators that cancel. Keys spread wider than that take the doubling scan instead.
+    # numerators that cancel. The smallest prefix is the first (init and token 0). Keys spread
+    # wider than that take the doubling scan instead.
     margin = -math.log(torch.finfo(k.dtype).tiny) - 25.0  # 62 nats in float32, 683 in float64
+    first = torch.maximum(ell0, k[:, 0]).detach()
 
-    # Entry 0 may be the empty sum: it is taken from init, never through a 0 / 0.
-    def plain(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor) -> Summary:
-        e = torch.exp(k - ref)
-        den = e.cumsum(dim=1)[:, 1:]
-        y = (e.unsqueeze(-1) * v).cumsum(dim=1)[:, 1:] / den.unsqueeze(-1)
-        return _with_first(k, v, torch.log(den) + ref, y)
+    def plain(k: torch.Tensor, v: torch.Tensor, ell0: torch.Tensor, y0: torch.Tensor,
+              ref: torch.Tensor) -> Summary:
+        e0 = torch.exp(ell0 - ref)  # [B, G]: 0 for the empty init, never a 0 / 0
+        e = torch.exp(k - ref.unsqueeze(1))
+        den = _cumsum_time(e) + e0.unsqueeze(1)
+        num = _cumsum_time(e.unsqueeze(-1) * v) + (e0.unsqueeze(-1) * y0).unsqueeze(1)
+        return _with_first(ell0, y0, torch.log(den) + ref.unsqueeze(1), num / den.unsqueeze(-1))
 
-    def scan(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor) -> Summary:
-        a, n, m = _doubling_scan(k[:, 1:], v[:, 1:])
-        a, n, m = merge((k[:, :1], v[:, :1], torch.ones_like(a[:, :1])), (a, n, m))
-        return _with_first(k, v, a + torch.log(m), n / m.unsqueeze(-1))
+    def scan(k: torch.Tensor, v: torch.Tensor, ell0: torch.Tensor, y0: torch.Tensor,
+             ref: torch.Tensor) -> Summary:
+        a, n, m = _doubling_scan(k, v)
+        a, n, m = merge((ell0.unsqueeze(1), y0.unsqueeze(1), torch.ones_like(a[:, :1])), (a, n, m))
+        return _with_first(ell0, y0, a + torch.log(m), n / m.unsqueeze(-1))
 
-    return _select((top[:, 1:] - ref).amin() >= -margin, plain, scan, k, v, ref)
+    return _select((first - ref).amin() >= -margin, plain, scan, k, v, ell0, y0, ref)
 
 
-def _with_first(k: torch.Tensor, v: torch.Tensor, ell: torch.Tensor, y: torch.Tensor) -> Summary:
-    """Prefix summaries of entries 1.. preceded by entry 0 (k, v's first row, the init)."""
-    return torch.cat([k[:, :1], ell], dim=1), torch.cat([v[:, :1], y], dim=1)
+def _cumsum_time(x: torch.Tensor) -> torch.Tensor:
+    """The cumulative sum over time (dim 1). On CPU along a contiguous last dimension: torch's
+    CPU cumsum over a middle dimension is slower than the copy that avoids it
+    (docs/performance.md, "AFT's prefix sums")."""
+    if x.device.type != "cpu":
+        return x.cumsum(dim=1)
+    return x.movedim(1, -1).contiguous().cumsum(dim=-1).movedim(-1, 1)
+
+
+def _with_first(ell0: torch.Tensor, y0: torch.Tensor, ell: torch.Tensor, y: torch.Tensor) -> Summary:
+    """Prefix summaries of entries 1.. preceded by entry 0 (the init)."""
+    return torch.cat([ell0.unsqueeze(1), ell], dim=1), torch.cat([y0.unsqueeze(1), y], dim=1)
 
 
 Terms = list[tuple[torch.Tensor, torch.Tensor]]  # per window position: (logits, values)
