@@ -127,8 +127,8 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
               ref: torch.Tensor) -> Summary:
         e0 = torch.exp(ell0 - ref)  # [B, G]: 0 for the empty init, never a 0 / 0
         e = torch.exp(k - ref.unsqueeze(1))
-        den = _cumsum_time(e) + e0.unsqueeze(1)
-        num = _cumsum_time(e.unsqueeze(-1) * v) + (e0.unsqueeze(-1) * y0).unsqueeze(1)
+        den = e.cumsum(dim=1) + e0.unsqueeze(1)
+        num = (e.unsqueeze(-1) * v).cumsum(dim=1) + (e0.unsqueeze(-1) * y0).unsqueeze(1)
         return _with_first(ell0, y0, torch.log(den) + ref.unsqueeze(1), num / den.unsqueeze(-1))
 
     def scan(k: torch.Tensor, v: torch.Tensor, ell0: torch.Tensor, y0: torch.Tensor,
@@ -140,16 +140,8 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
     return _select((first - ref).amin() >= -margin, plain, scan, k, v, ell0, y0, ref)
 
 
-def _cumsum_time(x: torch.Tensor) -> torch.Tensor:
-    """The cumulative sum over time (dim 1). On CPU along a contiguous last dimension: torch's
-    CPU cumsum over a middle dimension is slower than the copy that avoids it
-    (docs/performance.md, "AFT's prefix sums")."""
-    if x.device.type != "cpu":
-        return x.cumsum(dim=1)
-    return x.movedim(1, -1).contiguous().cumsum(dim=-1).movedim(-1, 1)
-
-
-def _with_first(ell0: torch.Tensor, y0: torch.Tensor, ell: torch.Tensor, y: torch.Tensor) -> Summary:
+def _with_first(ell0: torch.Tensor, y0: torch.Tensor, ell: torch.Tensor,
+                y: torch.Tensor) -> Summary:
     """Prefix summaries of entries 1.. preceded by entry 0 (the init)."""
     return torch.cat([ell0.unsqueeze(1), ell], dim=1), torch.cat([y0.unsqueeze(1), y], dim=1)
 
