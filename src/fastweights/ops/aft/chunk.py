@@ -127,8 +127,8 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
               ref: torch.Tensor) -> Summary:
         e0 = torch.exp(ell0 - ref)  # [B, G]: 0 for the empty init, never a 0 / 0
         e = torch.exp(k - ref.unsqueeze(1))
-        den = e.cumsum(dim=1) + e0.unsqueeze(1)
-        num = (e.unsqueeze(-1) * v).cumsum(dim=1) + (e0.unsqueeze(-1) * y0).unsqueeze(1)
+        den = cumsum_time(e) + e0.unsqueeze(1)
+        num = cumsum_time(e.unsqueeze(-1) * v) + (e0.unsqueeze(-1) * y0).unsqueeze(1)
         return _with_first(ell0, y0, torch.log(den) + ref.unsqueeze(1), num / den.unsqueeze(-1))
 
     def scan(k: torch.Tensor, v: torch.Tensor, ell0: torch.Tensor, y0: torch.Tensor,
@@ -138,6 +138,32 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
         return _with_first(ell0, y0, a + torch.log(m), n / m.unsqueeze(-1))
 
     return _select((first - ref).amin() >= -margin, plain, scan, k, v, ell0, y0, ref)
+
+
+SCAN_BLOCK = 64  # tokens per block of ``blocked_cumsum``
+
+
+def cumsum_time(x: torch.Tensor) -> torch.Tensor:
+    """The inclusive cumulative sum over time (dim 1) of x [B, L, ...]: torch's on CPU,
+    ``blocked_cumsum`` on other devices."""
+    return x.cumsum(dim=1) if x.device.type == "cpu" else blocked_cumsum(x)
+
+
+def blocked_cumsum(x: torch.Tensor, block: int = SCAN_BLOCK) -> torch.Tensor:
+    """``x.cumsum(dim=1)`` as sums within blocks of ``block`` tokens plus the running totals
+    of the blocks before. The same additions in the same order within a block; what changes is
+    the parallelism: CUDA's scan over a middle dimension runs one thread per remaining element
+    through all L steps (B·D threads for [B, L, D], latency-bound at thousands of steps), here
+    through ``block`` steps for each of L / block blocks, then L / block steps for the totals.
+    x [B, L, ...] -> [B, L, ...]."""
+    B, L = x.shape[:2]
+    if block >= L:
+        return x.cumsum(dim=1)
+    N = -(-L // block)
+    flat = F.pad(x.reshape(B, L, -1), (0, 0, 0, N * block - L)).view(B, N, block, -1)
+    within = flat.cumsum(dim=2)
+    before = F.pad(within[:, :-1, -1].cumsum(dim=1), (0, 0, 1, 0))  # totals of earlier blocks
+    return (within + before.unsqueeze(2)).view(B, N * block, -1)[:, :L].view(x.shape)
 
 
 def _with_first(ell0: torch.Tensor, y0: torch.Tensor, ell: torch.Tensor,
