@@ -253,3 +253,145 @@ def test_layer_runs_on_the_kernels(launches, on_gpu):
     y.float().sum().backward()
     assert launches["fwd"] == 2 and launches["bwd_w"] == 1  # with the trial's (no dw)
     assert layer.bias.u.grad is not None and torch.isfinite(x.grad).all()
+
+
+# ------------------------------------------------------------------------------ AFT-local
+
+def band_of(w, window, T):
+    """The causal band [T, window] of the table w: [i, o] = w[i, i - o] (entries before
+    position 0 clamped: never read)."""
+    i = torch.arange(T)[:, None]
+    return w[i, (i - torch.arange(window)).clamp_min(0)]
+
+
+def local_reference(q, k, v, band, window):
+    """The oracle of causal AFT-local from its band, float64."""
+    from fastweights.ops.aft.naive import aft_local_naive
+
+    T = q.shape[1]
+    i = torch.arange(T)[:, None].expand(T, window)
+    j = i - torch.arange(window)
+    inside = j >= 0
+    table = torch.zeros(T, T, dtype=band.dtype).index_put((i[inside], j[inside]), band[inside])
+    return aft_local_naive(q, k, v, table, window, True)
+
+
+LOCAL_CASES = [(2, 37, 5, 4), (1, 150, 7, 30), (1, 70, 3, 100), (2, 9, 4, 1)]
+
+
+@pytest.mark.parametrize("B,T,D,s", LOCAL_CASES, ids=[f"B{b}-T{t}-D{d}-s{s}" for b, t, d, s in LOCAL_CASES])
+def test_local_kernels_match_naive(launches, exact, B, T, D, s):
+    """Causal AFT-local through the banded kernels, float32, against the float64 oracle:
+    outputs, the gradients of q, k, v and the band, and the final state (equal to the PyTorch
+    form's); windows shorter than a tile, across tiles and longer than the sequence."""
+    from fastweights.ops import aft_local
+
+    q, k, v, w = case(B, T, D, seed=7)
+    band = band_of(w, s, T)
+    g = torch.randn(B, T, D, dtype=F64)
+    states = []
+
+    def run(q, k, v, band):
+        o, st = aft_local(q, k, v, band, window=s, output_final_state=True, backend="triton")
+        states.append(st)
+        return o
+
+    got, grads = outputs_and_grads(run, [x.float() for x in (q, k, v, band)], g)
+    assert launches == FWD_BWD, launches
+    want, wgrads = outputs_and_grads(lambda q, k, v, band: local_reference(q, k, v, band, s),
+                                     (q, k, v, band), g)
+    assert rel(got, want) < 1e-5
+    for name, a, b in zip("qkvw", grads, wgrads):
+        if name == "w":  # entries reaching before position 0 are not read
+            b = b.masked_fill(torch.arange(T)[:, None] < torch.arange(s)[None, :], 0.0)
+        assert rel(a, b) < 1e-5, name
+    _, ref_state = aft_local(*(x.float() for x in (q, k, v, band)), window=s,
+                             output_final_state=True, backend="torch")
+    (a, n, m, kc, vc, pos), (ra, rn, rm, rkc, rvc, rpos) = states[0], ref_state
+    assert pos == rpos == T and torch.equal(kc, rkc) and torch.equal(vc, rvc)
+    if s <= T:  # sums e^a m and e^a n of the tokens before the cache
+        assert rel(torch.exp(a) * m, torch.exp(ra) * rm) < 1e-5
+        assert rel(torch.exp(a) * n, torch.exp(ra) * rn) < 1e-5
+    else:  # nothing has left the window
+        assert bool((m == 0).all()) and bool((rm == 0).all())
+
+
+def test_local_lossy_rows_are_redone_exactly(launches, exact, kernels, monkeypatch):
+    """Keys and biases spread over hundreds: the banded products' lossy rows are flagged and
+    redone by the PyTorch form, gradients included."""
+    from fastweights.ops import aft_local
+
+    B, T, D, s = 2, 23, 3, 5
+    q, k, v, w = case(B, T, D, seed=31, scale=100.0)
+    band = band_of(w, s, T)
+    flagged = []
+    real = kernels.aft_local_triton
+
+    def spy(*args):
+        o, lossy = real(*args)
+        flagged.append(int(lossy.sum()))
+        return o, lossy
+
+    monkeypatch.setattr(kernels, "aft_local_triton", spy)
+    g = torch.randn(B, T, D, dtype=F64)
+    got, grads = outputs_and_grads(
+        lambda q, k, v, band: aft_local(q, k, v, band, window=s, backend="triton")[0],
+        [x.float() for x in (q, k, v, band)], g)
+    assert flagged[0] > 0 and launches["fwd"] == 1
+    want, wgrads = outputs_and_grads(lambda q, k, v, band: local_reference(q, k, v, band, s),
+                                     (q, k, v, band), g)
+    assert torch.isfinite(got).all() and rel(got, want) < 1e-5
+    for name, a, b in zip("qkv", grads, wgrads):
+        assert torch.isfinite(a).all() and rel(a, b) < 1e-4, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_local_half_inputs_within_1e_2(launches, on_gpu, dtype):
+    """Half inputs through the automatic choice (D = 32): within 1e-2 of the float64 form on
+    the same rounded inputs, outputs and gradients."""
+    from fastweights.ops import aft_local
+
+    B, T, D, s = 2, 70, 32, 20
+    q, k, v, w = (x.to(dtype) for x in case(B, T, D, seed=5))
+    xs = [q, k, v, band_of(w, s, T)]
+    g = torch.randn(B, T, D, dtype=F64)
+    got, grads = outputs_and_grads(lambda q, k, v, b: aft_local(q, k, v, b, window=s)[0], xs, g)
+    assert launches["fwd"] == 2  # the trial's and the call's
+    want, wgrads = outputs_and_grads(lambda q, k, v, b: local_reference(q, k, v, b, s),
+                                     [x.double() for x in xs], g)
+    assert got.dtype == dtype and rel(got, want) < 1e-2
+    for name, a, b in zip("qkvw", grads, wgrads):
+        if name == "w":
+            b = b.masked_fill(torch.arange(T)[:, None] < torch.arange(s)[None, :], 0.0)
+        assert rel(a, b) < 1e-2, name
+
+
+def test_local_dispatch(launches, on_gpu):
+    """AFT-local's kernels take causal half calls without a carried state; a carried state, a
+    bidirectional call, one token or D = 24 run PyTorch, and an explicit choice of triton there
+    is a ValueError naming the reason. The layer runs them, and its decoding continues from the
+    state they return."""
+    from fastweights.layers import AFTLocal
+    from fastweights.ops import aft_local
+
+    q, k, v, w = (x.bfloat16() for x in case(1, 12, 16, seed=2))
+    band = band_of(w, 4, 12)
+    _, st = aft_local(q, k, v, band, window=4, output_final_state=True)
+    assert launches["fwd"] == 2
+    aft_local(q, k, v, band, window=4, initial_state=st)  # a carried state: PyTorch
+    aft_local(q, k, v, w[:12, :7], window=4, causal=False)
+    aft_local(q[:, :1], k[:, :1], v[:, :1], band[:1], window=4)
+    assert launches["fwd"] == 2
+    with pytest.raises(ValueError, match="carried state"):
+        aft_local(q, k, v, band, window=4, initial_state=st, backend="triton")
+    with pytest.raises(ValueError, match="causal=False"):
+        aft_local(q, k, v, w[:12, :7], window=4, causal=False, backend="triton")
+    torch.manual_seed(0)
+    layer = AFTLocal(16, 2, window=5, max_len=40).bfloat16()
+    x = torch.randn(2, 21, 16, dtype=torch.bfloat16, requires_grad=True)
+    y, state = layer(x[:, :20])
+    y.float().sum().backward()
+    assert launches["fwd"] == 4 and launches["bwd_w"] == 2  # with the layer's trial
+    y_step, _ = layer(x[:, 20:], state)  # decoding: PyTorch's step on the kernels' state
+    y_all, _ = layer.float()(x.detach().float())
+    assert rel(y_step, y_all[:, 20:]) < 2e-2 and launches["fwd"] == 4

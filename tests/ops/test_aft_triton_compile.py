@@ -1,10 +1,11 @@
-"""Every Triton kernel launch of ops/aft/triton.py (AFT-full's product form) compiles for real
+"""Every Triton kernel launch of ops/aft/triton.py (AFT-full's and AFT-local's product forms)
+compiles for real
 GPUs without register spills, checked without one (tests/ops/triton_aot_aft.py, as
 tests/ops/test_fwp_triton_compile.py does for the fast-weight kernels; the limits are that
 file's).
 
-The launches are recorded from ``_AFTFullTriton``'s forward and backward, causal with a cached
-past and bidirectional, and compiled for sm_80 and sm_90 by Triton's ahead-of-time compiler and
+The launches are recorded from ``_AFTTriton``'s forward and backward, AFT-full causal with a
+cached past and bidirectional and causal AFT-local, and compiled for sm_80 and sm_90 by Triton's ahead-of-time compiler and
 the ptxas of the triton wheel, with the specialisations the dispatcher's calls get (channel
 counts that are multiples of 16; T and the key count either). The Triton version is the one of
 the interpreter running the tests: run the file under each Triton the project supports (the
@@ -26,8 +27,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install fastw
 from tests.ops.test_fwp_triton_compile import ARCHS, SHARED_LIMIT
 
 HERE = Path(__file__).parent
-KERNELS = {"prep", "fwd[causal]", "fwd[bidir]", "bwd_prep", "bwd_kv[causal]", "bwd_kv[bidir]",
-           "bwd_w[causal]", "bwd_w[bidir]"}
+KERNELS = {"prep", "bwd_prep"} | {f"{k}[{v}]" for k in ("fwd", "bwd_kv", "bwd_w")
+                                   for v in ("causal", "bidir", "local")}
 
 
 def compile_records(tmp_path: Path, dtypes: tuple[str, ...]) -> list[dict]:
@@ -91,14 +92,16 @@ def test_dispatched_configurations_are_the_compiled_ones(monkeypatch):
     from fastweights.ops.aft import triton as kernels
     from tests.ops.triton_aot_aft import DIVISIBLE
 
-    assert set(kernels.OPS) <= set(backend.kernel_ops("triton"))
+    assert set(kernels.OPS) == {"aft", "aft_local"} <= set(backend.kernel_ops("triton"))
     assert kernels.CHANNEL_MULTIPLE == 16 and DIVISIBLE["odd_T"] == ("D",)
     monkeypatch.setattr(backend, "fla_ops", lambda: None)
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        cuda = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(1, 8, 1024, 1), device="cuda:0")
-        chosen = backend.choose_backend("aft", cuda, None, "chunk", 64)
-        assert chosen == ("torch" if dtype == torch.float32 else "triton"), (dtype, chosen)
-        for arch in ARCHS:
-            assert (kernels.tile_config(arch, dtype, "aft") is None) == (dtype == torch.float32)
+    for op in kernels.OPS:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            cuda = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(1, 8, 1024, 1),
+                                   device="cuda:0")
+            chosen = backend.choose_backend(op, cuda, None, "chunk", 64)
+            assert chosen == ("torch" if dtype == torch.float32 else "triton"), (dtype, chosen)
+            for arch in ARCHS:
+                assert (kernels.tile_config(arch, dtype, op) is None) == (dtype == torch.float32)

@@ -4,9 +4,9 @@ launch recorder and compile worker set-up this reuses).
 
 Run as a script (``python tests/ops/triton_aot_aft.py OUT.json [DTYPE,... [arch ...]]``) in a
 process where TRITON_INTERPRET is unset. The launches are recorded from the host code:
-``_AFTFullTriton``'s forward and backward, causal (with a cached past: first > 0) and
-bidirectional, on small CPU tensors with the kernels replaced by recorders, for each half input
-dtype (the dispatcher sends float32 to PyTorch: ``supports``). Each distinct launch is compiled
+``_AFTTriton``'s forward and backward, AFT-full causal (with a cached past: first > 0) and
+bidirectional and causal AFT-local, on small CPU tensors with the kernels replaced by recorders,
+for each half input dtype (the dispatcher sends float32 to PyTorch: ``supports``). Each distinct launch is compiled
 for both specialisations of ``SPECS``. One record per compile: registers, spill bytes, shared
 memory, or the error.
 """
@@ -37,20 +37,20 @@ DIVISIBLE = {"aligned": ("T", "L", "D", "sw0"), "odd_T": ("D",)}
 
 
 def _run_host(module, dtype) -> None:
-    """One forward and backward of ``_AFTFullTriton`` per causality (causal with a cached past
-    of 3 keys), every launch recorded instead of run."""
+    """One forward and backward of ``_AFTTriton``: AFT-full causal (with a cached past of 3
+    keys) and bidirectional, and AFT-local (window 3), every launch recorded instead of run."""
     import torch
 
     B, T, D = 1, 5, 8
-    for causal, first in ((True, 3), (False, 0)):
+    for causal, first, window in ((True, 3, 0), (False, 0, 0), (True, 0, 3)):
         q = torch.zeros(B, T, D, dtype=dtype)
         k = v = torch.zeros(B, first + T, D, dtype=dtype)
-        w = torch.zeros(T, first + T, dtype=torch.float32)
+        w = torch.zeros(T, window or first + T, dtype=torch.float32)
         ctx = _Ctx()
-        ctx.needs_input_grad = (True, True, True, True, False, False)
+        ctx.needs_input_grad = (True, True, True, True, False, False, False)
         ctx.mark_non_differentiable = lambda *xs: None
-        o, _ = module._AFTFullTriton.forward(ctx, q, k, v, w, first, causal)
-        module._AFTFullTriton.backward(ctx, torch.zeros_like(o), None)
+        o, _ = module._AFTTriton.forward(ctx, q, k, v, w, first, causal, window)
+        module._AFTTriton.backward(ctx, torch.zeros_like(o), None)
 
 
 def signatures(dtype: str, arch: int) -> list[tuple]:
@@ -81,7 +81,8 @@ def signatures(dtype: str, arch: int) -> list[tuple]:
             seen.add(key)
             name = fn.__name__.strip("_").removesuffix("_kernel")
             if "CAUSAL" in const:
-                name += "[causal]" if const["CAUSAL"] else "[bidir]"
+                name += ("[local]" if const["LOCAL"] else "[causal]" if const["CAUSAL"]
+                         else "[bidir]")
             unique.append((fn, name, sig, const, warps, stages))
     return unique
 

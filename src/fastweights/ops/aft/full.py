@@ -7,7 +7,6 @@ Dimension legend: B batch, T time, D channels (every channel its own head), p ca
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -16,22 +15,21 @@ from ..._checks import check_tensor, state_dtype
 from .._autocast import float32_compute
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed
-from ..backend import Kernel, Trial, choose_backend, optional_module, register
+from ..backend import Kernel, Trial, choose_backend, register
 from ..ttt.kernels import triton_chosen
 from .chunk import simple_bidirectional, simple_causal
-from .common import check_bias_matrix, check_btd, check_flags, gate
+from .common import (
+    channels_refusal,
+    check_bias_matrix,
+    check_btd,
+    check_flags,
+    gate,
+    triton_kernels,
+)
 from .naive import banded_naive, full_naive
 from .product import exact_rows, full_product, redo_lossy
 from .recurrent import simple_recurrent
 
-
-def _triton() -> ModuleType:
-    from . import triton
-
-    return triton
-
-
-triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
 # AFT-full has kernels (its product form, mode "chunk"); AFT-simple (``aft`` without w) none.
 register("aft", triton=Kernel(kernels=triton_kernels))
 register("aft_simple")
@@ -142,7 +140,7 @@ def aft(
     # Trial runs carry a state, which a bidirectional call refuses: those go untried. The trial
     # detaches its sequences, not its options: w, detached here, must not get its gradient.
     on_triton = triton_chosen(
-        "aft", q.unsqueeze(-1), backend, mode, chunk_size, _channels_refusal(D),
+        "aft", q.unsqueeze(-1), backend, mode, chunk_size, channels_refusal(D),
         lambda: Trial(aft, (q, k, v), w=w.detach(), chunk_size=chunk_size) if causal else None)
     chosen = "triton" if on_triton else "torch"
     # The keys and values in view; the kernels read a call without a cache in its own dtype.
@@ -163,17 +161,6 @@ def aft(
     if not output_final_state:
         return o, None
     return o, AFTFullState(k_all.to(cdtype), v_all.to(cdtype))
-
-
-def _channels_refusal(D: int) -> str | None:
-    """Why the AFT kernels do not take D channels (not a multiple of ``CHANNEL_MULTIPLE``, the
-    compiled spill-free specialisations), or None (also where triton is missing: the dispatcher
-    says so)."""
-    kernels = triton_kernels()
-    if kernels is None or D % kernels.CHANNEL_MULTIPLE == 0:
-        return None
-    return (f"D={D}: the AFT Triton kernels take channel counts that are multiples of "
-            f"{kernels.CHANNEL_MULTIPLE} (the compiled, spill-free specialisations)")
 
 
 def _exact_gated(first: int, causal: bool):

@@ -31,15 +31,18 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .._triton_common import _arch, precisions
+from .chunk import cumsum_time
 from .product import lossy_threshold
 
-__all__ = ["CHANNEL_MULTIPLE", "OPS", "Tiles", "aft_full_triton", "supports", "tile_config"]
+__all__ = ["CHANNEL_MULTIPLE", "OPS", "Tiles", "aft_full_triton", "aft_local_triton", "supports",
+           "tile_config"]
 
-OPS = ("aft",)
+OPS = ("aft", "aft_local")
 # The dispatcher sends channel counts D that are multiples of 16 only: the tiles' rows are then
 # 64-byte aligned, which the spill-free compiles rely on (tests/ops/triton_aot_aft.py).
 CHANNEL_MULTIPLE = 16
@@ -101,18 +104,34 @@ def _store(ptr, x, b, r0, c0, R, D, BR: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _bias(w_ptr, r0, j0, T, L, first, sw0, CAUSAL: tl.constexpr, BT: tl.constexpr,
-          BK: tl.constexpr):
-    """The [BT, BK] tile of w (row stride sw0, keys contiguous) at rows r0.., keys j0.. in
-    float32, -inf where masked: past T or L, or (causal) a key after the row's position
-    first + row."""
+def _bias(w_ptr, r0, j0, T, L, first, sw0, S, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
+          BT: tl.constexpr, BK: tl.constexpr):
+    """The [BT, BK] tile of biases of rows r0.. (positions first + row) against keys j0.. in
+    float32, -inf where masked: past T or L, or (causal) a key after the row. AFT-full: w
+    [T, L] (row stride sw0, keys contiguous). AFT-local (``LOCAL``, causal): the band [T, S]
+    (row stride sw0), entry o the bias at offset o = position - key, and only the keys of the
+    window (offsets below S); the keys before it are the prefix sums' (``_fwd_kernel``)."""
     rows = r0 + tl.arange(0, BT)
     keys = j0 + tl.arange(0, BK)
     ok = (rows[:, None] < T) & (keys[None, :] < L)
     if CAUSAL:
         ok = ok & (keys[None, :] <= first + rows[:, None])
-    w = tl.load(w_ptr + rows[:, None] * sw0 + keys[None, :], mask=ok, other=float("-inf"))
-    return w.to(tl.float32)
+    if LOCAL:
+        offset = first + rows[:, None] - keys[None, :]
+        ok = ok & (offset < S)
+        ptrs = w_ptr + rows[:, None] * sw0 + offset
+    else:
+        ptrs = w_ptr + rows[:, None] * sw0 + keys[None, :]
+    return tl.load(ptrs, mask=ok, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _rows_at(ptr, b, idx, ok, c0, R, D, BR: tl.constexpr, BD: tl.constexpr):
+    """Rows idx [BR] (where ok) of channels c0.. of batch row b of a contiguous [B, R, D]
+    float32 tensor; 0 elsewhere."""
+    cols = c0 + tl.arange(0, BD)
+    ptrs = ptr + tl.cast(b, tl.int64) * R * D + idx[:, None] * D + cols[None, :]
+    return tl.load(ptrs, mask=ok[:, None] & (cols[None, :] < D), other=0.0)
 
 
 @triton.jit
@@ -142,23 +161,33 @@ def _prep_kernel(k_ptr, v_ptr, m_ptr, xe_ptr, xev_ptr, L, D, BT: tl.constexpr,
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, xe_ptr, xev_ptr, w_ptr, o_ptr, r_ptr, den_ptr, mw_ptr, flag_ptr, T, L, D,
-                first, sw0, NB, thr, CAUSAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BD: tl.constexpr, PREC: tl.constexpr, GROUP: tl.constexpr):
+def _fwd_kernel(q_ptr, xe_ptr, xev_ptr, w_ptr, ce_ptr, cev_ptr, o_ptr, r_ptr, den_ptr, mw_ptr,
+                flag_ptr, T, L, D, first, sw0, S, NB, thr, CAUSAL: tl.constexpr,
+                LOCAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                PREC: tl.constexpr, GROUP: tl.constexpr):
     """(b) One query block and one channel block of one batch row, grouped (``_grouped``);
-    the longest query blocks first."""
+    the longest query blocks first. AFT-local (``LOCAL``): only the key blocks of the rows'
+    windows, and the keys before a row's window from the prefix sums C_e, C_ev [B, L + 1, D]
+    (C[u] the sum over keys < u) with bias 0."""
     NT = tl.cdiv(T, BT)
     i, pc = _grouped(NT, tl.num_programs(0) // NT, GROUP)
     i = NT - 1 - i
     b, c0, r0 = pc // NB, (pc % NB) * BD, i * BT
+    rows = r0 + tl.arange(0, BT)
+    cols = c0 + tl.arange(0, BD)
     m = tl.full([BT], float("-inf"), tl.float32)
+    start = 0
+    if LOCAL:  # bias 0 for the keys before the window: m starts at 0 where there are some
+        lo = tl.maximum(first + rows - S + 1, 0)
+        m = tl.where(lo > 0, 0.0, m)
+        start = (tl.maximum(first + r0 - S + 1, 0) // BK) * BK
     num = tl.zeros([BT, BD], tl.float32)
     den = tl.zeros([BT, BD], tl.float32)
     stop = L
     if CAUSAL:
         stop = tl.minimum(first + r0 + BT, L)
-    for j0 in range(0, stop, BK):
-        w = _bias(w_ptr, r0, j0, T, L, first, sw0, CAUSAL, BT, BK)
+    for j0 in range(start, stop, BK):
+        w = _bias(w_ptr, r0, j0, T, L, first, sw0, S, CAUSAL, LOCAL, BT, BK)
         m_new = tl.maximum(m, tl.max(w, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past T: nothing seen
         alpha = tl.exp(m - m_ref)
@@ -168,9 +197,11 @@ def _fwd_kernel(q_ptr, xe_ptr, xev_ptr, w_ptr, o_ptr, r_ptr, den_ptr, mw_ptr, fl
         num = num * alpha[:, None] + tl.dot(p, xev, input_precision=PREC)
         den = den * alpha[:, None] + tl.dot(p, xe, input_precision=PREC)
         m = m_new
-    rows = r0 + tl.arange(0, BT)
-    cols = c0 + tl.arange(0, BD)
     valid = (rows[:, None] < T) & (cols[None, :] < D)
+    if LOCAL:
+        f = tl.exp(-tl.where(m == float("-inf"), 0.0, m))[:, None]
+        num += f * _rows_at(cev_ptr, b, lo, rows < T, c0, L + 1, D, BT, BD)
+        den += f * _rows_at(ce_ptr, b, lo, rows < T, c0, L + 1, D, BT, BD)
     lossy = (den < thr) & valid
     den = tl.where(valid, den, 1.0)
     den = tl.where(lossy, float("inf"), den)  # a lossy row is redone outside: o 0, no gradient
@@ -202,11 +233,14 @@ def _bwd_prep_kernel(do_ptr, q_ptr, r_ptr, den_ptr, u_ptr, z_ptr, dq_ptr, T, D,
 
 
 @triton.jit
-def _bwd_kv_kernel(k_ptr, v_ptr, m_ptr, u_ptr, z_ptr, w_ptr, mw_ptr, dk_ptr, dv_ptr, T, L, D,
-                   first, sw0, NB, CAUSAL: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, GROUP: tl.constexpr):
+def _bwd_kv_kernel(k_ptr, v_ptr, m_ptr, u_ptr, z_ptr, su_ptr, sz_ptr, w_ptr, mw_ptr, dk_ptr,
+                   dv_ptr, T, L, D, first, sw0, S, NB, CAUSAL: tl.constexpr,
+                   LOCAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                   PREC: tl.constexpr, GROUP: tl.constexpr):
     """(d) One key block and one channel block of one batch row, grouped (``_grouped``); the
-    first key blocks, which most rows see, first."""
+    first key blocks, which most rows see, first. AFT-local (``LOCAL``): only the query blocks
+    whose windows hold the keys, plus, for the rows that see a key through their prefix sums
+    (rows from key + S on), the suffix sums S_u, S_z [B, T, D] of e^-m U and e^-m Z."""
     NK = tl.cdiv(L, BK)
     j, pc = _grouped(NK, tl.num_programs(0) // NK, GROUP)
     b, c0, j0 = pc // NB, (pc % NB) * BD, j * BK
@@ -215,15 +249,24 @@ def _bwd_kv_kernel(k_ptr, v_ptr, m_ptr, u_ptr, z_ptr, w_ptr, mw_ptr, dk_ptr, dv_
     start = 0
     if CAUSAL:  # the first query block with a row that sees the keys
         start = (tl.maximum(j0 - first, 0) // BT) * BT
-    for r0 in range(start, T, BT):
+    stop = T
+    if LOCAL:  # the last row whose window holds one of the keys
+        stop = tl.minimum(j0 + BK + S - 1 - first, T)
+    for r0 in range(start, stop, BT):
         rows = r0 + tl.arange(0, BT)
         mw = tl.load(mw_ptr + rows, mask=rows < T, other=0.0)
-        p = tl.exp(_bias(w_ptr, r0, j0, T, L, first, sw0, CAUSAL, BT, BK) - mw[:, None])
+        p = tl.exp(_bias(w_ptr, r0, j0, T, L, first, sw0, S, CAUSAL, LOCAL, BT, BK)
+                   - mw[:, None])
         u = _load(u_ptr, b, r0, c0, T, D, BT, BD)
         z = _load(z_ptr, b, r0, c0, T, D, BT, BD)
         pt = tl.trans(p)
         gv = tl.dot(pt, u, gv, input_precision=PREC)
         gz = tl.dot(pt, z, gz, input_precision=PREC)
+    if LOCAL:
+        after = j0 + tl.arange(0, BK) + S - first  # the first row whose prefix holds the key
+        seen = (after < T) & (j0 + tl.arange(0, BK) < L)
+        gv += _rows_at(su_ptr, b, after, seen, c0, T, D, BK, BD)
+        gz += _rows_at(sz_ptr, b, after, seen, c0, T, D, BK, BD)
     cols = c0 + tl.arange(0, BD)
     m = tl.load(m_ptr + b * D + cols, mask=cols < D, other=0.0)
     e = tl.exp(_load(k_ptr, b, j0, c0, L, D, BK, BD).to(tl.float32) - m[None, :])
@@ -235,17 +278,23 @@ def _bwd_kv_kernel(k_ptr, v_ptr, m_ptr, u_ptr, z_ptr, w_ptr, mw_ptr, dk_ptr, dv_
 
 @triton.jit
 def _bwd_w_kernel(u_ptr, z_ptr, xe_ptr, xev_ptr, w_ptr, mw_ptr, dw_ptr, B, T, L, D, first, sw0,
-                  CAUSAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BD: tl.constexpr, PREC: tl.constexpr, GROUP: tl.constexpr):
-    """(e) One tile of dw [T, L] (query block, key block; grouped, ``_grouped``), contracted
-    over every batch row and channel. A causal tile wholly after the diagonal runs no step and
-    stores nothing (dw starts at zero)."""
+                  S, NJ, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """(e) One tile of the biases' gradient (query block, key block; grouped, ``_grouped``),
+    contracted over every batch row and channel. AFT-full: dw [T, L], NJ = all key blocks; a
+    causal tile wholly after the diagonal runs no step and stores nothing (dw starts at zero).
+    AFT-local: the NJ key blocks from the first that a row's window reaches, stored into the
+    band's gradient [T, S] (row stride S)."""
     NT = tl.cdiv(T, BT)
-    i, j = _grouped(NT, tl.num_programs(0) // NT, GROUP)
-    j0, r0 = j * BK, i * BT
+    i, j = _grouped(NT, NJ, GROUP)
+    r0 = i * BT
+    if LOCAL:
+        j = tl.maximum(first + r0 - S + 1, 0) // BK + j
+    j0 = j * BK
     last = L - 1  # the last key any row of the tile sees
     if CAUSAL:
-        last = first + tl.minimum(r0 + BT, T) - 1
+        last = tl.minimum(first + tl.minimum(r0 + BT, T) - 1, L - 1)
     nb = tl.where(j0 <= last, B, 0)  # no batch row to contract for a tile after the diagonal
     acc = tl.zeros([BT, BK], tl.float32)
     for b in range(0, nb):
@@ -259,9 +308,14 @@ def _bwd_w_kernel(u_ptr, z_ptr, xe_ptr, xev_ptr, w_ptr, mw_ptr, dw_ptr, B, T, L,
     rows = r0 + tl.arange(0, BT)
     keys = j0 + tl.arange(0, BK)
     mw = tl.load(mw_ptr + rows, mask=rows < T, other=0.0)
-    p = tl.exp(_bias(w_ptr, r0, j0, T, L, first, sw0, CAUSAL, BT, BK) - mw[:, None])
+    p = tl.exp(_bias(w_ptr, r0, j0, T, L, first, sw0, S, CAUSAL, LOCAL, BT, BK) - mw[:, None])
     ok = (rows[:, None] < T) & (keys[None, :] <= last)
-    tl.store(dw_ptr + rows[:, None] * L + keys[None, :], p * acc, mask=ok)
+    if LOCAL:
+        offset = first + rows[:, None] - keys[None, :]
+        ok = ok & (offset >= 0) & (offset < S)
+        tl.store(dw_ptr + rows[:, None] * S + offset, p * acc, mask=ok)
+    else:
+        tl.store(dw_ptr + rows[:, None] * L + keys[None, :], p * acc, mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +323,7 @@ def _bwd_w_kernel(u_ptr, z_ptr, xe_ptr, xev_ptr, w_ptr, mw_ptr, dw_ptr, B, T, L,
 
 
 class _Launch(NamedTuple):
-    """What every launch of one call shares."""
+    """What every launch of one call shares. ``window``: AFT-local's (0 for AFT-full)."""
 
     B: int
     T: int
@@ -277,6 +331,7 @@ class _Launch(NamedTuple):
     D: int
     first: int
     causal: bool
+    window: int
     tiles: dict
     consts: dict
 
@@ -285,18 +340,20 @@ class _Launch(NamedTuple):
 
     def args(self, kernel: str, products: bool = True) -> dict:
         t = self.tiles[kernel]
-        extra = {"BK": t.BK, "CAUSAL": self.causal, "GROUP": GROUP, **self.consts} if products else {}
+        extra = ({"BK": t.BK, "CAUSAL": self.causal, "LOCAL": self.window > 0, "GROUP": GROUP,
+                  **self.consts} if products else {})
         stages = {} if t.stages is None else {"num_stages": t.stages}
         return {"BT": t.BT, "BD": t.BD, "num_warps": t.warps, **stages, **extra}
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, first: int, causal: bool) -> _Launch:
+def _launch(q: torch.Tensor, k: torch.Tensor, first: int, causal: bool, window: int,
+            op: str) -> _Launch:
     B, T, D = q.shape
     arch = _arch(q.device)
     # A direct call with float32 inputs (no spill-free tiling) runs the half tiling, correct.
-    tiles = tile_config(arch, q.dtype, "aft") or tile_config(arch, torch.bfloat16, "aft")
+    tiles = tile_config(arch, q.dtype, op) or tile_config(arch, torch.bfloat16, op)
     consts = {"PREC": precisions(q.dtype)[1]}  # TF32 for half inputs, exact for float32
-    return _Launch(B, T, k.shape[1], D, first, causal, tiles, consts)
+    return _Launch(B, T, k.shape[1], D, first, causal, window, tiles, consts)
 
 
 def _operands(L: _Launch, k, v):
@@ -310,19 +367,25 @@ def _operands(L: _Launch, k, v):
     return M, xe, xev
 
 
+def _exclusive_prefix(x: torch.Tensor) -> torch.Tensor:
+    """C [B, L + 1, D] with C[u] the sum of x [B, L, D] over rows < u."""
+    return F.pad(cumsum_time(x), (0, 0, 1, 0))
+
+
 def _forward(L: _Launch, q, k, v, w):
-    """(a), (b): o [B, T, D] in q's dtype, what the backward keeps (M, the ratio, the
+    """(a), (b): o [B, T, D] in q's dtype, what the backward keeps (the ratio, the
     denominators, the row maxima), flags [T] of lossy rows."""
     dev = q.device
     _, xe, xev = _operands(L, k, v)
+    ce, cev = (_exclusive_prefix(xe), _exclusive_prefix(xev)) if L.window else (xe, xev)
     o = torch.empty_like(q)
     ratio, den = (torch.empty(q.shape, dtype=torch.float32, device=dev) for _ in range(2))
     mw = torch.empty(L.T, dtype=torch.float32, device=dev)
     flags = torch.zeros(L.T, dtype=torch.int32, device=dev)
     t = L.tiles["fwd"]
     _fwd_kernel[(L.B * L.nb("fwd") * triton.cdiv(L.T, t.BT),)](
-        q, xe, xev, w, o, ratio, den, mw, flags, L.T, L.L, L.D, L.first, w.stride(0),
-        L.nb("fwd"), lossy_threshold(q.dtype, L.L), **L.args("fwd"))
+        q, xe, xev, w, ce, cev, o, ratio, den, mw, flags, L.T, L.L, L.D, L.first, w.stride(0),
+        max(L.window, 1), L.nb("fwd"), lossy_threshold(q.dtype, L.L), **L.args("fwd"))
     return o, (ratio, den, mw), flags
 
 
@@ -339,29 +402,39 @@ def _backward(L: _Launch, q, k, v, w, saved, do, needs):
         return dq, dk, dv, dw
     M, xe, xev = _operands(L, k, v)  # recomputed: cheaper than keeping two [B, L, D] in float32
     if needs[1] or needs[2]:
+        su, sz = u, z  # AFT-local: suffix sums over the rows of e^-m U, e^-m Z
+        if L.window:
+            scale = torch.exp(-mw)[None, :, None]
+            su, sz = (cumsum_time((scale * x).flip(1)).flip(1).contiguous() for x in (u, z))
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         t = L.tiles["bwd_kv"]
         _bwd_kv_kernel[(L.B * L.nb("bwd_kv") * triton.cdiv(L.L, t.BK),)](
-            k, v, M, u, z, w, mw, dk, dv, L.T, L.L, L.D, L.first, w.stride(0),
-            L.nb("bwd_kv"), **L.args("bwd_kv"))
+            k, v, M, u, z, su, sz, w, mw, dk, dv, L.T, L.L, L.D, L.first, w.stride(0),
+            max(L.window, 1), L.nb("bwd_kv"), **L.args("bwd_kv"))
     if needs[3]:
-        dw = (torch.zeros if L.causal else torch.empty)(L.T, L.L, dtype=torch.float32,
-                                                        device=q.device)
         t = L.tiles["bwd_w"]
-        _bwd_w_kernel[(triton.cdiv(L.L, t.BK) * triton.cdiv(L.T, t.BT),)](
+        if L.window:  # the band's gradient
+            dw = torch.zeros(L.T, L.window, dtype=torch.float32, device=q.device)
+            nj = triton.cdiv(t.BT + L.window - 1, t.BK) + 1
+        else:
+            dw = (torch.zeros if L.causal else torch.empty)(L.T, L.L, dtype=torch.float32,
+                                                            device=q.device)
+            nj = triton.cdiv(L.L, t.BK)
+        _bwd_w_kernel[(nj * triton.cdiv(L.T, t.BT),)](
             u, z, xe, xev, w, mw, dw, L.B, L.T, L.L, L.D, L.first, w.stride(0),
-            **L.args("bwd_w"))
+            max(L.window, 1), nj, **L.args("bwd_w"))
         dw = dw.to(w.dtype)
     return dq if needs[0] else None, dk, dv, dw
 
 
-class _AFTFullTriton(torch.autograd.Function):
-    """(o, flags) = AFT-full's product form of rows first..L-1 with the gate (kernels above).
-    q [B, T, D], k, v [B, L, D], w [T, L]; flags [T] int32 (1: a lossy row, o there 0)."""
+class _AFTTriton(torch.autograd.Function):
+    """(o, flags) = the product form of rows first..L-1 with the gate (kernels above): AFT-full
+    (``window`` 0; q [B, T, D], k, v [B, L, D], w [T, L]) or causal AFT-local (the band w
+    [T, window], first 0); flags [T] int32 (1: a lossy row, o there 0)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, first, causal):  # type: ignore[override]
-        L = _launch(q, k, first, causal)
+    def forward(ctx, q, k, v, w, first, causal, window):  # type: ignore[override]
+        L = _launch(q, k, first, causal, window, "aft_local" if window else "aft")
         o, saved, flags = _forward(L, q, k, v, w)
         ctx.save_for_backward(q, k, v, w, *saved)
         ctx.L = L
@@ -372,7 +445,12 @@ class _AFTFullTriton(torch.autograd.Function):
     def backward(ctx, do, _flags):  # type: ignore[override]
         q, k, v, w, *saved = ctx.saved_tensors
         grads = _backward(ctx.L, q, k, v, w, saved, do.contiguous(), ctx.needs_input_grad)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
+
+
+def _contiguous(q, k, v, w):
+    """q, k, v contiguous, and w with contiguous rows."""
+    return (*(x.contiguous() for x in (q, k, v)), w if w.stride(1) == 1 else w.contiguous())
 
 
 def aft_full_triton(
@@ -381,10 +459,18 @@ def aft_full_triton(
     """AFT-full (docs/maths.md 4.1) rows first..L-1 by the product form in the kernels above,
     gated: q [B, T, D] (float16/bfloat16/float32), k, v [B, L, D] (any float dtype; the first
     ``first`` keys a cached past), w [T, L] (rows the call's tokens; any float dtype; copied
-    unless its keys are contiguous). Returns (o [B, T, D] in q's dtype, lossy [T] bool): a lossy row's o is 0 and gets
-    no gradient; the caller redoes it (``product.redo_lossy``)."""
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    if w.stride(1) != 1:
-        w = w.contiguous()
-    o, flags = _AFTFullTriton.apply(q, k, v, w, first, causal)
+    unless its keys are contiguous). Returns (o [B, T, D] in q's dtype, lossy [T] bool): a
+    lossy row's o is 0 and gets no gradient; the caller redoes it (``product.redo_lossy``)."""
+    o, flags = _AFTTriton.apply(*_contiguous(q, k, v, w), first, causal, 0)
+    return o, flags.bool()
+
+
+def aft_local_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal AFT-local (docs/maths.md 4.2) of a call without a carried state by the banded
+    product form (docs/maths.md 4.4) in the kernels above, gated: q, k, v [B, T, D]; w the band
+    [T, window] (w[i, o] the bias at offset o; entries before position 0 unread). Returns
+    (o [B, T, D] in q's dtype, lossy [T] bool), as ``aft_full_triton``."""
+    o, flags = _AFTTriton.apply(*_contiguous(q, k, v, w), 0, True, window)
     return o, flags.bool()
