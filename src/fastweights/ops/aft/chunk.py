@@ -111,6 +111,7 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
 
     k [B, L, G], v [B, L, G, E] -> ell [B, L+1, G], y [B, L+1, G, E].
     """
+    carried = init is not None
     if init is None:
         a, y0, _ = empty_prefix(k, v)
         init = (a, y0)
@@ -125,10 +126,11 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
 
     def plain(k: torch.Tensor, v: torch.Tensor, ell0: torch.Tensor, y0: torch.Tensor,
               ref: torch.Tensor) -> Summary:
-        e0 = torch.exp(ell0 - ref)  # [B, G]: 0 for the empty init, never a 0 / 0
         e = torch.exp(k - ref.unsqueeze(1))
-        den = cumsum_time(e) + e0.unsqueeze(1)
-        num = cumsum_time(e.unsqueeze(-1) * v) + (e0.unsqueeze(-1) * y0).unsqueeze(1)
+        den, num = cumsum_time(e), cumsum_time(e.unsqueeze(-1) * v)
+        if carried:  # the init's sums (0 for an empty one, never a 0 / 0)
+            e0 = torch.exp(ell0 - ref)  # [B, G]
+            den, num = den + e0.unsqueeze(1), num + (e0.unsqueeze(-1) * y0).unsqueeze(1)
         return _with_first(ell0, y0, torch.log(den) + ref.unsqueeze(1), num / den.unsqueeze(-1))
 
     def scan(k: torch.Tensor, v: torch.Tensor, ell0: torch.Tensor, y0: torch.Tensor,
