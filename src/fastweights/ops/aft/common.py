@@ -6,6 +6,7 @@ channels per head (AFT-conv), s kernel/window size.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -19,11 +20,32 @@ from ..._checks import (
     check_tensor,
 )
 from .._modes import RECURRENT_MODES
+from ..backend import optional_module
 from .chunk import banded_causal
 from .naive import banded_naive
 from .recurrent import banded_recurrent
 
 MODES = RECURRENT_MODES
+
+
+def _triton() -> ModuleType:
+    from . import triton
+
+    return triton
+
+
+triton_kernels = optional_module(_triton)  # ops/aft/triton.py; None without triton
+
+
+def channels_refusal(D: int) -> str | None:
+    """Why the AFT kernels do not take D channels (not a multiple of ``CHANNEL_MULTIPLE``, the
+    compiled spill-free specialisations), or None (also where triton is missing: the dispatcher
+    says so)."""
+    kernels = triton_kernels()
+    if kernels is None or D % kernels.CHANNEL_MULTIPLE == 0:
+        return None
+    return (f"D={D}: the AFT Triton kernels take channel counts that are multiples of "
+            f"{kernels.CHANNEL_MULTIPLE} (the compiled, spill-free specialisations)")
 
 
 def check_btd(q: Any, k: Any, v: Any) -> tuple[int, int, int]:
