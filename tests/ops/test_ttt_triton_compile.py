@@ -33,7 +33,7 @@ HERE = Path(__file__).parent
 KERNELS = {"qk", "linear_fwd", "linear_bwd_a", "linear_bwd_b", "linear_bwd_b[TAIL]",
            "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd", "mlp_recompute", "mlp_bwd_a",
            "mlp_bwd_b", "mlp_bwd_b[TAIL]", "linear_decode", "linear_decode[COMMIT]", "mlp_decode",
-           "mlp_decode[COMMIT]", "linear_fwd_regs"}
+           "mlp_decode[COMMIT]", "linear_fwd_regs", "linear_fwd_res"}
 
 
 def compile_records(tmp_path: Path, which: str) -> list[dict]:
