@@ -61,7 +61,7 @@ def segments(T: int, b: int, group: int | None) -> int:
                          ids=[f"T{c[0]}-b{c[1]}-{'ln' if c[2] else 'noln'}-"
                               f"{'res' if c[3] else 'nores'}-{'bias' if c[4] else 'nobias'}"
                               for c in LINEAR_CASES])
-def test_resident_matches_naive_float32(launches, exact, T, b, ln, res, bias, Dk, Dv, group):
+def test_resident_matches_naive_float32(launches, exact, T, b, ln, res, bias, Dk, Dv, group):  # noqa: F811
     """Float32 inputs (float32 products): output, final state and every input's gradient (the
     backward kernels read the resident forward's checkpoints) against the float64 loop."""
     args, kw = case(T=T, b=b, ln=ln, bias=bias, Dk=Dk, Dv=Dv)
@@ -88,7 +88,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("D", [16, 128])
-def test_resident_bfloat16_within_bounds(launches, on_gpu, D):
+def test_resident_bfloat16_within_bounds(launches, on_gpu, D):  # noqa: F811
     """bfloat16 inputs, b = 16, two full mini-batches and a partial one, every flag on (D 128:
     four column blocks of W^T): outputs within 1e-2, final state within 1e-2 and every input's
     gradient within 2e-2 of max |ref| of the float64 loop on the same rounded inputs."""
@@ -145,7 +145,7 @@ def resident_model(q, k, v, eta, W, bias, lnw, lnb, tau, b: int):
     return torch.cat(outs), W, bias, S, s
 
 
-def test_resident_bfloat16_is_its_rounding_model(launches, on_gpu):
+def test_resident_bfloat16_is_its_rounding_model(launches, on_gpu):  # noqa: F811
     """bfloat16 inputs, D 128 (four column blocks), two full mini-batches and a partial one:
     the kernel's state equals ``resident_model``'s (the same operand roundings in float64) to
     float32 accuracy, at least 30 times closer than to the float64 loop without them (a

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .._triton_common import _arch, _upcast_tiles
+from .triton_regs import _w_load, _w_store
 from .triton_tiles import (
     _cols,
     _dot,
@@ -45,7 +46,6 @@ from .triton_tiles import (
     _store_vec,
     _vec,
 )
-from .triton_regs import _w_load, _w_store
 
 __all__ = ["VARIANT", "ResidentConfig", "launch_forward", "resident_config"]
 
