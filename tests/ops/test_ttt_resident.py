@@ -61,7 +61,8 @@ def segments(T: int, b: int, group: int | None) -> int:
                          ids=[f"T{c[0]}-b{c[1]}-{'ln' if c[2] else 'noln'}-"
                               f"{'res' if c[3] else 'nores'}-{'bias' if c[4] else 'nobias'}"
                               for c in LINEAR_CASES])
-def test_resident_matches_naive_float32(launches, exact, T, b, ln, res, bias, Dk, Dv, group):  # noqa: F811
+def test_resident_matches_naive_float32(launches, exact, T, b, ln, res, bias, Dk,  # noqa: F811
+                                        Dv, group):
     """Float32 inputs (float32 products): output, final state and every input's gradient (the
     backward kernels read the resident forward's checkpoints) against the float64 loop."""
     args, kw = case(T=T, b=b, ln=ln, bias=bias, Dk=Dk, Dv=Dv)

@@ -36,13 +36,13 @@ import triton.language as tl
 from .._triton_common import _arch, _upcast_tiles
 from .triton_regs import _w_load, _w_store
 from .triton_tiles import (
-    _cols,
     _dot,
     _head,
-    _linear_in,
-    _linear_out,
+    _ln,
     _ln_affine,
     _loss_grad,
+    _mb,
+    _store_cols,
     _store_vec,
     _vec,
 )
@@ -57,7 +57,7 @@ class ResidentConfig(NamedTuple):
 
     warps: int
     stages: int = 1
-    KC: int = 32  # the key features of a column block of W^T (at most 4 blocks)
+    KC: int = 128  # the key features of a column block of W^T (at most 4 blocks)
 
 
 def resident_config(arch: int, dtype: torch.dtype, D: int) -> ResidentConfig | None:
@@ -97,65 +97,89 @@ def _cols_op(ptr, base, t, m, H, D, BD: tl.constexpr, EMU: tl.constexpr, c0=0):
 
 
 @triton.jit
-def _res_block(wc, zk, zq, k_ptr, q_ptr, base_k, t, m, H, Dk, c0, EMU: tl.constexpr,
-               PREC: tl.constexpr, KC: tl.constexpr):
-    """zk + W^T_c K_c^T, zq + W^T_c Q_c^T for the key features c0..c0+KC (wc = W^T's column
-    block [BV, KC], cast here), and K_c^T [KC, BB], the operand."""
-    DT: tl.constexpr = k_ptr.dtype.element_ty
-    wd = _op(wc, DT, EMU)
-    kc = _cols_op(k_ptr, base_k + c0, t, m, H, Dk, KC, EMU, c0)
-    zk = _dot(wd, kc, PREC, zk)
-    zq = _dot(wd, _cols_op(q_ptr, base_k + c0, t, m, H, Dk, KC, EMU, c0), PREC, zq)
-    return zk, zq, kc
-
-
-@triton.jit
-def _res_readout(w0, w1, w2, w3, bv, n, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr,
-                 gam, bet, cm, bh, h, base_k, base_v, ebase, T, H, Dk, Dv, b, N,
-                 HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, EMU: tl.constexpr,
-                 PREC: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
-                 NKC: tl.constexpr):
-    """Mini-batch n's read-out from W^T (column blocks w0..w3 [BV, KC], ``_w_load``) and the
-    bias bv [BV] (float32; o stored), and what its update needs: (eta G)^T [BV, BB] in
-    float32 and the blocks of K^T [KC, BB], the operands (zeros past NKC)."""
-    DT: tl.constexpr = k_ptr.dtype.element_ty
-    _, t, m, eta, _, Et, At = _linear_in(eta_ptr, tau_ptr, a_ptr, bh, h, ebase, n, T, H, b, N,
-                                         BB)
-    zk = tl.zeros([BV, BB], dtype=tl.float32) + bv[:, None]
-    zq = zk
-    k1 = tl.zeros([KC, BB], dtype=DT if not EMU else tl.float32)
+def _res_inputs(n, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v, ebase, T, H,
+                Dk, Dv, b, N, RESIDUAL: tl.constexpr, EMU: tl.constexpr, BB: tl.constexpr,
+                BV: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr):
+    """Everything mini-batch n reads from global memory, all loads issued together (one round
+    trip; the loop issues them a mini-batch ahead): (K^T's and Q^T's column blocks [KC, BB]
+    in the inputs' dtype, the products' operands (zeros past NKC); V^T, and with the residual
+    K^T and Q^T again as [BV, BB] value rows, in the inputs' dtype; eta [BB]; A^T [BB, BB]).
+    Past the last mini-batch (n = N) every load is masked off."""
+    _, t, m = _mb(n, b, T, BB)
+    k0 = _cols_op(k_ptr, base_k, t, m, H, Dk, KC, EMU)
+    q0 = _cols_op(q_ptr, base_k, t, m, H, Dk, KC, EMU)
+    k1 = tl.zeros_like(k0)
     k2 = k1
     k3 = k1
-    zk, zq, k0 = _res_block(w0, zk, zq, k_ptr, q_ptr, base_k, t, m, H, Dk, 0, EMU, PREC, KC)
+    q1 = k1
+    q2 = k1
+    q3 = k1
     if NKC > 1:
-        zk, zq, k1 = _res_block(w1, zk, zq, k_ptr, q_ptr, base_k, t, m, H, Dk, KC, EMU, PREC,
-                                KC)
+        k1 = _cols_op(k_ptr, base_k + KC, t, m, H, Dk, KC, EMU, KC)
+        q1 = _cols_op(q_ptr, base_k + KC, t, m, H, Dk, KC, EMU, KC)
     if NKC > 2:
-        zk, zq, k2 = _res_block(w2, zk, zq, k_ptr, q_ptr, base_k, t, m, H, Dk, 2 * KC, EMU,
-                                PREC, KC)
-        zk, zq, k3 = _res_block(w3, zk, zq, k_ptr, q_ptr, base_k, t, m, H, Dk, 3 * KC, EMU,
-                                PREC, KC)
-    tgt = _cols(v_ptr, base_v, t, m, H, Dv, BV)
-    if RESIDUAL:  # Dk == Dv
-        tgt -= _cols(k_ptr, base_v, t, m, H, Dv, BV)
-    G, _, _, _ = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
-    zbar = zq - _dot(_op(G, DT, EMU), _op(Et * At, DT, EMU), PREC)
-    _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv, HAS_LN, RESIDUAL, BV)
-    return G * eta[None, :], k0, k1, k2, k3
+        k2 = _cols_op(k_ptr, base_k + 2 * KC, t, m, H, Dk, KC, EMU, 2 * KC)
+        q2 = _cols_op(q_ptr, base_k + 2 * KC, t, m, H, Dk, KC, EMU, 2 * KC)
+        k3 = _cols_op(k_ptr, base_k + 3 * KC, t, m, H, Dk, KC, EMU, 3 * KC)
+        q3 = _cols_op(q_ptr, base_k + 3 * KC, t, m, H, Dk, KC, EMU, 3 * KC)
+    vt = _cols_op(v_ptr, base_v, t, m, H, Dv, BV, EMU)
+    kr = vt
+    qr = vt
+    if RESIDUAL:  # Dk == Dv: the keys and queries as value rows (target v - k, output q + ...)
+        kr = _cols_op(k_ptr, base_v, t, m, H, Dv, BV, EMU)
+        qr = _cols_op(q_ptr, base_v, t, m, H, Dv, BV, EMU)
+    eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+    r = tl.arange(0, BB)
+    At = tl.load(a_ptr + ((bh * N + n) * BB + r[:, None]) * BB + r[None, :],
+                 mask=tl.zeros([BB, BB], dtype=tl.int32) + n < N, other=0.0)
+    return (k0, k1, k2, k3), (q0, q1, q2, q3), vt, kr, qr, eta, At
 
 
 @triton.jit
-def _res_update(w0, w1, w2, w3, hm, k0, k1, k2, k3, EMU: tl.constexpr, PREC: tl.constexpr,
-                NKC: tl.constexpr):
-    """W^T's blocks + hm K_c (hm [BV, BB] float32, cast here; k_c the blocks of K^T)."""
-    DT: tl.constexpr = w0.dtype if EMU else k0.dtype
-    hd = _op(hm, DT, EMU)
-    w0 = _dot(hd, tl.trans(k0), PREC, w0)
+def _res_readout(w, bv, inp, n, o_ptr, tau, gam, bet, cm, base_v, T, H, Dv, b,
+                 HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, EMU: tl.constexpr,
+                 PREC: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, NKC: tl.constexpr):
+    """Mini-batch n's read-out from W^T (column blocks w [BV, KC], ``_w_load``), the bias bv
+    [BV] (float32) and its inputs ``inp`` (``_res_inputs``); o stored. Returns (eta G)^T
+    [BV, BB] in float32, what the update needs with K^T's blocks."""
+    kc, qc, vt, kr, qr, eta, At = inp
+    DT: tl.constexpr = kc[0].dtype
+    i, t, m = _mb(n, b, T, BB)
+    Et = tl.where(i[:, None] <= i[None, :], eta[:, None] * tau[None, :], 0.0)
+    zk = tl.zeros([BV, BB], dtype=tl.float32) + bv[:, None]
+    zq = zk
+    for c in tl.static_range(NKC):
+        wd = _op(w[c], DT, EMU)  # this mini-batch's operand copy of the block
+        zk = _dot(wd, kc[c], PREC, zk)
+        zq = _dot(wd, qc[c], PREC, zq)
+    tgt = vt.to(tl.float32)
+    if RESIDUAL:
+        tgt -= kr.to(tl.float32)
+    G, _, _, _ = _loss_grad(zk, tgt, gam, bet, cm, Dv, HAS_LN)
+    zbar = zq - _dot(_op(G, DT, EMU), _op(Et * At, DT, EMU), PREC)
+    out = zbar
+    if HAS_LN:
+        xo, _ = _ln(zbar, cm, Dv)
+        out = gam[:, None] * xo + bet[:, None]
+    if RESIDUAL:
+        out += qr.to(tl.float32)
+    _store_cols(o_ptr, out, base_v, t, m, H, Dv, BV)
+    return G * eta[None, :]
+
+
+@triton.jit
+def _res_update(w, hm, kc, EMU: tl.constexpr, PREC: tl.constexpr, NKC: tl.constexpr):
+    """W^T's column blocks w + hm K_c (hm [BV, BB] float32, cast here; kc K^T's blocks)."""
+    hd = _op(hm, kc[0].dtype, EMU)
+    w0 = _dot(hd, tl.trans(kc[0]), PREC, w[0])
+    w1 = w[1]
+    w2 = w[2]
+    w3 = w[3]
     if NKC > 1:
-        w1 = _dot(hd, tl.trans(k1), PREC, w1)
+        w1 = _dot(hd, tl.trans(kc[1]), PREC, w1)
     if NKC > 2:
-        w2 = _dot(hd, tl.trans(k2), PREC, w2)
-        w3 = _dot(hd, tl.trans(k3), PREC, w3)
+        w2 = _dot(hd, tl.trans(kc[2]), PREC, w2)
+        w3 = _dot(hd, tl.trans(kc[3]), PREC, w3)
     return w0, w1, w2, w3
 
 
@@ -175,48 +199,50 @@ def _linear_fwd_res_kernel(
     ``_linear_fwd_kernel`` (w [B*H, Dk, Dv] the start weights, overwritten with the weights
     after the last full mini-batch; bias likewise from b0; sw, sb the sums of a last partial
     mini-batch; ckw, ckb the weights entering every ``seg``-th one if ``store_ck``).
-    W^T is held as BK / KC (<= 4) column blocks [BV, KC]: a checkpoint is stored a block at a
-    time (one [BV, BK] tile's addresses and layout copy spill at D = 128). EMU: bfloat16
-    operands emulated in float32 (the interpreter); STAGES: the software pipelining of the
-    loop over mini-batches."""
+    W^T is held as BK / KC (<= 4) column blocks [BV, KC]; each mini-batch's inputs are loaded
+    while the previous one computes. EMU: bfloat16 operands emulated in float32 (the
+    interpreter); STAGES: Triton's software pipelining of the loop (1: none)."""
     NKC: tl.constexpr = BK // KC
     tl.static_assert(NKC == 1 or NKC == 2 or NKC == 4)
     bh = tl.program_id(0).to(tl.int64)
     h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     NC = tl.cdiv(NF, seg)
     cm = tl.arange(0, BV) < Dv
-    w0, w1, w2, w3 = _w_load(w_ptr + bh * Dk * Dv, Dk, Dv, BV, KC, NKC)
+    w = _w_load(w_ptr + bh * Dk * Dv, Dk, Dv, BV, KC, NKC)
     bv = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
         bv = _vec(b0_ptr + bh * Dv, Dv, BV)
     gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
+    i = tl.arange(0, BB)
+    tau = tl.load(tau_ptr + h * b + i, mask=i < b, other=0.0).to(tl.float32)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    inp = _res_inputs(0, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v, ebase, T, H,
+                      Dk, Dv, b, N, RESIDUAL, EMU, BB, BV, KC, NKC)
     for n in tl.range(0, NF, num_stages=STAGES, disable_licm=True):
+        nxt = _res_inputs(n + 1, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v,
+                          ebase, T, H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BV, KC, NKC)
         if store_ck and n % seg == 0:
             c = bh * NC + n // seg
-            _w_store(ckw_ptr + c * Dk * Dv, w0, w1, w2, w3, Dk, Dv, BV, KC, NKC)
+            _w_store(ckw_ptr + c * Dk * Dv, w[0], w[1], w[2], w[3], Dk, Dv, BV, KC, NKC)
             if HAS_BIAS:
                 _store_vec(ckb_ptr + c * Dv, bv, Dv, BV)
-        hm, k0, k1, k2, k3 = _res_readout(
-            w0, w1, w2, w3, bv, n, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, gam,
-            bet, cm, bh, h, base_k, base_v, ebase, T, H, Dk, Dv, b, N, HAS_LN, RESIDUAL, EMU,
-            PREC, BB, BV, KC, NKC)
+        hm = _res_readout(w, bv, inp, n, o_ptr, tau, gam, bet, cm, base_v, T, H, Dv, b,
+                          HAS_LN, RESIDUAL, EMU, PREC, BB, BV, NKC)
         # W^T <- W^T - tau_b (eta G)^T K, b <- b - tau_b sum eta G
         hm *= -tau_b
-        w0, w1, w2, w3 = _res_update(w0, w1, w2, w3, hm, k0, k1, k2, k3, EMU, PREC, NKC)
+        w = _res_update(w, hm, inp[0], EMU, PREC, NKC)
         if HAS_BIAS:
             bv += tl.sum(hm, axis=1)
-    _w_store(w_ptr + bh * Dk * Dv, w0, w1, w2, w3, Dk, Dv, BV, KC, NKC)
+        inp = nxt
+    _w_store(w_ptr + bh * Dk * Dv, w[0], w[1], w[2], w[3], Dk, Dv, BV, KC, NKC)
     if HAS_BIAS:
         _store_vec(bias_ptr + bh * Dv, bv, Dv, BV)
     if NF < N:  # a last, partly filled mini-batch: its sums S = K^T (eta G), s, not an update
-        hm, k0, k1, k2, k3 = _res_readout(
-            w0, w1, w2, w3, bv, NF, q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, o_ptr, gam,
-            bet, cm, bh, h, base_k, base_v, ebase, T, H, Dk, Dv, b, N, HAS_LN, RESIDUAL, EMU,
-            PREC, BB, BV, KC, NKC)
-        z = tl.zeros_like(w0)
-        s0, s1, s2, s3 = _res_update(z, z, z, z, hm, k0, k1, k2, k3, EMU, PREC, NKC)
-        _w_store(sw_ptr + bh * Dk * Dv, s0, s1, s2, s3, Dk, Dv, BV, KC, NKC)
+        hm = _res_readout(w, bv, inp, NF, o_ptr, tau, gam, bet, cm, base_v, T, H, Dv, b,
+                          HAS_LN, RESIDUAL, EMU, PREC, BB, BV, NKC)
+        z = tl.zeros_like(w[0])
+        s = _res_update((z, z, z, z), hm, inp[0], EMU, PREC, NKC)
+        _w_store(sw_ptr + bh * Dk * Dv, s[0], s[1], s[2], s[3], Dk, Dv, BV, KC, NKC)
         if HAS_BIAS:
             _store_vec(sb_ptr + bh * Dv, tl.sum(hm, axis=1), Dv, BV)
 
