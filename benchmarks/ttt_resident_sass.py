@@ -1,5 +1,5 @@
-"""A latency estimate of one mini-batch of TTT-Linear's resident forward (ops/ttt/triton_resident.py)
-from its SASS, without a GPU (docs/gpu_ttt_kernels.md, "Weights resident, half-precision products").
+"""A latency estimate of one mini-batch of TTT-Linear's resident forward
+(ops/ttt/triton_resident.py) from its SASS, without a GPU (docs/gpu_ttt_kernels.md, "Weights resident, half-precision products").
 
 Compiles the kernel ahead of time for sm_90 exactly as the host launches it (recorded by
 tests/ops/triton_aot.py), disassembles the cubin with the cuobjdump shipped in the triton wheel,
@@ -49,10 +49,10 @@ LAT = {
 }
 
 
-def compile_sass(D: int, flags: str, stages: int, kc: int | None = None, arch: int = 90) -> str:
+def compile_sass(D: int, flags: str, stages: int, arch: int = 90) -> str:
     """The SASS of ``_linear_fwd_res_kernel`` as the host launches it for a bfloat16 case of
     tests/ops/triton_aot.py (head size D, ``flags`` "all" or "none", aligned), with ``stages``
-    software-pipelining stages and (if given) ``kc`` key features per column block of W^T."""
+    software-pipelining stages."""
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
     import triton
@@ -65,7 +65,7 @@ def compile_sass(D: int, flags: str, stages: int, kc: int | None = None, arch: i
     case = ("bfloat16", D, flags, "aligned")
     launches = [s for s in ttt_signatures(ttt_kernels, case, arch) if s[1] == "linear_fwd_res"]
     fn, _, sig, const, warps, _ = launches[0]
-    const = {**const, "STAGES": stages, **({"KC": min(kc, D)} if kc else {})}
+    const = {**const, "STAGES": stages}
     cache = tempfile.mkdtemp(prefix="ttt-sass-")
     os.environ["TRITON_CACHE_DIR"] = cache
     triton.knobs.cache.dir = cache
@@ -207,8 +207,8 @@ def walk(ins: list, lo: int, hi: int, skip: list, issue: int, level: int, mem: s
     return t, spent
 
 
-def report(D: int, flags: str, stages: int, kc: int | None) -> None:
-    ins = parse(compile_sass(D, flags, stages, kc))
+def report(D: int, flags: str, stages: int) -> None:
+    ins = parse(compile_sass(D, flags, stages))
     lo, hi = main_loop(ins)
     skip = skipped_regions(ins, lo, hi)
     body = [(a, t, o) for a, t, o in ins if lo <= a <= hi]
@@ -220,8 +220,7 @@ def report(D: int, flags: str, stages: int, kc: int | None) -> None:
         kinds[kind] += 1
     warps = 8 if D > 64 else 4
     issue = warps // 4
-    print(f"D {D}, flags {flags}, stages {stages}, KC {kc or 'default'}, {warps} warps: "
-          f"loop {len(body)} "
+    print(f"D {D}, flags {flags}, stages {stages}, {warps} warps: loop {len(body)} "
           f"instructions, {len(common)} on the common path (checkpoint store skipped: "
           f"{len(body) - len(common)})")
     top = ", ".join(f"{k} {n}" for k, n in kinds.most_common(24))
@@ -241,7 +240,6 @@ if __name__ == "__main__":
     p.add_argument("--D", type=int, nargs="+", default=[128, 64])
     p.add_argument("--flags", default="all", choices=("all", "none"))
     p.add_argument("--stages", type=int, default=1)
-    p.add_argument("--kc", type=int, default=None, help="key features per block of W^T")
     a = p.parse_args()
     for D in a.D:
-        report(D, a.flags, a.stages, a.kc)
+        report(D, a.flags, a.stages)

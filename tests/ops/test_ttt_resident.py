@@ -90,8 +90,8 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("D", [16, 128])
 def test_resident_bfloat16_within_bounds(launches, on_gpu, D):  # noqa: F811
-    """bfloat16 inputs, b = 16, two full mini-batches and a partial one, every flag on (D 128:
-    four column blocks of W^T): outputs within 1e-2, final state within 1e-2 and every input's
+    """bfloat16 inputs, b = 16, two full mini-batches and a partial one, every flag on, at head
+    sizes 16 and 128 (the layers' tile): outputs within 1e-2, final state within 1e-2 and every input's
     gradient within 2e-2 of max |ref| of the float64 loop on the same rounded inputs."""
     args, kw = _bf16_case(D, 40, seed=11)
     want = run(ttt_linear, args, kw, F64, mode="naive")
@@ -147,7 +147,7 @@ def resident_model(q, k, v, eta, W, bias, lnw, lnb, tau, b: int):
 
 
 def test_resident_bfloat16_is_its_rounding_model(launches, on_gpu):  # noqa: F811
-    """bfloat16 inputs, D 128 (four column blocks), two full mini-batches and a partial one:
+    """bfloat16 inputs, D 128, two full mini-batches and a partial one:
     the kernel's state equals ``resident_model``'s (the same operand roundings in float64) to
     float32 accuracy, at least 30 times closer than to the float64 loop without them (a
     kernel that skipped or misplaced a rounding fails this; measured: 1e-7 against 2e-5 to

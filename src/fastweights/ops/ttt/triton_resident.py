@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from .._triton_common import _arch, _upcast_tiles
-from .triton_regs import _w_load, _w_store
 from .triton_tiles import (
     _dot,
     _head,
@@ -44,7 +43,9 @@ from .triton_tiles import (
     _mb,
     _store_cols,
     _store_vec,
+    _store_wrows,
     _vec,
+    _wrows,
 )
 
 __all__ = ["VARIANT", "ResidentConfig", "launch_forward", "resident_config"]
@@ -57,7 +58,6 @@ class ResidentConfig(NamedTuple):
 
     warps: int
     stages: int = 1
-    KC: int = 128  # the key features of a column block of W^T (at most 4 blocks)
 
 
 def resident_config(arch: int, dtype: torch.dtype, D: int) -> ResidentConfig | None:
@@ -99,29 +99,15 @@ def _cols_op(ptr, base, t, m, H, D, BD: tl.constexpr, EMU: tl.constexpr, c0=0):
 @triton.jit
 def _res_inputs(n, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v, ebase, T, H,
                 Dk, Dv, b, N, RESIDUAL: tl.constexpr, EMU: tl.constexpr, BB: tl.constexpr,
-                BV: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr):
-    """Everything mini-batch n reads from global memory, all loads issued together (one round
-    trip; the loop issues them a mini-batch ahead): (K^T's and Q^T's column blocks [KC, BB]
-    in the inputs' dtype, the products' operands (zeros past NKC); V^T, and with the residual
-    K^T and Q^T again as [BV, BB] value rows, in the inputs' dtype; eta [BB]; A^T [BB, BB]).
-    Past the last mini-batch (n = N) every load is masked off."""
+                BK: tl.constexpr, BV: tl.constexpr):
+    """Everything mini-batch n reads from global memory, its loads issued together (one round
+    trip; the loop issues them a mini-batch ahead): K^T and Q^T [BK, BB] in the inputs' dtype
+    (the products' operands); V^T and, with the residual, K^T and Q^T again as [BV, BB] value
+    rows, in the inputs' dtype; eta [BB]; A^T [BB, BB]. Past the last mini-batch (n = N) every
+    load is masked off."""
     _, t, m = _mb(n, b, T, BB)
-    k0 = _cols_op(k_ptr, base_k, t, m, H, Dk, KC, EMU)
-    q0 = _cols_op(q_ptr, base_k, t, m, H, Dk, KC, EMU)
-    k1 = tl.zeros_like(k0)
-    k2 = k1
-    k3 = k1
-    q1 = k1
-    q2 = k1
-    q3 = k1
-    if NKC > 1:
-        k1 = _cols_op(k_ptr, base_k + KC, t, m, H, Dk, KC, EMU, KC)
-        q1 = _cols_op(q_ptr, base_k + KC, t, m, H, Dk, KC, EMU, KC)
-    if NKC > 2:
-        k2 = _cols_op(k_ptr, base_k + 2 * KC, t, m, H, Dk, KC, EMU, 2 * KC)
-        q2 = _cols_op(q_ptr, base_k + 2 * KC, t, m, H, Dk, KC, EMU, 2 * KC)
-        k3 = _cols_op(k_ptr, base_k + 3 * KC, t, m, H, Dk, KC, EMU, 3 * KC)
-        q3 = _cols_op(q_ptr, base_k + 3 * KC, t, m, H, Dk, KC, EMU, 3 * KC)
+    kt = _cols_op(k_ptr, base_k, t, m, H, Dk, BK, EMU)
+    qt = _cols_op(q_ptr, base_k, t, m, H, Dk, BK, EMU)
     vt = _cols_op(v_ptr, base_v, t, m, H, Dv, BV, EMU)
     kr = vt
     qr = vt
@@ -132,26 +118,24 @@ def _res_inputs(n, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v, ebas
     r = tl.arange(0, BB)
     At = tl.load(a_ptr + ((bh * N + n) * BB + r[:, None]) * BB + r[None, :],
                  mask=tl.zeros([BB, BB], dtype=tl.int32) + n < N, other=0.0)
-    return (k0, k1, k2, k3), (q0, q1, q2, q3), vt, kr, qr, eta, At
+    return kt, qt, vt, kr, qr, eta, At
 
 
 @triton.jit
 def _res_readout(w, bv, inp, n, o_ptr, tau, gam, bet, cm, base_v, T, H, Dv, b,
                  HAS_LN: tl.constexpr, RESIDUAL: tl.constexpr, EMU: tl.constexpr,
-                 PREC: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, NKC: tl.constexpr):
-    """Mini-batch n's read-out from W^T (column blocks w [BV, KC], ``_w_load``), the bias bv
-    [BV] (float32) and its inputs ``inp`` (``_res_inputs``); o stored. Returns (eta G)^T
-    [BV, BB] in float32, what the update needs with K^T's blocks."""
-    kc, qc, vt, kr, qr, eta, At = inp
-    DT: tl.constexpr = kc[0].dtype
+                 PREC: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr):
+    """Mini-batch n's read-out from W^T [BV, BK] and the bias bv [BV] (float32) and its inputs
+    ``inp`` (``_res_inputs``); o stored. Returns (eta G)^T [BV, BB] in float32, what the
+    update needs with K^T."""
+    kt, qt, vt, kr, qr, eta, At = inp
+    DT: tl.constexpr = kt.dtype
     i, t, m = _mb(n, b, T, BB)
     Et = tl.where(i[:, None] <= i[None, :], eta[:, None] * tau[None, :], 0.0)
-    zk = tl.zeros([BV, BB], dtype=tl.float32) + bv[:, None]
-    zq = zk
-    for c in tl.static_range(NKC):
-        wd = _op(w[c], DT, EMU)  # this mini-batch's operand copy of the block
-        zk = _dot(wd, kc[c], PREC, zk)
-        zq = _dot(wd, qc[c], PREC, zq)
+    zb = tl.zeros([BV, BB], dtype=tl.float32) + bv[:, None]
+    wd = _op(w, DT, EMU)  # this mini-batch's operand copy of the weights
+    zk = _dot(wd, kt, PREC, zb)
+    zq = _dot(wd, qt, PREC, zb)
     tgt = vt.to(tl.float32)
     if RESIDUAL:
         tgt -= kr.to(tl.float32)
@@ -168,22 +152,6 @@ def _res_readout(w, bv, inp, n, o_ptr, tau, gam, bet, cm, base_v, T, H, Dv, b,
 
 
 @triton.jit
-def _res_update(w, hm, kc, EMU: tl.constexpr, PREC: tl.constexpr, NKC: tl.constexpr):
-    """W^T's column blocks w + hm K_c (hm [BV, BB] float32, cast here; kc K^T's blocks)."""
-    hd = _op(hm, kc[0].dtype, EMU)
-    w0 = _dot(hd, tl.trans(kc[0]), PREC, w[0])
-    w1 = w[1]
-    w2 = w[2]
-    w3 = w[3]
-    if NKC > 1:
-        w1 = _dot(hd, tl.trans(kc[1]), PREC, w1)
-    if NKC > 2:
-        w2 = _dot(hd, tl.trans(kc[2]), PREC, w2)
-        w3 = _dot(hd, tl.trans(kc[3]), PREC, w3)
-    return w0, w1, w2, w3
-
-
-@triton.jit
 def _linear_fwd_res_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, b0_ptr,
     o_ptr, w_ptr, bias_ptr, sw_ptr, sb_ptr, ckw_ptr, ckb_ptr,
@@ -191,24 +159,21 @@ def _linear_fwd_res_kernel(
     HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr,
     Dk: tl.constexpr, Dv: tl.constexpr,
-    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
-    STAGES: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr,
 ):
     """TTT-Linear forward for one (batch, head) over N mini-batches, NF of them full, W^T and
     the bias resident in registers; arguments and results those of ops/ttt/triton.py's
     ``_linear_fwd_kernel`` (w [B*H, Dk, Dv] the start weights, overwritten with the weights
     after the last full mini-batch; bias likewise from b0; sw, sb the sums of a last partial
-    mini-batch; ckw, ckb the weights entering every ``seg``-th one if ``store_ck``).
-    W^T is held as BK / KC (<= 4) column blocks [BV, KC]; each mini-batch's inputs are loaded
+    mini-batch; ckw, ckb the weights entering every ``seg``-th one if ``store_ck``), but for
+    the head sizes Dk, Dv, compile-time constants here. Each mini-batch's inputs are loaded
     while the previous one computes. EMU: bfloat16 operands emulated in float32 (the
     interpreter); STAGES: Triton's software pipelining of the loop (1: none)."""
-    NKC: tl.constexpr = BK // KC
-    tl.static_assert(NKC == 1 or NKC == 2 or NKC == 4)
     bh = tl.program_id(0).to(tl.int64)
     h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     NC = tl.cdiv(NF, seg)
     cm = tl.arange(0, BV) < Dv
-    w = _w_load(w_ptr + bh * Dk * Dv, Dk, Dv, BV, KC, NKC)
+    w = _wrows(w_ptr + bh * Dk * Dv, 0, Dk, Dv, BV, BK)  # W^T [BV, BK]
     bv = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
         bv = _vec(b0_ptr + bh * Dv, Dv, BV)
@@ -217,32 +182,31 @@ def _linear_fwd_res_kernel(
     tau = tl.load(tau_ptr + h * b + i, mask=i < b, other=0.0).to(tl.float32)
     tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
     inp = _res_inputs(0, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v, ebase, T, H,
-                      Dk, Dv, b, N, RESIDUAL, EMU, BB, BV, KC, NKC)
+                      Dk, Dv, b, N, RESIDUAL, EMU, BB, BK, BV)
     for n in tl.range(0, NF, num_stages=STAGES, disable_licm=True):
         nxt = _res_inputs(n + 1, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v,
-                          ebase, T, H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BV, KC, NKC)
+                          ebase, T, H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BK, BV)
         if store_ck and n % seg == 0:
             c = bh * NC + n // seg
-            _w_store(ckw_ptr + c * Dk * Dv, w[0], w[1], w[2], w[3], Dk, Dv, BV, KC, NKC)
+            _store_wrows(ckw_ptr + c * Dk * Dv, w, 0, Dk, Dv, BV, BK)
             if HAS_BIAS:
                 _store_vec(ckb_ptr + c * Dv, bv, Dv, BV)
         hm = _res_readout(w, bv, inp, n, o_ptr, tau, gam, bet, cm, base_v, T, H, Dv, b,
-                          HAS_LN, RESIDUAL, EMU, PREC, BB, BV, NKC)
+                          HAS_LN, RESIDUAL, EMU, PREC, BB, BV)
         # W^T <- W^T - tau_b (eta G)^T K, b <- b - tau_b sum eta G
         hm *= -tau_b
-        w = _res_update(w, hm, inp[0], EMU, PREC, NKC)
+        w = _dot(_op(hm, inp[0].dtype, EMU), tl.trans(inp[0]), PREC, w)
         if HAS_BIAS:
             bv += tl.sum(hm, axis=1)
         inp = nxt
-    _w_store(w_ptr + bh * Dk * Dv, w[0], w[1], w[2], w[3], Dk, Dv, BV, KC, NKC)
+    _store_wrows(w_ptr + bh * Dk * Dv, w, 0, Dk, Dv, BV, BK)
     if HAS_BIAS:
         _store_vec(bias_ptr + bh * Dv, bv, Dv, BV)
     if NF < N:  # a last, partly filled mini-batch: its sums S = K^T (eta G), s, not an update
         hm = _res_readout(w, bv, inp, NF, o_ptr, tau, gam, bet, cm, base_v, T, H, Dv, b,
-                          HAS_LN, RESIDUAL, EMU, PREC, BB, BV, NKC)
-        z = tl.zeros_like(w[0])
-        s = _res_update((z, z, z, z), hm, inp[0], EMU, PREC, NKC)
-        _w_store(sw_ptr + bh * Dk * Dv, s[0], s[1], s[2], s[3], Dk, Dv, BV, KC, NKC)
+                          HAS_LN, RESIDUAL, EMU, PREC, BB, BV)
+        S = _dot(_op(hm, inp[0].dtype, EMU), tl.trans(inp[0]), PREC)
+        _store_wrows(sw_ptr + bh * Dk * Dv, S, 0, Dk, Dv, BV, BK)
         if HAS_BIAS:
             _store_vec(sb_ptr + bh * Dv, tl.sum(hm, axis=1), Dv, BV)
 
@@ -250,9 +214,9 @@ def _linear_fwd_res_kernel(
 def launch_forward(L, store: bool, *args) -> None:
     """Runs ``_linear_fwd_res_kernel`` for ops/ttt/triton.py's ``_LinearTriton`` (``L`` its
     ``_Shape``, ``args`` ``_linear_fwd_kernel``'s pointer and size arguments, ``store``).
-    The head sizes are compile-time constants here: with them every address of a weight
-    block is a constant offset from one base, which keeps the checkpoint stores inside the
-    loop from spilling (docs/gpu_ttt_kernels.md)."""
+    The head sizes are compile-time constants here: every address of a weight tile is then a
+    constant offset from one base, which keeps the checkpoint store inside the loop from
+    spilling (docs/gpu_ttt_kernels.md)."""
     q = args[0]
     # a float32 or diagnostic call (the interpreter's checks) has the half tiling
     cfg = resident_config(_arch(q.device), torch.bfloat16, max(L.Dk, L.Dv))
@@ -263,5 +227,4 @@ def launch_forward(L, store: bool, *args) -> None:
     prec = "ieee" if emu or q.dtype == torch.float32 else "tf32"
     _linear_fwd_res_kernel[(L.BH,)](
         *args[:16], T, H, b, N, NF, seg, store, EMU=emu, PREC=prec, Dk=Dk, Dv=Dv,
-        KC=min(L.consts["BK"], cfg.KC), STAGES=cfg.stages, **consts, num_warps=cfg.warps,
-        num_stages=cfg.stages)
+        STAGES=cfg.stages, **consts, num_warps=cfg.warps, num_stages=cfg.stages)
