@@ -1,6 +1,6 @@
 """TTT-Linear's forward with the inner weights resident on chip for the whole sequence and
 half-precision products (docs/gpu_ttt_kernels.md, "Weights resident, half-precision
-products"; the precision rule is docs/design.md's): the outputs and state of
+products"; the precision rule: docs/design.md, "Precision"): the outputs and state of
 ops/ttt/triton.py's ``_linear_fwd_kernel``, whose legend, layout and arguments it shares.
 
 One program per (batch, head) holds W^T [BV, BK] and the bias [BV] in float32 registers across
