@@ -53,6 +53,14 @@ def launches(kernels, on_gpu, monkeypatch) -> Counter:  # noqa: F811
     return counts
 
 
+@pytest.fixture(params=["stream", "resident"])
+def bwd(request, launches, monkeypatch) -> str:
+    """Each sequential backward pass in turn, chosen by FASTWEIGHTS_TTT_BWD: the name it
+    counts under (the resident one: ops/ttt/triton_resident.py ``_linear_bwd_b_res_kernel``)."""
+    monkeypatch.setenv("FASTWEIGHTS_TTT_BWD", request.param)
+    return {"stream": "linear_bwd_b", "resident": "linear_bwd_b_res"}[request.param]
+
+
 def segments(T: int, b: int, group: int | None) -> int:
     return -(-(T // b) // (group or 16)) + (T % b > 0)
 
@@ -61,18 +69,19 @@ def segments(T: int, b: int, group: int | None) -> int:
                          ids=[f"T{c[0]}-b{c[1]}-{'ln' if c[2] else 'noln'}-"
                               f"{'res' if c[3] else 'nores'}-{'bias' if c[4] else 'nobias'}"
                               for c in LINEAR_CASES])
-def test_resident_matches_naive_float32(launches, exact, T, b, ln, res, bias, Dk,  # noqa: F811
-                                        Dv, group):
+def test_resident_matches_naive_float32(launches, exact, bwd, T, b, ln, res, bias,  # noqa: F811
+                                        Dk, Dv, group):
     """Float32 inputs (float32 products): output, final state and every input's gradient (the
-    backward kernels read the resident forward's checkpoints) against the float64 loop."""
+    backward kernels read the resident forward's checkpoints; either sequential backward
+    pass, the streamed one or the resident one) against the float64 loop."""
     args, kw = case(T=T, b=b, ln=ln, bias=bias, Dk=Dk, Dv=Dv)
     kw["residual"] = res
     want = run(ttt_linear, args, kw, F64, mode="naive")
     got = run(ttt_linear, args, kw, torch.float32, backend="triton", checkpoint_group=group)
     assert_matches(got, want, TOL32, "resident")
     n = segments(T, b, group)
-    assert launches == Counter({"qk": 1, "linear_fwd_res": 1, "linear_bwd_a": n,
-                                "linear_bwd_b": n, "linear_bwd_c": n}), launches
+    assert launches == Counter({"qk": 1, "linear_fwd_res": 1, "linear_bwd_a": n, bwd: n,
+                                "linear_bwd_c": n}), launches
 
 
 def _bf16_case(D: int, T: int, seed: int, **kw_case):
@@ -89,9 +98,9 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("D", [16, 128])
-def test_resident_bfloat16_within_bounds(launches, on_gpu, D):  # noqa: F811
+def test_resident_bfloat16_within_bounds(launches, on_gpu, bwd, D):  # noqa: F811
     """bfloat16 inputs, b = 16, two full mini-batches and a partial one, every flag on, at head
-    sizes 16 and 128 (the layers' tile): outputs within 1e-2, final state within 1e-2 and every input's
+    sizes 16 and 128 (the layers' tile), either sequential backward pass: outputs within 1e-2, final state within 1e-2 and every input's
     gradient within 2e-2 of max |ref| of the float64 loop on the same rounded inputs."""
     args, kw = _bf16_case(D, 40, seed=11)
     want = run(ttt_linear, args, kw, F64, mode="naive")
@@ -104,8 +113,8 @@ def test_resident_bfloat16_within_bounds(launches, on_gpu, D):  # noqa: F811
     assert len(grads) == len(rgrads)
     for i, (x, y) in enumerate(zip(grads, rgrads)):
         assert _rel(x, y) <= BF16_GRAD, (i, _rel(x, y))
-    assert launches == Counter({"qk": 1, "linear_fwd_res": 1, "linear_bwd_a": 3,
-                                "linear_bwd_b": 3, "linear_bwd_c": 3}), launches
+    assert launches == Counter({"qk": 1, "linear_fwd_res": 1, "linear_bwd_a": 3, bwd: 3,
+                                "linear_bwd_c": 3}), launches
 
 
 def _r(x: torch.Tensor) -> torch.Tensor:

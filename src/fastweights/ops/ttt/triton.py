@@ -1246,14 +1246,16 @@ class _LinearTriton(torch.autograd.Function):
         T, H, Dk, Dv, b, N, NF, _ = L.dims
         consts = {n: L.consts[n] for n in ("RESIDUAL", "PREC", "BB", "BK", "BV", "KC")}
         DC = min(BV, 32)
+        from . import triton_resident  # the resident sequential pass (FASTWEIGHTS_TTT_BWD)
 
         def segment(n0, n1, w, wb, w_stride, tail):
             _linear_bwd_a_kernel[(L.BH,)](
                 q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
                 T, H, Dk, Dv, b, N, n0, n1, w_stride, seg, DC=DC, **L.launch())
-            _linear_bwd_b_kernel[(L.BH,)](
-                q, k, v, eta, tau, *ln, dn, rows, rr, dS, ds, dW0, acc, dtau, dv, deta,
-                T, H, Dk, Dv, b, n0, n1, seg, TAIL=tail, **L.launch())
+            args_b = (q, k, v, eta, tau, *ln, dn, rows, rr, dS, ds, dW0, acc, dtau, dv, deta,
+                      T, H, Dk, Dv, b, n0, n1, seg)
+            if not triton_resident.launch_backward_b(L, tail, *args_b):  # FASTWEIGHTS_TTT_BWD
+                _linear_bwd_b_kernel[(L.BH,)](*args_b, TAIL=tail, **L.launch())
             _linear_bwd_c_kernel[(n1 - n0, L.BH)](
                 q, k, eta, tau, do, wn, dS if tail else dn, rows, at, dq, dk, dv,
                 T, H, Dk, Dv, b, n0, seg, 0 if tail else Dk * Dv, TAIL=tail, **consts,

@@ -27,6 +27,7 @@ record shows it exact (docs/gpu_ttt_kernels.md says why).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -34,11 +35,14 @@ import triton
 import triton.language as tl
 
 from .._triton_common import _arch, _upcast_tiles
+from .triton import _load_tile, _store_tile
 from .triton_tiles import (
+    _cols,
     _dot,
     _head,
     _ln,
     _ln_affine,
+    _ln_grad_back,
     _loss_grad,
     _mb,
     _store_cols,
@@ -48,9 +52,25 @@ from .triton_tiles import (
     _wrows,
 )
 
-__all__ = ["VARIANT", "ResidentConfig", "launch_forward", "resident_config"]
+__all__ = ["BWD_ENV", "VARIANT", "ResidentConfig", "bwd_variant", "launch_backward_b",
+           "launch_forward", "resident_config"]
 
-VARIANT = "resident"  # FASTWEIGHTS_TTT_FWD's value that selects this forward
+VARIANT = "resident"  # FASTWEIGHTS_TTT_FWD's (and FASTWEIGHTS_TTT_BWD's) value that selects it
+BWD_ENV = "FASTWEIGHTS_TTT_BWD"
+BWD_VARIANTS = ("stream", VARIANT)
+# The resident sequential backward compiles without spills on sm_90 (Triton 3.6, 3.8, 3.9); on
+# sm_80 (mma.sync operands held per warp) it spills at head size 128: refused there.
+BWD_MIN_ARCH = 90
+
+
+def bwd_variant() -> str:
+    """The backward's sequential pass a TTT-Linear call runs: ``FASTWEIGHTS_TTT_BWD`` (read at
+    every call) "resident" (``_linear_bwd_b_res_kernel``) or "stream" (ops/ttt/triton.py's
+    ``_linear_bwd_b_kernel``, also when unset or empty); any other value is a ValueError."""
+    env = os.environ.get(BWD_ENV, "")
+    if env and env not in BWD_VARIANTS:
+        raise ValueError(f"{BWD_ENV} must be one of {BWD_VARIANTS} or unset, got {env!r}")
+    return env or "stream"
 
 
 class ResidentConfig(NamedTuple):
@@ -211,6 +231,97 @@ def _linear_fwd_res_kernel(
             _store_vec(sb_ptr + bh * Dv, tl.sum(hm, axis=1), Dv, BV)
 
 
+@triton.jit
+def _linear_bwd_b_res_kernel(
+    q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, lnw_ptr, lnb_ptr, dn_ptr, rows_ptr, rr_ptr,
+    dsw_ptr, dsb_ptr, dw_ptr, acc_ptr, dtau_ptr, dv_ptr, deta_ptr,
+    T, H, b, n0, n1, seg,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
+    RESIDUAL: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr,
+    Dk: tl.constexpr, Dv: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """ops/ttt/triton.py's ``_linear_bwd_b_kernel`` (the backward's sequential pass over
+    mini-batches n1-1 down to n0 of one (batch, head); the same arguments, results and rows,
+    the head sizes Dk, Dv compile-time constants) with the carried gradient of the weights
+    D = dL/dW resident: D^T [BV, BK] in float32 registers across the pass, loaded once from
+    dw and stored back once, taken as an operand in the inputs' dtype for K D and accumulating
+    Q^T dZbar + K^T dZk (operands in the inputs' dtype) as the resident forward does W; the D
+    leaving each mini-batch still goes to dn for ``_linear_bwd_c_kernel``. TAIL: n0 is a last
+    partial mini-batch, whose sums' gradient is dS, ds (dsw, dsb)."""
+    bh = tl.program_id(0).to(tl.int64)
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
+    cm = tl.arange(0, BV) < Dv
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    acc = acc_ptr + bh * 3 * BV
+    d = _vec(acc, BV, BV)
+    dgam = _vec(acc + BV, BV, BV)
+    dbet = _vec(acc + 2 * BV, BV, BV)
+    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
+    dp = dw_ptr + bh * Dk * Dv
+    dt = _wrows(dp, 0, Dk, Dv, BV, BK)  # D^T [BV, BK]
+    rb = tl.arange(0, BB)
+    for nr in tl.range(n0, n1, disable_licm=True):
+        n = n1 - 1 + n0 - nr
+        j = n - n0
+        rows = rows_ptr + (bh * seg + j) * 5 * BV * BB
+        rr = rr_ptr + (bh * seg + j) * 2 * BB
+        _, t, m = _mb(n, b, T, BB)
+        kt = _cols_op(k_ptr, base_k, t, m, H, Dk, BK, EMU)
+        qt = _cols_op(q_ptr, base_k, t, m, H, Dk, BK, EMU)
+        DT: tl.constexpr = kt.dtype
+        eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
+        G = _load_tile(rows, BV, BB)
+        dG = _load_tile(rows + 2 * BV * BB, BV, BB)
+        # the gradient sums S = K^T (eta G), s = sum eta G: handed on (TAIL, gradient dS, ds)
+        # or applied, W' = W - tau_b S (gradient -tau_b D, and tau_b's -<D, S>)
+        Hm = G * eta[None, :]
+        if TAIL:
+            kd = _dot(_op(_wrows(dsw_ptr + bh * Dk * Dv, 0, Dk, Dv, BV, BK), DT, EMU), kt,
+                      PREC)
+            dHm = kd
+            if HAS_BIAS:
+                dHm += _vec(dsb_ptr + bh * Dv, Dv, BV)[:, None]
+        else:
+            kd = _dot(_op(dt, DT, EMU), kt, PREC)
+            if HAS_BIAS:
+                kd += d[:, None]
+            dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
+            dHm = -tau_b * kd
+        dG += dHm * eta[None, :]
+        deta = tl.load(rr + BB + rb) + tl.sum(G * dHm, axis=0)
+        # the keys' loss gradient G = dl/dZk
+        dtgt = -dG
+        dzk = dG
+        if HAS_LN:
+            xh = _load_tile(rows + 3 * BV * BB, BV, BB)
+            g = _load_tile(rows + 4 * BV * BB, BV, BB)
+            dzk, dg = _ln_grad_back(dG, G, xh, tl.load(rr + rb), g, gam, cm, Dv)
+            dtgt = -gam[:, None] * dg
+            e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
+            if RESIDUAL:
+                e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
+            dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
+            dbet -= tl.sum(dtgt, axis=1)
+        _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
+        tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+        _store_tile(rows + 2 * BV * BB, dzk, BV, BB)  # for dK (``_linear_bwd_c_kernel``)
+        # D <- D + Q^T dZbar + K^T dZk, the D leaving the mini-batch kept in dn for dK
+        _store_wrows(dn_ptr + (bh * seg + j) * Dk * Dv, dt, 0, Dk, Dv, BV, BK)
+        dzbar = _load_tile(rows + BV * BB, BV, BB)  # loaded late: registers
+        dt = _dot(_op(dzk, DT, EMU), tl.trans(kt), PREC,
+                  _dot(_op(dzbar, DT, EMU), tl.trans(qt), PREC, dt))
+        if HAS_BIAS:
+            d += tl.sum(dzbar + dzk, axis=1)
+    _store_wrows(dp, dt, 0, Dk, Dv, BV, BK)
+    _store_vec(acc, d, BV, BV)
+    _store_vec(acc + BV, dgam, BV, BV)
+    _store_vec(acc + 2 * BV, dbet, BV, BV)
+    p = dtau_ptr + bh * BB + b - 1
+    tl.store(p, tl.load(p) + dtau_b)
+
+
 def launch_forward(L, store: bool, *args) -> None:
     """Runs ``_linear_fwd_res_kernel`` for ops/ttt/triton.py's ``_LinearTriton`` (``L`` its
     ``_Shape``, ``args`` ``_linear_fwd_kernel``'s pointer and size arguments, ``store``).
@@ -228,3 +339,26 @@ def launch_forward(L, store: bool, *args) -> None:
     _linear_fwd_res_kernel[(L.BH,)](
         *args[:16], T, H, b, N, NF, seg, store, EMU=emu, PREC=prec, Dk=Dk, Dv=Dv,
         STAGES=cfg.stages, **consts, num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def launch_backward_b(L, tail: bool, *args) -> bool:
+    """Runs ``_linear_bwd_b_res_kernel`` in place of ops/ttt/triton.py's
+    ``_linear_bwd_b_kernel`` (``args`` that kernel's pointer and size arguments, ``tail`` its
+    TAIL) if ``FASTWEIGHTS_TTT_BWD`` is "resident"; returns whether it did."""
+    if bwd_variant() != VARIANT:
+        return False
+    q = args[0]
+    arch = _arch(q.device)
+    if arch < BWD_MIN_ARCH and not triton.knobs.runtime.interpret:
+        raise ValueError(f"{BWD_ENV}={VARIANT} needs sm_{BWD_MIN_ARCH} or newer (on sm_{arch} "
+                         "the kernel spills registers); unset it there")
+    cfg = resident_config(arch, torch.bfloat16, max(L.Dk, L.Dv))
+    emu = _upcast_tiles(q.dtype)
+    T, H, Dk, Dv, b, n0, n1, seg = args[17:]
+    consts = {n: L.consts[n] for n in ("HAS_BIAS", "HAS_LN", "HAS_LNB", "RESIDUAL", "BB", "BK",
+                                       "BV")}
+    prec = "ieee" if emu or q.dtype == torch.float32 else "tf32"
+    _linear_bwd_b_res_kernel[(L.BH,)](
+        *args[:17], T, H, b, n0, n1, seg, TAIL=tail, EMU=emu, PREC=prec, Dk=Dk, Dv=Dv,
+        **consts, num_warps=cfg.warps, num_stages=1)
+    return True
