@@ -1,5 +1,5 @@
-"""A latency estimate of one mini-batch of TTT-Linear's resident forward
-(ops/ttt/triton_resident.py) from its SASS, without a GPU (docs/gpu_ttt_kernels.md, "Weights resident, half-precision products").
+"""A latency estimate of one mini-batch of TTT-Linear's resident forward, or of its resident
+backward pass (ops/ttt/triton_resident.py, ``--kernel``), from its SASS, without a GPU (docs/gpu_ttt_kernels.md, "Weights resident, half-precision products").
 
 Compiles the kernel ahead of time for sm_90 exactly as the host launches it (recorded by
 tests/ops/triton_aot.py), disassembles the cubin with the cuobjdump shipped in the triton wheel,
@@ -20,6 +20,7 @@ high set; ``benchmarks/ttt_sync_micro.py`` measures the barrier and reduction co
 first GPU run. Run from the repository root:
 
     PYTHONPATH=src python benchmarks/ttt_resident_sass.py [--D 128] [--flags all] [--stages 1]
+        [--kernel linear_fwd_res | linear_bwd_b_res]
 
 Prints the instruction counts of the loop and the estimated cycles and microseconds per
 mini-batch (at 1.755 GHz, the H100 SXM boost clock; an H200 boosts to 1.98 GHz).
@@ -49,10 +50,14 @@ LAT = {
 }
 
 
-def compile_sass(D: int, flags: str, stages: int, arch: int = 90) -> str:
-    """The SASS of ``_linear_fwd_res_kernel`` as the host launches it for a bfloat16 case of
+KERNELS = ("linear_fwd_res", "linear_bwd_b_res")  # the forward, the backward's sequential pass
+
+
+def compile_sass(D: int, flags: str, stages: int, kernel: str = KERNELS[0], arch: int = 90
+                 ) -> str:
+    """The SASS of ``kernel`` (one of KERNELS) as the host launches it for a bfloat16 case of
     tests/ops/triton_aot.py (head size D, ``flags`` "all" or "none", aligned), with ``stages``
-    software-pipelining stages."""
+    software-pipelining stages (the forward's)."""
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
     import triton
@@ -63,9 +68,10 @@ def compile_sass(D: int, flags: str, stages: int, arch: int = 90) -> str:
     from tests.ops.triton_aot import specialization, ttt_signatures
 
     case = ("bfloat16", D, flags, "aligned")
-    launches = [s for s in ttt_signatures(ttt_kernels, case, arch) if s[1] == "linear_fwd_res"]
+    launches = [s for s in ttt_signatures(ttt_kernels, case, arch) if s[1] == kernel]
     fn, _, sig, const, warps, _ = launches[0]
-    const = {**const, "STAGES": stages}
+    if "STAGES" in const:
+        const = {**const, "STAGES": stages}
     cache = tempfile.mkdtemp(prefix="ttt-sass-")
     os.environ["TRITON_CACHE_DIR"] = cache
     triton.knobs.cache.dir = cache
@@ -207,8 +213,8 @@ def walk(ins: list, lo: int, hi: int, skip: list, issue: int, level: int, mem: s
     return t, spent
 
 
-def report(D: int, flags: str, stages: int) -> None:
-    ins = parse(compile_sass(D, flags, stages))
+def report(D: int, flags: str, stages: int, kernel: str) -> None:
+    ins = parse(compile_sass(D, flags, stages, kernel))
     lo, hi = main_loop(ins)
     skip = skipped_regions(ins, lo, hi)
     body = [(a, t, o) for a, t, o in ins if lo <= a <= hi]
@@ -220,7 +226,7 @@ def report(D: int, flags: str, stages: int) -> None:
         kinds[kind] += 1
     warps = 8 if D > 64 else 4
     issue = warps // 4
-    print(f"D {D}, flags {flags}, stages {stages}, {warps} warps: loop {len(body)} "
+    print(f"{kernel}: D {D}, flags {flags}, stages {stages}, {warps} warps: loop {len(body)} "
           f"instructions, {len(common)} on the common path (checkpoint store skipped: "
           f"{len(body) - len(common)})")
     top = ", ".join(f"{k} {n}" for k, n in kinds.most_common(24))
@@ -240,6 +246,7 @@ if __name__ == "__main__":
     p.add_argument("--D", type=int, nargs="+", default=[128, 64])
     p.add_argument("--flags", default="all", choices=("all", "none"))
     p.add_argument("--stages", type=int, default=1)
+    p.add_argument("--kernel", default=KERNELS[0], choices=KERNELS)
     a = p.parse_args()
     for D in a.D:
-        report(D, a.flags, a.stages)
+        report(D, a.flags, a.stages, a.kernel)

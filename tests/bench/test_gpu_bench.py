@@ -146,7 +146,7 @@ def test_timed_calls_shrink_to_fit_the_budget_never_below_one():
 
 def test_dry_run_plans_the_paper_section(dry_run):
     """The ``paper`` section at the dry run's tiny shape: softmax, TTT-Linear and TTT-Linear
-    with the resident forward, forward and forward+backward timed; the resident forward's
+    with the resident kernels, forward and forward+backward timed; the resident kernels'
     exactness rows (bfloat16 and float16 at head size 128, bfloat16 at 64) say why they did not
     run on the CPU; the record has the section's table."""
     from fastweights.bench import gpu_paper
@@ -160,7 +160,7 @@ def test_dry_run_plans_the_paper_section(dry_run):
                            **{"pass": p})
                 assert float(r["median_ms"]) > 0
                 assert r["vs_baseline"]  # against softmax at the same shape and pass
-    exact = [r for r in rows if r["name"] == "ttt_linear (resident fwd)"]
+    exact = [r for r in rows if r["name"] == "ttt_linear (resident)"]
     assert [(r["dtype"], r["shape"].split()[-1]) for r in exact] == [
         ("bfloat16", "D128"), ("float16", "D128"), ("bfloat16", "D64")]
     assert all(r["section"] == "exact" and r["status"].startswith("skipped:") for r in exact)
@@ -178,6 +178,6 @@ def test_paper_section_is_the_papers_layer_on_a_gpu():
         4, 2048, 32, 64, 16)
     assert s.lengths == (2048, 8192, 32768)
     assert [m for _, m, _ in gpu_paper.LAYERS] == ["softmax", "ttt-linear", "ttt-linear"]
-    assert [f for _, _, f in gpu_paper.LAYERS] == [None, None, "resident"]
+    assert [resident for _, _, resident in gpu_paper.LAYERS] == [False, False, True]
     run = gpu.Run(gpu.GPU_SIZES, torch.device("cuda"), 0.0, ("triton",), 1.0)
     assert len(gpu_paper.paper_items(run)) == len(gpu_paper.EXACT) + 3 * len(s.lengths)

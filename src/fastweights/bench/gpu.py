@@ -18,7 +18,7 @@ Sections (``--sections``; all by default), each item a row of results.csv:
   only and counts causal attention as dense; the rate against the bfloat16 matmul rate measured
   on the device at the start).
 - ``paper``: the TTT paper's 1.3B layer shape (d_model 2048, 32 heads of 64, b 16, B4, T 2k,
-  8k, 32k): softmax, TTT-Linear, and TTT-Linear with the resident forward (bench/gpu_paper.py).
+  8k, 32k): softmax, TTT-Linear, and TTT-Linear with the resident kernels (bench/gpu_paper.py).
 - ``train``: a whole training step per mixer (language model, 8 layers, d_model 1024, B8 T2048,
   byte vocabulary, float32 weights, fused AdamW, forward under bfloat16 autocast): tokens per
   second and peak memory.

@@ -1,11 +1,12 @@
 """``fastweights bench gpu``'s ``paper`` section: the TTT paper's 1.3B layer (Sun et al. 2024:
 d_model 2048, 32 heads of 64, mini-batches of 16) at batch 4 and T 2048, 8192 and 32768, where
 the paper has TTT-Linear's forward below a Transformer's from 8k tokens: TTT-Linear's layer (the
-automatic backend; and with the opt-in resident forward, ``FASTWEIGHTS_TTT_FWD=resident``,
-ops/ttt/triton_resident.py) against softmax attention's at the same shape, forward and
-forward+backward, bfloat16 weights. It first checks the resident forward's exactness as the
-``exact`` section checks every kernel (rows named ``ttt_linear (resident fwd)``), at head sizes
-128 and 64. The dry run (CPU) runs the same items at a tiny shape.
+automatic backend; and with the opt-in resident kernels of ops/ttt/triton_resident.py,
+``FASTWEIGHTS_TTT_FWD=resident`` and ``FASTWEIGHTS_TTT_BWD=resident``) against softmax
+attention's at the same shape, forward and forward+backward, bfloat16 weights. It first checks
+the resident kernels' exactness as the ``exact`` section checks every kernel (rows named
+``ttt_linear (resident)``), at head sizes 128 and 64. The dry run (CPU) runs the same items at
+a tiny shape.
 
 Kept apart from gpu.py's sections (its ``plan`` appends ``paper_items``); the rows reuse its
 timing, budget and record.
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 
 SECTION = "paper"
 TITLE = "The TTT paper's 1.3B layer (d_model 2048, 32 heads of 64, b 16), bfloat16 weights"
-FWD_ENV = "FASTWEIGHTS_TTT_FWD"  # ops/ttt/triton_regs.py ENV
+# the switches of the resident kernels (ops/ttt/triton_regs.py ENV, triton_resident.py BWD_ENV)
+RESIDENT_ENV = ("FASTWEIGHTS_TTT_FWD", "FASTWEIGHTS_TTT_BWD")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +47,10 @@ class PaperShape:
 PAPER_GPU = PaperShape(batch=4, d_model=2048, heads=32, mini_batch=16,
                        lengths=(2048, 8192, 32768))
 PAPER_DRY = PaperShape(batch=1, d_model=64, heads=4, mini_batch=16, lengths=(48,))
-# (row name, registered mixer, FASTWEIGHTS_TTT_FWD for the item or None)
-LAYERS = (("softmax", "softmax", None), ("ttt-linear", "ttt-linear", None),
-          ("ttt-linear resident fwd", "ttt-linear", "resident"))
-# the resident forward's exactness rows: (dtype, head size) at the exact section's B, T, H
+# (row name, registered mixer, whether the item runs the resident kernels)
+LAYERS = (("softmax", "softmax", False), ("ttt-linear", "ttt-linear", False),
+          ("ttt-linear resident", "ttt-linear", True))
+# the resident kernels' exactness rows: (dtype, head size) at the exact section's B, T, H
 EXACT = ((torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64))
 
 
@@ -62,40 +64,40 @@ def shape_name(s: PaperShape, T: int) -> str:
 
 
 @contextlib.contextmanager
-def _fwd_variant(value: str | None) -> Iterator[None]:
-    """FASTWEIGHTS_TTT_FWD set to ``value`` for the block (unchanged for None)."""
-    if value is None:
-        yield
-        return
-    before = os.environ.get(FWD_ENV)
-    os.environ[FWD_ENV] = value
+def _resident(on: bool) -> Iterator[None]:
+    """The resident forward and backward pass chosen for the block (``RESIDENT_ENV`` set to
+    "resident"); nothing changed if not ``on``."""
+    before = {name: os.environ.get(name) for name in RESIDENT_ENV}
+    if on:
+        os.environ.update({name: "resident" for name in RESIDENT_ENV})
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[FWD_ENV]
-        else:
-            os.environ[FWD_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def resident_exact(run: Run, dtype: torch.dtype, D: int) -> None:
-    """The ``exact`` section's row of ttt_linear on triton with the resident forward, at head
-    size D, named ``ttt_linear (resident fwd)``."""
+    """The ``exact`` section's row of ttt_linear on triton with the resident kernels, at head
+    size D, named ``ttt_linear (resident)``."""
     from . import gpu
 
     op = next(op for op in gpu.KERNEL_OPS if op.name == "ttt_linear")
     B, T, H, _ = run.sizes.exact
     sized = dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, exact=(B, T, H, D)))
     first = len(run.rows)  # ``sized`` appends to the same rows
-    with _fwd_variant("resident"):
+    with _resident(True):
         gpu.exact_case(sized, op, "triton", dtype, None)
     for r in run.rows[first:]:
-        r["name"] = "ttt_linear (resident fwd)"
+        r["name"] = "ttt_linear (resident)"
 
 
-def paper_case(run: Run, name: str, mixer: str, fwd: str | None, T: int) -> None:
+def paper_case(run: Run, name: str, mixer: str, resident: bool, T: int) -> None:
     """Rows of the section: the layer ``mixer`` at the paper's shape and length T, forward and
-    forward+backward, the automatic backend (``fwd``: FASTWEIGHTS_TTT_FWD for it)."""
+    forward+backward, the automatic backend (with the resident kernels if ``resident``)."""
     from . import gpu
 
     s = paper_shape(run.device)
@@ -104,7 +106,7 @@ def paper_case(run: Run, name: str, mixer: str, fwd: str | None, T: int) -> None
     if not run.may_start(**fields, **{"pass": "fwd"}):
         return
     options = {} if mixer == "softmax" else {"mini_batch_size": s.mini_batch}
-    with _fwd_variant(fwd), gpu._item(run, **fields, **{"pass": "build"}):
+    with _resident(resident), gpu._item(run, **fields, **{"pass": "build"}):
         work = mixer_targets([(name, mixer, options)])[0].build(
             T, Setting(s.batch, s.d_model, s.heads, torch.bfloat16, run.device))
         for p, call in (("fwd", work.forward), ("fwdbwd", work.forward_backward)):
@@ -115,8 +117,8 @@ def paper_case(run: Run, name: str, mixer: str, fwd: str | None, T: int) -> None
 
 
 def paper_items(run: Run) -> list[Callable[[], None]]:
-    """The section's items in order: the resident forward's exactness, then each length's
-    softmax, TTT-Linear and TTT-Linear with the resident forward."""
+    """The section's items in order: the resident kernels' exactness, then each length's
+    softmax, TTT-Linear and TTT-Linear with the resident kernels."""
     items: list[Callable[[], None]] = [
         lambda dt=dt, D=D: resident_exact(run, dt, D) for dt, D in EXACT]
     for T in paper_shape(run.device).lengths:
