@@ -54,26 +54,39 @@ __device__ __forceinline__ void warp_columns(const float (&v)[2][4], float (&s)[
 // Column c of thread lane: 2 * (lane % 4) + {0, 1} + 8 * {0, 1}, as the accumulator layout.
 __device__ __forceinline__ int column(int lane, int c) { return 2 * (lane & 3) + (c & 1) + 8 * (c >> 1); }
 
+// The thread's values v [2 rows][4 columns] of a tile held as W warps' accumulators: one
+// round's in-thread and in-warp part, the warp's column sums into p[warp], then __syncthreads.
+template <int W>
+__device__ __forceinline__ void warp_partials(const float (&v)[2][4], float (*p)[COLS], int lane,
+                                              int warp) {
+  float s[4];
+  warp_columns(v, s);
+  if (lane < 4) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) p[warp][column(lane, c)] = s[c];
+  }
+  __syncthreads();
+}
+
+// The thread's values v [2][4] of a tile as above.
+__device__ __forceinline__ void init_values(float (&v)[2][4], int seed) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[r][c] = 1e-3f * (seed + r + c);
+}
+
 template <int W>
 __global__ void reduce_cta(float* out, long long* cycles, int rounds) {
   __shared__ float part[2][W][COLS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float v[2][4];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) v[r][c] = 1e-3f * (threadIdx.x + r + c);
+  init_values(v, threadIdx.x);
   __syncthreads();
   long long t0 = clock64();
   for (int i = 0; i < rounds; ++i) {
-    float s[4];
-    warp_columns(v, s);
     float(*p)[COLS] = part[i & 1];
-    if (lane < 4) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) p[warp][column(lane, c)] = s[c];
-    }
-    __syncthreads();
+    warp_partials<W>(v, p, lane, warp);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       float total = 0.f;
@@ -107,21 +120,12 @@ __global__ void cluster(float* out, long long* cycles, int rounds) {
   cg::cluster_group cl = cg::this_cluster();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float v[2][4];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) v[r][c] = 1e-3f * (threadIdx.x + r + c + blockIdx.x);
+  init_values(v, threadIdx.x + blockIdx.x);
   cl.sync();
   long long t0 = clock64();
   for (int i = 0; i < rounds; ++i) {
-    float s[4];
-    warp_columns(v, s);
     float(*p)[COLS] = part[i & 1];
-    if (lane < 4) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) p[warp][column(lane, c)] = s[c];
-    }
-    __syncthreads();
+    warp_partials<W>(v, p, lane, warp);
     if (threadIdx.x < COLS) {
       float total = 0.f;
 #pragma unroll

@@ -484,6 +484,35 @@ def _linear_bwd_c_kernel(
 
 
 @triton.jit
+def _keys_back(dHm, G, eta, rows_ptr, rr_ptr, v_ptr, k_ptr, dv_ptr, deta_ptr, dgam, dbet, gam,
+               bet, cm, base_v, ebase, t, m, H, Dv, HAS_LN: tl.constexpr,
+               RESIDUAL: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr):
+    """The part of a mini-batch's sequential backward after dHm, the gradient of its eta G
+    (the rows of ``_linear_back_a`` at rows_ptr, rr_ptr): the keys' loss gradient G = dl/dZk
+    differentiated. Stores dV, deta and dZk^T (into the rows, for ``_linear_bwd_c_kernel``'s
+    dK); returns dZk^T and the accumulators dgamma, dbeta."""
+    rb = tl.arange(0, BB)
+    dG = _load_tile(rows_ptr + 2 * BV * BB, BV, BB) + dHm * eta[None, :]
+    deta = tl.load(rr_ptr + BB + rb) + tl.sum(G * dHm, axis=0)
+    dtgt = -dG
+    dzk = dG
+    if HAS_LN:
+        xh = _load_tile(rows_ptr + 3 * BV * BB, BV, BB)
+        g = _load_tile(rows_ptr + 4 * BV * BB, BV, BB)
+        dzk, dg = _ln_grad_back(dG, G, xh, tl.load(rr_ptr + rb), g, gam, cm, Dv)
+        dtgt = -gam[:, None] * dg
+        e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:
+            e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
+        dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
+        dbet -= tl.sum(dtgt, axis=1)
+    _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
+    tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+    _store_tile(rows_ptr + 2 * BV * BB, dzk, BV, BB)
+    return dzk, dgam, dbet
+
+
+@triton.jit
 def _linear_back_b(
     dp, dn_ptr, d, dgam, dbet, dtau_b,
     q_ptr, k_ptr, v_ptr, eta_ptr, dsw_ptr, dsb_ptr, rows_ptr, rr_ptr, dv_ptr,
@@ -520,25 +549,9 @@ def _linear_back_b(
             kd += d[:, None]
         dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
         dHm = -tau_b * kd
-    rb = tl.arange(0, BB)
-    dG = _load_tile(rows_ptr + 2 * BV * BB, BV, BB) + dHm * eta[None, :]
-    deta = tl.load(rr_ptr + BB + rb) + tl.sum(G * dHm, axis=0)
-    # the keys' loss gradient G = dl/dZk
-    dtgt = -dG
-    dzk = dG
-    if HAS_LN:
-        xh = _load_tile(rows_ptr + 3 * BV * BB, BV, BB)
-        g = _load_tile(rows_ptr + 4 * BV * BB, BV, BB)
-        dzk, dg = _ln_grad_back(dG, G, xh, tl.load(rr_ptr + rb), g, gam, cm, Dv)
-        dtgt = -gam[:, None] * dg
-        e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
-        if RESIDUAL:
-            e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
-        dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
-        dbet -= tl.sum(dtgt, axis=1)
-    _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
-    tl.store(deta_ptr + ebase + t * H, deta, mask=m)
-    _store_tile(rows_ptr + 2 * BV * BB, dzk, BV, BB)  # for dK (``_linear_bwd_c_kernel``)
+    dzk, dgam, dbet = _keys_back(dHm, G, eta, rows_ptr, rr_ptr, v_ptr, k_ptr, dv_ptr, deta_ptr,
+                                 dgam, dbet, gam, bet, cm, base_v, ebase, t, m, H, Dv, HAS_LN,
+                                 RESIDUAL, BB, BV)
     dzbar = _load_tile(rows_ptr + BV * BB, BV, BB)
     # D <- D + Q^T dZbar + K^T dZk, the gradient leaving the mini-batch kept in dn for dK
     for c0 in range(0, BK, KC):
@@ -571,15 +584,8 @@ def _linear_bwd_b_kernel(
     the gradient leaving it into dn [B*H, seg, Dk, Dv], and adds to the accumulators
     acc [B*H, 3, BV] (d, dgamma, dbeta) and dtau [B*H, BB] (tau_b's share)."""
     bh = tl.program_id(0).to(tl.int64)
-    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
-    cm = tl.arange(0, BV) < Dv
-    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
-    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
-    acc = acc_ptr + bh * 3 * BV
-    d = _vec(acc, BV, BV)
-    dgam = _vec(acc + BV, BV, BV)
-    dbet = _vec(acc + 2 * BV, BV, BV)
-    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
+    base_k, base_v, ebase, cm, gam, bet, tau_b, d, dgam, dbet, dtau_b = _back_b_start(
+        bh, lnw_ptr, lnb_ptr, tau_ptr, acc_ptr, T, H, Dk, Dv, b, HAS_LN, HAS_LNB, BB, BV)
     dp = dw_ptr + bh * Dk * Dv
     for nr in range(n0, n1):
         n = n1 - 1 + n0 - nr
@@ -590,6 +596,30 @@ def _linear_bwd_b_kernel(
             rr_ptr + (bh * seg + j) * 2 * BB, dv_ptr, deta_ptr, bh, base_k, base_v,
             ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm, TAIL, HAS_BIAS, HAS_LN, RESIDUAL,
             PREC, BB, BK, BV, KC)
+    _back_b_end(bh, acc_ptr, dtau_ptr, d, dgam, dbet, dtau_b, b, BB, BV)
+
+
+@triton.jit
+def _back_b_start(bh, lnw_ptr, lnb_ptr, tau_ptr, acc_ptr, T, H, Dk, Dv, b,
+                  HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr, BB: tl.constexpr,
+                  BV: tl.constexpr):
+    """What a sequential backward pass over program bh's mini-batches starts from: its
+    offsets (``_head``), the column mask, the LayerNorm's gain and bias, tau_b, and the
+    accumulators d, dgamma, dbeta (from acc [B*H, 3, BV]) and tau_b's gradient (zero)."""
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    acc = acc_ptr + bh * 3 * BV
+    return (base_k, base_v, ebase, tl.arange(0, BV) < Dv, gam, bet, tau_b, _vec(acc, BV, BV),
+            _vec(acc + BV, BV, BV), _vec(acc + 2 * BV, BV, BV),
+            tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0))
+
+
+@triton.jit
+def _back_b_end(bh, acc_ptr, dtau_ptr, d, dgam, dbet, dtau_b, b, BB: tl.constexpr,
+                BV: tl.constexpr):
+    """The accumulators of ``_back_b_start`` stored back (tau_b's gradient added)."""
+    acc = acc_ptr + bh * 3 * BV
     _store_vec(acc, d, BV, BV)
     _store_vec(acc + BV, dgam, BV, BV)
     _store_vec(acc + 2 * BV, dbet, BV, BV)

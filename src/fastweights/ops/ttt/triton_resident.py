@@ -35,14 +35,12 @@ import triton
 import triton.language as tl
 
 from .._triton_common import _arch, _upcast_tiles
-from .triton import _load_tile, _store_tile
+from .triton import _back_b_end, _back_b_start, _keys_back, _load_tile
 from .triton_tiles import (
-    _cols,
     _dot,
     _head,
     _ln,
     _ln_affine,
-    _ln_grad_back,
     _loss_grad,
     _mb,
     _store_cols,
@@ -250,18 +248,10 @@ def _linear_bwd_b_res_kernel(
     leaving each mini-batch still goes to dn for ``_linear_bwd_c_kernel``. TAIL: n0 is a last
     partial mini-batch, whose sums' gradient is dS, ds (dsw, dsb)."""
     bh = tl.program_id(0).to(tl.int64)
-    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
-    cm = tl.arange(0, BV) < Dv
-    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
-    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
-    acc = acc_ptr + bh * 3 * BV
-    d = _vec(acc, BV, BV)
-    dgam = _vec(acc + BV, BV, BV)
-    dbet = _vec(acc + 2 * BV, BV, BV)
-    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
+    base_k, base_v, ebase, cm, gam, bet, tau_b, d, dgam, dbet, dtau_b = _back_b_start(
+        bh, lnw_ptr, lnb_ptr, tau_ptr, acc_ptr, T, H, Dk, Dv, b, HAS_LN, HAS_LNB, BB, BV)
     dp = dw_ptr + bh * Dk * Dv
     dt = _wrows(dp, 0, Dk, Dv, BV, BK)  # D^T [BV, BK]
-    rb = tl.arange(0, BB)
     for nr in tl.range(n0, n1, disable_licm=True):
         n = n1 - 1 + n0 - nr
         j = n - n0
@@ -273,7 +263,6 @@ def _linear_bwd_b_res_kernel(
         DT: tl.constexpr = kt.dtype
         eta = tl.load(eta_ptr + ebase + t * H, mask=m, other=0.0).to(tl.float32)
         G = _load_tile(rows, BV, BB)
-        dG = _load_tile(rows + 2 * BV * BB, BV, BB)
         # the gradient sums S = K^T (eta G), s = sum eta G: handed on (TAIL, gradient dS, ds)
         # or applied, W' = W - tau_b S (gradient -tau_b D, and tau_b's -<D, S>)
         Hm = G * eta[None, :]
@@ -289,24 +278,9 @@ def _linear_bwd_b_res_kernel(
                 kd += d[:, None]
             dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
             dHm = -tau_b * kd
-        dG += dHm * eta[None, :]
-        deta = tl.load(rr + BB + rb) + tl.sum(G * dHm, axis=0)
-        # the keys' loss gradient G = dl/dZk
-        dtgt = -dG
-        dzk = dG
-        if HAS_LN:
-            xh = _load_tile(rows + 3 * BV * BB, BV, BB)
-            g = _load_tile(rows + 4 * BV * BB, BV, BB)
-            dzk, dg = _ln_grad_back(dG, G, xh, tl.load(rr + rb), g, gam, cm, Dv)
-            dtgt = -gam[:, None] * dg
-            e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
-            if RESIDUAL:
-                e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
-            dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
-            dbet -= tl.sum(dtgt, axis=1)
-        _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
-        tl.store(deta_ptr + ebase + t * H, deta, mask=m)
-        _store_tile(rows + 2 * BV * BB, dzk, BV, BB)  # for dK (``_linear_bwd_c_kernel``)
+        dzk, dgam, dbet = _keys_back(dHm, G, eta, rows, rr, v_ptr, k_ptr, dv_ptr, deta_ptr,
+                                     dgam, dbet, gam, bet, cm, base_v, ebase, t, m, H, Dv,
+                                     HAS_LN, RESIDUAL, BB, BV)
         # D <- D + Q^T dZbar + K^T dZk, the D leaving the mini-batch kept in dn for dK
         _store_wrows(dn_ptr + (bh * seg + j) * Dk * Dv, dt, 0, Dk, Dv, BV, BK)
         dzbar = _load_tile(rows + BV * BB, BV, BB)  # loaded late: registers
@@ -315,11 +289,20 @@ def _linear_bwd_b_res_kernel(
         if HAS_BIAS:
             d += tl.sum(dzbar + dzk, axis=1)
     _store_wrows(dp, dt, 0, Dk, Dv, BV, BK)
-    _store_vec(acc, d, BV, BV)
-    _store_vec(acc + BV, dgam, BV, BV)
-    _store_vec(acc + 2 * BV, dbet, BV, BV)
-    p = dtau_ptr + bh * BB + b - 1
-    tl.store(p, tl.load(p) + dtau_b)
+    _back_b_end(bh, acc_ptr, dtau_ptr, d, dgam, dbet, dtau_b, b, BB, BV)
+
+
+def _launch_consts(L, q: torch.Tensor, arch: int) -> tuple[ResidentConfig, dict]:
+    """The tiling (a float32 or diagnostic call, the interpreter's checks among them, has the
+    half one) and the constexprs both resident kernels take for ops/ttt/triton.py's ``_Shape``
+    ``L`` and inputs like q."""
+    cfg = resident_config(arch, torch.bfloat16, max(L.Dk, L.Dv))
+    emu = _upcast_tiles(q.dtype)
+    consts = {n: L.consts[n] for n in ("HAS_BIAS", "HAS_LN", "HAS_LNB", "RESIDUAL", "BB", "BK",
+                                       "BV")}
+    consts |= {"EMU": emu, "PREC": "ieee" if emu or q.dtype == torch.float32 else "tf32",
+               "Dk": L.Dk, "Dv": L.Dv}
+    return cfg, consts
 
 
 def launch_forward(L, store: bool, *args) -> None:
@@ -328,17 +311,10 @@ def launch_forward(L, store: bool, *args) -> None:
     The head sizes are compile-time constants here: every address of a weight tile is then a
     constant offset from one base, which keeps the checkpoint store inside the loop from
     spilling (docs/gpu_ttt_kernels.md)."""
-    q = args[0]
-    # a float32 or diagnostic call (the interpreter's checks) has the half tiling
-    cfg = resident_config(_arch(q.device), torch.bfloat16, max(L.Dk, L.Dv))
-    emu = _upcast_tiles(q.dtype)
-    T, H, Dk, Dv, b, N, NF, seg = args[16:]
-    consts = {n: L.consts[n] for n in ("HAS_BIAS", "HAS_LN", "HAS_LNB", "RESIDUAL", "BB", "BK",
-                                       "BV")}
-    prec = "ieee" if emu or q.dtype == torch.float32 else "tf32"
-    _linear_fwd_res_kernel[(L.BH,)](
-        *args[:16], T, H, b, N, NF, seg, store, EMU=emu, PREC=prec, Dk=Dk, Dv=Dv,
-        STAGES=cfg.stages, **consts, num_warps=cfg.warps, num_stages=cfg.stages)
+    cfg, consts = _launch_consts(L, args[0], _arch(args[0].device))
+    T, H, _, _, b, N, NF, seg = args[16:]
+    _linear_fwd_res_kernel[(L.BH,)](*args[:16], T, H, b, N, NF, seg, store, STAGES=cfg.stages,
+                                    **consts, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def launch_backward_b(L, tail: bool, *args) -> bool:
@@ -352,13 +328,8 @@ def launch_backward_b(L, tail: bool, *args) -> bool:
     if arch < BWD_MIN_ARCH and not triton.knobs.runtime.interpret:
         raise ValueError(f"{BWD_ENV}={VARIANT} needs sm_{BWD_MIN_ARCH} or newer (on sm_{arch} "
                          "the kernel spills registers); unset it there")
-    cfg = resident_config(arch, torch.bfloat16, max(L.Dk, L.Dv))
-    emu = _upcast_tiles(q.dtype)
-    T, H, Dk, Dv, b, n0, n1, seg = args[17:]
-    consts = {n: L.consts[n] for n in ("HAS_BIAS", "HAS_LN", "HAS_LNB", "RESIDUAL", "BB", "BK",
-                                       "BV")}
-    prec = "ieee" if emu or q.dtype == torch.float32 else "tf32"
-    _linear_bwd_b_res_kernel[(L.BH,)](
-        *args[:17], T, H, b, n0, n1, seg, TAIL=tail, EMU=emu, PREC=prec, Dk=Dk, Dv=Dv,
-        **consts, num_warps=cfg.warps, num_stages=1)
+    cfg, consts = _launch_consts(L, q, arch)
+    T, H, _, _, b, n0, n1, seg = args[17:]
+    _linear_bwd_b_res_kernel[(L.BH,)](*args[:17], T, H, b, n0, n1, seg, TAIL=tail, **consts,
+                                      num_warps=cfg.warps, num_stages=1)
     return True
