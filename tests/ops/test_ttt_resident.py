@@ -188,3 +188,26 @@ def test_resident_bfloat16_is_its_rounding_model(launches, on_gpu):  # noqa: F81
         for what, x, y, z in zip(("W", "bias", "S", "s"), got[1:], want[1:], oracle[1:]):
             assert _rel(x, y) <= 1e-6, (what, h, _rel(x, y))
             assert _rel(x, y) * 30 < _rel(x, z), (what, h, _rel(x, y), _rel(x, z))
+
+
+def test_resident_backward_switch(monkeypatch):
+    """FASTWEIGHTS_TTT_BWD: "resident" or "stream" (also unset or empty); another value is a
+    ValueError naming it; "resident" on an sm_80 GPU is a ValueError saying why (its compile
+    spills there), before anything runs."""
+    import triton
+
+    from fastweights.ops.ttt import triton_resident as res
+
+    for value, want in (("", "stream"), ("stream", "stream"), ("resident", "resident")):
+        monkeypatch.setenv("FASTWEIGHTS_TTT_BWD", value)
+        assert res.bwd_variant() == want
+    monkeypatch.setenv("FASTWEIGHTS_TTT_BWD", "fast")
+    with pytest.raises(ValueError, match="FASTWEIGHTS_TTT_BWD"):
+        res.bwd_variant()
+    monkeypatch.setenv("FASTWEIGHTS_TTT_BWD", "resident")
+    monkeypatch.setattr(res, "_arch", lambda device: 80)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    with pytest.raises(ValueError, match=r"sm_90 or newer \(on sm_80"):
+        res.launch_backward_b(None, False, torch.zeros(1))
+    monkeypatch.setenv("FASTWEIGHTS_TTT_BWD", "stream")
+    assert res.launch_backward_b(None, False, torch.zeros(1)) is False
