@@ -180,4 +180,5 @@ def test_paper_section_is_the_papers_layer_on_a_gpu():
     assert [m for _, m, _ in gpu_paper.LAYERS] == ["softmax", "ttt-linear", "ttt-linear"]
     assert [resident for _, _, resident in gpu_paper.LAYERS] == [False, False, True]
     run = gpu.Run(gpu.GPU_SIZES, torch.device("cuda"), 0.0, ("triton",), 1.0)
-    assert len(gpu_paper.paper_items(run)) == len(gpu_paper.EXACT) + 3 * len(s.lengths)
+    items = gpu.plan(run, ("paper",))
+    assert len(items) == len(gpu_paper.EXACT) + 3 * len(s.lengths)

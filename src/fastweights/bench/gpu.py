@@ -525,7 +525,8 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
         for T in run.sizes.layers[3]:
             items += [lambda n=n, T=T: layer_case(run, n, T) for n in run.mixers]
     if "paper" in sections:
-        items += gpu_paper.paper_items(run)
+        ttt = next(op for op in KERNEL_OPS if op.name == "ttt_linear")
+        items += gpu_paper.paper_items(run, gpu_paper.Tools(exact_case, _item, _timed, ttt))
     if "train" in sections:
         items += [lambda n=n: train_case(run, n) for n in run.mixers]
     if "ops" in sections:

@@ -9,7 +9,8 @@ the resident kernels' exactness as the ``exact`` section checks every kernel (ro
 a tiny shape.
 
 Kept apart from gpu.py's sections (its ``plan`` appends ``paper_items``); the rows reuse its
-timing, budget and record.
+timing, budget and record through ``Tools``, which gpu.py hands in (the two modules do not
+import each other).
 """
 
 from __future__ import annotations
@@ -18,14 +19,11 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .targets import Setting, mixer_targets
-
-if TYPE_CHECKING:
-    from .gpu import Run
 
 SECTION = "paper"
 TITLE = "The TTT paper's 1.3B layer (d_model 2048, 32 heads of 64, b 16), bfloat16 weights"
@@ -54,6 +52,17 @@ LAYERS = (("softmax", "softmax", False), ("ttt-linear", "ttt-linear", False),
 EXACT = ((torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64))
 
 
+@dataclasses.dataclass(frozen=True)
+class Tools:
+    """What the section takes from bench/gpu.py: its ``exact_case``, ``_item`` and ``_timed``,
+    and the ``KernelOp`` of ttt_linear."""
+
+    exact_case: Callable[..., None]
+    item: Callable[..., Any]
+    timed: Callable[..., dict[str, Any]]
+    ttt_linear: Any
+
+
 def paper_shape(device: torch.device) -> PaperShape:
     """The paper's shape on a GPU; a tiny one for the dry run (CPU)."""
     return PAPER_GPU if device.type == "cuda" else PAPER_DRY
@@ -80,47 +89,42 @@ def _resident(on: bool) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def resident_exact(run: Run, dtype: torch.dtype, D: int) -> None:
+def resident_exact(run: Any, tools: Tools, dtype: torch.dtype, D: int) -> None:
     """The ``exact`` section's row of ttt_linear on triton with the resident kernels, at head
-    size D, named ``ttt_linear (resident)``."""
-    from . import gpu
-
-    op = next(op for op in gpu.KERNEL_OPS if op.name == "ttt_linear")
+    size D, named ``ttt_linear (resident)`` (``run``: bench/gpu.py's ``Run``)."""
     B, T, H, _ = run.sizes.exact
     sized = dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, exact=(B, T, H, D)))
     first = len(run.rows)  # ``sized`` appends to the same rows
     with _resident(True):
-        gpu.exact_case(sized, op, "triton", dtype, None)
+        tools.exact_case(sized, tools.ttt_linear, "triton", dtype, None)
     for r in run.rows[first:]:
         r["name"] = "ttt_linear (resident)"
 
 
-def paper_case(run: Run, name: str, mixer: str, resident: bool, T: int) -> None:
+def paper_case(run: Any, tools: Tools, name: str, mixer: str, resident: bool, T: int) -> None:
     """Rows of the section: the layer ``mixer`` at the paper's shape and length T, forward and
     forward+backward, the automatic backend (with the resident kernels if ``resident``)."""
-    from . import gpu
-
     s = paper_shape(run.device)
     fields = {"section": SECTION, "name": name, "dtype": "bfloat16",
               "shape": shape_name(s, T), "backend": "auto"}
     if not run.may_start(**fields, **{"pass": "fwd"}):
         return
     options = {} if mixer == "softmax" else {"mini_batch_size": s.mini_batch}
-    with _resident(resident), gpu._item(run, **fields, **{"pass": "build"}):
+    with _resident(resident), tools.item(run, **fields, **{"pass": "build"}):
         work = mixer_targets([(name, mixer, options)])[0].build(
             T, Setting(s.batch, s.d_model, s.heads, torch.bfloat16, run.device))
         for p, call in (("fwd", work.forward), ("fwdbwd", work.forward_backward)):
             if not run.may_start(**fields, **{"pass": p}):
                 return
-            with gpu._item(run, **fields, **{"pass": p}):
-                run.row(**fields, **{"pass": p}, **gpu._timed(run, call))
+            with tools.item(run, **fields, **{"pass": p}):
+                run.row(**fields, **{"pass": p}, **tools.timed(run, call))
 
 
-def paper_items(run: Run) -> list[Callable[[], None]]:
+def paper_items(run: Any, tools: Tools) -> list[Callable[[], None]]:
     """The section's items in order: the resident kernels' exactness, then each length's
     softmax, TTT-Linear and TTT-Linear with the resident kernels."""
     items: list[Callable[[], None]] = [
-        lambda dt=dt, D=D: resident_exact(run, dt, D) for dt, D in EXACT]
+        lambda dt=dt, D=D: resident_exact(run, tools, dt, D) for dt, D in EXACT]
     for T in paper_shape(run.device).lengths:
-        items += [lambda a=a, T=T: paper_case(run, *a, T) for a in LAYERS]
+        items += [lambda a=a, T=T: paper_case(run, tools, *a, T) for a in LAYERS]
     return items

@@ -90,6 +90,8 @@ import triton.language as tl
 from .._triton_common import _arch, _pow2, _upcast_tiles, precisions, tiled_everywhere
 from .common import Carry
 from .triton_tiles import (
+    _back_b_end,
+    _back_b_start,
     _block,
     _blockT,
     _cols,
@@ -97,17 +99,20 @@ from .triton_tiles import (
     _copy_mat,
     _dot,
     _head,
+    _keys_back,
     _linear_in,
     _linear_out,
     _ln,
     _ln_affine,
     _ln_back,
     _ln_grad_back,
+    _load_tile,
     _loss_grad,
     _mb,
     _store_block,
     _store_blockT,
     _store_cols,
+    _store_tile,
     _store_vec,
     _store_wrows,
     _vec,
@@ -303,20 +308,6 @@ def _linear_fwd_kernel(
 
 
 @triton.jit
-def _store_tile(ptr, x, R: tl.constexpr, C: tl.constexpr):
-    r = tl.arange(0, R)
-    c = tl.arange(0, C)
-    tl.store(ptr + r[:, None] * C + c[None, :], x)
-
-
-@triton.jit
-def _load_tile(ptr, R: tl.constexpr, C: tl.constexpr):
-    r = tl.arange(0, R)
-    c = tl.arange(0, C)
-    return tl.load(ptr + r[:, None] * C + c[None, :])
-
-
-@triton.jit
 def _scores_grad(gs_ptr, G, dzbar, PREC: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr,
                  DC: tl.constexpr):
     """dM^T = -(dZbar G^T)^T [BB, BB] from G^T, dZbar^T [BV, BB], contracted over the value
@@ -484,35 +475,6 @@ def _linear_bwd_c_kernel(
 
 
 @triton.jit
-def _keys_back(dHm, G, eta, rows_ptr, rr_ptr, v_ptr, k_ptr, dv_ptr, deta_ptr, dgam, dbet, gam,
-               bet, cm, base_v, ebase, t, m, H, Dv, HAS_LN: tl.constexpr,
-               RESIDUAL: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr):
-    """The part of a mini-batch's sequential backward after dHm, the gradient of its eta G
-    (the rows of ``_linear_back_a`` at rows_ptr, rr_ptr): the keys' loss gradient G = dl/dZk
-    differentiated. Stores dV, deta and dZk^T (into the rows, for ``_linear_bwd_c_kernel``'s
-    dK); returns dZk^T and the accumulators dgamma, dbeta."""
-    rb = tl.arange(0, BB)
-    dG = _load_tile(rows_ptr + 2 * BV * BB, BV, BB) + dHm * eta[None, :]
-    deta = tl.load(rr_ptr + BB + rb) + tl.sum(G * dHm, axis=0)
-    dtgt = -dG
-    dzk = dG
-    if HAS_LN:
-        xh = _load_tile(rows_ptr + 3 * BV * BB, BV, BB)
-        g = _load_tile(rows_ptr + 4 * BV * BB, BV, BB)
-        dzk, dg = _ln_grad_back(dG, G, xh, tl.load(rr_ptr + rb), g, gam, cm, Dv)
-        dtgt = -gam[:, None] * dg
-        e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
-        if RESIDUAL:
-            e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
-        dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
-        dbet -= tl.sum(dtgt, axis=1)
-    _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
-    tl.store(deta_ptr + ebase + t * H, deta, mask=m)
-    _store_tile(rows_ptr + 2 * BV * BB, dzk, BV, BB)
-    return dzk, dgam, dbet
-
-
-@triton.jit
 def _linear_back_b(
     dp, dn_ptr, d, dgam, dbet, dtau_b,
     q_ptr, k_ptr, v_ptr, eta_ptr, dsw_ptr, dsb_ptr, rows_ptr, rr_ptr, dv_ptr,
@@ -597,34 +559,6 @@ def _linear_bwd_b_kernel(
             ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm, TAIL, HAS_BIAS, HAS_LN, RESIDUAL,
             PREC, BB, BK, BV, KC)
     _back_b_end(bh, acc_ptr, dtau_ptr, d, dgam, dbet, dtau_b, b, BB, BV)
-
-
-@triton.jit
-def _back_b_start(bh, lnw_ptr, lnb_ptr, tau_ptr, acc_ptr, T, H, Dk, Dv, b,
-                  HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr, BB: tl.constexpr,
-                  BV: tl.constexpr):
-    """What a sequential backward pass over program bh's mini-batches starts from: its
-    offsets (``_head``), the column mask, the LayerNorm's gain and bias, tau_b, and the
-    accumulators d, dgamma, dbeta (from acc [B*H, 3, BV]) and tau_b's gradient (zero)."""
-    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
-    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
-    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
-    acc = acc_ptr + bh * 3 * BV
-    return (base_k, base_v, ebase, tl.arange(0, BV) < Dv, gam, bet, tau_b, _vec(acc, BV, BV),
-            _vec(acc + BV, BV, BV), _vec(acc + 2 * BV, BV, BV),
-            tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0))
-
-
-@triton.jit
-def _back_b_end(bh, acc_ptr, dtau_ptr, d, dgam, dbet, dtau_b, b, BB: tl.constexpr,
-                BV: tl.constexpr):
-    """The accumulators of ``_back_b_start`` stored back (tau_b's gradient added)."""
-    acc = acc_ptr + bh * 3 * BV
-    _store_vec(acc, d, BV, BV)
-    _store_vec(acc + BV, dgam, BV, BV)
-    _store_vec(acc + 2 * BV, dbet, BV, BV)
-    p = dtau_ptr + bh * BB + b - 1
-    tl.store(p, tl.load(p) + dtau_b)
 
 
 # ---------------------------------------------------------------------------------------------

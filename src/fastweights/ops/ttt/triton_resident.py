@@ -35,12 +35,15 @@ import triton
 import triton.language as tl
 
 from .._triton_common import _arch, _upcast_tiles
-from .triton import _back_b_end, _back_b_start, _keys_back, _load_tile
 from .triton_tiles import (
+    _back_b_end,
+    _back_b_start,
     _dot,
     _head,
+    _keys_back,
     _ln,
     _ln_affine,
+    _load_tile,
     _loss_grad,
     _mb,
     _store_cols,
