@@ -142,3 +142,43 @@ def test_timed_calls_shrink_to_fit_the_budget_never_below_one():
 
     assert run_at(time.monotonic() + 1000)["calls"] == 5 and len(calls) == 7
     assert run_at(time.monotonic())["calls"] == 1 and len(calls) == 3
+
+
+def test_dry_run_plans_the_paper_section(dry_run):
+    """The ``paper`` section at the dry run's tiny shape: softmax, TTT-Linear and TTT-Linear
+    with the resident kernels, forward and forward+backward timed; the resident kernels'
+    exactness rows (bfloat16 and float16 at head size 128, bfloat16 at 64) say why they did not
+    run on the CPU; the record has the section's table."""
+    from fastweights.bench import gpu_paper
+
+    out, rows, _ = dry_run
+    s = gpu_paper.PAPER_DRY
+    for T in s.lengths:
+        for name, _, _ in gpu_paper.LAYERS:
+            for p in ("fwd", "fwdbwd"):
+                (r,) = _ok(rows, section="paper", name=name, shape=gpu_paper.shape_name(s, T),
+                           **{"pass": p})
+                assert float(r["median_ms"]) > 0
+                assert r["vs_baseline"]  # against softmax at the same shape and pass
+    exact = [r for r in rows if r["name"] == "ttt_linear (resident)"]
+    assert [(r["dtype"], r["shape"].split()[-1]) for r in exact] == [
+        ("bfloat16", "D128"), ("float16", "D128"), ("bfloat16", "D64")]
+    assert all(r["section"] == "exact" and r["status"].startswith("skipped:") for r in exact)
+    assert gpu_paper.TITLE in (out / "results.md").read_text()
+
+
+def test_paper_section_is_the_papers_layer_on_a_gpu():
+    """On a GPU the section runs the TTT paper's 1.3B layer (Sun et al. 2024): d_model 2048,
+    32 heads of 64, mini-batches of 16, batch 4, at T 2k, 8k and 32k, softmax at the same
+    shape, three layers per length (planned, not run: no GPU here)."""
+    from fastweights.bench import gpu_paper
+
+    s = gpu_paper.paper_shape(torch.device("cuda"))
+    assert (s.batch, s.d_model, s.heads, s.d_model // s.heads, s.mini_batch) == (
+        4, 2048, 32, 64, 16)
+    assert s.lengths == (2048, 8192, 32768)
+    assert [m for _, m, _ in gpu_paper.LAYERS] == ["softmax", "ttt-linear", "ttt-linear"]
+    assert [resident for _, _, resident in gpu_paper.LAYERS] == [False, False, True]
+    run = gpu.Run(gpu.GPU_SIZES, torch.device("cuda"), 0.0, ("triton",), 1.0)
+    items = gpu.plan(run, ("paper",))
+    assert len(items) == len(gpu_paper.EXACT) + 3 * len(s.lengths)

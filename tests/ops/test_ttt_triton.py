@@ -93,6 +93,7 @@ def on_gpu(monkeypatch):
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TTT_FWD", raising=False)
+    monkeypatch.delenv("FASTWEIGHTS_TTT_BWD", raising=False)
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 kernels) for real GPU targets, on a machine without a GPU (Triton's own ptxas compiles PTX to a
 cubin).
 
-Run as a script (``python tests/ops/triton_aot.py OUT.json [--ttt | --ttt-full] [arch ...]``)
+Run as a script (``python tests/ops/triton_aot.py OUT.json [--ttt | --ttt-full]
+[--only=FAMILY,...] [arch ...]``)
 in a process where
 TRITON_INTERPRET is unset: tests/conftest.py turns the interpreter on for the test session, and
 interpreted kernels cannot be compiled. Writes one record per compile (kernel variant, dtype,
@@ -48,7 +49,8 @@ ALIGNED_DTYPES = ("bfloat16", "float32")
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
         "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "mlp_recompute": 3, "mlp_bwd_a": 3,
-        "mlp_bwd_b": 3, "linear_decode": 0.5, "mlp_decode": 1, "linear_fwd_regs": 1.5}
+        "mlp_bwd_b": 3, "linear_decode": 0.5, "mlp_decode": 1, "linear_fwd_regs": 1.5, "linear_fwd_res": 1.5,
+        "linear_bwd_b_res": 3}
 # TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
 # (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
 # The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
@@ -149,7 +151,7 @@ def signatures(kernels, dtype: str, arch: int):
 
 def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
     """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py; the forward with
-    either kernel, ops/ttt/triton_regs.py) and of ``_MLPTriton``, and decoding steps of each
+    each kernel, ops/ttt/triton_regs.py and triton_resident.py) and of ``_MLPTriton``, and decoding steps of each
     (ops/ttt/triton_decode.py) on small CPU tensors (kernels
     replaced by recorders): b = 16, T = b + 3, the flags of ``TTT_FLAGS[flags]``."""
     import torch
@@ -159,13 +161,14 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
     T = b + 3
     q = torch.zeros(B, T, H, D, dtype=dtype)
     f = torch.zeros
-    # TTT-Linear with either forward kernel (ops/ttt/triton_regs.py: the streamed one, then
-    # the dispatcher's default, the register-resident one where it has a tiling)
-    from fastweights.ops.ttt import triton_regs
+    # TTT-Linear with each forward kernel (ops/ttt/triton_regs.py: the streamed one, the
+    # dispatcher's default, the register-resident one where it has a tiling, then the opt-in
+    # resident one of ops/ttt/triton_resident.py)
+    from fastweights.ops.ttt import triton_regs, triton_resident
 
     saved = os.environ.pop(triton_regs.ENV, None)
     try:
-        for variant in ("stream", ""):
+        for variant in ("stream", "", "resident"):
             os.environ[triton_regs.ENV] = variant
             ctx = _Ctx()
             ctx.needs_input_grad = (True,) * 11
@@ -173,8 +176,15 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
                 ctx, q, q, q, f(B, T, H), torch.ones(H, b), f(H, D) if ln else None,
                 f(H, D) if ln_bias else None, f(B * H, D, D), f(B * H, D) if bias else None,
                 residual, None)
-            if variant:  # the backward once (it does not depend on the forward kernel)
+            if variant == "stream":  # the backward once (it does not depend on the forward)
                 kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
+                if triton_resident._arch(q.device) >= triton_resident.BWD_MIN_ARCH:
+                    # and with the resident sequential pass (FASTWEIGHTS_TTT_BWD=resident)
+                    os.environ[triton_resident.BWD_ENV] = triton_resident.VARIANT
+                    try:
+                        kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
+                    finally:
+                        os.environ.pop(triton_resident.BWD_ENV)
     finally:
         os.environ.pop(triton_regs.ENV)
         if saved is not None:
@@ -219,11 +229,11 @@ def ttt_signatures(kernels, case: tuple, arch: int):
     of one case of TTT_CASES on sm_``arch``, recorded from the host code."""
     import torch
 
-    from fastweights.ops.ttt import triton_decode, triton_regs
+    from fastweights.ops.ttt import triton_decode, triton_regs, triton_resident
 
     dtype, D, flags, _ = case
     out: list = []
-    modules = (kernels, triton_decode, triton_regs)
+    modules = (kernels, triton_decode, triton_regs, triton_resident)
     names = [(m, n) for m in modules for n in vars(m)
              if n.startswith("_") and n.endswith("_kernel")]
     saved = {(m, n): getattr(m, n) for m, n in names}
@@ -284,10 +294,11 @@ def specialization(sig: dict, spec: str) -> dict:
             if ty.startswith("*") or name in sizes}
 
 
-def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
+def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = (), only: tuple = ()) -> list[tuple]:
     """(arch, dtype, index into ``signatures``, specialization) of every compile, the costliest
     first; with ``ttt`` (cases of TTT_CASES) ("ttt", arch, case, index into
-    ``ttt_signatures``) of the TTT kernels instead."""
+    ``ttt_signatures``) of the TTT kernels instead, ``only`` those of the kernel families
+    named (all if empty)."""
     if ttt:
         from fastweights.ops.ttt import triton as ttt_kernels
 
@@ -301,6 +312,8 @@ def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
                         ttt_signatures(ttt_kernels, case, arch)):
                     key = (arch, name, tuple(sig.items()), tuple(sorted(const.items())), warps,
                            stages, tuple(sorted(specialization(sig, case[3]))))
+                    if only and name.split("[")[0] not in only:
+                        continue
                     if dispatched(ttt_kernels, name) and key not in seen:
                         seen.add(key)
                         todo.append((COST[name.split("[")[0]], ("ttt", arch, case, i)))
@@ -384,10 +397,11 @@ def workers() -> int:
 
 
 def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), processes: int | None = None,
-                ttt: tuple = ()) -> list[dict]:
+                ttt: tuple = (), only: tuple = ()) -> list[dict]:
     """Every record, compiled in ``processes`` (default ``workers()``) worker processes
-    (``ttt``: the TTT kernels' cases instead, see ``tasks``)."""
-    todo = tasks(archs, dtypes, ttt)
+    (``ttt``: the TTT kernels' cases instead, ``only`` some of their families, see
+    ``tasks``)."""
+    todo = tasks(archs, dtypes, ttt, only)
     cache_dir = tempfile.mkdtemp(prefix="fastweights-aot-")
     processes = min(processes or workers(), len(todo))
     if processes == 1:
@@ -399,9 +413,13 @@ def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), processes: int | None = None,
 
 
 if __name__ == "__main__":
-    flags = [a for a in sys.argv[2:] if a.startswith("--")]
+    # --only=FAMILY[,FAMILY...]: with --ttt or --ttt-full, only those kernel families (e.g.
+    # --only=linear_fwd_res, to read one kernel's registers under several Tritons)
+    only = tuple(f for a in sys.argv[2:] if a.startswith("--only=")
+                 for f in a.removeprefix("--only=").split(","))
+    flags = [a for a in sys.argv[2:] if a.startswith("--") and not a.startswith("--only=")]
     archs = tuple(int(a) for a in sys.argv[2:] if not a.startswith("--")) or ARCHS
     cases = {"--ttt": TTT_CASES[:2], "--ttt-full": TTT_CASES}[flags[0]] if flags else ()
-    result = compile_all(archs, ttt=cases)
+    result = compile_all(archs, ttt=cases, only=only)
     with open(sys.argv[1], "w") as fh:
         json.dump(result, fh)

@@ -17,6 +17,8 @@ Sections (``--sections``; all by default), each item a row of results.csv:
   PyTorch form of the same computation, by torch's FlopCounterMode, which sees matrix products
   only and counts causal attention as dense; the rate against the bfloat16 matmul rate measured
   on the device at the start).
+- ``paper``: the TTT paper's 1.3B layer shape (d_model 2048, 32 heads of 64, b 16, B4, T 2k,
+  8k, 32k): softmax, TTT-Linear, and TTT-Linear with the resident kernels (bench/gpu_paper.py).
 - ``train``: a whole training step per mixer (language model, 8 layers, d_model 1024, B8 T2048,
   byte vocabulary, float32 weights, fused AdamW, forward under bfloat16 autocast): tokens per
   second and peak memory.
@@ -60,6 +62,7 @@ from ..models import LanguageModel, LMConfig
 from ..models.registry import mixer_names, mixer_options
 from ..ops import backend as backends
 from ..testing import cuda_autocast_policy
+from . import gpu_paper
 from .measure import PeakMemory, count_flops, matmul_gflops, time_call
 from .targets import Setting, mixer_targets
 
@@ -70,11 +73,13 @@ DESCRIPTION = ("Run on a CUDA GPU, within --budget-s seconds (compilation and au
                "batch; (ops) forward and forward+backward of each op on triton, fla and torch "
                "against causal SDPA at B8 T2048 and B2 T16384, 16 heads of 128, bfloat16; "
                "(layers) every mixer's layer forward, forward+backward and decode against "
-               "softmax at B4 d_model 1024, 8 heads, T 4096 and 16384; (train) a whole training "
+               "softmax at B4 d_model 1024, 8 heads, T 4096 and 16384; (paper) TTT-Linear "
+               "against softmax at the TTT paper's 1.3B layer, B4 d_model 2048, 32 heads of 64, "
+               "T 2k, 8k and 32k; (train) a whole training "
                "step per mixer (8 layers, d_model 1024, B8 T2048, bfloat16 autocast): tokens/s "
                "and peak memory. First calls are timed apart. Writes results.md, results.csv "
                "and meta.json into --out. --dry-run runs the same code at tiny sizes on the CPU.")
-SECTIONS = ("exact", "ops", "layers", "train")
+SECTIONS = ("exact", "ops", "layers", "paper", "train")
 OUTPUT_FILES = ("results.md", "results.csv", "meta.json")
 KERNEL_BACKENDS = ("triton", "fla")
 # Seconds an item needs left in the budget to start: fla's first calls autotune (about two
@@ -519,6 +524,9 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
     if "layers" in sections:
         for T in run.sizes.layers[3]:
             items += [lambda n=n, T=T: layer_case(run, n, T) for n in run.mixers]
+    if "paper" in sections:
+        ttt = next(op for op in KERNEL_OPS if op.name == "ttt_linear")
+        items += gpu_paper.paper_items(run, gpu_paper.Tools(exact_case, _item, _timed, ttt))
     if "train" in sections:
         items += [lambda n=n: train_case(run, n) for n in run.mixers]
     if "ops" in sections:
@@ -598,7 +606,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
             ["op", "backend", "dtype", "case", "shape", "output", "state", "gradients", "status"],
             [[r["name"], r["backend"], r["dtype"], r["pass"], r["shape"], _cell(r["err_out"]),
               _cell(r["err_state"]), _cell(r["err_grad"]), r["status"]] for r in exact])]
-    for section, title in (("ops", "Ops, bfloat16"), ("layers", "Layers, bfloat16 weights")):
+    for section, title in (("ops", "Ops, bfloat16"), ("layers", "Layers, bfloat16 weights"),
+                           (gpu_paper.SECTION, gpu_paper.TITLE)):
         grouped = _by_pass(rows, section)
         if not grouped:
             continue
