@@ -46,3 +46,32 @@ def test_the_experiments_listed_without_importing_them_are_the_registered_ones()
     from fastweights.reproduce import EXPERIMENTS, NAMES
 
     assert set(EXPERIMENTS) == set(NAMES) and len(NAMES) == len(set(NAMES))
+
+
+def test_reproduce_defaults_to_each_records_seeds_enough_for_a_verdict(monkeypatch, tmp_path):
+    """`fastweights reproduce NAME` without --seeds runs the record's seeds, at least the rule's
+    minimum (a verdict, not "inconclusive: fewer than 4 seeds"), and --help says how long."""
+    import fastweights.reproduce.driver as driver
+    from fastweights.cli import main
+    from fastweights.cli.main import build_parser
+    from fastweights.reproduce import NAMES, SEEDS
+    from fastweights.reproduce.common import MIN_SEEDS
+
+    assert set(SEEDS) == set(NAMES)
+    assert all(len(seeds) >= MIN_SEEDS and "min" in time for seeds, time in SEEDS.values())
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["reproduce"]
+                    .format_help().split())
+    assert all(f"{name} " in text and f"~{time}" in text for name, (_, time) in SEEDS.items())
+    got = {}
+
+    def fake(name, out, seeds, **kw):
+        got[name] = seeds
+        (out / "results.md").parent.mkdir(parents=True, exist_ok=True)
+        (out / "results.md").write_text("## Claims\n\n## Runs\n")
+        return out / "results.md"
+
+    monkeypatch.setattr(driver, "reproduce", fake)
+    assert main(["reproduce", "fwp-lm", "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    assert got["fwp-lm"] == list(SEEDS["fwp-lm"][0]) and len(got["fwp-lm"]) >= 6
+    assert main(["reproduce", "aft", "--quick", "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert got["aft"] == [0]

@@ -92,6 +92,12 @@ def test_windows_loss_fresh_and_with_context():
     span = data[starts[:, None] - 32 + torch.arange(49)].long()
     assert carried == pytest.approx(lm.range_loss(model, span, span[:, :32], 32, 48, 16), abs=1e-5)
     assert abs(carried - fresh) > 1e-4  # the context changes the reading of a model with a memory
+    # the per-window losses (windows.csv): each window's own mean loss, averaging to the above
+    per = lm.windows_losses(model, data, starts, 16, batch=4)
+    with torch.no_grad():
+        own = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none").mean(1)
+    assert per.shape == (6,) and torch.allclose(per, own.double(), atol=1e-5)
+    assert float(per.mean()) == pytest.approx(fresh, abs=1e-9)
 
 
 def test_extra_seeds_for_some_models_keep_every_finished_run(tmp_path):

@@ -1,5 +1,6 @@
 """long-context's built-in control: each position range read after the stream's own prefix,
-after an unrelated stream's prefix, and from a fresh state."""
+after an unrelated stream's prefix, from a fresh state, and window by window (the truncated
+reading the truncation control is judged by); the per-stream losses and the bigram bar."""
 
 from __future__ import annotations
 
@@ -47,8 +48,44 @@ def test_own_prefix_is_the_ordinary_reading(mixer, options, data):
         assert got[lc.control_metric("own", lo, hi)] == pytest.approx(float(per_position[lo:hi].mean()), abs=1e-5)
     # a model with a memory reads the three prefixes differently
     lo, hi = lc.control_ranges(SETTINGS)[-1]
-    values = [got[lc.control_metric(c, lo, hi)] for c in lc.CONDITIONS]
+    values = [got[lc.control_metric(c, lo, hi)] for c in ("own", "unrelated", "fresh")]
     assert len({round(v, 6) for v in values}) == 3, values
+
+
+@pytest.mark.parametrize("mixer", ["delta", "linear"])
+def test_the_window_reading_scores_every_window_from_a_fresh_state(mixer, data):
+    m, x = model(mixer), streams(data)
+    per_stream: dict[str, list[float]] = {}
+    got = lc.control_losses(m, x, FILES, SETTINGS, per_stream)
+    for lo, hi in lc.control_ranges(SETTINGS):
+        pieces = [lm.range_loss(m, x[:, a:], None, 0, 16, 16) for a in range(lo, hi, 16)]
+        assert got[lc.control_metric("window", lo, hi)] == pytest.approx(sum(pieces) / len(pieces), abs=1e-6)
+    lo, hi = lc.control_ranges(SETTINGS)[-1]
+    # past one window the carried fresh reading and the window-by-window one differ
+    assert abs(got[lc.control_metric("window", lo, hi)] - got[lc.control_metric("fresh", lo, hi)]) > 1e-4
+    # the per-stream losses of the last range average to the metric
+    assert set(per_stream) == {lc.control_metric(c, lo, hi) for c in lc.CONDITIONS}
+    for name, values in per_stream.items():
+        assert len(values) == 4 and sum(values) / 4 == pytest.approx(got[name], abs=1e-6)
+
+
+def test_the_bigram_bar_scores_the_windows_targets_from_the_byte_before():
+    from fastweights.tasks.text import Corpus
+
+    train = torch.tensor([1, 2, 1, 2, 1, 3] * 50, dtype=torch.uint8)
+    val = torch.tensor([1, 2, 1, 3, 1, 2, 5], dtype=torch.uint8)
+    corpus = Corpus("t", train, val)
+    table = lm.bigram_table(corpus)
+    ones = torch.bincount(train.long()[:-1], minlength=256)[1]
+    # add-one: p(2 | 1) = (count(1, 2) + 1) / (count(1) + 256)
+    assert table[1, 2].exp().item() == pytest.approx((100 + 1) / (int(ones) + 256))
+    assert table.exp().sum(1) == pytest.approx(torch.ones(256, dtype=torch.float64))
+    got = lm.bigram_loss(corpus, val, torch.tensor([0, 2]), 3)  # bytes 1,2,1,3 and 1,3,1,2
+    pairs = [(1, 2), (2, 1), (1, 3), (1, 3), (3, 1), (1, 2)]
+    assert got == pytest.approx(-sum(table[a, b].item() for a, b in pairs) / 6)
+    assert lm.trained_metrics(2.0, 2.5) == {"bigram": 2.5, "trained": 1.0}
+    assert lm.trained_metrics(2.6, 2.5)["trained"] == 0.0
+    assert lm.trained_metrics(9.0, None) == {"trained": 1.0}
 
 
 def test_a_model_without_memory_beyond_its_block_cannot_tell_the_prefixes_apart(data):

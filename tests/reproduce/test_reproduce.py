@@ -19,7 +19,7 @@ import pytest
 from fastweights.cli import main
 from fastweights.models import LMConfig
 from fastweights.reproduce import EXPERIMENTS
-from fastweights.reproduce.common import ReproduceError, decide
+from fastweights.reproduce.common import VERDICTS, ReproduceError, decide, read_windows
 from fastweights.reproduce.lm import count_parameters, log_buckets, match_parameters
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -41,8 +41,10 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
 
 
-CARRIED = {"fwp-lm": {"linear_sum_carried", "linear_delta_carried"},
-           "long-context": {"linear", "delta", "ttt-linear", "ttt-mlp", "infini", "diag_norm"}}
+CARRIED = {"fwp-lm": {"linear_sum_carried", "linear_delta_carried", "linear_sum_reset", "linear_delta_reset"},
+           "long-context": {"linear", "delta", "ttt-linear", "ttt-mlp", "infini", "diag_norm",
+                            "linear_reset", "delta_reset"}}
+RESET = {"fwp-lm": {"linear_sum_reset", "linear_delta_reset"}, "long-context": {"linear_reset", "delta_reset"}}
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
@@ -67,17 +69,20 @@ def test_quick_end_to_end(name, tmp_path, text_file):
         assert len({r["tokens"] for r in rows}) == 1
     md = (out / "results.md").read_text()
     table = md[md.index("## Claims"):md.index("Verdict rule")]
-    verdicts = re.findall(r"\*\*(reproduced|not reproduced|smaller than claimed|inconclusive|not measured)\*\*",
-                          table)
+    verdicts = re.findall(r"\*\*(" + "|".join(map(re.escape, VERDICTS)) + r")\*\*", table)
     claim_rows = [line for line in table.splitlines()
                   if line.startswith("| ") and not line.startswith("| claim |")]
     assert len(verdicts) == len(claim_rows) and verdicts  # one verdict per claim row
     assert "± " in table  # two seeds: a spread
     assert "## Claims" in res.stdout
-    if name in CARRIED:  # which runs trained with the state carried across windows
-        recorded = {p.parent.name.rsplit("__", 1)[0]: json.loads(p.read_text())["train"]["carry_state"]
+    if name in CARRIED:  # which runs trained on carried-state segments, which reset the state
+        recorded = {p.parent.name.rsplit("__", 1)[0]: json.loads(p.read_text())["train"]
                     for p in (out / "runs").glob("*/run.json")}
-        assert recorded and {k for k, v in recorded.items() if v} == CARRIED[name], recorded
+        assert recorded and {k for k, v in recorded.items() if v["carry_state"]} == CARRIED[name], recorded
+        assert {k for k, v in recorded.items() if v["reset_state"]} == RESET[name], recorded
+    windows = read_windows(out / "windows.csv")  # every LM run's per-window evaluation losses
+    if name in ("fwp-lm", "long-context", "aft", "transnormer", "ttt-ablation"):
+        assert windows and {(r["model"], int(r["seed"])) for r in rows} <= {k[:2] for k in windows}
     pytest.importorskip("matplotlib")
     pngs = list(out.glob("*.png"))
     assert pngs and all(p.stat().st_size > 1000 for p in pngs)
@@ -107,9 +112,9 @@ def test_resume_after_kill_keeps_finished_runs(tmp_path, text_file):
     assert "1 finished run(s) reused" in res.stderr
     assert first.read_text() == kept and first.stat().st_mtime_ns == mtime  # not retrained
     rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
-    # 11 fwp-lm models: 3 feature maps x 2 rules, (a) and (b) on the delta model, the two
-    # carried ones (c), softmax
-    assert len(rows) == 11 and json.loads(kept)["model"] in {r["model"] for r in rows}
+    # 13 fwp-lm models: 3 feature maps x 2 rules, (a) and (b) on the delta model, the two
+    # carried ones (c) and their truncation controls, softmax
+    assert len(rows) == 13 and json.loads(kept)["model"] in {r["model"] for r in rows}
 
 
 def test_foreign_out_is_refused_and_overwrite_keeps_other_files(tmp_path, text_file, capsys):
@@ -217,3 +222,17 @@ def test_render_rewrites_results_md_from_the_recorded_csv_without_training(tmp_p
     assert main(["reproduce", "fwp-recall", "--render", "--out", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "holds no reproduction" in err
+
+
+def test_steps_factor_trains_k_times_the_steps_and_records_it(tmp_path, text_file):
+    from fastweights.reproduce.driver import reproduce
+
+    out = tmp_path / "x"
+    reproduce("fwp-lm", out, [0], quick=True, data=text_file, models=["linear (delta)"],
+              steps_factor=2, progress=False)
+    rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
+    manifest = json.loads((out / "reproduce.json").read_text())
+    assert [r["steps"] for r in rows] == ["6"]  # the quick size's 3 steps, twice
+    assert manifest["settings"]["steps"] == 6 and manifest["settings"]["steps_factor"] == 2
+    with pytest.raises(ReproduceError, match="steps-factor"):
+        reproduce("fwp-lm", tmp_path / "y", [0], quick=True, data=text_file, steps_factor=0)

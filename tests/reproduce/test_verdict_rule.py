@@ -1,6 +1,7 @@
 """The reproductions' verdict rule on synthetic numbers: direction, pairing by seed, the Student-t
-interval, "smaller than claimed", the seed counts, equality, floor and ceiling (not measured),
-runs that did not train, divergence, and the audits' cases."""
+interval, each label (reproduced, not reproduced, right direction but smaller than claimed, no
+effect, inconclusive), the seed counts, one seed set per record, equality, floor and ceiling (not
+measured), runs that did not train, divergence, the windows' noise, Holm, and the audits' cases."""
 
 from __future__ import annotations
 
@@ -10,13 +11,22 @@ import statistics
 import pytest
 
 from fastweights.reproduce.common import (
+    INCONCLUSIVE,
+    NO_EFFECT,
+    NOT_MEASURED,
+    NOT_REPRODUCED,
+    REPRODUCED,
     SMALLER,
     Claim,
     decide,
+    holm,
     judge,
+    judged_seeds,
+    p_value,
     read_csv,
     t_cdf_two_sided,
     t_quantile,
+    window_se,
     write_csv,
 )
 
@@ -59,7 +69,7 @@ def test_the_noise_is_the_student_t_interval_of_the_paired_differences():
     assert not unpaired.paired and unpaired.verdict == "inconclusive"  # seed spread 0.5 swamps it
     # a difference that flips sign between seeds is noise when paired
     flip = decide(seeds(1.0, 1.0, 1.0, 1.0), seeds(1.2, 0.85, 1.2, 0.85), "better", paired=True)
-    assert flip.verdict == "inconclusive"
+    assert flip.verdict == INCONCLUSIVE
 
 
 def test_pairing_uses_the_seeds_both_sides_have():
@@ -77,27 +87,135 @@ def test_welch_for_unpaired_sides():
     assert v.noise == pytest.approx(t_quantile(0.95, math.floor(dof)) * math.sqrt(va + vb))
 
 
-def test_an_effect_whose_interval_excludes_the_claimed_size_is_smaller_than_claimed():
+def test_an_effect_whose_interval_lies_above_0_and_below_the_margin_is_smaller_than_claimed():
     # long-context, sum rule carried: own - fresh +0.0069 and +0.0017 per seed against a 10 %
-    # collapse (margin ~0.28): with enough seeds the interval excludes the claimed collapse
+    # collapse (margin ~0.28): the interval lies above 0 and excludes the claimed collapse
     collapse = decide(seeds(2.821, 2.815, 2.818, 2.820, 2.816, 2.819),
                       seeds(2.814, 2.813, 2.815, 2.812, 2.814, 2.815), "degrades", paired=True,
                       margin=0.1)
-    assert collapse.verdict == SMALLER
+    lo, hi = -collapse.d - collapse.noise, -collapse.d + collapse.noise
+    assert lo > 0 and hi < collapse.margin and collapse.verdict == SMALLER
     # ... and a tiny but clear effect under a 1 % margin is smaller than claimed, not reproduced
     tiny = decide(seeds(2.000, 2.001, 2.000, 2.002, 2.001, 2.000),
                   seeds(2.005, 2.006, 2.006, 2.007, 2.005, 2.006), "better", paired=True)
-    assert 0 < tiny.d < tiny.margin and tiny.verdict == SMALLER
+    assert 0 < tiny.d < tiny.margin and tiny.interval[0] > 0 and tiny.verdict == SMALLER
     # with noise reaching past the margin it stays inconclusive
     wide = decide(seeds(2.0, 2.0, 2.0, 2.0, 2.0, 2.0), seeds(2.0, 2.06, 1.97, 2.05, 1.96, 2.04),
                   "better", paired=True)
-    assert wide.verdict == "inconclusive"
+    assert wide.verdict == INCONCLUSIVE
 
 
-def test_a_clear_opposite_effect_refutes_a_collapse():
-    fall = decide(seeds(2.777, 2.845, 2.80, 2.79), seeds(2.870, 2.925, 2.90, 2.88), "degrades",
-                  paired=True, margin=0.1)
-    assert fall.verdict == "not reproduced"
+def _shifted(d: float, spread: float, n: int = 6, base: float = 2.0) -> tuple[dict, dict]:
+    """A, B with per-seed differences B - A = d + spread x (a fixed pattern of mean 0, sd 1)."""
+    pattern = [-1.2, 0.9, -0.4, 1.3, -0.8, 0.2, 0.6, -0.6][:n]
+    mean, sd = statistics.fmean(pattern), statistics.stdev(pattern)
+    return seeds(*[base] * n), seeds(*[base + d + spread * (x - mean) / sd for x in pattern])
+
+
+@pytest.mark.parametrize("d, spread, kind, label", [
+    # six seeds: margin = 1 % of |mean(B)| ~ 0.02; half-width = 2.571 x spread / sqrt(6) ~ 1.05 x spread
+    (0.05, 0.005, "better", REPRODUCED),         # interval above 0, estimate beyond the margin
+    (0.021, 0.015, "better", REPRODUCED),        # lower end above 0 (~0.005) and d >= margin
+    (0.03, 0.04, "better", INCONCLUSIVE),        # d beyond the margin but the interval holds 0
+    (0.01, 0.004, "better", SMALLER),            # interval [~0.006, ~0.014]: above 0, below margin
+    (0.015, 0.008, "better", INCONCLUSIVE),      # above 0 but reaching the margin: size undecided
+    (0.002, 0.01, "better", NO_EFFECT),          # around 0, inside +-margin
+    (0.0, 0.01, "better", NO_EFFECT),
+    (0.0, 0.03, "better", INCONCLUSIVE),         # around 0 but reaching past the margin
+    (-0.01, 0.004, "better", NOT_REPRODUCED),    # a resolved reversal of half the margin
+    (-0.002, 0.0005, "better", NOT_REPRODUCED),  # ... whatever its size
+    (-0.3, 0.01, "better", NOT_REPRODUCED),
+    (-0.01, 0.004, "degrades", SMALLER),         # A > B: the same with -d
+    (0.01, 0.004, "degrades", NOT_REPRODUCED),
+])
+def test_each_label_is_what_the_interval_says(d, spread, kind, label):
+    a, b = _shifted(d, spread)
+    v = decide(a, b, kind, paired=True)
+    e = v.d if kind == "better" else -v.d
+    lo, hi = e - v.noise, e + v.noise
+    assert v.verdict == label, (v, lo, hi, v.margin)
+    if label == REPRODUCED:
+        assert lo > 0 and e >= v.margin
+    elif label == NOT_REPRODUCED:
+        assert hi < 0
+    elif label == SMALLER:
+        assert lo > 0 and hi < v.margin
+    elif label == NO_EFFECT:
+        assert -v.margin < lo <= 0 <= hi < v.margin
+
+
+def test_a_resolved_reversal_is_never_smaller_than_claimed():
+    # the audit's case: a true reversal of half the margin at 6-8 seeds, drawn many times: the
+    # rule says "not reproduced" whenever the interval lies below 0, and never "smaller"
+    import random
+
+    rng = random.Random(0)
+    labels = []
+    for _ in range(300):
+        n = rng.choice([6, 7, 8])
+        v = decide(seeds(*[2.0] * n), seeds(*[1.99 + rng.gauss(0, 0.008) for _ in range(n)]),
+                   "better", paired=True)
+        labels.append(v.verdict)
+        assert v.verdict == NOT_REPRODUCED or v.interval[1] >= 0
+        assert v.verdict not in (SMALLER, REPRODUCED)
+    assert labels.count(NOT_REPRODUCED) > 0.7 * len(labels)
+
+
+def test_a_collapse_claim_is_refuted_by_an_opposite_effect_of_any_size():
+    # "degrades by 10 %" against a resolved small improvement: not reproduced, not "smaller"
+    fall = decide(seeds(2.40, 2.41, 2.40, 2.41, 2.40, 2.41), seeds(2.42, 2.43, 2.425, 2.43, 2.42, 2.43),
+                  "degrades", paired=True, margin=0.1)
+    assert fall.interval[0] > 0 and fall.verdict == NOT_REPRODUCED  # d > 0: A lower, not higher
+    big = decide(seeds(2.777, 2.845, 2.80, 2.79), seeds(2.870, 2.925, 2.90, 2.88), "degrades",
+                 paired=True, margin=0.1)
+    assert big.verdict == NOT_REPRODUCED
+
+
+def test_p_values_and_holm():
+    # p of d = 0 matches the t table: t = 2.571 with 5 dof is p = 0.05
+    assert p_value(2.5706, 1.0, 5) == pytest.approx(0.05, abs=1e-4)
+    assert p_value(0.0, 1.0, 5) == pytest.approx(1.0) and math.isnan(p_value(1.0, NAN, 3))
+    assert p_value(1.0, 0.0, 3) == 0.0
+    # Holm: sorted ascending, the k-th smallest (0-based) x (m - k), running maximum, capped at 1
+    assert holm([0.01, 0.04, 0.03, NAN]) == pytest.approx([0.03, 0.06, 0.06, NAN], nan_ok=True)
+    assert holm([0.5, 0.6]) == [1.0, 1.0]
+    a, b = _shifted(0.05, 0.005)
+    v = decide(a, b, "better", paired=True)
+    assert v.p == pytest.approx(p_value(v.d, v.se, 5)) and v.p < 1e-4 and v.dof == 5
+
+
+def test_the_evaluation_windows_add_their_noise():
+    a, b = _shifted(0.01, 0.004)
+    seeds_only = decide(a, b, "better", paired=True)
+    both = decide(a, b, "better", paired=True, eval_se=0.01)
+    assert both.se == pytest.approx(math.hypot(seeds_only.se, 0.01))
+    assert both.noise > seeds_only.noise and both.eval_se == 0.01
+    assert seeds_only.verdict == SMALLER and both.verdict == INCONCLUSIVE
+    # window_se: per window the seeds' mean difference B - A, its sd over windows / sqrt(W)
+    w = {("a", 0, "loss"): [1.0, 2.0, 3.0], ("a", 1, "loss"): [1.0, 2.0, 3.0],
+         ("b", 0, "loss"): [1.1, 2.3, 3.2], ("b", 1, "loss"): [1.3, 2.3, 3.0]}
+    assert window_se(w, ("a", "loss"), ("b", "loss"), [0, 1]) == pytest.approx(
+        statistics.stdev([0.2, 0.3, 0.1]) / math.sqrt(3))
+    assert window_se(w, ("a", "loss"), ("b", "loss"), [0, 1, 2]) is None  # seed 2 not recorded
+
+
+def test_every_claim_of_a_record_is_judged_on_the_same_seeds():
+    # seeds 4, 5 added to a and b only (to settle their claim): left out of every verdict
+    table = [*[("a", s, {"loss": 1.0 + 0.001 * s}) for s in range(6)],
+             *[("b", s, {"loss": 1.02 + 0.0012 * s}) for s in range(6)],
+             *[("c", s, {"loss": 3.0}) for s in range(4)]]
+    rows = rows_of(table)
+    claims = [Claim("a < b", "p", ("a", "loss"), ("b", "loss"), source=SRC),
+              Claim("a < c", "p", ("a", "loss"), ("c", "loss"), source=SRC)]
+    assert judged_seeds(rows, claims) == [0, 1, 2, 3]
+    (_, v), (_, w) = judge(rows, claims)
+    assert v.n_a == v.n_b == 4 and sorted(v.diffs) == [0, 1, 2, 3] and w.n_a == 4
+    assert v.verdict == INCONCLUSIVE and "needs 6 seeds" in v.reason
+    # alone, the claim has its six seeds
+    (_, alone), = judge(rows, claims[:1])
+    assert alone.n_a == 6 and alone.verdict == REPRODUCED
+    # Holm over the measured claims
+    assert [v.p_holm, w.p_holm] == pytest.approx(holm([v.p, w.p]))
 
 
 def test_fewer_than_four_seeds_give_no_verdict():
@@ -186,7 +304,7 @@ def test_judge_pairs_by_seed_and_a_run_that_did_not_train_is_not_measured():
                                   Claim("b < stuck", "p", ("b", "loss"), ("stuck", "loss"), source=SRC)])
     assert v.verdict == "reproduced" and v.paired and v.diffs == pytest.approx(dict.fromkeys(range(4), 1.0))
     # one of stuck's four runs did not train: no verdict, although the numbers would give one
-    assert w.verdict == "not measured" and "did not train: stuck seed 2" in w.reason
+    assert w.verdict == NOT_MEASURED and "did not train: stuck seed 2" in w.reason
     assert w.d == pytest.approx(0.985)
     (_, u), = judge(rows, [Claim("a faster", "p", ("a", "loss"), ("b", "loss"), unmeasured="shared machine",
                                  source=SRC)])

@@ -139,6 +139,28 @@ def test_the_hand_loop_without_carrying_differs(corpus):
     assert carried[0] == fresh[0] and abs(carried[1] - fresh[1]) > 1e-3
 
 
+def test_the_truncation_control_equals_the_same_loop_with_the_state_reset_every_window(tmp_path, corpus):
+    """reset_state: the carried run's segments in the same order, every window from a fresh
+    state (docs/reproductions.md, "The truncation control"): the hand loop without carrying."""
+    cfg = train_cfg(reset_state=True)
+    losses = train(tmp_path / "run", model_cfg(), cfg, corpus, progress=False)
+    expected, resets = hand_loop(model_cfg(), cfg, corpus.train, carry=False)
+    carried, _ = hand_loop(model_cfg(), cfg, corpus.train)
+    assert resets >= 1
+    assert max(abs(a - b) for (_, a), b in zip(losses, expected)) < 1e-6
+    assert losses[0][1] == pytest.approx(carried[0], abs=1e-6)  # same weights, same first window
+    assert abs(losses[1][1] - carried[1]) > 1e-3  # and then only the truncation differs
+    _, ckpt_opt, _ = load_checkpoint(tmp_path / "run")
+    assert ckpt_opt["carry"]["state"] is None and ckpt_opt["carry"]["position"]["window"] >= 1
+    # resumed mid-way it continues the same segments
+    part = train(tmp_path / "cut", model_cfg(), train_cfg(reset_state=True, save_every=9), corpus,
+                 stop_after=12, progress=False)
+    rest = train(tmp_path / "cut", None, None, corpus, resume=True, progress=False)
+    assert part[:9] + rest == losses
+    with pytest.raises(ValueError, match="reset_state needs carry_state"):
+        train_cfg(carry_state=False, reset_state=True)
+
+
 def test_carried_training_resumes_exactly(tmp_path, corpus):
     cfg = train_cfg(steps=26, eval_every=13)
     full = train(tmp_path / "full", model_cfg(), cfg, corpus, progress=False)

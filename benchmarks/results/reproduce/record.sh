@@ -2,9 +2,9 @@
 # Record reproductions one after another (issue 35): for each NAME SEEDS pair, run
 #   python -m fastweights reproduce NAME --seeds SEEDS --out runs/reproduce/NAME
 # with one thread under nice, timed by /usr/bin/time -v (CPU time, peak memory: the log), then copy
-# the record's files (reproduce.json, results.csv, results.md, PNGs) into
-# benchmarks/results/reproduce/NAME, leaving its README.md alone. A rerun continues an interrupted
-# reproduction from its finished runs.
+# the record's files (reproduce.json, results.csv, windows.csv, PNGs) into
+# benchmarks/results/reproduce/NAME and render it there (results.md, and README.md from its
+# README.in.md). A rerun continues an interrupted reproduction from its finished runs.
 #
 #   nohup nice -n 10 benchmarks/results/reproduce/record.sh fwp-lm 0,1,2,3,4,5 long-context 0,1,2,3 &
 #
@@ -41,6 +41,8 @@ reproduce(name, Path("runs/reproduce") / name, [int(s) for s in sys.argv[2].spli
     mkdir -p "$dest"
     rm -f "$dest"/*.png
     cp runs/reproduce/"$name"/{reproduce.json,results.csv,results.md} "$dest"/
-    cp runs/reproduce/"$name"/*.png "$dest"/ 2>/dev/null || true
+    cp runs/reproduce/"$name"/windows.csv runs/reproduce/"$name"/*.png "$dest"/ 2>/dev/null || true
+    # the record is its rendering (results.md, and README.md from README.in.md): tests/reproduce/test_records.py
+    python -m fastweights reproduce "$name" --render --out "$dest" --quiet >> "$log" 2>&1
   fi
 done

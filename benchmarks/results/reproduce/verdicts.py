@@ -1,8 +1,9 @@
 """The README's reproductions table, re-rendered from the records (issue 35), and the list of
 verdict changes against an earlier version of the records.
 
-    python benchmarks/results/reproduce/verdicts.py table            # the README table (markdown)
-    python benchmarks/results/reproduce/verdicts.py changes [REV]    # claim by claim, REV (main) -> now
+    python benchmarks/results/reproduce/verdicts.py table            # the docs table (markdown)
+    python benchmarks/results/reproduce/verdicts.py changes [REV]    # every relabelled row, REV (main) -> now
+    python benchmarks/results/reproduce/verdicts.py all [REV]        # every row, relabelled or not
 
 Reads each record's results.md (``## Claims`` and the controls table); the earlier verdicts come
 from ``git show REV:<record>/results.md``. Claims renamed since then are matched through
@@ -20,6 +21,13 @@ HERE = Path(__file__).resolve().parent
 RECORDS = ("fwp-recall", "fwp-lm", "ttt-ablation", "long-context", "infini-passkey",
            "infini-passkey-digits", "infini-passkey-bytes", "transnormer", "aft")
 # new claim name (prefix) -> the earlier name (prefix)
+# new claim name -> the earlier name, whole (issue 44: (c) judged against the truncation control)
+RENAMED_EXACT = {
+    "(c) delta: no truncation < truncated (the same segments, the state reset at every window)":
+        "(c) delta: no truncation < truncated",
+    "(c) sum rule: no truncation collapses (> 10 % worse than truncated on the same segments)":
+        "(c) sum rule: no truncation collapses (> 10 % worse than truncated)",
+}
 RENAMED = {
     "(b) NormAttention's gradient stays bounded": "(b) NormAttention's gradient norm max",
     "delta memory and linear memory alike": "delta memory no worse than linear",
@@ -58,6 +66,8 @@ def claims(md: str) -> list[tuple[str, str, list[str]]]:
 
 
 def old_name(name: str) -> str:
+    if name in RENAMED_EXACT:
+        return RENAMED_EXACT[name]
     for new, old in RENAMED.items():
         if name.startswith(new):
             return old + name[len(new):] if not name.startswith(old) else name
@@ -78,8 +88,26 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def changes(rev: str) -> str:
-    out = []
+SMALLER_OLD = "smaller than claimed"  # the label before issue 44
+INTERVAL = re.compile(r"interval \[([-+0-9.e]+), ([-+0-9.e]+)\]")
+
+
+def wrong_side(cells: list[str]) -> bool:
+    """A "smaller than claimed" row whose interval lies entirely on the wrong side of 0 (for a
+    "degrades" claim, ">" in the ours cell, the claimed side is d < 0)."""
+    m = INTERVAL.search(cells[-2])
+    if not m or "smaller than claimed" not in verdict(cells[-1]):
+        return False
+    lo, hi = float(m.group(1)), float(m.group(2))
+    degrades = " > B = " in cells[3]
+    return lo > 0 if degrades else hi < 0
+
+
+def changes(rev: str, every: bool = False) -> str:
+    """Claim by claim, the verdict at ``rev`` -> now, with the current numbers: only the rows
+    whose label changed (and new or dropped ones) unless ``every``; then a check that no
+    "smaller than claimed" row has its interval entirely on the wrong side."""
+    out, bad = [], []
     for rec in RECORDS:
         now = claims((HERE / rec / "results.md").read_text())
         try:
@@ -90,14 +118,20 @@ def changes(rev: str) -> str:
         before = {name: (kind, cells) for kind, name, cells in claims(before_md)}
         for kind, name, cells in now:
             prev = before.get(name) or before.get(old_name(name))
-            was = "new" if prev is None else f"{verdict(prev[1][-1])} ({prev[0]})"
-            out.append(f"- {rec} [{kind}] {name}: {was} -> {verdict(cells[-1])}; {cells[-2]}")
+            was = "new" if prev is None else verdict(prev[1][-1])
+            if every or was != verdict(cells[-1]):
+                out.append(f"- {rec} [{kind}] {name}: {was} -> {verdict(cells[-1])}; {cells[-2]}")
+            if wrong_side(cells):
+                bad.append(f"{rec}: {name}")
         seen = {name for _, name, _ in now} | {old_name(n) for _, n, _ in now}
         out += [f"- {rec} [{kind}] {name}: {verdict(cells[-1])} -> dropped"
                 for name, (kind, cells) in before.items() if name not in seen]
+    out.append(f"\n{len([o for o in out if o.startswith('- ')])} rows listed. 'smaller than claimed' rows "
+               "with the interval entirely on the wrong side: " + ("; ".join(bad) or "none"))
     return "\n".join(out)
 
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "table"
-    print(table() if what == "table" else changes(sys.argv[2] if len(sys.argv) > 2 else "main"))
+    rev = sys.argv[2] if len(sys.argv) > 2 else "main"
+    print(table() if what == "table" else changes(rev, every=what == "all"))

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from .._commands import UserError, user_errors
-from ..reproduce import NAMES
+from ..reproduce import NAMES, SEEDS
 
 NAME = "reproduce"
 DESCRIPTION = ("Train the small models an experiment needs and write results.csv, results.md "
@@ -16,8 +16,11 @@ DESCRIPTION = ("Train the small models an experiment needs and write results.csv
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME", help=f"the experiment: {', '.join(NAMES)}")
+    defaults = "; ".join(f"{name} {_span(seeds)}, ~{time}" for name, (seeds, time) in SEEDS.items())
     p.add_argument("--seeds", default=None,
-                   help="comma-separated seeds, e.g. 0,1,2 (default: 0,1; --quick: 0)")
+                   help="comma-separated seeds, e.g. 0,1,2,3 (default: the record's seeds, "
+                        "enough for a verdict, and about what they take on one idle CPU core: "
+                        f"{defaults}; --quick: 0)")
     p.add_argument("--quick", action="store_true",
                    help="CI-sized version: every run of the experiment in seconds")
     p.add_argument("--data", default="stdlib",
@@ -29,7 +32,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--render", action="store_true",
                    help="train nothing: rewrite results.md in --out from its recorded "
                         "results.csv with the current claims and verdict rule (plots kept)")
+    p.add_argument("--steps-factor", type=int, default=1, metavar="K",
+                   help="train every run K times the experiment's steps (one step past toy "
+                        "scale; default --out runs/reproduce/NAME-Kx)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _span(seeds: tuple[int, ...]) -> str:
+    """(0, 1, 2, 3) -> "0-3" (consecutive seeds), else comma-separated."""
+    if len(seeds) > 2 and list(seeds) == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ",".join(map(str, seeds))
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -49,13 +62,16 @@ def run(args: argparse.Namespace) -> int:
 
     with user_errors((ReproduceError,)):
         exp = experiment(args.name)
-        seeds = parse_seeds(args.seeds) if args.seeds is not None else ([0] if args.quick else [0, 1])
-        out = Path(args.out) if args.out else Path("runs") / "reproduce" / exp.name
+        seeds = (parse_seeds(args.seeds) if args.seeds is not None else
+                 [0] if args.quick else list(SEEDS[exp.name][0]))
+        out = (Path(args.out) if args.out else Path("runs") / "reproduce" /
+               (exp.name if args.steps_factor == 1 else f"{exp.name}-{args.steps_factor}x"))
         if args.render:
             md = render(out, exp.name)
         else:
             md = reproduce(exp.name, out, seeds, quick=args.quick, data=args.data,
-                           overwrite=args.overwrite, progress=not args.quiet)
+                           overwrite=args.overwrite, progress=not args.quiet,
+                           steps_factor=args.steps_factor)
     text = md.read_text()
     claims = text[text.index("## Claims"):text.index("## Runs")].strip()
     print(claims.split("\n\nVerdict rule")[0])

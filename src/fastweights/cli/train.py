@@ -138,6 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "of one long stream and starts from the previous step's state, detached (no "
              "truncation of the context; fixed-size-state mixers only, not with --pack)",
              action="store_true")
+    _setting(p, "--reset-state", False,
+             "with --carry-state: read the same stream segments in the same order but start "
+             "every window from a fresh state (the control that separates the truncation from "
+             "the data order)", action="store_true")
     _setting(p, "--recompute", False,
              "gradient checkpointing: keep only each block's input and recompute its activations "
              "in the backward pass (less memory, about one more forward)", action="store_true")

@@ -27,7 +27,8 @@ from ..train.checkpoint import write_atomic
 MANIFEST = "reproduce.json"
 RUNS = "runs"
 RESULT_FILE = "result.json"
-OUTPUTS = (MANIFEST, RUNS, "results.csv", "results.md")  # plus the experiment's PNG files
+WINDOWS = "windows.csv"  # the runs' per-window evaluation losses, where an experiment records them
+OUTPUTS = (MANIFEST, RUNS, "results.csv", "results.md", WINDOWS)  # plus the experiment's PNG files
 BASE_FIELDS = ("experiment", "model", "seed", "parameters", "steps", "tokens", "seconds")
 
 # The verdict rule's constants (quoted in every results.md).
@@ -44,8 +45,17 @@ KINDS = {
     "not_worse": ("<=", "A is no higher than B (matches or beats it)"),
     "flat": ("~", "A and B are equal within the margin (an equality: they match)"),
 }
-SMALLER = "smaller than claimed"  # resolved: the interval excludes the claimed size
-VERDICTS = ("reproduced", "not reproduced", SMALLER, "inconclusive", "not measured")
+# The labels (docs/reproductions.md, "The verdict rule"); for a directional claim the interval of
+# the effect in the claimed direction decides: above 0 and the estimate at least the margin,
+# REPRODUCED; entirely on the wrong side of 0, NOT_REPRODUCED (whatever its size); above 0 and
+# below the margin, SMALLER; around 0 and inside +-margin, NO_EFFECT; anything else INCONCLUSIVE.
+REPRODUCED = "reproduced"
+NOT_REPRODUCED = "not reproduced"
+SMALLER = "right direction, smaller than claimed"
+NO_EFFECT = "no effect"
+INCONCLUSIVE = "inconclusive"
+NOT_MEASURED = "not measured"
+VERDICTS = (REPRODUCED, NOT_REPRODUCED, SMALLER, NO_EFFECT, INCONCLUSIVE, NOT_MEASURED)
 
 
 class ReproduceError(ValueError):
@@ -133,11 +143,38 @@ class Verdict:
     paired: bool = False
     diffs: dict[int, float] = field(default_factory=dict)  # per seed B - A, when paired
     reason: str = ""  # why not measured, or what the verdict rests on
+    se: float = math.nan       # the standard error of d (seeds, and evaluation windows if given)
+    dof: int = 0               # its degrees of freedom (0: unknown)
+    eval_se: float = math.nan  # the evaluation windows' share of se (nan: not recorded)
+    p: float = math.nan        # two-sided p-value of d = 0 (Student t), before any adjustment
+    p_holm: float = math.nan   # p Holm-adjusted over the record's claims (``judge``)
 
     @property
-    def threshold(self) -> float:
-        """max(noise, margin): the difference a directional claim must exceed."""
-        return max(self.margin, 0.0 if math.isnan(self.noise) else self.noise)
+    def interval(self) -> tuple[float, float]:
+        """The two-sided CONFIDENCE interval of d, (d - noise, d + noise) (nan: unknown)."""
+        return self.d - self.noise, self.d + self.noise
+
+
+def p_value(d: float, se: float, dof: int) -> float:
+    """The two-sided Student-t p-value of ``d`` = 0 with standard error ``se`` and ``dof``
+    degrees of freedom (nan when either is unknown)."""
+    if not (math.isfinite(d) and math.isfinite(se) and dof >= 1):
+        return math.nan
+    if se == 0:
+        return 1.0 if d == 0 else 0.0
+    return max(0.0, 1.0 - t_cdf_two_sided(abs(d) / se, dof))
+
+
+def holm(ps: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of the p-values ``ps`` (the family-wise error over the ones
+    that are not nan; nan stays nan): sorted ascending, the k-th smallest (0-based) is multiplied
+    by m - k and the running maximum taken, capped at 1."""
+    known = sorted((p, i) for i, p in enumerate(ps) if not math.isnan(p))
+    out, running = [math.nan] * len(ps), 0.0
+    for k, (p, i) in enumerate(known):
+        running = max(running, min(1.0, (len(known) - k) * p))
+        out[i] = running
+    return out
 
 
 def _finite_or_inf(values: Sequence[float]) -> list[float]:
@@ -197,9 +234,9 @@ def t_quantile(confidence: float, dof: int) -> float:
 def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Sequence[float],
            kind: str, *, paired: bool = False, floor: float | None = None,
            ceiling: float | None = None, margin: float = REL_MARGIN,
-           margin_abs: float | None = None) -> Verdict:
-    """The verdict rule; ``a`` and ``b`` are each side's values by seed (a sequence: seeds 0,
-    1, ...), lower is better.
+           margin_abs: float | None = None, eval_se: float | None = None) -> Verdict:
+    """The verdict rule (docs/reproductions.md, "The verdict rule"); ``a`` and ``b`` are each
+    side's values by seed (a sequence: seeds 0, 1, ...), lower is better.
 
     - No value on a side, both sides diverged (NaN), both at or above ``floor`` (not learned),
       or both at or below ``ceiling`` (perfect): **not measured**, the comparison says nothing.
@@ -208,31 +245,32 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
       per-seed differences over the common seeds and its standard error their spread /
       sqrt(n), with n - 1 degrees of freedom; unpaired: Welch's sqrt(s_a^2/n_a + s_b^2/n_b)
       with the Welch-Satterthwaite degrees of freedom (rounded down), with >= 2 seeds per side,
-      else unknown (only the margin applies: provisional). noise = the half-width of the
-      two-sided ``CONFIDENCE`` Student-t interval, t x the standard error; margin = ``margin``
-      x |mean(B)| (default REL_MARGIN), or ``margin_abs`` when given: the claimed size.
-    - ``better`` (A < B), with e = d: reproduced if e > max(noise, margin) (the interval above 0,
-      the estimate beyond the margin); not reproduced if e < -max(noise, margin') (margin' the
-      default margin where a claim asks for a larger effect: a clear opposite effect refutes a
-      collapse); **smaller than claimed** if the interval's upper end e + noise is below the
-      margin (it excludes the claimed size: the effect, if any, is smaller); else inconclusive.
-      ``degrades`` (A > B): the same with e = -d. A numerically worse A is never reproduced.
+      else unknown. ``eval_se``: the standard error that the finite set of evaluation windows
+      adds (``window_se``), added in quadrature. noise = the half-width of the two-sided
+      ``CONFIDENCE`` Student-t interval, t x the standard error; margin = ``margin`` x
+      |mean(B)| (default REL_MARGIN), or ``margin_abs`` when given: the claimed size.
+    - ``better`` (A < B): with e = d and the interval [e - noise, e + noise], **reproduced** if
+      the interval's lower end is above 0 and e is at least the margin; **not reproduced** if
+      the interval lies entirely below 0 (a resolved opposite effect, whatever its size);
+      **right direction, smaller than claimed** if it lies above 0 and below the margin; **no
+      effect** if it contains 0 and lies inside +-margin; else inconclusive. ``degrades`` (A >
+      B): the same with e = -d.
     - ``not_worse`` (A <= B): reproduced if A's excess -d is within the margin even at its noisy
       worst (-d + noise <= margin); not reproduced if -d - noise > margin; else inconclusive.
     - ``flat`` (A ~ B, an equality test): reproduced if the whole interval lies within
       +-margin (|d| + noise <= margin); not reproduced if it lies outside (|d| - noise > margin);
       else inconclusive.
     - Seeds: with fewer than ``MIN_SEEDS`` (pairs, or on the smaller side) a measured verdict
-      becomes inconclusive; a decided verdict whose |d| is within ``NEAR_FACTOR`` x the
-      boundary it was decided against (the margin; for a refutation of a directional claim the
-      opposite threshold) needs ``NEAR_SEEDS`` seeds, else it is inconclusive too (the reason
+      becomes inconclusive; a decided verdict whose |d| is within ``NEAR_FACTOR`` x the margin
+      (for a directional claim refuted by an opposite effect: the default 1 % margin, or the
+      claim's absolute one) needs ``NEAR_SEEDS`` seeds, else it is inconclusive too (the reason
       says so)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     sa, sb = _by_seed(a), _by_seed(b)
     ma, spa = mean_spread(list(sa.values()))
     mb, spb = mean_spread(list(sb.values()))
-    out = Verdict("not measured", ma, spa, mb, spb, math.nan, math.nan, math.nan, len(sa), len(sb))
+    out = Verdict(NOT_MEASURED, ma, spa, mb, spb, math.nan, math.nan, math.nan, len(sa), len(sb))
     if not sa or not sb:
         out.reason = "no run reports " + ("either side" if not sa and not sb else "A" if not sa else "B")
         return out
@@ -244,7 +282,7 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
         out.d = math.inf if a_lower else -math.inf
         out.reason = f"{'B' if a_lower else 'A'} diverged"
         wins = {"better": a_lower, "not_worse": a_lower, "degrades": not a_lower, "flat": False}
-        out.verdict = "reproduced" if wins[kind] else "not reproduced"
+        out.verdict = REPRODUCED if wins[kind] else NOT_REPRODUCED
         return out
     if floor is not None and ma >= floor and mb >= floor:
         out.reason = f"both sides at or beyond the floor of learning ({floor:g}): neither learned"
@@ -259,75 +297,97 @@ def decide(a: Mapping[int, float] | Sequence[float], b: Mapping[int, float] | Se
         out.diffs = {s: sb[s] - sa[s] for s in common}
         n = len(common)
         out.d = statistics.fmean(out.diffs.values())
-        out.noise = t_quantile(CONFIDENCE, n - 1) * statistics.stdev(out.diffs.values()) / math.sqrt(n)
+        out.se, out.dof = statistics.stdev(out.diffs.values()) / math.sqrt(n), n - 1
     else:
         out.d = mb - ma
         n = min(len(sa), len(sb))
         if len(sa) > 1 and len(sb) > 1:
             va, vb = spa ** 2 / len(sa), spb ** 2 / len(sb)
-            se = math.sqrt(va + vb)
             dof = ((va + vb) ** 2 / (va ** 2 / (len(sa) - 1) + vb ** 2 / (len(sb) - 1))
                    if va + vb > 0 else len(sa) + len(sb) - 2)
-            out.noise = t_quantile(CONFIDENCE, max(1, math.floor(dof + 1e-9))) * se
+            out.se, out.dof = math.sqrt(va + vb), max(1, math.floor(dof + 1e-9))
         if paired and common:
             out.diffs = {s: sb[s] - sa[s] for s in common}
+    if eval_se is not None and math.isfinite(eval_se) and math.isfinite(out.se):
+        out.eval_se = eval_se
+        out.se = math.sqrt(out.se ** 2 + eval_se ** 2)
+    if math.isfinite(out.se):
+        out.noise = t_quantile(CONFIDENCE, out.dof) * out.se
+        out.p = p_value(out.d, out.se, out.dof)
     noise = 0.0 if math.isnan(out.noise) else out.noise
-    d, margin, thr = out.d, out.margin, out.threshold
+    d, margin = out.d, out.margin
+    near = margin
     if kind in ("better", "degrades"):
         e = d if kind == "better" else -d
-        # the opposite direction counts beyond the default margin even where the claim asks for
-        # a larger effect (a collapse): a clear fall refutes "it collapses"
-        against = thr if margin_abs is not None else max(noise, min(out.margin, REL_MARGIN * abs(mb)))
-        out.verdict = ("reproduced" if e > thr else "not reproduced" if e < -against else
-                       SMALLER if not math.isnan(out.noise) and e + noise < margin else "inconclusive")
+        lo, hi = e - noise, e + noise
+        if lo > 0 and e >= margin:
+            out.verdict = REPRODUCED
+        elif hi < 0:
+            out.verdict = NOT_REPRODUCED
+            # a refutation's size is judged against the default margin (a collapse's 10 % is
+            # the size claimed, not the size of an opposite effect that refutes it)
+            near = margin if margin_abs is not None else min(margin, REL_MARGIN * abs(mb))
+        elif lo > 0 and hi < margin:
+            out.verdict = SMALLER
+        elif -margin < lo and hi < margin:
+            out.verdict = NO_EFFECT
+        else:
+            out.verdict = INCONCLUSIVE
+            out.reason = ("right direction (the interval above 0), size undecided: the interval "
+                          "reaches the margin" if lo > 0 else
+                          "the interval holds 0 and reaches beyond the margin")
     elif kind == "not_worse":
         excess = -d
-        out.verdict = ("reproduced" if excess + noise <= margin else
-                       "not reproduced" if excess - noise > margin else "inconclusive")
+        out.verdict = (REPRODUCED if excess + noise <= margin else
+                       NOT_REPRODUCED if excess - noise > margin else INCONCLUSIVE)
     else:
-        out.verdict = ("reproduced" if abs(d) + noise <= margin else
-                       "not reproduced" if abs(d) - noise > margin else "inconclusive")
+        out.verdict = (REPRODUCED if abs(d) + noise <= margin else
+                       NOT_REPRODUCED if abs(d) - noise > margin else INCONCLUSIVE)
     if math.isnan(out.noise):
-        out.reason = "one seed on a side: only the margin applies (provisional)"
-    decided = out.verdict != "inconclusive"
-    # the boundary this verdict was decided against: the margin, or for a refutation of a
-    # directional claim the opposite threshold
-    near = against if kind in ("better", "degrades") and out.verdict == "not reproduced" else margin
+        out.reason = "one seed on a side: the noise is unknown"
+    decided = out.verdict != INCONCLUSIVE
     if decided and n < MIN_SEEDS:
         out.reason = (f"{n} seed{'s' if n != 1 else ''}{' in common' if out.paired else ''}, "
                       f"fewer than {MIN_SEEDS}: no verdict (the data alone would say "
                       f"{out.verdict})")
-        out.verdict = "inconclusive"
+        out.verdict = INCONCLUSIVE
     elif decided and n < NEAR_SEEDS and abs(d) < NEAR_FACTOR * near:
         out.reason = (f"|d| within {NEAR_FACTOR:g} x the margin needs {NEAR_SEEDS} seeds, has "
                       f"{n} (the data alone would say {out.verdict})")
-        out.verdict = "inconclusive"
+        out.verdict = INCONCLUSIVE
     return out
 
 
 RULE_TEXT = (
-    "Verdict rule (lower is better for every quantity): d = mean(B) - mean(A); where both sides "
+    "Verdict rule (docs/reproductions.md, \"The verdict rule\"; lower is better for every "
+    "quantity): d = mean(B) - mean(A); where both sides "
     "share seeds and a seed fixes the data order (or both sides come from the same run), d is "
     "the mean of the per-seed differences over the common seeds (paired), otherwise the "
     "difference of the means (unpaired, Welch). noise = the half-width of the two-sided "
     f"{CONFIDENCE:.0%} Student-t interval of d (n - 1 degrees of freedom paired, "
-    "Welch-Satterthwaite unpaired); margin = the claimed size: "
+    "Welch-Satterthwaite unpaired; where the runs recorded their per-window losses, the "
+    "evaluation windows' standard error is added in quadrature); margin = the claimed size: "
     f"{REL_MARGIN:.0%} of |mean(B)| unless the claim states a share or an absolute difference. "
-    "\"A < B\" (better): reproduced if d > max(noise, margin); not reproduced if d < "
-    "-max(noise, margin) (a claim asking for a larger effect, such as a collapse, is refuted by "
-    "the opposite direction beyond the default margin); **smaller than claimed** (resolved: the "
-    "interval excludes the claimed size) if d + noise < margin; otherwise inconclusive. \"A > "
-    "B\" (degrades) the same with -d. \"A <= B\" (no worse): reproduced if A's excess over B "
-    "stays within the margin at its noisy worst (-d + noise <= margin), not reproduced if -d - "
-    "noise > margin. \"A ~ B\" (equal, where a paper says two things match): reproduced if the "
-    "whole interval lies within +-margin (|d| + noise <= margin), not reproduced if it lies "
-    f"outside (|d| - noise > margin). Seeds: fewer than {MIN_SEEDS} (pairs) give no verdict "
+    "\"A < B\" (better), with the interval [d - noise, d + noise]: **reproduced** if its lower "
+    "end is above 0 and d is at least the margin; **not reproduced** if it lies entirely below "
+    "0 (a resolved opposite effect, whatever its size); **right direction, smaller than "
+    "claimed** if it lies above 0 and below the margin; **no effect** if it holds 0 and lies "
+    "inside +-margin; otherwise inconclusive. \"A > B\" (degrades) the same with -d. \"A <= B\" "
+    "(no worse): reproduced if A's excess over B stays within the margin at its noisy worst "
+    "(-d + noise <= margin), not reproduced if -d - noise > margin. \"A ~ B\" (equal, where a "
+    "paper says two things match): reproduced if the whole interval lies within +-margin (|d| "
+    "+ noise <= margin), not reproduced if it lies outside (|d| - noise > margin). Seeds: every "
+    "claim of a record is judged on the same seeds, those every model of its claims has (a "
+    f"seed added to one claim is added to all); fewer than {MIN_SEEDS} (pairs) give no verdict "
     f"(inconclusive), and a verdict whose |d| is within {NEAR_FACTOR:g} x the margin needs "
     f"{NEAR_SEEDS}. **Not measured**: a side without runs, both sides diverged, both sides at "
-    "the claim's floor of learning (chance, 0 % accuracy) or both at its ceiling (100 %), or a "
-    "run of either side that did not train (flagged by its experiment): such a comparison says "
-    "nothing either way. A diverged run (NaN) counts as infinitely bad. With one seed the noise "
-    "is unknown: no verdict.")
+    "the claim's floor of learning (chance, 0 % accuracy) or both at its ceiling (100 %), a "
+    "run of either side that fails its experiment's trained bar, or a test that cannot "
+    "separate the two sides: such a comparison says nothing either way. A diverged run (NaN) "
+    "counts as infinitely bad. With one seed the noise is unknown: no verdict. p (Holm): the "
+    "two-sided p-value of d = 0, Holm-adjusted over the record's claims (the verdicts use the "
+    "unadjusted interval; the column says which effects survive the correction for judging "
+    "many claims at once).")
 
 
 def fmt(mean: float, spread: float) -> str:
@@ -439,6 +499,33 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     write_atomic(path, text.getvalue().encode())
 
 
+def write_windows(path: Path, results: list[dict[str, Any]]) -> bool:
+    """``windows.csv``: one line per (run, metric) that recorded its per-window evaluation
+    losses (a result's ``windows``: metric -> [W] values, in the order of the experiment's
+    evaluation windows, the same for every run): model, seed, metric and the W values separated
+    by spaces. False (no file written, an old one removed) when no run recorded any."""
+    lines = [(r["model"], r["seed"], metric, " ".join(f"{x:.6g}" for x in vals))
+             for r in results for metric, vals in (r.get("windows") or {}).items()]
+    if not lines:
+        path.unlink(missing_ok=True)
+        return False
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    w.writerow(["model", "seed", "metric", "values"])
+    w.writerows(lines)
+    write_atomic(path, text.getvalue().encode())
+    return True
+
+
+def read_windows(path: Path) -> dict[tuple[str, int, str], list[float]] | None:
+    """What ``write_windows`` wrote, (model, seed, metric) -> per-window values; None without
+    the file (a record whose runs did not keep them)."""
+    if not path.is_file():
+        return None
+    return {(r["model"], int(r["seed"]), r["metric"]): [float(x) for x in r["values"].split()]
+            for r in csv.DictReader(io.StringIO(path.read_text()))}
+
+
 TRAINED = "trained"  # a metric: 1 if the run's model learned, 0 if its loss stayed stuck
 
 
@@ -465,23 +552,70 @@ def seed_values(rows: list[dict[str, Any]], model: str, metric: str, *,
     return out
 
 
-def judge(rows: list[dict[str, Any]], claims: list[Claim]) -> list[tuple[Claim, Verdict]]:
-    """Each claim's verdict (``decide``); a run of either side flagged as not trained makes the
-    claim *not measured* (no verdict rests on a model that did not learn), its numbers shown."""
+UNTRAINED = "did not train"  # the default name of an experiment's trained bar, failed
+
+
+def judged_seeds(rows: list[dict[str, Any]], claims: list[Claim]) -> list[int]:
+    """The seeds every claim of a record is judged on: those that every model of its claims
+    (and controls) has a run of. A seed added to some models only (to settle the claims still
+    open) is left out of every verdict, so that no claim's seeds depend on its earlier result.
+    Models without any run do not count (their claims are not measured)."""
+    have = [{r["seed"] for r in rows if r["model"] == m}
+            for m in dict.fromkeys(m for c in claims for m in (c.a[0], c.b[0]))]
+    have = [s for s in have if s]
+    return sorted(set.intersection(*have)) if have else sorted({r["seed"] for r in rows})
+
+
+def window_se(windows: Mapping[tuple[str, int, str], Sequence[float]], a: tuple[str, str],
+              b: tuple[str, str], seeds: Sequence[int]) -> float | None:
+    """The standard error of a claim's d that comes from its finite set of evaluation windows:
+    per window w, D_w = mean over ``seeds`` of B's loss on w minus mean over seeds of A's (the
+    windows are the same for every run of a record), and sd_w(D_w) / sqrt(W). None unless every
+    run of both sides recorded its per-window values of the metric (``windows``: (model, seed,
+    metric) -> per-window values)."""
+    sides = []
+    for model, metric in (a, b):
+        runs = [windows.get((model, s, metric)) for s in seeds]
+        if not runs or any(r is None for r in runs) or len({len(r) for r in runs}) != 1:
+            return None
+        sides.append([statistics.fmean(col) for col in zip(*runs)])
+    if len(sides[0]) != len(sides[1]) or len(sides[0]) < 2:
+        return None
+    diff = [y - x for x, y in zip(*sides)]
+    return statistics.stdev(diff) / math.sqrt(len(diff))
+
+
+def judge(rows: list[dict[str, Any]], claims: list[Claim], *, untrained: str = UNTRAINED,
+          windows: Mapping[tuple[str, int, str], Sequence[float]] | None = None
+          ) -> list[tuple[Claim, Verdict]]:
+    """Each claim's verdict (``decide``) on the record's ``judged_seeds``; a run of either side
+    that fails its experiment's trained bar (metric ``trained`` = 0; ``untrained`` names the
+    bar, e.g. "not below the count bigram's loss") makes the claim *not measured* (no verdict
+    rests on a model that did not learn), its numbers shown. ``windows``: the runs' per-window
+    losses, where recorded (``window_se``). Each verdict's ``p_holm``: its p-value Holm-adjusted
+    over the measured claims (and separately over the controls)."""
+    seeds = set(judged_seeds(rows, claims))
+    rows = [r for r in rows if r["seed"] in seeds]
     out = []
     for c in claims:
+        se = None if windows is None else window_se(windows, c.a, c.b, sorted(seeds))
         v = decide(seed_values(rows, *c.a, only_trained=False), seed_values(rows, *c.b, only_trained=False),
                    c.kind, paired=c.paired, floor=c.floor, ceiling=c.ceiling, margin=c.margin,
-                   margin_abs=c.margin_abs)
+                   margin_abs=c.margin_abs, eval_se=se)
         if c.unmeasured:
-            v.verdict, v.reason = "not measured", c.unmeasured
+            v.verdict, v.reason = NOT_MEASURED, c.unmeasured
         stuck = [f"{model} seed {r['seed']}" for model in dict.fromkeys((c.a[0], c.b[0]))
                  for r in rows if r["model"] == model and not trained(r)]
         if stuck:
-            note = f"did not train: {', '.join(stuck)}"
-            v.reason = note if not v.reason or v.verdict == "not measured" else f"{note}; {v.reason}"
-            v.verdict = "not measured"
+            note = f"{untrained}: {', '.join(stuck)}"
+            v.reason = (note if not v.reason else f"{v.reason}; also {note}" if v.verdict == NOT_MEASURED
+                        else f"{note}; {v.reason}")
+            v.verdict = NOT_MEASURED
         out.append((c, v))
+    for control in (False, True):
+        family = [v for c, v in out if c.control == control and v.verdict != NOT_MEASURED]
+        for v, adj in zip(family, holm([v.p for v in family])):
+            v.p_holm = adj
     return out
 
 
@@ -490,11 +624,16 @@ def _signed(x: float) -> str:
                                          else f"{x:+.3g}")
 
 
+def _p(x: float) -> str:
+    return "n/a" if math.isnan(x) else "< 1e-4" if x < 1e-4 else f"{x:.2g}"
+
+
 def claims_table(judged: list[tuple[Claim, Verdict]]) -> str:
     """One row per claim: the claim, the paper's statement and its direction, both sides, the
-    difference with its per-seed values and the thresholds, the verdict (and why)."""
+    difference with its per-seed values, its interval, the margin and the p-values, the verdict
+    (and why)."""
     lines = ["| claim | paper (where; direction) | source | ours: A vs B (mean ± sd over seeds) | "
-             "d = B - A (per seed); noise, margin | verdict |",
+             "d = B - A (per seed); interval, noise, margin; p (Holm) | verdict |",
              "|---|---|---|---|---|---|"]
     for c, v in judged:
         rel, meaning = KINDS[c.kind]
@@ -506,9 +645,14 @@ def claims_table(judged: list[tuple[Claim, Verdict]]) -> str:
             per = ", ".join(f"s{k} {_signed(x)}" for k, x in sorted(v.diffs.items()))
             kind = "paired" if v.paired else "unpaired"
             kind += f", n = {len(v.diffs)}" if v.paired else ""
-            diff = (f"{_signed(v.d)} ({kind}{': ' + per if per else ''}); noise "
-                    f"{'n/a' if math.isnan(v.noise) else f'{v.noise:.2g}'}, margin "
-                    f"{'n/a' if math.isnan(v.margin) else f'{v.margin:.2g}'}")
+            lo, hi = v.interval
+            windows = "" if math.isnan(v.eval_se) else f" (windows' se {v.eval_se:.2g})"
+            diff = (f"{_signed(v.d)} ({kind}{': ' + per if per else ''}); "
+                    + ("" if math.isnan(v.noise) else f"interval [{_signed(lo)}, {_signed(hi)}], ")
+                    + f"noise {'n/a' if math.isnan(v.noise) else f'{v.noise:.2g}'}{windows}, margin "
+                    f"{'n/a' if math.isnan(v.margin) else f'{v.margin:.2g}'}"
+                    + ("" if math.isnan(v.p) or v.verdict == NOT_MEASURED else
+                       f"; p {_p(v.p)} (Holm {_p(v.p_holm)})"))
         verdict = f"**{v.verdict}**" + (f" ({v.reason})" if v.reason else "")
         source = c.source or ("control" if c.control else "n/a")
         lines.append(f"| {c.name} | {c.paper} ({meaning}) | {source} | {ours} | {diff} | {verdict} |")
@@ -538,9 +682,16 @@ def write_markdown(path: Path, *, title: str, intro: str, settings: dict[str, An
             if seconds is None else
             f"Wall time of this invocation: {seconds:.0f} s (runs finished earlier and reused are "
             "not included)")
+    used = judged_seeds(rows, [c for c, _ in judged])
+    extra = [f"{m} seed{'s' if len(ss) > 1 else ''} {', '.join(map(str, ss))}"
+             for m in dict.fromkeys(r["model"] for r in rows)
+             if (ss := sorted(r["seed"] for r in rows if r["model"] == m and r["seed"] not in used))]
+    left = (f" The verdicts use seeds {', '.join(map(str, used))}, which every model of the "
+            "claims has; left out of them (a seed added to one claim is added to all, or to "
+            f"none): {'; '.join(extra)}." if extra else "")
     parts = [f"# {title}", "", intro, "",
              (f"Seeds: {', '.join(map(str, seeds))}. {when}; the runs' own times add up to "
-              f"{total:.0f} s (results.csv has each)."), "",
+              f"{total:.0f} s (results.csv has each).{left}"), "",
              "Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), "",
              "## Claims", "", claims_table([(c, v) for c, v in judged if not c.control]), "",
              *(["## Controls (checks of the experiment itself, not claims of the paper)", "",
@@ -594,17 +745,21 @@ def sweep_plot(path: Path, rows: list[dict[str, Any]], points: dict[int, str], m
                xlabel: str, ylabel: str, title: str, references: Sequence[str] = ()) -> bool:
     """Mean ± sd of ``metric`` against a swept size (``points``: size -> model label, log2 x
     axis), with each ``references`` model's mean as a labelled horizontal line; False without
-    matplotlib."""
+    matplotlib, or when none of the swept models has run (a reproduction of some models only)."""
     plt = matplotlib_pyplot()
     if plt is None:
         return False
     xs = sorted(points)
     stats = [mean_spread(values(rows, points[x], metric)) for x in xs]
+    if not any(math.isfinite(m) for m, _ in stats):  # none of the swept models ran (a subset)
+        return False
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     ax.errorbar(xs, [m for m, _ in stats], yerr=[sd if math.isfinite(sd) else 0 for _, sd in stats],
                 marker="o", capsize=3)
     for label, ls in zip(references, ("--", ":", "-.", (0, (1, 3)))):
         mean = mean_spread(values(rows, label, metric))[0]
+        if not math.isfinite(mean):
+            continue
         ax.axhline(mean, ls=ls, color="grey", lw=1)
         ax.text(xs[-1], mean, f" {label}", va="bottom", ha="right", fontsize=8, color="grey")
     ax.set_xscale("log", base=2)
@@ -661,7 +816,12 @@ class Experiment:
     tokens, metrics``; ``claims(plan)``; ``metrics(plan)`` the columns of the per-model table;
     ``plots(rows, out, plan)`` -> the PNG file names written (none without matplotlib);
     ``notes(plan, rows)`` -> lines for results.md (deviations from the paper, ...);
-    ``unmatched``: models whose parameter count is not matched to the rest, by design."""
+    ``unmatched``: models whose parameter count is not matched to the rest, by design;
+    ``untrained``: what a run flagged ``trained`` = 0 failed (the verdict's reason names it);
+    ``seeds``: the record's seeds, the command line's default; ``budget``: what they cost (CPU
+    time of one core, from the record), for ``--help``. A run's result may carry ``windows``
+    (metric -> per-window losses): the driver writes them to ``windows.csv`` and the verdicts
+    add the evaluation windows' noise (``window_se``)."""
 
     name: str
     title: str
@@ -673,3 +833,8 @@ class Experiment:
     plots: Callable[[list[dict[str, Any]], Path, Plan], list[str]]
     notes: Callable[[Plan, list[dict[str, Any]]], list[str]]
     unmatched: tuple[str, ...] = ()  # models left out of the parameter matching (by design)
+    # the trained bar, named for the verdicts of the runs that fail it (``judge``)
+    untrained: str = UNTRAINED
+    # the record's seeds (the command line's default) and what they cost on one CPU core
+    seeds: tuple[int, ...] = (0, 1, 2, 3)
+    budget: str = ""

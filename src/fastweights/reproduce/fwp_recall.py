@@ -62,20 +62,22 @@ def claims(p: Plan) -> list[Claim]:
         Claim(f"capacity: linear degrades once S exceeds d_dot = {d} (S = {big} vs {small})",
               "Schlag et al. 2021, §4.1 and §6.1 setting 1 (Figure 2): sum-rule linear attention "
               "(d_dot = d_key) retrieves S keys with near-zero loss while S < d_dot and fails "
-              "beyond (d_dot 64: 9e-4 at S = 20, .17 at S = 100)",
+              "beyond (d_dot 64: 9e-4 at S = 20, .17 at S = 100 [unverified])",
               _loss("capacity", "linear", big), _loss("capacity", "linear", small), "degrades",
               paired=False, source=f"{NOTE}, §4.1 and §6.1 experiment 1 (Figure 2: linear "
                                    "attention, d_dot 64, errs from S = 60); the losses: docs/maths.md 1.8 "
-                                   "(the official logs)"),
+                                   "[unverified]: the seed note does not state them"),
         Claim(f"capacity: DPFP holds more keys (S = {big})",
               "Schlag et al. 2021, §5.4 and §6.1 setting 1 (Figure 2): DPFP's larger d_dot raises "
-              "the capacity (DPFP-1, d_dot 128: 2e-4 at S = 100 where linear has .17)",
+              "the capacity (DPFP-1, d_dot 128: 2e-4 at S = 100 where linear has .17 [unverified])",
               _loss("capacity", "dpfp", big), _loss("capacity", "linear", big),
               source=f"{NOTE}, §5.4 and §6.1 experiment 1 (DPFP raises the capacity through nu); "
-                     "the losses: docs/maths.md 1.8", **solved),
+                     "the losses: docs/maths.md 1.8 [unverified]: the seed note does not state them",
+              **solved),
         *[Claim(f"update: delta < sum rule (S = {size}{', > d_dot' if size > d else ''})",
                 "Schlag et al. 2021, §6.1 setting 2 (Figures 3, 5): when keys are re-assigned, the "
-                "sum rule cannot update its memory (~0.1 even at S = 20), the delta rule can; in "
+                "sum rule cannot update its memory (~0.1 even at S = 20 [unverified]: docs/maths.md 1.8, "
+                "not in the seed note), the delta rule can; in "
                 "every problem setting the delta rule beats every other update",
                 _loss("update", "delta", size), _loss("update", "linear", size),
                 source=f"{NOTE}, §6.1 experiment 2 (Figure 3) and appendix D.2 (Figure 5: the "

@@ -250,5 +250,5 @@ EXPERIMENT = Experiment(
     "Infini-attention's passkey claim (Munkhdalai et al. 2024; docs/maths.md 5.6) at token level: "
     "with the compressive memory the model retrieves a needle from segments far back, at lengths "
     "far beyond its training length; without the memory it cannot.",
-    plan, execute, claims, metrics, plots, notes)
+    plan, execute, claims, metrics, plots, notes, untrained=pk.UNTRAINED)
 register(EXPERIMENT)

@@ -199,5 +199,5 @@ EXPERIMENT = Experiment(
     "Infini-attention's passkey claim (Munkhdalai et al. 2024; docs/maths.md 5.6) with the paper's "
     "5-digit key in repeated filler, tokenised by word: retrieval beyond the training length "
     "through the compressive memory.",
-    plan, execute, claims, metrics, plots, notes)
+    plan, execute, claims, metrics, plots, notes, untrained=pk.UNTRAINED)
 register(EXPERIMENT)

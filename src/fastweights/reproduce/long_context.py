@@ -13,13 +13,19 @@ training window). The loss at each
 position is averaged over the streams and over log-spaced position buckets [1, 2), [2, 4), ...
 The built-in control: each position range [T, 2T), [2T, 4T), ... beyond the training window is
 also scored after the first ``lo`` bytes of an unrelated stream (from another validation
-file) and from a fresh state (``control_losses``). A loss that falls with position may come from any
-warmed-up state; "uses its own context" is the own prefix beating the unrelated one.
+file), from a fresh state, and window by window each from a fresh state (the truncated reading;
+``control_losses``). A loss that falls with position may come from any warmed-up state; "uses
+its own context" is the own prefix beating the unrelated one. The truncation control
+(``RESET``): the delta and the sum-rule models again, trained on the same stream segments in the
+same order with the state reset at every window (``train --reset-state``), so that the fast
+weight paper's Table 4 compares models that differ only in the truncation.
 Claims, each on the same bytes: more context lowers TTT-Linear/MLP's loss (own prefix < fresh
 state; the TTT paper); TTT, DeltaNet and Infini use their own context (own < unrelated); the
-sum-rule linear transformer collapses on long streams (own > fresh by 10 %; the fast weight
-paper's Table 4). Controls: softmax degrades past its window; a warmed-up state against a fresh
-one; the first record's "loss falls with position", which compares different bytes.
+sum-rule linear transformer collapses on long streams (own > fresh by 10 %); Table 4 against the
+truncation control: without truncation the delta model improves and the sum-rule model collapses
+(carried own < reset window by window; > by 10 %). Controls: softmax degrades past its window; a
+warmed-up state against a fresh one; the first record's "loss falls with position", which
+compares different bytes.
 """
 
 from __future__ import annotations
@@ -37,13 +43,15 @@ from .common import Claim, Experiment, Plan, RunSpec, matplotlib_pyplot, mean_sp
 from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 400, "lr": 2e-3, "factor": 16, "streams": 128, "stuck_fraction": 0.95,
+           "steps": 400, "lr": 2e-3, "factor": 16, "streams": 128, "trained_bar": "bigram",
            "carry_state": "all but softmax", "control": "own / unrelated (another file) / fresh prefix"}
 QUICK = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "factor": 8, "streams": 2, "stuck_fraction": None,
+         "steps": 3, "lr": 2e-3, "factor": 8, "streams": 2, "trained_bar": None,
          "carry_state": "all but softmax", "control": "own / unrelated (another file) / fresh prefix"}
 FWP, TTT = "000-fast-weight-programmers.txt", "001-ttt.txt"  # the seed notes on the papers
 WINDOWED = ("softmax",)  # trained on independent windows; every other model with carry_state
+# the truncation control: carry_state's segments in the same order, the state reset every window
+RESET = {"linear, reset": "linear", "delta, reset": "delta"}
 RECURRENT = ("delta", "ttt-linear", "ttt-mlp", "infini", "diag/norm")
 
 
@@ -58,6 +66,7 @@ def _models(s: dict[str, Any]) -> dict[str, LMConfig]:
                       [*[{"block_size": local}] * (s["n_layers"] // 2),
                        *[{}] * (s["n_layers"] - s["n_layers"] // 2)]),
     }
+    mixers.update({label: mixers[base] for label, base in RESET.items()})
     configs = {label: LMConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["n_layers"],
                                n_heads=s["n_heads"], mixer=name, mixer_options=opts)
                for label, (name, opts) in mixers.items()}
@@ -65,7 +74,8 @@ def _models(s: dict[str, Any]) -> dict[str, LMConfig]:
 
 
 def plan(quick: bool, seeds: list[int], data: str) -> Plan:
-    return lm.lm_plan(quick, seeds, data, (DEFAULT, QUICK), _models, carried=lambda label: label not in WINDOWED)
+    return lm.lm_plan(quick, seeds, data, (DEFAULT, QUICK), _models,
+                      carried=lambda label: label not in WINDOWED, reset=lambda label: label in RESET)
 
 
 def _window_bucket(s: dict[str, Any]) -> str:
@@ -78,7 +88,7 @@ def _far_bucket(s: dict[str, Any]) -> str:
     return lm.bucket_name(*lm.log_buckets(s["seq_len"] * s["factor"])[-1])
 
 
-CONDITIONS = ("own", "unrelated", "fresh")
+CONDITIONS = ("own", "unrelated", "fresh", "window")
 
 
 def control_ranges(s: dict[str, Any]) -> list[tuple[int, int]]:
@@ -105,23 +115,33 @@ def unrelated_shift(files: list[int]) -> int:
     return min(shifts, key=lambda r: sum(files[i] == files[(i - r) % n] for i in range(n)))
 
 
-def control_losses(model: Any, x: torch.Tensor, files: list[int], s: dict[str, Any]) -> dict[str, float]:
+def control_losses(model: Any, x: torch.Tensor, files: list[int], s: dict[str, Any],
+                   per_stream: dict[str, list[float]] | None = None) -> dict[str, float]:
     """The built-in control on the streams ``x`` [S, L + 1] (stream i in validation file
     ``files[i]``): the loss at each of ``control_ranges`` read after the stream's own first
     ``lo`` bytes (``own``), after the first ``lo`` bytes of an unrelated stream from another file
-    (``unrelated_shift``; ``unrelated``), and from a fresh state (``fresh``). ``own <
+    (``unrelated_shift``; ``unrelated``), from a fresh state (``fresh``), and window by window of
+    ``seq_len``, each from a fresh state (``window``: the truncated reading). ``own <
     unrelated`` says the model uses its own context; ``unrelated < fresh`` only that a warmed-up
     state helps. Also ``unrelated_same_file``: the share of streams whose unrelated prefix had to
-    come from their own file (0 unless the corpus has too few files)."""
+    come from their own file (0 unless the corpus has too few files). ``per_stream``, when
+    given, receives each condition's per-stream losses at the last range (metric -> [S])."""
     T = s["seq_len"]
     shift = unrelated_shift(files)
     other = x.roll(shift, dims=0)  # stream i reads the prefix of stream i - shift (mod n)
     n = len(files)
     out = {"unrelated_same_file": sum(files[i] == files[(i - shift) % n] for i in range(n)) / n}
-    for lo, hi in control_ranges(s):
-        out[control_metric("own", lo, hi)] = lm.range_loss(model, x, x[:, :lo], lo, hi, T)
-        out[control_metric("unrelated", lo, hi)] = lm.range_loss(model, x, other[:, :lo], lo, hi, T)
-        out[control_metric("fresh", lo, hi)] = lm.range_loss(model, x, None, lo, hi, T)
+    ranges = control_ranges(s)
+    for lo, hi in ranges:
+        got = {"own": lm.range_loss(model, x, x[:, :lo], lo, hi, T, per_stream=True),
+               "unrelated": lm.range_loss(model, x, other[:, :lo], lo, hi, T, per_stream=True),
+               "fresh": lm.range_loss(model, x, None, lo, hi, T, per_stream=True),
+               "window": sum(lm.range_loss(model, x, None, a, min(hi, a + T), T, per_stream=True)
+                             * (min(hi, a + T) - a) for a in range(lo, hi, T)) / (hi - lo)}
+        for c in CONDITIONS:
+            out[control_metric(c, lo, hi)] = float(got[c].mean())
+            if per_stream is not None and (lo, hi) == ranges[-1]:
+                per_stream[control_metric(c, lo, hi)] = got[c].tolist()
     return out
 
 
@@ -129,7 +149,8 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     s = p.settings
     corpus = lm.corpus(s["data"])
     config = LMConfig.from_dict(spec.options["config"])
-    tcfg = lm.train_config(s, spec.seed, carry_state=spec.options.get("carry_state", False))
+    tcfg = lm.train_config(s, spec.seed, carry_state=spec.options.get("carry_state", False),
+                           reset_state=spec.options.get("reset_state", False))
     model = lm.train_run(workdir, config, tcfg, corpus)
     T, length = s["seq_len"], s["seq_len"] * s["factor"]
     if model is None:
@@ -140,11 +161,13 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     x = lm.stream_batch(model, corpus.val, starts, length)
     per_pos = lm.position_losses(model, x, piece=T)
     window = float(per_pos[:T].mean())
+    per_stream = {"loss_window": lm.range_loss(model, x, None, 0, T, T, per_stream=True).tolist()}
     metrics = {"loss_window": window, "loss_beyond": float(per_pos[T:].mean()),
-               **lm.bucket_losses(per_pos), **control_losses(model, x, lm.file_of(corpus, starts), s),
-               "trained": lm.trained_flag(window, corpus, s.get("stuck_fraction"))}
+               **lm.bucket_losses(per_pos),
+               **control_losses(model, x, lm.file_of(corpus, starts), s, per_stream),
+               **lm.trained_metrics(window, lm.bar(s, corpus, starts, T))}
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
-            "metrics": metrics}
+            "metrics": metrics, "windows": per_stream}
 
 
 TTT_FIGURE = ("Sun et al. 2024, Figure 2 (right) / §3 (Books, 32k context): TTT-Linear and "
@@ -157,7 +180,9 @@ USES_CONTEXT = {
     "ttt-mlp": (TTT_FIGURE + " [implied: the fall comes from the stream's own context]", TTT_SOURCE),
     "delta": ("Schlag et al. 2021, §6.3, Table 4: trained and evaluated without truncating the "
               "context, the delta net improves slightly on its truncated version [implied: it "
-              "uses context beyond the window]", f"{FWP}, §6.3 long sequences (Table 4) [implied]"),
+              "uses context beyond the window]", f"[unverified]: implied, not stated; the seed note "
+              f"{FWP}, §6.3 long sequences (Table 4), states only that the delta net improves "
+              "slightly without truncation"),
     "infini": ("Munkhdalai et al. 2024, §4.1, Table 2 (PG19, Arxiv-math): the compressive memory "
                "carries the earlier segments' context and lowers perplexity [implied]",
                "docs/maths.md 5.6 [unverified]: the seed note 004-infini-attention.txt has no experiments"),
@@ -168,7 +193,7 @@ def claims(p: Plan) -> list[Claim]:
     s = p.settings
     win, far = _window_bucket(s), _far_bucket(s)
     lo, hi = control_ranges(s)[-1]
-    own, unrelated, fresh = (control_metric(c, lo, hi) for c in CONDITIONS)
+    own, unrelated, fresh, window = (control_metric(c, lo, hi) for c in CONDITIONS)
     at = f"{lo}-{hi - 1}"
     out = [Claim(f"{m}: more context lowers the loss on the same bytes: own prefix < fresh state "
                  f"at {at}", TTT_FIGURE, (m, own), (m, fresh), source=TTT_SOURCE)
@@ -181,6 +206,18 @@ def claims(p: Plan) -> list[Claim]:
                      "Schlag et al. 2021, §6.3, Table 4: without truncation the linear "
                      "Transformer (sum rule) collapses", ("linear", own), ("linear", fresh),
                      "degrades", margin=0.1, source=f"{FWP}, §6.3 long sequences (Table 4)"))
+    out.append(Claim(f"delta: no truncation < truncated on the same segments: own prefix < the "
+                     f"reset model's windows at {at}",
+                     "Schlag et al. 2021, §6.3, Table 4: trained and evaluated without truncating "
+                     "the context, the delta net improves slightly on its truncated version (here "
+                     "against the truncation control: the same segments, the state reset at every "
+                     "window, read window by window)", ("delta", own), ("delta, reset", window),
+                     source=f"{FWP}, §6.3 long sequences (Table 4)"))
+    out.append(Claim(f"linear (sum rule): no truncation collapses against truncation on the same "
+                     f"segments: own prefix > the reset model's windows at {at} by more than 10 %",
+                     "Schlag et al. 2021, §6.3, Table 4: without truncation the linear Transformer "
+                     "(sum rule) collapses", ("linear", own), ("linear, reset", window), "degrades",
+                     margin=0.1, source=f"{FWP}, §6.3 long sequences (Table 4)"))
     controls = [Claim(f"softmax degrades beyond its training window: own prefix > fresh state at {at}",
                       "control: its cache grows past the window it trained on (RoPE positions "
                       "never seen)", ("softmax", own), ("softmax", fresh), "degrades", control=True)]
@@ -229,9 +266,10 @@ def plots(rows: list[dict[str, Any]], out: Path, p: Plan) -> list[str]:
 
 
 def _control_table(s: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """Own / unrelated / fresh per model and range, mean over seeds, with own - unrelated per seed."""
+    """Own / unrelated / fresh / window by window per model and range, mean over seeds, with own
+    - unrelated per seed (a record without the window-by-window reading shows n/a for it)."""
     ranges = control_ranges(s)
-    head = "| model | " + " | ".join(f"{lo}-{hi - 1}: own / unrelated / fresh" for lo, hi in ranges)
+    head = "| model | " + " | ".join(f"{lo}-{hi - 1}: {' / '.join(CONDITIONS)}" for lo, hi in ranges)
     lines = [head + " | own - unrelated at the last range, per seed |",
              "|---|" + "---|" * (len(ranges) + 1)]
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -259,7 +297,11 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
          "fresh state; the state is detached at every window boundary. So it has seen contexts "
          "of up to the evaluation length, with the data diversity of window training (the first "
          "records read one contiguous region of 51-64 KB per row, and their TTT models did not "
-         "train). Softmax trains on independent windows (its cache cannot be carried)."),
+         "train). Softmax trains on independent windows (its cache cannot be carried). The "
+         f"truncation control, {', '.join(f'`{r}`' for r in RESET)}: the same models, seeds and "
+         "segments in the same order (`train --carry-state --reset-state`) with the state reset "
+         "at every window, read window by window (`window@a-b`) for Table 4's comparison: "
+         "truncation is then the only difference."),
         (f"Evaluation: {s['streams']} streams of {s['factor']} x {s['seq_len']} = {length} bytes, "
          "each inside one validation file, spread over every file that holds one "
          "(`lm.stream_starts`), read in pieces of "
@@ -268,16 +310,15 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
         ("Softmax is evaluated beyond its window too (growing cache, RoPE positions it never saw "
         "in training; dashed in the plot, as the sum-rule `linear`): a control, it cannot use "
         "that context. Infini's segment and Diag's block are half the training length."),
-        ("The control (`own@a-b`, `unrelated@a-b`, `fresh@a-b`, positions a..b 0-based inputs): "
+        ("The control (`own@a-b`, `unrelated@a-b`, `fresh@a-b`, `window@a-b`, positions a..b 0-based inputs): "
          "the same bytes a..b of every stream scored after reading the stream's own bytes 0..a-1 "
          "(= the ordinary reading), after bytes 0..a-1 of another stream from another validation "
          "file (`long_context.unrelated_shift`; share of streams whose unrelated prefix had to "
-         f"come from their own file: {max(same, default=0.0):.0%}), and from a fresh state. A "
+         f"come from their own file: {max(same, default=0.0):.0%}), from a fresh state, and "
+         f"in windows of {s['seq_len']} each from a fresh state (the truncated reading). A "
          "model that uses its context has own < unrelated; unrelated < fresh only says that any "
          "warmed-up state helps."),
-        (f"`trained` = 1 when the run's `loss_window` is below {s['stuck_fraction']:.0%} of the "
-         "validation split's unigram entropy; a claim on a run with 0 is not measured."
-         if s.get("stuck_fraction") else "`trained`: no check at this size."),
+        lm.trained_note(s, rows, "`loss_window` (the streams' first window)"),
         _control_table(s, rows),
         ("The paper's figure is at 125M-1.3B parameters and up to 32k tokens; ours is a "
         "direction check at toy scale."),
@@ -288,5 +329,5 @@ EXPERIMENT = Experiment(
     "long-context", "long-context: loss vs position with the state carried",
     "Train at one context length, evaluate the per-position loss far beyond it with the state "
     "carried (TTT paper's long-context figure; docs/maths.md 2.9).",
-    plan, execute, claims, metrics, plots, notes)
+    plan, execute, claims, metrics, plots, notes, untrained=lm.UNTRAINED)
 register(EXPERIMENT)

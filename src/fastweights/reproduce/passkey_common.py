@@ -150,6 +150,10 @@ def diverged(config: LMConfig, s: dict[str, Any], tokens: int, lengths: Sequence
 
 
 TRAINED_MISS = 0.1  # a model has learned the task: miss at most this inside its training lengths
+# the verdicts' name for a run with trained = 0: the criterion it failed, not a claim that it
+# learned nothing (a model may retrieve well at one training length and not at another)
+UNTRAINED = (f"retrieves less than {1 - TRAINED_MISS:.0%} averaged over its training lengths (the "
+             "trained bar)")
 INFINI = "004-infini-attention.txt"
 INFINI_SOURCE = (f"docs/maths.md 5.6 [unverified]: the seed note {INFINI} describes the method only, "
                  "no experiments")

@@ -50,12 +50,12 @@ from .common import (
 from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 4, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 400, "lr": 2e-3, "eval_windows": 256, "stuck_fraction": 0.95, "block": 32,
+           "steps": 400, "lr": 2e-3, "eval_windows": 256, "trained_bar": "bigram", "block": 32,
            "blocks": [8, 16, 64],
            "ratios": [0.0625, 0.125, 0.25], "dilution_windows": 8, "grad_norm": "mixers",
            "grad_scales": [1.0, 1e-2, 1e-4, 1e-6], "glu": "silu"}
 QUICK = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "eval_windows": 3, "stuck_fraction": None, "block": 4,
+         "steps": 3, "lr": 2e-3, "eval_windows": 3, "trained_bar": None, "block": 4,
          "blocks": [2, 8],
          "ratios": [0.125, 0.25], "dilution_windows": 2, "grad_norm": "mixers",
          "grad_scales": [1.0, 1e-3], "glu": "silu"}
@@ -220,22 +220,32 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     if model is None:
         return lm.diverged(config, s, _metric_names(s))
     T, n = s["seq_len"], s["dilution_windows"]
-    loss = lm.windows_loss(model, corpus.val, lm.eval_starts(corpus, T, s["eval_windows"]), T)
+    metrics, windows = lm.window_metrics(model, corpus, s, lm.eval_starts(corpus, T, s["eval_windows"]))
     norms = _grad_norms(workdir)
     starts = lm.eval_starts(corpus, T, n)  # n windows spread over the validation files
     x = corpus.val[starts[:, None] + torch.arange(T)].long()
     mats = attention_matrices(model, x)
     mixer = _grad_norms(workdir, "mixer_grad_norm")  # the token mixers' gradients only
-    metrics = {"loss": loss, "ppl": lm.perplexity(loss), "grad_norm_max": max(norms),
-               "grad_norm_mean": sum(norms) / len(norms),
-               "mixer_grad_norm_max": max(mixer), "mixer_grad_norm_mean": sum(mixer) / len(mixer),
-               "trained": lm.trained_flag(loss, corpus, s.get("stuck_fraction"))}
+    metrics.update({"grad_norm_max": max(norms), "grad_norm_mean": sum(norms) / len(norms),
+                    "mixer_grad_norm_max": max(mixer), "mixer_grad_norm_mean": sum(mixer) / len(mixer)})
     metrics.update({far_metric(r): sum(far_share(A, r) for A in mats) / len(mats) for r in s["ratios"]})
     if spec.model in GRADIENTS and s.get("grad_scales"):
         growth = score_gradients(model, x, s["grad_scales"], GRADIENTS[spec.model])
         metrics.update({k: v for k, v in growth.items() if k != grad_metric(s["grad_scales"][0])})
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
-            "metrics": metrics}
+            "metrics": metrics, "windows": windows}
+
+
+# why (b)'s direct test cannot separate the two models (issue 44): a verdict needs a setting
+# where the bound predicts a difference, which this experiment does not build
+SCALE_INVARIANT = (
+    "the test cannot separate them: it scales the keys the op reads by c, and both outputs are "
+    "invariant to that scale (NormAttention's SRMSNorm divides it out; attention-normalised "
+    "linear attention's ratio of two sums that both scale by c cancels it). For any output F "
+    "with F(c k) = F(k) the gradient with respect to the scaled keys is exactly 1/c times the "
+    "gradient at c = 1, bounded normaliser or not: -log10 c decades for both (linear "
+    "attention's eps of 1e-6 takes a few thousandths off). A test that could fail needs scores "
+    "that shrink while the normaliser does not; this experiment does not build one")
 
 
 def claims(p: Plan) -> list[Claim]:
@@ -257,6 +267,7 @@ def claims(p: Plan) -> list[Claim]:
                          "denominators) approach 0, NormAttention's are bounded",
                          ("all-norm", grad_metric(c)), ("linear (attention-normalised)", grad_metric(c)),
                          paired=False, margin_abs=1.0,  # one decade
+                         unmeasured=SCALE_INVARIANT,
                          source=f"{NOTE}, §1.1 (unbounded gradients: |dp/ds| <= 1/(4|s|)) and §2.1 "
                                 "(NormAttention, bounded: proof in the appendix)"))
     else:  # the first records had only training gradient norms
@@ -281,14 +292,16 @@ def claims(p: Plan) -> list[Claim]:
                      "Qin et al. 2022: NormAttention and DiagAttention remove the two causes of "
                      "linear transformers' gap (unbounded gradients, attention dilution)",
                      (REFERENCE, loss), ("linear (attention-normalised)", loss),
-                     source=f"{NOTE}, introduction and §2 (the gap and its two causes); the "
-                            "WikiText-103 numbers: docs/maths.md 3.7 [unverified]"))
+                     source=f"[unverified]: the seed note {NOTE} (introduction, §2) states the gap "
+                            "and its two causes, not that TransNormer closes it; the WikiText-103 "
+                            "numbers: docs/maths.md 3.7"))
     out.append(Claim("(f) TransNormer no worse than softmax attention",
                      "Qin et al. 2022: with the two fixes the linear model closes the gap to the "
                      "vanilla (softmax) Transformer (T1/T2 within ~1 ppl on WikiText-103)",
                      (REFERENCE, loss), ("softmax", loss), "not_worse",
-                     source=f"{NOTE}, introduction (the gap to the standard transformer that "
-                            "TransNormer addresses); within ~1 ppl: docs/maths.md 3.7 [unverified]"))
+                     source=f"[unverified]: the seed note {NOTE} (introduction) states the gap to the "
+                            "standard transformer that TransNormer addresses, not its result; "
+                            "within ~1 ppl: docs/maths.md 3.7"))
     out += [
         Claim(f"(c) NormAttention alone: all-norm [{r}] < linear attention", "control: the "
               "diag/norm model's low far share is partly built in (its Diag layers have no mass "
@@ -363,7 +376,7 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     return [
         lm.setup_note(s, rows, REFERENCE),
         lm.eval_note(s),
-        lm.trained_note(s),
+        lm.trained_note(s, rows),
         (f"TransNormer layers: the library's T2 defaults (NormAttention with 1+ELU and LRPE, "
          f"DiagAttention with softmax and block-local LRPE, block w = {s['block']} unless swept); "
          f"the lower half of the {s['n_layers']} layers is the first name of `lower/upper`. The "
@@ -399,5 +412,5 @@ EXPERIMENT = Experiment(
     "TransNormer's design claims (Qin et al. 2022; docs/maths.md 3): local-then-global layer "
     "order, bounded gradients of NormAttention, attention dilution of linear attention, block "
     "size.",
-    plan, execute, claims, metrics, plots, notes)
+    plan, execute, claims, metrics, plots, notes, untrained=lm.UNTRAINED)
 register(EXPERIMENT)

@@ -37,10 +37,10 @@ from .common import (
 from .registry import register
 
 DEFAULT = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 128, "batch_size": 8,
-           "steps": 300, "lr": 2e-3, "eval_windows": 256, "stuck_fraction": 0.95, "sweep": [1, 4, 16, 64]}
+           "steps": 300, "lr": 2e-3, "eval_windows": 256, "trained_bar": "bigram", "sweep": [1, 4, 16, 64]}
 NOTE = "001-ttt.txt"  # the seed note on the paper (the notes the project was written from)
 QUICK = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16, "batch_size": 2,
-         "steps": 3, "lr": 2e-3, "eval_windows": 3, "stuck_fraction": None, "sweep": [1, 4, 16]}
+         "steps": 3, "lr": 2e-3, "eval_windows": 3, "trained_bar": None, "sweep": [1, 4, 16]}
 
 WALK = ("0 linear attention", "1 + LN & residual", "2 + mini-batch b=16",
         "3 + learnable eta", "4 + Mamba backbone")
@@ -78,14 +78,11 @@ def execute(spec: RunSpec, p: Plan, workdir: Path) -> dict[str, Any]:
     model = lm.train_run(workdir, config, lm.train_config(s, spec.seed), corpus)
     if model is None:
         return lm.diverged(config, s, ["loss", "ppl", "ms_per_step"])
-    T = s["seq_len"]
-    loss = lm.windows_loss(model, corpus.val, lm.eval_starts(corpus, T, s["eval_windows"]), T)
+    metrics, windows = lm.window_metrics(model, corpus, s, lm.eval_starts(corpus, s["seq_len"], s["eval_windows"]))
     # The wall time of training alone: the trainer's own clock, from metrics.csv.
-    seconds = _train_seconds(workdir)
+    metrics["ms_per_step"] = 1000 * _train_seconds(workdir) / s["steps"]
     return {"parameters": model.num_parameters(), "steps": s["steps"], "tokens": lm.tokens(s),
-            "metrics": {"loss": loss, "ppl": lm.perplexity(loss),
-                        "ms_per_step": 1000 * seconds / s["steps"],
-                        "trained": lm.trained_flag(loss, corpus, s.get("stuck_fraction"))}}
+            "metrics": metrics, "windows": windows}
 
 
 def _train_seconds(workdir: Path) -> float:
@@ -166,7 +163,7 @@ def notes(p: Plan, rows: list[dict[str, Any]]) -> list[str]:
     return [
         lm.setup_note(s, rows, WALK[0]),
         lm.eval_note(s),
-        lm.trained_note(s),
+        lm.trained_note(s, rows),
         ("Step 0 is the TTT layer in its linear-attention configuration (docs/maths.md 2.8: batch GD over "
         f"the whole window, b = seq_len = {s['seq_len']}, no LN/residual, fixed eta); it keeps "
         "the layer's learned initial weights and token scales. The paper's numbers are word-level "
@@ -180,5 +177,5 @@ EXPERIMENT = Experiment(
     "ttt-ablation", "ttt-ablation: from linear attention to TTT-Linear, step by step",
     "The TTT paper's ablation walk, mini-batch sweep and TTT-MLP vs TTT-Linear (Sun et al. 2024; "
     "docs/maths.md 2.9).",
-    plan, execute, claims, metrics, plots, notes)
+    plan, execute, claims, metrics, plots, notes, untrained=lm.UNTRAINED)
 register(EXPERIMENT)

@@ -36,7 +36,10 @@ class TrainConfig:
     longer fits in the shards every row restarts at offset 0 from a fresh state. Validation then
     reads its windows as one stream with the state carried too (``evaluate(carry_state=True)``).
     Mixers whose state grows with the context (softmax attention's cache, AFT-full) or that
-    cannot continue past a position table are refused, as is ``pack``."""
+    cannot continue past a position table are refused, as is ``pack``. ``reset_state`` (with
+    ``carry_state`` only): the same stream segments in the same order, but every window starts
+    from a fresh state; the control that separates the truncation from the data order
+    (docs/reproductions.md, "The truncation control"). Its validation reads independent windows."""
 
     steps: int = 300
     batch_size: int = 16
@@ -57,6 +60,7 @@ class TrainConfig:
     pack: bool = False  # one packed row per step, state reset at document boundaries
     recompute: bool = False  # gradient checkpointing per block
     carry_state: bool = False  # truncated BPTT: each row reads one stream, state carried (detached)
+    reset_state: bool = False  # with carry_state: the same streams, the state reset at every window
     grad_accum: int = 1  # micro-batches of batch_size rows per optimiser step
 
     def __post_init__(self) -> None:
@@ -77,12 +81,15 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.min_lr_ratio <= 1 or not self.weight_decay >= 0:
             raise ValueError("min_lr_ratio must be in [0, 1] and weight_decay >= 0")
-        for name in ("anomaly_guard", "pack", "recompute", "bf16", "carry_state"):
+        for name in ("anomaly_guard", "pack", "recompute", "bf16", "carry_state", "reset_state"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.pack and self.carry_state:
             raise ValueError("pack and carry_state exclude each other: packed rows restart the "
                              "state at every document and window, carry_state continues it")
+        if self.reset_state and not self.carry_state:
+            raise ValueError("reset_state needs carry_state: it reads carry_state's stream "
+                             "segments with the state reset at every window")
         if self.carry_state and self.grad_accum > 1:
             raise ValueError(f"grad_accum {self.grad_accum} is not supported with carry_state: "
                              "each batch row carries its own stream's state from one step to "

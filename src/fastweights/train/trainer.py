@@ -280,7 +280,8 @@ class Trainer:
             with self._gradient_sync(i == len(batches) - 1):
                 with self.autocast:
                     logits, state = self.ddp(x, self.carry, cu_seqlens=cu)
-                if cfg.carry_state:  # the next step continues from here; gradients stop here
+                if cfg.carry_state and not cfg.reset_state:  # the next step continues from
+                    # here; gradients stop here (reset_state: every window starts fresh)
                     self.carry = state_tree.map_tensors(torch.Tensor.detach, state)
                 part = F.cross_entropy(loss_logits(logits.flatten(0, 1)), y.flatten(), ignore_index=-100)
                 if len(batches) > 1:
@@ -342,7 +343,7 @@ class Trainer:
         has run out."""
         shard = (self.cp_rank, self.cp, self.cp_group) if self.cp_group is not None else None
         val = evaluate(self.model, self.corpus.val, self.cfg.seq_len, self.cfg.eval_windows,
-                       shard=shard, carry_state=self.cfg.carry_state)
+                       shard=shard, carry_state=self.cfg.carry_state and not self.cfg.reset_state)
         if self.main:
             self.metrics.log(self.step, "val", val, seconds=self.elapsed)
             self.bar.write(f"step {self.step}: val loss {val:.4f}, perplexity {math.exp(val):.3f}")
