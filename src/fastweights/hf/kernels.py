@@ -61,8 +61,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import state_dtype
+from ..layers.conv import causal_depthwise_conv
 from ..layers.gated_delta import l2_normalize
-from ..ops._conv import causal_depthwise_conv
 from ..ops.backend import preferred_chunk_size
 from ..ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 

@@ -11,8 +11,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from .._checks import check_layer_input, check_positive_int
-from ..ops._varlen import check_cu_seqlens, check_packed_states
+from .._checks import check_documents, check_layer_input, check_packed_states, check_positive_int
 from ..state_tree import cat_rows
 
 State = Any  # a tuple of tensors (and ints) owned by the layer; None means "start of sequence"
@@ -172,8 +171,8 @@ class Mixer(nn.Module):
         check_layer_input(x, self.d_model)
         if cu_seqlens is None:
             return [0, x.shape[1]], [state]
-        bounds = check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
-        return bounds, check_packed_states(state, len(bounds) - 1)
+        docs = check_documents(cu_seqlens, x.shape[1], x.shape[0], x.device)
+        return list(docs.bounds), check_packed_states(state, docs.count)
 
     def _forward_per_document(self, x: torch.Tensor, state: State,
                               cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, list[State]]:

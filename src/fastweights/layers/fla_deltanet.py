@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_positive_int, is_number, state_dtype
-from ..ops._conv import causal_depthwise_conv
 from ..ops.backend import preferred_chunk_size
 from ..ops.delta_rule import delta_rule
 from ..ops.feature_maps import elu_plus_one
@@ -54,6 +53,7 @@ from .base import (
     per_document,
     split_heads,
 )
+from .conv import causal_depthwise_conv
 from .gated_delta import l2_normalize
 from .norms import RMSNorm
 

@@ -44,7 +44,6 @@ from .._checks import (
     matrix_state,
     state_dtype,
 )
-from ..ops._conv import causal_depthwise_conv
 from ..ops.backend import preferred_chunk_size
 from ..ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 from .base import (
@@ -57,6 +56,7 @@ from .base import (
     packed_or_single,
     split_heads,
 )
+from .conv import causal_depthwise_conv
 from .norms import GATE_ACTIVATIONS, RMSNorm
 
 L2_EPS = 1e-6  # inside the square root, as fla's l2norm kernel and transformers' l2norm

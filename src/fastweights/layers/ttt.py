@@ -18,7 +18,6 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops._conv import causal_depthwise_conv
 from ..ops.backend import BACKENDS
 from ..ops.ttt import (
     MODES,
@@ -43,6 +42,7 @@ from .base import (
     split_heads,
     token_positions,
 )
+from .conv import causal_depthwise_conv
 from .positional import RotaryFrequencies
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (docs/maths.md 2.1)

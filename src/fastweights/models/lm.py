@@ -19,10 +19,9 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from .. import state_tree
-from .._checks import is_int, is_number
+from .._checks import check_documents, is_int, is_number
 from .._files import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE, listing_problem, write_checksums
 from ..layers.base import token_positions
-from ..ops._varlen import check_cu_seqlens
 from .block import Block, MixerRunner, make_norm
 from .config import LMConfig
 
@@ -160,8 +159,8 @@ class LanguageModel(nn.Module):
         the final norm's output h itself (after the norm)."""
         self._check_ids(input_ids)
         if cu_seqlens is not None:
-            bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0],
-                                      input_ids.device)
+            bounds = check_documents(cu_seqlens, input_ids.shape[1], input_ids.shape[0],
+                                     input_ids.device).bounds
             if state is None:
                 self._check_length(max(b - a for a, b in itertools.pairwise(bounds)))
         elif state is None:

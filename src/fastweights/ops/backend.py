@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from .._checks import Documents
+
 __all__ = ["BACKENDS", "ENV", "FLA_CHUNK", "PROBE_TOKENS", "TRITON_MAX_DK", "Kernel", "Trial",
            "choose_backend", "fla_ops", "fla_varlen", "kernel_ops", "optional_module",
            "preferred_chunk_size", "register", "register_fla"]
@@ -298,10 +300,13 @@ def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
     return "torch"
 
 
-def fla_varlen(cu_seqlens: torch.Tensor | None, bounds: list[int] | None) -> dict[str, Any]:
+def fla_varlen(cu_seqlens: torch.Tensor | Documents | None,
+               bounds: Sequence[int] | None) -> dict[str, Any]:
     """fla's variable-length arguments: cu_seqlens as int64 and its CPU copy (from the checked
     bounds, sparing fla a device synchronisation); nothing for an unpacked batch."""
     if bounds is None:
         return {}
+    if isinstance(cu_seqlens, Documents):
+        cu_seqlens = cu_seqlens.cu_seqlens
     return {"cu_seqlens": cu_seqlens.to(torch.long),
             "cu_seqlens_cpu": torch.tensor(bounds, dtype=torch.long)}

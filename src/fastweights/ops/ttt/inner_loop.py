@@ -16,6 +16,7 @@ from ..._checks import (
     check_arg,
     check_bool,
     check_device,
+    check_documents,
     check_mode,
     check_positive_int,
     check_qkv,
@@ -25,7 +26,7 @@ from ..._checks import (
 from .._autocast import float32_compute
 from .._modes import TTT_MODES
 from .._pieces import in_pieces, piece_length
-from .._varlen import check_cu_seqlens, run_packed
+from .._varlen import run_packed
 from ..backend import Kernel, Trial, register
 from .chunk import ttt_linear_dual, ttt_mlp_dual
 from .common import Carry, to_dtype
@@ -94,7 +95,7 @@ def _ttt(
             )
         check_device("token_scale", token_scale, q)
     if cu_seqlens is not None:
-        n_docs = len(check_cu_seqlens(cu_seqlens, T, B, q.device)) - 1
+        n_docs = check_documents(cu_seqlens, T, B, q.device).count
         if not isinstance(initial_state, list):
             # One start state (the learned initial weights, batch 1) shared by every document.
             initial_state = [initial_state] * n_docs
