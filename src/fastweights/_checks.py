@@ -195,16 +195,17 @@ def check_arg(
 
 def matrix_state(
     initial_state: Any, shape: tuple[int, int, int, int], ref: torch.Tensor, dtype: torch.dtype,
+    name: str = "initial_state",
 ) -> torch.Tensor:
     """The single-matrix state S [B, H, Dk, Dv] of an op (delta rule, decayed linear attention):
     zeros when ``initial_state`` is None, else the checked tensor (a 1-tuple is unwrapped) in
-    ``dtype``."""
+    ``dtype``; ``name`` is the argument's in messages."""
     if initial_state is None:
         return ref.new_zeros(shape, dtype=dtype)
     if isinstance(initial_state, (tuple, list)) and len(initial_state) == 1:
         initial_state = initial_state[0]
-    check_arg("initial_state", initial_state, shape, "[B, H, Dk, Dv]", ref)
-    return initial_state.to(dtype)
+    check_arg(name, initial_state, shape, "[B, H, Dk, Dv]", ref)
+    return initial_state if initial_state.dtype == dtype else initial_state.to(dtype)
 
 
 def check_mode(mode: Any, modes: Sequence[str]) -> str:

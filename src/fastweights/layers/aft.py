@@ -27,9 +27,9 @@ from .._checks import (
     check_layer_input,
     check_nonneg_float,
     check_positive_int,
-    state_dtype,
 )
-from ..ops.aft import (
+from ..ops import (
+    RECURRENT_MODES,
     AFTConvState,
     AFTFullState,
     AFTLocalState,
@@ -37,10 +37,9 @@ from ..ops.aft import (
     aft,
     aft_conv,
     aft_local,
+    aft_local_step,
+    merge_simple_states,
 )
-from ..ops.aft.chunk import merge
-from ..ops.aft.common import MODES
-from ..ops.aft.local import local_causal
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
@@ -216,7 +215,7 @@ class AFTLocal(_AFT):
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
         self.window = check_positive_int("window", window)
         self.bias = _PositionBias(max_len, d_bias, bias_std)
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
     def forward(self, x: torch.Tensor, state: State = None,
@@ -253,14 +252,10 @@ class AFTLocal(_AFT):
     def _step(self, x: torch.Tensor, state: AFTLocalState | None) -> tuple[torch.Tensor, State]:
         """``forward`` for one token per row at one position (see the class docstring)."""
         q, k, v = self._qkv(x)
-        pos, carried = 0, None
-        if state is not None:
-            a, n, m, k_cache, v_cache, pos = AFTLocalState.check(state, x.shape[0], self.d_hidden,
-                                                                 self.window, q)
-            carried = (a, n.unsqueeze(-1), m, k_cache, v_cache.unsqueeze(-1))
-        band = self.bias.keys_row(pos, self.window).to(state_dtype(x.dtype)).view(1, 1, -1)
-        o, final = local_causal(q, k, v, band, self.window, carried, pos, "recurrent",
-                                self.chunk_size)
+        pos = 0 if state is None else state.pos
+        row = self.bias.keys_row(pos, self.window)  # [J], J = min(pos + 1, window), time order
+        w = F.pad(row, (self.window - row.shape[0], 0)).flip(-1).view(1, -1)  # [1, s], by offset
+        o, final = aft_local_step(q, k, v, w, window=self.window, state=state)
         return self.out(o), final
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -294,7 +289,7 @@ class AFTSimple(_AFT):
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  mode: str = "chunk") -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
@@ -315,15 +310,15 @@ class AFTSimple(_AFT):
     def _scan(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
         _, part = shard.run(x, None)
         gathered = shard.all_gather(list(part))
-        parts = [(a, n.unsqueeze(-1), m) for a, n, m in gathered[:shard.rank]]
+        parts = [AFTSimpleState(*g) for g in gathered[:shard.rank]]
         if state0 is not None:
-            parts.insert(0, (state0[0], state0[1].unsqueeze(-1), state0[2]))
+            parts.insert(0, AFTSimpleState(*state0))
         if not parts:
             return shard.run(x, None)
         prefix = parts[0]
         for cur in parts[1:]:
-            prefix = merge(prefix, cur)
-        return shard.run(x, AFTSimpleState(prefix[0], prefix[1].squeeze(-1), prefix[2]))
+            prefix = merge_simple_states(prefix, cur)
+        return shard.run(x, AFTSimpleState(*prefix))
 
 
 class AFTConv(_AFT):
@@ -360,7 +355,7 @@ class AFTConv(_AFT):
                          with_q=gating)
         self.window = check_positive_int("window", window)
         self.reparam = check_bool("reparam", reparam)
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         if mode == "recurrent" and not (global_context and nonneg):
             raise ValueError("global_context=False and nonneg=False have no mode='recurrent'; "
                              "use mode='chunk' or 'naive'")

@@ -41,11 +41,10 @@ from .._checks import (
     check_choice,
     check_positive_int,
     is_number,
-    matrix_state,
     state_dtype,
 )
+from ..ops import RECURRENT_MODES, gated_delta_rule, gated_delta_rule_step
 from ..ops.backend import preferred_chunk_size
-from ..ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 from .base import (
     ContextParallel,
     Mixer,
@@ -116,7 +115,7 @@ class GatedDeltaNet(Mixer):
         if not is_number(norm_eps) or not 0 < norm_eps < 1:
             raise ValueError(f"norm_eps must be a float in (0, 1), got {norm_eps!r}")
         self.norm_eps = float(norm_eps)
-        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
 
         self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
@@ -220,11 +219,9 @@ class GatedDeltaNet(Mixer):
         # convolution, the L2 norm and the gates above are computed in float32.
         q, k, v = like_values(projected, q, k, v)
         if is_step(x, cu_seqlens) and self.mode != "naive":
-            # The decoding step: the recurrence's one-token form on the checked state (the
-            # operands rounded as the chunked form's, then in the state's dtype).
-            S0 = matrix_state(parts[0][1], (B, H, Dk, self.head_v_dim), q, cdtype)
-            q, k, v = (t.to(cdtype) for t in (q, k, v))
-            o, S = gated_delta_rule_step(q * scale, k, v, beta, g, S0)
+            # The decoding step: the op's one-token step (the operands rounded as the chunked
+            # form's, then in the state's dtype).
+            o, S = gated_delta_rule_step(q, k, v, beta, g, state=parts[0][1], scale=scale)
             finals = [S]
         else:
             chunk = self.chunk_size or preferred_chunk_size("gated_delta_rule", x.device)

@@ -22,23 +22,22 @@ from .._checks import (
     check_layer_input,
     check_nonneg_float,
     check_positive_int,
-    check_same_device,
     check_shape,
     check_tensor,
     is_int,
     state_dtype,
 )
-from ..ops.feature_maps import elu_plus_one
-from ..ops.linear_attn import MODES, linear_attn
-from ..ops.transnormer import (
-    KERNELS,
+from ..ops import (
+    RECURRENT_MODES,
     block_attention,
     decay_linear_attn,
+    decay_linear_attn_step,
+    linear_attn,
     open_block_attention,
     srms_norm,
 )
-from ..ops.transnormer.block import attend_open_block
-from ..ops.transnormer.recurrent import decay_linear_attn_recurrent
+from ..ops.feature_maps import elu_plus_one
+from ..ops.transnormer import KERNELS
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
@@ -175,7 +174,7 @@ class NormAttention(Mixer):
         check_bool("lrpe", lrpe)
         check_bool("decay", decay)
         self.decay_scale = check_nonneg_float("decay_scale", decay_scale)
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         H, D = n_heads, self.head_dim
         _qkv_projections(self, d_model, H * D)
@@ -240,14 +239,8 @@ class NormAttention(Mixer):
         """``forward`` for one token per row, x [B, 1, d_model] (see the class docstring)."""
         check_layer_input(x, self.d_model)
         S, pos = NormState.check(state)
-        B, H, D = x.shape[0], self.n_heads, self.head_dim
+        H = self.n_heads
         sdtype = state_dtype(x.dtype)
-        if S is None:
-            S = x.new_zeros(B, H, D, D, dtype=sdtype)
-        else:  # what the op checks of a carried state
-            check_shape("state[0] (S)", S, (B, H, D, D), "[B, H, D, D]")
-            check_same_device(x=x, **{"state[0] (S)": S})
-            S = S if S.dtype == sdtype else S.to(sdtype)
         qk = ACTIVATIONS[self.activation](
             split_heads(torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1), 2 * H))
         if self.lrpe is not None:
@@ -257,7 +250,7 @@ class NormAttention(Mixer):
             qk, v = qk.to(sdtype), v.to(sdtype)
         lam = (None if self.decay_values is None
                else torch.tensor(self.decay_values, dtype=sdtype, device=x.device))
-        o, S = decay_linear_attn_recurrent(qk[:, :, :H], qk[:, :, H:], v, lam, S)
+        o, S = decay_linear_attn_step(qk[:, :, :H], qk[:, :, H:], v, lam, state=S)
         o = srms_norm(merge_heads(o))
         if self.decay_values is not None:
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
@@ -451,7 +444,7 @@ class DiagAttention(Mixer):
         if r:
             k = torch.cat([state.k_open.to(sdtype), k], dim=1)  # [B, r + 1, H, D]
             v = torch.cat([state.v_open.to(sdtype), v], dim=1)
-        o = merge_heads(attend_open_block(q, k, v, D ** -0.5, self.kernel))
+        o = merge_heads(open_block_attention(q, k, v, scale=D ** -0.5, kernel=self.kernel))
         if self.kernel == "relu":
             o = srms_norm(o)
         n_open = (r + 1) % w

@@ -28,12 +28,14 @@ def check_items(state: Any, cls: type, what: str | None = None, name: str = "ini
 
 def checked_tensors(
     state: Any, cls: type, specs: dict[str, Spec], ref: torch.Tensor, dtype: torch.dtype,
+    name: str = "initial_state",
 ) -> dict[str, torch.Tensor]:
-    """The fields named in ``specs``, each checked (``initial_state[i] (name)`` in messages) and
-    cast to ``dtype``."""
+    """The fields named in ``specs``, each checked (``initial_state[i] (field)`` in messages,
+    ``name`` for the argument) and cast to ``dtype``."""
     out = {}
     for i, field in enumerate(cls._fields):  # type: ignore[attr-defined]
         if field in specs:
             shape, layout = specs[field]
-            out[field] = check_arg(f"initial_state[{i}] ({field})", state[i], shape, layout, ref).to(dtype)
+            x = check_arg(f"{name}[{i}] ({field})", state[i], shape, layout, ref)
+            out[field] = x if x.dtype == dtype else x.to(dtype)
     return out
