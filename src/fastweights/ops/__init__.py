@@ -36,7 +36,7 @@ from .transnormer import (
     open_block_attention,
     srms_norm,
 )
-from .ttt import ttt_linear, ttt_mlp
+from .ttt import TTTState, ttt_linear, ttt_linear_step, ttt_mlp, ttt_mlp_step
 
 __all__ = [
     "RECURRENT_MODES",
@@ -49,6 +49,7 @@ __all__ = [
     "InfiniSegmentState",
     "InfiniState",
     "LinearAttnState",
+    "TTTState",
     "aft",
     "aft_conv",
     "aft_conv_step",
@@ -78,5 +79,7 @@ __all__ = [
     "srms_norm",
     "sum_norm",
     "ttt_linear",
+    "ttt_linear_step",
     "ttt_mlp",
+    "ttt_mlp_step",
 ]
