@@ -11,7 +11,14 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from .._checks import check_documents, check_layer_input, check_packed_states, check_positive_int
+from .._checks import (
+    check_choice,
+    check_documents,
+    check_layer_input,
+    check_packed_states,
+    check_positive_int,
+)
+from ..ops.backend import BACKENDS
 from ..state_tree import cat_rows
 
 State = Any  # a tuple of tensors (and ints) owned by the layer; None means "start of sequence"
@@ -231,6 +238,12 @@ def is_step(x: Any, cu_seqlens: torch.Tensor | None) -> bool:
     autocast the public op (which switches autocast off for its float32 states) runs instead."""
     return (cu_seqlens is None and isinstance(x, torch.Tensor) and x.dim() == 3
             and x.shape[1] == 1 and not torch.is_autocast_enabled(x.device.type))
+
+
+def check_backend(backend: Any) -> str | None:
+    """A layer's ``backend`` option: None (the automatic choice) or one of ops/backend.py's
+    BACKENDS, handed to its op (docs/design.md, "Backends")."""
+    return check_choice("backend", backend, (None, *BACKENDS))
 
 
 def like_values(v: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

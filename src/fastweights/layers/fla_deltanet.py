@@ -47,6 +47,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     like_values,
     merge_heads,
     packed_or_single,
@@ -168,9 +169,10 @@ class FlaDeltaNet(FlaMixer):
         use_beta: bool = True, use_gate: bool = False, use_short_conv: bool = True,
         conv_size: int = 4, conv_bias: bool = False, allow_neg_eigval: bool = False,
         qk_activation: str = "silu", qk_norm: str = "l2", norm_eps: float = 1e-5,
-        mode: str = "chunk", chunk_size: int | None = None,
+        mode: str = "chunk", chunk_size: int | None = None, backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, expand_k, expand_v)
+        self.backend = check_backend(backend)
         key_dim, value_dim = self.key_dim, self.value_dim
         self.use_beta = check_bool("use_beta", use_beta)
         self.use_gate = check_bool("use_gate", use_gate)
@@ -261,7 +263,7 @@ class FlaDeltaNet(FlaMixer):
         o, S = delta_rule(q, k, v, beta, scale=self.head_k_dim ** -0.5,
                           initial_state=packed_or_single([p[1] for p in parts], cu_seqlens),
                           output_final_state=True, mode=self.mode, chunk_size=chunk,
-                          cu_seqlens=cu_seqlens)
+                          cu_seqlens=cu_seqlens, backend=self.backend)
         gate = split_heads(self.g_proj(x), self.n_heads) if self.use_gate else None
         y = self.o_proj(merge_heads(self.o_norm(o, gate)))
         finals = per_document(S, cu_seqlens)

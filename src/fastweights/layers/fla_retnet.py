@@ -48,6 +48,7 @@ from ..ops.transnormer import decay_linear_attn
 from .base import (
     ContextParallel,
     State,
+    check_backend,
     like_values,
     merge_heads,
     packed_or_single,
@@ -120,8 +121,10 @@ class FlaMultiScaleRetention(FlaMixer):
         num_kv_heads: int | None = None, feature_map: str | None = None,
         use_output_gate: bool = True, elementwise_affine: bool = True, norm_eps: float = 1e-5,
         fuse_norm: bool = True, mode: str = "chunk", chunk_size: int = 64,
+        backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, expand_k, expand_v)
+        self.backend = check_backend(backend)
         key_dim, value_dim = self.key_dim, self.value_dim
         if self.head_k_dim % 2:
             raise ValueError(f"the key head dim (hidden size * expand_k / num_heads = "
@@ -182,7 +185,7 @@ class FlaMultiScaleRetention(FlaMixer):
                                  scale=self.head_k_dim ** -0.5,
                                  initial_state=packed_or_single(Ss, cu_seqlens),
                                  output_final_state=True, mode=mode, chunk_size=self.chunk_size,
-                                 cu_seqlens=cu_seqlens)
+                                 cu_seqlens=cu_seqlens, backend=self.backend)
         gate = split_heads(self.g_proj(x), self.n_heads) if self.use_output_gate else None
         y = self.o_proj(merge_heads(getattr(self, self.norm_name)(o, gate)))
         finals = [(s, off + (b - a)) for s, off, (a, b)

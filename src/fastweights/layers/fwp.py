@@ -33,6 +33,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     is_step,
     like_values,
     merge_heads,
@@ -66,6 +67,9 @@ class LinearAttention(Mixer):
     The defaults ``nu=2``
     and ``m=16`` are lmtool's (docs/maths.md 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
 
+    ``backend`` (None: the automatic choice) goes to the op (``linear_attn``, ``delta_rule``;
+    the attention-normalised delta rule has torch's forms only).
+
     State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule and the
     attention-normalised delta rule, ``(S,)`` for delta.
     """
@@ -75,9 +79,10 @@ class LinearAttention(Mixer):
         feature_map: str = "elu", normalize: str = "attention", update: str = "sum",
         nu: int = 2, m: int = 16, eps: float = 1e-6, sum_norm_eps: float = 1e-6,
         out_scale: float | None = None, redraw: bool = True, orthogonal: bool = True,
-        mode: str = "chunk", chunk_size: int | None = None,
+        mode: str = "chunk", chunk_size: int | None = None, backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
+        self.backend = check_backend(backend)
         self.feature_map = check_choice("feature_map", feature_map, FEATURE_MAPS)
         self.normalize = check_choice("normalize", normalize, NORMALIZATIONS)
         self.update = check_choice("update", update, UPDATES)
@@ -133,7 +138,7 @@ class LinearAttention(Mixer):
         chunk = self.chunk_size or preferred_chunk_size(
             "delta_rule" if self.update == "delta" else "linear_attn", x.device)
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": chunk,
-                "cu_seqlens": cu_seqlens}
+                "cu_seqlens": cu_seqlens, "backend": self.backend}
         if delta_attention:
             beta = torch.sigmoid(proj[..., 3 * D])
             o, new_state = delta_rule_attn_norm(q, k, v, beta, eps=self.eps, initial_state=state,

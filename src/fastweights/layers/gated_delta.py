@@ -49,6 +49,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     is_step,
     like_values,
     merge_heads,
@@ -79,7 +80,8 @@ class GatedDeltaNet(Mixer):
     ``allow_neg_eigval`` off, output-norm eps 1e-5, and its initialisation of A_log
     (log U(0, 16)) and dt_bias (softplus^-1 of dt log-uniform in [0.001, 0.1]).
     ``mode``/``chunk_size`` choose the op's algorithm (equal up to rounding); ``chunk_size``
-    None takes the size measured fastest on the input's device kind (32 on CPU).
+    None takes the size measured fastest on the input's device kind (32 on CPU); ``backend``
+    (None: the automatic choice) goes to ``gated_delta_rule``.
 
     Submodules carry fla's names: q_proj, k_proj, v_proj, a_proj, b_proj, A_log, dt_bias,
     q_conv1d, k_conv1d, v_conv1d, g_proj, o_norm, o_proj.
@@ -90,9 +92,10 @@ class GatedDeltaNet(Mixer):
         num_v_heads: int | None = None, expand_v: float = 2.0, use_gate: bool = True,
         gate_activation: str = "swish", use_short_conv: bool = True, conv_size: int = 4,
         conv_bias: bool = False, allow_neg_eigval: bool = False, norm_eps: float = 1e-5,
-        mode: str = "chunk", chunk_size: int | None = None,
+        mode: str = "chunk", chunk_size: int | None = None, backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
+        self.backend = check_backend(backend)
         Hk, Dk = n_heads, self.head_dim
         H = Hk if num_v_heads is None else check_positive_int("num_v_heads", num_v_heads)
         if H % Hk:
@@ -227,7 +230,7 @@ class GatedDeltaNet(Mixer):
             chunk = self.chunk_size or preferred_chunk_size("gated_delta_rule", x.device)
             o, S = gated_delta_rule(
                 q, k, v, beta, g, scale=scale, output_final_state=True, mode=self.mode,
-                chunk_size=chunk, cu_seqlens=cu_seqlens,
+                chunk_size=chunk, cu_seqlens=cu_seqlens, backend=self.backend,
                 initial_state=packed_or_single([S0 for _, S0 in parts], cu_seqlens))
             finals = list(S) if cu_seqlens is not None else [S]
         gate = split_heads(self.g_proj(x), H) if self.use_gate else None

@@ -43,6 +43,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     check_stackable,
     is_step,
     like_values,
@@ -155,7 +156,7 @@ class NormAttention(Mixer):
     variant (docs/maths.md 3.5): S_t = lambda_h S_{t-1} + k_t^T v_t with
     lambda_h = exp(-decay_scale * s_h), s_h the ALiBi slopes (TransNormerLLM uses
     decay_scale = 1 - l/(L-1) + 1e-5 in layer l), and the output norm -> sigmoid(x W_g + b_g)
-    gate -> W_out. ``mode``/``chunk_size`` go to the op.
+    gate -> W_out. ``mode``/``chunk_size``/``backend`` go to the op.
 
     State: ``(S [B, H, D, D] float32/float64, position: int)``; the position keeps LRPE
     sequence-global when the sequence is fed in pieces. ``decay_values`` holds the lambda_h.
@@ -168,8 +169,10 @@ class NormAttention(Mixer):
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         activation: str = "1+elu", lrpe: bool = True, decay: bool = False,
         decay_scale: float = 1.0, mode: str = "chunk", chunk_size: int = 64,
+        backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
+        self.backend = check_backend(backend)
         self.activation = check_choice("activation", activation, ACTIVATIONS)
         check_bool("lrpe", lrpe)
         check_bool("decay", decay)
@@ -218,7 +221,7 @@ class NormAttention(Mixer):
             # (bfloat16 has float32's range: its operands stay bfloat16, for the kernels).
             q, k, v = q.float(), k.float(), v.float()
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size,
-                "cu_seqlens": cu_seqlens}
+                "cu_seqlens": cu_seqlens, "backend": self.backend}
         if self.decay_values is not None:
             lam = torch.tensor(self.decay_values, dtype=state_dtype(q.dtype), device=q.device)
             o, final = decay_linear_attn(q, k, v, lam, initial_state=packed_or_single(S, cu_seqlens),

@@ -19,12 +19,12 @@ from .._checks import (
     check_positive_int,
 )
 from ..ops import TTT_MODES, TTTState, ttt_linear, ttt_linear_step, ttt_mlp, ttt_mlp_step
-from ..ops.backend import BACKENDS
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     check_stackable,
     is_step,
     merge_heads,
@@ -115,7 +115,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         self.mamba_backbone = check_bool("mamba_backbone", mamba_backbone)
         self.learn_eta = check_bool("learn_eta", learn_eta)
         self.mode = check_choice("mode", mode, TTT_MODES)
-        self.backend = check_choice("backend", backend, (None, *BACKENDS))
+        self.backend = check_backend(backend)
         H, D, b = n_heads, self.head_dim, mini_batch_size
         width = H * D
         if rope:

@@ -350,8 +350,8 @@ def ttt_linear(
     whose backward always recomputes from checkpoints: there it is the checkpoint spacing
     (default 16 mini-batches).
     backend: "triton" (the dual form's kernels, ops/ttt/triton.py: CUDA, float16 or bfloat16
-    q, k, v, Dk and Dv multiples of 16 up to 128, mini_batch_size <= 64, mode "dual"; TTT-MLP's
-    forward kernel only, without gradients: its backward kernel exists but spills), "torch", or
+    q, k, v, Dk and Dv multiples of 16 up to 128, mini_batch_size <= 64, mode "dual"; forward
+    and backward for the ops in ops/ttt/triton.py's ``BACKWARD_OPS``, both today), "torch", or
     None for the automatic choice (ops/backend.py: triton where it can run the call). A
     one-token call in mode "dual" is ``ttt_linear_step`` (its own kernel). An explicit choice
     that cannot run the call is a ValueError saying why.
