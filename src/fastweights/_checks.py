@@ -264,6 +264,13 @@ def check_documents(cu_seqlens: Any, T: int, batch: int, device: torch.device) -
         if cu_seqlens.bounds[-1] != T:
             raise ValueError(f"cu_seqlens must end at T = {T}, got {cu_seqlens.bounds[-1]}")
         return cu_seqlens
+    check_cu_seqlens_tensor(cu_seqlens, batch, device)
+    return documents_from(cu_seqlens.tolist(), cu_seqlens, T)  # the one read back to the host
+
+
+def check_cu_seqlens_tensor(cu_seqlens: Any, batch: int, device: torch.device) -> torch.Tensor:
+    """What can be checked of a ``cu_seqlens`` tensor without reading it: type, shape, dtype,
+    device, and B = ``batch`` = 1."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a 1-D integer torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -275,7 +282,13 @@ def check_documents(cu_seqlens: Any, T: int, batch: int, device: torch.device) -
     _check_batch(batch)
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on device {cu_seqlens.device} but q is on {device}; they must match")
-    bounds = tuple(int(c) for c in cu_seqlens.tolist())  # the one read back to the host
+    return cu_seqlens
+
+
+def documents_from(bounds: Sequence[int], cu_seqlens: torch.Tensor, T: int) -> Documents:
+    """``Documents`` from the values of ``cu_seqlens`` already read back (``bounds``), checked
+    against T (a caller that reads other values too reads them all at once)."""
+    bounds = tuple(int(c) for c in bounds)
     _check_bounds(bounds, T)
     return Documents(bounds, cu_seqlens)
 

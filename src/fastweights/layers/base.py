@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
@@ -102,6 +103,8 @@ class Mixer(nn.Module):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.options = signature_options(cls)
+        if "forward" in cls.__dict__:
+            cls.forward = _documents_once(cls.__dict__["forward"])
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None) -> None:
         super().__init__()
@@ -193,6 +196,20 @@ class Mixer(nn.Module):
             outs.append(y)
             finals.append(s)
         return torch.cat(outs, dim=1), finals
+
+
+def _documents_once(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` taking ``cu_seqlens`` as ``Documents``: a tensor (a layer called alone) is
+    checked and read back here, once, and the layer and its ops take the ``Documents`` on
+    without checking or reading it again (docs/design.md, "Packed documents")."""
+    @functools.wraps(forward)
+    def wrapper(self: Mixer, x: Any, state: State = None, cu_seqlens: Any = None
+                ) -> tuple[torch.Tensor, State]:
+        if isinstance(cu_seqlens, torch.Tensor) and isinstance(x, torch.Tensor) and x.dim() == 3:
+            cu_seqlens = check_documents(cu_seqlens, x.shape[1], x.shape[0], x.device)
+        return forward(self, x, state, cu_seqlens)
+
+    return wrapper
 
 
 def per_document(value: Any, cu_seqlens: torch.Tensor | None) -> list[Any]:

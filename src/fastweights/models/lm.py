@@ -19,7 +19,14 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from .. import state_tree
-from .._checks import check_documents, is_int, is_number
+from .._checks import (
+    Documents,
+    check_cu_seqlens_tensor,
+    check_documents,
+    documents_from,
+    is_int,
+    is_number,
+)
 from .._files import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE, listing_problem, write_checksums
 from ..layers.base import token_positions
 from .block import Block, MixerRunner, make_norm
@@ -111,7 +118,10 @@ class LanguageModel(nn.Module):
         for block in self.blocks:
             block.mixer.set_inner_lr_warmup(float(progress))
 
-    def _check_ids(self, input_ids: Any, name: str = "input_ids") -> torch.Tensor:
+    def _check_ids(self, input_ids: Any, name: str = "input_ids",
+                   cu_seqlens: Any = None) -> Documents | None:
+        """Check ``input_ids`` (and ``cu_seqlens``, returned as ``Documents``): the ids' range
+        and the documents' boundaries are read back to the host together, once."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
         if input_ids.dtype != torch.long:
@@ -119,17 +129,25 @@ class LanguageModel(nn.Module):
         if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
             raise ValueError(f"{name} must have shape [B, T] with B, T >= 1, got {tuple(input_ids.shape)}")
         V = self.config.vocab_size
+        B, T = input_ids.shape
         # The range check reads the ids' values, a data-dependent branch that torch.export and
         # torch.compile(fullgraph=True) cannot trace; traced programs leave it to the embedding
         # lookup, which fails on an out-of-range id (IndexError on CPU, a device assert on CUDA).
         if torch.compiler.is_compiling():
-            return input_ids
-        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= V):
-            raise ValueError(
-                f"{name} must hold ids in [0, {V}), got values in "
-                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
-            )
-        return input_ids
+            return None if cu_seqlens is None else check_documents(
+                cu_seqlens, T, B, input_ids.device)
+        reads = [torch.stack(torch.aminmax(input_ids))]
+        if isinstance(cu_seqlens, torch.Tensor):
+            reads.append(check_cu_seqlens_tensor(cu_seqlens, B, input_ids.device).to(torch.long))
+        values = torch.cat(reads).tolist()  # one read back to the host for everything
+        lo, hi = values[:2]
+        if lo < 0 or hi >= V:
+            raise ValueError(f"{name} must hold ids in [0, {V}), got values in [{lo}, {hi}]")
+        if cu_seqlens is None:
+            return None
+        if isinstance(cu_seqlens, torch.Tensor):
+            return documents_from(values[2:], cu_seqlens, T)
+        return check_documents(cu_seqlens, T, B, input_ids.device)
 
     def _check_length(self, total: int) -> None:
         limit = self.config.max_seq_len
@@ -157,10 +175,9 @@ class LanguageModel(nn.Module):
         tensors [B, T, d], the convention of transformers' ``output_hidden_states`` (Llama's):
         the input of every block (the first is the embeddings' output after dropout) and, last,
         the final norm's output h itself (after the norm)."""
-        self._check_ids(input_ids)
+        cu_seqlens = self._check_ids(input_ids, cu_seqlens=cu_seqlens)  # Documents, checked once
         if cu_seqlens is not None:
-            bounds = check_documents(cu_seqlens, input_ids.shape[1], input_ids.shape[0],
-                                     input_ids.device).bounds
+            bounds = cu_seqlens.bounds
             if state is None:
                 self._check_length(max(b - a for a, b in itertools.pairwise(bounds)))
         elif state is None:
@@ -208,7 +225,7 @@ class LanguageModel(nn.Module):
             n = B
             lengths = torch.full((B,), T, dtype=torch.long, device=device)
         else:
-            bounds = cu_seqlens.tolist()
+            bounds = cu_seqlens.bounds
             n = len(bounds) - 1
             lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)], device=device)
         if offsets is None:
@@ -281,7 +298,8 @@ class LanguageModel(nn.Module):
         prompt followed by the new tokens, with the prompt's rank. Runs in eval mode.
         """
         squeeze = isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 1
-        ids = self._check_ids(prompt_ids[None] if squeeze else prompt_ids, "prompt_ids")
+        ids = prompt_ids[None] if squeeze else prompt_ids
+        self._check_ids(ids, "prompt_ids")
         if not is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if not is_number(temperature) or not temperature >= 0 or temperature == float("inf"):
