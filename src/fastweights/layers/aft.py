@@ -36,9 +36,12 @@ from ..ops import (
     AFTSimpleState,
     aft,
     aft_conv,
+    aft_conv_step,
     aft_local,
     aft_local_step,
+    aft_step,
     merge_simple_states,
+    reads_allowed,
 )
 from ..state_tree import cat_rows
 from .base import (
@@ -119,7 +122,7 @@ class _PositionBias(nn.Module):
     def rows_at(self, positions: torch.Tensor, window: int) -> torch.Tensor:
         """[B, 1, s] with [b, 0, o] = w[p_b, p_b - o] for the positions p [B] (each >= s - 1):
         one token's window biases per row, for rows at their own positions."""
-        if not torch.compiler.is_compiling():
+        if reads_allowed():  # (a read back to the host: eager calls only)
             self.check_length(int(positions.max()) + 1)
         keys = positions.unsqueeze(1) - torch.arange(window, device=positions.device)  # [B, s]
         return torch.einsum("bd,bsd->bs", self.u[positions], self.v[keys]).unsqueeze(1)
@@ -169,8 +172,11 @@ class AFTFull(_AFT):
         past = 0 if state is None else state.k_cache.shape[1]
         w = self.bias.rows(past, past + x.shape[1])
         q, k, v = self._qkv(x)
-        o, state = aft(q, k, v, w, initial_state=state, output_final_state=True,
-                       chunk_size=self.chunk_size)
+        if is_step(x, cu_seqlens):
+            o, state = aft_step(q, k, v, w, state=state)
+        else:
+            o, state = aft(q, k, v, w, initial_state=state, output_final_state=True,
+                           chunk_size=self.chunk_size)
         return self.out(o), state
 
     def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,8 +301,11 @@ class AFTSimple(_AFT):
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
-        o, state = aft(q, k, v, initial_state=state, output_final_state=True, mode=self.mode,
-                       cu_seqlens=cu_seqlens)
+        if self.mode != "naive" and is_step(x, cu_seqlens):
+            o, state = aft_step(q, k, v, state=self._typed_state(state, AFTSimpleState))
+        else:
+            o, state = aft(q, k, v, initial_state=state, output_final_state=True,
+                           mode=self.mode, cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -383,6 +392,11 @@ class AFTConv(_AFT):
         v = split_heads(v, H)
         q = split_heads(q, H) if self.gating else torch.zeros_like(v)  # ignored by the op
         w = self.kernel_weight()
+        if (self.mode != "naive" and self.nonneg and self.global_context
+                and is_step(x, cu_seqlens)):
+            o, state = aft_conv_step(q, k, v, w, state=self._typed_state(state, AFTConvState),
+                                     gating=self.gating)
+            return self.out(merge_heads(o)), state
         o, state = aft_conv(q, k, v, w if self.nonneg else 1.0 + w,
                             initial_state=state, output_final_state=True, mode=self.mode,
                             chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,

@@ -223,7 +223,7 @@ class NormAttention(Mixer):
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size,
                 "cu_seqlens": cu_seqlens, "backend": self.backend}
         if self.decay_values is not None:
-            lam = torch.tensor(self.decay_values, dtype=state_dtype(q.dtype), device=q.device)
+            lam = self._decay(state_dtype(q.dtype), q.device)
             o, final = decay_linear_attn(q, k, v, lam, initial_state=packed_or_single(S, cu_seqlens),
                                          **opts)
             S = per_document(final, cu_seqlens)
@@ -251,13 +251,25 @@ class NormAttention(Mixer):
         v = split_heads(self.v_proj(x), H)
         if qk.dtype != sdtype:  # half inputs: see forward
             qk, v = qk.to(sdtype), v.to(sdtype)
-        lam = (None if self.decay_values is None
-               else torch.tensor(self.decay_values, dtype=sdtype, device=x.device))
+        lam = None if self.decay_values is None else self._decay(sdtype, x.device)
         o, S = decay_linear_attn_step(qk[:, :, :H], qk[:, :, H:], v, lam, state=S)
         o = srms_norm(merge_heads(o))
         if self.decay_values is not None:
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
         return self.out(o if o.dtype == x.dtype else o.to(x.dtype)), NormState(S, pos + 1)
+
+    def _decay(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The lambda_h [H] as a tensor, kept per (dtype, device): made from the floats once, not
+        every step (a copy from the host each time; a captured CUDA graph cannot make one). Not
+        kept while tracing (the table would hold the tracer's tensors)."""
+        if torch.compiler.is_compiling():
+            return torch.tensor(self.decay_values, dtype=dtype, device=device)
+        kept = self.__dict__.setdefault("_decays", {})
+        lam = kept.get((dtype, device))
+        if lam is None:
+            lam = kept[(dtype, device)] = torch.tensor(self.decay_values, dtype=dtype,
+                                                       device=device)
+        return lam
 
     def state_size(self, seq_len: int = 1) -> int:
         return self.n_heads * self.head_dim * self.head_dim

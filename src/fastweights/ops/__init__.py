@@ -3,7 +3,7 @@ that share their forms (docs/design.md, "Floors"), the feature maps, and one pub
 step per stateful op (``<op>_step``: the op's own state in and out, shapes checked, nothing read
 back to the host; docs/design.md, "Steps"). Layers use these names and nothing below them."""
 
-from ._modes import RECURRENT_MODES, TTT_MODES
+from ._modes import RECURRENT_MODES, TTT_MODES, reading_nothing, reads_allowed
 from .aft import (
     AFTConvState,
     AFTFullState,
@@ -74,6 +74,8 @@ __all__ = [
     "linear_attn_step",
     "merge_simple_states",
     "open_block_attention",
+    "reading_nothing",
+    "reads_allowed",
     "relu",
     "softmax_attention",
     "srms_norm",

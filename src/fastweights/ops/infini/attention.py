@@ -27,7 +27,7 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_compute
-from .._modes import RECURRENT_MODES
+from .._modes import RECURRENT_MODES, reads_allowed
 from .._state import checked_tensors
 from .._steps import check_step_qkv, wide
 from .._varlen import run_packed
@@ -131,7 +131,7 @@ class InfiniRowsState(NamedTuple):
         if not (isinstance(fill, torch.Tensor) and fill.dtype == torch.long
                 and fill.shape == (B,) and fill.device == q.device):
             raise ValueError(f"initial_state.fill must be a long tensor [B] = [{B}] on {q.device}")
-        if not torch.compiler.is_compiling() and bool(((fill < 0) | (fill >= N)).any()):
+        if reads_allowed() and bool(((fill < 0) | (fill >= N)).any()):
             raise ValueError(f"initial_state.fill must lie in [0, segment_len = {N}), got "
                              f"{fill.tolist()}")
         seg = N - 1

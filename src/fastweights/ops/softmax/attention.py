@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..._checks import check_bool, check_finite_float, check_same_dtype_device, check_tensor
 from .._autocast import float32_compute
+from .._modes import reads_allowed
 
 __all__ = ["softmax_attention"]
 
@@ -79,6 +80,6 @@ def check_kv_lengths(lengths: object, B: int, lo: int, hi: int, device: torch.de
                if isinstance(lengths, torch.Tensor) else type(lengths).__name__)
         raise ValueError(f"kv_lengths must be a long tensor [B] = [{B}] on {device}, got {got}")
     # Reading the values syncs and branches on data, which a traced program cannot: eager only.
-    if not torch.compiler.is_compiling() and bool(((lengths < lo) | (lengths > hi)).any()):
+    if reads_allowed() and bool(((lengths < lo) | (lengths > hi)).any()):
         raise ValueError(f"kv_lengths must lie in [{lo}, {hi}] (at least the queries, at most "
                          f"Tk), got {lengths.tolist()}")

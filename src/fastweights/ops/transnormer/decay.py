@@ -20,7 +20,7 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_compute
-from .._modes import RECURRENT_MODES
+from .._modes import RECURRENT_MODES, reads_allowed
 from .._pieces import in_pieces, piece_length
 from .._steps import check_step_qkv, wide
 from .._varlen import run_packed, stack_packed_states
@@ -58,7 +58,7 @@ def decay_linear_attn(
     check_arg("decay", decay, (H,), "[H]", q)
     # A check of decay's values is a data-dependent branch: torch.compile(fullgraph=True) and
     # torch.export cannot trace it, so traced programs skip it (the layers build decay in range).
-    if not torch.compiler.is_compiling() and not bool(((decay > 0) & (decay <= 1)).all()):
+    if reads_allowed() and not bool(((decay > 0) & (decay <= 1)).all()):
         raise ValueError(
             f"decay must lie in (0, 1] for every head, got values {decay.detach().cpu().tolist()}"
         )

@@ -29,7 +29,7 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_compute
-from .._modes import TTT_MODES
+from .._modes import TTT_MODES, reads_allowed
 from .._pieces import in_pieces, piece_length
 from .._varlen import run_packed
 from ..backend import Kernel, Trial, choose_backend, register
@@ -181,7 +181,7 @@ def _ttt(
         # A one-token call: the token as one row (recurrent.py, or its kernel), not a
         # zero-padded b x b mini-batch.
         o, final = _step(kind, q, k, v, eta, state, ln_weight, ln_bias, residual, b,
-                         token_scale, None, backend, "read")
+                         token_scale, None, backend, "read" if reads_allowed() else "where")
         return o, (final if output_final_state else None)
 
     cdtype = state_dtype(q.dtype)

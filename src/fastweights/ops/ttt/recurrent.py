@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._modes import reads_allowed
 from .common import LN_EPS, Rows, TTTState, Weights, empty_rows, fused_ln_loss_grad
 
 Norm = tuple[torch.Tensor, torch.Tensor | None] | None  # LayerNorm (gamma, beta) [H, 1, Dv]
@@ -124,7 +125,7 @@ def _commit(state: TTTState, rows: Rows, tau: torch.Tensor, b: int,
     if isinstance(pos, int):
         return TTTState(state.start, rows, pos) if pos < b else _committed(state.start, rows, t)
     done = pos == b  # [B] rows whose mini-batch this token completes
-    if commit == "where" or torch.compiler.is_compiling():
+    if commit == "where" or not reads_allowed():
         return _commit_where(state.start, rows, done, pos, t)
     return _commit_rows(state.start, rows, done, pos, t)
 
