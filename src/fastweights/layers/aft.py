@@ -215,6 +215,8 @@ class AFTLocal(_AFT):
     token's window biases alone and runs the op's recurrence on the state it checked.
     """
 
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, max_len: int = 1024, d_bias: int = 128,
                  bias_std: float = 0.01, mode: str = "chunk", chunk_size: int = 64) -> None:
@@ -292,6 +294,8 @@ class AFTSimple(_AFT):
     softmax_t'(K) V. State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence
     length."""
 
+    static_form = "fixed"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  mode: str = "chunk") -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
@@ -348,6 +352,8 @@ class AFTConv(_AFT):
     as AFT-simple) instead of e^w; ``gating=False`` drops sigmoid(Q) and the Q projection with
     it. The first two have no ``mode="recurrent"``.
     """
+
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
 
     eps = 1e-5
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,

@@ -99,6 +99,10 @@ class Mixer(nn.Module):
     #: layer's mixing matrix from its q and k, ``reproduce/transnormer.py``).
     op_hook: Callable[[Callable[..., Any], torch.Tensor, torch.Tensor, torch.Tensor,
                        dict[str, Any]], None] | None = None
+    #: The form ``static_state`` gives: "fixed" (the state keeps its shapes and holds no
+    #: position: as it is), "rows" (its rows form, ``stack_states``, positions as tensors and
+    #: caches as buffers) or "none" (no static form; softmax attention's is its own).
+    static_form: ClassVar[str] = "none"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -153,6 +157,21 @@ class Mixer(nn.Module):
         another length) it raises ValueError; layers whose state tracks a position override it
         with per-row positions."""
         return cat_rows(check_stackable(states), "states")
+
+    def static_state(self, state: State, max_len: int) -> State:
+        """``state`` (as ``forward`` returned it) in the form a decoding step captured in a CUDA
+        graph continues (docs/design.md, "Decoding graphs"): every tensor keeps its shape from
+        step to step (positions as tensors, caches as buffers of at most ``max_len`` tokens)
+        and the step reads nothing back to the host. TypeError for a mixer without such a form
+        (``static_form``); ValueError where this state has none (a rows form that needs full
+        caches)."""
+        if state is None:
+            raise ValueError("static_state needs a state returned by forward (not None)")
+        if self.static_form == "fixed":
+            return state
+        if self.static_form == "rows":
+            return self.stack_states([state])
+        raise TypeError(f"{type(self).__name__} has no static decoding form")
 
     def _mix(self, op: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              **kwargs: Any) -> Any:

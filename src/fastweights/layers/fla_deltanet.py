@@ -140,6 +140,8 @@ class FlaMixer(Mixer):
     ``value_dim = round(d_model * expand_v)``, each an integer divisible by n_heads (fla's
     rule), split into ``head_k_dim`` / ``head_v_dim`` per head."""
 
+    static_form = "fixed"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(self, d_model: int, n_heads: int, expand_k: float, expand_v: float) -> None:
         check_positive_int("d_model", d_model)
         check_positive_int("n_heads", n_heads)

@@ -74,6 +74,8 @@ class LinearAttention(Mixer):
     attention-normalised delta rule, ``(S,)`` for delta.
     """
 
+    static_form = "fixed"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         feature_map: str = "elu", normalize: str = "attention", update: str = "sum",

@@ -87,6 +87,8 @@ class GatedDeltaNet(Mixer):
     q_conv1d, k_conv1d, v_conv1d, g_proj, o_norm, o_proj.
     """
 
+    static_form = "fixed"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         num_v_heads: int | None = None, expand_v: float = 2.0, use_gate: bool = True,

@@ -74,6 +74,8 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     (``stack_states``) and mode "naive" go through the op.
     """
 
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, segment_len: int = 64,
         update: str = "linear", rope: bool = True, rope_memory: bool = False,

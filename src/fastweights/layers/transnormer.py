@@ -165,6 +165,8 @@ class NormAttention(Mixer):
     and one LRPE pass; mode "naive" always takes the op's oracle.
     """
 
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         activation: str = "1+elu", lrpe: bool = True, decay: bool = False,
@@ -389,6 +391,8 @@ class DiagAttention(Mixer):
     the beginning of the sequence, so r is also the position inside the block.
     ``state_size()`` reports the largest such state, 2 H D (block_size - 1).
     """
+
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, block_size: int = 64,

@@ -92,6 +92,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
     rows and writes weights only when a mini-batch completes.
     """
 
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
+
     op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
     step = staticmethod(ttt_linear_step)  # its one-token step; TTTMLP sets ttt_mlp_step
     eta_warmup_from: float | None = None  # start of the inner learning-rate ramp, None: no ramp

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,16 @@ from .._checks import (
 )
 from .._files import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE, listing_problem, write_checksums
 from ..layers.base import token_positions
+from ..ops import reading_nothing, reads_allowed
 from .block import Block, MixerRunner, make_norm
 from .config import LMConfig
+from .graph import DecodeGraph
 
 # One layer state per block, in order; with an absolute position encoding (LMConfig.position)
 # one more item last: the tokens each sequence has consumed (a long tensor [B], or [N] per
 # document with cu_seqlens), where its next positions start.
 LMState = list[Any]
+_logger = logging.getLogger(__name__)
 
 
 class LanguageModel(nn.Module):
@@ -182,16 +186,52 @@ class LanguageModel(nn.Module):
                 self._check_length(max(b - a for a, b in itertools.pairwise(bounds)))
         elif state is None:
             self._check_length(input_ids.shape[1])
+        return self._run(input_ids, self._check_state(state), cu_seqlens, collect)
+
+    def _check_state(self, state: LMState | None) -> LMState:
+        """A carried model state (a list with one state per block, then the position offsets
+        where the model has them), or the empty one for None."""
         n_state = len(self.blocks) + (self.config.position != "none")
         if state is None:
-            state = [None] * n_state
-        elif not isinstance(state, (list, tuple)) or len(state) != n_state:
+            return [None] * n_state
+        if not isinstance(state, (list, tuple)) or len(state) != n_state:
             raise ValueError(
                 f"state must be None or a list of {len(self.blocks)} layer states"
                 f"{' and then the position offsets' if n_state > len(self.blocks) else ''} "
                 f"(as returned by forward), got {type(state).__name__}"
                 + (f" of length {len(state)}" if isinstance(state, (list, tuple)) else "")
             )
+        return state
+
+    def step(self, input_ids: torch.Tensor, state: LMState) -> tuple[torch.Tensor, LMState]:
+        """One decoding token per row, ``input_ids`` [B, 1] long, continuing ``state`` (one
+        ``forward`` returned, or its ``static_state``): (logits [B, 1, V], the state after it).
+        ``forward`` for T = 1 without reading anything back to the host: the ids' range is not
+        checked (an id outside the vocabulary fails in the embedding lookup), and every layer
+        runs its one-token step under ``reading_nothing`` (docs/design.md, "Host reads"). What
+        ``generate`` captures in a CUDA graph (models/graph.py)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long \
+                or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(
+                input_ids, torch.Tensor) else type(input_ids).__name__)
+            raise ValueError(f"input_ids must be a long tensor [B, 1] (one token per row), "
+                             f"got {got}")
+        with reading_nothing():
+            h, state = self._run(input_ids, self._check_state(state), None, None)
+        return self.head(h), state
+
+    def static_state(self, state: LMState, max_len: int) -> LMState:
+        """``state`` (one ``forward`` returned) in the form a decoding step captured in a CUDA
+        graph continues, every layer's ``static_state`` with caches of ``max_len`` tokens
+        (docs/design.md, "Decoding graphs"); TypeError naming the first mixer without one,
+        ValueError where this state has none."""
+        state = self._check_state(state)
+        layers = [block.mixer.static_state(s, max_len) for block, s in zip(self.blocks, state)]
+        return layers + list(state[len(self.blocks):])
+
+    def _run(self, input_ids: torch.Tensor, state: LMState, cu_seqlens: Documents | None,
+             collect: list[torch.Tensor] | None) -> tuple[torch.Tensor, LMState]:
+        """``hidden`` past its checks."""
         x = self.embed(input_ids)  # [B, T, d]
         new_state: LMState = []
         if self.config.position != "none":
@@ -241,7 +281,7 @@ class LanguageModel(nn.Module):
         else:
             positions = token_positions(bounds, offsets.tolist(), device)[None]  # [1, T]
         limit = self.config.max_seq_len
-        if self.pos_embed is not None and int(positions.max()) >= limit:
+        if self.pos_embed is not None and reads_allowed() and int(positions.max()) >= limit:
             raise ValueError(f"position {int(positions.max())} is beyond the learned position "
                              f"table of max_seq_len {limit} rows")
         return positions, offsets.to(device) + lengths
@@ -287,7 +327,7 @@ class LanguageModel(nn.Module):
     @torch.no_grad()
     def generate(
         self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-        top_k: int | None = None, seed: int | None = None,
+        top_k: int | None = None, seed: int | None = None, graph: bool | None = None,
     ) -> torch.Tensor:
         """Continue ``prompt_ids`` ([B, T] or [T] long) by ``max_new_tokens`` tokens.
 
@@ -296,6 +336,12 @@ class LanguageModel(nn.Module):
         greedy decoding; otherwise logits / temperature are sampled, restricted to the ``top_k``
         most likely tokens if given, with a private generator seeded by ``seed``. Returns the
         prompt followed by the new tokens, with the prompt's rank. Runs in eval mode.
+
+        ``graph``: decode through one CUDA graph of the step, captured once and replayed per
+        token (models/graph.py; docs/design.md, "Decoding graphs"). None (default): on CUDA
+        when every mixer's state after the prompt has a static form, else token by token;
+        True: required (ValueError on a CPU model or for a mixer without one); False: token
+        by token.
         """
         squeeze = isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 1
         ids = prompt_ids[None] if squeeze else prompt_ids
@@ -308,6 +354,11 @@ class LanguageModel(nn.Module):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
         if seed is not None and not is_int(seed):
             raise ValueError(f"seed must be None or an int, got {seed!r}")
+        if graph is not None and not isinstance(graph, bool):
+            raise TypeError(f"graph must be None or a bool, got {graph!r}")
+        if graph and not ids.is_cuda:
+            raise ValueError(f"graph=True captures a CUDA graph: the model and prompt_ids must be "
+                             f"on a CUDA device, got {ids.device}")
         self._check_length(ids.shape[1] + max_new_tokens)
         if max_new_tokens == 0:
             return prompt_ids
@@ -318,16 +369,35 @@ class LanguageModel(nn.Module):
         self.eval()
         try:
             logits, state = self(ids)
-            out = [ids]
-            for i in range(max_new_tokens):
-                nxt = _pick(logits[:, -1].float(), temperature, top_k, gen)  # [B, 1]
-                out.append(nxt)
-                if i + 1 < max_new_tokens:
-                    logits, state = self(nxt, state)
+            out = [_pick(logits[:, -1].float(), temperature, top_k, gen)]  # [B, 1]
+            step = self._decoder(state, out[0], ids.shape[1] + max_new_tokens, graph)
+            for _ in range(max_new_tokens - 1):
+                out.append(_pick(step(out[-1])[:, -1].float(), temperature, top_k, gen))
+            out.insert(0, ids)
         finally:
             self.train(was_training)
         result = torch.cat(out, dim=1)
         return result[0] if squeeze else result
+
+    def _decoder(self, state: LMState, ids: torch.Tensor, max_len: int,
+                 graph: bool | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function from the next ids [B, 1] to their logits [B, 1, V] that ``generate``
+        decodes with: a ``DecodeGraph`` (captured on CUDA) or eager steps on the carried
+        state."""
+        if graph is not False and ids.is_cuda:
+            try:
+                return DecodeGraph(self, state, ids, max_len, capture=True)
+            except (TypeError, ValueError) as err:
+                if graph:
+                    raise ValueError(f"graph=True: {err}") from None
+                _logger.info("generate decodes token by token: %s", err)
+        carried = [state]
+
+        def eager(nxt: torch.Tensor) -> torch.Tensor:
+            logits, carried[0] = self(nxt, carried[0])
+            return logits
+
+        return eager
 
     def num_parameters(self) -> int:
         """Trainable parameters, counting tied weights once."""

@@ -28,7 +28,7 @@ from .infini import (
     infini_attention_step,
 )
 from .linear_attn import LinearAttnState, linear_attn, linear_attn_step
-from .softmax import softmax_attention
+from .softmax import KVCache, softmax_attention, softmax_attention_step
 from .transnormer import (
     block_attention,
     decay_linear_attn,
@@ -48,6 +48,7 @@ __all__ = [
     "InfiniRowsState",
     "InfiniSegmentState",
     "InfiniState",
+    "KVCache",
     "LinearAttnState",
     "TTTState",
     "aft",
@@ -78,6 +79,7 @@ __all__ = [
     "reads_allowed",
     "relu",
     "softmax_attention",
+    "softmax_attention_step",
     "srms_norm",
     "sum_norm",
     "ttt_linear",

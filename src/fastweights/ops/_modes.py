@@ -34,4 +34,5 @@ def reading_nothing() -> Iterator[None]:
 def reads_allowed() -> bool:
     """Whether an op may read tensor values back to the host now: not while torch.compile or
     torch.export traces (a data-dependent branch), nor inside ``reading_nothing``."""
-    return not (_READ_FREE.get() or torch.compiler.is_compiling())
+    # (is_compiling first: dynamo cannot trace a ContextVar's get)
+    return not (torch.compiler.is_compiling() or _READ_FREE.get())
