@@ -25,11 +25,12 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_states, products_dtype
+from .._modes import RECURRENT_MODES as MODES
 from .._pieces import in_pieces, piece_length
+from .._state import LinearAttnState
 from .._steps import check_step_qkv, wide
 from .._varlen import run_packed, stack_packed_states
 from ..backend import Kernel, Trial, choose_backend, optional_module, register
-from ..linear_attn import MODES, LinearAttnState
 from .chunk import delta_rule_chunk
 from .fla import fla_delta_rule
 from .naive import delta_rule_attn_norm_naive, delta_rule_naive

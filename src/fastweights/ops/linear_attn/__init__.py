@@ -9,7 +9,6 @@ Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, NamedTuple
 
 import torch
 
@@ -25,7 +24,7 @@ from ..._checks import (
 from .._autocast import float32_states, products_dtype
 from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
-from .._state import check_items, checked_tensors
+from .._state import LinearAttnState
 from .._steps import check_step_qkv, wide
 from .._varlen import run_packed, stack_packed_states
 from ..backend import Kernel, Trial, choose_backend, optional_module, register
@@ -42,29 +41,6 @@ def _triton() -> ModuleType:
 
 
 triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
-
-
-class LinearAttnState(NamedTuple):
-    """The fast weights S [B, H, Dk, Dv] = sum_t k_t^T v_t and the normaliser z [B, H, Dk] =
-    sum_t k_t, in float32 (float64 for float64 inputs)."""
-
-    S: torch.Tensor
-    z: torch.Tensor
-
-    @classmethod
-    def zeros(cls, B: int, H: int, Dk: int, Dv: int, q: torch.Tensor) -> LinearAttnState:
-        """The empty state for q [B, T, H, Dk] and values of size Dv."""
-        cdtype = state_dtype(q.dtype)
-        return cls(q.new_zeros(B, H, Dk, Dv, dtype=cdtype), q.new_zeros(B, H, Dk, dtype=cdtype))
-
-    @classmethod
-    def check(cls, state: Any, B: int, H: int, Dk: int, Dv: int, q: torch.Tensor,
-              name: str = "initial_state") -> LinearAttnState:
-        """A carried state for q [B, T, H, Dk] and values of size Dv, in the compute dtype
-        (``name``: the argument's, in messages)."""
-        check_items(state, cls, "S [B, H, Dk, Dv], z [B, H, Dk]", name)
-        specs = {"S": ((B, H, Dk, Dv), "[B, H, Dk, Dv]"), "z": ((B, H, Dk), "[B, H, Dk]")}
-        return cls(**checked_tensors(state, cls, specs, q, state_dtype(q.dtype), name))
 
 
 register("linear_attn", fla=Kernel(), triton=Kernel(kernels=triton_kernels),
