@@ -81,6 +81,26 @@ def test_dry_run_times_every_op_layer_and_training_step(dry_run):
         assert float(step["tokens_per_s"]) > 0 and step["vs_baseline"]
 
 
+def test_dry_run_plans_a_decode_row_per_mixer_eager_and_graph(dry_run):
+    """The decode section: every mixer at both batch sizes, eager and on the static buffers
+    (captured as a CUDA graph on a GPU; without capture in the dry run), the graph row of a
+    mixer without a static form skipped with its reason."""
+    from fastweights.bench.gpu_decode import DRY_DECODE
+
+    _, rows, _ = dry_run
+    for B in DRY_DECODE.batches:
+        for name in mixer_names():
+            shape = {"section": "decode", "name": name}
+            got = [r for r in rows if r["section"] == "decode" and r["name"] == name
+                   and r["shape"].startswith(f"B{B} ")]
+            assert {r["pass"] for r in got} == {"eager", "graph"}, (name, B, got)
+            (eager,) = _ok(got, **shape, **{"pass": "eager"})
+            assert float(eager["median_ms"]) > 0
+            (graph,) = [r for r in got if r["pass"] == "graph"]
+            if name == "aft-full":
+                assert "no static decoding form" in graph["status"]
+
+
 def test_a_spent_budget_skips_items_and_says_so(tmp_path):
     out = tmp_path / "out"
     assert main(["bench", "gpu", "--dry-run", "--budget-s", "0.001", "--sections", "ops,train",

@@ -139,9 +139,9 @@ def test_dispatched_configurations_are_the_compiled_ones(monkeypatch):
 
 
 def test_dispatched_decode_configurations_are_the_compiled_ones(monkeypatch):
-    """The decoding kernels (ops/ttt/triton_decode.py): the dispatcher takes them for one-token
-    calls with half inputs (compiled above at head sizes 64 and 128), float32 goes to PyTorch,
-    and for the dual form's ops one-token calls stay on PyTorch."""
+    """The one-token steps' kernels (ops/ttt/triton_decode.py, registered under the ops' own
+    names): the dispatcher takes them for one-token calls with half inputs (compiled above at
+    head sizes 64 and 128); float32 goes to PyTorch."""
     from types import SimpleNamespace
 
     import torch
@@ -153,17 +153,16 @@ def test_dispatched_decode_configurations_are_the_compiled_ones(monkeypatch):
     assert triton_decode.MAX_D == backend.TRITON_MAX_DK
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
-    assert triton_decode.OPS == ("ttt_decode_linear", "ttt_decode_mlp")
+    assert triton_decode.OPS == ("ttt_linear", "ttt_mlp")
     for op in triton_decode.OPS:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for D in (16, 64, 128):
                 cuda = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(4, 1, 8, D),
                                        device="cuda:0")
-                chosen = backend.choose_backend(op, cuda, None, "step", 16)
+                chosen = backend.choose_backend(op, cuda, None, "dual", 16)
                 dispatched = dtype != torch.float32
                 assert chosen == ("triton" if dispatched else "torch"), (op, dtype, D, chosen)
                 for arch in ARCHS:
                     cfg = triton_decode.tile_config(arch, dtype, op, D)
                     assert (cfg is not None) == dispatched
-                dual = op.replace("_decode", "")
-                assert backend.choose_backend(dual, cuda, None, "dual", 16) == "torch"
+

@@ -204,11 +204,11 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
     # The TTT-Linear decoding step (ops/ttt/triton_decode.py): a step inside a mini-batch and
     # one that completes it
     from fastweights.ops.ttt import triton_decode
-    from fastweights.ops.ttt.decode import DecodeCarry
+    from fastweights.ops.ttt.common import TTTState
 
     for pos in (1, b - 1):
         rows = (f(B, H, pos, D), f(B, H, pos, D))
-        carry = DecodeCarry((f(B, H, D, D), f(B, H, D) if bias else None), None, rows, pos, 0)
+        carry = TTTState((f(B, H, D, D), f(B, H, D) if bias else None), rows, pos)
         triton_decode.ttt_linear_decode_triton(
             q[:, :1], q[:, :1], q[:, :1], f(B, 1, H, dtype=dtype), carry,
             f(H, D) if ln else None, f(H, D) if ln_bias else None, residual, torch.ones(H, b))
@@ -220,7 +220,7 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
             rows = tuple(f(B, H, pos, n) for n in (D, Dh, Dh, D))
             triton_decode.ttt_mlp_decode_triton(
                 q[:, :1], q[:, :1], q[:, :1], f(B, 1, H, dtype=dtype),
-                DecodeCarry(start, None, rows, pos, 0), f(H, D) if ln else None,
+                TTTState(start, rows, pos), f(H, D) if ln else None,
                 f(H, D) if ln_bias else None, residual, torch.ones(H, bd))
 
 

@@ -242,3 +242,37 @@ def test_two_process_ddp_carries_each_ranks_rows(tmp_path, corpus):
     for x, y in zip(got, want):
         assert x.shape == y.shape and x.dtype == y.dtype
         assert (x - y).abs().max().item() < TOL64
+
+
+def test_a_carried_ttt_state_of_an_older_checkpoint_loads(tmp_path, monkeypatch):
+    """Checkpoints written before the TTT state had one form pickled a carried TTT layer's
+    open mini-batch as a NamedTuple of the removed module ops/ttt/decode.py (start, prior,
+    rows, pos, prior_steps): it loads as the TTTState it equals (the rows form)."""
+    import sys
+    import types
+    from typing import NamedTuple
+
+    from fastweights.ops import TTTState
+    from fastweights.train import checkpoint
+
+    old = types.ModuleType("fastweights.ops.ttt.decode")
+
+    class Rows(NamedTuple):
+        start: tuple
+        prior: object
+        rows: tuple
+        pos: int
+        prior_steps: int
+
+    Rows.__module__, Rows.__qualname__ = old.__name__, "Rows"
+    old.Rows = Rows
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    start, rows = (torch.ones(1, 2, 4, 4), None), (torch.zeros(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    torch.save({"carry": {"state": [(3, None, Rows(start, None, rows, 3, 0))]}},
+               tmp_path / "optimizer.pt")
+    monkeypatch.delitem(sys.modules, old.__name__)
+    saved = torch.load(tmp_path / "optimizer.pt", weights_only=False,
+                       pickle_module=checkpoint._saved_states)
+    inner = saved["carry"]["state"][0][2]
+    assert isinstance(inner, TTTState) and inner.pos == 3 and inner.start[1] is None
+    assert torch.equal(inner.rows[1], rows[1])

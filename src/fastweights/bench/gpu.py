@@ -19,6 +19,9 @@ Sections (``--sections``; all by default), each item a row of results.csv:
   on the device at the start).
 - ``paper``: the TTT paper's 1.3B layer shape (d_model 2048, 32 heads of 64, b 16, B4, T 2k,
   8k, 32k): softmax, TTT-Linear, and TTT-Linear with the resident kernels (bench/gpu_paper.py).
+- ``decode``: per mixer, a language model's decoding step token by token against one CUDA
+  graph of it (B1 and B16, 4096 tokens of context, 8 layers, d_model 1024, bfloat16;
+  bench/gpu_decode.py).
 - ``train``: a whole training step per mixer (language model, 8 layers, d_model 1024, B8 T2048,
   byte vocabulary, float32 weights, fused AdamW, forward under bfloat16 autocast): tokens per
   second and peak memory.
@@ -57,12 +60,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import ops, state_tree
 from ..models import LanguageModel, LMConfig
 from ..models.registry import mixer_names, mixer_options
 from ..ops import backend as backends
 from ..testing import cuda_autocast_policy
 from . import gpu_paper
+from .gpu_decode import DRY_DECODE, GPU_DECODE, decode_items, decode_markdown
 from .measure import PeakMemory, count_flops, matmul_gflops, time_call
 from .targets import Setting, mixer_targets
 
@@ -79,7 +83,7 @@ DESCRIPTION = ("Run on a CUDA GPU, within --budget-s seconds (compilation and au
                "step per mixer (8 layers, d_model 1024, B8 T2048, bfloat16 autocast): tokens/s "
                "and peak memory. First calls are timed apart. Writes results.md, results.csv "
                "and meta.json into --out. --dry-run runs the same code at tiny sizes on the CPU.")
-SECTIONS = ("exact", "ops", "layers", "paper", "train")
+SECTIONS = ("exact", "ops", "layers", "paper", "decode", "train")
 OUTPUT_FILES = ("results.md", "results.csv", "meta.json")
 KERNEL_BACKENDS = ("triton", "fla")
 # Seconds an item needs left in the budget to start: fla's first calls autotune (about two
@@ -205,10 +209,9 @@ def _op_state(parts: tuple[torch.Tensor, ...]) -> Any:
 
 
 def _parts(state: Any) -> tuple[torch.Tensor, ...]:
-    """The tensors of a final state (a TTT state that ends inside a mini-batch also holds its
-    int place)."""
-    parts = tuple(state) if isinstance(state, tuple) else (state,)
-    return tuple(p for p in parts if isinstance(p, torch.Tensor))
+    """The tensors of a final state (of a list of per-document states: all of them, in order;
+    a TTT state inside a mini-batch is a tree of start weights, rows and place)."""
+    return tuple(state_tree.tensors(state))
 
 
 def _refusal(op: KernelOp, backend: str, q: torch.Tensor) -> str | None:
@@ -304,8 +307,7 @@ def _exact_errors(x: Inputs, op: KernelOp, dtype: torch.dtype, docs: tuple[int, 
         call = Inputs(qkv, gates, [t.to(wide) for t in x.consts], state, options)
         init = _op_state(state) if docs is None else [_op_state(state)] * len(docs)
         o, final = op(call, init, **kw, **how)
-        final = _parts(final) if docs is None else tuple(
-            torch.cat(parts) for parts in zip(*(_parts(f) for f in final)))
+        final = _parts(final)
         gen = torch.Generator(device=device).manual_seed(1)
         loss = sum((t.double() * torch.randn(t.shape, device=device, dtype=torch.float64,
                                              generator=gen)).sum() for t in (o, *final))
@@ -527,6 +529,9 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
     if "paper" in sections:
         ttt = next(op for op in KERNEL_OPS if op.name == "ttt_linear")
         items += gpu_paper.paper_items(run, gpu_paper.Tools(exact_case, _item, _timed, ttt))
+    if "decode" in sections:
+        sizes = DRY_DECODE if run.device.type == "cpu" else GPU_DECODE
+        items += decode_items(run, sizes, _timed, _item)
     if "train" in sections:
         items += [lambda n=n: train_case(run, n) for n in run.mixers]
     if "ops" in sections:
@@ -629,6 +634,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
                 cells += [_cell(fwd.get("tflops", "")), _cell(fwd.get("pct_matmul", ""), ".1f")]
             body.append([*cells, _status(by)])
         lines += _table(head, body)
+    lines += decode_markdown(rows, _cell)
     train = [r for r in rows if r["section"] == "train"]
     if train:
         lines += ["## Training step (bfloat16 autocast, fused AdamW)", "", *_table(

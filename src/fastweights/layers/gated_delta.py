@@ -41,22 +41,22 @@ from .._checks import (
     check_choice,
     check_positive_int,
     is_number,
-    matrix_state,
     state_dtype,
 )
-from ..ops._conv import causal_depthwise_conv
+from ..ops import RECURRENT_MODES, gated_delta_rule, gated_delta_rule_step
 from ..ops.backend import preferred_chunk_size
-from ..ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     is_step,
     like_values,
     merge_heads,
     packed_or_single,
     split_heads,
 )
+from .conv import causal_depthwise_conv
 from .norms import GATE_ACTIVATIONS, RMSNorm
 
 L2_EPS = 1e-6  # inside the square root, as fla's l2norm kernel and transformers' l2norm
@@ -80,20 +80,24 @@ class GatedDeltaNet(Mixer):
     ``allow_neg_eigval`` off, output-norm eps 1e-5, and its initialisation of A_log
     (log U(0, 16)) and dt_bias (softplus^-1 of dt log-uniform in [0.001, 0.1]).
     ``mode``/``chunk_size`` choose the op's algorithm (equal up to rounding); ``chunk_size``
-    None takes the size measured fastest on the input's device kind (32 on CPU).
+    None takes the size measured fastest on the input's device kind (32 on CPU); ``backend``
+    (None: the automatic choice) goes to ``gated_delta_rule``.
 
     Submodules carry fla's names: q_proj, k_proj, v_proj, a_proj, b_proj, A_log, dt_bias,
     q_conv1d, k_conv1d, v_conv1d, g_proj, o_norm, o_proj.
     """
+
+    static_form = "fixed"  # static_state: docs/design.md, "Decoding graphs"
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         num_v_heads: int | None = None, expand_v: float = 2.0, use_gate: bool = True,
         gate_activation: str = "swish", use_short_conv: bool = True, conv_size: int = 4,
         conv_bias: bool = False, allow_neg_eigval: bool = False, norm_eps: float = 1e-5,
-        mode: str = "chunk", chunk_size: int | None = None,
+        mode: str = "chunk", chunk_size: int | None = None, backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
+        self.backend = check_backend(backend)
         Hk, Dk = n_heads, self.head_dim
         H = Hk if num_v_heads is None else check_positive_int("num_v_heads", num_v_heads)
         if H % Hk:
@@ -116,7 +120,7 @@ class GatedDeltaNet(Mixer):
         if not is_number(norm_eps) or not 0 < norm_eps < 1:
             raise ValueError(f"norm_eps must be a float in (0, 1), got {norm_eps!r}")
         self.norm_eps = float(norm_eps)
-        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
 
         self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
@@ -220,17 +224,15 @@ class GatedDeltaNet(Mixer):
         # convolution, the L2 norm and the gates above are computed in float32.
         q, k, v = like_values(projected, q, k, v)
         if is_step(x, cu_seqlens) and self.mode != "naive":
-            # The decoding step: the recurrence's one-token form on the checked state (the
-            # operands rounded as the chunked form's, then in the state's dtype).
-            S0 = matrix_state(parts[0][1], (B, H, Dk, self.head_v_dim), q, cdtype)
-            q, k, v = (t.to(cdtype) for t in (q, k, v))
-            o, S = gated_delta_rule_step(q * scale, k, v, beta, g, S0)
+            # The decoding step: the op's one-token step (the operands rounded as the chunked
+            # form's, then in the state's dtype).
+            o, S = gated_delta_rule_step(q, k, v, beta, g, state=parts[0][1], scale=scale)
             finals = [S]
         else:
             chunk = self.chunk_size or preferred_chunk_size("gated_delta_rule", x.device)
             o, S = gated_delta_rule(
                 q, k, v, beta, g, scale=scale, output_final_state=True, mode=self.mode,
-                chunk_size=chunk, cu_seqlens=cu_seqlens,
+                chunk_size=chunk, cu_seqlens=cu_seqlens, backend=self.backend,
                 initial_state=packed_or_single([S0 for _, S0 in parts], cu_seqlens))
             finals = list(S) if cu_seqlens is not None else [S]
         gate = split_heads(self.g_proj(x), H) if self.use_gate else None

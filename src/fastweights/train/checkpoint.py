@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,7 @@ from .._files import (  # the folder format, shared with every reader of checkpo
     write_checksums,
 )
 from ..models import LanguageModel, LMConfig
+from ..ops import TTTState
 from ..tasks.tokens import copy_tokenizer, load_tokenizer
 
 SLOW_SAVE_ENV = "FASTWEIGHTS_TEST_SLOW_SAVE"
@@ -493,7 +496,8 @@ def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], di
     model = (LanguageModel(LMConfig.load(ckpt / CONFIG_FILE)) if sharded
              else LanguageModel.from_pretrained(ckpt, verify=False))  # the manifest covered them
     try:
-        opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+        opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False,
+                               pickle_module=_saved_states)
         state = json.loads((ckpt / STATE_FILE).read_text())
     except (OSError, RuntimeError, ValueError, EOFError) as err:
         raise ValueError(f"cannot read training state in {ckpt}: {err}") from None
@@ -535,3 +539,32 @@ def _load_resolved(ckpt: Path) -> LanguageModel:
         model.load_state_dict(state["model"])
         return model.eval()
     return LanguageModel.from_pretrained(ckpt, verify=not (ckpt / MANIFEST_FILE).is_file())
+
+
+class _RowsStateBefore(tuple):
+    """A TTT layer's carried state as checkpoints written before the TTT state had one form
+    pickled it (a NamedTuple of the removed module ops/ttt/decode.py, fields start, prior,
+    rows, pos, prior_steps), read as the ``TTTState`` it equals. ``prior`` (gradient sums of an
+    op state the layer was given from outside) has no rows form; a layer's own states never
+    held it."""
+
+    def __new__(cls, start: Any, prior: Any, rows: Any, pos: Any, prior_steps: Any = 0) -> Any:
+        if prior is not None:
+            raise ValueError("the checkpoint's carried TTT state holds the gradient sums of an "
+                             "op state (an old form without rows); it cannot be continued")
+        return TTTState(tuple(start), tuple(rows), pos)
+
+
+class _Unpickler(pickle.Unpickler):
+    """pickle's Unpickler, reading the classes of modules that are gone as what replaced them
+    (``_RowsStateBefore``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "fastweights.ops.ttt.decode":
+            return _RowsStateBefore
+        return super().find_class(module, name)
+
+
+_saved_states = types.ModuleType("fastweights_saved_states")  # torch.load's pickle_module
+_saved_states.Unpickler = _Unpickler  # type: ignore[attr-defined]
+_saved_states.load = lambda f, **kw: _Unpickler(f, **kw).load()  # type: ignore[attr-defined]

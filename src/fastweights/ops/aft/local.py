@@ -13,6 +13,7 @@ import torch
 
 from ..._checks import check_arg, check_positive_int, check_shape, check_tensor, is_int, state_dtype
 from .._autocast import float32_compute
+from .._modes import reads_allowed
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed
 from ..backend import Kernel, Trial, register
@@ -58,7 +59,7 @@ class AFTLocalState(NamedTuple):
                                  f"[B] = [{B}] on {q.device}, got {pos.dtype} "
                                  f"{tuple(pos.shape)} on {pos.device}")
             # Data-dependent: eager only (a traced program cannot branch on it).
-            if not torch.compiler.is_compiling() and bool((pos < window - 1).any()):
+            if reads_allowed() and bool((pos < window - 1).any()):
                 raise ValueError(f"initial_state[5] (pos) per row must be >= window - 1 = "
                                  f"{window - 1} (full caches), got {pos.tolist()}")
             c = window - 1
