@@ -6,6 +6,7 @@ channels per head (AFT-conv), s kernel/window size.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -35,6 +36,18 @@ def _triton() -> ModuleType:
 
 
 triton_kernels = optional_module(_triton)  # ops/aft/triton.py; None without triton
+
+
+def kernel_refusal(q: torch.Tensor, facts: Mapping[str, Any]) -> str | None:
+    """The AFT kernels' ``refuse`` hook (ops/backend.py ``Kernel``): what of a call they cannot
+    take that the dispatcher does not see. q is the op's [B, T, D] queries with a unit head
+    axis ([B, T, D, 1]); ``facts``: ``causal`` (AFT-local's kernels are causal) and ``carried``
+    (they take calls without a carried state)."""
+    if not facts.get("causal", True):
+        return "causal=False: the kernels are causal"
+    if facts.get("carried"):
+        return "a carried state: the kernels take calls without one"
+    return channels_refusal(q.shape[2])
 
 
 def channels_refusal(D: int) -> str | None:

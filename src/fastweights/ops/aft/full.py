@@ -16,14 +16,13 @@ from .._autocast import float32_compute
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed
 from ..backend import Kernel, Trial, choose_backend, register
-from ..ttt.kernels import triton_chosen
 from .chunk import simple_bidirectional, simple_causal
 from .common import (
-    channels_refusal,
     check_bias_matrix,
     check_btd,
     check_flags,
     gate,
+    kernel_refusal,
     triton_kernels,
 )
 from .naive import banded_naive, full_naive
@@ -31,7 +30,7 @@ from .product import exact_rows, full_product, redo_lossy
 from .recurrent import simple_recurrent
 
 # AFT-full has kernels (its product form, mode "chunk"); AFT-simple (``aft`` without w) none.
-register("aft", triton=Kernel(kernels=triton_kernels))
+register("aft", triton=Kernel(kernels=triton_kernels, refuse=kernel_refusal))
 register("aft_simple")
 
 
@@ -139,10 +138,9 @@ def aft(
     check_bias_matrix("w", w, T, pos + T, False, q, "[T', P]")
     # Trial runs carry a state, which a bidirectional call refuses: those go untried. The trial
     # detaches its sequences, not its options: w, detached here, must not get its gradient.
-    on_triton = triton_chosen(
-        "aft", q.unsqueeze(-1), backend, mode, chunk_size, channels_refusal(D),
-        lambda: Trial(aft, (q, k, v), w=w.detach(), chunk_size=chunk_size) if causal else None)
-    chosen = "triton" if on_triton else "torch"
+    chosen = choose_backend(
+        "aft", q.unsqueeze(-1), backend, mode, chunk_size,
+        (lambda: Trial(aft, (q, k, v), w=w.detach(), chunk_size=chunk_size)) if causal else None)
     # The keys and values in view; the kernels read a call without a cache in its own dtype.
     if cache is None:
         k_all, v_all = (k, v) if chosen == "triton" else (k.to(cdtype), v.to(cdtype))

@@ -16,22 +16,21 @@ from .._autocast import float32_compute
 from .._modes import reads_allowed
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed
-from ..backend import Kernel, Trial, register
-from ..ttt.kernels import triton_chosen
+from ..backend import Kernel, Trial, choose_backend, register
 from .chunk import banded_bidirectional
 from .common import (
     banded_stream,
-    channels_refusal,
     check_btd,
     check_flags,
     gate,
+    kernel_refusal,
     triton_kernels,
 )
 from .naive import banded_naive
 from .product import redo_lossy
 
 # Causal calls without a carried state have kernels (the banded product form, mode "chunk").
-register("aft_local", triton=Kernel(kernels=triton_kernels))
+register("aft_local", triton=Kernel(kernels=triton_kernels, refuse=kernel_refusal))
 
 
 class AFTLocalState(NamedTuple):
@@ -124,8 +123,9 @@ def aft_local(
     if not causal:
         check_tensor("w", w, 2, layout)
         check_arg("w", w, (T, width), layout, q)
-        triton_chosen("aft_local", q.unsqueeze(-1), backend, mode, chunk_size,
-                      "causal=False: the kernels are causal", lambda: None)  # explicit: raises
+        # An explicit backend='triton' raises here (the kernels are causal); torch runs it.
+        choose_backend("aft_local", q.unsqueeze(-1), backend, mode, chunk_size,
+                       facts={"causal": False})
         k_c, v_c, w_c = k.to(cdtype), v.to(cdtype).unsqueeze(-1), w.to(cdtype)
         if mode == "naive":
             ratio = banded_naive(k_c, v_c, w_c[:, None, None], window - 1, False, window, None)[0]
@@ -147,10 +147,9 @@ def aft_local(
     else:
         check_tensor("w", w, 2, layout)
         check_arg("w", w, (T, window), layout, q)
-        why = None if initial_state is None else ("a carried state: the kernels take calls "
-                                                  "without one")
-        if triton_chosen("aft_local", q.unsqueeze(-1), backend, mode, chunk_size,
-                         why or channels_refusal(D), lambda: _trial(q, k, v, w, window)):
+        if choose_backend("aft_local", q.unsqueeze(-1), backend, mode, chunk_size,
+                          lambda: _trial(q, k, v, w, window),
+                          {"carried": initial_state is not None}) == "triton":
             return _local_triton(q, k, v, w, window, output_final_state, chunk_size)
         band = w.to(cdtype).flip(-1).unsqueeze(1)  # [T, 1, s], band[..., -1 - o] = w[:, o]
     o, final = local_causal(q, k, v, band, window, carried, pos, mode, chunk_size)
