@@ -17,10 +17,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from fastweights.layers import AFTFull
-from fastweights.ops import aft
+from fastweights.layers import AFTFull, AFTLocal
+from fastweights.ops import aft, aft_local
 from fastweights.ops import backend as backends
-from fastweights.ops.aft.naive import aft_naive, full_naive
+from fastweights.ops.aft.naive import aft_local_naive, aft_naive, full_naive
+from tests.ops.test_ttt_triton import _Counted
 
 F64 = torch.float64
 # One forward and backward: (a) and (b), then (c), (a) again, (d), (e).
@@ -38,17 +39,6 @@ def kernels():
         pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
                     "(or it is set to 0): these CPU tests need the Triton interpreter")
     return module
-
-
-class _Counted:
-    """A kernel that counts its launches (``kernel[grid](...)``) into ``counts``."""
-
-    def __init__(self, fn, name: str, counts: Counter):
-        self.fn, self.name, self.counts = fn, name, counts
-
-    def __getitem__(self, grid):
-        self.counts[self.name] += 1
-        return self.fn[grid]
 
 
 @pytest.fixture
@@ -97,6 +87,28 @@ def reference(q, k, v, w, first, causal):
     """The oracle of rows first.., gated: float64."""
     T, L = q.shape[1], k.shape[1]
     return torch.sigmoid(q) * full_naive(k, v.unsqueeze(-1), w[:T, :L], first, causal).squeeze(-1)
+
+
+def band_of(w, window, T):
+    """The causal band [T, window] of the table w: [i, o] = w[i, i - o] (entries before
+    position 0 clamped: never read)."""
+    i = torch.arange(T)[:, None]
+    return w[i, (i - torch.arange(window)).clamp_min(0)]
+
+
+def local_reference(q, k, v, band, window):
+    """The oracle of causal AFT-local from its band, float64."""
+    T = q.shape[1]
+    i = torch.arange(T)[:, None].expand(T, window)
+    j = i - torch.arange(window)
+    inside = j >= 0
+    table = torch.zeros(T, T, dtype=band.dtype).index_put((i[inside], j[inside]), band[inside])
+    return aft_local_naive(q, k, v, table, window, True)
+
+
+def unread(grad, T, window):
+    """A band's gradient with the entries reaching before position 0 (never read) zeroed."""
+    return grad.masked_fill(torch.arange(T)[:, None] < torch.arange(window)[None, :], 0.0)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -157,29 +169,45 @@ def test_cached_past_and_state(launches, exact):
         assert rel(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
-def test_lossy_rows_are_redone_exactly(launches, exact, kernels, monkeypatch, causal):
+@pytest.mark.parametrize("form", ["full-causal", "full-bidir", "local"])
+def test_lossy_rows_are_redone_exactly(launches, exact, kernels, monkeypatch, form):
     """Keys and biases spread over hundreds: rows whose best K + w lies far below the row
     maximum of w plus the column maximum of K underflow in the products; the kernel flags
-    them and the op redoes them in the log-sum-exp form, gradients included."""
-    B, T, D = 2, 23, 3
+    them and the op redoes them (AFT-full in the log-sum-exp form, AFT-local by its PyTorch
+    form), gradients included."""
+    B, T, D, s = 2, 23, 3, 5
     q, k, v, w = case(B, T, D, seed=31, scale=100.0)
+    if form == "local":
+        entry, w = "aft_local_triton", band_of(w, s, T)
+
+        def run(q, k, v, w):
+            return aft_local(q, k, v, w, window=s, backend="triton")[0]
+
+        def want_of(q, k, v, w):
+            return local_reference(q, k, v, w, s)
+    else:
+        entry, causal = "aft_full_triton", form == "full-causal"
+
+        def run(q, k, v, w):
+            return aft(q, k, v, w, causal=causal, backend="triton")[0]
+
+        def want_of(q, k, v, w):
+            return reference(q, k, v, w, 0, causal)
     flagged = []
-    real = kernels.aft_full_triton
+    real = getattr(kernels, entry)
 
     def spy(*args):
         o, lossy = real(*args)
         flagged.append(int(lossy.sum()))
         return o, lossy
 
-    monkeypatch.setattr(kernels, "aft_full_triton", spy)
+    monkeypatch.setattr(kernels, entry, spy)
     g = torch.randn(B, T, D, dtype=F64)
-    got, grads = outputs_and_grads(
-        lambda q, k, v, w: aft(q, k, v, w, causal=causal, backend="triton")[0],
-        [x.float() for x in (q, k, v, w)], g)
+    got, grads = outputs_and_grads(run, [x.float() for x in (q, k, v, w)], g)
     assert flagged[0] > 0 and launches["fwd"] == 1
-    want, wgrads = outputs_and_grads(lambda q, k, v, w: reference(q, k, v, w, 0, causal),
-                                     (q, k, v, w), g)
+    want, wgrads = outputs_and_grads(want_of, (q, k, v, w), g)
+    if form == "local":
+        wgrads[3] = unread(wgrads[3], T, s)
     assert torch.isfinite(got).all() and rel(got, want) < 1e-5
     for name, a, b in zip("qkvw", grads, wgrads):
         assert torch.isfinite(a).all() and rel(a, b) < 1e-4, name
@@ -257,25 +285,6 @@ def test_layer_runs_on_the_kernels(launches, on_gpu):
 
 # ------------------------------------------------------------------------------ AFT-local
 
-def band_of(w, window, T):
-    """The causal band [T, window] of the table w: [i, o] = w[i, i - o] (entries before
-    position 0 clamped: never read)."""
-    i = torch.arange(T)[:, None]
-    return w[i, (i - torch.arange(window)).clamp_min(0)]
-
-
-def local_reference(q, k, v, band, window):
-    """The oracle of causal AFT-local from its band, float64."""
-    from fastweights.ops.aft.naive import aft_local_naive
-
-    T = q.shape[1]
-    i = torch.arange(T)[:, None].expand(T, window)
-    j = i - torch.arange(window)
-    inside = j >= 0
-    table = torch.zeros(T, T, dtype=band.dtype).index_put((i[inside], j[inside]), band[inside])
-    return aft_local_naive(q, k, v, table, window, True)
-
-
 LOCAL_CASES = [(2, 37, 5, 4), (1, 150, 7, 30), (1, 70, 3, 100), (2, 9, 4, 1)]
 
 
@@ -284,8 +293,6 @@ def test_local_kernels_match_naive(launches, exact, B, T, D, s):
     """Causal AFT-local through the banded kernels, float32, against the float64 oracle:
     outputs, the gradients of q, k, v and the band, and the final state (equal to the PyTorch
     form's); windows shorter than a tile, across tiles and longer than the sequence."""
-    from fastweights.ops import aft_local
-
     q, k, v, w = case(B, T, D, seed=7)
     band = band_of(w, s, T)
     g = torch.randn(B, T, D, dtype=F64)
@@ -302,8 +309,8 @@ def test_local_kernels_match_naive(launches, exact, B, T, D, s):
                                      (q, k, v, band), g)
     assert rel(got, want) < 1e-5
     for name, a, b in zip("qkvw", grads, wgrads):
-        if name == "w":  # entries reaching before position 0 are not read
-            b = b.masked_fill(torch.arange(T)[:, None] < torch.arange(s)[None, :], 0.0)
+        if name == "w":
+            b = unread(b, T, s)
         assert rel(a, b) < 1e-5, name
     _, ref_state = aft_local(*(x.float() for x in (q, k, v, band)), window=s,
                              output_final_state=True, backend="torch")
@@ -316,41 +323,10 @@ def test_local_kernels_match_naive(launches, exact, B, T, D, s):
         assert bool((m == 0).all()) and bool((rm == 0).all())
 
 
-def test_local_lossy_rows_are_redone_exactly(launches, exact, kernels, monkeypatch):
-    """Keys and biases spread over hundreds: the banded products' lossy rows are flagged and
-    redone by the PyTorch form, gradients included."""
-    from fastweights.ops import aft_local
-
-    B, T, D, s = 2, 23, 3, 5
-    q, k, v, w = case(B, T, D, seed=31, scale=100.0)
-    band = band_of(w, s, T)
-    flagged = []
-    real = kernels.aft_local_triton
-
-    def spy(*args):
-        o, lossy = real(*args)
-        flagged.append(int(lossy.sum()))
-        return o, lossy
-
-    monkeypatch.setattr(kernels, "aft_local_triton", spy)
-    g = torch.randn(B, T, D, dtype=F64)
-    got, grads = outputs_and_grads(
-        lambda q, k, v, band: aft_local(q, k, v, band, window=s, backend="triton")[0],
-        [x.float() for x in (q, k, v, band)], g)
-    assert flagged[0] > 0 and launches["fwd"] == 1
-    want, wgrads = outputs_and_grads(lambda q, k, v, band: local_reference(q, k, v, band, s),
-                                     (q, k, v, band), g)
-    assert torch.isfinite(got).all() and rel(got, want) < 1e-5
-    for name, a, b in zip("qkv", grads, wgrads):
-        assert torch.isfinite(a).all() and rel(a, b) < 1e-4, name
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_local_half_inputs_within_1e_2(launches, on_gpu, dtype):
     """Half inputs through the automatic choice (D = 32): within 1e-2 of the float64 form on
     the same rounded inputs, outputs and gradients."""
-    from fastweights.ops import aft_local
-
     B, T, D, s = 2, 70, 32, 20
     q, k, v, w = (x.to(dtype) for x in case(B, T, D, seed=5))
     xs = [q, k, v, band_of(w, s, T)]
@@ -362,7 +338,7 @@ def test_local_half_inputs_within_1e_2(launches, on_gpu, dtype):
     assert got.dtype == dtype and rel(got, want) < 1e-2
     for name, a, b in zip("qkvw", grads, wgrads):
         if name == "w":
-            b = b.masked_fill(torch.arange(T)[:, None] < torch.arange(s)[None, :], 0.0)
+            b = unread(b, T, s)
         assert rel(a, b) < 1e-2, name
 
 
@@ -371,9 +347,6 @@ def test_local_dispatch(launches, on_gpu):
     bidirectional call, one token or D = 24 run PyTorch, and an explicit choice of triton there
     is a ValueError naming the reason. The layer runs them, and its decoding continues from the
     state they return."""
-    from fastweights.layers import AFTLocal
-    from fastweights.ops import aft_local
-
     q, k, v, w = (x.bfloat16() for x in case(1, 12, 16, seed=2))
     band = band_of(w, 4, 12)
     _, st = aft_local(q, k, v, band, window=4, output_final_state=True)

@@ -112,10 +112,7 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
     k [B, L, G], v [B, L, G, E] -> ell [B, L+1, G], y [B, L+1, G, E].
     """
     carried = init is not None
-    if init is None:
-        a, y0, _ = empty_prefix(k, v)
-        init = (a, y0)
-    ell0, y0 = init
+    ell0 = init[0] if carried else k.new_full((k.shape[0], k.shape[2]), float("-inf"))
     ref = torch.maximum(k.detach().amax(dim=1), ell0.detach())  # [B, G]
     # Plain prefix sums of e^{K - max K} are exact while no prefix falls below the smallest
     # normal float (then every sum keeps full relative precision); the margin leaves room for
@@ -124,8 +121,13 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
     margin = -math.log(torch.finfo(k.dtype).tiny) - 25.0  # 62 nats in float32, 683 in float64
     first = torch.maximum(ell0, k[:, 0]).detach()
 
-    def plain(k: torch.Tensor, v: torch.Tensor, ell0: torch.Tensor, y0: torch.Tensor,
-              ref: torch.Tensor) -> Summary:
+    # The init travels as operands only when carried: torch.cond mismatched the symbolic sizes
+    # of an empty one built outside its branches (tests/ops/test_compile.py).
+    def unpack(k: torch.Tensor, v: torch.Tensor, init: tuple[torch.Tensor, ...]) -> Summary:
+        return init if carried else empty_prefix(k, v)[:2]
+
+    def plain(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor, *init: torch.Tensor) -> Summary:
+        ell0, y0 = unpack(k, v, init)
         e = torch.exp(k - ref.unsqueeze(1))
         den, num = cumsum_time(e), cumsum_time(e.unsqueeze(-1) * v)
         if carried:  # the init's sums (0 for an empty one, never a 0 / 0)
@@ -133,13 +135,14 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
             den, num = den + e0.unsqueeze(1), num + (e0.unsqueeze(-1) * y0).unsqueeze(1)
         return _with_first(ell0, y0, torch.log(den) + ref.unsqueeze(1), num / den.unsqueeze(-1))
 
-    def scan(k: torch.Tensor, v: torch.Tensor, ell0: torch.Tensor, y0: torch.Tensor,
-             ref: torch.Tensor) -> Summary:
+    def scan(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor, *init: torch.Tensor) -> Summary:
+        ell0, y0 = unpack(k, v, init)
         a, n, m = _doubling_scan(k, v)
         a, n, m = merge((ell0.unsqueeze(1), y0.unsqueeze(1), torch.ones_like(a[:, :1])), (a, n, m))
         return _with_first(ell0, y0, a + torch.log(m), n / m.unsqueeze(-1))
 
-    return _select((first - ref).amin() >= -margin, plain, scan, k, v, ell0, y0, ref)
+    return _select((first - ref).amin() >= -margin, plain, scan, k, v, ref,
+                   *(init if carried else ()))
 
 
 SCAN_BLOCK = 64  # tokens per block of ``blocked_cumsum``

@@ -69,7 +69,7 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> dict[str, Tiles] | No
     big = Tiles(64, 64, 64, 8, 2)
     rows = Tiles(32, 64, 64, 4)  # the elementwise kernels (a), (c): BT rows, BD channels
     return {"prep": rows, "fwd": big, "bwd_prep": rows, "bwd_kv": big,
-            "bwd_w": Tiles(64, 64, 32, 8, 2)}
+            "bwd_w": Tiles(64, 64, 32, 4, 2)}
 
 
 def supports(op: str, dtype: torch.dtype) -> bool:
