@@ -150,57 +150,22 @@ def _randn(gen: torch.Generator, device: torch.device, *shape: int) -> torch.Ten
     return torch.randn(*shape, device=device, generator=gen)
 
 
-def _linear_inputs(B, T, H, D, device, gen) -> Inputs:
-    q, k = (F.elu(_randn(gen, device, B, T, H, D)) + 1 for _ in range(2))
-    return Inputs([q, k, _randn(gen, device, B, T, H, D)], [], [],
-                  (0.1 * _randn(gen, device, B, H, D, D),
-                   torch.rand(B, H, D, device=device, generator=gen)),
-                  {"normalize": True, "scale": D ** -0.5})
-
-
-def _delta_inputs(B, T, H, D, device, gen) -> Inputs:
-    q, k = (ops.sum_norm(F.elu(_randn(gen, device, B, T, H, D)) + 1) for _ in range(2))
-    beta = torch.rand(B, T, H, device=device, generator=gen)
-    return Inputs([q, k, _randn(gen, device, B, T, H, D)], [beta], [],
-                  (0.1 * _randn(gen, device, B, H, D, D),), {"scale": D ** -0.5})
-
-
-def _gated_inputs(B, T, H, D, device, gen) -> Inputs:
-    q, k = (F.normalize(_randn(gen, device, B, T, H, D), dim=-1) for _ in range(2))
-    beta = torch.rand(B, T, H, device=device, generator=gen)
-    g = F.logsigmoid(3 + _randn(gen, device, B, T, H))
-    return Inputs([q, k, _randn(gen, device, B, T, H, D)], [beta, g], [],
-                  (0.1 * _randn(gen, device, B, H, D, D),), {"scale": D ** -0.5})
-
-
-def _decay_inputs(B, T, H, D, device, gen) -> Inputs:
-    q, k = ((F.elu(_randn(gen, device, B, T, H, D)) + 1) / D for _ in range(2))
-    decay = torch.linspace(0.9, 0.999, H, device=device)  # TransNormer's range
-    return Inputs([q, k, _randn(gen, device, B, T, H, D)], [], [decay],
-                  (0.1 * _randn(gen, device, B, H, D, D),), {"scale": D ** -0.5})
-
-
-def _ttt_inputs(mlp: bool) -> Callable[..., Inputs]:
-    """TTT-Linear's or TTT-MLP's inputs as the layers pass them: keys and queries of unit scale,
-    inner learning rates eta = sigmoid(.) / D, a small learned initial model (batch 1,
-    broadcast), the inner LayerNorm and the residual on, mini-batches of 16."""
+def _inputs(op: str) -> Callable[..., Inputs]:
+    """The op's example call (its folder's examples.py, ``ops.example_inputs``) as Inputs."""
     def make(B, T, H, D, device, gen) -> Inputs:
-        q, k, v = (_randn(gen, device, B, T, H, D) / D ** 0.5 for _ in range(3))
-        eta = torch.sigmoid(_randn(gen, device, B, T, H)) / D
-        sizes = ((D, 4 * D), (4 * D,), (4 * D, D), (D,)) if mlp else ((D, D), (D,))
-        state = tuple(0.02 * _randn(gen, device, 1, H, *size) for size in sizes)
-        options = {"ln_weight": 1 + 0.1 * _randn(gen, device, H, D),
-                   "ln_bias": 0.1 * _randn(gen, device, H, D), "residual": True,
-                   "mini_batch_size": 16}
-        return Inputs([q, k, v], [eta], [], state, options)
+        seed = int(torch.randint(0, 2**31, (1,), generator=gen, device=gen.device))
+        ex = ops.example_inputs(op, B, T, H, D, device=device, seed=seed)
+        return Inputs(list(ex.qkv), list(ex.gates), list(ex.consts),
+                      tuple(state_tree.tensors(ex.state)), dict(ex.options))
     return make
 
 
-KERNEL_OPS = (KernelOp("linear_attn", _linear_inputs), KernelOp("delta_rule", _delta_inputs),
-              KernelOp("gated_delta_rule", _gated_inputs),
-              KernelOp("decay_linear_attn", _decay_inputs),
-              KernelOp("ttt_linear", _ttt_inputs(mlp=False), mode="dual", chunk=16),
-              KernelOp("ttt_mlp", _ttt_inputs(mlp=True), mode="dual", chunk=16))
+KERNEL_OPS = (KernelOp("linear_attn", _inputs("linear_attn")),
+              KernelOp("delta_rule", _inputs("delta_rule")),
+              KernelOp("gated_delta_rule", _inputs("gated_delta_rule")),
+              KernelOp("decay_linear_attn", _inputs("decay_linear_attn")),
+              KernelOp("ttt_linear", _inputs("ttt_linear"), mode="dual", chunk=16),
+              KernelOp("ttt_mlp", _inputs("ttt_mlp"), mode="dual", chunk=16))
 
 
 def _op_state(parts: tuple[torch.Tensor, ...]) -> Any:

@@ -18,6 +18,7 @@ from .aft import (
     merge_simple_states,
 )
 from .delta_rule import delta_rule, delta_rule_attn_norm, delta_rule_step
+from .examples import EXAMPLE_OPS, Example, example_inputs
 from .feature_maps import dpfp, draw_favor_projection, elu_plus_one, favor_features, relu, sum_norm
 from .gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 from .infini import (
@@ -39,12 +40,14 @@ from .transnormer import (
 from .ttt import TTTState, ttt_linear, ttt_linear_step, ttt_mlp, ttt_mlp_step
 
 __all__ = [
+    "EXAMPLE_OPS",
     "RECURRENT_MODES",
     "TTT_MODES",
     "AFTConvState",
     "AFTFullState",
     "AFTLocalState",
     "AFTSimpleState",
+    "Example",
     "InfiniRowsState",
     "InfiniSegmentState",
     "InfiniState",
@@ -66,6 +69,7 @@ __all__ = [
     "dpfp",
     "draw_favor_projection",
     "elu_plus_one",
+    "example_inputs",
     "favor_features",
     "gated_delta_rule",
     "gated_delta_rule_step",
