@@ -321,10 +321,6 @@ def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
 
 def compile_one(task: tuple[int, str, int, int]) -> dict:
     """Compile one launch for its target; the record the tests assert on."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if task[0] == "ttt":
         from fastweights.ops.ttt import triton as ttt_kernels
 
@@ -343,12 +339,22 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
         rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "BV": const["BV"],
                "BK": const["BK"], "num_warps": warps, "stages": const.get("STAGES")}
         options = {"num_warps": warps}
+    return compile_record(rec, fn, sig, const, specialization(sig, spec), arch, options)
+
+
+def compile_record(rec: dict, fn, sig: dict, const: dict, attrs: dict, arch: int,
+                   options: dict) -> dict:
+    """``rec`` completed with one compile's figures (shared memory, registers and spill bytes
+    from ptxas's log, whether there is a cubin, or the error) and printed to stderr."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     start = time.perf_counter()
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
-            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const,
-                                          attrs=specialization(sig, spec)),
+            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                                 target=GPUTarget("cuda", arch, 32), options=options)
         text = log.getvalue()
         rec["shared"] = ck.metadata.shared

@@ -13,19 +13,15 @@ memory, or the error.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import multiprocessing
-import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # triton_aot, run as a script or in a worker
 
-from triton_aot import _Ctx, _init_worker, _Recorder, workers
+from triton_aot import _Ctx, _init_worker, _Recorder, compile_record, workers
 
 ARCHS = (80, 90)
 DTYPES = ("bfloat16", "float16")
@@ -111,37 +107,16 @@ def tasks(archs=ARCHS, dtypes=DTYPES) -> list[tuple]:
 
 
 def compile_one(task: tuple) -> dict:
+    """Compile one launch for its target; the record the tests assert on."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     arch, dtype, i, spec = task
     fn, name, sig, const, warps, stages = signatures(dtype, arch)[i]
     rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "num_warps": warps,
-           "stages": stages,
-           "BT": const.get("BT"), "BK": const.get("BK"), "BD": const.get("BD"),
+           "stages": stages, "BT": const.get("BT"), "BK": const.get("BK"), "BD": const.get("BD"),
            "triton": triton.__version__}
-    start = time.perf_counter()
-    log = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(log):
-            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const,
-                                          attrs=specialization(sig, spec)),
-                                target=GPUTarget("cuda", arch, 32),
-                                options={"num_warps": warps, "num_stages": stages or 3})
-        text = log.getvalue()
-        rec["shared"] = ck.metadata.shared
-        spills = [int(a) + int(b) for a, b in re.findall(
-            r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)]
-        regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
-        rec["spill_bytes"] = max(spills) if spills else None
-        rec["registers"] = max(regs) if regs else None
-        rec["has_cubin"] = bool(ck.asm.get("cubin"))
-    except Exception as exc:  # recorded, and asserted on by the tests
-        rec["error"] = f"{type(exc).__name__}: {exc}"[-1500:]
-    rec["seconds"] = round(time.perf_counter() - start, 2)
-    print(json.dumps(rec), file=sys.stderr, flush=True)
-    return rec
+    return compile_record(rec, fn, sig, const, specialization(sig, spec), arch,
+                          {"num_warps": warps, "num_stages": stages or 3})
 
 
 def compile_all(archs=ARCHS, dtypes=DTYPES, processes: int | None = None) -> list[dict]:
