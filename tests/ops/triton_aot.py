@@ -393,15 +393,35 @@ def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), processes: int | None = None,
                 ttt: tuple = ()) -> list[dict]:
     """Every record, compiled in ``processes`` (default ``workers()``) worker processes
     (``ttt``: the TTT kernels' cases instead, see ``tasks``)."""
-    todo = tasks(archs, dtypes, ttt)
+    return compile_in_pool(compile_one, tasks(archs, dtypes, ttt), processes)
+
+
+def compile_in_pool(compile_task, todo: list, processes: int | None = None) -> list[dict]:
+    """``compile_task`` (a module-level function) over ``todo`` in ``processes`` (default
+    ``workers()``) worker processes sharing one fresh Triton cache."""
     cache_dir = tempfile.mkdtemp(prefix="fastweights-aot-")
     processes = min(processes or workers(), len(todo))
     if processes == 1:
         _init_worker(cache_dir)
-        return [compile_one(t) for t in todo]
+        return [compile_task(t) for t in todo]
     # spawn: fresh interpreters (no state of an imported torch forked into them)
     with multiprocessing.get_context("spawn").Pool(processes, _init_worker, (cache_dir,)) as pool:
-        return list(pool.imap_unordered(compile_one, todo, chunksize=1))
+        return list(pool.imap_unordered(compile_task, todo, chunksize=1))
+
+
+def record_problems(r: dict, name: str, shared_limit: int) -> list[str]:
+    """What is wrong with one compile record (named ``name`` in the messages): an error, no
+    cubin, shared memory over ``shared_limit`` bytes, no ptxas log, spills."""
+    if "error" in r:
+        return [f"{name}: {r['error']}"]
+    problems = [] if r["has_cubin"] else [f"{name}: no cubin"]
+    if r["shared"] > shared_limit:
+        problems.append(f"{name}: {r['shared']} B shared > {shared_limit} B")
+    if r["spill_bytes"] is None:
+        problems.append(f"{name}: no ptxas log (spills unknown)")
+    elif r["spill_bytes"] != 0:
+        problems.append(f"{name}: spills {r['spill_bytes']} B ({r['registers']} registers)")
+    return problems
 
 
 if __name__ == "__main__":

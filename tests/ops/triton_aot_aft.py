@@ -14,14 +14,12 @@ memory, or the error.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # triton_aot, run as a script or in a worker
 
-from triton_aot import _Ctx, _init_worker, _Recorder, compile_record, workers
+from triton_aot import _Ctx, _Recorder, compile_in_pool, compile_record
 
 ARCHS = (80, 90)
 DTYPES = ("bfloat16", "float16")
@@ -120,14 +118,8 @@ def compile_one(task: tuple) -> dict:
 
 
 def compile_all(archs=ARCHS, dtypes=DTYPES, processes: int | None = None) -> list[dict]:
-    todo = tasks(archs, dtypes)
-    cache_dir = tempfile.mkdtemp(prefix="fastweights-aot-aft-")
-    processes = min(processes or workers(), len(todo))
-    if processes == 1:
-        _init_worker(cache_dir)
-        return [compile_one(t) for t in todo]
-    with multiprocessing.get_context("spawn").Pool(processes, _init_worker, (cache_dir,)) as pool:
-        return list(pool.imap_unordered(compile_one, todo, chunksize=1))
+    """Every record, compiled in a pool of worker processes (``triton_aot.compile_in_pool``)."""
+    return compile_in_pool(compile_one, tasks(archs, dtypes), processes)
 
 
 if __name__ == "__main__":
