@@ -85,6 +85,28 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
+@contextlib.contextmanager
+def recorded(modules, arch: int):
+    """Within: every ``_*_kernel`` of ``modules`` replaced by a ``_Recorder`` and their
+    ``_arch`` returning ``arch``; yields the list the launches are recorded into."""
+    out: list = []
+    names = [(m, n) for m in modules for n in vars(m)
+             if n.startswith("_") and n.endswith("_kernel")]
+    saved = {(m, n): getattr(m, n) for m, n in names}
+    saved_arch = [m._arch for m in modules]
+    try:
+        for m, n in names:
+            setattr(m, n, _Recorder(saved[m, n], out))
+        for m in modules:
+            m._arch = lambda device: arch
+        yield out
+    finally:
+        for m, n in names:
+            setattr(m, n, saved[m, n])
+        for m, a in zip(modules, saved_arch):
+            m._arch = a
+
+
 def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
     """One forward and backward of ``op`` through the host code of ops/*/triton.py on small
     CPU tensors, every kernel launch recorded into ``out`` instead of run."""
@@ -120,24 +142,13 @@ def signatures(kernels, dtype: str, arch: int):
     warps exactly as it passes them). Integer arguments compile unspecialised (i32)."""
     import torch
 
-    out: list = []
-    names = [n for n in vars(kernels) if n.startswith("_") and n.endswith("_kernel")]
-    saved = {n: getattr(kernels, n) for n in names}
-    saved_arch = kernels._arch
-    try:
-        for n in names:
-            setattr(kernels, n, _Recorder(saved[n], out))
-        kernels._arch = lambda device: arch
+    with recorded((kernels,), arch) as out:
         for op in OPS:
             name = {"delta": "delta_rule", "gated": "gated_delta_rule"}.get(op, "linear_attn")
             if not kernels.supports(name, getattr(torch, dtype)):
                 continue  # the dispatcher does not launch it (float32 delta rule)
             for Dk in DKS:
                 _run_host(kernels, op, getattr(torch, dtype), Dk, out)
-    finally:
-        for n in names:
-            setattr(kernels, n, saved[n])
-        kernels._arch = saved_arch
     seen, unique = set(), []
     for fn, sig, const, warps, _ in out:  # ops and head sizes share launches
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps)
@@ -222,23 +233,8 @@ def ttt_signatures(kernels, case: tuple, arch: int):
     from fastweights.ops.ttt import triton_decode, triton_regs
 
     dtype, D, flags, _ = case
-    out: list = []
-    modules = (kernels, triton_decode, triton_regs)
-    names = [(m, n) for m in modules for n in vars(m)
-             if n.startswith("_") and n.endswith("_kernel")]
-    saved = {(m, n): getattr(m, n) for m, n in names}
-    saved_arch = [m._arch for m in modules]
-    try:
-        for m, n in names:
-            setattr(m, n, _Recorder(saved[m, n], out))
-        for m in modules:
-            m._arch = lambda device: arch
+    with recorded((kernels, triton_decode, triton_regs), arch) as out:
         _run_ttt_host(kernels, getattr(torch, dtype), D, flags)
-    finally:
-        for m, n in names:
-            setattr(m, n, saved[m, n])
-        for m, a in zip(modules, saved_arch):
-            m._arch = a
     seen, unique = set(), []
     for fn, sig, const, warps, stages in out:
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps, stages)

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of every kernel launch of ops/aft/triton.py (AFT's kernels) for real
 GPU targets without a GPU, as tests/ops/triton_aot.py does for the fast-weight kernels (whose
-launch recorder and compile worker set-up this reuses).
+launch recorder, compile and worker pool this reuses).
 
 Run as a script (``python tests/ops/triton_aot_aft.py OUT.json [DTYPE,... [arch ...]]``) in a
 process where TRITON_INTERPRET is unset. The launches are recorded from the host code:
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # triton_aot, run as a script or in a worker
 
-from triton_aot import _Ctx, _Recorder, compile_in_pool, compile_record
+from triton_aot import _Ctx, compile_in_pool, compile_record, recorded
 
 ARCHS = (80, 90)
 DTYPES = ("bfloat16", "float16")
@@ -55,19 +55,8 @@ def signatures(dtype: str, arch: int) -> list[tuple]:
     import torch
 
     module = importlib.import_module("fastweights.ops.aft.triton")
-    out: list = []
-    names = [n for n in vars(module) if n.startswith("_") and n.endswith("_kernel")]
-    saved = {n: getattr(module, n) for n in names}
-    saved_arch = module._arch
-    try:
-        for n in names:
-            setattr(module, n, _Recorder(saved[n], out))
-        module._arch = lambda device: arch
+    with recorded((module,), arch) as out:
         _run_host(module, getattr(torch, dtype))
-    finally:
-        for n in names:
-            setattr(module, n, saved[n])
-        module._arch = saved_arch
     seen, unique = set(), []
     for fn, sig, const, warps, stages in out:
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps, stages)
