@@ -235,16 +235,19 @@ def ttt_signatures(kernels, case: tuple, arch: int):
     dtype, D, flags, _ = case
     with recorded((kernels, triton_decode, triton_regs), arch) as out:
         _run_ttt_host(kernels, getattr(torch, dtype), D, flags)
+    return distinct(out, lambda const: "".join(f"[{flag}]" for flag in ("TAIL", "COMMIT")
+                                               if const.get(flag)))
+
+
+def distinct(out: list, label) -> list:
+    """(kernel, name, signature, constexprs, num_warps, num_stages) of each distinct recorded
+    launch, named by its kernel family and ``label(constexprs)``."""
     seen, unique = set(), []
     for fn, sig, const, warps, stages in out:
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps, stages)
         if key not in seen:
             seen.add(key)
-            name = fn.__name__.strip("_").removesuffix("_kernel")
-            if const.get("TAIL"):
-                name += "[TAIL]"
-            if const.get("COMMIT"):
-                name += "[COMMIT]"
+            name = fn.__name__.strip("_").removesuffix("_kernel") + label(const)
             unique.append((fn, name, sig, const, warps, stages))
     return unique
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # triton_aot, run as a script or in a worker
 
-from triton_aot import _Ctx, compile_in_pool, compile_record, recorded
+from triton_aot import _Ctx, compile_in_pool, compile_record, distinct, recorded
 
 ARCHS = (80, 90)
 DTYPES = ("bfloat16", "float16")
@@ -57,17 +57,8 @@ def signatures(dtype: str, arch: int) -> list[tuple]:
     module = importlib.import_module("fastweights.ops.aft.triton")
     with recorded((module,), arch) as out:
         _run_host(module, getattr(torch, dtype))
-    seen, unique = set(), []
-    for fn, sig, const, warps, stages in out:
-        key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps, stages)
-        if key not in seen:
-            seen.add(key)
-            name = fn.__name__.strip("_").removesuffix("_kernel")
-            if "CAUSAL" in const:
-                name += ("[local]" if const["LOCAL"] else "[causal]" if const["CAUSAL"]
-                         else "[bidir]")
-            unique.append((fn, name, sig, const, warps, stages))
-    return unique
+    return distinct(out, lambda const: "" if "CAUSAL" not in const else (
+        "[local]" if const["LOCAL"] else "[causal]" if const["CAUSAL"] else "[bidir]"))
 
 
 def specialization(sig: dict, spec: str) -> dict:
