@@ -35,6 +35,8 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (pip install fastweights[triton])")
 
+from tests.ops.triton_aot import record_problems
+
 HERE = Path(__file__).parent
 SHARED_LIMIT = {80: 166_912, 90: 232_448}
 ARCHS = (80, 90)
@@ -88,17 +90,7 @@ def test_every_kernel_compiles_without_spills(compiled, arch, dtype):
     for r in recs:
         name = (f"{r['kernel']} {dtype} sm_{arch} {r['spec']} BV={r['BV']} BK={r['BK']} "
                 f"warps={r['num_warps']}")
-        if "error" in r:
-            problems.append(f"{name}: {r['error']}")
-            continue
-        if not r["has_cubin"]:
-            problems.append(f"{name}: no cubin")
-        if r["shared"] > SHARED_LIMIT[arch]:
-            problems.append(f"{name}: {r['shared']} B shared > {SHARED_LIMIT[arch]} B")
-        if r["spill_bytes"] is None:
-            problems.append(f"{name}: no ptxas log (spills unknown)")
-        elif r["spill_bytes"] != 0:
-            problems.append(f"{name}: spills {r['spill_bytes']} B ({r['registers']} registers)")
+        problems += record_problems(r, name, SHARED_LIMIT[arch])
     assert not problems, "\n".join(problems)
 
 

@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (pip install fastweights[triton])")
 
 from tests.ops.test_fwp_triton_compile import ARCHS, SHARED_LIMIT
-from tests.ops.triton_aot import TTT_CASES, dispatched
+from tests.ops.triton_aot import TTT_CASES, dispatched, record_problems
 
 HERE = Path(__file__).parent
 KERNELS = {"qk", "linear_fwd", "linear_bwd_a", "linear_bwd_b", "linear_bwd_b[TAIL]",
@@ -80,17 +80,7 @@ def check(records: list[dict], cases) -> None:
     for r in records:
         name = (f"{r['kernel']} {r['dtype']} D={r['D']} {r['flags']} sm_{r['arch']} {r['spec']} "
                 f"warps={r['num_warps']}")
-        if "error" in r:
-            problems.append(f"{name}: {r['error']}")
-            continue
-        if not r["has_cubin"]:
-            problems.append(f"{name}: no cubin")
-        if r["shared"] > SHARED_LIMIT[r["arch"]]:
-            problems.append(f"{name}: {r['shared']} B shared > {SHARED_LIMIT[r['arch']]} B")
-        if r["spill_bytes"] is None:
-            problems.append(f"{name}: no ptxas log (spills unknown)")
-        elif r["spill_bytes"] != 0:
-            problems.append(f"{name}: spills {r['spill_bytes']} B ({r['registers']} registers)")
+        problems += record_problems(r, name, SHARED_LIMIT[r["arch"]])
     assert not problems, "\n".join(problems)
 
 

@@ -87,6 +87,28 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
+@contextlib.contextmanager
+def recorded(modules, arch: int):
+    """Within: every ``_*_kernel`` of ``modules`` replaced by a ``_Recorder`` and their
+    ``_arch`` returning ``arch``; yields the list the launches are recorded into."""
+    out: list = []
+    names = [(m, n) for m in modules for n in vars(m)
+             if n.startswith("_") and n.endswith("_kernel")]
+    saved = {(m, n): getattr(m, n) for m, n in names}
+    saved_arch = [m._arch for m in modules]
+    try:
+        for m, n in names:
+            setattr(m, n, _Recorder(saved[m, n], out))
+        for m in modules:
+            m._arch = lambda device: arch
+        yield out
+    finally:
+        for m, n in names:
+            setattr(m, n, saved[m, n])
+        for m, a in zip(modules, saved_arch):
+            m._arch = a
+
+
 def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
     """One forward and backward of ``op`` through the host code of ops/*/triton.py on small
     CPU tensors, every kernel launch recorded into ``out`` instead of run."""
@@ -122,24 +144,13 @@ def signatures(kernels, dtype: str, arch: int):
     warps exactly as it passes them). Integer arguments compile unspecialised (i32)."""
     import torch
 
-    out: list = []
-    names = [n for n in vars(kernels) if n.startswith("_") and n.endswith("_kernel")]
-    saved = {n: getattr(kernels, n) for n in names}
-    saved_arch = kernels._arch
-    try:
-        for n in names:
-            setattr(kernels, n, _Recorder(saved[n], out))
-        kernels._arch = lambda device: arch
+    with recorded((kernels,), arch) as out:
         for op in OPS:
             name = {"delta": "delta_rule", "gated": "gated_delta_rule"}.get(op, "linear_attn")
             if not kernels.supports(name, getattr(torch, dtype)):
                 continue  # the dispatcher does not launch it (float32 delta rule)
             for Dk in DKS:
                 _run_host(kernels, op, getattr(torch, dtype), Dk, out)
-    finally:
-        for n in names:
-            setattr(kernels, n, saved[n])
-        kernels._arch = saved_arch
     seen, unique = set(), []
     for fn, sig, const, warps, _ in out:  # ops and head sizes share launches
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps)
@@ -232,33 +243,21 @@ def ttt_signatures(kernels, case: tuple, arch: int):
     from fastweights.ops.ttt import triton_decode, triton_regs, triton_resident
 
     dtype, D, flags, _ = case
-    out: list = []
-    modules = (kernels, triton_decode, triton_regs, triton_resident)
-    names = [(m, n) for m in modules for n in vars(m)
-             if n.startswith("_") and n.endswith("_kernel")]
-    saved = {(m, n): getattr(m, n) for m, n in names}
-    saved_arch = [m._arch for m in modules]
-    try:
-        for m, n in names:
-            setattr(m, n, _Recorder(saved[m, n], out))
-        for m in modules:
-            m._arch = lambda device: arch
+    with recorded((kernels, triton_decode, triton_regs, triton_resident), arch) as out:
         _run_ttt_host(kernels, getattr(torch, dtype), D, flags)
-    finally:
-        for m, n in names:
-            setattr(m, n, saved[m, n])
-        for m, a in zip(modules, saved_arch):
-            m._arch = a
+    return distinct(out, lambda const: "".join(f"[{flag}]" for flag in ("TAIL", "COMMIT")
+                                               if const.get(flag)))
+
+
+def distinct(out: list, label) -> list:
+    """(kernel, name, signature, constexprs, num_warps, num_stages) of each distinct recorded
+    launch, named by its kernel family and ``label(constexprs)``."""
     seen, unique = set(), []
     for fn, sig, const, warps, stages in out:
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps, stages)
         if key not in seen:
             seen.add(key)
-            name = fn.__name__.strip("_").removesuffix("_kernel")
-            if const.get("TAIL"):
-                name += "[TAIL]"
-            if const.get("COMMIT"):
-                name += "[COMMIT]"
+            name = fn.__name__.strip("_").removesuffix("_kernel") + label(const)
             unique.append((fn, name, sig, const, warps, stages))
     return unique
 
@@ -334,10 +333,6 @@ def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = (), only: tuple = ()) 
 
 def compile_one(task: tuple[int, str, int, int]) -> dict:
     """Compile one launch for its target; the record the tests assert on."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if task[0] == "ttt":
         from fastweights.ops.ttt import triton as ttt_kernels
 
@@ -356,12 +351,22 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
         rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "BV": const["BV"],
                "BK": const["BK"], "num_warps": warps, "stages": const.get("STAGES")}
         options = {"num_warps": warps}
+    return compile_record(rec, fn, sig, const, specialization(sig, spec), arch, options)
+
+
+def compile_record(rec: dict, fn, sig: dict, const: dict, attrs: dict, arch: int,
+                   options: dict) -> dict:
+    """``rec`` completed with one compile's figures (shared memory, registers and spill bytes
+    from ptxas's log, whether there is a cubin, or the error) and printed to stderr."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     start = time.perf_counter()
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
-            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const,
-                                          attrs=specialization(sig, spec)),
+            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                                 target=GPUTarget("cuda", arch, 32), options=options)
         text = log.getvalue()
         rec["shared"] = ck.metadata.shared
@@ -401,15 +406,35 @@ def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), processes: int | None = None,
     """Every record, compiled in ``processes`` (default ``workers()``) worker processes
     (``ttt``: the TTT kernels' cases instead, ``only`` some of their families, see
     ``tasks``)."""
-    todo = tasks(archs, dtypes, ttt, only)
+    return compile_in_pool(compile_one, tasks(archs, dtypes, ttt, only), processes)
+
+
+def compile_in_pool(compile_task, todo: list, processes: int | None = None) -> list[dict]:
+    """``compile_task`` (a module-level function) over ``todo`` in ``processes`` (default
+    ``workers()``) worker processes sharing one fresh Triton cache."""
     cache_dir = tempfile.mkdtemp(prefix="fastweights-aot-")
     processes = min(processes or workers(), len(todo))
     if processes == 1:
         _init_worker(cache_dir)
-        return [compile_one(t) for t in todo]
+        return [compile_task(t) for t in todo]
     # spawn: fresh interpreters (no state of an imported torch forked into them)
     with multiprocessing.get_context("spawn").Pool(processes, _init_worker, (cache_dir,)) as pool:
-        return list(pool.imap_unordered(compile_one, todo, chunksize=1))
+        return list(pool.imap_unordered(compile_task, todo, chunksize=1))
+
+
+def record_problems(r: dict, name: str, shared_limit: int) -> list[str]:
+    """What is wrong with one compile record (named ``name`` in the messages): an error, no
+    cubin, shared memory over ``shared_limit`` bytes, no ptxas log, spills."""
+    if "error" in r:
+        return [f"{name}: {r['error']}"]
+    problems = [] if r["has_cubin"] else [f"{name}: no cubin"]
+    if r["shared"] > shared_limit:
+        problems.append(f"{name}: {r['shared']} B shared > {shared_limit} B")
+    if r["spill_bytes"] is None:
+        problems.append(f"{name}: no ptxas log (spills unknown)")
+    elif r["spill_bytes"] != 0:
+        problems.append(f"{name}: spills {r['spill_bytes']} B ({r['registers']} registers)")
+    return problems
 
 
 if __name__ == "__main__":

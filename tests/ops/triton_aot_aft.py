@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of every kernel launch of ops/aft/triton.py (AFT's kernels) for real
 GPU targets without a GPU, as tests/ops/triton_aot.py does for the fast-weight kernels (whose
-launch recorder and compile worker set-up this reuses).
+launch recorder, compile and worker pool this reuses).
 
 Run as a script (``python tests/ops/triton_aot_aft.py OUT.json [DTYPE,... [arch ...]]``) in a
 process where TRITON_INTERPRET is unset. The launches are recorded from the host code:
@@ -13,19 +13,13 @@ memory, or the error.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import multiprocessing
-import re
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # triton_aot, run as a script or in a worker
 
-from triton_aot import _Ctx, _init_worker, _Recorder, workers
+from triton_aot import _Ctx, compile_in_pool, compile_record, distinct, recorded
 
 ARCHS = (80, 90)
 DTYPES = ("bfloat16", "float16")
@@ -61,30 +55,10 @@ def signatures(dtype: str, arch: int) -> list[tuple]:
     import torch
 
     module = importlib.import_module("fastweights.ops.aft.triton")
-    out: list = []
-    names = [n for n in vars(module) if n.startswith("_") and n.endswith("_kernel")]
-    saved = {n: getattr(module, n) for n in names}
-    saved_arch = module._arch
-    try:
-        for n in names:
-            setattr(module, n, _Recorder(saved[n], out))
-        module._arch = lambda device: arch
+    with recorded((module,), arch) as out:
         _run_host(module, getattr(torch, dtype))
-    finally:
-        for n in names:
-            setattr(module, n, saved[n])
-        module._arch = saved_arch
-    seen, unique = set(), []
-    for fn, sig, const, warps, stages in out:
-        key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps, stages)
-        if key not in seen:
-            seen.add(key)
-            name = fn.__name__.strip("_").removesuffix("_kernel")
-            if "CAUSAL" in const:
-                name += ("[local]" if const["LOCAL"] else "[causal]" if const["CAUSAL"]
-                         else "[bidir]")
-            unique.append((fn, name, sig, const, warps, stages))
-    return unique
+    return distinct(out, lambda const: "" if "CAUSAL" not in const else (
+        "[local]" if const["LOCAL"] else "[causal]" if const["CAUSAL"] else "[bidir]"))
 
 
 def specialization(sig: dict, spec: str) -> dict:
@@ -111,48 +85,21 @@ def tasks(archs=ARCHS, dtypes=DTYPES) -> list[tuple]:
 
 
 def compile_one(task: tuple) -> dict:
+    """Compile one launch for its target; the record the tests assert on."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     arch, dtype, i, spec = task
     fn, name, sig, const, warps, stages = signatures(dtype, arch)[i]
     rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "num_warps": warps,
-           "stages": stages,
-           "BT": const.get("BT"), "BK": const.get("BK"), "BD": const.get("BD"),
+           "stages": stages, "BT": const.get("BT"), "BK": const.get("BK"), "BD": const.get("BD"),
            "triton": triton.__version__}
-    start = time.perf_counter()
-    log = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(log):
-            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const,
-                                          attrs=specialization(sig, spec)),
-                                target=GPUTarget("cuda", arch, 32),
-                                options={"num_warps": warps, "num_stages": stages or 3})
-        text = log.getvalue()
-        rec["shared"] = ck.metadata.shared
-        spills = [int(a) + int(b) for a, b in re.findall(
-            r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)]
-        regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
-        rec["spill_bytes"] = max(spills) if spills else None
-        rec["registers"] = max(regs) if regs else None
-        rec["has_cubin"] = bool(ck.asm.get("cubin"))
-    except Exception as exc:  # recorded, and asserted on by the tests
-        rec["error"] = f"{type(exc).__name__}: {exc}"[-1500:]
-    rec["seconds"] = round(time.perf_counter() - start, 2)
-    print(json.dumps(rec), file=sys.stderr, flush=True)
-    return rec
+    return compile_record(rec, fn, sig, const, specialization(sig, spec), arch,
+                          {"num_warps": warps, "num_stages": stages or 3})
 
 
 def compile_all(archs=ARCHS, dtypes=DTYPES, processes: int | None = None) -> list[dict]:
-    todo = tasks(archs, dtypes)
-    cache_dir = tempfile.mkdtemp(prefix="fastweights-aot-aft-")
-    processes = min(processes or workers(), len(todo))
-    if processes == 1:
-        _init_worker(cache_dir)
-        return [compile_one(t) for t in todo]
-    with multiprocessing.get_context("spawn").Pool(processes, _init_worker, (cache_dir,)) as pool:
-        return list(pool.imap_unordered(compile_one, todo, chunksize=1))
+    """Every record, compiled in a pool of worker processes (``triton_aot.compile_in_pool``)."""
+    return compile_in_pool(compile_one, tasks(archs, dtypes), processes)
 
 
 if __name__ == "__main__":
