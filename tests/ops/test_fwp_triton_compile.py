@@ -69,44 +69,79 @@ def expected_variants(dtype: str) -> set[str]:
     return names
 
 
-@pytest.fixture(scope="session")
-def compiled(tmp_path_factory) -> list[dict]:
-    """All records, compiled once per session by one script run (its worker pool covers both
-    targets and every dtype)."""
-    out = tmp_path_factory.mktemp("aot") / "records.json"
+def compile_records(python: str, out: Path) -> list[dict]:
+    """Every record, compiled by one run of the script under ``python`` (its worker pool covers
+    both targets and every dtype)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1] / "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(HERE / "triton_aot.py"), str(out),
+    done = subprocess.run([python, str(HERE / "triton_aot.py"), str(out),
                            *(str(a) for a in ARCHS)], env=env, capture_output=True, text=True,
                           check=False)
     assert done.returncode == 0, f"compile script failed:\n{done.stderr[-3000:]}"
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_every_kernel_compiles_without_spills(compiled, arch, dtype):
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory) -> list[dict]:
+    """All records under the installed Triton, compiled once per session."""
+    return compile_records(sys.executable, tmp_path_factory.mktemp("aot") / "records.json")
+
+
+def problems(compiled: list[dict], arch: int, dtype: str) -> list[str]:
+    """What is wrong with the records of one target and dtype: launches missing or compiled
+    twice, errors, no cubin, shared memory over the target's limit, spills."""
     recs = [r for r in compiled if r["arch"] == arch and r["dtype"] == dtype]
+    found = []
     for spec in ("odd_T", "aligned") if dtype != "float16" else ("odd_T",):
         names = [r["kernel"] for r in recs if r["spec"] == spec]
-        assert len(names) == len(set(names)), f"a launch compiled twice: {sorted(names)}"
-        assert set(names) == expected_variants(dtype), (spec, sorted(names))
-    problems = []
+        if len(names) != len(set(names)):
+            found.append(f"a launch compiled twice: {sorted(names)}")
+        if set(names) != expected_variants(dtype):
+            found.append(f"{spec}: compiled {sorted(set(names) ^ expected_variants(dtype))} "
+                         "against the expected launches")
     for r in recs:
         name = (f"{r['kernel']} {dtype} sm_{arch} {r['spec']} BV={r['BV']} BK={r['BK']} "
                 f"warps={r['num_warps']}")
         if "error" in r:
-            problems.append(f"{name}: {r['error']}")
+            found.append(f"{name}: {r['error']}")
             continue
         if not r["has_cubin"]:
-            problems.append(f"{name}: no cubin")
+            found.append(f"{name}: no cubin")
         if r["shared"] > SHARED_LIMIT[arch]:
-            problems.append(f"{name}: {r['shared']} B shared > {SHARED_LIMIT[arch]} B")
+            found.append(f"{name}: {r['shared']} B shared > {SHARED_LIMIT[arch]} B")
         if r["spill_bytes"] is None:
-            problems.append(f"{name}: no ptxas log (spills unknown)")
+            found.append(f"{name}: no ptxas log (spills unknown)")
         elif r["spill_bytes"] != 0:
-            problems.append(f"{name}: spills {r['spill_bytes']} B ({r['registers']} registers)")
-    assert not problems, "\n".join(problems)
+            found.append(f"{name}: spills {r['spill_bytes']} B ({r['registers']} registers)")
+    return found
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_compiles_without_spills(compiled, arch, dtype):
+    found = problems(compiled, arch, dtype)
+    assert not found, "\n".join(found)
+
+
+# Other Tritons to compile with (docs/kernels.md, "Triton versions"): python interpreters,
+# separated by os.pathsep, of environments with another triton, e.g. a venv made with
+# --system-site-packages and `pip install triton==3.8.0`.
+OTHER_TRITONS = [p for p in os.environ.get("FASTWEIGHTS_TRITON_PYTHONS", "").split(os.pathsep)
+                 if p]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("python", OTHER_TRITONS or [pytest.param(None, marks=pytest.mark.skip(
+    reason="FASTWEIGHTS_TRITON_PYTHONS names no other Triton environment"))])
+def test_other_tritons_compile_without_spills(python, tmp_path):
+    """The compile above under each other Triton of FASTWEIGHTS_TRITON_PYTHONS (the lowest the
+    bounds allow, 3.8, and the GPU image's 3.6): every target and dtype."""
+    version = subprocess.run([python, "-c", "import triton; print(triton.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    records = compile_records(python, tmp_path / "records.json")
+    found = [f"Triton {version}: {p}" for arch in ARCHS for dtype in DTYPES
+             for p in problems(records, arch, dtype)]
+    assert not found, "\n".join(found)
 
 
 def test_dispatched_configurations_are_the_compiled_ones(monkeypatch):
