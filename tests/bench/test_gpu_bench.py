@@ -9,6 +9,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -202,3 +203,63 @@ def test_paper_section_is_the_papers_layer_on_a_gpu():
     run = gpu.Run(gpu.GPU_SIZES, torch.device("cuda"), 0.0, ("triton",), 1.0)
     items = gpu.plan(run, ("paper",))
     assert len(items) == len(gpu_paper.EXACT) + 3 * len(s.lengths)
+
+
+def test_calls_per_pass_follow_the_call_length():
+    """Quick calls: an untimed warm-up and --repeats timed calls; slow ones: as many as fit a
+    second, at least one, no warm-up (the first call, timed apart, warmed up)."""
+    plan = gpu.gpu_plan
+    assert plan.calls_and_warmup(0.001, 10) == (10, True)
+    assert plan.calls_and_warmup(0.3, 10) == (3, False)
+    assert plan.calls_and_warmup(12.0, 10) == (1, False)
+    assert plan.pass_cost(12.0, 12.6, 10) == pytest.approx(24.6)
+    assert plan.pass_cost(0.001, 0.5, 10) == pytest.approx(0.511)
+
+
+def test_timed_calls_of_a_slow_pass(monkeypatch):
+    """The pass's second call is the timed one where it is slow: two calls in all (the first
+    apart), where the fixed rule took twelve."""
+    durations = iter([13.0, 12.0, 12.0, 12.0])
+    monkeypatch.setattr(gpu, "time_call", lambda call, device: next(durations))
+    run = gpu.Run(gpu.GPU_SIZES, torch.device("cpu"), time.monotonic() + 1e6, ("triton",), 1.0)
+    timed = gpu._timed(run, lambda: None)
+    assert timed["first_call_s"] == 13.0 and timed["calls"] == 1
+    assert timed["median_ms"] == 12000.0 and next(durations) == 12.0  # two of four used
+
+
+def test_slow_first_calls_go_last():
+    plan = gpu.gpu_plan
+    costs = [("a", plan.Cost(1.0, 2.0)), ("slow", plan.Cost(40.0, 60.0)),
+             ("b", plan.Cost(2.0, 3.0)), ("slower", plan.Cost(90.0, 95.0)),
+             ("c", plan.Cost(0.5, 1.0))]
+    assert plan.ordered(costs) == ["a", "b", "c", "slow", "slower"]
+
+
+def test_the_required_rows_fit_one_call_on_an_h200():
+    """Issue 43: every mixer's layer rows at T 4096 and 16384 and its training step fit one
+    270 s call, by the H200 record's per-row times under the timing rule; and the run puts
+    them first, slow first calls last."""
+    plan = gpu.gpu_plan
+    sizes = gpu.GPU_SIZES
+    costs = plan.required_items(mixer_names(), sizes.layers[3], sizes.repeats)
+    assert len(costs) == 3 * len(mixer_names())
+    assert plan.expected_seconds(costs) < 270 - 15  # the matmul rate, imports: 15 s spare
+    run = gpu.Run(sizes, torch.device("cpu"), 0.0, ("triton",), 1.0,
+                  ops=tuple(op.name for op in gpu.KERNEL_OPS), mixers=tuple(mixer_names()))
+    for item in gpu.plan(run, gpu.SECTIONS)[:len(costs)]:  # the deadline passed: each item
+        item()  # writes its one row, skipped
+    assert all(r["status"] == "skipped: time budget" for r in run.rows)
+    rows = [f"{r['section']} {r['name']} {r['shape']}" for r in run.rows]
+    assert len(rows) == len(set(rows)) == len(costs)
+    assert rows[0] == "layers softmax B4 T4096 d1024 H8"
+    assert rows[len(mixer_names())] == "train softmax B8 T2048 d1024 H8 L8"
+    assert rows[-1] == "layers aft-full B4 T16384 d1024 H8"  # its first calls take 14 s
+
+
+def test_skipped_rows_are_listed_in_the_record(tmp_path):
+    out = tmp_path / "out"
+    assert main(["bench", "gpu", "--dry-run", "--budget-s", "0.001", "--sections", "train",
+                 "--mixers", "linear", "--out", str(out)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["skipped"] == [f"train {n} auto B2 T32 d32 H2 L2 step"
+                               for n in ("softmax", "linear")]

@@ -26,14 +26,17 @@ Sections (``--sections``; all by default), each item a row of results.csv:
   byte vocabulary, float32 weights, fused AdamW, forward under bfloat16 autocast): tokens per
   second and peak memory.
 
-Every timed figure is the median of ``--repeats`` calls after one warm-up call (fewer, at least
-one, where that many would overrun the budget: the ``calls`` column); the first call
-of every (item, pass), where Triton compiles and fla autotunes, is timed on its own and
+Every timed figure is the median of the calls that fit a second (``gpu_plan.PASS_S``: at most
+``--repeats``, at least one, fewer where they would overrun the budget: the ``calls``
+column), after an untimed warm-up call only where a call is quick (``gpu_plan``); the first
+call of every (item, pass), where Triton compiles and fla autotunes, is timed on its own and
 reported as ``first_call_s``, never inside the timings. The wall-clock budget ``--budget-s``
-keeps the whole run inside its five minutes: items run in a fixed order of priority (this
-project's kernels, the baselines and the layers first; fla's rows, whose first calls autotune
-for minutes, last), an item starts only while the time left exceeds its reserve (``RESERVE_S``),
-and an item that does not start is a row ``skipped: time budget``. ``--dry-run`` runs the same
+keeps the whole run inside its five minutes: items run in a fixed order of priority (the
+layers and the training steps first, those whose first calls are slow after the rest; then
+this project's kernels and the baselines; fla's rows, whose first calls autotune for minutes,
+last), an item starts only while the time left exceeds its reserve (``RESERVE_S``) and, on a
+GPU, its expected seconds from the H200 record (``gpu_plan``), and an item that does not
+start is a row ``skipped: time budget`` (meta.json lists them). ``--dry-run`` runs the same
 code at tiny sizes on the CPU (the training step under CPU autocast with CUDA's dtype policy,
 ``fastweights.testing.cuda_autocast_policy``), where the kernel backends are rows skipped with
 their reason; CI runs it. ``--ops`` and ``--mixers`` restrict the sections to some kernel ops
@@ -65,7 +68,7 @@ from ..models import LanguageModel, LMConfig
 from ..models.registry import mixer_names, mixer_options
 from ..ops import backend as backends
 from ..testing import cuda_autocast_policy
-from . import gpu_paper
+from . import gpu_paper, gpu_plan
 from .gpu_decode import DRY_DECODE, GPU_DECODE, decode_items, decode_markdown
 from .measure import PeakMemory, count_flops, matmul_gflops, time_call
 from .targets import Setting, mixer_targets
@@ -207,10 +210,13 @@ class Run:
         self.rows.append(row)
         return row
 
-    def may_start(self, **fields: Any) -> bool:
-        """Whether the item of the row ``fields`` may start within the budget (the reserve of
-        its backend); if not, its row says so."""
+    def may_start(self, estimate_s: float = 0.0, **fields: Any) -> bool:
+        """Whether the item of the row ``fields`` may start within the budget: the reserve of
+        its backend, or its expected seconds on the GPU where more (``gpu_plan``; none in a
+        dry run); if not, its row says so."""
         reserve = RESERVE_S.get(fields.get("backend", ""), RESERVE_S["default"])
+        if self.sizes is GPU_SIZES:
+            reserve = max(reserve, estimate_s)
         if self.deadline - time.monotonic() > reserve:
             return True
         self.row(**fields, status="skipped: time budget")
@@ -289,14 +295,18 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _timed(run: Run, call: Callable[[], Any]) -> dict[str, Any]:
-    """The first call's seconds apart, one timed warm-up call, then the median, min and max of
-    ``repeats`` calls in ms, fewer (at least one) where ``repeats`` calls of the warm-up's
-    length would overrun the budget; ``calls``: how many were timed."""
+    """The first call's seconds apart; then the median, min and max in ms of the timed calls
+    (``calls``: how many): as many as fit ``gpu_plan.PASS_S`` seconds, at least one and at most
+    ``repeats``, fewer where they would overrun the budget. The call after the first is one of
+    them, or an untimed warm-up where it was quick (``gpu_plan.calls_and_warmup``)."""
     first = time_call(call, run.device)
-    warm = time_call(call, run.device)
-    fit = int((run.deadline - time.monotonic()) / max(warm, 1e-9))
-    times = sorted(time_call(call, run.device) for _ in range(max(1, min(run.sizes.repeats,
-                                                                          fit))))
+    second = time_call(call, run.device)
+    calls, warm = gpu_plan.calls_and_warmup(second, run.sizes.repeats)
+    fit = int((run.deadline - time.monotonic()) / max(second, 1e-9))
+    times = [] if warm else [second]
+    while len(times) < max(1, min(calls, fit + len(times))):
+        times.append(time_call(call, run.device))
+    times.sort()
     return {"first_call_s": first, "median_ms": 1e3 * times[len(times) // 2],
             "min_ms": 1e3 * times[0], "max_ms": 1e3 * times[-1], "calls": len(times)}
 
@@ -391,7 +401,8 @@ def layer_case(run: Run, name: str, T: int) -> None:
     B, d, H, _ = run.sizes.layers
     fields = {"section": "layers", "name": name, "dtype": "bfloat16",
               "shape": f"B{B} T{T} d{d} H{H}", "backend": "auto"}
-    if not run.may_start(**fields, **{"pass": "fwd"}):
+    if not run.may_start(gpu_plan.layer_cost(name, T, run.sizes.repeats).total, **fields,
+                         **{"pass": "fwd"}):
         return
     with _item(run, **fields, **{"pass": "build"}):
         work = mixer_targets([(name, name, {})])[0].build(T, Setting(B, d, H, torch.bfloat16, run.device))
@@ -424,7 +435,7 @@ def train_case(run: Run, name: str) -> None:
     B, T, d, H, L = run.sizes.train
     fields = {"section": "train", "name": name, "dtype": "bfloat16 autocast",
               "shape": f"B{B} T{T} d{d} H{H} L{L}", "backend": "auto", "pass": "step"}
-    if not run.may_start(**fields):
+    if not run.may_start(gpu_plan.train_cost(name, run.sizes.repeats).total, **fields):
         return
     with _item(run, **fields):
         options = {"max_len": T} if "max_len" in mixer_options(name) else {}
@@ -459,9 +470,10 @@ def train_case(run: Run, name: str) -> None:
 
 # ----------------------------------------------------------------------------- sections
 def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
-    """Every item in its order of priority: this project's kernels and the baselines first,
-    then the layers and the training step, then the ops' PyTorch forms, fla's items last (their
-    first calls autotune)."""
+    """Every item in its order of priority: the layers and the training steps first (those with
+    slow first calls after the rest, ``gpu_plan.ordered``), then this project's kernels and
+    the baselines, then the ops' PyTorch forms, fla's items last (their first calls
+    autotune)."""
     ours = [b for b in run.backends if b != "fla"]
     fla = ["fla"] if "fla" in run.backends else []
     kernel_ops = [op for op in KERNEL_OPS if op.name in run.ops]
@@ -484,21 +496,33 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
                 for backend in names:
                     items.append(lambda op=op, b=backend, B=B, T=T: op_case(run, op, b, B, T))
 
+    # The rows that one call must hold (issue 43): layers and training steps, quick first
+    # calls first, those with slow ones (gpu_plan.ordered) after them.
+    required: dict[str, tuple[gpu_plan.Cost, Callable[[], None]]] = {}
+    lengths = run.sizes.layers[3] if "layers" in sections else ()
+    groups = ([("layers", T) for T in lengths[:1]] + [("train", 0)] * ("train" in sections)
+              + [("layers", T) for T in lengths[1:]])
+    for section, T in groups:
+        for n in run.mixers:
+            if section == "layers":
+                required[f"layers {n} {T}"] = (gpu_plan.layer_cost(n, T, run.sizes.repeats),
+                                               lambda n=n, T=T: layer_case(run, n, T))
+            else:
+                required[f"train {n}"] = (gpu_plan.train_cost(n, run.sizes.repeats),
+                                          lambda n=n: train_case(run, n))
+    items += [required[k][1] for k in gpu_plan.ordered((k, c) for k, (c, _) in
+                                                       required.items())]
     if "exact" in sections:
         exact([*ours, "torch"])  # torch: the PyTorch chunked form, the kernels' yardstick
     if "ops" in sections:
         op_rows(ours, baseline=True)
-    if "layers" in sections:
-        for T in run.sizes.layers[3]:
-            items += [lambda n=n, T=T: layer_case(run, n, T) for n in run.mixers]
+    # Past the rows one call must hold: the TTT paper's shape and the decoding graphs.
     if "paper" in sections:
         ttt = next(op for op in KERNEL_OPS if op.name == "ttt_linear")
         items += gpu_paper.paper_items(run, gpu_paper.Tools(exact_case, _item, _timed, ttt))
     if "decode" in sections:
         sizes = DRY_DECODE if run.device.type == "cpu" else GPU_DECODE
         items += decode_items(run, sizes, _timed, _item)
-    if "train" in sections:
-        items += [lambda n=n: train_case(run, n) for n in run.mixers]
     if "ops" in sections:
         op_rows(["torch"], baseline=False)  # the PyTorch forms: slow for TTT at T 16384
     if "exact" in sections:
@@ -659,6 +683,9 @@ def run_benchmark(out: Path, *, dry_run: bool, device: torch.device, budget_s: f
         rows = [dict(r) for r in run.rows]
         _attach_baselines(rows)
         meta["elapsed_s"] = time.monotonic() - start
+        meta["skipped"] = [" ".join((r["section"], r["name"], r["backend"], r["shape"],
+                                     r["pass"])) for r in rows
+                           if r["status"] == "skipped: time budget"]
         write_csv(out / "results.csv", rows)
         (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         (out / "results.md").write_text("\n".join(markdown(rows, meta)) + "\n")

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .._checks import (
     check_bool,
@@ -56,14 +57,34 @@ from .base import (
     packed_or_single,
     split_heads,
 )
-from .conv import causal_depthwise_conv
+from .conv import short_conv
 from .norms import GATE_ACTIVATIONS, RMSNorm
 
 L2_EPS = 1e-6  # inside the square root, as fla's l2norm kernel and transformers' l2norm
 
 
+class _L2Normalize(torch.autograd.Function):
+    """``l2_normalize`` with its backward written out: with r = (sum x^2 + eps)^-1/2 and
+    y = x r, dx = r (dy - y sum(dy y)) (three passes over x where autograd's chain takes six)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        r = torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
+        y = x * r
+        ctx.save_for_backward(y, r)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        y, r = ctx.saved_tensors
+        return (dy - y * (dy * y).sum(-1, keepdim=True)) * r
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(sum x^2 + 1e-6) over the last dim (fla's and transformers' q/k norm)."""
+    if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+        return _L2Normalize.apply(x)
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
 
 
@@ -150,6 +171,19 @@ class GatedDeltaNet(Mixer):
         """C, the channels of the short convolutions (q, k, v concatenated)."""
         return 2 * self.key_dim + self.value_dim
 
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """All the input projections of x [B, T, d] in one product (one read of x, one input
+        gradient): (q, k, v concatenated [B, T, C] as ``project``, b_proj(x), a_proj(x),
+        g_proj(x) or None)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.a_proj]
+        if self.use_gate:
+            parts.append(self.g_proj)
+        out = F.linear(x, torch.cat([p.weight for p in parts]))
+        C, H = self.conv_channels, self.num_v_heads
+        sizes = (C, H, H) + ((self.value_dim,) if self.use_gate else ())
+        projected, b, a, *gate = out.split(sizes, dim=-1)
+        return projected, b, a, gate[0] if gate else None
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, d] -> the q, k, v projections concatenated [B, T, C] (before the convolution:
         what the convolution state holds)."""
@@ -158,17 +192,18 @@ class GatedDeltaNet(Mixer):
     def _conv(self, mixed: torch.Tensor, past: torch.Tensor | None, out_dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """SiLU of the causal convolution of ``mixed`` [B, t, C] (compute dtype) continuing
-        ``past`` [B, C, W - 1] (None: zeros) -> (y [B, t, C], the new past in ``out_dtype``)."""
+        ``past`` [B, C, W - 1] (None: zeros) -> (y [B, t, C], the new past in ``out_dtype``).
+        Time-major throughout (``short_conv``): no transposed copies of the activations."""
         B, _, C = mixed.shape
         Wm = self.conv_size - 1
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         weight = torch.cat([c.weight for c in convs])
         bias = torch.cat([c.bias for c in convs]) if self.conv_bias else None
-        past = mixed.new_zeros(B, C, Wm) if past is None else past.to(mixed.dtype)
-        full = torch.cat([past, mixed.transpose(1, 2)], dim=2)  # [B, C, W - 1 + t]
-        y = F.silu(causal_depthwise_conv(full, weight.to(mixed.dtype),
-                                         None if bias is None else bias.to(mixed.dtype)))
-        return y.transpose(1, 2), full[:, :, full.shape[2] - Wm:].to(out_dtype)
+        past = mixed.new_zeros(B, Wm, C) if past is None else past.to(mixed.dtype).transpose(1, 2)
+        full = torch.cat([past, mixed], dim=1)  # [B, W - 1 + t, C]
+        y = short_conv(full, weight.to(mixed.dtype),
+                       None if bias is None else bias.to(mixed.dtype), silu=True)
+        return y, full[:, full.shape[1] - Wm:].transpose(1, 2).contiguous().to(out_dtype)
 
     def _state_parts(self, state: State, B: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(conv, S) of a carried state (None, None for None), conv's shape checked (the op
@@ -198,7 +233,8 @@ class GatedDeltaNet(Mixer):
         B = x.shape[0]
         cdtype = state_dtype(x.dtype)
         parts = [self._state_parts(s, B) for s in states]
-        projected = self.project(x)  # [B, T, C], in the activation dtype (layers/base.py)
+        # [B, T, C], in the activation dtype (layers/base.py); and the gates' projections
+        projected, b_proj, a_proj, gate_proj = self._projections(x)
         mixed = projected.to(cdtype)
         convs: list[torch.Tensor | None] = [None] * len(parts)
         if self.use_short_conv:  # each document continues its own past
@@ -210,13 +246,15 @@ class GatedDeltaNet(Mixer):
         else:
             mixed = F.silu(mixed)
         Hk, H, Dk = self.n_heads, self.num_v_heads, self.head_dim
-        q = l2_normalize(split_heads(mixed[..., :self.key_dim], Hk))  # [B, T, Hk, Dk]
-        k = l2_normalize(split_heads(mixed[..., self.key_dim:2 * self.key_dim], Hk))
-        v = split_heads(mixed[..., 2 * self.key_dim:], H)  # [B, T, H, Dv]
-        beta = torch.sigmoid(self.b_proj(x).to(cdtype))  # [B, T, H]
+        # one split (its backward one concatenation, not a zero-filled gradient per slice)
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = l2_normalize(split_heads(q, Hk))  # [B, T, Hk, Dk]
+        k = l2_normalize(split_heads(k, Hk))
+        v = split_heads(v, H)  # [B, T, H, Dv]
+        beta = torch.sigmoid(b_proj.to(cdtype))  # [B, T, H]
         if self.allow_neg_eigval:
             beta = beta * 2.0
-        g = -self.A_log.to(cdtype).exp() * F.softplus(self.a_proj(x).to(cdtype)
+        g = -self.A_log.to(cdtype).exp() * F.softplus(a_proj.to(cdtype)
                                                        + self.dt_bias.to(cdtype))
         scale = Dk ** -0.5
         # Mixed precision (like_values): the op's q, k, v in the projections' dtype (bfloat16
@@ -235,7 +273,7 @@ class GatedDeltaNet(Mixer):
                 chunk_size=chunk, cu_seqlens=cu_seqlens, backend=self.backend,
                 initial_state=packed_or_single([S0 for _, S0 in parts], cu_seqlens))
             finals = list(S) if cu_seqlens is not None else [S]
-        gate = split_heads(self.g_proj(x), H) if self.use_gate else None
+        gate = split_heads(gate_proj, H) if self.use_gate else None
         y = self.o_proj(merge_heads(self.o_norm(o.to(cdtype), gate)).to(x.dtype))
         new = [(c, s) if self.use_short_conv else (s,) for c, s in zip(convs, finals)]
         return y, packed_or_single(new, cu_seqlens)

@@ -14,7 +14,9 @@ Backends, for ``backend=``:
             ``supports(op, dtype)`` has a spill-free tiling for;
   "torch"   the PyTorch forms of ``mode=`` (any device).
 ``backend=None`` (the default) means: the environment variable ``FASTWEIGHTS_BACKEND`` if set
-(one of the three names), else the first of fla, triton, torch that can run the call. An
+(one of the three names), else the first of fla, triton, torch that can run the call, the two
+kernel backends ranked by the op's measured times on this kind of GPU where both were measured
+(``ranked``; the table is the op's ``speeds.py``, docs/gpu.md "Which backend runs what"). An
 explicit choice (argument or environment) that cannot run the call is a ValueError saying why;
 the automatic choice says once per (op, backend, reason), at logging level INFO, what it took.
 ``FASTWEIGHTS_TRITON=0`` (older switch) keeps the automatic choice off Triton.
@@ -51,8 +53,8 @@ import torch
 from .._checks import Documents
 
 __all__ = ["BACKENDS", "ENV", "FLA_CHUNK", "PROBE_TOKENS", "TRITON_MAX_DK", "Kernel", "Trial",
-           "choose_backend", "fla_ops", "fla_varlen", "kernel_ops", "optional_module",
-           "preferred_chunk_size", "register", "register_fla"]
+           "choose_backend", "device_kind", "fla_ops", "fla_varlen", "kernel_ops",
+           "optional_module", "preferred_chunk_size", "ranked", "register", "register_fla"]
 
 BACKENDS = ("fla", "triton", "torch")
 ENV = "FASTWEIGHTS_BACKEND"
@@ -89,6 +91,7 @@ class Kernel:
 class _Registered:
     kernels: dict[str, tuple[Kernel, ...]]
     chunk_sizes: Mapping[str, int]
+    speeds: Mapping[str, Mapping[str, Any]]
 
     def kernel(self, name: str, T: int) -> Kernel | None:
         """The ``name`` kernel for a call of T tokens: the one-token kernel where T = 1 and
@@ -107,15 +110,17 @@ _FLA: dict[str, tuple[str, str]] = {}  # adapter name -> (fla module, function)
 
 def register(op: str, *, fla: Kernel | None = None,
              triton: Kernel | tuple[Kernel, ...] | None = None,
-             chunk_sizes: Mapping[str, int] | None = None) -> None:
+             chunk_sizes: Mapping[str, int] | None = None,
+             speeds: Mapping[str, Mapping[str, Any]] | None = None) -> None:
     """Register ``op``'s kernel backends (a kernel, or a multi-token kernel and a one-token
-    one) and its measured fastest chunk sizes per device kind (``preferred_chunk_size``).
-    Called once, when the op's module is imported."""
+    one), its measured fastest chunk sizes per device kind (``preferred_chunk_size``) and its
+    measured times per GPU kind (``speeds``: the op's speeds.py ``SPEEDS``, {kind: {"forward" |
+    "train": {backend: ms}, ...}}, ``ranked``). Called once, when the op's module is imported."""
     if op in _REGISTRY:
         raise ValueError(f"op {op!r} registered twice")
     found = {name: k if isinstance(k, tuple) else (k,)
              for name, k in (("fla", fla), ("triton", triton)) if k is not None}
-    _REGISTRY[op] = _Registered(found, dict(chunk_sizes or {}))
+    _REGISTRY[op] = _Registered(found, dict(chunk_sizes or {}), dict(speeds or {}))
 
 
 def register_fla(name: str, module: str, function: str) -> None:
@@ -150,6 +155,29 @@ def preferred_chunk_size(op: str, device: torch.device | str) -> int:
     if op not in _REGISTRY:
         raise ValueError(f"op must be one of {', '.join(map(repr, _REGISTRY))}, got {op!r}")
     return _REGISTRY[op].chunk_sizes.get(torch.device(device).type, FLA_CHUNK)
+
+
+def device_kind(device: torch.device | str) -> str:
+    """The key of a device in the ops' tables: "sm_90" for a CUDA GPU of compute capability
+    9.0 (H100, H200), the device type otherwise ("cpu"; "cuda" where CUDA is not available to
+    ask)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def ranked(op: str, device: torch.device | str, train: bool) -> list[str]:
+    """The kernel backends in the order the automatic choice tries them on ``device``: fla, then
+    triton, except that those both measured on this kind of device (``register``'s ``speeds``,
+    the forward's time, or with ``train`` the forward+backward's) go fastest first. A backend
+    without a figure keeps its place: the figures rank only what they compare."""
+    order = list(BACKENDS[:-1])
+    table = _REGISTRY[op].speeds.get(device_kind(device), {}) if op in _REGISTRY else {}
+    times = table.get("train" if train else "forward", {})
+    measured = iter(sorted((n for n in order if n in times), key=lambda n: times[n]))
+    return [next(measured) if n in times else n for n in order]
 
 
 _logger = logging.getLogger(__name__)
@@ -310,7 +338,9 @@ def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
             q.shape[1] == 1 and not any(k.one_token for k in kernels)):
         return "torch"  # the oracle / recurrent forms, and one-token steps without a kernel
     reasons = []
-    for name in ("fla", "triton"):
+    train = (trial.grad if isinstance(trial, Trial)
+             else torch.is_grad_enabled() and getattr(q, "requires_grad", False))
+    for name in ranked(op, q.device, train) if _on_cuda(q) else BACKENDS[:-1]:
         why = _why_not(name, op, q, mode, chunk_size, facts)
         if why is None:
             why = _trial_refusal(op, name, q, trial)

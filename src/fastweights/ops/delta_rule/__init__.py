@@ -35,6 +35,7 @@ from .chunk import delta_rule_chunk
 from .fla import fla_delta_rule
 from .naive import delta_rule_attn_norm_naive, delta_rule_naive
 from .recurrent import delta_rule_recurrent
+from .speeds import SPEEDS
 
 
 def _triton() -> ModuleType:
@@ -50,7 +51,7 @@ triton_kernels = optional_module(_triton)  # this op's triton.py; None without t
 # fastest on the CPU (docs/performance.md, "Chunk sizes").
 register("delta_rule", fla=Kernel(dtypes=(torch.float16, torch.bfloat16),
                                   refused="fla's chunk_delta_rule refuses them (fla 0.6)"),
-         triton=Kernel(kernels=triton_kernels), chunk_sizes={"cpu": 32})
+         triton=Kernel(kernels=triton_kernels), chunk_sizes={"cpu": 32}, speeds=SPEEDS)
 
 
 @float32_states

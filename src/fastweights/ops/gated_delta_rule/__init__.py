@@ -38,6 +38,7 @@ from ..delta_rule.chunk import delta_rule_chunk
 from .fla import fla_gated_delta_rule
 from .naive import gated_delta_rule_naive
 from .recurrent import gated_delta_rule_recurrent, token_step
+from .speeds import SPEEDS
 
 MODES = RECURRENT_MODES
 def _triton() -> ModuleType:
@@ -95,7 +96,7 @@ def check_log_decay(g: torch.Tensor) -> None:
 
 # Chunks of 32 measured fastest on the CPU (benchmarks/results/gated_delta_epyc_avx2/).
 register("gated_delta_rule", fla=Kernel(), triton=Kernel(kernels=triton_kernels),
-         chunk_sizes={"cpu": 32})
+         chunk_sizes={"cpu": 32}, speeds=SPEEDS)
 
 
 @float32_compute

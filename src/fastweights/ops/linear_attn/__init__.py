@@ -32,6 +32,7 @@ from .chunk import linear_attn_chunk
 from .fla import fla_linear_attn
 from .naive import linear_attn_naive
 from .recurrent import linear_attn_recurrent
+from .speeds import SPEEDS
 
 MODES = RECURRENT_MODES
 def _triton() -> ModuleType:
@@ -44,7 +45,7 @@ triton_kernels = optional_module(_triton)  # this op's triton.py; None without t
 
 
 register("linear_attn", fla=Kernel(), triton=Kernel(kernels=triton_kernels),
-         chunk_sizes={"cpu": 64})
+         chunk_sizes={"cpu": 64}, speeds=SPEEDS)
 
 
 @float32_states
