@@ -113,3 +113,48 @@ def test_nothing_cites_the_documents_outside_the_repository(texts):
            for i, line in enumerate(text.splitlines(), 1) if STALE.search(line)]
     assert not bad, ("cite docs/maths.md or docs/design.md instead of documents outside the "
                      "repository:\n" + "\n".join(bad))
+
+
+# A backticked path in docs/ whose first part is a folder of the repository or of the package
+# names a file or folder that exists (relative to the repository, or to src/fastweights).
+TOP_FOLDERS = ("src", "tests", "docs", "benchmarks", "examples")
+PACKAGE = ROOT / "src" / "fastweights"
+
+
+def _repository_paths(text: str) -> list[str]:
+    """The backticked repository paths in ``text`` (``ops/ttt/recurrent.py``,
+    ``tests/test_docs.py``, ``benchmarks/results/...``; ``path:line`` and ``path::name``
+    stand for the path)."""
+    folders = {*TOP_FOLDERS, *(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())}
+    found = []
+    for token in re.findall(r"`([^`\s]+)`", text):
+        path = re.sub(r":\d+$", "", token.split("::")[0]).rstrip("/")
+        if "/" in path and path.split("/")[0] in folders and not re.search(r"[*<>{}]", path):
+            found.append(path)
+    return found
+
+
+def test_every_backticked_repository_path_in_docs_exists():
+    missing = []
+    for page in sorted(DOCS.glob("*.md")):
+        for path in _repository_paths(page.read_text()):
+            base = ROOT if path.split("/")[0] in TOP_FOLDERS else PACKAGE
+            if not (base / path).exists():
+                missing.append(f"docs/{page.name}: `{path}`")
+    assert missing == []
+
+
+def test_the_path_check_sees_a_stale_path():
+    assert _repository_paths("see `ops/ttt/decode.py` and `cli/bench/`, not `1/sqrt(d)`") == [
+        "ops/ttt/decode.py", "cli/bench"]
+    assert not (PACKAGE / "ops/ttt/decode.py").exists()
+
+
+def test_design_lists_the_registered_mixers():
+    """docs/design.md, "Models" names every registered mixer, in registry order."""
+    from fastweights import mixer_names
+
+    text = (DOCS / "design.md").read_text()
+    listed = re.search(r"Names \(in registry order[^:]*\):\s*`([^`]+)`", text)
+    assert listed is not None, "docs/design.md lost its list of mixer names"
+    assert [n.strip() for n in listed.group(1).split(",")] == mixer_names()

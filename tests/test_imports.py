@@ -54,10 +54,6 @@ def floor(module: str) -> int:
     return 0
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _is_main_block(node: ast.AST) -> bool:
     """``if __name__ == "__main__":``, a script's entry point."""
     return isinstance(node, ast.If) and ast.unparse(node.test) in (
@@ -66,16 +62,14 @@ def _is_main_block(node: ast.AST) -> bool:
 
 def _imports(path: Path, modules: set[str]) -> dict[str, bool]:
     """fastweights-internal modules that ``path`` imports -> whether only inside a function
-    (imports under ``if TYPE_CHECKING`` are left out; an ``if __name__ == "__main__"`` block's
-    count like any other)."""
+    (imports under ``if TYPE_CHECKING`` and in an ``if __name__ == "__main__"`` block count
+    like any other: a circle a type checker follows is a circle)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: dict[str, bool] = {}
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if _is_type_checking(child):
-                continue
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             targets: list[str] = []
             if isinstance(child, ast.ImportFrom):
@@ -146,9 +140,32 @@ def folder_graph(graph: dict[str, dict[str, bool]]) -> dict[str, set[str]]:
     return folders
 
 
+def package_graph(graph: dict[str, dict[str, bool]]) -> dict[str, set[str]]:
+    """The import graph with every sub-package of a folder (``fastweights.ops.linear_attn``,
+    ``fastweights.ops.ttt``, ...) as one node, its modules merged; other modules stay nodes."""
+    def node(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:3]) if len(parts) > 3 or (
+            len(parts) == 3 and (ROOT / parts[1] / parts[2]).is_dir()) else module
+
+    merged: dict[str, set[str]] = {}
+    for m, imps in graph.items():
+        merged.setdefault(node(m), set()).update(node(t) for t in imps if node(t) != node(m))
+    return merged
+
+
 def test_no_cycle_with_function_level_imports_included():
     graph = import_graph()
     assert cycles({m: set(imps) for m, imps in graph.items()}) == []
+
+
+def test_no_cycle_between_sub_packages():
+    """No loop between the sub-packages of a folder either, as whole packages (ops/linear_attn
+    and ops/delta_rule formed one: the delta rule's kernels run linear attention, and the delta
+    rule took linear attention's state)."""
+    packages = package_graph(import_graph())
+    assert {"fastweights.ops.linear_attn", "fastweights.ops.delta_rule"} <= set(packages)
+    assert cycles(packages) == []
 
 
 def test_no_arrow_up_a_floor_with_function_level_imports_included():
@@ -195,3 +212,5 @@ if __name__ == "__main__":
     print("cycles:", cycles({m: set(imps) for m, imps in graph.items()}) or "none", file=sys.stderr)
     print("arrows up a floor:", arrows_up(graph) or "none", file=sys.stderr)
     print("cycles between folders:", cycles(folder_graph(graph)) or "none", file=sys.stderr)
+    print("cycles between sub-packages:", cycles(package_graph(graph)) or "none",
+          file=sys.stderr)

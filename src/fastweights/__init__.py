@@ -8,7 +8,7 @@ mixer by name.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -18,11 +18,6 @@ __all__ = ["__version__", "build_mixer", "layers", "mixer_names", "models", "ops
 # that its start-up (a Ctrl-C there included) runs inside the command's own error handling.
 _SUBMODULES = ("layers", "models", "ops")
 _REGISTRY_NAMES = ("build_mixer", "mixer_names")
-
-if TYPE_CHECKING:
-    from . import layers, models, ops
-    from .models.registry import build_mixer, mixer_names
-
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:

@@ -6,9 +6,10 @@ what was expected, and is called before any computation (docs/design.md, "Bad ar
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -194,18 +195,112 @@ def check_arg(
 
 def matrix_state(
     initial_state: Any, shape: tuple[int, int, int, int], ref: torch.Tensor, dtype: torch.dtype,
+    name: str = "initial_state",
 ) -> torch.Tensor:
     """The single-matrix state S [B, H, Dk, Dv] of an op (delta rule, decayed linear attention):
     zeros when ``initial_state`` is None, else the checked tensor (a 1-tuple is unwrapped) in
-    ``dtype``."""
+    ``dtype``; ``name`` is the argument's in messages."""
     if initial_state is None:
         return ref.new_zeros(shape, dtype=dtype)
     if isinstance(initial_state, (tuple, list)) and len(initial_state) == 1:
         initial_state = initial_state[0]
-    check_arg("initial_state", initial_state, shape, "[B, H, Dk, Dv]", ref)
-    return initial_state.to(dtype)
+    check_arg(name, initial_state, shape, "[B, H, Dk, Dv]", ref)
+    return initial_state if initial_state.dtype == dtype else initial_state.to(dtype)
 
 
 def check_mode(mode: Any, modes: Sequence[str]) -> str:
     """``mode`` is one of ``modes``."""
     return check_choice("mode", mode, modes)
+
+
+class Documents(NamedTuple):
+    """Documents packed back to back in a batch of one (docs/design.md, "Packed documents"),
+    checked once where a call enters the library (the model, or a layer or op called alone):
+    ``bounds`` the boundaries 0 = c_0 < c_1 < ... < c_N = T as host ints, ``cu_seqlens`` the
+    same boundaries as an integer tensor [N + 1] on the inputs' device (what kernels take).
+    Every ``cu_seqlens=`` argument takes one; layers and ops pass it on without checking its
+    values again or reading the tensor back (a device synchronisation on a GPU)."""
+
+    bounds: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        """N, the number of documents."""
+        return len(self.bounds) - 1
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(start, stop) of every document."""
+        return list(itertools.pairwise(self.bounds))
+
+    @classmethod
+    def of(cls, bounds: Sequence[int], device: torch.device | str) -> Documents:
+        """Documents with these (host) boundaries, checked; the tensor made on ``device``."""
+        bounds = tuple(int(b) for b in bounds)
+        _check_bounds(bounds, bounds[-1] if bounds else 0)
+        return cls(bounds, torch.tensor(bounds, dtype=torch.int32, device=device))
+
+
+def _check_bounds(bounds: Sequence[int], T: int) -> None:
+    if len(bounds) < 2:
+        raise ValueError(f"cu_seqlens must hold N + 1 >= 2 boundaries, got {list(bounds)}")
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {bounds[0]} ... {bounds[-1]}")
+    if any(b <= a for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty documents), got {list(bounds)}")
+
+
+def _check_batch(batch: int) -> None:
+    if batch != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need batch size B = 1, got B = {batch}")
+
+
+def check_documents(cu_seqlens: Any, T: int, batch: int, device: torch.device) -> Documents:
+    """``cu_seqlens`` for a packed batch of length T (B = ``batch`` must be 1) on ``device``,
+    as ``Documents``: a ``Documents`` is taken as it is (its last boundary checked against T,
+    on the host); a tensor is validated and read back once."""
+    if isinstance(cu_seqlens, Documents):
+        _check_batch(batch)
+        if cu_seqlens.bounds[-1] != T:
+            raise ValueError(f"cu_seqlens must end at T = {T}, got {cu_seqlens.bounds[-1]}")
+        return cu_seqlens
+    check_cu_seqlens_tensor(cu_seqlens, batch, device)
+    return documents_from(cu_seqlens.tolist(), cu_seqlens, T)  # the one read back to the host
+
+
+def check_cu_seqlens_tensor(cu_seqlens: Any, batch: int, device: torch.device) -> torch.Tensor:
+    """What can be checked of a ``cu_seqlens`` tensor without reading it: type, shape, dtype,
+    device, and B = ``batch`` = 1."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a 1-D integer torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
+    _check_batch(batch)
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on device {cu_seqlens.device} but q is on {device}; they must match")
+    return cu_seqlens
+
+
+def documents_from(bounds: Sequence[int], cu_seqlens: torch.Tensor, T: int) -> Documents:
+    """``Documents`` from the values of ``cu_seqlens`` already read back (``bounds``), checked
+    against T (a caller that reads other values too reads them all at once)."""
+    bounds = tuple(int(c) for c in bounds)
+    _check_bounds(bounds, T)
+    return Documents(bounds, cu_seqlens)
+
+
+def check_packed_states(initial_state: Any, n_docs: int) -> list[Any]:
+    """``initial_state`` under cu_seqlens: None or a list/tuple of one state per document."""
+    if initial_state is None:
+        return [None] * n_docs
+    if not isinstance(initial_state, list) or len(initial_state) != n_docs:
+        got = f"a list of {len(initial_state)}" if isinstance(initial_state, list) else type(initial_state).__name__
+        raise ValueError(
+            f"with cu_seqlens, initial_state must be None or a list with one state per document "
+            f"({n_docs}), got {got}"
+        )
+    return initial_state

@@ -37,7 +37,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["CUDA_FLOAT32_OPS", "CUDA_LOWER_PRECISION_EXTRA", "cuda_autocast_policy"]
+__all__ = ["CUDA_FLOAT32_OPS", "CUDA_LOWER_PRECISION_EXTRA", "HOST_READS", "HostReads",
+           "cuda_autocast_policy"]
 
 # torch's documented "CUDA Ops that can autocast to float32", by the Python name of the call.
 CUDA_FLOAT32_OPS = frozenset({
@@ -89,3 +90,32 @@ def cuda_autocast_policy() -> Iterator[None]:
     recorded in the graph."""
     with _CudaAutocastPolicy():
         yield
+
+
+# The Tensor calls that read a tensor's values back to the host (a device synchronisation on a
+# GPU): conversions to Python values, data-dependent shapes, truth tests.
+HOST_READS = frozenset({"tolist", "item", "nonzero", "__bool__", "__int__", "__float__",
+                        "__index__", "argwhere", "unique", "masked_select"})
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that read tensor values back to the host while it is active (the
+    names in ``HOST_READS``, as ``torch.overrides`` reports them): ``reads`` lists them in
+    order. What the library promises of a decoding step and of a packed forward
+    (docs/design.md, "Host reads")::
+
+        with HostReads() as seen:
+            model(ids, cu_seqlens=cu)
+        assert len(seen.reads) <= 1
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))

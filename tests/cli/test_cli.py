@@ -230,3 +230,16 @@ def test_help_lists_every_registered_experiment_unbroken(monkeypatch):
     for text in (parser.format_help(), reproduce.format_help()):
         words = set(text.replace(",", " ").replace("(", " ").replace(")", " ").split())
         assert set(EXPERIMENTS) <= words, text
+
+
+def test_generate_refuses_what_it_cannot_do_on_this_machine(tmp_path, capsys):
+    """--graph on needs a CUDA model; an unknown --device is one line."""
+    from fastweights.models.config import LMConfig
+    from fastweights.models.lm import LanguageModel
+
+    LanguageModel(LMConfig(vocab_size=256, d_model=16, n_layers=1, n_heads=2)).save_pretrained(
+        tmp_path / "m")
+    bad(["generate", "--checkpoint", str(tmp_path / "m"), "--graph", "on", "--max-new-tokens",
+         "2"], capsys, "graph=True captures a CUDA graph")
+    bad(["generate", "--checkpoint", str(tmp_path / "m"), "--device", "nowhere"], capsys,
+        "--device")

@@ -162,7 +162,7 @@ def test_norm_attention_step_rows_equal_whole_sequences():
 def test_norm_attention_step_checks_the_state():
     layer = NormAttention(8, 2)
     x = torch.randn(2, 1, 8)
-    with pytest.raises(ValueError, match=r"state\[0\] \(S\) must have shape"):
+    with pytest.raises(ValueError, match=r"state must have shape \[B, H, Dk, Dv\]"):
         layer(x, (torch.zeros(2, 2, 4, 3), 5))
     with pytest.raises(ValueError, match="device"):
         layer(x, (torch.zeros(2, 2, 4, 4, device="meta"), 5))

@@ -3,12 +3,23 @@ every stream's own step, for every mixer, in float64."""
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 
 from fastweights import build_mixer
+from fastweights.layers.fla_deltanet import QK_ACTIVATIONS, QK_NORMS
+from fastweights.layers.fwp import NORMALIZATIONS
+from fastweights.layers.fwp import UPDATES as FWP_UPDATES
+from fastweights.layers.norms import GATE_ACTIVATIONS
+from fastweights.layers.transnormer import ACTIVATIONS
 from fastweights.models import LanguageModel, LMConfig
-from fastweights.models.registry import mixer_names
+from fastweights.models.registry import mixer_names, mixer_option_specs
+from fastweights.ops._modes import RECURRENT_MODES, TTT_MODES
+from fastweights.ops.feature_maps import FEATURE_MAPS
+from fastweights.ops.infini import UPDATES as INFINI_UPDATES
+from fastweights.ops.transnormer.block import KERNELS
 from tests.helpers import assert_close64
 
 # Small periods so that the streams sit at different places and cross boundaries while stepping.
@@ -77,12 +88,72 @@ def test_compiled_stacked_steps_equal_separate_streams(name):
     _check_stacked(layer, name, torch.compile(layer, backend="eager"))
 
 
-@pytest.mark.parametrize("name", ["ttt-mlp", "diag"])
-def test_stacked_variants(name):
-    """The options whose per-row paths differ: TTT's Mamba backbone (convolution cache) and
-    DiagAttention's ReLU kernel."""
-    extra = {"ttt-mlp": {"mamba_backbone": True}, "diag": {"kernel": "relu"}}[name]
-    _check_stacked(_layer(name, **extra), name)
+# The choices of every string-valued option of a stackable mixer. The per-row paths (what
+# stack_states returns and the steps that continue it) are code of their own: Infini's
+# InfiniRowsState, DiagAttention's and TTT's per-row windows and commits, TransNormer's per-row
+# LRPE positions, AFT's windows. An option they mishandle (Infini's rows once could write a
+# closed segment with the linear update under update="delta" and pass every test) shows only
+# when the variant is stacked, so every value of every option is (test_stacked_variants).
+_FWP = {"feature_map": FEATURE_MAPS, "normalize": NORMALIZATIONS, "mode": RECURRENT_MODES}
+CHOICES: dict[str, dict[str, tuple]] = {
+    **{name: {**_FWP, "update": FWP_UPDATES} for name in ("linear", "dpfp", "favor")},
+    "delta": _FWP,
+    "infini": {"update": INFINI_UPDATES, "mode": RECURRENT_MODES},
+    "norm": {"activation": tuple(ACTIVATIONS), "mode": RECURRENT_MODES},
+    "diag": {"kernel": KERNELS},
+    **{name: {"mode": RECURRENT_MODES} for name in ("aft-local", "aft-simple", "aft-conv")},
+    **{name: {"mode": TTT_MODES} for name in ("ttt-linear", "ttt-mlp")},
+    "gated-delta": {"gate_activation": GATE_ACTIVATIONS, "mode": RECURRENT_MODES},
+    "fla-delta": {"qk_activation": QK_ACTIVATIONS, "qk_norm": QK_NORMS, "mode": RECURRENT_MODES},
+    # any fla feature map takes the same path (the map applied to q and k): two of them
+    "retnet": {"feature_map": ("relu", "silu"), "mode": RECURRENT_MODES},
+}
+# String options not varied here, and why.
+NOT_VARIED = {("ttt-linear", "backend"): "the Triton kernels have their own tests against torch",
+              ("ttt-mlp", "backend"): "the Triton kernels have their own tests against torch"}
+
+
+def _takes_str(spec) -> bool:
+    return spec.type is str or str in typing.get_args(spec.type)
+
+
+def _variants() -> list[tuple[str, str, object]]:
+    """(mixer, option, value) for every bool option flipped and every other listed choice."""
+    out = []
+    for name in STACKABLE:
+        for key, spec in mixer_option_specs(name).items():
+            if spec.type is bool:
+                values = [not spec.default]
+            else:
+                values = [c for c in CHOICES.get(name, {}).get(key, ()) if c != spec.default]
+            out += [(name, key, value) for value in values]
+    return out
+
+
+VARIANTS = _variants()
+
+
+def test_stacked_variants_cover_every_switch():
+    """Every string-valued option of a stackable mixer has its choices listed (or a reason)."""
+    missing = [(name, key) for name in STACKABLE for key, spec in mixer_option_specs(name).items()
+               if _takes_str(spec) and key not in CHOICES.get(name, {})
+               and (name, key) not in NOT_VARIED]
+    assert not missing, f"list the choices of these options in CHOICES: {missing}"
+
+
+@pytest.mark.parametrize(("name", "key", "value"), VARIANTS,
+                         ids=[f"{n}-{k}={v}" for n, k, v in VARIANTS])
+def test_stacked_variants(name, key, value):
+    """Each option value on the per-row paths, e.g. Infini's update="delta" (the segment a row
+    closes written by the delta rule), TTT's Mamba backbone (convolution cache),
+    DiagAttention's ReLU kernel, TransNormer without LRPE. TTT's per-row places continue only
+    in mode "dual" (ops/ttt/inner_loop.py): the other modes refuse a stacked state clearly."""
+    layer = _layer(name, **{key: value})
+    if name.startswith("ttt") and key == "mode":
+        with torch.no_grad(), pytest.raises(ValueError, match="mode='dual'"):
+            _check_stacked(layer, name)
+        return
+    _check_stacked(layer, f"{name} {key}={value!r}")
 
 
 def test_language_model_stacked_streams():

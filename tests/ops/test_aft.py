@@ -614,3 +614,34 @@ def test_conv_ablation_gradients_match_naive():
                 assert b.grad is None and not flags.get("gating", True)
                 continue
             assert_close64(a.grad, b.grad)
+
+
+# ------------------------------------------------------------- prefix sums off the CPU
+
+def test_blocked_cumsum_is_cumsum():
+    """The GPU's scan over time (blocks of tokens plus the running totals of the blocks) equals
+    torch's cumsum, values and gradients, for lengths below, at and past a block."""
+    import importlib
+
+    chunk = importlib.import_module("fastweights.ops.aft.chunk")
+    g = torch.Generator().manual_seed(0)
+    for shape in [(2, 37, 3, 2), (1, 8, 5), (3, 9, 4, 1), (2, 1, 3)]:
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        assert_close64(chunk.blocked_cumsum(x, 4), x.cumsum(1))
+        assert torch.autograd.gradcheck(lambda x: chunk.blocked_cumsum(x, 4),
+                                        (x.requires_grad_(),))
+
+
+@CAUSAL
+def test_ops_with_blocked_prefix_sums_match_naive(monkeypatch, causal):
+    """AFT-simple, -local and -conv through the blocked scan (what runs on a GPU)."""
+    import importlib
+
+    chunk = importlib.import_module("fastweights.ops.aft.chunk")
+    monkeypatch.setattr(chunk, "cumsum_time", lambda x: chunk.blocked_cumsum(x, 4))
+    q, k, v, w = make(2, 37, 5)
+    qc, kc, vc, wc = make_conv(2, 37, 3, 4, 5)
+    assert_close64(aft(q, k, v, causal=causal)[0], aft_naive(q, k, v, None, causal))
+    assert_close64(aft_local(q, k, v, band_of(w, 6, 0, 37, causal), window=6, causal=causal)[0],
+                   aft_local_naive(q, k, v, w, 6, causal))
+    assert_close64(aft_conv(qc, kc, vc, wc, causal=causal)[0], aft_conv_naive(qc, kc, vc, wc, causal))

@@ -9,6 +9,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from fastweights import ops
+from tests.helpers import assert_close64
+from tests.ops.test_ttt import assert_states_close, make_case
 
 B, H, D = 2, 3, 8  # B != H: see the issue 16 report (duck-sized equal dims trip torch.cond)
 
@@ -63,3 +65,34 @@ def test_compiles_without_graph_breaks_and_matches_eager(name):
             if isinstance(w, torch.Tensor):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
                 assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_ttt_compiled_from_a_mid_minibatch_carry_equals_naive(kind):
+    """The traced TTT forms (TTT-MLP's ``_ttt_mlp_dual_traced``, TTT-Linear's autograd scan)
+    compiled whole and continued from a state two tokens into a mini-batch (carried gradient
+    sums), float64: outputs, final state and input gradients equal the naive form's. The cases
+    above start from a mini-batch boundary, where the carried sums are absent. backend="eager":
+    dynamo's tracing, which is what selects the traced forms, without code generation."""
+    op = ops.ttt_linear if kind == "linear" else ops.ttt_mlp
+    args, kw = make_case(kind, B=2, T=15, H=2, Dk=4, Dv=4, b=4, seed=7)
+    _, state = op(*(x[:, :6] for x in args), mode="naive", output_final_state=True, **kw)
+    assert state[-1] == 2
+    kw = {**kw, "initial_state": state}
+
+    def fn(q, k, v, eta, mode="dual"):
+        return op(q, k, v, eta, mode=mode, output_final_state=True, **kw)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    results = []
+    for run in (compiled, lambda *xs: fn(*xs, mode="naive")):
+        rest = [x[:, 6:].clone().requires_grad_() for x in args]
+        o, final = run(*rest)
+        results.append((o, final, torch.autograd.grad(o.square().sum(), rest)))
+    (o, s, g), (o_ref, s_ref, g_ref) = results
+    assert_close64(o, o_ref, what=kind)
+    assert_states_close([x.detach() if torch.is_tensor(x) else x for x in s],
+                        [x.detach() if torch.is_tensor(x) else x for x in s_ref], what=kind)
+    for i, (a, b) in enumerate(zip(g, g_ref)):
+        assert_close64(a, b, atol=1e-9, what=f"grad of input {i}")

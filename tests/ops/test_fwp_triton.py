@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -355,7 +356,7 @@ def test_two_key_blocks_match_naive(kernels, op):
 
 # (B, T, Hk, H, Dk, Dv): grouped heads (two value heads per key head); Dk = 128, two key blocks,
 # with Dv = 70 over several value blocks; T never a multiple of the chunk.
-GATED_SHAPES = [(2, 37, 2, 4, 5, 7), (1, 9, 1, 2, 128, 70)]
+GATED_SHAPES = [(2, 21, 1, 2, 5, 7), (1, 9, 1, 2, 128, 70)]
 GATED_IDS = [f"B{b}-T{t}-Hk{hk}-H{h}-Dk{dk}-Dv{dv}" for b, t, hk, h, dk, dv in GATED_SHAPES]
 
 
@@ -373,53 +374,92 @@ def gated_inputs(B, T, Hk, H, Dk, Dv, seed=0):
     return q, k, v, beta, g, S0
 
 
-@pytest.mark.parametrize("shape", GATED_SHAPES, ids=GATED_IDS)
-@pytest.mark.parametrize("chunk", [16, 64], ids=lambda c: f"C{c}")
-def test_gated_delta_kernel_matches_naive(kernels, shape, chunk):
+class _Counted:
+    """A kernel that counts its launches (``kernel[grid](...)``) into ``counts``."""
+
+    def __init__(self, fn, name: str, counts: Counter):
+        self.fn, self.name, self.counts = fn, name, counts
+
+    def __getitem__(self, grid):
+        self.counts[self.name] += 1
+        return self.fn[grid]
+
+
+@pytest.fixture
+def launches(kernels, monkeypatch) -> Counter:
+    """Launches per kernel of ops/delta_rule/triton.py (name without the leading underscore
+    and ``_kernel``): a call that ran PyTorch instead cannot pass."""
+    counts: Counter = Counter()
+    module = kernels.delta_rule
+    for name in [n for n in vars(module) if n.startswith("_") and n.endswith("_kernel")]:
+        monkeypatch.setattr(module, name, _Counted(getattr(module, name),
+                                                   name.strip("_").removesuffix("_kernel"),
+                                                   counts))
+    return counts
+
+
+# Forward (a) to (c), then the backward's recomputed (a) and (b) and (d) to (g): one launch each.
+GATED_LAUNCHES = Counter(ut_fwd=2, state_fwd=2, output=1, local_du=1, state_bwd=1, ut_bwd=1,
+                         grad=1)
+
+
+def gated_grads_match(o, S, ro, rS, x_fast, x_ref, tol, seed=11) -> None:
+    """Back-propagate one random weighting of (o, S) through the kernels and through the
+    oracle; every input's gradient (q, k, v, beta, g, S0) in its dtype and within ``tol`` times
+    the oracle's largest (at least 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    wo = torch.randn(ro.shape, generator=gen, dtype=torch.float64)
+    wS = torch.randn(rS.shape, generator=gen, dtype=torch.float64)
+    ((o.double() * wo).sum() + (S.double() * wS).sum()).backward()
+    ((ro * wo).sum() + (rS * wS).sum()).backward()
+    for name, a, b in zip(("q", "k", "v", "beta", "g", "S0"), x_fast, x_ref):
+        assert a.grad is not None and a.grad.dtype == a.dtype, name
+        assert torch.isfinite(a.grad).all(), name
+        scale = max(1.0, b.grad.abs().max().item())
+        assert max_err(a.grad, b.grad) <= tol * scale, f"d{name}: {max_err(a.grad, b.grad):.2e}"
+
+
+@pytest.mark.parametrize(("shape", "chunk"), [(GATED_SHAPES[0], 8), (GATED_SHAPES[1], 8)],
+                         ids=[f"C8-{i}" for i in GATED_IDS])
+def test_gated_delta_kernel_matches_naive(kernels, launches, shape, chunk):
     """The delta rule's kernels with the gates on (segment sums of log-gates: a gate of -50 and
-    a hard reset stay finite) against the float64 literal recurrence on the same float32
-    inputs: output and final state to float32 accuracy."""
-    args32 = [x.float() for x in gated_inputs(*shape)]
-    o, S = kernels.gated_delta_rule.gated_delta_rule_triton(*args32, chunk)
-    ref, Sr = gated_delta_rule_naive(*(x.double() for x in args32[:5]), S0=args32[5].double())
+    a hard reset stay finite), forward and backward, against the float64 literal recurrence on
+    the same float32 inputs: output, final state and the gradients of q, k, v, beta, g and S0
+    to float32 accuracy (the reset's own gate gets the oracle's gradient, 0), one launch per
+    kernel and pass."""
+    x32 = [x.float().requires_grad_() for x in gated_inputs(*shape)]
+    x64 = [x.detach().double().requires_grad_() for x in x32]
+    o, S = kernels.gated_delta_rule.gated_delta_rule_triton(*x32, chunk)
+    ref, Sr = gated_delta_rule_naive(*x64[:5], S0=x64[5])
     assert o.dtype == S.dtype == torch.float32 and o.shape == ref.shape
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     assert max_err(o, ref) <= TOL32, f"o: {max_err(o, ref):.2e}"
     assert max_err(S, Sr) <= TOL32, f"S: {max_err(S, Sr):.2e}"
+    gated_grads_match(o, S, ref, Sr, x32, x64, TOL32)
+    assert launches == GATED_LAUNCHES, launches
 
 
-def test_gated_delta_kernel_half_inputs_and_gradients(kernels):
-    """bfloat16 q, k, v: output in bfloat16 within its rounding of the oracle on the same
-    rounded inputs, state float32; float32 inputs: gradients of q, k, v, beta, g and S0 (the
-    backward is the PyTorch chunked form's) equal autograd of the float64 oracle."""
+def test_gated_delta_kernel_half_inputs_and_gradients(kernels, launches):
+    """bfloat16 q, k, v: output and the gradients of q, k, v in bfloat16 within its rounding of
+    the oracle on the same rounded inputs (those of beta, g and S0 in float32), state float32."""
     q, k, v, beta, g, S0 = gated_inputs(1, 21, 1, 2, 6, 5, seed=2)
-    qh, kh, vh = (x.bfloat16() for x in (q, k, v))
-    o, S = kernels.gated_delta_rule.gated_delta_rule_triton(qh, kh, vh, beta.float(), g.float(), S0.float(), 8)
-    ref, Sr = gated_delta_rule_naive(qh.double(), kh.double(), vh.double(),
-                                     beta.float().double(), g.float().double(), S0.float().double())
+    xh = [x.bfloat16() for x in (q, k, v)] + [x.float() for x in (beta, g, S0)]
+    xh = [x.requires_grad_() for x in xh]
+    x64 = [x.detach().double().requires_grad_() for x in xh]
+    o, S = kernels.gated_delta_rule.gated_delta_rule_triton(*xh, 8)
+    ref, Sr = gated_delta_rule_naive(*x64[:5], S0=x64[5])
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
     assert max_err(o, ref) <= 2 * torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
     assert max_err(S, Sr) <= TOL32 * max(1.0, Sr.abs().max().item())
-    gen = torch.Generator().manual_seed(11)
-    wo = torch.randn(1, 21, 2, 5, generator=gen, dtype=torch.float64)
-    wS = torch.randn(1, 2, 6, 5, generator=gen, dtype=torch.float64)
-    g = g.clamp_min(-30.0)  # finite gates: the gradient through a -inf gate is not a number
-    x32 = [x.float().requires_grad_() for x in (q, k, v, beta, g, S0)]
-    x64 = [x.detach().clone().requires_grad_() for x in (q, k, v, beta, g, S0)]
-    o, S = kernels.gated_delta_rule.gated_delta_rule_triton(*x32, 8)
-    ro, rS = gated_delta_rule_naive(*x64[:5], S0=x64[5])
-    ((o.double() * wo).sum() + (S.double() * wS).sum()).backward()
-    ((ro * wo).sum() + (rS * wS).sum()).backward()
-    for i, (a, b) in enumerate(zip(x32, x64)):
-        assert a.grad is not None and a.grad.dtype == torch.float32
-        scale = max(1.0, b.grad.abs().max().item())
-        assert max_err(a.grad, b.grad) <= TOL32 * scale, f"grad {i}: {max_err(a.grad, b.grad)}"
+    gated_grads_match(o, S, ref, Sr, xh, x64, 2 * torch.finfo(torch.bfloat16).eps)
+    assert launches == GATED_LAUNCHES, launches
 
 
 def test_gated_delta_dispatch_through_the_kernels(kernels, monkeypatch):
     """With the device check forced and fla absent, gated_delta_rule runs the (interpreted)
     kernels for half inputs (scale applied, state carried, output in the input dtype, equal to
-    mode="naive"; a packed batch one document at a time), and PyTorch for float32 inputs (no spill-free float32 tiling, as for the
+    mode="naive"; a packed batch one document at a time, gradients included), and PyTorch for
+    float32 inputs (no spill-free float32 tiling, as for the
     delta rule), chunk sizes over 64 and one-token steps. The first automatic choice runs a
     trial call first (ops/backend.py)."""
     ran = []
@@ -440,18 +480,26 @@ def test_gated_delta_dispatch_through_the_kernels(kernels, monkeypatch):
     assert ran == [1, 1] and o.dtype == torch.float16  # the trial, then the call
     assert max_err(o, ref) <= torch.finfo(torch.float16).eps * ref.abs().max().item()
     assert max_err(S, Sr) <= TOL32 * max(1.0, Sr.abs().max().item())
-    # A packed batch: one document at a time through the kernels, the state reset between.
+    # A packed batch: one document at a time through the kernels, the state reset between;
+    # the gradients too (the trial ran without them: a trial with them first).
     cu = torch.tensor([0, 5, 13])
-    o, states = gated_delta_rule(qh, kh, vh, beta, g, cu_seqlens=cu, chunk_size=8, **kw)
-    ref, ref_states = gated_delta_rule(qh.double(), kh.double(), vh.double(), beta, g,
-                                       cu_seqlens=cu, mode="naive", **kw)
-    assert ran == [1] * 4 and len(states) == 2
+    xh = [x.detach().requires_grad_() for x in (qh, kh, vh, beta.float(), g.float())]
+    x64 = [x.detach().double().requires_grad_() for x in xh]
+    o, states = gated_delta_rule(*xh, cu_seqlens=cu, chunk_size=8, **kw)
+    ref, ref_states = gated_delta_rule(*x64, cu_seqlens=cu, mode="naive", **kw)
+    assert ran == [1] * 5 and len(states) == 2
     assert max_err(o, ref) <= torch.finfo(torch.float16).eps * ref.abs().max().item()
     assert max(max_err(a, b) for a, b in zip(states, ref_states)) <= TOL32
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (o.double() * w).sum().backward()
+    (ref * w).sum().backward()
+    for name, a, b in zip(("q", "k", "v", "beta", "g"), xh, x64):
+        tol = 4 * torch.finfo(torch.float16).eps * max(1.0, b.grad.abs().max().item())
+        assert max_err(a.grad, b.grad) <= tol, f"d{name}: {max_err(a.grad, b.grad):.2e}"
     gated_delta_rule(*(x.float() for x in (q, k, v, beta, g)), chunk_size=8)
     gated_delta_rule(qh, kh, vh, beta, g, chunk_size=65)
     gated_delta_rule(qh[:, :1], kh[:, :1], vh[:, :1], beta[:, :1], g[:, :1])
-    assert ran == [1] * 4  # none of the three above
+    assert ran == [1] * 5  # none of the three above
     with pytest.raises(ValueError, match="chunk_size <= 64"):
         gated_delta_rule(qh, kh, vh, beta, g, chunk_size=65, backend="triton")
     for dtype, want in ((torch.bfloat16, "triton"), (torch.float32, "torch")):

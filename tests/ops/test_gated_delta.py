@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastweights.ops import decay_linear_attn, delta_rule, gated_delta_rule
-from fastweights.ops.gated_delta_rule import gated_delta_rule_step
+from fastweights.ops import decay_linear_attn, delta_rule, gated_delta_rule, gated_delta_rule_step
 from tests.helpers import assert_close64
 
 F64 = torch.float64
@@ -249,7 +248,8 @@ def test_one_token_steps_equal_chunked():
     outs, S = [], S0
     for t in range(19):
         sl = slice(t, t + 1)
-        o, S = gated_delta_rule_step(0.5 * q[:, sl], k[:, sl], v[:, sl], beta[:, sl], g[:, sl], S)
+        o, S = gated_delta_rule_step(q[:, sl], k[:, sl], v[:, sl], beta[:, sl], g[:, sl],
+                                     state=S, scale=0.5)
         outs.append(o)
     assert_close64(torch.cat(outs, 1), whole)
     assert_close64(S, Sw)
@@ -260,6 +260,8 @@ def test_step_leaves_the_carried_state_unchanged():
     S0 = state0(1, 2, 4, 4)
     before = S0.clone()
     gated_delta_rule(q, k, v, beta, g, initial_state=S0, output_final_state=True)
+    assert torch.equal(S0, before)
+    gated_delta_rule_step(q, k, v, beta, g, state=S0)
     assert torch.equal(S0, before)
 
 

@@ -30,8 +30,7 @@ import types
 import pytest
 import torch
 
-from fastweights.ops import gated_delta_rule
-from fastweights.ops.gated_delta_rule import gated_delta_rule_step
+from fastweights.ops import gated_delta_rule, gated_delta_rule_step
 from tests.ops.test_gated_delta import make, rel_err, state0
 
 pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
@@ -116,10 +115,10 @@ def test_equals_torch_recurrent_gated_delta_rule(model, l2, Hk, H):
 @pytest.mark.parametrize("model", MODELS)
 def test_decoding_step_equals_theirs(model):
     """One token with a carried state, as their layer decodes (Hk 2, H 4, L2-normalised q, k):
-    theirs(T = 1) == gated_delta_rule_step on our side (q pre-scaled)."""
+    theirs(T = 1) == gated_delta_rule_step on our side."""
     q, k, v, beta, g, S0 = _inputs(1, 2, 4, seed=32)
     theirs = _in_float64(_fallback(model, "torch_recurrent_gated_delta_rule"))
     o_t, S_t = theirs(q, k, v, g=g, beta=beta, initial_state=S0, output_final_state=True,
                       use_qk_l2norm_in_kernel=True)
-    o, S = gated_delta_rule_step(8 ** -0.5 * _l2norm(q), _l2norm(k), v, beta, g, S0)
+    o, S = gated_delta_rule_step(_l2norm(q), _l2norm(k), v, beta, g, state=S0, scale=8 ** -0.5)
     assert rel_err(o, o_t) <= 1e-12 and rel_err(S, S_t) <= 1e-12

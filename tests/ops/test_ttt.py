@@ -9,8 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastweights.ops import delta_rule, linear_attn, ttt_linear, ttt_mlp
+from fastweights import state_tree
+from fastweights.ops import TTTState, delta_rule, linear_attn, ttt_linear, ttt_mlp
+from fastweights.ops.ttt.chunk import _ttt_mlp_dual_traced
 from fastweights.ops.ttt.common import gelu, gelu_grad, loss_grad
+from fastweights.ops.ttt.inner_loop import _KERNELS
 from tests.helpers import assert_close64
 
 OPS = {"linear": ttt_linear, "mlp": ttt_mlp}
@@ -57,10 +60,15 @@ def make_case(kind, B=2, T=13, H=3, Dk=5, Dv=5, b=4, ln=True, residual=True, bia
 
 
 def assert_states_close(a, b, atol=1e-10, what=""):
+    """Two TTT states (weights, or TTTStates: nested tuples) equal to ``atol``."""
+    assert type(a) is type(b) or (not isinstance(a, TTTState) and not isinstance(b, TTTState)), \
+        f"{what}: {type(a).__name__} != {type(b).__name__}"
     assert len(a) == len(b), f"{what}: state lengths {len(a)} != {len(b)}"
     for i, (x, y) in enumerate(zip(a, b)):
         if isinstance(x, torch.Tensor):
             assert_close64(x, y, atol=atol, what=f"{what} state[{i}]")
+        elif isinstance(x, (tuple, list)):
+            assert_states_close(x, y, atol, f"{what} state[{i}]")
         else:
             assert x == y, f"{what} state[{i}]: {x!r} != {y!r}"
 
@@ -86,7 +94,7 @@ def test_modes_agree(kind, b, ln, res, bias):
         assert_close64(o, ref, what=mode)
         assert_states_close(state, ref_state, what=mode)
     if not bias:
-        assert state[1] is None
+        assert (state.start if isinstance(state, TTTState) else state)[1] is None
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
@@ -124,20 +132,17 @@ def gradcheck_call(kind, args, kw, carried, start, stop, **call):
     tokens (start weights and gradient sums when that is mid-mini-batch)."""
     if carried:
         _, state = OPS[kind](*(x[:, :carried] for x in args), output_final_state=True, **kw)
-        kw["initial_state"] = tuple(s.detach() if isinstance(s, torch.Tensor) else s for s in state)
-    init = list(kw.pop("initial_state"))
-    tensor_idx = [i for i, s in enumerate(init) if isinstance(s, torch.Tensor)]
+        kw["initial_state"] = state_tree.map_tensors(torch.Tensor.detach, state)
+    init, layout = state_tree.flatten(kw.pop("initial_state"))
     ln_w, ln_b, tau = kw.pop("ln_weight"), kw.pop("ln_bias"), kw.pop("token_scale")
     inputs = [x.clone().requires_grad_() for x in (*(x[:, start:stop] for x in args), ln_w, ln_b,
-                                                      tau, *(init[i] for i in tensor_idx))]
+                                                      tau, *init)]
 
-    def fn(q, k, v, eta, lw, lb, ts, *weights):
-        st = list(init)
-        for i, w in zip(tensor_idx, weights):
-            st[i] = w
-        o, s = OPS[kind](q, k, v, eta, initial_state=tuple(st), ln_weight=lw, ln_bias=lb,
-                         token_scale=ts, output_final_state=True, **call, **kw)
-        return o, *(x for x in s if isinstance(x, torch.Tensor))
+    def fn(q, k, v, eta, lw, lb, ts, *tensors):
+        o, s = OPS[kind](q, k, v, eta, initial_state=state_tree.unflatten(list(tensors), layout),
+                         ln_weight=lw, ln_bias=lb, token_scale=ts, output_final_state=True,
+                         **call, **kw)
+        return o, *state_tree.tensors(s)
 
     return torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
 
@@ -182,20 +187,27 @@ def test_decoding_step_gradcheck(kind, pos):
 
 
 def test_mid_minibatch_state_layout():
-    """A call ending inside a mini-batch returns (W, b, W_0, b_0, S_W, S_b, pos) with
-    W = W_0 - tau_pos S_W; a call ending on a boundary returns just (W, b)."""
+    """A call ending inside a mini-batch returns a TTTState: the mini-batch's start weights, the
+    rows of its pos tokens and pos; its weights() are W_0 - tau_pos S, checked against the
+    weights at the boundary of a call whose remaining tokens learn nothing (eta = 0) with
+    tau_pos moved to the last place. A call ending on a boundary returns just (W, b)."""
     args, kw = make_case("linear", T=6, b=4)
     _, state = ttt_linear(*args, output_final_state=True, **kw)
-    assert len(state) == 7 and state[-1] == 2
-    W, b, W0, b0, SW, Sb, _ = state
+    assert isinstance(state, TTTState) and state.pos == 2
+    assert [r.shape for r in state.rows] == [(2, 3, 2, 5), (2, 3, 2, 5)]
     tau = kw["token_scale"]
-    assert_close64(W, W0 - tau[1] * SW)
-    assert_close64(b, b0 - tau[1] * Sb)
-    _, state = ttt_linear(*(x[:, :4] for x in args), output_final_state=True, **kw)
-    assert len(state) == 2
+    _, W4 = ttt_linear(*(x[:, :4] for x in args), output_final_state=True, **kw)
+    q, k, v, eta = (torch.cat([x[:, 4:], x[:, :2]], 1) for x in args)
+    eta = torch.cat([eta[:, :2], torch.zeros_like(eta[:, 2:])], 1)
+    moved = tau.clone()
+    moved[3] = tau[1]
+    _, boundary = ttt_linear(q, k, v, eta, output_final_state=True,
+                             **dict(kw, token_scale=moved, initial_state=W4))
+    assert len(boundary) == 2
+    assert_states_close(state.weights(tau), boundary)
     _, state = ttt_mlp(*make_case("mlp", T=5, b=4)[0], output_final_state=True,
                        **make_case("mlp", T=5, b=4)[1])
-    assert len(state) == 13 and state[-1] == 1
+    assert isinstance(state, TTTState) and state.pos == 1 and len(state.rows) == 4
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
@@ -207,7 +219,7 @@ def test_batch1_initial_state_broadcasts(kind):
     o2, state2 = OPS[kind](*args, output_final_state=True, **expanded)
     assert_close64(o, o2)
     assert_states_close(state, state2)
-    assert state[0].shape[0] == 3
+    assert state.start[0].shape[0] == 3
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
@@ -222,10 +234,49 @@ def test_gradients_match_naive(kind, mode):
             x.requires_grad_(True)
             x.grad = None
         o, state = OPS[kind](*args, mode=m, output_final_state=True, **kw)
-        (o.square().sum() + sum(s.sum() for s in state if isinstance(s, torch.Tensor))).backward()
+        (o.square().sum() + sum(s.sum() for s in state_tree.tensors(state))).backward()
         grads[m] = [x.grad.clone() for x in leaves]
     for i, (a, b) in enumerate(zip(grads["naive"], grads[mode])):
         assert_close64(b, a, atol=1e-9, what=f"grad of leaf {i}")
+
+
+DUAL_FORMS = [("linear", "autograd"), ("mlp", "scan"), ("mlp", "traced")]
+
+
+@pytest.mark.parametrize(("kind", "form"), DUAL_FORMS, ids=[f"{k}-{f}" for k, f in DUAL_FORMS])
+@pytest.mark.parametrize("group", [None, 2], ids=["whole", "checkpointed"])
+@pytest.mark.parametrize("full", [True, False], ids=["ln-bias", "plain"])
+def test_dual_forms_with_gradients_from_a_mid_minibatch_carry_equal_naive(
+        kind, form, group, full, monkeypatch):
+    """The dual forms that record gradients, continued from a state inside a mini-batch (start
+    weights and carried gradient sums, reached by the naive form): outputs, final state and the
+    gradients w.r.t. the tokens, the start weights and the gradient sums equal the naive form's. ``autograd``:
+    TTT-Linear's scan under autograd (what torch.compile traces too); ``scan``: TTT-MLP's
+    hand-written backward (mlp_scan.py); ``traced``: ``_ttt_mlp_dual_traced``, what
+    torch.compile runs for TTT-MLP (put in the dispatch table here, so it runs eagerly;
+    tests/ops/test_compile.py compiles both)."""
+    if form == "traced":
+        monkeypatch.setitem(_KERNELS["mlp"], "dual", _ttt_mlp_dual_traced)
+    args, kw = make_case(kind, B=2, T=15, H=2, Dk=4, Dv=3, b=4, ln=full, residual=False,
+                         bias=full, seed=11)
+    _, state = OPS[kind](*(x[:, :6] for x in args), mode="naive", output_final_state=True, **kw)
+    assert state[-1] == 2  # two tokens into the mini-batch: gradient sums carried
+    results = {}
+    for mode in ("naive", "dual"):
+        rest = [x[:, 6:].clone().requires_grad_() for x in args]
+        carried = [s.clone().requires_grad_() if isinstance(s, torch.Tensor) else s for s in state]
+        o, final = OPS[kind](*rest, **{**kw, "initial_state": tuple(carried)}, mode=mode,
+                             output_final_state=True, checkpoint_group=group)
+        loss = o.square().sum() + sum(x.square().sum() for x in final if torch.is_tensor(x))
+        n = 2 if kind == "linear" else 4  # the leading current weights are implied by the rest
+        leaves = rest + [s for s in carried[n:] if torch.is_tensor(s)]
+        results[mode] = (o, final, torch.autograd.grad(loss, leaves))
+    (o_ref, s_ref, g_ref), (o, s, g) = results["naive"], results["dual"]
+    assert_close64(o, o_ref, what=form)
+    assert_states_close([x.detach() if torch.is_tensor(x) else x for x in s],
+                        [x.detach() if torch.is_tensor(x) else x for x in s_ref], what=form)
+    for i, (a, b) in enumerate(zip(g, g_ref)):
+        assert_close64(a, b, atol=1e-9, what=f"{form} grad of leaf {i}")
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
@@ -317,7 +368,7 @@ def test_low_precision_inputs_keep_float32_states(kind, dtype):
     kw = dict(kw, ln_weight=kw["ln_weight"].to(dtype), ln_bias=kw["ln_bias"].to(dtype))
     o, state = OPS[kind](*low, output_final_state=True, **kw)
     assert o.dtype == dtype
-    assert all(s.dtype == torch.float32 for s in state if isinstance(s, torch.Tensor))
+    assert all(s.dtype == torch.float32 for s in state_tree.tensors(state))
     ref, _ = OPS[kind](*(x.double() for x in low), **dict(
         kw, ln_weight=kw["ln_weight"].double(), ln_bias=kw["ln_bias"].double()))
     tol = 1e-4 if dtype == torch.float32 else 5e-2

@@ -1,5 +1,5 @@
 """The TTT decoding steps' Triton kernels (ops/ttt/triton_decode.py, TTT-Linear's and TTT-MLP's)
-run by the Triton CPU interpreter: a sequence of one-token steps against the PyTorch step (ops/ttt/decode.py) and the
+run by the Triton CPU interpreter: a sequence of one-token steps against the PyTorch step (ops/ttt/recurrent.py) and the
 float64 token loop (docs/maths.md 2.2-2.4), and the step's backend= dispatch.
 
 tests/conftest.py sets TRITON_INTERPRET=1; every launch of the kernel is counted, so that a
@@ -16,16 +16,16 @@ import torch
 
 pytest.importorskip("triton")
 
+from fastweights import state_tree
 from fastweights.layers import TTTMLP, TTTLinear
+from fastweights.ops import TTTState, ttt_linear, ttt_linear_step, ttt_mlp, ttt_mlp_step
 from fastweights.ops import backend as backends
-from fastweights.ops import ttt_linear, ttt_mlp
-from fastweights.ops.ttt import stack_decode_carries, to_op_state, ttt_decode_step
-from fastweights.ops.ttt.decode import DecodeCarry, decode_carry
 from tests.ops.test_ttt_triton import TOL32, _Counted, case, max_err, on_gpu  # noqa: F401
 
 F64 = torch.float64
 KINDS = ("linear", "mlp")
 OPS = {"linear": ttt_linear, "mlp": ttt_mlp}
+STEPS = {"linear": ttt_linear_step, "mlp": ttt_mlp_step}
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,8 @@ def exact(decode_module, on_gpu, monkeypatch):  # noqa: F811
 
 
 def steps(args, kw, dtype, kind="linear", **extra):
-    """Every output [B, T, H, Dv] and the carry after decoding the T tokens of ``args`` one
-    at a time from ``kw``'s initial state with ``ttt_decode_step`` (TTT-Linear or ``kind``)."""
+    """Every output [B, T, H, Dv] and the state after decoding the T tokens of ``args`` one
+    at a time from ``kw``'s initial state with ``ttt_linear_step`` (or ``kind``'s)."""
     q, k, v, eta = (x.to(dtype) for x in args)
     pdtype = torch.float32 if dtype != F64 else F64
 
@@ -71,8 +71,8 @@ def steps(args, kw, dtype, kind="linear", **extra):
     state = tuple(p(x) for x in kw["initial_state"])
     outs = []
     for t in range(q.shape[1]):
-        o, state = ttt_decode_step(
-            kind, *(x[:, t:t + 1] for x in (q, k, v, eta)), state=state,
+        o, state = STEPS[kind](
+            *(x[:, t:t + 1] for x in (q, k, v, eta)), state=state,
             ln_weight=p(kw.get("ln_weight")), ln_bias=p(kw.get("ln_bias")),
             residual=kw["residual"], mini_batch_size=kw["mini_batch_size"],
             token_scale=p(kw["token_scale"]), **extra)
@@ -84,13 +84,14 @@ def assert_close(x, y, tol, what):
     assert max_err(x, y) <= tol * max(1.0, y.abs().max().item()), f"{what}: {max_err(x, y):.2e}"
 
 
-def assert_carries_match(got: DecodeCarry, want: DecodeCarry, tol: float) -> None:
-    assert got.pos == want.pos and got.prior is None and want.prior is None
-    for i, (x, y) in enumerate(zip((*got.start, *got.rows), (*want.start, *want.rows))):
-        assert (x is None) == (y is None), i
-        if y is not None:
-            assert x.dtype == torch.float32 and x.shape == y.shape, (i, x.shape, y.shape)
-            assert_close(x, y, tol, f"carry[{i}]")
+def assert_carries_match(got, want, tol: float, dtype=torch.float32) -> None:
+    """Two TTT states (weights, or TTTStates) of one layout, their tensors close."""
+    got_t, got_layout = state_tree.flatten(got)
+    want_t, want_layout = state_tree.flatten(want)
+    assert got_layout.same_as(want_layout), (got_layout, want_layout)
+    for i, (x, y) in enumerate(zip(got_t, want_t)):
+        assert x.dtype == dtype and x.shape == y.shape, (i, x.shape, y.shape)
+        assert_close(x, y, tol, f"state[{i}]")
 
 
 # (kind, T, b, LayerNorm, residual, bias, Dk, Dv): T not a multiple of b, b odd in some cases.
@@ -128,13 +129,8 @@ def test_decode_kernel_matches_step_and_naive(launches, exact, kind, T, b, ln, r
     assert_carries_match(carry, rcarry, 1e-5)
     want, wstate = OPS[kind](*args, output_final_state=True, mode="naive", **kw)
     assert_close(o, want, TOL32, "o vs naive")
-    state = to_op_state(carry, kw["token_scale"].float())
-    assert len(state) == len(wstate) == 3 * len(kw["initial_state"]) + 1
-    assert state[-1] == wstate[-1] == T % b
-    for i, (x, y) in enumerate(zip(state[:-1], wstate[:-1])):
-        assert (x is None) == (y is None), i
-        if y is not None:
-            assert_close(x, y, TOL32, f"state[{i}] vs naive")
+    assert isinstance(carry, TTTState) and carry.pos == wstate.pos == T % b
+    assert_carries_match(carry, state_tree.map_tensors(lambda x: x.float(), wstate), TOL32)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -155,9 +151,10 @@ def test_decode_kernel_half_inputs(launches, on_gpu, kind):  # noqa: F811
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_dispatch(launches, decode_module, on_gpu, monkeypatch, kind):  # noqa: F811
     """The automatic choice leaves to PyTorch what the kernel does not take (float32 and
-    float64 inputs, head sizes not multiples of 16, per-row places, an op state's sums,
-    gradients, backend="torch" or FASTWEIGHTS_BACKEND=torch, CPU tensors); an explicit
-    backend="triton" there is a ValueError naming the reason."""
+    float64 inputs, head sizes not multiples of 16, per-row places, gradients,
+    backend="torch" or FASTWEIGHTS_BACKEND=torch, CPU tensors); an explicit backend="triton"
+    there is a ValueError naming the reason. An op state inside a mini-batch (its rows) goes
+    to the kernel."""
     name = f"{kind}_decode"
     args, kw = case(B=2, T=3, H=2, Dk=16, Dv=16, b=4, seed=4, kind=kind)
     kw["residual"] = True
@@ -167,8 +164,7 @@ def test_decode_dispatch(launches, decode_module, on_gpu, monkeypatch, kind):  #
             "residual": True, "mini_batch_size": 4, "token_scale": kw["token_scale"].float()}
 
     def step(xs, state=state, **extra):
-        return ttt_decode_step(kind, *(x[:, :1] for x in xs), state=state,
-                               **{**opts, **extra})
+        return STEPS[kind](*(x[:, :1] for x in xs), state=state, **{**opts, **extra})
 
     _, carry = step(half)  # trial and step
     assert launches == Counter({name: 2})
@@ -182,25 +178,25 @@ def test_decode_dispatch(launches, decode_module, on_gpu, monkeypatch, kind):  #
     def row0(items):
         return None if items is None else tuple(None if x is None else x[:1] for x in items)
 
-    first = DecodeCarry(row0(carry.start), None, row0(carry.rows), carry.pos, 0)
-    per_row = stack_decode_carries([first, first], 4)
+    first = TTTState(row0(carry.start), row0(carry.rows), carry.pos)
+    per_row = TTTState.stack([first, first], 4)
     step(half, state=per_row)
     _, mid = OPS[kind](*(x[:, :2].double() for x in args), output_final_state=True, **kw)
-    mid = tuple(x.float() if isinstance(x, torch.Tensor) else x for x in mid)
-    step(half, state=mid)  # an op state inside a mini-batch: its sums become the prior
+    mid = state_tree.map_tensors(lambda x: x.float(), mid)
+    step(half, state=mid)  # an op state inside a mini-batch: its rows, on the kernel
+    assert launches == Counter({name: 3})
     leaf = opts["ln_weight"].clone().requires_grad_()
     step(half, ln_weight=leaf)
     step(half, backend="torch")
     monkeypatch.setenv("FASTWEIGHTS_BACKEND", "torch")
     step(half)
     monkeypatch.delenv("FASTWEIGHTS_BACKEND")
-    assert launches == Counter({name: 2})
+    assert launches == Counter({name: 3})
     for xs, extra, match in (
             ([x.float() for x in args], {}, "no Triton tiling"),
             (args, {}, "float64"),
             ([x.half() for x in odd], odd_opts, "multiples of 16"),
             (half, {"state": per_row}, "per-row places"),
-            (half, {"state": mid}, "gradient sums"),
             (half, {"ln_weight": leaf}, "no backward"),
             (half, {"mini_batch_size": 65, "token_scale": None}, "mini_batch_size <= 64")):
         with pytest.raises(ValueError, match=match):
@@ -209,7 +205,7 @@ def test_decode_dispatch(launches, decode_module, on_gpu, monkeypatch, kind):  #
     step(half)
     with pytest.raises(ValueError, match="CUDA"):
         step(half, backend="triton")
-    assert launches == Counter({name: 2})
+    assert launches == Counter({name: 3})
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -243,7 +239,7 @@ def test_layer_decodes_through_the_kernel(launches, exact, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_carry_is_not_written(launches, exact, kind):
+def test_kept_state_is_not_written(launches, exact, kind):
     """A carry the caller keeps continues as it was after the kernel stepped from it (the
     rows are copied into fresh buffers): two steps from one carry give the same output, and
     the carry's tensors are unchanged."""
@@ -253,11 +249,10 @@ def test_decode_carry_is_not_written(launches, exact, kind):
            "residual": True, "mini_batch_size": 4, "token_scale": kw["token_scale"].float()}
     for t in (1, 3):  # a step inside the mini-batch and one that completes it
         _, carry = steps([x[:, :t] for x in args], kw, torch.float32, kind, backend="triton")
-        carry = decode_carry(carry, kind, 1, 2, 16, 16, 4, args[0])
-        kept = [x for x in (*carry.start, *carry.rows) if x is not None]
+        kept = state_tree.tensors(carry)
         before = [x.clone() for x in kept]
         xs = [x[:, t:t + 1].float() for x in args]
-        o1, c1 = ttt_decode_step(kind, *xs, state=carry, backend="triton", **one)
-        o2, _ = ttt_decode_step(kind, *xs, state=carry, backend="triton", **one)
-        assert c1.pos == (t + 1) % 4
+        o1, c1 = STEPS[kind](*xs, state=carry, backend="triton", **one)
+        o2, _ = STEPS[kind](*xs, state=carry, backend="triton", **one)
+        assert (c1.pos if isinstance(c1, TTTState) else 0) == (t + 1) % 4
         assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(before, kept))

@@ -17,9 +17,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from fastweights import state_tree
 from fastweights.layers import TTTLinear
+from fastweights.ops import TTTState, ttt_linear, ttt_mlp
 from fastweights.ops import backend as backends
-from fastweights.ops import ttt_linear, ttt_mlp
 
 F64 = torch.float64
 TOL32 = 1e-4
@@ -93,6 +94,7 @@ def on_gpu(monkeypatch):
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TTT_FWD", raising=False)
+    monkeypatch.delenv("FASTWEIGHTS_TTT_BWD", raising=False)
 
 
 @pytest.fixture
@@ -136,8 +138,7 @@ def leaves(args, kw, dtype):
 
     args = [leaf(x, dtype) for x in args]
     kw = dict(kw)
-    kw["initial_state"] = tuple(x if isinstance(x, int) else leaf(x, pdtype)
-                                for x in kw["initial_state"])
+    kw["initial_state"] = state_tree.map_tensors(lambda x: leaf(x, pdtype), kw["initial_state"])
     for n in ("ln_weight", "ln_bias", "token_scale"):
         if n in kw:
             kw[n] = leaf(kw[n], pdtype)
@@ -145,16 +146,17 @@ def leaves(args, kw, dtype):
 
 
 def inputs_of(args, kw):
-    return [x for x in [*args, *kw["initial_state"], kw.get("ln_weight"), kw.get("ln_bias"),
-                        kw["token_scale"]] if isinstance(x, torch.Tensor) and x.requires_grad]
+    return [x for x in [*args, *state_tree.tensors(kw["initial_state"]), kw.get("ln_weight"),
+                        kw.get("ln_bias"), kw["token_scale"]]
+            if isinstance(x, torch.Tensor) and x.requires_grad]
 
 
 def loss(o, state, gen_seed=5):
     """A random linear function of the output and of every tensor of the final state."""
     g = torch.Generator().manual_seed(gen_seed)
     total = (o.double() * torch.randn(o.shape, generator=g, dtype=F64)).sum()
-    for x in state:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
+    for x in state_tree.tensors(state):
+        if x.is_floating_point():
             total = total + (x.double() * torch.randn(x.shape, generator=g, dtype=F64)).sum()
     return total
 
@@ -176,18 +178,13 @@ def assert_matches(got, want, tol, what):
     ro, rstate, rgrads = want
     assert o.dtype == torch.float32 or o.dtype != F64, what
     assert max_err(o, ro) <= tol * max(1.0, ro.abs().max().item()), f"{what} o"
-    assert len(state) == len(rstate), what
-    for i, (x, y) in enumerate(zip(state, rstate)):
-        if isinstance(y, torch.Tensor) and y.is_floating_point():
-            assert x.dtype == torch.float32, f"{what} state[{i}] {x.dtype}"
-            assert max_err(x, y) <= tol * max(1.0, y.abs().max().item()), f"{what} state[{i}]"
-        else:
-            assert (x is None and y is None) or x == y, f"{what} state[{i}]: {x} != {y}"
+    (tensors, layout), (rtensors, rlayout) = state_tree.flatten(state), state_tree.flatten(rstate)
+    assert layout.same_as(rlayout), f"{what}: {layout} != {rlayout}"
+    for i, (x, y) in enumerate(zip(tensors, rtensors)):
+        assert x.dtype == torch.float32, f"{what} state[{i}] {x.dtype}"
+        assert max_err(x, y) <= tol * max(1.0, y.abs().max().item()), f"{what} state[{i}]"
     assert len(grads) == len(rgrads)
     for i, (x, y) in enumerate(zip(grads, rgrads)):
-        if y is None:  # unused (the current weights leading a state inside a mini-batch)
-            assert x is None or not x.any(), f"{what}: gradient for unused input {i}"
-            continue
         assert x is not None, f"{what}: no gradient for input {i}"
         scale = max(1.0, y.abs().max().item())
         assert max_err(x, y) <= tol * scale, f"{what} grad {i}: {max_err(x, y):.2e} ({scale:.1f})"
@@ -225,14 +222,14 @@ def test_linear_kernels_match_naive(launches, exact, fwd, T, b, ln, res, bias, D
 
 def test_linear_continues_a_state_inside_a_mini_batch(launches, exact, fwd):
     """A call that starts inside a mini-batch (the state of a call that ended inside one:
-    current weights, start weights, gradient sums, pos): its first tokens complete that
-    mini-batch in PyTorch, the kernels run the rest; output, state and gradients (those of the
-    carried sums too) equal the oracle's, and so does the whole sequence in one call."""
+    its start weights and rows): its first tokens complete that mini-batch in PyTorch, the
+    kernels run the rest; output, state and gradients (those of the carried rows too) equal
+    the oracle's, and so does the whole sequence in one call."""
     args, kw = case(T=13, b=5, seed=2)
     kw["residual"] = True
     first = [x[:, :3] for x in args]
     _, mid = ttt_linear(*first, output_final_state=True, mode="naive", **kw)
-    assert len(mid) == 7 and mid[-1] == 3
+    assert isinstance(mid, TTTState) and mid.pos == 3
     rest = [x[:, 3:] for x in args]
     kw_mid = {**kw, "initial_state": mid}
     want = run(ttt_linear, rest, kw_mid, F64, mode="naive")
@@ -306,8 +303,8 @@ def test_dispatch(launches, kernels, on_gpu, monkeypatch):
                    mini_batch_size=4)
     with pytest.raises(ValueError, match="multiples of 16"):
         ttt_linear(*(x.half() if x.dim() == 4 else x for x in odd), backend="triton", **kw_odd)
-    per_row = (*[torch.zeros(1, 2, *s) for s in ((16, 64), (64,), (64, 16), (16,))] * 3,
-               torch.tensor([1]))
+    per_row = TTTState(tuple(torch.zeros(1, 2, *s) for s in ((16, 64), (64,), (64, 16), (16,))),
+                       tuple(torch.zeros(1, 2, 4, d) for d in (16, 64, 64, 16)), torch.tensor([1]))
     mlp_state = (torch.zeros(1, 2, 16, 64), None, torch.zeros(1, 2, 64, 16), None)
     # automatic: TTT-MLP calls that record gradients run the kernels, forward and backward
     lnw = torch.ones(2, 16, requires_grad=True)

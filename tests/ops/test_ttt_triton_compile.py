@@ -27,13 +27,14 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (pip install fastweights[triton])")
 
 from tests.ops.test_fwp_triton_compile import ARCHS, SHARED_LIMIT
-from tests.ops.triton_aot import TTT_CASES, dispatched
+from tests.ops.triton_aot import TTT_CASES, dispatched, record_problems
 
 HERE = Path(__file__).parent
 KERNELS = {"qk", "linear_fwd", "linear_bwd_a", "linear_bwd_b", "linear_bwd_b[TAIL]",
            "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd", "mlp_recompute", "mlp_bwd_a",
            "mlp_bwd_b", "mlp_bwd_b[TAIL]", "linear_decode", "linear_decode[COMMIT]", "mlp_decode",
-           "mlp_decode[COMMIT]", "linear_fwd_regs"}
+           "mlp_decode[COMMIT]", "linear_fwd_regs", "linear_fwd_res", "linear_bwd_b_res",
+           "linear_bwd_b_res[TAIL]"}
 
 
 def compile_records(tmp_path: Path, which: str) -> list[dict]:
@@ -58,6 +59,7 @@ def check(records: list[dict], cases) -> None:
     import torch
 
     from fastweights.ops.ttt.triton_regs import regs_config
+    from fastweights.ops.ttt.triton_resident import BWD_MIN_ARCH
 
     problems = []
     for arch in ARCHS:
@@ -65,6 +67,8 @@ def check(records: list[dict], cases) -> None:
             kernels = compiled_kernels()
             if regs_config(arch, getattr(torch, dtype), D) is None:  # the streamed forward
                 kernels.discard("linear_fwd_regs")
+            if arch < BWD_MIN_ARCH:  # the resident backward pass is refused there
+                kernels -= {"linear_bwd_b_res", "linear_bwd_b_res[TAIL]"}
             case = {s: {r["kernel"] for r in records if r["arch"] == arch
                         and r["dtype"] == dtype and r["D"] == D and r["flags"] == flags
                         and r["spec"] == s} for s in (spec, "aligned")}
@@ -76,17 +80,7 @@ def check(records: list[dict], cases) -> None:
     for r in records:
         name = (f"{r['kernel']} {r['dtype']} D={r['D']} {r['flags']} sm_{r['arch']} {r['spec']} "
                 f"warps={r['num_warps']}")
-        if "error" in r:
-            problems.append(f"{name}: {r['error']}")
-            continue
-        if not r["has_cubin"]:
-            problems.append(f"{name}: no cubin")
-        if r["shared"] > SHARED_LIMIT[r["arch"]]:
-            problems.append(f"{name}: {r['shared']} B shared > {SHARED_LIMIT[r['arch']]} B")
-        if r["spill_bytes"] is None:
-            problems.append(f"{name}: no ptxas log (spills unknown)")
-        elif r["spill_bytes"] != 0:
-            problems.append(f"{name}: spills {r['spill_bytes']} B ({r['registers']} registers)")
+        problems += record_problems(r, name, SHARED_LIMIT[r["arch"]])
     assert not problems, "\n".join(problems)
 
 
@@ -135,9 +129,9 @@ def test_dispatched_configurations_are_the_compiled_ones(monkeypatch):
 
 
 def test_dispatched_decode_configurations_are_the_compiled_ones(monkeypatch):
-    """The decoding kernels (ops/ttt/triton_decode.py): the dispatcher takes them for one-token
-    calls with half inputs (compiled above at head sizes 64 and 128), float32 goes to PyTorch,
-    and for the dual form's ops one-token calls stay on PyTorch."""
+    """The one-token steps' kernels (ops/ttt/triton_decode.py, registered under the ops' own
+    names): the dispatcher takes them for one-token calls with half inputs (compiled above at
+    head sizes 64 and 128); float32 goes to PyTorch."""
     from types import SimpleNamespace
 
     import torch
@@ -149,17 +143,16 @@ def test_dispatched_decode_configurations_are_the_compiled_ones(monkeypatch):
     assert triton_decode.MAX_D == backend.TRITON_MAX_DK
     monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
     monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
-    assert triton_decode.OPS == ("ttt_decode_linear", "ttt_decode_mlp")
+    assert triton_decode.OPS == ("ttt_linear", "ttt_mlp")
     for op in triton_decode.OPS:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for D in (16, 64, 128):
                 cuda = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(4, 1, 8, D),
                                        device="cuda:0")
-                chosen = backend.choose_backend(op, cuda, None, "step", 16)
+                chosen = backend.choose_backend(op, cuda, None, "dual", 16)
                 dispatched = dtype != torch.float32
                 assert chosen == ("triton" if dispatched else "torch"), (op, dtype, D, chosen)
                 for arch in ARCHS:
                     cfg = triton_decode.tile_config(arch, dtype, op, D)
                     assert (cfg is not None) == dispatched
-                dual = op.replace("_decode", "")
-                assert backend.choose_backend(dual, cuda, None, "dual", 16) == "torch"
+

@@ -2,7 +2,8 @@
 kernels) for real GPU targets, on a machine without a GPU (Triton's own ptxas compiles PTX to a
 cubin).
 
-Run as a script (``python tests/ops/triton_aot.py OUT.json [--ttt | --ttt-full] [arch ...]``)
+Run as a script (``python tests/ops/triton_aot.py OUT.json [--ttt | --ttt-full]
+[--only=FAMILY,...] [arch ...]``)
 in a process where
 TRITON_INTERPRET is unset: tests/conftest.py turns the interpreter on for the test session, and
 interpreted kernels cannot be compiled. Writes one record per compile (kernel variant, dtype,
@@ -35,24 +36,27 @@ ARCHS = (80, 90)
 DKS = (64, 128)  # head sizes that cover every launch: one key block, two key blocks
 # The ops the host code runs through the kernels: linear attention, normalised linear attention
 # (v gains a column of ones, o and dO are float32), the delta rule, the gated delta rule (the
-# delta rule's forward kernels with HAS_G on; its backward is PyTorch's).
+# delta rule's kernels with HAS_G on).
 OPS = ("linear", "linear_norm", "delta", "gated")
-# Triton specialises each launch on its arguments (16-byte alignment, integers divisible by 16):
-# the two ends of that range are compiled, see ``specialization``.
-SPECS = ("generic", "aligned")
+# Triton specialises each launch on its arguments (16-byte alignment, integers divisible by 16).
+# The host code pads head sizes to multiples of 16 and aligns every tensor (delta_rule/triton.py
+# ``_prepare``), so only the sizes T, N (chunks) and C (the chunk size) vary: the two ends of that
+# range are compiled, see ``specialization``.
+SPECS = ("odd_T", "aligned")
 # The aligned specialisation is compiled for bfloat16 (the usual training dtype; float16 kernels
-# are the same code with another input element type, within 16 registers of bfloat16's in the
-# generic compiles) and float32 (other kernels): the compile budget of the test session.
+# are the same code with another input element type) and float32 (other kernels): the compile
+# budget of the test session.
 ALIGNED_DTYPES = ("bfloat16", "float32")
 # Relative compile cost by kernel family (measured, float32 about twice half), for the order.
 COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, "state_fwd": 1,
         "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
         "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "mlp_recompute": 3, "mlp_bwd_a": 3,
-        "mlp_bwd_b": 3, "linear_decode": 0.5, "mlp_decode": 1, "linear_fwd_regs": 1.5}
+        "mlp_bwd_b": 3, "linear_decode": 0.5, "mlp_decode": 1, "linear_fwd_regs": 1.5, "linear_fwd_res": 1.5,
+        "linear_bwd_b_res": 3}
 # TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
 # (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
 # The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
-# or, for a T that is not a multiple of 16, "odd_T"; never "generic".
+# or, for a T that is not a multiple of 16, "odd_T".
 TTT_FLAGS = {"all": (True, True, True, True), "none": (False, False, False, False)}
 TTT_CASES = (("bfloat16", 128, "all", "aligned"), ("bfloat16", 128, "none", "aligned"),
              ("bfloat16", 64, "all", "aligned"), ("bfloat16", 64, "none", "aligned"),
@@ -69,11 +73,14 @@ class _Recorder:
     def __getitem__(self, grid):
         from triton.runtime.jit import mangle_type
 
-        def launch(*args, num_warps: int, num_stages: int | None = None, **constexprs):
+        def launch(*args, num_warps: int, num_stages: int | None = None,
+                   maxnreg: int | None = None, **constexprs):
             sig = {}
             for name, arg in zip(self.fn.arg_names, args):
                 # Triton's own argument types, unspecialised (no constexpr for an int equal to 1)
                 sig[name] = mangle_type(arg)
+            if maxnreg is not None:  # a launch option, recorded with the constexprs
+                constexprs["maxnreg"] = maxnreg
             self.out.append((self.fn, sig, constexprs, num_warps, num_stages))
         return launch
 
@@ -83,6 +90,28 @@ class _Ctx:
 
     def save_for_backward(self, *tensors) -> None:
         self.saved_tensors = tensors
+
+
+@contextlib.contextmanager
+def recorded(modules, arch: int):
+    """Within: every ``_*_kernel`` of ``modules`` replaced by a ``_Recorder`` and their
+    ``_arch`` returning ``arch``; yields the list the launches are recorded into."""
+    out: list = []
+    names = [(m, n) for m in modules for n in vars(m)
+             if n.startswith("_") and n.endswith("_kernel")]
+    saved = {(m, n): getattr(m, n) for m, n in names}
+    saved_arch = [m._arch for m in modules]
+    try:
+        for m, n in names:
+            setattr(m, n, _Recorder(saved[m, n], out))
+        for m in modules:
+            m._arch = lambda device: arch
+        yield out
+    finally:
+        for m, n in names:
+            setattr(m, n, saved[m, n])
+        for m, a in zip(modules, saved_arch):
+            m._arch = a
 
 
 def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
@@ -99,7 +128,9 @@ def _run_host(kernels, op: str, dtype, Dk: int, out: list) -> None:
         for Hv in (1, 2):
             v, gates = torch.zeros(B, T, Hv, Dv, dtype=dtype), torch.zeros(2, B, T, Hv)
             S0 = torch.zeros(B * Hv, Dk, Dv)
-            gated._GatedDeltaTriton.forward(_Ctx(), q, k, v, *gates, S0, 4)
+            ctx = _Ctx()
+            o, _ = gated._GatedDeltaTriton.forward(ctx, q, k, v, *gates, S0, 4)
+            gated._GatedDeltaTriton.backward(ctx, torch.zeros_like(o), torch.zeros_like(S0))
         return
     beta = torch.zeros(B, T, H, dtype=dtype) if op == "delta" else None
     S0 = torch.zeros(B * H, Dk, Dv + (op == "linear_norm"), dtype=torch.float32)
@@ -120,24 +151,13 @@ def signatures(kernels, dtype: str, arch: int):
     warps exactly as it passes them). Integer arguments compile unspecialised (i32)."""
     import torch
 
-    out: list = []
-    names = [n for n in vars(kernels) if n.startswith("_") and n.endswith("_kernel")]
-    saved = {n: getattr(kernels, n) for n in names}
-    saved_arch = kernels._arch
-    try:
-        for n in names:
-            setattr(kernels, n, _Recorder(saved[n], out))
-        kernels._arch = lambda device: arch
+    with recorded((kernels,), arch) as out:
         for op in OPS:
             name = {"delta": "delta_rule", "gated": "gated_delta_rule"}.get(op, "linear_attn")
             if not kernels.supports(name, getattr(torch, dtype)):
                 continue  # the dispatcher does not launch it (float32 delta rule)
             for Dk in DKS:
                 _run_host(kernels, op, getattr(torch, dtype), Dk, out)
-    finally:
-        for n in names:
-            setattr(kernels, n, saved[n])
-        kernels._arch = saved_arch
     seen, unique = set(), []
     for fn, sig, const, warps, _ in out:  # ops and head sizes share launches
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps)
@@ -149,7 +169,7 @@ def signatures(kernels, dtype: str, arch: int):
 
 def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
     """One forward and backward of ``_LinearTriton`` (ops/ttt/triton.py; the forward with
-    either kernel, ops/ttt/triton_regs.py) and of ``_MLPTriton``, and decoding steps of each
+    each kernel, ops/ttt/triton_regs.py and triton_resident.py) and of ``_MLPTriton``, and decoding steps of each
     (ops/ttt/triton_decode.py) on small CPU tensors (kernels
     replaced by recorders): b = 16, T = b + 3, the flags of ``TTT_FLAGS[flags]``."""
     import torch
@@ -159,13 +179,14 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
     T = b + 3
     q = torch.zeros(B, T, H, D, dtype=dtype)
     f = torch.zeros
-    # TTT-Linear with either forward kernel (ops/ttt/triton_regs.py: the streamed one, then
-    # the dispatcher's default, the register-resident one where it has a tiling)
-    from fastweights.ops.ttt import triton_regs
+    # TTT-Linear with each forward kernel (ops/ttt/triton_regs.py: the streamed one, the
+    # dispatcher's default, the register-resident one where it has a tiling, then the opt-in
+    # resident one of ops/ttt/triton_resident.py)
+    from fastweights.ops.ttt import triton_regs, triton_resident
 
     saved = os.environ.pop(triton_regs.ENV, None)
     try:
-        for variant in ("stream", ""):
+        for variant in ("stream", "", "resident"):
             os.environ[triton_regs.ENV] = variant
             ctx = _Ctx()
             ctx.needs_input_grad = (True,) * 11
@@ -173,8 +194,15 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
                 ctx, q, q, q, f(B, T, H), torch.ones(H, b), f(H, D) if ln else None,
                 f(H, D) if ln_bias else None, f(B * H, D, D), f(B * H, D) if bias else None,
                 residual, None)
-            if variant:  # the backward once (it does not depend on the forward kernel)
+            if variant == "stream":  # the backward once (it does not depend on the forward)
                 kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
+                if triton_resident._arch(q.device) >= triton_resident.BWD_MIN_ARCH:
+                    # and with the resident sequential pass (FASTWEIGHTS_TTT_BWD=resident)
+                    os.environ[triton_resident.BWD_ENV] = triton_resident.VARIANT
+                    try:
+                        kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
+                    finally:
+                        os.environ.pop(triton_resident.BWD_ENV)
     finally:
         os.environ.pop(triton_regs.ENV)
         if saved is not None:
@@ -194,11 +222,11 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
     # The TTT-Linear decoding step (ops/ttt/triton_decode.py): a step inside a mini-batch and
     # one that completes it
     from fastweights.ops.ttt import triton_decode
-    from fastweights.ops.ttt.decode import DecodeCarry
+    from fastweights.ops.ttt.common import TTTState
 
     for pos in (1, b - 1):
         rows = (f(B, H, pos, D), f(B, H, pos, D))
-        carry = DecodeCarry((f(B, H, D, D), f(B, H, D) if bias else None), None, rows, pos, 0)
+        carry = TTTState((f(B, H, D, D), f(B, H, D) if bias else None), rows, pos)
         triton_decode.ttt_linear_decode_triton(
             q[:, :1], q[:, :1], q[:, :1], f(B, 1, H, dtype=dtype), carry,
             f(H, D) if ln else None, f(H, D) if ln_bias else None, residual, torch.ones(H, b))
@@ -210,7 +238,7 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
             rows = tuple(f(B, H, pos, n) for n in (D, Dh, Dh, D))
             triton_decode.ttt_mlp_decode_triton(
                 q[:, :1], q[:, :1], q[:, :1], f(B, 1, H, dtype=dtype),
-                DecodeCarry(start, None, rows, pos, 0), f(H, D) if ln else None,
+                TTTState(start, rows, pos), f(H, D) if ln else None,
                 f(H, D) if ln_bias else None, residual, torch.ones(H, bd))
 
 
@@ -219,36 +247,24 @@ def ttt_signatures(kernels, case: tuple, arch: int):
     of one case of TTT_CASES on sm_``arch``, recorded from the host code."""
     import torch
 
-    from fastweights.ops.ttt import triton_decode, triton_regs
+    from fastweights.ops.ttt import triton_decode, triton_regs, triton_resident
 
     dtype, D, flags, _ = case
-    out: list = []
-    modules = (kernels, triton_decode, triton_regs)
-    names = [(m, n) for m in modules for n in vars(m)
-             if n.startswith("_") and n.endswith("_kernel")]
-    saved = {(m, n): getattr(m, n) for m, n in names}
-    saved_arch = [m._arch for m in modules]
-    try:
-        for m, n in names:
-            setattr(m, n, _Recorder(saved[m, n], out))
-        for m in modules:
-            m._arch = lambda device: arch
+    with recorded((kernels, triton_decode, triton_regs, triton_resident), arch) as out:
         _run_ttt_host(kernels, getattr(torch, dtype), D, flags)
-    finally:
-        for m, n in names:
-            setattr(m, n, saved[m, n])
-        for m, a in zip(modules, saved_arch):
-            m._arch = a
+    return distinct(out, lambda const: "".join(f"[{flag}]" for flag in ("TAIL", "COMMIT")
+                                               if const.get(flag)))
+
+
+def distinct(out: list, label) -> list:
+    """(kernel, name, signature, constexprs, num_warps, num_stages) of each distinct recorded
+    launch, named by its kernel family and ``label(constexprs)``."""
     seen, unique = set(), []
     for fn, sig, const, warps, stages in out:
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), warps, stages)
         if key not in seen:
             seen.add(key)
-            name = fn.__name__.strip("_").removesuffix("_kernel")
-            if const.get("TAIL"):
-                name += "[TAIL]"
-            if const.get("COMMIT"):
-                name += "[COMMIT]"
+            name = fn.__name__.strip("_").removesuffix("_kernel") + label(const)
             unique.append((fn, name, sig, const, warps, stages))
     return unique
 
@@ -272,22 +288,22 @@ def _name(kernel: str, sig: dict, const: dict) -> str:
 
 
 def specialization(sig: dict, spec: str) -> dict:
-    """Triton's argument attributes for a launch: "generic" none; "aligned" what a launch gets
-    whose pointers are 16-byte aligned and whose sizes T, N, Dk, Dv, C (Dh) are multiples of 16
-    (the usual training shapes: torch allocations are aligned; H is left free); "odd_T" (the
-    TTT kernels, whose head sizes the dispatcher keeps to multiples of 16) the same but for T
-    and N."""
-    if spec == "generic":
-        return {}
+    """Triton's argument attributes for a launch: "aligned" what a launch gets whose pointers
+    are 16-byte aligned and whose sizes T, N, Dk, Dv, C (Dh) are multiples of 16 (the usual
+    training shapes; H is left free); "odd_T" the same but for the sizes along time, T, N and C
+    (any sequence length and chunk size). The host code never launches anything less aligned:
+    the fast-weight ops pad head sizes to multiples of 16 (delta_rule/triton.py ``_prepare``),
+    the TTT dispatcher takes only such head sizes."""
     sizes = ("Dk", "Dv", "Dh") if spec == "odd_T" else ("T", "N", "Dk", "Dv", "C", "Dh")
     return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
             if ty.startswith("*") or name in sizes}
 
 
-def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
+def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = (), only: tuple = ()) -> list[tuple]:
     """(arch, dtype, index into ``signatures``, specialization) of every compile, the costliest
     first; with ``ttt`` (cases of TTT_CASES) ("ttt", arch, case, index into
-    ``ttt_signatures``) of the TTT kernels instead."""
+    ``ttt_signatures``) of the TTT kernels instead, ``only`` those of the kernel families
+    named (all if empty)."""
     if ttt:
         from fastweights.ops.ttt import triton as ttt_kernels
 
@@ -301,6 +317,8 @@ def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
                         ttt_signatures(ttt_kernels, case, arch)):
                     key = (arch, name, tuple(sig.items()), tuple(sorted(const.items())), warps,
                            stages, tuple(sorted(specialization(sig, case[3]))))
+                    if only and name.split("[")[0] not in only:
+                        continue
                     if dispatched(ttt_kernels, name) and key not in seen:
                         seen.add(key)
                         todo.append((COST[name.split("[")[0]], ("ttt", arch, case, i)))
@@ -321,10 +339,6 @@ def tasks(archs=ARCHS, dtypes=tuple(DTYPES), ttt: tuple = ()) -> list[tuple]:
 
 def compile_one(task: tuple[int, str, int, int]) -> dict:
     """Compile one launch for its target; the record the tests assert on."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if task[0] == "ttt":
         from fastweights.ops.ttt import triton as ttt_kernels
 
@@ -342,13 +356,26 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
         fn, name, sig, const, warps = signatures(kernels, dtype, arch)[i]
         rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "BV": const["BV"],
                "BK": const["BK"], "num_warps": warps, "stages": const.get("STAGES")}
+        const = dict(const)
         options = {"num_warps": warps}
+        if "maxnreg" in const:
+            options["maxnreg"] = const.pop("maxnreg")
+    return compile_record(rec, fn, sig, const, specialization(sig, spec), arch, options)
+
+
+def compile_record(rec: dict, fn, sig: dict, const: dict, attrs: dict, arch: int,
+                   options: dict) -> dict:
+    """``rec`` completed with one compile's figures (shared memory, registers and spill bytes
+    from ptxas's log, whether there is a cubin, or the error) and printed to stderr."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     start = time.perf_counter()
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
-            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const,
-                                          attrs=specialization(sig, spec)),
+            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                                 target=GPUTarget("cuda", arch, 32), options=options)
         text = log.getvalue()
         rec["shared"] = ck.metadata.shared
@@ -384,24 +411,49 @@ def workers() -> int:
 
 
 def compile_all(archs=ARCHS, dtypes=tuple(DTYPES), processes: int | None = None,
-                ttt: tuple = ()) -> list[dict]:
+                ttt: tuple = (), only: tuple = ()) -> list[dict]:
     """Every record, compiled in ``processes`` (default ``workers()``) worker processes
-    (``ttt``: the TTT kernels' cases instead, see ``tasks``)."""
-    todo = tasks(archs, dtypes, ttt)
+    (``ttt``: the TTT kernels' cases instead, ``only`` some of their families, see
+    ``tasks``)."""
+    return compile_in_pool(compile_one, tasks(archs, dtypes, ttt, only), processes)
+
+
+def compile_in_pool(compile_task, todo: list, processes: int | None = None) -> list[dict]:
+    """``compile_task`` (a module-level function) over ``todo`` in ``processes`` (default
+    ``workers()``) worker processes sharing one fresh Triton cache."""
     cache_dir = tempfile.mkdtemp(prefix="fastweights-aot-")
     processes = min(processes or workers(), len(todo))
     if processes == 1:
         _init_worker(cache_dir)
-        return [compile_one(t) for t in todo]
+        return [compile_task(t) for t in todo]
     # spawn: fresh interpreters (no state of an imported torch forked into them)
     with multiprocessing.get_context("spawn").Pool(processes, _init_worker, (cache_dir,)) as pool:
-        return list(pool.imap_unordered(compile_one, todo, chunksize=1))
+        return list(pool.imap_unordered(compile_task, todo, chunksize=1))
+
+
+def record_problems(r: dict, name: str, shared_limit: int) -> list[str]:
+    """What is wrong with one compile record (named ``name`` in the messages): an error, no
+    cubin, shared memory over ``shared_limit`` bytes, no ptxas log, spills."""
+    if "error" in r:
+        return [f"{name}: {r['error']}"]
+    problems = [] if r["has_cubin"] else [f"{name}: no cubin"]
+    if r["shared"] > shared_limit:
+        problems.append(f"{name}: {r['shared']} B shared > {shared_limit} B")
+    if r["spill_bytes"] is None:
+        problems.append(f"{name}: no ptxas log (spills unknown)")
+    elif r["spill_bytes"] != 0:
+        problems.append(f"{name}: spills {r['spill_bytes']} B ({r['registers']} registers)")
+    return problems
 
 
 if __name__ == "__main__":
-    flags = [a for a in sys.argv[2:] if a.startswith("--")]
+    # --only=FAMILY[,FAMILY...]: with --ttt or --ttt-full, only those kernel families (e.g.
+    # --only=linear_fwd_res, to read one kernel's registers under several Tritons)
+    only = tuple(f for a in sys.argv[2:] if a.startswith("--only=")
+                 for f in a.removeprefix("--only=").split(","))
+    flags = [a for a in sys.argv[2:] if a.startswith("--") and not a.startswith("--only=")]
     archs = tuple(int(a) for a in sys.argv[2:] if not a.startswith("--")) or ARCHS
     cases = {"--ttt": TTT_CASES[:2], "--ttt-full": TTT_CASES}[flags[0]] if flags else ()
-    result = compile_all(archs, ttt=cases)
+    result = compile_all(archs, ttt=cases, only=only)
     with open(sys.argv[1], "w") as fh:
         json.dump(result, fh)

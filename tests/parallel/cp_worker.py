@@ -27,6 +27,9 @@ _LISTED: list[tuple[str, str, dict, bool]] = [
     ("favor", "favor", {}, False),
     ("delta", "delta", {}, False),
     ("delta-dpfp", "linear", {"feature_map": "dpfp", "nu": 1, "update": "delta", "normalize": "sum"}, False),
+    # the attention-normalised delta rule is relayed (its z is not affine): both normalisers
+    ("delta-attention", "delta", {"normalize": "attention"}, False),
+    ("delta-sum-attention", "delta", {"normalize": "sum+attention"}, False),
     ("ttt-linear", "ttt-linear", {"mini_batch_size": 4}, False),
     ("ttt-mlp", "ttt-mlp", {"mini_batch_size": 4}, False),
     ("norm", "norm", {"chunk_size": 4}, False),

@@ -1,6 +1,7 @@
 """Context parallelism (fastweights.parallel) on CPU with gloo: 2 and 4 processes, each holding
 a shard of unequal length, against the single-process run in float64, for every registered
-mixer (plus the delta rule on DPFP features, TransNormer's decay and Infini's delta memory).
+mixer (plus the delta rule on DPFP features and normalised by attention, TransNormer's decay and
+Infini's delta memory).
 
 Each world size is spawned once for the whole module (cp_worker.equality_worker runs every
 case and records its largest differences); the tests read those records.

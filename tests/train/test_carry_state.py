@@ -14,12 +14,13 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from fastweights import state_tree
 from fastweights.models import LanguageModel, LMConfig
 from fastweights.tasks import load_corpus
 from fastweights.train.batches import STREAM_WINDOWS, BatchSource
 from fastweights.train.checkpoint import load_checkpoint
 from fastweights.train.trainer import TrainConfig, lr_factor, train
-from tests.train.test_trainer import _free_port
+from tests.spawned import TOL64, assert_same_run, float64_default, free_port
 
 # About 1,300 training bytes: segments of STREAM_WINDOWS = 16 windows of 16 bytes fit, and 30 steps
 # cross one segment boundary (a jump to new offsets with a fresh state).
@@ -214,23 +215,64 @@ def _ddp_worker(rank: int, world: int, port: int, run_dir: str, corpus_path: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                       RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
     losses = train(run_dir, model_cfg(), train_cfg(steps=8, eval_every=8),
                    load_corpus(corpus_path), progress=False)
     Path(run_dir, f"losses-{rank}.json").write_text(json.dumps(losses))
 
 
 def test_two_process_ddp_carries_each_ranks_rows(tmp_path, corpus):
-    one = train(tmp_path / "one", model_cfg(), train_cfg(steps=8, eval_every=8), corpus,
-                progress=False)
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path / "two"), str(tmp_path / "corpus.txt")),
+    """Float64 end to end: losses, validation loss (one carried stream), weights and the carried
+    state within TOL64 (tests/spawned.py)."""
+    with float64_default():
+        one = train(tmp_path / "one", model_cfg(), train_cfg(steps=8, eval_every=8), corpus,
+                    progress=False)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path / "two"), str(tmp_path / "corpus.txt")),
              nprocs=2, join=True)
     for rank in (0, 1):
         two = json.loads((tmp_path / "two" / f"losses-{rank}.json").read_text())
-        assert max(abs(a - b) for (_, a), (_, b) in zip(two, one)) < 1e-5
+        assert_same_run(two, tmp_path / "two", one, tmp_path / "one")
     # The checkpoint holds the whole global batch's carried state, gathered in rank order.
-    _, a, _ = load_checkpoint(tmp_path / "one")
-    _, b, _ = load_checkpoint(tmp_path / "two")
+    with float64_default():
+        _, a, _ = load_checkpoint(tmp_path / "one")
+        _, b, _ = load_checkpoint(tmp_path / "two")
     assert a["carry"]["position"] == b["carry"]["position"]
-    for s, t in zip(a["carry"]["state"], b["carry"]["state"]):
-        for x, y in zip(s, t):
-            assert x.shape == y.shape and torch.allclose(x, y, atol=1e-5)
+    got, want = (state_tree.tensors(c["carry"]["state"]) for c in (b, a))
+    assert len(got) == len(want) and any(x.dtype == torch.float64 for x in want)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert (x - y).abs().max().item() < TOL64
+
+
+def test_a_carried_ttt_state_of_an_older_checkpoint_loads(tmp_path, monkeypatch):
+    """Checkpoints written before the TTT state had one form pickled a carried TTT layer's
+    open mini-batch as a NamedTuple of the removed module ops/ttt/decode.py (start, prior,
+    rows, pos, prior_steps): it loads as the TTTState it equals (the rows form)."""
+    import sys
+    import types
+    from typing import NamedTuple
+
+    from fastweights.ops import TTTState
+    from fastweights.train import checkpoint
+
+    old = types.ModuleType("fastweights.ops.ttt.decode")
+
+    class Rows(NamedTuple):
+        start: tuple
+        prior: object
+        rows: tuple
+        pos: int
+        prior_steps: int
+
+    Rows.__module__, Rows.__qualname__ = old.__name__, "Rows"
+    old.Rows = Rows
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    start, rows = (torch.ones(1, 2, 4, 4), None), (torch.zeros(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    torch.save({"carry": {"state": [(3, None, Rows(start, None, rows, 3, 0))]}},
+               tmp_path / "optimizer.pt")
+    monkeypatch.delitem(sys.modules, old.__name__)
+    saved = torch.load(tmp_path / "optimizer.pt", weights_only=False,
+                       pickle_module=checkpoint._saved_states)
+    inner = saved["carry"]["state"][0][2]
+    assert isinstance(inner, TTTState) and inner.pos == 3 and inner.start[1] is None
+    assert torch.equal(inner.rows[1], rows[1])

@@ -1,18 +1,15 @@
 """Context-parallel training (``train(..., context_parallel=N)``, ``fastweights train
 --context-parallel N``): the same losses as one process on the same global batch.
 
-The models are float64 (default dtype set in every process) so that the only differences are
-summation order; the cross-entropy is taken in float32 as in every run, hence the 1e-6 bound.
-Each world size is spawned once for the module; the workers record their losses, validation
+The models are float64 (default dtype set in every process), float64 end to end (the
+cross-entropy, the validation loss, the reductions across ranks), so that the only differences
+are summation order: within ``TOL64`` (its derivation: tests/spawned.py). Each world size is spawned once for the module; the workers record their losses, validation
 losses and refusals in JSON files that the tests read.
 """
 
 from __future__ import annotations
 
-import csv
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,23 +17,22 @@ import torch
 import torch.multiprocessing as mp
 
 from fastweights.cli import main
-from fastweights.models import LanguageModel, LMConfig
+from fastweights.models import LMConfig
 from fastweights.tasks import load_corpus
-from fastweights.train.checkpoint import resolve_checkpoint
 from fastweights.train.trainer import TrainConfig, train
+from tests.spawned import (
+    assert_same_losses,
+    assert_same_run,
+    float64_default,
+    free_port,
+    worker_env,
+)
 
 TEXT = "".join(f"def g{i}(y):\n    return y - {i % 9} * {i % 4}\n\n" for i in range(300))
 # (id, mixer, options): one per strategy family the trainer meets (scan with a transition, plain
 # sum scan, gather, relay).
 MIXERS = [("delta", "delta", {}), ("linear", "linear", {}), ("softmax", "softmax", {}),
           ("ttt-linear", "ttt-linear", {"mini_batch_size": 4})]
-TOL = 1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_cfg(mixer: str, options: dict) -> LMConfig:
@@ -50,17 +46,8 @@ def train_cfg(**kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-def _val_losses(run_dir: Path) -> list[float]:
-    with open(run_dir / "metrics.csv") as f:
-        return [float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "val"]
-
-
 def _worker(rank: int, world: int, port: int, root: str, cases: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                      RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    torch.distributed.init_process_group("gloo")
+    worker_env(rank, world, port)
     corpus = load_corpus(str(Path(root) / "corpus.txt"))
     out: dict[str, object] = {}
     for case_id, mixer, options in MIXERS:
@@ -98,17 +85,14 @@ def corpus_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, corpus_path) -> dict[str, tuple[list, list[float], Path]]:
-    """One process, float64: (losses, validation losses, run folder) per case."""
+def single(tmp_path_factory, corpus_path) -> dict[str, tuple[list, Path]]:
+    """One process, float64: (losses, run folder) per case."""
     root = tmp_path_factory.mktemp("one")
-    corpus, dtype = load_corpus(str(corpus_path)), torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    corpus = load_corpus(str(corpus_path))
+    with float64_default():
         return {case_id: (train(root / case_id, model_cfg(mixer, options), train_cfg(), corpus,
-                                progress=False), _val_losses(root / case_id), root / case_id)
+                                progress=False), root / case_id)
                 for case_id, mixer, options in MIXERS}
-    finally:
-        torch.set_default_dtype(dtype)
 
 
 @pytest.fixture(scope="module")
@@ -124,39 +108,25 @@ def world4(tmp_path_factory) -> tuple[Path, list[dict]]:
     return root, _spawn(root, 4, ["delta", "ttt-linear"])
 
 
-def _assert_same(got: list, want: list) -> None:
-    assert [s for s, _ in got] == [s for s, _ in want]
-    diff = max(abs(a - b) for (_, a), (_, b) in zip(got, want))
-    assert diff < TOL, f"max loss difference {diff:.3e}"
-
-
 @pytest.mark.parametrize("case_id", [c[0] for c in MIXERS])
 def test_context_parallel_2_equals_one_process(world2, single, case_id):
     root, records = world2
-    losses, val, run = single[case_id]
     for rec in records:
-        _assert_same(rec[case_id], losses)
-    got_val = _val_losses(root / f"cp-{case_id}")
-    # metrics.csv writes 6 decimals: one unit of the last place on top of TOL
-    assert len(got_val) == len(val) == 1 and abs(got_val[0] - val[0]) < TOL + 1e-6
-    a = LanguageModel.from_pretrained(resolve_checkpoint(root / f"cp-{case_id}"))
-    b = LanguageModel.from_pretrained(resolve_checkpoint(run))
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.allclose(p, q, atol=TOL, rtol=0)
+        assert_same_run(rec[case_id], root / f"cp-{case_id}", *single[case_id])
 
 
 @pytest.mark.parametrize("case_id", ["delta", "ttt-linear"])
 def test_context_parallel_2_times_data_parallel_2_equals_one_process(world4, single, case_id):
-    _, records = world4
+    root, records = world4
     for rec in records:
-        _assert_same(rec[case_id], single[case_id][0])
+        assert_same_run(rec[case_id], root / f"cp-{case_id}", *single[case_id])
 
 
 def test_context_parallel_resume_reproduces_the_run(world2):
     _, records = world2
     for rec in records:
         assert [s for s, _ in rec["resume"]] == [2, 3]  # from the checkpoint of step 1
-        _assert_same(rec["resume"], rec["delta"][1:])
+        assert_same_losses(rec["resume"], rec["delta"][1:])
 
 
 def test_shard_off_a_block_border_is_refused_on_every_rank(world2):

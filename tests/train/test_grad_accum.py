@@ -3,8 +3,9 @@ micro-batches of ``batch_size`` rows per optimiser step train exactly as one bat
 ``batch_size`` rows (same data, same mean loss, same gradient), in one process, under DDP and
 under context parallelism.
 
-Float64 models; the cross-entropy is taken in float32 as in every run, hence the 1e-6 bound.
-The two-process cases share one spawned world.
+Float64 models, float64 end to end (the cross-entropy, the validation loss, the reductions
+across ranks), compared within ``TOL64`` (its derivation: tests/spawned.py). The two-process
+cases share one spawned world.
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ import torch
 import torch.multiprocessing as mp
 
 from fastweights.cli import main
-from fastweights.models import LanguageModel, LMConfig
+from fastweights.models import LMConfig
 from fastweights.tasks import load_corpus
-from fastweights.train.checkpoint import resolve_checkpoint
 from fastweights.train.trainer import TrainConfig, train
-from tests.spawned import float64_default, free_port, val_losses, worker_env
+from tests.spawned import assert_same_run, float64_default, free_port, worker_env
 
 TEXT = "".join(f"def h{i}(z):\n    return z + {i % 6} * {i % 5}\n\n" for i in range(300))
-TOL = 1e-6
 
 
 def model_cfg() -> LMConfig:
@@ -37,19 +36,6 @@ def train_cfg(**kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-def _assert_same_run(got: tuple[list, Path], want: tuple[list, Path]) -> None:
-    (losses, run), (ref, ref_run) = got, want
-    assert [s for s, _ in losses] == [s for s, _ in ref]
-    diff = max(abs(a - b) for (_, a), (_, b) in zip(losses, ref))
-    assert diff < TOL, f"max loss difference {diff:.3e}"
-    got_val, want_val = val_losses(run), val_losses(ref_run)
-    assert len(got_val) == len(want_val) == 1 and abs(got_val[0] - want_val[0]) < TOL + 1e-6
-    a = LanguageModel.from_pretrained(resolve_checkpoint(run))
-    b = LanguageModel.from_pretrained(resolve_checkpoint(ref_run))
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        assert torch.allclose(p, q, atol=TOL, rtol=0), name
-
-
 @pytest.fixture(scope="module")
 def corpus_path(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("accum-corpus") / "corpus.txt"
@@ -58,16 +44,29 @@ def corpus_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, corpus_path) -> dict[str, tuple[list, Path]]:
+def docs_path(tmp_path_factory) -> Path:
+    """A folder corpus of 80 short documents of unequal lengths: packed windows cross document
+    boundaries, whose targets are ignored (-100), so the micro-batches of a step predict
+    different numbers of tokens."""
+    root = tmp_path_factory.mktemp("accum-docs")
+    for i in range(80):
+        (root / f"doc{i:02d}.txt").write_text(f"def d{i}(z): return z * {i % 9}\n" * (1 + i % 4))
+    return root
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, corpus_path, docs_path) -> dict[str, tuple[list, Path]]:
     """One process, float64: (losses, run folder) of one batch of 4 rows per step, and of 2
-    micro-batches of 2 rows, with and without packing."""
+    micro-batches of 2 rows, with and without packing (packed: on the corpus of many
+    documents, where the micro-batches' token counts weigh their losses)."""
     root = tmp_path_factory.mktemp("accum-one")
-    corpus = load_corpus(str(corpus_path))
+    corpus, docs = load_corpus(str(corpus_path)), load_corpus(str(docs_path))
     cases = {"whole": {}, "accum": {"batch_size": 2, "grad_accum": 2},
              "whole-pack": {"pack": True}, "accum-pack": {"batch_size": 2, "grad_accum": 2,
                                                          "pack": True}}
     with float64_default():
-        return {name: (train(root / name, model_cfg(), train_cfg(**kw), corpus, progress=False),
+        return {name: (train(root / name, model_cfg(), train_cfg(**kw),
+                             docs if kw.get("pack") else corpus, progress=False),
                        root / name) for name, kw in cases.items()}
 
 
@@ -93,7 +92,7 @@ def world2(tmp_path_factory, corpus_path) -> tuple[Path, list[dict]]:
 @pytest.mark.parametrize("pack", [False, True], ids=["windows", "packed"])
 def test_two_micro_batches_equal_one_batch_of_twice_the_rows(single, pack):
     suffix = "-pack" if pack else ""
-    _assert_same_run(single["accum" + suffix], single["whole" + suffix])
+    assert_same_run(*single["accum" + suffix], *single["whole" + suffix])
     record = json.loads((single["accum" + suffix][1] / "run.json").read_text())
     assert record["train"]["grad_accum"] == 2
 
@@ -102,7 +101,7 @@ def test_two_micro_batches_equal_one_batch_of_twice_the_rows(single, pack):
 def test_accumulation_across_two_processes_equals_one_batch(world2, single, case):
     root, records = world2
     for rec in records:
-        _assert_same_run((rec[case], root / case), single["whole"])
+        assert_same_run(rec[case], root / case, *single["whole"])
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -10,12 +10,12 @@ mixers that have one, same weights), and reports per (mixer, context):
 
 - ``state_bytes``: bytes of every tensor of the carried state after the prefill, and its growth
   per decoded token (0 for recurrent mixers; the KV cache for softmax);
-- ``decode_peak_rss_mib``: the resident-set high-water mark during the decode loop above what
-  was resident before it (Linux: reset with ``/proc/self/clear_refs``, read ``VmHWM``; glibc is
-  told to return freed blocks above 64 KiB), i.e. the memory decoding touches on top of the model
-  and the prefilled state; ``rss_mib`` the process resident set after decoding;
-- ``tokens_per_s``: decoded tokens per second of wall time (``time.perf_counter``, after one
-  untimed warm-up step).
+- ``decode_peak_rss_mib``: the peak memory the decode loop adds to what was resident before it
+  (bench/measure.py's ``PeakMemory``, the benchmarks' one memory meter: the resident-set
+  high-water mark on Linux), i.e. the memory decoding touches on top of the model and the
+  prefilled state; ``rss_mib`` the process resident set after decoding;
+- ``tokens_per_s``: decoded tokens per second of wall time (bench/measure.py's ``time_call``,
+  the benchmarks' one timer, after one untimed warm-up step).
 
 Everything runs in one process, one setting after another; results are printed as a table and
 written as JSON with ``--out``.
@@ -24,14 +24,10 @@ written as JSON with ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
 import gc
 import json
 import platform
-import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,34 +38,10 @@ from .._commands import positive_int, recorded_settings
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
 from ..models.registry import mixer_options
+from .measure import PeakMemory, prepare_cpu_memory_accounting, resident_bytes, time_call
 from .targets import check_model_mixers
 
 MIB = 2 ** 20
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) if match else None
-
-
-def _return_freed_memory() -> None:
-    """Make glibc give every freed block above 64 KiB back to the kernel (M_MMAP_THRESHOLD), so
-    the resident set shows what decoding allocates instead of a heap that only grows."""
-    # Not glibc: RSS figures then include the allocator's cached blocks.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
-
-
-def _reset_rss_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
-    except OSError:
-        return False
-    return True
 
 
 @torch.no_grad()
@@ -90,36 +62,47 @@ def measure(mixer: str, context: int, *, d_model: int, n_layers: int, n_heads: i
     else:
         stepper = model
     ids = torch.randint(0, vocab_size, (1, context))
-    state = None
-    t0 = time.perf_counter()
-    for piece in ids.split(prefill_chunk, dim=1):
-        logits, state = model(piece, state)
-    prefill_s = time.perf_counter() - t0
-    prefill_state = state_tree.nbytes(state)
+    cpu = torch.device("cpu")
+    carried: dict[str, Any] = {"state": None}
 
-    token = logits[:, -1:].argmax(-1)
-    logits, state = stepper(token, state)  # warm-up step, untimed
+    def prefill() -> None:
+        for piece in ids.split(prefill_chunk, dim=1):
+            carried["logits"], carried["state"] = model(piece, carried["state"])
+
+    prefill_s = time_call(prefill, cpu)
+    prefill_state = state_tree.nbytes(carried["state"])
+    # warm-up step, untimed
+    carried["logits"], carried["state"] = stepper(carried["logits"][:, -1:].argmax(-1),
+                                                  carried["state"])
     gc.collect()
-    rss_before = _status_kib("VmRSS")
-    tracked = _reset_rss_peak() and rss_before is not None
-    t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        token = logits[:, -1:].argmax(-1)
-        logits, state = stepper(token, state)
-    decode_s = time.perf_counter() - t0
-    hwm = _status_kib("VmHWM")
-    rss_after = _status_kib("VmRSS")
+
+    def decode() -> None:
+        for _ in range(new_tokens):
+            token = carried["logits"][:, -1:].argmax(-1)
+            carried["logits"], carried["state"] = stepper(token, carried["state"])
+
+    with PeakMemory(cpu, enabled=prepare_cpu_memory_accounting()) as mem:
+        decode_s = time_call(decode, cpu)
+    state = carried["state"]
     decoded = new_tokens + 1
     return {
         "mixer": mixer, "context": context, "new_tokens": new_tokens, "decode_mode": decode_mode,
         "params": model.num_parameters(),
         "state_bytes_after_prefill": prefill_state,
         "state_bytes_per_new_token": (state_tree.nbytes(state) - prefill_state) / decoded,
-        "decode_peak_rss_mib": (hwm - rss_before) / 1024 if tracked and hwm else None,
-        "rss_mib": rss_after / 1024 if rss_after else None,
+        "decode_peak_rss_mib": None if mem.peak is None else mem.peak / MIB,
+        "rss_mib": _resident_mib(),
         "prefill_s": prefill_s,
         "tokens_per_s": new_tokens / decode_s,
     }
+
+
+def _resident_mib() -> float | None:
+    """The process's resident set now, MiB (None where /proc is not there)."""
+    try:
+        return resident_bytes() / MIB
+    except OSError:
+        return None
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -131,7 +114,6 @@ def run_decode(mixers: list[str], contexts: list[int], *, d_model: int = 256, n_
         seed: int = 0, decode_mode: str = "layer") -> list[dict[str, Any]]:
     """``measure`` for every (mixer, context), one after another in this process; prints a
     table row by row and returns the rows."""
-    _return_freed_memory()
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {n_layers} layers, d_model {d_model}, "
           f"{n_heads} heads, float32, batch 1, {new_tokens} decoded tokens, "

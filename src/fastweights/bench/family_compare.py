@@ -6,7 +6,7 @@ attention, all measured in one process (the numbers of issue 4's closing note).
 
 Each mixer is built with its registry defaults at ``--d-model`` / ``--heads`` in float32; one
 timed call is ``y, _ = layer(x); y.sum().backward()`` on a fresh ``x`` of shape
-[batch, T, d_model] that requires grad (``time.perf_counter``, CUDA synchronised on both sides).
+[batch, T, d_model] that requires grad (bench/measure.py's ``time_call``: CUDA synchronised on both sides).
 After one warm-up call per mixer, the mixers are timed in turn, ``--repeats`` rounds, so that a
 load change on a shared machine hits every mixer alike; the table gives the minimum (the best
 estimate of the unloaded cost) and the median per mixer, and the ratio of minima to softmax.
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from .._commands import positive_int
 from ..models.registry import build_mixer, mixer_names
+from .measure import time_call
 
 DEFAULT_MIXERS = ("softmax", "norm", "diag", "aft-full", "aft-local", "aft-simple", "aft-conv", "infini")
 
@@ -38,14 +38,12 @@ def fwd_bwd_call(name: str, T: int, d_model: int, heads: int, batch: int,
     def once() -> float:
         xi = x.clone().requires_grad_()
         layer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        y, _ = layer(xi)
-        y.sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+
+        def call() -> None:
+            y, _ = layer(xi)
+            y.sum().backward()
+
+        return time_call(call, device)
 
     return once
 

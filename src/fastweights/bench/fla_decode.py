@@ -42,7 +42,6 @@ import importlib.util
 import json
 import os
 import platform
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,8 @@ import torch
 from .. import state_tree
 from .._commands import UserError, positive_int, recorded_settings
 from ..fla import FlaDeltaNetConfig, FlaDeltaNetLM
-from .decode import MIB, _fmt, _reset_rss_peak, _return_freed_memory, _status_kib
+from .decode import MIB, _fmt, _resident_mib
+from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
 
 SHAPES: dict[str, dict[str, int]] = {
     "340M": {"hidden_size": 1024, "num_heads": 8, "num_hidden_layers": 24, "vocab_size": 32000},
@@ -148,37 +148,45 @@ def measure(model: str, shape: str, dtype: str, context: int, *, new_tokens: int
     vocab = SHAPES[shape]["vocab_size"]
     generator = torch.Generator().manual_seed(seed)
     prefill_s = None
+    cpu = torch.device("cpu")
+    carried: dict[str, Any] = {"state": state}
     if fill == "prefill":
         ids = torch.randint(0, vocab, (1, context), generator=generator)
-        t0 = time.perf_counter()
-        for piece in ids.split(prefill_chunk, dim=1):
-            logits, state = step(piece, state)
-        prefill_s = time.perf_counter() - t0
-        first = logits[:, -1:].argmax(-1)
+
+        def prefill() -> None:
+            for piece in ids.split(prefill_chunk, dim=1):
+                carried["logits"], carried["state"] = step(piece, carried["state"])
+
+        prefill_s = time_call(prefill, cpu)
+        state = carried["state"]
+        first = carried["logits"][:, -1:].argmax(-1)
     else:
         state = synthetic_context(model, net, step, state, context, generator)
         first = torch.randint(0, vocab, (1, 1), generator=generator)
     prefill_state = _cache_bytes(state)
 
-    logits, state = step(first, state)  # warm-up step, untimed
+    carried["logits"], carried["state"] = step(first, state)  # warm-up step, untimed
     gc.collect()
-    rss_before = _status_kib("VmRSS")
-    tracked = _reset_rss_peak() and rss_before is not None
-    t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        logits, state = step(logits[:, -1:].argmax(-1), state)
-    decode_s = time.perf_counter() - t0
-    hwm, rss_after = _status_kib("VmHWM"), _status_kib("VmRSS")
+
+    def decode() -> None:
+        for _ in range(new_tokens):
+            carried["logits"], carried["state"] = step(carried["logits"][:, -1:].argmax(-1),
+                                                       carried["state"])
+
+    with PeakMemory(cpu, enabled=prepare_cpu_memory_accounting()) as mem:
+        decode_s = time_call(decode, cpu)
+    logits, state = carried["logits"], carried["state"]
     result = {
         "model": model, "shape": shape, "dtype": dtype, "context": context, "context_fill": fill,
         "new_tokens": new_tokens, "params": params, "param_mib": param_bytes / MIB,
         "state_mib_after_prefill": prefill_state / MIB,
         "state_bytes_per_new_token": (_cache_bytes(state) - prefill_state) / (new_tokens + 1),
-        "decode_peak_rss_mib": (hwm - rss_before) / 1024 if tracked and hwm else None,
-        "rss_mib": rss_after / 1024 if rss_after else None,
+        "decode_peak_rss_mib": None if mem.peak is None else mem.peak / MIB,
+        "rss_mib": _resident_mib(),
         "prefill_s": prefill_s, "tokens_per_s": new_tokens / decode_s,
     }
-    del net, step, state, logits
+    carried.clear()  # (the closures above keep step alive until measure returns)
+    del net, state, logits
     gc.collect()
     return result
 
@@ -208,7 +216,6 @@ def run_fla_decode(shapes: list[str], models: list[str], dtypes: list[str], cont
         fill: str = "synthetic") -> list[dict[str, Any]]:
     """``measure`` for every (shape, dtype, model, context), one after another in this process;
     prints a Markdown table row by row and returns the rows."""
-    _return_freed_memory()
     info = machine()
     how = (f"prefill in pieces of {prefill_chunk}" if fill == "prefill"
            else "synthetic context (random state / KV cache, no prefill)")

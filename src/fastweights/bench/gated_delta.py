@@ -10,7 +10,7 @@ times, at B1 H8 D64 float32 (q, k, v [B, T, H, D], k L2-normalised, beta in (0, 
   of Qwen3.5 / Qwen3-Next, unwrapped from its kernel dispatch) at the same chunk sizes;
 - ``step`` (one token with a carried state [B, H, D, D], as a decoding step; ``--step-calls``
   calls per timed sample): the public ``gated_delta_rule`` on a one-token input (its checks
-  included), ``gated_delta_rule_step`` (the unchecked step a layer calls), transformers'
+  included), ``gated_delta_rule_step`` (the one-token step a layer calls), transformers'
   ``torch_recurrent_gated_delta_rule`` on one token, and ``delta_rule`` on one token.
 
 Both sides get the same computation: transformers' functions always scale q by 1/sqrt(D), so
@@ -55,8 +55,7 @@ from .._commands import (
     recorded_settings,
     user_errors,
 )
-from ..ops import delta_rule, gated_delta_rule
-from ..ops.gated_delta_rule import gated_delta_rule_step
+from ..ops import delta_rule, gated_delta_rule, gated_delta_rule_step
 from .measure import prepare_cpu_memory_accounting
 from .suite import cpu_info
 
@@ -132,7 +131,6 @@ def _candidates(pass_: str, x: dict[str, torch.Tensor], chunk_sizes: list[int],
         one = {n: t[:, :1] for n, t in x.items() if n != "S"}
         S = x["S"]
         q1, k1, v1, b1, g1 = one["q"], one["k"], one["v"], one["beta"], one["g"]
-        qs = q1 * s  # the unchecked step takes q already scaled
 
         def repeat(fn: Call) -> Call:
             def run() -> None:
@@ -142,7 +140,8 @@ def _candidates(pass_: str, x: dict[str, torch.Tensor], chunk_sizes: list[int],
 
         calls["gated_delta_rule T=1"] = repeat(lambda: gated_delta_rule(
             q1, k1, v1, b1, g1, scale=s, initial_state=S, output_final_state=True))
-        calls["gated_delta_rule_step"] = repeat(lambda: gated_delta_rule_step(qs, k1, v1, b1, g1, S))
+        calls["gated_delta_rule_step"] = repeat(lambda: gated_delta_rule_step(
+            q1, k1, v1, b1, g1, state=S, scale=s))
         calls["transformers torch_recurrent_gated_delta_rule T=1"] = why if tf_rec is None else repeat(
             lambda: tf_rec(q1, k1, v1, g=g1, beta=b1, initial_state=S, output_final_state=True))
         calls["delta_rule T=1"] = repeat(lambda: delta_rule(

@@ -17,18 +17,26 @@ Sections (``--sections``; all by default), each item a row of results.csv:
   PyTorch form of the same computation, by torch's FlopCounterMode, which sees matrix products
   only and counts causal attention as dense; the rate against the bfloat16 matmul rate measured
   on the device at the start).
+- ``paper``: the TTT paper's 1.3B layer shape (d_model 2048, 32 heads of 64, b 16, B4, T 2k,
+  8k, 32k): softmax, TTT-Linear, and TTT-Linear with the resident kernels (bench/gpu_paper.py).
+- ``decode``: per mixer, a language model's decoding step token by token against one CUDA
+  graph of it (B1 and B16, 4096 tokens of context, 8 layers, d_model 1024, bfloat16;
+  bench/gpu_decode.py).
 - ``train``: a whole training step per mixer (language model, 8 layers, d_model 1024, B8 T2048,
   byte vocabulary, float32 weights, fused AdamW, forward under bfloat16 autocast): tokens per
   second and peak memory.
 
-Every timed figure is the median of ``--repeats`` calls after one warm-up call (fewer, at least
-one, where that many would overrun the budget: the ``calls`` column); the first call
-of every (item, pass), where Triton compiles and fla autotunes, is timed on its own and
+Every timed figure is the median of the calls that fit a second (``gpu_plan.PASS_S``: at most
+``--repeats``, at least one, fewer where they would overrun the budget: the ``calls``
+column), after an untimed warm-up call only where a call is quick (``gpu_plan``); the first
+call of every (item, pass), where Triton compiles and fla autotunes, is timed on its own and
 reported as ``first_call_s``, never inside the timings. The wall-clock budget ``--budget-s``
-keeps the whole run inside its five minutes: items run in a fixed order of priority (this
-project's kernels, the baselines and the layers first; fla's rows, whose first calls autotune
-for minutes, last), an item starts only while the time left exceeds its reserve (``RESERVE_S``),
-and an item that does not start is a row ``skipped: time budget``. ``--dry-run`` runs the same
+keeps the whole run inside its five minutes: items run in a fixed order of priority (the
+layers and the training steps first, those whose first calls are slow after the rest; then
+this project's kernels and the baselines; fla's rows, whose first calls autotune for minutes,
+last), an item starts only while the time left exceeds its reserve (``RESERVE_S``) and, on a
+GPU, its expected seconds from the H200 record (``gpu_plan``), and an item that does not
+start is a row ``skipped: time budget`` (meta.json lists them). ``--dry-run`` runs the same
 code at tiny sizes on the CPU (the training step under CPU autocast with CUDA's dtype policy,
 ``fastweights.testing.cuda_autocast_policy``), where the kernel backends are rows skipped with
 their reason; CI runs it. ``--ops`` and ``--mixers`` restrict the sections to some kernel ops
@@ -55,11 +63,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import ops, state_tree
 from ..models import LanguageModel, LMConfig
 from ..models.registry import mixer_names, mixer_options
 from ..ops import backend as backends
 from ..testing import cuda_autocast_policy
+from . import gpu_paper, gpu_plan
+from .gpu_decode import DRY_DECODE, GPU_DECODE, decode_items, decode_markdown
 from .measure import PeakMemory, count_flops, matmul_gflops, time_call
 from .targets import Setting, mixer_targets
 
@@ -70,11 +80,13 @@ DESCRIPTION = ("Run on a CUDA GPU, within --budget-s seconds (compilation and au
                "batch; (ops) forward and forward+backward of each op on triton, fla and torch "
                "against causal SDPA at B8 T2048 and B2 T16384, 16 heads of 128, bfloat16; "
                "(layers) every mixer's layer forward, forward+backward and decode against "
-               "softmax at B4 d_model 1024, 8 heads, T 4096 and 16384; (train) a whole training "
+               "softmax at B4 d_model 1024, 8 heads, T 4096 and 16384; (paper) TTT-Linear "
+               "against softmax at the TTT paper's 1.3B layer, B4 d_model 2048, 32 heads of 64, "
+               "T 2k, 8k and 32k; (train) a whole training "
                "step per mixer (8 layers, d_model 1024, B8 T2048, bfloat16 autocast): tokens/s "
                "and peak memory. First calls are timed apart. Writes results.md, results.csv "
                "and meta.json into --out. --dry-run runs the same code at tiny sizes on the CPU.")
-SECTIONS = ("exact", "ops", "layers", "train")
+SECTIONS = ("exact", "ops", "layers", "paper", "decode", "train")
 OUTPUT_FILES = ("results.md", "results.csv", "meta.json")
 KERNEL_BACKENDS = ("triton", "fla")
 # Seconds an item needs left in the budget to start: fla's first calls autotune (about two
@@ -141,57 +153,22 @@ def _randn(gen: torch.Generator, device: torch.device, *shape: int) -> torch.Ten
     return torch.randn(*shape, device=device, generator=gen)
 
 
-def _linear_inputs(B, T, H, D, device, gen) -> Inputs:
-    q, k = (F.elu(_randn(gen, device, B, T, H, D)) + 1 for _ in range(2))
-    return Inputs([q, k, _randn(gen, device, B, T, H, D)], [], [],
-                  (0.1 * _randn(gen, device, B, H, D, D),
-                   torch.rand(B, H, D, device=device, generator=gen)),
-                  {"normalize": True, "scale": D ** -0.5})
-
-
-def _delta_inputs(B, T, H, D, device, gen) -> Inputs:
-    q, k = (ops.sum_norm(F.elu(_randn(gen, device, B, T, H, D)) + 1) for _ in range(2))
-    beta = torch.rand(B, T, H, device=device, generator=gen)
-    return Inputs([q, k, _randn(gen, device, B, T, H, D)], [beta], [],
-                  (0.1 * _randn(gen, device, B, H, D, D),), {"scale": D ** -0.5})
-
-
-def _gated_inputs(B, T, H, D, device, gen) -> Inputs:
-    q, k = (F.normalize(_randn(gen, device, B, T, H, D), dim=-1) for _ in range(2))
-    beta = torch.rand(B, T, H, device=device, generator=gen)
-    g = F.logsigmoid(3 + _randn(gen, device, B, T, H))
-    return Inputs([q, k, _randn(gen, device, B, T, H, D)], [beta, g], [],
-                  (0.1 * _randn(gen, device, B, H, D, D),), {"scale": D ** -0.5})
-
-
-def _decay_inputs(B, T, H, D, device, gen) -> Inputs:
-    q, k = ((F.elu(_randn(gen, device, B, T, H, D)) + 1) / D for _ in range(2))
-    decay = torch.linspace(0.9, 0.999, H, device=device)  # TransNormer's range
-    return Inputs([q, k, _randn(gen, device, B, T, H, D)], [], [decay],
-                  (0.1 * _randn(gen, device, B, H, D, D),), {"scale": D ** -0.5})
-
-
-def _ttt_inputs(mlp: bool) -> Callable[..., Inputs]:
-    """TTT-Linear's or TTT-MLP's inputs as the layers pass them: keys and queries of unit scale,
-    inner learning rates eta = sigmoid(.) / D, a small learned initial model (batch 1,
-    broadcast), the inner LayerNorm and the residual on, mini-batches of 16."""
+def _inputs(op: str) -> Callable[..., Inputs]:
+    """The op's example call (its folder's examples.py, ``ops.example_inputs``) as Inputs."""
     def make(B, T, H, D, device, gen) -> Inputs:
-        q, k, v = (_randn(gen, device, B, T, H, D) / D ** 0.5 for _ in range(3))
-        eta = torch.sigmoid(_randn(gen, device, B, T, H)) / D
-        sizes = ((D, 4 * D), (4 * D,), (4 * D, D), (D,)) if mlp else ((D, D), (D,))
-        state = tuple(0.02 * _randn(gen, device, 1, H, *size) for size in sizes)
-        options = {"ln_weight": 1 + 0.1 * _randn(gen, device, H, D),
-                   "ln_bias": 0.1 * _randn(gen, device, H, D), "residual": True,
-                   "mini_batch_size": 16}
-        return Inputs([q, k, v], [eta], [], state, options)
+        seed = int(torch.randint(0, 2**31, (1,), generator=gen, device=gen.device))
+        ex = ops.example_inputs(op, B, T, H, D, device=device, seed=seed)
+        return Inputs(list(ex.qkv), list(ex.gates), list(ex.consts),
+                      tuple(state_tree.tensors(ex.state)), dict(ex.options))
     return make
 
 
-KERNEL_OPS = (KernelOp("linear_attn", _linear_inputs), KernelOp("delta_rule", _delta_inputs),
-              KernelOp("gated_delta_rule", _gated_inputs),
-              KernelOp("decay_linear_attn", _decay_inputs),
-              KernelOp("ttt_linear", _ttt_inputs(mlp=False), mode="dual", chunk=16),
-              KernelOp("ttt_mlp", _ttt_inputs(mlp=True), mode="dual", chunk=16))
+KERNEL_OPS = (KernelOp("linear_attn", _inputs("linear_attn")),
+              KernelOp("delta_rule", _inputs("delta_rule")),
+              KernelOp("gated_delta_rule", _inputs("gated_delta_rule")),
+              KernelOp("decay_linear_attn", _inputs("decay_linear_attn")),
+              KernelOp("ttt_linear", _inputs("ttt_linear"), mode="dual", chunk=16),
+              KernelOp("ttt_mlp", _inputs("ttt_mlp"), mode="dual", chunk=16))
 
 
 def _op_state(parts: tuple[torch.Tensor, ...]) -> Any:
@@ -200,10 +177,9 @@ def _op_state(parts: tuple[torch.Tensor, ...]) -> Any:
 
 
 def _parts(state: Any) -> tuple[torch.Tensor, ...]:
-    """The tensors of a final state (a TTT state that ends inside a mini-batch also holds its
-    int place)."""
-    parts = tuple(state) if isinstance(state, tuple) else (state,)
-    return tuple(p for p in parts if isinstance(p, torch.Tensor))
+    """The tensors of a final state (of a list of per-document states: all of them, in order;
+    a TTT state inside a mini-batch is a tree of start weights, rows and place)."""
+    return tuple(state_tree.tensors(state))
 
 
 def _refusal(op: KernelOp, backend: str, q: torch.Tensor) -> str | None:
@@ -234,10 +210,13 @@ class Run:
         self.rows.append(row)
         return row
 
-    def may_start(self, **fields: Any) -> bool:
-        """Whether the item of the row ``fields`` may start within the budget (the reserve of
-        its backend); if not, its row says so."""
+    def may_start(self, estimate_s: float = 0.0, **fields: Any) -> bool:
+        """Whether the item of the row ``fields`` may start within the budget: the reserve of
+        its backend, or its expected seconds on the GPU where more (``gpu_plan``; none in a
+        dry run); if not, its row says so."""
         reserve = RESERVE_S.get(fields.get("backend", ""), RESERVE_S["default"])
+        if self.sizes is GPU_SIZES:
+            reserve = max(reserve, estimate_s)
         if self.deadline - time.monotonic() > reserve:
             return True
         self.row(**fields, status="skipped: time budget")
@@ -299,8 +278,7 @@ def _exact_errors(x: Inputs, op: KernelOp, dtype: torch.dtype, docs: tuple[int, 
         call = Inputs(qkv, gates, [t.to(wide) for t in x.consts], state, options)
         init = _op_state(state) if docs is None else [_op_state(state)] * len(docs)
         o, final = op(call, init, **kw, **how)
-        final = _parts(final) if docs is None else tuple(
-            torch.cat(parts) for parts in zip(*(_parts(f) for f in final)))
+        final = _parts(final)
         gen = torch.Generator(device=device).manual_seed(1)
         loss = sum((t.double() * torch.randn(t.shape, device=device, dtype=torch.float64,
                                              generator=gen)).sum() for t in (o, *final))
@@ -317,14 +295,18 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _timed(run: Run, call: Callable[[], Any]) -> dict[str, Any]:
-    """The first call's seconds apart, one timed warm-up call, then the median, min and max of
-    ``repeats`` calls in ms, fewer (at least one) where ``repeats`` calls of the warm-up's
-    length would overrun the budget; ``calls``: how many were timed."""
+    """The first call's seconds apart; then the median, min and max in ms of the timed calls
+    (``calls``: how many): as many as fit ``gpu_plan.PASS_S`` seconds, at least one and at most
+    ``repeats``, fewer where they would overrun the budget. The call after the first is one of
+    them, or an untimed warm-up where it was quick (``gpu_plan.calls_and_warmup``)."""
     first = time_call(call, run.device)
-    warm = time_call(call, run.device)
-    fit = int((run.deadline - time.monotonic()) / max(warm, 1e-9))
-    times = sorted(time_call(call, run.device) for _ in range(max(1, min(run.sizes.repeats,
-                                                                          fit))))
+    second = time_call(call, run.device)
+    calls, warm = gpu_plan.calls_and_warmup(second, run.sizes.repeats)
+    fit = int((run.deadline - time.monotonic()) / max(second, 1e-9))
+    times = [] if warm else [second]
+    while len(times) < max(1, min(calls, fit + len(times))):
+        times.append(time_call(call, run.device))
+    times.sort()
     return {"first_call_s": first, "median_ms": 1e3 * times[len(times) // 2],
             "min_ms": 1e3 * times[0], "max_ms": 1e3 * times[-1], "calls": len(times)}
 
@@ -419,7 +401,8 @@ def layer_case(run: Run, name: str, T: int) -> None:
     B, d, H, _ = run.sizes.layers
     fields = {"section": "layers", "name": name, "dtype": "bfloat16",
               "shape": f"B{B} T{T} d{d} H{H}", "backend": "auto"}
-    if not run.may_start(**fields, **{"pass": "fwd"}):
+    if not run.may_start(gpu_plan.layer_cost(name, T, run.sizes.repeats).total, **fields,
+                         **{"pass": "fwd"}):
         return
     with _item(run, **fields, **{"pass": "build"}):
         work = mixer_targets([(name, name, {})])[0].build(T, Setting(B, d, H, torch.bfloat16, run.device))
@@ -452,7 +435,7 @@ def train_case(run: Run, name: str) -> None:
     B, T, d, H, L = run.sizes.train
     fields = {"section": "train", "name": name, "dtype": "bfloat16 autocast",
               "shape": f"B{B} T{T} d{d} H{H} L{L}", "backend": "auto", "pass": "step"}
-    if not run.may_start(**fields):
+    if not run.may_start(gpu_plan.train_cost(name, run.sizes.repeats).total, **fields):
         return
     with _item(run, **fields):
         options = {"max_len": T} if "max_len" in mixer_options(name) else {}
@@ -487,9 +470,10 @@ def train_case(run: Run, name: str) -> None:
 
 # ----------------------------------------------------------------------------- sections
 def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
-    """Every item in its order of priority: this project's kernels and the baselines first,
-    then the layers and the training step, then the ops' PyTorch forms, fla's items last (their
-    first calls autotune)."""
+    """Every item in its order of priority: the layers and the training steps first (those with
+    slow first calls after the rest, ``gpu_plan.ordered``), then this project's kernels and
+    the baselines, then the ops' PyTorch forms, fla's items last (their first calls
+    autotune)."""
     ours = [b for b in run.backends if b != "fla"]
     fla = ["fla"] if "fla" in run.backends else []
     kernel_ops = [op for op in KERNEL_OPS if op.name in run.ops]
@@ -512,15 +496,33 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
                 for backend in names:
                     items.append(lambda op=op, b=backend, B=B, T=T: op_case(run, op, b, B, T))
 
+    # The rows that one call must hold (issue 43): layers and training steps, quick first
+    # calls first, those with slow ones (gpu_plan.ordered) after them.
+    required: dict[str, tuple[gpu_plan.Cost, Callable[[], None]]] = {}
+    lengths = run.sizes.layers[3] if "layers" in sections else ()
+    groups = ([("layers", T) for T in lengths[:1]] + [("train", 0)] * ("train" in sections)
+              + [("layers", T) for T in lengths[1:]])
+    for section, T in groups:
+        for n in run.mixers:
+            if section == "layers":
+                required[f"layers {n} {T}"] = (gpu_plan.layer_cost(n, T, run.sizes.repeats),
+                                               lambda n=n, T=T: layer_case(run, n, T))
+            else:
+                required[f"train {n}"] = (gpu_plan.train_cost(n, run.sizes.repeats),
+                                          lambda n=n: train_case(run, n))
+    items += [required[k][1] for k in gpu_plan.ordered((k, c) for k, (c, _) in
+                                                       required.items())]
     if "exact" in sections:
         exact([*ours, "torch"])  # torch: the PyTorch chunked form, the kernels' yardstick
     if "ops" in sections:
         op_rows(ours, baseline=True)
-    if "layers" in sections:
-        for T in run.sizes.layers[3]:
-            items += [lambda n=n, T=T: layer_case(run, n, T) for n in run.mixers]
-    if "train" in sections:
-        items += [lambda n=n: train_case(run, n) for n in run.mixers]
+    # Past the rows one call must hold: the TTT paper's shape and the decoding graphs.
+    if "paper" in sections:
+        ttt = next(op for op in KERNEL_OPS if op.name == "ttt_linear")
+        items += gpu_paper.paper_items(run, gpu_paper.Tools(exact_case, _item, _timed, ttt))
+    if "decode" in sections:
+        sizes = DRY_DECODE if run.device.type == "cpu" else GPU_DECODE
+        items += decode_items(run, sizes, _timed, _item)
     if "ops" in sections:
         op_rows(["torch"], baseline=False)  # the PyTorch forms: slow for TTT at T 16384
     if "exact" in sections:
@@ -598,7 +600,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
             ["op", "backend", "dtype", "case", "shape", "output", "state", "gradients", "status"],
             [[r["name"], r["backend"], r["dtype"], r["pass"], r["shape"], _cell(r["err_out"]),
               _cell(r["err_state"]), _cell(r["err_grad"]), r["status"]] for r in exact])]
-    for section, title in (("ops", "Ops, bfloat16"), ("layers", "Layers, bfloat16 weights")):
+    for section, title in (("ops", "Ops, bfloat16"), ("layers", "Layers, bfloat16 weights"),
+                           (gpu_paper.SECTION, gpu_paper.TITLE)):
         grouped = _by_pass(rows, section)
         if not grouped:
             continue
@@ -620,6 +623,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
                 cells += [_cell(fwd.get("tflops", "")), _cell(fwd.get("pct_matmul", ""), ".1f")]
             body.append([*cells, _status(by)])
         lines += _table(head, body)
+    lines += decode_markdown(rows, _cell)
     train = [r for r in rows if r["section"] == "train"]
     if train:
         lines += ["## Training step (bfloat16 autocast, fused AdamW)", "", *_table(
@@ -679,6 +683,9 @@ def run_benchmark(out: Path, *, dry_run: bool, device: torch.device, budget_s: f
         rows = [dict(r) for r in run.rows]
         _attach_baselines(rows)
         meta["elapsed_s"] = time.monotonic() - start
+        meta["skipped"] = [" ".join((r["section"], r["name"], r["backend"], r["shape"],
+                                     r["pass"])) for r in rows
+                           if r["status"] == "skipped: time budget"]
         write_csv(out / "results.csv", rows)
         (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         (out / "results.md").write_text("\n".join(markdown(rows, meta)) + "\n")

@@ -22,7 +22,7 @@ caches), eager and compiled with ``torch.compile``:
 - Time: one call to warm up (the compilation, for compiled modes: its time is reported as
   ``first_call_s``), ``--warmup`` more steps (a growing KV cache makes the compiler recompile
   once, for a dynamic length), then ``--steps`` timed steps, each timed on its own
-  (time.perf_counter; the next token of each stream is its greedy choice); the median step
+  (bench/measure.py's time_call; the next token of each stream is its greedy choice); the median step
   counts, so that a rare recompilation (a branch first taken when a stream's Infini segment
   closes) does not; tokens/s = N / median step time.
 - Memory per stream: the bytes of the stacked state (padding included) / N, and the peak
@@ -48,7 +48,7 @@ import json
 import math
 import statistics
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,7 @@ from ..layers.transnormer import NormState
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel, LMState
 from ..models.registry import check_mixer, mixer_names
-from .measure import PeakMemory, prepare_cpu_memory_accounting, synchronize
+from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
 from .suite import _available_memory, _machine, cpu_info
 
 PERIOD = 64  # a multiple of every mixer's period at the default options (checked per model)
@@ -178,22 +178,22 @@ def measure(step: Any, model: LanguageModel, row: Row, *, steps: int, warmup: in
     row.lengths = stream_lengths(row.context, row.streams)
     state = synthetic_state(model, row.lengths, gen, device)
     ids = torch.randint(0, model.config.vocab_size, (row.streams, 1), generator=gen).to(device)
-    synchronize(device)
-    start = time.perf_counter()
-    logits, state = step(ids, state)  # compiles, for the compiled modes
-    synchronize(device)
-    row.first_call_s = time.perf_counter() - start
+    carried: dict[str, Any] = {}
+
+    def call(ids: torch.Tensor, state: Any) -> Callable[[], None]:
+        def run() -> None:
+            carried["out"] = step(ids, state)
+        return run
+
+    row.first_call_s = time_call(call(ids, state), device)  # compiles, for the compiled modes
+    logits, state = carried["out"]
     for _ in range(warmup):
         logits, state = step(logits[:, -1:].argmax(-1), state)
     row.state_mib_per_stream = state_tree.nbytes(state) / MIB / row.streams
     times = []
     for _ in range(steps):
-        ids = logits[:, -1:].argmax(-1)
-        synchronize(device)
-        start = time.perf_counter()
-        logits, state = step(ids, state)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(time_call(call(logits[:, -1:].argmax(-1), state), device))
+        logits, state = carried["out"]
     row.steps = steps
     row.step_ms = 1e3 * statistics.median(times)
     row.tokens_per_s = row.streams / statistics.median(times)

@@ -7,12 +7,11 @@ and the decoding pair ``prefill`` (state after T tokens, chunked/default form, n
 
 Dimension legend: B batch, T sequence length, H heads, D head dim (d_model / H), d_model width.
 
-Op-level inputs follow docs/design.md, "Public ops", with the feature maps the layers use
-(ELU+1 keys and queries, sum-normalised for the delta rule; sigmoid write strengths). An op in
-``fastweights.ops.__all__`` is included when it has a recipe below and the recipe is accepted on
-a tiny probe input; every ``mode`` a probe accepts becomes its own target (``delta_rule[chunk]``,
-``delta_rule[recurrent]``, ...). Ops without a recipe, or whose recipe is rejected, are listed
-in the report as skipped with the reason, never silently dropped.
+Op-level inputs are every op's example call, declared in its folder (``ops.example_inputs``:
+inputs as the op's layers make them). Every op with one (``ops.EXAMPLE_OPS``: every op of
+``fastweights.ops``) is included; every ``mode`` a tiny probe call accepts becomes its own
+target (``delta_rule[chunk]``, ``delta_rule[recurrent]``, ...); an op whose probe is rejected
+is listed in the report as skipped with the reason, never silently dropped.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import ops, state_tree
 from .._commands import UserError
 from ..models import LMConfig
 from ..models.registry import build_mixer, mixer_names, mixer_options
@@ -34,10 +33,6 @@ from ..ops.backend import preferred_chunk_size
 __all__ = ["ScanWidth", "Setting", "Target", "Workload", "check_model_mixers", "mixer_targets",
            "op_targets", "scan_width"]
 
-# Feature maps and helpers in fastweights.ops that are not sequence mixers.
-_NOT_MIXERS = {
-    "elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features", "draw_favor_projection",
-}
 _CANDIDATE_MODES = ("chunk", "recurrent", "naive", "dual", "primal")
 _DECODE_STEPS = 8  # tokens per timed decoding call; time is reported per token
 
@@ -131,99 +126,24 @@ def mixer_targets(mixers: list[tuple[str, str, dict[str, Any]]] | None = None) -
 
 
 # ----------------------------------------------------------------------------- ops
-# A recipe maps (T, setting) to (positional args, keyword args, needs-state-spec). The ``state``
-# entry says how the op carries state: "fwp" for (initial_state, output_final_state) ops, None
-# for stateless ops.
+# An op's inputs are its example call (its folder's examples.py, ``ops.example_inputs``), in
+# the setting's dtype, as (positional args, keyword args).
 
 
-def _randn(s: Setting, *shape: int, requires_grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape, device=s.device, dtype=s.dtype, requires_grad=requires_grad)
+def _recipe(op_name: str, T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    ex = ops.example_inputs(op_name, s.batch, T, s.n_heads, s.head_dim, device=s.device,
+                            seed=None)
 
+    def cast(x: Any) -> Any:
+        return x.to(s.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-def _feature(x: torch.Tensor) -> torch.Tensor:
-    return F.elu(x) + 1
-
-
-def _recipe_linear_attn(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    B, H, D = s.batch, s.n_heads, s.head_dim
-    q, k = (_feature(_randn(s, B, T, H, D)) for _ in range(2))
-    return [q, k, _randn(s, B, T, H, D)], {"normalize": True}
-
-
-def _recipe_delta_rule(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    B, H, D = s.batch, s.n_heads, s.head_dim
-    q, k = (ops.sum_norm(_feature(_randn(s, B, T, H, D))) for _ in range(2))
-    return [q, k, _randn(s, B, T, H, D), torch.sigmoid(_randn(s, B, T, H))], {}
-
-
-def _recipe_decay(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    B, H, D = s.batch, s.n_heads, s.head_dim
-    q, k = (_feature(_randn(s, B, T, H, D)) for _ in range(2))
-    decay = torch.linspace(0.9, 0.999, H, device=s.device, dtype=s.dtype)  # TransNormer's range
-    return [q, k, _randn(s, B, T, H, D), decay], {}
-
-
-def _recipe_softmax(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    B, H, D = s.batch, s.n_heads, s.head_dim
-    return [_randn(s, B, T, H, D) for _ in range(3)], {}
-
-
-def _ttt_state(s: Setting, mlp: bool) -> tuple[torch.Tensor, ...]:
-    H, D = s.n_heads, s.head_dim
-    if mlp:
-        return (0.02 * _randn(s, 1, H, D, 4 * D), _randn(s, 1, H, 4 * D).zero_(),
-                0.02 * _randn(s, 1, H, 4 * D, D), _randn(s, 1, H, D).zero_())
-    return 0.02 * _randn(s, 1, H, D, D), _randn(s, 1, H, D).zero_()
-
-
-def _recipe_ttt(mlp: bool) -> Callable[[int, Setting], tuple[list[torch.Tensor], dict[str, Any]]]:
-    def recipe(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        B, H, D = s.batch, s.n_heads, s.head_dim
-        args = [_randn(s, B, T, H, D) for _ in range(3)] + [torch.sigmoid(_randn(s, B, T, H)) / D]
-        return args, {"initial_state": _ttt_state(s, mlp)}
-    return recipe
-
-
-def _recipe_aft(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    B, C = s.batch, s.d_model
-    # w [T, P]: the tokens' bias rows, with columns for the decoded tokens after them too
-    return [_randn(s, B, T, C) for _ in range(3)] + [0.01 * _randn(s, T, T + _DECODE_STEPS)], {}
-
-
-def _recipe_aft_local(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    args, _ = _recipe_aft(T, s)
-    return [*args[:3], 0.01 * _randn(s, T, 64)], {"window": 64}  # w: the band [T, window]
-
-
-def _recipe_aft_conv(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    B, H, D = s.batch, s.n_heads, s.head_dim
-    args = [_randn(s, B, T, H, D), _randn(s, B, T, H), _randn(s, B, T, H, D),
-            0.01 * _randn(s, H, 64)]
-    return args, {}
-
-
-def _recipe_infini(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    B, H, D = s.batch, s.n_heads, s.head_dim
-    return [_randn(s, B, T, H, D) for _ in range(3)] + [_randn(s, H)], {"segment_len": 512}
-
-
-def _recipe_block(T: int, s: Setting) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    return _recipe_softmax(T, s)[0], {"block_size": 64}
-
-
-_RECIPES: dict[str, Callable[[int, Setting], tuple[list[torch.Tensor], dict[str, Any]]]] = {
-    "linear_attn": _recipe_linear_attn,
-    "delta_rule": _recipe_delta_rule,
-    "decay_linear_attn": _recipe_decay,
-    "softmax_attention": _recipe_softmax,
-    "ttt_linear": _recipe_ttt(mlp=False),
-    "ttt_mlp": _recipe_ttt(mlp=True),
-    "aft": _recipe_aft,
-    "aft_local": _recipe_aft_local,
-    "aft_conv": _recipe_aft_conv,
-    "infini_attention": _recipe_infini,
-    "block_attention": _recipe_block,
-}
+    args = [cast(x) for x in (*ex.qkv, *ex.gates, *ex.consts)]
+    if op_name == "aft":  # w [T, P]: columns for the decoded tokens after the call's, too
+        args[-1] = F.pad(args[-1], (0, _DECODE_STEPS))
+    kwargs = {k: cast(v) for k, v in ex.options.items()}
+    if ex.state is not None:
+        kwargs["initial_state"] = state_tree.map_tensors(cast, ex.state)
+    return args, kwargs
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -233,7 +153,7 @@ def _first(out: Any) -> torch.Tensor:
 def _op_workload(op_name: str, mode: str | None, T: int, s: Setting) -> Workload:
     fn = getattr(ops, op_name)
     params = inspect.signature(fn).parameters
-    args, kwargs = _RECIPES[op_name](T, s)
+    args, kwargs = _recipe(op_name, T, s)
     if mode is not None:
         kwargs["mode"] = mode
     grad_args = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
@@ -294,7 +214,7 @@ def _accepted_modes(op_name: str, setting: Setting) -> tuple[list[str | None], s
     accepted: list[str | None] = []
     reason = ""
     for mode in (_CANDIDATE_MODES if has_mode else (None,)):
-        args, kwargs = _RECIPES[op_name](5, tiny)
+        args, kwargs = _recipe(op_name, 5, tiny)
         if mode is not None:
             kwargs["mode"] = mode
         try:
@@ -311,12 +231,7 @@ def op_targets(setting: Setting) -> tuple[list[Target], dict[str, str]]:
     ``{op name: reason}`` for the ops left out."""
     targets: list[Target] = []
     left_out: dict[str, str] = {}
-    for op_name in ops.__all__:
-        if op_name in _NOT_MIXERS:
-            continue
-        if op_name not in _RECIPES:
-            left_out[op_name] = "no benchmark input recipe for this op"
-            continue
+    for op_name in ops.EXAMPLE_OPS:
         modes, reason = _accepted_modes(op_name, setting)
         if not modes:
             left_out[op_name] = f"probe input rejected: {reason}"

@@ -24,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest bytes "
                    "(default: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the model decodes, e.g. cuda "
+                   "(default: cpu); on CUDA the step is captured once as a CUDA graph and "
+                   "replayed per token where every mixer has a static form (--graph)")
+    p.add_argument("--graph", choices=["auto", "on", "off"], default="auto",
+                   help="decode through a CUDA graph of the step: auto (on CUDA where every "
+                   "mixer allows it), on (required), off")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="a tokenizer.json file or transformers tokenizer folder that encodes the "
                    "prompt and decodes the output (default: the run's tokenizer, or the one the "
@@ -64,13 +70,18 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..tasks import ByteTokenizer
     from ..train.checkpoint import load_model
 
+    with user_errors((ValueError, RuntimeError), prefix="--device: "):
+        device = torch.device(args.device)
+        torch.empty(0, device=device)  # a device this torch cannot use fails here, in one line
     with user_errors():
-        model = load_model(args.checkpoint)
+        model = load_model(args.checkpoint).to(device)
     tok = _tokenizer(args)
-    ids = tok.encode(args.prompt)
+    ids = tok.encode(args.prompt).to(model.embed.weight.device)
     if ids.numel() == 0:
         raise UserError("--prompt must not be empty")
     bytes_ = isinstance(tok, ByteTokenizer)
@@ -78,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 "--prompt" if bytes_ else f"tokenizer {tok.path}")
     with user_errors():
         out = model.generate(ids, args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k, seed=args.seed)
-    print(tok.decode(out))
+                             top_k=args.top_k, seed=args.seed,
+                             graph={"auto": None, "on": True, "off": False}[args.graph])
+    print(tok.decode(out.cpu()))
     return 0

@@ -61,10 +61,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import state_dtype
+from ..layers.conv import causal_depthwise_conv
 from ..layers.gated_delta import l2_normalize
-from ..ops._conv import causal_depthwise_conv
+from ..ops import gated_delta_rule, gated_delta_rule_step
 from ..ops.backend import preferred_chunk_size
-from ..ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 
 __all__ = ["gated_delta_architectures", "is_gated_delta_layer", "use_fastweights"]
 
@@ -132,10 +132,7 @@ def _gated_delta(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g:
         q, k = l2_normalize(q), l2_normalize(k)
     scale = q.shape[-1] ** -0.5
     if cu_seqlens is None and q.shape[1] == 1:
-        B, _, H, Dv = v.shape
-        S0 = (q.new_zeros(B, H, q.shape[-1], Dv) if initial_state is None
-              else initial_state.to(cdtype))
-        o, S = gated_delta_rule_step(q * scale, k, v, beta.to(cdtype), g.to(cdtype), S0)
+        o, S = gated_delta_rule_step(q, k, v, beta, g, state=initial_state, scale=scale)
     else:
         init: Any = initial_state
         if cu_seqlens is not None and initial_state is not None:  # [N, ...] -> one per document

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..ops._varlen import check_cu_seqlens
+from .._checks import check_documents
 from .inputs import Call, describe
 
 
@@ -75,7 +75,7 @@ def packed_bounds(T: int, device: torch.device, **sources: Any) -> list[int] | N
     found: dict[str, list[int]] = {}
     for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
         if sources.get(name) is not None:
-            found[name] = check_cu_seqlens(sources[name], T, 1, device)
+            found[name] = list(check_documents(sources[name], T, 1, device).bounds)
     seq_idx = sources.get("seq_idx")
     if seq_idx is not None:
         if not isinstance(seq_idx, torch.Tensor) or seq_idx.shape != (1, T):

@@ -27,20 +27,22 @@ from .._checks import (
     check_layer_input,
     check_nonneg_float,
     check_positive_int,
-    state_dtype,
 )
-from ..ops.aft import (
+from ..ops import (
+    RECURRENT_MODES,
     AFTConvState,
     AFTFullState,
     AFTLocalState,
     AFTSimpleState,
     aft,
     aft_conv,
+    aft_conv_step,
     aft_local,
+    aft_local_step,
+    aft_step,
+    merge_simple_states,
+    reads_allowed,
 )
-from ..ops.aft.chunk import merge
-from ..ops.aft.common import MODES
-from ..ops.aft.local import local_causal
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
@@ -120,7 +122,7 @@ class _PositionBias(nn.Module):
     def rows_at(self, positions: torch.Tensor, window: int) -> torch.Tensor:
         """[B, 1, s] with [b, 0, o] = w[p_b, p_b - o] for the positions p [B] (each >= s - 1):
         one token's window biases per row, for rows at their own positions."""
-        if not torch.compiler.is_compiling():
+        if reads_allowed():  # (a read back to the host: eager calls only)
             self.check_length(int(positions.max()) + 1)
         keys = positions.unsqueeze(1) - torch.arange(window, device=positions.device)  # [B, s]
         return torch.einsum("bd,bsd->bs", self.u[positions], self.v[keys]).unsqueeze(1)
@@ -170,8 +172,11 @@ class AFTFull(_AFT):
         past = 0 if state is None else state.k_cache.shape[1]
         w = self.bias.rows(past, past + x.shape[1])
         q, k, v = self._qkv(x)
-        o, state = aft(q, k, v, w, initial_state=state, output_final_state=True,
-                       chunk_size=self.chunk_size)
+        if is_step(x, cu_seqlens):
+            o, state = aft_step(q, k, v, w, state=state)
+        else:
+            o, state = aft(q, k, v, w, initial_state=state, output_final_state=True,
+                           chunk_size=self.chunk_size)
         return self.out(o), state
 
     def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,13 +215,15 @@ class AFTLocal(_AFT):
     token's window biases alone and runs the op's recurrence on the state it checked.
     """
 
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, max_len: int = 1024, d_bias: int = 128,
                  bias_std: float = 0.01, mode: str = "chunk", chunk_size: int = 64) -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
         self.window = check_positive_int("window", window)
         self.bias = _PositionBias(max_len, d_bias, bias_std)
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
     def forward(self, x: torch.Tensor, state: State = None,
@@ -253,14 +260,10 @@ class AFTLocal(_AFT):
     def _step(self, x: torch.Tensor, state: AFTLocalState | None) -> tuple[torch.Tensor, State]:
         """``forward`` for one token per row at one position (see the class docstring)."""
         q, k, v = self._qkv(x)
-        pos, carried = 0, None
-        if state is not None:
-            a, n, m, k_cache, v_cache, pos = AFTLocalState.check(state, x.shape[0], self.d_hidden,
-                                                                 self.window, q)
-            carried = (a, n.unsqueeze(-1), m, k_cache, v_cache.unsqueeze(-1))
-        band = self.bias.keys_row(pos, self.window).to(state_dtype(x.dtype)).view(1, 1, -1)
-        o, final = local_causal(q, k, v, band, self.window, carried, pos, "recurrent",
-                                self.chunk_size)
+        pos = 0 if state is None else state.pos
+        row = self.bias.keys_row(pos, self.window)  # [J], J = min(pos + 1, window), time order
+        w = F.pad(row, (self.window - row.shape[0], 0)).flip(-1).view(1, -1)  # [1, s], by offset
+        o, final = aft_local_step(q, k, v, w, window=self.window, state=state)
         return self.out(o), final
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -291,17 +294,22 @@ class AFTSimple(_AFT):
     softmax_t'(K) V. State ``(a, n, m)``, each [B, d']: a constant 3 d' floats, for any sequence
     length."""
 
+    static_form = "fixed"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  mode: str = "chunk") -> None:
         super().__init__(d_model, n_heads, d_hidden, None, head_dim=1)
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
 
     def forward(self, x: torch.Tensor, state: State = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         check_layer_input(x, self.d_model)
         q, k, v = self._qkv(x)
-        o, state = aft(q, k, v, initial_state=state, output_final_state=True, mode=self.mode,
-                       cu_seqlens=cu_seqlens)
+        if self.mode != "naive" and is_step(x, cu_seqlens):
+            o, state = aft_step(q, k, v, state=self._typed_state(state, AFTSimpleState))
+        else:
+            o, state = aft(q, k, v, initial_state=state, output_final_state=True,
+                           mode=self.mode, cu_seqlens=cu_seqlens)
         return self.out(o), state
 
     def state_size(self, seq_len: int = 1) -> int:
@@ -315,15 +323,15 @@ class AFTSimple(_AFT):
     def _scan(self, shard: Any, x: torch.Tensor, state0: State) -> tuple[torch.Tensor, State]:
         _, part = shard.run(x, None)
         gathered = shard.all_gather(list(part))
-        parts = [(a, n.unsqueeze(-1), m) for a, n, m in gathered[:shard.rank]]
+        parts = [AFTSimpleState(*g) for g in gathered[:shard.rank]]
         if state0 is not None:
-            parts.insert(0, (state0[0], state0[1].unsqueeze(-1), state0[2]))
+            parts.insert(0, AFTSimpleState(*state0))
         if not parts:
             return shard.run(x, None)
         prefix = parts[0]
         for cur in parts[1:]:
-            prefix = merge(prefix, cur)
-        return shard.run(x, AFTSimpleState(prefix[0], prefix[1].squeeze(-1), prefix[2]))
+            prefix = merge_simple_states(prefix, cur)
+        return shard.run(x, AFTSimpleState(*prefix))
 
 
 class AFTConv(_AFT):
@@ -345,6 +353,8 @@ class AFTConv(_AFT):
     it. The first two have no ``mode="recurrent"``.
     """
 
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
+
     eps = 1e-5
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  window: int = 32, reparam: bool = True, mode: str = "chunk",
@@ -360,7 +370,7 @@ class AFTConv(_AFT):
                          with_q=gating)
         self.window = check_positive_int("window", window)
         self.reparam = check_bool("reparam", reparam)
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         if mode == "recurrent" and not (global_context and nonneg):
             raise ValueError("global_context=False and nonneg=False have no mode='recurrent'; "
                              "use mode='chunk' or 'naive'")
@@ -388,6 +398,11 @@ class AFTConv(_AFT):
         v = split_heads(v, H)
         q = split_heads(q, H) if self.gating else torch.zeros_like(v)  # ignored by the op
         w = self.kernel_weight()
+        if (self.mode != "naive" and self.nonneg and self.global_context
+                and is_step(x, cu_seqlens)):
+            o, state = aft_conv_step(q, k, v, w, state=self._typed_state(state, AFTConvState),
+                                     gating=self.gating)
+            return self.out(merge_heads(o)), state
         o, state = aft_conv(q, k, v, w if self.nonneg else 1.0 + w,
                             initial_state=state, output_final_state=True, mode=self.mode,
                             chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
@@ -11,8 +12,14 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from .._checks import check_layer_input, check_positive_int
-from ..ops._varlen import check_cu_seqlens, check_packed_states
+from .._checks import (
+    check_choice,
+    check_documents,
+    check_layer_input,
+    check_packed_states,
+    check_positive_int,
+)
+from ..ops.backend import BACKENDS
 from ..state_tree import cat_rows
 
 State = Any  # a tuple of tensors (and ints) owned by the layer; None means "start of sequence"
@@ -92,10 +99,16 @@ class Mixer(nn.Module):
     #: layer's mixing matrix from its q and k, ``reproduce/transnormer.py``).
     op_hook: Callable[[Callable[..., Any], torch.Tensor, torch.Tensor, torch.Tensor,
                        dict[str, Any]], None] | None = None
+    #: The form ``static_state`` gives: "fixed" (the state keeps its shapes and holds no
+    #: position: as it is), "rows" (its rows form, ``stack_states``, positions as tensors and
+    #: caches as buffers) or "none" (no static form; softmax attention's is its own).
+    static_form: ClassVar[str] = "none"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.options = signature_options(cls)
+        if "forward" in cls.__dict__:
+            cls.forward = _documents_once(cls.__dict__["forward"])
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None) -> None:
         super().__init__()
@@ -145,6 +158,21 @@ class Mixer(nn.Module):
         with per-row positions."""
         return cat_rows(check_stackable(states), "states")
 
+    def static_state(self, state: State, max_len: int) -> State:
+        """``state`` (as ``forward`` returned it) in the form a decoding step captured in a CUDA
+        graph continues (docs/design.md, "Decoding graphs"): every tensor keeps its shape from
+        step to step (positions as tensors, caches as buffers of at most ``max_len`` tokens)
+        and the step reads nothing back to the host. TypeError for a mixer without such a form
+        (``static_form``); ValueError where this state has none (a rows form that needs full
+        caches)."""
+        if state is None:
+            raise ValueError("static_state needs a state returned by forward (not None)")
+        if self.static_form == "fixed":
+            return state
+        if self.static_form == "rows":
+            return self.stack_states([state])
+        raise TypeError(f"{type(self).__name__} has no static decoding form")
+
     def _mix(self, op: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              **kwargs: Any) -> Any:
         """``op(q, k, v, **kwargs)``, the layer's token-mixing op, shown to ``op_hook`` first."""
@@ -172,8 +200,8 @@ class Mixer(nn.Module):
         check_layer_input(x, self.d_model)
         if cu_seqlens is None:
             return [0, x.shape[1]], [state]
-        bounds = check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
-        return bounds, check_packed_states(state, len(bounds) - 1)
+        docs = check_documents(cu_seqlens, x.shape[1], x.shape[0], x.device)
+        return list(docs.bounds), check_packed_states(state, docs.count)
 
     def _forward_per_document(self, x: torch.Tensor, state: State,
                               cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, list[State]]:
@@ -187,6 +215,20 @@ class Mixer(nn.Module):
             outs.append(y)
             finals.append(s)
         return torch.cat(outs, dim=1), finals
+
+
+def _documents_once(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` taking ``cu_seqlens`` as ``Documents``: a tensor (a layer called alone) is
+    checked and read back here, once, and the layer and its ops take the ``Documents`` on
+    without checking or reading it again (docs/design.md, "Packed documents")."""
+    @functools.wraps(forward)
+    def wrapper(self: Mixer, x: Any, state: State = None, cu_seqlens: Any = None
+                ) -> tuple[torch.Tensor, State]:
+        if isinstance(cu_seqlens, torch.Tensor) and isinstance(x, torch.Tensor) and x.dim() == 3:
+            cu_seqlens = check_documents(cu_seqlens, x.shape[1], x.shape[0], x.device)
+        return forward(self, x, state, cu_seqlens)
+
+    return wrapper
 
 
 def per_document(value: Any, cu_seqlens: torch.Tensor | None) -> list[Any]:
@@ -232,6 +274,12 @@ def is_step(x: Any, cu_seqlens: torch.Tensor | None) -> bool:
     autocast the public op (which switches autocast off for its float32 states) runs instead."""
     return (cu_seqlens is None and isinstance(x, torch.Tensor) and x.dim() == 3
             and x.shape[1] == 1 and not torch.is_autocast_enabled(x.device.type))
+
+
+def check_backend(backend: Any) -> str | None:
+    """A layer's ``backend`` option: None (the automatic choice) or one of ops/backend.py's
+    BACKENDS, handed to its op (docs/design.md, "Backends")."""
+    return check_choice("backend", backend, (None, *BACKENDS))
 
 
 def like_values(v: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

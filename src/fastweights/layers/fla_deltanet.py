@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_positive_int, is_number, state_dtype
-from ..ops._conv import causal_depthwise_conv
 from ..ops.backend import preferred_chunk_size
 from ..ops.delta_rule import delta_rule
 from ..ops.feature_maps import elu_plus_one
@@ -48,12 +47,14 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     like_values,
     merge_heads,
     packed_or_single,
     per_document,
     split_heads,
 )
+from .conv import causal_depthwise_conv
 from .gated_delta import l2_normalize
 from .norms import RMSNorm
 
@@ -139,6 +140,8 @@ class FlaMixer(Mixer):
     ``value_dim = round(d_model * expand_v)``, each an integer divisible by n_heads (fla's
     rule), split into ``head_k_dim`` / ``head_v_dim`` per head."""
 
+    static_form = "fixed"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(self, d_model: int, n_heads: int, expand_k: float, expand_v: float) -> None:
         check_positive_int("d_model", d_model)
         check_positive_int("n_heads", n_heads)
@@ -168,9 +171,10 @@ class FlaDeltaNet(FlaMixer):
         use_beta: bool = True, use_gate: bool = False, use_short_conv: bool = True,
         conv_size: int = 4, conv_bias: bool = False, allow_neg_eigval: bool = False,
         qk_activation: str = "silu", qk_norm: str = "l2", norm_eps: float = 1e-5,
-        mode: str = "chunk", chunk_size: int | None = None,
+        mode: str = "chunk", chunk_size: int | None = None, backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, expand_k, expand_v)
+        self.backend = check_backend(backend)
         key_dim, value_dim = self.key_dim, self.value_dim
         self.use_beta = check_bool("use_beta", use_beta)
         self.use_gate = check_bool("use_gate", use_gate)
@@ -261,7 +265,7 @@ class FlaDeltaNet(FlaMixer):
         o, S = delta_rule(q, k, v, beta, scale=self.head_k_dim ** -0.5,
                           initial_state=packed_or_single([p[1] for p in parts], cu_seqlens),
                           output_final_state=True, mode=self.mode, chunk_size=chunk,
-                          cu_seqlens=cu_seqlens)
+                          cu_seqlens=cu_seqlens, backend=self.backend)
         gate = split_heads(self.g_proj(x), self.n_heads) if self.use_gate else None
         y = self.o_proj(merge_heads(self.o_norm(o, gate)))
         finals = per_document(S, cu_seqlens)

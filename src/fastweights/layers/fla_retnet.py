@@ -44,10 +44,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_positive_int, state_dtype
-from ..ops.transnormer import decay_linear_attn
+from ..ops import decay_linear_attn, decay_linear_attn_step
 from .base import (
     ContextParallel,
     State,
+    check_backend,
+    is_step,
     like_values,
     merge_heads,
     packed_or_single,
@@ -120,8 +122,10 @@ class FlaMultiScaleRetention(FlaMixer):
         num_kv_heads: int | None = None, feature_map: str | None = None,
         use_output_gate: bool = True, elementwise_affine: bool = True, norm_eps: float = 1e-5,
         fuse_norm: bool = True, mode: str = "chunk", chunk_size: int = 64,
+        backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, expand_k, expand_v)
+        self.backend = check_backend(backend)
         key_dim, value_dim = self.key_dim, self.value_dim
         if self.head_k_dim % 2:
             raise ValueError(f"the key head dim (hidden size * expand_k / num_heads = "
@@ -175,14 +179,18 @@ class FlaMultiScaleRetention(FlaMixer):
         if self.groups > 1:  # key/value head j serves query heads j*G .. j*G + G - 1
             k = k.repeat_interleave(self.groups, dim=2)
             v = v.repeat_interleave(self.groups, dim=2)
-        # One token: the recurrent step is the same maths without the chunk form's tables.
-        mode = "recurrent" if T == 1 and self.mode == "chunk" else self.mode
         # The decay is made on the fly, never a buffer that a bfloat16 module would round.
-        o, S = decay_linear_attn(q, k, v, retention_decay(self.n_heads, x.device),
-                                 scale=self.head_k_dim ** -0.5,
-                                 initial_state=packed_or_single(Ss, cu_seqlens),
-                                 output_final_state=True, mode=mode, chunk_size=self.chunk_size,
-                                 cu_seqlens=cu_seqlens)
+        decay = retention_decay(self.n_heads, x.device)
+        if self.mode != "naive" and is_step(x, cu_seqlens):
+            # One token: the op's step (no chunk tables, no check that reads the decay back).
+            o, S = decay_linear_attn_step(q, k, v, decay, state=Ss[0],
+                                          scale=self.head_k_dim ** -0.5)
+        else:
+            o, S = decay_linear_attn(q, k, v, decay, scale=self.head_k_dim ** -0.5,
+                                     initial_state=packed_or_single(Ss, cu_seqlens),
+                                     output_final_state=True, mode=self.mode,
+                                     chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
+                                     backend=self.backend)
         gate = split_heads(self.g_proj(x), self.n_heads) if self.use_output_gate else None
         y = self.o_proj(merge_heads(getattr(self, self.norm_name)(o, gate)))
         finals = [(s, off + (b - a)) for s, off, (a, b)

@@ -19,14 +19,22 @@ from .._checks import (
     is_int,
     state_dtype,
 )
+from ..ops import (
+    RECURRENT_MODES,
+    delta_rule,
+    delta_rule_attn_norm,
+    delta_rule_step,
+    linear_attn,
+    linear_attn_step,
+)
 from ..ops.backend import preferred_chunk_size
-from ..ops.delta_rule import delta_rule, delta_rule_attn_norm
 from ..ops.feature_maps import FEATURE_MAPS, draw_favor_projection, feature_map, sum_norm
-from ..ops.linear_attn import MODES, linear_attn
 from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
+    is_step,
     like_values,
     merge_heads,
     packed_or_single,
@@ -59,18 +67,24 @@ class LinearAttention(Mixer):
     The defaults ``nu=2``
     and ``m=16`` are lmtool's (docs/maths.md 1.2); the op ``dpfp(x, nu=1)`` keeps its own default.
 
+    ``backend`` (None: the automatic choice) goes to the op (``linear_attn``, ``delta_rule``;
+    the attention-normalised delta rule has torch's forms only).
+
     State: ``(S [B, H, d_dot, head_dim], z [B, H, d_dot])`` for the sum rule and the
     attention-normalised delta rule, ``(S,)`` for delta.
     """
+
+    static_form = "fixed"  # static_state: docs/design.md, "Decoding graphs"
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         feature_map: str = "elu", normalize: str = "attention", update: str = "sum",
         nu: int = 2, m: int = 16, eps: float = 1e-6, sum_norm_eps: float = 1e-6,
         out_scale: float | None = None, redraw: bool = True, orthogonal: bool = True,
-        mode: str = "chunk", chunk_size: int | None = None,
+        mode: str = "chunk", chunk_size: int | None = None, backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
+        self.backend = check_backend(backend)
         self.feature_map = check_choice("feature_map", feature_map, FEATURE_MAPS)
         self.normalize = check_choice("normalize", normalize, NORMALIZATIONS)
         self.update = check_choice("update", update, UPDATES)
@@ -83,7 +97,7 @@ class LinearAttention(Mixer):
         self.out_scale = 1.0 / math.sqrt(self.head_dim) if out_scale is None else float(out_scale)
         self.redraw = check_bool("redraw", redraw)
         self.orthogonal = check_bool("orthogonal", orthogonal)
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         # None: the size measured fastest for this op on the input's device kind
         # (ops.backend.preferred_chunk_size: 32 for the delta rule on CPU, else 64).
         self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
@@ -121,10 +135,12 @@ class LinearAttention(Mixer):
         proj = split_heads(self.qkvb(x), H)  # [B, T, H, 3D (+1)]
         q, k, v = proj[..., :D], proj[..., D:2 * D], proj[..., 2 * D:3 * D]
         q, k = like_values(v, self._phi(q), self._phi(k))  # mixed precision: layers/base.py
+        if not delta_attention and self.mode != "naive" and is_step(x, cu_seqlens):
+            return self._step(proj, q, k, v, state)
         chunk = self.chunk_size or preferred_chunk_size(
             "delta_rule" if self.update == "delta" else "linear_attn", x.device)
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": chunk,
-                "cu_seqlens": cu_seqlens}
+                "cu_seqlens": cu_seqlens, "backend": self.backend}
         if delta_attention:
             beta = torch.sigmoid(proj[..., 3 * D])
             o, new_state = delta_rule_attn_norm(q, k, v, beta, eps=self.eps, initial_state=state,
@@ -141,6 +157,19 @@ class LinearAttention(Mixer):
             o, new_state = self._mix(
                 linear_attn, q, k, v, normalize=self.normalize.endswith("attention"), eps=self.eps,
                 initial_state=state, **opts)
+        return self.out(merge_heads(o) * self.out_scale), new_state
+
+    def _step(self, proj: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              state: State) -> tuple[torch.Tensor, State]:
+        """The decoding step (T = 1, not packed): the op's one-token step on the carried state."""
+        if self.update == "delta":
+            beta = torch.sigmoid(proj[..., 3 * self.head_dim])
+            o, S = delta_rule_step(q, k, v, beta, state=_delta_matrix(state))
+            new_state: State = (S,)
+        else:
+            o, new_state = linear_attn_step(q, k, v, state=state,
+                                            normalize=self.normalize.endswith("attention"),
+                                            eps=self.eps)
         return self.out(merge_heads(o) * self.out_scale), new_state
 
     def state_size(self, seq_len: int = 1) -> int:

@@ -35,35 +35,56 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .._checks import (
     check_bool,
     check_choice,
     check_positive_int,
     is_number,
-    matrix_state,
     state_dtype,
 )
-from ..ops._conv import causal_depthwise_conv
+from ..ops import RECURRENT_MODES, gated_delta_rule, gated_delta_rule_step
 from ..ops.backend import preferred_chunk_size
-from ..ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     is_step,
     like_values,
     merge_heads,
     packed_or_single,
     split_heads,
 )
+from .conv import short_conv
 from .norms import GATE_ACTIVATIONS, RMSNorm
 
 L2_EPS = 1e-6  # inside the square root, as fla's l2norm kernel and transformers' l2norm
 
 
+class _L2Normalize(torch.autograd.Function):
+    """``l2_normalize`` with its backward written out: with r = (sum x^2 + eps)^-1/2 and
+    y = x r, dx = r (dy - y sum(dy y)) (three passes over x where autograd's chain takes six)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        r = torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
+        y = x * r
+        ctx.save_for_backward(y, r)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        y, r = ctx.saved_tensors
+        return (dy - y * (dy * y).sum(-1, keepdim=True)) * r
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(sum x^2 + 1e-6) over the last dim (fla's and transformers' q/k norm)."""
+    if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+        return _L2Normalize.apply(x)
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
 
 
@@ -80,20 +101,24 @@ class GatedDeltaNet(Mixer):
     ``allow_neg_eigval`` off, output-norm eps 1e-5, and its initialisation of A_log
     (log U(0, 16)) and dt_bias (softplus^-1 of dt log-uniform in [0.001, 0.1]).
     ``mode``/``chunk_size`` choose the op's algorithm (equal up to rounding); ``chunk_size``
-    None takes the size measured fastest on the input's device kind (32 on CPU).
+    None takes the size measured fastest on the input's device kind (32 on CPU); ``backend``
+    (None: the automatic choice) goes to ``gated_delta_rule``.
 
     Submodules carry fla's names: q_proj, k_proj, v_proj, a_proj, b_proj, A_log, dt_bias,
     q_conv1d, k_conv1d, v_conv1d, g_proj, o_norm, o_proj.
     """
+
+    static_form = "fixed"  # static_state: docs/design.md, "Decoding graphs"
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         num_v_heads: int | None = None, expand_v: float = 2.0, use_gate: bool = True,
         gate_activation: str = "swish", use_short_conv: bool = True, conv_size: int = 4,
         conv_bias: bool = False, allow_neg_eigval: bool = False, norm_eps: float = 1e-5,
-        mode: str = "chunk", chunk_size: int | None = None,
+        mode: str = "chunk", chunk_size: int | None = None, backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
+        self.backend = check_backend(backend)
         Hk, Dk = n_heads, self.head_dim
         H = Hk if num_v_heads is None else check_positive_int("num_v_heads", num_v_heads)
         if H % Hk:
@@ -116,7 +141,7 @@ class GatedDeltaNet(Mixer):
         if not is_number(norm_eps) or not 0 < norm_eps < 1:
             raise ValueError(f"norm_eps must be a float in (0, 1), got {norm_eps!r}")
         self.norm_eps = float(norm_eps)
-        self.mode = check_choice("mode", mode, ("chunk", "recurrent", "naive"))
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
 
         self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
@@ -146,6 +171,19 @@ class GatedDeltaNet(Mixer):
         """C, the channels of the short convolutions (q, k, v concatenated)."""
         return 2 * self.key_dim + self.value_dim
 
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """All the input projections of x [B, T, d] in one product (one read of x, one input
+        gradient): (q, k, v concatenated [B, T, C] as ``project``, b_proj(x), a_proj(x),
+        g_proj(x) or None)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.a_proj]
+        if self.use_gate:
+            parts.append(self.g_proj)
+        out = F.linear(x, torch.cat([p.weight for p in parts]))
+        C, H = self.conv_channels, self.num_v_heads
+        sizes = (C, H, H) + ((self.value_dim,) if self.use_gate else ())
+        projected, b, a, *gate = out.split(sizes, dim=-1)
+        return projected, b, a, gate[0] if gate else None
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, d] -> the q, k, v projections concatenated [B, T, C] (before the convolution:
         what the convolution state holds)."""
@@ -154,17 +192,18 @@ class GatedDeltaNet(Mixer):
     def _conv(self, mixed: torch.Tensor, past: torch.Tensor | None, out_dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """SiLU of the causal convolution of ``mixed`` [B, t, C] (compute dtype) continuing
-        ``past`` [B, C, W - 1] (None: zeros) -> (y [B, t, C], the new past in ``out_dtype``)."""
+        ``past`` [B, C, W - 1] (None: zeros) -> (y [B, t, C], the new past in ``out_dtype``).
+        Time-major throughout (``short_conv``): no transposed copies of the activations."""
         B, _, C = mixed.shape
         Wm = self.conv_size - 1
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         weight = torch.cat([c.weight for c in convs])
         bias = torch.cat([c.bias for c in convs]) if self.conv_bias else None
-        past = mixed.new_zeros(B, C, Wm) if past is None else past.to(mixed.dtype)
-        full = torch.cat([past, mixed.transpose(1, 2)], dim=2)  # [B, C, W - 1 + t]
-        y = F.silu(causal_depthwise_conv(full, weight.to(mixed.dtype),
-                                         None if bias is None else bias.to(mixed.dtype)))
-        return y.transpose(1, 2), full[:, :, full.shape[2] - Wm:].to(out_dtype)
+        past = mixed.new_zeros(B, Wm, C) if past is None else past.to(mixed.dtype).transpose(1, 2)
+        full = torch.cat([past, mixed], dim=1)  # [B, W - 1 + t, C]
+        y = short_conv(full, weight.to(mixed.dtype),
+                       None if bias is None else bias.to(mixed.dtype), silu=True)
+        return y, full[:, full.shape[1] - Wm:].transpose(1, 2).contiguous().to(out_dtype)
 
     def _state_parts(self, state: State, B: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(conv, S) of a carried state (None, None for None), conv's shape checked (the op
@@ -194,7 +233,8 @@ class GatedDeltaNet(Mixer):
         B = x.shape[0]
         cdtype = state_dtype(x.dtype)
         parts = [self._state_parts(s, B) for s in states]
-        projected = self.project(x)  # [B, T, C], in the activation dtype (layers/base.py)
+        # [B, T, C], in the activation dtype (layers/base.py); and the gates' projections
+        projected, b_proj, a_proj, gate_proj = self._projections(x)
         mixed = projected.to(cdtype)
         convs: list[torch.Tensor | None] = [None] * len(parts)
         if self.use_short_conv:  # each document continues its own past
@@ -206,13 +246,15 @@ class GatedDeltaNet(Mixer):
         else:
             mixed = F.silu(mixed)
         Hk, H, Dk = self.n_heads, self.num_v_heads, self.head_dim
-        q = l2_normalize(split_heads(mixed[..., :self.key_dim], Hk))  # [B, T, Hk, Dk]
-        k = l2_normalize(split_heads(mixed[..., self.key_dim:2 * self.key_dim], Hk))
-        v = split_heads(mixed[..., 2 * self.key_dim:], H)  # [B, T, H, Dv]
-        beta = torch.sigmoid(self.b_proj(x).to(cdtype))  # [B, T, H]
+        # one split (its backward one concatenation, not a zero-filled gradient per slice)
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = l2_normalize(split_heads(q, Hk))  # [B, T, Hk, Dk]
+        k = l2_normalize(split_heads(k, Hk))
+        v = split_heads(v, H)  # [B, T, H, Dv]
+        beta = torch.sigmoid(b_proj.to(cdtype))  # [B, T, H]
         if self.allow_neg_eigval:
             beta = beta * 2.0
-        g = -self.A_log.to(cdtype).exp() * F.softplus(self.a_proj(x).to(cdtype)
+        g = -self.A_log.to(cdtype).exp() * F.softplus(a_proj.to(cdtype)
                                                        + self.dt_bias.to(cdtype))
         scale = Dk ** -0.5
         # Mixed precision (like_values): the op's q, k, v in the projections' dtype (bfloat16
@@ -220,20 +262,18 @@ class GatedDeltaNet(Mixer):
         # convolution, the L2 norm and the gates above are computed in float32.
         q, k, v = like_values(projected, q, k, v)
         if is_step(x, cu_seqlens) and self.mode != "naive":
-            # The decoding step: the recurrence's one-token form on the checked state (the
-            # operands rounded as the chunked form's, then in the state's dtype).
-            S0 = matrix_state(parts[0][1], (B, H, Dk, self.head_v_dim), q, cdtype)
-            q, k, v = (t.to(cdtype) for t in (q, k, v))
-            o, S = gated_delta_rule_step(q * scale, k, v, beta, g, S0)
+            # The decoding step: the op's one-token step (the operands rounded as the chunked
+            # form's, then in the state's dtype).
+            o, S = gated_delta_rule_step(q, k, v, beta, g, state=parts[0][1], scale=scale)
             finals = [S]
         else:
             chunk = self.chunk_size or preferred_chunk_size("gated_delta_rule", x.device)
             o, S = gated_delta_rule(
                 q, k, v, beta, g, scale=scale, output_final_state=True, mode=self.mode,
-                chunk_size=chunk, cu_seqlens=cu_seqlens,
+                chunk_size=chunk, cu_seqlens=cu_seqlens, backend=self.backend,
                 initial_state=packed_or_single([S0 for _, S0 in parts], cu_seqlens))
             finals = list(S) if cu_seqlens is not None else [S]
-        gate = split_heads(self.g_proj(x), H) if self.use_gate else None
+        gate = split_heads(gate_proj, H) if self.use_gate else None
         y = self.o_proj(merge_heads(self.o_norm(o.to(cdtype), gate)).to(x.dtype))
         new = [(c, s) if self.use_short_conv else (s,) for c, s in zip(convs, finals)]
         return y, packed_or_single(new, cu_seqlens)

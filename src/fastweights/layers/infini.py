@@ -21,8 +21,8 @@ from .._checks import (
     check_positive_int,
     state_dtype,
 )
-from ..ops.infini import MODES, UPDATES, InfiniRowsState, InfiniSegmentState, infini_attention
-from ..ops.infini.recurrent import infini_attention_recurrent
+from ..ops import InfiniRowsState, InfiniSegmentState, infini_attention, infini_attention_step
+from ..ops.infini import MODES, UPDATES
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
@@ -73,6 +73,8 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     write the open segment into a memory the layer does not carry); rows at their own places
     (``stack_states``) and mode "naive" go through the op.
     """
+
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
 
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, segment_len: int = 64,
@@ -137,25 +139,21 @@ class InfiniAttention(RotaryFrequencies, Mixer):
     def _step(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, InfiniSegmentState]:
         """``forward`` for one token per row, x [B, 1, d_model] (see the class docstring)."""
         check_layer_input(x, self.d_model)
-        B, H, D, N = x.shape[0], self.n_heads, self.head_dim, self.segment_len
+        H, D, N = self.n_heads, self.head_dim, self.segment_len
         q, k, v = split_heads(self.qkv(x), H).chunk(3, dim=-1)  # [B, 1, H, D] each
-        M, z, k_seg, v_seg, k_mem_seg = InfiniSegmentState.carried(state, B, H, D, D, N, q)
         q_mem, k_mem = q, k
         if self.rope:
-            r = k_seg.shape[1]  # the token's place in its segment
+            # The token's place in its segment (modulo N: a cache too long for the segment is
+            # the step's to refuse).
+            r = InfiniSegmentState.open_len(state) % N
             q, k = self._rotate_periodic((q, k), slice(r, r + 1), N)
             if self.rope_memory:
                 q_mem, k_mem = q, k
-        # The compute dtype, as the op casts (after the rotation, as in forward).
-        cdtype = M.dtype
-        q, k, v, q_mem, k_mem = (t if t.dtype == cdtype else t.to(cdtype)
-                                 for t in (q, k, v, q_mem, k_mem))
-        o, *final = infini_attention_recurrent(
-            q=q, k=k, v=v, q_mem=q_mem, k_mem=k_mem, g=torch.sigmoid(self.gate.to(cdtype)),
-            M=M, z=z, k_seg=k_seg, v_seg=v_seg, k_mem_seg=k_mem_seg, segment_len=N,
-            update=self.update, scale=1.0 / math.sqrt(D), eps=self.eps)
+        o, final = infini_attention_step(
+            q, k, v, self.gate, state=state, segment_len=N, update=self.update,
+            scale=1.0 / math.sqrt(D), q_mem=q_mem, k_mem=k_mem, eps=self.eps)
         o = merge_heads(o)
-        return self.out(o if o.dtype == x.dtype else o.to(x.dtype)), InfiniSegmentState(*final)
+        return self.out(o if o.dtype == x.dtype else o.to(x.dtype)), final
 
     def state_size(self, seq_len: int = 1) -> int:
         H, D = self.n_heads, self.head_dim

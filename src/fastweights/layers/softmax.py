@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_arg, check_bool, check_layer_input
-from ..ops.softmax import softmax_attention
+from ..ops import KVCache, softmax_attention, softmax_attention_step
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
@@ -59,6 +59,13 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
             # own length: one call per document.
             return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
+        if isinstance(state, KVCache):  # the buffers of a static decoding step
+            if x.shape[1] != 1:
+                raise ValueError(f"a KVCache state (buffers of a decoding step) continues one "
+                                 f"token per call, got T={x.shape[1]}")
+            q, k, v = self._project(x, state.lengths)
+            o, state = softmax_attention_step(q, k, v, state=state)
+            return self.out(merge_heads(o)), state
         if state is not None:
             self._check_state(state, x)
         rows = isinstance(state, KVCacheRows)
@@ -106,6 +113,21 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
         k = cat_rows([F.pad(k, (0, 0, 0, 0, t - k.shape[1], 0)) for k, _, _ in parts], "k_cache")
         v = cat_rows([F.pad(v, (0, 0, 0, 0, t - v.shape[1], 0)) for _, v, _ in parts], "v_cache")
         return KVCacheRows(k, v, torch.cat([n for _, _, n in parts]))
+
+    def static_state(self, state: State, max_len: int) -> KVCache:
+        """A ``KVCache`` of capacity ``max_len`` tokens holding the (k_cache, v_cache) pair a
+        forward returned (every row at one length)."""
+        if not (isinstance(state, tuple) and len(state) == 2
+                and all(isinstance(t, torch.Tensor) for t in state)):
+            raise TypeError("static_state needs the (k_cache, v_cache) pair SoftmaxAttention "
+                            f"returned, got {type(state).__name__}")
+        k, v = state
+        B, t = k.shape[:2]
+        if max_len < t:
+            raise ValueError(f"max_len must be >= the cached tokens ({t}), got {max_len}")
+        pad = (0, 0, 0, 0, 0, max_len - t)
+        return KVCache(F.pad(k, pad), F.pad(v, pad),
+                       torch.full((B,), t, dtype=torch.long, device=k.device))
 
     def keys_values(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What x's tokens, at absolute positions start.., add to the (k_cache, v_cache) state:

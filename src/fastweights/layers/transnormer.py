@@ -22,28 +22,28 @@ from .._checks import (
     check_layer_input,
     check_nonneg_float,
     check_positive_int,
-    check_same_device,
     check_shape,
     check_tensor,
     is_int,
     state_dtype,
 )
-from ..ops.feature_maps import elu_plus_one
-from ..ops.linear_attn import MODES, linear_attn
-from ..ops.transnormer import (
-    KERNELS,
+from ..ops import (
+    RECURRENT_MODES,
     block_attention,
     decay_linear_attn,
+    decay_linear_attn_step,
+    linear_attn,
     open_block_attention,
     srms_norm,
 )
-from ..ops.transnormer.block import attend_open_block
-from ..ops.transnormer.recurrent import decay_linear_attn_recurrent
+from ..ops.feature_maps import elu_plus_one
+from ..ops.transnormer import KERNELS
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     check_stackable,
     is_step,
     like_values,
@@ -156,7 +156,7 @@ class NormAttention(Mixer):
     variant (docs/maths.md 3.5): S_t = lambda_h S_{t-1} + k_t^T v_t with
     lambda_h = exp(-decay_scale * s_h), s_h the ALiBi slopes (TransNormerLLM uses
     decay_scale = 1 - l/(L-1) + 1e-5 in layer l), and the output norm -> sigmoid(x W_g + b_g)
-    gate -> W_out. ``mode``/``chunk_size`` go to the op.
+    gate -> W_out. ``mode``/``chunk_size``/``backend`` go to the op.
 
     State: ``(S [B, H, D, D] float32/float64, position: int)``; the position keeps LRPE
     sequence-global when the sequence is fed in pieces. ``decay_values`` holds the lambda_h.
@@ -165,17 +165,21 @@ class NormAttention(Mixer):
     and one LRPE pass; mode "naive" always takes the op's oracle.
     """
 
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None,
         activation: str = "1+elu", lrpe: bool = True, decay: bool = False,
         decay_scale: float = 1.0, mode: str = "chunk", chunk_size: int = 64,
+        backend: str | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, head_dim)
+        self.backend = check_backend(backend)
         self.activation = check_choice("activation", activation, ACTIVATIONS)
         check_bool("lrpe", lrpe)
         check_bool("decay", decay)
         self.decay_scale = check_nonneg_float("decay_scale", decay_scale)
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = check_choice("mode", mode, RECURRENT_MODES)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         H, D = n_heads, self.head_dim
         _qkv_projections(self, d_model, H * D)
@@ -219,9 +223,9 @@ class NormAttention(Mixer):
             # (bfloat16 has float32's range: its operands stay bfloat16, for the kernels).
             q, k, v = q.float(), k.float(), v.float()
         opts = {"output_final_state": True, "mode": self.mode, "chunk_size": self.chunk_size,
-                "cu_seqlens": cu_seqlens}
+                "cu_seqlens": cu_seqlens, "backend": self.backend}
         if self.decay_values is not None:
-            lam = torch.tensor(self.decay_values, dtype=state_dtype(q.dtype), device=q.device)
+            lam = self._decay(state_dtype(q.dtype), q.device)
             o, final = decay_linear_attn(q, k, v, lam, initial_state=packed_or_single(S, cu_seqlens),
                                          **opts)
             S = per_document(final, cu_seqlens)
@@ -240,14 +244,8 @@ class NormAttention(Mixer):
         """``forward`` for one token per row, x [B, 1, d_model] (see the class docstring)."""
         check_layer_input(x, self.d_model)
         S, pos = NormState.check(state)
-        B, H, D = x.shape[0], self.n_heads, self.head_dim
+        H = self.n_heads
         sdtype = state_dtype(x.dtype)
-        if S is None:
-            S = x.new_zeros(B, H, D, D, dtype=sdtype)
-        else:  # what the op checks of a carried state
-            check_shape("state[0] (S)", S, (B, H, D, D), "[B, H, D, D]")
-            check_same_device(x=x, **{"state[0] (S)": S})
-            S = S if S.dtype == sdtype else S.to(sdtype)
         qk = ACTIVATIONS[self.activation](
             split_heads(torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1), 2 * H))
         if self.lrpe is not None:
@@ -255,13 +253,25 @@ class NormAttention(Mixer):
         v = split_heads(self.v_proj(x), H)
         if qk.dtype != sdtype:  # half inputs: see forward
             qk, v = qk.to(sdtype), v.to(sdtype)
-        lam = (None if self.decay_values is None
-               else torch.tensor(self.decay_values, dtype=sdtype, device=x.device))
-        o, S = decay_linear_attn_recurrent(qk[:, :, :H], qk[:, :, H:], v, lam, S)
+        lam = None if self.decay_values is None else self._decay(sdtype, x.device)
+        o, S = decay_linear_attn_step(qk[:, :, :H], qk[:, :, H:], v, lam, state=S)
         o = srms_norm(merge_heads(o))
         if self.decay_values is not None:
             o = o * torch.sigmoid(self.gate(x)).to(o.dtype)
         return self.out(o if o.dtype == x.dtype else o.to(x.dtype)), NormState(S, pos + 1)
+
+    def _decay(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The lambda_h [H] as a tensor, kept per (dtype, device): made from the floats once, not
+        every step (a copy from the host each time; a captured CUDA graph cannot make one). Not
+        kept while tracing (the table would hold the tracer's tensors)."""
+        if torch.compiler.is_compiling():
+            return torch.tensor(self.decay_values, dtype=dtype, device=device)
+        kept = self.__dict__.setdefault("_decays", {})
+        lam = kept.get((dtype, device))
+        if lam is None:
+            lam = kept[(dtype, device)] = torch.tensor(self.decay_values, dtype=dtype,
+                                                       device=device)
+        return lam
 
     def state_size(self, seq_len: int = 1) -> int:
         return self.n_heads * self.head_dim * self.head_dim
@@ -382,6 +392,8 @@ class DiagAttention(Mixer):
     ``state_size()`` reports the largest such state, 2 H D (block_size - 1).
     """
 
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
+
     def __init__(
         self, d_model: int, n_heads: int, *, head_dim: int | None = None, block_size: int = 64,
         kernel: str = "softmax", lrpe: bool = True,
@@ -451,7 +463,7 @@ class DiagAttention(Mixer):
         if r:
             k = torch.cat([state.k_open.to(sdtype), k], dim=1)  # [B, r + 1, H, D]
             v = torch.cat([state.v_open.to(sdtype), v], dim=1)
-        o = merge_heads(attend_open_block(q, k, v, D ** -0.5, self.kernel))
+        o = merge_heads(open_block_attention(q, k, v, scale=D ** -0.5, kernel=self.kernel))
         if self.kernel == "relu":
             o = srms_norm(o)
         n_open = (r + 1) % w

@@ -18,23 +18,13 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops._conv import causal_depthwise_conv
-from ..ops.backend import BACKENDS
-from ..ops.ttt import (
-    MODES,
-    DecodeCarry,
-    stack_decode_carries,
-    to_op_state,
-    ttt_decode_step,
-    ttt_linear,
-    ttt_mlp,
-)
-from ..ops.ttt.decode import decode_carry, layer_state_after
+from ..ops import TTT_MODES, TTTState, ttt_linear, ttt_linear_step, ttt_mlp, ttt_mlp_step
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
     Mixer,
     State,
+    check_backend,
     check_stackable,
     is_step,
     merge_heads,
@@ -43,6 +33,7 @@ from .base import (
     split_heads,
     token_positions,
 )
+from .conv import causal_depthwise_conv
 from .positional import RotaryFrequencies
 
 CONV_KERNEL = 4  # the Mamba backbone's causal depthwise convolutions (docs/maths.md 2.1)
@@ -88,23 +79,23 @@ class _TTTLayer(RotaryFrequencies, Mixer):
       convolutions (kernel 4, with bias) giving XQ and XK, and a GELU (tanh) output gate
       gelu(x W_g) after the post-LayerNorm (docs/maths.md 2.1, 2.5).
     - ``mode``: the ops' "dual" (default), "primal" or "naive".
-    - ``backend``: the ops' ``backend=``, and the decoding step's (``ttt_decode_step``, one
-      token): None (default, the automatic choice: the Triton kernels of the dual form, and
-      the fused decoding step, where they can run the call, ops/backend.py), "triton" or
-      "torch".
+    - ``backend``: the ops' ``backend=`` (their one-token steps' too): None (default, the
+      automatic choice: the Triton kernels of the dual form, and of the one-token step, where
+      they can run the call, ops/backend.py), "triton" or "torch".
 
     State: ``(pos, conv_cache, inner)``: pos (int) the position inside the current mini-batch,
     conv_cache [B, 3, H * D] the last three shared Q/K projections (Mamba backbone, else None),
-    inner a ``DecodeCarry`` (ops/ttt/decode.py): the current mini-batch's start weights and the
-    rows (inputs, eta-scaled output gradients) of its tokens so far, the same however the
-    sequence was fed. ``fastweights.ops.ttt.to_op_state(inner, layer.token_scale())`` gives the
-    ops' state (current weights first); an op state is also accepted as ``inner``. The one-token
-    step (T = 1, mode "dual") reads the start weights and the rows and writes weights only when
-    a mini-batch completes, instead of the current weights after every token.
+    inner the op's state: the inner weights at a mini-batch boundary, else a ``TTTState``
+    (fastweights.ops: the open mini-batch's start weights and the rows, inputs and eta-scaled
+    output gradients, of its tokens so far), the same however the sequence was fed. The
+    one-token step (T = 1, mode "dual", ``ttt_linear_step``) reads the start weights and the
+    rows and writes weights only when a mini-batch completes.
     """
 
+    static_form = "rows"  # static_state: docs/design.md, "Decoding graphs"
+
     op = staticmethod(ttt_linear)  # the inner-loop op; TTTMLP sets ttt_mlp
-    kind = "linear"  # the op's kind for the decoding step; TTTMLP sets "mlp"
+    step = staticmethod(ttt_linear_step)  # its one-token step; TTTMLP sets ttt_mlp_step
     eta_warmup_from: float | None = None  # start of the inner learning-rate ramp, None: no ramp
 
     def __init__(
@@ -125,8 +116,8 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         self.residual = check_bool("residual", residual)
         self.mamba_backbone = check_bool("mamba_backbone", mamba_backbone)
         self.learn_eta = check_bool("learn_eta", learn_eta)
-        self.mode = check_choice("mode", mode, MODES)
-        self.backend = check_choice("backend", backend, (None, *BACKENDS))
+        self.mode = check_choice("mode", mode, TTT_MODES)
+        self.backend = check_backend(backend)
         H, D, b = n_heads, self.head_dim, mini_batch_size
         width = H * D
         if rope:
@@ -253,7 +244,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         if (self.mode == "dual" and not self.mamba_backbone and is_step(x, cu_seqlens)
                 and x.shape[-1] == self.d_model and isinstance(state, TTTLayerState)
-                and isinstance(state.inner, DecodeCarry) and isinstance(state.pos, int)):
+                and isinstance(state.pos, int) and state.inner is not None):
             return self._step(x, state)
         bounds, docs = self._documents(x, state, cu_seqlens)  # unpacked: one document
         B, T = x.shape[:2]
@@ -295,33 +286,16 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         norm = {"ln_weight": self.ln_weight if self.inner_norm else None,
                 "ln_bias": self.ln_bias if self.inner_norm else None}
         tau = self.token_scale()
-        if T == 1 and self.mode == "dual" and cu_seqlens is None:
-            # A decoding step: the mini-batch carried as rows, weights written only when it
-            # completes (ops/ttt/decode.py); the state stays a DecodeCarry while decoding.
-            o, inner = ttt_decode_step(
-                self.kind, q, k, v, eta, state=self._learned() if inners[0] is None else inners[0],
-                residual=self.residual, mini_batch_size=b, token_scale=tau, backend=self.backend,
-                **norm)
+        if all(s is None for s in inners):
+            inner = self._learned()  # the op shares one start state among packed documents
         else:
-            starts = [to_op_state(s, tau) if isinstance(s, DecodeCarry) else s for s in inners]
-            if all(s is None for s in starts):
-                inner = self._learned()  # the op shares one start state among packed documents
-            else:
-                inner = packed_or_single([self._learned() if s is None else s for s in starts],
-                                         cu_seqlens)
-            o, inner = self.op(
-                q, k, v, eta, initial_state=inner, residual=self.residual,
-                mini_batch_size=b, token_scale=tau, output_final_state=True,
-                mode=self.mode, checkpoint_group=self.checkpoint_group, cu_seqlens=cu_seqlens,
-                backend=self.backend, **norm)
-            # The state as decoding the tokens one at a time would leave it (rows of the open
-            # mini-batch, not the op's sums): one form whichever way a sequence was fed.
-            inner = [layer_state_after(
-                self.kind, s, s_in, k[:, start:stop], v[:, start:stop], eta[:, start:stop],
-                residual=self.residual, mini_batch_size=b, **norm)
-                for s, s_in, start, stop
-                in zip(per_document(inner, cu_seqlens), inners, bounds, bounds[1:])]
-            inner = packed_or_single(inner, cu_seqlens)
+            inner = packed_or_single([self._learned() if s is None else s for s in inners],
+                                     cu_seqlens)
+        o, inner = self.op(
+            q, k, v, eta, initial_state=inner, residual=self.residual,
+            mini_batch_size=b, token_scale=tau, output_final_state=True,
+            mode=self.mode, checkpoint_group=self.checkpoint_group, cu_seqlens=cu_seqlens,
+            backend=self.backend, **norm)
         y = self.post_norm(merge_heads(o))
         if self.mamba_backbone:
             y = y * F.gelu(self.gate(x), approximate="tanh")
@@ -347,9 +321,9 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             tau, values = self.token_scale(), None
         else:  # tau and its values as numbers, kept while token_offset is unchanged
             tau, values = self._kept_tau()
-        o, inner = ttt_decode_step(
-            self.kind, qk[:, :, :H], qk[:, :, H:], v, self._inner_lr(x),
-            state=state.inner, ln_weight=self.ln_weight if self.inner_norm else None,
+        o, inner = self.step(
+            qk[:, :, :H], qk[:, :, H:], v, self._inner_lr(x), state=state.inner,
+            ln_weight=self.ln_weight if self.inner_norm else None,
             ln_bias=self.ln_bias if self.inner_norm else None, residual=self.residual,
             mini_batch_size=b, token_scale=tau, token_scale_values=values, backend=self.backend)
         return self.out(self.post_norm(merge_heads(o))), TTTLayerState((state.pos + 1) % b, None,
@@ -370,10 +344,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         parts = [self._split_state(state, 1) for state in states]
         if any(inner is None for _, _, inner in parts):
             raise ValueError("stack_states needs states returned by forward (not None)")
-        H, D, b = self.n_heads, self.head_dim, self.mini_batch_size
-        like = self.token_offset.new_empty(1, 1, H, D)
-        carries = [decode_carry(inner, self.kind, 1, H, D, D, b, like) for _, _, inner in parts]
-        inner = stack_decode_carries(carries, b)
+        inner = TTTState.stack([inner for _, _, inner in parts], self.mini_batch_size)
         conv = None if parts[0][1] is None else cat_rows([c for _, c, _ in parts], "conv_cache")
         return TTTLayerState(inner.pos, conv, inner)
 
@@ -382,8 +353,7 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         tokens so far (at most b - 1: inputs and output gradients of each inner layer, 2 D per
         token for TTT-Linear, 10 D for TTT-MLP, per head), plus the Mamba backbone's convolution
         inputs. Constant in ``seq_len``. (States stacked by ``stack_states`` hold b rows per
-        stream; a state continued from an op state that ends inside a mini-batch also holds that
-        state's gradient sums until the mini-batch completes.)"""
+        stream.)"""
         H = self.n_heads
         weights = sum(H * torch.Size(s).numel() for s in self.inner_shapes.values())
         row = sum(s[0] + s[1] for s in self.inner_shapes.values() if len(s) == 2)  # Din + Dout
@@ -422,7 +392,7 @@ class TTTMLP(_TTTLayer):
     size 4 D, eta_base 0.1 (docs/maths.md 2.6). Options and state as described in ``_TTTLayer``."""
 
     op = staticmethod(ttt_mlp)
-    kind = "mlp"
+    step = staticmethod(ttt_mlp_step)
     eta_warmup_from: float | None = 0.1  # docs/maths.md 2.6: eta ramps from 10% to 100%
     def __init__(self, d_model: int, n_heads: int, *, eta_base: float = 0.1, **options) -> None:
         super().__init__(d_model, n_heads, eta_base=eta_base, **options)

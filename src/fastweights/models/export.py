@@ -99,7 +99,8 @@ def _check_model(model: Any) -> LanguageModel:
 
 def _check_ids(input_ids: Any, model: LanguageModel, name: str) -> torch.Tensor:
     # The model's own check (type, shape, id range) in eager mode, before any tracing.
-    return model._check_ids(input_ids, name)
+    model._check_ids(input_ids, name)
+    return input_ids
 
 
 def export_forward(model: LanguageModel, input_ids: torch.Tensor, *,

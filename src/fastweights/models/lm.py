@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,17 +20,26 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from .. import state_tree
-from .._checks import is_int, is_number
+from .._checks import (
+    Documents,
+    check_cu_seqlens_tensor,
+    check_documents,
+    documents_from,
+    is_int,
+    is_number,
+)
 from .._files import CHECKSUM_FILE, CONFIG_FILE, WEIGHTS_FILE, listing_problem, write_checksums
 from ..layers.base import token_positions
-from ..ops._varlen import check_cu_seqlens
+from ..ops import reading_nothing, reads_allowed
 from .block import Block, MixerRunner, make_norm
 from .config import LMConfig
+from .graph import DecodeGraph
 
 # One layer state per block, in order; with an absolute position encoding (LMConfig.position)
 # one more item last: the tokens each sequence has consumed (a long tensor [B], or [N] per
 # document with cu_seqlens), where its next positions start.
 LMState = list[Any]
+_logger = logging.getLogger(__name__)
 
 
 class LanguageModel(nn.Module):
@@ -112,7 +122,10 @@ class LanguageModel(nn.Module):
         for block in self.blocks:
             block.mixer.set_inner_lr_warmup(float(progress))
 
-    def _check_ids(self, input_ids: Any, name: str = "input_ids") -> torch.Tensor:
+    def _check_ids(self, input_ids: Any, name: str = "input_ids",
+                   cu_seqlens: Any = None) -> Documents | None:
+        """Check ``input_ids`` (and ``cu_seqlens``, returned as ``Documents``): the ids' range
+        and the documents' boundaries are read back to the host together, once."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
         if input_ids.dtype != torch.long:
@@ -120,17 +133,25 @@ class LanguageModel(nn.Module):
         if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
             raise ValueError(f"{name} must have shape [B, T] with B, T >= 1, got {tuple(input_ids.shape)}")
         V = self.config.vocab_size
+        B, T = input_ids.shape
         # The range check reads the ids' values, a data-dependent branch that torch.export and
         # torch.compile(fullgraph=True) cannot trace; traced programs leave it to the embedding
         # lookup, which fails on an out-of-range id (IndexError on CPU, a device assert on CUDA).
         if torch.compiler.is_compiling():
-            return input_ids
-        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= V):
-            raise ValueError(
-                f"{name} must hold ids in [0, {V}), got values in "
-                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
-            )
-        return input_ids
+            return None if cu_seqlens is None else check_documents(
+                cu_seqlens, T, B, input_ids.device)
+        reads = [torch.stack(torch.aminmax(input_ids))]
+        if isinstance(cu_seqlens, torch.Tensor):
+            reads.append(check_cu_seqlens_tensor(cu_seqlens, B, input_ids.device).to(torch.long))
+        values = torch.cat(reads).tolist()  # one read back to the host for everything
+        lo, hi = values[:2]
+        if lo < 0 or hi >= V:
+            raise ValueError(f"{name} must hold ids in [0, {V}), got values in [{lo}, {hi}]")
+        if cu_seqlens is None:
+            return None
+        if isinstance(cu_seqlens, torch.Tensor):
+            return documents_from(values[2:], cu_seqlens, T)
+        return check_documents(cu_seqlens, T, B, input_ids.device)
 
     def _check_length(self, total: int) -> None:
         limit = self.config.max_seq_len
@@ -158,24 +179,59 @@ class LanguageModel(nn.Module):
         tensors [B, T, d], the convention of transformers' ``output_hidden_states`` (Llama's):
         the input of every block (the first is the embeddings' output after dropout) and, last,
         the final norm's output h itself (after the norm)."""
-        self._check_ids(input_ids)
+        cu_seqlens = self._check_ids(input_ids, cu_seqlens=cu_seqlens)  # Documents, checked once
         if cu_seqlens is not None:
-            bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0],
-                                      input_ids.device)
+            bounds = cu_seqlens.bounds
             if state is None:
                 self._check_length(max(b - a for a, b in itertools.pairwise(bounds)))
         elif state is None:
             self._check_length(input_ids.shape[1])
+        return self._run(input_ids, self._check_state(state), cu_seqlens, collect)
+
+    def _check_state(self, state: LMState | None) -> LMState:
+        """A carried model state (a list with one state per block, then the position offsets
+        where the model has them), or the empty one for None."""
         n_state = len(self.blocks) + (self.config.position != "none")
         if state is None:
-            state = [None] * n_state
-        elif not isinstance(state, (list, tuple)) or len(state) != n_state:
+            return [None] * n_state
+        if not isinstance(state, (list, tuple)) or len(state) != n_state:
             raise ValueError(
                 f"state must be None or a list of {len(self.blocks)} layer states"
                 f"{' and then the position offsets' if n_state > len(self.blocks) else ''} "
                 f"(as returned by forward), got {type(state).__name__}"
                 + (f" of length {len(state)}" if isinstance(state, (list, tuple)) else "")
             )
+        return state
+
+    def step(self, input_ids: torch.Tensor, state: LMState) -> tuple[torch.Tensor, LMState]:
+        """One decoding token per row, ``input_ids`` [B, 1] long, continuing ``state`` (one
+        ``forward`` returned, or its ``static_state``): (logits [B, 1, V], the state after it).
+        ``forward`` for T = 1 without reading anything back to the host: the ids' range is not
+        checked (an id outside the vocabulary fails in the embedding lookup), and every layer
+        runs its one-token step under ``reading_nothing`` (docs/design.md, "Host reads"). What
+        ``generate`` captures in a CUDA graph (models/graph.py)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long \
+                or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(
+                input_ids, torch.Tensor) else type(input_ids).__name__)
+            raise ValueError(f"input_ids must be a long tensor [B, 1] (one token per row), "
+                             f"got {got}")
+        with reading_nothing():
+            h, state = self._run(input_ids, self._check_state(state), None, None)
+        return self.head(h), state
+
+    def static_state(self, state: LMState, max_len: int) -> LMState:
+        """``state`` (one ``forward`` returned) in the form a decoding step captured in a CUDA
+        graph continues, every layer's ``static_state`` with caches of ``max_len`` tokens
+        (docs/design.md, "Decoding graphs"); TypeError naming the first mixer without one,
+        ValueError where this state has none."""
+        state = self._check_state(state)
+        layers = [block.mixer.static_state(s, max_len) for block, s in zip(self.blocks, state)]
+        return layers + list(state[len(self.blocks):])
+
+    def _run(self, input_ids: torch.Tensor, state: LMState, cu_seqlens: Documents | None,
+             collect: list[torch.Tensor] | None) -> tuple[torch.Tensor, LMState]:
+        """``hidden`` past its checks."""
         x = self.embed(input_ids)  # [B, T, d]
         new_state: LMState = []
         if self.config.position != "none":
@@ -209,7 +265,7 @@ class LanguageModel(nn.Module):
             n = B
             lengths = torch.full((B,), T, dtype=torch.long, device=device)
         else:
-            bounds = cu_seqlens.tolist()
+            bounds = cu_seqlens.bounds
             n = len(bounds) - 1
             lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)], device=device)
         if offsets is None:
@@ -225,7 +281,7 @@ class LanguageModel(nn.Module):
         else:
             positions = token_positions(bounds, offsets.tolist(), device)[None]  # [1, T]
         limit = self.config.max_seq_len
-        if self.pos_embed is not None and int(positions.max()) >= limit:
+        if self.pos_embed is not None and reads_allowed() and int(positions.max()) >= limit:
             raise ValueError(f"position {int(positions.max())} is beyond the learned position "
                              f"table of max_seq_len {limit} rows")
         return positions, offsets.to(device) + lengths
@@ -271,7 +327,7 @@ class LanguageModel(nn.Module):
     @torch.no_grad()
     def generate(
         self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-        top_k: int | None = None, seed: int | None = None,
+        top_k: int | None = None, seed: int | None = None, graph: bool | None = None,
     ) -> torch.Tensor:
         """Continue ``prompt_ids`` ([B, T] or [T] long) by ``max_new_tokens`` tokens.
 
@@ -280,9 +336,16 @@ class LanguageModel(nn.Module):
         greedy decoding; otherwise logits / temperature are sampled, restricted to the ``top_k``
         most likely tokens if given, with a private generator seeded by ``seed``. Returns the
         prompt followed by the new tokens, with the prompt's rank. Runs in eval mode.
+
+        ``graph``: decode through one CUDA graph of the step, captured once and replayed per
+        token (models/graph.py; docs/design.md, "Decoding graphs"). None (default): on CUDA
+        when every mixer's state after the prompt has a static form, else token by token;
+        True: required (ValueError on a CPU model or for a mixer without one); False: token
+        by token.
         """
         squeeze = isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 1
-        ids = self._check_ids(prompt_ids[None] if squeeze else prompt_ids, "prompt_ids")
+        ids = prompt_ids[None] if squeeze else prompt_ids
+        self._check_ids(ids, "prompt_ids")
         if not is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if not is_number(temperature) or not temperature >= 0 or temperature == float("inf"):
@@ -291,6 +354,11 @@ class LanguageModel(nn.Module):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
         if seed is not None and not is_int(seed):
             raise ValueError(f"seed must be None or an int, got {seed!r}")
+        if graph is not None and not isinstance(graph, bool):
+            raise TypeError(f"graph must be None or a bool, got {graph!r}")
+        if graph and not ids.is_cuda:
+            raise ValueError(f"graph=True captures a CUDA graph: the model and prompt_ids must be "
+                             f"on a CUDA device, got {ids.device}")
         self._check_length(ids.shape[1] + max_new_tokens)
         if max_new_tokens == 0:
             return prompt_ids
@@ -301,16 +369,35 @@ class LanguageModel(nn.Module):
         self.eval()
         try:
             logits, state = self(ids)
-            out = [ids]
-            for i in range(max_new_tokens):
-                nxt = _pick(logits[:, -1].float(), temperature, top_k, gen)  # [B, 1]
-                out.append(nxt)
-                if i + 1 < max_new_tokens:
-                    logits, state = self(nxt, state)
+            out = [_pick(logits[:, -1].float(), temperature, top_k, gen)]  # [B, 1]
+            step = self._decoder(state, out[0], ids.shape[1] + max_new_tokens, graph)
+            for _ in range(max_new_tokens - 1):
+                out.append(_pick(step(out[-1])[:, -1].float(), temperature, top_k, gen))
+            out.insert(0, ids)
         finally:
             self.train(was_training)
         result = torch.cat(out, dim=1)
         return result[0] if squeeze else result
+
+    def _decoder(self, state: LMState, ids: torch.Tensor, max_len: int,
+                 graph: bool | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function from the next ids [B, 1] to their logits [B, 1, V] that ``generate``
+        decodes with: a ``DecodeGraph`` (captured on CUDA) or eager steps on the carried
+        state."""
+        if graph is not False and ids.is_cuda:
+            try:
+                return DecodeGraph(self, state, ids, max_len, capture=True)
+            except (TypeError, ValueError) as err:
+                if graph:
+                    raise ValueError(f"graph=True: {err}") from None
+                _logger.info("generate decodes token by token: %s", err)
+        carried = [state]
+
+        def eager(nxt: torch.Tensor) -> torch.Tensor:
+            logits, carried[0] = self(nxt, carried[0])
+            return logits
+
+        return eager
 
     def num_parameters(self) -> int:
         """Trainable parameters, counting tied weights once."""

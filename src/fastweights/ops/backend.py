@@ -14,7 +14,9 @@ Backends, for ``backend=``:
             ``supports(op, dtype)`` has a spill-free tiling for;
   "torch"   the PyTorch forms of ``mode=`` (any device).
 ``backend=None`` (the default) means: the environment variable ``FASTWEIGHTS_BACKEND`` if set
-(one of the three names), else the first of fla, triton, torch that can run the call. An
+(one of the three names), else the first of fla, triton, torch that can run the call, the two
+kernel backends ranked by the op's measured times on this kind of GPU where both were measured
+(``ranked``; the table is the op's ``speeds.py``, docs/gpu.md "Which backend runs what"). An
 explicit choice (argument or environment) that cannot run the call is a ValueError saying why;
 the automatic choice says once per (op, backend, reason), at logging level INFO, what it took.
 ``FASTWEIGHTS_TRITON=0`` (older switch) keeps the automatic choice off Triton.
@@ -48,9 +50,11 @@ from typing import Any
 
 import torch
 
+from .._checks import Documents
+
 __all__ = ["BACKENDS", "ENV", "FLA_CHUNK", "PROBE_TOKENS", "TRITON_MAX_DK", "Kernel", "Trial",
-           "choose_backend", "fla_ops", "fla_varlen", "kernel_ops", "optional_module",
-           "preferred_chunk_size", "register", "register_fla"]
+           "choose_backend", "device_kind", "fla_ops", "fla_varlen", "kernel_ops",
+           "optional_module", "preferred_chunk_size", "ranked", "register", "register_fla"]
 
 BACKENDS = ("fla", "triton", "torch")
 ENV = "FASTWEIGHTS_BACKEND"
@@ -66,9 +70,13 @@ class Kernel:
     (its ``chunk_size`` called ``chunk_name`` there), the input ``dtypes`` it takes (``refused``
     says why not the others), and for Triton the module of the kernels (``kernels``, loaded on
     first use, None where triton is missing; its ``supports(op, dtype)`` says which dtypes
-    have a tiling that compiles without register spills). ``one_token``: a kernel of a
-    one-token step (decoding), which the automatic choice takes for one-token calls (it keeps
-    those of the other ops on torch)."""
+    have a tiling that compiles without register spills). ``one_token``: a kernel of the
+    op's one-token step (decoding), which runs its one-token calls (an op registers it beside
+    its multi-token kernel: ``triton=(Kernel(...), Kernel(one_token=True, ...))``); the
+    automatic choice keeps the one-token calls of ops without one on torch. ``refuse``: what
+    else of a call the kernel cannot take, ``refuse(q, facts) -> reason or None`` with the
+    ``facts`` the op passes to ``choose_backend`` (head sizes, a state's form, gradients):
+    checked last, after everything above."""
 
     mode: str = "chunk"
     chunk_name: str = "chunk_size"
@@ -76,26 +84,43 @@ class Kernel:
     refused: str = ""
     kernels: Callable[[], ModuleType | None] | None = None
     one_token: bool = False
+    refuse: Callable[[torch.Tensor, Mapping[str, Any]], str | None] | None = None
 
 
 @dataclass(frozen=True)
 class _Registered:
-    kernels: dict[str, Kernel]
+    kernels: dict[str, tuple[Kernel, ...]]
     chunk_sizes: Mapping[str, int]
+    speeds: Mapping[str, Mapping[str, Any]]
+
+    def kernel(self, name: str, T: int) -> Kernel | None:
+        """The ``name`` kernel for a call of T tokens: the one-token kernel where T = 1 and
+        there is one, else the other."""
+        found = self.kernels.get(name, ())
+        if T == 1:  # (a branch, not a comparison of bools: T may be symbolic while tracing)
+            for k in found:
+                if k.one_token:
+                    return k
+        return next((k for k in found if not k.one_token), None)
 
 
 _REGISTRY: dict[str, _Registered] = {}
 _FLA: dict[str, tuple[str, str]] = {}  # adapter name -> (fla module, function)
 
 
-def register(op: str, *, fla: Kernel | None = None, triton: Kernel | None = None,
-             chunk_sizes: Mapping[str, int] | None = None) -> None:
-    """Register ``op``'s kernel backends and its measured fastest chunk sizes per device kind
-    (``preferred_chunk_size``). Called once, when the op's module is imported."""
+def register(op: str, *, fla: Kernel | None = None,
+             triton: Kernel | tuple[Kernel, ...] | None = None,
+             chunk_sizes: Mapping[str, int] | None = None,
+             speeds: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Register ``op``'s kernel backends (a kernel, or a multi-token kernel and a one-token
+    one), its measured fastest chunk sizes per device kind (``preferred_chunk_size``) and its
+    measured times per GPU kind (``speeds``: the op's speeds.py ``SPEEDS``, {kind: {"forward" |
+    "train": {backend: ms}, ...}}, ``ranked``). Called once, when the op's module is imported."""
     if op in _REGISTRY:
         raise ValueError(f"op {op!r} registered twice")
-    found = {name: k for name, k in (("fla", fla), ("triton", triton)) if k is not None}
-    _REGISTRY[op] = _Registered(found, dict(chunk_sizes or {}))
+    found = {name: k if isinstance(k, tuple) else (k,)
+             for name, k in (("fla", fla), ("triton", triton)) if k is not None}
+    _REGISTRY[op] = _Registered(found, dict(chunk_sizes or {}), dict(speeds or {}))
 
 
 def register_fla(name: str, module: str, function: str) -> None:
@@ -130,6 +155,29 @@ def preferred_chunk_size(op: str, device: torch.device | str) -> int:
     if op not in _REGISTRY:
         raise ValueError(f"op must be one of {', '.join(map(repr, _REGISTRY))}, got {op!r}")
     return _REGISTRY[op].chunk_sizes.get(torch.device(device).type, FLA_CHUNK)
+
+
+def device_kind(device: torch.device | str) -> str:
+    """The key of a device in the ops' tables: "sm_90" for a CUDA GPU of compute capability
+    9.0 (H100, H200), the device type otherwise ("cpu"; "cuda" where CUDA is not available to
+    ask)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def ranked(op: str, device: torch.device | str, train: bool) -> list[str]:
+    """The kernel backends in the order the automatic choice tries them on ``device``: fla, then
+    triton, except that those both measured on this kind of device (``register``'s ``speeds``,
+    the forward's time, or with ``train`` the forward+backward's) go fastest first. A backend
+    without a figure keeps its place: the figures rank only what they compare."""
+    order = list(BACKENDS[:-1])
+    table = _REGISTRY[op].speeds.get(device_kind(device), {}) if op in _REGISTRY else {}
+    times = table.get("train" if train else "forward", {})
+    measured = iter(sorted((n for n in order if n in times), key=lambda n: times[n]))
+    return [next(measured) if n in times else n for n in order]
 
 
 _logger = logging.getLogger(__name__)
@@ -172,11 +220,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _trial_refusal(op: str, name: str, q: torch.Tensor, trial: Trial | None) -> str | None:
+def _trial_refusal(op: str, name: str, q: torch.Tensor,
+                   trial: Trial | Callable[[], Trial] | None) -> str | None:
     """Why ``name`` failed its trial for this (op, dtype, device kind, gradients), or None
     (it passed, now or earlier; or there is nothing to try)."""
     if trial is None or torch.compiler.is_compiling():
         return None
+    if not isinstance(trial, Trial):
+        trial = trial()
     key = (op, name, q.dtype, q.device.type, trial.grad)
     if key not in _trials:
         try:
@@ -209,11 +260,12 @@ def _on_cuda(q: torch.Tensor) -> bool:
     return q.is_cuda
 
 
-def _why_not(name: str, op: str, q: torch.Tensor, mode: str, chunk_size: int) -> str | None:
+def _why_not(name: str, op: str, q: torch.Tensor, mode: str, chunk_size: int,
+             facts: Mapping[str, Any] | None = None) -> str | None:
     """Why ``name`` cannot run this call, or None if it can."""
     if name == "torch":
         return None
-    kernel = _REGISTRY[op].kernels.get(name) if op in _REGISTRY else None
+    kernel = _REGISTRY[op].kernel(name, q.shape[1]) if op in _REGISTRY else None
     if kernel is None:
         return f"no {'Triton' if name == 'triton' else name} kernel for {op}"
     if mode != kernel.mode:
@@ -243,7 +295,7 @@ def _why_not(name: str, op: str, q: torch.Tensor, mode: str, chunk_size: int) ->
     if not kernels.supports(op, q.dtype):
         return (f"{q.dtype} {op}: no Triton tiling compiles without register spills "
                 f"({kernels.__name__} tile_config)")
-    return None
+    return None if kernel.refuse is None else kernel.refuse(q, facts or {})
 
 
 def _log_once(op: str, name: str, why: str) -> None:
@@ -265,26 +317,31 @@ def _warn_autotuning(op: str) -> None:
 
 
 def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
-                   chunk_size: int, trial: Trial | None = None) -> str:
+                   chunk_size: int, trial: Trial | Callable[[], Trial] | None = None,
+                   facts: Mapping[str, Any] | None = None) -> str:
     """The backend that runs ``op`` for q ([B, T, H, Dk]) under ``mode``/``chunk_size``; an
-    automatic choice of a kernel backend first passes ``trial`` (see the module docstring)."""
+    automatic choice of a kernel backend first passes ``trial`` (see the module docstring; a
+    function making it is called only where a trial runs). ``facts``: what else of the call a
+    kernel's ``refuse`` reads."""
     source = "backend"
     if backend is None and os.environ.get(ENV):
         backend, source = os.environ[ENV], ENV
     if backend is not None:
         if backend not in BACKENDS:
             raise ValueError(f"{source} must be one of {BACKENDS} or None, got {backend!r}")
-        why = _why_not(backend, op, q, mode, chunk_size)
+        why = _why_not(backend, op, q, mode, chunk_size, facts)
         if why is not None:
             raise ValueError(f"{source}={backend!r} cannot run {op}: {why}")
         return backend
-    kernels = _REGISTRY[op].kernels.values() if op in _REGISTRY else ()
+    kernels = [k for ks in _REGISTRY[op].kernels.values() for k in ks] if op in _REGISTRY else ()
     if all(mode != k.mode for k in kernels) or (
             q.shape[1] == 1 and not any(k.one_token for k in kernels)):
         return "torch"  # the oracle / recurrent forms, and one-token steps without a kernel
     reasons = []
-    for name in ("fla", "triton"):
-        why = _why_not(name, op, q, mode, chunk_size)
+    train = (trial.grad if isinstance(trial, Trial)
+             else torch.is_grad_enabled() and getattr(q, "requires_grad", False))
+    for name in ranked(op, q.device, train) if _on_cuda(q) else BACKENDS[:-1]:
+        why = _why_not(name, op, q, mode, chunk_size, facts)
         if why is None:
             why = _trial_refusal(op, name, q, trial)
         if why is None:
@@ -298,10 +355,13 @@ def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
     return "torch"
 
 
-def fla_varlen(cu_seqlens: torch.Tensor | None, bounds: list[int] | None) -> dict[str, Any]:
+def fla_varlen(cu_seqlens: torch.Tensor | Documents | None,
+               bounds: Sequence[int] | None) -> dict[str, Any]:
     """fla's variable-length arguments: cu_seqlens as int64 and its CPU copy (from the checked
     bounds, sparing fla a device synchronisation); nothing for an unpacked batch."""
     if bounds is None:
         return {}
+    if isinstance(cu_seqlens, Documents):
+        cu_seqlens = cu_seqlens.cu_seqlens
     return {"cu_seqlens": cu_seqlens.to(torch.long),
             "cu_seqlens_cpu": torch.tensor(bounds, dtype=torch.long)}

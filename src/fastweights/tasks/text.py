@@ -16,17 +16,18 @@ Dimension legend: N batch, T sequence length.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import itertools
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .tokens import TokenData
+from .._checks import is_int
+from .._names import TOKEN_DTYPES
 
 VOCAB_SIZE = 256
 VAL_EVERY = 20  # one file in VAL_EVERY (by path hash) is validation
@@ -44,6 +45,57 @@ class ByteTokenizer:
     def decode(self, ids: torch.Tensor | list[int]) -> str:
         return bytes(int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)).decode(
             "utf-8", errors="replace")
+
+
+SOURCES = ("bin", "tokenizer")  # how a token corpus was made (TokenData.source)
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """What a token corpus is, as run.json records it under ``tokens``: ``source`` "bin"
+    (pre-tokenized files) or "tokenizer" (text tokenized by the tokenizer at ``tokenizer``, of
+    hash ``tokenizer_sha256``, into the cache folder ``cache``), ``vocab_size`` (every id is
+    below it) and the ids' ``dtype``. ``identity`` leaves out the paths: a run moved with its
+    tokenizer is the same run."""
+
+    source: str
+    vocab_size: int
+    dtype: str
+    tokenizer: str | None = None
+    tokenizer_sha256: str | None = None
+    cache: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"tokens.source must be one of {SOURCES}, got {self.source!r}")
+        if not is_int(self.vocab_size) or self.vocab_size < 1:
+            raise ValueError(f"tokens.vocab_size must be a positive int, got {self.vocab_size!r}")
+        if self.dtype not in TOKEN_DTYPES:
+            raise ValueError(f"tokens.dtype must be one of {TOKEN_DTYPES}, got {self.dtype!r}")
+        if (self.source == "tokenizer") != isinstance(self.tokenizer_sha256, str):
+            raise ValueError("tokens.tokenizer_sha256 is required with source 'tokenizer' and "
+                             "only then")
+
+    def identity(self) -> tuple[str, int, str, str | None]:
+        """What must agree for two runs to read the same ids."""
+        return self.source, self.vocab_size, self.dtype, self.tokenizer_sha256
+
+    def describe(self) -> str:
+        """One line for messages."""
+        where = ("pre-tokenized .bin files" if self.tokenizer_sha256 is None else
+                 f"tokenizer {self.tokenizer} (sha256 {self.tokenizer_sha256[:12]})")
+        return f"{self.dtype} ids below {self.vocab_size} from {where}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TokenData:
+        """The inverse of ``to_dict``; TypeError for unknown or missing fields."""
+        if not isinstance(d, dict):
+            raise TypeError(f"tokens must be a JSON object, got {d!r}")
+        return cls(**d)
+
 
 
 @dataclass

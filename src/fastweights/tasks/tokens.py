@@ -41,14 +41,12 @@ Dimension legend: n tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +56,15 @@ import torch
 from .._checks import is_int
 from .._files import file_digest, remove_dead_temporaries
 from .._names import TOKEN_DTYPES
-from .text import Corpus, Document, corpus_documents, load_corpus, split_documents
+from .text import (  # TokenData and SOURCES live in text.py, which Corpus needs them in
+    Corpus,
+    Document,
+    TokenData,
+    corpus_documents,
+    load_corpus,
+    split_documents,
+)
 
-SOURCES = ("bin", "tokenizer")
 # The files of a transformers tokenizer folder that decide how text is encoded (hashed).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
@@ -70,53 +74,6 @@ META_FILE = "meta.json"
 _BLOCK = 1 << 24  # tokens per block of the range check
 _BATCH_BYTES = 1 << 22  # text per encode_batch call
 _SPLITS = ("train", "val")
-
-
-@dataclass(frozen=True)
-class TokenData:
-    """What a token corpus is, as run.json records it under ``tokens``: ``source`` "bin"
-    (pre-tokenized files) or "tokenizer" (text tokenized by the tokenizer at ``tokenizer``, of
-    hash ``tokenizer_sha256``, into the cache folder ``cache``), ``vocab_size`` (every id is
-    below it) and the ids' ``dtype``. ``identity`` leaves out the paths: a run moved with its
-    tokenizer is the same run."""
-
-    source: str
-    vocab_size: int
-    dtype: str
-    tokenizer: str | None = None
-    tokenizer_sha256: str | None = None
-    cache: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"tokens.source must be one of {SOURCES}, got {self.source!r}")
-        if not is_int(self.vocab_size) or self.vocab_size < 1:
-            raise ValueError(f"tokens.vocab_size must be a positive int, got {self.vocab_size!r}")
-        if self.dtype not in TOKEN_DTYPES:
-            raise ValueError(f"tokens.dtype must be one of {TOKEN_DTYPES}, got {self.dtype!r}")
-        if (self.source == "tokenizer") != isinstance(self.tokenizer_sha256, str):
-            raise ValueError("tokens.tokenizer_sha256 is required with source 'tokenizer' and "
-                             "only then")
-
-    def identity(self) -> tuple[str, int, str, str | None]:
-        """What must agree for two runs to read the same ids."""
-        return self.source, self.vocab_size, self.dtype, self.tokenizer_sha256
-
-    def describe(self) -> str:
-        """One line for messages."""
-        where = ("pre-tokenized .bin files" if self.tokenizer_sha256 is None else
-                 f"tokenizer {self.tokenizer} (sha256 {self.tokenizer_sha256[:12]})")
-        return f"{self.dtype} ids below {self.vocab_size} from {where}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TokenData:
-        """The inverse of ``to_dict``; TypeError for unknown or missing fields."""
-        if not isinstance(d, dict):
-            raise TypeError(f"tokens must be a JSON object, got {d!r}")
-        return cls(**d)
 
 
 def dtype_for(vocab_size: int, dtype: str | None = None) -> str:

@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -78,6 +80,7 @@ from .._files import (  # the folder format, shared with every reader of checkpo
     write_checksums,
 )
 from ..models import LanguageModel, LMConfig
+from ..ops import TTTState
 from ..tasks.tokens import copy_tokenizer, load_tokenizer
 
 SLOW_SAVE_ENV = "FASTWEIGHTS_TEST_SLOW_SAVE"
@@ -374,11 +377,19 @@ def consolidate_checkpoint(src: str | Path, dst: str | Path,
     model.safetensors, checksums.json), which ``native_to_hf`` and every reader of
     checkpoints take; returns ``dst``. The folder must not exist yet. ``tokenizer`` (the one the
     model's ids come from) is copied into it (``copy_tokenizer``) and listed in checksums.json;
-    ValueError when its vocabulary is larger than the model's."""
+    ValueError when its vocabulary is larger than the model's. The weights keep the dtype they
+    were saved in (a float64 run's stay float64, whatever this process's default dtype)."""
     dst = Path(dst)
     if dst.exists():
         raise ValueError(f"{dst} already exists: consolidate into a new folder")
-    model = load_model(src)
+    ckpt = resolve_checkpoint(src)
+    # built in the dtype it was trained in, not this process's default: the weights unrounded
+    dtype, default = _stored_dtype(ckpt), torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = _load_resolved(ckpt)
+    finally:
+        torch.set_default_dtype(default)
     if tokenizer is not None:
         size = load_tokenizer(tokenizer).vocab_size
         if size > model.config.vocab_size:
@@ -485,7 +496,8 @@ def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], di
     model = (LanguageModel(LMConfig.load(ckpt / CONFIG_FILE)) if sharded
              else LanguageModel.from_pretrained(ckpt, verify=False))  # the manifest covered them
     try:
-        opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+        opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False,
+                               pickle_module=_saved_states)
         state = json.loads((ckpt / STATE_FILE).read_text())
     except (OSError, RuntimeError, ValueError, EOFError) as err:
         raise ValueError(f"cannot read training state in {ckpt}: {err}") from None
@@ -497,8 +509,26 @@ def load_checkpoint(path: str | Path) -> tuple[LanguageModel, dict[str, Any], di
 def load_model(path: str | Path) -> LanguageModel:
     """The model of a checkpoint or run folder (``resolve_checkpoint``), each file hashed once:
     by the manifest of a training checkpoint, else by the folder's ``checksums.json``. A sharded
-    checkpoint is consolidated in this process (whole tensors, eval mode)."""
-    ckpt = resolve_checkpoint(path)
+    checkpoint is consolidated in this process (whole tensors, eval mode). The model is built
+    in torch's default dtype, as ``LanguageModel.from_pretrained`` builds it."""
+    return _load_resolved(resolve_checkpoint(path))
+
+
+def _stored_dtype(ckpt: Path) -> torch.dtype:
+    """The dtype the model of verified checkpoint folder ``ckpt`` was built in: its token
+    embedding's (a layer may keep a buffer in another, as TransNormer's float32 Householder)."""
+    try:
+        if is_sharded(ckpt):
+            meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+            return meta.state_dict_metadata["model.embed.weight"].properties.dtype
+        with safe_open(str(ckpt / WEIGHTS_FILE), framework="pt") as f:
+            return f.get_slice("embed.weight")[:1].dtype
+    except (SafetensorError, OSError, KeyError, RuntimeError, ValueError) as err:
+        raise ValueError(f"cannot read the weights' dtype in {ckpt}: {err}") from None
+
+
+def _load_resolved(ckpt: Path) -> LanguageModel:
+    """``load_model`` of a checkpoint folder ``resolve_checkpoint`` has verified."""
     if is_sharded(ckpt):
         model = LanguageModel(LMConfig.load(ckpt / CONFIG_FILE))
         state = {"model": model.state_dict()}
@@ -509,3 +539,32 @@ def load_model(path: str | Path) -> LanguageModel:
         model.load_state_dict(state["model"])
         return model.eval()
     return LanguageModel.from_pretrained(ckpt, verify=not (ckpt / MANIFEST_FILE).is_file())
+
+
+class _RowsStateBefore(tuple):
+    """A TTT layer's carried state as checkpoints written before the TTT state had one form
+    pickled it (a NamedTuple of the removed module ops/ttt/decode.py, fields start, prior,
+    rows, pos, prior_steps), read as the ``TTTState`` it equals. ``prior`` (gradient sums of an
+    op state the layer was given from outside) has no rows form; a layer's own states never
+    held it."""
+
+    def __new__(cls, start: Any, prior: Any, rows: Any, pos: Any, prior_steps: Any = 0) -> Any:
+        if prior is not None:
+            raise ValueError("the checkpoint's carried TTT state holds the gradient sums of an "
+                             "op state (an old form without rows); it cannot be continued")
+        return TTTState(tuple(start), tuple(rows), pos)
+
+
+class _Unpickler(pickle.Unpickler):
+    """pickle's Unpickler, reading the classes of modules that are gone as what replaced them
+    (``_RowsStateBefore``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "fastweights.ops.ttt.decode":
+            return _RowsStateBefore
+        return super().find_class(module, name)
+
+
+_saved_states = types.ModuleType("fastweights_saved_states")  # torch.load's pickle_module
+_saved_states.Unpickler = _Unpickler  # type: ignore[attr-defined]
+_saved_states.load = lambda f, **kw: _Unpickler(f, **kw).load()  # type: ignore[attr-defined]

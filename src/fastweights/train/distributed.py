@@ -98,7 +98,8 @@ class Signals:
 
 def all_finite(loss: torch.Tensor, grad_norm: torch.Tensor, world: int) -> bool:
     """Whether loss and gradient norm are finite on every rank (one decision for all ranks)."""
-    ok = torch.isfinite(torch.stack([loss.detach().float(), grad_norm.float()])).all().float()
+    # each in its own dtype: a float64 value beyond float32's range is finite
+    ok = (torch.isfinite(loss.detach()) & torch.isfinite(grad_norm)).all().float()
     if world > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())

@@ -9,8 +9,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .._checks import state_dtype
 from ..models import LanguageModel
 from ..tasks.text import eval_windows
+
+
+def loss_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in the dtype the cross-entropy is taken in: float32, or float64 for a float64
+    model (half-precision logits are widened, float64 ones kept: docs/training.md, "Experiments and training")."""
+    return logits.to(state_dtype(logits.dtype))
 
 
 def try_forward(model: LanguageModel, seq_len: int, device: torch.device,
@@ -72,13 +79,13 @@ def evaluate(model: LanguageModel, data: torch.Tensor, seq_len: int, max_windows
         state = None
         for i in range(x.shape[0]):
             logits, state = model(x[i:i + 1].to(device), state)
-            total += F.cross_entropy(logits[0].float(), y[i].to(device), reduction="sum").item()
+            total += F.cross_entropy(loss_logits(logits[0]), y[i].to(device), reduction="sum").item()
             count += y[i].numel()
     else:
         for i in range(0, x.shape[0], batch_size):
             logits, _ = model(x[i:i + batch_size].to(device))
             tgt = y[i:i + batch_size].to(device)
-            total += F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="sum").item()
+            total += F.cross_entropy(loss_logits(logits.flatten(0, 1)), tgt.flatten(), reduction="sum").item()
             count += tgt.numel()
     model.train(was)
     if shard is not None:

@@ -72,7 +72,7 @@ from .distributed import (
     shard_model,
     split_world,
 )
-from .evaluate import evaluate, try_forward
+from .evaluate import evaluate, loss_logits, try_forward
 from .metrics import METRIC_FIELDS, METRICS_FILE, Metrics, mixer_grad_norm
 from .records import OUTPUTS, RUN_FILE, RunRecord, open_run, read_run, resume_run, same_data
 
@@ -274,7 +274,8 @@ class Trainer:
         # all; with one micro-batch the weight is exactly 1.
         counts = [int((y != -100).sum()) for _, y, _ in batches]
         self.opt.zero_grad(set_to_none=True)
-        loss = torch.zeros((), device=self.device)
+        # summed in float64, so that a float64 model's loss is not rounded to float32
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, ((x, y, cu), count) in enumerate(zip(batches, counts)):
             with self._gradient_sync(i == len(batches) - 1):
                 with self.autocast:
@@ -282,7 +283,7 @@ class Trainer:
                 if cfg.carry_state and not cfg.reset_state:  # the next step continues from
                     # here; gradients stop here (reset_state: every window starts fresh)
                     self.carry = state_tree.map_tensors(torch.Tensor.detach, state)
-                part = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+                part = F.cross_entropy(loss_logits(logits.flatten(0, 1)), y.flatten(), ignore_index=-100)
                 if len(batches) > 1:
                     part = part * (count / max(1, sum(counts)))
                 part.backward()
@@ -304,7 +305,7 @@ class Trainer:
         self.tokens += cfg.batch_size * cfg.grad_accum * cfg.seq_len
         loss_value = loss.item()
         if self.world > 1:
-            t = torch.tensor([loss_value], device=self.device)
+            t = torch.tensor([loss_value], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
             loss_value = t.item() / self.world
         self.losses.append((self.step, loss_value))

@@ -22,14 +22,17 @@ keys and biases of any range: AFT-full's matrix products redo the rows they woul
 the joint maximum of K + w (docs/maths.md 4.4, ``chunk.py``).
 The oracles are in ``naive.py``, the chunked forms in ``chunk.py``, the token-by-token ones in
 ``recurrent.py``; the public ops in ``full.py`` (``aft``), ``local.py`` and ``conv.py``, each
-beside its typed state.
+beside its typed state, and their one-token steps in ``step.py``.
 """
 
+from .common import MODES
 from .conv import AFTConvState, aft_conv
 from .full import AFTFullState, AFTSimpleState, aft
 from .local import AFTLocalState, aft_local
+from .step import aft_conv_step, aft_local_step, aft_step, merge_simple_states
 
 __all__ = [
-    "AFTConvState", "AFTFullState", "AFTLocalState", "AFTSimpleState", "aft", "aft_conv",
-    "aft_local",
+    "MODES", "AFTConvState", "AFTFullState", "AFTLocalState", "AFTSimpleState", "aft",
+    "aft_conv", "aft_conv_step", "aft_local", "aft_local_step", "aft_step",
+    "merge_simple_states",
 ]

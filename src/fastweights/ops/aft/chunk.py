@@ -27,10 +27,7 @@ subtracted, and every sum is held as a (log-sum-exp, weighted mean) pair or an (
   exact for any range.
 - Keys are first taken relative to the call's largest key per channel: sums then stay near
   e^0, where float32 resolves them best (keys around 80 would otherwise cost 2-3 digits).
-- AFT-full multiplies exp(w - row max of w) by exp(K - max K) for the keys before a block of
-  query rows (rows whose products underflow are redone with the maximum of K + w per row and
-  channel), and treats the block's own keys per row: exact for any bias and key range, like
-  AFT-local/simple/conv.
+- AFT-full's product form is in ``product.py``.
 
 The choices between a fast form and an exact fallback above read tensor values. In eager mode
 they are Python branches (one device sync each); under torch.compile / torch.export they are
@@ -114,36 +111,70 @@ def _prefix(k: torch.Tensor, v: torch.Tensor, init: Summary | None) -> Summary:
 
     k [B, L, G], v [B, L, G, E] -> ell [B, L+1, G], y [B, L+1, G, E].
     """
-    if init is None:
-        a, y0, _ = empty_prefix(k, v)
-        init = (a, y0)
-    k = torch.cat([init[0].unsqueeze(1), k], dim=1)
-    v = torch.cat([init[1].unsqueeze(1), v], dim=1)
-    top = k.detach().cummax(dim=1).values  # running maximum of the keys
-    ref = top[:, -1:]  # [B, 1, G]
+    carried = init is not None
+    ell0 = init[0] if carried else k.new_full((k.shape[0], k.shape[2]), float("-inf"))
+    ref = torch.maximum(k.detach().amax(dim=1), ell0.detach())  # [B, G]
     # Plain prefix sums of e^{K - max K} are exact while no prefix falls below the smallest
     # normal float (then every sum keeps full relative precision); the margin leaves room for
-    # numerators that cancel. Keys spread wider than that take the doubling scan instead.
+    # numerators that cancel. The smallest prefix is the first (init and token 0). Keys spread
+    # wider than that take the doubling scan instead.
     margin = -math.log(torch.finfo(k.dtype).tiny) - 25.0  # 62 nats in float32, 683 in float64
+    first = torch.maximum(ell0, k[:, 0]).detach()
 
-    # Entry 0 may be the empty sum: it is taken from init, never through a 0 / 0.
-    def plain(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor) -> Summary:
-        e = torch.exp(k - ref)
-        den = e.cumsum(dim=1)[:, 1:]
-        y = (e.unsqueeze(-1) * v).cumsum(dim=1)[:, 1:] / den.unsqueeze(-1)
-        return _with_first(k, v, torch.log(den) + ref, y)
+    # The init travels as operands only when carried: torch.cond mismatched the symbolic sizes
+    # of an empty one built outside its branches (tests/ops/test_compile.py).
+    def unpack(k: torch.Tensor, v: torch.Tensor, init: tuple[torch.Tensor, ...]) -> Summary:
+        return init if carried else empty_prefix(k, v)[:2]
 
-    def scan(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor) -> Summary:
-        a, n, m = _doubling_scan(k[:, 1:], v[:, 1:])
-        a, n, m = merge((k[:, :1], v[:, :1], torch.ones_like(a[:, :1])), (a, n, m))
-        return _with_first(k, v, a + torch.log(m), n / m.unsqueeze(-1))
+    def plain(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor, *init: torch.Tensor) -> Summary:
+        ell0, y0 = unpack(k, v, init)
+        e = torch.exp(k - ref.unsqueeze(1))
+        den, num = cumsum_time(e), cumsum_time(e.unsqueeze(-1) * v)
+        if carried:  # the init's sums (0 for an empty one, never a 0 / 0)
+            e0 = torch.exp(ell0 - ref)  # [B, G]
+            den, num = den + e0.unsqueeze(1), num + (e0.unsqueeze(-1) * y0).unsqueeze(1)
+        return _with_first(ell0, y0, torch.log(den) + ref.unsqueeze(1), num / den.unsqueeze(-1))
 
-    return _select((top[:, 1:] - ref).amin() >= -margin, plain, scan, k, v, ref)
+    def scan(k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor, *init: torch.Tensor) -> Summary:
+        ell0, y0 = unpack(k, v, init)
+        a, n, m = _doubling_scan(k, v)
+        a, n, m = merge((ell0.unsqueeze(1), y0.unsqueeze(1), torch.ones_like(a[:, :1])), (a, n, m))
+        return _with_first(ell0, y0, a + torch.log(m), n / m.unsqueeze(-1))
+
+    return _select((first - ref).amin() >= -margin, plain, scan, k, v, ref,
+                   *(init if carried else ()))
 
 
-def _with_first(k: torch.Tensor, v: torch.Tensor, ell: torch.Tensor, y: torch.Tensor) -> Summary:
-    """Prefix summaries of entries 1.. preceded by entry 0 (k, v's first row, the init)."""
-    return torch.cat([k[:, :1], ell], dim=1), torch.cat([v[:, :1], y], dim=1)
+SCAN_BLOCK = 64  # tokens per block of ``blocked_cumsum``
+
+
+def cumsum_time(x: torch.Tensor) -> torch.Tensor:
+    """The inclusive cumulative sum over time (dim 1) of x [B, L, ...]: torch's on CPU,
+    ``blocked_cumsum`` on other devices."""
+    return x.cumsum(dim=1) if x.device.type == "cpu" else blocked_cumsum(x)
+
+
+def blocked_cumsum(x: torch.Tensor, block: int = SCAN_BLOCK) -> torch.Tensor:
+    """``x.cumsum(dim=1)`` as sums within blocks of ``block`` tokens plus the running totals
+    of the blocks before. The same additions in the same order within a block; what changes is
+    the parallelism: CUDA's scan over a middle dimension runs one thread per remaining element
+    through all L steps (B·D threads for [B, L, D], latency-bound at thousands of steps), here
+    through ``block`` steps for each of L / block blocks, then L / block steps for the totals.
+    x [B, L, ...] -> [B, L, ...]."""
+    B, L = x.shape[:2]
+    if block >= L:
+        return x.cumsum(dim=1)
+    N = -(-L // block)
+    flat = F.pad(x.reshape(B, L, -1), (0, 0, 0, N * block - L)).view(B, N, block, -1)
+    within = flat.cumsum(dim=2)
+    before = F.pad(within[:, :-1, -1].cumsum(dim=1), (0, 0, 1, 0))  # totals of earlier blocks
+    return (within + before.unsqueeze(2)).view(B, N * block, -1)[:, :L].view(x.shape)
+
+
+def _with_first(ell0: torch.Tensor, y0: torch.Tensor, ell: torch.Tensor,
+                y: torch.Tensor) -> Summary:
+    """Prefix summaries of entries 1.. preceded by entry 0 (the init)."""
+    return torch.cat([ell0.unsqueeze(1), ell], dim=1), torch.cat([y0.unsqueeze(1), y], dim=1)
 
 
 Terms = list[tuple[torch.Tensor, torch.Tensor]]  # per window position: (logits, values)
@@ -340,87 +371,3 @@ def banded_bidirectional(
     lo, hi = min(r_left, T - 1), min(r_right, T - 1)  # window positions that can exist
     return _window_sums(k, v, band[..., r_left - lo:r_left + hi + 1], lo, hi, 0, chunk_size,
                         [(ell_p[:, before], y_p[:, before]), (ell_s[:, after], y_s[:, after])])
-
-
-def _full_summary(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Summary:
-    """(ell, y) of rows that see every key, as matrix products (docs/maths.md 4.1): num = exp(w) @
-    (exp(K) V) and den = exp(w) @ exp(K), with the row maxima of w and the channel maxima of K
-    subtracted.
-
-    k [B, S, G], v [B, S, G, E], w [R, S] -> ell [B, R, G], y [B, R, G, E]. The two maxima are
-    taken separately, so where a row's largest K + w lies far (~80 in float32) below max w +
-    max K the products underflow; those rows are detected by their tiny denominators and redone
-    exactly with the maximum of K + w per row and channel (``_exact_rows``).
-    """
-    k_max = k.detach().amax(dim=1, keepdim=True)  # [B, 1, G]
-    w_max = w.detach().amax(dim=-1)  # [R]
-    a = torch.exp(w - w_max.unsqueeze(-1))  # [R, S]
-    e = torch.exp(k - k_max)  # [B, S, G]
-    num = torch.einsum("ts,bsge->btge", a, e.unsqueeze(-1) * v)
-    den = torch.einsum("ts,bsg->btg", a, e)
-    ell = torch.log(den) + w_max[:, None] + k_max
-    y = num / den.clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)
-    # Terms below the smallest normal number are lost; they matter only where the denominator
-    # itself is within S / eps of that.
-    info = torch.finfo(den.dtype)
-    lossy = (den.detach() < info.tiny * k.shape[1] / info.eps).any(dim=2).any(dim=0)  # [R]
-    if torch.compiler.is_compiling():
-        # Traced: no data-dependent row count, so every row also takes the exact form, used
-        # where lossy (rows are independent: the values of redoing only those).
-        ell_x, y_x = _exact_rows(k, v, w)
-        return torch.where(lossy[:, None], ell_x, ell), torch.where(lossy[:, None, None], y_x, y)
-    if bool(lossy.any()):
-        rows = lossy.nonzero().squeeze(1)
-        ell_x, y_x = _exact_rows(k, v, w.index_select(0, rows))
-        ell, y = ell.index_copy(1, rows, ell_x), y.index_copy(1, rows, y_x)
-    return ell, y
-
-
-def _exact_rows(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                budget: int = 2**22) -> Summary:
-    """``_full_summary`` for rows w [r, S] with the maximum of K + w taken per (row, channel):
-    exact for any range, O(r S G) work, in blocks of rows of at most ``budget`` logits."""
-    B, S, G = k.shape
-    # A symbolic size (a traced dynamic length) takes every row at once: a block count that
-    # depends on it would pin the traced program to one length.
-    step = w.shape[0] if isinstance(B * S * G, torch.SymInt) else max(1, budget // max(1, B * S * G))
-    ells, ys = [], []
-    for r0 in range(0, w.shape[0], step):
-        logits = k.unsqueeze(1) + w[r0:r0 + step, :, None]  # [B, r, S, G]
-        top = logits.detach().amax(dim=2, keepdim=True)
-        p = torch.exp(logits - top)
-        den = p.sum(dim=2)  # [B, r, G], >= 1
-        ells.append(torch.log(den) + top.squeeze(2))
-        ys.append(torch.einsum("brsg,bsge->brge", p, v) / den.unsqueeze(-1))
-    return torch.cat(ells, dim=1), torch.cat(ys, dim=1)
-
-
-def full_rows(
-    k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, first: int, causal: bool, chunk_size: int,
-) -> torch.Tensor:
-    """AFT-full rows ``first``..L-1 (docs/maths.md 4.1). k [B, L, G], v [B, L, G, E]: every token in
-    view; w [T, L]: the biases of the T = L - first new rows against every key.
-    Returns R [B, T, G, E].
-
-    Bidirectional rows all see every key: one pair of matrix products. Causal rows go in blocks
-    of C = ``chunk_size``: the keys before a block are seen by all its rows (matrix products
-    with their own key maximum), the keys inside it form a C x C causal window per channel whose
-    maximum is taken per row, so a steep rise of the keys inside a block cannot underflow the
-    rows before the rise.
-    """
-    if not causal:
-        return _full_summary(k, v, w)[1]
-    k = k - k.detach().amax(dim=1, keepdim=True)  # see simple_causal
-    L = k.shape[1]
-    T = L - first
-    outs = []
-    for r0 in range(0, T, chunk_size):
-        r1 = min(r0 + chunk_size, T)
-        lo, hi = first + r0, first + r1  # positions of the block's rows and of its own keys
-        before = [_full_summary(k[:, :lo], v[:, :lo], w[r0:r1, :lo])] if lo > 0 else []
-        mask = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=w.device).triu(1)
-        # -inf, not 0: a bias of 0 would not mask (docs/maths.md 4.4)
-        wb = w[r0:r1, lo:hi].masked_fill(mask, float("-inf"))
-        own = [(k[:, j:j + 1] + wb[:, j - lo, None], v[:, j:j + 1]) for j in range(lo, hi)]
-        outs.append(_combine(own, before))  # logits [B, C, G] per key j of the block
-    return torch.cat(outs, dim=1)

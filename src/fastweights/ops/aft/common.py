@@ -6,6 +6,8 @@ channels per head (AFT-conv), s kernel/window size.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -19,11 +21,44 @@ from ..._checks import (
     check_tensor,
 )
 from .._modes import RECURRENT_MODES
+from ..backend import optional_module
 from .chunk import banded_causal
 from .naive import banded_naive
 from .recurrent import banded_recurrent
 
 MODES = RECURRENT_MODES
+
+
+def _triton() -> ModuleType:
+    from . import triton
+
+    return triton
+
+
+triton_kernels = optional_module(_triton)  # ops/aft/triton.py; None without triton
+
+
+def kernel_refusal(q: torch.Tensor, facts: Mapping[str, Any]) -> str | None:
+    """The AFT kernels' ``refuse`` hook (ops/backend.py ``Kernel``): what of a call they cannot
+    take that the dispatcher does not see. q is the op's [B, T, D] queries with a unit head
+    axis ([B, T, D, 1]); ``facts``: ``causal`` (AFT-local's kernels are causal) and ``carried``
+    (they take calls without a carried state)."""
+    if not facts.get("causal", True):
+        return "causal=False: the kernels are causal"
+    if facts.get("carried"):
+        return "a carried state: the kernels take calls without one"
+    return channels_refusal(q.shape[2])
+
+
+def channels_refusal(D: int) -> str | None:
+    """Why the AFT kernels do not take D channels (not a multiple of ``CHANNEL_MULTIPLE``, the
+    compiled spill-free specialisations), or None (also where triton is missing: the dispatcher
+    says so)."""
+    kernels = triton_kernels()
+    if kernels is None or D % kernels.CHANNEL_MULTIPLE == 0:
+        return None
+    return (f"D={D}: the AFT Triton kernels take channel counts that are multiples of "
+            f"{kernels.CHANNEL_MULTIPLE} (the compiled, spill-free specialisations)")
 
 
 def check_btd(q: Any, k: Any, v: Any) -> tuple[int, int, int]:

@@ -15,10 +15,23 @@ from ..._checks import check_tensor, state_dtype
 from .._autocast import float32_compute
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed
-from .chunk import full_rows, simple_bidirectional, simple_causal
-from .common import check_bias_matrix, check_btd, check_flags, gate
+from ..backend import Kernel, Trial, choose_backend, register
+from .chunk import simple_bidirectional, simple_causal
+from .common import (
+    check_bias_matrix,
+    check_btd,
+    check_flags,
+    gate,
+    kernel_refusal,
+    triton_kernels,
+)
 from .naive import banded_naive, full_naive
+from .product import exact_rows, full_product, redo_lossy
 from .recurrent import simple_recurrent
+
+# AFT-full has kernels (its product form, mode "chunk"); AFT-simple (``aft`` without w) none.
+register("aft", triton=Kernel(kernels=triton_kernels, refuse=kernel_refusal))
+register("aft_simple")
 
 
 class AFTFullState(NamedTuple):
@@ -61,7 +74,7 @@ def aft(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None, *,
     causal: bool = True, initial_state: tuple[torch.Tensor, ...] | None = None,
     output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
 ) -> tuple[torch.Tensor, AFTFullState | AFTSimpleState | None]:
     """AFT-full (docs/maths.md 4.1), or AFT-simple (docs/maths.md 4.2) with ``w=None``.
 
@@ -76,15 +89,18 @@ def aft(
     ``AFTFullState``, the cache of every key and value seen (an arbitrary pairwise bias has no
     constant-size state); AFT-simple's an ``AFTSimpleState`` (a, n, m), each [B, D].
 
-    ``mode``: "chunk" (default; AFT-full per block of ``chunk_size`` query rows, matrix products
-    over the earlier keys plus a causal window over the block's own, O(T^2 D) and O(T (p + T) D)
-    with a cache; bidirectional, one pair of matrix products; AFT-simple as stabilised prefix
-    sums, O(T D), or one softmax over time), "recurrent" (causal AFT-simple only: token by token
-    with an online log-sum-exp; AFT-full has no recurrence) or "naive" (the literal sums, the
-    oracle). ``chunk_size`` never changes the result. ``cu_seqlens`` [N + 1]: packed documents in
-    a batch of one, each on its own (for AFT-full w then has exactly T rows, aligned with the
-    packed tokens, each document's against its own key positions from 0); initial/final states
-    are lists with one state per document (ops/_varlen.py).
+    ``mode``: "chunk" (default; AFT-full in the paper's product form, exp(w) @ (exp(K) V) over
+    exp(w) @ exp(K) stabilised by the row maxima of w and the column maxima of K, per block of
+    ``chunk_size`` query rows, O(T^2 D) and O(T (p + T) D) with a cache, rows whose terms
+    underflowed redone in the log-sum-exp form (docs/maths.md 4.4); AFT-simple as stabilised
+    prefix sums, O(T D), or one softmax over time), "recurrent" (causal AFT-simple only: token
+    by token with an online log-sum-exp; AFT-full has no recurrence) or "naive" (the literal
+    sums, the oracle). ``chunk_size`` never changes the result. ``cu_seqlens`` [N + 1]: packed
+    documents in a batch of one, each on its own (for AFT-full w then has exactly T rows,
+    aligned with the packed tokens, each document's against its own key positions from 0);
+    initial/final states are lists with one state per document (ops/_varlen.py).
+    ``backend``: "triton", "torch" or None (automatic; ops/backend.py): AFT-full's mode "chunk"
+    has Triton kernels (ops/aft/triton.py, half inputs on CUDA); AFT-simple runs on torch.
     """
     B, T, D = check_btd(q, k, v)
     check_flags(causal, initial_state, output_final_state, mode, chunk_size)
@@ -94,36 +110,67 @@ def aft(
     if cu_seqlens is not None:
         if w is None:
             return run_packed(aft, (q, k, v), cu_seqlens, initial_state, output_final_state,
-                              causal=causal, mode=mode, chunk_size=chunk_size)
+                              causal=causal, mode=mode, chunk_size=chunk_size, backend=backend)
         check_tensor("w", w, 2, "[T, P]")
         if w.shape[0] != T:
             raise ValueError(f"w must have shape [T, P] with exactly T = {T} rows (one per packed "
                              f"token) under cu_seqlens, got {tuple(w.shape)}")
 
         def one_document(q, k, v, w_t, **kw):
-            return aft(q, k, v, w_t[0], causal=causal, mode=mode, chunk_size=chunk_size, **kw)
+            return aft(q, k, v, w_t[0], causal=causal, mode=mode, chunk_size=chunk_size,
+                       backend=backend, **kw)
 
         return run_packed(one_document, (q, k, v, w.unsqueeze(0)), cu_seqlens, initial_state,
                           output_final_state)
     cdtype = state_dtype(q.dtype)
-    k_c, v_c = k.to(cdtype), v.to(cdtype)
+    # AFT's channels are its heads, of size 1: the backend sees q as [B, T, D heads, 1].
     if w is None:
-        ratio, final = _simple(k_c, v_c.unsqueeze(-1), initial_state, causal, mode, q)
+        choose_backend("aft_simple", q.unsqueeze(-1), backend, mode, chunk_size)  # torch
+        ratio, final = _simple(k.to(cdtype), v.to(cdtype).unsqueeze(-1), initial_state, causal,
+                               mode, q)
         return gate(q, ratio.squeeze(-1)), (final if output_final_state else None)
     if initial_state is None:
-        cache = AFTFullState(k_c[:, :0], v_c[:, :0])
+        cache = None
+        pos = 0
     else:
         cache = AFTFullState.check(initial_state, B, D, q)
-    pos = cache.k_cache.shape[1]
+        pos = cache.k_cache.shape[1]
     check_bias_matrix("w", w, T, pos + T, False, q, "[T', P]")
-    k_all = torch.cat([cache.k_cache, k_c], dim=1)
-    v_all = torch.cat([cache.v_cache, v_c], dim=1)
-    wc = w[:T, :pos + T].to(cdtype)
-    if mode == "chunk":
-        ratio = full_rows(k_all, v_all.unsqueeze(-1), wc, pos, causal, chunk_size)
+    # Trial runs carry a state, which a bidirectional call refuses: those go untried. The trial
+    # detaches its sequences, not its options: w, detached here, must not get its gradient.
+    chosen = choose_backend(
+        "aft", q.unsqueeze(-1), backend, mode, chunk_size,
+        (lambda: Trial(aft, (q, k, v), w=w.detach(), chunk_size=chunk_size)) if causal else None)
+    # The keys and values in view; the kernels read a call without a cache in its own dtype.
+    if cache is None:
+        k_all, v_all = (k, v) if chosen == "triton" else (k.to(cdtype), v.to(cdtype))
     else:
-        ratio = full_naive(k_all, v_all.unsqueeze(-1), wc, pos, causal)
-    return gate(q, ratio.squeeze(-1)), (AFTFullState(k_all, v_all) if output_final_state else None)
+        k_all = torch.cat([cache.k_cache, k.to(cdtype)], dim=1)
+        v_all = torch.cat([cache.v_cache, v.to(cdtype)], dim=1)
+    w = w[:T, :pos + T]
+    if chosen == "triton":
+        o, lossy = triton_kernels().aft_full_triton(q, k_all, v_all, w, pos, causal)
+        o = redo_lossy(o, lossy, _exact_gated(pos, causal), q, k_all, v_all, w)
+    elif mode == "chunk":
+        ratio, lossy = full_product(k_all, v_all, w.to(cdtype), pos, causal, chunk_size)
+        o = redo_lossy(gate(q, ratio), lossy, _exact_gated(pos, causal), q, k_all, v_all, w)
+    else:
+        o = gate(q, full_naive(k_all, v_all.unsqueeze(-1), w.to(cdtype), pos, causal).squeeze(-1))
+    if not output_final_state:
+        return o, None
+    return o, AFTFullState(k_all.to(cdtype), v_all.to(cdtype))
+
+
+def _exact_gated(first: int, causal: bool):
+    """``redo_lossy``'s redo of AFT-full: the gated rows in the log-sum-exp form, in the
+    compute dtype."""
+    def redo(rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             w: torch.Tensor) -> torch.Tensor:
+        cdtype = state_dtype(q.dtype)
+        R = exact_rows(k.to(cdtype), v.to(cdtype), w.to(cdtype), rows, first, causal)
+        return gate(q.index_select(1, rows), R)
+
+    return redo
 
 
 def _simple(

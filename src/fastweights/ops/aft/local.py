@@ -13,11 +13,24 @@ import torch
 
 from ..._checks import check_arg, check_positive_int, check_shape, check_tensor, is_int, state_dtype
 from .._autocast import float32_compute
+from .._modes import reads_allowed
 from .._state import check_items, checked_tensors
 from .._varlen import run_packed
+from ..backend import Kernel, Trial, choose_backend, register
 from .chunk import banded_bidirectional
-from .common import banded_stream, check_btd, check_flags, gate
+from .common import (
+    banded_stream,
+    check_btd,
+    check_flags,
+    gate,
+    kernel_refusal,
+    triton_kernels,
+)
 from .naive import banded_naive
+from .product import redo_lossy
+
+# Causal calls without a carried state have kernels (the banded product form, mode "chunk").
+register("aft_local", triton=Kernel(kernels=triton_kernels, refuse=kernel_refusal))
 
 
 class AFTLocalState(NamedTuple):
@@ -45,7 +58,7 @@ class AFTLocalState(NamedTuple):
                                  f"[B] = [{B}] on {q.device}, got {pos.dtype} "
                                  f"{tuple(pos.shape)} on {pos.device}")
             # Data-dependent: eager only (a traced program cannot branch on it).
-            if not torch.compiler.is_compiling() and bool((pos < window - 1).any()):
+            if reads_allowed() and bool((pos < window - 1).any()):
                 raise ValueError(f"initial_state[5] (pos) per row must be >= window - 1 = "
                                  f"{window - 1} (full caches), got {pos.tolist()}")
             c = window - 1
@@ -65,6 +78,7 @@ def aft_local(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *, window: int,
     causal: bool = True, initial_state: tuple | None = None, output_final_state: bool = False,
     mode: str = "chunk", chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, AFTLocalState | None]:
     """AFT-local (docs/maths.md 4.2): AFT-full whose bias is w_tt' inside the window
     (0 <= t - t' < s causal, |t - t'| < s bidirectional, s = ``window`` >= 1) and 0 outside it
@@ -87,7 +101,9 @@ def aft_local(
     online log-sum-exp) or "naive" (the literal sums, the oracle). ``cu_seqlens``: packed
     documents in a batch of one, each on its own (ops/_varlen.py); the rows of ``w`` stay
     aligned with the packed tokens (each document's rows are its own window biases, positions
-    counted from the document's start).
+    counted from the document's start). ``backend``: "triton", "torch" or None (automatic;
+    ops/backend.py): causal calls of mode "chunk" without a carried state have Triton kernels
+    (the banded product form, docs/maths.md 4.4; half inputs on CUDA, D a multiple of 16).
     """
     B, T, D = check_btd(q, k, v)
     check_positive_int("window", window)
@@ -99,7 +115,7 @@ def aft_local(
 
         def one_document(q, k, v, w_t, **kw):
             return aft_local(q, k, v, w_t[0], window=window, causal=causal, mode=mode,
-                             chunk_size=chunk_size, **kw)
+                             chunk_size=chunk_size, backend=backend, **kw)
 
         return run_packed(one_document, (q, k, v, w.unsqueeze(0)), cu_seqlens, initial_state,
                           output_final_state)
@@ -107,6 +123,9 @@ def aft_local(
     if not causal:
         check_tensor("w", w, 2, layout)
         check_arg("w", w, (T, width), layout, q)
+        # An explicit backend='triton' raises here (the kernels are causal); torch runs it.
+        choose_backend("aft_local", q.unsqueeze(-1), backend, mode, chunk_size,
+                       facts={"causal": False})
         k_c, v_c, w_c = k.to(cdtype), v.to(cdtype).unsqueeze(-1), w.to(cdtype)
         if mode == "naive":
             ratio = banded_naive(k_c, v_c, w_c[:, None, None], window - 1, False, window, None)[0]
@@ -128,9 +147,57 @@ def aft_local(
     else:
         check_tensor("w", w, 2, layout)
         check_arg("w", w, (T, window), layout, q)
+        if choose_backend("aft_local", q.unsqueeze(-1), backend, mode, chunk_size,
+                          lambda: _trial(q, k, v, w, window),
+                          {"carried": initial_state is not None}) == "triton":
+            return _local_triton(q, k, v, w, window, output_final_state, chunk_size)
         band = w.to(cdtype).flip(-1).unsqueeze(1)  # [T, 1, s], band[..., -1 - o] = w[:, o]
     o, final = local_causal(q, k, v, band, window, carried, pos, mode, chunk_size)
     return o, (final if output_final_state else None)
+
+
+def _trial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+           window: int) -> Trial:
+    """The automatic choice's trial call: the band's rows go with the tokens (a sequence, on
+    its dimension 1 as [1, T, s])."""
+    def op(q, k, v, w3, **kw):
+        return aft_local(q, k, v, w3[0], window=window, **kw)
+
+    return Trial(op, (q, k, v, w.unsqueeze(0)))
+
+
+def _local_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                  window: int, output_final_state: bool,
+                  chunk_size: int) -> tuple[torch.Tensor, AFTLocalState | None]:
+    """Causal ``aft_local`` without a carried state on the kernels (ops/aft/triton.py, the
+    banded product form of docs/maths.md 4.4): rows flagged lossy redone by the PyTorch form,
+    the final state summed in PyTorch."""
+    o, lossy = triton_kernels().aft_local_triton(q, k, v, w, window)
+
+    def redo(rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             w: torch.Tensor) -> torch.Tensor:
+        band = w.to(state_dtype(q.dtype)).flip(-1).unsqueeze(1)
+        return local_causal(q, k, v, band, window, None, 0, "chunk", chunk_size)[0][:, rows]
+
+    o = redo_lossy(o, lossy, redo, q, k, v, w)
+    return o, (_final_state(k, v, window) if output_final_state else None)
+
+
+def _final_state(k: torch.Tensor, v: torch.Tensor, window: int) -> AFTLocalState:
+    """The state after a call of k, v [B, T, D] without a carried state: the tokens before the
+    last window - 1 summed as (log-sum-exp, softmax-weighted mean, 1), the rest cached."""
+    cdtype = state_dtype(k.dtype)
+    k, v = k.to(cdtype), v.to(cdtype)
+    T = k.shape[1]
+    keep = T - min(T, window - 1)
+    if keep > 0:
+        a = torch.logsumexp(k[:, :keep], dim=1)
+        n = (torch.softmax(k[:, :keep], dim=1) * v[:, :keep]).sum(dim=1)
+        m = torch.ones_like(a)
+    else:
+        a = k.new_full((k.shape[0], k.shape[2]), float("-inf"))
+        n, m = torch.zeros_like(a), torch.zeros_like(a)
+    return AFTLocalState(a, n, m, k[:, keep:], v[:, keep:], T)
 
 
 def local_causal(

@@ -25,14 +25,17 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_states, products_dtype
+from .._modes import RECURRENT_MODES as MODES
 from .._pieces import in_pieces, piece_length
+from .._state import LinearAttnState
+from .._steps import check_step_qkv, wide
 from .._varlen import run_packed, stack_packed_states
 from ..backend import Kernel, Trial, choose_backend, optional_module, register
-from ..linear_attn import MODES, LinearAttnState
 from .chunk import delta_rule_chunk
 from .fla import fla_delta_rule
 from .naive import delta_rule_attn_norm_naive, delta_rule_naive
 from .recurrent import delta_rule_recurrent
+from .speeds import SPEEDS
 
 
 def _triton() -> ModuleType:
@@ -48,7 +51,7 @@ triton_kernels = optional_module(_triton)  # this op's triton.py; None without t
 # fastest on the CPU (docs/performance.md, "Chunk sizes").
 register("delta_rule", fla=Kernel(dtypes=(torch.float16, torch.bfloat16),
                                   refused="fla's chunk_delta_rule refuses them (fla 0.6)"),
-         triton=Kernel(kernels=triton_kernels), chunk_sizes={"cpu": 32})
+         triton=Kernel(kernels=triton_kernels), chunk_sizes={"cpu": 32}, speeds=SPEEDS)
 
 
 @float32_states
@@ -170,3 +173,20 @@ def delta_rule_attn_norm(
         o = o / ((qc * z).sum(-1, keepdim=True) + eps)
         z = z[:, -1]
     return o.to(q.dtype), (LinearAttnState(S, z) if output_final_state else None)
+
+
+@float32_states
+def delta_rule_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *,
+    state: torch.Tensor | None = None, scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of ``delta_rule`` (docs/maths.md 1.4): q, k [B, 1, H, Dk], v [B, 1, H, Dv],
+    beta [B, 1, H], ``state`` S [B, H, Dk, Dv] (None: zeros). Returns (o [B, 1, H, Dv] in q's
+    dtype, S after the token). Shapes are checked, nothing else (see ``linear_attn_step``)."""
+    B, H, Dk, Dv = check_step_qkv(q, k, v)
+    check_arg("beta", beta, (B, 1, H), "[B, 1, H]", q)
+    cdtype = state_dtype(q.dtype)
+    S = matrix_state(state, (B, H, Dk, Dv), q, cdtype, "state")
+    qc = wide(q, cdtype) if scale == 1.0 else wide(q, cdtype) * scale
+    o, S = delta_rule_recurrent(qc, wide(k, cdtype), wide(v, cdtype), wide(beta, cdtype), S)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), S

@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -125,7 +126,10 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
     cfg = cfg._replace(ut_fwd=wide, state_fwd2=Tiles(16, 8, stages), ut_bwd=narrow,
                        state_bwd2=Tiles(16, 8, stages))
     if gated:  # the gates' tables and per-token decays: narrower value blocks
-        cfg = cfg._replace(state_fwd=Tiles(16, 8, stages), output=narrow)
+        cfg = cfg._replace(state_fwd=Tiles(16, 8, stages), output=narrow,
+                           state_bwd=Tiles(16, 8, stages))
+        if arch < 90:  # the gates' part of (g) holds four more [64, 64] float32 tables
+            cfg = cfg._replace(grad=Tiles(16, 8, BK=16))
     return cfg
 
 
@@ -362,15 +366,13 @@ def _state_fwd_kernel(
                 w2 = _load(w_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK)
                 ub -= tl.dot(w2, S2, input_precision=F32_PREC)
             _store(unew_ptr, ub, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
-            k1 = k1.to(tl.float32)
-            if HAS_G:
-                k1 = k1 * last[:, None]
+            if HAS_G:  # (diag(last) K)^T U = K^T (diag(last) U): the smaller tile scaled
+                ub = ub * last[:, None]
                 S1 = S1 * gL
-            S1 += tl.dot(tl.trans(k1), ub, input_precision=F32_PREC)
+            S1 += tl.dot(tl.trans(k1.to(tl.float32)), ub, input_precision=F32_PREC)
             if NK == 2:
                 k2 = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, BK).to(tl.float32)
                 if HAS_G:
-                    k2 = k2 * last[:, None]
                     S2 = S2 * gL
                 S2 += tl.dot(tl.trans(k2), ub, input_precision=F32_PREC)
         else:
@@ -416,14 +418,16 @@ def _output_kernel(
 
 @triton.jit
 def _local_du_kernel(
-    q_ptr, k_ptr, do_ptr, dh_ptr, du_ptr,
-    T, H, N, Dk, Dv, C, add_dh,
+    q_ptr, k_ptr, do_ptr, dh_ptr, du_ptr, g_ptr,
+    T, H, N, Dk, Dv, C, HK, add_dh,
     UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """(d) dU_n = tril(Q_n K_n^T)^T dO_n (float32), plus K_n dh_n if ``add_dh`` (linear
     attention, after the reverse state pass: then dU_n is dV_n; a runtime flag, one compiled
-    kernel for both)."""
+    kernel for both). Gated (HAS_G): dU_n = (Q_n K_n^T * Gam)^T dO_n. Q, K have HK heads as
+    in (a)."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
@@ -431,8 +435,12 @@ def _local_du_kernel(
     h = bh % H
     v0 = i_v * BV
     _, mt = _rows(i_n, T, C, BT)
-    scores, du = _scores_and_state(q_ptr, k_ptr, dh_ptr, b, h, bh, i_n, mt, T, H, N, Dk, Dv, C,
+    hk, HQ = _key_head(h, H, HK, GROUPED)
+    scores, du = _scores_and_state(q_ptr, k_ptr, dh_ptr, b, hk, bh, i_n, mt, T, HQ, N, Dk, Dv, C,
                                    v0, add_dh, True, UPCAST, IN_PREC, F32_PREC, BT, BK, BV)
+    if HAS_G:
+        Gam, _, _ = _gates(g_ptr, b, h, i_n, mt, T, H, C, BT)
+        scores = scores * Gam
     dob = _load(do_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
     du += tl.dot(tl.trans(scores), dob, input_precision=F32_PREC)
     _store(du_ptr, du, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
@@ -441,7 +449,8 @@ def _local_du_kernel(
 @triton.jit
 def _qt_do(qb, dob, UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.constexpr):
     """Q^T dO [BK, BV] float32: on tensor cores in the input dtype, in float32 when dO is float32
-    (normalised linear attention's o is float32) or under UPCAST."""
+    (normalised linear attention's o is float32; the gated delta rule's diag(gam) dO) or under
+    UPCAST."""
     if UPCAST or dob.dtype == tl.float32:
         out = tl.dot(tl.trans(qb.to(tl.float32)), dob.to(tl.float32), input_precision=F32_PREC)
     else:
@@ -451,21 +460,25 @@ def _qt_do(qb, dob, UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.co
 
 @triton.jit
 def _state_bwd_kernel(
-    q_ptr, k_ptr, w_ptr, do_ptr, du_ptr, dsT_ptr, dh_ptr, ds0_ptr,
-    T, H, N, Dk, Dv, C,
+    q_ptr, k_ptr, w_ptr, do_ptr, du_ptr, dsT_ptr, dh_ptr, ds0_ptr, g_ptr, last_ptr,
+    T, H, N, Dk, Dv, C, HK,
     HAS_W: tl.constexpr, NK: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
     F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, HAS_G: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """(e) Last chunk first, for one (value block, key block(s), b*h): dh[n] = gradient of the
     state leaving chunk n; dS += Q_n^T dO_n, and for the delta rule (HAS_W) first dU_n += K_n dS
     (in place; dU_n holds the local part from (d)), then dS -= W_n^T dU_n. dsT is the final
-    state's gradient, ds0 receives the initial state's. Key blocks as in (b)."""
+    state's gradient, ds0 receives the initial state's. Key blocks as in (b). Gated (HAS_G, the
+    transpose of (b)'s hand-off): dU_n += diag(last) K_n dS, dS <- gam_L dS + Q_n^T diag(gam)
+    dO_n - W_n^T dU_n, with last from (a); Q, K have HK heads."""
     tl.static_assert(NK == 1 or (HAS_W and NK == 2))
+    tl.static_assert(HAS_W or not HAS_G)
     i_v = tl.program_id(0)
     bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
+    hk, HQ = _key_head(h, H, HK, GROUPED)
     v0 = i_v * BV
     k0 = tl.program_id(1) * BK
     dS1 = _load_state(dsT_ptr, bh, 0, 1, Dk, Dv, BK, BV, k0, v0)
@@ -476,23 +489,35 @@ def _state_bwd_kernel(
         _store_state(dh_ptr, dS1, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
         if NK == 2:
             _store_state(dh_ptr, dS2, bh, i_n, N, Dk, Dv, BK, BV, BK, v0)
-        _, mt = _rows(i_n, T, C, BT)
+        rc, mt = _rows(i_n, T, C, BT)
         dob = _load(do_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
+        offs = (b * T + i_n * C + rc) * H + h  # the chunk's per-token scalars (HAS_G)
         if HAS_W:
-            du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
-            k1 = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0).to(tl.float32)
-            du += tl.dot(k1, dS1, input_precision=F32_PREC)
+            k1 = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, k0).to(tl.float32)
+            kd = tl.dot(k1, dS1, input_precision=F32_PREC)
             if NK == 2:
-                k2 = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK).to(tl.float32)
-                du += tl.dot(k2, dS2, input_precision=F32_PREC)
+                k2 = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, BK).to(tl.float32)
+                kd += tl.dot(k2, dS2, input_precision=F32_PREC)
+            if HAS_G:  # (diag(last) K) dS: the smaller tile scaled, as in (b)
+                kd = kd * tl.load(last_ptr + offs, mask=mt, other=0.0)[:, None]
+            du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0) + kd
             _store(du_ptr, du, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
-        q1 = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
+        if HAS_G:  # dO's rows decayed from the chunk's start, rounded to dO's dtype (for the
+            # tensor cores: a float32 operand does not fit the registers on sm_90; docs/kernels.md,
+            # "Precision"); the carried gradient by gam_L
+            gv = tl.load(g_ptr + offs, mask=mt, other=0.0)
+            dob = (dob.to(tl.float32) * tl.exp(tl.cumsum(gv, axis=0))[:, None]).to(dob.dtype)
+            gL = tl.exp(tl.sum(gv))
+            dS1 = dS1 * gL
+            if NK == 2:
+                dS2 = dS2 * gL
+        q1 = _load(q_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, k0)
         dS1 += _qt_do(q1, dob, UPCAST, IN_PREC, F32_PREC)
         if HAS_W:
             w1 = _load(w_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
             dS1 -= tl.dot(tl.trans(w1), du, input_precision=F32_PREC)
             if NK == 2:
-                q2 = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK)
+                q2 = _load(q_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, BK)
                 dS2 += _qt_do(q2, dob, UPCAST, IN_PREC, F32_PREC)
                 w2 = _load(w_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, BK)
                 dS2 -= tl.dot(tl.trans(w2), du, input_precision=F32_PREC)
@@ -502,32 +527,52 @@ def _state_bwd_kernel(
 
 
 @triton.jit
+def _before(x, BT: tl.constexpr):
+    """[BT] -> [BT]: sum_{j < m} x_j at m (a masked sum: no running sum differenced)."""
+    rc = tl.arange(0, BT)
+    return tl.sum(tl.where(rc[:, None] > rc[None, :], x[None, :], 0.0), axis=1)
+
+
+@triton.jit
 def _ut_bwd_kernel(
-    k_ptr, v_ptr, beta_ptr, x_ptr, h_ptr, du_ptr, dv_ptr, dbeta_ptr, g_ptr,
-    T, H, N, Dk, Dv, C,
+    k_ptr, v_ptr, beta_ptr, x_ptr, h_ptr, du_ptr, dv_ptr, dbeta_ptr, e_ptr, g_ptr, dg_ptr,
+    T, H, N, Dk, Dv, C, HK,
     UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """(f) Delta rule, per chunk: the gradient through U = U0 - W h and the UT solve (Tm = Xinv
     diag(beta), W = Tm K, U0 = Tm V), with h = h_n and dU complete from (e). With dW = -dU h^T:
       dV = Tm^T dU,  dTm = dU V^T + dW K^T = dU (V - K h)^T,
       dXinv = dTm diag(beta), dbeta_j = sum_i Xinv_ij dTm_ij, dA = stril(-Xinv^T dXinv Xinv^T),
-      dbeta_i += sum_j dA_ij (K K^T)_ij, G = diag(beta) dA, stored to g [B, T, H, BT].
-    The rest of dK, Tm^T dW + G K + G^T K = -dV h^T + (G + G^T) K, is added by (g), which reads
-    h and the key blocks anyway."""
+      dbeta_i += sum_j dA_ij (K K^T)_ij, E = diag(beta) dA, stored to e [B, T, H, BT].
+    The rest of dK, Tm^T dW + E K + E^T K = -dV h^T + (E + E^T) K, is added by (g), which reads
+    h and the key blocks anyway.
+    Gated (HAS_G; W = Tm diag(gam) K, A = stril(diag(beta) M), M = K K^T * Gam):
+    dTm = dU (V - diag(gam) K h)^T, dbeta_i += sum_j dA_ij M_ij, E = diag(beta) dA * Gam, and
+    the solve's part of the gates' gradient: with dL = diag(beta) dA * M (the gradient of the
+    exponents L_ij of Gam through A), cr = colsum(dL) - rowsum(dL), the chunk's tokens get
+    dg_m = sum_{j < m} cr_j (ops/delta_rule/chunk.py, ``_DeltaRuleChunk``), stored to dg
+    [B, T, H] (the first of the partial sums (g) adds to). K has HK heads as in (a)."""
     i_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
+    hk, HQ = _key_head(h, H, HK, GROUPED)
     rc, mt = _rows(i_n, T, C, BT)
     beta = _load_beta(beta_ptr, b, h, i_n, mt, T, H, C, BT)
+    if HAS_G:
+        gv = tl.load(g_ptr + (b * T + i_n * C + rc) * H + h, mask=mt, other=0.0)
+        gam = tl.exp(tl.cumsum(gv, axis=0))
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     for v0 in range(0, Dv, BV):
-        r = _load(v_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
-        for k0 in range(0, Dk, BK):  # r = V - K h, this value block
-            kf = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0).to(tl.float32)
+        kh = tl.zeros([BT, BV], dtype=tl.float32)
+        for k0 in range(0, Dk, BK):  # K h, this value block
+            kf = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, k0).to(tl.float32)
             S = _load_state(h_ptr, bh, i_n, N, Dk, Dv, BK, BV, k0, v0)
-            r -= tl.dot(kf, S, input_precision=F32_PREC)
+            kh += tl.dot(kf, S, input_precision=F32_PREC)
+        if HAS_G:
+            kh = kh * gam[:, None]
+        r = _load(v_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32) - kh
         du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
         dT += tl.dot(du, tl.trans(r), input_precision=F32_PREC)
     # dA = stril(-Xinv^T dXinv Xinv^T), BN columns at a time: column block j of Xinv^T is row
@@ -537,6 +582,7 @@ def _ut_bwd_kernel(
     dXb = dT * beta[None, :]
     Xt = tl.trans(Xi)
     dbeta2 = tl.zeros([BT], dtype=tl.float32)
+    cr = tl.zeros([BT], dtype=tl.float32)  # gated: colsum(dL) - rowsum(dL)
     for j0 in range(0, BT, _BN):
         cj = j0 + tl.arange(0, _BN)
         Xj = _load_rows(x_ptr, b, h, i_n, j0, T, H, BT, C, _BN, BT, 0)
@@ -544,14 +590,26 @@ def _ut_bwd_kernel(
         dA = tl.where(rc[:, None] > cj[None, :], -tl.dot(Xt, Mj, input_precision=F32_PREC), 0.0)
         kk = tl.zeros([BT, _BN], dtype=tl.float32)
         for k0 in range(0, Dk, BK):
-            kb = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
-            kj = _load_rows(k_ptr, b, h, i_n, j0, T, H, Dk, C, _BN, BK, k0)
+            kb = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, k0)
+            kj = _load_rows(k_ptr, b, hk, i_n, j0, T, HQ, Dk, C, _BN, BK, k0)
             if UPCAST:
                 kb, kj = kb.to(tl.float32), kj.to(tl.float32)
             kk += tl.dot(kb, tl.trans(kj), input_precision=IN_PREC)
+        E = dA * beta[:, None]
+        if HAS_G:  # Gam's column block: cumsums of the gates below each column (as ``_gates``)
+            Lj = tl.cumsum(tl.where(rc[:, None] > cj[None, :], gv[:, None], 0.0), axis=0)
+            Gj = tl.where(rc[:, None] >= cj[None, :], tl.exp(Lj), 0.0)
+            kk = kk * Gj
+            E = E * Gj
+            dL = dA * beta[:, None] * kk
+            col = tl.sum(dL, axis=0)  # [BN], placed at the block's columns
+            cr += tl.sum(tl.where(rc[:, None] == cj[None, :], col[None, :], 0.0), axis=1)
+            cr -= tl.sum(dL, axis=1)
         dbeta2 += tl.sum(dA * kk, axis=1)
-        _store(g_ptr, dA * beta[:, None], b, h, i_n, mt, T, H, BT, C, BT, _BN, j0)
+        _store(e_ptr, E, b, h, i_n, mt, T, H, BT, C, BT, _BN, j0)
     tl.store(dbeta_ptr + (b * T + i_n * C + rc) * H + h, dbeta + dbeta2, mask=mt)
+    if HAS_G:
+        tl.store(dg_ptr + (b * T + i_n * C + rc) * H + h, _before(cr, BT), mask=mt)
     Tt = tl.trans(Xi * beta[None, :])
     for v0 in range(0, Dv, BV):
         du = _load(du_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
@@ -561,25 +619,37 @@ def _ut_bwd_kernel(
 
 @triton.jit
 def _grad_kernel(
-    q_ptr, k_ptr, u_ptr, h_ptr, dh_ptr, do_ptr, dv_ptr, g_ptr, dq_ptr, dk_ptr,
-    T, H, N, Dk, Dv, C,
+    q_ptr, k_ptr, u_ptr, h_ptr, dh_ptr, do_ptr, dv_ptr, e_ptr, dq_ptr, dk_ptr, g_ptr, last_ptr,
+    dg_ptr, T, H, N, Dk, Dv, C, HK,
     HAS_W: tl.constexpr, F32_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr,
+    BV: tl.constexpr, HAS_G: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """(g) For one (key block, chunk, b*h), with h = h_n, dh = dh_n (leaving) and dP =
     tril(dO U^T) over all value blocks:
       dQ = dO h^T + dP K,  dK = U dh^T + dP^T Q  (float32)
     u is U (float32) for the delta rule, v for linear attention. For the delta rule (HAS_W) dK
-    also gets the UT solve's part from (f): -dV h^T + (G + G^T) K."""
+    also gets the UT solve's part from (f): -dV h^T + (E + E^T) K.
+    Gated (HAS_G; E from (f) holds Gam): dP = dO U^T * Gam,
+      dQ = diag(gam) dO h^T + dP K,  dK = diag(last) U dh^T - diag(gam) dV h^T + dP^T Q
+           + (E + E^T) K,
+    and this key block's part of the gates' gradient (the chunked form's backward): dgam_i =
+    q_i . (dO h^T)_i - k_i . (dV h^T)_i, dlast_j = k_j . (U dh^T)_j, dgam_L = <dh, h>, dL =
+    dO U^T * Q K^T * Gam (Q K^T over this block's columns), cr = colsum(dL) - rowsum(dL) +
+    dlast * last; token m of the chunk gets sum_{i >= m} gam_i dgam_i + gam_L dgam_L +
+    sum_{j < m} cr_j, stored to dg [1 + key block, B, T, H] (the host adds the partial sums).
+    Q, K have HK heads as in (a); dQ, dK are stored per value head (the host adds a group's)."""
     i_n = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
+    hk, HQ = _key_head(h, H, HK, GROUPED)
     k0 = tl.program_id(0) * BK
     rc, mt = _rows(i_n, T, C, BT)
     dq = tl.zeros([BT, BK], dtype=tl.float32)
     dk = tl.zeros([BT, BK], dtype=tl.float32)
+    dvs = tl.zeros([BT, BK], dtype=tl.float32)  # gated: dV h^T
     dP = tl.zeros([BT, BT], dtype=tl.float32)
+    dgL = 0.0  # gated: <dh, h> over this key block
     for v0 in range(0, Dv, BV):
         dob = _load(do_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
         ub = _load(u_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0).to(tl.float32)
@@ -590,21 +660,49 @@ def _grad_kernel(
         dk += tl.dot(ub, tl.trans(dS), input_precision=F32_PREC)
         if HAS_W:
             dvb = _load(dv_ptr, b, h, i_n, mt, T, H, Dv, C, BT, BV, v0)
-            dk -= tl.dot(dvb, tl.trans(S), input_precision=F32_PREC)
-    dP = tl.where(rc[:, None] >= rc[None, :], dP, 0.0)
-    kf = _load(k_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0).to(tl.float32)
+            if HAS_G:
+                dvs += tl.dot(dvb, tl.trans(S), input_precision=F32_PREC)
+                dgL += tl.sum(dS * S)
+            else:
+                dk -= tl.dot(dvb, tl.trans(S), input_precision=F32_PREC)
+    kf = _load(k_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, k0).to(tl.float32)
+    qf = _load(q_ptr, b, hk, i_n, mt, T, HQ, Dk, C, BT, BK, k0).to(tl.float32)
+    if HAS_G:
+        Gam, gam, gv = _gates(g_ptr, b, h, i_n, mt, T, H, C, BT)
+        last = tl.load(last_ptr + (b * T + i_n * C + rc) * H + h, mask=mt, other=0.0)
+        dgam = tl.sum(qf * dq, axis=1) - tl.sum(kf * dvs, axis=1)
+        dlast = tl.sum(kf * dk, axis=1)
+        dq = dq * gam[:, None]
+        dk = dk * last[:, None] - dvs * gam[:, None]
+        dL = dP * tl.dot(qf, tl.trans(kf), input_precision=F32_PREC) * Gam
+        dP = dP * Gam
+        cr = tl.sum(dL, axis=0) - tl.sum(dL, axis=1) + dlast * last
+        gg = gam * dgam  # sum_{i >= m} of it at m
+        after = tl.sum(tl.where(rc[:, None] >= rc[None, :], gg[:, None], 0.0), axis=0)
+        dgp = after + dgL * tl.exp(tl.sum(gv)) + _before(cr, BT)
+        slot = (tl.program_id(0) + 1) * tl.num_programs(2).to(tl.int64) * T  # 1 + key block
+        tl.store(dg_ptr + (slot + (b * T + i_n * C + rc) * H + h), dgp, mask=mt)
+    else:
+        dP = tl.where(rc[:, None] >= rc[None, :], dP, 0.0)
     dq += tl.dot(dP, kf, input_precision=F32_PREC)
     _store(dq_ptr, dq, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
-    qf = _load(q_ptr, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0).to(tl.float32)
     dk += tl.dot(tl.trans(dP), qf, input_precision=F32_PREC)
     if HAS_W:
-        g = _load(g_ptr, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
-        dk += tl.dot(g + tl.trans(g), kf, input_precision=F32_PREC)
+        e = _load(e_ptr, b, h, i_n, mt, T, H, BT, C, BT, BT, 0)
+        dk += tl.dot(e + tl.trans(e), kf, input_precision=F32_PREC)
     _store(dk_ptr, dk, b, h, i_n, mt, T, H, Dk, C, BT, BK, k0)
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side
+
+
+def _warps(warps: int) -> dict:
+    """The launch options of ``warps`` warps: and a register ceiling of the register file's
+    share per thread (255 at 8 warps). Without one, the ptxas of Triton 3.6 (CUDA 12.8) may
+    hold a kernel to 128 registers (two blocks per SM) and spill rather than use the rest: it
+    does so for linear attention's output kernel on sm_80 (docs/kernels.md, "Tiles")."""
+    return {"num_warps": warps, "maxnreg": min(255, 65536 // (32 * warps))}
 
 
 class _Launch(NamedTuple):
@@ -638,11 +736,11 @@ class _Launch(NamedTuple):
             tiles = self.cfg.state_bwd if backward else self.cfg.state_fwd
         grid = (self.nv(tiles), 1 if has_w else self.NK, self.BH)
         return grid, {"HAS_W": has_w, "NK": self.NK if has_w else 1, "BV": tiles.BV,
-                      "STAGES": tiles.stages, "num_warps": tiles.warps, **self.consts}
+                      "STAGES": tiles.stages, **_warps(tiles.warps), **self.consts}
 
     def tiles(self, tiles: Tiles) -> dict:
         """Launch arguments of a kernel without a loop over chunks."""
-        return {**self.consts, "BV": tiles.BV, "BK": tiles.BK, "num_warps": tiles.warps}
+        return {**self.consts, "BV": tiles.BV, "BK": tiles.BK, **_warps(tiles.warps)}
 
 
 def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int, op: str) -> _Launch:
@@ -700,39 +798,51 @@ def _forward(L: _Launch, q, k, U, h, out_dtype, g=None):
     return o
 
 
-def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS):
-    """(d) to (g): gradients of q, k, v, beta (None for linear attention) and S0, float32."""
-    has_w = W is not None
+def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS, g=None, last=None):
+    """(d) to (g): gradients of q, k, v, beta (None for linear attention), S0 and, gated (the
+    log-gates ``g`` and ``last`` from (a)), g (else None), float32. dq and dk have q's HK heads
+    (a group's value heads added)."""
+    has_w, gated = W is not None, g is not None
+    B, T, H, _ = do.shape
     do = do.contiguous()
     dS = (torch.zeros(L.BH, L.Dk, L.Dv, dtype=torch.float32, device=q.device) if dS is None
           else dS.to(torch.float32).contiguous())
-    du = torch.empty(*q.shape[:3], L.Dv, dtype=torch.float32, device=q.device)
+    du = torch.empty(B, T, H, L.Dv, dtype=torch.float32, device=q.device)
     dh = torch.empty_like(h)
     dS0 = torch.empty(L.BH, L.Dk, L.Dv, dtype=torch.float32, device=q.device)
+    flags = {"HAS_G": gated, "GROUPED": L.HK != L.H}
+    gates = (g, last) if gated else (du, du)  # (unread without HAS_G)
     local_grid = (L.nv(L.cfg.local_du), L.N, L.BH)
+    local = {**L.tiles(L.cfg.local_du), **flags}
     grid, args = L.state(has_w, backward=True)
     if has_w:  # the local part of dU first: the reverse state pass completes it
-        _local_du_kernel[local_grid](q, k, do, dh, du, *L.dims, False,
-                                     **L.tiles(L.cfg.local_du))
-        _state_bwd_kernel[grid](q, k, W, do, du, dS, dh, dS0, *L.dims, **args)
+        _local_du_kernel[local_grid](q, k, do, dh, du, gates[0], *L.dims, L.HK, False, **local)
+        _state_bwd_kernel[grid](q, k, W, do, du, dS, dh, dS0, *gates, *L.dims, L.HK, **args,
+                                **flags)
     else:  # dh first (no dU in the recurrence); then dU = dV in one parallel pass
-        _state_bwd_kernel[grid](q, k, k, do, dh, dS, dh, dS0, *L.dims, **args)
-        _local_du_kernel[local_grid](q, k, do, dh, du, *L.dims, True,
-                                     **L.tiles(L.cfg.local_du))
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        _state_bwd_kernel[grid](q, k, k, do, dh, dS, dh, dS0, *gates, *L.dims, L.HK, **args,
+                                **flags)
+        _local_du_kernel[local_grid](q, k, do, dh, du, gates[0], *L.dims, L.HK, True, **local)
+    dq = torch.empty(B, T, H, L.Dk, dtype=torch.float32, device=q.device)
     dk = torch.empty_like(dq)
-    dv, dbeta, G = du, None, dq  # linear attention: dV is dU; no UT solve
+    n_grad = triton.cdiv(L.Dk, L.cfg.grad.BK)  # (g)'s key blocks
+    dg = torch.empty(1 + n_grad, B, T, H, dtype=torch.float32, device=q.device) if gated else None
+    dv, dbeta, E = du, None, dq  # linear attention: dV is dU; no UT solve
     if has_w:
         dv = torch.empty_like(du)
-        dbeta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        G = torch.empty(*q.shape[:3], BT, dtype=torch.float32, device=q.device)
-        _ut_bwd_kernel[(L.N, L.BH)](k, v, beta, X, h, du, dv, dbeta, G, *L.dims,
-                                    **L.tiles(L.cfg.ut_bwd))
+        dbeta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        E = torch.empty(B, T, H, BT, dtype=torch.float32, device=q.device)
+        _ut_bwd_kernel[(L.N, L.BH)](k, v, beta, X, h, du, dv, dbeta, E, gates[0],
+                                    du if dg is None else dg, *L.dims, L.HK,
+                                    **L.tiles(L.cfg.ut_bwd), **flags)
     grad = L.tiles(L.cfg.grad)
-    _grad_kernel[(triton.cdiv(L.Dk, L.cfg.grad.BK), L.N, L.BH)](
-        q, k, U if has_w else v, h, dh, do, dv, G, dq, dk, *L.dims, HAS_W=has_w,
-        **{n: grad[n] for n in ("F32_PREC", "BT", "BK", "BV", "num_warps")})
-    return dq, dk, dv, dbeta, dS0
+    _grad_kernel[(n_grad, L.N, L.BH)](
+        q, k, U if has_w else v, h, dh, do, dv, E, dq, dk, *gates, du if dg is None else dg,
+        *L.dims, L.HK, HAS_W=has_w, **flags,
+        **{n: grad[n] for n in ("F32_PREC", "BT", "BK", "BV", "num_warps", "maxnreg")})
+    if L.HK != L.H:  # grouped heads: each key head's gradient sums its value heads'
+        dq, dk = (x.view(B, T, L.HK, L.H // L.HK, L.Dk).sum(3) for x in (dq, dk))
+    return dq, dk, dv, dbeta, dS0, None if dg is None else dg.sum(0)
 
 
 class _FastWeightsTriton(torch.autograd.Function):
@@ -765,13 +875,57 @@ class _FastWeightsTriton(torch.autograd.Function):
         else:
             W, U0, X, _ = _ut_forward(L, k, v, beta, store_x=True)
         h, U, _ = _state_forward(L, k, W, U0, S0)
-        dq, dk, dv, dbeta, dS0 = _backward(L, q, k, v, beta, X, W, U, h, do, dS)
+        dq, dk, dv, dbeta, dS0, _ = _backward(L, q, k, v, beta, X, W, U, h, do, dS)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 None if beta is None else dbeta.to(beta.dtype), dS0, None, None)
 
 
-def _prepare(*xs: torch.Tensor) -> list[torch.Tensor]:
-    return [x.contiguous() for x in xs]
+ALIGN = 16  # elements: every head size the kernels see is a multiple (docs/kernels.md, "Alignment")
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous at a 16-byte aligned address (a copy only where it is not)."""
+    x = x.contiguous()
+    if not torch.compiler.is_compiling() and x.data_ptr() % 16:
+        x = x.clone()
+    return x
+
+
+def _pad_to(x: torch.Tensor, *sizes: int) -> torch.Tensor:
+    """``x`` with its last len(sizes) dims zero-padded up to ``sizes``, contiguous and 16-byte
+    aligned (``_aligned``); no copy where nothing is padded and x already is."""
+    pad = [n for size, have in zip(reversed(sizes), reversed(x.shape)) for n in (0, size - have)]
+    return _aligned(F.pad(x, pad) if any(pad) else x)
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor,
+             *gates: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, tuple[int, int]]:
+    """The kernels' inputs: q, k [B, T, HK, Dk], v [B, T, H, Dv] and S0 [B, H, Dk, Dv] with Dk,
+    Dv zero-padded up to multiples of ``ALIGN``, every tensor contiguous and 16-byte aligned;
+    per-token ``gates`` [B, T, H] (beta, g) as float32. Returns ([q, k, v, *gates], S0 as
+    [B*H, Dk', Dv'] float32, (Dk, Dv)): slice the outputs back with ``_unpad``.
+
+    Zero key columns add nothing to any product over Dk, and zero value columns stay zero in
+    every state, U and output, so the padded call computes the same numbers. The kernels then
+    only ever see rows that start at 16-byte boundaries, which they load in vectors: the
+    launches tests/ops/test_fwp_triton_compile.py compiles (sizes T, N, C free, the rest
+    aligned) are all the host makes."""
+    B, _, _, Dk = q.shape
+    H, Dv = v.shape[2:]
+    dk, dv = -(-Dk // ALIGN) * ALIGN, -(-Dv // ALIGN) * ALIGN
+    xs = [_pad_to(q, dk), _pad_to(k, dk), _pad_to(v, dv)]
+    xs += [_aligned(x.to(torch.float32)) for x in gates]
+    S0 = _pad_to(S0.to(torch.float32).reshape(B * H, Dk, Dv), dk, dv)
+    return xs, S0, (Dk, Dv)
+
+
+def _unpad(o: torch.Tensor, S: torch.Tensor, dims: tuple[int, int]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [B, T, H, Dv'] and S [B*H, Dk', Dv'] of a padded call -> o [B, T, H, Dv], S [B, H,
+    Dk, Dv] (views; no copy)."""
+    Dk, Dv = dims
+    B, _, H, _ = o.shape
+    return o[..., :Dv], S.reshape(B, H, *S.shape[1:])[..., :Dk, :Dv]
 
 
 def delta_rule_triton(
@@ -784,9 +938,6 @@ def delta_rule_triton(
     q (scaled), k [B, T, H, Dk], v [B, T, H, Dv], beta [B, T, H] in float16/bfloat16/float32;
     S0 [B, H, Dk, Dv] float32; chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's
     dtype, S float32)."""
-    B, _, H, Dk = q.shape
-    q, k, v = _prepare(q, k, v)
-    beta = beta.to(torch.float32).contiguous()  # [B, T, H]: small; one kernel signature
-    o, S = _FastWeightsTriton.apply(q, k, v, beta, S0.to(torch.float32).reshape(B * H, Dk, -1),
-                                    chunk_size, q.dtype)
-    return o, S.reshape(B, H, Dk, -1)
+    (q, k, v, beta), S0, dims = _prepare(q, k, v, S0, beta)  # beta float32: one signature
+    o, S = _FastWeightsTriton.apply(q, k, v, beta, S0, chunk_size, q.dtype)
+    return _unpad(o, S, dims)

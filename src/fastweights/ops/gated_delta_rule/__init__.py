@@ -3,7 +3,7 @@ single matrix S [B, H, Dk, Dv], a plain tensor (``o, S = gated_delta_rule(...)``
 rule's.
 
 The forms: ``naive.py`` (the oracle), ``recurrent.py`` (token by token, and the one-token step
-a layer's decoding calls), and the delta rule's chunked WY/UT form with its hand-written
+that ``gated_delta_rule_step`` runs), and the delta rule's chunked WY/UT form with its hand-written
 backward, gates on (ops/delta_rule/chunk.py, ``delta_rule_chunk`` with ``g``); on CUDA fla's
 kernels (``fla.py``) or this project's (``triton.py``).
 
@@ -29,14 +29,16 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_compute
-from .._modes import RECURRENT_MODES
+from .._modes import RECURRENT_MODES, reads_allowed
 from .._pieces import in_pieces, piece_length
+from .._steps import wide
 from .._varlen import run_packed, stack_packed_states
 from ..backend import Kernel, Trial, choose_backend, optional_module, register
 from ..delta_rule.chunk import delta_rule_chunk
 from .fla import fla_gated_delta_rule
 from .naive import gated_delta_rule_naive
-from .recurrent import gated_delta_rule_recurrent, gated_delta_rule_step
+from .recurrent import gated_delta_rule_recurrent, token_step
+from .speeds import SPEEDS
 
 MODES = RECURRENT_MODES
 def _triton() -> ModuleType:
@@ -81,7 +83,7 @@ def check_log_decay(g: torch.Tensor) -> None:
 
     A check of values is a data-dependent branch: torch.compile(fullgraph=True) and
     torch.export cannot trace it, so traced programs skip it (as decay_linear_attn's)."""
-    if torch.compiler.is_compiling():
+    if not reads_allowed():
         return
     if bool((g <= 0).all()):  # NaN fails the comparison too
         return
@@ -94,7 +96,7 @@ def check_log_decay(g: torch.Tensor) -> None:
 
 # Chunks of 32 measured fastest on the CPU (benchmarks/results/gated_delta_epyc_avx2/).
 register("gated_delta_rule", fla=Kernel(), triton=Kernel(kernels=triton_kernels),
-         chunk_sizes={"cpu": 32})
+         chunk_sizes={"cpu": 32}, speeds=SPEEDS)
 
 
 @float32_compute
@@ -133,8 +135,8 @@ def gated_delta_rule(
     ``mode``: "chunk" (default; any chunk_size >= 1, T need not be a multiple; a one-token call
     runs the recurrent step, as a layer's decoding step does; a layer built with
     ``chunk_size=None`` takes the size measured fastest on its device kind, docs/performance.md),
-    "recurrent" (token by token, ``gated_delta_rule_step`` per token, which a
-    layer's decoding step may call directly) or "naive" (the literal recurrence, the oracle). All three are
+    "recurrent" (token by token; ``gated_delta_rule_step`` is one token of it, what a
+    layer's decoding step calls) or "naive" (the literal recurrence, the oracle). All three are
     differentiable in q, k, v, beta, g and the initial state; the chunked form has a
     hand-written backward. ``cu_seqlens`` [N + 1]: packed documents in a batch of one, the state
     reset at each boundary; initial/final states are then lists with one state per document
@@ -199,7 +201,29 @@ def gated_delta_rule(
     elif mode == "naive":
         o, S = gated_delta_rule_naive(**args, S0=S0)
     elif T == 1:  # a decoding step, of mode="chunk" or "recurrent" (see linear_attn)
-        o, S = gated_delta_rule_step(**args, S=S0)
+        o, S = token_step(**args, S=S0)
     else:
         o, S = gated_delta_rule_recurrent(**args, S=S0)
     return o.to(q.dtype), (S if output_final_state else None)
+
+
+@float32_compute
+def gated_delta_rule_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, *,
+    state: torch.Tensor | None = None, scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of ``gated_delta_rule`` (docs/maths.md 5b): q, k [B, 1, Hk, Dk], v
+    [B, 1, H, Dv], beta, g [B, 1, H], ``state`` S [B, H, Dk, Dv] (None: zeros). Returns
+    (o [B, 1, H, Dv] in q's dtype, S after the token). Shapes are checked, not g's values (a
+    decoding step reads nothing back to the host; see ``linear_attn_step``)."""
+    B, T, _, H, Dk, Dv = check_grouped_qkv(q, k, v)
+    if T != 1:
+        raise ValueError(f"a step takes one token: q must have shape [B, 1, Hk, Dk], got "
+                         f"{tuple(q.shape)} (gated_delta_rule takes T tokens)")
+    check_arg("beta", beta, (B, 1, H), "[B, 1, H]", q)
+    check_arg("g", g, (B, 1, H), "[B, 1, H]", q)
+    cdtype = state_dtype(q.dtype)
+    S = matrix_state(state, (B, H, Dk, Dv), q, cdtype, "state")
+    qc = wide(q, cdtype) if scale == 1.0 else wide(q, cdtype) * scale
+    o, S = token_step(qc, wide(k, cdtype), wide(v, cdtype), wide(beta, cdtype), wide(g, cdtype), S)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), S

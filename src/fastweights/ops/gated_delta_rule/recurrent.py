@@ -4,10 +4,9 @@ step, the decoding form.
 Per token, with S' = exp(g_t) S_{t-1} the decayed state:
 v_bar = k_t S',  u = beta_t (v_t - v_bar),  S_t = S' + k_t^T u,  o_t = q_t S_t.
 
-``gated_delta_rule_step`` is what ``gated_delta_rule`` runs for a one-token call (T = 1) of
-mode="chunk" or "recurrent", and what a layer's decoding step calls directly on a state it has
-checked (as NormAttention calls ``decay_linear_attn_recurrent``): unchecked, in the compute
-dtype. A step is a chain of small operations, so it is written for few passes over the state:
+``token_step`` is what ``gated_delta_rule`` runs for a one-token call (T = 1) of
+mode="chunk" or "recurrent", and what the public ``gated_delta_rule_step`` runs once it has
+checked the shapes: unchecked, in the compute dtype. A step is a chain of small operations, so it is written for few passes over the state:
 one multiply (S' = exp(g) S, a new tensor, so a carried state stays valid), two batched
 matrix-vector products (v - k S' in one) and the write k^T u added into S' itself.
 
@@ -24,7 +23,7 @@ from .._steps import stack_time
 from .naive import expand_heads
 
 
-def gated_delta_rule_step(
+def token_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     S: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +52,11 @@ def gated_delta_rule_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     S: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence over T tokens, one ``gated_delta_rule_step`` each: (o [B, T, H, Dv], S_T)."""
+    """The recurrence over T tokens, one ``token_step`` each: (o [B, T, H, Dv], S_T)."""
     H = v.shape[2]
     q, k = expand_heads(q, H), expand_heads(k, H)
     outs = []
     for t in range(q.shape[1]):
-        o, S = gated_delta_rule_step(*(x[:, t:t + 1] for x in (q, k, v, beta, g)), S)
+        o, S = token_step(*(x[:, t:t + 1] for x in (q, k, v, beta, g)), S)
         outs.append(o[:, 0])
     return stack_time(outs), S

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from ..delta_rule.chunk import delta_rule_chunk
 from ..delta_rule.triton import (
+    _backward,
     _forward,
     _launch,
     _prepare,
     _state_forward,
+    _unpad,
     _ut_forward,
     supports,
 )
@@ -22,10 +23,9 @@ __all__ = ["gated_delta_rule_triton", "supports"]
 
 
 class _GatedDeltaTriton(torch.autograd.Function):
-    """(o, S) = the chunked gated delta rule, forward in the kernels (a), (b), (c) with the gates
-    on (HAS_G); backward by PyTorch: the chunked form of ops/delta_rule/chunk.py (with gates) is
-    recomputed from the saved inputs in float32 and differentiated by its hand-written backward
-    (no Triton backward kernels for the gates yet). S0 [B*H, Dk, Dv] float32."""
+    """(o, S) = the chunked gated delta rule, forward in the kernels (a), (b), (c) and backward
+    in (d) to (g) with the gates on (HAS_G); the backward recomputes (a) and (b) from the saved
+    inputs, as the delta rule's. S0 [B*H, Dk, Dv] float32."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, S0, chunk_size):  # type: ignore[override]
@@ -34,24 +34,21 @@ class _GatedDeltaTriton(torch.autograd.Function):
         h, U, S = _state_forward(L, k, W, U0, S0, g=g, last=last)
         o = _forward(L, q, k, U, h, q.dtype, g=g)
         ctx.save_for_backward(q, k, v, beta, g, S0)
-        ctx.chunk_size = chunk_size
+        ctx.L = L
         return o, S
 
     @staticmethod
     def backward(ctx, do, dS):  # type: ignore[override]
-        saved = ctx.saved_tensors
-        B, _, H, Dv = saved[2].shape
-        Dk = saved[0].shape[-1]
-        with torch.enable_grad():
-            xs = [x.detach().to(torch.float32).requires_grad_() for x in saved]
-            o, S = delta_rule_chunk(*xs[:4], S=xs[5].reshape(B, H, Dk, Dv),
-                                    chunk_size=ctx.chunk_size, g=xs[4])
-            outs = [(o, do), (S.reshape(B * H, Dk, Dv), dS)]
-            outs = [(t, d) for t, d in outs if d is not None]
-            grads = torch.autograd.grad([t for t, _ in outs], xs, [d for _, d in outs],
-                                        allow_unused=True)
-        grads = [None if gr is None else gr.to(x.dtype) for gr, x in zip(grads, saved)]
-        return (*grads, None)
+        q, k, v, beta, g, S0 = ctx.saved_tensors
+        L = ctx.L
+        if do is None:
+            do = torch.zeros(*v.shape[:3], L.Dv, dtype=q.dtype, device=q.device)
+        W, U0, X, last = _ut_forward(L, k, v, beta, store_x=True, g=g)
+        h, U, _ = _state_forward(L, k, W, U0, S0, g=g, last=last)
+        dq, dk, dv, dbeta, dS0, dg = _backward(L, q, k, v, beta, X, W, U, h, do, dS, g=g,
+                                               last=last)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbeta.to(beta.dtype),
+                dg.to(g.dtype), dS0, None)
 
 
 def gated_delta_rule_triton(
@@ -67,11 +64,6 @@ def gated_delta_rule_triton(
     [B, T, H] in any floating dtype (read as float32); S0 [B, H, Dk, Dv] float32;
     chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's dtype, S float32).
     Differentiable: the backward is the PyTorch chunked form's (``_GatedDeltaTriton``)."""
-    B, _, H, Dv = v.shape
-    Dk = q.shape[-1]
-    q, k, v = _prepare(q, k, v)
-    beta, g = (x.to(torch.float32).contiguous() for x in (beta, g))
-    o, S = _GatedDeltaTriton.apply(q, k, v, beta, g,
-                                   S0.to(torch.float32).reshape(B * H, Dk, Dv).contiguous(),
-                                   chunk_size)
-    return o, S.reshape(B, H, Dk, Dv)
+    (q, k, v, beta, g), S0, dims = _prepare(q, k, v, S0, beta, g)
+    o, S = _GatedDeltaTriton.apply(q, k, v, beta, g, S0, chunk_size)
+    return _unpad(o, S, dims)

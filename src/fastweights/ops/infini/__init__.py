@@ -13,7 +13,8 @@ from .attention import (
     InfiniSegmentState,
     InfiniState,
     infini_attention,
+    infini_attention_step,
 )
 
 __all__ = ["MODES", "UPDATES", "InfiniRowsState", "InfiniSegmentState", "InfiniState",
-           "infini_attention"]
+           "infini_attention", "infini_attention_step"]

@@ -27,8 +27,9 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_compute
-from .._modes import RECURRENT_MODES
+from .._modes import RECURRENT_MODES, reads_allowed
 from .._state import checked_tensors
+from .._steps import check_step_qkv, wide
 from .._varlen import run_packed
 from .chunk import infini_attention_chunk
 from .memory import sigma, write
@@ -130,7 +131,7 @@ class InfiniRowsState(NamedTuple):
         if not (isinstance(fill, torch.Tensor) and fill.dtype == torch.long
                 and fill.shape == (B,) and fill.device == q.device):
             raise ValueError(f"initial_state.fill must be a long tensor [B] = [{B}] on {q.device}")
-        if not torch.compiler.is_compiling() and bool(((fill < 0) | (fill >= N)).any()):
+        if reads_allowed() and bool(((fill < 0) | (fill >= N)).any()):
             raise ValueError(f"initial_state.fill must lie in [0, segment_len = {N}), got "
                              f"{fill.tolist()}")
         seg = N - 1
@@ -292,3 +293,43 @@ def infini_attention(
         sk = sigma(cache[2]).transpose(1, 2)  # [B, H, n, Dk]
         M_all, z_all = write(sk, cache[1].transpose(1, 2), M, z, update, eps)
     return o.to(q.dtype), InfiniState(M_all, z_all, (M, z, *cache))
+
+
+@float32_compute
+def infini_attention_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, *,
+    state: InfiniSegmentState | InfiniRowsState | tuple[torch.Tensor, ...] | None = None,
+    segment_len: int, update: str = "linear", scale: float | None = None,
+    q_mem: torch.Tensor | None = None, k_mem: torch.Tensor | None = None, eps: float = 1e-6,
+) -> tuple[torch.Tensor, InfiniSegmentState | InfiniRowsState]:
+    """One token of ``infini_attention`` (docs/maths.md 5.2, the streaming form): q, k, q_mem,
+    k_mem [B, 1, H, Dk], v [B, 1, H, Dv], gate [H]; ``state`` an ``InfiniSegmentState`` (the
+    memory of the complete segments and the open segment's cache; a plain (M, z) at a segment
+    boundary; None: empty) or an ``InfiniRowsState`` (rows at their own places in their
+    segments). Returns (o [B, 1, H, Dv] in q's dtype, the state after the token in the same
+    form: the open segment stays in the cache, the memory holds complete segments only). Shapes
+    are checked, nothing else (see ``linear_attn_step``); options as ``infini_attention``'s."""
+    B, H, Dk, Dv = check_step_qkv(q, k, v)
+    check_arg("gate", gate, (H,), "[H]", q)
+    for name, x in (("q_mem", q_mem), ("k_mem", k_mem)):
+        if x is not None:
+            check_arg(name, x, tuple(q.shape), "[B, 1, H, Dk] as q", q)
+    if scale is None:
+        scale = Dk ** -0.5
+    N, cdtype = segment_len, state_dtype(q.dtype)
+    qc, kc = wide(q, cdtype), wide(k, cdtype)
+    inputs = {"q": qc, "k": kc, "v": wide(v, cdtype),
+              "q_mem": qc if q_mem is None else wide(q_mem, cdtype),
+              "k_mem": kc if k_mem is None else wide(k_mem, cdtype),
+              "g": torch.sigmoid(wide(gate, cdtype)), "segment_len": N, "update": update,
+              "scale": scale, "eps": eps}
+    if isinstance(state, InfiniRowsState):
+        o, final = infini_attention_rows(**inputs, state=InfiniRowsState.check(
+            state, B, H, Dk, Dv, N, q))
+        final = InfiniRowsState(*final)
+    else:
+        M, z, k_seg, v_seg, k_mem_seg = InfiniSegmentState.carried(state, B, H, Dk, Dv, N, q)
+        o, *rest = infini_attention_recurrent(**inputs, M=M, z=z, k_seg=k_seg, v_seg=v_seg,
+                                              k_mem_seg=k_mem_seg)
+        final = InfiniSegmentState(*rest)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), final

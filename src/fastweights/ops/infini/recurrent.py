@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._modes import reads_allowed
 from .._steps import stack_time
 from ..softmax.attention import softmax_attention
 from .memory import retrieve, sigma, write
@@ -65,9 +66,16 @@ def infini_attention_rows(
     a_mem = retrieve(sigma(q_mem[:, 0]).unsqueeze(-2), M, z, eps).squeeze(-2)  # [B, H, Dv]
     o = torch.lerp(a_dot, a_mem, g[:, None])  # g a_mem + (1 - g) a_dot
     closed = n == segment_len
-    # Only the rows whose segment closes are written (the others' windows hold padding): an
-    # index of those rows, a data-dependent branch (eager sync; a graph break when compiled).
-    if bool(closed.any()):
+    if not reads_allowed():
+        # Nothing read back (a captured or traced step): every row's segment is written and
+        # kept where it closes (the other rows' windows hold padding, their writes dropped).
+        sk = sigma(kms).transpose(1, 2)  # [B, H, N, Dk]
+        M_w, z_w = write(sk, vs.transpose(1, 2), M, z, update, eps)
+        M = torch.where(closed.view(-1, 1, 1, 1), M_w, M)
+        z = torch.where(closed.view(-1, 1, 1), z_w, z)
+    elif bool(closed.any()):
+        # Only the rows whose segment closes are written: an index of those rows, a
+        # data-dependent branch (a read back to the host).
         rows = closed.nonzero().squeeze(1)
         sk = sigma(kms[rows]).transpose(1, 2)  # [r, H, N, Dk]: the whole window is the segment
         M_r, z_r = write(sk, vs[rows].transpose(1, 2), M[rows], z[rows], update, eps)

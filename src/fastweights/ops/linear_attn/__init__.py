@@ -9,7 +9,6 @@ Dimension legend: B batch, T time, H heads, Dk key/query dim, Dv value dim.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, NamedTuple
 
 import torch
 
@@ -25,13 +24,15 @@ from ..._checks import (
 from .._autocast import float32_states, products_dtype
 from .._modes import RECURRENT_MODES
 from .._pieces import in_pieces, piece_length
-from .._state import check_items, checked_tensors
+from .._state import LinearAttnState
+from .._steps import check_step_qkv, wide
 from .._varlen import run_packed, stack_packed_states
 from ..backend import Kernel, Trial, choose_backend, optional_module, register
 from .chunk import linear_attn_chunk
 from .fla import fla_linear_attn
 from .naive import linear_attn_naive
 from .recurrent import linear_attn_recurrent
+from .speeds import SPEEDS
 
 MODES = RECURRENT_MODES
 def _triton() -> ModuleType:
@@ -43,29 +44,8 @@ def _triton() -> ModuleType:
 triton_kernels = optional_module(_triton)  # this op's triton.py; None without triton
 
 
-class LinearAttnState(NamedTuple):
-    """The fast weights S [B, H, Dk, Dv] = sum_t k_t^T v_t and the normaliser z [B, H, Dk] =
-    sum_t k_t, in float32 (float64 for float64 inputs)."""
-
-    S: torch.Tensor
-    z: torch.Tensor
-
-    @classmethod
-    def zeros(cls, B: int, H: int, Dk: int, Dv: int, q: torch.Tensor) -> LinearAttnState:
-        """The empty state for q [B, T, H, Dk] and values of size Dv."""
-        cdtype = state_dtype(q.dtype)
-        return cls(q.new_zeros(B, H, Dk, Dv, dtype=cdtype), q.new_zeros(B, H, Dk, dtype=cdtype))
-
-    @classmethod
-    def check(cls, state: Any, B: int, H: int, Dk: int, Dv: int, q: torch.Tensor) -> LinearAttnState:
-        """A carried state for q [B, T, H, Dk] and values of size Dv, in the compute dtype."""
-        check_items(state, cls, "S [B, H, Dk, Dv], z [B, H, Dk]")
-        specs = {"S": ((B, H, Dk, Dv), "[B, H, Dk, Dv]"), "z": ((B, H, Dk), "[B, H, Dk]")}
-        return cls(**checked_tensors(state, cls, specs, q, state_dtype(q.dtype)))
-
-
 register("linear_attn", fla=Kernel(), triton=Kernel(kernels=triton_kernels),
-         chunk_sizes={"cpu": 64})
+         chunk_sizes={"cpu": 64}, speeds=SPEEDS)
 
 
 @float32_states
@@ -155,3 +135,24 @@ def linear_attn(
         # recurrence is the same arithmetic without padding the token to a whole chunk.
         o, S, z = linear_attn_recurrent(**args, S=S0, z=z0)
     return o.to(q.dtype), (LinearAttnState(S, z) if output_final_state else None)
+
+
+@float32_states
+def linear_attn_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: LinearAttnState | None = None,
+    normalize: bool = False, eps: float = 1e-6, scale: float = 1.0,
+) -> tuple[torch.Tensor, LinearAttnState]:
+    """One token of ``linear_attn`` (docs/maths.md 1.3): q, k [B, 1, H, Dk], v [B, 1, H, Dv],
+    ``state`` a ``LinearAttnState`` (None: the empty state). Returns (o [B, 1, H, Dv] in q's
+    dtype, the state after the token). The same arithmetic as the op's one-token call; only
+    shapes are checked (a decoding step's budget), the state is not copied, and nothing is
+    read back to the host, so the step traces whole (``torch.compile(fullgraph=True)``)."""
+    B, H, Dk, Dv = check_step_qkv(q, k, v)
+    cdtype = state_dtype(q.dtype)
+    if state is None:
+        S, z = LinearAttnState.zeros(B, H, Dk, Dv, q)
+    else:
+        S, z = LinearAttnState.check(state, B, H, Dk, Dv, q, "state")
+    qc = wide(q, cdtype) if scale == 1.0 else wide(q, cdtype) * scale
+    o, S, z = linear_attn_recurrent(qc, wide(k, cdtype), wide(v, cdtype), S, z, normalize, eps)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), LinearAttnState(S, z)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..delta_rule.triton import _FastWeightsTriton, _prepare, supports
+from ..delta_rule.triton import _FastWeightsTriton, _prepare, _unpad, supports
 
 __all__ = ["linear_attn_triton", "supports"]
 
@@ -23,17 +23,16 @@ def linear_attn_triton(
     q (scaled), k [B, T, H, Dk], v [B, T, H, Dv] in float16/bfloat16/float32; S0 [B, H, Dk, Dv]
     and z0 [B, H, Dk] float32; chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's
     dtype, S, z in float32). With ``normalize`` V gains a column of ones whose state is z."""
-    B, T, H, Dk = q.shape
+    B, T, H, _ = q.shape
     Dv = v.shape[-1]
-    q, k = _prepare(q, k)
     S0, z0 = S0.to(torch.float32), z0.to(torch.float32)
     if normalize:
         v = torch.cat([v, v.new_ones(B, T, H, 1)], dim=-1)
         S0 = torch.cat([S0, z0.unsqueeze(-1)], dim=-1)
-    v = v.contiguous()
-    o, S = _FastWeightsTriton.apply(q, k, v, None, S0.reshape(B * H, Dk, -1), chunk_size,
+    (qp, kp, vp), S0p, dims = _prepare(q, k, v, S0)
+    o, S = _FastWeightsTriton.apply(qp, kp, vp, None, S0p, chunk_size,
                                     torch.float32 if normalize else q.dtype)
-    S = S.reshape(B, H, Dk, -1)
+    o, S = _unpad(o, S, dims)
     if normalize:
         o = (o[..., :Dv] / (o[..., Dv:] + eps)).to(q.dtype)
         return o, S[..., :Dv], S[..., Dv]

@@ -6,14 +6,16 @@ Dimension legend: B batch, Tq query length, Tk key length, H heads, Dk/Dv head d
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..._checks import check_bool, check_finite_float, check_same_dtype_device, check_tensor
 from .._autocast import float32_compute
+from .._modes import reads_allowed
 
-__all__ = ["softmax_attention"]
+__all__ = ["KVCache", "softmax_attention", "softmax_attention_step"]
 
 
 @float32_compute
@@ -79,6 +81,54 @@ def check_kv_lengths(lengths: object, B: int, lo: int, hi: int, device: torch.de
                if isinstance(lengths, torch.Tensor) else type(lengths).__name__)
         raise ValueError(f"kv_lengths must be a long tensor [B] = [{B}] on {device}, got {got}")
     # Reading the values syncs and branches on data, which a traced program cannot: eager only.
-    if not torch.compiler.is_compiling() and bool(((lengths < lo) | (lengths > hi)).any()):
+    if reads_allowed() and bool(((lengths < lo) | (lengths > hi)).any()):
         raise ValueError(f"kv_lengths must lie in [{lo}, {hi}] (at least the queries, at most "
                          f"Tk), got {lengths.tolist()}")
+
+
+class KVCache(NamedTuple):
+    """A KV cache in buffers of fixed capacity L (what a decoding step captured in a CUDA graph
+    continues: fixed shapes and addresses): k_cache [B, L, H, Dk] and v_cache [B, L, H, Dv],
+    row b's keys and values its first ``lengths[b]`` entries (long [B]), the rest not yet
+    written. ``softmax_attention_step`` writes into the buffers in place."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    lengths: torch.Tensor
+
+
+def softmax_attention_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: KVCache,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, KVCache]:
+    """One token of causal ``softmax_attention`` against a ``KVCache``: q, k [B, 1, H, Dk],
+    v [B, 1, H, Dv]. The token's key and value are written at each row's length, into the
+    state's buffers in place (a buffer, not a value: the state passed in is the one returned,
+    with lengths + 1), and the query attends over the row's first lengths + 1 entries. Returns
+    (o [B, 1, H, Dv] in q's dtype, the state). Shapes are checked, not the lengths' values (a
+    row whose cache is full, lengths = L, is outside the buffer: the caller sizes it)."""
+    check_tensor("q", q, 4, "[B, 1, H, Dk]")
+    B, T, H, Dk = q.shape
+    if T != 1:
+        raise ValueError(f"a step takes one token: q must have shape [B, 1, H, Dk], got "
+                         f"{tuple(q.shape)}")
+    k_cache, v_cache, lengths = state
+    check_tensor("state.k_cache", k_cache, 4, "[B, L, H, Dk]")
+    L = k_cache.shape[1]
+    for name, x, shape in (("k", k, (B, 1, H, Dk)), ("v", v, (B, 1, H, v.shape[-1])),
+                           ("state.k_cache", k_cache, (B, L, H, Dk)),
+                           ("state.v_cache", v_cache, (B, L, H, v.shape[-1]))):
+        check_tensor(name, x, 4)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
+    if not (isinstance(lengths, torch.Tensor) and lengths.dtype == torch.long
+            and lengths.shape == (B,)):
+        raise ValueError(f"state.lengths must be a long tensor [B] = [{B}]")
+    at = lengths.view(B, 1, 1, 1)
+    k_cache.scatter_(1, at.expand(B, 1, H, Dk), k.to(k_cache.dtype))
+    v_cache.scatter_(1, at.expand(B, 1, H, v.shape[-1]), v.to(v_cache.dtype))
+    seen = torch.arange(L, device=q.device) <= at  # [B, 1, 1, L]: the row's keys, this one too
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k_cache.transpose(1, 2).to(q.dtype), v_cache.transpose(1, 2).to(q.dtype),
+        attn_mask=seen, scale=Dk ** -0.5 if scale is None else scale)
+    return o.transpose(1, 2), KVCache(k_cache, v_cache, lengths + 1)

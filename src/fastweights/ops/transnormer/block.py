@@ -57,17 +57,18 @@ def block_attention(
 
 @float32_compute
 def open_block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None, *,
     scale: float | None = None, kernel: str = "softmax",
 ) -> torch.Tensor:
-    """``block_attention``'s last row of each open block, for a batch whose rows sit at
-    different places in their blocks (DiagAttention decoding streams together): one query per
-    row against its block so far.
+    """``block_attention``'s last row of each open block: one query per row against its block
+    so far (DiagAttention's decoding step).
 
-    q: [B, 1, H, Dk]; k: [B, L, H, Dk], v: [B, L, H, Dv] with row b's block the last
-    ``lengths[b]`` entries (the query's own key last; the entries before are padding, never
-    seen); lengths: long [B] in [1, L]. Returns o [B, 1, H, Dv] in q's dtype, the kernels and
-    ``scale`` as in ``block_attention``.
+    q: [B, 1, H, Dk]; k: [B, L, H, Dk], v: [B, L, H, Dv], the query's own key last. With
+    ``lengths`` (long [B] in [1, L]; rows at different places in their blocks, streams decoded
+    together) row b's block is the last ``lengths[b]`` entries, the entries before are padding,
+    never seen; None: every row's block is all L entries (no mask, and nothing read back to the
+    host). Returns o [B, 1, H, Dv] in q's dtype, the kernels and ``scale`` as in
+    ``block_attention``.
     """
     check_tensor("q", q, 4, "[B, 1, H, Dk]")
     B, _, H, Dk = q.shape
@@ -80,6 +81,8 @@ def open_block_attention(
     else:
         check_finite_float("scale", scale)
     L = k.shape[1]
+    if lengths is None:
+        return attend_open_block(q, k, v, scale, kernel)
     check_kv_lengths(lengths, B, 1, L, q.device)
     if kernel == "softmax":
         return softmax_attention(q, k.to(q.dtype), v.to(q.dtype), causal=True, scale=scale,
@@ -94,16 +97,17 @@ def open_block_attention(
 def attend_open_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       kernel: str) -> torch.Tensor:
     """``block_attention``'s row for one query per row against its whole open block so far, the
-    query's own key last: no mask (DiagAttention's decoding step). Unchecked, for a layer that
-    built its arguments: q [B, 1, H, Dk] in the input dtype, k [B, L, H, Dk] and v [B, L, H, Dv]
-    in the compute dtype (float32, float64 for float64 q). Returns [B, 1, H, Dv] in q's dtype,
-    computed as ``block_attention`` computes each kernel."""
+    query's own key last: no mask (``open_block_attention`` without lengths). Unchecked: q
+    [B, 1, H, Dk], k [B, L, H, Dk], v [B, L, H, Dv]. Returns [B, 1, H, Dv] in q's dtype,
+    computed as ``block_attention`` computes each kernel (the ReLU kernel's sums in float32 or
+    wider)."""
     if kernel == "softmax":  # in the input dtype, as block_attention
         k, v = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (k, v))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), scale=scale)
         return o.transpose(1, 2)
-    qc = q if q.dtype == k.dtype else q.to(k.dtype)  # unnormalised sums in float32 or wider
+    cdtype = state_dtype(q.dtype)  # unnormalised sums in float32 or wider
+    qc, k, v = (t if t.dtype == cdtype else t.to(cdtype) for t in (q, k, v))
     weights = torch.relu(scale * torch.einsum("bqhd,bkhd->bhqk", qc, k))  # [B, H, 1, L]
     o = torch.einsum("bhqk,bkhe->bqhe", weights, v)
     return o if o.dtype == q.dtype else o.to(q.dtype)

@@ -20,8 +20,9 @@ from ..._checks import (
     state_dtype,
 )
 from .._autocast import float32_compute
-from .._modes import RECURRENT_MODES
+from .._modes import RECURRENT_MODES, reads_allowed
 from .._pieces import in_pieces, piece_length
+from .._steps import check_step_qkv, wide
 from .._varlen import run_packed, stack_packed_states
 from ..backend import Kernel, Trial, choose_backend, register
 from .chunk import decay_linear_attn_chunk
@@ -57,7 +58,7 @@ def decay_linear_attn(
     check_arg("decay", decay, (H,), "[H]", q)
     # A check of decay's values is a data-dependent branch: torch.compile(fullgraph=True) and
     # torch.export cannot trace it, so traced programs skip it (the layers build decay in range).
-    if not torch.compiler.is_compiling() and not bool(((decay > 0) & (decay <= 1)).all()):
+    if reads_allowed() and not bool(((decay > 0) & (decay <= 1)).all()):
         raise ValueError(
             f"decay must lie in (0, 1] for every head, got values {decay.detach().cpu().tolist()}"
         )
@@ -101,3 +102,24 @@ def decay_linear_attn(
     else:  # mode="recurrent", or a decoding step (T = 1) of mode="chunk" (see linear_attn)
         o, S = decay_linear_attn_recurrent(*args)
     return o.to(q.dtype), (S if output_final_state else None)
+
+
+@float32_compute
+def decay_linear_attn_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor | None, *,
+    state: torch.Tensor | None = None, scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of ``decay_linear_attn`` (docs/maths.md 3.5): q, k [B, 1, H, Dk], v
+    [B, 1, H, Dv], decay [H] (lambda_h; its values are not checked, which would read them back
+    to the host) or None (lambda = 1: un-normalised linear attention without a normaliser to
+    carry, NormAttention without decay), ``state`` S [B, H, Dk, Dv] (None: zeros). Returns
+    (o [B, 1, H, Dv] in q's dtype, S after the token); see ``linear_attn_step``."""
+    B, H, Dk, Dv = check_step_qkv(q, k, v)
+    cdtype = state_dtype(q.dtype)
+    if decay is not None:
+        check_arg("decay", decay, (H,), "[H]", q)
+        decay = wide(decay, cdtype)
+    S = matrix_state(state, (B, H, Dk, Dv), q, cdtype, "state")
+    qc = wide(q, cdtype) if scale == 1.0 else wide(q, cdtype) * scale
+    o, S = decay_linear_attn_recurrent(qc, wide(k, cdtype), wide(v, cdtype), decay, S)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), S

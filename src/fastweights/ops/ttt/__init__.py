@@ -7,14 +7,14 @@ the start weights, W_i = W_0 - tau_i sum_{j<=i} eta_j grad l_j(W_0), and the out
 the weights after the token's own update: o_t = [q_t +] [LN](f_res(q_t; W_t)).
 
 Three forms that agree: ``"dual"`` (default, chunk.py, docs/maths.md 2.4), ``"primal"`` (primal.py,
-per-token weights) and ``"naive"`` (naive.py, token loop with autograd gradients, the oracle).
-The public functions (``inner_loop.py``) validate every argument first, compute in float32 (float64 stays float64),
-and return outputs in the input dtype with float32-or-wider states.
+per-token weights) and ``"naive"`` (naive.py, token loop with autograd gradients, the oracle); one
+token at a time, recurrent.py (the steps ``ttt_linear_step``, ``ttt_mlp_step``). The public
+functions (``inner_loop.py``) validate every argument first, compute in float32 (float64 stays
+float64), and return outputs in the input dtype with float32-or-wider states: the weights at a
+mini-batch boundary, else a ``TTTState`` (common.py).
 """
 
-from .common import Carry, stack_inner_states
-from .decode import DecodeCarry, stack_decode_carries, to_op_state, ttt_decode_step
-from .inner_loop import MODES, ttt_linear, ttt_mlp
+from .common import TTTState
+from .inner_loop import MODES, ttt_linear, ttt_linear_step, ttt_mlp, ttt_mlp_step
 
-__all__ = ["MODES", "Carry", "DecodeCarry", "stack_decode_carries", "stack_inner_states",
-           "to_op_state", "ttt_decode_step", "ttt_linear", "ttt_mlp"]
+__all__ = ["MODES", "TTTState", "ttt_linear", "ttt_linear_step", "ttt_mlp", "ttt_mlp_step"]

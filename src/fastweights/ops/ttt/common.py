@@ -24,8 +24,119 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 Weights = tuple[torch.Tensor | None, ...]  # (W, b) or (W1, b1, W2, b2), [B, H, ...]; None = no bias
 
 
+Rows = tuple[torch.Tensor, ...]  # (X, EG) per inner layer, [B, H, r, Din], [B, H, r, Dout]
+
+
+class TTTState(NamedTuple):
+    """The state of ``ttt_linear`` / ``ttt_mlp`` inside a mini-batch (docs/design.md, "State
+    layouts"): what the tokens of the open mini-batch left, in the form one-token decoding
+    carries them (docs/maths.md 2.4's dual form, one row at a time).
+
+    start: the inner weights at the start of the open mini-batch, [B, H, ...] (biases None
+        when the inner model has none).
+    rows: (X, EG) per inner layer (TTT-Linear one pair, TTT-MLP two): the inputs
+        [B, H, r, Din] and eta * dl/d(output) [B, H, r, Dout] of the open mini-batch's tokens,
+        every gradient taken at ``start``.
+    pos: tokens of the open mini-batch, an int in [1, b) with r = pos rows; or a long tensor
+        [B] of per-row places in [0, b) (rows at their own places: streams decoded together),
+        the rows then b-row buffers, zero beyond each row's place.
+
+    The weights after the last token are start - tau_pos sum_j x_j^T eg_j (``weights``). At a
+    mini-batch boundary the state is the weights themselves, a plain tuple."""
+
+    start: Weights
+    rows: Rows
+    pos: int | torch.Tensor
+
+    def sums(self) -> Weights:
+        """The gradient sums S = sum_j eta_j grad_j of the open mini-batch: X^T EG per matrix,
+        EG summed over the rows per bias."""
+        out: list[torch.Tensor | None] = []
+        for i, w in enumerate(self.start):
+            X, EG = self.rows[i // 2 * 2], self.rows[i // 2 * 2 + 1]
+            out.append(None if w is None else EG.sum(2) if i % 2 else X.transpose(-1, -2) @ EG)
+        return tuple(out)
+
+    def weights(self, token_scale: torch.Tensor | None = None) -> Weights:
+        """The inner weights after the last token, start - tau_pos S (tau ``token_scale``,
+        [b] or [H, b], the op's; None: ones)."""
+        sums = self.sums()
+        if token_scale is None:
+            return tuple(None if w is None else w - g for w, g in zip(self.start, sums))
+        tau = token_scale.to(self.start[0].dtype)
+        tau = tau if tau.dim() == 2 else tau.expand(self.start[0].shape[1], -1)
+        return current_weights(Carry(self.start, sums, self.pos), tau)
+
+    @classmethod
+    def check(cls, state: Any, kind: str, B: int, H: int, Dk: int, Dv: int, b: int,
+              q: torch.Tensor, name: str = "initial_state") -> TTTState:
+        """A carried state (``kind`` "linear" or "mlp") for q [B, T, H, Dk] and mini-batches of
+        b tokens, its tensors [B, H, ...] in the compute dtype (a batch of 1 broadcasts)."""
+        start, rows, pos = state
+        pos = _check_pos(pos, f"{name}.pos", B, b, q)
+        n = len(weight_specs(kind, Dk, Dv))
+        if not isinstance(start, (tuple, list)) or len(start) != n:
+            raise TypeError(f"{name}.start must be the {n} start weights, got "
+                            f"{type(start).__name__}")
+        start = _checked_weights(start, kind, B, H, Dk, Dv, q, f"{name}.start")
+        r = b if isinstance(pos, torch.Tensor) else pos
+        widths = [d for w in start[::2] for d in (w.shape[-2], w.shape[-1])]
+        if not isinstance(rows, (tuple, list)) or len(rows) != len(widths):
+            raise TypeError(f"{name}.rows must be {len(widths)} tensors (inputs and output "
+                            f"gradients of each inner layer), got {type(rows).__name__}")
+        cdtype = state_dtype(q.dtype)
+        checked = []
+        for i, (x, d) in enumerate(zip(rows, widths)):
+            x = check_arg(f"{name}.rows[{i}]", x, (None, H, r, d), f"[B or 1, H, {r}, {d}]", q)
+            if x.shape[0] not in (1, B):
+                raise ValueError(f"{name}.rows[{i}] must have batch size 1 or B={B}, got shape "
+                                 f"{tuple(x.shape)}")
+            checked.append(to_dtype(x, cdtype).expand(B, *x.shape[1:]))
+        return cls(start, tuple(checked), pos)
+
+    @staticmethod
+    def stack(states: Sequence[Any], b: int) -> TTTState:
+        """One state for a batch whose row i continues ``states[i]`` (TTT states of one kind:
+        weights at a boundary or ``TTTState``, batch B_i each) at its own place: pos a long
+        tensor [sum B_i], rows b-row buffers (zero beyond each place)."""
+        starts, rows, places = [], [], []
+        for state in states:
+            if isinstance(state, TTTState):
+                starts.append(tuple(state.start))
+                rows.append(tuple(r if not isinstance(state.pos, int) else
+                                  F.pad(r, (0, 0, 0, b - r.shape[2])) for r in state.rows))
+                p = state.pos
+            else:
+                starts.append(tuple(state))
+                rows.append(empty_rows(tuple(state), b))
+                p = 0
+            n = starts[-1][0].shape[0]
+            device = starts[-1][0].device
+            places.append(torch.as_tensor(p, device=device, dtype=torch.long).reshape(-1).expand(n))
+        if len({len(s) for s in starts}) != 1:
+            raise ValueError("states must be TTT states of one kind (TTT-Linear or TTT-MLP)")
+
+        def cat(items: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if items[0] is None else torch.cat(items)
+
+        return TTTState(tuple(cat([s[i] for s in starts]) for i in range(len(starts[0]))),
+                        tuple(cat([r[i] for r in rows]) for i in range(len(rows[0]))),
+                        torch.cat(places))
+
+
+def empty_rows(start: Weights, r: int = 0) -> Rows:
+    """Zero rows [B, H, r, D] for every inner layer's inputs and output gradients."""
+    rows: list[torch.Tensor] = []
+    for w in start[::2]:
+        B, H, Din, Dout = w.shape
+        rows += [w.new_zeros(B, H, r, Din), w.new_zeros(B, H, r, Dout)]
+    return tuple(rows)
+
+
 class Carry(NamedTuple):
-    """The inner learner's state between calls, in the form the kernels use.
+    """The inner learner's state between calls in the form the parallel forms and the kernels
+    use: the sums of the open mini-batch rather than its rows (the dual form converts a
+    ``TTTState`` to it once, at entry).
 
     start: inner weights at the start of the current mini-batch (after the last full one).
     grads: sum over the current mini-batch so far of eta_j * grad_j (all taken at ``start``);
@@ -43,139 +154,96 @@ class Carry(NamedTuple):
     @classmethod
     def check(cls, initial_state: Any, kind: str, B: int, H: int, Dk: int, Dv: int,
               mini_batch_size: int, q: torch.Tensor) -> Carry:
-        """Check ``initial_state`` = (*weights) or (*weights, *start weights, *gradient sums, pos)
-        (``kind`` "linear" or "mlp") and return it as a Carry of [B, H, ...] tensors (a batch dim
-        of 1 is broadcast) in the compute dtype. The leading (current) weights of a
-        mid-mini-batch state are implied by the rest."""
-        specs = weight_specs(kind, Dk, Dv)
-        n = len(specs)
-        names = ", ".join(name for name, _, _ in specs)
-        if initial_state is None:
-            raise ValueError(
-                f"initial_state is required: the inner model's starting weights ({names}), "
-                "biases may be None; a leading batch dim of 1 broadcasts"
-            )
-        if not isinstance(initial_state, (tuple, list)) or len(initial_state) not in (n, 3 * n + 1):
-            got = (f"a {type(initial_state).__name__} of length {len(initial_state)}"
-                   if isinstance(initial_state, (tuple, list)) else type(initial_state).__name__)
-            raise TypeError(
-                f"initial_state must be a tuple ({names}) or a state returned by an earlier call "
-                f"({3 * n + 1} items when it ends inside a mini-batch), got {got}"
-            )
-        plain = _plain_items(initial_state, specs, B, H, state_dtype(q.dtype), q.device)
-        if plain is not None and len(initial_state) == n:
-            return cls(plain, None, 0)
-        if plain is not None:
-            pos = _check_pos(initial_state[-1], 3 * n, B, mini_batch_size, q)
-            return cls(plain[n:2 * n], plain[2 * n:], pos)
-        groups = ["", "start ", "gradient-sum "]
-        items = []
-        for i, x in enumerate(initial_state[: (n if len(initial_state) == n else 3 * n)]):
-            name, shape, layout = specs[i % n]
-            label = f"initial_state[{i}] ({groups[i // n]}{name})"
-            is_bias = i % 2 == 1
-            if x is None:
-                if not is_bias:
-                    raise ValueError(f"{label} must be a tensor {layout}, got None")
-                if initial_state[i % n] is not None:
-                    raise ValueError(f"{label} is None but the bias initial_state[{i % n}] is not")
-                items.append(None)
-                continue
-            check_tensor(label, x)
-            check_arg(label, x, (None, H, *shape), layout.replace("B or 1", "*"), q)
-            if x.shape[0] not in (1, B):
-                raise ValueError(f"{label} must have batch size 1 or B={B}, got shape {tuple(x.shape)}")
-            if is_bias and initial_state[i % n] is None:
-                raise ValueError(f"{label} is a tensor but the bias initial_state[{i % n}] is None")
-            items.append(x.to(state_dtype(q.dtype)).expand(B, *x.shape[1:]))
-        if len(initial_state) == n:
-            return cls(tuple(items), None, 0)
-        pos = _check_pos(initial_state[-1], 3 * n, B, mini_batch_size, q)
-        return cls(tuple(items[n:2 * n]), tuple(items[2 * n:]), pos)
-
-    def final_state(self, tau: torch.Tensor, current: Weights | None = None) -> tuple[Any, ...]:
-        """The public state after the call: the weights, and when the call ended inside a
-        mini-batch also (*start weights, *gradient sums, pos) (see ``ttt_linear``); with
-        per-row places always the latter, pos a long tensor [B].
-        ``current``: the current weights, where the caller already has them (else computed)."""
-        if isinstance(self.pos, int) and self.pos == 0:
-            return self.start
-        if current is None:
-            current = current_weights(self, tau)
-        return (*current, *self.start, *self.grads, self.pos)
+        """Check ``initial_state`` (the weights, or a ``TTTState``) and return it as a Carry of
+        [B, H, ...] tensors (a batch dim of 1 is broadcast) in the compute dtype."""
+        state = check_state(initial_state, kind, B, H, Dk, Dv, mini_batch_size, q)
+        if isinstance(state, TTTState):
+            return cls(state.start, state.sums(), state.pos)
+        return cls(state, None, 0)
 
 
-def _plain_items(state: tuple[Any, ...] | list[Any], specs: list[tuple[str, tuple[int, ...], str]],
-                 B: int, H: int, dtype: torch.dtype, device: torch.device) -> Weights | None:
-    """The weight items of ``state`` (all 3n of a mid-mini-batch state, else n) as they are,
-    when every one is already what ``Carry.check`` would make of it: a tensor [B, H, ...] of
-    ``dtype`` on ``device``, biases None in every group or in none. None otherwise, and the
-    item-by-item check then explains what is wrong or casts. This is the path of every state the
-    ops return, checked in a few attribute reads per item (a decoding step's budget)."""
+def check_state(state: Any, kind: str, B: int, H: int, Dk: int, Dv: int, b: int,
+                q: torch.Tensor, name: str = "initial_state") -> Weights | TTTState:
+    """A TTT op's state: the inner weights (W, b) / (W1, b1, W2, b2) (biases may be None,
+    a leading batch dim of 1 broadcasts) or a ``TTTState``, checked, in the compute dtype."""
+    specs = weight_specs(kind, Dk, Dv)
     n = len(specs)
-    items = tuple(state[: n if len(state) == n else 3 * n])
+    names = ", ".join(name_ for name_, _, _ in specs)
+    if state is None:
+        raise ValueError(
+            f"{name} is required: the inner model's starting weights ({names}), "
+            "biases may be None; a leading batch dim of 1 broadcasts"
+        )
+    if isinstance(state, TTTState) or (isinstance(state, (tuple, list)) and len(state) == 3
+                                       and isinstance(state[0], (tuple, list))):
+        return TTTState.check(state, kind, B, H, Dk, Dv, b, q, name)
+    if not isinstance(state, (tuple, list)) or len(state) != n:
+        got = (f"a {type(state).__name__} of length {len(state)}"
+               if isinstance(state, (tuple, list)) else type(state).__name__)
+        raise TypeError(
+            f"{name} must be a tuple ({names}) or a TTTState an earlier call returned "
+            f"(inside a mini-batch: start weights, rows, pos), got {got}"
+        )
+    return _checked_weights(state, kind, B, H, Dk, Dv, q, name)
+
+
+def _checked_weights(state: Sequence[Any], kind: str, B: int, H: int, Dk: int, Dv: int,
+                     q: torch.Tensor, name: str) -> Weights:
+    """The n inner weights of ``state``, checked, [B, H, ...] in the compute dtype."""
+    specs = weight_specs(kind, Dk, Dv)
+    cdtype = state_dtype(q.dtype)
+    plain = _plain_items(state, specs, B, H, cdtype, q.device)
+    if plain is not None:
+        return plain
+    items = []
+    for i, x in enumerate(state):
+        label_, shape, layout = specs[i]
+        label = f"{name}[{i}] ({label_})"
+        is_bias = i % 2 == 1
+        if x is None:
+            if not is_bias:
+                raise ValueError(f"{label} must be a tensor {layout}, got None")
+            items.append(None)
+            continue
+        check_tensor(label, x)
+        check_arg(label, x, (None, H, *shape), layout.replace("B or 1", "*"), q)
+        if x.shape[0] not in (1, B):
+            raise ValueError(f"{label} must have batch size 1 or B={B}, got shape {tuple(x.shape)}")
+        items.append(to_dtype(x, cdtype).expand(B, *x.shape[1:]))
+    return tuple(items)
+
+
+def _plain_items(state: Sequence[Any], specs: list[tuple[str, tuple[int, ...], str]],
+                 B: int, H: int, dtype: torch.dtype, device: torch.device) -> Weights | None:
+    """The weights of ``state`` as they are, when every one is already what the check would
+    make of it: a tensor [B, H, ...] of ``dtype`` on ``device`` (biases may be None). None
+    otherwise, and the item-by-item check then explains what is wrong or casts. This is the
+    path of every state the ops return, checked in a few attribute reads per item (a decoding
+    step's budget)."""
+    items = tuple(state)
     for i, x in enumerate(items):
         if x is None:
-            if i % 2 == 0 or items[i % n] is not None:
+            if i % 2 == 0:
                 return None
         elif not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.device == device
-                  and x.shape[0] == B and x.shape[1] == H and x.shape[2:] == specs[i % n][1]
-                  and (i % 2 == 0 or items[i % n] is not None)):
+                  and x.shape[0] == B and x.shape[1] == H and x.shape[2:] == specs[i][1]):
             return None
     return items
 
 
-def _check_pos(pos: Any, index: int, B: int, b: int, q: torch.Tensor) -> int | torch.Tensor:
+def _check_pos(pos: Any, what: str, B: int, b: int, q: torch.Tensor) -> int | torch.Tensor:
     """The place in the mini-batch of a mid-mini-batch state: an int in [1, b), or a long tensor
-    [B] of per-row places in [0, b) on q's device."""
-    what = f"initial_state[{index}] (position in the mini-batch)"
+    [B] of per-row places in [0, b) on q's device (its values are not read: a check would read
+    them back to the host, which a decoding step does not)."""
     if isinstance(pos, torch.Tensor):
         if pos.dtype != torch.long or pos.shape != (B,) or pos.device != q.device:
             raise ValueError(f"{what} given per row must be a long tensor [B] = [{B}] on "
                              f"{q.device}, got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
-        # A value check reads the tensor (a sync, and a data-dependent branch a traced program
-        # cannot hold): eager calls only.
-        if not torch.compiler.is_compiling() and bool(((pos < 0) | (pos >= b)).any()):
-            raise ValueError(f"{what} per row must lie in [0, mini_batch_size={b}), got "
-                             f"{pos.tolist()}")
         return pos
     if not is_int(pos) or not 1 <= pos < b:
         raise ValueError(f"{what} must be an int in [1, mini_batch_size={b}) or a long tensor "
                          f"[B] of per-row places in [0, {b}), got {pos!r}")
     return pos
-
-
-def stack_inner_states(states: Sequence[Sequence[Any]], places: Sequence[torch.Tensor],
-                       tau: torch.Tensor) -> tuple[Any, ...]:
-    """One op state for a batch whose rows continue the given op states (``ttt_linear`` or
-    ``ttt_mlp`` final states, batch B_i each), rows at their own places in their mini-batches:
-    (*current, *start weights, *gradient sums, pos) with pos a long tensor [sum B_i] (from
-    ``places``, [B_i] each: the states' places, 0 at a mini-batch boundary) and zero sums where
-    a mini-batch is just starting; tau [b] or [H, b] gives the current weights."""
-    if len(states) != len(places):
-        raise ValueError(f"need one places tensor per state, got {len(places)} for {len(states)}")
-    # (W, b) and (W1, b1, W2, b2) at a boundary; 7 and 13 items inside a mini-batch.
-    kinds = {len(s) if len(s) in (2, 4) else (len(s) - 1) // 3 for s in states}
-    n = kinds.pop()
-    if kinds or any(len(s) not in (n, 3 * n + 1) for s in states) or n not in (2, 4):
-        raise ValueError("states must be ttt_linear/ttt_mlp states of one kind: (*weights) or "
-                         f"(*weights, *start, *sums, pos), got lengths {[len(s) for s in states]}")
-    starts, sums = [], []
-    for state in states:
-        if len(state) == n:  # at a mini-batch boundary: the sums start from zero
-            starts.append(tuple(state))
-            sums.append(tuple(None if w is None else torch.zeros_like(w) for w in state))
-        else:
-            starts.append(tuple(state[n:2 * n]))
-            sums.append(tuple(state[2 * n:3 * n]))
-    start = tuple(None if w is None else torch.cat([s[i] for s in starts])
-                  for i, w in enumerate(starts[0]))
-    grads = tuple(None if w is None else torch.cat([s[i] for s in sums])
-                  for i, w in enumerate(sums[0]))
-    pos = torch.cat([p.to(device=start[0].device, dtype=torch.long) for p in places])
-    tau = tau if tau.dim() == 2 else tau.expand(start[0].shape[1], -1)
-    current = current_weights(Carry(start, grads, pos), tau.to(start[0].dtype))
-    return (*current, *start, *grads, pos)
 
 
 def weight_specs(kind: str, Dk: int, Dv: int) -> list[tuple[str, tuple[int, ...], str]]:

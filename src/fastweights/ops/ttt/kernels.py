@@ -1,16 +1,13 @@
-"""The TTT Triton kernels (``triton.py`` and the decoding step's ``triton_decode.py``, which
+"""The TTT Triton kernels (``triton.py`` and the one-token step's ``triton_decode.py``, which
 need triton), loaded on first use for the dispatcher and the ops: ``triton_kernels()`` and
-``decode_kernels()`` are the modules, or None where triton is not installed."""
+``decode_kernels()`` are the modules, or None where triton is not installed; and the head
+sizes they take (``head_size_refusal``, part of the kernels' ``refuse`` hooks, inner_loop.py)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from types import ModuleType
 
-import torch
-
-from ..backend import ENV, Trial, choose_backend, optional_module
+from ..backend import optional_module
 
 
 def _load() -> ModuleType:
@@ -45,22 +42,3 @@ def head_size_refusal(Dk: int, Dv: int) -> str | None:
                 f"multiples of {kernels.HEAD_MULTIPLE} (the compiled, spill-free "
                 "specialisations)")
     return None
-
-
-def triton_chosen(op: str, q: torch.Tensor, backend: str | None, mode: str, mini_batch_size: int,
-                  why: str | None, trial: Callable[[], Trial]) -> bool:
-    """Whether a call of ``op`` runs on its Triton kernel: the dispatcher's choice
-    (ops/backend.py ``choose_backend``, from q's device, dtype, Dk, ``mode`` and the mini-batch
-    size), unless ``why`` names something of the call the kernel cannot take that the
-    dispatcher does not see: an explicit choice of triton is then a ValueError saying it, the
-    automatic one runs PyTorch. ``trial`` makes the automatic choice's trial call."""
-    explicit = backend is not None or bool(os.environ.get(ENV))
-    if why is not None and not explicit:
-        return False
-    if choose_backend(op, q, backend, mode, mini_batch_size,
-                      None if explicit else trial()) != "triton":
-        return False
-    if why is not None:
-        source = "backend" if backend is not None else ENV
-        raise ValueError(f"{source}='triton' cannot run {op}: {why}")
-    return True

@@ -520,9 +520,10 @@ class MLPScan(torch.autograd.Function):
         na = 2 * len(anchor_steps)
         anchors = {n: (saved[2 * i], saved[2 * i + 1]) for i, n in enumerate(anchor_steps)}
         saved = saved[na:]
-        x = _Inputs(KQ, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
         if torch.is_grad_enabled():  # create_graph: differentiate a plain re-run instead
-            return _double_backward(ctx, x, W1, W2, (dO, dW1f, dW2f, dS1, dS2))
+            return _double_backward(ctx, (KQ, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb),
+                                    (dO, dW1f, dW2f, dS1, dS2))
+        x = _Inputs(KQ, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
         N = x.N
         z = torch.zeros_like
         dO = z(tgt) if dO is None else dO
@@ -575,14 +576,24 @@ def mlp_scan(KQ: torch.Tensor, tgt: torch.Tensor, eta: torch.Tensor,
     return out, *_run(x, 0, x.N, W1, W2, None, out)
 
 
-def _double_backward(ctx: Any, x: _Inputs, W1: torch.Tensor, W2: torch.Tensor,
-                           grads: tuple[Any, ...]) -> tuple[Any, ...]:
+def _double_backward(ctx: Any, inputs: tuple[Any, ...], grads: tuple[Any, ...]
+                     ) -> tuple[Any, ...]:
     """The backward pass under create_graph: autograd through ``_reference``, so that the
-    gradients are themselves differentiable."""
-    inputs = (x.KQ, x.tgt, x.eta, x.E, x.tau, W1, W2, x.P1, x.P2, ctx.saved_tensors[9],
-              ctx.saved_tensors[10])
+    gradients are themselves differentiable. ``inputs``: the saved (KQ, tgt, eta, E, tau, W1,
+    W2, P1, P2, lw, lb).
+
+    The reference runs on an alias of each input (``view_as``: a node of its own, still wired to
+    the input's history). The inputs can depend on one another (the caller forms E from eta,
+    and the residual target from the keys in KQ): a gradient taken w.r.t. the inputs
+    themselves would be each one's total derivative, paths through the others included, and the
+    caller's graph would then add those paths a second time. W.r.t. the aliases it is the
+    partial derivative this node must return."""
+    Dh, has_b2, tail = ctx.meta[:3]
+    alias = [None if t is None else t.view_as(t) for t in inputs]
+    KQ, tgt, eta, E, tau, W1, W2, P1, P2, lw, lb = alias
+    x = _Inputs(KQ, tgt, eta, E, tau, P1, P2, lw, lb, Dh, has_b2, tail)
     pairs = [(o, g) for o, g in zip(_reference(x, W1, W2), grads) if o is not None and g is not None]
-    wrt = [(i, t) for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
+    wrt = [(i, t) for i, t in enumerate(alias) if t is not None and ctx.needs_input_grad[i]]
     res = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wrt],
                               [g for _, g in pairs], create_graph=True, allow_unused=True)
     out: list[Any] = [None] * 14

@@ -90,6 +90,8 @@ import triton.language as tl
 from .._triton_common import _arch, _pow2, _upcast_tiles, precisions, tiled_everywhere
 from .common import Carry
 from .triton_tiles import (
+    _back_b_end,
+    _back_b_start,
     _block,
     _blockT,
     _cols,
@@ -97,17 +99,20 @@ from .triton_tiles import (
     _copy_mat,
     _dot,
     _head,
+    _keys_back,
     _linear_in,
     _linear_out,
     _ln,
     _ln_affine,
     _ln_back,
     _ln_grad_back,
+    _load_tile,
     _loss_grad,
     _mb,
     _store_block,
     _store_blockT,
     _store_cols,
+    _store_tile,
     _store_vec,
     _store_wrows,
     _vec,
@@ -300,20 +305,6 @@ def _linear_fwd_kernel(
             _store_wrows(sw_ptr + bh * Dk * Dv, _dot(Hm, tl.trans(kc), PREC), c0, Dk, Dv, BV, KC)
         if HAS_BIAS:
             _store_vec(sb_ptr + bh * Dv, tl.sum(Hm, axis=1), Dv, BV)
-
-
-@triton.jit
-def _store_tile(ptr, x, R: tl.constexpr, C: tl.constexpr):
-    r = tl.arange(0, R)
-    c = tl.arange(0, C)
-    tl.store(ptr + r[:, None] * C + c[None, :], x)
-
-
-@triton.jit
-def _load_tile(ptr, R: tl.constexpr, C: tl.constexpr):
-    r = tl.arange(0, R)
-    c = tl.arange(0, C)
-    return tl.load(ptr + r[:, None] * C + c[None, :])
 
 
 @triton.jit
@@ -520,25 +511,9 @@ def _linear_back_b(
             kd += d[:, None]
         dtau_b -= tl.sum(tl.sum(Hm * kd, axis=1), axis=0)
         dHm = -tau_b * kd
-    rb = tl.arange(0, BB)
-    dG = _load_tile(rows_ptr + 2 * BV * BB, BV, BB) + dHm * eta[None, :]
-    deta = tl.load(rr_ptr + BB + rb) + tl.sum(G * dHm, axis=0)
-    # the keys' loss gradient G = dl/dZk
-    dtgt = -dG
-    dzk = dG
-    if HAS_LN:
-        xh = _load_tile(rows_ptr + 3 * BV * BB, BV, BB)
-        g = _load_tile(rows_ptr + 4 * BV * BB, BV, BB)
-        dzk, dg = _ln_grad_back(dG, G, xh, tl.load(rr_ptr + rb), g, gam, cm, Dv)
-        dtgt = -gam[:, None] * dg
-        e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
-        if RESIDUAL:
-            e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
-        dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
-        dbet -= tl.sum(dtgt, axis=1)
-    _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
-    tl.store(deta_ptr + ebase + t * H, deta, mask=m)
-    _store_tile(rows_ptr + 2 * BV * BB, dzk, BV, BB)  # for dK (``_linear_bwd_c_kernel``)
+    dzk, dgam, dbet = _keys_back(dHm, G, eta, rows_ptr, rr_ptr, v_ptr, k_ptr, dv_ptr, deta_ptr,
+                                 dgam, dbet, gam, bet, cm, base_v, ebase, t, m, H, Dv, HAS_LN,
+                                 RESIDUAL, BB, BV)
     dzbar = _load_tile(rows_ptr + BV * BB, BV, BB)
     # D <- D + Q^T dZbar + K^T dZk, the gradient leaving the mini-batch kept in dn for dK
     for c0 in range(0, BK, KC):
@@ -571,15 +546,8 @@ def _linear_bwd_b_kernel(
     the gradient leaving it into dn [B*H, seg, Dk, Dv], and adds to the accumulators
     acc [B*H, 3, BV] (d, dgamma, dbeta) and dtau [B*H, BB] (tau_b's share)."""
     bh = tl.program_id(0).to(tl.int64)
-    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
-    cm = tl.arange(0, BV) < Dv
-    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
-    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
-    acc = acc_ptr + bh * 3 * BV
-    d = _vec(acc, BV, BV)
-    dgam = _vec(acc + BV, BV, BV)
-    dbet = _vec(acc + 2 * BV, BV, BV)
-    dtau_b = tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0)
+    base_k, base_v, ebase, cm, gam, bet, tau_b, d, dgam, dbet, dtau_b = _back_b_start(
+        bh, lnw_ptr, lnb_ptr, tau_ptr, acc_ptr, T, H, Dk, Dv, b, HAS_LN, HAS_LNB, BB, BV)
     dp = dw_ptr + bh * Dk * Dv
     for nr in range(n0, n1):
         n = n1 - 1 + n0 - nr
@@ -590,11 +558,7 @@ def _linear_bwd_b_kernel(
             rr_ptr + (bh * seg + j) * 2 * BB, dv_ptr, deta_ptr, bh, base_k, base_v,
             ebase, n, T, H, Dk, Dv, b, tau_b, gam, bet, cm, TAIL, HAS_BIAS, HAS_LN, RESIDUAL,
             PREC, BB, BK, BV, KC)
-    _store_vec(acc, d, BV, BV)
-    _store_vec(acc + BV, dgam, BV, BV)
-    _store_vec(acc + 2 * BV, dbet, BV, BV)
-    p = dtau_ptr + bh * BB + b - 1
-    tl.store(p, tl.load(p) + dtau_b)
+    _back_b_end(bh, acc_ptr, dtau_ptr, d, dgam, dbet, dtau_b, b, BB, BV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1246,14 +1210,16 @@ class _LinearTriton(torch.autograd.Function):
         T, H, Dk, Dv, b, N, NF, _ = L.dims
         consts = {n: L.consts[n] for n in ("RESIDUAL", "PREC", "BB", "BK", "BV", "KC")}
         DC = min(BV, 32)
+        from . import triton_resident  # the resident sequential pass (FASTWEIGHTS_TTT_BWD)
 
         def segment(n0, n1, w, wb, w_stride, tail):
             _linear_bwd_a_kernel[(L.BH,)](
                 q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
                 T, H, Dk, Dv, b, N, n0, n1, w_stride, seg, DC=DC, **L.launch())
-            _linear_bwd_b_kernel[(L.BH,)](
-                q, k, v, eta, tau, *ln, dn, rows, rr, dS, ds, dW0, acc, dtau, dv, deta,
-                T, H, Dk, Dv, b, n0, n1, seg, TAIL=tail, **L.launch())
+            args_b = (q, k, v, eta, tau, *ln, dn, rows, rr, dS, ds, dW0, acc, dtau, dv, deta,
+                      T, H, Dk, Dv, b, n0, n1, seg)
+            if not triton_resident.launch_backward_b(L, tail, *args_b):  # FASTWEIGHTS_TTT_BWD
+                _linear_bwd_b_kernel[(L.BH,)](*args_b, TAIL=tail, **L.launch())
             _linear_bwd_c_kernel[(n1 - n0, L.BH)](
                 q, k, eta, tau, do, wn, dS if tail else dn, rows, at, dq, dk, dv,
                 T, H, Dk, Dv, b, n0, seg, 0 if tail else Dk * Dv, TAIL=tail, **consts,

@@ -1,6 +1,5 @@
-"""Triton kernels for the TTT layers' one-token decoding step (ops/ttt/decode.py's
-``_linear_step`` and ``_mlp_step`` for an int place, no prior sums): the whole step in one
-launch.
+"""Triton kernels for TTT's one-token step (ops/ttt/recurrent.py's ``linear_token`` and
+``mlp_token`` for an int place): the whole step in one launch.
 
 Dimension legend: B batch, H heads, Dk key/query dim, Dv value dim, b mini-batch size, p the
 token's place in its mini-batch (the rows of the current mini-batch held before it); BK, BV the
@@ -11,7 +10,7 @@ a hidden block, BR >= b the mini-batch's rows as one tile.
 One program per (batch, head): the inner LayerNorm needs all Dv columns of the key's Z = k W_0
 + b_0 (its mean and variance), so the value columns cannot go to separate programs (as for the
 dual form's kernels, ops/ttt/triton.py). Per program, with x_j, eg_j the p rows of the current
-mini-batch (its inputs and eta-scaled output gradients, ``DecodeCarry.rows``), all at the start
+mini-batch (its inputs and eta-scaled output gradients, ``TTTState.rows``), all at the start
 weights W_0, b_0 (docs/maths.md 2.4's dual form, one row at a time):
     zk = k W_0 + b_0, zq = q W_0 + b_0      (one pass over W_0, in blocks of KC rows)
     eg = eta dl/dzk                          (the LayerNorm gradient, fused; target v [- k])
@@ -59,7 +58,7 @@ from .triton_tiles import _ln_affine
 __all__ = ["MAX_D", "MAX_MINI_BATCH", "OPS", "DecodeTiles", "supports", "tile_config",
            "ttt_linear_decode_triton", "ttt_mlp_decode_triton"]
 
-OPS = ("ttt_decode_linear", "ttt_decode_mlp")  # the ops with kernels here (registered in decode.py)
+OPS = ("ttt_linear", "ttt_mlp")  # the ops whose one-token step is here (registered in inner_loop.py)
 MAX_D = 128  # Dk and Dv (ops/backend.py TRITON_MAX_DK)
 MAX_MINI_BATCH = 64
 _EPS = tl.constexpr(LN_EPS)
@@ -418,9 +417,9 @@ def _launch_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch
                    carry: Any, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
                    tau: torch.Tensor) -> _Launch:
     pos = carry.pos
-    if not isinstance(pos, int) or carry.prior is not None:
-        raise ValueError("the TTT decoding kernels take a carry at one int place without prior "
-                         "sums (decode.py runs the others)")
+    if not isinstance(pos, int):
+        raise ValueError("the TTT decoding kernels take a state at one int place (recurrent.py "
+                         "runs the others)")
     q, k, v, tau = (_rows_major(x) for x in (q, k, v, tau))
     ln_w = tau if ln_weight is None else ln_weight.contiguous()
     ln_b = tau if ln_bias is None else ln_bias.contiguous()
@@ -452,15 +451,15 @@ def ttt_linear_decode_triton(
     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
     tau: torch.Tensor,
 ) -> tuple[torch.Tensor, tuple[Any, Any] | None, tuple[Any, Any] | None]:
-    """One TTT-Linear decoding step in ``_linear_decode_kernel``: ``decode._linear_step``'s
-    result for a carry (``decode.DecodeCarry``) at an int place without prior sums. q, k
+    """One TTT-Linear decoding step in ``_linear_decode_kernel``: ``recurrent.linear_token``'s
+    result for a state (``common.TTTState``) at an int place. q, k
     [B, 1, H, Dk], v [B, 1, H, Dv], eta [B, 1, H] in their own dtype (read as they are), tau
     [b] or [H, b]; the carry's weights and rows float32. Returns (o [B, 1, H, Dv] in q's dtype,
     committed, rows): on the token that completes the mini-batch ``committed`` is the new start
     weights (W [B, H, Dk, Dv], bias [B, H, Dv] or None) and ``rows`` None, otherwise
     ``committed`` is None and ``rows`` the mini-batch's rows with the token appended
     (X [B, H, pos + 1, Dk], EG [B, H, pos + 1, Dv]); fresh tensors, the given carry is not
-    written. decode.py builds the next carry from them."""
+    written. inner_loop.py builds the next state from them."""
     B, _, H, Dk = q.shape
     Dv = v.shape[-1]
     inputs = _launch_inputs(q, k, v, eta, carry, ln_weight, ln_bias, tau)
@@ -494,7 +493,7 @@ def ttt_mlp_decode_triton(
     ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, residual: bool,
     tau: torch.Tensor,
 ) -> tuple[torch.Tensor, tuple[Any, ...] | None, tuple[Any, ...] | None]:
-    """One TTT-MLP decoding step in ``_mlp_decode_kernel``: ``decode._mlp_step``'s result,
+    """One TTT-MLP decoding step in ``_mlp_decode_kernel``: ``recurrent.mlp_token``'s result,
     arguments and result as ``ttt_linear_decode_triton``'s with the MLP's weights and rows:
     committed (W1 [B, H, Dk, Dh], b1 [B, H, Dh] or None, W2 [B, H, Dh, Dv], b2 [B, H, Dv] or
     None), rows (X1 [B, H, pos + 1, Dk], EG1, X2 [B, H, pos + 1, Dh], EG2 [B, H, pos + 1, Dv])."""

@@ -10,9 +10,10 @@ and W^T <- W^T - tau_b (eta G)^T K as one product with W^T as its accumulator. N
 mini-batch loads depends on the previous one's results, so the loop may be software-pipelined
 (``RegsConfig.stages``).
 
-``FASTWEIGHTS_TTT_FWD`` (read at every call, ``fwd_variant``): "regs" or "stream" forces one
-forward kernel (a diagnostic switch, to time both in one process); unset or empty, the
-register-resident kernel wherever ``regs_config`` has a tiling, else the streamed one.
+``FASTWEIGHTS_TTT_FWD`` (read at every call, ``fwd_variant``): "regs", "stream" or "resident"
+(ops/ttt/triton_resident.py, opt-in) forces one forward kernel (a diagnostic switch, to time
+them in one process); unset or empty, the register-resident kernel wherever ``regs_config``
+has a tiling, else the streamed one.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .triton_tiles import (
 __all__ = ["ENV", "RegsConfig", "fwd_variant", "regs_config"]
 
 ENV = "FASTWEIGHTS_TTT_FWD"
-VARIANTS = ("stream", "regs")
+VARIANTS = ("stream", "regs", "resident")  # "resident": ops/ttt/triton_resident.py, opt-in
 
 
 class RegsConfig(NamedTuple):
@@ -67,7 +68,7 @@ def regs_config(arch: int, dtype: torch.dtype, D: int) -> RegsConfig | None:
 
 
 def fwd_variant(arch: int, D: int) -> str:
-    """The TTT-Linear forward kernel a call runs: ``FASTWEIGHTS_TTT_FWD`` ("regs" or "stream")
+    """The TTT-Linear forward kernel a call runs: ``FASTWEIGHTS_TTT_FWD`` (one of VARIANTS)
     if set, else "regs" where ``regs_config`` has a tiling for half inputs (the tiling the
     host uses for every input dtype, as ops/ttt/triton.py's ``_shape``), else "stream"."""
     env = os.environ.get(ENV, "")
@@ -220,9 +221,16 @@ def _linear_fwd_regs_kernel(
 def launch_forward(L, store: bool, *args) -> bool:
     """Runs the register-resident forward for ops/ttt/triton.py's ``_LinearTriton`` (``L`` its
     ``_Shape``, ``args`` ``_linear_fwd_kernel``'s pointer and size arguments and ``store``) if
-    ``fwd_variant`` chooses it; returns whether it did."""
+    ``fwd_variant`` chooses it (this module's, or ops/ttt/triton_resident.py's); returns
+    whether it did."""
     arch = _arch(args[0].device)
-    if fwd_variant(arch, max(L.Dk, L.Dv)) != "regs":
+    variant = fwd_variant(arch, max(L.Dk, L.Dv))
+    if variant == "resident":
+        from . import triton_resident
+
+        triton_resident.launch_forward(L, store, *args)
+        return True
+    if variant != "regs":
         return False
     # forced where it has no tiling (a float32 or diagnostic call): the largest one
     cfg = regs_config(arch, torch.bfloat16, max(L.Dk, L.Dv)) or RegsConfig(8)

@@ -1,7 +1,8 @@
-"""The Triton pieces every TTT kernel shares (ops/ttt/triton.py, triton_regs.py): tokens of a
-mini-batch as tile columns, transposed weight blocks, the inner LayerNorm's loss gradient and its
-backward, the causal step sizes, and TTT-Linear's mini-batch inputs and read-out. Jit helpers
-only; no kernel or host code here."""
+"""The Triton pieces every TTT kernel shares (ops/ttt/triton.py, triton_regs.py,
+triton_resident.py): tokens of a mini-batch as tile columns, transposed weight blocks, the inner
+LayerNorm's loss gradient and its backward, the causal step sizes, TTT-Linear's mini-batch
+inputs and read-out, and the sequential backward passes' common steps. Jit helpers only; no
+kernel or host code here."""
 
 from __future__ import annotations
 
@@ -233,3 +234,78 @@ def _linear_out(o_ptr, zbar, q_ptr, gam, bet, cm, base_v, t, m, H, Dv,
     if RESIDUAL:  # Dk == Dv: q's rows have o's address
         out += _cols(q_ptr, base_v, t, m, H, Dv, BV)
     _store_cols(o_ptr, out, base_v, t, m, H, Dv, BV)
+
+
+# The pieces the sequential backward passes share (ops/ttt/triton.py's streamed one and
+# triton_resident.py's resident one), and the row tiles they read back
+
+
+@triton.jit
+def _store_tile(ptr, x, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    tl.store(ptr + r[:, None] * C + c[None, :], x)
+
+
+@triton.jit
+def _load_tile(ptr, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    return tl.load(ptr + r[:, None] * C + c[None, :])
+
+
+@triton.jit
+def _keys_back(dHm, G, eta, rows_ptr, rr_ptr, v_ptr, k_ptr, dv_ptr, deta_ptr, dgam, dbet, gam,
+               bet, cm, base_v, ebase, t, m, H, Dv, HAS_LN: tl.constexpr,
+               RESIDUAL: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr):
+    """The part of a mini-batch's sequential backward after dHm, the gradient of its eta G
+    (the rows of ``_linear_back_a`` at rows_ptr, rr_ptr): the keys' loss gradient G = dl/dZk
+    differentiated. Stores dV, deta and dZk^T (into the rows, for ``_linear_bwd_c_kernel``'s
+    dK); returns dZk^T and the accumulators dgamma, dbeta."""
+    rb = tl.arange(0, BB)
+    dG = _load_tile(rows_ptr + 2 * BV * BB, BV, BB) + dHm * eta[None, :]
+    deta = tl.load(rr_ptr + BB + rb) + tl.sum(G * dHm, axis=0)
+    dtgt = -dG
+    dzk = dG
+    if HAS_LN:
+        xh = _load_tile(rows_ptr + 3 * BV * BB, BV, BB)
+        g = _load_tile(rows_ptr + 4 * BV * BB, BV, BB)
+        dzk, dg = _ln_grad_back(dG, G, xh, tl.load(rr_ptr + rb), g, gam, cm, Dv)
+        dtgt = -gam[:, None] * dg
+        e = gam[:, None] * xh + bet[:, None] - _cols(v_ptr, base_v, t, m, H, Dv, BV)
+        if RESIDUAL:
+            e += _cols(k_ptr, base_v, t, m, H, Dv, BV)
+        dgam += tl.sum(dg * (e + gam[:, None] * xh), axis=1)
+        dbet -= tl.sum(dtgt, axis=1)
+    _store_cols(dv_ptr, dtgt, base_v, t, m, H, Dv, BV)
+    tl.store(deta_ptr + ebase + t * H, deta, mask=m)
+    _store_tile(rows_ptr + 2 * BV * BB, dzk, BV, BB)
+    return dzk, dgam, dbet
+
+
+@triton.jit
+def _back_b_start(bh, lnw_ptr, lnb_ptr, tau_ptr, acc_ptr, T, H, Dk, Dv, b,
+                  HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr, BB: tl.constexpr,
+                  BV: tl.constexpr):
+    """What a sequential backward pass over program bh's mini-batches starts from: its
+    offsets (``_head``), the column mask, the LayerNorm's gain and bias, tau_b, and the
+    accumulators d, dgamma, dbeta (from acc [B*H, 3, BV]) and tau_b's gradient (zero)."""
+    h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
+    gam, bet = _ln_affine(lnw_ptr, lnb_ptr, h, Dv, BV, HAS_LN, HAS_LNB)
+    tau_b = tl.load(tau_ptr + h * b + b - 1).to(tl.float32)
+    acc = acc_ptr + bh * 3 * BV
+    return (base_k, base_v, ebase, tl.arange(0, BV) < Dv, gam, bet, tau_b, _vec(acc, BV, BV),
+            _vec(acc + BV, BV, BV), _vec(acc + 2 * BV, BV, BV),
+            tl.sum(tl.zeros([BB], dtype=tl.float32), axis=0))
+
+
+@triton.jit
+def _back_b_end(bh, acc_ptr, dtau_ptr, d, dgam, dbet, dtau_b, b, BB: tl.constexpr,
+                BV: tl.constexpr):
+    """The accumulators of ``_back_b_start`` stored back (tau_b's gradient added)."""
+    acc = acc_ptr + bh * 3 * BV
+    _store_vec(acc, d, BV, BV)
+    _store_vec(acc + BV, dgam, BV, BV)
+    _store_vec(acc + 2 * BV, dbet, BV, BV)
+    p = dtau_ptr + bh * BB + b - 1
+    tl.store(p, tl.load(p) + dtau_b)
