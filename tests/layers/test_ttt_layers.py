@@ -4,6 +4,7 @@ docs/maths.md 2.1, 2.3, 2.5 step by step, and the options are validated."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -248,3 +249,40 @@ def test_lean_decoding_steps_equal_whole(kind, options, monkeypatch):
             assert_close64(a, b, what="state")
         else:
             assert a == b
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_calls_without_gradients_read_the_current_token_offset(kind):
+    """Calls without gradients use token_offset's current values, as a layer given them by an
+    ordinary in-place update does: a forward after a write into its memory that leaves its
+    version counter where it was (FSDP2 refills its unsharded parameters so; here through a
+    second tensor on the same storage), and a decoding step after token_offset is replaced by
+    another tensor on the same memory at the same version (FSDP2's unsharded parameter where
+    the original one was freed)."""
+    layer, reference = make(kind, mini_batch_size=4), make(kind, mini_batch_size=4)
+    x = inputs(B=2, T=7)
+    offsets = layer.token_offset.detach() + 0.05 * torch.arange(1, 5, dtype=torch.float64)
+
+    def on_its_memory(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, t.shape)
+
+    def prompt(model: TTTLinear | TTTMLP) -> Any:
+        return model(x[:, :5])[1]
+
+    with torch.no_grad():
+        layer(x), layer(x[:, 5:6], prompt(layer))  # calls without gradients before the writes
+        version = layer.token_offset._version
+        on_its_memory(layer.token_offset).copy_(offsets)
+        assert layer.token_offset._version == version and torch.equal(layer.token_offset, offsets)
+        reference.token_offset.copy_(offsets)
+        assert torch.equal(layer(x)[0], reference(x)[0])
+        state, reference_state = prompt(layer), prompt(reference)  # a decoding step's tau kept
+        swapped = torch.nn.Parameter(on_its_memory(layer.token_offset))
+        on_its_memory(swapped).copy_(offsets + 0.01)
+        while swapped._version < layer.token_offset._version:
+            swapped.add_(0.0)  # the old tensor's version, which the kept copy was made at
+        assert swapped._version == layer.token_offset._version
+        assert swapped.data_ptr() == layer.token_offset.data_ptr()
+        layer.token_offset = swapped
+        reference.token_offset.copy_(offsets + 0.01)
+        assert torch.equal(layer(x[:, 5:6], state)[0], reference(x[:, 5:6], reference_state)[0])

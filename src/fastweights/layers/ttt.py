@@ -4,6 +4,7 @@ parameters."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any, NamedTuple
@@ -18,7 +19,15 @@ from .._checks import (
     check_nonneg_float,
     check_positive_int,
 )
-from ..ops import TTT_MODES, TTTState, ttt_linear, ttt_linear_step, ttt_mlp, ttt_mlp_step
+from ..ops import (
+    TTT_MODES,
+    TTTState,
+    reads_allowed,
+    ttt_linear,
+    ttt_linear_step,
+    ttt_mlp,
+    ttt_mlp_step,
+)
 from ..state_tree import cat_rows
 from .base import (
     ContextParallel,
@@ -159,10 +168,15 @@ class _TTTLayer(RotaryFrequencies, Mixer):
             self.eta_scale = self.eta_warmup_from + (1.0 - self.eta_warmup_from) * progress
 
     def token_scale(self) -> torch.Tensor:
-        """tau [b]: max(0, 1/i + delta_i), 1/i in the parameters' dtype (exact in float64)."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return (self._inv_base() + self.token_offset).clamp_min(0.0)
-        return self._kept_tau()[0]
+        """tau [b]: max(0, 1/i + delta_i), 1/i in the parameters' dtype (exact in float64), of
+        token_offset as it is now (never a kept copy: ``_kept_tau`` says why). Without
+        gradients, where reads are allowed, it is also kept with its values for the decoding
+        steps that follow (which then read nothing back) unless a copy of this token_offset at
+        this version is kept already."""
+        tau = (self._inv_base() + self.token_offset).clamp_min(0.0)
+        if not torch.is_grad_enabled() and reads_allowed() and self._current_tau() is None:
+            self._keep_tau(tau)
+        return tau
 
     def _inv_base(self) -> torch.Tensor:
         """1/i, i = 1..b, in token_offset's dtype and device. Kept per (b, dtype, device):
@@ -179,16 +193,33 @@ class _TTTLayer(RotaryFrequencies, Mixer):
         return base
 
     def _kept_tau(self) -> tuple[torch.Tensor, tuple[float, ...]]:
-        """tau and its values as floats, for calls without gradients (decoding, outside
-        tracing): kept until delta changes (its version counter moves with every in-place update,
-        e.g. an optimizer step or load_state_dict)."""
-        delta, cache = self.token_offset, self.__dict__.setdefault("_inv_index", {})
-        version = (delta.shape[0], delta.dtype, delta.device, delta._version, delta.data_ptr())
-        kept = cache.get("tau")
-        if kept is None or kept[0] != version:
-            tau = (self._inv_base() + delta).clamp_min(0.0)
-            kept = cache["tau"] = (version, (tau, tuple(tau.tolist())))
-        return kept[1]
+        """tau and its values as floats, for a decoding step without gradients (outside
+        tracing), so that the step reads nothing back to the host: kept while token_offset is
+        the same tensor object at the same version (every in-place update through it moves the
+        version: an optimizer step, load_state_dict). Keyed on the object, not on its address:
+        another tensor at a recycled address (FSDP2's unsharded parameter where the original
+        parameter was freed) once gave evaluation the initial offsets' tau. A write that moves
+        no version (FSDP2 refilling its unsharded parameter in place) is not seen by a kept
+        copy: full forwards (``token_scale``) never use one."""
+        kept = self._current_tau()
+        if kept is None:
+            kept = self._keep_tau((self._inv_base() + self.token_offset).clamp_min(0.0))
+        return kept
+
+    def _current_tau(self) -> tuple[torch.Tensor, tuple[float, ...]] | None:
+        """The kept (tau, values) if made from this token_offset object at its version."""
+        delta, kept = self.token_offset, self.__dict__.get("_inv_index", {}).get("tau")
+        if kept is None or kept[0]() is not delta or kept[1] != delta._version:
+            return None
+        return kept[2]
+
+    def _keep_tau(self, tau: torch.Tensor) -> tuple[torch.Tensor, tuple[float, ...]]:
+        """Keep ``tau`` of the current token_offset and its values (read back) for
+        ``_kept_tau``: (a weak reference to token_offset, its version, (tau, values))."""
+        delta = self.token_offset
+        kept = (weakref.ref(delta), delta._version, (tau, tuple(tau.tolist())))
+        self.__dict__.setdefault("_inv_index", {})["tau"] = kept
+        return kept[2]
 
     def _inner_lr(self, x: torch.Tensor) -> torch.Tensor:
         """eta [B, T, H] of x [B, T, d_model]: eta_base * eta_scale * gate / head_dim with the
