@@ -105,7 +105,9 @@ def redo_lossy(o: torch.Tensor, lossy: torch.Tensor, redo: Callable[..., torch.T
     Eager: one device sync reads the flags; only the flagged rows are redone, nothing when none
     is. Traced (torch.compile, torch.export): a ``torch.cond`` on the flags, whose redo branch
     computes every row and keeps the flagged ones (a data-dependent row count would break the
-    graph), so no graph break and the same values."""
+    graph), so no graph break and the same values. Its operands go in as copies: torch.cond
+    refuses operands that alias one another (a layer's k and v are views of one projection),
+    and they cost O(T D) (w's O(T L)) against the call's O(T L D)."""
     if torch.compiler.is_compiling():
         def fix(o: torch.Tensor, lossy: torch.Tensor, *ops: torch.Tensor) -> torch.Tensor:
             every = torch.arange(o.shape[1], device=o.device)
@@ -114,7 +116,7 @@ def redo_lossy(o: torch.Tensor, lossy: torch.Tensor, redo: Callable[..., torch.T
         def keep(o: torch.Tensor, lossy: torch.Tensor, *ops: torch.Tensor) -> torch.Tensor:
             return o.clone().contiguous()
 
-        return torch.cond(lossy.any(), fix, keep, (o, lossy, *operands))
+        return torch.cond(lossy.any(), fix, keep, (o, lossy, *(x.clone() for x in operands)))
     if not bool(lossy.any()):
         return o
     rows = lossy.nonzero().squeeze(1)
