@@ -216,7 +216,8 @@ def _out(z: torch.Tensor, q: torch.Tensor, gn: GroupNorm, residual: bool, B: int
     with H groups) and the residual q [B, 1, H, Dk]."""
     out = z.reshape(B, -1)
     if gn is not None:
-        out = F.group_norm(out, H, gn[0], gn[1], LN_EPS)
+        # torch.group_norm, not F.group_norm: the latter refuses one value per group (Dv = 1, B = 1)
+        out = torch.group_norm(out, H, gn[0], gn[1], LN_EPS)
     if residual:
         out = out + q.reshape(B, -1)
     return out.view(B, 1, H, -1)
