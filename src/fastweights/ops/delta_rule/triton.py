@@ -11,9 +11,9 @@ has to be a power of two.
 
 Linear attention is the delta rule with W = 0 and U0 = V (the UT form of docs/maths.md 1.4), so
 the kernels below serve three ops: the delta rule (``delta_rule_triton``), linear attention
-with ``HAS_W`` off (ops/linear_attn/triton.py) and the gated delta rule with ``HAS_G`` on in
-the forward kernels, in the algebra of ops/delta_rule/chunk.py's ``delta_rule_chunk`` with
-gates (ops/gated_delta_rule/triton.py). The kernels, each documented where it is defined:
+with ``HAS_W`` off (ops/linear_attn/triton.py) and the gated delta rule with ``HAS_G`` on, in
+the algebra of ops/delta_rule/chunk.py's ``delta_rule_chunk`` with gates and its backward
+(ops/gated_delta_rule/triton.py). The kernels, each documented where it is defined:
 
 forward   (a) ``_ut_fwd_kernel``     delta only: the per-chunk solve, W and U0
           (b) ``_state_fwd_kernel``  sequential over chunks: the chunk-entering states
@@ -105,9 +105,10 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
     attention fits: the delta rule's state passes contract the register-held state over 64 rows
     and spill at every tiling tried (8 or 16 warps, 16 or 32 columns, exact or 3xTF32 products),
     so float32 delta rule inputs take fla or PyTorch. The gated delta rule runs the delta rule's
-    forward kernels with its gates (same tiles, float32 likewise refused) but value blocks of
-    16 in its state pass and output kernel, whose decay tables and per-token decays hold more
-    float32 registers."""
+    kernels with its gates (same tiles, float32 likewise refused) but value blocks of 16 in its
+    state passes and output kernel, whose decay tables and per-token decays hold more float32
+    registers, and on sm_80 16 key columns per (g) program. Linear attention's output kernel
+    takes 4 warps on sm_80 (docs/kernels.md, "Tiles")."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     gated = op == "gated_delta_rule"  # the delta rule's kernels with the gates switched on
