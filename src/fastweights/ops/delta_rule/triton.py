@@ -450,8 +450,7 @@ def _local_du_kernel(
 @triton.jit
 def _qt_do(qb, dob, UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.constexpr):
     """Q^T dO [BK, BV] float32: on tensor cores in the input dtype, in float32 when dO is float32
-    (normalised linear attention's o is float32; the gated delta rule's diag(gam) dO) or under
-    UPCAST."""
+    (normalised linear attention's o is float32) or under UPCAST."""
     if UPCAST or dob.dtype == tl.float32:
         out = tl.dot(tl.trans(qb.to(tl.float32)), dob.to(tl.float32), input_precision=F32_PREC)
     else:
