@@ -156,3 +156,19 @@ def test_tables_update_from_a_bench_record(tmp_path):
     with pytest.raises(ValueError, match="no op folder"):
         speeds.update([_record(tmp_path / "rec2", "NVIDIA H200 (sm_90)",
                                [("new_op", "triton", s, "fwd", "1.0", "ok")])], ops_dir)
+
+
+def test_the_command_updates_and_refuses_what_is_not_a_record(tmp_path, monkeypatch, capsys):
+    from fastweights.cli import main
+
+    ops_dir = tmp_path / "ops"
+    (ops_dir / "delta_rule").mkdir(parents=True)
+    monkeypatch.setattr(speeds, "OPS_DIR", ops_dir)
+    rec = _record(tmp_path / "rec", "NVIDIA H100 80GB HBM3 (sm_90)",
+                  [("delta_rule", "fla", "B8 T2048 H16 D128", "fwd", "1.5", "ok")])
+    assert main(["bench", "speeds", str(rec)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    table = runpy.run_path(str(ops_dir / "delta_rule" / "speeds.py"))["SPEEDS"]
+    assert table["sm_90"]["forward"] == {"fla": 1.5}
+    assert main(["bench", "speeds", str(tmp_path)]) == 2
+    assert "not a record" in capsys.readouterr().err
