@@ -92,7 +92,7 @@ def test_chunk_size_default_is_the_measured_one_per_device():
     assert preferred_chunk_size("linear_attn", torch.device("cpu")) == 64
     assert preferred_chunk_size("delta_rule", "meta") == 64  # not measured: 64
     with pytest.raises(ValueError, match="op must be"):
-        preferred_chunk_size("aft", "cpu")
+        preferred_chunk_size("not_an_op", "cpu")
     torch.manual_seed(0)
     auto = build_mixer("delta", 16, 2).double()
     fixed = build_mixer("delta", 16, 2, chunk_size=5).double()

@@ -30,7 +30,7 @@ def gpu_op(monkeypatch):
     """``OP`` registered with both kernel backends and ``TABLE``, CPU tensors taken for an sm_90
     GPU's, every backend able to run unless ``refused[name]`` says why not."""
     monkeypatch.setitem(backends._REGISTRY, OP, backends._Registered(
-        {"fla": backends.Kernel(), "triton": backends.Kernel()}, {}, TABLE))
+        {"fla": (backends.Kernel(),), "triton": (backends.Kernel(),)}, {}, TABLE))
     monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
     monkeypatch.setattr(backends, "device_kind", lambda device: "sm_90")
     monkeypatch.setattr(backends, "_logged", set())
@@ -38,7 +38,7 @@ def gpu_op(monkeypatch):
     monkeypatch.delenv(backends.ENV, raising=False)
     refused: dict[str, str] = {}
     monkeypatch.setattr(backends, "_why_not",
-                        lambda name, op, q, mode, chunk: refused.get(name))
+                        lambda name, op, q, mode, chunk, facts=None: refused.get(name))
     return refused
 
 
@@ -81,8 +81,11 @@ def test_a_failed_trial_of_the_fastest_falls_back_and_warns(gpu_op, caplog):
     measured backend (triton, forward) fails its trial, the next one runs the call."""
     tried = []
 
-    class Trial:  # a trial without gradients whose triton run raises
+    class Trial(backends.Trial):  # a trial without gradients whose triton run raises
         grad = False
+
+        def __init__(self):  # no call to stand for
+            pass
 
         def __call__(self, name):
             tried.append(name)
@@ -156,3 +159,19 @@ def test_tables_update_from_a_bench_record(tmp_path):
     with pytest.raises(ValueError, match="no op folder"):
         speeds.update([_record(tmp_path / "rec2", "NVIDIA H200 (sm_90)",
                                [("new_op", "triton", s, "fwd", "1.0", "ok")])], ops_dir)
+
+
+def test_the_command_updates_and_refuses_what_is_not_a_record(tmp_path, monkeypatch, capsys):
+    from fastweights.cli import main
+
+    ops_dir = tmp_path / "ops"
+    (ops_dir / "delta_rule").mkdir(parents=True)
+    monkeypatch.setattr(speeds, "OPS_DIR", ops_dir)
+    rec = _record(tmp_path / "rec", "NVIDIA H100 80GB HBM3 (sm_90)",
+                  [("delta_rule", "fla", "B8 T2048 H16 D128", "fwd", "1.5", "ok")])
+    assert main(["bench", "speeds", str(rec)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    table = runpy.run_path(str(ops_dir / "delta_rule" / "speeds.py"))["SPEEDS"]
+    assert table["sm_90"]["forward"] == {"fla": 1.5}
+    assert main(["bench", "speeds", str(tmp_path)]) == 2
+    assert "not a record" in capsys.readouterr().err

@@ -3,8 +3,8 @@
 tests/ops/triton_aot.py records every kernel launch the host code makes (forward and backward of
 linear attention, normalised linear attention, the delta rule and the gated delta rule (the
 delta rule's kernels with HAS_G on, one value head per key head and grouped heads), at Dk = 64
-and Dk = 128, for
-each input dtype the dispatcher sends to Triton and the tiles ``tile_config`` gives each target)
+and Dk = 128, for each input dtype the dispatcher sends to Triton and the tiles ``tile_config``
+gives each target)
 and compiles each distinct one for sm_80 (A100) and sm_90 (H100) with Triton's ahead-of-time
 compiler and the ptxas inside the triton wheel. The compile runs once per test session, in one
 subprocess (a pool of one worker per core) without TRITON_INTERPRET, which tests/conftest.py
@@ -24,7 +24,9 @@ the sizes along time: T, N and C. The two ends are compiled here: T, N, C free (
 every dtype, and all of them but H's divisible by 16 (the usual training shapes: "aligned"), for
 bfloat16 and float32 (float16's kernels are bfloat16's with another element type). The test
 ``test_host_launches_are_aligned`` checks that odd head sizes and misaligned inputs reach the
-kernels padded and aligned.
+kernels padded and aligned. The compile uses the installed Triton; ``-m slow`` with
+FASTWEIGHTS_TRITON_PYTHONS compiles under other Tritons too (docs/kernels.md, "Triton
+versions").
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def resident_model(q, k, v, eta, W, bias, lnw, lnb, tau, b: int):
     product operand rounded to bfloat16 as the kernel rounds it (W each mini-batch, G, the
     scores E * A, -tau_b eta G; q and k are bfloat16 values already): (o, W, bias, S, s) for
     one head's [T, D] q, k, v (residual, LayerNorm and bias on), eta [T], W [D, D], bias [D],
-    the LayerNorm's lnw, lnb [D], tau [b]; S, s the sums of a partial last mini-batch."""
+    the LayerNorm's lnw, lnb [D], tau [b]; S, s the sums of a partial last mini-batch, as the
+    state forms them: in float32 from the unrounded start weights."""
     T = q.shape[0]
     outs, S, s = [], None, None
     for n0 in range(0, T, b):
@@ -150,8 +151,15 @@ def resident_model(q, k, v, eta, W, bias, lnw, lnb, tau, b: int):
         if m == b:
             W = W + K.T @ _r(-tau[b - 1] * hm)
             bias = bias - tau[b - 1] * hm.sum(0)
-        else:
-            S, s = K.T @ _r(hm), hm.sum(0)
+        else:  # the state's rows: formed in float32 from the start weights, unrounded
+            zk = K @ W + bias
+            mu = zk.mean(-1, keepdim=True)
+            r = 1.0 / torch.sqrt((zk - mu).square().mean(-1, keepdim=True) + LN_EPS)
+            xh = (zk - mu) * r
+            g = lnw * (lnw * xh + lnb - (V - K))
+            hm = r * (g - g.mean(-1, keepdim=True) - xh * (g * xh).mean(-1, keepdim=True))
+            hm = hm * e[:, None]
+            S, s = K.T @ hm, hm.sum(0)
     return torch.cat(outs), W, bias, S, s
 
 
@@ -178,9 +186,10 @@ def test_resident_bfloat16_is_its_rounding_model(launches, on_gpu):  # noqa: F81
     for h in range(q.shape[2]):
         mo, mW, mb, mS, ms = resident_model(q[0, :, h], k[0, :, h], v[0, :, h], eta[0, :, h],
                                             W0[0, h], b0[0, h], lnw[h], lnb[h], tau[h], 16)
-        got = (o[0, :, h], *(x[0, h] for x in state[2:6]))  # (W_0, b_0, S, s, pos)
+        # the open mini-batch's start weights (W_0, b_0) and gradient sums (S, s)
+        got = (o[0, :, h], *(x[0, h] for x in (*state.start, *state.sums())))
         want = (mo, mW, mb, mS, ms)
-        oracle = (ro[0, :, h], *(x[0, h] for x in rstate[2:6]))
+        oracle = (ro[0, :, h], *(x[0, h] for x in (*rstate.start, *rstate.sums())))
         # the output: bfloat16, stored with the interpreter's truncating cast: within one
         # bfloat16 step (2^-7 of the largest value) of the model's
         assert _rel(got[0].double(), want[0]) <= 2 ** -7, (h, _rel(got[0].double(), want[0]))

@@ -73,14 +73,11 @@ class _Recorder:
     def __getitem__(self, grid):
         from triton.runtime.jit import mangle_type
 
-        def launch(*args, num_warps: int, num_stages: int | None = None,
-                   maxnreg: int | None = None, **constexprs):
+        def launch(*args, num_warps: int, num_stages: int | None = None, **constexprs):
             sig = {}
             for name, arg in zip(self.fn.arg_names, args):
                 # Triton's own argument types, unspecialised (no constexpr for an int equal to 1)
                 sig[name] = mangle_type(arg)
-            if maxnreg is not None:  # a launch option, recorded with the constexprs
-                constexprs["maxnreg"] = maxnreg
             self.out.append((self.fn, sig, constexprs, num_warps, num_stages))
         return launch
 
@@ -356,10 +353,7 @@ def compile_one(task: tuple[int, str, int, int]) -> dict:
         fn, name, sig, const, warps = signatures(kernels, dtype, arch)[i]
         rec = {"kernel": name, "dtype": dtype, "arch": arch, "spec": spec, "BV": const["BV"],
                "BK": const["BK"], "num_warps": warps, "stages": const.get("STAGES")}
-        const = dict(const)
         options = {"num_warps": warps}
-        if "maxnreg" in const:
-            options["maxnreg"] = const.pop("maxnreg")
     return compile_record(rec, fn, sig, const, specialization(sig, spec), arch, options)
 
 

@@ -19,6 +19,7 @@ PASSES = ("fwd", "fwdbwd", "decode")
 # name -> the one line ``fastweights bench --help`` shows, in the order it shows them.
 BENCHMARKS: dict[str, str] = {
     "gpu": "the prepared GPU benchmark: kernel exactness, op, layer and training-step tables",
+    "speeds": "the ops' tables of measured kernel speeds (the backend ranking) from gpu records",
     "decode": "decode memory and speed of a recurrent LM vs softmax attention",
     "multistream": "decoding N streams at their own positions in one batched step, vs softmax",
     "fla-decode": "CPU decoding of fla's DeltaNet vs a transformers Llama of the same shape",

@@ -2,7 +2,7 @@
 ranks fla against this project's kernels by: ops/backend.py ``ranked``) updated from records of
 ``fastweights bench gpu``:
 
-    python -m fastweights.bench.speeds RECORD [RECORD ...]
+    fastweights bench speeds RECORD [RECORD ...]
 
 Each RECORD is a folder the bench wrote (results.csv, meta.json). From its ``ops`` rows at the
 first ops shape (B8 T2048, 16 heads of 128, bfloat16 on a GPU) it takes the median time of each
@@ -29,7 +29,7 @@ HEADER = '''"""Measured times of ``{op}`` per backend on each kind of GPU, milli
 automatic choice ranks fla against this project's kernels by (ops/backend.py ``ranked``;
 docs/gpu.md, "Which backend runs what"). Keys: the device kind (``backend.device_kind``), then
 "forward" (no gradients) and "train" (forward and backward) by backend; "shape" and "source" say
-what was measured where. Written by ``python -m fastweights.bench.speeds`` from a record of
+what was measured where. Written by ``fastweights bench speeds`` from a record of
 ``fastweights bench gpu`` (its ops rows); a backend without a figure keeps its place in the
 fixed order.
 """
@@ -96,17 +96,25 @@ def update(records: list[Path], ops_dir: Path = OPS_DIR) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.speeds",
-                                description=__doc__.split("\n\n")[0])
+NAME = "speeds"
+DESCRIPTION = ("update the ops' tables of measured kernel speeds (ops/<op>/speeds.py, which the "
+               "automatic backend choice ranks fla and triton by) from records of fastweights "
+               "bench gpu: each record's ops rows at B8 T2048, under its GPU kind")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("records", type=Path, nargs="+",
-                   help="folders written by fastweights bench gpu (results.csv, meta.json)")
-    p.add_argument("--ops-dir", type=Path, default=OPS_DIR, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    for path in update(args.records, args.ops_dir):
+                   help="folders written by fastweights bench gpu (results.csv, meta.json); "
+                        "later ones win")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._commands import UserError
+
+    for folder in args.records:
+        if not (folder / "results.csv").is_file() or not (folder / "meta.json").is_file():
+            raise UserError(f"{folder} is not a record of fastweights bench gpu (no "
+                            "results.csv and meta.json)")
+    for path in update(args.records, OPS_DIR):
         print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

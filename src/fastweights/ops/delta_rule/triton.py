@@ -11,9 +11,9 @@ has to be a power of two.
 
 Linear attention is the delta rule with W = 0 and U0 = V (the UT form of docs/maths.md 1.4), so
 the kernels below serve three ops: the delta rule (``delta_rule_triton``), linear attention
-with ``HAS_W`` off (ops/linear_attn/triton.py) and the gated delta rule with ``HAS_G`` on in
-the forward kernels, in the algebra of ops/delta_rule/chunk.py's ``delta_rule_chunk`` with
-gates (ops/gated_delta_rule/triton.py). The kernels, each documented where it is defined:
+with ``HAS_W`` off (ops/linear_attn/triton.py) and the gated delta rule with ``HAS_G`` on, in
+the algebra of ops/delta_rule/chunk.py's ``delta_rule_chunk`` with gates and its backward
+(ops/gated_delta_rule/triton.py). The kernels, each documented where it is defined:
 
 forward   (a) ``_ut_fwd_kernel``     delta only: the per-chunk solve, W and U0
           (b) ``_state_fwd_kernel``  sequential over chunks: the chunk-entering states
@@ -105,9 +105,10 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
     attention fits: the delta rule's state passes contract the register-held state over 64 rows
     and spill at every tiling tried (8 or 16 warps, 16 or 32 columns, exact or 3xTF32 products),
     so float32 delta rule inputs take fla or PyTorch. The gated delta rule runs the delta rule's
-    forward kernels with its gates (same tiles, float32 likewise refused) but value blocks of
-    16 in its state pass and output kernel, whose decay tables and per-token decays hold more
-    float32 registers."""
+    kernels with its gates (same tiles, float32 likewise refused) but value blocks of 16 in its
+    state passes and output kernel, whose decay tables and per-token decays hold more float32
+    registers, and on sm_80 16 key columns per (g) program. Linear attention's output kernel
+    takes 4 warps on sm_80 (docs/kernels.md, "Tiles")."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     gated = op == "gated_delta_rule"  # the delta rule's kernels with the gates switched on
@@ -121,8 +122,8 @@ def tile_config(arch: int, dtype: torch.dtype, op: str) -> TileConfig | None:
     wide, narrow = Tiles(32, 8), Tiles(16, 8)
     cfg = TileConfig(state_fwd=Tiles(32, 8, stages), output=wide, local_du=wide,
                      state_bwd=Tiles(32, 8, stages), grad=Tiles(16, 8, BK=BN))
-    if op == "linear_attn":
-        return cfg
+    if op == "linear_attn":  # (sm_80, Triton 3.6's ptxas: 8 warps at 128 registers spill)
+        return cfg._replace(output=Tiles(32, 4)) if arch < 90 else cfg
     cfg = cfg._replace(ut_fwd=wide, state_fwd2=Tiles(16, 8, stages), ut_bwd=narrow,
                        state_bwd2=Tiles(16, 8, stages))
     if gated:  # the gates' tables and per-token decays: narrower value blocks
@@ -449,8 +450,7 @@ def _local_du_kernel(
 @triton.jit
 def _qt_do(qb, dob, UPCAST: tl.constexpr, IN_PREC: tl.constexpr, F32_PREC: tl.constexpr):
     """Q^T dO [BK, BV] float32: on tensor cores in the input dtype, in float32 when dO is float32
-    (normalised linear attention's o is float32; the gated delta rule's diag(gam) dO) or under
-    UPCAST."""
+    (normalised linear attention's o is float32) or under UPCAST."""
     if UPCAST or dob.dtype == tl.float32:
         out = tl.dot(tl.trans(qb.to(tl.float32)), dob.to(tl.float32), input_precision=F32_PREC)
     else:
@@ -697,14 +697,6 @@ def _grad_kernel(
 # Host side
 
 
-def _warps(warps: int) -> dict:
-    """The launch options of ``warps`` warps: and a register ceiling of the register file's
-    share per thread (255 at 8 warps). Without one, the ptxas of Triton 3.6 (CUDA 12.8) may
-    hold a kernel to 128 registers (two blocks per SM) and spill rather than use the rest: it
-    does so for linear attention's output kernel on sm_80 (docs/kernels.md, "Tiles")."""
-    return {"num_warps": warps, "maxnreg": min(255, 65536 // (32 * warps))}
-
-
 class _Launch(NamedTuple):
     """What every launch of one call shares."""
 
@@ -736,11 +728,11 @@ class _Launch(NamedTuple):
             tiles = self.cfg.state_bwd if backward else self.cfg.state_fwd
         grid = (self.nv(tiles), 1 if has_w else self.NK, self.BH)
         return grid, {"HAS_W": has_w, "NK": self.NK if has_w else 1, "BV": tiles.BV,
-                      "STAGES": tiles.stages, **_warps(tiles.warps), **self.consts}
+                      "STAGES": tiles.stages, "num_warps": tiles.warps, **self.consts}
 
     def tiles(self, tiles: Tiles) -> dict:
         """Launch arguments of a kernel without a loop over chunks."""
-        return {**self.consts, "BV": tiles.BV, "BK": tiles.BK, **_warps(tiles.warps)}
+        return {**self.consts, "BV": tiles.BV, "BK": tiles.BK, "num_warps": tiles.warps}
 
 
 def _launch(q: torch.Tensor, v: torch.Tensor, chunk_size: int, op: str) -> _Launch:
@@ -839,7 +831,7 @@ def _backward(L: _Launch, q, k, v, beta, X, W, U, h, do, dS, g=None, last=None):
     _grad_kernel[(n_grad, L.N, L.BH)](
         q, k, U if has_w else v, h, dh, do, dv, E, dq, dk, *gates, du if dg is None else dg,
         *L.dims, L.HK, HAS_W=has_w, **flags,
-        **{n: grad[n] for n in ("F32_PREC", "BT", "BK", "BV", "num_warps", "maxnreg")})
+        **{n: grad[n] for n in ("F32_PREC", "BT", "BK", "BV", "num_warps")})
     if L.HK != L.H:  # grouped heads: each key head's gradient sums its value heads'
         dq, dk = (x.view(B, T, L.HK, L.H // L.HK, L.Dk).sum(3) for x in (dq, dk))
     return dq, dk, dv, dbeta, dS0, None if dg is None else dg.sum(0)

@@ -145,10 +145,11 @@ def gated_delta_rule(
     ``backend`` (ops/backend.py, as for delta_rule): "fla" (flash-linear-attention's
     ``chunk_gated_delta_rule``, CUDA, mode="chunk" with chunk_size=64, float16/bfloat16/float32
     inputs; packed batches go to it whole), "triton" (triton.py, CUDA, mode="chunk",
-    chunk_size <= 64, Dk <= 128, float16/bfloat16 inputs; its backward is the chunked form's
-    here; packed batches one document at a time), "torch" (the forms above, any device), or
-    None: the environment variable ``FASTWEIGHTS_BACKEND``, else fla, triton, torch, the first
-    that can run the call. One-token calls stay on torch's step.
+    chunk_size <= 64, Dk <= 128, float16/bfloat16 inputs, forward and backward; packed batches
+    one document at a time), "torch" (the forms above, any device), or None: the environment
+    variable ``FASTWEIGHTS_BACKEND``, else fla, triton, torch, the first that can run the call
+    (fla and triton ranked by their measured times where both were measured, ``speeds.py``).
+    One-token calls stay on torch's step.
 
     Precision: float32 for float32, bfloat16 and float16 inputs (float64 stays float64),
     autocast switched off inside; the state is float32 or float64 whatever the input dtype.

@@ -1,6 +1,6 @@
-"""The gated delta rule (docs/maths.md 5b) in the delta rule's Triton forward kernels with the
-gates on (``HAS_G``, ops/delta_rule/triton.py), in the algebra of ops/delta_rule/chunk.py's
-``delta_rule_chunk`` with gates; its backward is the PyTorch chunked form's. Imports ``triton``
+"""The gated delta rule (docs/maths.md 5b) in the delta rule's Triton kernels with the gates on
+(``HAS_G``, ops/delta_rule/triton.py), forward and backward, in the algebra of
+ops/delta_rule/chunk.py's ``delta_rule_chunk`` with gates and its backward. Imports ``triton``
 at import time.
 """
 
@@ -63,7 +63,7 @@ def gated_delta_rule_triton(
     head h // (H / Hk)) in float16/bfloat16/float32; beta, g (log-decays <= 0, -inf a reset)
     [B, T, H] in any floating dtype (read as float32); S0 [B, H, Dk, Dv] float32;
     chunk_size <= 64, Dk <= 128. Returns (o [B, T, H, Dv] in q's dtype, S float32).
-    Differentiable: the backward is the PyTorch chunked form's (``_GatedDeltaTriton``)."""
+    Differentiable in every input: the backward runs the kernels too (``_GatedDeltaTriton``)."""
     (q, k, v, beta, g), S0, dims = _prepare(q, k, v, S0, beta, g)
     o, S = _GatedDeltaTriton.apply(q, k, v, beta, g, S0, chunk_size)
     return _unpad(o, S, dims)

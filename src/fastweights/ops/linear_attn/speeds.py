@@ -2,7 +2,7 @@
 automatic choice ranks fla against this project's kernels by (ops/backend.py ``ranked``;
 docs/gpu.md, "Which backend runs what"). Keys: the device kind (``backend.device_kind``), then
 "forward" (no gradients) and "train" (forward and backward) by backend; "shape" and "source" say
-what was measured where. Written by ``python -m fastweights.bench.speeds`` from a record of
+what was measured where. Written by ``fastweights bench speeds`` from a record of
 ``fastweights bench gpu`` (its ops rows); a backend without a figure keeps its place in the
 fixed order.
 """
