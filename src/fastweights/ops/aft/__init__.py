@@ -18,11 +18,13 @@ token with an online log-sum-exp, not for AFT-full, whose state is a cache of ev
 
 Inputs may be float64/float32/bfloat16/float16; the mathematics and every state run in float32
 (float64 for float64 inputs) and outputs come back in the input dtype. Every form is stable for
-keys and biases of any range: AFT-full's matrix products redo the rows they would underflow with
-the joint maximum of K + w (docs/maths.md 4.4, ``chunk.py``).
-The oracles are in ``naive.py``, the chunked forms in ``chunk.py``, the token-by-token ones in
-``recurrent.py``; the public ops in ``full.py`` (``aft``), ``local.py`` and ``conv.py``, each
-beside its typed state, and their one-token steps in ``step.py``.
+keys and biases of any range: AFT-full's product form redoes the rows it would underflow in the
+log-sum-exp form (docs/maths.md 4.4, ``product.py``).
+The oracles are in ``naive.py``, the chunked forms in ``chunk.py`` and ``product.py``, the
+token-by-token ones in ``recurrent.py``, the Triton kernels of AFT-full and causal AFT-local in
+``triton.py`` (``backend=``, ops/backend.py); the public ops in ``full.py`` (``aft``),
+``local.py`` and ``conv.py``, each beside its typed state, and their one-token steps in
+``step.py``.
 """
 
 from .common import MODES

@@ -1,28 +1,30 @@
-"""Triton kernels of AFT-full's product form (docs/maths.md 4.4, ``product.py``), forward and
+"""Triton kernels of AFT's product form (docs/maths.md 4.4, ``product.py``), forward and
 backward, tiled like flash attention over (query block, key block) with the channels of every
-batch row as the columns of the products. The plan, tiles and estimates: docs/kernels.md,
-"AFT-full".
+batch row as the columns of the products: AFT-full, and causal AFT-local (``LOCAL``: only the
+key blocks of the windows, the keys before a window through prefix sums). The plan, tiles and
+estimates: docs/kernels.md, "AFT-full".
 
 Dimension legend: B batch, T the call's rows, L = first + T keys in view (a cached past first),
-D channels; BT query rows, BK keys and BD channels per tile; NT = ceil(T / BT) query blocks,
-NB = ceil(D / BD) channel blocks. Rows, keys and channels past T, L, D load as zeros (biases as
--inf) and are never stored, so none of them has to be a power of two.
+D channels, S AFT-local's window; BT query rows, BK keys and BD channels per tile;
+NT = ceil(T / BT) query blocks, NB = ceil(D / BD) channel blocks. Rows, keys and channels past
+T, L, D load as zeros (biases as -inf) and are never stored, so none of them has to be a power
+of two.
 
-forward   (a) ``_prep_kernel``      X_e = exp(K - M), X_ev = X_e * V in the operand dtype,
-                                    M [B, D] the column maximum of K (torch's amax)
-          (b) ``_fwd_kernel``       per (channel block, query block): over the key blocks, the
-                                    online row maximum m of w, P = exp(w - m) and
-                                    num += P X_ev, den += P X_e; o = sigmoid(Q) num / den, the
-                                    denominators, m, and the flags of lossy rows
-backward  (c) ``_bwd_prep_kernel``  U = dO sigmoid(Q) / den, Z = dO o / den, dQ
-          (d) ``_bwd_kv_kernel``    per (channel block, key block), over the query blocks:
+forward   (a) ``_prep_kernel``      X_e = exp(K - M), X_ev = X_e V, M [B, D] the column
+                                    maximum of K (torch's amax)
+          (b) ``_fwd_kernel``       per (query block, channel block): over the key blocks, the
+                                    online row maximum m of w, P = exp(w - m), num += P X_ev,
+                                    den += P X_e; o = sigmoid(Q) num / den, R = num / den, den,
+                                    m, and the flags of lossy rows
+backward  (c) ``_bwd_prep_kernel``  U = dO sigmoid(Q) / den, Z = U R, dQ
+          (d) ``_bwd_kv_kernel``    per (key block, channel block), over the query blocks:
                                     dV = X_e (P^T U), dK = V dV - X_e (P^T Z)
-          (e) ``_bwd_w_kernel``     per (key block, query block), over batch rows and channels:
+          (e) ``_bwd_w_kernel``     per (query block, key block), over batch rows and channels:
                                     dw = P * (U X_ev^T - Z X_e^T)
 
-Precision: the products' operands P, X_e, X_ev, U and Z are values of float32's range, so they
-are bfloat16 for half inputs (float16 too: its range would underflow exp(w - m) below e^-17)
-and float32 for float32 inputs; accumulation, the row maxima, denominators and every epilogue
+Precision: the products' operands P, X_e, X_ev, U and Z span float32's range and are float32;
+the products are TF32 for half inputs and exact float32 for float32 inputs (docs/kernels.md,
+"AFT-full", why not bfloat16 operands). Accumulation, row maxima, denominators and epilogues
 are float32. This module imports ``triton`` at import time; ops/backend.py imports it lazily.
 """
 
