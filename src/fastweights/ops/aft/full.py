@@ -100,7 +100,8 @@ def aft(
     aligned with the packed tokens, each document's against its own key positions from 0);
     initial/final states are lists with one state per document (ops/_varlen.py).
     ``backend``: "triton", "torch" or None (automatic; ops/backend.py): AFT-full's mode "chunk"
-    has Triton kernels (ops/aft/triton.py, half inputs on CUDA); AFT-simple runs on torch.
+    has Triton kernels (ops/aft/triton.py; half inputs on CUDA, D a multiple of 16); AFT-simple
+    runs on torch.
     """
     B, T, D = check_btd(q, k, v)
     check_flags(causal, initial_state, output_final_state, mode, chunk_size)
