@@ -24,7 +24,7 @@ OPTIONS = {"ttt-linear": {"mini_batch_size": 4}, "ttt-mlp": {"mini_batch_size": 
            "infini": {"segment_len": 4}, "diag": {"block_size": 4}, "aft-conv": {"window": 4},
            "aft-full": {"max_len": 64}, "aft-local": {"window": 4, "max_len": 64},
            "norm": {"decay": True}}
-NO_STATIC_FORM = {"aft-full"}  # its cache of every token has no buffer form yet
+NO_STATIC_FORM: set[str] = set()  # every mixer has a static form
 PROMPT, STEPS = 7, 6
 
 
@@ -117,8 +117,11 @@ def test_generate_on_static_buffers_equals_eager_and_refuses_what_it_cannot_do()
         model.step(ids, None)
     full = LanguageModel(LMConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2,
                                   mixer="aft-full", mixer_options={"max_len": 32}))
-    with pytest.raises(TypeError, match="AFTFull has no static decoding form"):
-        full.static_state(full(ids)[1], 16)
+    with pytest.raises(ValueError, match=r"max_len must be in \[5, 32\]"):
+        full.static_state(full(ids)[1], 33)  # past the positions of the layer's bias table
+    cache = full.static_state(full(ids)[1], 16)
+    with pytest.raises(ValueError, match="continues one token per call"):
+        full(ids, cache)
     short = LanguageModel(LMConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2,
                                    mixer="aft-local", mixer_options={"window": 8}))
     with pytest.raises(ValueError, match="window - 1"):

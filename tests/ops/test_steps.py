@@ -204,3 +204,49 @@ def test_every_step_is_public():
     stateful = ["linear_attn", "delta_rule", "gated_delta_rule", "decay_linear_attn",
                 "infini_attention", "aft", "aft_local", "aft_conv", "ttt_linear", "ttt_mlp"]
     assert [f"{op}_step" for op in stateful if f"{op}_step" not in ops.__all__] == []
+
+
+def test_aft_full_steps_on_a_cache_of_fixed_capacity_equal_the_op():
+    """``aft_step`` on an ``AFTFullCache`` (buffers of capacity L, the static decoding form):
+    rows at their own lengths, each row's outputs equal its own AFT-full run (float64, odd
+    sizes); the buffers are the state passed in, written in place."""
+    Bc, Dc, L, steps = 3, 5, 11, 4
+    q, k, v = (_randn(Bc, L, Dc, seed=s) for s in (11, 12, 13))
+    w = _randn(L, L, seed=14)
+    starts = [0, 2, 5]  # each row's cached tokens
+    kc, vc = torch.zeros(Bc, L, Dc, dtype=torch.float64), torch.zeros(Bc, L, Dc, dtype=torch.float64)
+    for b, p in enumerate(starts):
+        kc[b, :p], vc[b, :p] = k[b, :p], v[b, :p]
+    cache = ops.AFTFullCache(kc, vc, torch.tensor(starts))
+    pos = torch.tensor(starts)
+    outs = []
+    for _ in range(steps):
+        rows = torch.arange(Bc)
+        o, cache = ops.aft_step(q[rows, pos].unsqueeze(1), k[rows, pos].unsqueeze(1),
+                                v[rows, pos].unsqueeze(1), w[pos], state=cache)
+        outs.append(o)
+        pos = pos + 1
+    assert cache.k_cache is kc and cache.lengths.tolist() == [p + steps for p in starts]
+    for b, p in enumerate(starts):
+        want, _ = ops.aft(q[b:b + 1, :p + steps], k[b:b + 1, :p + steps],
+                          v[b:b + 1, :p + steps], w[:p + steps, :p + steps], mode="naive")
+        got = torch.cat([o[b:b + 1] for o in outs], 1)
+        assert_close64(got, want[:, p:], what=f"row {b}")
+
+
+def test_aft_full_cache_step_names_bad_arguments():
+    q = _randn(2, 1, 3, seed=1)
+    cache = ops.AFTFullCache(torch.zeros(2, 6, 3, dtype=torch.float64),
+                             torch.zeros(2, 6, 3, dtype=torch.float64), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="w must be given"):
+        ops.aft_step(q, q, q, state=cache)
+    with pytest.raises(ValueError, match=r"w must have shape \[B, L\] = \[2, 6\]"):
+        ops.aft_step(q, q, q, torch.zeros(2, 5, dtype=torch.float64), state=cache)
+    with pytest.raises(ValueError, match=r"state\.v_cache must have shape"):
+        ops.aft_step(q, q, q, torch.zeros(1, 6, dtype=torch.float64),
+                     state=cache._replace(v_cache=torch.zeros(2, 5, 3, dtype=torch.float64)))
+    with pytest.raises(ValueError, match=r"state\.lengths must be a long tensor"):
+        ops.aft_step(q, q, q, torch.zeros(1, 6, dtype=torch.float64),
+                     state=cache._replace(lengths=torch.zeros(2)))
+    with pytest.raises(ValueError, match=r"must be torch\.float32"):
+        ops.aft_step(q.float(), q.float(), q.float(), torch.zeros(1, 6), state=cache)

@@ -31,6 +31,7 @@ from .._checks import (
 from ..ops import (
     RECURRENT_MODES,
     AFTConvState,
+    AFTFullCache,
     AFTFullState,
     AFTLocalState,
     AFTSimpleState,
@@ -48,6 +49,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    cache_buffers,
     check_stackable,
     is_step,
     merge_heads,
@@ -151,8 +153,12 @@ class AFTFull(_AFT):
     """AFT-full (docs/maths.md 4.1): a learned bias w_tt' for every pair, factorised as U V^T.
 
     State: the cache ``(k [B, t, d'], v [B, t, d'])`` of every token seen (an arbitrary pairwise
-    bias has no constant-size state), so ``state_size(seq_len)`` grows linearly.
+    bias has no constant-size state), so ``state_size(seq_len)`` grows linearly; or, for a
+    decoding step on static buffers (``static_state``), an ``AFTFullCache`` of fixed capacity,
+    which continues one token per call.
     """
+
+    static_form = "cache"  # static_state: docs/design.md, "Decoding graphs"
 
     def __init__(self, d_model: int, n_heads: int, *, d_hidden: int | None = None,
                  max_len: int = 1024, d_bias: int = 128, bias_std: float = 0.01,
@@ -168,6 +174,15 @@ class AFTFull(_AFT):
             # the position table (built per document: rows of different widths).
             return self._forward_per_document(x, state, cu_seqlens)
         check_layer_input(x, self.d_model)
+        if isinstance(state, AFTFullCache):  # the buffers of a static decoding step
+            if x.shape[1] != 1:
+                raise ValueError(f"an AFTFullCache state (buffers of a decoding step) continues "
+                                 f"one token per call, got T={x.shape[1]}")
+            q, k, v = self._qkv(x)
+            L = state.k_cache.shape[1]
+            o, state = aft_step(q, k, v, self.bias.u[state.lengths] @ self.bias.v[:L].T,
+                                state=state)
+            return self.out(o), state
         state = self._typed_state(state, AFTFullState)
         past = 0 if state is None else state.k_cache.shape[1]
         w = self.bias.rows(past, past + x.shape[1])
@@ -198,6 +213,12 @@ class AFTFull(_AFT):
 
     def state_size(self, seq_len: int = 1) -> int:
         return 2 * self.d_hidden * seq_len
+
+    def static_state(self, state: State, max_len: int) -> AFTFullCache:
+        """An ``AFTFullCache`` of capacity ``max_len`` tokens (at most the layer's own
+        ``max_len``, the positions its bias table has) holding the (k_cache, v_cache) a
+        forward returned (every row at one length)."""
+        return AFTFullCache(*cache_buffers(state, max_len, self.bias.max_len, "AFTFull"))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, max_len={self.bias.max_len}"

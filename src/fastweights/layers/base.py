@@ -255,6 +255,29 @@ def token_positions(bounds: Sequence[int], starts: Sequence[int],
                       for (a, b), s in zip(pairwise(bounds), starts)])
 
 
+def cache_buffers(state: State, max_len: int, most: int | None,
+                  owner: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A (k_cache, v_cache) pair a forward returned ([B, t, ...] each, every row at one length)
+    as buffers of ``max_len`` tokens (zeros past t) and the rows' lengths [B] long: the static
+    decoding form of a cache of every token (docs/design.md, "Decoding graphs"). ``max_len``
+    must lie in [t, most] (``most`` None: no bound)."""
+    if not (isinstance(state, tuple) and len(state) == 2
+            and all(isinstance(t, torch.Tensor) for t in state)):
+        raise TypeError(f"static_state needs the (k_cache, v_cache) pair {owner} returned, "
+                        f"got {type(state).__name__}")
+    k, v = state
+    B, t = k.shape[:2]
+    if max_len < t or (most is not None and max_len > most):
+        bound = f"in [{t}, {most}] (the cached tokens, the layer's max_len)" if most is not None \
+            else f">= the cached tokens ({t})"
+        raise ValueError(f"max_len must be {bound}, got {max_len}")
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x.new_zeros(B, max_len - t, *x.shape[2:])], 1)
+
+    return pad(k), pad(v), torch.full((B,), t, dtype=torch.long, device=k.device)
+
+
 def check_stackable(states: Any) -> list[State]:
     """``stack_states``'s argument: a non-empty list or tuple of carried states (not None)."""
     if not isinstance(states, (list, tuple)) or not states:

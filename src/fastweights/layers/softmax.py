@@ -16,6 +16,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    cache_buffers,
     check_stackable,
     merge_heads,
     split_heads,
@@ -117,17 +118,7 @@ class SoftmaxAttention(RotaryFrequencies, Mixer):
     def static_state(self, state: State, max_len: int) -> KVCache:
         """A ``KVCache`` of capacity ``max_len`` tokens holding the (k_cache, v_cache) pair a
         forward returned (every row at one length)."""
-        if not (isinstance(state, tuple) and len(state) == 2
-                and all(isinstance(t, torch.Tensor) for t in state)):
-            raise TypeError("static_state needs the (k_cache, v_cache) pair SoftmaxAttention "
-                            f"returned, got {type(state).__name__}")
-        k, v = state
-        B, t = k.shape[:2]
-        if max_len < t:
-            raise ValueError(f"max_len must be >= the cached tokens ({t}), got {max_len}")
-        pad = (0, 0, 0, 0, 0, max_len - t)
-        return KVCache(F.pad(k, pad), F.pad(v, pad),
-                       torch.full((B,), t, dtype=torch.long, device=k.device))
+        return KVCache(*cache_buffers(state, max_len, None, "SoftmaxAttention"))
 
     def keys_values(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What x's tokens, at absolute positions start.., add to the (k_cache, v_cache) state:

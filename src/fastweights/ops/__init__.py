@@ -6,6 +6,7 @@ back to the host; docs/design.md, "Steps"). Layers use these names and nothing b
 from ._modes import RECURRENT_MODES, TTT_MODES, reading_nothing, reads_allowed
 from .aft import (
     AFTConvState,
+    AFTFullCache,
     AFTFullState,
     AFTLocalState,
     AFTSimpleState,
@@ -44,6 +45,7 @@ __all__ = [
     "RECURRENT_MODES",
     "TTT_MODES",
     "AFTConvState",
+    "AFTFullCache",
     "AFTFullState",
     "AFTLocalState",
     "AFTSimpleState",

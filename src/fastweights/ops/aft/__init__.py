@@ -29,12 +29,12 @@ token-by-token ones in ``recurrent.py``, the Triton kernels of AFT-full and caus
 
 from .common import MODES
 from .conv import AFTConvState, aft_conv
-from .full import AFTFullState, AFTSimpleState, aft
+from .full import AFTFullCache, AFTFullState, AFTSimpleState, aft
 from .local import AFTLocalState, aft_local
 from .step import aft_conv_step, aft_local_step, aft_step, merge_simple_states
 
 __all__ = [
-    "MODES", "AFTConvState", "AFTFullState", "AFTLocalState", "AFTSimpleState", "aft",
+    "MODES", "AFTConvState", "AFTFullCache", "AFTFullState", "AFTLocalState", "AFTSimpleState", "aft",
     "aft_conv", "aft_conv_step", "aft_local", "aft_local_step", "aft_step",
     "merge_simple_states",
 ]

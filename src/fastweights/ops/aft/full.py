@@ -51,6 +51,17 @@ class AFTFullState(NamedTuple):
                                      state_dtype(q.dtype)))
 
 
+class AFTFullCache(NamedTuple):
+    """AFT-full's cache in buffers of fixed capacity L (what a decoding step captured in a CUDA
+    graph continues: fixed shapes and addresses; docs/design.md, "Decoding graphs"): k_cache and
+    v_cache [B, L, D] in the compute dtype, row b's tokens their first ``lengths[b]`` entries
+    (long [B]), the rest not yet written. ``aft_step`` writes into the buffers in place."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    lengths: torch.Tensor
+
+
 class AFTSimpleState(NamedTuple):
     """The past of causal AFT-simple, each [B, D]: it sums to e^a n (numerator sum e^K V) and
     e^a m (denominator sum e^K); a is a stabilising reference (the running key maximum in

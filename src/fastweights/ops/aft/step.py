@@ -20,7 +20,7 @@ from .._steps import wide
 from .chunk import merge
 from .common import check_bias_matrix, check_btd, check_conv_qkv, check_kernel, gate
 from .conv import AFTConvState
-from .full import AFTFullState, AFTSimpleState
+from .full import AFTFullCache, AFTFullState, AFTSimpleState
 from .local import AFTLocalState, local_causal
 from .naive import full_naive
 from .recurrent import banded_recurrent, simple_recurrent
@@ -35,16 +35,25 @@ def _one_token(T: int, layout: str) -> None:
 @float32_compute
 def aft_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None, *,
-    state: AFTSimpleState | AFTFullState | None = None,
-) -> tuple[torch.Tensor, AFTSimpleState | AFTFullState]:
+    state: AFTSimpleState | AFTFullState | AFTFullCache | None = None,
+) -> tuple[torch.Tensor, AFTSimpleState | AFTFullState | AFTFullCache]:
     """One token of causal ``aft``: q, k, v [B, 1, D]. ``w`` None is AFT-simple, ``state`` an
     ``AFTSimpleState`` (None: empty); with ``w`` [1, P] (the token's biases against the keys at
     positions 0..P-1, P >= p + 1) AFT-full, ``state`` an ``AFTFullState`` (the cache of the p
-    tokens seen). Returns (o [B, 1, D] in q's dtype, the state after the token)."""
+    tokens seen). Or AFT-full on an ``AFTFullCache`` of capacity L: ``w`` [B, L] (or [1, L]),
+    row b the token's biases against the positions 0..L-1 (those past the row's
+    ``lengths[b]`` ignored); the token is written at each row's length, into the buffers in
+    place (the state passed in is the one returned, with lengths + 1). Shapes are checked, not
+    the lengths' values (a full row, lengths = L, is outside the buffers: the caller sizes
+    them). Returns (o [B, 1, D] in q's dtype, the state after the token)."""
     B, T, D = check_btd(q, k, v)
     _one_token(T, "[B, 1, D]")
     cdtype = state_dtype(q.dtype)
     kc, vc = wide(k, cdtype), wide(v, cdtype)
+    if isinstance(state, AFTFullCache):
+        if w is None:
+            raise ValueError("an AFTFullCache is AFT-full's state: w must be given ([B, L])")
+        return _cached_full_step(q, kc, vc, w, state)
     if w is None:
         prefix = None
         if state is not None:
@@ -60,6 +69,37 @@ def aft_step(
     v_all = torch.cat([cache.v_cache, vc], dim=1)
     ratio = full_naive(k_all, v_all.unsqueeze(-1), wide(w[:1, :p + 1], cdtype), p, True)
     return gate(q, ratio.squeeze(-1)), AFTFullState(k_all, v_all)
+
+
+def _cached_full_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                      cache: AFTFullCache) -> tuple[torch.Tensor, AFTFullCache]:
+    """``aft_step`` on an ``AFTFullCache``: k, v [B, 1, D] already in the compute dtype."""
+    B, _, D = k.shape
+    k_cache, v_cache, lengths = cache
+    check_tensor("state.k_cache", k_cache, 3, "[B, L, D]")
+    L = k_cache.shape[1]
+    for name, x in (("state.k_cache", k_cache), ("state.v_cache", v_cache)):
+        check_tensor(name, x, 3, "[B, L, D]")
+        if tuple(x.shape) != (B, L, D):
+            raise ValueError(f"{name} must have shape [B, L, D] = [{B}, {L}, {D}], got "
+                             f"{tuple(x.shape)}")
+        if x.dtype != k.dtype:
+            raise ValueError(f"{name} must be {k.dtype} (the compute dtype of "
+                             f"{str(q.dtype).removeprefix('torch.')} inputs), got {x.dtype}")
+    if not (isinstance(lengths, torch.Tensor) and lengths.dtype == torch.long
+            and lengths.shape == (B,)):
+        raise ValueError(f"state.lengths must be a long tensor [B] = [{B}]")
+    check_tensor("w", w, 2, "[B, L]")
+    if w.shape[0] not in (1, B) or w.shape[1] != L:
+        raise ValueError(f"w must have shape [B, L] = [{B}, {L}] (or [1, {L}]) against an "
+                         f"AFTFullCache of capacity {L}, got {tuple(w.shape)}")
+    at = lengths.view(B, 1, 1)
+    k_cache.scatter_(1, at.expand(B, 1, D), k)
+    v_cache.scatter_(1, at.expand(B, 1, D), v)
+    seen = torch.arange(L, device=k.device).view(1, L, 1) <= at  # [B, L, 1]: this token too
+    logits = (k_cache + wide(w, k.dtype).unsqueeze(-1)).masked_fill(~seen, float("-inf"))
+    ratio = (torch.softmax(logits, dim=1) * v_cache).sum(1, keepdim=True)  # [B, 1, D]
+    return gate(q, ratio), AFTFullCache(k_cache, v_cache, lengths + 1)
 
 
 @float32_compute
