@@ -31,13 +31,9 @@ the one process, one after another.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import inspect
-import json
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,18 +47,15 @@ from .._commands import (
     parse_int_list,
     parse_name_list,
     positive_int,
-    prepare_out,
     recorded_settings,
     user_errors,
 )
 from ..ops import delta_rule, gated_delta_rule, gated_delta_rule_step
 from .measure import prepare_cpu_memory_accounting
-from .suite import cpu_info
+from .record import Record, machine
 
-__all__ = ["OUTPUT_FILES", "GatedDeltaRow", "record", "run_gated_delta", "summary_table",
-           "write_record"]
+__all__ = ["GatedDeltaRow", "report_lines", "run_gated_delta", "summary_table"]
 PASSES = ("fwd", "fwdbwd", "step")
-OUTPUT_FILES = ("results.md", "meta.json", "lscpu.txt", "results.csv")  # what write_record writes
 
 
 @dataclasses.dataclass
@@ -248,40 +241,13 @@ def summary_table(rows: list[GatedDeltaRow]) -> list[str]:
     return lines
 
 
-def _lscpu() -> str:
-    try:
-        return subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def record(rows: list[GatedDeltaRow], config: dict[str, Any], command: str,
-           ) -> tuple[list[str], dict[str, Any]]:
-    """The report of a run: its markdown lines (a head naming the shape and the CPU, then
-    ``summary_table``) and its meta.json record (``command``, machine, versions, ``config``:
-    the settings as given, with ``T``, ``B``, ``H``, ``D`` and ``repeats`` among them)."""
-    cpu = cpu_info()
-    meta = {"command": command, "cpu": cpu["model"], "isa": cpu["isa"],
-            "torch": torch.__version__, "python": platform.python_version(), "config": config,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+def report_lines(rows: list[GatedDeltaRow], config: dict[str, Any]) -> list[str]:
+    """The run's markdown lines: a head naming the shape and the CPU, then ``summary_table``
+    (``config``: the settings as given, with ``T``, ``B``, ``H``, ``D`` and ``repeats``)."""
     head = (f"B{config['B']} T{config['T']} H{config['H']} D{config['D']} float32; CPU "
-            f"{cpu['model']}; torch {torch.__version__}; wall clock, {config['repeats']} "
-            f"interleaved rounds, median")
-    return [head, "", *summary_table(rows)], meta
-
-
-def write_record(out: Path, lines: list[str], meta: dict[str, Any], rows: list[Any]) -> None:
-    """A benchmark record in ``out``: results.md (``lines``), meta.json, lscpu.txt and
-    results.csv (one line per dataclass row)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    (out / "lscpu.txt").write_text(_lscpu())
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[fd.name for fd in dataclasses.fields(rows[0])])
-        writer.writeheader()
-        for r in rows:
-            writer.writerow(dataclasses.asdict(r))
+            f"{machine()['cpu_model']}; torch {torch.__version__}; wall clock, "
+            f"{config['repeats']} interleaved rounds, median")
+    return [head, "", *summary_table(rows)]
 
 
 NAME = "gated-delta"
@@ -290,8 +256,8 @@ DESCRIPTION = ("Time gated_delta_rule's chunked form (forward, and forward+backw
                "transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule "
                "(Qwen3.5's PyTorch fallbacks; rows skipped where transformers is not installed), "
                "in interleaved rounds at each thread count; B, T, H, D float32, k L2-normalised. "
-               "Prints the tables; with --out writes results.md, results.csv, meta.json and "
-               "lscpu.txt there.")
+               "Prints the tables; with --out writes its record (results.csv, results.md, "
+               "meta.json, lscpu.txt) there.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -314,38 +280,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_out_arguments(p: argparse.ArgumentParser) -> None:
     """--out and --overwrite of the gated-delta benchmarks (this one and gated-delta-models)."""
     p.add_argument("--out", type=Path, default=None,
-                   help="folder for results.md, results.csv, meta.json and lscpu.txt "
+                   help="folder for the record: results.csv, results.md, meta.json, lscpu.txt "
                         "(default: print only)")
-    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier record in --out (its files only)")
 
 
-def prepare(args: argparse.Namespace) -> None:
-    """Before any timing: --out made ready (refused if it holds results, unless --overwrite)."""
-    if args.out is not None:
-        prepare_out(args.out, args.overwrite, OUTPUT_FILES)
+def prepare(args: argparse.Namespace, name: str) -> Record | None:
+    """Before any timing: the record in --out claimed (refused if the folder holds anything,
+    unless --overwrite); None without --out."""
+    return None if args.out is None else Record(args.out, name, overwrite=args.overwrite)
 
 
-def report(args: argparse.Namespace, name: str, rows: list[Any],
-           record: Callable[[list[Any], dict[str, Any], str], tuple[list[str], dict[str, Any]]],
-           ) -> None:
-    """Print the run's tables (``record``: the benchmark's report of its rows) and, with --out,
-    write them with the settings and the command ``fastweights bench {name} ...``."""
-    lines, meta = record(rows, recorded_settings(args),
-                         command_line(["fastweights", "bench", name], args))
-    print("\n".join(lines))
-    if args.out is not None:
-        write_record(args.out, lines, meta, rows)
+def report(args: argparse.Namespace, rec: Record | None, rows: list[Any],
+           lines: Callable[[list[Any], dict[str, Any]], list[str]]) -> None:
+    """Print the run's tables (``lines``: the benchmark's report of its rows and settings)
+    and, with a record, write them with the settings (``config``) and the command
+    ``fastweights bench NAME ...``."""
+    config = recorded_settings(args)
+    text = lines(rows, config)
+    print("\n".join(text))
+    if rec is not None:
+        meta = rec.meta(command_line(["fastweights", "bench", rec.name], args), config=config)
+        rec.write(rows, meta, markdown=text)
 
 
 def run(args: argparse.Namespace) -> int:
     threads = parse_int_list("--threads", args.threads)
     chunk_sizes = parse_int_list("--chunk-sizes", args.chunk_sizes)
     passes = parse_name_list("--passes", args.passes, PASSES)
-    prepare(args)
+    rec = prepare(args, NAME)
     with user_errors((ValueError,)):
         rows = run_gated_delta(
             T=args.T, B=args.B, H=args.H, D=args.D, threads=tuple(threads),
             chunk_sizes=tuple(chunk_sizes), passes=passes, repeats=args.repeats,
             step_calls=args.step_calls)
-    report(args, NAME, rows, record)
+    report(args, rec, rows, report_lines)
     return 0
