@@ -49,7 +49,7 @@ from .._commands import (
 from ..models.registry import build_mixer, check_mixer, mixer_names
 from ..parallel import context_parallel_forward, counting, strategy_name
 from .measure import PeakMemory, prepare_cpu_memory_accounting
-from .record import Record, Table
+from .record import Record, Table, add_out_arguments
 
 FIELDS = ["mixer", "strategy", "world", "T", "shard_T", "time_s", "peak_bytes_per_rank",
           "comm_forward_bytes", "comm_backward_bytes", "comm_bytes_max_rank"]
@@ -272,9 +272,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     p.add_argument("--memory-gib", type=float, default=24.0, help="machine budget for longest T")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
-    p.add_argument("--out", type=Path, required=True, help="folder for the record")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier record in --out (its files only)")
+    add_out_arguments(p, required=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ from ..models import LanguageModel, LMConfig
 from ..train.distributed import device_mesh, shard_model
 from .context_parallel import finish_rank, init_rank, run_worlds
 from .measure import PeakMemory, resident_bytes
-from .record import Record, Table
+from .record import Record, Table, add_out_arguments
 
 FIELDS = ["mode", "world", "params", "state_bytes_per_rank", "peak_bytes_per_rank",
           "comm_bytes_per_rank", "comm_measured", "time_s", "largest_params"]
@@ -206,9 +206,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-gib", type=float, default=24.0,
                    help="memory of one rank, for the largest model")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
-    p.add_argument("--out", type=Path, required=True, help="folder for the record")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier record in --out (its files only)")
+    add_out_arguments(p, required=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,7 +36,6 @@ import inspect
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +51,7 @@ from .._commands import (
 )
 from ..ops import delta_rule, gated_delta_rule, gated_delta_rule_step
 from .measure import prepare_cpu_memory_accounting
-from .record import Record, machine
+from .record import Record, add_out_arguments, machine, open_record
 
 __all__ = ["GatedDeltaRow", "report_lines", "run_gated_delta", "summary_table"]
 PASSES = ("fwd", "fwdbwd", "step")
@@ -277,21 +276,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_out_arguments(p)
 
 
-def add_out_arguments(p: argparse.ArgumentParser) -> None:
-    """--out and --overwrite of the gated-delta benchmarks (this one and gated-delta-models)."""
-    p.add_argument("--out", type=Path, default=None,
-                   help="folder for the record: results.csv, results.md, meta.json, lscpu.txt "
-                        "(default: print only)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier record in --out (its files only)")
-
-
-def prepare(args: argparse.Namespace, name: str) -> Record | None:
-    """Before any timing: the record in --out claimed (refused if the folder holds anything,
-    unless --overwrite); None without --out."""
-    return None if args.out is None else Record(args.out, name, overwrite=args.overwrite)
-
-
 def report(args: argparse.Namespace, rec: Record | None, rows: list[Any],
            lines: Callable[[list[Any], dict[str, Any]], list[str]]) -> None:
     """Print the run's tables (``lines``: the benchmark's report of its rows and settings)
@@ -309,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     threads = parse_int_list("--threads", args.threads)
     chunk_sizes = parse_int_list("--chunk-sizes", args.chunk_sizes)
     passes = parse_name_list("--passes", args.passes, PASSES)
-    rec = prepare(args, NAME)
+    rec = open_record(args, NAME)
     with user_errors((ValueError,)):
         rows = run_gated_delta(
             T=args.T, B=args.B, H=args.H, D=args.D, threads=tuple(threads),

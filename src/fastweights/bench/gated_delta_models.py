@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from .._commands import parse_int_list, parse_name_list, positive_int, user_errors
-from .gated_delta import _time_rounds, add_out_arguments, prepare, report
+from .gated_delta import _time_rounds, report
 from .measure import prepare_cpu_memory_accounting
-from .record import machine, machine_line
+from .record import add_out_arguments, machine, machine_line, open_record
 
 __all__ = ["CANDIDATES", "DTYPES", "ModelRow", "report_lines", "run_gated_delta_models",
            "summary_table"]
@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     Ts = parse_int_list("--T", args.T)
     dtypes = parse_name_list("--dtypes", args.dtypes, tuple(DTYPES))
     cases = parse_name_list("--cases", args.cases, CASES)
-    rec = prepare(args, NAME)
+    rec = open_record(args, NAME)
     with user_errors((ValueError, ImportError)):
         rows = run_gated_delta_models(
             Ts=tuple(Ts), dtypes=dtypes, hidden=args.hidden, layers=args.layers,

@@ -68,7 +68,7 @@ from ..testing import cuda_autocast_policy
 from . import gpu_paper, gpu_plan
 from .gpu_decode import DRY_DECODE, GPU_DECODE, decode_items, decode_markdown
 from .measure import PeakMemory, count_flops, matmul_gflops, time_call
-from .record import RECORD_FILES, Record, Table, gpu_name, machine
+from .record import RECORD_FILES, Record, Table, add_out_arguments, gpu_name, machine
 from .targets import Setting, mixer_targets
 
 NAME = "gpu"
@@ -688,10 +688,7 @@ def run_benchmark(rec: Record, *, dry_run: bool, device: torch.device, budget_s:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .._commands import positive_float, positive_int
 
-    p.add_argument("--out", type=Path, default=Path("runs/bench-gpu"),
-                   help="folder for the record: results.csv, results.md, meta.json, lscpu.txt")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier record in --out (its files only)")
+    add_out_arguments(p, default=Path("runs/bench-gpu"))
     p.add_argument("--dry-run", action="store_true",
                    help="the same code at tiny sizes on the CPU (kernel backends skipped, with "
                         "their reason); what CI runs")

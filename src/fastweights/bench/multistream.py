@@ -68,7 +68,7 @@ from ..models.config import LMConfig
 from ..models.lm import LanguageModel, LMState
 from ..models.registry import check_mixer, mixer_names
 from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
-from .record import Record, Table, machine_line
+from .record import Record, Table, add_out_arguments, machine_line
 from .suite import _available_memory
 
 PERIOD = 64  # a multiple of every mixer's period at the default options (checked per model)
@@ -356,8 +356,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier record in --out (its files only)")
+    add_out_arguments(p, required=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from .._commands import command_line, parse_int_list, positive_int
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
 from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
-from .record import Record, machine, machine_line
+from .record import Record, add_out_arguments, machine, machine_line
 from .targets import check_model_mixers
 
 
@@ -127,10 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-heads", type=positive_int, default=8)
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, default=None,
-                   help="folder for the record (default: print only)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier record in --out (its files only)")
+    add_out_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ a temporary name and renamed, so a reader never sees half a file.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import datetime
@@ -40,8 +41,8 @@ import torch
 
 from .._commands import prepare_out
 
-__all__ = ["RECORD_FILES", "Record", "Table", "cpu_info", "gpu_name", "lscpu", "machine",
-           "machine_line"]
+__all__ = ["RECORD_FILES", "Record", "Table", "add_out_arguments", "cpu_info", "gpu_name",
+           "lscpu", "machine", "machine_line", "open_record"]
 
 RESULTS, META, MARKDOWN, LSCPU = "results.csv", "meta.json", "results.md", "lscpu.txt"
 RECORD_FILES = (RESULTS, META, MARKDOWN, LSCPU)  # what every record holds
@@ -226,3 +227,22 @@ class Record:
             _write(self.out / fname, data)
             written.append(self.out / fname)
         return written
+
+
+def add_out_arguments(p: argparse.ArgumentParser, *, required: bool = False,
+                      default: Path | None = None) -> None:
+    """A benchmark's ``--out`` (its record's folder; without it, unless ``required`` or given a
+    ``default``, the benchmark only prints) and ``--overwrite``."""
+    what = "folder for the record: results.csv, results.md, meta.json, lscpu.txt"
+    p.add_argument("--out", type=Path, required=required, default=default,
+                   help=what if required or default is not None else what + " (default: print only)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier record in --out (its files only)")
+
+
+def open_record(args: argparse.Namespace, name: str, files: Sequence[str] = ()) -> Record | None:
+    """The record of benchmark ``name`` in ``args.out``, claimed (``Record``, with
+    ``args.overwrite``); None without ``--out``. Call it once the options are validated and
+    before measuring."""
+    return None if args.out is None else Record(args.out, name, overwrite=args.overwrite,
+                                                files=files)
