@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
-from .._commands import parse_int_list, positive_int
+from .._commands import command_line, parse_int_list, positive_int
 from ..models.registry import build_mixer
 from ..ops.ttt import chunk, inner_loop
-from .suite import cpu_info
+from .record import add_out_arguments, machine, open_record
 
 
 @contextlib.contextmanager
@@ -72,14 +71,14 @@ def run_ttt_mlp_backward(lengths: list[int], *, d_model: int = 512, heads: int =
         grouped.load_state_dict(layers["ttt-mlp"].state_dict())
         layers[f"ttt-mlp g{group}"] = grouped
         variants[f"ttt-mlp g{group}"] = (f"ttt-mlp g{group}", contextlib.nullcontext)
-    cpu = cpu_info()
-    print(f"CPU {cpu['model']}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    cpu = machine()["cpu_model"]
+    print(f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"float32, batch 1, d_model {d_model}, {heads} heads; thread CPU time, "
           f"median of {repeats} after 1 warm-up, variants interleaved")
     config = {"lengths": ",".join(map(str, lengths)), "d_model": d_model, "heads": heads,
               "repeats": repeats, "group": group}
     results: dict = {"config": {**config, "threads": torch.get_num_threads(),
-                                "torch": torch.__version__, "cpu": cpu["model"]}}
+                                "torch": torch.__version__, "cpu": cpu}}
     for T in lengths:
         x = torch.randn(1, T, d_model, requires_grad=True)
         steps = {name: _step(layers[layer], x, ctx, backward=True)
@@ -118,7 +117,8 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, ctx: Callable, backward: bool
 NAME = "ttt-mlp-backward"
 DESCRIPTION = ("Time one forward+backward of the ttt-mlp and softmax layers in thread CPU time, "
                "variants interleaved, and the bytes each keeps for the backward pass. Run with "
-               "OMP_NUM_THREADS=1 for single-thread figures; --json also writes the numbers.")
+               "OMP_NUM_THREADS=1 for single-thread figures; --out writes its record "
+               "(results.csv, results.md, meta.json, lscpu.txt).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,14 +128,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--group", type=positive_int, default=None,
                    help="also the TTT-MLP rows with checkpoint_group=GROUP")
-    p.add_argument("--json", default=None, help="also write the results here")
+    add_out_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    results = run_ttt_mlp_backward(parse_int_list("--lengths", args.lengths),
-                                   d_model=args.d_model, heads=args.heads,
+    lengths = parse_int_list("--lengths", args.lengths)
+    rec = open_record(args, NAME)
+    results = run_ttt_mlp_backward(lengths, d_model=args.d_model, heads=args.heads,
                                    repeats=args.repeats, group=args.group)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    if rec is not None:
+        rows = [{"T": int(T), "variant": name, "ms": r["ms"], "saved_MiB": r["saved_MiB"]}
+                for T, by in results.items() if T != "config" for name, r in by.items()]
+        lines = ["| T | variant | fwd+bwd ms (thread CPU time) | / softmax | saved for backward "
+                 "MiB |", "|---:|---|---:|---:|---:|"]
+        for r in rows:
+            base = results[str(r["T"])]["softmax (SDPA)"]["ms"]
+            lines.append(f"| {r['T']} | {r['variant']} | {r['ms']:.4g} | {r['ms'] / base:.2f} | "
+                         f"{r['saved_MiB']:.4g} |")
+        rec.write(rows, rec.meta(command_line(["fastweights", "bench", NAME], args),
+                                 config=results["config"]), markdown=lines)
     return 0
