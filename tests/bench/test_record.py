@@ -213,3 +213,58 @@ def test_machine_line_and_cpu_info():
     assert record._lscpu_model("Architecture: x86_64\nModel name:   AMD EPYC 9B14\n") == \
         "AMD EPYC 9B14"
     assert record._lscpu_model("lscpu not available: FileNotFoundError\n") is None
+
+
+# Clock and memory reads only bench/measure.py makes (the one timer and memory meter).
+MEASURING = {"perf_counter", "process_time", "thread_time", "perf_counter_ns", "time_ns",
+             "max_memory_allocated", "memory_allocated", "reset_peak_memory_stats",
+             "saved_tensors_hooks", "getrusage", "elapsed_time"}
+# (module, function, call) allowed, and why.
+NOT_MEASURING = {
+    ("gpu.py", "may_start", "monotonic"): "the run's time budget, not a measurement",
+    ("gpu.py", "_timed", "monotonic"): "the run's time budget, not a measurement",
+    ("gpu.py", "run_benchmark", "monotonic"): "the run's elapsed time for its budget",
+    ("gpu.py", "write", "monotonic"): "the run's elapsed time for its budget",
+}
+
+
+def clock_reads(source: str) -> list[tuple[str, str]]:
+    """(enclosing function, called name) of every clock or memory-statistics read in
+    ``source`` (``MEASURING``, and ``time.monotonic``/``time.time``)."""
+    found = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if isinstance(child, ast.Call):
+                name = _name(child.func)
+                on_time = (isinstance(child.func, ast.Attribute)
+                           and isinstance(child.func.value, ast.Name)
+                           and child.func.value.id == "time")
+                if name in MEASURING or (on_time and name in ("monotonic", "time")):
+                    found.append((where, name))
+            visit(child, where)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_only_measure_reads_clocks_and_memory():
+    """Every benchmark times with bench/measure.py's time_call / time_clocks / time_rounds and
+    meters memory with its PeakMemory / saved_bytes; a module reading a clock or the memory
+    statistics itself fails here unless ``NOT_MEASURING`` says why it may."""
+    offenders, used = [], set()
+    for path in sorted(BENCH.glob("*.py")):
+        if path.name == "measure.py":
+            continue
+        for where, call in clock_reads(path.read_text()):
+            if (path.name, where, call) in NOT_MEASURING:
+                used.add((path.name, where, call))
+            else:
+                offenders.append(f"{path.name}: {where}() calls {call}")
+    assert not offenders, "time and meter with bench/measure.py:\n" + "\n".join(offenders)
+    assert used == set(NOT_MEASURING), f"stale exceptions: {set(NOT_MEASURING) - used}"
+    planted = "def run(f):\n    t = time.perf_counter()\n    torch.cuda.max_memory_allocated()\n"
+    assert clock_reads(planted) == [("run", "perf_counter"), ("run", "max_memory_allocated")]

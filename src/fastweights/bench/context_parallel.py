@@ -29,7 +29,6 @@ import gc
 import json
 import statistics
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from .._commands import (
 )
 from ..models.registry import build_mixer, check_mixer, mixer_names
 from ..parallel import context_parallel_forward, counting, strategy_name
-from .measure import PeakMemory, prepare_cpu_memory_accounting
+from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
 from .record import Record, Table, add_out_arguments
 
 FIELDS = ["mixer", "strategy", "world", "T", "shard_T", "time_s", "peak_bytes_per_rank",
@@ -74,16 +73,17 @@ def _unit(mixer: Any) -> int:
 
 def _measure(step: Any, repeats: int, world: int) -> tuple[float, int | None, int, int]:
     """(median time, peak bytes, forward bytes, backward bytes) of ``step`` on this rank."""
+    def synchronised_step() -> None:
+        step()
+        if world > 1:
+            dist.barrier()  # the step ends when the slowest rank's does
+
     step()  # warm-up
     times = []
     for _ in range(repeats):
         if world > 1:
             dist.barrier()
-        start = time.perf_counter()
-        step()
-        if world > 1:
-            dist.barrier()  # the step ends when the slowest rank's does
-        times.append(time.perf_counter() - start)
+        times.append(time_call(synchronised_step, torch.device("cpu")))
     with PeakMemory(torch.device("cpu")) as peak:
         step()
     with counting() as traffic:

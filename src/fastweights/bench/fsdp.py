@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from .._commands import command_line, parse_int_list, parse_mixer_spec, positive
 from ..models import LanguageModel, LMConfig
 from ..train.distributed import device_mesh, shard_model
 from .context_parallel import finish_rank, init_rank, run_worlds
-from .measure import PeakMemory, resident_bytes
+from .measure import PeakMemory, resident_bytes, time_call
 from .record import Record, Table, add_out_arguments
 
 FIELDS = ["mode", "world", "params", "state_bytes_per_rank", "peak_bytes_per_rank",
@@ -103,17 +102,21 @@ def _measure(mode: str, world: int, opts: dict) -> tuple[int, int, int | None, i
     _train_step(net, opt, ids)  # warm-up: AdamW's moments allocated
     if world > 1:
         dist.barrier()
-    start = time.perf_counter()
-    with PeakMemory(torch.device("cpu")) as peak, counting_collectives() as comm:
-        before = resident_bytes()  # after PeakMemory's malloc_trim: what the process holds
-        _train_step(net, opt, ids)
-    if world > 1:
-        dist.barrier()
-    elapsed = time.perf_counter() - start
+    seen: dict[str, Any] = {}
+
+    def measured_step() -> None:
+        with PeakMemory(torch.device("cpu")) as peak, counting_collectives() as comm:
+            seen["before"] = resident_bytes()  # after PeakMemory's malloc_trim: what is held
+            _train_step(net, opt, ids)
+        seen["peak"], seen["moved"] = peak.peak, comm[0]
+        if world > 1:
+            dist.barrier()
+
+    elapsed = time_call(measured_step, torch.device("cpu"))
     held = _local_bytes(model)
-    moved = comm[0] if mode == "fsdp" else held if mode == "ddp" else 0
+    moved = seen["moved"] if mode == "fsdp" else held if mode == "ddp" else 0
     return (params, 4 * held,  # parameters, gradients and two moments: the same shapes
-            None if peak.peak is None else before + peak.peak, moved, elapsed)
+            None if seen["peak"] is None else seen["before"] + seen["peak"], moved, elapsed)
 
 
 def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:

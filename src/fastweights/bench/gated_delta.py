@@ -21,10 +21,10 @@ Method: every candidate of a (pass, thread count) is called once as a warm-up, t
 ``--repeats`` rounds call each candidate once, in an order rotated every round, so that all see
 the same machine state; the median counts and the spread is reported as min / max and as the
 per-round (paired) ratio to the reference candidate, whose median is robust to load changing
-between rounds on a shared machine. Times are wall clock (``time.perf_counter``); the process
-CPU time of each call (all threads) is recorded beside it. glibc's allocator is put in the
-timing configuration of ``fastweights.bench.measure`` (freed blocks reused, not returned to the
-system), for every candidate alike. Thread counts are set with ``torch.set_num_threads`` in
+between rounds on a shared machine. Times are wall clock (bench/measure.py ``time_clocks``);
+the process CPU time of each call (all threads) is recorded beside it. glibc's allocator is put
+in the timing configuration of ``fastweights.bench.measure`` (freed blocks reused, not returned
+to the system), for every candidate alike. Thread counts are set with ``torch.set_num_threads`` in
 the one process, one after another.
 """
 
@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import inspect
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +49,7 @@ from .._commands import (
     user_errors,
 )
 from ..ops import delta_rule, gated_delta_rule, gated_delta_rule_step
-from .measure import prepare_cpu_memory_accounting
+from .measure import prepare_cpu_memory_accounting, time_clocks
 from .record import Record, add_out_arguments, machine, open_record
 
 __all__ = ["GatedDeltaRow", "report_lines", "run_gated_delta", "summary_table"]
@@ -159,9 +158,7 @@ def _time_rounds(calls: dict[str, Call], repeats: int) -> dict[str, list[tuple[f
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            wall, cpu = time.perf_counter(), time.process_time()
-            calls[name]()
-            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+            times[name].append(time_clocks(calls[name], torch.device("cpu"), ("wall", "process")))
     return times
 
 

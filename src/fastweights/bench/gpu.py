@@ -454,14 +454,10 @@ def train_case(run: Run, name: str) -> None:
             opt.step()
 
         timed = _timed(run, step)
-        if run.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(run.device)
+        with PeakMemory(run.device) as mem:
             step()
-            peak = torch.cuda.max_memory_allocated(run.device)
-        else:
-            with PeakMemory(run.device) as mem:
-                step()
-            peak = mem.peak
+        # CUDA: all memory allocated at the peak (model and optimizer state included)
+        peak = mem.high if run.device.type == "cuda" else mem.peak
         run.row(**fields, **timed, tokens_per_s=B * T / (timed["median_ms"] / 1e3),
                 peak_mib=None if peak is None else peak / 2**20)
 

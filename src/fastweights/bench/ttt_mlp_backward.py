@@ -3,14 +3,15 @@ the same scan differentiated by autograd, and against softmax attention (SDPA), 
 
 ``fastweights bench ttt-mlp-backward`` builds the ``ttt-mlp`` and ``softmax`` mixers
 (d_model 512, 8 heads, batch 1, float32, the defaults) and times one forward+backward of each
-layer in thread CPU time (``time.thread_time``: on a machine shared with other jobs it counts
-only this thread's work), the variants interleaved round by round in this one process, one
+layer in thread CPU time (bench/measure.py's ``time_call`` on its ``thread`` clock: on a
+machine shared with other jobs it counts only this thread's work), the variants interleaved round by round in this one process, one
 warm-up call each, median of ``--repeats``. The "autograd" row runs the plain PyTorch scan
 (``ops/ttt/chunk.py``'s ``_ttt_mlp_dual_traced``, the path torch.compile traces) with autograd
 doing the backward pass, i.e. TTT-MLP before the hand-written backward; ``--group G`` adds a
 row of the hand-written backward with ``checkpoint_group=G`` (autograd's checkpointed scan is
 left out: torch.utils.checkpoint keeps its tensors out of sight of the byte count). It also reports the bytes each variant
-keeps for the backward pass (tensors saved by autograd, counted once per storage). Run with
+keeps for the backward pass (bench/measure.py ``saved_bytes``: tensors saved by autograd,
+counted once per storage). Run with
 ``OMP_NUM_THREADS=1`` for the single-thread figures.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from .._commands import command_line, parse_int_list, positive_int
 from ..models.registry import build_mixer
 from ..ops.ttt import chunk, inner_loop
+from .measure import saved_bytes, time_call
 from .record import add_out_arguments, machine, open_record
 
 
@@ -40,20 +41,6 @@ def _autograd_scan() -> Iterator[None]:
         yield
     finally:
         kernels["dual"] = saved
-
-
-def _saved_bytes(step: Callable[[], None]) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward pass of ``step``."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return sum(storages.values())
 
 
 def run_ttt_mlp_backward(lengths: list[int], *, d_model: int = 512, heads: int = 8, repeats: int = 5,
@@ -83,16 +70,14 @@ def run_ttt_mlp_backward(lengths: list[int], *, d_model: int = 512, heads: int =
         x = torch.randn(1, T, d_model, requires_grad=True)
         steps = {name: _step(layers[layer], x, ctx, backward=True)
                  for name, (layer, ctx) in variants.items()}
-        saved = {name: _saved_bytes(_step(layers[layer], x, ctx, backward=False))
+        saved = {name: saved_bytes(_step(layers[layer], x, ctx, backward=False))
                  for name, (layer, ctx) in variants.items()}
         times: dict[str, list[float]] = {name: [] for name in steps}
         for step in steps.values():
             step()
         for _ in range(repeats):
             for name, step in steps.items():
-                start = time.thread_time()
-                step()
-                times[name].append(time.thread_time() - start)
+                times[name].append(time_call(step, torch.device("cpu"), clock="thread"))
         row = {name: {"ms": 1e3 * statistics.median(t), "saved_MiB": saved[name] / 2**20}
                for name, t in times.items()}
         base = row["softmax (SDPA)"]["ms"]

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from .._commands import command_line, positive_int
 from ..ops import ttt_linear, ttt_mlp
+from .measure import time_call
 from .record import add_out_arguments, open_record
 
 OPS: dict[str, Callable] = {"ttt_linear": ttt_linear, "ttt_mlp": ttt_mlp}
@@ -74,9 +74,7 @@ def time_mode(
     for _ in range(repeats):
         for x in _leaves(inputs):
             x.grad = None
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
+        times.append(time_call(call, torch.device("cpu")))
     return statistics.median(times)
 
 
