@@ -8,6 +8,7 @@ import ast
 import csv
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,10 +52,8 @@ def _open_mode(call: ast.Call) -> str:
     return mode.value if isinstance(mode, ast.Constant) and isinstance(mode.value, str) else "r"
 
 
-def file_writes(source: str) -> list[tuple[str, str]]:
-    """(enclosing function, called name) of every call in ``source`` that writes a file:
-    ``open`` in a writing mode, or a name in ``WRITING`` (``replace``/``copy``/``save``/
-    ``dump``/``rename``/``move`` only on a module: os, shutil, json, torch, ...)."""
+def _calls(source: str, picked: Callable[[ast.Call, str | None], bool]) -> list[tuple[str, str]]:
+    """(enclosing function, called name) of every call in ``source`` that ``picked``."""
     found = []
 
     def visit(node: ast.AST, where: str) -> None:
@@ -62,23 +61,34 @@ def file_writes(source: str) -> list[tuple[str, str]]:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 visit(child, child.name)
                 continue
-            if isinstance(child, ast.Call):
-                name = _name(child.func)
-                on_module = (isinstance(child.func, ast.Attribute)
-                             and isinstance(child.func.value, ast.Name)
-                             and child.func.value.id in {"os", "shutil", "json", "torch",
-                                                         "np", "numpy", "csv", "pickle"})
-                if name == "open" and set(_open_mode(child)) & set("wax+"):
-                    found.append((where, name))
-                elif name in {"replace", "copy", "save", "dump", "rename", "move"}:
-                    if on_module:
-                        found.append((where, name))
-                elif name in WRITING:
-                    found.append((where, name))
+            if isinstance(child, ast.Call) and picked(child, _name(child.func)):
+                found.append((where, _name(child.func)))
             visit(child, where)
 
     visit(ast.parse(source), "<module>")
     return found
+
+
+def _on(call: ast.Call, modules: set[str]) -> bool:
+    """Whether ``call`` calls a function of one of ``modules`` (``json.dump``)."""
+    return (isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+            and call.func.value.id in modules)
+
+
+def file_writes(source: str) -> list[tuple[str, str]]:
+    """(enclosing function, called name) of every call in ``source`` that writes a file:
+    ``open`` in a writing mode, or a name in ``WRITING`` (``replace``/``copy``/``save``/
+    ``dump``/``rename``/``move`` only on a module: os, shutil, json, torch, ...)."""
+    modules = {"os", "shutil", "json", "torch", "np", "numpy", "csv", "pickle"}
+
+    def picked(call: ast.Call, name: str | None) -> bool:
+        if name == "open":
+            return bool(set(_open_mode(call)) & set("wax+"))
+        if name in {"replace", "copy", "save", "dump", "rename", "move"}:
+            return _on(call, modules)
+        return name in WRITING
+
+    return _calls(source, picked)
 
 
 def test_no_bench_module_writes_a_file_but_the_writer():
@@ -231,24 +241,8 @@ NOT_MEASURING = {
 def clock_reads(source: str) -> list[tuple[str, str]]:
     """(enclosing function, called name) of every clock or memory-statistics read in
     ``source`` (``MEASURING``, and ``time.monotonic``/``time.time``)."""
-    found = []
-
-    def visit(node: ast.AST, where: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                visit(child, child.name)
-                continue
-            if isinstance(child, ast.Call):
-                name = _name(child.func)
-                on_time = (isinstance(child.func, ast.Attribute)
-                           and isinstance(child.func.value, ast.Name)
-                           and child.func.value.id == "time")
-                if name in MEASURING or (on_time and name in ("monotonic", "time")):
-                    found.append((where, name))
-            visit(child, where)
-
-    visit(ast.parse(source), "<module>")
-    return found
+    return _calls(source, lambda call, name: name in MEASURING or (
+        _on(call, {"time"}) and name in ("monotonic", "time")))
 
 
 def test_only_measure_reads_clocks_and_memory():
