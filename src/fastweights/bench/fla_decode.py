@@ -18,8 +18,8 @@ resident-set high-water mark of the decode loop above what was resident before i
 RSS, prefill seconds and decoded tokens per second (after one untimed warm-up step). One process,
 one setting after another, batch 1; ``--threads`` sets torch's intra-op threads. Results print as
 a Markdown table and, with ``--out``, are written as a record (bench/record.py: results.csv,
-results.md, meta.json with the settings and machine, lscpu.txt). ``--shapes tiny`` (hidden 64, 2 layers,
-vocabulary 1000) checks the command in seconds.
+results.md, meta.json with the settings and machine, lscpu.txt). ``--shapes tiny`` (hidden 64,
+2 layers, vocabulary 1000) checks the command in seconds.
 
 ``--context-fill`` says how the context is put in place:
 

@@ -83,7 +83,8 @@ DESCRIPTION = ("Run on a CUDA GPU, within --budget-s seconds (compilation and au
                "T 2k, 8k and 32k; (train) a whole training "
                "step per mixer (8 layers, d_model 1024, B8 T2048, bfloat16 autocast): tokens/s "
                "and peak memory. First calls are timed apart. Writes its record (results.csv, "
-               "results.md, meta.json, lscpu.txt) into --out. --dry-run runs the same code at tiny sizes on the CPU.")
+               "results.md, meta.json, lscpu.txt) into --out. --dry-run runs the same code at "
+               "tiny sizes on the CPU.")
 SECTIONS = ("exact", "ops", "layers", "paper", "decode", "train")
 OUTPUT_FILES = RECORD_FILES  # the files of its record (bench/record.py)
 KERNEL_BACKENDS = ("triton", "fla")

@@ -234,8 +234,9 @@ def add_out_arguments(p: argparse.ArgumentParser, *, required: bool = False,
     """A benchmark's ``--out`` (its record's folder; without it, unless ``required`` or given a
     ``default``, the benchmark only prints) and ``--overwrite``."""
     what = "folder for the record: results.csv, results.md, meta.json, lscpu.txt"
-    p.add_argument("--out", type=Path, required=required, default=default,
-                   help=what if required or default is not None else what + " (default: print only)")
+    if not required and default is None:
+        what += " (default: print only)"
+    p.add_argument("--out", type=Path, required=required, default=default, help=what)
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier record in --out (its files only)")
 

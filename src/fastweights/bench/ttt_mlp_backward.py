@@ -1,18 +1,18 @@
 """TTT-MLP layer forward+backward with the dual-form scan's hand-written backward pass, against
 the same scan differentiated by autograd, and against softmax attention (SDPA), on the CPU.
 
-``fastweights bench ttt-mlp-backward`` builds the ``ttt-mlp`` and ``softmax`` mixers
-(d_model 512, 8 heads, batch 1, float32, the defaults) and times one forward+backward of each
-layer in thread CPU time (bench/measure.py's ``time_call`` on its ``thread`` clock: on a
-machine shared with other jobs it counts only this thread's work), the variants interleaved round by round in this one process, one
+``fastweights bench ttt-mlp-backward`` builds the ``ttt-mlp`` and ``softmax`` mixers (d_model 512, 8
+heads, batch 1, float32, the defaults) and times one forward+backward of each layer in thread CPU
+time (bench/measure.py's ``time_call`` on its ``thread`` clock: on a machine shared with other jobs
+it counts only this thread's work), the variants interleaved round by round in this one process, one
 warm-up call each, median of ``--repeats``. The "autograd" row runs the plain PyTorch scan
-(``ops/ttt/chunk.py``'s ``_ttt_mlp_dual_traced``, the path torch.compile traces) with autograd
-doing the backward pass, i.e. TTT-MLP before the hand-written backward; ``--group G`` adds a
-row of the hand-written backward with ``checkpoint_group=G`` (autograd's checkpointed scan is
-left out: torch.utils.checkpoint keeps its tensors out of sight of the byte count). It also reports the bytes each variant
-keeps for the backward pass (bench/measure.py ``saved_bytes``: tensors saved by autograd,
-counted once per storage). Run with
-``OMP_NUM_THREADS=1`` for the single-thread figures.
+(``ops/ttt/chunk.py``'s ``_ttt_mlp_dual_traced``, the path torch.compile traces) with autograd doing
+the backward pass, i.e. TTT-MLP before the hand-written backward; ``--group G`` adds a row of the
+hand-written backward with ``checkpoint_group=G`` (autograd's checkpointed scan is left out:
+torch.utils.checkpoint keeps its tensors out of sight of the byte count). It also reports the bytes
+each variant keeps for the backward pass (bench/measure.py ``saved_bytes``: tensors saved by
+autograd, counted once per storage). Run with ``OMP_NUM_THREADS=1`` for the single-thread
+figures.
 """
 
 from __future__ import annotations

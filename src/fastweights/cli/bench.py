@@ -37,8 +37,8 @@ NAME = "bench"
 DESCRIPTION = ("Benchmark every registered mixer (and with --ops every form of every op) over "
                "sequence lengths T: forward, forward+backward and per-token decoding time, peak "
                "memory and GFLOP/s, against the softmax baseline. Writes its record into --out: "
-               "results.csv, results.md, meta.json, lscpu.txt and plots. With a NAME, one of the focused benchmarks "
-               "instead (fastweights bench NAME --help).")
+               "results.csv, results.md, meta.json, lscpu.txt and plots. With a NAME, one of "
+               "the focused benchmarks instead (fastweights bench NAME --help).")
 
 DEFAULT_LENGTHS = "512..16384"
 FULL_LENGTHS = "512..65536"
@@ -92,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also torch.compile each mixer: max |compiled - eager| and its time")
     p.add_argument("--out", default="bench_results", help="output folder")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier record in --out (its files only)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier record in --out (its files only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_benchmarks(p)
 
