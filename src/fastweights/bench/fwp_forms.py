@@ -43,7 +43,7 @@ from .._commands import parse_int_list, positive_int
 from ..ops import delta_rule, elu_plus_one, linear_attn, sum_norm
 from ..ops._autocast import CPU_BF16_ENV, cpu_has_fast_bf16
 from .measure import count_flops, matmul_gflops, time_call
-from .record import cpu_info
+from .record import machine
 
 BF16_TAG = " autocast-bf16"  # suffix of the rows that take the CPU bfloat16 product path
 
@@ -126,7 +126,7 @@ def _bf16_header() -> str:
     caps = getattr(torch.cpu, "get_capabilities", lambda: {})()
     flags = [f for f in ("amx_bf16", "avx512_bf16", "avx512_f", "avx2") if caps.get(f)]
     peak, n = matmul_gflops(torch.device("cpu"), torch.bfloat16, sizes=(256, 512))
-    return (f"CPU {cpu_info()['model'] or 'unknown'}; torch CPU capability "
+    return (f"CPU {machine()['cpu_model']}; torch CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}; flags {','.join(flags) or 'none'}; "
             f"fast bfloat16 (AMX-BF16/AVX512-BF16): {'yes' if cpu_has_fast_bf16() else 'no'} "
             f"({CPU_BF16_ENV}=auto takes the {'bfloat16' if cpu_has_fast_bf16() else 'float32'} "
