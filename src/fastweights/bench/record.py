@@ -131,7 +131,7 @@ def machine_line(m: Mapping[str, Any]) -> str:
     isa = ", ".join(m.get("cpu_isa") or []) or "none reported"
     parts = [f"CPU {m.get('cpu_model') or 'unknown'} ({m.get('logical_cpus')} logical CPUs; "
              f"vector/matrix instruction sets: {isa})", f"{m.get('os')}",
-             f"torch {m.get('torch')}, {m.get('threads')} threads"]
+             f"torch {m.get('torch')}, {m.get('threads')} thread{'s' * (m.get('threads') != 1)}"]
     if m.get("triton"):
         parts.append(f"Triton {m['triton']}")
     if m.get("gpus"):
