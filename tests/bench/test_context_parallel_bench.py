@@ -41,8 +41,8 @@ def test_bench_runs_and_counts_bytes(tmp_path):
     state_bytes = (2 * 4 * 4 + 2 * 4) * 4
     assert {int(r["comm_forward_bytes"]) for r in lin} == {2 * state_bytes}
     assert {int(r["comm_backward_bytes"]) for r in lin} == {2 * 2 * state_bytes}
-    assert (out / "summary.md").exists() and (out / "longest_T.csv").exists()
-    command = json.loads((out / "run.json").read_text())["command"]
+    assert (out / "results.md").exists() and (out / "longest_T.csv").exists()
+    command = json.loads((out / "meta.json").read_text())["command"]
     assert command.startswith("fastweights bench context-parallel --world 1,2 --lengths 16,32")
 
 

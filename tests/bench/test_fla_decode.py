@@ -4,6 +4,7 @@ synthetic. No assertion depends on speed."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -19,13 +20,16 @@ from fastweights.cli import main
 
 @pytest.mark.parametrize("fill", ["prefill", "synthetic"])
 def test_tiny_run_reports_state_and_speed(tmp_path, fill):
-    out = tmp_path / "decode.json"
+    out = tmp_path / "decode"
     assert main(["bench", "fla-decode", "--shapes", "tiny", "--contexts", "5", "40",
                  "--new-tokens", "3", "--prefill-chunk", "16", "--dtypes", "float32",
                  "--out", str(out), "--context-fill", fill]) == 0
-    saved = json.loads(out.read_text())
-    rows = saved["results"]
-    assert saved["args"]["context_fill"] == fill and saved["machine"]["threads"] >= 1
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["config"]["context_fill"] == fill and meta["machine"]["threads"] >= 1
+    text = ("model", "shape", "dtype", "context_fill")
+    with open(out / "results.csv") as f:  # the record (bench/record.py): numbers as text
+        rows = [{k: v if k in text else (int(v) if v.isdigit() else float(v)) if v else None
+                 for k, v in r.items()} for r in csv.DictReader(f)]
     assert all(r["context_fill"] == fill for r in rows)
     assert all((r["prefill_s"] is None) == (fill == "synthetic") for r in rows)
     assert [(r["model"], r["context"]) for r in rows] == [

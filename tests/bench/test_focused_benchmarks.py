@@ -3,6 +3,7 @@ functions return their rows, the commands print them and write what they promise
 
 from __future__ import annotations
 
+import csv
 import json
 
 from fastweights.bench import family_compare, ttt_modes
@@ -21,15 +22,20 @@ def test_family_compare_rows_and_command(capsys):
     assert main(["bench", "family-compare", "--repeats", "0"]) == 2
 
 
-def test_ttt_modes_results_and_json(tmp_path):
-    out = tmp_path / "modes.json"
+def test_ttt_modes_results_and_record(tmp_path):
+    out = tmp_path / "modes"
     assert main(["bench", "ttt-modes", "--seq-len", "16", "--head-dim", "4", "--heads", "1",
                  "--mini-batch-size", "4", "--repeats", "1", "--ops", "ttt_linear",
-                 "--json", str(out)]) == 0
-    results = json.loads(out.read_text())
-    assert results["config"]["T"] == 16 and set(results) == {"config", "ttt_linear"}
-    row = results["ttt_linear"]
-    assert row["forward"]["dual"] > 0 and row["forward+backward"]["speedup"] > 0
-    assert row["float64_max_abs_dual_minus_primal_T256"] < 1e-10
+                 "--out", str(out)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["config"]["T"] == 16 and meta["command"].startswith("fastweights bench ttt-modes")
+    with open(out / "results.csv") as f:
+        rows = {r["pass"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"forward", "forward+backward"}
+    assert all(r["op"] == "ttt_linear" for r in rows.values())
+    assert float(rows["forward"]["dual_s"]) > 0
+    assert float(rows["forward+backward"]["primal_over_dual"]) > 0
+    assert float(rows["forward"]["float64_max_abs_dual_minus_primal_T256"]) < 1e-10
+    assert "| ttt_linear | forward |" in (out / "results.md").read_text()
     assert set(ttt_modes.run_ttt_modes(["ttt_mlp"], seq_len=8, head_dim=4, heads=1, mini_batch_size=4,
                              repeats=1)) == {"config", "ttt_mlp"}

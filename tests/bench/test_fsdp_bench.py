@@ -28,7 +28,7 @@ def test_fsdp_bench_halves_the_model_state_and_counts_the_collectives(tmp_path, 
     assert 8 * params <= int(fsdp["comm_bytes_per_rank"]) <= 13 * params
     assert fsdp["comm_measured"] == "True" and ddp["comm_measured"] == "False"
     assert int(fsdp["largest_params"]) > int(ddp["largest_params"])
-    assert "fastweights bench fsdp --world 2" in (out / "run.json").read_text()
+    assert "fastweights bench fsdp --world 2" in (out / "meta.json").read_text()
     assert "| fsdp | 2 |" in capsys.readouterr().out
 
 

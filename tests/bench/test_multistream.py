@@ -46,15 +46,16 @@ def test_multistream_bench_writes_results(tmp_path, capsys):
     assert main(["bench", "multistream", "--mixers", "ttt-linear", "--out",
                  str(tmp_path / "cli")]) == 2  # results there already, no --overwrite
     assert "--overwrite" in capsys.readouterr().err
-    rows = multistream.run_multistream([("ttt-linear", "ttt-linear", {})], [1, 2], [70], tmp_path,
+    lib = tmp_path / "lib"
+    rows = multistream.run_multistream([("ttt-linear", "ttt-linear", {})], [1, 2], [70], lib,
                            modes=("eager",), d_model=16, n_heads=2, n_layers=1, steps=1,
                            warmup=0, command="fastweights bench multistream --streams 1,2")
     assert [(r.mixer, r.streams, r.status) for r in rows] == [
         ("softmax", 1, "ok"), ("softmax", 2, "ok"), ("ttt-linear", 1, "ok"),
         ("ttt-linear", 2, "ok")]
     assert all(r.tokens_per_s > 0 and r.state_mib_per_stream > 0 for r in rows)
-    meta = json.loads((tmp_path / "meta.json").read_text())
-    assert "--streams 1,2" in meta["command"] and "cpu_isa" in meta
-    table = (tmp_path / "results.md").read_text()
+    meta = json.loads((lib / "meta.json").read_text())
+    assert "--streams 1,2" in meta["command"] and "cpu_isa" in meta["machine"]
+    table = (lib / "results.md").read_text()
     assert "| ttt-linear |" in table and "c=70 N=2" in table
-    assert (tmp_path / "results.csv").read_text().count("\n") == 5
+    assert (lib / "results.csv").read_text().count("\n") == 5

@@ -49,10 +49,10 @@ def test_peers_written_with_cpu_description(tmp_path):
         ratio = float(r["peer_s"]) / float(r["ours_s"])
         assert abs(float(r["ratio"]) - ratio) <= 1e-3 * ratio
     md = (out / "results.md").read_text()
-    assert "## Peers" in md and "torch.sdpa" in md and "- CPU:" in md
+    assert "## Peers" in md and "torch.sdpa" in md and "- machine: CPU " in md
     meta = json.loads((out / "meta.json").read_text())
-    assert isinstance(meta["cpu_isa"], list) and "--peers" in meta["command"]
-    assert meta["cpu_isa"] == cpu_info()["isa"]
+    assert isinstance(meta["machine"]["cpu_isa"], list) and "--peers" in meta["command"]
+    assert meta["machine"]["cpu_isa"] == cpu_info()["isa"]
 
 
 def test_missing_peer_is_listed_not_timed(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 from fastweights.bench import recompute
@@ -12,12 +13,14 @@ def test_recompute_bench_writes_both_settings(tmp_path):
     assert main(["bench", "recompute", "--mixers", "delta,softmax", "--lengths", "16",
                  "--d-model", "16", "--n-heads", "2", "--n-layers", "2", "--repeats", "1",
                  "--out", str(tmp_path)]) == 0
-    saved = json.loads((tmp_path / "results.json").read_text())
-    rows = saved["rows"]
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
     assert [(r["mixer"], r["recompute"]) for r in rows] == [
-        ("delta", False), ("delta", True), ("softmax", False), ("softmax", True)]
-    assert all(r["ms"] > 0 for r in rows)
-    assert saved["meta"]["command"].startswith("fastweights bench recompute --mixers delta,softmax")
+        ("delta", "False"), ("delta", "True"), ("softmax", "False"), ("softmax", "True")]
+    assert all(float(r["ms"]) > 0 for r in rows)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["command"].startswith("fastweights bench recompute --mixers delta,softmax")
+    assert meta["benchmark"] == "recompute" and meta["n_layers"] == 2
     again = recompute.run_recompute(["delta"], [16], d_model=16, n_heads=2, n_layers=2, repeats=1)
     assert [(r["mixer"], r["recompute"]) for r in again] == [("delta", False), ("delta", True)]
     table = (tmp_path / "results.md").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 from fastweights.bench import ttt_mlp_backward
@@ -19,9 +20,14 @@ def test_times_every_variant(capsys):
 
 
 def test_command_writes_the_results(tmp_path):
-    out = tmp_path / "r.json"
+    out = tmp_path / "r"
     assert main(["bench", "ttt-mlp-backward", "--lengths", "8", "--d-model", "8", "--heads", "2",
-                 "--repeats", "1", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["config"]["lengths"] == "8" and set(res["8"]) == {
+                 "--repeats", "1", "--out", str(out)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["config"]["lengths"] == "8" and meta["benchmark"] == "ttt-mlp-backward"
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["T"] for r in rows} == {"8"} and {r["variant"] for r in rows} == {
         "softmax (SDPA)", "ttt-mlp", "ttt-mlp autograd"}
+    assert all(float(r["ms"]) > 0 and float(r["saved_MiB"]) > 0 for r in rows)
+    assert "| 8 | ttt-mlp autograd |" in (out / "results.md").read_text()

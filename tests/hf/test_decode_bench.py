@@ -3,6 +3,7 @@ delta, a growing one for softmax (tiny settings)."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 from fastweights.bench import decode
@@ -13,9 +14,14 @@ TINY = ["--contexts", "9", "20", "--d-model", "8", "--n-layers", "1", "--n-heads
 
 
 def test_decode_bench_tiny(tmp_path, capsys):
-    out = tmp_path / "decode.json"
+    out = tmp_path / "decode"
     assert main(["bench", "decode", *TINY, "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["results"]
+    with open(out / "results.csv") as f:  # the record (bench/record.py): numbers as text
+        rows = [{k: v if k in ("mixer", "decode_mode") else float(v) if v else None
+                 for k, v in r.items()} for r in csv.DictReader(f)]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["benchmark"] == "decode" and meta["config"]["new_tokens"] == 3
+    assert "| delta | 9 |" in (out / "results.md").read_text()
     by = {(r["mixer"], r["context"]): r for r in rows}
     assert by["delta", 9]["state_bytes_after_prefill"] == by["delta", 20]["state_bytes_after_prefill"]
     assert by["delta", 20]["state_bytes_per_new_token"] == 0

@@ -115,11 +115,14 @@ def test_each_op_registers_its_table(op):
                 assert name in ("fla", "triton") and ms > 0
 
 
-def _record(folder, device, rows):
+def _record(folder, device, rows, layout="record"):
+    """A gpu record's meta.json and results.csv: versions in the machine block
+    (bench/record.py), or at the top as records before it had them (``layout="old"``)."""
     folder.mkdir(parents=True)
-    meta = {"device": device, "torch": "2.x", "triton": "3.x", "fla": "0.6.0",
-            "date": "2026-12-01 00:00:00",
-            "sizes": {"ops": [[8, 2048], [2, 16384]], "ops_heads": [16, 128]}}
+    versions = {"torch": "2.x", "triton": "3.x"}
+    meta = {"device": device, "fla": "0.6.0", "date": "2026-12-01 00:00:00",
+            "sizes": {"ops": [[8, 2048], [2, 16384]], "ops_heads": [16, 128]},
+            **({"machine": versions} if layout == "record" else versions)}
     (folder / "meta.json").write_text(json.dumps(meta))
     with open(folder / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=gpu.COLUMNS)
@@ -154,6 +157,7 @@ def test_tables_update_from_a_bench_record(tmp_path):
     assert table["sm_90"]["forward"] == {"fla": 0.5, "triton": 0.4}
     assert table["sm_90"]["train"] == {"triton": 2.0}
     assert table["sm_90"]["shape"] == f"{s} bfloat16" and str(rec) in table["sm_90"]["source"]
+    assert "torch 2.x, Triton 3.x, fla 0.6.0" in table["sm_90"]["source"]
     with pytest.raises(ValueError, match="sm_XY"):
         speeds.device_kind("CPU something")
     with pytest.raises(ValueError, match="no op folder"):
@@ -168,10 +172,11 @@ def test_the_command_updates_and_refuses_what_is_not_a_record(tmp_path, monkeypa
     (ops_dir / "delta_rule").mkdir(parents=True)
     monkeypatch.setattr(speeds, "OPS_DIR", ops_dir)
     rec = _record(tmp_path / "rec", "NVIDIA H100 80GB HBM3 (sm_90)",
-                  [("delta_rule", "fla", "B8 T2048 H16 D128", "fwd", "1.5", "ok")])
+                  [("delta_rule", "fla", "B8 T2048 H16 D128", "fwd", "1.5", "ok")], "old")
     assert main(["bench", "speeds", str(rec)]) == 0
     assert "wrote" in capsys.readouterr().out
     table = runpy.run_path(str(ops_dir / "delta_rule" / "speeds.py"))["SPEEDS"]
     assert table["sm_90"]["forward"] == {"fla": 1.5}
+    assert "torch 2.x, Triton 3.x" in table["sm_90"]["source"]  # an older record's layout
     assert main(["bench", "speeds", str(tmp_path)]) == 2
     assert "not a record" in capsys.readouterr().err

@@ -2,9 +2,11 @@
 ``targets``, ``runner``, ``measure``, ``report`` and ``peers``); ``fastweights bench NAME`` is one
 of the focused benchmarks in ``BENCHMARKS``, each one module, ``NAME.py`` (with underscores for
 hyphens), defining ``NAME``, ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> exit
-code``. A benchmark is that module plus its line here; ``fastweights bench NAME`` is its only
-door. This module imports nothing heavy: the command line lists the benchmarks from it without
-importing torch, and loads a benchmark's module when it is named (``load``)."""
+code``. A benchmark is that module plus its line here; ``fastweights bench NAME`` is its only door.
+Every benchmark times and meters memory with ``measure`` and writes its record with ``record``
+(docs/benchmarks.md "Records"). This module imports nothing heavy: the command line lists the
+benchmarks from it without importing torch, and loads a benchmark's module when it is named
+(``load``)."""
 
 from __future__ import annotations
 

@@ -16,20 +16,19 @@ runs with ``--threads`` threads; on a machine with fewer cores than N x threads 
 mostly measure contention, the memory and byte counts do not depend on it.
 
 Run: ``fastweights bench context-parallel --world 1,2,4 --lengths 1024,2048,4096
---out benchmarks/results/context_parallel``. Writes results.csv, longest_T.csv, summary.md and
-run.json (the command and machine).
+--out benchmarks/results/context_parallel``. Writes its record (bench/record.py): results.csv,
+longest_T.csv, results.md (the summary), meta.json (the command, machine and settings) and
+lscpu.txt.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import gc
 import json
-import platform
 import statistics
-import time
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,8 @@ from .._commands import (
 )
 from ..models.registry import build_mixer, check_mixer, mixer_names
 from ..parallel import context_parallel_forward, counting, strategy_name
-from .measure import PeakMemory, prepare_cpu_memory_accounting
+from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
+from .record import Record, Table, add_out_arguments
 
 FIELDS = ["mixer", "strategy", "world", "T", "shard_T", "time_s", "peak_bytes_per_rank",
           "comm_forward_bytes", "comm_backward_bytes", "comm_bytes_max_rank"]
@@ -73,16 +73,17 @@ def _unit(mixer: Any) -> int:
 
 def _measure(step: Any, repeats: int, world: int) -> tuple[float, int | None, int, int]:
     """(median time, peak bytes, forward bytes, backward bytes) of ``step`` on this rank."""
+    def synchronised_step() -> None:
+        step()
+        if world > 1:
+            dist.barrier()  # the step ends when the slowest rank's does
+
     step()  # warm-up
     times = []
     for _ in range(repeats):
         if world > 1:
             dist.barrier()
-        start = time.perf_counter()
-        step()
-        if world > 1:
-            dist.barrier()  # the step ends when the slowest rank's does
-        times.append(time.perf_counter() - start)
+        times.append(time_call(synchronised_step, torch.device("cpu")))
     with PeakMemory(torch.device("cpu")) as peak:
         step()
     with counting() as traffic:
@@ -109,7 +110,8 @@ def init_rank(rank: int, world: int, port: int, opts: dict) -> None:
 
 
 def finish_rank(rank: int, world: int, rows: list, path: str) -> None:
-    """A benchmark rank's end: rank 0 writes ``rows`` (JSON) to ``path``; for N > 1 the models
+    """A benchmark rank's end: rank 0 hands ``rows`` to the parent process as JSON in ``path``
+    (a temporary file of ``run_worlds``, not a record); for N > 1 the models
     are collected (FSDP's hold reference cycles) and every rank passes a barrier before the
     group goes (gloo work still alive at interpreter exit can abort the process: seen once as a
     SIGABRT of rank 1 under a loaded test run)."""
@@ -160,19 +162,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worlds(rank_main: Any, worlds: list[int], opts: dict, out: Path) -> list[dict]:
+def run_worlds(rank_main: Any, worlds: list[int], opts: dict) -> list[dict]:
     """The rows rank 0 of every world size in ``worlds`` measured: ``rank_main(rank, world,
     port, opts, path)`` runs in this process for N = 1, else in N spawned processes (gloo on
-    127.0.0.1), and rank 0 writes its rows as JSON to ``path`` (a hidden file in ``out``)."""
+    127.0.0.1), and rank 0 writes its rows as JSON to ``path`` (in a temporary folder)."""
     rows: list[dict] = []
-    for world in worlds:
-        path = str(out / f".rows_{world}.json")
-        if world == 1:
-            rank_main(0, 1, 0, opts, path)
-        else:
-            mp.spawn(rank_main, args=(world, _free_port(), opts, path), nprocs=world, join=True)
-        rows += json.loads(Path(path).read_text())
-        Path(path).unlink()
+    with tempfile.TemporaryDirectory(prefix="fastweights-ranks-") as scratch:
+        for world in worlds:
+            path = str(Path(scratch) / f"rows_{world}.json")
+            if world == 1:
+                rank_main(0, 1, 0, opts, path)
+            else:
+                mp.spawn(rank_main, args=(world, _free_port(), opts, path), nprocs=world,
+                         join=True)
+            rows += json.loads(Path(path).read_text())
     return rows
 
 
@@ -228,30 +231,24 @@ def check(mixers: list[tuple[str, str, dict]], lengths: list[int], worlds: list[
 def run_context_parallel(mixers: list[tuple[str, str, dict]], lengths: list[int], worlds: list[int], out: Path,
         *, d_model: int = 256, n_heads: int = 4, batch: int = 1, repeats: int = 3,
         threads: int = 1, memory_gib: float = 24.0, timeout: float = 600.0,
-        command: str = "") -> list[dict]:
+        command: str = "", overwrite: bool = False) -> list[dict]:
     """Measure every mixer ``(label, name, options)`` at every length on every world size (one
-    group of processes per size); writes results.csv, longest_T.csv, summary.md and run.json
-    (``command`` and the machine) into ``out``, prints the summary, returns the rows."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    group of processes per size); writes the record (results.csv, longest_T.csv, results.md,
+    meta.json with ``command``, lscpu.txt) into ``out``, claimed first (refused if it holds
+    anything unless ``overwrite``), prints the summary, returns the rows."""
+    rec = Record(out, NAME, overwrite=overwrite, files=("longest_T.csv",))
     opts = {"mixers": mixers, "lengths": lengths, "d_model": d_model, "n_heads": n_heads,
             "batch": batch, "repeats": repeats, "threads": threads, "timeout": timeout}
-    rows = run_worlds(_rank_main, worlds, opts, out)
+    rows = run_worlds(_rank_main, worlds, opts)
     rows.sort(key=lambda r: (r["mixer"], r["T"], r["world"]))
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
     longest = longest_T(rows, memory_gib * GIB)
-    with open(out / "longest_T.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["mixer", "world", "longest_T"])
-        writer.writeheader()
-        writer.writerows(longest)
-    (out / "summary.md").write_text(_summary(rows, longest, memory_gib))
-    (out / "run.json").write_text(json.dumps({
-        "command": command, "machine": platform.platform(), "cpu_count": torch.get_num_threads(),
-        "torch": torch.__version__}, indent=2))
-    print(_summary(rows, longest, memory_gib))
+    summary = _summary(rows, longest, memory_gib)
+    meta = rec.meta(command, **{k: v for k, v in opts.items() if k != "mixers"},
+                    mixers=[label for label, _, _ in mixers], worlds=worlds,
+                    memory_gib=memory_gib)
+    rec.write(Table(rows, FIELDS), meta, markdown=summary,
+              files={"longest_T.csv": Table(longest, ["mixer", "world", "longest_T"])})
+    print(summary)
     return rows
 
 
@@ -259,8 +256,8 @@ NAME = "context-parallel"
 DESCRIPTION = ("One layer's training step (forward + backward) on one sequence of T tokens split "
                "over N processes (gloo, CPU), for N in --world and T in --lengths: time per "
                "step, peak memory per rank, bytes communicated per layer, and the longest T one "
-               "machine of --memory-gib fits. Writes results.csv, longest_T.csv, summary.md and "
-               "run.json into --out.")
+               "machine of --memory-gib fits. Writes its record (results.csv, longest_T.csv, "
+               "results.md, meta.json, lscpu.txt) into --out.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -275,7 +272,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     p.add_argument("--memory-gib", type=float, default=24.0, help="machine budget for longest T")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
-    p.add_argument("--out", type=Path, required=True)
+    add_out_arguments(p, required=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -290,5 +287,6 @@ def run(args: argparse.Namespace) -> int:
     run_context_parallel(mixers, lengths, worlds, args.out, d_model=args.d_model,
                          n_heads=args.n_heads, batch=args.batch, repeats=args.repeats,
                          threads=args.threads, memory_gib=args.memory_gib, timeout=args.timeout,
-                         command=command_line(["fastweights", "bench", NAME], args))
+                         command=command_line(["fastweights", "bench", NAME], args),
+                         overwrite=args.overwrite)
     return 0

@@ -17,8 +17,9 @@ mixers that have one, same weights), and reports per (mixer, context):
 - ``tokens_per_s``: decoded tokens per second of wall time (bench/measure.py's ``time_call``,
   the benchmarks' one timer, after one untimed warm-up step).
 
-Everything runs in one process, one setting after another; results are printed as a table and
-written as JSON with ``--out``.
+Everything runs in one process, one setting after another; results are printed as a Markdown
+table and, with ``--out``, written as a record (bench/record.py: results.csv, results.md,
+meta.json with the settings and machine, lscpu.txt).
 """
 
 from __future__ import annotations
@@ -26,19 +27,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import platform
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import state_tree
-from .._commands import positive_int, recorded_settings
+from .._commands import command_line, positive_int, recorded_settings
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
 from ..models.registry import mixer_options
 from .measure import PeakMemory, prepare_cpu_memory_accounting, resident_bytes, time_call
+from .record import add_out_arguments, machine, machine_line, open_record
 from .targets import check_model_mixers
 
 MIB = 2 ** 20
@@ -111,16 +110,24 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def run_decode(mixers: list[str], contexts: list[int], *, d_model: int = 256, n_layers: int = 4,
         n_heads: int = 4, vocab_size: int = 256, new_tokens: int = 64, prefill_chunk: int = 1024,
-        seed: int = 0, decode_mode: str = "layer") -> list[dict[str, Any]]:
+        seed: int = 0, decode_mode: str = "layer", lines: list[str] | None = None,
+        ) -> list[dict[str, Any]]:
     """``measure`` for every (mixer, context), one after another in this process; prints a
-    table row by row and returns the rows."""
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {n_layers} layers, d_model {d_model}, "
-          f"{n_heads} heads, float32, batch 1, {new_tokens} decoded tokens, "
-          f"decode mode {decode_mode}")
+    Markdown table row by row (its lines also appended to ``lines`` when given) and returns the
+    rows."""
+    lines = [] if lines is None else lines
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
     header = ("mixer", "context", "state MiB", "state B/token", "decode peak RSS MiB",
               "RSS MiB", "prefill s", "tokens/s")
-    print(" | ".join(header))
+    say(f"{n_layers} layers, d_model {d_model}, {n_heads} heads, float32, batch 1, "
+        f"{new_tokens} decoded tokens, decode mode {decode_mode}; {machine_line(machine())}")
+    say("")
+    say("| " + " | ".join(header) + " |")
+    say("|" + "---|" * len(header))
     rows = []
     for mixer in mixers:
         for context in contexts:
@@ -128,18 +135,19 @@ def run_decode(mixers: list[str], contexts: list[int], *, d_model: int = 256, n_
                         vocab_size=vocab_size, new_tokens=new_tokens,
                         prefill_chunk=prefill_chunk, seed=seed, decode_mode=decode_mode)
             rows.append(r)
-            print(" | ".join([
+            say("| " + " | ".join([
                 mixer, str(context), _fmt(r["state_bytes_after_prefill"] / MIB, ".2f"),
                 _fmt(r["state_bytes_per_new_token"], ".0f"), _fmt(r["decode_peak_rss_mib"], ".1f"),
                 _fmt(r["rss_mib"], ".0f"), _fmt(r["prefill_s"], ".2f"), _fmt(r["tokens_per_s"], ".1f"),
-            ]), flush=True)
+            ]) + " |")
     return rows
 
 
 NAME = "decode"
 DESCRIPTION = ("Prefill a random context of each length, then decode one token per step: state "
                "bytes, their growth per token, the decode loop's peak resident memory and "
-               "tokens/s, per mixer and context. Prints a table; --out writes JSON.")
+               "tokens/s, per mixer and context. Prints a table; --out writes its record "
+               "(results.csv, results.md, meta.json, lscpu.txt).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,18 +163,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="recurrent: T = 1 steps in the token-by-token form of mixers that have "
                         "one (same weights); layer: the mixers' configured form (chunk)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    add_out_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     check_model_mixers("--mixers", args.mixers, vocab_size=args.vocab_size, d_model=args.d_model,
                        n_layers=args.n_layers, n_heads=args.n_heads)
+    rec = open_record(args, NAME)
+    lines: list[str] = []
     rows = run_decode(args.mixers, args.contexts, d_model=args.d_model, n_layers=args.n_layers,
                       n_heads=args.n_heads, vocab_size=args.vocab_size,
                       new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
-                      seed=args.seed, decode_mode=args.decode_mode)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": recorded_settings(args),
-                                        "torch": torch.__version__, "results": rows}, indent=2))
+                      seed=args.seed, decode_mode=args.decode_mode, lines=lines)
+    if rec is not None:
+        rec.write(rows, rec.meta(command_line(["fastweights", "bench", NAME], args),
+                                 config=recorded_settings(args)), markdown=lines)
     return 0

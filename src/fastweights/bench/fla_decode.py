@@ -17,8 +17,9 @@ bytes of recurrent state / KV cache after the context and its growth per decoded
 resident-set high-water mark of the decode loop above what was resident before it, the process
 RSS, prefill seconds and decoded tokens per second (after one untimed warm-up step). One process,
 one setting after another, batch 1; ``--threads`` sets torch's intra-op threads. Results print as
-a Markdown table and are written as JSON with ``--out``. ``--shapes tiny`` (hidden 64, 2 layers,
-vocabulary 1000) checks the command in seconds.
+a Markdown table and, with ``--out``, are written as a record (bench/record.py: results.csv,
+results.md, meta.json with the settings and machine, lscpu.txt). ``--shapes tiny`` (hidden 64,
+2 layers, vocabulary 1000) checks the command in seconds.
 
 ``--context-fill`` says how the context is put in place:
 
@@ -39,19 +40,16 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
-import os
-import platform
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import state_tree
-from .._commands import UserError, positive_int, recorded_settings
+from .._commands import UserError, command_line, positive_int, recorded_settings
 from ..fla import FlaDeltaNetConfig, FlaDeltaNetLM
 from .decode import MIB, _fmt, _resident_mib
 from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
+from .record import add_out_arguments, machine, machine_line, open_record
 
 SHAPES: dict[str, dict[str, int]] = {
     "340M": {"hidden_size": 1024, "num_heads": 8, "num_hidden_layers": 24, "vocab_size": 32000},
@@ -205,24 +203,24 @@ def _row(r: dict[str, Any]) -> str:
     ]) + " |"
 
 
-def machine() -> dict[str, Any]:
-    """The processor, CPU count, torch threads and version the results record."""
-    return {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
-
-
 def run_fla_decode(shapes: list[str], models: list[str], dtypes: list[str], contexts: list[int], *,
         new_tokens: int = 32, prefill_chunk: int = 1024, seed: int = 0,
-        fill: str = "synthetic") -> list[dict[str, Any]]:
+        fill: str = "synthetic", lines: list[str] | None = None) -> list[dict[str, Any]]:
     """``measure`` for every (shape, dtype, model, context), one after another in this process;
-    prints a Markdown table row by row and returns the rows."""
-    info = machine()
+    prints a Markdown table row by row (its lines also appended to ``lines`` when given) and
+    returns the rows."""
+    lines = [] if lines is None else lines
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
     how = (f"prefill in pieces of {prefill_chunk}" if fill == "prefill"
            else "synthetic context (random state / KV cache, no prefill)")
-    print(f"# {info['processor']}, {info['cpus']} CPUs, torch {info['torch']}, "
-          f"{info['threads']} threads; batch 1, {new_tokens} decoded tokens, {how}")
-    print("| " + " | ".join(HEADER) + " |")
-    print("|" + "---|" * len(HEADER))
+    say(f"Batch 1, {new_tokens} decoded tokens, {how}; {machine_line(machine())}")
+    say("")
+    say("| " + " | ".join(HEADER) + " |")
+    say("|" + "---|" * len(HEADER))
     rows = []
     # The objects alive now (imported libraries) are set aside from the collector: the full
     # collections between settings then cost milliseconds instead of a pass over every module.
@@ -235,7 +233,7 @@ def run_fla_decode(shapes: list[str], models: list[str], dtypes: list[str], cont
                         r = measure(model, shape, dtype, context, new_tokens=new_tokens,
                                     prefill_chunk=prefill_chunk, seed=seed, fill=fill)
                         rows.append(r)
-                        print(_row(r), flush=True)
+                        say(_row(r))
     finally:
         gc.unfreeze()
     return rows
@@ -244,8 +242,9 @@ def run_fla_decode(shapes: list[str], models: list[str], dtypes: list[str], cont
 NAME = "fla-decode"
 DESCRIPTION = ("Decode with random-weight DeltaNet (fla's 340M / 1.3B shapes) and Llama models "
                "after a context of each length (synthetic state / KV cache, or a real prefill): "
-               "state bytes, decode memory and tokens/s. Prints a Markdown table; --out writes "
-               "JSON. --shapes tiny checks the command in seconds.")
+               "state bytes, decode memory and tokens/s. Prints a Markdown table; --out writes its "
+               "record (results.csv, results.md, meta.json, lscpu.txt). --shapes tiny checks "
+               "the command in seconds.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -263,7 +262,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per forward of the prefill (--context-fill prefill)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    add_out_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -271,12 +270,12 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if "llama" in args.models and importlib.util.find_spec("transformers") is None:
         raise UserError("--models llama needs transformers (pip install 'fastweights[hf]')")
+    rec = open_record(args, NAME)
+    lines: list[str] = []
     rows = run_fla_decode(args.shapes, args.models, args.dtypes, args.contexts,
                           new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
-                          seed=args.seed, fill=args.context_fill)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": recorded_settings(args),
-                                        "machine": machine(), "results": rows},
-                                       indent=2) + "\n")
+                          seed=args.seed, fill=args.context_fill, lines=lines)
+    if rec is not None:
+        rec.write(rows, rec.meta(command_line(["fastweights", "bench", NAME], args),
+                                 config=recorded_settings(args)), markdown=lines)
     return 0

@@ -21,18 +21,14 @@ Every rank runs with ``--threads`` threads; on a machine with fewer cores than N
 times measure contention, not FSDP; memory and bytes do not depend on it.
 
 Run: ``fastweights bench fsdp --world 1,2,4 --out benchmarks/results/fsdp_<cpu>``.
-Writes results.csv, summary.md and
-run.json (the command and machine).
+Writes its record (bench/record.py): results.csv, results.md (the summary), meta.json (the
+command, machine and settings) and lscpu.txt.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import json
-import platform
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,7 +42,8 @@ from .._commands import command_line, parse_int_list, parse_mixer_spec, positive
 from ..models import LanguageModel, LMConfig
 from ..train.distributed import device_mesh, shard_model
 from .context_parallel import finish_rank, init_rank, run_worlds
-from .measure import PeakMemory, resident_bytes
+from .measure import PeakMemory, resident_bytes, time_call
+from .record import Record, Table, add_out_arguments
 
 FIELDS = ["mode", "world", "params", "state_bytes_per_rank", "peak_bytes_per_rank",
           "comm_bytes_per_rank", "comm_measured", "time_s", "largest_params"]
@@ -105,17 +102,21 @@ def _measure(mode: str, world: int, opts: dict) -> tuple[int, int, int | None, i
     _train_step(net, opt, ids)  # warm-up: AdamW's moments allocated
     if world > 1:
         dist.barrier()
-    start = time.perf_counter()
-    with PeakMemory(torch.device("cpu")) as peak, counting_collectives() as comm:
-        before = resident_bytes()  # after PeakMemory's malloc_trim: what the process holds
-        _train_step(net, opt, ids)
-    if world > 1:
-        dist.barrier()
-    elapsed = time.perf_counter() - start
+    seen: dict[str, Any] = {}
+
+    def measured_step() -> None:
+        with PeakMemory(torch.device("cpu")) as peak, counting_collectives() as comm:
+            seen["before"] = resident_bytes()  # after PeakMemory's malloc_trim: what is held
+            _train_step(net, opt, ids)
+        seen["peak"], seen["moved"] = peak.peak, comm[0]
+        if world > 1:
+            dist.barrier()
+
+    elapsed = time_call(measured_step, torch.device("cpu"))
     held = _local_bytes(model)
-    moved = comm[0] if mode == "fsdp" else held if mode == "ddp" else 0
+    moved = seen["moved"] if mode == "fsdp" else held if mode == "ddp" else 0
     return (params, 4 * held,  # parameters, gradients and two moments: the same shapes
-            None if peak.peak is None else before + peak.peak, moved, elapsed)
+            None if seen["peak"] is None else seen["before"] + seen["peak"], moved, elapsed)
 
 
 def _rank_main(rank: int, world: int, port: int, opts: dict, path: str) -> None:
@@ -165,30 +166,25 @@ def _summary(rows: list[dict], budget_gib: float) -> str:
 
 def run_fsdp(worlds: list[int], out: Path, *, model: dict[str, Any], batch: int = 1,
         seq_len: int = 64, threads: int = 1, memory_gib: float = 24.0, timeout: float = 600.0,
-        command: str = "") -> list[dict]:
+        command: str = "", overwrite: bool = False) -> list[dict]:
     """Measure one process (N = 1) and DDP and FSDP on every N > 1 of ``worlds`` for the
-    model ``LMConfig(**model)``; writes results.csv, summary.md and run.json (``command`` and
-    the machine) into ``out``, prints the summary, returns the rows."""
+    model ``LMConfig(**model)``; writes the record (results.csv, results.md, meta.json with
+    ``command``, lscpu.txt) into ``out``, claimed first (refused if it holds anything unless
+    ``overwrite``), prints the summary, returns the rows."""
     LMConfig(**model)  # a bad model setting fails here, before any process starts
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    rec = Record(out, NAME, overwrite=overwrite)
     opts = {"model": model, "batch": batch, "seq_len": seq_len, "threads": threads,
             "timeout": timeout, "memory_gib": memory_gib, "modes": ["ddp", "fsdp"]}
     # one group of processes per mode, so that no mode runs in a heap another one has grown
-    rows = run_worlds(_rank_main, [w for w in worlds if w == 1], opts, out)
+    rows = run_worlds(_rank_main, [w for w in worlds if w == 1], opts)
     for mode in opts["modes"]:
-        rows += run_worlds(_rank_main, [w for w in worlds if w > 1], {**opts, "modes": [mode]}, out)
+        rows += run_worlds(_rank_main, [w for w in worlds if w > 1], {**opts, "modes": [mode]})
     rows.sort(key=lambda r: (r["world"], r["mode"]))
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "summary.md").write_text(_summary(rows, memory_gib))
-    (out / "run.json").write_text(json.dumps({
-        "command": command, "machine": platform.platform(), "processor": platform.processor(),
-        "threads_per_rank": threads, "torch": torch.__version__, "model": model,
-        "batch": batch, "seq_len": seq_len}, indent=2))
-    print(_summary(rows, memory_gib))
+    summary = _summary(rows, memory_gib)
+    rec.write(Table(rows, FIELDS), rec.meta(
+        command, threads_per_rank=threads, model=model, batch=batch, seq_len=seq_len,
+        worlds=worlds, memory_gib=memory_gib, timeout=timeout), markdown=summary)
+    print(summary)
     return rows
 
 
@@ -197,8 +193,8 @@ DESCRIPTION = ("One language model's training step (AdamW) on one process, and u
                "FSDP (fastweights train --fsdp) on N processes (gloo, CPU) for N in --world: "
                "model state (parameters, gradients, AdamW moments) and peak resident memory per "
                "rank, bytes through the collectives per rank and step, and the largest model "
-               "one rank of --memory-gib fits (extrapolated). Writes results.csv, summary.md "
-               "and run.json into --out.")
+               "one rank of --memory-gib fits (extrapolated). Writes its record (results.csv, "
+               "results.md, meta.json, lscpu.txt) into --out.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -213,7 +209,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-gib", type=float, default=24.0,
                    help="memory of one rank, for the largest model")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
-    p.add_argument("--out", type=Path, required=True)
+    add_out_arguments(p, required=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,5 +220,6 @@ def run(args: argparse.Namespace) -> int:
     with user_errors((TypeError, ValueError)):
         run_fsdp(worlds, args.out, model=model, batch=args.batch, seq_len=args.seq_len,
                  threads=args.threads, memory_gib=args.memory_gib, timeout=args.timeout,
-                 command=command_line(["fastweights", "bench", NAME], args))
+                 command=command_line(["fastweights", "bench", NAME], args),
+                 overwrite=args.overwrite)
     return 0

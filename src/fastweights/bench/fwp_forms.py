@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,21 +42,16 @@ import torch
 from .._commands import parse_int_list, positive_int
 from ..ops import delta_rule, elu_plus_one, linear_attn, sum_norm
 from ..ops._autocast import CPU_BF16_ENV, cpu_has_fast_bf16
-from .measure import count_flops, matmul_gflops
-from .suite import cpu_info
+from .measure import count_flops, matmul_gflops, time_call
+from .record import machine
 
 BF16_TAG = " autocast-bf16"  # suffix of the rows that take the CPU bfloat16 product path
 
 
 def _timer(clock: str) -> Callable[[Callable[[], Any]], float]:
-    now = time.process_time if clock == "cpu" else time.perf_counter
-
-    def timed(fn: Callable[[], Any]) -> float:
-        start = now()
-        fn()
-        return now() - start
-
-    return timed
+    """Seconds of one call on the CPU, ``clock`` "cpu" (process CPU time) or "wall"."""
+    return functools.partial(time_call, device=torch.device("cpu"),
+                             clock="process" if clock == "cpu" else "wall")
 
 
 def _inputs(B: int, T: int, H: int, D: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -75,10 +70,7 @@ def profile_table(call: Callable[[], Any], repeats: int, top: int) -> str:
     and their difference, the time outside any operator (Python, dispatch, profiler)."""
     call()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        wall = (time.perf_counter() - start) / repeats
+        wall = time_call(lambda: [call() for _ in range(repeats)], torch.device("cpu")) / repeats
     ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
     total = sum(e.self_cpu_time_total for e in ops) / repeats / 1e3  # ms per call
     ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -134,7 +126,7 @@ def _bf16_header() -> str:
     caps = getattr(torch.cpu, "get_capabilities", lambda: {})()
     flags = [f for f in ("amx_bf16", "avx512_bf16", "avx512_f", "avx2") if caps.get(f)]
     peak, n = matmul_gflops(torch.device("cpu"), torch.bfloat16, sizes=(256, 512))
-    return (f"CPU {cpu_info()['model'] or 'unknown'}; torch CPU capability "
+    return (f"CPU {machine()['cpu_model']}; torch CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}; flags {','.join(flags) or 'none'}; "
             f"fast bfloat16 (AMX-BF16/AVX512-BF16): {'yes' if cpu_has_fast_bf16() else 'no'} "
             f"({CPU_BF16_ENV}=auto takes the {'bfloat16' if cpu_has_fast_bf16() else 'float32'} "

@@ -21,26 +21,20 @@ Method: every candidate of a (pass, thread count) is called once as a warm-up, t
 ``--repeats`` rounds call each candidate once, in an order rotated every round, so that all see
 the same machine state; the median counts and the spread is reported as min / max and as the
 per-round (paired) ratio to the reference candidate, whose median is robust to load changing
-between rounds on a shared machine. Times are wall clock (``time.perf_counter``); the process
-CPU time of each call (all threads) is recorded beside it. glibc's allocator is put in the
-timing configuration of ``fastweights.bench.measure`` (freed blocks reused, not returned to the
-system), for every candidate alike. Thread counts are set with ``torch.set_num_threads`` in
+between rounds on a shared machine. Times are wall clock (bench/measure.py ``time_clocks``);
+the process CPU time of each call (all threads) is recorded beside it. glibc's allocator is put
+in the timing configuration of ``fastweights.bench.measure`` (freed blocks reused, not returned
+to the system), for every candidate alike. Thread counts are set with ``torch.set_num_threads`` in
 the one process, one after another.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import inspect
-import json
-import platform
 import statistics
-import subprocess
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,18 +45,15 @@ from .._commands import (
     parse_int_list,
     parse_name_list,
     positive_int,
-    prepare_out,
     recorded_settings,
     user_errors,
 )
 from ..ops import delta_rule, gated_delta_rule, gated_delta_rule_step
-from .measure import prepare_cpu_memory_accounting
-from .suite import cpu_info
+from .measure import prepare_cpu_memory_accounting, time_clocks
+from .record import Record, add_out_arguments, machine, open_record
 
-__all__ = ["OUTPUT_FILES", "GatedDeltaRow", "record", "run_gated_delta", "summary_table",
-           "write_record"]
+__all__ = ["GatedDeltaRow", "report_lines", "run_gated_delta", "summary_table"]
 PASSES = ("fwd", "fwdbwd", "step")
-OUTPUT_FILES = ("results.md", "meta.json", "lscpu.txt", "results.csv")  # what write_record writes
 
 
 @dataclasses.dataclass
@@ -167,9 +158,7 @@ def _time_rounds(calls: dict[str, Call], repeats: int) -> dict[str, list[tuple[f
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            wall, cpu = time.perf_counter(), time.process_time()
-            calls[name]()
-            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+            times[name].append(time_clocks(calls[name], torch.device("cpu"), ("wall", "process")))
     return times
 
 
@@ -248,40 +237,13 @@ def summary_table(rows: list[GatedDeltaRow]) -> list[str]:
     return lines
 
 
-def _lscpu() -> str:
-    try:
-        return subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def record(rows: list[GatedDeltaRow], config: dict[str, Any], command: str,
-           ) -> tuple[list[str], dict[str, Any]]:
-    """The report of a run: its markdown lines (a head naming the shape and the CPU, then
-    ``summary_table``) and its meta.json record (``command``, machine, versions, ``config``:
-    the settings as given, with ``T``, ``B``, ``H``, ``D`` and ``repeats`` among them)."""
-    cpu = cpu_info()
-    meta = {"command": command, "cpu": cpu["model"], "isa": cpu["isa"],
-            "torch": torch.__version__, "python": platform.python_version(), "config": config,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+def report_lines(rows: list[GatedDeltaRow], config: dict[str, Any]) -> list[str]:
+    """The run's markdown lines: a head naming the shape and the CPU, then ``summary_table``
+    (``config``: the settings as given, with ``T``, ``B``, ``H``, ``D`` and ``repeats``)."""
     head = (f"B{config['B']} T{config['T']} H{config['H']} D{config['D']} float32; CPU "
-            f"{cpu['model']}; torch {torch.__version__}; wall clock, {config['repeats']} "
-            f"interleaved rounds, median")
-    return [head, "", *summary_table(rows)], meta
-
-
-def write_record(out: Path, lines: list[str], meta: dict[str, Any], rows: list[Any]) -> None:
-    """A benchmark record in ``out``: results.md (``lines``), meta.json, lscpu.txt and
-    results.csv (one line per dataclass row)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    (out / "lscpu.txt").write_text(_lscpu())
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[fd.name for fd in dataclasses.fields(rows[0])])
-        writer.writeheader()
-        for r in rows:
-            writer.writerow(dataclasses.asdict(r))
+            f"{machine()['cpu_model']}; torch {torch.__version__}; wall clock, "
+            f"{config['repeats']} interleaved rounds, median")
+    return [head, "", *summary_table(rows)]
 
 
 NAME = "gated-delta"
@@ -290,8 +252,8 @@ DESCRIPTION = ("Time gated_delta_rule's chunked form (forward, and forward+backw
                "transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule "
                "(Qwen3.5's PyTorch fallbacks; rows skipped where transformers is not installed), "
                "in interleaved rounds at each thread count; B, T, H, D float32, k L2-normalised. "
-               "Prints the tables; with --out writes results.md, results.csv, meta.json and "
-               "lscpu.txt there.")
+               "Prints the tables; with --out writes its record (results.csv, results.md, "
+               "meta.json, lscpu.txt) there.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -311,41 +273,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_out_arguments(p)
 
 
-def add_out_arguments(p: argparse.ArgumentParser) -> None:
-    """--out and --overwrite of the gated-delta benchmarks (this one and gated-delta-models)."""
-    p.add_argument("--out", type=Path, default=None,
-                   help="folder for results.md, results.csv, meta.json and lscpu.txt "
-                        "(default: print only)")
-    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
-
-
-def prepare(args: argparse.Namespace) -> None:
-    """Before any timing: --out made ready (refused if it holds results, unless --overwrite)."""
-    if args.out is not None:
-        prepare_out(args.out, args.overwrite, OUTPUT_FILES)
-
-
-def report(args: argparse.Namespace, name: str, rows: list[Any],
-           record: Callable[[list[Any], dict[str, Any], str], tuple[list[str], dict[str, Any]]],
-           ) -> None:
-    """Print the run's tables (``record``: the benchmark's report of its rows) and, with --out,
-    write them with the settings and the command ``fastweights bench {name} ...``."""
-    lines, meta = record(rows, recorded_settings(args),
-                         command_line(["fastweights", "bench", name], args))
-    print("\n".join(lines))
-    if args.out is not None:
-        write_record(args.out, lines, meta, rows)
+def report(args: argparse.Namespace, rec: Record | None, rows: list[Any],
+           lines: Callable[[list[Any], dict[str, Any]], list[str]]) -> None:
+    """Print the run's tables (``lines``: the benchmark's report of its rows and settings)
+    and, with a record, write them with the settings (``config``) and the command
+    ``fastweights bench NAME ...``."""
+    config = recorded_settings(args)
+    text = lines(rows, config)
+    print("\n".join(text))
+    if rec is not None:
+        meta = rec.meta(command_line(["fastweights", "bench", rec.name], args), config=config)
+        rec.write(rows, meta, markdown=text)
 
 
 def run(args: argparse.Namespace) -> int:
     threads = parse_int_list("--threads", args.threads)
     chunk_sizes = parse_int_list("--chunk-sizes", args.chunk_sizes)
     passes = parse_name_list("--passes", args.passes, PASSES)
-    prepare(args)
+    rec = open_record(args, NAME)
     with user_errors((ValueError,)):
         rows = run_gated_delta(
             T=args.T, B=args.B, H=args.H, D=args.D, threads=tuple(threads),
             chunk_sizes=tuple(chunk_sizes), passes=passes, repeats=args.repeats,
             step_calls=args.step_calls)
-    report(args, NAME, rows, record)
+    report(args, rec, rows, report_lines)
     return 0

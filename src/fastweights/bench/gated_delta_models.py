@@ -28,9 +28,7 @@ import argparse
 import copy
 import dataclasses
 import inspect
-import platform
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,11 +37,11 @@ from typing import Any
 import torch
 
 from .._commands import parse_int_list, parse_name_list, positive_int, user_errors
-from .gated_delta import _time_rounds, add_out_arguments, prepare, report
+from .gated_delta import _time_rounds, report
 from .measure import prepare_cpu_memory_accounting
-from .suite import cpu_info
+from .record import add_out_arguments, machine, machine_line, open_record
 
-__all__ = ["CANDIDATES", "DTYPES", "ModelRow", "record", "run_gated_delta_models",
+__all__ = ["CANDIDATES", "DTYPES", "ModelRow", "report_lines", "run_gated_delta_models",
            "summary_table"]
 CANDIDATES = ("transformers", "fastweights")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -242,19 +240,14 @@ def summary_table(rows: list[ModelRow]) -> list[str]:
     return lines
 
 
-def record(rows: list[ModelRow], config: dict[str, Any], command: str,
-           ) -> tuple[list[str], dict[str, Any]]:
-    """The report of a run: its markdown lines (a head naming the layout, CPU and threads, then
-    ``summary_table``) and its meta.json record (``command``, machine, versions, ``config``: the
-    settings as given, with ``hidden``, ``threads`` and ``repeats`` among them)."""
-    cpu = cpu_info()
-    head = (f"Qwen3.5 layout (16 key / 32 value heads of 128), hidden {config['hidden']}, B1; CPU "
-            f"{cpu['model']} ({cpu['isa']}), {config['threads']} thread(s); torch "
-            f"{torch.__version__}; {config['repeats']} interleaved rounds, wall-clock medians")
-    meta = {"command": command, "cpu": cpu["model"], "isa": cpu["isa"],
-            "torch": torch.__version__, "python": platform.python_version(), "config": config,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    return [head, "", *summary_table(rows)], meta
+def report_lines(rows: list[ModelRow], config: dict[str, Any]) -> list[str]:
+    """The run's markdown lines: a head naming the layout, the machine and threads, then
+    ``summary_table`` (``config``: the settings as given, with ``hidden``, ``threads`` and
+    ``repeats``)."""
+    head = (f"Qwen3.5 layout (16 key / 32 value heads of 128), hidden {config['hidden']}, B1; "
+            f"{machine_line(machine())}; {config['threads']} thread(s); "
+            f"{config['repeats']} interleaved rounds, wall-clock medians")
+    return [head, "", *summary_table(rows)]
 
 
 NAME = "gated-delta-models"
@@ -263,7 +256,8 @@ DESCRIPTION = ("Time transformers' Qwen3_5GatedDeltaNet layer at Qwen3.5's head 
                "random-weight Qwen3_5ForCausalLM's prefill and greedy-decode tokens/s, each with "
                "transformers' PyTorch fallbacks and after fastweights.hf.use_fastweights, in "
                "interleaved rounds on the CPU. Needs the [hf] extra (transformers). Prints the "
-               "table; with --out writes results.md, results.csv, meta.json and lscpu.txt there.")
+               "table; with --out writes its record (results.csv, results.md, meta.json, "
+               "lscpu.txt) there.")
 CASES = ("layer", "model")
 
 
@@ -291,12 +285,12 @@ def run(args: argparse.Namespace) -> int:
     Ts = parse_int_list("--T", args.T)
     dtypes = parse_name_list("--dtypes", args.dtypes, tuple(DTYPES))
     cases = parse_name_list("--cases", args.cases, CASES)
-    prepare(args)
+    rec = open_record(args, NAME)
     with user_errors((ValueError, ImportError)):
         rows = run_gated_delta_models(
             Ts=tuple(Ts), dtypes=dtypes, hidden=args.hidden, layers=args.layers,
             vocab=args.vocab, model_T=args.model_T, new_tokens=args.new_tokens,
             repeats=args.repeats, decode_calls=args.decode_calls, threads=args.threads,
             cases=cases)
-    report(args, NAME, rows, record)
+    report(args, rec, rows, report_lines)
     return 0

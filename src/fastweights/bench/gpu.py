@@ -47,14 +47,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import importlib.metadata
 import itertools
-import json
 import math
 import os
-import platform
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -71,6 +68,7 @@ from ..testing import cuda_autocast_policy
 from . import gpu_paper, gpu_plan
 from .gpu_decode import DRY_DECODE, GPU_DECODE, decode_items, decode_markdown
 from .measure import PeakMemory, count_flops, matmul_gflops, time_call
+from .record import RECORD_FILES, Record, Table, add_out_arguments, gpu_name, machine
 from .targets import Setting, mixer_targets
 
 NAME = "gpu"
@@ -84,10 +82,11 @@ DESCRIPTION = ("Run on a CUDA GPU, within --budget-s seconds (compilation and au
                "against softmax at the TTT paper's 1.3B layer, B4 d_model 2048, 32 heads of 64, "
                "T 2k, 8k and 32k; (train) a whole training "
                "step per mixer (8 layers, d_model 1024, B8 T2048, bfloat16 autocast): tokens/s "
-               "and peak memory. First calls are timed apart. Writes results.md, results.csv "
-               "and meta.json into --out. --dry-run runs the same code at tiny sizes on the CPU.")
+               "and peak memory. First calls are timed apart. Writes its record (results.csv, "
+               "results.md, meta.json, lscpu.txt) into --out. --dry-run runs the same code at "
+               "tiny sizes on the CPU.")
 SECTIONS = ("exact", "ops", "layers", "paper", "decode", "train")
-OUTPUT_FILES = ("results.md", "results.csv", "meta.json")
+OUTPUT_FILES = RECORD_FILES  # the files of its record (bench/record.py)
 KERNEL_BACKENDS = ("triton", "fla")
 # Seconds an item needs left in the budget to start: fla's first calls autotune (about two
 # minutes per op on an H200); everything else compiles in seconds.
@@ -456,14 +455,10 @@ def train_case(run: Run, name: str) -> None:
             opt.step()
 
         timed = _timed(run, step)
-        if run.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(run.device)
+        with PeakMemory(run.device) as mem:
             step()
-            peak = torch.cuda.max_memory_allocated(run.device)
-        else:
-            with PeakMemory(run.device) as mem:
-                step()
-            peak = mem.peak
+        # CUDA: all memory allocated at the peak (model and optimizer state included)
+        peak = mem.high if run.device.type == "cuda" else mem.peak
         run.row(**fields, **timed, tokens_per_s=B * T / (timed["median_ms"] / 1e3),
                 peak_mib=None if peak is None else peak / 2**20)
 
@@ -555,12 +550,9 @@ def _cell(value: Any, spec: str = ".3g") -> str:
     return str(value)
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: _cell(r[k], ".6g") for k in COLUMNS})
+def csv_rows(rows: list[dict[str, Any]]) -> Table:
+    """results.csv: every row, ``COLUMNS``, numbers to 6 significant digits."""
+    return Table([{k: _cell(r[k], ".6g") for k in COLUMNS} for r in rows], COLUMNS)
 
 
 def _table(head: list[str], body: list[list[str]]) -> list[str]:
@@ -585,8 +577,8 @@ def _status(passes: dict[str, dict[str, Any]]) -> str:
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     """results.md: the run's head, one table per section, first calls beside the timings."""
     lines = [f"# fastweights bench gpu: {meta['device']}", "",
-             f"`{meta['command']}`, {meta['date']}; torch {meta['torch']}, triton "
-             f"{meta['triton']}, fla {meta['fla']}; budget {meta['budget_s']:g} s, run "
+             f"`{meta['command']}`, {meta['date']}; torch {meta['machine']['torch']}, triton "
+             f"{meta['machine']['triton']}, fla {meta['fla']}; budget {meta['budget_s']:g} s, run "
              f"{meta['elapsed_s']:.0f} s; bfloat16 matmul rate measured "
              f"{meta['matmul_tflops']:.3g} TFLOP/s." + (" **Dry run** (CPU, tiny sizes: no "
                                                        "figure here means anything)."
@@ -644,20 +636,15 @@ def _version(distribution: str) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
-    from .suite import cpu_info
-
-    return f"CPU {cpu_info()['model'] or platform.processor()}"
+    return gpu_name(device) if device.type == "cuda" else f"CPU {machine()['cpu_model']}"
 
 
-def run_benchmark(out: Path, *, dry_run: bool, device: torch.device, budget_s: float,
+def run_benchmark(rec: Record, *, dry_run: bool, device: torch.device, budget_s: float,
                   sections: tuple[str, ...], fla: bool, repeats: int | None,
                   command: str, kernel_ops: tuple[str, ...] | None = None,
                   mixers: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
-    """Run the benchmark into ``out`` (results.md, results.csv, meta.json, rewritten after
-    every section so that a run cut short keeps what it measured); returns the rows.
+    """Run the benchmark into the record ``rec`` (rewritten after every section so that a run
+    cut short keeps what it measured); returns the rows.
     ``kernel_ops`` (names of ``KERNEL_OPS``) and ``mixers`` (registered mixer names) restrict
     the sections to them (None: all); softmax, the baseline of layers and train, always runs."""
     start = time.monotonic()
@@ -672,12 +659,10 @@ def run_benchmark(out: Path, *, dry_run: bool, device: torch.device, budget_s: f
               ("triton", "fla") if fla else ("triton",), rate / 1e3,
               ops=tuple(op.name for op in KERNEL_OPS) if kernel_ops is None else kernel_ops,
               mixers=tuple(names))
-    meta = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "device": device_name(device), "dry_run": dry_run, "budget_s": budget_s,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
-            "fla": _version("flash-linear-attention"), "python": platform.python_version(),
-            "matmul_tflops": run.matmul_tflops, "sizes": dataclasses.asdict(sizes),
-            "sections": list(sections), "ops": list(run.ops), "mixers": list(run.mixers)}
+    meta = rec.meta(command, device=device_name(device), dry_run=dry_run, budget_s=budget_s,
+                    fla=_version("flash-linear-attention"), matmul_tflops=run.matmul_tflops,
+                    sizes=dataclasses.asdict(sizes), sections=list(sections),
+                    ops=list(run.ops), mixers=list(run.mixers))
 
     def write() -> None:
         rows = [dict(r) for r in run.rows]
@@ -686,9 +671,7 @@ def run_benchmark(out: Path, *, dry_run: bool, device: torch.device, budget_s: f
         meta["skipped"] = [" ".join((r["section"], r["name"], r["backend"], r["shape"],
                                      r["pass"])) for r in rows
                            if r["status"] == "skipped: time budget"]
-        write_csv(out / "results.csv", rows)
-        (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        (out / "results.md").write_text("\n".join(markdown(rows, meta)) + "\n")
+        rec.write(csv_rows(rows), meta, markdown=markdown(rows, meta))
 
     for item in plan(run, sections):
         item()
@@ -702,9 +685,7 @@ def run_benchmark(out: Path, *, dry_run: bool, device: torch.device, budget_s: f
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .._commands import positive_float, positive_int
 
-    p.add_argument("--out", type=Path, default=Path("runs/bench-gpu"),
-                   help="folder for results.md, results.csv and meta.json")
-    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    add_out_arguments(p, default=Path("runs/bench-gpu"))
     p.add_argument("--dry-run", action="store_true",
                    help="the same code at tiny sizes on the CPU (kernel backends skipped, with "
                         "their reason); what CI runs")
@@ -726,7 +707,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._commands import UserError, command_line, parse_name_list, prepare_out
+    from .._commands import UserError, command_line, parse_name_list
 
     sections = parse_name_list("--sections", args.sections, SECTIONS)
     kernel_ops = None if args.ops is None else parse_name_list(
@@ -740,8 +721,8 @@ def run(args: argparse.Namespace) -> int:
                         "False); --dry-run runs the same code at tiny sizes on the CPU")
     else:
         device = torch.device("cuda")
-    prepare_out(args.out, args.overwrite, OUTPUT_FILES)
-    rows = run_benchmark(args.out, dry_run=args.dry_run, device=device, budget_s=args.budget_s,
+    rec = Record(args.out, NAME, overwrite=args.overwrite)
+    rows = run_benchmark(rec, dry_run=args.dry_run, device=device, budget_s=args.budget_s,
                          sections=sections, fla=not args.no_fla, repeats=args.repeats,
                          command=command_line(["fastweights", "bench", NAME], args),
                          kernel_ops=kernel_ops, mixers=mixers)

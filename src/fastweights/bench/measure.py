@@ -1,9 +1,16 @@
-"""Measurement primitives: wall time (warm-up + median), peak memory, FLOP counts, matmul rate.
+"""Measurement primitives: time (warm-up + median), peak memory, bytes kept for the backward
+pass, FLOP counts, matmul rate. The benchmarks' one timer (``time_call``, ``time_clocks``) and
+one memory meter (``PeakMemory``, ``saved_bytes``): no benchmark reads a clock or the memory
+statistics itself.
 
 Method notes (also written into every report):
 
-- **Time**: ``time.perf_counter`` around one call, after a device synchronise on both sides
-  (CUDA); one warm-up call first, then the median of the repeats.
+- **Time**: a clock read around one call, after a device synchronise on both sides (CUDA); one
+  warm-up call first, then the median of the repeats. The clock is wall time
+  (``time.perf_counter``) unless a benchmark asks for CPU time: ``process`` (all threads of
+  the process, ``time.process_time``) or ``thread`` (the calling thread only,
+  ``time.thread_time``: on a machine shared with other jobs it counts only this thread's
+  work).
 - **FLOPs**: ``torch.utils.flop_counter.FlopCounterMode`` on one extra call. It counts only
   matrix-multiply-type ATen ops (mm, bmm, addmm, baddbmm, matmul via those, convolutions,
   scaled-dot-product attention) at 2 FLOPs per multiply-add, and nothing elementwise (exp, sums,
@@ -27,6 +34,8 @@ Method notes (also written into every report):
   reported as missing, never guessed.
 - **Peak memory on CUDA**: ``torch.cuda.max_memory_allocated`` after
   ``reset_peak_memory_stats``, minus the memory allocated before the call.
+- **Bytes kept for the backward pass**: the distinct storages autograd saves during a call
+  (``torch.autograd.graph.saved_tensors_hooks``), each counted once.
 """
 
 from __future__ import annotations
@@ -40,14 +49,22 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = [
+    "CLOCKS",
     "PeakMemory",
     "count_flops",
     "matmul_gflops",
     "prepare_cpu_memory_accounting",
+    "saved_bytes",
     "synchronize",
     "time_call",
+    "time_clocks",
     "time_rounds",
 ]
+
+# The clocks a benchmark may time with (module notes).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter,
+                                          "process": time.process_time,
+                                          "thread": time.thread_time}
 
 _aten = torch.ops.aten
 
@@ -97,13 +114,30 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_call(fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds one call of ``fn`` takes, device work included."""
+def time_call(fn: Callable[[], Any], device: torch.device, clock: str = "wall") -> float:
+    """Seconds one call of ``fn`` takes on ``clock`` (``CLOCKS``), device work included."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    now = CLOCKS[clock]
     synchronize(device)
-    start = time.perf_counter()
+    start = now()
     fn()
     synchronize(device)
-    return time.perf_counter() - start
+    return now() - start
+
+
+def time_clocks(fn: Callable[[], Any], device: torch.device,
+                clocks: Sequence[str]) -> tuple[float, ...]:
+    """Seconds one call of ``fn`` takes on each of ``clocks`` (``CLOCKS``), read together."""
+    bad = [c for c in clocks if c not in CLOCKS]
+    if bad or not clocks:
+        raise ValueError(f"clocks must be some of {', '.join(CLOCKS)}, got {list(clocks)}")
+    nows = [CLOCKS[c] for c in clocks]
+    synchronize(device)
+    start = [now() for now in nows]
+    fn()
+    synchronize(device)
+    return tuple(now() - s for now, s in zip(nows, start))
 
 
 def time_rounds(calls: Sequence[Callable[[], Any]], threads: Sequence[int], rounds: int,
@@ -169,14 +203,31 @@ def prepare_cpu_memory_accounting() -> bool:
     return _set_malloc(accounting=False)
 
 
+def saved_bytes(fn: Callable[[], Any]) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward pass of ``fn()``."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
 class PeakMemory:
     """Context manager measuring the peak memory a block adds (bytes in ``.peak``; None when
-    unavailable). CUDA: allocator statistics; CPU: resident-set high-water mark."""
+    unavailable) and the high-water mark itself (``.high``: CUDA, all memory allocated at the
+    peak; CPU, the resident set's). CUDA: allocator statistics; CPU: resident-set high-water
+    mark."""
 
     def __init__(self, device: torch.device, enabled: bool = True) -> None:
         self.device = device
         self.enabled = enabled
         self.peak: int | None = None
+        self.high: int | None = None
 
     def __enter__(self) -> PeakMemory:
         # No gc.collect() here: tensors are freed by reference counting, and a full collection
@@ -204,7 +255,7 @@ class PeakMemory:
             high = _proc_status_kib("VmHWM") * 1024
             _set_malloc(accounting=False)
         if exc[0] is None:
-            self.peak = max(0, high - self._base)
+            self.peak, self.high = max(0, high - self._base), high
 
 
 def matmul_gflops(device: torch.device, dtype: torch.dtype,

@@ -35,16 +35,13 @@ caches), eager and compiled with ``torch.compile``:
 
 A configuration that fails (out of memory, a compiler error) is recorded with its reason and the
 run goes on; one predicted to need more than half the available memory (the softmax KV cache:
-state x 3, for the copy a step makes and the padding) is skipped and recorded. Writes
-results.csv, results.md and meta.json (machine, CPU model and instruction sets) into ``--out``.
+state x 3, for the copy a step makes and the padding) is skipped and recorded. Writes its record
+(bench/record.py: results.csv, results.md, meta.json with the machine, lscpu.txt) into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import json
 import math
 import statistics
 import sys
@@ -71,7 +68,8 @@ from ..models.config import LMConfig
 from ..models.lm import LanguageModel, LMState
 from ..models.registry import check_mixer, mixer_names
 from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
-from .suite import _available_memory, _machine, cpu_info
+from .record import Record, Table, add_out_arguments, machine_line
+from .suite import _available_memory
 
 PERIOD = 64  # a multiple of every mixer's period at the default options (checked per model)
 MODES = ("eager", "default", "reduce-overhead")
@@ -215,15 +213,13 @@ def _fmt(x: float, spec: str) -> str:
     return "" if not math.isfinite(x) else format(x, spec)
 
 
-def write_csv(path: Path, rows: list[Row]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(COLUMNS)
-        for r in rows:
-            w.writerow([r.mixer, r.mode, r.context, r.streams, r.status, _fmt(r.step_ms, ".6g"),
-                        _fmt(r.tokens_per_s, ".6g"), _fmt(r.state_mib_per_stream, ".6g"),
-                        _fmt(r.step_peak_mib_per_stream, ".6g"), _fmt(r.first_call_s, ".4g"),
-                        r.steps, min(r.lengths, default=""), max(r.lengths, default="")])
+def csv_rows(rows: list[Row]) -> Table:
+    """results.csv: one line per configuration, ``COLUMNS``."""
+    return Table([dict(zip(COLUMNS, [
+        r.mixer, r.mode, r.context, r.streams, r.status, _fmt(r.step_ms, ".6g"),
+        _fmt(r.tokens_per_s, ".6g"), _fmt(r.state_mib_per_stream, ".6g"),
+        _fmt(r.step_peak_mib_per_stream, ".6g"), _fmt(r.first_call_s, ".4g"), r.steps,
+        min(r.lengths, default=""), max(r.lengths, default="")])) for r in rows], COLUMNS)
 
 
 def _table(rows: list[Row], cell) -> list[str]:
@@ -242,14 +238,14 @@ def _table(rows: list[Row], cell) -> list[str]:
     return lines
 
 
-def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
+def markdown(rows: list[Row], meta: dict[str, Any]) -> list[str]:
+    """results.md's lines: a table per compile mode, the configurations not measured, the
+    method (the module notes)."""
     lines = [
         "# Decoding many streams at once", "",
         f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}; machine: {meta['machine']}; torch {meta['torch']}, "
-        f"{meta['threads']} threads; device {meta['device']}, float32",
-        f"- CPU: {meta.get('cpu_model') or 'unknown'}; vector/matrix instruction sets: "
-        f"{', '.join(meta.get('cpu_isa') or []) or 'none reported'}",
+        f"- date: {meta['date']}; device {meta['device']}, float32",
+        f"- machine: {machine_line(meta['machine'])}",
         f"- model: {meta['n_layers']} layers, d_model {meta['d_model']}, {meta['n_heads']} "
         f"heads, vocabulary {meta['vocab_size']}; {meta['steps']} timed steps after "
         f"{meta['warmup']} warm-up steps", "",
@@ -282,20 +278,19 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
         lines.append("")
     doc = (__doc__ or "").split("\n\n", 1)[1].strip()
     lines += ["## Method", "", doc, ""]
-    path.write_text("\n".join(lines))
-
-
-OUTPUT_FILES = ("results.csv", "results.md", "meta.json")
+    return lines
 
 
 def run_multistream(specs: list[tuple[str, str, dict[str, Any]]], streams: list[int], contexts: list[int],
         out: Path, *, modes: tuple[str, ...] = MODES, d_model: int = 512, n_layers: int = 4,
         n_heads: int = 8, vocab_size: int = 256, steps: int = 8, warmup: int = 2,
-        device: torch.device | str = "cpu", seed: int = 0, command: str = "") -> list[Row]:
+        device: torch.device | str = "cpu", seed: int = 0, command: str = "",
+        overwrite: bool = False) -> list[Row]:
     """Every mixer ``(label, name, options)`` (softmax, the baseline, added first unless named)
     in every compile mode at every (context, N); one line per configuration on stderr; writes
-    results.csv, results.md and meta.json (``command`` recorded as given) into ``out`` and
-    returns the rows."""
+    the record (bench/record.py; ``command`` recorded as given) into ``out``, claimed first
+    (refused if it holds anything unless ``overwrite``), and returns the rows."""
+    rec = Record(out, NAME, overwrite=overwrite)
     if not any(name == "softmax" for _, name, _ in specs):
         specs = [("softmax", "softmax", {}), *specs]
     device = torch.device(device)
@@ -328,30 +323,19 @@ def run_multistream(specs: list[tuple[str, str, dict[str, Any]]], streams: list[
                           + (f"{row.step_ms:9.2f} ms/step {row.tokens_per_s:10.1f} tok/s "
                              f"{row.state_mib_per_stream:8.2f} MiB/stream"
                              if row.status == "ok" else row.status), file=sys.stderr, flush=True)
-    cpu = cpu_info()
-    meta = {
-        "command": command,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": _machine(), "cpu_model": cpu["model"], "cpu_isa": cpu["isa"],
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device),
-        "d_model": d_model, "n_layers": n_layers, "n_heads": n_heads,
-        "vocab_size": vocab_size, "steps": steps, "warmup": warmup,
-        "streams": streams, "contexts": contexts, "modes": list(modes), "memory": memory,
-    }
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "results.csv", rows)
-    write_markdown(out / "results.md", rows, meta)
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"wrote {out}/results.csv, results.md, meta.json", file=sys.stderr)
+    meta = rec.meta(command, device=str(device), d_model=d_model, n_layers=n_layers,
+                    n_heads=n_heads, vocab_size=vocab_size, steps=steps, warmup=warmup,
+                    streams=streams, contexts=contexts, modes=list(modes), memory=memory)
+    rec.write(csv_rows(rows), meta, markdown=markdown(rows, meta))
+    print(f"wrote {out}/results.csv, results.md, meta.json, lscpu.txt", file=sys.stderr)
     return rows
 
 
 NAME = "multistream"
 DESCRIPTION = ("One decoding step of N streams stacked with LanguageModel.stack_states, per mixer, "
                "context and N, eager and compiled: ms per step, tokens/s, state and step-peak "
-               "memory per stream (synthetic contexts: no long prefill). Writes results.csv, "
-               "results.md and meta.json into --out.")
+               "memory per stream (synthetic contexts: no long prefill). Writes its record "
+               "(results.csv, results.md, meta.json, lscpu.txt) into --out.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -372,8 +356,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    add_out_arguments(p, required=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -387,14 +370,12 @@ def run(args: argparse.Namespace) -> int:
         with user_errors((ValueError, TypeError), prefix=f"--mixers {text!r}: "):
             check_mixer(name, args.d_model, args.n_heads, **opts)
         specs.append((text, name, opts))
-    existing = [f for f in OUTPUT_FILES if (args.out / f).exists()]
-    if existing and not args.overwrite:
-        raise UserError(f"--out {args.out} already holds {', '.join(existing)}; pass --overwrite")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     run_multistream(specs, streams, contexts, args.out,
                     modes=COMPILE_CHOICES[args.compile], d_model=args.d_model,
                     n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=args.vocab_size,
                     steps=args.steps, warmup=args.warmup, device=args.device, seed=args.seed,
-                    command=command_line(["fastweights", "bench", NAME], args))
+                    command=command_line(["fastweights", "bench", NAME], args),
+                    overwrite=args.overwrite)
     return 0

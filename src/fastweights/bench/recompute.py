@@ -7,15 +7,13 @@ length, times one training step (forward, loss, backward) with
 warm-up, and the peak memory the step adds on top of the model and its gradients (CPU: the
 resident-set high-water mark, see ``measure.PeakMemory``; CUDA: allocator statistics, on a
 separate untimed step). Both settings run in the same process, one after the other, on the same
-weights and input; the losses are checked to agree. Results are printed as a table and written
-as JSON and markdown with ``--out``.
+weights and input; the losses are checked to agree. Results are printed as a table and, with
+``--out``, written as a record (bench/record.py: results.csv, results.md, meta.json, lscpu.txt).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from .._commands import command_line, parse_int_list, positive_int
 from ..models.config import LMConfig
 from ..models.lm import LanguageModel
 from .measure import PeakMemory, prepare_cpu_memory_accounting, time_call
+from .record import Record, add_out_arguments, machine, machine_line
 from .targets import check_model_mixers
 
 
@@ -68,8 +67,9 @@ def measure(mixer: str, T: int, *, d_model: int, n_layers: int, n_heads: int, re
 
 
 def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    lines = [f"# Training step with and without recompute ({meta['machine']})", "",
-             f"Command: `{meta['command']}`", "",
+    lines = ["# Training step with and without recompute", "",
+             f"Command: `{meta['command']}`; {meta['device']}; "
+             f"{machine_line(meta['machine'])}", "",
              f"{meta['n_layers']} layers, d_model {meta['d_model']}, {meta['n_heads']} heads, "
              f"batch 1, float32, median of {meta['repeats']} steps; peak = memory one step adds "
              "above the model and its gradients.", "",
@@ -88,9 +88,12 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def run_recompute(mixers: list[str], lengths: list[int], *, d_model: int = 512, n_layers: int = 4,
         n_heads: int = 8, repeats: int = 3, device: torch.device | str = "cpu",
-        out: Path | None = None, command: str = "") -> list[dict[str, Any]]:
+        out: Path | None = None, command: str = "", overwrite: bool = False,
+        ) -> list[dict[str, Any]]:
     """``measure`` for every (mixer, T); prints a table row per pair and returns the rows; with
-    ``out`` writes results.json and results.md there (``command`` recorded as given)."""
+    ``out`` writes the record there (``command`` recorded as given), the folder claimed first
+    (refused if it holds anything unless ``overwrite``)."""
+    rec = None if out is None else Record(out, NAME, overwrite=overwrite)
     device = torch.device(device)
     memory = device.type == "cuda" or prepare_cpu_memory_accounting()
     rows: list[dict[str, Any]] = []
@@ -98,26 +101,22 @@ def run_recompute(mixers: list[str], lengths: list[int], *, d_model: int = 512, 
         for T in lengths:
             rows += measure(mixer, T, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                             repeats=repeats, device=device, memory=memory)
-            print(_markdown(rows[-2:], {"machine": "", "command": "", "n_layers": n_layers,
+            print(_markdown(rows[-2:], {"machine": machine(), "command": "",
+                                         "device": str(device), "n_layers": n_layers,
                                          "d_model": d_model, "n_heads": n_heads,
                                          "repeats": repeats}).splitlines()[-1], flush=True)
-    meta = {"machine": f"{platform.processor() or platform.machine()}, "
-                       f"{torch.get_num_threads()} threads, torch {torch.__version__}, {device}",
-            "command": command, "d_model": d_model, "n_layers": n_layers, "n_heads": n_heads,
-            "repeats": repeats}
-    if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-        (out / "results.md").write_text(_markdown(rows, meta))
+    if rec is not None:
+        meta = rec.meta(command, device=str(device), d_model=d_model, n_layers=n_layers,
+                        n_heads=n_heads, repeats=repeats)
+        rec.write(rows, meta, markdown=_markdown(rows, meta))
     return rows
 
 
 NAME = "recompute"
 DESCRIPTION = ("Time one training step (forward, loss, backward) of a LanguageModel per mixer "
                "and length with gradient checkpointing off and on, and the peak memory it adds; "
-               "checks the losses agree. Prints a table; --out writes results.json and "
-               "results.md.")
+               "checks the losses agree. Prints a table; --out writes its record (results.csv, "
+               "results.md, meta.json, lscpu.txt).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,7 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-heads", type=positive_int, default=8)
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=None, help="folder for results.json and results.md")
+    add_out_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,5 +137,6 @@ def run(args: argparse.Namespace) -> int:
     run_recompute(mixers, parse_int_list("--lengths", args.lengths), d_model=args.d_model,
                   n_layers=args.n_layers, n_heads=args.n_heads, repeats=args.repeats,
                   device=args.device, out=args.out,
-                  command=command_line(["fastweights", "bench", NAME], args))
+                  command=command_line(["fastweights", "bench", NAME], args),
+                  overwrite=args.overwrite)
     return 0

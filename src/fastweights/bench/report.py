@@ -1,20 +1,21 @@
-"""Writing benchmark results: a CSV (every number), a markdown summary and log-log PNG plots."""
+"""The suite's record (written by bench/record.py): its CSV rows (every number), the markdown
+summary and log-log PNG plots."""
 
 from __future__ import annotations
 
-import csv
+import io
 import math
-from pathlib import Path
 from typing import Any
 
 from .peers import PEER_COLUMNS, PeerRow
+from .record import Table, machine_line
 from .runner import Row
 
-__all__ = ["OUTPUT_FILES", "matmul_rate", "softmax_ratio", "width_table", "write_csv", "write_markdown", "write_peer_csv",
-           "write_plots"]
+__all__ = ["EXTRA_FILES", "csv_rows", "markdown", "matmul_rate", "peer_rows_table", "plots",
+           "softmax_ratio", "width_table"]
 
-OUTPUT_FILES = ("results.csv", "results.md", "meta.json", "time_vs_T.png", "memory_vs_T.png",
-                "peers.csv")
+# The suite's files besides every record's (bench/record.py RECORD_FILES).
+EXTRA_FILES = ("time_vs_T.png", "memory_vs_T.png", "peers.csv")
 
 CSV_COLUMNS = (
     "target", "kind", "pass", "T", "threads", "status", "time_s", "time_min_s", "time_max_s",
@@ -53,23 +54,23 @@ def _fmt(x: float, spec: str) -> str:
     return "" if not math.isfinite(x) else format(x, spec)
 
 
-def write_csv(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
+def csv_rows(rows: list[Row], meta: dict[str, Any]) -> Table:
+    """results.csv: one line per (target, pass, T, thread count), ``CSV_COLUMNS``."""
     ratios = softmax_ratio(rows)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for i, r in enumerate(rows):
-            peak = matmul_rate(meta, r.threads)
-            w.writerow([
-                r.target, r.kind, r.pass_name, r.T, r.threads, r.status, _fmt(r.time_s, ".6g"),
-                _fmt(r.time_min_s, ".6g"), _fmt(r.time_max_s, ".6g"),
-                _fmt(r.tokens_per_s, ".6g"), _fmt(r.peak_bytes / 2**20, ".4g"),
-                _fmt(r.flops, ".6g"), _fmt(r.gflops_per_s, ".4g"), f"{peak:.4g}",
-                _fmt(r.gflops_per_s / peak, ".4g"), _fmt(ratios.get(i, math.nan), ".4g"),
-                _fmt(r.speedup, ".4g"), _fmt(r.speedup_min, ".4g"), _fmt(r.speedup_max, ".4g"),
-                r.repeats, _fmt(r.max_abs_diff, ".3g"), meta["batch"], meta["d_model"],
-                meta["n_heads"], meta["dtype"], meta["device"],
-            ])
+    lines = []
+    for i, r in enumerate(rows):
+        peak = matmul_rate(meta, r.threads)
+        lines.append(dict(zip(CSV_COLUMNS, [
+            r.target, r.kind, r.pass_name, r.T, r.threads, r.status, _fmt(r.time_s, ".6g"),
+            _fmt(r.time_min_s, ".6g"), _fmt(r.time_max_s, ".6g"),
+            _fmt(r.tokens_per_s, ".6g"), _fmt(r.peak_bytes / 2**20, ".4g"),
+            _fmt(r.flops, ".6g"), _fmt(r.gflops_per_s, ".4g"), f"{peak:.4g}",
+            _fmt(r.gflops_per_s / peak, ".4g"), _fmt(ratios.get(i, math.nan), ".4g"),
+            _fmt(r.speedup, ".4g"), _fmt(r.speedup_min, ".4g"), _fmt(r.speedup_max, ".4g"),
+            r.repeats, _fmt(r.max_abs_diff, ".3g"), meta["batch"], meta["d_model"],
+            meta["n_heads"], meta["dtype"], meta["device"],
+        ])))
+    return Table(lines, CSV_COLUMNS)
 
 
 def _pivot(rows: list[Row], pass_name: str, value) -> list[str]:
@@ -131,19 +132,17 @@ def width_table(widths: dict[str, dict[str, dict[str, Any]]], setting: Any) -> l
     return [*lines, ""]
 
 
-def write_peer_csv(path: Path, rows: list[PeerRow]) -> None:
+def peer_rows_table(rows: list[PeerRow]) -> Table:
     """peers.csv: one line per (comparison, T) of ``bench --peers``."""
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(PEER_COLUMNS)
-        for r in rows:
-            w.writerow([r.op, r.peer, r.T, r.threads, r.status, f"{r.ours_s:.6g}", f"{r.peer_s:.6g}",
-                        f"{r.ratio:.4g}", r.repeats])
+    return Table([dict(zip(PEER_COLUMNS, [r.op, r.peer, r.T, r.threads, r.status,
+                                          f"{r.ours_s:.6g}", f"{r.peer_s:.6g}",
+                                          f"{r.ratio:.4g}", r.repeats])) for r in rows],
+                 PEER_COLUMNS)
 
 
-def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], method: str,
-                   peers: list[str] | None = None) -> None:
-    """results.md; ``peers``: the ``--peers`` section's lines, placed after the tables."""
+def markdown(rows: list[Row], meta: dict[str, Any], method: str,
+             peers: list[str] | None = None) -> list[str]:
+    """results.md's lines; ``peers``: the ``--peers`` section's lines, after the tables."""
     counts = meta["threads"] if isinstance(meta["threads"], list) else [meta["threads"]]
     ratios = softmax_ratio(rows)
     ratio_of = {id(r): ratios.get(i, math.nan) for i, r in enumerate(rows)}
@@ -154,12 +153,10 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], method: st
     lines = [
         "# fastweights bench", "",
         f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}; machine: {meta['machine']}; torch {meta['torch']}, "
-        f"{threads}; device {meta['device']}, dtype {meta['dtype']}",
+        f"- date: {meta['date']}; {threads}; device {meta['device']}, dtype {meta['dtype']}",
+        f"- machine: {machine_line(meta['machine'])}",
         f"- batch {meta['batch']}, d_model {meta['d_model']}, {meta['n_heads']} heads; "
         f"repeats {meta['repeats']} (median), time budget {meta['time_budget']} s per config",
-        f"- CPU: {meta.get('cpu_model') or 'unknown'}; vector/matrix instruction sets: "
-        f"{', '.join(meta.get('cpu_isa') or []) or 'none reported'}",
         f"- measured matrix-multiply rate: {rates} "
         f"(square {meta['matmul_dtype'].removeprefix('torch.')} matmul, best size "
         f"n={meta['matmul_n']})",
@@ -198,12 +195,12 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], method: st
         lines += [f"- {t} {p} T={T}: {s}" for t, p, T, s in notes]
         lines.append("")
     lines += ["## Method", "", method.strip(), ""]
-    path.write_text("\n".join(lines))
+    return lines
 
 
-def write_plots(folder: Path, rows: list[Row]) -> list[Path]:
-    """time_vs_T.png and memory_vs_T.png (log-log, one line per target, one panel per pass).
-    Returns the files written; none when matplotlib is not installed."""
+def plots(rows: list[Row]) -> dict[str, bytes]:
+    """{"time_vs_T.png": PNG, "memory_vs_T.png": PNG} (log-log, one line per target, one panel
+    per pass); empty when matplotlib is not installed or nothing was measured."""
     try:
         import matplotlib
     except ImportError:
@@ -211,7 +208,7 @@ def write_plots(folder: Path, rows: list[Row]) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
+    written: dict[str, bytes] = {}
     passes = list(dict.fromkeys(r.pass_name for r in rows))
     if not passes:  # e.g. --mixers none --peers: nothing to plot
         return written
@@ -240,7 +237,8 @@ def write_plots(folder: Path, rows: list[Row]) -> list[Path]:
                     labels.append(lab)
         fig.legend(handles, labels, loc="center right", fontsize=7)
         fig.subplots_adjust(left=0.06, right=0.82, bottom=0.12, top=0.9, wspace=0.3)
-        fig.savefig(folder / fname, dpi=90)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=90)
         plt.close(fig)
-        written.append(folder / fname)
+        written[fname] = png.getvalue()
     return written

@@ -51,8 +51,10 @@ def from_record(folder: Path) -> dict[str, dict[str, dict[str, Any]]]:
     kind = device_kind(meta["device"])
     (B, T), (H, D) = meta["sizes"]["ops"][0], meta["sizes"]["ops_heads"]
     shape = f"B{B} T{T} H{H} D{D}"
-    source = (f"{folder.as_posix()}: {meta['device']}, torch {meta['torch']}, Triton "
-              f"{meta['triton']}, fla {meta['fla']}, {meta['date']}")
+    # versions: in the record's machine block (bench/record.py); top-level in older records
+    soft = meta["machine"] if isinstance(meta.get("machine"), dict) else meta
+    source = (f"{folder.as_posix()}: {meta['device']}, torch {soft['torch']}, Triton "
+              f"{soft['triton']}, fla {meta['fla']}, {meta['date']}")
     out: dict[str, dict[str, dict[str, Any]]] = {}
     with open(folder / "results.csv", newline="") as f:
         for r in csv.DictReader(f):

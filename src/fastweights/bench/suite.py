@@ -4,10 +4,6 @@ results.csv, results.md, meta.json and the plots (``fastweights bench`` builds t
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
-import os
-import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,14 +13,8 @@ import torch
 
 from . import measure
 from .peers import peer_table, run_peers
-from .report import (
-    OUTPUT_FILES,
-    width_table,
-    write_csv,
-    write_markdown,
-    write_peer_csv,
-    write_plots,
-)
+from .record import Record, cpu_info
+from .report import EXTRA_FILES, csv_rows, markdown, peer_rows_table, plots, width_table
 from .runner import run_targets
 from .targets import Setting, mixer_targets, op_targets, scan_width
 
@@ -54,42 +44,7 @@ class BenchOptions:
     command: str
     threads: list[int] = field(default_factory=lambda: [torch.get_num_threads()])
     op_forms: list[str] | None = None  # with ``ops``: only these op targets (None: all)
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"
-
-
-# Instruction-set flags (as /proc/cpuinfo spells them) that decide CPU matmul speed: vector
-# width (AVX2/FMA, AVX-512 families), bfloat16/int8 dot products (AVX512_BF16, VNNI) and AMX.
-_ISA_PREFIXES = ("avx", "fma", "amx", "f16c")
-
-
-def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
-    """{"model": CPU model name or None, "isa": sorted vector/matrix instruction-set flags}, read
-    from /proc/cpuinfo (or the given text); empty where the file is unavailable (not Linux)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return {"model": None, "isa": []}
-    model, flags = None, set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model is None:
-            model = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = set(value.split())
-    return {"model": model, "isa": sorted(f for f in flags if f.startswith(_ISA_PREFIXES))}
+    overwrite: bool = False  # replace an earlier record in ``out`` (its files only)
 
 
 def _available_memory(device: torch.device) -> float:
@@ -165,8 +120,9 @@ def method_notes(opts: BenchOptions, memory_ok: bool) -> str:
 
 
 def run(opts: BenchOptions) -> None:
-    """Measure every target of ``opts`` and write the results into ``opts.out`` (created; the
-    earlier results there, ``OUTPUT_FILES``, replaced)."""
+    """Measure every target of ``opts`` and write the record into ``opts.out`` (claimed first:
+    refused if it holds anything unless ``opts.overwrite``, bench/record.py)."""
+    rec = Record(opts.out, "bench", overwrite=opts.overwrite, files=EXTRA_FILES)
     s = opts.setting
     memory_ok = s.device.type == "cuda" or measure.prepare_cpu_memory_accounting()
     targets = mixer_targets(opts.mixers)
@@ -196,33 +152,23 @@ def run(opts: BenchOptions) -> None:
     by_label = {label: (name, options) for label, name, options in opts.mixers}
     widths = {t.name: {str(T): dataclasses.asdict(w) for T in opts.lengths
                        if (w := scan_width(t, T, s, by_label)) is not None} for t in targets}
-    cpu = cpu_info()
-    meta = {
-        "command": opts.command,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": _machine(), "cpu_model": cpu["model"], "cpu_isa": cpu["isa"],
-        "torch": torch.__version__, "threads": opts.threads,
-        "device": str(s.device), "dtype": str(s.dtype).removeprefix("torch."),
-        "batch": s.batch, "d_model": s.d_model, "n_heads": s.n_heads,
-        "repeats": opts.repeats, "time_budget": opts.time_budget,
-        "matmul_gflops_per_s": peak, "matmul_n": peak_n, "matmul_dtype": str(matmul_dtype),
-        "matmul_by_threads": {str(n): {"gflops_per_s": r, "n": size}
-                              for n, (r, size) in rates.items()},
-        "scan_width": {name: w for name, w in widths.items() if w},
-        "left_out_ops": left_out,
-        "peers_missing": peers_missing,
-    }
-    opts.out.mkdir(parents=True, exist_ok=True)
-    for name in OUTPUT_FILES:  # --overwrite: drop stale files (e.g. plots without matplotlib)
-        (opts.out / name).unlink(missing_ok=True)
-    write_csv(opts.out / "results.csv", rows, meta)
+    meta = rec.meta(
+        opts.command, threads=opts.threads, device=str(s.device),
+        dtype=str(s.dtype).removeprefix("torch."), batch=s.batch, d_model=s.d_model,
+        n_heads=s.n_heads, repeats=opts.repeats, time_budget=opts.time_budget,
+        matmul_gflops_per_s=peak, matmul_n=peak_n, matmul_dtype=str(matmul_dtype),
+        matmul_by_threads={str(n): {"gflops_per_s": r, "n": size}
+                           for n, (r, size) in rates.items()},
+        scan_width={name: w for name, w in widths.items() if w},
+        left_out_ops=left_out, peers_missing=peers_missing)
+    files: dict[str, Any] = plots(rows)
     if opts.peers:
-        write_peer_csv(opts.out / "peers.csv", peer_rows)
-    write_markdown(opts.out / "results.md", rows, meta, method_notes(opts, memory_ok),
-                   (peer_table(peer_rows, peers_missing) if opts.peers else [])
-                   + width_table(meta["scan_width"], s))
-    (opts.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    written = write_plots(opts.out, rows)
+        files["peers.csv"] = peer_rows_table(peer_rows)
+    rec.write(csv_rows(rows, meta), meta,
+              markdown=markdown(rows, meta, method_notes(opts, memory_ok),
+                                (peer_table(peer_rows, peers_missing) if opts.peers else [])
+                                + width_table(meta["scan_width"], s)),
+              files=files)
     n_ok = sum(r.status == "ok" for r in rows)
     print(f"{n_ok}/{len(rows)} configs measured; wrote {opts.out}/results.csv, results.md, "
-          f"meta.json" + "".join(f", {p.name}" for p in written), file=sys.stderr)
+          f"meta.json, lscpu.txt" + "".join(f", {p}" for p in files), file=sys.stderr)

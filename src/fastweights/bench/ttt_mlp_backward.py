@@ -1,34 +1,34 @@
 """TTT-MLP layer forward+backward with the dual-form scan's hand-written backward pass, against
 the same scan differentiated by autograd, and against softmax attention (SDPA), on the CPU.
 
-``fastweights bench ttt-mlp-backward`` builds the ``ttt-mlp`` and ``softmax`` mixers
-(d_model 512, 8 heads, batch 1, float32, the defaults) and times one forward+backward of each
-layer in thread CPU time (``time.thread_time``: on a machine shared with other jobs it counts
-only this thread's work), the variants interleaved round by round in this one process, one
+``fastweights bench ttt-mlp-backward`` builds the ``ttt-mlp`` and ``softmax`` mixers (d_model 512, 8
+heads, batch 1, float32, the defaults) and times one forward+backward of each layer in thread CPU
+time (bench/measure.py's ``time_call`` on its ``thread`` clock: on a machine shared with other jobs
+it counts only this thread's work), the variants interleaved round by round in this one process, one
 warm-up call each, median of ``--repeats``. The "autograd" row runs the plain PyTorch scan
-(``ops/ttt/chunk.py``'s ``_ttt_mlp_dual_traced``, the path torch.compile traces) with autograd
-doing the backward pass, i.e. TTT-MLP before the hand-written backward; ``--group G`` adds a
-row of the hand-written backward with ``checkpoint_group=G`` (autograd's checkpointed scan is
-left out: torch.utils.checkpoint keeps its tensors out of sight of the byte count). It also reports the bytes each variant
-keeps for the backward pass (tensors saved by autograd, counted once per storage). Run with
-``OMP_NUM_THREADS=1`` for the single-thread figures.
+(``ops/ttt/chunk.py``'s ``_ttt_mlp_dual_traced``, the path torch.compile traces) with autograd doing
+the backward pass, i.e. TTT-MLP before the hand-written backward; ``--group G`` adds a row of the
+hand-written backward with ``checkpoint_group=G`` (autograd's checkpointed scan is left out:
+torch.utils.checkpoint keeps its tensors out of sight of the byte count). It also reports the bytes
+each variant keeps for the backward pass (bench/measure.py ``saved_bytes``: tensors saved by
+autograd, counted once per storage). Run with ``OMP_NUM_THREADS=1`` for the single-thread
+figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 
-from .._commands import parse_int_list, positive_int
+from .._commands import command_line, parse_int_list, positive_int
 from ..models.registry import build_mixer
 from ..ops.ttt import chunk, inner_loop
-from .suite import cpu_info
+from .measure import saved_bytes, time_call
+from .record import add_out_arguments, machine, open_record
 
 
 @contextlib.contextmanager
@@ -41,20 +41,6 @@ def _autograd_scan() -> Iterator[None]:
         yield
     finally:
         kernels["dual"] = saved
-
-
-def _saved_bytes(step: Callable[[], None]) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward pass of ``step``."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return sum(storages.values())
 
 
 def run_ttt_mlp_backward(lengths: list[int], *, d_model: int = 512, heads: int = 8, repeats: int = 5,
@@ -72,28 +58,26 @@ def run_ttt_mlp_backward(lengths: list[int], *, d_model: int = 512, heads: int =
         grouped.load_state_dict(layers["ttt-mlp"].state_dict())
         layers[f"ttt-mlp g{group}"] = grouped
         variants[f"ttt-mlp g{group}"] = (f"ttt-mlp g{group}", contextlib.nullcontext)
-    cpu = cpu_info()
-    print(f"CPU {cpu['model']}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    cpu = machine()["cpu_model"]
+    print(f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"float32, batch 1, d_model {d_model}, {heads} heads; thread CPU time, "
           f"median of {repeats} after 1 warm-up, variants interleaved")
     config = {"lengths": ",".join(map(str, lengths)), "d_model": d_model, "heads": heads,
               "repeats": repeats, "group": group}
     results: dict = {"config": {**config, "threads": torch.get_num_threads(),
-                                "torch": torch.__version__, "cpu": cpu["model"]}}
+                                "torch": torch.__version__, "cpu": cpu}}
     for T in lengths:
         x = torch.randn(1, T, d_model, requires_grad=True)
         steps = {name: _step(layers[layer], x, ctx, backward=True)
                  for name, (layer, ctx) in variants.items()}
-        saved = {name: _saved_bytes(_step(layers[layer], x, ctx, backward=False))
+        saved = {name: saved_bytes(_step(layers[layer], x, ctx, backward=False))
                  for name, (layer, ctx) in variants.items()}
         times: dict[str, list[float]] = {name: [] for name in steps}
         for step in steps.values():
             step()
         for _ in range(repeats):
             for name, step in steps.items():
-                start = time.thread_time()
-                step()
-                times[name].append(time.thread_time() - start)
+                times[name].append(time_call(step, torch.device("cpu"), clock="thread"))
         row = {name: {"ms": 1e3 * statistics.median(t), "saved_MiB": saved[name] / 2**20}
                for name, t in times.items()}
         base = row["softmax (SDPA)"]["ms"]
@@ -118,7 +102,8 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, ctx: Callable, backward: bool
 NAME = "ttt-mlp-backward"
 DESCRIPTION = ("Time one forward+backward of the ttt-mlp and softmax layers in thread CPU time, "
                "variants interleaved, and the bytes each keeps for the backward pass. Run with "
-               "OMP_NUM_THREADS=1 for single-thread figures; --json also writes the numbers.")
+               "OMP_NUM_THREADS=1 for single-thread figures; --out writes its record "
+               "(results.csv, results.md, meta.json, lscpu.txt).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,14 +113,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--group", type=positive_int, default=None,
                    help="also the TTT-MLP rows with checkpoint_group=GROUP")
-    p.add_argument("--json", default=None, help="also write the results here")
+    add_out_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    results = run_ttt_mlp_backward(parse_int_list("--lengths", args.lengths),
-                                   d_model=args.d_model, heads=args.heads,
+    lengths = parse_int_list("--lengths", args.lengths)
+    rec = open_record(args, NAME)
+    results = run_ttt_mlp_backward(lengths, d_model=args.d_model, heads=args.heads,
                                    repeats=args.repeats, group=args.group)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    if rec is not None:
+        rows = [{"T": int(T), "variant": name, "ms": r["ms"], "saved_MiB": r["saved_MiB"]}
+                for T, by in results.items() if T != "config" for name, r in by.items()]
+        lines = ["| T | variant | fwd+bwd ms (thread CPU time) | / softmax | saved for backward "
+                 "MiB |", "|---:|---|---:|---:|---:|"]
+        for r in rows:
+            base = results[str(r["T"])]["softmax (SDPA)"]["ms"]
+            lines.append(f"| {r['T']} | {r['variant']} | {r['ms']:.4g} | {r['ms'] / base:.2f} | "
+                         f"{r['saved_MiB']:.4g} |")
+        rec.write(rows, rec.meta(command_line(["fastweights", "bench", NAME], args),
+                                 config=results["config"]), markdown=lines)
     return 0

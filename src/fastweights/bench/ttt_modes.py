@@ -4,7 +4,7 @@
 B1 H4 T2048 d64, mini-batch 16, float32 (the defaults), forward alone and forward + backward, all
 in this one process: one warm-up call per case, then the median of ``--repeats`` calls. It also
 reports the float64 max disagreement between the two modes on a shorter sequence. Prints a table;
-``--json PATH`` also writes the numbers. On a machine shared with other jobs, run it with
+``--out DIR`` writes its record (bench/record.py). On a machine shared with other jobs, run it with
 ``OMP_WAIT_POLICY=passive``: spinning OpenMP workers that lose their core turn every small op of
 the dual form's sequential loop into a wait for the scheduler.
 """
@@ -12,15 +12,15 @@ the dual form's sequential loop into a wait for the scheduler.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-from .._commands import positive_int
+from .._commands import command_line, positive_int
 from ..ops import ttt_linear, ttt_mlp
+from .measure import time_call
+from .record import add_out_arguments, open_record
 
 OPS: dict[str, Callable] = {"ttt_linear": ttt_linear, "ttt_mlp": ttt_mlp}
 
@@ -74,9 +74,7 @@ def time_mode(
     for _ in range(repeats):
         for x in _leaves(inputs):
             x.grad = None
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
+        times.append(time_call(call, torch.device("cpu")))
     return statistics.median(times)
 
 
@@ -121,8 +119,9 @@ def run_ttt_modes(ops: list[str], *, batch: int = 1, heads: int = 4, seq_len: in
 NAME = "ttt-modes"
 DESCRIPTION = ("Time ttt_linear and ttt_mlp in both modes, forward alone and forward + backward "
                "(median of --repeats after a warm-up), and their float64 disagreement on a "
-               "shorter sequence. Prints a table; --json also writes the numbers. On a shared "
-               "machine run it with OMP_WAIT_POLICY=passive.")
+               "shorter sequence. Prints a table; --out writes its record (results.csv, "
+               "results.md, meta.json, lscpu.txt). On a shared machine run it with "
+               "OMP_WAIT_POLICY=passive.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -135,16 +134,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads (default: torch's)")
     p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
-    p.add_argument("--json", type=str, default=None, help="also write the results here")
+    add_out_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    rec = open_record(args, NAME)
     results = run_ttt_modes(args.ops, batch=args.batch, heads=args.heads, seq_len=args.seq_len,
                             head_dim=args.head_dim, mini_batch_size=args.mini_batch_size,
                             repeats=args.repeats)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    if rec is not None:
+        rows = [{"op": kind, "pass": what, "dual_s": row[what]["dual"],
+                 "primal_s": row[what]["primal"], "primal_over_dual": row[what]["speedup"],
+                 "float64_max_abs_dual_minus_primal_T256":
+                     row["float64_max_abs_dual_minus_primal_T256"]}
+                for kind, row in results.items() if kind != "config"
+                for what in ("forward", "forward+backward")]
+        lines = ["| op | pass | dual ms | primal ms | primal / dual | float64 max |dual - "
+                 "primal| (T=256) |", "|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['op']} | {r['pass']} | {1e3 * r['dual_s']:.4g} | "
+                  f"{1e3 * r['primal_s']:.4g} | {r['primal_over_dual']:.2f} | "
+                  f"{r['float64_max_abs_dual_minus_primal_T256']:.2e} |" for r in rows]
+        rec.write(rows, rec.meta(command_line(["fastweights", "bench", NAME], args),
+                                 config=results["config"]), markdown=lines)
     return 0

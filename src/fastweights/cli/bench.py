@@ -18,6 +18,7 @@ from .._commands import (
     HelpFormatter,
     LazyParser,
     UserError,
+    check_out,
     make_folder,
     parse_int_list,
     parse_mixer_spec,
@@ -35,9 +36,9 @@ if TYPE_CHECKING:
 NAME = "bench"
 DESCRIPTION = ("Benchmark every registered mixer (and with --ops every form of every op) over "
                "sequence lengths T: forward, forward+backward and per-token decoding time, peak "
-               "memory and GFLOP/s, against the softmax baseline. Writes results.csv, results.md, "
-               "meta.json and plots into --out. With a NAME, one of the focused benchmarks "
-               "instead (fastweights bench NAME --help).")
+               "memory and GFLOP/s, against the softmax baseline. Writes its record into --out: "
+               "results.csv, results.md, meta.json, lscpu.txt and plots. With a NAME, one of "
+               "the focused benchmarks instead (fastweights bench NAME --help).")
 
 DEFAULT_LENGTHS = "512..16384"
 FULL_LENGTHS = "512..65536"
@@ -91,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also torch.compile each mixer: max |compiled - eager| and its time")
     p.add_argument("--out", default="bench_results", help="output folder")
-    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier record in --out (its files only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_benchmarks(p)
 
@@ -180,18 +182,6 @@ def _device(text: str) -> torch.device:
     return device
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    from ..bench.report import OUTPUT_FILES
-
-    if not overwrite:
-        existing = [f for f in OUTPUT_FILES if (out / f).exists()]
-        if existing:
-            raise UserError(f"--out {str(out)!r} already holds results ({', '.join(existing)}); "
-                            "pass --overwrite to replace them or choose another folder")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {str(out)!r} exists and is not a folder")
-
-
 def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     """The validated options of the run (UserError naming the option); creates ``--out``."""
     import torch
@@ -220,7 +210,7 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     if args.peers and device.type != "cpu":
         raise UserError("--peers compares CPU references: it needs --device cpu")
     out = Path(args.out)
-    _check_out(out, args.overwrite)
+    check_out(out, args.overwrite)  # the record writer's rule (bench/record.py), before any work
     for label, name, opts in mixers:  # option names and values, up front
         try:
             check_mixer(name, d_model, n_heads, **opts)
@@ -231,7 +221,8 @@ def parse_options(args: argparse.Namespace) -> suite.BenchOptions:
     make_folder(out)  # before measuring: a bad --out must not cost the measurements
     opts = suite.BenchOptions(mixers, lengths, passes, setting, repeats, budget, ops,
                               args.peers, args.compile, out, args.quick, not args.no_progress,
-                              command="", threads=threads, op_forms=op_forms)
+                              command="", threads=threads, op_forms=op_forms,
+                              overwrite=args.overwrite)
     return dataclasses.replace(opts, command=_command_line(opts))
 
 
