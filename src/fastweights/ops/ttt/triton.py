@@ -1210,12 +1210,13 @@ class _LinearTriton(torch.autograd.Function):
         T, H, Dk, Dv, b, N, NF, _ = L.dims
         consts = {n: L.consts[n] for n in ("RESIDUAL", "PREC", "BB", "BK", "BV", "KC")}
         DC = min(BV, 32)
-        from . import triton_resident  # the resident sequential pass (FASTWEIGHTS_TTT_BWD)
+        from . import triton_resident  # the resident backward kernels (FASTWEIGHTS_TTT_BWD)
 
         def segment(n0, n1, w, wb, w_stride, tail):
-            _linear_bwd_a_kernel[(L.BH,)](
-                q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
-                T, H, Dk, Dv, b, N, n0, n1, w_stride, seg, DC=DC, **L.launch())
+            args_a = (q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
+                      T, H, Dk, Dv, b, N, n0, n1, w_stride, seg)
+            if not triton_resident.launch_backward_a(L, *args_a):  # FASTWEIGHTS_TTT_BWD
+                _linear_bwd_a_kernel[(L.BH,)](*args_a, DC=DC, **L.launch())
             args_b = (q, k, v, eta, tau, *ln, dn, rows, rr, dS, ds, dW0, acc, dtau, dv, deta,
                       T, H, Dk, Dv, b, n0, n1, seg)
             if not triton_resident.launch_backward_b(L, tail, *args_b):  # FASTWEIGHTS_TTT_BWD
