@@ -1,5 +1,5 @@
-"""A latency estimate of one mini-batch of TTT-Linear's resident forward, or of its resident
-backward pass (ops/ttt/triton_resident.py, ``--kernel``), from its SASS, without a GPU (docs/gpu_ttt_kernels.md, "Weights resident, half-precision products").
+"""A latency estimate of one mini-batch of TTT-Linear's resident forward, or of one of its
+resident backward kernels (ops/ttt/triton_resident.py, ``--kernel``), from its SASS, without a GPU (docs/gpu_ttt_kernels.md, "Weights resident, half-precision products").
 
 Compiles the kernel ahead of time for sm_90 exactly as the host launches it (recorded by
 tests/ops/triton_aot.py), disassembles the cubin with the cuobjdump shipped in the triton wheel,
@@ -20,7 +20,7 @@ high set; ``benchmarks/ttt_sync_micro.py`` measures the barrier and reduction co
 first GPU run. Run from the repository root:
 
     PYTHONPATH=src python benchmarks/ttt_resident_sass.py [--D 128] [--flags all] [--stages 1]
-        [--kernel linear_fwd_res | linear_bwd_b_res]
+        [--kernel linear_fwd_res | linear_bwd_a_res | linear_bwd_b_res]
 
 Prints the instruction counts of the loop and the estimated cycles and microseconds per
 mini-batch (at 1.755 GHz, the H100 SXM boost clock; an H200 boosts to 1.98 GHz).
@@ -50,7 +50,8 @@ LAT = {
 }
 
 
-KERNELS = ("linear_fwd_res", "linear_bwd_b_res")  # the forward, the backward's sequential pass
+# the forward, the backward's recompute/read-out kernel, the backward's sequential pass
+KERNELS = ("linear_fwd_res", "linear_bwd_a_res", "linear_bwd_b_res")
 
 
 def compile_sass(D: int, flags: str, stages: int, kernel: str = KERNELS[0], arch: int = 90

@@ -257,6 +257,27 @@ def _linear_fwd_res_kernel(
 
 
 @triton.jit
+def _res_scores_grad(rows, DT: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr,
+                     BB: tl.constexpr, BV: tl.constexpr, DC: tl.constexpr):
+    """dM^T = -(dZbar G^T)^T [BB, BB] from a mini-batch's rows (G^T, dZbar^T [BV, BB], just
+    stored), contracted over the value dim in blocks of DC rows read back, operands in the
+    inputs' dtype DT. Held in registers, G^T and dZbar^T would be whole operands of one
+    product with BB rows, which every warp replicates (its operands are 64 registers per
+    thread at BV 128): with W^T resident that spills. The loop is kept rolled for the same
+    reason."""
+    tl.debug_barrier()  # the rows stored by every thread
+    dMt = tl.zeros([BB, BB], dtype=tl.float32)
+    c = tl.arange(0, BB)
+    rc = tl.arange(0, DC)
+    for d0 in tl.range(0, BV, DC, loop_unroll_factor=1):
+        offc = (d0 + rc)[:, None] * BB + c[None, :]
+        gc = _op(tl.load(rows + offc), DT, EMU)
+        dc = _op(tl.load(rows + BV * BB + offc), DT, EMU)
+        dMt -= _dot(tl.trans(gc), dc, PREC)
+    return dMt
+
+
+@triton.jit
 def _linear_bwd_a_res_kernel(
     q_ptr, k_ptr, v_ptr, eta_ptr, tau_ptr, a_ptr, lnw_ptr, lnb_ptr, w_ptr, bias_ptr,
     wn_ptr, scb_ptr, gs_ptr, rows_ptr, rr_ptr, at_ptr, do_ptr, acc_ptr, dtau_ptr,
@@ -264,7 +285,7 @@ def _linear_bwd_a_res_kernel(
     HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, HAS_LNB: tl.constexpr,
     RESIDUAL: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr,
     Dk: tl.constexpr, Dv: tl.constexpr,
-    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DC: tl.constexpr,
 ):
     """ops/ttt/triton.py's ``_linear_bwd_a_kernel`` (the backward's first pass over
     mini-batches n0..n1-1 of one (batch, head): the segment's forward again from the weights
@@ -275,9 +296,10 @@ def _linear_bwd_a_res_kernel(
     mini-batch's start weights stored into wn for ``_linear_bwd_c_kernel``, its rows (G^T,
     dZbar^T, the read-out's share of dG^T, the keys' LayerNorm x_hat and g; 1/s and the
     read-out's share of deta; dA^T) for ``_linear_bwd_b_res_kernel``, the accumulators dgamma,
-    dbeta (acc) and dtau added to. The scores' gradient dM = -dZbar G^T is one product over
-    the value dim with operands in the inputs' dtype. Each mini-batch's inputs and dO are
-    loaded while the previous one computes."""
+    dbeta (acc) and dtau added to; the scores' gradient dM = -dZbar G^T from the rows just
+    stored (``_res_scores_grad``). Each mini-batch's loads (its inputs, dO) are issued
+    together after its start weights' store: issued a mini-batch ahead, as the forward's are,
+    they spilled (docs/gpu_ttt_kernels.md)."""
     bh = tl.program_id(0).to(tl.int64)
     h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     cm = tl.arange(0, BV) < Dv
@@ -293,20 +315,16 @@ def _linear_bwd_a_res_kernel(
     bv = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
         bv = _vec(bias_ptr + bh * (w_stride // Dk), Dv, BV)
-    inp = _res_inputs(n0, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v, ebase, T,
-                      H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BK, BV, False)
-    _, t, m = _mb(n0, b, T, BB)
-    dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
     for n in tl.range(n0, n1, disable_licm=True):
         j = n - n0
-        nxt = _res_inputs(n + 1, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v,
-                          ebase, T, H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BK, BV, False)
-        _, t, m = _mb(n + 1, b, T, BB)
-        dO_nxt = _cols(do_ptr, base_v, t, m, H, Dv, BV)
         # this mini-batch's start weights, for dQ, dK (fire and forget)
         _store_wrows(wn_ptr + (bh * seg + j) * Dk * Dv, w, 0, Dk, Dv, BV, BK)
         if HAS_BIAS:
             _store_vec(scb_ptr + (bh * seg + j) * Dv, bv, Dv, BV)
+        inp = _res_inputs(n, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v,
+                          ebase, T, H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BK, BV, False)
+        _, t, m = _mb(n, b, T, BB)
+        dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
         G, xh, r, g, zbar, Et = _res_forward(w, bv, inp, tau, gam, bet, cm, Dv, HAS_LN,
                                              RESIDUAL, EMU, PREC, BB, BV)
         eta = inp[5]
@@ -327,12 +345,12 @@ def _linear_bwd_a_res_kernel(
             dzbar = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
         _store_tile(rows, G, BV, BB)
         _store_tile(rows + BV * BB, dzbar, BV, BB)
-        # Zbar's b x b term -(E * A) G: dG = -dZbar (E * A)^T... transposed, and
-        # dM = -dZbar G^T, dA = dM * E, dE = dM * A
+        # Zbar's b x b term -(E * A) G: the read-out's share of dG, -dZbar (E * A) as
+        # columns, and dM = -dZbar G^T, dA = dM * E, dE = dM * A
         dzo = _op(dzbar, DT, EMU)
         Mo = _op(Et * At, DT, EMU)
         _store_tile(rows + 2 * BV * BB, -_dot(dzo, tl.trans(Mo), PREC), BV, BB)
-        dMt = -_dot(tl.trans(_op(G, DT, EMU)), dzo, PREC)
+        dMt = _res_scores_grad(rows, DT, EMU, PREC, BB, BV, DC)
         causal = i[:, None] <= i[None, :]
         _store_tile(at_ptr + (bh * seg + j) * BB * BB, tl.where(causal, dMt * Et, 0.0), BB, BB)
         dEt = tl.where(causal, dMt * At, 0.0)
@@ -340,8 +358,6 @@ def _linear_bwd_a_res_kernel(
         tl.store(rr + BB + i, tl.sum(dEt * tau[None, :], axis=1))
         # the next mini-batch's start weights, as the forward forms them
         w, bv = _res_update(w, bv, G * eta[None, :], inp[0], tau_b, HAS_BIAS, EMU, PREC)
-        inp = nxt
-        dO = dO_nxt
     _store_vec(acc + BV, dgam, BV, BV)
     _store_vec(acc + 2 * BV, dbet, BV, BV)
     _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
@@ -457,8 +473,9 @@ def launch_backward_a(L, *args) -> bool:
         return False
     cfg, consts = _launch_consts(L, args[0], arch)
     T, H, _, _, b, N, n0, n1, w_stride, seg = args[19:]
-    _linear_bwd_a_res_kernel[(L.BH,)](*args[:19], T, H, b, N, n0, n1, w_stride, seg, **consts,
-                                      num_warps=cfg.warps, num_stages=1)
+    _linear_bwd_a_res_kernel[(L.BH,)](*args[:19], T, H, b, N, n0, n1, w_stride, seg,
+                                      DC=min(consts["BV"], 32), **consts, num_warps=cfg.warps,
+                                      num_stages=1)
     return True
 
 
