@@ -21,8 +21,15 @@ wrong (ops/_triton_common.py ``_upcast_tiles``), a bfloat16 operand is rounded t
 even bfloat16 by its bits and kept in float32 (``EMU``): the interpreter then multiplies the
 same operand values the tensor cores do, in another summation order.
 
-Opt-in: ``FASTWEIGHTS_TTT_FWD=resident`` (ops/ttt/triton_regs.py ``fwd_variant``) until a GPU
-record shows it exact (docs/gpu_ttt_kernels.md says why).
+The backward (ops/ttt/triton.py's three kernels per checkpoint segment) has resident versions
+of its two sequential kernels, with the same arguments, rows and results:
+``_linear_bwd_a_res_kernel`` (the segment's forward again with W^T resident, as above, and the
+read-out's backward) and ``_linear_bwd_b_res_kernel`` (the carried gradient of the weights
+resident); the parallel ``_linear_bwd_c_kernel`` reads what they store.
+
+Opt-in: ``FASTWEIGHTS_TTT_FWD=resident`` (ops/ttt/triton_regs.py ``fwd_variant``) and
+``FASTWEIGHTS_TTT_BWD=resident`` (both backward kernels; sm_90 and newer) until a GPU record
+shows them exact (docs/gpu_ttt_kernels.md says why).
 """
 
 from __future__ import annotations
@@ -62,15 +69,17 @@ __all__ = ["BWD_ENV", "VARIANT", "ResidentConfig", "bwd_variant", "launch_backwa
 VARIANT = "resident"  # FASTWEIGHTS_TTT_FWD's (and FASTWEIGHTS_TTT_BWD's) value that selects it
 BWD_ENV = "FASTWEIGHTS_TTT_BWD"
 BWD_VARIANTS = ("stream", VARIANT)
-# The resident sequential backward compiles without spills on sm_90 (Triton 3.6, 3.8, 3.9); on
-# sm_80 (mma.sync operands held per warp) it spills at head size 128: refused there.
+# The resident backward kernels compile without spills on sm_90 (Triton 3.6, 3.8, 3.9); on
+# sm_80 (mma.sync operands held per warp) the sequential pass spills at head size 128: both
+# are refused there.
 BWD_MIN_ARCH = 90
 
 
 def bwd_variant() -> str:
-    """The backward's sequential pass a TTT-Linear call runs: ``FASTWEIGHTS_TTT_BWD`` (read at
-    every call) "resident" (``_linear_bwd_b_res_kernel``) or "stream" (ops/ttt/triton.py's
-    ``_linear_bwd_b_kernel``, also when unset or empty); any other value is a ValueError."""
+    """The backward a TTT-Linear call runs: ``FASTWEIGHTS_TTT_BWD`` (read at every call)
+    "resident" (``_linear_bwd_a_res_kernel`` and ``_linear_bwd_b_res_kernel``) or "stream"
+    (ops/ttt/triton.py's ``_linear_bwd_a_kernel`` and ``_linear_bwd_b_kernel``, also when
+    unset or empty); any other value is a ValueError."""
     env = os.environ.get(BWD_ENV, "")
     if env and env not in BWD_VARIANTS:
         raise ValueError(f"{BWD_ENV} must be one of {BWD_VARIANTS} or unset, got {env!r}")
