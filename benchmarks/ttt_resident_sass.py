@@ -11,7 +11,7 @@ every 16 mini-batches, is counted apart) through an in-order model of one warp:
   schedulers at head dim 128: 2; 4 warps at 64: 1) take turns;
 - an instruction that reads a register waits until the instruction writing it is done: ALU 4
   cycles, MUFU 20, SHFL 25, LDS/LDSM 30, LDG ``mem`` (the mini-batch's inputs: HBM without
-  prefetching; L2 on a hit);
+  prefetching; L2 on a hit; rows a kernel reads back after storing them, L2: ``READS_BACK``);
 - BAR.SYNC costs ``bar`` cycles, MEMBAR ``membar``; WARPGROUP.DEPBAR waits for the wgmma
   issued before it, ``wgmma`` cycles after its issue (per shape).
 
@@ -52,6 +52,10 @@ LAT = {
 
 # the forward, the backward's recompute/read-out kernel, the backward's sequential pass
 KERNELS = ("linear_fwd_res", "linear_bwd_a_res", "linear_bwd_b_res")
+# Kernels whose global loads after the first wgmma of a mini-batch read back what they stored
+# earlier in it (the recompute/read-out kernel's scores' gradient reads its G and dZbar rows):
+# those take L2's latency whatever ``mem`` is.
+READS_BACK = ("linear_bwd_a_res",)
 
 
 def compile_sass(D: int, flags: str, stages: int, kernel: str = KERNELS[0], arch: int = 90
@@ -169,52 +173,23 @@ def _kind(op: str) -> str:
     return "ALU"
 
 
-# Rolled loops inside the loop over mini-batches, and their trip count at head size D: the
-# resident recompute/read-out kernel's scores' gradient, over the value rows in blocks of 32
-# (DC = min(BV, 32)), which reads back rows the kernel has just stored (L2, whatever ``mem``).
-INNER_TRIPS = {"linear_bwd_a_res": lambda D: max(1, D // 32)}
-
-
-def inner_loops(ins: list, lo: int, hi: int) -> list[tuple[int, int]]:
-    """The (start, end) addresses of the backward branches' loops inside [lo, hi)."""
-    out = []
-    for a, text, op in ins:
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if op == "BRA" and m and lo <= a < hi and lo < int(m.group(1), 16) < a:
-            out.append((int(m.group(1), 16), a))
-    return out
-
-
-def path(ins: list, lo: int, hi: int, skip: list, trips: int) -> list[tuple[str, str, bool]]:
-    """(instruction, opcode, in an inner loop) of one iteration's common path: the loop's
-    instructions less the ``skip`` regions, each inner loop's body ``trips`` times."""
-    inner = inner_loops(ins, lo, hi)
-    body = [(a, t, o) for a, t, o in ins if lo <= a <= hi and not any(s <= a < e for s, e in skip)]
-    out, done = [], set()
-    for a, t, o in body:
-        loop = next(((s, e) for s, e in inner if s <= a <= e), None)
-        if loop is None:
-            out.append((t, o, False))
-        elif loop not in done:
-            done.add(loop)
-            part = [(t2, o2, True) for a2, t2, o2 in body if loop[0] <= a2 <= loop[1]]
-            out += part * trips
-    return out
-
-
-def walk(ins: list, issue: int, level: int, mem: str,
-         fence_waits: bool) -> tuple[int, collections.Counter]:
-    """Cycles of one iteration's common path ``ins`` (``path``) in the in-order one-warp
-    model, and how many of them each kind of instruction adds (issue slots under "issue",
-    waits under the kind of the instruction waited on). ``fence_waits``: a MEMBAR waits for
-    the global loads in flight (those issued in this iteration for the next mini-batch), else
-    it does not. Loads inside an inner loop (rows just stored) take L2's latency."""
+def walk(ins: list, lo: int, hi: int, skip: list, issue: int, level: int, mem: str,
+         fence_waits: bool, reads_back: bool = False) -> tuple[int, collections.Counter]:
+    """Cycles of one iteration's common path in the in-order one-warp model, and how many of
+    them each kind of instruction adds (issue slots under "issue", waits under the kind of
+    the instruction waited on). ``fence_waits``: a MEMBAR waits for the global loads in
+    flight (those issued in this iteration for the next mini-batch), else it does not.
+    ``reads_back``: global loads after the iteration's first wgmma take L2's latency."""
     t = 0
     ready: dict[int, tuple[int, str]] = {}
     gmma_done = 0
     loads_done = 0
     spent: collections.Counter = collections.Counter()
-    for text, op, inner in ins:
+    for a, text, op in ins:
+        if not lo <= a <= hi or any(s <= a < e for s, e in skip):
+            continue
+        if reads_back and op.startswith("HGMMA"):
+            mem = "l2"
         dst, src = _regs(text)
         waits = [ready[r] for r in src if r in ready and ready[r][0] > t]
         if waits:
@@ -233,7 +208,7 @@ def walk(ins: list, issue: int, level: int, mem: str,
             t += LAT["membar"][level]
             spent["MEMBAR"] += LAT["membar"][level]
         elif op.startswith("LDG"):
-            loads_done = max(loads_done, t + latency(op, level, "l2" if inner else mem))
+            loads_done = max(loads_done, t + latency(op, level, mem))
         elif op.startswith("HGMMA"):
             n = int(re.search(r"HGMMA\.64x(\d+)x", op).group(1))
             key = "wgmma_n16" if n <= 16 else "wgmma_n32" if n <= 32 else "wgmma_n128"
@@ -242,7 +217,7 @@ def walk(ins: list, issue: int, level: int, mem: str,
             spent["wgmma"] += gmma_done - t
             t = gmma_done
         for r in dst:
-            ready[r] = (t + latency(op, level, "l2" if inner else mem), _kind(op))
+            ready[r] = (t + latency(op, level, mem), _kind(op))
     return t, spent
 
 
@@ -251,27 +226,25 @@ def report(D: int, flags: str, stages: int, kernel: str) -> None:
     lo, hi = main_loop(ins)
     skip = skipped_regions(ins, lo, hi)
     body = [(a, t, o) for a, t, o in ins if lo <= a <= hi]
-    trips = INNER_TRIPS.get(kernel, lambda D: 1)(D)
-    common = path(ins, lo, hi, skip, trips)
+    common = [x for x in body if not any(s <= x[0] < e for s, e in skip)]
     kinds = collections.Counter()
-    for _, op, _ in common:
+    for _, _, op in common:
         kind = ("HGMMA" if op.startswith("HGMMA") else "BAR.SYNC" if op.startswith("BAR")
                 else op.split(".")[0])
         kinds[kind] += 1
     warps = 8 if D > 64 else 4
     issue = warps // 4
-    loops = inner_loops(ins, lo, hi)
-    rolled = f", inner loops {loops and [e - s for s, e in loops]} B x {trips}" if loops else ""
     print(f"{kernel}: D {D}, flags {flags}, stages {stages}, {warps} warps: loop {len(body)} "
           f"instructions, {len(common)} on the common path (checkpoint store skipped: "
-          f"{len(body) - sum(1 for a, _, _ in body if not any(s <= a < e for s, e in skip))}"
-          f"{rolled})")
+          f"{len(body) - len(common)})")
     top = ", ".join(f"{k} {n}" for k, n in kinds.most_common(24))
     print(f"  by kind: {top}")
     for mem, fence_waits in (("hbm", False), ("hbm", True), ("l2", True)):
-        (lo_c, lo_s), (hi_c, hi_s) = (walk(common, issue, lvl, mem, fence_waits)
-                                      for lvl in (0, 1))
+        (lo_c, lo_s), (hi_c, hi_s) = (walk(ins, lo, hi, skip, issue, lvl, mem, fence_waits,
+                                           kernel in READS_BACK) for lvl in (0, 1))
         how = "a fence waits for them" if fence_waits else "fences do not wait for them"
+        if kernel in READS_BACK:
+            how += ", rows read back from L2"
         print(f"  inputs from {mem.upper()}, {how}: {lo_c}-{hi_c} cycles, "
               f"{lo_c / CLOCK_GHZ / 1e3:.2f}-{hi_c / CLOCK_GHZ / 1e3:.2f} us per mini-batch; "
               "cycles by cause: " + ", ".join(f"{k} {lo_s[k]}-{hi_s[k]}"

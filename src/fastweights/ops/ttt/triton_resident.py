@@ -295,6 +295,7 @@ def _linear_bwd_a_res_kernel(
     RESIDUAL: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr,
     Dk: tl.constexpr, Dv: tl.constexpr,
     BB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DC: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     """ops/ttt/triton.py's ``_linear_bwd_a_kernel`` (the backward's first pass over
     mini-batches n0..n1-1 of one (batch, head): the segment's forward again from the weights
@@ -306,9 +307,10 @@ def _linear_bwd_a_res_kernel(
     dZbar^T, the read-out's share of dG^T, the keys' LayerNorm x_hat and g; 1/s and the
     read-out's share of deta; dA^T) for ``_linear_bwd_b_res_kernel``, the accumulators dgamma,
     dbeta (acc) and dtau added to; the scores' gradient dM = -dZbar G^T from the rows just
-    stored (``_res_scores_grad``). Each mini-batch's loads (its inputs, dO) are issued
-    together after its start weights' store: issued a mini-batch ahead, as the forward's are,
-    they spilled (docs/gpu_ttt_kernels.md)."""
+    stored (``_res_scores_grad``, in blocks of DC value rows). Each mini-batch's inputs are
+    loaded together, after its start weights' store: with AHEAD while the previous mini-batch
+    computes (as the forward's), else at its top; dO at its top (ahead too, they spilled:
+    docs/gpu_ttt_kernels.md)."""
     bh = tl.program_id(0).to(tl.int64)
     h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     cm = tl.arange(0, BV) < Dv
@@ -324,14 +326,21 @@ def _linear_bwd_a_res_kernel(
     bv = tl.zeros([BV], dtype=tl.float32)
     if HAS_BIAS:
         bv = _vec(bias_ptr + bh * (w_stride // Dk), Dv, BV)
+    inp = _res_inputs(n0, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v, ebase, T,
+                      H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BK, BV, False)
     for n in tl.range(n0, n1, disable_licm=True):
         j = n - n0
         # this mini-batch's start weights, for dQ, dK (fire and forget)
         _store_wrows(wn_ptr + (bh * seg + j) * Dk * Dv, w, 0, Dk, Dv, BV, BK)
         if HAS_BIAS:
             _store_vec(scb_ptr + (bh * seg + j) * Dv, bv, Dv, BV)
-        inp = _res_inputs(n, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v,
-                          ebase, T, H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BK, BV, False)
+        if not AHEAD:
+            inp = _res_inputs(n, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v,
+                              ebase, T, H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BK, BV, False)
+        nxt = inp
+        if AHEAD:
+            nxt = _res_inputs(n + 1, q_ptr, k_ptr, v_ptr, eta_ptr, a_ptr, bh, base_k, base_v,
+                              ebase, T, H, Dk, Dv, b, N, RESIDUAL, EMU, BB, BK, BV, False)
         _, t, m = _mb(n, b, T, BB)
         dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
         G, xh, r, g, zbar, Et = _res_forward(w, bv, inp, tau, gam, bet, cm, Dv, HAS_LN,
@@ -367,6 +376,7 @@ def _linear_bwd_a_res_kernel(
         tl.store(rr + BB + i, tl.sum(dEt * tau[None, :], axis=1))
         # the next mini-batch's start weights, as the forward forms them
         w, bv = _res_update(w, bv, G * eta[None, :], inp[0], tau_b, HAS_BIAS, EMU, PREC)
+        inp = nxt
     _store_vec(acc + BV, dgam, BV, BV)
     _store_vec(acc + 2 * BV, dbet, BV, BV)
     _store_vec(dtau_ptr + bh * BB, dtau, BB, BB)
@@ -482,9 +492,11 @@ def launch_backward_a(L, *args) -> bool:
         return False
     cfg, consts = _launch_consts(L, args[0], arch)
     T, H, _, _, b, N, n0, n1, w_stride, seg = args[19:]
+    # the tiling that compiles without spills under Triton 3.6, 3.8 and 3.9
+    # (benchmarks/results/aot_ttt_resident/): the inputs a mini-batch ahead above head size 64
     _linear_bwd_a_res_kernel[(L.BH,)](*args[:19], T, H, b, N, n0, n1, w_stride, seg,
-                                      DC=min(consts["BV"], 32), **consts, num_warps=cfg.warps,
-                                      num_stages=1)
+                                      DC=min(consts["BV"], 64), AHEAD=consts["BV"] > 64,
+                                      **consts, num_warps=cfg.warps, num_stages=1)
     return True
 
 
