@@ -109,6 +109,7 @@ from .triton_tiles import (
     _load_tile,
     _loss_grad,
     _mb,
+    _readout_back,
     _store_block,
     _store_blockT,
     _store_cols,
@@ -358,14 +359,8 @@ def _linear_back_a(
         tl.store(rr_ptr + rb, r)
     dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
     # read-out: o = [LN](Zbar) [+ q]
-    dzbar = dO
-    if HAS_LN:
-        xo, ro = _ln(zbar, cm, Dv)
-        dgam += tl.sum(dO * xo, axis=1)
-        dbet += tl.sum(dO, axis=1)
-        dzbar = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
-    _store_tile(rows_ptr, G, BV, BB)
-    _store_tile(rows_ptr + BV * BB, dzbar, BV, BB)
+    dzbar, dgam, dbet = _readout_back(dO, zbar, G, rows_ptr, gam, cm, dgam, dbet, Dv, HAS_LN,
+                                      BB, BV)
     _store_tile(rows_ptr + 2 * BV * BB, -_dot(dzbar, tl.trans(Mt), PREC), BV, BB)
     # Zbar's b x b term -(E * A) G: dM = -dZbar G^T, dA = dM * E, dE = dM * A
     dMt = _scores_grad(gs_ptr, G, dzbar, PREC, BV, BB, DC)

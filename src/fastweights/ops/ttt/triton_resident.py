@@ -51,10 +51,10 @@ from .triton_tiles import (
     _keys_back,
     _ln,
     _ln_affine,
-    _ln_back,
     _load_tile,
     _loss_grad,
     _mb,
+    _readout_back,
     _store_cols,
     _store_tile,
     _store_vec,
@@ -355,14 +355,8 @@ def _linear_bwd_a_res_kernel(
             _store_tile(rows + 4 * BV * BB, g, BV, BB)
             tl.store(rr + i, r)
         # the read-out o = [LN](Zbar) [+ q]
-        dzbar = dO
-        if HAS_LN:
-            xo, ro = _ln(zbar, cm, Dv)
-            dgam += tl.sum(dO * xo, axis=1)
-            dbet += tl.sum(dO, axis=1)
-            dzbar = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
-        _store_tile(rows, G, BV, BB)
-        _store_tile(rows + BV * BB, dzbar, BV, BB)
+        dzbar, dgam, dbet = _readout_back(dO, zbar, G, rows, gam, cm, dgam, dbet, Dv, HAS_LN,
+                                          BB, BV)
         # Zbar's b x b term -(E * A) G: the read-out's share of dG, -dZbar (E * A) as
         # columns, and dM = -dZbar G^T, dA = dM * E, dE = dM * A
         dzo = _op(dzbar, DT, EMU)
