@@ -309,8 +309,8 @@ def _linear_bwd_a_res_kernel(
     dbeta (acc) and dtau added to; the scores' gradient dM = -dZbar G^T from the rows just
     stored (``_res_scores_grad``, in blocks of DC value rows). Each mini-batch's inputs are
     loaded together, after its start weights' store: with AHEAD while the previous mini-batch
-    computes (as the forward's), else at its top; dO at its top (ahead too, they spilled:
-    docs/gpu_ttt_kernels.md)."""
+    computes (as the forward's), else at its top; dO at its top (the tilings that compile
+    without spills, docs/gpu_ttt_kernels.md)."""
     bh = tl.program_id(0).to(tl.int64)
     h, base_k, base_v, ebase = _head(bh, H, T, Dk, Dv)
     cm = tl.arange(0, BV) < Dv
