@@ -1,5 +1,5 @@
-"""A latency estimate of one mini-batch of TTT-Linear's resident forward, or of its resident
-backward pass (ops/ttt/triton_resident.py, ``--kernel``), from its SASS, without a GPU (docs/gpu_ttt_kernels.md, "Weights resident, half-precision products").
+"""A latency estimate of one mini-batch of TTT-Linear's resident forward, or of one of its
+resident backward kernels (ops/ttt/triton_resident.py, ``--kernel``), from its SASS, without a GPU (docs/gpu_ttt_kernels.md, "Weights resident, half-precision products").
 
 Compiles the kernel ahead of time for sm_90 exactly as the host launches it (recorded by
 tests/ops/triton_aot.py), disassembles the cubin with the cuobjdump shipped in the triton wheel,
@@ -11,7 +11,7 @@ every 16 mini-batches, is counted apart) through an in-order model of one warp:
   schedulers at head dim 128: 2; 4 warps at 64: 1) take turns;
 - an instruction that reads a register waits until the instruction writing it is done: ALU 4
   cycles, MUFU 20, SHFL 25, LDS/LDSM 30, LDG ``mem`` (the mini-batch's inputs: HBM without
-  prefetching; L2 on a hit);
+  prefetching; L2 on a hit; rows a kernel reads back after storing them, L2: ``READS_BACK``);
 - BAR.SYNC costs ``bar`` cycles, MEMBAR ``membar``; WARPGROUP.DEPBAR waits for the wgmma
   issued before it, ``wgmma`` cycles after its issue (per shape).
 
@@ -20,7 +20,7 @@ high set; ``benchmarks/ttt_sync_micro.py`` measures the barrier and reduction co
 first GPU run. Run from the repository root:
 
     PYTHONPATH=src python benchmarks/ttt_resident_sass.py [--D 128] [--flags all] [--stages 1]
-        [--kernel linear_fwd_res | linear_bwd_b_res]
+        [--kernel linear_fwd_res | linear_bwd_a_res | linear_bwd_b_res]
 
 Prints the instruction counts of the loop and the estimated cycles and microseconds per
 mini-batch (at 1.755 GHz, the H100 SXM boost clock; an H200 boosts to 1.98 GHz).
@@ -50,7 +50,12 @@ LAT = {
 }
 
 
-KERNELS = ("linear_fwd_res", "linear_bwd_b_res")  # the forward, the backward's sequential pass
+# the forward, the backward's recompute/read-out kernel, the backward's sequential pass
+KERNELS = ("linear_fwd_res", "linear_bwd_a_res", "linear_bwd_b_res")
+# Kernels whose global loads after the first wgmma of a mini-batch read back what they stored
+# earlier in it (the recompute/read-out kernel's scores' gradient reads its G and dZbar rows):
+# those take L2's latency whatever ``mem`` is.
+READS_BACK = ("linear_bwd_a_res",)
 
 
 def compile_sass(D: int, flags: str, stages: int, kernel: str = KERNELS[0], arch: int = 90
@@ -169,11 +174,12 @@ def _kind(op: str) -> str:
 
 
 def walk(ins: list, lo: int, hi: int, skip: list, issue: int, level: int, mem: str,
-         fence_waits: bool) -> tuple[int, collections.Counter]:
+         fence_waits: bool, reads_back: bool = False) -> tuple[int, collections.Counter]:
     """Cycles of one iteration's common path in the in-order one-warp model, and how many of
     them each kind of instruction adds (issue slots under "issue", waits under the kind of
     the instruction waited on). ``fence_waits``: a MEMBAR waits for the global loads in
-    flight (those issued in this iteration for the next mini-batch), else it does not."""
+    flight (those issued in this iteration for the next mini-batch), else it does not.
+    ``reads_back``: global loads after the iteration's first wgmma take L2's latency."""
     t = 0
     ready: dict[int, tuple[int, str]] = {}
     gmma_done = 0
@@ -182,6 +188,8 @@ def walk(ins: list, lo: int, hi: int, skip: list, issue: int, level: int, mem: s
     for a, text, op in ins:
         if not lo <= a <= hi or any(s <= a < e for s, e in skip):
             continue
+        if reads_back and op.startswith("HGMMA"):
+            mem = "l2"
         dst, src = _regs(text)
         waits = [ready[r] for r in src if r in ready and ready[r][0] > t]
         if waits:
@@ -232,9 +240,11 @@ def report(D: int, flags: str, stages: int, kernel: str) -> None:
     top = ", ".join(f"{k} {n}" for k, n in kinds.most_common(24))
     print(f"  by kind: {top}")
     for mem, fence_waits in (("hbm", False), ("hbm", True), ("l2", True)):
-        (lo_c, lo_s), (hi_c, hi_s) = (walk(ins, lo, hi, skip, issue, lvl, mem, fence_waits)
-                                      for lvl in (0, 1))
+        (lo_c, lo_s), (hi_c, hi_s) = (walk(ins, lo, hi, skip, issue, lvl, mem, fence_waits,
+                                           kernel in READS_BACK) for lvl in (0, 1))
         how = "a fence waits for them" if fence_waits else "fences do not wait for them"
+        if kernel in READS_BACK:
+            how += ", rows read back from L2"
         print(f"  inputs from {mem.upper()}, {how}: {lo_c}-{hi_c} cycles, "
               f"{lo_c / CLOCK_GHZ / 1e3:.2f}-{hi_c / CLOCK_GHZ / 1e3:.2f} us per mini-batch; "
               "cycles by cause: " + ", ".join(f"{k} {lo_s[k]}-{hi_s[k]}"

@@ -1,6 +1,7 @@
 """TTT-Linear's resident forward (ops/ttt/triton_resident.py, ``FASTWEIGHTS_TTT_FWD=resident``:
 W^T float32 in registers for the whole sequence, products with operands in the inputs' dtype)
-run by Triton's CPU interpreter, every launch counted (tests/ops/test_ttt_triton.py's
+and its resident backward kernels (``FASTWEIGHTS_TTT_BWD=resident``: the recompute/read-out
+kernel with W^T resident, the sequential pass with dW resident) run by Triton's CPU interpreter, every launch counted (tests/ops/test_ttt_triton.py's
 fixtures): against the float64 token loop with float32 inputs (float32 products, tight), with
 bfloat16 inputs within the issue's bounds (outputs 1e-2, gradients 2e-2 of max |ref|), and
 against a float64 model of its rounding (every operand rounded to bfloat16 as the kernel
@@ -54,11 +55,18 @@ def launches(kernels, on_gpu, monkeypatch) -> Counter:  # noqa: F811
 
 
 @pytest.fixture(params=["stream", "resident"])
-def bwd(request, launches, monkeypatch) -> str:
-    """Each sequential backward pass in turn, chosen by FASTWEIGHTS_TTT_BWD: the name it
-    counts under (the resident one: ops/ttt/triton_resident.py ``_linear_bwd_b_res_kernel``)."""
+def bwd(request, launches, monkeypatch) -> tuple[str, str]:
+    """Each backward in turn, chosen by FASTWEIGHTS_TTT_BWD: the names its recompute/read-out
+    kernel and its sequential pass count under (the resident ones: ops/ttt/triton_resident.py
+    ``_linear_bwd_a_res_kernel``, ``_linear_bwd_b_res_kernel``)."""
     monkeypatch.setenv("FASTWEIGHTS_TTT_BWD", request.param)
-    return {"stream": "linear_bwd_b", "resident": "linear_bwd_b_res"}[request.param]
+    return {"stream": ("linear_bwd_a", "linear_bwd_b"),
+            "resident": ("linear_bwd_a_res", "linear_bwd_b_res")}[request.param]
+
+
+def backward_launches(bwd: tuple[str, str], n: int) -> Counter:
+    """The launches of a backward in n segments (``bwd`` as the fixture's)."""
+    return Counter({bwd[0]: n, bwd[1]: n, "linear_bwd_c": n})
 
 
 def segments(T: int, b: int, group: int | None) -> int:
@@ -80,8 +88,30 @@ def test_resident_matches_naive_float32(launches, exact, bwd, T, b, ln, res, bia
     got = run(ttt_linear, args, kw, torch.float32, backend="triton", checkpoint_group=group)
     assert_matches(got, want, TOL32, "resident")
     n = segments(T, b, group)
-    assert launches == Counter({"qk": 1, "linear_fwd_res": 1, "linear_bwd_a": n, bwd: n,
-                                "linear_bwd_c": n}), launches
+    assert launches == Counter({"qk": 1, "linear_fwd_res": 1}) + backward_launches(bwd, n), \
+        launches
+
+
+@pytest.mark.parametrize("fwd", ["resident", "stream"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_resident_backward_head_sizes_float32(launches, exact, monkeypatch, fwd, D):  # noqa: F811
+    """Both resident backward kernels (FASTWEIGHTS_TTT_BWD=resident) at the layers' head
+    sizes, float32 inputs, b = 16, two full mini-batches and a partial one (T odd), every flag
+    on, one mini-batch per checkpoint segment and two: output, state and every input's
+    gradient against the float64 loop within 1e-4, from the checkpoints of either forward
+    (the resident one, or the streamed one of ops/ttt/triton.py)."""
+    monkeypatch.setenv("FASTWEIGHTS_TTT_FWD", fwd)
+    monkeypatch.setenv("FASTWEIGHTS_TTT_BWD", "resident")
+    args, kw = case(T=37, b=16, Dk=D, Dv=D, seed=3)
+    kw["residual"] = True
+    want = run(ttt_linear, args, kw, F64, mode="naive")
+    forward = {"resident": "linear_fwd_res", "stream": "linear_fwd"}[fwd]
+    for group, n in ((1, 3), (2, 2)):
+        launches.clear()
+        got = run(ttt_linear, args, kw, torch.float32, backend="triton", checkpoint_group=group)
+        assert_matches(got, want, TOL32, f"resident backward, D {D}, group {group}")
+        assert launches == Counter({"qk": 1, forward: 1}) + backward_launches(
+            ("linear_bwd_a_res", "linear_bwd_b_res"), n), launches
 
 
 def _bf16_case(D: int, T: int, seed: int, **kw_case):
@@ -97,10 +127,11 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return max_err(x, ref) / ref.abs().max().item()
 
 
-@pytest.mark.parametrize("D", [16, 128])
+@pytest.mark.parametrize("D", [16, 64, 128])
 def test_resident_bfloat16_within_bounds(launches, on_gpu, bwd, D):  # noqa: F811
     """bfloat16 inputs, b = 16, two full mini-batches and a partial one, every flag on, at head
-    sizes 16 and 128 (the layers' tile), either sequential backward pass: outputs within 1e-2, final state within 1e-2 and every input's
+    sizes 16, 64 and 128 (the layers' tiles), either backward (streamed, or both resident
+    kernels): outputs within 1e-2, final state within 1e-2 and every input's
     gradient within 2e-2 of max |ref| of the float64 loop on the same rounded inputs."""
     args, kw = _bf16_case(D, 40, seed=11)
     want = run(ttt_linear, args, kw, F64, mode="naive")
@@ -113,8 +144,8 @@ def test_resident_bfloat16_within_bounds(launches, on_gpu, bwd, D):  # noqa: F81
     assert len(grads) == len(rgrads)
     for i, (x, y) in enumerate(zip(grads, rgrads)):
         assert _rel(x, y) <= BF16_GRAD, (i, _rel(x, y))
-    assert launches == Counter({"qk": 1, "linear_fwd_res": 1, "linear_bwd_a": 3, bwd: 3,
-                                "linear_bwd_c": 3}), launches
+    assert launches == Counter({"qk": 1, "linear_fwd_res": 1}) + backward_launches(bwd, 3), \
+        launches
 
 
 def _r(x: torch.Tensor) -> torch.Tensor:
@@ -201,8 +232,8 @@ def test_resident_bfloat16_is_its_rounding_model(launches, on_gpu):  # noqa: F81
 
 def test_resident_backward_switch(monkeypatch):
     """FASTWEIGHTS_TTT_BWD: "resident" or "stream" (also unset or empty); another value is a
-    ValueError naming it; "resident" on an sm_80 GPU is a ValueError saying why (its compile
-    spills there), before anything runs."""
+    ValueError naming it; "resident" on an sm_80 GPU is a ValueError saying why (the kernels'
+    compiles spill there), before either resident backward kernel runs."""
     import triton
 
     from fastweights.ops.ttt import triton_resident as res
@@ -217,6 +248,9 @@ def test_resident_backward_switch(monkeypatch):
     monkeypatch.setattr(res, "_arch", lambda device: 80)
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     with pytest.raises(ValueError, match=r"sm_90 or newer \(on sm_80"):
+        res.launch_backward_a(None, torch.zeros(1))
+    with pytest.raises(ValueError, match=r"sm_90 or newer \(on sm_80"):
         res.launch_backward_b(None, False, torch.zeros(1))
     monkeypatch.setenv("FASTWEIGHTS_TTT_BWD", "stream")
+    assert res.launch_backward_a(None, torch.zeros(1)) is False
     assert res.launch_backward_b(None, False, torch.zeros(1)) is False

@@ -33,8 +33,8 @@ HERE = Path(__file__).parent
 KERNELS = {"qk", "linear_fwd", "linear_bwd_a", "linear_bwd_b", "linear_bwd_b[TAIL]",
            "linear_bwd_c", "linear_bwd_c[TAIL]", "mlp_fwd", "mlp_recompute", "mlp_bwd_a",
            "mlp_bwd_b", "mlp_bwd_b[TAIL]", "linear_decode", "linear_decode[COMMIT]", "mlp_decode",
-           "mlp_decode[COMMIT]", "linear_fwd_regs", "linear_fwd_res", "linear_bwd_b_res",
-           "linear_bwd_b_res[TAIL]"}
+           "mlp_decode[COMMIT]", "linear_fwd_regs", "linear_fwd_res", "linear_bwd_a_res",
+           "linear_bwd_b_res", "linear_bwd_b_res[TAIL]"}
 
 
 def compile_records(tmp_path: Path, which: str) -> list[dict]:
@@ -67,8 +67,8 @@ def check(records: list[dict], cases) -> None:
             kernels = compiled_kernels()
             if regs_config(arch, getattr(torch, dtype), D) is None:  # the streamed forward
                 kernels.discard("linear_fwd_regs")
-            if arch < BWD_MIN_ARCH:  # the resident backward pass is refused there
-                kernels -= {"linear_bwd_b_res", "linear_bwd_b_res[TAIL]"}
+            if arch < BWD_MIN_ARCH:  # the resident backward kernels are refused there
+                kernels -= {"linear_bwd_a_res", "linear_bwd_b_res", "linear_bwd_b_res[TAIL]"}
             case = {s: {r["kernel"] for r in records if r["arch"] == arch
                         and r["dtype"] == dtype and r["D"] == D and r["flags"] == flags
                         and r["spec"] == s} for s in (spec, "aligned")}

@@ -52,7 +52,7 @@ COST = {"ut_bwd": 3, "grad": 2.5, "ut_fwd": 2, "state_bwd": 1.5, "output": 1.5, 
         "local_du": 1, "linear_bwd_b": 3, "linear_bwd_a": 2, "linear_fwd": 1.5,
         "linear_bwd_c": 1, "qk": 0.3, "mlp_fwd": 3, "mlp_recompute": 3, "mlp_bwd_a": 3,
         "mlp_bwd_b": 3, "linear_decode": 0.5, "mlp_decode": 1, "linear_fwd_regs": 1.5, "linear_fwd_res": 1.5,
-        "linear_bwd_b_res": 3}
+        "linear_bwd_a_res": 2, "linear_bwd_b_res": 3}
 # TTT: (dtype, head size, flags, specialisation). "all": bias, LayerNorm with bias, residual
 # (the layers' default); "none": none of them. The first two are the target shapes (--ttt).
 # The dispatcher sends head sizes that are multiples of 16 only, so a TTT launch is "aligned"
@@ -194,7 +194,7 @@ def _run_ttt_host(kernels, dtype, D: int, flags: str) -> None:
             if variant == "stream":  # the backward once (it does not depend on the forward)
                 kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))
                 if triton_resident._arch(q.device) >= triton_resident.BWD_MIN_ARCH:
-                    # and with the resident sequential pass (FASTWEIGHTS_TTT_BWD=resident)
+                    # and with the resident backward kernels (FASTWEIGHTS_TTT_BWD=resident)
                     os.environ[triton_resident.BWD_ENV] = triton_resident.VARIANT
                     try:
                         kernels._LinearTriton.backward(ctx, *(torch.zeros_like(r) for r in res))

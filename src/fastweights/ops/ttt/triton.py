@@ -109,6 +109,7 @@ from .triton_tiles import (
     _load_tile,
     _loss_grad,
     _mb,
+    _readout_back,
     _store_block,
     _store_blockT,
     _store_cols,
@@ -358,14 +359,8 @@ def _linear_back_a(
         tl.store(rr_ptr + rb, r)
     dO = _cols(do_ptr, base_v, t, m, H, Dv, BV)
     # read-out: o = [LN](Zbar) [+ q]
-    dzbar = dO
-    if HAS_LN:
-        xo, ro = _ln(zbar, cm, Dv)
-        dgam += tl.sum(dO * xo, axis=1)
-        dbet += tl.sum(dO, axis=1)
-        dzbar = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
-    _store_tile(rows_ptr, G, BV, BB)
-    _store_tile(rows_ptr + BV * BB, dzbar, BV, BB)
+    dzbar, dgam, dbet = _readout_back(dO, zbar, G, rows_ptr, gam, cm, dgam, dbet, Dv, HAS_LN,
+                                      BB, BV)
     _store_tile(rows_ptr + 2 * BV * BB, -_dot(dzbar, tl.trans(Mt), PREC), BV, BB)
     # Zbar's b x b term -(E * A) G: dM = -dZbar G^T, dA = dM * E, dE = dM * A
     dMt = _scores_grad(gs_ptr, G, dzbar, PREC, BV, BB, DC)
@@ -1210,12 +1205,13 @@ class _LinearTriton(torch.autograd.Function):
         T, H, Dk, Dv, b, N, NF, _ = L.dims
         consts = {n: L.consts[n] for n in ("RESIDUAL", "PREC", "BB", "BK", "BV", "KC")}
         DC = min(BV, 32)
-        from . import triton_resident  # the resident sequential pass (FASTWEIGHTS_TTT_BWD)
+        from . import triton_resident  # the resident backward kernels (FASTWEIGHTS_TTT_BWD)
 
         def segment(n0, n1, w, wb, w_stride, tail):
-            _linear_bwd_a_kernel[(L.BH,)](
-                q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
-                T, H, Dk, Dv, b, N, n0, n1, w_stride, seg, DC=DC, **L.launch())
+            args_a = (q, k, v, eta, tau, A, *ln, w, wb, wn, scb, gs, rows, rr, at, do, acc, dtau,
+                      T, H, Dk, Dv, b, N, n0, n1, w_stride, seg)
+            if not triton_resident.launch_backward_a(L, *args_a):  # FASTWEIGHTS_TTT_BWD
+                _linear_bwd_a_kernel[(L.BH,)](*args_a, DC=DC, **L.launch())
             args_b = (q, k, v, eta, tau, *ln, dn, rows, rr, dS, ds, dW0, acc, dtau, dv, deta,
                       T, H, Dk, Dv, b, n0, n1, seg)
             if not triton_resident.launch_backward_b(L, tail, *args_b):  # FASTWEIGHTS_TTT_BWD

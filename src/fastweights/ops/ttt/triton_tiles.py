@@ -255,6 +255,24 @@ def _load_tile(ptr, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _readout_back(dO, zbar, G, rows_ptr, gam, cm, dgam, dbet, Dv, HAS_LN: tl.constexpr,
+                  BB: tl.constexpr, BV: tl.constexpr):
+    """The backward of a mini-batch's read-out o = [LN](Zbar) [+ q] from dO and Zbar^T
+    [BV, BB] (the recompute/read-out kernels): dZbar^T, the LayerNorm's dgamma and dbeta added
+    to; G^T and dZbar^T stored as the mini-batch's first two rows. Returns (dZbar^T, dgamma,
+    dbeta)."""
+    dzbar = dO
+    if HAS_LN:
+        xo, ro = _ln(zbar, cm, Dv)
+        dgam += tl.sum(dO * xo, axis=1)
+        dbet += tl.sum(dO, axis=1)
+        dzbar = _ln_back(gam[:, None] * dO, xo, ro, cm, Dv)
+    _store_tile(rows_ptr, G, BV, BB)
+    _store_tile(rows_ptr + BV * BB, dzbar, BV, BB)
+    return dzbar, dgam, dbet
+
+
+@triton.jit
 def _keys_back(dHm, G, eta, rows_ptr, rr_ptr, v_ptr, k_ptr, dv_ptr, deta_ptr, dgam, dbet, gam,
                bet, cm, base_v, ebase, t, m, H, Dv, HAS_LN: tl.constexpr,
                RESIDUAL: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr):
