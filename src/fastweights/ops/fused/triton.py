@@ -79,8 +79,7 @@ def supports(op: str, dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _full_rows(x_ptr, p_ptr, b, f, cols, cmask, T, sxb, sxt, spb, spc,
-               W: tl.constexpr, HAS_PAST: tl.constexpr):
+def _full_rows(x_ptr, p_ptr, b, f, cols, cmask, T, sxb, sxt, spb, spc, W: tl.constexpr):
     """Rows f of full = [the W - 1 carried inputs p [B, C, W - 1], x [B, T, C]] (row f is
     p[:, :, f] for f < W - 1, x[:, f - W + 1] up to W - 1 + T), channels ``cols``, in the
     compute dtype (p's); zero elsewhere."""
@@ -88,39 +87,34 @@ def _full_rows(x_ptr, p_ptr, b, f, cols, cmask, T, sxb, sxt, spb, spc,
     ok = (src >= 0) & (src < T)
     v = tl.load(x_ptr + tl.cast(b, tl.int64) * sxb + src[:, None] * sxt + cols[None, :],
                 mask=ok[:, None] & cmask[None, :], other=0.0).to(p_ptr.dtype.element_ty)
-    if HAS_PAST:
-        pm = (f >= 0) & (f < W - 1)
-        v += tl.load(p_ptr + tl.cast(b, tl.int64) * spb + cols[None, :] * spc + f[:, None],
-                     mask=pm[:, None] & cmask[None, :], other=0.0)
+    pm = (f >= 0) & (f < W - 1)
+    v += tl.load(p_ptr + tl.cast(b, tl.int64) * spb + cols[None, :] * spc + f[:, None],
+                 mask=pm[:, None] & cmask[None, :], other=0.0)
     return v
 
 
 @triton.jit
 def _conv_rows(x_ptr, p_ptr, w_ptr, bias_ptr, b, t, cols, cmask, T, sxb, sxt, spb, spc,
-               W: tl.constexpr, HAS_PAST: tl.constexpr, HAS_BIAS: tl.constexpr,
-               BR: tl.constexpr, BD: tl.constexpr):
+               W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """a[t] = bias + sum_j w_j full[t + j] at rows t, channels ``cols`` (the compute dtype)."""
     a = tl.zeros([BR, BD], dtype=p_ptr.dtype.element_ty)
     for j in tl.static_range(W):
         wj = tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0)
         a += wj[None, :] * _full_rows(x_ptr, p_ptr, b, t + j, cols, cmask, T, sxb, sxt, spb,
-                                      spc, W, HAS_PAST)
-    if HAS_BIAS:
-        a += tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
-    return a
+                                      spc, W)
+    return a + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
 
 
 @triton.jit
 def _conv_fwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, y_ptr, T, C, G, n_norm, eps,
-                     sxb, sxt, spb, spc, W: tl.constexpr, HAS_PAST: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+                     sxb, sxt, spb, spc, W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     i_t, i_g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = i_t * BR + tl.arange(0, BR)
     d = tl.arange(0, BD)
     cols = i_g * G + d
     cmask = (d < G) & (cols < C)
     a = _conv_rows(x_ptr, p_ptr, w_ptr, bias_ptr, b, t, cols, cmask, T, sxb, sxt, spb, spc,
-                   W, HAS_PAST, HAS_BIAS, BR, BD)
+                   W, BR, BD)
     s = a * tl.sigmoid(a)
     r = tl.rsqrt(tl.sum(s * s, axis=1) + eps)
     y = s * tl.where(i_g < n_norm, r, 1.0)[:, None]
@@ -131,12 +125,11 @@ def _conv_fwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, y_ptr, T, C, G, n_norm, eps,
 
 @triton.jit
 def _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, t, cols, cmask, T, C, eps, norm,
-             sxb, sxt, spb, spc, W: tl.constexpr, HAS_PAST: tl.constexpr,
-             HAS_BIAS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+             sxb, sxt, spb, spc, W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """The gradient of the convolution's output a at rows t (zero outside 0 <= t < T): the
     forward recomputed, then back through the L2 norm (``norm``) and the SiLU."""
     a = _conv_rows(x_ptr, p_ptr, w_ptr, bias_ptr, b, t, cols, cmask, T, sxb, sxt, spb, spc,
-                   W, HAS_PAST, HAS_BIAS, BR, BD)
+                   W, BR, BD)
     ok = (t >= 0) & (t < T)
     rows = tl.cast(b, tl.int64) * T + t
     dy = tl.load(dy_ptr + rows[:, None] * C + cols[None, :], mask=ok[:, None] & cmask[None, :],
@@ -155,9 +148,8 @@ def _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, t, cols, cmask, T, C, eps
 
 @triton.jit
 def _conv_bwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, dx_ptr, dp_ptr, dw_ptr, db_ptr,
-                     T, C, G, n_norm, eps, sxb, sxt, spb, spc, n_blocks, steps,
-                     W: tl.constexpr, WP: tl.constexpr, HAS_PAST: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+                     T, C, G, n_norm, eps, sxb, sxt, spb, spc, steps,
+                     W: tl.constexpr, WP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """Program (i_s, i_g, b) runs ``steps`` blocks of BR rows of full (W - 1 + T rows) from
     block i_s * steps; dw_ptr [B * cdiv(n_blocks, steps), W, C] and db_ptr [.., C] take its
     partial sums (float32, or float64 under the tests); WP is W's next power of two."""
@@ -175,27 +167,25 @@ def _conv_bwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, dx_ptr, dp_ptr, dw_p
         dfull = tl.zeros([BR, BD], dtype=ct)
         for j in tl.static_range(W):  # full row f feeds the outputs t = f - j through tap j
             da = _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, f - j, cols, cmask, T, C,
-                          eps, norm, sxb, sxt, spb, spc, W, HAS_PAST, HAS_BIAS, BR, BD)
+                          eps, norm, sxb, sxt, spb, spc, W, BR, BD)
             wj = tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0)
             dfull += da * wj[None, :]
             if j == 0:  # rows t = f (each output row once over the programs): dw, dbias
                 db += tl.sum(da, axis=0)
                 for k in tl.static_range(W):
                     xk = _full_rows(x_ptr, p_ptr, b, f + k, cols, cmask, T, sxb, sxt, spb, spc,
-                                    W, HAS_PAST)
+                                    W)
                     dw += tl.where(taps[:, None] == k, tl.sum(da * xk, axis=0)[None, :], 0.0)
         src = f - (W - 1)
         tl.store(dx_ptr + (tl.cast(b, tl.int64) * T + src)[:, None] * C + cols[None, :],
                  dfull.to(dx_ptr.dtype.element_ty),
                  mask=((src >= 0) & (src < T))[:, None] & cmask[None, :])
-        if HAS_PAST:
-            tl.store(dp_ptr + tl.cast(b, tl.int64) * C * (W - 1) + cols[None, :] * (W - 1)
-                     + f[:, None], dfull, mask=((f >= 0) & (f < W - 1))[:, None] & cmask[None, :])
+        tl.store(dp_ptr + tl.cast(b, tl.int64) * C * (W - 1) + cols[None, :] * (W - 1)
+                 + f[:, None], dfull, mask=((f >= 0) & (f < W - 1))[:, None] & cmask[None, :])
     part = tl.cast(b, tl.int64) * tl.num_programs(0) + i_s
     tl.store(dw_ptr + (part * W + taps[:, None]) * C + cols[None, :], dw,
              mask=(taps < W)[:, None] & cmask[None, :])
-    if HAS_BIAS:
-        tl.store(db_ptr + part * C + cols, db, mask=cmask)
+    tl.store(db_ptr + part * C + cols, db, mask=cmask)
 
 
 class _ConvLaunch(NamedTuple):
@@ -206,12 +196,12 @@ class _ConvLaunch(NamedTuple):
     eps: float
 
 
-def _strides(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """x [B, T, C] with unit channel stride (a view where it has one) and its batch and time
-    strides."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return x, x.stride(0), x.stride(1)
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x with a unit last stride at a 16-byte aligned address (a copy where it has neither):
+    what the compiled specialisations assume (tests/ops/triton_aot_fused.py)."""
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x
 
 
 def _backward_steps(blocks: int, programs: int) -> int:
@@ -221,23 +211,27 @@ def _backward_steps(blocks: int, programs: int) -> int:
 
 
 class _ShortConvTriton(torch.autograd.Function):
+    """The kernels always read a carried past and a bias (zeros where the call has none: a
+    [B, C, W - 1] and a [C] tensor), so one specialisation serves every call."""
+
     @staticmethod
     def forward(ctx, x, past, weight, bias, L: _ConvLaunch):  # type: ignore[override]
         B, T, C = x.shape
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        x, sxb, sxt = _strides(x)
+        x = _aligned(x)
         w = weight.reshape(C, L.W).to(ct).contiguous()
-        bb = None if bias is None else bias.to(ct).contiguous()
-        p = None if past is None else past.to(ct).contiguous()
+        bb = x.new_zeros(C, dtype=ct) if bias is None else bias.to(ct).contiguous()
+        p = (x.new_zeros(B, C, L.W - 1, dtype=ct) if past is None
+             else past.to(ct).contiguous())
         y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
         BR, BD, warps = L.tiles
-        grid = (triton.cdiv(T, BR), triton.cdiv(C, L.G), B)
-        _conv_fwd_kernel[grid](
-            x, w if p is None else p, w, w if bb is None else bb, y, T, C, L.G, L.n_norm,
-            L.eps, sxb, sxt, 0 if p is None else p.stride(0), L.W - 1, W=L.W,
-            HAS_PAST=p is not None, HAS_BIAS=bb is not None, BR=BR, BD=BD, num_warps=warps)
+        _conv_fwd_kernel[(triton.cdiv(T, BR), triton.cdiv(C, L.G), B)](
+            x, p, w, bb, y, T, C, L.G, L.n_norm, L.eps, x.stride(0), x.stride(1), p.stride(0),
+            L.W - 1, W=L.W, BR=BR, BD=BD, num_warps=warps)
         ctx.save_for_backward(x, p, w, bb)
-        ctx.L, ctx.dtypes = L, (None if past is None else past.dtype, weight.dtype, weight.shape)
+        ctx.L = L
+        ctx.dtypes = (None if past is None else past.dtype, weight.dtype, weight.shape,
+                      None if bias is None else bias.dtype)
         return y
 
     @staticmethod
@@ -246,8 +240,6 @@ class _ShortConvTriton(torch.autograd.Function):
         x, p, w, bb = ctx.saved_tensors
         L = ctx.L
         B, T, C = x.shape
-        ct = w.dtype
-        _, sxb, sxt = _strides(x)
         dy = dy.contiguous()
         BR, BD, warps = L.tiles
         groups = triton.cdiv(C, L.G)
@@ -255,18 +247,17 @@ class _ShortConvTriton(torch.autograd.Function):
         steps = _backward_steps(blocks, groups * B)
         n_prog = triton.cdiv(blocks, steps)
         dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-        dp = None if p is None else torch.empty_like(p)
-        dw = torch.empty(B * n_prog, L.W, C, dtype=ct, device=x.device)
-        db = None if bb is None else torch.empty(B * n_prog, C, dtype=ct, device=x.device)
+        dp = torch.empty_like(p)
+        dw = torch.empty(B * n_prog, L.W, C, dtype=w.dtype, device=x.device)
+        db = torch.empty(B * n_prog, C, dtype=w.dtype, device=x.device)
         _conv_bwd_kernel[(n_prog, groups, B)](
-            x, w if p is None else p, w, w if bb is None else bb, dy, dx,
-            dw if dp is None else dp, dw, dw if db is None else db, T, C, L.G, L.n_norm, L.eps,
-            sxb, sxt, 0 if p is None else p.stride(0), L.W - 1, blocks, steps, W=L.W,
-            WP=triton.next_power_of_2(L.W), HAS_PAST=p is not None, HAS_BIAS=bb is not None, BR=BR, BD=BD, num_warps=warps)
-        past_dtype, w_dtype, w_shape = ctx.dtypes
-        return (dx, None if dp is None else dp.to(past_dtype),
+            x, p, w, bb, dy, dx, dp, dw, db, T, C, L.G, L.n_norm, L.eps, x.stride(0),
+            x.stride(1), p.stride(0), L.W - 1, steps, W=L.W, WP=triton.next_power_of_2(L.W),
+            BR=BR, BD=BD, num_warps=warps)
+        past_dtype, w_dtype, w_shape, b_dtype = ctx.dtypes
+        return (dx, None if past_dtype is None else dp.to(past_dtype),
                 dw.sum(0).t().reshape(w_shape).to(w_dtype),
-                None if db is None else db.sum(0).to(w_dtype), None)
+                None if b_dtype is None else db.sum(0).to(b_dtype), None)
 
 
 def short_conv_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -383,8 +374,7 @@ def _rows(u: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     stride, inner stride); inner rows are the next-to-last dim (heads), outer the ones before,
     which must flatten to one stride (a [B, T, H, D] slice of a wider [B, T, .] tensor does;
     otherwise u is copied)."""
-    if u.stride(-1) != 1:
-        u = u.contiguous()
+    u = _aligned(u)
     for _ in range(2):
         v = u.reshape(1, 1, -1) if u.dim() == 1 else u.unsqueeze(0) if u.dim() == 2 else u
         try:
