@@ -46,27 +46,29 @@ ACTS = {"silu": 1, "swish": 1, "sigmoid": 2}  # ACT: 0 no gate
 
 
 class Tiles(NamedTuple):
-    """One launch's tiles: BR rows, BD channels, warps."""
+    """A kernel pair's tiles: BR rows (BRB in the backward), BD channels, warps."""
 
     BR: int
     BD: int
     warps: int
+    BRB: int
 
 
 def tile_config(arch: int, dtype: torch.dtype, op: str, group: int = 64) -> Tiles | None:
     """The tiles of ``op`` for a target (sm_80, sm_90; the same on both) and input dtype, or
     None where the dispatcher keeps the call in PyTorch (float32: the layers' reference path).
     The convolution holds a group of ``group`` channels whole (BD the next power of two, at
-    least 16) and 4096 elements per tile (BR rows, 16 to 64); the norm steps through a row in
-    blocks of 128 columns, 16 rows at a time. 4 warps."""
+    least 16) and 2048 elements per tile in the forward (BR rows, at most 64), 1024 in the
+    backward (BRB), which recomputes the forward at W shifted row blocks; the norm steps
+    through a row in blocks of 128 columns, 16 rows at a time. 4 warps (docs/kernels.md)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if dtype not in (torch.float16, torch.bfloat16):
         return None
     if op == "rms_norm_gated":
-        return Tiles(16, NORM_BD, 4)
+        return Tiles(16, NORM_BD, 4, 16)
     BD = max(16, triton.next_power_of_2(group))
-    return Tiles(max(16, min(64, 4096 // BD)), BD, 4)
+    return Tiles(min(64, 2048 // BD), BD, 4, min(64, 1024 // BD))
 
 
 def supports(op: str, dtype: torch.dtype) -> bool:
@@ -79,10 +81,12 @@ def supports(op: str, dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _full_rows(x_ptr, p_ptr, b, f, cols, cmask, T, sxb, sxt, spb, spc, W: tl.constexpr):
-    """Rows f of full = [the W - 1 carried inputs p [B, C, W - 1], x [B, T, C]] (row f is
-    p[:, :, f] for f < W - 1, x[:, f - W + 1] up to W - 1 + T), channels ``cols``, in the
-    compute dtype (p's); zero elsewhere."""
+def _full_rows(x_ptr, p_ptr, b, f0, cols, cmask, T, sxb, sxt, spb, spc, W,
+               BR: tl.constexpr):
+    """Rows f0 .. f0 + BR - 1 of full = [the W - 1 carried inputs p [B, C, W - 1], x [B, T, C]]
+    (row f is p[:, :, f] for f < W - 1, x[:, f - W + 1] up to W - 1 + T), channels ``cols``,
+    in the compute dtype (p's); zero elsewhere."""
+    f = f0 + tl.arange(0, BR)
     src = f - (W - 1)
     ok = (src >= 0) & (src < T)
     v = tl.load(x_ptr + tl.cast(b, tl.int64) * sxb + src[:, None] * sxt + cols[None, :],
@@ -94,14 +98,15 @@ def _full_rows(x_ptr, p_ptr, b, f, cols, cmask, T, sxb, sxt, spb, spc, W: tl.con
 
 
 @triton.jit
-def _conv_rows(x_ptr, p_ptr, w_ptr, bias_ptr, b, t, cols, cmask, T, sxb, sxt, spb, spc,
-               W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    """a[t] = bias + sum_j w_j full[t + j] at rows t, channels ``cols`` (the compute dtype)."""
+def _conv_rows(x_ptr, p_ptr, w_ptr, bias_ptr, b, t0, cols, cmask, T, sxb, sxt, spb, spc,
+               W, BR: tl.constexpr, BD: tl.constexpr):
+    """a[t] = bias + sum_j w_j full[t + j] at rows t0 .. t0 + BR - 1, channels ``cols`` (the
+    compute dtype)."""
     a = tl.zeros([BR, BD], dtype=p_ptr.dtype.element_ty)
-    for j in tl.static_range(W):
+    for j in range(W):  # a loop, not unrolled: the taps' loads are not all held at once
         wj = tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0)
-        a += wj[None, :] * _full_rows(x_ptr, p_ptr, b, t + j, cols, cmask, T, sxb, sxt, spb,
-                                      spc, W)
+        a += wj[None, :] * _full_rows(x_ptr, p_ptr, b, t0 + j, cols, cmask, T, sxb, sxt, spb,
+                                      spc, W, BR)
     return a + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
 
 
@@ -113,8 +118,8 @@ def _conv_fwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, y_ptr, T, C, G, n_norm, eps,
     d = tl.arange(0, BD)
     cols = i_g * G + d
     cmask = (d < G) & (cols < C)
-    a = _conv_rows(x_ptr, p_ptr, w_ptr, bias_ptr, b, t, cols, cmask, T, sxb, sxt, spb, spc,
-                   W, BR, BD)
+    a = _conv_rows(x_ptr, p_ptr, w_ptr, bias_ptr, b, i_t * BR, cols, cmask, T, sxb, sxt, spb,
+                   spc, W, BR, BD)
     s = a * tl.sigmoid(a)
     r = tl.rsqrt(tl.sum(s * s, axis=1) + eps)
     y = s * tl.where(i_g < n_norm, r, 1.0)[:, None]
@@ -124,12 +129,14 @@ def _conv_fwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, y_ptr, T, C, G, n_norm, eps,
 
 
 @triton.jit
-def _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, t, cols, cmask, T, C, eps, norm,
-             sxb, sxt, spb, spc, W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    """The gradient of the convolution's output a at rows t (zero outside 0 <= t < T): the
-    forward recomputed, then back through the L2 norm (``norm``) and the SiLU."""
-    a = _conv_rows(x_ptr, p_ptr, w_ptr, bias_ptr, b, t, cols, cmask, T, sxb, sxt, spb, spc,
+def _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, t0, cols, cmask, T, C, eps, norm,
+             sxb, sxt, spb, spc, W, BR: tl.constexpr, BD: tl.constexpr):
+    """The gradient of the convolution's output a at rows t0 .. t0 + BR - 1 (zero outside
+    0 <= t < T): the forward recomputed, then back through the L2 norm (``norm``) and the
+    SiLU."""
+    a = _conv_rows(x_ptr, p_ptr, w_ptr, bias_ptr, b, t0, cols, cmask, T, sxb, sxt, spb, spc,
                    W, BR, BD)
+    t = t0 + tl.arange(0, BR)
     ok = (t >= 0) & (t < T)
     rows = tl.cast(b, tl.int64) * T + t
     dy = tl.load(dy_ptr + rows[:, None] * C + cols[None, :], mask=ok[:, None] & cmask[None, :],
@@ -148,8 +155,8 @@ def _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, t, cols, cmask, T, C, eps
 
 @triton.jit
 def _conv_bwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, dx_ptr, dp_ptr, dw_ptr, db_ptr,
-                     T, C, G, n_norm, eps, sxb, sxt, spb, spc, steps,
-                     W: tl.constexpr, WP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+                     T, C, G, n_norm, eps, sxb, sxt, spb, spc, steps, W,
+                     WP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """Program (i_s, i_g, b) runs ``steps`` blocks of BR rows of full (W - 1 + T rows) from
     block i_s * steps; dw_ptr [B * cdiv(n_blocks, steps), W, C] and db_ptr [.., C] take its
     partial sums (float32, or float64 under the tests); WP is W's next power of two."""
@@ -163,19 +170,20 @@ def _conv_bwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, dx_ptr, dp_ptr, dw_p
     taps = tl.arange(0, WP)
     db = tl.zeros([BD], dtype=ct)
     for i in range(steps):
-        f = (i_s * steps + i) * BR + tl.arange(0, BR)
-        dfull = tl.zeros([BR, BD], dtype=ct)
-        for j in tl.static_range(W):  # full row f feeds the outputs t = f - j through tap j
-            da = _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, f - j, cols, cmask, T, C,
+        f0 = (i_s * steps + i) * BR
+        f = f0 + tl.arange(0, BR)
+        # tap 0: the outputs t = f (each output row once over the programs): dw, dbias
+        da = _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, f0, cols, cmask, T, C, eps,
+                      norm, sxb, sxt, spb, spc, W, BR, BD)
+        db += tl.sum(da, axis=0)
+        for k in range(W):
+            xk = _full_rows(x_ptr, p_ptr, b, f0 + k, cols, cmask, T, sxb, sxt, spb, spc, W, BR)
+            dw += tl.where(taps[:, None] == k, tl.sum(da * xk, axis=0)[None, :], 0.0)
+        dfull = da * tl.load(w_ptr + cols * W, mask=cmask, other=0.0)[None, :]
+        for j in range(1, W):  # full row f feeds the outputs t = f - j through tap j
+            da = _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, f0 - j, cols, cmask, T, C,
                           eps, norm, sxb, sxt, spb, spc, W, BR, BD)
-            wj = tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0)
-            dfull += da * wj[None, :]
-            if j == 0:  # rows t = f (each output row once over the programs): dw, dbias
-                db += tl.sum(da, axis=0)
-                for k in tl.static_range(W):
-                    xk = _full_rows(x_ptr, p_ptr, b, f + k, cols, cmask, T, sxb, sxt, spb, spc,
-                                    W)
-                    dw += tl.where(taps[:, None] == k, tl.sum(da * xk, axis=0)[None, :], 0.0)
+            dfull += da * tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0)[None, :]
         src = f - (W - 1)
         tl.store(dx_ptr + (tl.cast(b, tl.int64) * T + src)[:, None] * C + cols[None, :],
                  dfull.to(dx_ptr.dtype.element_ty),
@@ -224,7 +232,7 @@ class _ShortConvTriton(torch.autograd.Function):
         p = (x.new_zeros(B, C, L.W - 1, dtype=ct) if past is None
              else past.to(ct).contiguous())
         y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-        BR, BD, warps = L.tiles
+        BR, BD, warps, _ = L.tiles
         _conv_fwd_kernel[(triton.cdiv(T, BR), triton.cdiv(C, L.G), B)](
             x, p, w, bb, y, T, C, L.G, L.n_norm, L.eps, x.stride(0), x.stride(1), p.stride(0),
             L.W - 1, W=L.W, BR=BR, BD=BD, num_warps=warps)
@@ -241,7 +249,7 @@ class _ShortConvTriton(torch.autograd.Function):
         L = ctx.L
         B, T, C = x.shape
         dy = dy.contiguous()
-        BR, BD, warps = L.tiles
+        _, BD, warps, BR = L.tiles
         groups = triton.cdiv(C, L.G)
         blocks = triton.cdiv(T + L.W - 1, BR)
         steps = _backward_steps(blocks, groups * B)
@@ -252,7 +260,7 @@ class _ShortConvTriton(torch.autograd.Function):
         db = torch.empty(B * n_prog, C, dtype=w.dtype, device=x.device)
         _conv_bwd_kernel[(n_prog, groups, B)](
             x, p, w, bb, dy, dx, dp, dw, db, T, C, L.G, L.n_norm, L.eps, x.stride(0),
-            x.stride(1), p.stride(0), L.W - 1, steps, W=L.W, WP=triton.next_power_of_2(L.W),
+            x.stride(1), p.stride(0), L.W - 1, steps, L.W, WP=triton.next_power_of_2(L.W),
             BR=BR, BD=BD, num_warps=warps)
         past_dtype, w_dtype, w_shape, b_dtype = ctx.dtypes
         return (dx, None if past_dtype is None else dp.to(past_dtype),
