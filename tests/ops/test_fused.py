@@ -146,7 +146,7 @@ def test_short_conv_matches_the_oracle(case, backend, launches, exact):
 def test_short_conv_backward_in_steps(kernels, launches, exact, monkeypatch):
     """A backward program running several row blocks (``steps``): the same gradients."""
     monkeypatch.setattr(kernels, "_backward_steps", lambda blocks, programs: 2)
-    x, weight, b, p = conv_case(1, 150, 9, 4, True, True, seed=3)  # three 64-row blocks
+    x, weight, b, p = conv_case(1, 150, 9, 4, True, True, seed=3)  # five 32-row blocks
     y, _ = short_conv_silu(x, weight, b, initial_state=p, norm_heads=1, head_dim=5)
     want = conv_oracle(x, weight, b, p, 5, 5)
     dy = _randn(*y.shape, seed=4)
