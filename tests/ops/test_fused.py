@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 from fastweights.ops import backend as backends
 from fastweights.ops import rms_norm_gated, short_conv_silu
 from tests.helpers import assert_close64
+from tests.ops.test_aft_triton import on_gpu  # noqa: F401 (fixture: CPU tensors seen as CUDA)
 from tests.ops.test_ttt_triton import _Counted
 
 F64 = torch.float64
@@ -57,17 +58,7 @@ def launches(kernels, monkeypatch) -> Counter:
 
 
 @pytest.fixture
-def on_gpu(monkeypatch):
-    """The dispatcher sees CPU tensors as CUDA ones (the interpreter runs the kernels)."""
-    monkeypatch.setattr(backends, "_on_cuda", lambda q: True)
-    monkeypatch.setattr(backends, "fla_ops", lambda: None)
-    monkeypatch.setattr(backends, "_trials", {})
-    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
-    monkeypatch.delenv("FASTWEIGHTS_TRITON", raising=False)
-
-
-@pytest.fixture
-def exact(kernels, on_gpu, monkeypatch):
+def exact(kernels, on_gpu, monkeypatch):  # noqa: F811
     """``on_gpu``, and the fused ops' kernels also take float32 and float64 inputs (on a GPU
     those keep the PyTorch forms; the interpreter runs them exactly), so the public ops can be
     compared with float64 oracles. Only these two ops: the recurrent ops keep their kernels'
@@ -178,7 +169,7 @@ def within_one_ulp(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(((y.double() - ref.double()).abs() <= 2 ** -7 * ref.double().abs()).all())
 
 
-def test_short_conv_half_inputs_round_once(launches, on_gpu):
+def test_short_conv_half_inputs_round_once(launches, on_gpu):  # noqa: F811
     """bfloat16 x read in place (a slice of a wider tensor): the kernel's output is the float32
     computation rounded once, as the PyTorch form's (up to float32 summation order and the
     interpreter's rounding)."""
@@ -224,7 +215,7 @@ def test_rms_norm_gated_matches_the_oracle(activation, gated, weighted, backend,
     assert launches == (Counter(norm_fwd=1, norm_bwd=1) if backend == "triton" else Counter())
 
 
-def test_rms_norm_gated_out_dtype_and_half(launches, on_gpu):
+def test_rms_norm_gated_out_dtype_and_half(launches, on_gpu):  # noqa: F811
     """bfloat16 x and gate with a float32 output (an autocast model's): the float32 result,
     unrounded; with the default, rounded once to bfloat16 (``within_one_ulp``)."""
     x = _randn(3, 2, 40, seed=5, dtype=torch.bfloat16)
