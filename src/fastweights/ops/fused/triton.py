@@ -147,12 +147,9 @@ def _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, t0, cols, cmask, T, C, ep
                  other=0.0).to(a.dtype)
     sg = tl.sigmoid(a)
     s = a * sg
-    if norm:
-        r = tl.rsqrt(tl.sum(s * s, axis=1) + eps)
-        y = s * r[:, None]
-        ds = (dy - y * tl.sum(dy * y, axis=1)[:, None]) * r[:, None]
-    else:
-        ds = dy
+    r = tl.rsqrt(tl.sum(s * s, axis=1) + eps)[:, None]
+    y = s * r
+    ds = tl.where(norm, (dy - y * tl.sum(dy * y, axis=1)[:, None]) * r, dy)
     da = ds * (sg * (1.0 + a * (1.0 - sg)))
     return tl.where(ok[:, None], da, 0.0)
 
@@ -160,29 +157,29 @@ def _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, t0, cols, cmask, T, C, ep
 @triton.jit
 def _conv_bwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, dx_ptr, dp_ptr, dw_ptr, db_ptr,
                      T, C, G, n_norm, eps, sxb, sxt, spb, spc, steps, W,
-                     WP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+                     BR: tl.constexpr, BD: tl.constexpr):
     """Program (i_s, i_g, b) runs ``steps`` blocks of BR rows of full (W - 1 + T rows) from
-    block i_s * steps; dw_ptr [B * cdiv(n_blocks, steps), W, C] and db_ptr [.., C] take its
-    partial sums (float32, or float64 under the tests); WP is W's next power of two."""
+    block i_s * steps; dw_ptr [B * cdiv(n_blocks, steps), W, C] and db_ptr [.., C] (zeros)
+    accumulate its partial sums (float32, or float64 under the tests)."""
     i_s, i_g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, BD)
     cols = i_g * G + d
     cmask = (d < G) & (cols < C)
     norm = i_g < n_norm
-    ct = p_ptr.dtype.element_ty
-    dw = tl.zeros([WP, BD], dtype=ct)  # row j: the partial sum of tap j
-    taps = tl.arange(0, WP)
-    db = tl.zeros([BD], dtype=ct)
+    part = tl.cast(b, tl.int64) * tl.num_programs(0) + i_s
+    dw_row = dw_ptr + part * W * C + cols
     for i in range(steps):
         f0 = (i_s * steps + i) * BR
         f = f0 + tl.arange(0, BR)
         # tap 0: the outputs t = f (each output row once over the programs): dw, dbias
         da = _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, f0, cols, cmask, T, C, eps,
                       norm, sxb, sxt, spb, spc, W, BR, BD)
-        db += tl.sum(da, axis=0)
-        for k in range(W):
+        db = tl.load(db_ptr + part * C + cols, mask=cmask, other=0.0)
+        tl.store(db_ptr + part * C + cols, db + tl.sum(da, axis=0), mask=cmask)
+        for k in range(W):  # this program's own rows of dw: read, add, write
             xk = _full_rows(x_ptr, p_ptr, b, f0 + k, cols, cmask, T, sxb, sxt, spb, spc, W, BR)
-            dw += tl.where(taps[:, None] == k, tl.sum(da * xk, axis=0)[None, :], 0.0)
+            dwk = tl.load(dw_row + k * C, mask=cmask, other=0.0)
+            tl.store(dw_row + k * C, dwk + tl.sum(da * xk, axis=0), mask=cmask)
         dfull = da * tl.load(w_ptr + cols * W, mask=cmask, other=0.0)[None, :]
         for j in range(1, W):  # full row f feeds the outputs t = f - j through tap j
             da = _conv_da(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, b, f0 - j, cols, cmask, T, C,
@@ -194,10 +191,6 @@ def _conv_bwd_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, dy_ptr, dx_ptr, dp_ptr, dw_p
                  mask=((src >= 0) & (src < T))[:, None] & cmask[None, :])
         tl.store(dp_ptr + tl.cast(b, tl.int64) * C * (W - 1) + cols[None, :] * (W - 1)
                  + f[:, None], dfull, mask=((f >= 0) & (f < W - 1))[:, None] & cmask[None, :])
-    part = tl.cast(b, tl.int64) * tl.num_programs(0) + i_s
-    tl.store(dw_ptr + (part * W + taps[:, None]) * C + cols[None, :], dw,
-             mask=(taps < W)[:, None] & cmask[None, :])
-    tl.store(db_ptr + part * C + cols, db, mask=cmask)
 
 
 class _ConvLaunch(NamedTuple):
@@ -260,12 +253,11 @@ class _ShortConvTriton(torch.autograd.Function):
         n_prog = triton.cdiv(blocks, steps)
         dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
         dp = torch.empty_like(p)
-        dw = torch.empty(B * n_prog, L.W, C, dtype=w.dtype, device=x.device)
-        db = torch.empty(B * n_prog, C, dtype=w.dtype, device=x.device)
+        dw = torch.zeros(B * n_prog, L.W, C, dtype=w.dtype, device=x.device)
+        db = torch.zeros(B * n_prog, C, dtype=w.dtype, device=x.device)
         _conv_bwd_kernel[(n_prog, groups, B)](
             x, p, w, bb, dy, dx, dp, dw, db, T, C, L.G, L.n_norm, L.eps, x.stride(0),
-            x.stride(1), p.stride(0), L.W - 1, steps, L.W, WP=triton.next_power_of_2(L.W),
-            BR=BR, BD=BD, num_warps=warps)
+            x.stride(1), p.stride(0), L.W - 1, steps, L.W, BR=BR, BD=BD, num_warps=warps)
         past_dtype, w_dtype, w_shape, b_dtype = ctx.dtypes
         return (dx, None if past_dtype is None else dp.to(past_dtype),
                 dw.sum(0).t().reshape(w_shape).to(w_dtype),
