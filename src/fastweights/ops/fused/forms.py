@@ -79,11 +79,11 @@ class _ShortConvSilu(torch.autograd.Function):
         x, w, a, y, r = ctx.saved_tensors
         W, T, n = w.shape[1], a.shape[1], ctx.n
         ds = dy.to(a.dtype)
-        if n:
-            ds = ds.clone() if ds is dy else ds
+        if n:  # the heads' gradient through the norm, the rest as it came (one new tensor)
             split = (-1, ctx.head_dim)
-            ds[..., :n] = _l2_backward(ds[..., :n].unflatten(-1, split),
-                                       y[..., :n].unflatten(-1, split), r).flatten(-2)
+            ds = torch.cat([_l2_backward(ds[..., :n].unflatten(-1, split),
+                                         y[..., :n].unflatten(-1, split), r).flatten(-2),
+                            ds[..., n:]], dim=-1)
         da = torch.ops.aten.silu_backward(ds, a)
         dx = torch.zeros_like(x)
         dw = torch.empty_like(w)
