@@ -79,12 +79,16 @@ class _ShortConvSilu(torch.autograd.Function):
         x, w, a, y, r = ctx.saved_tensors
         W, T, n = w.shape[1], a.shape[1], ctx.n
         ds = dy.to(a.dtype)
-        if n:  # the heads' gradient through the norm, the rest as it came (one new tensor)
+        if n:  # the heads through the norm, then SiLU's backward into the two parts of da
             split = (-1, ctx.head_dim)
-            ds = torch.cat([_l2_backward(ds[..., :n].unflatten(-1, split),
-                                         y[..., :n].unflatten(-1, split), r).flatten(-2),
-                            ds[..., n:]], dim=-1)
-        da = torch.ops.aten.silu_backward(ds, a)
+            dh = _l2_backward(ds[..., :n].unflatten(-1, split), y[..., :n].unflatten(-1, split),
+                              r).flatten(-2)
+            da = torch.empty_like(a)
+            silu_bwd = torch.ops.aten.silu_backward.grad_input
+            silu_bwd(dh, a[..., :n], grad_input=da[..., :n])
+            silu_bwd(ds[..., n:], a[..., n:], grad_input=da[..., n:])
+        else:
+            da = torch.ops.aten.silu_backward(ds, a)
         dx = torch.zeros_like(x)
         dw = torch.empty_like(w)
         for j in range(W):
