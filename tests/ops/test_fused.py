@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 from fastweights.ops import backend as backends
 from fastweights.ops import rms_norm_gated, short_conv_silu
-from tests.helpers import assert_close64
+from tests.helpers import assert_close64, count_launches, interpreted_kernels
 from tests.ops.test_aft_triton import on_gpu  # noqa: F401 (fixture: CPU tensors seen as CUDA)
 from tests.ops.test_ttt_triton import _Counted
 
@@ -34,27 +34,14 @@ OPS = ("short_conv_silu", "rms_norm_gated")
 
 @pytest.fixture(scope="module")
 def kernels():
-    import importlib
-
-    from triton.runtime.interpreter import InterpretedFunction
-
-    module = importlib.import_module("fastweights.ops.fused.triton")
-    if not isinstance(module._conv_fwd_kernel, InterpretedFunction):
-        pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
-                    "(or it is set to 0): these CPU tests need the Triton interpreter")
-    return module
+    return interpreted_kernels("fastweights.ops.fused.triton", "_conv_fwd_kernel")
 
 
 @pytest.fixture
 def launches(kernels, monkeypatch) -> Counter:
     """Launches per kernel of ops/fused/triton.py (name without the underscores and
     ``_kernel``)."""
-    counts: Counter = Counter()
-    for name in [n for n in vars(kernels) if n.endswith("_kernel")]:
-        monkeypatch.setattr(kernels, name, _Counted(getattr(kernels, name),
-                                                    name.strip("_").removesuffix("_kernel"),
-                                                    counts))
-    return counts
+    return count_launches(kernels, monkeypatch, _Counted)
 
 
 @pytest.fixture
