@@ -14,9 +14,6 @@ Tritons (docs/kernels.md, "Triton versions"; the figures per version are in docs
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,10 +21,10 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (pip install fastweights[triton])")
 
+from tests.ops.test_aft_triton_compile import compile_records as aft_compile_records
 from tests.ops.test_fwp_triton_compile import ARCHS, OTHER_TRITONS, SHARED_LIMIT
 from tests.ops.triton_aot import record_problems
 
-HERE = Path(__file__).parent
 NORM = {f"norm_{p}[ACT={a},{o}]" for p in ("fwd", "bwd") for a in (0, 1, 2) for o in ("X", "fp32")}
 
 
@@ -40,14 +37,7 @@ def expected(dtype: str) -> set[str]:
 
 
 def compile_records(python: str, tmp_path: Path, dtypes: tuple[str, ...]) -> list[dict]:
-    out = tmp_path / "records.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1] / "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([python, str(HERE / "triton_aot_fused.py"), str(out),
-                           ",".join(dtypes), *(str(a) for a in ARCHS)], env=env,
-                          capture_output=True, text=True, check=False)
-    assert done.returncode == 0, f"compile script failed:\n{done.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    return aft_compile_records(tmp_path, dtypes, "triton_aot_fused.py", python)
 
 
 def check(records: list[dict], dtypes: tuple[str, ...]) -> None:
