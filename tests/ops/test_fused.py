@@ -313,6 +313,16 @@ def test_wide_heads_stay_in_pytorch(monkeypatch):
                                 facts={"head_dim": 512})
 
 
+def test_offsets_past_32_bits_stay_in_pytorch(monkeypatch):
+    monkeypatch.setattr(backends, "fla_ops", lambda: None)
+    monkeypatch.delenv("FASTWEIGHTS_BACKEND", raising=False)
+    for op in OPS:
+        assert backends.choose_backend(op, _cuda(torch.bfloat16), None, "fused", 1,
+                                       facts={"span": 2 ** 31}) == "torch"
+        assert backends.choose_backend(op, _cuda(torch.bfloat16), None, "fused", 1,
+                                       facts={"span": 2 ** 31 - 1}) == "triton"
+
+
 def test_cpu_explicit_triton_is_refused():
     x = torch.zeros(1, 3, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA"):

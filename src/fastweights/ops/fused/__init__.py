@@ -35,22 +35,29 @@ def _triton() -> ModuleType:
 triton_kernels = optional_module(_triton)
 
 
-def _group_refusal(q: torch.Tensor, facts: dict) -> str | None:
+INT32_SPAN = 2 ** 31  # the kernels' offsets along time (and the norm's row count) are int32
+
+
+def _refusal(q: torch.Tensor, facts: dict) -> str | None:
+    """What of a call the kernels cannot take: an L2-normalised head wider than MAX_GROUP,
+    offsets past 32 bits (``span``: T times the row stride, or the norm's rows)."""
     from .triton import MAX_GROUP
 
     if facts.get("head_dim", 0) > MAX_GROUP:
         return (f"head_dim={facts['head_dim']}: the kernel holds an L2-normalised head whole, "
                 f"head_dim <= {MAX_GROUP}")
+    if facts.get("span", 0) >= INT32_SPAN:
+        return f"{facts['span']} rows or elements along time: the kernels' offsets are int32"
     return None
 
 
 _HALF = (torch.float16, torch.bfloat16)
 _REFUSED = "float32 runs the PyTorch forms (the layers' reference path)"
-for _op, _refuse in (("short_conv_silu", _group_refusal), ("rms_norm_gated", None)):
+for _op in ("short_conv_silu", "rms_norm_gated"):
     # one kernel for every T, decoding steps included
     register(_op, triton=tuple(
         Kernel(mode=MODE, dtypes=_HALF, refused=_REFUSED, kernels=triton_kernels,
-               one_token=one, refuse=_refuse) for one in (False, True)), auxiliary=True)
+               one_token=one, refuse=_refusal) for one in (False, True)), auxiliary=True)
 
 
 def _choose(op: str, x: torch.Tensor, backend: str | None, facts: dict | None = None) -> str:
@@ -111,7 +118,7 @@ def short_conv_silu(
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
     n = norm_heads * head_dim
-    facts = {"head_dim": head_dim if n else 0}
+    facts = {"head_dim": head_dim if n else 0, "span": T * max(x.stride(1), C)}
     if _choose("short_conv_silu", x, backend, facts) == "triton":
         y = triton_kernels().short_conv_silu_triton(x, weight, bias, initial_state, n,
                                                     head_dim, float(eps))
@@ -167,7 +174,7 @@ def rms_norm_gated(
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
         raise TypeError(f"out_dtype must be a floating-point torch.dtype or None, got "
                         f"{out_dtype!r}")
-    if _choose("rms_norm_gated", x, backend) == "triton":
+    if _choose("rms_norm_gated", x, backend, {"span": x.numel() // D}) == "triton":
         return triton_kernels().rms_norm_gated_triton(x, weight, gate, float(eps), activation,
                                                       out_dtype)
     return rms_norm_gated_torch(x, weight, gate, float(eps), activation == "sigmoid",
