@@ -7,9 +7,9 @@ Run as a script (``python tests/ops/triton_aot_fused.py OUT.json [DTYPE,... [arc
 process where TRITON_INTERPRET is unset. The launches are recorded from the host code
 (``short_conv_silu_triton`` and ``rms_norm_gated_triton``, forward and backward) on small CPU
 tensors with the kernels replaced by recorders: the convolution at every tiling the host picks
-(heads of 16 to 256 channels: BD 16 to 256) with the layer's conv_size 4, the norm with each
-gate (SiLU, sigmoid, none) and each output dtype (the input's, float32), for each half dtype
-(float32 runs in PyTorch). Each distinct launch is compiled for both specialisations of
+(heads of 16 to 256 channels: BD 16 to 256) with conv sizes 2, 3 and 4 (the layer's default;
+the forward's W is a constexpr), the norm with each gate (SiLU, sigmoid, none) and each output
+dtype (the input's, float32), for each half dtype (float32 runs in PyTorch). Each distinct launch is compiled for both specialisations of
 ``SPECS``. One record per compile: registers, spill bytes, shared memory, or the error.
 """
 
@@ -26,7 +26,7 @@ from triton_aot import compile_in_pool, compile_record, distinct, recorded
 ARCHS = (80, 90)
 DTYPES = ("bfloat16", "float16")
 GROUPS = (16, 32, 64, 128, 256)  # head sizes giving every BD the host picks (MAX_GROUP 256)
-CONV_SIZE = 4
+CONV_SIZES = (2, 3, 4)  # the forward's W is a constexpr (the backward's a run-time argument)
 # The host hands the kernels 16-byte aligned pointers with unit last strides (``_aligned``); the
 # sizes and strides are free ("odd": any T, channel count, head size, slice of a wider tensor)
 # or all multiples of 16 ("aligned": the usual training shapes).
@@ -35,16 +35,17 @@ DIVISIBLE = {"odd": (), "aligned": ("T", "C", "G", "sxb", "sxt", "spb", "N", "D"
                                    "sgo", "sgi")}
 
 
-def _run_host(module, dtype, groups=GROUPS, conv_size: int = CONV_SIZE) -> None:
+def _run_host(module, dtype, groups=GROUPS, conv_sizes=CONV_SIZES) -> None:
     """Forward and backward of both ops through the host code, every launch recorded."""
     import torch
 
     for G in groups:  # two L2-normalised heads of G channels and 3 more channels
-        C = 2 * G + 3
-        x = torch.zeros(1, 5, C + 1, dtype=dtype)[..., 1:].requires_grad_()  # a slice
-        weight = torch.zeros(C, 1, conv_size, requires_grad=True)
-        y = module.short_conv_silu_triton(x, weight, None, None, 2 * G, G, 1e-6)
-        y.backward(torch.zeros_like(y))
+        for W in conv_sizes:
+            C = 2 * G + 3
+            x = torch.zeros(1, 5, C + 1, dtype=dtype)[..., 1:].requires_grad_()  # a slice
+            weight = torch.zeros(C, 1, W, requires_grad=True)
+            y = module.short_conv_silu_triton(x, weight, None, None, 2 * G, G, 1e-6)
+            y.backward(torch.zeros_like(y))
     D, H = 40, 2
     for act in ("silu", "sigmoid", None):
         for out_dtype in (dtype, torch.float32):
@@ -66,8 +67,9 @@ def signatures(dtype: str, arch: int) -> list[tuple]:
     module = importlib.import_module("fastweights.ops.fused.triton")
     with recorded((module,), arch) as out:
         _run_host(module, getattr(torch, dtype))
-    found = distinct(out, lambda const: (f"[BD={const['BD']}]" if "BR" in const and "ACT" not in const else
-                                         f"[ACT={const['ACT']}"))
+    found = distinct(out, lambda const: (
+        f"[ACT={const['ACT']}" if "ACT" in const else
+        f"[BD={const['BD']},W={const['W']}]" if "W" in const else f"[BD={const['BD']}]"))
     # the norm's launches differ in their output's (the gradient's) dtype too
     return [(fn, name if name.startswith("conv") else
              f"{name},{sig.get('y_ptr', sig.get('dy_ptr'))[1:]}]", sig, const, warps, stages)
