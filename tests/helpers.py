@@ -1,6 +1,9 @@
-"""Shared test helpers: float64 comparison and readable ids."""
+"""Shared test helpers: float64 comparison, readable ids, interpreted kernel modules and their
+launch counts."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -89,3 +92,31 @@ def assert_generate_passes_declared_keywords(model, ids: torch.Tensor, **generat
     if error is not None:
         raise error
     assert passed, "generate() never called forward"
+
+
+def interpreted_kernels(module_name: str, kernel: str):
+    """The Triton kernel module ``module_name``, failing the test unless its ``kernel`` runs
+    under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before triton is
+    imported; the CPU tests need it)."""
+    import importlib
+
+    import pytest
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = importlib.import_module(module_name)
+    if not isinstance(getattr(module, kernel), InterpretedFunction):
+        pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
+                    "(or it is set to 0): these CPU tests need the Triton interpreter")
+    return module
+
+
+def count_launches(module, monkeypatch, counted) -> Counter[str]:
+    """Every ``*_kernel`` of ``module`` replaced (through ``monkeypatch``) by ``counted(kernel,
+    name, counts)``, which counts its launches into the returned Counter under its name without
+    the underscores and ``_kernel``."""
+    counts: Counter = Counter()
+    for name in [n for n in vars(module) if n.endswith("_kernel")]:
+        monkeypatch.setattr(module, name, counted(getattr(module, name),
+                                                  name.strip("_").removesuffix("_kernel"),
+                                                  counts))
+    return counts

@@ -21,6 +21,7 @@ from fastweights.layers import AFTFull, AFTLocal
 from fastweights.ops import aft, aft_local
 from fastweights.ops import backend as backends
 from fastweights.ops.aft.naive import aft_local_naive, aft_naive, full_naive
+from tests.helpers import count_launches, interpreted_kernels
 from tests.ops.test_ttt_triton import _Counted
 
 F64 = torch.float64
@@ -30,26 +31,13 @@ FWD_BWD = Counter(prep=2, fwd=1, bwd_prep=1, bwd_kv=1, bwd_w=1)
 
 @pytest.fixture(scope="module")
 def kernels():
-    import importlib
-
-    from triton.runtime.interpreter import InterpretedFunction
-
-    module = importlib.import_module("fastweights.ops.aft.triton")
-    if not isinstance(module._fwd_kernel, InterpretedFunction):
-        pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
-                    "(or it is set to 0): these CPU tests need the Triton interpreter")
-    return module
+    return interpreted_kernels("fastweights.ops.aft.triton", "_fwd_kernel")
 
 
 @pytest.fixture
 def launches(kernels, monkeypatch) -> Counter:
     """Launches per kernel of ops/aft/triton.py (name without the underscores and ``_kernel``)."""
-    counts: Counter = Counter()
-    for name in [n for n in vars(kernels) if n.endswith("_kernel")]:
-        monkeypatch.setattr(kernels, name, _Counted(getattr(kernels, name),
-                                                    name.strip("_").removesuffix("_kernel"),
-                                                    counts))
-    return counts
+    return count_launches(kernels, monkeypatch, _Counted)
 
 
 @pytest.fixture

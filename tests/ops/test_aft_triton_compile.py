@@ -32,11 +32,14 @@ KERNELS = {"prep", "bwd_prep"} | {f"{k}[{v}]" for k in ("fwd", "bwd_kv", "bwd_w"
                                    for v in ("causal", "bidir", "local")}
 
 
-def compile_records(tmp_path: Path, dtypes: tuple[str, ...]) -> list[dict]:
+def compile_records(tmp_path: Path, dtypes: tuple[str, ...], script: str = "triton_aot_aft.py",
+                    python: str = sys.executable) -> list[dict]:
+    """The records of one run of ``script`` (tests/ops/) under ``python``, for ``dtypes`` on
+    every target of ARCHS."""
     out = tmp_path / "records.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1] / "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(HERE / "triton_aot_aft.py"), str(out),
+    done = subprocess.run([python, str(HERE / script), str(out),
                            ",".join(dtypes), *(str(a) for a in ARCHS)], env=env,
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0, f"compile script failed:\n{done.stderr[-3000:]}"

@@ -13,10 +13,12 @@ import torch
 import fastweights.ops as ops
 from fastweights.bench.targets import Setting, op_targets
 
-# fastweights.ops' names that are not ops: feature maps, steps, states, modes, helpers.
+# fastweights.ops' names that are not ops: feature maps, steps, states, modes, helpers (the
+# layers' fused elementwise work among them).
 NOT_OPS = {"elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features", "draw_favor_projection",
            "open_block_attention", "merge_simple_states", "srms_norm", "example_inputs",
-           "reading_nothing", "reads_allowed"}
+           "reading_nothing", "reads_allowed", "l2_normalize", "rms_norm_gated",
+           "short_conv_silu"}
 
 
 def _ops() -> list[str]:

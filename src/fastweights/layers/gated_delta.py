@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from .._checks import (
     check_bool,
@@ -44,7 +43,14 @@ from .._checks import (
     is_number,
     state_dtype,
 )
-from ..ops import RECURRENT_MODES, gated_delta_rule, gated_delta_rule_step
+from ..ops import (
+    RECURRENT_MODES,
+    gated_delta_rule,
+    gated_delta_rule_step,
+    l2_normalize,
+    rms_norm_gated,
+    short_conv_silu,
+)
 from ..ops.backend import preferred_chunk_size
 from .base import (
     ContextParallel,
@@ -57,35 +63,9 @@ from .base import (
     packed_or_single,
     split_heads,
 )
-from .conv import short_conv
 from .norms import GATE_ACTIVATIONS, RMSNorm
 
-L2_EPS = 1e-6  # inside the square root, as fla's l2norm kernel and transformers' l2norm
-
-
-class _L2Normalize(torch.autograd.Function):
-    """``l2_normalize`` with its backward written out: with r = (sum x^2 + eps)^-1/2 and
-    y = x r, dx = r (dy - y sum(dy y)) (three passes over x where autograd's chain takes six)."""
-
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
-        r = torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
-        y = x * r
-        ctx.save_for_backward(y, r)
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):  # type: ignore[override]
-        y, r = ctx.saved_tensors
-        return (dy - y * (dy * y).sum(-1, keepdim=True)) * r
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum x^2 + 1e-6) over the last dim (fla's and transformers' q/k norm)."""
-    if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
-        return _L2Normalize.apply(x)
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
+__all__ = ["GatedDeltaNet", "l2_normalize"]
 
 
 class GatedDeltaNet(Mixer):
@@ -102,7 +82,9 @@ class GatedDeltaNet(Mixer):
     (log U(0, 16)) and dt_bias (softplus^-1 of dt log-uniform in [0.001, 0.1]).
     ``mode``/``chunk_size`` choose the op's algorithm (equal up to rounding); ``chunk_size``
     None takes the size measured fastest on the input's device kind (32 on CPU); ``backend``
-    (None: the automatic choice) goes to ``gated_delta_rule``.
+    (None: the automatic choice) goes to ``gated_delta_rule``, and to the fused short
+    convolution and output norm (``short_conv_silu``, ``rms_norm_gated``: Triton kernels for
+    half CUDA inputs), which have no fla kernel: for them "fla" is the automatic choice.
 
     Submodules carry fla's names: q_proj, k_proj, v_proj, a_proj, b_proj, A_log, dt_bias,
     q_conv1d, k_conv1d, v_conv1d, g_proj, o_norm, o_proj.
@@ -189,21 +171,39 @@ class GatedDeltaNet(Mixer):
         what the convolution state holds)."""
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
-    def _conv(self, mixed: torch.Tensor, past: torch.Tensor | None, out_dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """SiLU of the causal convolution of ``mixed`` [B, t, C] (compute dtype) continuing
-        ``past`` [B, C, W - 1] (None: zeros) -> (y [B, t, C], the new past in ``out_dtype``).
-        Time-major throughout (``short_conv``): no transposed copies of the activations."""
-        B, _, C = mixed.shape
-        Wm = self.conv_size - 1
+    def _qkv(self, projected: torch.Tensor, bounds: list[int],
+             pasts: list[torch.Tensor | None], out_dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+        """The op's q, k [B, T, Hk, Dk] and v [B, T, H, Dv] from the projections [B, T, C]
+        (in their dtype), and each document's new convolution past [B, C, W - 1] in
+        ``out_dtype`` (None without short convolutions). With them, one fused op per document
+        (``short_conv_silu``: the convolution continuing the document's past, SiLU, the L2 norm
+        of q's and k's heads); without, SiLU and the L2 norm in the compute dtype."""
+        Hk, H, Dk = self.n_heads, self.num_v_heads, self.head_dim
+        sizes = (self.key_dim, self.key_dim, self.value_dim)
+        if not self.use_short_conv:
+            q, k, v = F.silu(projected.to(state_dtype(projected.dtype))).split(sizes, dim=-1)
+            q, k = l2_normalize(split_heads(q, Hk)), l2_normalize(split_heads(k, Hk))
+            return *like_values(projected, q, k, split_heads(v, H)), [None] * len(pasts)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         weight = torch.cat([c.weight for c in convs])
         bias = torch.cat([c.bias for c in convs]) if self.conv_bias else None
-        past = mixed.new_zeros(B, Wm, C) if past is None else past.to(mixed.dtype).transpose(1, 2)
-        full = torch.cat([past, mixed], dim=1)  # [B, W - 1 + t, C]
-        y = short_conv(full, weight.to(mixed.dtype),
-                       None if bias is None else bias.to(mixed.dtype), silu=True)
-        return y, full[:, full.shape[1] - Wm:].transpose(1, 2).contiguous().to(out_dtype)
+        pieces, finals = [], []
+        for (start, stop), past in zip(pairwise(bounds), pasts):  # each continues its own past
+            y, final = short_conv_silu(
+                projected[:, start:stop], weight, bias, initial_state=past, norm_heads=2 * Hk,
+                head_dim=Dk, output_final_state=True, backend=self._fused_backend)
+            pieces.append(y)
+            finals.append(final.to(out_dtype))
+        mixed = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        # one split (its backward one concatenation, not a zero-filled gradient per slice)
+        q, k, v = mixed.split(sizes, dim=-1)
+        return split_heads(q, Hk), split_heads(k, Hk), split_heads(v, H), finals
+
+    @property
+    def _fused_backend(self) -> str | None:
+        """The backend of the fused ops: the layer's, "fla" (which has none) automatic."""
+        return None if self.backend == "fla" else self.backend
 
     def _state_parts(self, state: State, B: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(conv, S) of a carried state (None, None for None), conv's shape checked (the op
@@ -235,32 +235,17 @@ class GatedDeltaNet(Mixer):
         parts = [self._state_parts(s, B) for s in states]
         # [B, T, C], in the activation dtype (layers/base.py); and the gates' projections
         projected, b_proj, a_proj, gate_proj = self._projections(x)
-        mixed = projected.to(cdtype)
-        convs: list[torch.Tensor | None] = [None] * len(parts)
-        if self.use_short_conv:  # each document continues its own past
-            pieces = []
-            for i, ((start, stop), (past, _)) in enumerate(zip(pairwise(bounds), parts)):
-                y, convs[i] = self._conv(mixed[:, start:stop], past, x.dtype)
-                pieces.append(y)
-            mixed = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-        else:
-            mixed = F.silu(mixed)
-        Hk, H, Dk = self.n_heads, self.num_v_heads, self.head_dim
-        # one split (its backward one concatenation, not a zero-filled gradient per slice)
-        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        q = l2_normalize(split_heads(q, Hk))  # [B, T, Hk, Dk]
-        k = l2_normalize(split_heads(k, Hk))
-        v = split_heads(v, H)  # [B, T, H, Dv]
+        # Mixed precision (like_values): the op's q, k, v in the projections' dtype (bfloat16
+        # in a bfloat16 model and under bfloat16 autocast, where the kernels run); the
+        # convolution, the L2 norm and the gates below are computed in float32.
+        q, k, v, convs = self._qkv(projected, bounds, [past for past, _ in parts], x.dtype)
+        H, Dk = self.num_v_heads, self.head_dim
         beta = torch.sigmoid(b_proj.to(cdtype))  # [B, T, H]
         if self.allow_neg_eigval:
             beta = beta * 2.0
         g = -self.A_log.to(cdtype).exp() * F.softplus(a_proj.to(cdtype)
                                                        + self.dt_bias.to(cdtype))
         scale = Dk ** -0.5
-        # Mixed precision (like_values): the op's q, k, v in the projections' dtype (bfloat16
-        # in a bfloat16 model and under bfloat16 autocast, where the kernels run); the
-        # convolution, the L2 norm and the gates above are computed in float32.
-        q, k, v = like_values(projected, q, k, v)
         if is_step(x, cu_seqlens) and self.mode != "naive":
             # The decoding step: the op's one-token step (the operands rounded as the chunked
             # form's, then in the state's dtype).
@@ -274,7 +259,11 @@ class GatedDeltaNet(Mixer):
                 initial_state=packed_or_single([S0 for _, S0 in parts], cu_seqlens))
             finals = list(S) if cu_seqlens is not None else [S]
         gate = split_heads(gate_proj, H) if self.use_gate else None
-        y = self.o_proj(merge_heads(self.o_norm(o.to(cdtype), gate)).to(x.dtype))
+        normed = rms_norm_gated(  # o_norm's maths, fused with the gate (in float32)
+            o, self.o_norm.weight, gate, eps=self.o_norm.eps,
+            activation=self.o_norm.gate_activation, out_dtype=x.dtype,
+            backend=self._fused_backend)
+        y = self.o_proj(merge_heads(normed))
         new = [(c, s) if self.use_short_conv else (s,) for c, s in zip(convs, finals)]
         return y, packed_or_single(new, cu_seqlens)
 

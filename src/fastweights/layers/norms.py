@@ -5,7 +5,6 @@ of the gated-delta and fla layers, fla's models) and TransNormer's gain-free ``S
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._checks import (
@@ -15,11 +14,9 @@ from .._checks import (
     check_positive_int,
     check_tensor,
     is_number,
-    state_dtype,
 )
+from ..ops.fused import GATE_ACTIVATIONS, rms_norm_gated
 from ..ops.transnormer import srms_norm
-
-GATE_ACTIVATIONS = ("swish", "silu", "sigmoid")  # "swish" is fla's name for SiLU
 
 
 class RMSNorm(nn.Module):
@@ -47,15 +44,9 @@ class RMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        cdtype = state_dtype(x.dtype)
-        xf = x if x.dtype == cdtype else x.to(cdtype)
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            y = y * self.weight.to(cdtype)
-        if gate is not None:
-            g = gate.to(cdtype)
-            y = y * (torch.sigmoid(g) if self.gate_activation == "sigmoid" else F.silu(g))
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        # the PyTorch form (the gated-delta layer calls the op itself, kernels included)
+        return rms_norm_gated(x, self.weight, gate, eps=self.eps,
+                              activation=self.gate_activation, backend="torch")
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, eps={self.eps}"

@@ -21,6 +21,7 @@ from .aft import (
 from .delta_rule import delta_rule, delta_rule_attn_norm, delta_rule_step
 from .examples import EXAMPLE_OPS, Example, example_inputs
 from .feature_maps import dpfp, draw_favor_projection, elu_plus_one, favor_features, relu, sum_norm
+from .fused import l2_normalize, rms_norm_gated, short_conv_silu
 from .gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 from .infini import (
     InfiniRowsState,
@@ -77,6 +78,7 @@ __all__ = [
     "gated_delta_rule_step",
     "infini_attention",
     "infini_attention_step",
+    "l2_normalize",
     "linear_attn",
     "linear_attn_step",
     "merge_simple_states",
@@ -84,6 +86,8 @@ __all__ = [
     "reading_nothing",
     "reads_allowed",
     "relu",
+    "rms_norm_gated",
+    "short_conv_silu",
     "softmax_attention",
     "softmax_attention_step",
     "srms_norm",

@@ -92,6 +92,7 @@ class _Registered:
     kernels: dict[str, tuple[Kernel, ...]]
     chunk_sizes: Mapping[str, int]
     speeds: Mapping[str, Mapping[str, Any]]
+    auxiliary: bool = False
 
     def kernel(self, name: str, T: int) -> Kernel | None:
         """The ``name`` kernel for a call of T tokens: the one-token kernel where T = 1 and
@@ -111,16 +112,20 @@ _FLA: dict[str, tuple[str, str]] = {}  # adapter name -> (fla module, function)
 def register(op: str, *, fla: Kernel | None = None,
              triton: Kernel | tuple[Kernel, ...] | None = None,
              chunk_sizes: Mapping[str, int] | None = None,
-             speeds: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+             speeds: Mapping[str, Mapping[str, Any]] | None = None,
+             auxiliary: bool = False) -> None:
     """Register ``op``'s kernel backends (a kernel, or a multi-token kernel and a one-token
     one), its measured fastest chunk sizes per device kind (``preferred_chunk_size``) and its
     measured times per GPU kind (``speeds``: the op's speeds.py ``SPEEDS``, {kind: {"forward" |
-    "train": {backend: ms}, ...}}, ``ranked``). Called once, when the op's module is imported."""
+    "train": {backend: ms}, ...}}, ``ranked``). ``auxiliary``: an op a layer runs around its
+    recurrent op (the fused short convolution and output norm, ops/fused), which has no fla
+    kernel: ``FASTWEIGHTS_BACKEND=fla`` leaves it to the automatic choice (fla's layers fuse
+    the same work in kernels of their own). Called once, when the op's module is imported."""
     if op in _REGISTRY:
         raise ValueError(f"op {op!r} registered twice")
     found = {name: k if isinstance(k, tuple) else (k,)
              for name, k in (("fla", fla), ("triton", triton)) if k is not None}
-    _REGISTRY[op] = _Registered(found, dict(chunk_sizes or {}), dict(speeds or {}))
+    _REGISTRY[op] = _Registered(found, dict(chunk_sizes or {}), dict(speeds or {}), auxiliary)
 
 
 def register_fla(name: str, module: str, function: str) -> None:
@@ -324,7 +329,8 @@ def choose_backend(op: str, q: torch.Tensor, backend: str | None, mode: str,
     function making it is called only where a trial runs). ``facts``: what else of the call a
     kernel's ``refuse`` reads."""
     source = "backend"
-    if backend is None and os.environ.get(ENV):
+    if backend is None and os.environ.get(ENV) and not (
+            os.environ[ENV] == "fla" and op in _REGISTRY and _REGISTRY[op].auxiliary):
         backend, source = os.environ[ENV], ENV
     if backend is not None:
         if backend not in BACKENDS:
