@@ -53,3 +53,22 @@ def test_an_edited_number_in_the_results_fails(tmp_path):
     cells[7] = f"{float(cells[7]) + 0.01:.6g}"  # the first run's loss
     (rec / "results.csv").write_text("\n".join([csv[0], ",".join(cells), *csv[2:]]) + "\n")
     assert "results.md" in check(rec)
+
+
+def test_a_grown_record_quotes_its_base_from_the_base_record(tmp_path):
+    """A record at K times the steps (fwp-lm-4x) quotes the default-size record beside it through
+    ``base.`` placeholders: an edited number in the base's results.csv changes its README."""
+    grown, base = _copy("fwp-lm-4x", tmp_path), _copy("fwp-lm", tmp_path)
+    assert "{{base." in (grown / TEMPLATE).read_text()
+    assert check(grown) == []
+    csv = (base / "results.csv").read_text().splitlines()
+    header = csv[0].split(",")
+    row = next(i for i, line in enumerate(csv) if line.split(",")[header.index("model")] == "softmax")
+    cells = csv[row].split(",")
+    cells[header.index("loss")] = f"{float(cells[header.index('loss')]) + 0.5:.6g}"
+    csv[row] = ",".join(cells)
+    (base / "results.csv").write_text("\n".join(csv) + "\n")
+    assert check(grown) == ["README.md"]
+    shutil.rmtree(base)  # no base record beside it: its base placeholders cannot be filled
+    with pytest.raises(Exception, match="no base record"):
+        check(grown)

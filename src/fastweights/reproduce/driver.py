@@ -83,7 +83,7 @@ def reproduce(name: str, out: Path, seeds: list[int], *, quick: bool = False, da
 
 
 def _write_results(exp: Experiment, plan: Plan, rows: list[dict], out: Path, seeds: list[int],
-                   seconds: float | None) -> None:
+                   seconds: float | None, origin: Path | None = None) -> None:
     """results.md (the verdicts with the runs' per-window losses of ``windows.csv`` where
     recorded); ``seconds`` None (a re-render) keeps the recorded plots as they are (some are
     drawn from the run folders, which a record need not keep)."""
@@ -95,7 +95,7 @@ def _write_results(exp: Experiment, plan: Plan, rows: list[dict], out: Path, see
                    settings=dict(plan.settings), judged=judged, rows=rows,
                    metrics=exp.metrics(plan), notes=[*exp.notes(plan, rows), *_noise_note(plan, rows, windows)],
                    plots=plots, seeds=seeds, seconds=seconds)
-    readme = readme_of(out, rows, judged)
+    readme = readme_of(out, rows, judged, _base(exp, plan, origin or out))
     if readme is not None:
         write_atomic(out / "README.md", readme.encode())
 
@@ -117,11 +117,28 @@ def _noise_note(plan: Plan, rows: list[dict], windows: dict | None) -> list[str]
             "them (windows.csv) adds the windows' standard error (`common.window_se`)."]
 
 
-def render(out: Path, name: str | None = None) -> Path:
+def _base(exp: Experiment, plan: Plan, origin: Path) -> tuple[list[dict], list] | None:
+    """The (rows, judged) of the record a record trained at K > 1 times the steps was grown
+    from: its experiment's default-size record, the folder named after the experiment beside
+    ``origin`` (benchmarks/results/reproduce/fwp-lm for fwp-lm-4x); None for a default-size
+    record or where that folder holds no record."""
+    import json
+
+    folder = origin.parent / exp.name
+    if plan.settings.get("steps_factor", 1) == 1 or not (folder / MANIFEST).is_file():
+        return None
+    base = Plan(json.loads((folder / MANIFEST).read_text())["settings"], [])
+    rows = read_csv(folder / "results.csv")
+    return rows, judge(rows, exp.claims(base), untrained=exp.untrained,
+                       windows=read_windows(folder / WINDOWS))
+
+
+def render(out: Path, name: str | None = None, origin: Path | None = None) -> Path:
     """Rewrite ``out``'s results.md (and README.md from its README.in.md, ``prose``) from its
     recorded ``reproduce.json``, ``results.csv`` and ``windows.csv`` with the current claims and
     verdict rule, training nothing. ``name``: the experiment whose claims to apply (default: the
-    one the manifest names). Returns results.md."""
+    one the manifest names); ``origin``: where the record lies when ``out`` is a copy of it (its
+    base record, ``_base``, is found beside it). Returns results.md."""
     import json
 
     try:
@@ -134,7 +151,7 @@ def render(out: Path, name: str | None = None) -> Path:
         raise ReproduceError(f"{out / 'results.csv'} has no runs")
     plan = Plan(manifest["settings"], [])
     seeds = sorted({r["seed"] for r in rows})
-    _write_results(exp, plan, rows, out, seeds, None)
+    _write_results(exp, plan, rows, out, seeds, None, origin)
     return out / "results.md"
 
 
@@ -154,6 +171,6 @@ def check(record: Path, name: str | None = None) -> list[str]:
         for f in record.iterdir():
             if f.is_file() and f.name not in RENDERED:
                 shutil.copy2(f, copy / f.name)
-        render(copy, name)
+        render(copy, name, origin=record)
         return [f for f in RENDERED if (copy / f).is_file() != (record / f).is_file() or
                 ((copy / f).is_file() and (copy / f).read_bytes() != (record / f).read_bytes())]

@@ -19,7 +19,10 @@ optional; a placeholder that names no model, metric or claim of the record is an
   its two sides, d with its interval and seeds, the margin, p (Holm) and the verdict;
 - ``{{runs}}``, ``{{runs | MODEL}}``, ``{{models}}``, ``{{seeds}}`` (e.g. 0-5), ``{{judged}}``
   (the seeds the verdicts use), ``{{seconds}}`` (the runs' own times added up), ``{{bigram}}``
-  (the trained bar, where recorded).
+  (the trained bar, where recorded);
+- ``{{base.KIND | ...}}``: any of the above in the record's base, the record it was grown from
+  (a record trained at K times the steps: its experiment's record at the default size,
+  ``driver.render``), so that a comparison of the two sizes quotes both from their records.
 """
 
 from __future__ import annotations
@@ -93,14 +96,26 @@ def _short_table(judged: list[tuple[Claim, Verdict]], controls: bool) -> str:
     return "\n".join(lines)
 
 
-def render_readme(text: str, rows: list[dict[str, Any]], judged: list[tuple[Claim, Verdict]]) -> str:
-    """``text`` (a README.in.md) with every placeholder replaced by its value in the record."""
+Record = tuple[list[dict[str, Any]], list[tuple[Claim, Verdict]]]  # (rows, judged)
+
+
+def render_readme(text: str, rows: list[dict[str, Any]], judged: list[tuple[Claim, Verdict]],
+                  base: Record | None = None) -> str:
+    """``text`` (a README.in.md) with every placeholder replaced by its value in the record
+    (``base.`` placeholders: in ``base``, the (rows, judged) of the record it was grown from)."""
     models = list(dict.fromkeys(r["model"] for r in rows))
 
     def value(match: re.Match[str]) -> str:
         parts = [p.strip() for p in " ".join(match.group(1).split()).split("|")]
         kind, args = parts[0], parts[1:]
         spec = None
+        if kind.startswith("base."):
+            if base is None:
+                raise ReproduceError(f"{TEMPLATE}: {{{{{match.group(1)}}}}}: this record has no "
+                                     "base record (one trained at K times the steps has its "
+                                     "experiment's default-size record beside it)")
+            inner = " | ".join([kind.removeprefix("base."), *args])
+            return render_readme("{{" + inner + "}}", *base)
         if kind.startswith("claim."):
             field = kind.split(".", 1)[1]
             if len(args) == 2:
@@ -155,7 +170,8 @@ def render_readme(text: str, rows: list[dict[str, Any]], judged: list[tuple[Clai
     return PLACEHOLDER.sub(value, text)
 
 
-def readme_of(folder: Path, rows: list[dict[str, Any]], judged: list[tuple[Claim, Verdict]]) -> str | None:
+def readme_of(folder: Path, rows: list[dict[str, Any]], judged: list[tuple[Claim, Verdict]],
+              base: Record | None = None) -> str | None:
     """The README rendered from ``folder``'s README.in.md, or None when it has none."""
     template = folder / TEMPLATE
-    return render_readme(template.read_text(), rows, judged) if template.is_file() else None
+    return render_readme(template.read_text(), rows, judged, base) if template.is_file() else None
