@@ -18,7 +18,7 @@ from fastweights.bench.targets import Setting, op_targets
 NOT_OPS = {"elu_plus_one", "relu", "dpfp", "sum_norm", "favor_features", "draw_favor_projection",
            "open_block_attention", "merge_simple_states", "srms_norm", "example_inputs",
            "reading_nothing", "reads_allowed", "l2_normalize", "rms_norm_gated",
-           "short_conv_silu"}
+           "short_conv_silu", "fused_kernels_run"}
 
 
 def _ops() -> list[str]:

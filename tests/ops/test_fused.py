@@ -347,3 +347,49 @@ def test_cpu_explicit_triton_is_refused():
 def test_bad_input_is_named(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call(torch.zeros(1, 3, 8))
+
+
+@pytest.mark.parametrize("options", [{"use_gate": True}, {"qk_activation": "relu"},
+                                     {"qk_norm": "sum", "conv_bias": True}])
+def test_fla_deltanet_on_the_kernels(options, launches, exact):
+    """fla's DeltaNet under the contract with its fused ops on the kernels: q's and k's
+    convolutions fused with the L2 norm where the features are SiLU + L2 (else the norm stays
+    in the layer, and a non-SiLU q/k convolution in PyTorch), v's convolution and the output
+    norm (with its gate) fused; outputs, states and every gradient equal to the PyTorch forms,
+    packed documents included."""
+    from tests.fla.test_deltanet import layer
+
+    m, ref = layer(**options), layer(**options, backend="torch")
+    silu = options.get("qk_activation", "silu") == "silu"
+    x = _randn(1, 13, 24, seed=2)
+    cu = torch.tensor([0, 4, 13])
+    for kw, docs in (({}, 1), ({"cu_seqlens": cu}, 2)):
+        before = Counter(launches)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (ya, sa), (yb, sb) = m(xa, **kw), ref(xb, **kw)
+        assert launches["conv_fwd"] - before["conv_fwd"] == docs * (3 if silu else 1)
+        assert launches["norm_fwd"] - before["norm_fwd"] == 1
+        assert_close64(ya, yb, what="y")
+        for a, b in zip(sa if docs > 1 else [sa], sb if docs > 1 else [sb]):
+            for u, v in zip(a, b):
+                assert_close64(u, v, what="state")
+        (ya * _randn(*ya.shape, seed=3)).sum().backward()
+        (yb * _randn(*yb.shape, seed=3)).sum().backward()
+        assert_close64(xa.grad, xb.grad, what="dx")
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert_close64(p.grad, q.grad, what=name)
+            p.grad, q.grad = None, None
+
+
+def test_fla_retnet_norm_on_the_kernels(launches, exact):
+    """fla's RetNet under the contract: its output norm (fused with the swish gate) on the
+    kernel, equal to the PyTorch form."""
+    from fastweights.layers.fla_retnet import FlaMultiScaleRetention as FlaRetNet
+
+    torch.manual_seed(0)
+    m = FlaRetNet(24, 3).double()
+    ref = FlaRetNet(24, 3, backend="torch").double()
+    ref.load_state_dict(m.state_dict())
+    x = _randn(2, 7, 24, seed=4)
+    assert_close64(m(x)[0], ref(x)[0], what="y")
+    assert launches["norm_fwd"] == 1

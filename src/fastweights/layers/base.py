@@ -299,6 +299,12 @@ def is_step(x: Any, cu_seqlens: torch.Tensor | None) -> bool:
             and x.shape[1] == 1 and not torch.is_autocast_enabled(x.device.type))
 
 
+def auxiliary_backend(backend: str | None) -> str | None:
+    """The backend a layer passes its auxiliary (elementwise, ``ops/fused``) ops: the layer's
+    own, with "fla" (which has no such kernels) meaning the automatic choice."""
+    return None if backend == "fla" else backend
+
+
 def check_backend(backend: Any) -> str | None:
     """A layer's ``backend`` option: None (the automatic choice) or one of ops/backend.py's
     BACKENDS, handed to its op (docs/design.md, "Backends")."""

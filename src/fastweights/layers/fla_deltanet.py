@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_positive_int, is_number, state_dtype
+from ..ops import fused_kernels_run, rms_norm_gated, short_conv_silu
 from ..ops.backend import preferred_chunk_size
 from ..ops.delta_rule import delta_rule
 from ..ops.feature_maps import elu_plus_one
@@ -47,6 +48,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    auxiliary_backend,
     check_backend,
     like_values,
     merge_heads,
@@ -115,11 +117,26 @@ class ShortConvolution(nn.Module):
         return y.transpose(1, 2), full[:, :, full.shape[2] - (W - 1):]
 
     def documents(self, x: torch.Tensor, states: Sequence[torch.Tensor | None],
-                  bounds: Sequence[int], state_dtype: torch.dtype
+                  bounds: Sequence[int], state_dtype: torch.dtype, *, fused: bool = False,
+                  norm_heads: int = 0, head_dim: int = 1, backend: str | None = None
                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward`` of the documents packed in x [B, T, C] at ``bounds`` (their starts, then
         T), document d continuing ``states[d]`` (checked by the caller, ``check_state``):
-        (y [B, T, C], every document's final state in ``state_dtype``)."""
+        (y [B, T, C], every document's final state in ``state_dtype``). ``fused`` (with the
+        SiLU on): one fused op per document (``short_conv_silu`` under ``backend``), which also
+        L2-normalises the first ``norm_heads`` heads of ``head_dim`` channels."""
+        if fused and self.activation:
+            outs, finals = [], []
+            for (start, stop), state in zip(pairwise(bounds), states):
+                y, final = short_conv_silu(x[:, start:stop], self.weight, self.bias,
+                                           initial_state=state, norm_heads=norm_heads,
+                                           head_dim=head_dim, output_final_state=True,
+                                           backend=backend)
+                outs.append(y)
+                finals.append(final if final.dtype == state_dtype else final.to(state_dtype))
+            return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), finals
+        if norm_heads:
+            raise ValueError("the L2 norm is fused only behind the SiLU (activation=True)")
         if len(bounds) == 2:  # one document: every unpacked call, every decoding step
             y, final = self._run(x, states[0])
             return y, [final if final.dtype == state_dtype else final.to(state_dtype)]
@@ -202,10 +219,13 @@ class FlaDeltaNet(FlaMixer):
         self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)
 
-    def _feature(self, x: torch.Tensor) -> torch.Tensor:
+    def _feature(self, x: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """q or k per head [B, T, H, Dk] after the projection (and convolution): fla's
-        activation (SiLU already applied when it is 'silu') then its normalisation, computed in
-        float32 or wider and rounded to x's dtype once, as fla's kernels do."""
+        activation (SiLU already applied when it is 'silu') then its normalisation (already
+        applied where ``normed``: fused into the convolution), computed in float32 or wider and
+        rounded to x's dtype once, as fla's kernels do."""
+        if normed:
+            return x
         if self.qk_activation == "relu":
             x = F.relu(x)
         elif self.qk_activation == "elu":
@@ -242,18 +262,26 @@ class FlaDeltaNet(FlaMixer):
         parts = [self._state_parts(s, x.shape[0]) for s in docs]
         q, k, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         v = values
+        # The fused short convolutions where their kernels run (half CUDA inputs): on the CPU
+        # the layer's own path costs less per call (a decoding step's three convolutions).
+        kernels = self.use_short_conv and fused_kernels_run(values, auxiliary_backend(self.backend))
+        fused = kernels and self.qk_activation == "silu" and self.qk_norm == "l2"
         if self.use_short_conv:  # each document continues its own past
             pasts = [[p[0][i] for p in parts] for i in range(3)]  # per convolution, per document
-            # The states in x's dtype (float32 under autocast), as gated-delta keeps its own.
-            q, cq = self.q_conv1d.documents(q, pasts[0], bounds, x.dtype)
-            k, ck = self.k_conv1d.documents(k, pasts[1], bounds, x.dtype)
-            v, cv = self.v_conv1d.documents(v, pasts[2], bounds, x.dtype)
+            # The states in x's dtype (float32 under autocast), as gated-delta keeps its own;
+            # with SiLU features and the L2 norm, the norm fused into q's and k's convolutions.
+            qk = {"fused": kernels, "norm_heads": self.n_heads if fused else 0,
+                  "head_dim": self.head_k_dim, "backend": auxiliary_backend(self.backend)}
+            q, cq = self.q_conv1d.documents(q, pasts[0], bounds, x.dtype, **qk)
+            k, ck = self.k_conv1d.documents(k, pasts[1], bounds, x.dtype, **qk)
+            v, cv = self.v_conv1d.documents(v, pasts[2], bounds, x.dtype, fused=kernels,
+                                            backend=auxiliary_backend(self.backend))
         else:
             if self.qk_activation == "silu":
                 q, k = F.silu(q), F.silu(k)
             v = F.silu(v)
-        q = self._feature(split_heads(q, self.n_heads))  # [B, T, H, Dk]
-        k = self._feature(split_heads(k, self.n_heads))
+        q = self._feature(split_heads(q, self.n_heads), fused)  # [B, T, H, Dk]
+        k = self._feature(split_heads(k, self.n_heads), fused)
         v = split_heads(v, self.n_heads)  # [B, T, H, Dv]
         # Mixed precision (layers/base.py like_values): the op's q, k, v in the projections'
         # dtype; the norms above are computed in float32.
@@ -267,7 +295,10 @@ class FlaDeltaNet(FlaMixer):
                           output_final_state=True, mode=self.mode, chunk_size=chunk,
                           cu_seqlens=cu_seqlens, backend=self.backend)
         gate = split_heads(self.g_proj(x), self.n_heads) if self.use_gate else None
-        y = self.o_proj(merge_heads(self.o_norm(o, gate)))
+        normed = rms_norm_gated(o, self.o_norm.weight, gate, eps=self.o_norm.eps,  # o_norm's
+                                activation=self.o_norm.gate_activation,  # maths, fused
+                                backend=auxiliary_backend(self.backend))
+        y = self.o_proj(merge_heads(normed))
         finals = per_document(S, cu_seqlens)
         new = (list(zip(cq, ck, cv, finals)) if self.use_short_conv
                else [(s,) for s in finals])

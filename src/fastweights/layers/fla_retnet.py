@@ -44,10 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_positive_int, state_dtype
-from ..ops import decay_linear_attn, decay_linear_attn_step
+from ..ops import decay_linear_attn, decay_linear_attn_step, rms_norm_gated
 from .base import (
     ContextParallel,
     State,
+    auxiliary_backend,
     check_backend,
     is_step,
     like_values,
@@ -192,7 +193,11 @@ class FlaMultiScaleRetention(FlaMixer):
                                      chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
                                      backend=self.backend)
         gate = split_heads(self.g_proj(x), self.n_heads) if self.use_output_gate else None
-        y = self.o_proj(merge_heads(getattr(self, self.norm_name)(o, gate)))
+        norm = getattr(self, self.norm_name)
+        normed = rms_norm_gated(o, norm.weight, gate, eps=norm.eps,  # the norm's maths, fused
+                                activation=norm.gate_activation,
+                                backend=auxiliary_backend(self.backend))
+        y = self.o_proj(merge_heads(normed))
         finals = [(s, off + (b - a)) for s, off, (a, b)
                   in zip(per_document(S, cu_seqlens), offsets, pairwise(bounds))]
         return y, packed_or_single(finals, cu_seqlens)

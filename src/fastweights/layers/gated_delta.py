@@ -56,6 +56,7 @@ from .base import (
     ContextParallel,
     Mixer,
     State,
+    auxiliary_backend,
     check_backend,
     is_step,
     like_values,
@@ -192,18 +193,13 @@ class GatedDeltaNet(Mixer):
         for (start, stop), past in zip(pairwise(bounds), pasts):  # each continues its own past
             y, final = short_conv_silu(
                 projected[:, start:stop], weight, bias, initial_state=past, norm_heads=2 * Hk,
-                head_dim=Dk, output_final_state=True, backend=self._fused_backend)
+                head_dim=Dk, output_final_state=True, backend=auxiliary_backend(self.backend))
             pieces.append(y)
             finals.append(final.to(out_dtype))
         mixed = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
         # one split (its backward one concatenation, not a zero-filled gradient per slice)
         q, k, v = mixed.split(sizes, dim=-1)
         return split_heads(q, Hk), split_heads(k, Hk), split_heads(v, H), finals
-
-    @property
-    def _fused_backend(self) -> str | None:
-        """The backend of the fused ops: the layer's, "fla" (which has none) automatic."""
-        return None if self.backend == "fla" else self.backend
 
     def _state_parts(self, state: State, B: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(conv, S) of a carried state (None, None for None), conv's shape checked (the op
@@ -262,7 +258,7 @@ class GatedDeltaNet(Mixer):
         normed = rms_norm_gated(  # o_norm's maths, fused with the gate (in float32)
             o, self.o_norm.weight, gate, eps=self.o_norm.eps,
             activation=self.o_norm.gate_activation, out_dtype=x.dtype,
-            backend=self._fused_backend)
+            backend=auxiliary_backend(self.backend))
         y = self.o_proj(merge_heads(normed))
         new = [(c, s) if self.use_short_conv else (s,) for c, s in zip(convs, finals)]
         return y, packed_or_single(new, cu_seqlens)

@@ -21,7 +21,7 @@ from .aft import (
 from .delta_rule import delta_rule, delta_rule_attn_norm, delta_rule_step
 from .examples import EXAMPLE_OPS, Example, example_inputs
 from .feature_maps import dpfp, draw_favor_projection, elu_plus_one, favor_features, relu, sum_norm
-from .fused import l2_normalize, rms_norm_gated, short_conv_silu
+from .fused import fused_kernels_run, l2_normalize, rms_norm_gated, short_conv_silu
 from .gated_delta_rule import gated_delta_rule, gated_delta_rule_step
 from .infini import (
     InfiniRowsState,
@@ -74,6 +74,7 @@ __all__ = [
     "elu_plus_one",
     "example_inputs",
     "favor_features",
+    "fused_kernels_run",
     "gated_delta_rule",
     "gated_delta_rule_step",
     "infini_attention",

@@ -19,7 +19,8 @@ from .._autocast import float32_compute
 from ..backend import Kernel, choose_backend, optional_module, register
 from .forms import l2_normalize, rms_norm_gated_torch, short_conv_silu_torch
 
-__all__ = ["GATE_ACTIVATIONS", "L2_EPS", "l2_normalize", "rms_norm_gated", "short_conv_silu"]
+__all__ = ["GATE_ACTIVATIONS", "L2_EPS", "fused_kernels_run", "l2_normalize", "rms_norm_gated",
+           "short_conv_silu"]
 
 GATE_ACTIVATIONS = ("swish", "silu", "sigmoid")  # "swish" is fla's name for SiLU
 L2_EPS = 1e-6  # inside the square root, as fla's l2norm kernel and transformers' l2norm
@@ -64,6 +65,14 @@ def _choose(op: str, x: torch.Tensor, backend: str | None, facts: dict | None = 
     """The backend of a fused op on x [B, T, ...] (the registry's q: [B, T, ..., 1], a view)."""
     return choose_backend(op, x[..., None] if x.dim() >= 2 else x[None, None, :, None],
                           backend, MODE, 1, facts=facts)
+
+
+def fused_kernels_run(x: torch.Tensor, backend: str | None = None) -> bool:
+    """Whether ``short_conv_silu`` on x [B, T, C] would run its Triton kernels under
+    ``backend`` (the automatic choice: float16/bfloat16 CUDA inputs), so that a layer whose own
+    PyTorch path is cheaper per call on the CPU (a decoding step's three short convolutions)
+    takes the fused op only where its kernels run."""
+    return _choose("short_conv_silu", x, backend) == "triton"
 
 
 @float32_compute
