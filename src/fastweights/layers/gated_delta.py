@@ -68,6 +68,11 @@ from .norms import GATE_ACTIVATIONS, RMSNorm
 
 __all__ = ["GatedDeltaNet", "l2_normalize"]
 
+# From this many tokens per call the input projections run as one product of the concatenated
+# weights (one read of x, one input gradient); below it, a product each (docs/performance.md,
+# "The gated-delta layer around its op").
+ONE_PRODUCT_TOKENS = 64
+
 
 class GatedDeltaNet(Mixer):
     """Gated DeltaNet (see the module docstring for the maths and the state).
@@ -161,7 +166,12 @@ class GatedDeltaNet(Mixer):
         parts = [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.a_proj]
         if self.use_gate:
             parts.append(self.g_proj)
-        out = F.linear(x, torch.cat([p.weight for p in parts]))
+        if x.numel() < ONE_PRODUCT_TOKENS * x.shape[-1]:
+            # A few tokens (a decoding step): the weights' concatenation would copy more than
+            # the products read; one product per projection, the outputs concatenated.
+            out = torch.cat([F.linear(x, p.weight) for p in parts], dim=-1)
+        else:
+            out = F.linear(x, torch.cat([p.weight for p in parts]))
         C, H = self.conv_channels, self.num_v_heads
         sizes = (C, H, H) + ((self.value_dim,) if self.use_gate else ())
         projected, b, a, *gate = out.split(sizes, dim=-1)
