@@ -110,13 +110,24 @@ def interpreted_kernels(module_name: str, kernel: str):
     return module
 
 
-def count_launches(module, monkeypatch, counted) -> Counter[str]:
-    """Every ``*_kernel`` of ``module`` replaced (through ``monkeypatch``) by ``counted(kernel,
-    name, counts)``, which counts its launches into the returned Counter under its name without
-    the underscores and ``_kernel``."""
+class CountedKernel:
+    """A Triton kernel that counts its launches (``kernel[grid](...)``) into ``counts``."""
+
+    def __init__(self, fn, name: str, counts: Counter):
+        self.fn, self.name, self.counts = fn, name, counts
+
+    def __getitem__(self, grid):
+        self.counts[self.name] += 1
+        return self.fn[grid]
+
+
+def count_launches(module, monkeypatch) -> Counter[str]:
+    """Every ``*_kernel`` of ``module`` replaced (through ``monkeypatch``) by a
+    ``CountedKernel``, which counts its launches into the returned Counter under its name
+    without the underscores and ``_kernel``."""
     counts: Counter = Counter()
     for name in [n for n in vars(module) if n.endswith("_kernel")]:
-        monkeypatch.setattr(module, name, counted(getattr(module, name),
-                                                  name.strip("_").removesuffix("_kernel"),
-                                                  counts))
+        monkeypatch.setattr(module, name, CountedKernel(getattr(module, name),
+                                                        name.strip("_").removesuffix("_kernel"),
+                                                        counts))
     return counts

@@ -22,7 +22,6 @@ from fastweights.ops import aft, aft_local
 from fastweights.ops import backend as backends
 from fastweights.ops.aft.naive import aft_local_naive, aft_naive, full_naive
 from tests.helpers import count_launches, interpreted_kernels
-from tests.ops.test_ttt_triton import _Counted
 
 F64 = torch.float64
 # One forward and backward: (a) and (b), then (c), (a) again, (d), (e).
@@ -37,7 +36,7 @@ def kernels():
 @pytest.fixture
 def launches(kernels, monkeypatch) -> Counter:
     """Launches per kernel of ops/aft/triton.py (name without the underscores and ``_kernel``)."""
-    return count_launches(kernels, monkeypatch, _Counted)
+    return count_launches(kernels, monkeypatch)
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from fastweights.ops import backend as backends
 from fastweights.ops import rms_norm_gated, short_conv_silu
 from tests.helpers import assert_close64, count_launches, interpreted_kernels
 from tests.ops.test_aft_triton import on_gpu  # noqa: F401 (fixture: CPU tensors seen as CUDA)
-from tests.ops.test_ttt_triton import _Counted
 
 F64 = torch.float64
 OPS = ("short_conv_silu", "rms_norm_gated")
@@ -41,7 +40,7 @@ def kernels():
 def launches(kernels, monkeypatch) -> Counter:
     """Launches per kernel of ops/fused/triton.py (name without the underscores and
     ``_kernel``)."""
-    return count_launches(kernels, monkeypatch, _Counted)
+    return count_launches(kernels, monkeypatch)
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from fastweights.ops.gated_delta_rule.naive import gated_delta_rule_naive
 from fastweights.ops.linear_attn import triton_kernels
 from fastweights.ops.linear_attn.chunk import linear_attn_chunk
 from fastweights.ops.linear_attn.naive import linear_attn_naive
+from tests.helpers import CountedKernel as _Counted
 
 # The ops' modules (fastweights.ops.linear_attn etc. are the op functions as attributes).
 OPS = {name: importlib.import_module(f"fastweights.ops.{name}")
@@ -372,17 +373,6 @@ def gated_inputs(B, T, Hk, H, Dk, Dv, seed=0):
     g[0, 3, 0], g[0, T // 2, H - 1] = -50.0, -float("inf")
     S0 = torch.randn(B, H, Dk, Dv, generator=gen, dtype=torch.float64)
     return q, k, v, beta, g, S0
-
-
-class _Counted:
-    """A kernel that counts its launches (``kernel[grid](...)``) into ``counts``."""
-
-    def __init__(self, fn, name: str, counts: Counter):
-        self.fn, self.name, self.counts = fn, name, counts
-
-    def __getitem__(self, grid):
-        self.counts[self.name] += 1
-        return self.fn[grid]
 
 
 @pytest.fixture

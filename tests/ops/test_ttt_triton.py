@@ -21,6 +21,7 @@ from fastweights import state_tree
 from fastweights.layers import TTTLinear
 from fastweights.ops import TTTState, ttt_linear, ttt_mlp
 from fastweights.ops import backend as backends
+from tests.helpers import CountedKernel as _Counted
 
 F64 = torch.float64
 TOL32 = 1e-4
@@ -38,17 +39,6 @@ def kernels():
         pytest.fail("triton was imported before tests/conftest.py set TRITON_INTERPRET=1 "
                     "(or it is set to 0): these CPU tests need the Triton interpreter")
     return module
-
-
-class _Counted:
-    """A kernel that counts its launches (``kernel[grid](...)``) into ``counts``."""
-
-    def __init__(self, fn, name: str, counts: Counter):
-        self.fn, self.name, self.counts = fn, name, counts
-
-    def __getitem__(self, grid):
-        self.counts[self.name] += 1
-        return self.fn[grid]
 
 
 @pytest.fixture

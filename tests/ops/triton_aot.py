@@ -30,6 +30,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 ARCHS = (80, 90)
@@ -438,6 +439,18 @@ def record_problems(r: dict, name: str, shared_limit: int) -> list[str]:
     elif r["spill_bytes"] != 0:
         problems.append(f"{name}: spills {r['spill_bytes']} B ({r['registers']} registers)")
     return problems
+
+
+def write_records(compile_all: Callable[[tuple, tuple], list[dict]], dtypes: tuple,
+                  archs: tuple) -> None:
+    """The command line of the other kernels' compile scripts (triton_aot_aft.py,
+    triton_aot_fused.py): ``OUT [DTYPE,...] [ARCH ...]`` (defaults ``dtypes``, ``archs``), every
+    record of ``compile_all(archs, dtypes)`` written to OUT as JSON."""
+    dtypes = tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else dtypes
+    archs = tuple(int(a) for a in sys.argv[3:]) or archs
+    result = compile_all(archs, dtypes)
+    with open(sys.argv[1], "w") as fh:
+        json.dump(result, fh)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ dtype (the input's, float32), for each half dtype (float32 runs in PyTorch). Eac
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # triton_aot, run as a script or in a worker
 
-from triton_aot import compile_in_pool, compile_record, distinct, recorded
+from triton_aot import compile_in_pool, compile_record, distinct, recorded, write_records
 
 ARCHS = (80, 90)
 DTYPES = ("bfloat16", "float16")
@@ -109,8 +108,4 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, processes: int | None = None) -> lis
 
 
 if __name__ == "__main__":
-    dtypes = tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else DTYPES
-    archs = tuple(int(a) for a in sys.argv[3:]) or ARCHS
-    result = compile_all(archs, dtypes)
-    with open(sys.argv[1], "w") as fh:
-        json.dump(result, fh)
+    write_records(compile_all, DTYPES, ARCHS)
