@@ -125,27 +125,23 @@ class ShortConvolution(nn.Module):
         (y [B, T, C], every document's final state in ``state_dtype``). ``fused`` (with the
         SiLU on): one fused op per document (``short_conv_silu`` under ``backend``), which also
         L2-normalises the first ``norm_heads`` heads of ``head_dim`` channels."""
-        if fused and self.activation:
-            outs, finals = [], []
-            for (start, stop), state in zip(pairwise(bounds), states):
-                y, final = short_conv_silu(x[:, start:stop], self.weight, self.bias,
-                                           initial_state=state, norm_heads=norm_heads,
-                                           head_dim=head_dim, output_final_state=True,
-                                           backend=backend)
-                outs.append(y)
-                finals.append(final if final.dtype == state_dtype else final.to(state_dtype))
-            return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), finals
-        if norm_heads:
+        if norm_heads and not (fused and self.activation):
             raise ValueError("the L2 norm is fused only behind the SiLU (activation=True)")
-        if len(bounds) == 2:  # one document: every unpacked call, every decoding step
-            y, final = self._run(x, states[0])
-            return y, [final if final.dtype == state_dtype else final.to(state_dtype)]
+
+        def run(piece: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            if fused and self.activation:
+                return short_conv_silu(piece, self.weight, self.bias, initial_state=state,
+                                       norm_heads=norm_heads, head_dim=head_dim,
+                                       output_final_state=True, backend=backend)
+            return self._run(piece, state)
+
         outs, finals = [], []
         for (start, stop), state in zip(pairwise(bounds), states):
-            y, final = self._run(x[:, start:stop], state)
+            # one document (every unpacked call, every decoding step): x itself, no slice
+            y, final = run(x if len(bounds) == 2 else x[:, start:stop], state)
             outs.append(y)
             finals.append(final if final.dtype == state_dtype else final.to(state_dtype))
-        return torch.cat(outs, dim=1), finals
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), finals
 
     def extra_repr(self) -> str:
         return (f"{self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, "
