@@ -115,8 +115,9 @@ def test_float32_slices_change_only_the_order_of_sums():
 def test_half_operands_within_bounds(dtype, D, T):
     """q, k, v in bfloat16 / float16 (operands in that dtype), float32 weights of an
     initialisation's size, b 16, slices of 128, every flag on: the output within 1e-2 and the
-    weights (and the partial mini-batch's sums) within 2e-2 of max |ref| of the float64 token
-    loop on the same rounded inputs. Measured: docs/gpu_ttt_kernels.md, "The tile model"."""
+    weights, their change over the call and the partial mini-batch's sums within 2e-2 of
+    max |ref| of the float64 token loop on the same rounded inputs (measured:
+    docs/gpu_ttt_kernels.md, "The tile model (`ops/ttt/cluster_model.py`)")."""
     (q, k, v, eta, tau, lnw, lnb), start = make_case(B=1, T=T, H=2, D=D, b=16, seed=D + T,
                                                      scale=None)
     q, k, v = (x.to(dtype) for x in (q, k, v))
@@ -130,6 +131,8 @@ def test_half_operands_within_bounds(dtype, D, T):
     assert o.dtype == dtype and rel(o, ro) <= BF16_OUT, rel(o, ro)
     for x, y in zip(got.start + (got.grads or ()), want.start + (want.grads or ())):
         assert x.dtype == torch.float32 and rel(x, y) <= BF16_STATE, rel(x, y)
+    for x, y, w in zip(got.start, want.start, start):  # the updates alone, too
+        assert rel(x - w, y - w.double()) <= BF16_STATE, rel(x - w, y - w.double())
 
 
 def _r(x: torch.Tensor) -> torch.Tensor:
