@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
   for (int n = 0; n < a.N; ++n) {
     const bool tail = n >= a.NF;
     const int t0 = n * a.b;
-    const int m = min(a.b, T_ - t0);
+    const int m = a.b < T_ - t0 ? a.b : T_ - t0;
     const float coef = tail ? 1.0f : -tau_b;
 
     // 0. checkpoint, operand copies of the weights, the mini-batch's inputs
@@ -581,5 +581,52 @@ extern "C" int fw_ttt_mlp_cluster_launch(const FwTTTMLPClusterArgs* a, int dtype
 
 extern "C" const char* fw_ttt_mlp_cluster_error(int code) {
   return cudaGetErrorString((cudaError_t)code);
+}
+#endif
+
+#ifdef FW_EMULATE
+// CPU emulation entries (tests/ops/cuda_emu, docs/cuda_emulation.md): dtype 0 float32 (exact
+// float32 products, emulation only), 1 bfloat16, 2 float16; D 32 (one CTA), 64 or 128. Return
+// nullptr or the error's message.
+namespace fw_ttt_mlp {
+template <class T, int D>
+static void emulate(const FwTTTMLPClusterArgs& a, unsigned order) {
+  fw_emu::Config cfg{dim3((unsigned)(a.B * a.H * (D / 32))), dim3(NT), D / 32,
+                     (size_t)Smem<T, D>::bytes, order};
+  fw_emu::launch(ttt_mlp_cluster_fwd<T, D>, cfg, a);
+}
+
+template <class T>
+static void emulate_d(const FwTTTMLPClusterArgs& a, int D, unsigned order) {
+  if (D == 32)
+    emulate<T, 32>(a, order);
+  else if (D == 64)
+    emulate<T, 64>(a, order);
+  else if (D == 128)
+    emulate<T, 128>(a, order);
+  else
+    throw std::invalid_argument("D must be 32, 64 or 128");
+}
+}  // namespace fw_ttt_mlp
+
+extern "C" const char* fw_emu_ttt_mlp_cluster_fwd(const FwTTTMLPClusterArgs* a, int dtype, int D,
+                                                  unsigned order) {
+  return fw_emu::catch_error([&] {
+    if (dtype == 0)
+      fw_ttt_mlp::emulate_d<float>(*a, D, order);
+    else if (dtype == 1)
+      fw_ttt_mlp::emulate_d<fw_bf16>(*a, D, order);
+    else if (dtype == 2)
+      fw_ttt_mlp::emulate_d<fw_half>(*a, D, order);
+    else
+      throw std::invalid_argument("dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
+  });
+}
+
+// The dynamic shared memory a CTA takes (bytes) for the operand type (dtype as above) and D.
+extern "C" unsigned long fw_emu_ttt_mlp_cluster_smem(int dtype, int D) {
+  using namespace fw_ttt_mlp;
+  if (dtype == 0) return D == 32 ? Smem<float, 32>::bytes : D == 64 ? Smem<float, 64>::bytes : Smem<float, 128>::bytes;
+  return D == 32 ? Smem<fw_bf16, 32>::bytes : D == 64 ? Smem<fw_bf16, 64>::bytes : Smem<fw_bf16, 128>::bytes;
 }
 #endif
