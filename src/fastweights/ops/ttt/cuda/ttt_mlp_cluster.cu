@@ -229,22 +229,34 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       if (rank == 0)
         for (int col = tid; col < D; col += NT) a.ckb2[c * D + col] = b2s[col];
     }
+    {
+      // the inputs' loads are issued first and land while the weights are copied
+      constexpr int PER = BB * D / NT;
+      T kin[PER], vin[PER];  // (q's rows are loaded after: registers)
 #pragma unroll
-    for (int i = 0; i < ND; ++i) to_operand(W1f[i], stage, w1c + (16 * i) * U + 16 * w, U, lane);
+      for (int i = 0; i < PER; ++i) {
+        const int e = tid + i * NT, r = e / D;
+        const long long off = ((bb * T_ + t0 + r) * H + h) * D + e % D;
+        const bool ok = r < m;
+        kin[i] = ok ? kg[off] : fw_cvt<T>(0.0f);
+        vin[i] = ok ? vg[off] : fw_cvt<T>(0.0f);
+      }
+      const float eta_in = tid < m ? a.eta[(bb * T_ + t0 + tid) * H + h] : 0.0f;
 #pragma unroll
-    for (int v = 0; v < ND; ++v) to_operand(W2f[v], stage, w2c + (16 * w) * D + 16 * v, D, lane);
-    for (int e = tid; e < BB * D; e += NT) {
-      const int r = e / D, col = e % D;
-      const bool ok = r < m;
-      const long long off = ((bb * T_ + t0 + r) * H + h) * D + col;
-      const T kv = ok ? kg[off] : fw_cvt<T>(0.0f);
-      kt[e] = kv;
-      qt[e] = ok ? qg[off] : fw_cvt<T>(0.0f);
-      float tv = ok ? fw_f32(vg[off]) : 0.0f;
-      if (a.residual) tv -= fw_f32(kv);
-      tgt[e] = tv;
+      for (int i = 0; i < ND; ++i)
+        to_operand(W1f[i], stage, w1c + (16 * i) * U + 16 * w, U, lane);
+#pragma unroll
+      for (int v = 0; v < ND; ++v)
+        to_operand(W2f[v], stage, w2c + (16 * w) * D + 16 * v, D, lane);
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int e = tid + i * NT, r = e / D;
+        kt[e] = kin[i];
+        qt[e] = r < m ? qg[((bb * T_ + t0 + r) * H + h) * D + e % D] : fw_cvt<T>(0.0f);
+        tgt[e] = a.residual ? fw_f32(vin[i]) - fw_f32(kin[i]) : fw_f32(vin[i]);
+      }
+      if (tid < BB) eta_s[tid] = eta_in;
     }
-    if (tid < BB) eta_s[tid] = tid < m ? a.eta[(bb * T_ + t0 + tid) * H + h] : 0.0f;
     __syncthreads();
 
     // 1. Z1 = K W1_s + b1_s -> X2 = gelu(Z1), gelu'(Z1) (warp w: hidden tile w); A1 = Q K^T
@@ -545,7 +557,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
         for (int i = 0; i < RL; ++i) {
           const long long off = ((bb * T_ + t0 + r) * H + h) * D + lane + 32 * i;
           float out = z[i];
-          if (a.residual) out += fw_f32(qg[off]);
+          if (a.residual) out += fw_f32(qt[r * D + lane + 32 * i]);  // q's row, as loaded
           og[off] = fw_cvt<T>(out);
         }
       }
