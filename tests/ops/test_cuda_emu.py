@@ -8,6 +8,7 @@ memory reads as NaN). nvcc compiles the same file for sm_90a without spills.
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 
 import pytest
@@ -30,12 +31,16 @@ SIGNATURES = {
     "emu_divergent_barrier": [_f, _i, _u],
     "emu_read_unwritten": [_f, _i],
     "emu_barriers": [_f, _i, _i, _u],
+    "emu_schedule": [ctypes.POINTER(_i), ctypes.POINTER(_i), _i, _u],
 }
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    lib = build([TOY], "toy_kernels")
+@pytest.fixture(scope="module", params=["switch", "ucontext"])
+def lib(request) -> ctypes.CDLL:
+    """The toy kernels built against the emulator, with its own x86-64 fiber switch and with the
+    portable ucontext one."""
+    defines = {"FW_EMU_UCONTEXT": None} if request.param == "ucontext" else None
+    lib = build([TOY], "toy_kernels", defines)
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = args
@@ -135,7 +140,30 @@ def test_missing_syncthreads(lib):
             _call(lib, "emu_block_sum", ok, _p(x), _p(out), n, order)
             outs.append(out.item())
     assert len(set(good)) == 1 and abs(good[0] - x.sum().item()) < 1e-4
-    assert any(b != good[0] for b in bad)  # thread 0 runs first under order 0: NaN
+    assert math.isnan(bad[0])  # thread 0 runs first: nobody else has written
+    assert bad[1] == good[0]  # thread 0 runs last
+
+
+def _schedule(lib, n, order):
+    counter, out = torch.zeros(1, dtype=torch.int32), torch.empty(2, n, dtype=torch.int32)
+    _call(lib, "emu_schedule", _p(counter, ctypes.POINTER(_i)), _p(out, ctypes.POINTER(_i)), n,
+          order)
+    return out
+
+
+def test_schedules(lib):
+    """Order 0 runs the threads forward, 1 backward, k >= 2 a permutation seeded by k and drawn
+    anew for every round (here: before and after a __syncthreads)."""
+    n = 64
+    ar = torch.arange(n, dtype=torch.int32)
+    assert torch.equal(_schedule(lib, n, 0), torch.stack([ar, ar]))
+    assert torch.equal(_schedule(lib, n, 1), torch.stack([ar.flip(0), ar.flip(0)]))
+    perms = [_schedule(lib, n, k) for k in (2, 3)]
+    for p in perms:
+        assert torch.equal(p.sort(1).values, torch.stack([ar, ar]))
+        assert not torch.equal(p[0], ar) and not torch.equal(p[0], p[1])
+    assert not torch.equal(perms[0], perms[1])
+    assert torch.equal(_schedule(lib, n, 2), perms[0])
 
 
 @pytest.mark.parametrize("which,message", [(0, "deadlock"), (1, "barrier divergence")])
@@ -195,5 +223,5 @@ def test_nvcc_compiles_without_spills():
     report = ptxas_report(TOY)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(entries) == 8 and len(props) == len(entries), report
+    assert len(entries) == 9 and len(props) == len(entries), report
     assert all(s == "0" and ld == "0" for s, ld in props), report

@@ -2,7 +2,7 @@
 // file that nvcc builds for the GPU also compiles with g++ (-DFW_EMULATE, through fw_cuda.h) and
 // runs on the CPU, deterministically, with barrier misuse reported: docs/cuda_emulation.md.
 //
-// Every CUDA thread is a cooperative fiber (ucontext). A cluster's fibers run under a scheduler
+// Every CUDA thread is a cooperative fiber with its own stack. A cluster's fibers run under a scheduler
 // that lets each runnable fiber go until it reaches a barrier (a warp collective, __syncthreads,
 // cluster.sync()) or returns; the order in which the runnable fibers go each round is the launch's
 // `order` (forward, reverse, or a seeded random permutation), so a missing barrier shows up as a
@@ -133,6 +133,82 @@ inline float fw_f32(float x) { return x; }
 inline float fw_f32(fw_bf16 x) { return fw_emu::bf16_to_f32(x.bits); }
 inline float fw_f32(fw_half x) { return fw_emu::f16_to_f32(x.bits); }
 
+// ---------------------------------------------------------------- context switching
+// On x86-64 a fiber switch saves the callee-saved registers and the FP control words on the
+// old stack and swaps stack pointers (no system call, unlike swapcontext's signal mask);
+// elsewhere, or with -DFW_EMU_UCONTEXT, ucontext.
+#if defined(__x86_64__) && !defined(FW_EMU_UCONTEXT)
+extern "C" void fw_emu_switch_v1(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .weak fw_emu_switch_v1
+  .hidden fw_emu_switch_v1
+  .type fw_emu_switch_v1, @function
+fw_emu_switch_v1:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size fw_emu_switch_v1, .-fw_emu_switch_v1
+)");
+
+namespace fw_emu {
+namespace detail {
+struct Context {
+  void* sp = nullptr;
+  // A stack that the first switch to "returns" into entry, which must never return.
+  void make(char* base, size_t size, void (*entry)()) {
+    void** s = reinterpret_cast<void**>((reinterpret_cast<uintptr_t>(base) + size) & ~uintptr_t(15));
+    *--s = nullptr;  // entry's return address (as if called: the stack is 8 mod 16 at entry)
+    *--s = reinterpret_cast<void*>(entry);
+    for (int i = 0; i < 6; ++i) *--s = nullptr;  // rbp, rbx, r12-r15
+    uint32_t csr[2] = {__builtin_ia32_stmxcsr(), 0};
+    uint16_t cw;
+    asm volatile("fnstcw %0" : "=m"(cw));
+    csr[1] = cw;
+    *--s = nullptr;
+    memcpy(s, csr, 8);
+    sp = s;
+  }
+};
+inline void switch_context(Context& from, Context& to) { fw_emu_switch_v1(&from.sp, to.sp); }
+}  // namespace detail
+}  // namespace fw_emu
+#else
+namespace fw_emu {
+namespace detail {
+struct Context {
+  ucontext_t uc;
+  void make(char* base, size_t size, void (*entry)()) {
+    getcontext(&uc);
+    uc.uc_stack.ss_sp = base;
+    uc.uc_stack.ss_size = size;
+    uc.uc_link = nullptr;
+    makecontext(&uc, entry, 0);
+  }
+};
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+}  // namespace detail
+}  // namespace fw_emu
+#endif
+
 // ---------------------------------------------------------------- the fiber scheduler
 namespace fw_emu {
 
@@ -189,7 +265,7 @@ struct Coll {
 };
 
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   char* stack = nullptr;
   dim3 tid, bid;
   unsigned cta = 0;   // rank in the cluster
@@ -202,10 +278,22 @@ struct Fiber {
   std::exception_ptr error;
 };
 
+// The last mma_sync of a warp: its lanes hold the same fragments (every lane loads the whole
+// tile), so a lane whose operands match the bytes of the lane that computed first copies its
+// result instead of recomputing it.
+struct MmaCache {
+  uint64_t gen = ~0ull;
+  size_t elem = 0;
+  unsigned char a[1024], b[1024];
+  float c[256], d[256];
+};
+
 struct WarpState {
   unsigned arrived = 0, exited = 0;
+  uint64_t gen = 0;  // completed collectives
   Coll first;
   unsigned first_lane = 0;
+  MmaCache mma;
 };
 
 struct CtaState {
@@ -231,7 +319,7 @@ struct Launch {
   std::vector<unsigned char*> smem_alloc;
   unsigned cluster_arrived = 0;
   Site cluster_site;
-  ucontext_t main_ctx;
+  Context main_ctx;
   const void* body = nullptr;
   void (*invoke)(const void*) = nullptr;
   uint64_t rng = 0;
@@ -252,7 +340,7 @@ struct Launch {
       f->error = std::current_exception();
     }
     f->st = St::Exited;
-    swapcontext(&f->ctx, &L->main_ctx);
+    switch_context(f->ctx, L->main_ctx);
     abort();  // an exited fiber is never resumed
   }
 
@@ -295,13 +383,12 @@ struct Launch {
       f.warp = i / 32;
       f.st = St::Run;
       f.error = nullptr;
-      getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = f.stack + page;
-      f.ctx.uc_stack.ss_size = stack_size;
-      f.ctx.uc_link = nullptr;
-      makecontext(&f.ctx, &Launch::trampoline, 0);
+      f.ctx.make(f.stack + page, stack_size, &Launch::trampoline);
     }
-    for (WarpState& w : warps) w = WarpState();
+    for (WarpState& w : warps) {
+      w.arrived = w.exited = 0;
+      w.mma.gen = ~0ull;
+    }
     for (CtaState& s : ctas) {
       s.arrived = s.exited = 0;
       if (s.smem) memset(s.smem, 0xff, smem_size);
@@ -342,6 +429,7 @@ struct Launch {
     for (unsigned l = 0; l < 32; ++l)
       if (lanes[l].st == St::Warp) lanes[l].st = St::Run;
     ws.arrived = 0;
+    ++ws.gen;
   }
 
   void release(St st, unsigned cta) {
@@ -458,7 +546,7 @@ struct Launch {
       for (unsigned i : runnable) {
         Fiber& f = fibers[i];
         tl_cur = &f;
-        swapcontext(&main_ctx, &f.ctx);
+        switch_context(main_ctx, f.ctx);
         tl_cur = nullptr;
         arrived(f);
       }
@@ -475,7 +563,7 @@ inline Fiber& self() {
 inline void wait(St st) {
   Fiber& f = self();
   f.st = st;
-  swapcontext(&f.ctx, &tl_launch->main_ctx);
+  switch_context(f.ctx, tl_launch->main_ctx);
 }
 
 inline void warp_collective(const Coll& c) {
@@ -785,12 +873,24 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
                      const fragment<accumulator, 16, 16, 16, float>& c,
                      const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
   detail::collective(detail::Op::Mma, nullptr, 0, 0, {file, line});
+  fw_emu::detail::WarpState& ws = fw_emu::detail::tl_launch->warps[fw_emu::detail::self().warp];
+  fw_emu::detail::MmaCache& mc = ws.mma;
+  if (mc.gen == ws.gen && mc.elem == sizeof(T) && !memcmp(mc.a, a.x, sizeof(a.x)) &&
+      !memcmp(mc.b, b.x, sizeof(b.x)) && !memcmp(mc.c, c.x, sizeof(c.x))) {
+    memcpy(d.x, mc.d, sizeof(mc.d));
+    return;
+  }
+  mc.gen = ws.gen;
+  mc.elem = sizeof(T);
+  memcpy(mc.a, a.x, sizeof(a.x));
+  memcpy(mc.b, b.x, sizeof(b.x));
+  memcpy(mc.c, c.x, sizeof(c.x));
   double aw[256], bw[256];
   for (int i = 0; i < 256; ++i) {
     aw[i] = detail::wide(a.x[i]);
     bw[i] = detail::wide(b.x[i]);
   }
-  float out[256];
+  float* out = mc.d;
   for (int i = 0; i < 16; ++i) {
     double acc[16];
     for (int j = 0; j < 16; ++j) acc[j] = c.x[i * 16 + j];
@@ -800,7 +900,7 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
     }
     for (int j = 0; j < 16; ++j) out[i * 16 + j] = static_cast<float>(acc[j]);
   }
-  memcpy(d.x, out, sizeof(out));
+  memcpy(d.x, mc.d, sizeof(mc.d));
 }
 
 // Each lane writes only its share of the tile (lane l: row l / 2, columns 8 (l % 2) .. + 8), as

@@ -103,6 +103,14 @@ __global__ void toy_read_unwritten(float* out) {
   out[threadIdx.x] = reinterpret_cast<const float*>(smem)[threadIdx.x];
 }
 
+// out[0][i], out[1][i]: when thread i ran before and after a __syncthreads (0 = first): the
+// emulator's schedule (on the GPU, some order of the warps).
+__global__ void toy_schedule(int* counter, int* out) {
+  out[threadIdx.x] = atomicAdd(counter, 1);
+  __syncthreads();
+  out[blockDim.x + threadIdx.x] = atomicAdd(counter, 1) - static_cast<int>(blockDim.x);
+}
+
 // `rounds` rounds of __syncwarp, __syncthreads and cluster.sync: the emulator's barrier cost.
 __global__ void __cluster_dims__(4, 1, 1) toy_barriers(float* out, int rounds) {
   cg::cluster_group cluster = cg::this_cluster();
@@ -189,6 +197,12 @@ extern "C" const char* emu_read_unwritten(float* out, int n) {
 extern "C" const char* emu_barriers(float* out, int rounds, int threads, unsigned order) {
   return fw_emu::catch_error([&] {
     fw_emu::launch(toy_barriers, fw_emu::Config{dim3(4), dim3(threads), 4, 0, order}, out, rounds);
+  });
+}
+
+extern "C" const char* emu_schedule(int* counter, int* out, int n, unsigned order) {
+  return fw_emu::catch_error([&] {
+    fw_emu::launch(toy_schedule, fw_emu::Config{dim3(1), dim3(n), 1, 0, order}, counter, out);
   });
 }
 
