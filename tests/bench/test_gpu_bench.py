@@ -170,9 +170,9 @@ def test_timed_calls_shrink_to_fit_the_budget_never_below_one():
 
 def test_dry_run_plans_the_paper_section(dry_run):
     """The ``paper`` section at the dry run's tiny shape: softmax, TTT-Linear and TTT-Linear
-    with the resident kernels, forward and forward+backward timed; the resident kernels'
-    exactness rows (bfloat16 and float16 at head size 128, bfloat16 at 64) say why they did not
-    run on the CPU; the record has the section's table."""
+    with the resident kernels, forward and forward+backward timed; the opt-in kernels'
+    exactness rows (resident TTT-Linear, TTT-MLP's cluster forward; bfloat16 and float16 at
+    head size 128, bfloat16 at 64) say why they did not run on the CPU; the record has the section's table."""
     from fastweights.bench import gpu_paper
 
     out, rows, _ = dry_run
@@ -184,10 +184,12 @@ def test_dry_run_plans_the_paper_section(dry_run):
                            **{"pass": p})
                 assert float(r["median_ms"]) > 0
                 assert r["vs_baseline"]  # against softmax at the same shape and pass
-    exact = [r for r in rows if r["name"] == "ttt_linear (resident)"]
-    assert [(r["dtype"], r["shape"].split()[-1]) for r in exact] == [
-        ("bfloat16", "D128"), ("float16", "D128"), ("bfloat16", "D64")]
-    assert all(r["section"] == "exact" and r["status"].startswith("skipped:") for r in exact)
+    for name in ("ttt_linear (resident)", "ttt_mlp (cluster)"):
+        exact = [r for r in rows if r["name"] == name]
+        assert [(r["dtype"], r["shape"].split()[-1]) for r in exact] == [
+            ("bfloat16", "D128"), ("float16", "D128"), ("bfloat16", "D64")]
+        assert all(r["section"] == "exact" and r["status"].startswith("skipped:")
+                   for r in exact)
     assert gpu_paper.TITLE in (out / "results.md").read_text()
 
 
@@ -205,7 +207,7 @@ def test_paper_section_is_the_papers_layer_on_a_gpu():
     assert [resident for _, _, resident in gpu_paper.LAYERS] == [False, False, True]
     run = gpu.Run(gpu.GPU_SIZES, torch.device("cuda"), 0.0, ("triton",), 1.0)
     items = gpu.plan(run, ("paper",))
-    assert len(items) == len(gpu_paper.EXACT) + 3 * len(s.lengths)
+    assert len(items) == len(gpu_paper.OPT_IN) * len(gpu_paper.EXACT) + 3 * len(s.lengths)
 
 
 def test_calls_per_pass_follow_the_call_length():

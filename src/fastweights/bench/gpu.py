@@ -18,7 +18,8 @@ Sections (``--sections``; all by default), each item a row of results.csv:
   only and counts causal attention as dense; the rate against the bfloat16 matmul rate measured
   on the device at the start).
 - ``paper``: the TTT paper's 1.3B layer shape (d_model 2048, 32 heads of 64, b 16, B4, T 2k,
-  8k, 32k): softmax, TTT-Linear, and TTT-Linear with the resident kernels (bench/gpu_paper.py).
+  8k, 32k): softmax, TTT-Linear, and TTT-Linear with the resident kernels, after the opt-in
+  kernels' exactness rows (bench/gpu_paper.py).
 - ``decode``: per mixer, a language model's decoding step token by token against one CUDA
   graph of it (B1 and B16, 4096 tokens of context, 8 layers, d_model 1024, bfloat16;
   bench/gpu_decode.py).
@@ -513,8 +514,8 @@ def plan(run: Run, sections: tuple[str, ...]) -> list[Callable[[], None]]:
         op_rows(ours, baseline=True)
     # Past the rows one call must hold: the TTT paper's shape and the decoding graphs.
     if "paper" in sections:
-        ttt = next(op for op in KERNEL_OPS if op.name == "ttt_linear")
-        items += gpu_paper.paper_items(run, gpu_paper.Tools(exact_case, _item, _timed, ttt))
+        items += gpu_paper.paper_items(run, gpu_paper.Tools(
+            exact_case, _item, _timed, {op.name: op for op in KERNEL_OPS}))
     if "decode" in sections:
         sizes = DRY_DECODE if run.device.type == "cpu" else GPU_DECODE
         items += decode_items(run, sizes, _timed, _item)

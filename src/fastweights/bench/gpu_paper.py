@@ -4,9 +4,11 @@ the paper has TTT-Linear's forward below a Transformer's from 8k tokens: TTT-Lin
 automatic backend; and with the opt-in resident kernels of ops/ttt/triton_resident.py,
 ``FASTWEIGHTS_TTT_FWD=resident`` and ``FASTWEIGHTS_TTT_BWD=resident``) against softmax
 attention's at the same shape, forward and forward+backward, bfloat16 weights. It first checks
-the resident kernels' exactness as the ``exact`` section checks every kernel (rows named
-``ttt_linear (resident)``), at head sizes 128 and 64. The dry run (CPU) runs the same items at
-a tiny shape.
+the opt-in kernels' exactness as the ``exact`` section checks every kernel: the resident
+TTT-Linear kernels (rows ``ttt_linear (resident)``) and TTT-MLP's thread-block-cluster forward
+(ops/ttt/cluster.py, ``FASTWEIGHTS_TTT_MLP_FWD=cluster``; rows ``ttt_mlp (cluster)``, the
+Triton backward after it), at head sizes 128 and 64. The dry run (CPU) runs the same items at a
+tiny shape.
 
 Kept apart from gpu.py's sections (its ``plan`` appends ``paper_items``); the rows reuse its
 timing, budget and record through ``Tools``, which gpu.py hands in (the two modules do not
@@ -29,6 +31,9 @@ SECTION = "paper"
 TITLE = "The TTT paper's 1.3B layer (d_model 2048, 32 heads of 64, b 16), bfloat16 weights"
 # the switches of the resident kernels (ops/ttt/triton_regs.py ENV, triton_resident.py BWD_ENV)
 RESIDENT_ENV = ("FASTWEIGHTS_TTT_FWD", "FASTWEIGHTS_TTT_BWD")
+# the opt-in kernels' switches per exactness row name: (op, environment)
+OPT_IN = {"ttt_linear (resident)": ("ttt_linear", {name: "resident" for name in RESIDENT_ENV}),
+          "ttt_mlp (cluster)": ("ttt_mlp", {"FASTWEIGHTS_TTT_MLP_FWD": "cluster"})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,19 +53,20 @@ PAPER_DRY = PaperShape(batch=1, d_model=64, heads=4, mini_batch=16, lengths=(48,
 # (row name, registered mixer, whether the item runs the resident kernels)
 LAYERS = (("softmax", "softmax", False), ("ttt-linear", "ttt-linear", False),
           ("ttt-linear resident", "ttt-linear", True))
-# the resident kernels' exactness rows: (dtype, head size) at the exact section's B, T, H
+# the opt-in kernels' exactness rows, each of OPT_IN: (dtype, head size) at the exact section's
+# B, T, H
 EXACT = ((torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64))
 
 
 @dataclasses.dataclass(frozen=True)
 class Tools:
     """What the section takes from bench/gpu.py: its ``exact_case``, ``_item`` and ``_timed``,
-    and the ``KernelOp`` of ttt_linear."""
+    and its ``KernelOp`` per op name (ttt_linear and ttt_mlp at least)."""
 
     exact_case: Callable[..., None]
     item: Callable[..., Any]
     timed: Callable[..., dict[str, Any]]
-    ttt_linear: Any
+    ops: dict[str, Any]
 
 
 def paper_shape(device: torch.device) -> PaperShape:
@@ -73,12 +79,10 @@ def shape_name(s: PaperShape, T: int) -> str:
 
 
 @contextlib.contextmanager
-def _resident(on: bool) -> Iterator[None]:
-    """The resident forward and backward pass chosen for the block (``RESIDENT_ENV`` set to
-    "resident"); nothing changed if not ``on``."""
-    before = {name: os.environ.get(name) for name in RESIDENT_ENV}
-    if on:
-        os.environ.update({name: "resident" for name in RESIDENT_ENV})
+def _switched(env: dict[str, str]) -> Iterator[None]:
+    """The environment ``env`` for the block (the opt-in kernels' switches), restored after."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         yield
     finally:
@@ -89,16 +93,22 @@ def _resident(on: bool) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def resident_exact(run: Any, tools: Tools, dtype: torch.dtype, D: int) -> None:
-    """The ``exact`` section's row of ttt_linear on triton with the resident kernels, at head
-    size D, named ``ttt_linear (resident)`` (``run``: bench/gpu.py's ``Run``)."""
+def _resident(on: bool) -> contextlib.AbstractContextManager[None]:
+    """The resident TTT-Linear forward and backward chosen for the block if ``on``."""
+    return _switched(OPT_IN["ttt_linear (resident)"][1] if on else {})
+
+
+def opt_in_exact(run: Any, tools: Tools, name: str, dtype: torch.dtype, D: int) -> None:
+    """The ``exact`` section's row of an opt-in kernel (``name``, a key of ``OPT_IN``) on
+    triton at head size D, named ``name`` (``run``: bench/gpu.py's ``Run``)."""
+    op, env = OPT_IN[name]
     B, T, H, _ = run.sizes.exact
     sized = dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, exact=(B, T, H, D)))
     first = len(run.rows)  # ``sized`` appends to the same rows
-    with _resident(True):
-        tools.exact_case(sized, tools.ttt_linear, "triton", dtype, None)
+    with _switched(env):
+        tools.exact_case(sized, tools.ops[op], "triton", dtype, None)
     for r in run.rows[first:]:
-        r["name"] = "ttt_linear (resident)"
+        r["name"] = name
 
 
 def paper_case(run: Any, tools: Tools, name: str, mixer: str, resident: bool, T: int) -> None:
@@ -121,10 +131,11 @@ def paper_case(run: Any, tools: Tools, name: str, mixer: str, resident: bool, T:
 
 
 def paper_items(run: Any, tools: Tools) -> list[Callable[[], None]]:
-    """The section's items in order: the resident kernels' exactness, then each length's
+    """The section's items in order: the opt-in kernels' exactness, then each length's
     softmax, TTT-Linear and TTT-Linear with the resident kernels."""
     items: list[Callable[[], None]] = [
-        lambda dt=dt, D=D: resident_exact(run, tools, dt, D) for dt, D in EXACT]
+        lambda n=n, dt=dt, D=D: opt_in_exact(run, tools, n, dt, D)
+        for n in OPT_IN for dt, D in EXACT]
     for T in paper_shape(run.device).lengths:
         items += [lambda a=a, T=T: paper_case(run, tools, *a, T) for a in LAYERS]
     return items

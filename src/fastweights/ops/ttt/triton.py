@@ -1253,14 +1253,19 @@ class _MLPTriton(torch.autograd.Function):
         c2 = torch.zeros(BH, Dv, **f32) if b2 is None else b2.clone()
         sums = [torch.zeros_like(x) for x in (w1, c1, w2, c2)]
         o = torch.empty(*q.shape[:3], Dv, dtype=q.dtype, device=q.device)
-        A = _scores(L, q, k, b1 is not None)
         store = any(ctx.needs_input_grad)
         NC = L.NC if store else 0
         cks = [torch.empty(BH, NC, *x.shape[1:], **f32) for x in (w1, c1, w2, c2)]
-        _mlp_fwd_kernel[(BH,)](
-            q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), w1, c1, w2, c2, o, *sums,
-            torch.empty(BH, BV, BB, **f32), *cks, L.T, L.H, Dk, Dv, Dh, L.b, L.N, L.T // L.b,
-            L.seg, store, BHD=_pow2(Dh), HB=L.cfg.HB, **L.launch())
+        from . import cluster  # the thread-block-cluster forward (FASTWEIGHTS_TTT_MLP_FWD)
+
+        ran = cluster.launch_forward(L, store, q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o,
+                                     sums, cks, b1 is not None, b2 is not None)
+        A = _scores(L, q, k, b1 is not None) if store or not ran else None
+        if not ran:
+            _mlp_fwd_kernel[(BH,)](
+                q, k, v, eta, tau, A, _or(lnw, tau), _or(lnb, tau), w1, c1, w2, c2, o, *sums,
+                torch.empty(BH, BV, BB, **f32), *cks, L.T, L.H, Dk, Dv, Dh, L.b, L.N,
+                L.T // L.b, L.seg, store, BHD=_pow2(Dh), HB=L.cfg.HB, **L.launch())
         if store:
             ctx.save_for_backward(q, k, v, eta, tau, lnw, lnb, A, w1, c1, w2, c2, *cks)
             ctx.L = L

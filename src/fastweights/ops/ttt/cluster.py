@@ -1,0 +1,145 @@
+"""TTT-MLP's forward with the inner weights on chip, the hidden units split over the CTAs of a
+thread-block cluster (CUDA C++ for sm_90a, ``cuda/ttt_mlp_cluster.cu``; docs/gpu_ttt_kernels.md,
+"TTT-MLP on a thread-block cluster"). It replaces ops/ttt/triton.py's ``_mlp_fwd_kernel`` inside
+``_MLPTriton`` (same outputs, final weights, partial-mini-batch sums and checkpoints, so the
+Triton backward runs after it); its arithmetic is ops/ttt/cluster_model.py's, step for step.
+
+Opt-in: ``FASTWEIGHTS_TTT_MLP_FWD=cluster`` (read at every call; "stream", the default, is the
+Triton kernel) until a GPU record shows it exact. It runs where everything it needs is there:
+a CUDA device of compute capability 9.0 or newer, bfloat16 or float16 q, k, v, Dk = Dv in
+(64, 128), Dh = 4 Dk, mini-batches of at most 16 tokens, and nvcc to build it
+(torch.utils.cpp_extension, on first use). Otherwise one log line says why and the Triton kernel
+runs.
+
+Dimension legend: B batch, T time, H heads, D = Dk = Dv, Dh hidden units, b mini-batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = ["ENV", "HEAD_SIZES", "INT_FIELDS", "MAX_MINI_BATCH", "PTR_FIELDS", "SOURCE_DIR",
+           "VARIANT", "fwd_variant", "launch_forward", "pack", "refusal", "why_not"]
+
+ENV = "FASTWEIGHTS_TTT_MLP_FWD"
+VARIANT = "cluster"
+VARIANTS = ("stream", VARIANT)
+SOURCE_DIR = Path(__file__).parent / "cuda"
+SOURCES = ("ttt_mlp_cluster.cu", "ttt_mlp_cluster_torch.cpp")
+MIN_ARCH = 90  # thread-block clusters and distributed shared memory
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}  # the launcher's (float32 only emulated)
+HEAD_SIZES = (64, 128)  # clusters of 2 and 4 CTAs of 128 hidden units
+MAX_MINI_BATCH = 16  # one 16-row tile
+NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
+
+_logger = logging.getLogger(__name__)
+_build: dict[str, object] = {}  # "module" or "error", once per process
+_logged: set[str] = set()
+
+
+def fwd_variant() -> str:
+    """The TTT-MLP forward kernel a call runs: ``FASTWEIGHTS_TTT_MLP_FWD`` "stream" (default,
+    ops/ttt/triton.py's ``_mlp_fwd_kernel``) or "cluster" (this module's). Another value is a
+    ValueError."""
+    env = os.environ.get(ENV, "") or VARIANTS[0]
+    if env not in VARIANTS:
+        raise ValueError(f"{ENV} must be one of {', '.join(VARIANTS)}, got {env!r}")
+    return env
+
+
+def why_not(q: torch.Tensor, Dv: int, Dh: int, b: int) -> str | None:
+    """Why the cluster kernel cannot take a call with queries like q [B, T, H, Dk], value size
+    Dv, Dh hidden units and mini-batches of b tokens (None: it can, once built)."""
+    if q.device.type != "cuda":
+        return f"it needs a CUDA device, the inputs are on {q.device.type}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    return refusal(10 * major + minor, q.dtype, q.shape[-1], Dv, Dh, b)
+
+
+def refusal(arch: int, dtype: torch.dtype, Dk: int, Dv: int, Dh: int, b: int) -> str | None:
+    """``why_not`` for a CUDA device of compute capability ``arch`` (90 for 9.0)."""
+    if arch < MIN_ARCH:
+        return (f"it needs sm_{MIN_ARCH} or newer (thread-block clusters), the device is "
+                f"sm_{arch}")
+    if dtype not in DTYPE_CODES:
+        return f"it takes bfloat16 or float16 inputs, got {dtype}"
+    if Dk != Dv or Dk not in HEAD_SIZES:
+        return f"it takes Dk = Dv in {HEAD_SIZES}, got Dk {Dk}, Dv {Dv}"
+    if Dh != 4 * Dk:
+        return f"it takes Dh = 4 Dk hidden units, got {Dh}"
+    if b > MAX_MINI_BATCH:
+        return f"it takes mini-batches of at most {MAX_MINI_BATCH} tokens, got {b}"
+    return None
+
+
+def _module():
+    """The built extension, or None (the reason in ``_build["error"]``)."""
+    if "module" not in _build and "error" not in _build:
+        try:
+            from torch.utils.cpp_extension import load
+
+            _build["module"] = load(
+                name="fastweights_ttt_mlp_cluster",
+                sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                extra_include_paths=[str(SOURCE_DIR)], extra_cuda_cflags=list(NVCC_FLAGS),
+                verbose=False)
+        except Exception as err:  # no nvcc, no ninja, a compiler error: the Triton path runs
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            _build["error"] = f"building it failed: {type(err).__name__}: {first[:300]}"
+    return _build.get("module")
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        _logger.warning("fastweights.ops.ttt_mlp: %s=%s asks for the cluster forward, which "
+                        "cannot run here (%s); the Triton kernel runs", ENV, VARIANT, reason)
+
+
+# cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterArgs``'s fields in order: addresses, then ints
+PTR_FIELDS = ("q", "k", "v", "eta", "tau", "lnw", "lnb", "w1", "c1", "w2", "c2", "o", "s1", "sb1",
+              "s2", "sb2", "ck1", "ckb1", "ck2", "ckb2")
+INT_FIELDS = ("B", "T", "H", "b", "N", "NF", "seg", "store_ck", "has_b1", "has_b2", "has_ln",
+              "has_lnb", "residual")
+
+
+def pack(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The launcher's arguments (cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterArgs``, in its order):
+    the addresses of q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, s1, sb1, s2, sb2, ck1, ckb1,
+    ck2, ckb2 (0 for None) and the ints B, T, H, b, N, NF, seg, store_ck, has_b1, has_b2, has_ln,
+    has_lnb, residual."""
+    if len(tensors) != len(PTR_FIELDS) or len(sizes) != len(INT_FIELDS):
+        raise ValueError(f"pack takes {len(PTR_FIELDS)} tensors and {len(INT_FIELDS)} sizes, "
+                         f"got {len(tensors)} and {len(sizes)}")
+    for i, x in enumerate(tensors):
+        if x is not None and not x.is_contiguous():
+            raise ValueError(f"pack: {PTR_FIELDS[i]} must be contiguous")
+    return [0 if x is None else x.data_ptr() for x in tensors], [int(s) for s in sizes]
+
+
+def launch_forward(L, store: bool, q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, sums,
+                   cks, has_b1: bool, has_b2: bool) -> bool:
+    """Runs the cluster forward in place of ``_mlp_fwd_kernel`` for ops/ttt/triton.py's
+    ``_MLPTriton`` (``L`` its ``_Shape``; the tensors as that kernel takes them: w1, c1, w2, c2
+    updated in place, o, the sums and the checkpoints ``cks`` written) if
+    ``FASTWEIGHTS_TTT_MLP_FWD`` asks for it and it can run; returns whether it did."""
+    if fwd_variant() != VARIANT:
+        return False
+    reason = why_not(q, L.Dv, w1.shape[-1], L.b)
+    module = None if reason else _module()
+    if module is None:
+        _log_once(reason or str(_build.get("error")))
+        return False
+    flags = L.consts
+    ptrs, ints = pack(
+        (q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, *sums, *cks),
+        (L.B, L.T, L.H, L.b, L.N, L.T // L.b, L.seg, store, has_b1, has_b2, flags["HAS_LN"],
+         flags["HAS_LNB"], flags["RESIDUAL"]))
+    module.launch(ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
+                  torch.cuda.current_stream(q.device).cuda_stream)
+    return True

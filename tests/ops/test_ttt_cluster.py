@@ -1,0 +1,132 @@
+"""TTT-MLP's thread-block-cluster forward (ops/ttt/cluster.py, cuda/ttt_mlp_cluster.cu) as far as
+a machine without a GPU can drive it: the switch, the refusals, the one log line and the Triton
+kernel where it cannot run, the launcher's argument layout against the C header, and the nvcc
+build (0 spills on sm_90a). Its arithmetic is tested through the CPU emulation of the same
+source (tests/ops/test_ttt_cluster_kernel.py) and the tile model
+(tests/ops/test_ttt_cluster_model.py)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import subprocess
+from collections import Counter
+
+import pytest
+import torch
+
+from fastweights.ops import ttt_mlp
+from fastweights.ops.ttt import cluster
+from tests.ops.test_ttt_triton import (  # noqa: F401 (fixtures)
+    assert_matches,
+    case,
+    exact,
+    kernels,
+    launches,
+    leaves,
+    on_gpu,
+)
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.delenv(cluster.ENV, raising=False)
+    assert cluster.fwd_variant() == "stream"
+    monkeypatch.setenv(cluster.ENV, "cluster")
+    assert cluster.fwd_variant() == "cluster"
+    monkeypatch.setenv(cluster.ENV, "clusters")
+    with pytest.raises(ValueError, match=f"{cluster.ENV} must be one of stream, cluster"):
+        cluster.fwd_variant()
+
+
+@pytest.mark.parametrize("args,why", [
+    ((80, torch.bfloat16, 128, 128, 512, 16), "sm_90 or newer"),
+    ((90, torch.float32, 128, 128, 512, 16), "bfloat16 or float16"),
+    ((90, torch.bfloat16, 96, 96, 384, 16), "Dk = Dv in (64, 128)"),
+    ((90, torch.bfloat16, 128, 64, 512, 16), "Dk = Dv in (64, 128)"),
+    ((90, torch.float16, 64, 64, 128, 16), "Dh = 4 Dk"),
+    ((90, torch.bfloat16, 64, 64, 256, 17), "at most 16 tokens"),
+])
+def test_refusals_name_the_reason(args, why):
+    assert why in cluster.refusal(*args)
+
+
+@pytest.mark.parametrize("args", [(90, torch.bfloat16, 128, 128, 512, 16),
+                                  (100, torch.float16, 64, 64, 256, 5)])
+def test_what_it_takes(args):
+    assert cluster.refusal(*args) is None
+
+
+def test_cpu_inputs_are_refused():
+    assert "CUDA device" in cluster.why_not(torch.zeros(1, 4, 2, 64), 64, 256, 16)
+
+
+def test_asked_for_where_it_cannot_run_the_triton_kernel_runs_and_one_line_says_why(
+        launches, exact, monkeypatch, caplog):  # noqa: F811 (fixtures)
+    """FASTWEIGHTS_TTT_MLP_FWD=cluster on inputs it cannot take: the Triton forward runs (the
+    result equals the default's exactly) and one warning, once per reason, names the switch and
+    the reason."""
+    monkeypatch.setattr(cluster, "_logged", set())
+    args, kw = case(T=9, b=4, Dk=4, Dv=4, kind="mlp", seed=3)
+    a32, kw32 = leaves(args, kw, torch.float32)
+    with torch.no_grad():
+        want = ttt_mlp(*a32, output_final_state=True, backend="triton", **kw32)
+        monkeypatch.setenv(cluster.ENV, "cluster")
+        with caplog.at_level(logging.WARNING, logger=cluster.__name__):
+            got = ttt_mlp(*a32, output_final_state=True, backend="triton", **kw32)
+            again = ttt_mlp(*a32, output_final_state=True, backend="triton", **kw32)
+    assert launches == Counter(qk=3, mlp_fwd=3), launches
+    assert_matches((*got, []), (*want, []), 0.0, "cluster asked for, Triton ran")
+    assert_matches((*again, []), (*want, []), 0.0, "again")
+    lines = [r.getMessage() for r in caplog.records if r.name == cluster.__name__]
+    assert len(lines) == 1, lines
+    assert cluster.ENV in lines[0] and "CUDA device" in lines[0] and "Triton kernel runs" in lines[0]
+
+
+def test_launch_arguments_follow_the_header():
+    """pack's order is FwTTTMLPClusterArgs' field order (the binding and the emulation entry
+    fill that struct from it)."""
+    text = (cluster.SOURCE_DIR / "ttt_mlp_cluster.h").read_text()
+    body = text[text.index("struct FwTTTMLPClusterArgs {"):text.index("};")]
+    fields = []
+    for line in body.splitlines()[1:]:
+        decl = line.split("//")[0].strip().rstrip(";")
+        if decl:
+            fields += [name.strip().lstrip("*") for name in
+                       re.sub(r"^(const\s+)?(void|float|int)\s*\*?", "", decl).split(",")]
+    assert tuple(fields) == cluster.PTR_FIELDS + cluster.INT_FIELDS
+    x = torch.zeros(2, 3)
+    ptrs, ints = cluster.pack([x, None] + [x] * 18, list(range(13)))
+    assert ptrs[0] == x.data_ptr() and ptrs[1] == 0 and ints == list(range(13))
+    with pytest.raises(ValueError, match="pack: k must be contiguous"):
+        cluster.pack([x, x.t()] + [x] * 18, list(range(13)))
+    with pytest.raises(ValueError, match="pack takes 20 tensors and 13 sizes"):
+        cluster.pack([x], [1])
+
+
+def nvcc_report(tmp_path) -> str:
+    """ptxas' report (-Xptxas -v) of the kernel file built as the extension builds it."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    cmd = [nvcc, *cluster.NVCC_FLAGS, "-Xptxas", "-v", "-I", str(cluster.SOURCE_DIR), "-c",
+           str(cluster.SOURCE_DIR / "ttt_mlp_cluster.cu"), "-o", str(tmp_path / "k.o")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def test_the_kernel_builds_for_sm90a_without_spills(tmp_path):
+    """Every instantiation the launcher dispatches (bfloat16, float16 x D 64, 128) compiles
+    for sm_90a with 0 bytes of spill stores and loads and no stack frame."""
+    report = nvcc_report(tmp_path)
+    entries = re.findall(
+        r"Compiling entry function '(\S*ttt_mlp_cluster_fwd\S*)' for 'sm_90a'.*?"
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?"
+        r"Used (\d+) registers", report, flags=re.S)
+    kinds = {(("bfloat16" if "bfloat16" in name else "half"), "Li128" in name)
+             for name, *_ in entries}
+    assert kinds == {("bfloat16", True), ("bfloat16", False), ("half", True), ("half", False)}, report
+    for name, stack, stores, loads, regs in entries:
+        assert (int(stack), int(stores), int(loads)) == (0, 0, 0), (name, stack, stores, loads)
+        assert int(regs) <= 255
