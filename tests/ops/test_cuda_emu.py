@@ -98,22 +98,30 @@ def test_wmma_matmul_schedules(lib):
     assert any(not torch.equal(b, good[0]) for b in bad)
 
 
-@pytest.mark.parametrize("good", [True, False])
-def test_cluster_sum(lib, good):
+def _cluster_sum(lib, bug, x, clusters, order):
+    out = torch.empty_like(x)
+    _call(lib, "emu_cluster_sum", bug, _p(x), _p(out), clusters, x.shape[1], order)
+    return out
+
+
+def test_cluster_sum(lib):
     clusters, L = 2, 300
     x = _randn(4 * clusters, L, seed=5)
     expect = x.view(clusters, 4, L).sum(1, keepdim=True).expand(clusters, 4, L).reshape(4 * clusters, L)
-    outs = []
-    for order in ORDERS:
-        out = torch.empty_like(x)
-        _call(lib, "emu_cluster_sum", int(good), _p(x), _p(out), clusters, L, order)
-        outs.append(out)
-    if good:
-        for out in outs:
-            torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
-            assert torch.equal(out, outs[0])
-    else:  # without the cluster.sync() before the peers' reads
-        assert any(out.isnan().any() for out in outs)
+    outs = [_cluster_sum(lib, 0, x, clusters, order) for order in ORDERS]
+    for out in outs:
+        torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+        assert torch.equal(out, outs[0])
+
+
+def test_cluster_sum_missing_syncs(lib):
+    """Without the cluster.sync() before the peers' reads, some schedule reads a peer's unwritten
+    shared memory (NaN); without the one before leaving, a CTA reads a peer that has left."""
+    clusters, L = 1, 200
+    x = _randn(4 * clusters, L, seed=5)
+    assert any(_cluster_sum(lib, 1, x, clusters, order).isnan().any() for order in ORDERS)
+    with pytest.raises(RuntimeError, match="already exited"):
+        _cluster_sum(lib, 2, x, clusters, 0)
 
 
 def test_warp_shuffles(lib):

@@ -39,21 +39,22 @@ __global__ void toy_matmul(const float* A, const float* B, float* C, int M, int 
 
 // Clusters of 4 CTAs of 128 threads: CTA r of cluster g holds x[4 g + r, :] (L floats) in shared
 // memory; every CTA writes the cluster's sum over its 4 CTAs, read through distributed shared
-// memory in rank order.
-template <bool GOOD>
+// memory in rank order. BUG 1 leaves out the cluster.sync() before the peers' reads, BUG 2 the
+// one before the CTAs leave.
+template <int BUG>
 __global__ void __cluster_dims__(4, 1, 1) toy_cluster_sum(const float* x, float* out, int L) {
   FW_DYNAMIC_SMEM(smem);
   cg::cluster_group cluster = cg::this_cluster();
   float* buf = reinterpret_cast<float*>(smem);
   const long long row = blockIdx.x;
   for (int i = threadIdx.x; i < L; i += blockDim.x) buf[i] = x[row * L + i];
-  if (GOOD) cluster.sync();  // every CTA's slice is in place before any peer reads it
+  if (BUG != 1) cluster.sync();  // every CTA's slice is in place before any peer reads it
   for (int i = threadIdx.x; i < L; i += blockDim.x) {
     float s = 0.0f;
     for (unsigned r = 0; r < cluster.num_blocks(); ++r) s += cluster.map_shared_rank(buf, r)[i];
     out[row * L + i] = s;
   }
-  cluster.sync();  // no CTA leaves while a peer may still read its shared memory
+  if (BUG != 2) cluster.sync();  // no CTA leaves while a peer may still read its shared memory
 }
 
 // Per thread i of a warp: out[0][i] = the warp's sum (xor butterfly), out[1][i] = x[31 - i]
@@ -127,7 +128,7 @@ __global__ void __cluster_dims__(4, 1, 1) toy_barriers(float* out, int rounds) {
 #ifndef FW_EMULATE
 template __global__ void toy_matmul<fw_bf16, true>(const float*, const float*, float*, int, int, int);
 template __global__ void toy_matmul<fw_half, true>(const float*, const float*, float*, int, int, int);
-template __global__ void toy_cluster_sum<true>(const float*, float*, int);
+template __global__ void toy_cluster_sum<0>(const float*, float*, int);
 template __global__ void toy_block_sum<true>(const float*, float*);
 #else
 #include <stdint.h>
@@ -157,11 +158,12 @@ extern "C" const char* emu_matmul(int dtype, int good, const float* A, const flo
   });
 }
 
-extern "C" const char* emu_cluster_sum(int good, const float* x, float* out, int clusters, int L,
+extern "C" const char* emu_cluster_sum(int bug, const float* x, float* out, int clusters, int L,
                                        unsigned order) {
   return fw_emu::catch_error([&] {
     fw_emu::Config cfg{dim3(4 * clusters), dim3(128), 4, sizeof(float) * L, order};
-    fw_emu::launch(good ? toy_cluster_sum<true> : toy_cluster_sum<false>, cfg, x, out, L);
+    fw_emu::launch(bug == 1 ? toy_cluster_sum<1> : bug == 2 ? toy_cluster_sum<2> : toy_cluster_sum<0>,
+                   cfg, x, out, L);
   });
 }
 
