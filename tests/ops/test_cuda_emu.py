@@ -30,6 +30,7 @@ SIGNATURES = {
     "emu_block_sum": [_i, _f, _f, _i, _u],
     "emu_divergent_barrier": [_f, _i, _u],
     "emu_read_unwritten": [_f, _i],
+    "emu_misuse": [_f, _i],
     "emu_barriers": [_f, _i, _i, _u],
     "emu_schedule": [ctypes.POINTER(_i), ctypes.POINTER(_i), _i, _u],
 }
@@ -181,6 +182,20 @@ def test_divergent_barrier_raises(lib, which, message):
         _call(lib, "emu_divergent_barrier", _p(out), which, 0)
 
 
+@pytest.mark.parametrize("which,message", [
+    (0, "load_matrix_sync.* called with different arguments by the lanes of a warp"),
+    (1, "32-byte"),
+    (2, "have not all reached it"),
+    (3, "warp divergence"),
+    (4, "mask other than 0xffffffff"),
+    (5, "block 0 thread 0: .*not into this CTA's dynamic shared memory"),
+], ids=["lanes-disagree", "misaligned", "exited-lanes", "warp-divergence", "mask", "dsmem"])
+def test_misuse_raises(lib, which, message):
+    out = torch.zeros(64)
+    with pytest.raises(RuntimeError, match=message):
+        _call(lib, "emu_misuse", _p(out), which)
+
+
 def test_unwritten_shared_memory_is_nan(lib):
     out = torch.zeros(64)
     _call(lib, "emu_read_unwritten", _p(out), 64)
@@ -231,5 +246,5 @@ def test_nvcc_compiles_without_spills():
     report = ptxas_report(TOY)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(entries) == 9 and len(props) == len(entries), report
+    assert len(entries) == 10 and len(props) == len(entries), report
     assert all(s == "0" and ld == "0" for s, ld in props), report

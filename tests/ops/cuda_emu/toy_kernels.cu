@@ -98,6 +98,34 @@ __global__ void toy_divergent_barrier(float* out, int which) {
   out[threadIdx.x] = 1.0f;
 }
 
+// Misuses the emulator reports (each undefined behaviour on the GPU): 0 the lanes of a warp load
+// different tiles, 1 a WMMA pointer not 32-byte aligned, 2 a shuffle after half the warp has
+// left, 3 half a warp at __syncwarp and half at a shuffle, 4 a partial warp mask, 5 a
+// distributed-shared-memory mapping of a pointer that is not into shared memory.
+__global__ void toy_misuse(float* out, int which) {
+  FW_DYNAMIC_SMEM(smem);
+  fw_half* h = reinterpret_cast<fw_half*>(smem);
+  const int lane = threadIdx.x % 32;
+  float v = 0.0f;
+  if (which == 0 || which == 1) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, fw_half, wmma::row_major> a;
+    wmma::load_matrix_sync(a, h + (which == 0 ? 16 * (lane % 2) : 8), 32);
+  } else if (which == 2) {
+    if (lane >= 16) return;
+    v = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+  } else if (which == 3) {
+    if (lane < 16)
+      __syncwarp();
+    else
+      v = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+  } else if (which == 4) {
+    __syncwarp(0x0000ffffu);
+  } else {
+    v = *cg::this_cluster().map_shared_rank(out, 0);
+  }
+  out[threadIdx.x] = v;
+}
+
 // out[i] = shared memory that nobody wrote.
 __global__ void toy_read_unwritten(float* out) {
   FW_DYNAMIC_SMEM(smem);
@@ -186,6 +214,12 @@ extern "C" const char* emu_divergent_barrier(float* out, int which, unsigned ord
   return fw_emu::catch_error([&] {
     fw_emu::launch(toy_divergent_barrier, fw_emu::Config{dim3(1), dim3(128), 1, 0, order}, out,
                    which);
+  });
+}
+
+extern "C" const char* emu_misuse(float* out, int which) {
+  return fw_emu::catch_error([&] {
+    fw_emu::launch(toy_misuse, fw_emu::Config{dim3(1), dim3(64), 1, 2048, 0}, out, which);
   });
 }
 
