@@ -809,12 +809,12 @@ using fw_emu::detail::Coll;
 using fw_emu::detail::Op;
 using fw_emu::detail::Site;
 
-inline void check_tile(const void* p, unsigned ldm, size_t elem, const char* what) {
+inline void check_tile(const void* p, unsigned ldm, size_t elem, const char* what, Site site) {
+  const std::string call = std::string("fw_emu: ") + what + " (" + site.str() + "): ";
   if (reinterpret_cast<uintptr_t>(p) % 32)
-    throw std::runtime_error(std::string("fw_emu: ") + what +
-                             ": the pointer must be 256-bit (32-byte) aligned");
+    throw std::runtime_error(call + "the pointer must be 256-bit (32-byte) aligned");
   if ((ldm * elem) % 16 || ldm < 16)
-    throw std::runtime_error(std::string("fw_emu: ") + what + ": ldm " + std::to_string(ldm) +
+    throw std::runtime_error(call + "ldm " + std::to_string(ldm) +
                              " must be >= 16 and a multiple of 16 bytes");
 }
 
@@ -848,7 +848,7 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, uns
   static_assert(std::is_same<L, row_major>::value || std::is_same<L, col_major>::value,
                 "matrix_a/matrix_b fragments need a row_major or col_major layout");
   const auto op = std::is_same<Use, matrix_a>::value ? detail::Op::LoadA : detail::Op::LoadB;
-  detail::check_tile(p, ldm, sizeof(T), "load_matrix_sync");
+  detail::check_tile(p, ldm, sizeof(T), "load_matrix_sync", {file, line});
   detail::collective(op, p, ldm, std::is_same<L, col_major>::value, {file, line});
   detail::read_tile<T, L>(f.x, p, ldm);
 }
@@ -856,7 +856,7 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, uns
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p,
                              unsigned ldm, layout_t layout, const char* file = __builtin_FILE(),
                              unsigned line = __builtin_LINE()) {
-  detail::check_tile(p, ldm, 4, "load_matrix_sync");
+  detail::check_tile(p, ldm, 4, "load_matrix_sync", {file, line});
   detail::collective(detail::Op::LoadAcc, p, ldm, layout, {file, line});
   if (layout == mem_col_major)
     detail::read_tile<float, col_major>(f.x, p, ldm);
@@ -909,7 +909,7 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
                               unsigned ldm, layout_t layout, const char* file = __builtin_FILE(),
                               unsigned line = __builtin_LINE()) {
-  detail::check_tile(p, ldm, 4, "store_matrix_sync");
+  detail::check_tile(p, ldm, 4, "store_matrix_sync", {file, line});
   detail::collective(detail::Op::Store, p, ldm, layout, {file, line});
   const unsigned lane = fw_emu::detail::self().lane;
   const int r = static_cast<int>(lane / 2), c0 = static_cast<int>(lane % 2) * 8;
