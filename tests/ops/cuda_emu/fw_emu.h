@@ -302,6 +302,38 @@ struct CtaState {
   unsigned char* smem = nullptr;
 };
 
+// Fiber stacks (a guard page below each), kept for the next launch on this thread: mapping and
+// first touching a thousand stacks would cost more than a small launch.
+struct StackPool {
+  std::vector<std::pair<char*, size_t>> free;
+  static constexpr size_t kKeep = 16384;
+  char* take(size_t bytes) {
+    for (size_t i = free.size(); i-- > 0;) {
+      if (free[i].second == bytes) {
+        char* p = free[i].first;
+        free.erase(free.begin() + static_cast<std::ptrdiff_t>(i));
+        return p;
+      }
+    }
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("fw_emu: cannot map a fiber stack");
+    mprotect(p, page, PROT_NONE);
+    return static_cast<char*>(p);
+  }
+  void give(char* p, size_t bytes) {
+    if (free.size() < kKeep)
+      free.emplace_back(p, bytes);
+    else
+      munmap(p, bytes);
+  }
+  ~StackPool() {
+    for (auto& e : free) munmap(e.first, e.second);
+  }
+};
+inline thread_local StackPool tl_stacks;
+
 struct Launch;
 inline thread_local Launch* tl_launch = nullptr;
 inline thread_local Fiber* tl_cur = nullptr;
@@ -327,7 +359,7 @@ struct Launch {
 
   ~Launch() {
     for (Fiber& f : fibers)
-      if (f.stack) munmap(f.stack, stack_map);
+      if (f.stack) tl_stacks.give(f.stack, stack_map);
     for (unsigned char* p : smem_alloc) free(p);
   }
 
@@ -350,13 +382,7 @@ struct Launch {
     stack_size = (cfg.stack_bytes + page - 1) / page * page;
     stack_map = stack_size + page;  // a guard page below each stack
     fibers.resize(n);
-    for (Fiber& f : fibers) {
-      void* p = mmap(nullptr, stack_map, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p == MAP_FAILED) throw std::runtime_error("fw_emu: cannot map a fiber stack");
-      f.stack = static_cast<char*>(p);
-      mprotect(f.stack, page, PROT_NONE);
-    }
+    for (Fiber& f : fibers) f.stack = tl_stacks.take(stack_map);
     warps.resize(n / 32);
     ctas.resize(cfg.cluster);
     smem_size = (cfg.smem_bytes + 1023) / 1024 * 1024;
