@@ -8,6 +8,7 @@ memory reads as NaN). nvcc compiles the same file for sm_90a without spills.
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 
 import pytest
@@ -29,13 +30,18 @@ SIGNATURES = {
     "emu_block_sum": [_i, _f, _f, _i, _u],
     "emu_divergent_barrier": [_f, _i, _u],
     "emu_read_unwritten": [_f, _i],
+    "emu_misuse": [_f, _i],
     "emu_barriers": [_f, _i, _i, _u],
+    "emu_schedule": [ctypes.POINTER(_i), ctypes.POINTER(_i), _i, _u],
 }
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    lib = build([TOY], "toy_kernels")
+@pytest.fixture(scope="module", params=["switch", "ucontext"])
+def lib(request) -> ctypes.CDLL:
+    """The toy kernels built against the emulator, with its own x86-64 fiber switch and with the
+    portable ucontext one."""
+    defines = {"FW_EMU_UCONTEXT": None} if request.param == "ucontext" else None
+    lib = build([TOY], "toy_kernels", defines)
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = args
@@ -93,22 +99,30 @@ def test_wmma_matmul_schedules(lib):
     assert any(not torch.equal(b, good[0]) for b in bad)
 
 
-@pytest.mark.parametrize("good", [True, False])
-def test_cluster_sum(lib, good):
+def _cluster_sum(lib, bug, x, clusters, order):
+    out = torch.empty_like(x)
+    _call(lib, "emu_cluster_sum", bug, _p(x), _p(out), clusters, x.shape[1], order)
+    return out
+
+
+def test_cluster_sum(lib):
     clusters, L = 2, 300
     x = _randn(4 * clusters, L, seed=5)
     expect = x.view(clusters, 4, L).sum(1, keepdim=True).expand(clusters, 4, L).reshape(4 * clusters, L)
-    outs = []
-    for order in ORDERS:
-        out = torch.empty_like(x)
-        _call(lib, "emu_cluster_sum", int(good), _p(x), _p(out), clusters, L, order)
-        outs.append(out)
-    if good:
-        for out in outs:
-            torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
-            assert torch.equal(out, outs[0])
-    else:  # without the cluster.sync() before the peers' reads
-        assert any(out.isnan().any() for out in outs)
+    outs = [_cluster_sum(lib, 0, x, clusters, order) for order in ORDERS]
+    for out in outs:
+        torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+        assert torch.equal(out, outs[0])
+
+
+def test_cluster_sum_missing_syncs(lib):
+    """Without the cluster.sync() before the peers' reads, some schedule reads a peer's unwritten
+    shared memory (NaN); without the one before leaving, a CTA reads a peer that has left."""
+    clusters, L = 1, 200
+    x = _randn(4 * clusters, L, seed=5)
+    assert any(_cluster_sum(lib, 1, x, clusters, order).isnan().any() for order in ORDERS)
+    with pytest.raises(RuntimeError, match="already exited"):
+        _cluster_sum(lib, 2, x, clusters, 0)
 
 
 def test_warp_shuffles(lib):
@@ -135,7 +149,30 @@ def test_missing_syncthreads(lib):
             _call(lib, "emu_block_sum", ok, _p(x), _p(out), n, order)
             outs.append(out.item())
     assert len(set(good)) == 1 and abs(good[0] - x.sum().item()) < 1e-4
-    assert any(b != good[0] for b in bad)  # thread 0 runs first under order 0: NaN
+    assert math.isnan(bad[0])  # thread 0 runs first: nobody else has written
+    assert bad[1] == good[0]  # thread 0 runs last
+
+
+def _schedule(lib, n, order):
+    counter, out = torch.zeros(1, dtype=torch.int32), torch.empty(2, n, dtype=torch.int32)
+    _call(lib, "emu_schedule", _p(counter, ctypes.POINTER(_i)), _p(out, ctypes.POINTER(_i)), n,
+          order)
+    return out
+
+
+def test_schedules(lib):
+    """Order 0 runs the threads forward, 1 backward, k >= 2 a permutation seeded by k and drawn
+    anew for every round (here: before and after a __syncthreads)."""
+    n = 64
+    ar = torch.arange(n, dtype=torch.int32)
+    assert torch.equal(_schedule(lib, n, 0), torch.stack([ar, ar]))
+    assert torch.equal(_schedule(lib, n, 1), torch.stack([ar.flip(0), ar.flip(0)]))
+    perms = [_schedule(lib, n, k) for k in (2, 3)]
+    for p in perms:
+        assert torch.equal(p.sort(1).values, torch.stack([ar, ar]))
+        assert not torch.equal(p[0], ar) and not torch.equal(p[0], p[1])
+    assert not torch.equal(perms[0], perms[1])
+    assert torch.equal(_schedule(lib, n, 2), perms[0])
 
 
 @pytest.mark.parametrize("which,message", [(0, "deadlock"), (1, "barrier divergence")])
@@ -143,6 +180,20 @@ def test_divergent_barrier_raises(lib, which, message):
     out = torch.zeros(128)
     with pytest.raises(RuntimeError, match=message):
         _call(lib, "emu_divergent_barrier", _p(out), which, 0)
+
+
+@pytest.mark.parametrize("which,message", [
+    (0, "load_matrix_sync.* called with different arguments by the lanes of a warp"),
+    (1, "32-byte"),
+    (2, "have not all reached it"),
+    (3, "warp divergence"),
+    (4, "mask other than 0xffffffff"),
+    (5, "block 0 thread 0: .*not into this CTA's dynamic shared memory"),
+], ids=["lanes-disagree", "misaligned", "exited-lanes", "warp-divergence", "mask", "dsmem"])
+def test_misuse_raises(lib, which, message):
+    out = torch.zeros(64)
+    with pytest.raises(RuntimeError, match=message):
+        _call(lib, "emu_misuse", _p(out), which)
 
 
 def test_unwritten_shared_memory_is_nan(lib):
@@ -195,5 +246,5 @@ def test_nvcc_compiles_without_spills():
     report = ptxas_report(TOY)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(entries) == 8 and len(props) == len(entries), report
+    assert len(entries) == 10 and len(props) == len(entries), report
     assert all(s == "0" and ld == "0" for s, ld in props), report

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CUDA_SRC = ROOT / "src" / "fastweights" / "ops" / "ttt" / "cuda"
 EMU = Path(__file__).resolve().parent
 INCLUDES = (CUDA_SRC, EMU)
-GXX_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-DFW_EMULATE")
+GXX_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-DFW_EMULATE", "-Wno-unknown-pragmas")
 
 
 def cache_dir() -> Path:

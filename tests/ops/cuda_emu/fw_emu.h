@@ -2,7 +2,7 @@
 // file that nvcc builds for the GPU also compiles with g++ (-DFW_EMULATE, through fw_cuda.h) and
 // runs on the CPU, deterministically, with barrier misuse reported: docs/cuda_emulation.md.
 //
-// Every CUDA thread is a cooperative fiber (ucontext). A cluster's fibers run under a scheduler
+// Every CUDA thread is a cooperative fiber with its own stack. A cluster's fibers run under a scheduler
 // that lets each runnable fiber go until it reaches a barrier (a warp collective, __syncthreads,
 // cluster.sync()) or returns; the order in which the runnable fibers go each round is the launch's
 // `order` (forward, reverse, or a seeded random permutation), so a missing barrier shows up as a
@@ -133,6 +133,82 @@ inline float fw_f32(float x) { return x; }
 inline float fw_f32(fw_bf16 x) { return fw_emu::bf16_to_f32(x.bits); }
 inline float fw_f32(fw_half x) { return fw_emu::f16_to_f32(x.bits); }
 
+// ---------------------------------------------------------------- context switching
+// On x86-64 a fiber switch saves the callee-saved registers and the FP control words on the
+// old stack and swaps stack pointers (no system call, unlike swapcontext's signal mask);
+// elsewhere, or with -DFW_EMU_UCONTEXT, ucontext.
+#if defined(__x86_64__) && !defined(FW_EMU_UCONTEXT)
+extern "C" void fw_emu_switch_v1(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .weak fw_emu_switch_v1
+  .hidden fw_emu_switch_v1
+  .type fw_emu_switch_v1, @function
+fw_emu_switch_v1:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size fw_emu_switch_v1, .-fw_emu_switch_v1
+)");
+
+namespace fw_emu {
+namespace detail {
+struct Context {
+  void* sp = nullptr;
+  // A stack that the first switch to "returns" into entry, which must never return.
+  void make(char* base, size_t size, void (*entry)()) {
+    void** s = reinterpret_cast<void**>((reinterpret_cast<uintptr_t>(base) + size) & ~uintptr_t(15));
+    *--s = nullptr;  // entry's return address (as if called: the stack is 8 mod 16 at entry)
+    *--s = reinterpret_cast<void*>(entry);
+    for (int i = 0; i < 6; ++i) *--s = nullptr;  // rbp, rbx, r12-r15
+    uint32_t csr[2] = {__builtin_ia32_stmxcsr(), 0};
+    uint16_t cw;
+    asm volatile("fnstcw %0" : "=m"(cw));
+    csr[1] = cw;
+    *--s = nullptr;
+    memcpy(s, csr, 8);
+    sp = s;
+  }
+};
+inline void switch_context(Context& from, Context& to) { fw_emu_switch_v1(&from.sp, to.sp); }
+}  // namespace detail
+}  // namespace fw_emu
+#else
+namespace fw_emu {
+namespace detail {
+struct Context {
+  ucontext_t uc;
+  void make(char* base, size_t size, void (*entry)()) {
+    getcontext(&uc);
+    uc.uc_stack.ss_sp = base;
+    uc.uc_stack.ss_size = size;
+    uc.uc_link = nullptr;
+    makecontext(&uc, entry, 0);
+  }
+};
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+}  // namespace detail
+}  // namespace fw_emu
+#endif
+
 // ---------------------------------------------------------------- the fiber scheduler
 namespace fw_emu {
 
@@ -189,7 +265,7 @@ struct Coll {
 };
 
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   char* stack = nullptr;
   dim3 tid, bid;
   unsigned cta = 0;   // rank in the cluster
@@ -202,10 +278,22 @@ struct Fiber {
   std::exception_ptr error;
 };
 
+// The last mma_sync of a warp: its lanes hold the same fragments (every lane loads the whole
+// tile), so a lane whose operands match the bytes of the lane that computed first copies its
+// result instead of recomputing it.
+struct MmaCache {
+  uint64_t gen = ~0ull;
+  size_t elem = 0;
+  unsigned char a[1024], b[1024];
+  float c[256], d[256];
+};
+
 struct WarpState {
   unsigned arrived = 0, exited = 0;
+  uint64_t gen = 0;  // completed collectives
   Coll first;
   unsigned first_lane = 0;
+  MmaCache mma;
 };
 
 struct CtaState {
@@ -213,6 +301,38 @@ struct CtaState {
   Site site;
   unsigned char* smem = nullptr;
 };
+
+// Fiber stacks (a guard page below each), kept for the next launch on this thread: mapping and
+// first touching a thousand stacks would cost more than a small launch.
+struct StackPool {
+  std::vector<std::pair<char*, size_t>> free;
+  static constexpr size_t kKeep = 16384;
+  char* take(size_t bytes) {
+    for (size_t i = free.size(); i-- > 0;) {
+      if (free[i].second == bytes) {
+        char* p = free[i].first;
+        free.erase(free.begin() + static_cast<std::ptrdiff_t>(i));
+        return p;
+      }
+    }
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("fw_emu: cannot map a fiber stack");
+    mprotect(p, page, PROT_NONE);
+    return static_cast<char*>(p);
+  }
+  void give(char* p, size_t bytes) {
+    if (free.size() < kKeep)
+      free.emplace_back(p, bytes);
+    else
+      munmap(p, bytes);
+  }
+  ~StackPool() {
+    for (auto& e : free) munmap(e.first, e.second);
+  }
+};
+inline thread_local StackPool tl_stacks;
 
 struct Launch;
 inline thread_local Launch* tl_launch = nullptr;
@@ -231,7 +351,7 @@ struct Launch {
   std::vector<unsigned char*> smem_alloc;
   unsigned cluster_arrived = 0;
   Site cluster_site;
-  ucontext_t main_ctx;
+  Context main_ctx;
   const void* body = nullptr;
   void (*invoke)(const void*) = nullptr;
   uint64_t rng = 0;
@@ -239,7 +359,7 @@ struct Launch {
 
   ~Launch() {
     for (Fiber& f : fibers)
-      if (f.stack) munmap(f.stack, stack_map);
+      if (f.stack) tl_stacks.give(f.stack, stack_map);
     for (unsigned char* p : smem_alloc) free(p);
   }
 
@@ -252,7 +372,7 @@ struct Launch {
       f->error = std::current_exception();
     }
     f->st = St::Exited;
-    swapcontext(&f->ctx, &L->main_ctx);
+    switch_context(f->ctx, L->main_ctx);
     abort();  // an exited fiber is never resumed
   }
 
@@ -262,13 +382,7 @@ struct Launch {
     stack_size = (cfg.stack_bytes + page - 1) / page * page;
     stack_map = stack_size + page;  // a guard page below each stack
     fibers.resize(n);
-    for (Fiber& f : fibers) {
-      void* p = mmap(nullptr, stack_map, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p == MAP_FAILED) throw std::runtime_error("fw_emu: cannot map a fiber stack");
-      f.stack = static_cast<char*>(p);
-      mprotect(f.stack, page, PROT_NONE);
-    }
+    for (Fiber& f : fibers) f.stack = tl_stacks.take(stack_map);
     warps.resize(n / 32);
     ctas.resize(cfg.cluster);
     smem_size = (cfg.smem_bytes + 1023) / 1024 * 1024;
@@ -295,13 +409,12 @@ struct Launch {
       f.warp = i / 32;
       f.st = St::Run;
       f.error = nullptr;
-      getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = f.stack + page;
-      f.ctx.uc_stack.ss_size = stack_size;
-      f.ctx.uc_link = nullptr;
-      makecontext(&f.ctx, &Launch::trampoline, 0);
+      f.ctx.make(f.stack + page, stack_size, &Launch::trampoline);
     }
-    for (WarpState& w : warps) w = WarpState();
+    for (WarpState& w : warps) {
+      w.arrived = w.exited = 0;
+      w.mma.gen = ~0ull;
+    }
     for (CtaState& s : ctas) {
       s.arrived = s.exited = 0;
       if (s.smem) memset(s.smem, 0xff, smem_size);
@@ -342,6 +455,7 @@ struct Launch {
     for (unsigned l = 0; l < 32; ++l)
       if (lanes[l].st == St::Warp) lanes[l].st = St::Run;
     ws.arrived = 0;
+    ++ws.gen;
   }
 
   void release(St st, unsigned cta) {
@@ -458,7 +572,7 @@ struct Launch {
       for (unsigned i : runnable) {
         Fiber& f = fibers[i];
         tl_cur = &f;
-        swapcontext(&main_ctx, &f.ctx);
+        switch_context(main_ctx, f.ctx);
         tl_cur = nullptr;
         arrived(f);
       }
@@ -475,7 +589,7 @@ inline Fiber& self() {
 inline void wait(St st) {
   Fiber& f = self();
   f.st = st;
-  swapcontext(&f.ctx, &tl_launch->main_ctx);
+  switch_context(f.ctx, tl_launch->main_ctx);
 }
 
 inline void warp_collective(const Coll& c) {
@@ -721,12 +835,12 @@ using fw_emu::detail::Coll;
 using fw_emu::detail::Op;
 using fw_emu::detail::Site;
 
-inline void check_tile(const void* p, unsigned ldm, size_t elem, const char* what) {
+inline void check_tile(const void* p, unsigned ldm, size_t elem, const char* what, Site site) {
+  const std::string call = std::string("fw_emu: ") + what + " (" + site.str() + "): ";
   if (reinterpret_cast<uintptr_t>(p) % 32)
-    throw std::runtime_error(std::string("fw_emu: ") + what +
-                             ": the pointer must be 256-bit (32-byte) aligned");
+    throw std::runtime_error(call + "the pointer must be 256-bit (32-byte) aligned");
   if ((ldm * elem) % 16 || ldm < 16)
-    throw std::runtime_error(std::string("fw_emu: ") + what + ": ldm " + std::to_string(ldm) +
+    throw std::runtime_error(call + "ldm " + std::to_string(ldm) +
                              " must be >= 16 and a multiple of 16 bytes");
 }
 
@@ -760,7 +874,7 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, uns
   static_assert(std::is_same<L, row_major>::value || std::is_same<L, col_major>::value,
                 "matrix_a/matrix_b fragments need a row_major or col_major layout");
   const auto op = std::is_same<Use, matrix_a>::value ? detail::Op::LoadA : detail::Op::LoadB;
-  detail::check_tile(p, ldm, sizeof(T), "load_matrix_sync");
+  detail::check_tile(p, ldm, sizeof(T), "load_matrix_sync", {file, line});
   detail::collective(op, p, ldm, std::is_same<L, col_major>::value, {file, line});
   detail::read_tile<T, L>(f.x, p, ldm);
 }
@@ -768,7 +882,7 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, uns
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p,
                              unsigned ldm, layout_t layout, const char* file = __builtin_FILE(),
                              unsigned line = __builtin_LINE()) {
-  detail::check_tile(p, ldm, 4, "load_matrix_sync");
+  detail::check_tile(p, ldm, 4, "load_matrix_sync", {file, line});
   detail::collective(detail::Op::LoadAcc, p, ldm, layout, {file, line});
   if (layout == mem_col_major)
     detail::read_tile<float, col_major>(f.x, p, ldm);
@@ -785,12 +899,24 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
                      const fragment<accumulator, 16, 16, 16, float>& c,
                      const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
   detail::collective(detail::Op::Mma, nullptr, 0, 0, {file, line});
+  fw_emu::detail::WarpState& ws = fw_emu::detail::tl_launch->warps[fw_emu::detail::self().warp];
+  fw_emu::detail::MmaCache& mc = ws.mma;
+  if (mc.gen == ws.gen && mc.elem == sizeof(T) && !memcmp(mc.a, a.x, sizeof(a.x)) &&
+      !memcmp(mc.b, b.x, sizeof(b.x)) && !memcmp(mc.c, c.x, sizeof(c.x))) {
+    memcpy(d.x, mc.d, sizeof(mc.d));
+    return;
+  }
+  mc.gen = ws.gen;
+  mc.elem = sizeof(T);
+  memcpy(mc.a, a.x, sizeof(a.x));
+  memcpy(mc.b, b.x, sizeof(b.x));
+  memcpy(mc.c, c.x, sizeof(c.x));
   double aw[256], bw[256];
   for (int i = 0; i < 256; ++i) {
     aw[i] = detail::wide(a.x[i]);
     bw[i] = detail::wide(b.x[i]);
   }
-  float out[256];
+  float* out = mc.d;
   for (int i = 0; i < 16; ++i) {
     double acc[16];
     for (int j = 0; j < 16; ++j) acc[j] = c.x[i * 16 + j];
@@ -800,7 +926,7 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
     }
     for (int j = 0; j < 16; ++j) out[i * 16 + j] = static_cast<float>(acc[j]);
   }
-  memcpy(d.x, out, sizeof(out));
+  memcpy(d.x, mc.d, sizeof(mc.d));
 }
 
 // Each lane writes only its share of the tile (lane l: row l / 2, columns 8 (l % 2) .. + 8), as
@@ -809,7 +935,7 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
                               unsigned ldm, layout_t layout, const char* file = __builtin_FILE(),
                               unsigned line = __builtin_LINE()) {
-  detail::check_tile(p, ldm, 4, "store_matrix_sync");
+  detail::check_tile(p, ldm, 4, "store_matrix_sync", {file, line});
   detail::collective(detail::Op::Store, p, ldm, layout, {file, line});
   const unsigned lane = fw_emu::detail::self().lane;
   const int r = static_cast<int>(lane / 2), c0 = static_cast<int>(lane % 2) * 8;

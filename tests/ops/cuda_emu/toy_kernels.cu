@@ -39,21 +39,22 @@ __global__ void toy_matmul(const float* A, const float* B, float* C, int M, int 
 
 // Clusters of 4 CTAs of 128 threads: CTA r of cluster g holds x[4 g + r, :] (L floats) in shared
 // memory; every CTA writes the cluster's sum over its 4 CTAs, read through distributed shared
-// memory in rank order.
-template <bool GOOD>
+// memory in rank order. BUG 1 leaves out the cluster.sync() before the peers' reads, BUG 2 the
+// one before the CTAs leave.
+template <int BUG>
 __global__ void __cluster_dims__(4, 1, 1) toy_cluster_sum(const float* x, float* out, int L) {
   FW_DYNAMIC_SMEM(smem);
   cg::cluster_group cluster = cg::this_cluster();
   float* buf = reinterpret_cast<float*>(smem);
   const long long row = blockIdx.x;
   for (int i = threadIdx.x; i < L; i += blockDim.x) buf[i] = x[row * L + i];
-  if (GOOD) cluster.sync();  // every CTA's slice is in place before any peer reads it
+  if (BUG != 1) cluster.sync();  // every CTA's slice is in place before any peer reads it
   for (int i = threadIdx.x; i < L; i += blockDim.x) {
     float s = 0.0f;
     for (unsigned r = 0; r < cluster.num_blocks(); ++r) s += cluster.map_shared_rank(buf, r)[i];
     out[row * L + i] = s;
   }
-  cluster.sync();  // no CTA leaves while a peer may still read its shared memory
+  if (BUG != 2) cluster.sync();  // no CTA leaves while a peer may still read its shared memory
 }
 
 // Per thread i of a warp: out[0][i] = the warp's sum (xor butterfly), out[1][i] = x[31 - i]
@@ -97,10 +98,46 @@ __global__ void toy_divergent_barrier(float* out, int which) {
   out[threadIdx.x] = 1.0f;
 }
 
+// Misuses the emulator reports (each undefined behaviour on the GPU): 0 the lanes of a warp load
+// different tiles, 1 a WMMA pointer not 32-byte aligned, 2 a shuffle after half the warp has
+// left, 3 half a warp at __syncwarp and half at a shuffle, 4 a partial warp mask, 5 a
+// distributed-shared-memory mapping of a pointer that is not into shared memory.
+__global__ void toy_misuse(float* out, int which) {
+  FW_DYNAMIC_SMEM(smem);
+  fw_half* h = reinterpret_cast<fw_half*>(smem);
+  const int lane = threadIdx.x % 32;
+  float v = 0.0f;
+  if (which == 0 || which == 1) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, fw_half, wmma::row_major> a;
+    wmma::load_matrix_sync(a, h + (which == 0 ? 16 * (lane % 2) : 8), 32);
+  } else if (which == 2) {
+    if (lane >= 16) return;
+    v = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+  } else if (which == 3) {
+    if (lane < 16)
+      __syncwarp();
+    else
+      v = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+  } else if (which == 4) {
+    __syncwarp(0x0000ffffu);
+  } else {
+    v = *cg::this_cluster().map_shared_rank(out, 0);
+  }
+  out[threadIdx.x] = v;
+}
+
 // out[i] = shared memory that nobody wrote.
 __global__ void toy_read_unwritten(float* out) {
   FW_DYNAMIC_SMEM(smem);
   out[threadIdx.x] = reinterpret_cast<const float*>(smem)[threadIdx.x];
+}
+
+// out[0][i], out[1][i]: when thread i ran before and after a __syncthreads (0 = first): the
+// emulator's schedule (on the GPU, some order of the warps).
+__global__ void toy_schedule(int* counter, int* out) {
+  out[threadIdx.x] = atomicAdd(counter, 1);
+  __syncthreads();
+  out[blockDim.x + threadIdx.x] = atomicAdd(counter, 1) - static_cast<int>(blockDim.x);
 }
 
 // `rounds` rounds of __syncwarp, __syncthreads and cluster.sync: the emulator's barrier cost.
@@ -119,7 +156,7 @@ __global__ void __cluster_dims__(4, 1, 1) toy_barriers(float* out, int rounds) {
 #ifndef FW_EMULATE
 template __global__ void toy_matmul<fw_bf16, true>(const float*, const float*, float*, int, int, int);
 template __global__ void toy_matmul<fw_half, true>(const float*, const float*, float*, int, int, int);
-template __global__ void toy_cluster_sum<true>(const float*, float*, int);
+template __global__ void toy_cluster_sum<0>(const float*, float*, int);
 template __global__ void toy_block_sum<true>(const float*, float*);
 #else
 #include <stdint.h>
@@ -149,11 +186,12 @@ extern "C" const char* emu_matmul(int dtype, int good, const float* A, const flo
   });
 }
 
-extern "C" const char* emu_cluster_sum(int good, const float* x, float* out, int clusters, int L,
+extern "C" const char* emu_cluster_sum(int bug, const float* x, float* out, int clusters, int L,
                                        unsigned order) {
   return fw_emu::catch_error([&] {
     fw_emu::Config cfg{dim3(4 * clusters), dim3(128), 4, sizeof(float) * L, order};
-    fw_emu::launch(good ? toy_cluster_sum<true> : toy_cluster_sum<false>, cfg, x, out, L);
+    fw_emu::launch(bug == 1 ? toy_cluster_sum<1> : bug == 2 ? toy_cluster_sum<2> : toy_cluster_sum<0>,
+                   cfg, x, out, L);
   });
 }
 
@@ -179,6 +217,12 @@ extern "C" const char* emu_divergent_barrier(float* out, int which, unsigned ord
   });
 }
 
+extern "C" const char* emu_misuse(float* out, int which) {
+  return fw_emu::catch_error([&] {
+    fw_emu::launch(toy_misuse, fw_emu::Config{dim3(1), dim3(64), 1, 2048, 0}, out, which);
+  });
+}
+
 extern "C" const char* emu_read_unwritten(float* out, int n) {
   return fw_emu::catch_error([&] {
     fw_emu::launch(toy_read_unwritten, fw_emu::Config{dim3(1), dim3(n), 1, sizeof(float) * n, 0},
@@ -189,6 +233,12 @@ extern "C" const char* emu_read_unwritten(float* out, int n) {
 extern "C" const char* emu_barriers(float* out, int rounds, int threads, unsigned order) {
   return fw_emu::catch_error([&] {
     fw_emu::launch(toy_barriers, fw_emu::Config{dim3(4), dim3(threads), 4, 0, order}, out, rounds);
+  });
+}
+
+extern "C" const char* emu_schedule(int* counter, int* out, int n, unsigned order) {
+  return fw_emu::catch_error([&] {
+    fw_emu::launch(toy_schedule, fw_emu::Config{dim3(1), dim3(n), 1, 0, order}, counter, out);
   });
 }
 
