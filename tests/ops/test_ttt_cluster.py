@@ -1,7 +1,7 @@
 """TTT-MLP's thread-block-cluster forward (ops/ttt/cluster.py, cuda/ttt_mlp_cluster.cu) as far as
 a machine without a GPU can drive it: the switch, the refusals, the one log line and the Triton
 kernel where it cannot run, the launcher's argument layout against the C header, and the nvcc
-build (0 spills on sm_90a). Its arithmetic is tested through the CPU emulation of the same
+build (0 spills on sm_90) and the library's C launcher. Its arithmetic is tested through the CPU emulation of the same
 source (tests/ops/test_ttt_cluster_kernel.py) and the tile model
 (tests/ops/test_ttt_cluster_model.py)."""
 
@@ -84,8 +84,8 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_runs_and_one_line_says_
 
 
 def test_launch_arguments_follow_the_header():
-    """pack's order is FwTTTMLPClusterArgs' field order (the binding and the emulation entry
-    fill that struct from it)."""
+    """pack's order is FwTTTMLPClusterArgs' field order (``LaunchArgs`` lays it out for the
+    launcher and the emulation entry)."""
     text = (cluster.SOURCE_DIR / "ttt_mlp_cluster.h").read_text()
     body = text[text.index("struct FwTTTMLPClusterArgs {"):text.index("};")]
     fields = []
@@ -118,10 +118,10 @@ def nvcc_report(tmp_path) -> str:
 
 def test_the_kernel_builds_for_sm90a_without_spills(tmp_path):
     """Every instantiation the launcher dispatches (bfloat16, float16 x D 64, 128) compiles
-    for sm_90a with 0 bytes of spill stores and loads and no stack frame."""
+    for sm_90 with 0 bytes of spill stores and loads and no stack frame."""
     report = nvcc_report(tmp_path)
     entries = re.findall(
-        r"Compiling entry function '(\S*ttt_mlp_cluster_fwd\S*)' for 'sm_90a'.*?"
+        r"Compiling entry function '(\S*ttt_mlp_cluster_fwd\S*)' for 'sm_90'.*?"
         r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?"
         r"Used (\d+) registers", report, flags=re.S)
     kinds = {(("bfloat16" if "bfloat16" in name else "half"), "Li128" in name)
@@ -130,3 +130,23 @@ def test_the_kernel_builds_for_sm90a_without_spills(tmp_path):
     for name, stack, stores, loads, regs in entries:
         assert (int(stack), int(stores), int(loads)) == (0, 0, 0), (name, stack, stores, loads)
         assert int(regs) <= 255
+
+
+def test_the_library_builds_and_its_launcher_names_cuda_errors(tmp_path):
+    """``build`` compiles the shared library (reused when unchanged), ``launch`` calls its C
+    entry through ctypes: here, without a GPU, the CUDA error comes back as a RuntimeError
+    naming it, before any memory is touched."""
+    import ctypes
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed")
+    lib_path = cluster.build(tmp_path)
+    assert cluster.build(tmp_path) == lib_path and len(list(tmp_path.glob("*.so"))) == 1
+    lib = ctypes.CDLL(str(lib_path))
+    lib.fw_ttt_mlp_cluster_launch.restype = ctypes.c_int
+    lib.fw_ttt_mlp_cluster_error.restype = ctypes.c_char_p
+    ptrs, ints = [0] * len(cluster.PTR_FIELDS), [1] * len(cluster.INT_FIELDS)
+    with pytest.raises(RuntimeError, match=r"launch failed: CUDA error [0-9]+, "):
+        cluster.launch(lib, ptrs, ints, 1, 128, 0)
+    with pytest.raises(RuntimeError, match="invalid argument"):  # a head size it has no kernel for
+        cluster.launch(lib, ptrs, ints, 1, 96, 0)

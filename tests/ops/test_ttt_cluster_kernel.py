@@ -34,26 +34,19 @@ CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the emulation
 SMEM_LIMIT = 227 << 10  # sm_90's dynamic shared memory per CTA
 
 
-class Args(ctypes.Structure):
-    """cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterArgs`` (the field order is checked against the
-    header by tests/ops/test_ttt_cluster.py)."""
-
-    _fields_ = ([(n, ctypes.c_void_p) for n in cluster.PTR_FIELDS]
-                + [(n, ctypes.c_int) for n in cluster.INT_FIELDS])
-
-
 @pytest.fixture(scope="module")
 def lib():
     lib = build([CUDA_SRC / "ttt_mlp_cluster.cu"], "ttt_mlp_cluster")
     lib.fw_emu_ttt_mlp_cluster_fwd.restype = ctypes.c_char_p
-    lib.fw_emu_ttt_mlp_cluster_fwd.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_int,
+    lib.fw_emu_ttt_mlp_cluster_fwd.argtypes = [ctypes.POINTER(cluster.LaunchArgs), ctypes.c_int, ctypes.c_int,
                                                ctypes.c_uint]
     lib.fw_emu_ttt_mlp_cluster_smem.restype = ctypes.c_ulong
     return lib
 
 
 def launch(lib, ptrs: list[int], ints: list[int], dtype_code: int, D: int, order: int = 0) -> None:
-    err = lib.fw_emu_ttt_mlp_cluster_fwd(ctypes.byref(Args(*ptrs, *ints)), dtype_code, D, order)
+    err = lib.fw_emu_ttt_mlp_cluster_fwd(ctypes.byref(cluster.LaunchArgs(*ptrs, *ints)),
+                                         dtype_code, D, order)
     if err is not None:
         raise RuntimeError(err.decode())
 
@@ -223,13 +216,15 @@ def test_the_triton_backward_runs_after_it(lib, launches, exact, monkeypatch):  
     and final weights, and every input's gradient matches the float64 token loop."""
     calls = []
 
-    def fake_launch(ptrs, ints, dtype_code, D, stream):
+    def fake_launch(library, ptrs, ints, dtype_code, D, stream):
+        assert library is lib
         calls.append(D)
         launch(lib, ptrs, ints, dtype_code, D)
 
     monkeypatch.setenv(cluster.ENV, "cluster")
     monkeypatch.setattr(cluster, "why_not", lambda q, Dv, Dh, b: None)
-    monkeypatch.setattr(cluster, "_module", lambda: SimpleNamespace(launch=fake_launch))
+    monkeypatch.setattr(cluster, "_library", lambda: lib)
+    monkeypatch.setattr(cluster, "launch", fake_launch)
     monkeypatch.setattr(cluster, "DTYPE_CODES", {torch.float32: 0})
     monkeypatch.setattr(cluster.torch.cuda, "current_stream",
                         lambda device=None: SimpleNamespace(cuda_stream=0))

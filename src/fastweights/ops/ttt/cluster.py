@@ -1,5 +1,5 @@
 """TTT-MLP's forward with the inner weights on chip, the hidden units split over the CTAs of a
-thread-block cluster (CUDA C++ for sm_90a, ``cuda/ttt_mlp_cluster.cu``; docs/gpu_ttt_kernels.md,
+thread-block cluster (CUDA C++ for sm_90, ``cuda/ttt_mlp_cluster.cu``; docs/gpu_ttt_kernels.md,
 "TTT-MLP on a thread-block cluster"). It replaces ops/ttt/triton.py's ``_mlp_fwd_kernel`` inside
 ``_MLPTriton`` (same outputs, final weights, partial-mini-batch sums and checkpoints, so the
 Triton backward runs after it); its arithmetic is ops/ttt/cluster_model.py's, step for step.
@@ -7,39 +7,62 @@ Triton backward runs after it); its arithmetic is ops/ttt/cluster_model.py's, st
 Opt-in: ``FASTWEIGHTS_TTT_MLP_FWD=cluster`` (read at every call; "stream", the default, is the
 Triton kernel) until a GPU record shows it exact. It runs where everything it needs is there:
 a CUDA device of compute capability 9.0 or newer, bfloat16 or float16 q, k, v, Dk = Dv in
-(64, 128), Dh = 4 Dk, mini-batches of at most 16 tokens, and nvcc to build it
-(torch.utils.cpp_extension, on first use). Otherwise one log line says why and the Triton kernel
-runs.
+(64, 128), Dh = 4 Dk, mini-batches of at most 16 tokens, and nvcc to build it on first use (a
+shared library with a C entry, loaded with ctypes: no compiler toolchain beyond nvcc, no
+PyTorch headers). Otherwise one log line says why and the Triton kernel runs.
 
 Dimension legend: B batch, T time, H heads, D = Dk = Dv, Dh hidden units, b mini-batch size.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import logging
 import os
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-__all__ = ["ENV", "HEAD_SIZES", "INT_FIELDS", "MAX_MINI_BATCH", "PTR_FIELDS", "SOURCE_DIR",
-           "VARIANT", "fwd_variant", "launch_forward", "pack", "refusal", "why_not"]
+__all__ = ["ENV", "HEAD_SIZES", "INT_FIELDS", "MAX_MINI_BATCH", "NVCC_FLAGS", "PTR_FIELDS",
+           "SOURCE_DIR", "VARIANT", "LaunchArgs", "build", "fwd_variant", "launch",
+           "launch_forward", "pack", "refusal", "why_not"]
 
 ENV = "FASTWEIGHTS_TTT_MLP_FWD"
 VARIANT = "cluster"
 VARIANTS = ("stream", VARIANT)
 SOURCE_DIR = Path(__file__).parent / "cuda"
-SOURCES = ("ttt_mlp_cluster.cu", "ttt_mlp_cluster_torch.cpp")
+SOURCE = SOURCE_DIR / "ttt_mlp_cluster.cu"
 MIN_ARCH = 90  # thread-block clusters and distributed shared memory
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}  # the launcher's (float32 only emulated)
 HEAD_SIZES = (64, 128)  # clusters of 2 and 4 CTAs of 128 hidden units
 MAX_MINI_BATCH = 16  # one 16-row tile
-NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
+# sm_90 machine code, and compute_90 PTX that the driver compiles for newer GPUs
+NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90",
+              "-gencode=arch=compute_90,code=compute_90")
+CACHE_ENV = "FASTWEIGHTS_CACHE"  # where the built library is kept (default ~/.cache/fastweights)
 
 _logger = logging.getLogger(__name__)
-_build: dict[str, object] = {}  # "module" or "error", once per process
+_build: dict[str, object] = {}  # "library" or "error", once per process
 _logged: set[str] = set()
+
+# cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterArgs``'s fields in order: addresses, then ints
+PTR_FIELDS = ("q", "k", "v", "eta", "tau", "lnw", "lnb", "w1", "c1", "w2", "c2", "o", "s1", "sb1",
+              "s2", "sb2", "ck1", "ckb1", "ck2", "ckb2")
+INT_FIELDS = ("B", "T", "H", "b", "N", "NF", "seg", "store_ck", "has_b1", "has_b2", "has_ln",
+              "has_lnb", "residual")
+
+
+class LaunchArgs(ctypes.Structure):
+    """``FwTTTMLPClusterArgs`` (cuda/ttt_mlp_cluster.h) as ctypes lays it out: what the
+    launcher and the CPU emulation entry take."""
+
+    _fields_ = ([(n, ctypes.c_void_p) for n in PTR_FIELDS]
+                + [(n, ctypes.c_int) for n in INT_FIELDS])
 
 
 def fwd_variant() -> str:
@@ -77,21 +100,57 @@ def refusal(arch: int, dtype: torch.dtype, Dk: int, Dv: int, Dh: int, b: int) ->
     return None
 
 
-def _module():
-    """The built extension, or None (the reason in ``_build["error"]``)."""
-    if "module" not in _build and "error" not in _build:
-        try:
-            from torch.utils.cpp_extension import load
+def build(out_dir: Path | None = None) -> Path:
+    """The launcher's shared library, compiled by nvcc from ``cuda/ttt_mlp_cluster.cu`` into
+    ``out_dir`` (default: ``$FASTWEIGHTS_CACHE`` or ~/.cache/fastweights) under a name that
+    hashes the sources and flags, so an existing build is reused. A RuntimeError says why it
+    cannot be built (no nvcc, the compiler's last messages)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("nvcc is not on PATH")
+    h = hashlib.sha256(" ".join(NVCC_FLAGS).encode())
+    for path in sorted(SOURCE_DIR.glob("*.[ch]*")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    out_dir = Path(out_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fastweights")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"ttt_mlp_cluster-{h.hexdigest()[:16]}.so"
+    if not lib.exists():
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            part = Path(tmp) / lib.name
+            cmd = [nvcc, *NVCC_FLAGS, "-Xcompiler", "-fPIC", "-shared", "-I", str(SOURCE_DIR),
+                   str(SOURCE), "-o", str(part)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"nvcc failed: {(done.stderr or done.stdout)[-500:].strip()}")
+            part.replace(lib)  # another process may have built it meanwhile: same bytes
+    return lib
 
-            _build["module"] = load(
-                name="fastweights_ttt_mlp_cluster",
-                sources=[str(SOURCE_DIR / s) for s in SOURCES],
-                extra_include_paths=[str(SOURCE_DIR)], extra_cuda_cflags=list(NVCC_FLAGS),
-                verbose=False)
-        except Exception as err:  # no nvcc, no ninja, a compiler error: the Triton path runs
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            _build["error"] = f"building it failed: {type(err).__name__}: {first[:300]}"
-    return _build.get("module")
+
+def _library() -> ctypes.CDLL | None:
+    """The loaded launcher, built on first use, or None (the reason in ``_build["error"]``)."""
+    if "library" not in _build and "error" not in _build:
+        try:
+            lib = ctypes.CDLL(str(build()))
+            lib.fw_ttt_mlp_cluster_launch.restype = ctypes.c_int
+            lib.fw_ttt_mlp_cluster_launch.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.c_int,
+                                                      ctypes.c_int, ctypes.c_void_p]
+            lib.fw_ttt_mlp_cluster_error.restype = ctypes.c_char_p
+            lib.fw_ttt_mlp_cluster_error.argtypes = [ctypes.c_int]
+            _build["library"] = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            _build["error"] = f"building it failed: {err}"
+    return _build.get("library")  # type: ignore[return-value]
+
+
+def launch(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int, D: int,
+           stream: int) -> None:
+    """One launch through the library's C entry (``pack``'s lists); a RuntimeError names the
+    CUDA error."""
+    err = lib.fw_ttt_mlp_cluster_launch(ctypes.byref(LaunchArgs(*ptrs, *ints)), dtype_code, D,
+                                        ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"the TTT-MLP cluster kernel's launch failed: CUDA error {err}, "
+                           f"{lib.fw_ttt_mlp_cluster_error(err).decode()}")
 
 
 def _log_once(reason: str) -> None:
@@ -99,13 +158,6 @@ def _log_once(reason: str) -> None:
         _logged.add(reason)
         _logger.warning("fastweights.ops.ttt_mlp: %s=%s asks for the cluster forward, which "
                         "cannot run here (%s); the Triton kernel runs", ENV, VARIANT, reason)
-
-
-# cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterArgs``'s fields in order: addresses, then ints
-PTR_FIELDS = ("q", "k", "v", "eta", "tau", "lnw", "lnb", "w1", "c1", "w2", "c2", "o", "s1", "sb1",
-              "s2", "sb2", "ck1", "ckb1", "ck2", "ckb2")
-INT_FIELDS = ("B", "T", "H", "b", "N", "NF", "seg", "store_ck", "has_b1", "has_b2", "has_ln",
-              "has_lnb", "residual")
 
 
 def pack(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -131,8 +183,8 @@ def launch_forward(L, store: bool, q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, 
     if fwd_variant() != VARIANT:
         return False
     reason = why_not(q, L.Dv, w1.shape[-1], L.b)
-    module = None if reason else _module()
-    if module is None:
+    lib = None if reason else _library()
+    if lib is None:
         _log_once(reason or str(_build.get("error")))
         return False
     flags = L.consts
@@ -140,6 +192,6 @@ def launch_forward(L, store: bool, q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, 
         (q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, *sums, *cks),
         (L.B, L.T, L.H, L.b, L.N, L.T // L.b, L.seg, store, has_b1, has_b2, flags["HAS_LN"],
          flags["HAS_LNB"], flags["RESIDUAL"]))
-    module.launch(ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
-                  torch.cuda.current_stream(q.device).cuda_stream)
+    launch(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
+           torch.cuda.current_stream(q.device).cuda_stream)
     return True

@@ -22,8 +22,9 @@
 // coef = 1 and the four sums are stored instead). Products take operands in the inputs' dtype
 // (bfloat16 or float16; float32 only in the CPU emulation) and accumulate in float32.
 //
-// Builds: nvcc for sm_90a (the launcher at the end, which the PyTorch binding calls), or g++
-// with -DFW_EMULATE against tests/ops/cuda_emu (the emulation entry at the end).
+// Builds: nvcc for sm_90 into a shared library whose C launcher (at the end) ops/ttt/cluster.py
+// calls through ctypes, or g++ with -DFW_EMULATE against tests/ops/cuda_emu (the emulation
+// entry at the end).
 #include "fw_cuda.h"
 #include "ttt_mlp_cluster.h"
 
@@ -580,7 +581,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
 }  // namespace fw_ttt_mlp
 
 #ifndef FW_EMULATE
-// CUDA launcher (sm_90a): one cluster of D / 32 CTAs per (batch, head). dtype 1 bfloat16,
+// CUDA launcher (sm_90): one cluster of D / 32 CTAs per (batch, head). dtype 1 bfloat16,
 // 2 float16; D 64 or 128. Returns a cudaError_t (cudaErrorInvalidValue for another dtype or
 // head size).
 namespace fw_ttt_mlp {

@@ -1,5 +1,5 @@
 // The arguments of the TTT-MLP cluster forward (ttt_mlp_cluster.cu), shared by the kernel, its
-// CUDA launcher, the PyTorch binding and the CPU emulation entry (docs/gpu_ttt_kernels.md,
+// CUDA launcher (called through ctypes, ops/ttt/cluster.py) and the CPU emulation entry (docs/gpu_ttt_kernels.md,
 // "TTT-MLP on a thread-block cluster"). Plain C layout: the emulation tests fill it through
 // ctypes (tests/ops/test_ttt_cluster_kernel.py mirrors the field order).
 //
