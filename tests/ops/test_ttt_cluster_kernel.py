@@ -211,9 +211,11 @@ def test_shared_memory_fits_sm90(lib):
 
 def test_the_triton_backward_runs_after_it(lib, launches, exact, monkeypatch):  # noqa: F811
     """``ttt_mlp(backend="triton")`` with FASTWEIGHTS_TTT_MLP_FWD=cluster and the emulated
-    kernel standing in for the built extension (float32 operands): the forward is the cluster
-    kernel's (``_mlp_fwd_kernel`` never launches), the Triton backward reads its checkpoints
-    and final weights, and every input's gradient matches the float64 token loop."""
+    kernel standing in for the built library (float32 operands): the forward and the
+    backward's recompute of each segment are the cluster kernel's (``_mlp_fwd_kernel`` and
+    ``_mlp_recompute_kernel`` never launch), the rest of the Triton backward reads its
+    checkpoints, slots and final weights, and every input's gradient matches the float64
+    token loop."""
     calls = []
 
     def fake_launch(library, ptrs, ints, dtype_code, D, stream):
@@ -236,6 +238,9 @@ def test_the_triton_backward_runs_after_it(lib, launches, exact, monkeypatch):  
 
     want = run(ttt_mlp, (q, k, v, eta), kw, F64, mode="naive")
     got = run(ttt_mlp, (q, k, v, eta), kw, torch.float32, backend="triton", checkpoint_group=2)
-    assert calls == [32]
-    assert launches["mlp_fwd"] == 0 and launches["mlp_bwd_b"] > 0, launches
+    # the forward, then the recompute of the one segment of two mini-batches (T 14, b 4: three
+    # full mini-batches in segments of 2 and 1, then the partial one)
+    assert calls == [32, 32]
+    assert launches["mlp_fwd"] == launches["mlp_recompute"] == 0, launches
+    assert launches["mlp_bwd_b"] == 3, launches
     assert_matches(got, want, 1e-4, "cluster forward, Triton backward")

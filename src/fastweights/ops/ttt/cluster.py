@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["ENV", "HEAD_SIZES", "INT_FIELDS", "MAX_MINI_BATCH", "NVCC_FLAGS", "PTR_FIELDS",
            "SOURCE_DIR", "VARIANT", "LaunchArgs", "build", "fwd_variant", "launch",
-           "launch_forward", "pack", "refusal", "why_not"]
+           "launch_forward", "launch_recompute", "pack", "refusal", "why_not"]
 
 ENV = "FASTWEIGHTS_TTT_MLP_FWD"
 VARIANT = "cluster"
@@ -174,24 +174,62 @@ def pack(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> tuple[
     return [0 if x is None else x.data_ptr() for x in tensors], [int(s) for s in sizes]
 
 
+def _ready(q: torch.Tensor, L, Dh: int) -> ctypes.CDLL | None:
+    """The library if ``FASTWEIGHTS_TTT_MLP_FWD`` asks for the cluster kernel and it can run
+    on inputs like q (``L``: ops/ttt/triton.py's ``_Shape``), else None (one log line per
+    reason when it was asked for)."""
+    if fwd_variant() != VARIANT:
+        return None
+    reason = why_not(q, L.Dv, Dh, L.b)
+    lib = None if reason else _library()
+    if lib is None:
+        _log_once(reason or str(_build.get("error")))
+    return lib
+
+
+def _run(lib: ctypes.CDLL, L, q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, sums, cks,
+         N: int, NF: int, seg: int, store: bool) -> None:
+    flags = L.consts
+    ptrs, ints = pack(
+        (q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, *sums, *cks),
+        (L.B, L.T, L.H, L.b, N, NF, seg, store, flags["HAS_B1"], flags["HAS_B2"],
+         flags["HAS_LN"], flags["HAS_LNB"], flags["RESIDUAL"]))
+    launch(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
+           torch.cuda.current_stream(q.device).cuda_stream)
+
+
 def launch_forward(L, store: bool, q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, sums,
-                   cks, has_b1: bool, has_b2: bool) -> bool:
+                   cks) -> bool:
     """Runs the cluster forward in place of ``_mlp_fwd_kernel`` for ops/ttt/triton.py's
     ``_MLPTriton`` (``L`` its ``_Shape``; the tensors as that kernel takes them: w1, c1, w2, c2
     updated in place, o, the sums and the checkpoints ``cks`` written) if
     ``FASTWEIGHTS_TTT_MLP_FWD`` asks for it and it can run; returns whether it did."""
-    if fwd_variant() != VARIANT:
-        return False
-    reason = why_not(q, L.Dv, w1.shape[-1], L.b)
-    lib = None if reason else _library()
+    lib = _ready(q, L, w1.shape[-1])
     if lib is None:
-        _log_once(reason or str(_build.get("error")))
         return False
-    flags = L.consts
-    ptrs, ints = pack(
-        (q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, *sums, *cks),
-        (L.B, L.T, L.H, L.b, L.N, L.T // L.b, L.seg, store, has_b1, has_b2, flags["HAS_LN"],
-         flags["HAS_LNB"], flags["RESIDUAL"]))
-    launch(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
-           torch.cuda.current_stream(q.device).cuda_stream)
+    _run(lib, L, q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, sums, cks, L.N, L.T // L.b,
+         L.seg, store)
+    return True
+
+
+def launch_recompute(L, q, k, v, eta, tau, lnw, lnb, slots, n0: int, n1: int) -> bool:
+    """Runs the cluster forward in place of ``_mlp_recompute_kernel`` for ``_MLPTriton``'s
+    backward (the same switch): from the checkpoint in slot 0 of ``slots`` (w1, b1, w2, b2
+    [B*H, S, ...], S = seg + 1, float32), mini-batches n0 .. n1-1 of the segment, the weights
+    entering mini-batch n0 + j written into slot j (slot 0 again, unchanged, and slot
+    n1 - 1 - n0, which needs the segment's last mini-batch run too); returns whether it did.
+
+    The kernel runs unchanged: q, k, v and eta start at token n0 b (their heads' strides are
+    those of the whole sequence, T tokens), every mini-batch is a checkpoint (seg 1), and
+    ``NF`` = S >= n1 - n0 makes its checkpoints S apart with no partial mini-batch. The
+    weights after the segment and its read-out go to scratch."""
+    lib = _ready(q, L, slots[0].shape[-1])
+    if lib is None:
+        return False
+    t0 = n0 * L.b
+    shifted = [x.view(-1)[t0 * x.stride(1):] for x in (q, k, v, eta)]  # [B, T, H, ...] strides
+    start = [x[:, 0].clone() for x in slots]  # the kernel's in-place weights: a scratch copy
+    o = torch.empty_like(q)  # the read-out, unused
+    _run(lib, L, *shifted, tau, lnw, lnb, *start, o, [start[0]] * 4, slots, n1 - n0,
+         slots[0].shape[1], 1, True)
     return True

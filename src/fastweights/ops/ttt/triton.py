@@ -1259,7 +1259,7 @@ class _MLPTriton(torch.autograd.Function):
         from . import cluster  # the thread-block-cluster forward (FASTWEIGHTS_TTT_MLP_FWD)
 
         ran = cluster.launch_forward(L, store, q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o,
-                                     sums, cks, b1 is not None, b2 is not None)
+                                     sums, cks)
         A = _scores(L, q, k, b1 is not None) if store or not ran else None
         if not ran:
             _mlp_fwd_kernel[(BH,)](
@@ -1273,6 +1273,8 @@ class _MLPTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dw1, dc1, dw2, dc2, ds1, dsb1, ds2, dsb2):  # type: ignore[override]
+        from . import cluster  # recomputes the segments (FASTWEIGHTS_TTT_MLP_FWD)
+
         q, k, v, eta, tau, lnw, lnb, A, w1, c1, w2, c2, *cks = ctx.saved_tensors
         L = ctx.L
         T, H, Dk, Dv, b, N, NF, seg = L.dims
@@ -1320,7 +1322,8 @@ class _MLPTriton(torch.autograd.Function):
             n0, n1 = s * seg, min(s * seg + seg, NF)
             for x, ck in zip(slots, cks):
                 x[:, 0] = ck[:, s]
-            if n1 - n0 > 1:
+            if n1 - n0 > 1 and not cluster.launch_recompute(L, q, k, v, eta, tau, lnw, lnb,
+                                                            slots, n0, n1):
                 _mlp_recompute_kernel[(BH,)](
                     q, k, v, eta, tau, A, *ln, *slots, o, gs, T, H, Dk, Dv, Dh, b, N, n0, n1,
                     seg, BHD=BHD, HB=L.cfg.HB, **fl, **warps)
