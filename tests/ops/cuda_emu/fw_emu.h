@@ -2,11 +2,12 @@
 // file that nvcc builds for the GPU also compiles with g++ (-DFW_EMULATE, through fw_cuda.h) and
 // runs on the CPU, deterministically, with barrier misuse reported: docs/cuda_emulation.md.
 //
-// Every CUDA thread is a cooperative fiber with its own stack. A cluster's fibers run under a scheduler
-// that lets each runnable fiber go until it reaches a barrier (a warp collective, __syncthreads,
-// cluster.sync()) or returns; the order in which the runnable fibers go each round is the launch's
-// `order` (forward, reverse, or a seeded random permutation), so a missing barrier shows up as a
-// result that changes with the order. Shared memory starts filled with 0xFF bytes (NaN in
+// Every CUDA thread is a cooperative fiber with its own stack. A cluster's fibers run under a
+// scheduler that always runs the runnable fiber that comes first in the launch's `order`
+// (forward, reverse, or a seeded random permutation drawn anew at every __syncthreads and
+// cluster.sync) until it reaches a barrier (a warp collective, __syncthreads, cluster.sync())
+// or returns: the first warps and CTAs of the order run as far ahead as the barriers allow, so
+// a missing barrier shows up as a result that changes with the order. Shared memory starts filled with 0xFF bytes (NaN in
 // float32/bfloat16/float16), a WMMA store writes only the storing lane's share of the tile, and a
 // barrier that some threads can never reach raises "deadlock: ..." instead of hanging.
 //
@@ -217,7 +218,7 @@ struct Config {
   dim3 block;                     // threads per CTA (x only), a multiple of 32, at most 1024
   unsigned cluster = 1;           // CTAs per cluster, 1..8 (the portable cluster size)
   size_t smem_bytes = 0;          // dynamic shared memory per CTA, at most 227 KiB
-  unsigned order = 0;             // 0 forward, 1 reverse, k >= 2 a permutation per round seeded by k
+  unsigned order = 0;             // priorities: 0 forward, 1 reverse, k >= 2 permutations seeded by k
   size_t stack_bytes = 512 << 10; // stack per emulated thread (a float fragment takes 1 KiB)
 };
 
@@ -351,6 +352,11 @@ struct Launch {
   std::vector<unsigned char*> smem_alloc;
   unsigned cluster_arrived = 0;
   Site cluster_site;
+  // The scheduler runs the runnable fiber first in `order_of` (pos_of its inverse); `ready`
+  // holds one bit per position, set while that fiber is runnable.
+  std::vector<unsigned> order_of, pos_of;
+  std::vector<uint64_t> ready;
+  unsigned live = 0;
   Context main_ctx;
   const void* body = nullptr;
   void (*invoke)(const void*) = nullptr;
@@ -453,14 +459,41 @@ struct Launch {
     if (ws.first.op == Op::Shfl)
       for (unsigned l = 0; l < 32; ++l) lanes[l].result = lanes[lanes[l].coll.src].coll.value;
     for (unsigned l = 0; l < 32; ++l)
-      if (lanes[l].st == St::Warp) lanes[l].st = St::Run;
+      if (lanes[l].st == St::Warp) make_runnable(lanes[l]);
     ws.arrived = 0;
     ++ws.gen;
   }
 
+  void make_runnable(Fiber& f) {
+    f.st = St::Run;
+    const unsigned pos = pos_of[f.index];
+    ready[pos >> 6] |= 1ull << (pos & 63);
+  }
+
   void release(St st, unsigned cta) {
     for (Fiber& f : fibers)
-      if (f.st == st && (st == St::Cluster || f.cta == cta)) f.st = St::Run;
+      if (f.st == st && (st == St::Cluster || f.cta == cta)) make_runnable(f);
+    if (cfg.order >= 2) draw_order();
+  }
+
+  // The priorities: forward, reverse, or a permutation drawn from the seeded generator.
+  void draw_order() {
+    const unsigned n = static_cast<unsigned>(fibers.size());
+    for (unsigned i = 0; i < n; ++i) order_of[i] = cfg.order == 1 ? n - 1 - i : i;
+    if (cfg.order >= 2)
+      for (unsigned i = n - 1; i > 0; --i)
+        std::swap(order_of[i], order_of[static_cast<unsigned>(next_random() % (i + 1))]);
+    std::fill(ready.begin(), ready.end(), 0ull);
+    for (unsigned pos = 0; pos < n; ++pos) {
+      pos_of[order_of[pos]] = pos;
+      if (fibers[order_of[pos]].st == St::Run) ready[pos >> 6] |= 1ull << (pos & 63);
+    }
+  }
+
+  int first_ready() const {
+    for (size_t w = 0; w < ready.size(); ++w)
+      if (ready[w]) return static_cast<int>(w * 64 + static_cast<size_t>(__builtin_ctzll(ready[w])));
+    return -1;
   }
 
   // Book-keeping after fiber f stopped (at a barrier or for good).
@@ -475,6 +508,7 @@ struct Launch {
             throw std::runtime_error(where(f) + ": " + e.what());
           }
         }
+        --live;
         WarpState& ws = warps[f.warp];
         ++ws.exited;
         if (ws.arrived && ws.arrived + ws.exited == 32) release_warp(f.warp);
@@ -547,35 +581,31 @@ struct Launch {
     return z ^ (z >> 31);
   }
 
+  // Run the cluster's threads: always the runnable one first in the order, until it stops at a
+  // barrier or returns, so the first threads of the order run as far ahead of the others as
+  // the barriers let them.
   void run_cluster(unsigned c) {
     start_cluster(c);
-    std::vector<unsigned> runnable;
-    runnable.reserve(fibers.size());
+    const unsigned n = static_cast<unsigned>(fibers.size());
+    order_of.assign(n, 0);
+    pos_of.assign(n, 0);
+    ready.assign((n + 63) / 64, 0ull);
+    live = n;
+    draw_order();
     for (;;) {
-      runnable.clear();
-      bool all_exited = true;
-      for (unsigned i = 0; i < fibers.size(); ++i) {
-        if (fibers[i].st == St::Run) runnable.push_back(i);
-        if (fibers[i].st != St::Exited) all_exited = false;
-      }
-      if (all_exited) return;
-      if (runnable.empty())
+      const int pos = first_ready();
+      if (pos < 0) {
+        if (live == 0) return;
         throw std::runtime_error("deadlock: no thread of cluster " + std::to_string(c) +
                                  " can run, its threads wait at barriers that others never "
                                  "reach (a barrier in divergent code?)" + describe());
-      if (cfg.order == 1) {
-        std::reverse(runnable.begin(), runnable.end());
-      } else if (cfg.order >= 2) {
-        for (size_t i = runnable.size() - 1; i > 0; --i)
-          std::swap(runnable[i], runnable[next_random() % (i + 1)]);
       }
-      for (unsigned i : runnable) {
-        Fiber& f = fibers[i];
-        tl_cur = &f;
-        switch_context(main_ctx, f.ctx);
-        tl_cur = nullptr;
-        arrived(f);
-      }
+      ready[static_cast<unsigned>(pos) >> 6] &= ~(1ull << (pos & 63));
+      Fiber& f = fibers[order_of[static_cast<unsigned>(pos)]];
+      tl_cur = &f;
+      switch_context(main_ctx, f.ctx);
+      tl_cur = nullptr;
+      arrived(f);
     }
   }
 };
