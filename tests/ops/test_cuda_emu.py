@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.ops.cuda_emu.build import EMU, build, ptxas_report
+from tests.ops.cuda_emu.build import EMU, barrier_mutants, build, ptxas_report
 
 TOY = EMU / "toy_kernels.cu"
 ORDERS = (0, 1, 2, 3)
@@ -248,3 +248,33 @@ def test_nvcc_compiles_without_spills():
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert len(entries) == 10 and len(props) == len(entries), report
     assert all(s == "0" and ld == "0" for s, ld in props), report
+
+
+@pytest.mark.slow
+def test_barrier_mutants_of_the_matmul():
+    """Each barrier of the WMMA matmul removed in turn (build.barrier_mutants): the schedules
+    find the missing __syncthreads after the shared-memory fill and the missing __syncwarp
+    between the store and the lanes' reads, not the __syncwarp before the next tile's store,
+    whose own warp barrier stands in for it here (docs/cuda_emulation.md, "What it cannot
+    check")."""
+    A, B = _randn(32, 16, seed=3), _randn(16, 48, seed=4)
+    src = TOY.read_text().splitlines()
+    lines = {n: src[n - 1] for n, _ in barrier_mutants(TOY)}
+    fill = next(n for n, t in lines.items() if t.strip() == "__syncthreads();")
+    read = next(n for n, t in lines.items() if "every lane reads the tile" in t)
+    reuse = next(n for n, t in lines.items() if "before the next tile's store" in t)
+    ref = None
+    found = {}
+    for n, path in barrier_mutants(TOY):
+        if n not in (fill, read, reuse):
+            continue
+        lib = build([path], f"toy_l{n}")
+        fn = lib.emu_matmul
+        fn.argtypes, fn.restype = SIGNATURES["emu_matmul"], ctypes.c_char_p
+        if ref is None:
+            good = build([TOY], "toy_kernels")
+            good.emu_matmul.argtypes, good.emu_matmul.restype = fn.argtypes, fn.restype
+            ref = _matmul(good, torch.bfloat16, True, A, B, 0)
+        found[n] = any(not torch.equal(_matmul(lib, torch.bfloat16, True, A, B, o), ref)
+                       for o in ORDERS)
+    assert found == {fill: True, read: True, reuse: False}
