@@ -109,8 +109,8 @@ def test_cluster_sum(lib):
     clusters, L = 2, 300
     x = _randn(4 * clusters, L, seed=5)
     expect = x.view(clusters, 4, L).sum(1, keepdim=True).expand(clusters, 4, L).reshape(4 * clusters, L)
-    outs = [_cluster_sum(lib, 0, x, clusters, order) for order in ORDERS]
-    for out in outs:
+    outs = [_cluster_sum(lib, bug, x, clusters, order) for bug in (0, 3) for order in ORDERS]
+    for out in outs:  # 3: the first barrier split into barrier_arrive / barrier_wait
         torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
         assert torch.equal(out, outs[0])
 
@@ -123,6 +123,8 @@ def test_cluster_sum_missing_syncs(lib):
     assert any(_cluster_sum(lib, 1, x, clusters, order).isnan().any() for order in ORDERS)
     with pytest.raises(RuntimeError, match="already exited"):
         _cluster_sum(lib, 2, x, clusters, 0)
+    # the split barrier's peers read before barrier_wait
+    assert any(_cluster_sum(lib, 4, x, clusters, order).isnan().any() for order in ORDERS)
 
 
 def test_warp_shuffles(lib):
@@ -189,7 +191,8 @@ def test_divergent_barrier_raises(lib, which, message):
     (3, "warp divergence"),
     (4, "mask other than 0xffffffff"),
     (5, "block 0 thread 0: .*not into this CTA's dynamic shared memory"),
-], ids=["lanes-disagree", "misaligned", "exited-lanes", "warp-divergence", "mask", "dsmem"])
+    (6, "barrier_wait .* without a barrier_arrive"),
+], ids=["lanes-disagree", "misaligned", "exited-lanes", "warp-divergence", "mask", "dsmem", "wait"])
 def test_misuse_raises(lib, which, message):
     out = torch.zeros(64)
     with pytest.raises(RuntimeError, match=message):
@@ -246,7 +249,7 @@ def test_nvcc_compiles_without_spills():
     report = ptxas_report(TOY)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(entries) == 10 and len(props) == len(entries), report
+    assert len(entries) == 11 and len(props) == len(entries), report
     assert all(s == "0" and ld == "0" for s, ld in props), report
 
 

@@ -277,6 +277,8 @@ struct Fiber {
   Site site;          // of the CTA or cluster barrier it waits at
   uint64_t result = 0;
   std::exception_ptr error;
+  bool cluster_pending = false;  // arrived at the cluster barrier, not yet waited
+  uint64_t cluster_phase = 0;    // the phase it arrived in
 };
 
 // The last mma_sync of a warp: its lanes hold the same fragments (every lane loads the whole
@@ -351,6 +353,7 @@ struct Launch {
   std::vector<CtaState> ctas;
   std::vector<unsigned char*> smem_alloc;
   unsigned cluster_arrived = 0;
+  uint64_t cluster_phase = 0;  // completed cluster barriers
   Site cluster_site;
   // The scheduler runs the runnable fiber first in `order_of` (pos_of its inverse); `ready`
   // holds one bit per position, set while that fiber is runnable.
@@ -415,6 +418,7 @@ struct Launch {
       f.warp = i / 32;
       f.st = St::Run;
       f.error = nullptr;
+      f.cluster_pending = false;
       f.ctx.make(f.stack + page, stack_size, &Launch::trampoline);
     }
     for (WarpState& w : warps) {
@@ -439,7 +443,7 @@ struct Launch {
         case St::Warp: what = std::string("wait at ") + op_name(f.coll.op) + " (" +
                               f.coll.site.str() + ")"; break;
         case St::Cta: what = "wait at __syncthreads (" + f.site.str() + ")"; break;
-        case St::Cluster: what = "wait at cluster.sync (" + f.site.str() + ")"; break;
+        case St::Cluster: what = "wait at the cluster barrier (" + f.site.str() + ")"; break;
       }
       ++groups["block " + std::to_string(f.bid.x) + ": " + what];
     }
@@ -556,21 +560,7 @@ struct Launch {
         }
         break;
       }
-      case St::Cluster: {
-        if (cluster_arrived == 0) {
-          cluster_site = f.site;
-        } else if (!(cluster_site == f.site)) {
-          throw std::runtime_error("fw_emu: barrier divergence: " + where(f) +
-                                   " at cluster.sync (" + f.site.str() +
-                                   ") while other threads of its cluster wait at cluster.sync (" +
-                                   cluster_site.str() + ")");
-        }
-        if (++cluster_arrived == fibers.size()) {
-          cluster_arrived = 0;
-          release(St::Cluster, 0);
-        }
-        break;
-      }
+      case St::Cluster: break;  // counted when it arrived (cluster_arrive)
     }
   }
 
@@ -600,11 +590,13 @@ struct Launch {
                                  " can run, its threads wait at barriers that others never "
                                  "reach (a barrier in divergent code?)" + describe());
       }
-      ready[static_cast<unsigned>(pos) >> 6] &= ~(1ull << (pos & 63));
       Fiber& f = fibers[order_of[static_cast<unsigned>(pos)]];
       tl_cur = &f;
       switch_context(main_ctx, f.ctx);
       tl_cur = nullptr;
+      // (a barrier that completed while it ran, in cluster_arrive, may have redrawn the order)
+      const unsigned now = pos_of[f.index];
+      ready[now >> 6] &= ~(1ull << (now & 63));
       arrived(f);
     }
   }
@@ -625,6 +617,43 @@ inline void wait(St st) {
 inline void warp_collective(const Coll& c) {
   self().coll = c;
   wait(St::Warp);
+}
+
+// The cluster barrier, split as barrier.cluster.arrive / .wait: arriving does not block; the
+// barrier completes when every thread of the cluster has arrived; waiting blocks until the
+// phase it arrived in has completed.
+inline void cluster_arrive(Site site) {
+  Fiber& f = self();
+  Launch& L = *tl_launch;
+  if (f.cluster_pending)
+    throw std::runtime_error("fw_emu: cluster barrier_arrive (" + site.str() +
+                             ") twice without a barrier_wait between");
+  if (L.cluster_arrived == 0) {
+    L.cluster_site = site;
+  } else if (!(L.cluster_site == site)) {
+    throw std::runtime_error("fw_emu: barrier divergence: " + where(f) + " at the cluster barrier (" +
+                             site.str() + ") while other threads of its cluster are at (" +
+                             L.cluster_site.str() + ")");
+  }
+  f.cluster_pending = true;
+  f.cluster_phase = L.cluster_phase;
+  if (++L.cluster_arrived == L.fibers.size()) {
+    L.cluster_arrived = 0;
+    ++L.cluster_phase;
+    L.release(St::Cluster, 0);
+  }
+}
+
+inline void cluster_wait(Site site) {
+  Fiber& f = self();
+  if (!f.cluster_pending)
+    throw std::runtime_error("fw_emu: cluster barrier_wait (" + site.str() +
+                             ") without a barrier_arrive before it");
+  if (tl_launch->cluster_phase == f.cluster_phase) {
+    f.site = site;
+    wait(St::Cluster);
+  }
+  f.cluster_pending = false;
 }
 
 inline void check_mask(unsigned mask, const char* what) {
@@ -797,9 +826,22 @@ struct thread_block {
 inline thread_block this_thread_block() { return thread_block(); }
 
 struct cluster_group {
+  struct arrival_token {};
   void sync(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) const {
-    fw_emu::detail::self().site = {file, line};
-    fw_emu::detail::wait(fw_emu::detail::St::Cluster);
+    fw_emu::detail::cluster_arrive({file, line});
+    fw_emu::detail::cluster_wait({file, line});
+  }
+  arrival_token barrier_arrive(const char* file = __builtin_FILE(),
+                               unsigned line = __builtin_LINE()) const {
+    fw_emu::detail::cluster_arrive({file, line});
+    return arrival_token();
+  }
+  void barrier_wait(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) const {
+    fw_emu::detail::cluster_wait({file, line});
+  }
+  void barrier_wait(arrival_token&&, const char* file = __builtin_FILE(),
+                    unsigned line = __builtin_LINE()) const {
+    fw_emu::detail::cluster_wait({file, line});
   }
   unsigned block_rank() const { return fw_emu::detail::self().cta; }
   unsigned num_blocks() const { return fw_emu::detail::tl_launch->cfg.cluster; }

@@ -39,7 +39,7 @@ __global__ void toy_matmul(const float* A, const float* B, float* C, int M, int 
 
 // Clusters of 4 CTAs of 128 threads: CTA r of cluster g holds x[4 g + r, :] (L floats) in shared
 // memory; every CTA writes the cluster's sum over its 4 CTAs, read through distributed shared
-// memory in rank order. BUG 1 leaves out the cluster.sync() before the peers' reads, BUG 2 the
+// memory in rank order (the entry's bug 3 and 4: toy_cluster_split). BUG 1 leaves out the cluster.sync() before the peers' reads, BUG 2 the
 // one before the CTAs leave.
 template <int BUG>
 __global__ void __cluster_dims__(4, 1, 1) toy_cluster_sum(const float* x, float* out, int L) {
@@ -55,6 +55,28 @@ __global__ void __cluster_dims__(4, 1, 1) toy_cluster_sum(const float* x, float*
     out[row * L + i] = s;
   }
   if (BUG != 2) cluster.sync();  // no CTA leaves while a peer may still read its shared memory
+}
+
+// toy_cluster_sum with the first cluster barrier split into barrier_arrive / barrier_wait around
+// independent work (out holds the CTA's own row until the sums replace it); GOOD = false reads
+// the peers before waiting.
+template <bool GOOD>
+__global__ void __cluster_dims__(4, 1, 1) toy_cluster_split(const float* x, float* out, int L) {
+  FW_DYNAMIC_SMEM(smem);
+  cg::cluster_group cluster = cg::this_cluster();
+  float* buf = reinterpret_cast<float*>(smem);
+  const long long row = blockIdx.x;
+  for (int i = threadIdx.x; i < L; i += blockDim.x) buf[i] = x[row * L + i];
+  cluster.barrier_arrive();
+  for (int i = threadIdx.x; i < L; i += blockDim.x) out[row * L + i] = x[row * L + i];
+  if (GOOD) cluster.barrier_wait();
+  for (int i = threadIdx.x; i < L; i += blockDim.x) {
+    float s = 0.0f;
+    for (unsigned r = 0; r < cluster.num_blocks(); ++r) s += cluster.map_shared_rank(buf, r)[i];
+    out[row * L + i] = s;
+  }
+  if (!GOOD) cluster.barrier_wait();
+  cluster.sync();
 }
 
 // Per thread i of a warp: out[0][i] = the warp's sum (xor butterfly), out[1][i] = x[31 - i]
@@ -101,7 +123,8 @@ __global__ void toy_divergent_barrier(float* out, int which) {
 // Misuses the emulator reports (each undefined behaviour on the GPU): 0 the lanes of a warp load
 // different tiles, 1 a WMMA pointer not 32-byte aligned, 2 a shuffle after half the warp has
 // left, 3 half a warp at __syncwarp and half at a shuffle, 4 a partial warp mask, 5 a
-// distributed-shared-memory mapping of a pointer that is not into shared memory.
+// distributed-shared-memory mapping of a pointer that is not into shared memory, 6 a cluster
+// barrier_wait without a barrier_arrive.
 __global__ void toy_misuse(float* out, int which) {
   FW_DYNAMIC_SMEM(smem);
   fw_half* h = reinterpret_cast<fw_half*>(smem);
@@ -120,8 +143,10 @@ __global__ void toy_misuse(float* out, int which) {
       v = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
   } else if (which == 4) {
     __syncwarp(0x0000ffffu);
-  } else {
+  } else if (which == 5) {
     v = *cg::this_cluster().map_shared_rank(out, 0);
+  } else {
+    cg::this_cluster().barrier_wait();
   }
   out[threadIdx.x] = v;
 }
@@ -157,6 +182,7 @@ __global__ void __cluster_dims__(4, 1, 1) toy_barriers(float* out, int rounds) {
 template __global__ void toy_matmul<fw_bf16, true>(const float*, const float*, float*, int, int, int);
 template __global__ void toy_matmul<fw_half, true>(const float*, const float*, float*, int, int, int);
 template __global__ void toy_cluster_sum<0>(const float*, float*, int);
+template __global__ void toy_cluster_split<true>(const float*, float*, int);
 template __global__ void toy_block_sum<true>(const float*, float*);
 #else
 #include <stdint.h>
@@ -190,8 +216,11 @@ extern "C" const char* emu_cluster_sum(int bug, const float* x, float* out, int 
                                        unsigned order) {
   return fw_emu::catch_error([&] {
     fw_emu::Config cfg{dim3(4 * clusters), dim3(128), 4, sizeof(float) * L, order};
-    fw_emu::launch(bug == 1 ? toy_cluster_sum<1> : bug == 2 ? toy_cluster_sum<2> : toy_cluster_sum<0>,
-                   cfg, x, out, L);
+    void (*kernels[])(const float*, float*, int) = {toy_cluster_sum<0>, toy_cluster_sum<1>,
+                                                    toy_cluster_sum<2>, toy_cluster_split<true>,
+                                                    toy_cluster_split<false>};
+    if (bug < 0 || bug > 4) throw std::invalid_argument("bug must be in [0, 4]");
+    fw_emu::launch(kernels[bug], cfg, x, out, L);
   });
 }
 
