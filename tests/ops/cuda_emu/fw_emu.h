@@ -1001,22 +1001,24 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
   memcpy(d.x, mc.d, sizeof(mc.d));
 }
 
-// Each lane writes only its share of the tile (lane l: row l / 2, columns 8 (l % 2) .. + 8), as
-// on the GPU, where a lane stores the elements its registers hold: reading the stored tile in
-// other lanes needs a __syncwarp() first.
+// Each lane writes only its share of the tile, as on the GPU, where a lane stores the elements
+// its registers hold: the accumulator layout of mma.sync m16n8k16 twice over (lane l: rows
+// l / 4 and l / 4 + 8, columns 2 (l % 4) + {0, 1, 8, 9}). Reading the stored tile in other
+// lanes needs a __syncwarp() first, whatever share of it a kernel's own loops give a lane.
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
                               unsigned ldm, layout_t layout, const char* file = __builtin_FILE(),
                               unsigned line = __builtin_LINE()) {
   detail::check_tile(p, ldm, 4, "store_matrix_sync", {file, line});
   detail::collective(detail::Op::Store, p, ldm, layout, {file, line});
   const unsigned lane = fw_emu::detail::self().lane;
-  const int r = static_cast<int>(lane / 2), c0 = static_cast<int>(lane % 2) * 8;
-  for (int c = c0; c < c0 + 8; ++c) {
-    if (layout == mem_col_major)
-      p[r + c * ldm] = f.x[r * 16 + c];
-    else
-      p[r * ldm + c] = f.x[r * 16 + c];
-  }
+  const int g = static_cast<int>(lane / 4), c0 = 2 * static_cast<int>(lane % 4);
+  for (int r : {g, g + 8})
+    for (int c : {c0, c0 + 1, c0 + 8, c0 + 9}) {
+      if (layout == mem_col_major)
+        p[r + c * ldm] = f.x[r * 16 + c];
+      else
+        p[r * ldm + c] = f.x[r * 16 + c];
+    }
 }
 
 }  // namespace wmma

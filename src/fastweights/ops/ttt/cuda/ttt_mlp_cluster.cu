@@ -101,6 +101,13 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// A lane's share of a warp's 16 x 16 staging tile in the elementwise steps: row lane / 2,
+// columns (lane % 2) * 8 .. + 8, all eight loaded before any is used (independent latencies).
+struct Share {
+  int r, c0;
+  __device__ __forceinline__ explicit Share(int lane) : r(lane / 2), c0((lane % 2) * 8) {}
+};
+
 // The warp's accumulator tile into dst (row-major, ldm) in the operand dtype, through the
 // warp's float staging tile.
 template <class T>
@@ -108,8 +115,12 @@ __device__ __forceinline__ void to_operand(const Acc& f, float* stage, T* dst, i
                                            int lane) {
   wmma::store_matrix_sync(stage, f, 16, wmma::mem_row_major);
   __syncwarp();
-#pragma unroll 1
-  for (int e = lane; e < 256; e += 32) dst[(e / 16) * ldm + e % 16] = fw_cvt<T>(stage[e]);
+  const Share s(lane);
+  float x[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = stage[s.r * 16 + s.c0 + i];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dst[s.r * ldm + s.c0 + i] = fw_cvt<T>(x[i]);
   __syncwarp();
 }
 
@@ -218,22 +229,34 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       if (rank == 0)
         for (int col = tid; col < D; col += NT) a.ckb2[c * D + col] = b2s[col];
     }
+    {
+      // the inputs' loads are issued first and land while the weights are copied
+      constexpr int PER = BB * D / NT;
+      T kin[PER], vin[PER];  // (q's rows are loaded after: registers)
 #pragma unroll
-    for (int i = 0; i < ND; ++i) to_operand(W1f[i], stage, w1c + (16 * i) * U + 16 * w, U, lane);
+      for (int i = 0; i < PER; ++i) {
+        const int e = tid + i * NT, r = e / D;
+        const long long off = ((bb * T_ + t0 + r) * H + h) * D + e % D;
+        const bool ok = r < m;
+        kin[i] = ok ? kg[off] : fw_cvt<T>(0.0f);
+        vin[i] = ok ? vg[off] : fw_cvt<T>(0.0f);
+      }
+      const float eta_in = tid < m ? a.eta[(bb * T_ + t0 + tid) * H + h] : 0.0f;
 #pragma unroll
-    for (int v = 0; v < ND; ++v) to_operand(W2f[v], stage, w2c + (16 * w) * D + 16 * v, D, lane);
-    for (int e = tid; e < BB * D; e += NT) {
-      const int r = e / D, col = e % D;
-      const bool ok = r < m;
-      const long long off = ((bb * T_ + t0 + r) * H + h) * D + col;
-      const T kv = ok ? kg[off] : fw_cvt<T>(0.0f);
-      kt[e] = kv;
-      qt[e] = ok ? qg[off] : fw_cvt<T>(0.0f);
-      float tv = ok ? fw_f32(vg[off]) : 0.0f;
-      if (a.residual) tv -= fw_f32(kv);
-      tgt[e] = tv;
+      for (int i = 0; i < ND; ++i)
+        to_operand(W1f[i], stage, w1c + (16 * i) * U + 16 * w, U, lane);
+#pragma unroll
+      for (int v = 0; v < ND; ++v)
+        to_operand(W2f[v], stage, w2c + (16 * w) * D + 16 * v, D, lane);
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int e = tid + i * NT, r = e / D;
+        kt[e] = kin[i];
+        qt[e] = r < m ? qg[((bb * T_ + t0 + r) * H + h) * D + e % D] : fw_cvt<T>(0.0f);
+        tgt[e] = a.residual ? fw_f32(vin[i]) - fw_f32(kin[i]) : fw_f32(vin[i]);
+      }
+      if (tid < BB) eta_s[tid] = eta_in;
     }
-    if (tid < BB) eta_s[tid] = tid < m ? a.eta[(bb * T_ + t0 + tid) * H + h] : 0.0f;
     __syncthreads();
 
     // 1. Z1 = K W1_s + b1_s -> X2 = gelu(Z1), gelu'(Z1) (warp w: hidden tile w); A1 = Q K^T
@@ -250,13 +273,19 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       }
       wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
       __syncwarp();
-#pragma unroll 1
-      for (int e = lane; e < 256; e += 32) {
-        const int r = e / 16, j = 16 * w + e % 16;
-        float g, d;
-        gelu2(stage[e] + b1s[j], g, d);
-        x2[r * U + j] = fw_cvt<T>(g);
-        gp[r * U + j] = d;
+      {
+        const Share s(lane);
+        float z[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) z[i] = stage[s.r * 16 + s.c0 + i] + b1s[16 * w + s.c0 + i];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int at = s.r * U + 16 * w + s.c0 + i;
+          float g, d;
+          gelu2(z[i], g, d);
+          x2[at] = fw_cvt<T>(g);
+          gp[at] = d;
+        }
       }
       __syncwarp();
       if (w == NW - 1) {
@@ -354,12 +383,19 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       }
       wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
       __syncwarp();
-#pragma unroll 1
-      for (int e = lane; e < 256; e += 32) {
-        const int r = e / 16, j = 16 * w + e % 16;
-        const float G1 = stage[e] * gp[r * U + j];
-        g1[r * U + j] = fw_cvt<T>(G1);
-        h1[r * U + j] = fw_cvt<T>(G1 * (eta_s[r] * coef));
+      {
+        const Share s(lane);
+        const float e = eta_s[s.r] * coef;
+        float G1[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          G1[i] = stage[s.r * 16 + s.c0 + i] * gp[s.r * U + 16 * w + s.c0 + i];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int at = s.r * U + 16 * w + s.c0 + i;
+          g1[at] = fw_cvt<T>(G1[i]);
+          h1[at] = fw_cvt<T>(G1[i] * e);
+        }
       }
       float db1 = 0.0f;  // lane < 16: sum over the tokens of e G1 for hidden unit 16 w + lane
       if (lane < 16)
@@ -385,10 +421,13 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       }
       wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
       __syncwarp();
-#pragma unroll 1
-      for (int e = lane; e < 256; e += 32) {
-        const int r = e / 16, j = 16 * w + e % 16;
-        xb2[r * U + j] = fw_cvt<T>(gelu(stage[e] + b1s[j]));
+      {
+        const Share s(lane);
+        float z[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) z[i] = stage[s.r * 16 + s.c0 + i] + b1s[16 * w + s.c0 + i];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xb2[s.r * U + 16 * w + s.c0 + i] = fw_cvt<T>(gelu(z[i]));
       }
       __syncwarp();
       if (a.has_b1 && lane < 16) {
@@ -518,7 +557,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
         for (int i = 0; i < RL; ++i) {
           const long long off = ((bb * T_ + t0 + r) * H + h) * D + lane + 32 * i;
           float out = z[i];
-          if (a.residual) out += fw_f32(qg[off]);
+          if (a.residual) out += fw_f32(qt[r * D + lane + 32 * i]);  // q's row, as loaded
           og[off] = fw_cvt<T>(out);
         }
       }
