@@ -39,8 +39,10 @@ __global__ void toy_matmul(const float* A, const float* B, float* C, int M, int 
 
 // Clusters of 4 CTAs of 128 threads: CTA r of cluster g holds x[4 g + r, :] (L floats) in shared
 // memory; every CTA writes the cluster's sum over its 4 CTAs, read through distributed shared
-// memory in rank order (the entry's bug 3 and 4: toy_cluster_split). BUG 1 leaves out the cluster.sync() before the peers' reads, BUG 2 the
-// one before the CTAs leave.
+// memory in rank order. BUG 1 leaves out the cluster.sync() before the peers' reads, BUG 2 the
+// one before the CTAs leave; BUG 3 splits the first into barrier_arrive / barrier_wait around
+// independent work (out holds the CTA's own row until the sums replace it), BUG 4 does so but
+// reads the peers before waiting.
 template <int BUG>
 __global__ void __cluster_dims__(4, 1, 1) toy_cluster_sum(const float* x, float* out, int L) {
   FW_DYNAMIC_SMEM(smem);
@@ -48,35 +50,20 @@ __global__ void __cluster_dims__(4, 1, 1) toy_cluster_sum(const float* x, float*
   float* buf = reinterpret_cast<float*>(smem);
   const long long row = blockIdx.x;
   for (int i = threadIdx.x; i < L; i += blockDim.x) buf[i] = x[row * L + i];
-  if (BUG != 1) cluster.sync();  // every CTA's slice is in place before any peer reads it
+  if (BUG == 3 || BUG == 4) {
+    cluster.barrier_arrive();
+    for (int i = threadIdx.x; i < L; i += blockDim.x) out[row * L + i] = x[row * L + i];
+    if (BUG == 3) cluster.barrier_wait();
+  } else if (BUG != 1) {
+    cluster.sync();  // every CTA's slice is in place before any peer reads it
+  }
   for (int i = threadIdx.x; i < L; i += blockDim.x) {
     float s = 0.0f;
     for (unsigned r = 0; r < cluster.num_blocks(); ++r) s += cluster.map_shared_rank(buf, r)[i];
     out[row * L + i] = s;
   }
+  if (BUG == 4) cluster.barrier_wait();
   if (BUG != 2) cluster.sync();  // no CTA leaves while a peer may still read its shared memory
-}
-
-// toy_cluster_sum with the first cluster barrier split into barrier_arrive / barrier_wait around
-// independent work (out holds the CTA's own row until the sums replace it); GOOD = false reads
-// the peers before waiting.
-template <bool GOOD>
-__global__ void __cluster_dims__(4, 1, 1) toy_cluster_split(const float* x, float* out, int L) {
-  FW_DYNAMIC_SMEM(smem);
-  cg::cluster_group cluster = cg::this_cluster();
-  float* buf = reinterpret_cast<float*>(smem);
-  const long long row = blockIdx.x;
-  for (int i = threadIdx.x; i < L; i += blockDim.x) buf[i] = x[row * L + i];
-  cluster.barrier_arrive();
-  for (int i = threadIdx.x; i < L; i += blockDim.x) out[row * L + i] = x[row * L + i];
-  if (GOOD) cluster.barrier_wait();
-  for (int i = threadIdx.x; i < L; i += blockDim.x) {
-    float s = 0.0f;
-    for (unsigned r = 0; r < cluster.num_blocks(); ++r) s += cluster.map_shared_rank(buf, r)[i];
-    out[row * L + i] = s;
-  }
-  if (!GOOD) cluster.barrier_wait();
-  cluster.sync();
 }
 
 // Per thread i of a warp: out[0][i] = the warp's sum (xor butterfly), out[1][i] = x[31 - i]
@@ -182,7 +169,7 @@ __global__ void __cluster_dims__(4, 1, 1) toy_barriers(float* out, int rounds) {
 template __global__ void toy_matmul<fw_bf16, true>(const float*, const float*, float*, int, int, int);
 template __global__ void toy_matmul<fw_half, true>(const float*, const float*, float*, int, int, int);
 template __global__ void toy_cluster_sum<0>(const float*, float*, int);
-template __global__ void toy_cluster_split<true>(const float*, float*, int);
+template __global__ void toy_cluster_sum<3>(const float*, float*, int);
 template __global__ void toy_block_sum<true>(const float*, float*);
 #else
 #include <stdint.h>
@@ -217,8 +204,8 @@ extern "C" const char* emu_cluster_sum(int bug, const float* x, float* out, int 
   return fw_emu::catch_error([&] {
     fw_emu::Config cfg{dim3(4 * clusters), dim3(128), 4, sizeof(float) * L, order};
     void (*kernels[])(const float*, float*, int) = {toy_cluster_sum<0>, toy_cluster_sum<1>,
-                                                    toy_cluster_sum<2>, toy_cluster_split<true>,
-                                                    toy_cluster_split<false>};
+                                                    toy_cluster_sum<2>, toy_cluster_sum<3>,
+                                                    toy_cluster_sum<4>};
     if (bug < 0 || bug > 4) throw std::invalid_argument("bug must be in [0, 4]");
     fw_emu::launch(kernels[bug], cfg, x, out, L);
   });
