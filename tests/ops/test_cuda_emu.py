@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.ops.cuda_emu.build import EMU, build, ptxas_report
+from tests.ops.cuda_emu.build import EMU, barrier_mutants, build, ptxas_report
 
 TOY = EMU / "toy_kernels.cu"
 ORDERS = (0, 1, 2, 3)
@@ -109,8 +109,8 @@ def test_cluster_sum(lib):
     clusters, L = 2, 300
     x = _randn(4 * clusters, L, seed=5)
     expect = x.view(clusters, 4, L).sum(1, keepdim=True).expand(clusters, 4, L).reshape(4 * clusters, L)
-    outs = [_cluster_sum(lib, 0, x, clusters, order) for order in ORDERS]
-    for out in outs:
+    outs = [_cluster_sum(lib, bug, x, clusters, order) for bug in (0, 3) for order in ORDERS]
+    for out in outs:  # 3: the first barrier split into barrier_arrive / barrier_wait
         torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
         assert torch.equal(out, outs[0])
 
@@ -123,6 +123,8 @@ def test_cluster_sum_missing_syncs(lib):
     assert any(_cluster_sum(lib, 1, x, clusters, order).isnan().any() for order in ORDERS)
     with pytest.raises(RuntimeError, match="already exited"):
         _cluster_sum(lib, 2, x, clusters, 0)
+    # the split barrier's peers read before barrier_wait
+    assert any(_cluster_sum(lib, 4, x, clusters, order).isnan().any() for order in ORDERS)
 
 
 def test_warp_shuffles(lib):
@@ -189,7 +191,8 @@ def test_divergent_barrier_raises(lib, which, message):
     (3, "warp divergence"),
     (4, "mask other than 0xffffffff"),
     (5, "block 0 thread 0: .*not into this CTA's dynamic shared memory"),
-], ids=["lanes-disagree", "misaligned", "exited-lanes", "warp-divergence", "mask", "dsmem"])
+    (6, "barrier_wait .* without a barrier_arrive"),
+], ids=["lanes-disagree", "misaligned", "exited-lanes", "warp-divergence", "mask", "dsmem", "wait"])
 def test_misuse_raises(lib, which, message):
     out = torch.zeros(64)
     with pytest.raises(RuntimeError, match=message):
@@ -246,5 +249,35 @@ def test_nvcc_compiles_without_spills():
     report = ptxas_report(TOY)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(entries) == 10 and len(props) == len(entries), report
+    assert len(entries) == 11 and len(props) == len(entries), report
     assert all(s == "0" and ld == "0" for s, ld in props), report
+
+
+@pytest.mark.slow
+def test_barrier_mutants_of_the_matmul():
+    """Each barrier of the WMMA matmul removed in turn (build.barrier_mutants): the schedules
+    find the missing __syncthreads after the shared-memory fill and the missing __syncwarp
+    between the store and the lanes' reads, not the __syncwarp before the next tile's store,
+    whose own warp barrier stands in for it here (docs/cuda_emulation.md, "What it cannot
+    check")."""
+    A, B = _randn(32, 16, seed=3), _randn(16, 48, seed=4)
+    src = TOY.read_text().splitlines()
+    lines = {n: src[n - 1] for n, _ in barrier_mutants(TOY)}
+    fill = next(n for n, t in lines.items() if t.strip() == "__syncthreads();")
+    read = next(n for n, t in lines.items() if "every lane reads the tile" in t)
+    reuse = next(n for n, t in lines.items() if "before the next tile's store" in t)
+    ref = None
+    found = {}
+    for n, path in barrier_mutants(TOY):
+        if n not in (fill, read, reuse):
+            continue
+        lib = build([path], f"toy_l{n}")
+        fn = lib.emu_matmul
+        fn.argtypes, fn.restype = SIGNATURES["emu_matmul"], ctypes.c_char_p
+        if ref is None:
+            good = build([TOY], "toy_kernels")
+            good.emu_matmul.argtypes, good.emu_matmul.restype = fn.argtypes, fn.restype
+            ref = _matmul(good, torch.bfloat16, True, A, B, 0)
+        found[n] = any(not torch.equal(_matmul(lib, torch.bfloat16, True, A, B, o), ref)
+                       for o in ORDERS)
+    assert found == {fill: True, read: True, reuse: False}

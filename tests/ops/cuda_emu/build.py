@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -98,3 +99,26 @@ def ptxas_report(source: Path, arch: str = "sm_90a", defines: dict | None = None
         tmp_out.write_text(proc.stdout + proc.stderr)
         os.replace(tmp_out, out)
     return out.read_text()
+
+
+BARRIER = re.compile(r"(?:__syncthreads|__syncwarp|\b\w+\.sync)\(\);")
+
+
+def barrier_mutants(source: Path) -> list[tuple[int, Path]]:
+    """For every line of ``source`` that calls a barrier as a statement (``__syncthreads();``,
+    ``__syncwarp();``, ``cluster.sync();``), a copy of ``source`` with that call removed, beside
+    copies of the headers of its directory: (line number, path). Run a kernel built from each
+    under several schedules to see which barriers its tests would miss."""
+    source = Path(source)
+    lines = source.read_text().splitlines(keepends=True)
+    out = cache_dir() / f"mutants-{source.stem}-{_key('mutants', [source], [])}"
+    out.mkdir(exist_ok=True)
+    for header in source.parent.glob("*.h"):
+        shutil.copy(header, out / header.name)
+    mutants = []
+    for i, line in enumerate(lines):
+        if BARRIER.search(line.split("//")[0]):
+            path = out / f"{source.stem}_l{i + 1}{source.suffix}"
+            path.write_text("".join([*lines[:i], BARRIER.sub(";", line, count=1), *lines[i + 1:]]))
+            mutants.append((i + 1, path))
+    return mutants

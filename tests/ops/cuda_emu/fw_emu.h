@@ -2,11 +2,12 @@
 // file that nvcc builds for the GPU also compiles with g++ (-DFW_EMULATE, through fw_cuda.h) and
 // runs on the CPU, deterministically, with barrier misuse reported: docs/cuda_emulation.md.
 //
-// Every CUDA thread is a cooperative fiber with its own stack. A cluster's fibers run under a scheduler
-// that lets each runnable fiber go until it reaches a barrier (a warp collective, __syncthreads,
-// cluster.sync()) or returns; the order in which the runnable fibers go each round is the launch's
-// `order` (forward, reverse, or a seeded random permutation), so a missing barrier shows up as a
-// result that changes with the order. Shared memory starts filled with 0xFF bytes (NaN in
+// Every CUDA thread is a cooperative fiber with its own stack. A cluster's fibers run under a
+// scheduler that always runs the runnable fiber that comes first in the launch's `order`
+// (forward, reverse, or a seeded random permutation drawn anew at every __syncthreads and
+// cluster.sync) until it reaches a barrier (a warp collective, __syncthreads, cluster.sync())
+// or returns: the first warps and CTAs of the order run as far ahead as the barriers allow, so
+// a missing barrier shows up as a result that changes with the order. Shared memory starts filled with 0xFF bytes (NaN in
 // float32/bfloat16/float16), a WMMA store writes only the storing lane's share of the tile, and a
 // barrier that some threads can never reach raises "deadlock: ..." instead of hanging.
 //
@@ -217,7 +218,7 @@ struct Config {
   dim3 block;                     // threads per CTA (x only), a multiple of 32, at most 1024
   unsigned cluster = 1;           // CTAs per cluster, 1..8 (the portable cluster size)
   size_t smem_bytes = 0;          // dynamic shared memory per CTA, at most 227 KiB
-  unsigned order = 0;             // 0 forward, 1 reverse, k >= 2 a permutation per round seeded by k
+  unsigned order = 0;             // priorities: 0 forward, 1 reverse, k >= 2 permutations seeded by k
   size_t stack_bytes = 512 << 10; // stack per emulated thread (a float fragment takes 1 KiB)
 };
 
@@ -276,6 +277,8 @@ struct Fiber {
   Site site;          // of the CTA or cluster barrier it waits at
   uint64_t result = 0;
   std::exception_ptr error;
+  bool cluster_pending = false;  // arrived at the cluster barrier, not yet waited
+  uint64_t cluster_phase = 0;    // the phase it arrived in
 };
 
 // The last mma_sync of a warp: its lanes hold the same fragments (every lane loads the whole
@@ -350,7 +353,13 @@ struct Launch {
   std::vector<CtaState> ctas;
   std::vector<unsigned char*> smem_alloc;
   unsigned cluster_arrived = 0;
+  uint64_t cluster_phase = 0;  // completed cluster barriers
   Site cluster_site;
+  // The scheduler runs the runnable fiber first in `order_of` (pos_of its inverse); `ready`
+  // holds one bit per position, set while that fiber is runnable.
+  std::vector<unsigned> order_of, pos_of;
+  std::vector<uint64_t> ready;
+  unsigned live = 0;
   Context main_ctx;
   const void* body = nullptr;
   void (*invoke)(const void*) = nullptr;
@@ -409,6 +418,7 @@ struct Launch {
       f.warp = i / 32;
       f.st = St::Run;
       f.error = nullptr;
+      f.cluster_pending = false;
       f.ctx.make(f.stack + page, stack_size, &Launch::trampoline);
     }
     for (WarpState& w : warps) {
@@ -433,7 +443,7 @@ struct Launch {
         case St::Warp: what = std::string("wait at ") + op_name(f.coll.op) + " (" +
                               f.coll.site.str() + ")"; break;
         case St::Cta: what = "wait at __syncthreads (" + f.site.str() + ")"; break;
-        case St::Cluster: what = "wait at cluster.sync (" + f.site.str() + ")"; break;
+        case St::Cluster: what = "wait at the cluster barrier (" + f.site.str() + ")"; break;
       }
       ++groups["block " + std::to_string(f.bid.x) + ": " + what];
     }
@@ -453,14 +463,41 @@ struct Launch {
     if (ws.first.op == Op::Shfl)
       for (unsigned l = 0; l < 32; ++l) lanes[l].result = lanes[lanes[l].coll.src].coll.value;
     for (unsigned l = 0; l < 32; ++l)
-      if (lanes[l].st == St::Warp) lanes[l].st = St::Run;
+      if (lanes[l].st == St::Warp) make_runnable(lanes[l]);
     ws.arrived = 0;
     ++ws.gen;
   }
 
+  void make_runnable(Fiber& f) {
+    f.st = St::Run;
+    const unsigned pos = pos_of[f.index];
+    ready[pos >> 6] |= 1ull << (pos & 63);
+  }
+
   void release(St st, unsigned cta) {
     for (Fiber& f : fibers)
-      if (f.st == st && (st == St::Cluster || f.cta == cta)) f.st = St::Run;
+      if (f.st == st && (st == St::Cluster || f.cta == cta)) make_runnable(f);
+    if (cfg.order >= 2) draw_order();
+  }
+
+  // The priorities: forward, reverse, or a permutation drawn from the seeded generator.
+  void draw_order() {
+    const unsigned n = static_cast<unsigned>(fibers.size());
+    for (unsigned i = 0; i < n; ++i) order_of[i] = cfg.order == 1 ? n - 1 - i : i;
+    if (cfg.order >= 2)
+      for (unsigned i = n - 1; i > 0; --i)
+        std::swap(order_of[i], order_of[static_cast<unsigned>(next_random() % (i + 1))]);
+    std::fill(ready.begin(), ready.end(), 0ull);
+    for (unsigned pos = 0; pos < n; ++pos) {
+      pos_of[order_of[pos]] = pos;
+      if (fibers[order_of[pos]].st == St::Run) ready[pos >> 6] |= 1ull << (pos & 63);
+    }
+  }
+
+  int first_ready() const {
+    for (size_t w = 0; w < ready.size(); ++w)
+      if (ready[w]) return static_cast<int>(w * 64 + static_cast<size_t>(__builtin_ctzll(ready[w])));
+    return -1;
   }
 
   // Book-keeping after fiber f stopped (at a barrier or for good).
@@ -475,6 +512,7 @@ struct Launch {
             throw std::runtime_error(where(f) + ": " + e.what());
           }
         }
+        --live;
         WarpState& ws = warps[f.warp];
         ++ws.exited;
         if (ws.arrived && ws.arrived + ws.exited == 32) release_warp(f.warp);
@@ -522,21 +560,7 @@ struct Launch {
         }
         break;
       }
-      case St::Cluster: {
-        if (cluster_arrived == 0) {
-          cluster_site = f.site;
-        } else if (!(cluster_site == f.site)) {
-          throw std::runtime_error("fw_emu: barrier divergence: " + where(f) +
-                                   " at cluster.sync (" + f.site.str() +
-                                   ") while other threads of its cluster wait at cluster.sync (" +
-                                   cluster_site.str() + ")");
-        }
-        if (++cluster_arrived == fibers.size()) {
-          cluster_arrived = 0;
-          release(St::Cluster, 0);
-        }
-        break;
-      }
+      case St::Cluster: break;  // counted when it arrived (cluster_arrive)
     }
   }
 
@@ -547,35 +571,33 @@ struct Launch {
     return z ^ (z >> 31);
   }
 
+  // Run the cluster's threads: always the runnable one first in the order, until it stops at a
+  // barrier or returns, so the first threads of the order run as far ahead of the others as
+  // the barriers let them.
   void run_cluster(unsigned c) {
     start_cluster(c);
-    std::vector<unsigned> runnable;
-    runnable.reserve(fibers.size());
+    const unsigned n = static_cast<unsigned>(fibers.size());
+    order_of.assign(n, 0);
+    pos_of.assign(n, 0);
+    ready.assign((n + 63) / 64, 0ull);
+    live = n;
+    draw_order();
     for (;;) {
-      runnable.clear();
-      bool all_exited = true;
-      for (unsigned i = 0; i < fibers.size(); ++i) {
-        if (fibers[i].st == St::Run) runnable.push_back(i);
-        if (fibers[i].st != St::Exited) all_exited = false;
-      }
-      if (all_exited) return;
-      if (runnable.empty())
+      const int pos = first_ready();
+      if (pos < 0) {
+        if (live == 0) return;
         throw std::runtime_error("deadlock: no thread of cluster " + std::to_string(c) +
                                  " can run, its threads wait at barriers that others never "
                                  "reach (a barrier in divergent code?)" + describe());
-      if (cfg.order == 1) {
-        std::reverse(runnable.begin(), runnable.end());
-      } else if (cfg.order >= 2) {
-        for (size_t i = runnable.size() - 1; i > 0; --i)
-          std::swap(runnable[i], runnable[next_random() % (i + 1)]);
       }
-      for (unsigned i : runnable) {
-        Fiber& f = fibers[i];
-        tl_cur = &f;
-        switch_context(main_ctx, f.ctx);
-        tl_cur = nullptr;
-        arrived(f);
-      }
+      Fiber& f = fibers[order_of[static_cast<unsigned>(pos)]];
+      tl_cur = &f;
+      switch_context(main_ctx, f.ctx);
+      tl_cur = nullptr;
+      // (a barrier that completed while it ran, in cluster_arrive, may have redrawn the order)
+      const unsigned now = pos_of[f.index];
+      ready[now >> 6] &= ~(1ull << (now & 63));
+      arrived(f);
     }
   }
 };
@@ -595,6 +617,43 @@ inline void wait(St st) {
 inline void warp_collective(const Coll& c) {
   self().coll = c;
   wait(St::Warp);
+}
+
+// The cluster barrier, split as barrier.cluster.arrive / .wait: arriving does not block; the
+// barrier completes when every thread of the cluster has arrived; waiting blocks until the
+// phase it arrived in has completed.
+inline void cluster_arrive(Site site) {
+  Fiber& f = self();
+  Launch& L = *tl_launch;
+  if (f.cluster_pending)
+    throw std::runtime_error("fw_emu: cluster barrier_arrive (" + site.str() +
+                             ") twice without a barrier_wait between");
+  if (L.cluster_arrived == 0) {
+    L.cluster_site = site;
+  } else if (!(L.cluster_site == site)) {
+    throw std::runtime_error("fw_emu: barrier divergence: " + where(f) + " at the cluster barrier (" +
+                             site.str() + ") while other threads of its cluster are at (" +
+                             L.cluster_site.str() + ")");
+  }
+  f.cluster_pending = true;
+  f.cluster_phase = L.cluster_phase;
+  if (++L.cluster_arrived == L.fibers.size()) {
+    L.cluster_arrived = 0;
+    ++L.cluster_phase;
+    L.release(St::Cluster, 0);
+  }
+}
+
+inline void cluster_wait(Site site) {
+  Fiber& f = self();
+  if (!f.cluster_pending)
+    throw std::runtime_error("fw_emu: cluster barrier_wait (" + site.str() +
+                             ") without a barrier_arrive before it");
+  if (tl_launch->cluster_phase == f.cluster_phase) {
+    f.site = site;
+    wait(St::Cluster);
+  }
+  f.cluster_pending = false;
 }
 
 inline void check_mask(unsigned mask, const char* what) {
@@ -767,9 +826,22 @@ struct thread_block {
 inline thread_block this_thread_block() { return thread_block(); }
 
 struct cluster_group {
+  struct arrival_token {};
   void sync(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) const {
-    fw_emu::detail::self().site = {file, line};
-    fw_emu::detail::wait(fw_emu::detail::St::Cluster);
+    fw_emu::detail::cluster_arrive({file, line});
+    fw_emu::detail::cluster_wait({file, line});
+  }
+  arrival_token barrier_arrive(const char* file = __builtin_FILE(),
+                               unsigned line = __builtin_LINE()) const {
+    fw_emu::detail::cluster_arrive({file, line});
+    return arrival_token();
+  }
+  void barrier_wait(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) const {
+    fw_emu::detail::cluster_wait({file, line});
+  }
+  void barrier_wait(arrival_token&&, const char* file = __builtin_FILE(),
+                    unsigned line = __builtin_LINE()) const {
+    fw_emu::detail::cluster_wait({file, line});
   }
   unsigned block_rank() const { return fw_emu::detail::self().cta; }
   unsigned num_blocks() const { return fw_emu::detail::tl_launch->cfg.cluster; }

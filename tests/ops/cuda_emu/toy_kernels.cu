@@ -40,7 +40,9 @@ __global__ void toy_matmul(const float* A, const float* B, float* C, int M, int 
 // Clusters of 4 CTAs of 128 threads: CTA r of cluster g holds x[4 g + r, :] (L floats) in shared
 // memory; every CTA writes the cluster's sum over its 4 CTAs, read through distributed shared
 // memory in rank order. BUG 1 leaves out the cluster.sync() before the peers' reads, BUG 2 the
-// one before the CTAs leave.
+// one before the CTAs leave; BUG 3 splits the first into barrier_arrive / barrier_wait around
+// independent work (out holds the CTA's own row until the sums replace it), BUG 4 does so but
+// reads the peers before waiting.
 template <int BUG>
 __global__ void __cluster_dims__(4, 1, 1) toy_cluster_sum(const float* x, float* out, int L) {
   FW_DYNAMIC_SMEM(smem);
@@ -48,12 +50,19 @@ __global__ void __cluster_dims__(4, 1, 1) toy_cluster_sum(const float* x, float*
   float* buf = reinterpret_cast<float*>(smem);
   const long long row = blockIdx.x;
   for (int i = threadIdx.x; i < L; i += blockDim.x) buf[i] = x[row * L + i];
-  if (BUG != 1) cluster.sync();  // every CTA's slice is in place before any peer reads it
+  if (BUG == 3 || BUG == 4) {
+    cluster.barrier_arrive();
+    for (int i = threadIdx.x; i < L; i += blockDim.x) out[row * L + i] = x[row * L + i];
+    if (BUG == 3) cluster.barrier_wait();
+  } else if (BUG != 1) {
+    cluster.sync();  // every CTA's slice is in place before any peer reads it
+  }
   for (int i = threadIdx.x; i < L; i += blockDim.x) {
     float s = 0.0f;
     for (unsigned r = 0; r < cluster.num_blocks(); ++r) s += cluster.map_shared_rank(buf, r)[i];
     out[row * L + i] = s;
   }
+  if (BUG == 4) cluster.barrier_wait();
   if (BUG != 2) cluster.sync();  // no CTA leaves while a peer may still read its shared memory
 }
 
@@ -101,7 +110,8 @@ __global__ void toy_divergent_barrier(float* out, int which) {
 // Misuses the emulator reports (each undefined behaviour on the GPU): 0 the lanes of a warp load
 // different tiles, 1 a WMMA pointer not 32-byte aligned, 2 a shuffle after half the warp has
 // left, 3 half a warp at __syncwarp and half at a shuffle, 4 a partial warp mask, 5 a
-// distributed-shared-memory mapping of a pointer that is not into shared memory.
+// distributed-shared-memory mapping of a pointer that is not into shared memory, 6 a cluster
+// barrier_wait without a barrier_arrive.
 __global__ void toy_misuse(float* out, int which) {
   FW_DYNAMIC_SMEM(smem);
   fw_half* h = reinterpret_cast<fw_half*>(smem);
@@ -120,8 +130,10 @@ __global__ void toy_misuse(float* out, int which) {
       v = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
   } else if (which == 4) {
     __syncwarp(0x0000ffffu);
-  } else {
+  } else if (which == 5) {
     v = *cg::this_cluster().map_shared_rank(out, 0);
+  } else {
+    cg::this_cluster().barrier_wait();
   }
   out[threadIdx.x] = v;
 }
@@ -157,6 +169,7 @@ __global__ void __cluster_dims__(4, 1, 1) toy_barriers(float* out, int rounds) {
 template __global__ void toy_matmul<fw_bf16, true>(const float*, const float*, float*, int, int, int);
 template __global__ void toy_matmul<fw_half, true>(const float*, const float*, float*, int, int, int);
 template __global__ void toy_cluster_sum<0>(const float*, float*, int);
+template __global__ void toy_cluster_sum<3>(const float*, float*, int);
 template __global__ void toy_block_sum<true>(const float*, float*);
 #else
 #include <stdint.h>
@@ -190,8 +203,11 @@ extern "C" const char* emu_cluster_sum(int bug, const float* x, float* out, int 
                                        unsigned order) {
   return fw_emu::catch_error([&] {
     fw_emu::Config cfg{dim3(4 * clusters), dim3(128), 4, sizeof(float) * L, order};
-    fw_emu::launch(bug == 1 ? toy_cluster_sum<1> : bug == 2 ? toy_cluster_sum<2> : toy_cluster_sum<0>,
-                   cfg, x, out, L);
+    void (*kernels[])(const float*, float*, int) = {toy_cluster_sum<0>, toy_cluster_sum<1>,
+                                                    toy_cluster_sum<2>, toy_cluster_sum<3>,
+                                                    toy_cluster_sum<4>};
+    if (bug < 0 || bug > 4) throw std::invalid_argument("bug must be in [0, 4]");
+    fw_emu::launch(kernels[bug], cfg, x, out, L);
   });
 }
 
