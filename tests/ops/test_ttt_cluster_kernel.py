@@ -174,8 +174,9 @@ def test_half_operands_are_the_model_and_within_bounds(lib, dtype, D, T):
 
 
 def test_the_same_bits_under_every_schedule(lib):
-    """Four schedules of the emulated threads (forward, reverse, two shuffles per round) give
-    bit-identical results: no result depends on an order the barriers leave open."""
+    """Four schedules of the emulated threads (forward, reverse, two seeded permutations
+    drawn anew at every CTA or cluster barrier) give bit-identical results: no result depends
+    on an order the barriers leave open."""
     inputs, start = make_case(B=1, T=21, H=1, D=64, b=5, seed=2)
     runs = [emulate(lib, inputs, start, True, torch.bfloat16, order=o) for o in range(4)]
     for other in runs[1:]:

@@ -563,6 +563,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
         }
       }
     }
+    __syncthreads();  // q's rows are read above before the next mini-batch overwrites them
   }
 
   // the weights after the last full mini-batch
