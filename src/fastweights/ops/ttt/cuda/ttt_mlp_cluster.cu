@@ -81,6 +81,22 @@ using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
 template <class T>
 using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
 
+// acc += A B over KT 16-deep steps: A's rows at a (row-major, ldm lda; step k at a + 16 k),
+// B's step k at b + k * bstep (ldm ldb), row-major (B = FragB) or column-major (FragBT: B the
+// transpose of a row-major block, step k at b + 16 k).
+template <int KT, class FB, class T>
+__device__ __forceinline__ void chain(Acc& acc, const T* a, int lda, const T* b, int bstep,
+                                      int ldb) {
+#pragma unroll
+  for (int k = 0; k < KT; ++k) {
+    FragA<T> fa;
+    FB fb;
+    wmma::load_matrix_sync(fa, a + 16 * k, lda);
+    wmma::load_matrix_sync(fb, b + k * bstep, ldb);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+}
+
 // gelu_tanh(x) and its derivative (ops/ttt/mlp_scan.py ``_gelu_parts``): s = sigmoid(2 u),
 // u = c (x + a x^3), gelu = x s, gelu' = s + 2 c x (1 + 3 a x^2) s (1 - s).
 __device__ __forceinline__ void gelu2(float x, float& g, float& d) {
@@ -264,14 +280,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     {
       Acc acc;
       wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-      for (int i = 0; i < ND; ++i) {
-        FragA<T> fa;
-        FragB<T> fb;
-        wmma::load_matrix_sync(fa, kt + 16 * i, D);
-        wmma::load_matrix_sync(fb, w1c + (16 * i) * U + 16 * w, U);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
+      chain<ND, FragB<T>>(acc, kt, D, w1c + 16 * w, 16 * U, U);
       wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
       __syncwarp();
       {
@@ -292,14 +301,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       if (w == NW - 1) {
         Acc sc;
         wmma::fill_fragment(sc, 0.0f);
-#pragma unroll
-        for (int i = 0; i < ND; ++i) {
-          FragA<T> fa;
-          FragBT<T> fb;  // K^T: element (d, j) at kt[j D + d]
-          wmma::load_matrix_sync(fa, qt + 16 * i, D);
-          wmma::load_matrix_sync(fb, kt + 16 * i, D);
-          wmma::mma_sync(sc, fa, fb, sc);
-        }
+        chain<ND, FragBT<T>>(sc, qt, D, kt, 16, D);  // K^T: element (d, j) at kt[j D + d]
         wmma::store_matrix_sync(as, sc, 16, wmma::mem_row_major);
       }
     }
@@ -309,14 +311,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     if (w < ND) {
       Acc acc;
       wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-      for (int u = 0; u < U / 16; ++u) {
-        FragA<T> fa;
-        FragB<T> fb;
-        wmma::load_matrix_sync(fa, x2 + 16 * u, U);
-        wmma::load_matrix_sync(fb, w2c + (16 * u) * D + 16 * w, D);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
+      chain<U / 16, FragB<T>>(acc, x2, U, w2c + 16 * w, 16 * D, D);
       wmma::store_matrix_sync(ex1 + 16 * w, acc, D, wmma::mem_row_major);
     }
     cluster.sync();
@@ -374,14 +369,8 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     {
       Acc acc;
       wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-      for (int v = 0; v < ND; ++v) {
-        FragA<T> fa;
-        FragBT<T> fb;  // W2_s^T: element (d, j) at w2c[(16 w + j) D + d]
-        wmma::load_matrix_sync(fa, g2 + 16 * v, D);
-        wmma::load_matrix_sync(fb, w2c + (16 * w) * D + 16 * v, D);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
+      // W2_s^T: element (d, j) at w2c[(16 w + j) D + d]
+      chain<ND, FragBT<T>>(acc, g2, D, w2c + (16 * w) * D, 16, D);
       wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
       __syncwarp();
       {
@@ -405,21 +394,8 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       __syncwarp();
 
       wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-      for (int i = 0; i < ND; ++i) {
-        FragA<T> fa;
-        FragB<T> fb;
-        wmma::load_matrix_sync(fa, qt + 16 * i, D);
-        wmma::load_matrix_sync(fb, w1c + (16 * i) * U + 16 * w, U);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
-      {
-        FragA<T> fa;
-        FragB<T> fb;
-        wmma::load_matrix_sync(fa, m1, 16);
-        wmma::load_matrix_sync(fb, g1 + 16 * w, U);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
+      chain<ND, FragB<T>>(acc, qt, D, w1c + 16 * w, 16 * U, U);
+      chain<1, FragB<T>>(acc, m1, 16, g1 + 16 * w, 0, U);
       wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
       __syncwarp();
       {
@@ -475,27 +451,13 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     if (w < ND) {
       Acc acc;
       wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-      for (int u = 0; u < U / 16; ++u) {
-        FragA<T> fa;
-        FragB<T> fb;
-        wmma::load_matrix_sync(fa, xb2 + 16 * u, U);
-        wmma::load_matrix_sync(fb, w2c + (16 * u) * D + 16 * w, D);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
+      chain<U / 16, FragB<T>>(acc, xb2, U, w2c + 16 * w, 16 * D, D);
       wmma::store_matrix_sync(ex2 + 16 * w, acc, D + 16, wmma::mem_row_major);
     }
     if (w == NW - 1) {
       Acc acc;
       wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-      for (int u = 0; u < U / 16; ++u) {
-        FragA<T> fa;
-        FragBT<T> fb;  // X2_s^T: element (u', j) at x2[j U + 16 u + u']
-        wmma::load_matrix_sync(fa, xb2 + 16 * u, U);
-        wmma::load_matrix_sync(fb, x2 + 16 * u, U);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
+      chain<U / 16, FragBT<T>>(acc, xb2, U, x2, 16, U);  // X2_s^T: (u', j) at x2[j U + u']
       wmma::store_matrix_sync(ex2 + D, acc, D + 16, wmma::mem_row_major);
     }
     cluster.sync();
@@ -518,12 +480,8 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     // 7. Zbar2 = Zq2 + M2 G2 (warp v); the b2 update (or sum)
     if (w < ND) {
       Acc acc;
-      FragA<T> fa;
-      FragB<T> fb;
       wmma::load_matrix_sync(acc, zb2 + 16 * w, D, wmma::mem_row_major);
-      wmma::load_matrix_sync(fa, m2, 16);
-      wmma::load_matrix_sync(fb, g2 + 16 * w, D);
-      wmma::mma_sync(acc, fa, fb, acc);
+      chain<1, FragB<T>>(acc, m2, 16, g2 + 16 * w, 0, D);
       wmma::store_matrix_sync(zb2 + 16 * w, acc, D, wmma::mem_row_major);
     }
     if (a.has_b2)
