@@ -125,6 +125,13 @@ struct Share {
   __device__ __forceinline__ explicit Share(int lane) : r(lane / 2), c0((lane % 2) * 8) {}
 };
 
+// The lane's share of the warp's staging tile plus a bias per column (the tile's 16).
+__device__ __forceinline__ void share_plus(const float* stage, const float* bias, const Share& s,
+                                           float (&z)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) z[i] = stage[s.r * 16 + s.c0 + i] + bias[s.c0 + i];
+}
+
 // The warp's accumulator tile into dst (row-major, ldm) in the operand dtype, through the
 // warp's float staging tile.
 template <class T>
@@ -286,8 +293,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       {
         const Share s(lane);
         float z[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) z[i] = stage[s.r * 16 + s.c0 + i] + b1s[16 * w + s.c0 + i];
+        share_plus(stage, b1s + 16 * w, s, z);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int at = s.r * U + 16 * w + s.c0 + i;
@@ -401,8 +407,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       {
         const Share s(lane);
         float z[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) z[i] = stage[s.r * 16 + s.c0 + i] + b1s[16 * w + s.c0 + i];
+        share_plus(stage, b1s + 16 * w, s, z);
 #pragma unroll
         for (int i = 0; i < 8; ++i) xb2[s.r * U + 16 * w + s.c0 + i] = fw_cvt<T>(gelu(z[i]));
       }
