@@ -268,3 +268,24 @@ def test_skipped_rows_are_listed_in_the_record(tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["skipped"] == [f"train {n} auto B2 T32 d32 H2 L2 step"
                                for n in ("softmax", "linear")]
+
+
+def test_the_cluster_rows_say_when_the_triton_kernel_ran_instead(monkeypatch):
+    """On a GPU where the TTT-MLP cluster kernel cannot run (here: its build failed), its
+    exactness rows are the Triton kernel's (the fallback): their status says so, with the
+    reason; where it can run, they stay as measured."""
+    from types import SimpleNamespace
+
+    from fastweights.bench import gpu_paper
+    from fastweights.ops.ttt import cluster
+
+    run = gpu.Run(gpu.GPU_SIZES, torch.device("cuda"), 0.0, ("triton",), 1.0)
+    monkeypatch.setattr(gpu_paper.torch, "empty", lambda *a, **k: None)
+    tools = gpu_paper.Tools(lambda r, op, backend, dtype, docs: r.row(status="ok"), None, None,
+                            {"ttt_mlp": SimpleNamespace(chunk=16)})
+    for why in ("building it failed: nvcc failed: ...", None):
+        monkeypatch.setattr(cluster, "problem", lambda q, Dv, Dh, b, why=why: why)
+        gpu_paper.opt_in_exact(run, tools, "ttt_mlp (cluster)", torch.bfloat16, 128)
+    assert [r["name"] for r in run.rows] == ["ttt_mlp (cluster)"] * 2
+    assert run.rows[0]["status"] == "skipped: the Triton kernel ran, building it failed: nvcc failed: ..."
+    assert run.rows[1]["status"] == "ok"

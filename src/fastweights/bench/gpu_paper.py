@@ -107,8 +107,17 @@ def opt_in_exact(run: Any, tools: Tools, name: str, dtype: torch.dtype, D: int) 
     first = len(run.rows)  # ``sized`` appends to the same rows
     with _switched(env):
         tools.exact_case(sized, tools.ops[op], "triton", dtype, None)
+    # the cluster kernel falls back to Triton's where it cannot run (a log line): say so here
+    why = None
+    if op == "ttt_mlp" and run.device.type == "cuda":
+        from ..ops.ttt import cluster
+
+        why = cluster.problem(torch.empty(B, T, H, D, dtype=dtype, device=run.device), D, 4 * D,
+                              tools.ops[op].chunk)
     for r in run.rows[first:]:
         r["name"] = name
+        if why is not None and not str(r.get("status", "")).startswith("skipped"):
+            r["status"] = f"skipped: the Triton kernel ran, {why}"
 
 
 def paper_case(run: Any, tools: Tools, name: str, mixer: str, resident: bool, T: int) -> None:

@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["ENV", "HEAD_SIZES", "INT_FIELDS", "MAX_MINI_BATCH", "NVCC_FLAGS", "PTR_FIELDS",
            "SOURCE_DIR", "VARIANT", "LaunchArgs", "build", "fwd_variant", "launch",
-           "launch_forward", "launch_recompute", "pack", "refusal", "why_not"]
+           "launch_forward", "launch_recompute", "pack", "problem", "refusal", "why_not"]
 
 ENV = "FASTWEIGHTS_TTT_MLP_FWD"
 VARIANT = "cluster"
@@ -151,6 +151,15 @@ def launch(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int, 
     if err != 0:
         raise RuntimeError(f"the TTT-MLP cluster kernel's launch failed: CUDA error {err}, "
                            f"{lib.fw_ttt_mlp_cluster_error(err).decode()}")
+
+
+def problem(q: torch.Tensor, Dv: int, Dh: int, b: int) -> str | None:
+    """Why the cluster kernel would not run a call like ``why_not``'s, the library's build
+    included (built here if it was not): None when it would."""
+    reason = why_not(q, Dv, Dh, b)
+    if reason is None and _library() is None:
+        reason = str(_build.get("error"))
+    return reason
 
 
 def _log_once(reason: str) -> None:
