@@ -31,9 +31,9 @@ F64 = torch.float64
 BF16_GRAD = 2e-2  # the issue's bound, max |x - ref| / max |ref|
 
 
-def mlp_case(T, b, D, ln=True, ln_bias=True, b1=True, b2=True, residual=True, seed=3):
+def mlp_case(T, b, D, H=1, ln=True, ln_bias=True, b1=True, b2=True, residual=True, seed=3):
     """float64 inputs and keyword arguments of one TTT-MLP call (Dk = Dv = D, Dh = 4 D)."""
-    args, kw = case(T=T, b=b, Dk=D, Dv=D, ln=ln, bias=True, seed=seed, kind="mlp")
+    args, kw = case(T=T, H=H, b=b, Dk=D, Dv=D, ln=ln, bias=True, seed=seed, kind="mlp")
     W1, c1, W2, c2 = kw["initial_state"]
     kw["initial_state"] = (W1, c1 if b1 else None, W2, c2 if b2 else None)
     if ln and not ln_bias:
@@ -42,15 +42,16 @@ def mlp_case(T, b, D, ln=True, ln_bias=True, b1=True, b2=True, residual=True, se
     return args, kw
 
 
-# (T, b, D, slice_units, checkpoint_group, flags): several full segments and a partial last
+# (T, b, D, slice_units, checkpoint_group, H, flags): several full segments and a partial last
 # mini-batch (on the kernel) except where said; C = 4 D / slice_units in 1, 2, 4
 CASES = [
-    (11, 3, 16, 16, 2, {}),
-    (17, 4, 16, 64, 3, {"ln": False, "b1": False, "b2": False, "residual": False}),
-    (10, 3, 32, 32, 2, {"ln_bias": False, "b2": False}),
-    (12, 4, 16, 32, 1, {"b1": False, "residual": False}),  # no partial mini-batch
+    (10, 3, 16, 16, 2, 2, {}),
+    (17, 4, 16, 64, 3, 1, {"ln": False, "b1": False, "b2": False, "residual": False}),
+    (7, 3, 32, 32, 1, 1, {"ln_bias": False, "b2": False}),
+    (8, 4, 16, 32, 1, 1, {"b1": False, "residual": False}),  # no partial mini-batch
 ]
-IDS = [f"T{c[0]}b{c[1]}D{c[2]}U{c[3]}g{c[4]}-" + "-".join(f"no_{k}" for k in c[5]) for c in CASES]
+IDS = [f"T{c[0]}b{c[1]}D{c[2]}U{c[3]}g{c[4]}H{c[5]}-" + "-".join(f"no_{k}" for k in c[6])
+       for c in CASES]
 
 
 def _segments(T, b, group):
@@ -59,56 +60,40 @@ def _segments(T, b, group):
     return [(n, min(n + seg, NF)) for n in range(0, NF, seg)]
 
 
-@pytest.mark.parametrize("T, b, D, U, group, flags", CASES, ids=IDS)
-def test_model_gradients_are_the_token_loop(launches, exact, T, b, D, U, group, flags):  # noqa: F811
-    """float32 operands: the output, final state and every input's gradient (q, k, v, eta, W1,
-    b1, W2, b2, the LayerNorm's weight and bias, the token scales) with the model in place of
-    the kernel's full segments equal autograd through the float64 token loop within 1e-4."""
-    args, kw = mlp_case(T, b, D, **flags)
+@pytest.mark.parametrize("T, b, D, U, group, H, flags", CASES, ids=IDS)
+def test_model_is_the_token_loop_and_the_kernel(launches, exact, T, b, D, U, group, H,  # noqa: F811
+                                                flags):
+    """float32 operands, the model in place of the kernel on every full segment: the output,
+    final state and every input's gradient (q, k, v, eta, W1, b1, W2, b2, the LayerNorm's
+    weight and bias, the token scales) equal autograd through the float64 token loop within
+    1e-4; and launch by launch, the kernel run on the same inputs gives the model's outputs
+    (carried gradients, acc, dtau, the segment's dk, dv, deta) within 1e-5 of max(1, max |x|):
+    in float32 the two differ only in the order of the sums."""
+    args, kw = mlp_case(T, b, D, H, **flags)
     want = run(ttt_mlp, args, kw, F64, mode="naive")
-    with bwd_b_model(torch.float32, U) as calls:
+    diffs: list = []
+    with bwd_b_model(torch.float32, U, compare=diffs) as calls:
         got = run(ttt_mlp, args, kw, torch.float32, backend="triton", checkpoint_group=group)
     assert sorted(calls) == _segments(T, b, group)  # every full segment ran in the model
-    assert launches["mlp_bwd_b"] == (T % b > 0)  # the partial one on the kernel
+    assert launches["mlp_bwd_b"] == (T % b > 0) + len(calls)  # (the comparisons' launches)
     assert_matches(got, want, TOL32, "cluster bwd model")
-
-
-@pytest.mark.parametrize("T, b, D, U, group, flags", CASES[:3], ids=IDS[:3])
-def test_model_is_the_kernel(exact, T, b, D, U, group, flags):  # noqa: F811
-    """Launch by launch on the same inputs, the model's outputs (carried gradients, acc, dtau,
-    the segment's dk, dv, deta) equal the kernel's within 1e-5 (relative to max(1, max |kernel|)): in float32 they differ only
-    in the order of the sums."""
-    args, kw = mlp_case(T, b, D, seed=4, **flags)
-    diffs: list = []
-    with bwd_b_model(torch.float32, U, compare=diffs):
-        run(ttt_mlp, args, kw, torch.float32, backend="triton", checkpoint_group=group)
-    assert len(diffs) == len(_segments(T, b, group))
     worst = {n: max(d[n] for d in diffs) for n in diffs[0]}
-    print(worst)
     assert max(worst.values()) <= 1e-5, worst
 
 
-def _bf16_values(args):
+def test_bfloat16_operands(exact):  # noqa: F811
+    """bfloat16 operands (q, k, v rounded to bfloat16 values first, given as float32), 2
+    slices: every gradient within 2e-2 of max |ref| of the float64 token loop on the same
+    inputs, and farther than float32 operands' 1e-4 (the roundings are there)."""
+    args, kw = mlp_case(13, 4, 16, seed=5)
     q, k, v, eta = args
-    return (*(x.to(torch.bfloat16).to(F64) for x in (q, k, v)), eta)
-
-
-@pytest.mark.parametrize("D, U", [(16, 16), (32, 64)])
-def test_bfloat16_operands(exact, D, U):  # noqa: F811
-    """bfloat16 operands (q, k, v rounded to bfloat16 values first, given as float32): every
-    gradient within 2e-2 of max |ref| of the float64 token loop on the same inputs."""
-    args, kw = mlp_case(13, 4, D, seed=5)
-    args = _bf16_values(args)
+    args = (*(x.to(torch.bfloat16).to(F64) for x in (q, k, v)), eta)
     want = run(ttt_mlp, args, kw, F64, mode="naive")
-    with bwd_b_model(torch.bfloat16, U):
+    with bwd_b_model(torch.bfloat16, 32):
         got = run(ttt_mlp, args, kw, torch.float32, backend="triton", checkpoint_group=2)
     errs = [max_err(x, y) / y.abs().max().item() for x, y in zip(got[2], want[2])]
     assert max(errs) <= BF16_GRAD, errs
-    # the roundings are there: float32 operands are far closer
-    with bwd_b_model(torch.float32, U):
-        got32 = run(ttt_mlp, args, kw, torch.float32, backend="triton", checkpoint_group=2)
-    errs32 = [max_err(x, y) / y.abs().max().item() for x, y in zip(got32[2], want[2])]
-    assert max(errs32) < max(errs) / 10, (errs32, errs)
+    assert max(errs) > TOL32, errs
 
 
 def test_bad_arguments():

@@ -262,8 +262,8 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 class _ModelKernel:
     """Stands in for ``_mlp_bwd_b_kernel`` (``kernel[grid](*args, **constexprs)``): launches
-    with TAIL go to the kernel, the others to the model (``compare``: to both, see
-    ``bwd_b_model``)."""
+    with TAIL go to the kernel, the others to the model (``compare``: the kernel too, on
+    copies of the outputs; see ``bwd_b_model``)."""
 
     def __init__(self, kernel, operand_dtype: torch.dtype, slice_units: int,
                  compare: list | None, calls: list):
@@ -276,16 +276,16 @@ class _ModelKernel:
                 return self.kernel[grid](*args, **consts)
             a = dict(zip(_LAUNCH_ARGS, args))
             self.calls.append((a["n0"], a["n1"]))
-            if self.compare is None:
-                return _model_launch(a, consts, self.operand_dtype, self.slice_units)
-            mine = {**a, **{n: a[n].clone() for n in _OUTPUTS}}
-            self.kernel[grid](*args, **consts)
-            _model_launch(mine, consts, self.operand_dtype, self.slice_units)
-            tok = slice(a["n0"] * a["b"], a["n1"] * a["b"])  # dv, dk, deta: the segment's
-            self.compare.append({n: _rel(mine[n][:, tok], a[n][:, tok])
-                                 if n in ("dk", "dv", "deta") else _rel(mine[n], a[n])
-                                 for n in _OUTPUTS})
-            return None
+            if self.compare is not None:
+                theirs = {n: a[n].clone() for n in _OUTPUTS}
+                self.kernel[grid](*(theirs.get(n, x) for n, x in zip(_LAUNCH_ARGS, args)),
+                                  **consts)
+            _model_launch(a, consts, self.operand_dtype, self.slice_units)
+            if self.compare is not None:
+                tok = slice(a["n0"] * a["b"], a["n1"] * a["b"])  # dk, dv, deta: the segment's
+                self.compare.append({n: _rel(a[n][:, tok], theirs[n][:, tok])
+                                     if n in ("dk", "dv", "deta") else _rel(a[n], theirs[n])
+                                     for n in _OUTPUTS})
 
         return launch
 
@@ -296,9 +296,10 @@ def bwd_b_model(operand_dtype: torch.dtype = F32, slice_units: int = 128,
     """Within the block, every launch of ops/ttt/triton.py's ``_mlp_bwd_b_kernel`` on a full
     segment (TAIL off) runs ``mlp_bwd_b_cluster_model`` instead (a partial last mini-batch
     stays on the kernel), so that a whole ``ttt_mlp`` backward runs with the model. With
-    ``compare`` (a list): the kernel runs and its results go on; the model runs on copies and
-    max |model - kernel| / max(1, max |kernel|) of each output is appended to ``compare`` per launch. Yields
-    the list of the (n0, n1) segments the model ran."""
+    ``compare`` (a list), the kernel also runs each of those launches on copies of its
+    outputs, and max |model - kernel| / max(1, max |kernel|) of each output (the carried
+    gradients, acc, dtau; the segment's tokens of dk, dv, deta) goes into ``compare`` as a
+    dict per launch. Yields the list of the (n0, n1) segments the model ran."""
     from . import triton as module
 
     kernel = module._mlp_bwd_b_kernel
