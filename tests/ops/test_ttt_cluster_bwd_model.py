@@ -96,6 +96,35 @@ def test_bfloat16_operands(exact):  # noqa: F811
     assert max(errs) > TOL32, errs
 
 
+def test_cluster_sums_run_in_slice_order_then_the_rest():
+    """Both cluster sums add the slices' shares in order 0..C-1, then the terms every CTA holds:
+    one token, 4 slices, X2 = gelu(16) = 16 and gelu'(16) = 1 exactly, shares 0, 1, 2^25,
+    -2^25 of X2 D2 (with d2 = 2) and of dk's -(eta G1) D1^T (with the residual's dG2 = -2).
+    In that order float32 gives xD2 = 2 (deta = -tau_b eta G2 xD2 = -2) and dk = -2; the
+    rest first gives 4 (-4), slices in reverse 3 (-3)."""
+    D, Dh, U, BB = 4, 16, 4, 16
+    f = {"dtype": torch.float32}
+    z = torch.zeros
+    shares = torch.tensor([0.0, 1.0, 2.0 ** 25, -2.0 ** 25])
+    dw1, dw2, db2 = z(1, D, Dh, **f), z(1, Dh, D, **f), z(1, D, **f)
+    dw1[0, 0, ::U] = shares  # ce = -1, G1 = 1: dk's shares -D1
+    dw2[0, ::U, 0] = shares / 16  # X2 = 16: xD2's shares
+    db2[0, 0] = 2.0
+    hs, vs = z(1, 1, 4, Dh, BB, **f), z(1, 1, 5, D, BB, **f)
+    hs[0, 0, 0] = 16.0  # Z1
+    hs[0, 0, 1, ::U, 0] = 1.0  # A (G1 = A gelu'(Z1))
+    vs[0, 0, 0, 0, 0] = 1.0  # G2
+    dk, deta = z(1, 1, 1, D, **f), z(1, 1, 1, **f)
+    x = z(1, 1, 1, D, **f)
+    mlp_bwd_b_cluster_model(
+        x, x, x, torch.ones(1, 1, 1), torch.ones(1, 1), z(1, 1, BB, BB), None, None,
+        z(1, D, Dh, **f), z(1, Dh, D, **f), dw1, z(1, Dh, **f), dw2, db2, hs, vs, z(1, 1, BB),
+        z(1, 1, BB, BB), z(1, 2, D, **f), z(1, BB, **f), dk, z(1, 1, 1, D, **f), deta,
+        1, 1, D, D, Dh, 1, 1, 0, 1, 1, 1, 0, has_b1=False, has_b2=True, has_ln=False,
+        has_lnb=False, residual=True, operand_dtype=torch.float32, slice_units=U)
+    assert deta.item() == -2.0 and dk[0, 0, 0, 0].item() == -2.0, (deta, dk)
+
+
 def test_bad_arguments():
     """An operand dtype the kernel does not have, or slices that do not divide Dh: an error
     naming the argument, before any work."""
