@@ -79,6 +79,7 @@ def test_model_is_the_token_loop_and_the_kernel(launches, exact, T, b, D, U, gro
     assert sorted(calls) == _segments(T, b, group)  # every full segment ran in the model
     assert launches["mlp_bwd_b"] == (T % b > 0) + len(calls)  # (the comparisons' launches)
     assert_matches(got, want, TOL32, "cluster bwd model")
+    assert len(diffs) == len(calls)
     worst = {n: max(d[n] for d in diffs) for n in diffs[0]}
     assert max(worst.values()) <= 1e-5, worst
 
@@ -128,8 +129,8 @@ def test_cluster_sums_run_in_slice_order_then_the_rest():
 
 
 def test_bad_arguments():
-    """An operand dtype the kernel does not have, or slices that do not divide Dh: an error
-    naming the argument, before any work."""
+    """An operand dtype the kernel does not have, slices that do not divide Dh, a tensor of
+    the wrong shape: an error naming the argument, before any work."""
     t = torch.zeros(1)
     kw = {"has_b1": True, "has_b2": True, "has_ln": False, "has_lnb": False, "residual": False}
     with pytest.raises(ValueError, match="operand_dtype"):
@@ -138,3 +139,6 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="slice_units"):
         mlp_bwd_b_cluster_model(*([t] * 23), 4, 1, 4, 4, 16, 4, 1, 0, 1, 1, 2, 1,
                                 operand_dtype=torch.float32, slice_units=12, **kw)
+    with pytest.raises(ValueError, match="q must be a tensor of 4 dims"):
+        mlp_bwd_b_cluster_model(*([t] * 23), 4, 1, 4, 4, 16, 4, 1, 0, 1, 1, 2, 1,
+                                operand_dtype=torch.float32, slice_units=4, **kw)

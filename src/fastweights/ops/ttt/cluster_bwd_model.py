@@ -68,7 +68,8 @@ def _ln_grad_back(dG: torch.Tensor, G: torch.Tensor, xh: torch.Tensor, r: torch.
 
 
 def _check(q, k, v, eta, tau, A, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc, dtau, dk,
-           dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, operand_dtype, slice_units) -> None:
+           dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, operand_dtype,
+           slice_units) -> None:
     """The launch's tensors against its sizes, before any work."""
     if operand_dtype not in OPERAND_DTYPES:
         raise ValueError(f"operand_dtype must be one of {OPERAND_DTYPES}, got {operand_dtype!r}")
@@ -80,6 +81,10 @@ def _check(q, k, v, eta, tau, A, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc
     if not (0 <= n0 < n1 <= N and n1 - n0 <= seg and n1 * b <= T):
         raise ValueError(f"n0, n1 must be a segment of full mini-batches (0 <= n0 < n1 <= N = "
                          f"{N}, n1 - n0 <= seg = {seg}, n1 * b <= T = {T}), got {n0}, {n1}")
+    for name, x, rank in (("q", q, 4), ("hs", hs, 5), ("vs", vs, 5), ("at", at, 4)):
+        if not isinstance(x, torch.Tensor) or x.dim() != rank:
+            raise ValueError(f"{name} must be a tensor of {rank} dims (the kernel's layout), "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
     B = q.shape[0]
     BH = B * H
     BB, BV, BHD = at.shape[-1], vs.shape[-2], hs.shape[-2]
@@ -102,6 +107,11 @@ def _check(q, k, v, eta, tau, A, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc
     if b > BB or Dv > BV or Dh > BHD or w1.numel() % (Dk * Dh) or w2.numel() % (Dh * Dv):
         raise ValueError(f"the rows' tiles (BB {BB}, BV {BV}, BHD {BHD}) must hold b {b}, Dv "
                          f"{Dv}, Dh {Dh}, and w1, w2 whole [Dk, Dh], [Dh, Dv] slots")
+    last = (BH - 1) * w_bh + (n1 - n0 - 1) * w_j  # the last slot read
+    if min(w1.numel() // (Dk * Dh), w2.numel() // (Dh * Dv)) <= last:
+        raise ValueError(f"w1, w2 must hold slot bh * w_bh + j * w_j up to {last} (w_bh "
+                         f"{w_bh}, w_j {w_j}), got {w1.numel() // (Dk * Dh)}, "
+                         f"{w2.numel() // (Dh * Dv)} slots")
 
 
 def mlp_bwd_b_cluster_model(
@@ -125,7 +135,7 @@ def mlp_bwd_b_cluster_model(
     [B*H, BB] (tau_b's share at b - 1), dk and deta (added to), dv (written). Products with
     operands rounded to ``operand_dtype``, hidden units in slices of ``slice_units``."""
     _check(q, k, v, eta, tau, A, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc, dtau, dk, dv,
-           deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, operand_dtype, slice_units)
+           deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, operand_dtype, slice_units)
     B = q.shape[0]
     BH, BB = B * H, at.shape[-1]
     U = slice_units
