@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ENV", "HEAD_SIZES", "INT_FIELDS", "MAX_MINI_BATCH", "NVCC_FLAGS", "PTR_FIELDS",
-           "SOURCE_DIR", "VARIANT", "LaunchArgs", "build", "fwd_variant", "launch",
-           "launch_forward", "launch_recompute", "pack", "problem", "refusal", "why_not"]
+__all__ = ["BWD_INT_FIELDS", "BWD_PTR_FIELDS", "ENV", "HEAD_SIZES", "INT_FIELDS",
+           "MAX_MINI_BATCH", "NVCC_FLAGS", "PTR_FIELDS", "SOURCE_DIR", "VARIANT",
+           "BwdLaunchArgs", "LaunchArgs", "build", "fwd_variant", "launch", "launch_backward_b",
+           "launch_bwd", "launch_forward", "launch_recompute", "pack", "problem", "refusal",
+           "why_not"]
 
 ENV = "FASTWEIGHTS_TTT_MLP_FWD"
 VARIANT = "cluster"
@@ -55,6 +57,13 @@ PTR_FIELDS = ("q", "k", "v", "eta", "tau", "lnw", "lnb", "w1", "c1", "w2", "c2",
               "s2", "sb2", "ck1", "ckb1", "ck2", "ckb2")
 INT_FIELDS = ("B", "T", "H", "b", "N", "NF", "seg", "store_ck", "has_b1", "has_b2", "has_ln",
               "has_lnb", "residual")
+
+
+# cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterBwdArgs``'s fields in order: addresses, then ints
+BWD_PTR_FIELDS = ("q", "k", "v", "eta", "tau", "A", "lnw", "lnb", "w1", "w2", "dw1", "db1", "dw2",
+                  "db2", "hs", "vs", "rr", "at", "acc", "dtau", "dk", "dv", "deta")
+BWD_INT_FIELDS = ("B", "T", "H", "b", "N", "n0", "n1", "seg", "w_bh", "w_j", "has_b1", "has_b2",
+                  "has_ln", "has_lnb", "residual")
 
 
 class LaunchArgs(ctypes.Structure):
@@ -134,6 +143,9 @@ def _library() -> ctypes.CDLL | None:
             lib.fw_ttt_mlp_cluster_launch.restype = ctypes.c_int
             lib.fw_ttt_mlp_cluster_launch.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.c_int,
                                                       ctypes.c_int, ctypes.c_void_p]
+            lib.fw_ttt_mlp_cluster_bwd_b_launch.restype = ctypes.c_int
+            lib.fw_ttt_mlp_cluster_bwd_b_launch.argtypes = [
+                ctypes.POINTER(BwdLaunchArgs), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
             lib.fw_ttt_mlp_cluster_error.restype = ctypes.c_char_p
             lib.fw_ttt_mlp_cluster_error.argtypes = [ctypes.c_int]
             _build["library"] = lib
@@ -169,6 +181,14 @@ def _log_once(reason: str) -> None:
                         "cannot run here (%s); the Triton kernel runs", ENV, VARIANT, reason)
 
 
+class BwdLaunchArgs(ctypes.Structure):
+    """``FwTTTMLPClusterBwdArgs`` (cuda/ttt_mlp_cluster.h) as ctypes lays it out: what the
+    backward pass's launcher and emulation entry take."""
+
+    _fields_ = ([(n, ctypes.c_void_p) for n in BWD_PTR_FIELDS]
+                + [(n, ctypes.c_int) for n in BWD_INT_FIELDS])
+
+
 def pack(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> tuple[list[int], list[int]]:
     """The launcher's arguments (cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterArgs``, in its order):
     the addresses of q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, s1, sb1, s2, sb2, ck1, ckb1,
@@ -181,6 +201,17 @@ def pack(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> tuple[
         if x is not None and not x.is_contiguous():
             raise ValueError(f"pack: {PTR_FIELDS[i]} must be contiguous")
     return [0 if x is None else x.data_ptr() for x in tensors], [int(s) for s in sizes]
+
+
+def launch_bwd(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int, D: int,
+               stream: int) -> None:
+    """One launch of the backward pass through the library's C entry (``BwdLaunchArgs``'
+    fields as lists); a RuntimeError names the CUDA error."""
+    err = lib.fw_ttt_mlp_cluster_bwd_b_launch(ctypes.byref(BwdLaunchArgs(*ptrs, *ints)),
+                                              dtype_code, D, ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"the TTT-MLP cluster backward's launch failed: CUDA error {err}, "
+                           f"{lib.fw_ttt_mlp_cluster_error(err).decode()}")
 
 
 def _ready(q: torch.Tensor, L, Dh: int) -> ctypes.CDLL | None:
@@ -241,4 +272,32 @@ def launch_recompute(L, q, k, v, eta, tau, lnw, lnb, slots, n0: int, n1: int) ->
     o = torch.empty_like(q)  # the read-out, unused
     _run(lib, L, *shifted, tau, lnw, lnb, *start, o, [start[0]] * 4, slots, n1 - n0,
          slots[0].shape[1], 1, True)
+    return True
+
+
+def launch_backward_b(L, args: tuple, tail: bool) -> bool:
+    """Runs the backward's sequential pass on the cluster in place of one launch of
+    ``_mlp_bwd_b_kernel`` (``args`` that kernel's positional arguments, ops/ttt/triton.py's
+    ``back``) for a full segment (``tail`` False) if ``FASTWEIGHTS_TTT_MLP_FWD`` asks for the
+    cluster kernels and they can run; returns whether it did. A partial last mini-batch stays
+    on the Triton kernel."""
+    if tail:
+        return False
+    (q, k, v, eta, tau, A, lnw, lnb, w1, w2, _ds1, _dsb1, _ds2, _dsb2, dw1, db1, dw2, db2, hs, vs,
+     rr, at, _sc, acc, dtau, dk, dv, deta, T, H, _Dk, _Dv, Dh, b, N, n0, n1, seg, w_bh,
+     w_j) = args
+    lib = _ready(q, L, Dh)
+    if lib is None:
+        return False
+    flags = L.consts
+    tensors = (q, k, v, eta, tau, A, lnw if flags["HAS_LN"] else None,
+               lnb if flags["HAS_LNB"] else None, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at,
+               acc, dtau, dk, dv, deta)
+    for name, x in zip(BWD_PTR_FIELDS, tensors):
+        if x is not None and not x.is_contiguous():
+            raise ValueError(f"launch_backward_b: {name} must be contiguous")
+    ints = (L.B, T, H, b, N, n0, n1, seg, w_bh, w_j, flags["HAS_B1"], flags["HAS_B2"],
+            flags["HAS_LN"], flags["HAS_LNB"], flags["RESIDUAL"])
+    launch_bwd(lib, [0 if x is None else x.data_ptr() for x in tensors], [int(i) for i in ints],
+               DTYPE_CODES[q.dtype], L.Dk, torch.cuda.current_stream(q.device).cuda_stream)
     return True

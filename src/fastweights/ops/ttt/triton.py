@@ -1311,10 +1311,10 @@ class _MLPTriton(torch.autograd.Function):
             _mlp_bwd_a_kernel[(n1 - n0, BH)](
                 q, k, v, eta, tau, A, *ln, *ws, do, hs, vs, rr, at, acc_a, dtau_a, dq, dk, deta,
                 T, H, Dk, Dv, Dh, b, N, n0, seg, w_bh, w_j, DC=min(BV, 32), **hb, **fl, **warps)
-            _mlp_bwd_b_kernel[(BH,)](
-                q, k, v, eta, tau, A, *ln, ws[0], ws[2], *dsums, *carried, hs, vs, rr, at, sc, acc,
-                dtau, dk, dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, TAIL=tail,
-                **hb, **fl, **warps)
+            args_b = (q, k, v, eta, tau, A, *ln, ws[0], ws[2], *dsums, *carried, hs, vs, rr, at,
+                      sc, acc, dtau, dk, dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j)
+            if not cluster.launch_backward_b(L, args_b, tail):
+                _mlp_bwd_b_kernel[(BH,)](*args_b, TAIL=tail, **hb, **fl, **warps)
 
         if NF < N:  # the last, partial mini-batch starts from the returned weights
             back(NF, N, (w1, c1, w2, c2), 1, 0, True)

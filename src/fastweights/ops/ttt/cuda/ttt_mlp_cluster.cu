@@ -544,6 +544,485 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
 
 }  // namespace fw_ttt_mlp
 
+// ---------------------------------------------------------------------------------------------
+// The backward's sequential pass on the same cluster (docs/gpu_ttt_kernels.md, "The sequential
+// pass on clusters"; the arithmetic of ops/ttt/cluster_bwd_model.py): one launch of
+// ops/ttt/triton.py's ``_mlp_bwd_b_kernel`` over a full segment, mini-batches n1-1 down to n0.
+// CTA s holds its slice of the carried gradients D1_s [D, 128] and D2_s [128, D] in WMMA
+// accumulators (warp w: hidden block w) and d1_s, d2 in shared memory. Per mini-batch, with the
+// rows ``_mlp_bwd_a_kernel`` wrote and the mini-batch's slot weights W1_s, W2_s:
+//   1. kD1 = K D1_s + d1_s, dG1 = ce kD1 - M1^T dZbar1, dA = dG1 gelu'(Z1)        (local)
+//   2. cluster sum 1: dG2 = sum_s dA W2_s + dG2_readout, xD2 = sum_s X2 D2_s + d2, the tokens'
+//      sum_h G1 kD1
+//   3. dG2 += ce xD2; deta, dtau; the keys' LayerNorm gradient backward: dZ2, dV, dgamma,
+//      dbeta, d2                                                            (every CTA)
+//   4. dX2 = ce G2 D2_s^T + dA2 Xbar2 + dZ2 W2_s^T, dZ1 = dG1 A gelu''(Z1) + dX2 gelu'(Z1)
+//   5. cluster sum 2: dK's share sum_s (ce G1) D1_s^T + dZ1 W1_s^T; D1_s, d1_s, D2_s updated
+// W1_s's operand copy is written where D2_s's was, once step 4 is done with it (shared memory:
+// docs/gpu_ttt_kernels.md says why).
+namespace fw_ttt_mlp {
+
+// gelu_tanh(x), gelu'(x) and gelu''(x) (ops/ttt/triton.py ``_gelu2``).
+__device__ __forceinline__ void gelu3(float x, float& y, float& d1, float& d2) {
+  gelu2(x, y, d1);
+  const float x2 = x * x;
+  const float s = 1.0f / (1.0f + expf(-(x * (x2 * GELU_A + 1.0f) * (2.0f * GELU_C))));
+  const float up = (x2 * (3.0f * GELU_A) + 1.0f) * GELU_C;
+  d2 = s * (1.0f - s) * 4.0f * (up + x2 * (3.0f * GELU_A) * GELU_C + x * up * up * (1.0f - 2.0f * s));
+}
+
+template <class T, int D>
+struct SmemB {
+  static constexpr unsigned long al(unsigned long x) { return (x + 127) / 128 * 128; }
+  static constexpr unsigned long d1c = 0;                                 // T [D][U]
+  static constexpr unsigned long d2c = d1c + al(sizeof(T) * D * U);      // T [U][D], then W1_s [D][U]
+  static constexpr unsigned long w2c = d2c + al(sizeof(T) * D * U);      // T [U][D]
+  static constexpr unsigned long stage = w2c + al(sizeof(T) * U * D);    // float [NW][16][16]
+  static constexpr unsigned long kt = stage + al(4ul * NW * 256);        // T [BB][D]
+  static constexpr unsigned long qt = kt + al(sizeof(T) * BB * D);       // T [BB][D]
+  static constexpr unsigned long gp = qt + al(sizeof(T) * BB * D);       // float [BB][U] gelu'(Z1)
+  static constexpr unsigned long agpp = gp + al(4ul * BB * U);           // A gelu''(Z1), then dG1 A gelu''
+  static constexpr unsigned long g1f = agpp + al(4ul * BB * U);          // float G1
+  static constexpr unsigned long x2 = g1f + al(4ul * BB * U);            // T X2
+  static constexpr unsigned long xb2 = x2 + al(sizeof(T) * BB * U);      // T Xbar2
+  static constexpr unsigned long dzb1 = xb2 + al(sizeof(T) * BB * U);    // T dZbar1
+  static constexpr unsigned long da = dzb1 + al(sizeof(T) * BB * U);     // T dA
+  static constexpr unsigned long ceg1 = da + al(sizeof(T) * BB * U);     // T ce G1
+  static constexpr unsigned long dz1 = ceg1 + al(sizeof(T) * BB * U);    // T dZ1
+  static constexpr unsigned long g2 = dz1 + al(sizeof(T) * BB * U);      // T [BB][D] G2
+  static constexpr unsigned long dzb2 = g2 + al(sizeof(T) * BB * D);     // T dZbar2
+  static constexpr unsigned long dz2 = dzb2 + al(sizeof(T) * BB * D);    // T dZ2
+  static constexpr unsigned long part = dz2 + al(sizeof(T) * BB * D);    // float [NW][3][D]
+  static constexpr unsigned long ex1 = part + al(4ul * NW * 3 * D);      // float [BB][2D] + [BB]
+  static constexpr unsigned long ex2 = ex1 + al(4ul * (BB * 2 * D + BB));  // float [BB][D]
+  static constexpr unsigned long at = ex2 + al(4ul * BB * D);            // T [BB][BB] dA2^T
+  static constexpr unsigned long m1t = at + al(sizeof(T) * BB * BB);     // T [BB][BB] M1^T
+  static constexpr unsigned long d1s = m1t + al(sizeof(T) * BB * BB);    // float [U]
+  static constexpr unsigned long dzb1s = d1s + al(4ul * U);              // float [U]: sum_t dZbar1
+  static constexpr unsigned long d2s = dzb1s + al(4ul * U);              // float [D]
+  static constexpr unsigned long dzb2s = d2s + al(4ul * D);              // float [D]: sum_t dZbar2
+  static constexpr unsigned long gam = dzb2s + al(4ul * D);              // float [D]
+  static constexpr unsigned long bet = gam + al(4ul * D);                // float [D]
+  static constexpr unsigned long eta = bet + al(4ul * D);                // float [BB]
+  static constexpr unsigned long tau = eta + al(4ul * BB);               // float [BB]
+  static constexpr unsigned long se1w = tau + al(4ul * BB);              // float [NW][BB]
+  static constexpr unsigned long seta = se1w + al(4ul * NW * BB);        // float [BB]
+  static constexpr unsigned long bytes = seta + al(4ul * BB);
+};
+
+// The sum over a half-warp's 16 lanes (one hidden or value unit's 16 tokens in step 0).
+__device__ __forceinline__ float warp_sum16(float x) {
+#pragma unroll
+  for (int m = 8; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// The sum over the 16 rows of a Share layout (lanes l ^ 2, ^ 4, ^ 8, ^ 16 hold the same
+// columns of the other rows).
+__device__ __forceinline__ float rows_sum(float x) {
+#pragma unroll
+  for (int m = 2; m < 32; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBwdArgs a) {
+  constexpr int C = D / 32, ND = D / 16, Dh = 4 * D, RL = D / 32;
+  using L = SmemB<T, D>;
+  FW_DYNAMIC_SMEM(smem);
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = (int)cluster.block_rank();
+  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
+  const long long bh = blockIdx.x / C;
+  const int H = a.H, T_ = a.T, h = (int)(bh % H);
+  const long long bb = bh / H;
+  const int j0 = rank * U;
+
+  T* d1c = (T*)(smem + L::d1c);
+  T* d2c = (T*)(smem + L::d2c);
+  T* w1c = d2c;  // after step 4
+  T* w2c = (T*)(smem + L::w2c);
+  float* stage = (float*)(smem + L::stage) + w * 256;
+  T* kt = (T*)(smem + L::kt);
+  T* qt = (T*)(smem + L::qt);
+  float* gp = (float*)(smem + L::gp);
+  float* agpp = (float*)(smem + L::agpp);
+  float* g1f = (float*)(smem + L::g1f);
+  T* x2 = (T*)(smem + L::x2);
+  T* xb2 = (T*)(smem + L::xb2);
+  T* dzb1 = (T*)(smem + L::dzb1);
+  T* da = (T*)(smem + L::da);
+  T* ceg1 = (T*)(smem + L::ceg1);
+  T* dz1 = (T*)(smem + L::dz1);
+  T* g2 = (T*)(smem + L::g2);
+  T* dzb2 = (T*)(smem + L::dzb2);
+  T* dz2 = (T*)(smem + L::dz2);
+  float* part = (float*)(smem + L::part);
+  float* ex1 = (float*)(smem + L::ex1);
+  float* ex2 = (float*)(smem + L::ex2);
+  T* ats = (T*)(smem + L::at);
+  T* m1t = (T*)(smem + L::m1t);
+  float* d1s = (float*)(smem + L::d1s);
+  float* dzb1s = (float*)(smem + L::dzb1s);
+  float* d2s = (float*)(smem + L::d2s);
+  float* dzb2s = (float*)(smem + L::dzb2s);
+  float* gam = (float*)(smem + L::gam);
+  float* bet = (float*)(smem + L::bet);
+  float* eta_s = (float*)(smem + L::eta);
+  float* tau_s = (float*)(smem + L::tau);
+  float* se1w = (float*)(smem + L::se1w);
+  float* seta = (float*)(smem + L::seta);
+
+  const T* qg = (const T*)a.q;
+  const T* kg = (const T*)a.k;
+  const T* vg = (const T*)a.v;
+  float* dw1g = a.dw1 + bh * D * Dh;
+  float* dw2g = a.dw2 + bh * Dh * D;
+  const int b = a.b;
+  const float coef = -a.tau[h * b + b - 1];
+
+  for (int c = tid; c < D; c += NT) {
+    gam[c] = a.has_ln ? a.lnw[h * D + c] : 0.0f;
+    bet[c] = a.has_lnb ? a.lnb[h * D + c] : 0.0f;
+    d2s[c] = a.db2[bh * D + c];
+  }
+  for (int j = tid; j < U; j += NT) d1s[j] = a.db1[bh * Dh + j0 + j];
+  if (tid < BB) tau_s[tid] = tid < b ? a.tau[h * b + tid] : 0.0f;
+
+  // the carried gradients: D1f[i] = D1[16 i.., j0 + 16 w..], D2f[v] = D2[j0 + 16 w.., 16 v..]
+  Acc D1f[ND], D2f[ND];
+#pragma unroll
+  for (int i = 0; i < ND; ++i)
+    wmma::load_matrix_sync(D1f[i], dw1g + (16 * i) * Dh + j0 + 16 * w, Dh, wmma::mem_row_major);
+#pragma unroll
+  for (int v = 0; v < ND; ++v)
+    wmma::load_matrix_sync(D2f[v], dw2g + (j0 + 16 * w) * D + 16 * v, D, wmma::mem_row_major);
+  __syncthreads();
+
+  for (int n = a.n1 - 1; n >= a.n0; --n) {
+    const int jn = n - a.n0, t0 = n * b;
+    const long long row = bh * a.seg + jn;
+    const long long slot = bh * a.w_bh + (long long)jn * a.w_j;
+    const float* hs = a.hs + row * 4 * Dh * BB;
+    const float* vs = a.vs + row * 5 * D * BB;
+
+    // 0. operand copies of the carried gradients and of W2_s; the mini-batch's rows
+#pragma unroll
+    for (int i = 0; i < ND; ++i) to_operand(D1f[i], stage, d1c + (16 * i) * U + 16 * w, U, lane);
+#pragma unroll
+    for (int v = 0; v < ND; ++v) to_operand(D2f[v], stage, d2c + (16 * w) * D + 16 * v, D, lane);
+    {
+      const float* w2s = a.w2 + slot * Dh * D + (long long)j0 * D;
+      for (int e = tid; e < U * D; e += NT) w2c[e] = fw_cvt<T>(w2s[e]);
+    }
+    if (tid < BB) eta_s[tid] = tid < b ? a.eta[(bb * T_ + t0 + tid) * H + h] : 0.0f;
+    for (int e = tid; e < BB * D; e += NT) {
+      const int t = e / D;
+      const long long off = ((bb * T_ + t0 + t) * H + h) * D + e % D;
+      kt[e] = t < b ? kg[off] : fw_cvt<T>(0.0f);
+      qt[e] = t < b ? qg[off] : fw_cvt<T>(0.0f);
+    }
+    for (int e = tid; e < U * BB; e += NT) {  // hidden rows [h][t]: a warp reads 2 units
+      const int j = e / BB, t = e % BB;
+      const long long at_h = (long long)(j0 + j) * BB + t;
+      const float z1 = hs[at_h], A_ = hs[Dh * BB + at_h];
+      const float zb1 = hs[2 * Dh * BB + at_h], dz = hs[3 * Dh * BB + at_h];
+      float y, d1, d2;
+      gelu3(z1, y, d1, d2);
+      const int o = t * U + j;
+      x2[o] = fw_cvt<T>(y);
+      gp[o] = d1;
+      agpp[o] = A_ * d2;
+      g1f[o] = A_ * d1;
+      xb2[o] = fw_cvt<T>(gelu(zb1));
+      dzb1[o] = fw_cvt<T>(dz);
+      const float s = warp_sum16(dz);  // over the 16 tokens of unit j (lanes of one half-warp)
+      if (t == 0) dzb1s[j] = s;
+    }
+    for (int e = tid; e < D * BB; e += NT) {  // value rows [d][t]
+      const int d = e / BB, t = e % BB;
+      const float G2 = vs[e], dzb = vs[D * BB + e];
+      g2[t * D + d] = fw_cvt<T>(G2);
+      dzb2[t * D + d] = fw_cvt<T>(dzb);
+      const float s = warp_sum16(dzb);
+      if (t == 0) dzb2s[d] = s;
+    }
+    {
+      const int t = tid / 16, u = tid % 16;  // 256 threads: the 16 x 16 tiles
+      ats[tid] = fw_cvt<T>(a.at[row * BB * BB + tid]);
+      const float eta_t = t < b ? a.eta[(bb * T_ + t0 + t) * H + h] : 0.0f;
+      const float tau_u = u < b ? a.tau[h * b + u] : 0.0f;
+      const float Et = t <= u ? eta_t * tau_u : 0.0f;  // M1^T = E^T * (the scores tile)
+      m1t[tid] = fw_cvt<T>(Et * a.A[((bh * a.N + n) * BB + t) * BB + u]);
+    }
+    __syncthreads();
+
+    // 1. (warp w, hidden block w) kD1 = K D1_s + d1_s; the tokens' G1 . kD1; dG1 = ce kD1 -
+    //    M1^T dZbar1; dA = dG1 gelu'(Z1), dG1 A gelu''(Z1)
+    {
+      const Share sh(lane);
+      Acc acc;
+      wmma::fill_fragment(acc, 0.0f);
+      chain<ND, FragB<T>>(acc, kt, D, d1c + 16 * w, 16 * U, U);
+      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+      __syncwarp();
+      float kd[8];
+      share_plus(stage, d1s + 16 * w, sh, kd);  // d1_s is zero without b1
+      float se = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) se += g1f[sh.r * U + 16 * w + sh.c0 + i] * kd[i];
+      se += __shfl_xor_sync(0xffffffffu, se, 1);  // the row's other 8 units
+      if (sh.c0 == 0) se1w[w * BB + sh.r] = se;
+      __syncwarp();
+      wmma::fill_fragment(acc, 0.0f);
+      chain<1, FragB<T>>(acc, m1t, 16, dzb1 + 16 * w, 0, U);
+      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+      __syncwarp();
+      const float ce = coef * eta_s[sh.r];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int o = sh.r * U + 16 * w + sh.c0 + i;
+        const float dG1 = ce * kd[i] - stage[sh.r * 16 + sh.c0 + i];
+        da[o] = fw_cvt<T>(dG1 * gp[o]);
+        agpp[o] = dG1 * agpp[o];
+        ceg1[o] = fw_cvt<T>(ce * g1f[o]);
+      }
+    }
+    __syncthreads();
+
+    // 2. this CTA's shares of cluster sum 1: dA W2_s, X2 D2_s [BB][D] each, the tokens' G1 . kD1
+    for (int qn = w; qn < 2 * ND; qn += NW) {
+      Acc acc;
+      wmma::fill_fragment(acc, 0.0f);
+      if (qn < ND)
+        chain<U / 16, FragB<T>>(acc, da, U, w2c + 16 * qn, 16 * D, D);
+      else
+        chain<U / 16, FragB<T>>(acc, x2, U, d2c + 16 * (qn - ND), 16 * D, D);
+      wmma::store_matrix_sync(ex1 + 16 * qn, acc, 2 * D, wmma::mem_row_major);
+    }
+    if (tid < BB) {
+      float s = 0.0f;
+      for (int ww = 0; ww < NW; ++ww) s += se1w[ww * BB + tid];
+      ex1[BB * 2 * D + tid] = s;
+    }
+    cluster.sync();
+
+    // 3. (warp w: rows 2w, 2w+1) dG2, xD2, deta, dtau's terms, the keys' LayerNorm gradient
+    //    backward; column sums of dgamma, dbeta, d2 per warp
+    {
+      float pa0[RL], pa1[RL], pd2[RL];
+#pragma unroll
+      for (int i = 0; i < RL; ++i) pa0[i] = pa1[i] = pd2[i] = 0.0f;
+#pragma unroll
+      for (int rr_ = 0; rr_ < 2; ++rr_) {
+        const int t = 2 * w + rr_;
+        const float ce = coef * eta_s[t];
+        float dG[RL], G[RL], xh[RL], gg[RL];
+        float se1 = 0.0f;
+        for (int p = 0; p < C; ++p) se1 += cluster.map_shared_rank(ex1, p)[BB * 2 * D + t];
+        float sx = 0.0f;
+#pragma unroll
+        for (int i = 0; i < RL; ++i) {
+          const int d = lane + 32 * i;
+          float s1 = 0.0f, s2 = 0.0f;
+          for (int p = 0; p < C; ++p) {
+            const float* peer = cluster.map_shared_rank(ex1, p);
+            s1 += peer[t * 2 * D + d];
+            s2 += peer[t * 2 * D + D + d];
+          }
+          const float xd = a.has_b2 ? s2 + d2s[d] : s2;
+          dG[i] = (s1 + vs[(2 * D + d) * BB + t]) + ce * xd;
+          G[i] = vs[d * BB + t];
+          xh[i] = vs[(3 * D + d) * BB + t];
+          gg[i] = vs[(4 * D + d) * BB + t];
+          sx += G[i] * xd;
+        }
+        const float se = se1 + warp_sum(sx);
+        if (lane == 0) {
+          seta[t] = se * eta_s[t];
+          if (rank == 0 && t < b) a.deta[(bb * T_ + t0 + t) * H + h] += coef * se;
+        }
+        float dZ[RL], dtgt[RL];
+        if (a.has_ln) {
+          const float r = a.rr[row * BB + t];
+          float s_dg = 0.0f, s_dgx = 0.0f, s_gx = 0.0f, s_dgG = 0.0f;
+#pragma unroll
+          for (int i = 0; i < RL; ++i) {
+            s_dg += dG[i];
+            s_dgx += dG[i] * xh[i];
+            s_gx += gg[i] * xh[i];
+            s_dgG += dG[i] * G[i];
+          }
+          const float m_dg = warp_sum(s_dg) / D, m_dgx = warp_sum(s_dgx) / D;
+          const float cc = r * (warp_sum(s_gx) / D), mm = m_dgx * r, mdg = warp_sum(s_dgG) / D;
+          float dxh[RL], s_y = 0.0f, s_yx = 0.0f;
+#pragma unroll
+          for (int i = 0; i < RL; ++i) {
+            const int d = lane + 32 * i;
+            const float dg = r * (dG[i] - m_dg - xh[i] * m_dgx);
+            dtgt[i] = -gam[d] * dg;
+            dxh[i] = gam[d] * gam[d] * dg - cc * dG[i] - gg[i] * mm;
+            s_y += dxh[i];
+            s_yx += dxh[i] * xh[i];
+            const long long off = ((bb * T_ + t0 + t) * H + h) * D + d;
+            float tg = t < b ? fw_f32(vg[off]) : 0.0f;
+            if (a.residual && t < b) tg -= fw_f32(kg[off]);
+            const float e = gam[d] * xh[i] + bet[d] - tg;
+            pa0[i] += dg * (e + gam[d] * xh[i]);
+            pa1[i] -= dtgt[i];
+          }
+          const float m_y = warp_sum(s_y) / D, m_yx = warp_sum(s_yx) / D;
+#pragma unroll
+          for (int i = 0; i < RL; ++i)
+            dZ[i] = r * (dxh[i] - m_y - xh[i] * m_yx) - r * xh[i] * mdg;
+        } else {
+#pragma unroll
+          for (int i = 0; i < RL; ++i) {
+            dZ[i] = dG[i];
+            dtgt[i] = -dG[i];
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < RL; ++i) {
+          const int d = lane + 32 * i;
+          dz2[t * D + d] = fw_cvt<T>(dZ[i]);
+          pd2[i] += dZ[i];
+          if (rank == 0 && t < b) {
+            const long long off = ((bb * T_ + t0 + t) * H + h) * D + d;
+            a.dv[off] = dtgt[i];
+            if (a.residual) a.dk[off] -= dtgt[i];
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < RL; ++i) {
+        const int d = lane + 32 * i;
+        part[(w * 3 + 0) * D + d] = pa0[i];
+        part[(w * 3 + 1) * D + d] = pa1[i];
+        part[(w * 3 + 2) * D + d] = pd2[i];
+      }
+    }
+    __syncthreads();
+
+    // 3b. dgamma, dbeta (rank 0), d2 (every CTA), tau_b's share (rank 0)
+    for (int d = tid; d < D; d += NT) {
+      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
+      for (int ww = 0; ww < NW; ++ww) {
+        s0 += part[(ww * 3 + 0) * D + d];
+        s1 += part[(ww * 3 + 1) * D + d];
+        s2 += part[(ww * 3 + 2) * D + d];
+      }
+      if (a.has_ln && rank == 0) {
+        a.acc[(bh * 2 + 0) * D + d] += s0;
+        a.acc[(bh * 2 + 1) * D + d] += s1;
+      }
+      if (a.has_b2) d2s[d] += dzb2s[d] + s2;
+    }
+    if (tid == 0 && rank == 0) {
+      float s = 0.0f;
+      for (int t = 0; t < BB; ++t) s += seta[t];
+      a.dtau[bh * BB + b - 1] -= s;
+    }
+
+    // 4. (warp w, hidden block w) dX2 = ce G2 D2_s^T + dA2 Xbar2 + dZ2 W2_s^T; dZ1; d1_s
+    {
+      const Share sh(lane);
+      const float ce = coef * eta_s[sh.r];
+      Acc acc;
+      wmma::fill_fragment(acc, 0.0f);
+      chain<ND, FragBT<T>>(acc, g2, D, d2c + (16 * w) * D, 16, D);
+      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+      __syncwarp();
+      float dx[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dx[i] = ce * stage[sh.r * 16 + sh.c0 + i];
+      __syncwarp();
+      wmma::fill_fragment(acc, 0.0f);
+      chain<1, FragB<T>>(acc, ats, 16, xb2 + 16 * w, 0, U);
+      chain<ND, FragBT<T>>(acc, dz2, D, w2c + (16 * w) * D, 16, D);
+      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int o = sh.r * U + 16 * w + sh.c0 + i;
+        const float dZ1 = agpp[o] + (dx[i] + stage[sh.r * 16 + sh.c0 + i]) * gp[o];
+        dz1[o] = fw_cvt<T>(dZ1);
+        const float col = rows_sum(dZ1);  // every lane of the column's 16 rows holds it
+        if (a.has_b1 && sh.r == 0) d1s[16 * w + sh.c0 + i] += dzb1s[16 * w + sh.c0 + i] + col;
+      }
+    }
+    __syncthreads();
+
+    // 4b. W1_s's operand copy where D2_s's was
+    {
+      const float* w1s = a.w1 + slot * D * Dh + j0;
+      for (int e = tid; e < D * U; e += NT) w1c[e] = fw_cvt<T>(w1s[(e / U) * Dh + e % U]);
+    }
+    __syncthreads();
+
+    // 5. cluster sum 2's share: (ce G1) D1_s^T + dZ1 W1_s^T (warp v: value block v); then the
+    //    carried gradients: D1_s += Q^T dZbar1 + K^T dZ1, D2_s += Xbar2^T dZbar2 + X2^T dZ2 +
+    //    dA^T G2 (warp w: hidden block w)
+    if (w < ND) {
+      Acc acc;
+      wmma::fill_fragment(acc, 0.0f);
+      chain<U / 16, FragBT<T>>(acc, ceg1, U, d1c + (16 * w) * U, 16, U);
+      chain<U / 16, FragBT<T>>(acc, dz1, U, w1c + (16 * w) * U, 16, U);
+      wmma::store_matrix_sync(ex2 + 16 * w, acc, D, wmma::mem_row_major);
+    }
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+      FragAT<T> fa;
+      FragB<T> fb;
+      wmma::load_matrix_sync(fa, qt + 16 * i, D);
+      wmma::load_matrix_sync(fb, dzb1 + 16 * w, U);
+      wmma::mma_sync(D1f[i], fa, fb, D1f[i]);
+      wmma::load_matrix_sync(fa, kt + 16 * i, D);
+      wmma::load_matrix_sync(fb, dz1 + 16 * w, U);
+      wmma::mma_sync(D1f[i], fa, fb, D1f[i]);
+    }
+#pragma unroll
+    for (int v = 0; v < ND; ++v) {
+      FragAT<T> fa;
+      FragB<T> fb;
+      wmma::load_matrix_sync(fa, xb2 + 16 * w, U);
+      wmma::load_matrix_sync(fb, dzb2 + 16 * v, D);
+      wmma::mma_sync(D2f[v], fa, fb, D2f[v]);
+      wmma::load_matrix_sync(fa, x2 + 16 * w, U);
+      wmma::load_matrix_sync(fb, dz2 + 16 * v, D);
+      wmma::mma_sync(D2f[v], fa, fb, D2f[v]);
+      wmma::load_matrix_sync(fa, da + 16 * w, U);
+      wmma::load_matrix_sync(fb, g2 + 16 * v, D);
+      wmma::mma_sync(D2f[v], fa, fb, D2f[v]);
+    }
+    cluster.sync();
+
+    // 6. dK += sum_s (ranks in order), stored by rank 0
+    for (int e = tid; e < BB * D; e += NT) {
+      const int t = e / D;
+      float s = 0.0f;
+      for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex2, p)[e];
+      if (rank == 0 && t < b) a.dk[((bb * T_ + t0 + t) * H + h) * D + e % D] += s;
+    }
+    __syncthreads();
+  }
+
+  // the carried gradients of the weights entering mini-batch n0
+#pragma unroll
+  for (int i = 0; i < ND; ++i)
+    wmma::store_matrix_sync(dw1g + (16 * i) * Dh + j0 + 16 * w, D1f[i], Dh, wmma::mem_row_major);
+#pragma unroll
+  for (int v = 0; v < ND; ++v)
+    wmma::store_matrix_sync(dw2g + (j0 + 16 * w) * D + 16 * v, D2f[v], D, wmma::mem_row_major);
+  if (a.has_b1)
+    for (int j = tid; j < U; j += NT) a.db1[bh * Dh + j0 + j] = d1s[j];
+  if (a.has_b2 && rank == 0)
+    for (int c = tid; c < D; c += NT) a.db2[bh * D + c] = d2s[c];
+  cluster.sync();
+}
+
+}  // namespace fw_ttt_mlp
+
 #ifndef FW_EMULATE
 // CUDA launcher (sm_90): one cluster of D / 32 CTAs per (batch, head). dtype 1 bfloat16,
 // 2 float16; D 64 or 128. Returns a cudaError_t (cudaErrorInvalidValue for another dtype or
@@ -572,6 +1051,41 @@ static cudaError_t launch(const FwTTTMLPClusterArgs& a, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kernel, a);
 }
 }  // namespace fw_ttt_mlp
+
+namespace fw_ttt_mlp {
+template <class T, int D>
+static cudaError_t launch_bwd_b(const FwTTTMLPClusterBwdArgs& a, cudaStream_t stream) {
+  constexpr int C = D / 32;
+  const int bytes = (int)SmemB<T, D>::bytes;
+  void (*kernel)(FwTTTMLPClusterBwdArgs) = ttt_mlp_cluster_bwd_b<T, D>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(a.B * a.H * C), 1, 1);
+  cfg.blockDim = dim3(NT, 1, 1);
+  cfg.dynamicSmemBytes = (size_t)bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, a);
+}
+}  // namespace fw_ttt_mlp
+
+extern "C" int fw_ttt_mlp_cluster_bwd_b_launch(const FwTTTMLPClusterBwdArgs* a, int dtype, int D,
+                                               void* stream) {
+  cudaStream_t s = (cudaStream_t)stream;
+  if (dtype == 1 && D == 64) return (int)fw_ttt_mlp::launch_bwd_b<fw_bf16, 64>(*a, s);
+  if (dtype == 1 && D == 128) return (int)fw_ttt_mlp::launch_bwd_b<fw_bf16, 128>(*a, s);
+  if (dtype == 2 && D == 64) return (int)fw_ttt_mlp::launch_bwd_b<fw_half, 64>(*a, s);
+  if (dtype == 2 && D == 128) return (int)fw_ttt_mlp::launch_bwd_b<fw_half, 128>(*a, s);
+  return (int)cudaErrorInvalidValue;
+}
 
 extern "C" int fw_ttt_mlp_cluster_launch(const FwTTTMLPClusterArgs* a, int dtype, int D,
                                          void* stream) {
@@ -625,6 +1139,48 @@ extern "C" const char* fw_emu_ttt_mlp_cluster_fwd(const FwTTTMLPClusterArgs* a, 
     else
       throw std::invalid_argument("dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
   });
+}
+
+namespace fw_ttt_mlp {
+template <class T, int D>
+static void emulate_bwd_b(const FwTTTMLPClusterBwdArgs& a, unsigned order) {
+  fw_emu::Config cfg{dim3((unsigned)(a.B * a.H * (D / 32))), dim3(NT), D / 32,
+                     (size_t)SmemB<T, D>::bytes, order};
+  fw_emu::launch(ttt_mlp_cluster_bwd_b<T, D>, cfg, a);
+}
+
+template <class T>
+static void emulate_bwd_b_d(const FwTTTMLPClusterBwdArgs& a, int D, unsigned order) {
+  if (D == 32)
+    emulate_bwd_b<T, 32>(a, order);
+  else if (D == 64)
+    emulate_bwd_b<T, 64>(a, order);
+  else if (D == 128)
+    emulate_bwd_b<T, 128>(a, order);
+  else
+    throw std::invalid_argument("D must be 32, 64 or 128");
+}
+}  // namespace fw_ttt_mlp
+
+extern "C" const char* fw_emu_ttt_mlp_cluster_bwd_b(const FwTTTMLPClusterBwdArgs* a, int dtype,
+                                                    int D, unsigned order) {
+  return fw_emu::catch_error([&] {
+    if (dtype == 0)
+      fw_ttt_mlp::emulate_bwd_b_d<float>(*a, D, order);
+    else if (dtype == 1)
+      fw_ttt_mlp::emulate_bwd_b_d<fw_bf16>(*a, D, order);
+    else if (dtype == 2)
+      fw_ttt_mlp::emulate_bwd_b_d<fw_half>(*a, D, order);
+    else
+      throw std::invalid_argument("dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
+  });
+}
+
+// The backward pass's dynamic shared memory per CTA (bytes), as fw_emu_ttt_mlp_cluster_smem.
+extern "C" unsigned long fw_emu_ttt_mlp_cluster_bwd_b_smem(int dtype, int D) {
+  using namespace fw_ttt_mlp;
+  if (dtype == 0) return D == 32 ? SmemB<float, 32>::bytes : D == 64 ? SmemB<float, 64>::bytes : SmemB<float, 128>::bytes;
+  return D == 32 ? SmemB<fw_bf16, 32>::bytes : D == 64 ? SmemB<fw_bf16, 64>::bytes : SmemB<fw_bf16, 128>::bytes;
 }
 
 // The dynamic shared memory a CTA takes (bytes) for the operand type (dtype as above) and D.

@@ -32,3 +32,35 @@ struct FwTTTMLPClusterArgs {
   int B, T, H, b, N, NF, seg, store_ck;
   int has_b1, has_b2, has_ln, has_lnb, residual;
 };
+
+// The arguments of the backward's sequential pass on a cluster (ttt_mlp_cluster.cu,
+// ``ttt_mlp_cluster_bwd_b``): one launch of ops/ttt/triton.py's ``_mlp_bwd_b_kernel`` over a
+// full segment (mini-batches n1-1 down to n0), the same tensors (its rows written by
+// ``_mlp_bwd_a_kernel``), the arithmetic of ops/ttt/cluster_bwd_model.py.
+struct FwTTTMLPClusterBwdArgs {
+  const void* q;      // [B, T, H, D] in the operand dtype
+  const void* k;      // [B, T, H, D]
+  const void* v;      // [B, T, H, D]
+  const float* eta;   // [B, T, H]
+  const float* tau;   // [H, b]
+  const float* A;     // [B*H, N, 16, 16]: the scores tiles A1^T (+1 with b1)
+  const float* lnw;   // [H, D] (read when has_ln)
+  const float* lnb;   // [H, D] (read when has_lnb)
+  const float* w1;    // slots [., D, Dh]: mini-batch n0 + j's start weights at bh * w_bh + j * w_j
+  const float* w2;    // slots [., Dh, D]
+  float* dw1;         // [B*H, D, Dh]: the carried gradients, in and out
+  float* db1;         // [B*H, Dh]
+  float* dw2;         // [B*H, Dh, D]
+  float* db2;         // [B*H, D]
+  const float* hs;    // [B*H, seg, 4, Dh, 16]: Z1, A, Zbar1, dZbar1 (hidden rows, transposed)
+  const float* vs;    // [B*H, seg, 5, D, 16]: G2, dZbar2, dG2's read-out share, x_hat, g
+  const float* rr;    // [B*H, seg, 16]: 1 / s of the keys' LayerNorm
+  const float* at;    // [B*H, seg, 16, 16]: dA2^T
+  float* acc;         // [B*H, 2, D]: dgamma, dbeta (added to)
+  float* dtau;        // [B*H, 16]: tau_b's share at b - 1 (added to)
+  float* dk;          // [B, T, H, D] float32 (added to)
+  float* dv;          // [B, T, H, D] float32 (written)
+  float* deta;        // [B, T, H] float32 (added to)
+  int B, T, H, b, N, n0, n1, seg, w_bh, w_j;
+  int has_b1, has_b2, has_ln, has_lnb, residual;
+};
