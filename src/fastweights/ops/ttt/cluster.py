@@ -2,10 +2,13 @@
 thread-block cluster (CUDA C++ for sm_90, ``cuda/ttt_mlp_cluster.cu``; docs/gpu_ttt_kernels.md,
 "TTT-MLP on a thread-block cluster"). It replaces ops/ttt/triton.py's ``_mlp_fwd_kernel`` inside
 ``_MLPTriton`` (same outputs, final weights, partial-mini-batch sums and checkpoints, so the
-Triton backward runs after it); its arithmetic is ops/ttt/cluster_model.py's, step for step.
+Triton backward runs after it) and its backward's ``_mlp_recompute_kernel``; its arithmetic is
+ops/ttt/cluster_model.py's, step for step. The backward's sequential pass over each full
+segment runs on the same cluster (``ttt_mlp_cluster_bwd_b``, in place of
+``_mlp_bwd_b_kernel``; ops/ttt/cluster_bwd_model.py's arithmetic).
 
-Opt-in: ``FASTWEIGHTS_TTT_MLP_FWD=cluster`` (read at every call; "stream", the default, is the
-Triton kernel) until a GPU record shows it exact. It runs where everything it needs is there:
+Opt-in: ``FASTWEIGHTS_TTT_MLP_FWD=cluster`` (read at every call, for all three; "stream", the
+default, is the Triton kernels) until a GPU record shows them exact. It runs where everything it needs is there:
 a CUDA device of compute capability 9.0 or newer, bfloat16 or float16 q, k, v, Dk = Dv in
 (64, 128), Dh = 4 Dk, mini-batches of at most 16 tokens, and nvcc to build it on first use (a
 shared library with a C entry, loaded with ctypes: no compiler toolchain beyond nvcc, no
