@@ -1023,16 +1023,41 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
 
 }  // namespace fw_ttt_mlp
 
+namespace fw_ttt_mlp {
+// The two kernels as the launchers take them: argument struct, kernel, shared memory.
+template <class T, int D>
+struct FwdKernel {
+  using Args = FwTTTMLPClusterArgs;
+  static constexpr unsigned long bytes = Smem<T, D>::bytes;
+  static void (*get())(Args) { return ttt_mlp_cluster_fwd<T, D>; }
+};
+
+template <class T, int D>
+struct BwdKernel {
+  using Args = FwTTTMLPClusterBwdArgs;
+  static constexpr unsigned long bytes = SmemB<T, D>::bytes;
+  static void (*get())(Args) { return ttt_mlp_cluster_bwd_b<T, D>; }
+};
+
+// A kernel's dynamic shared memory per CTA (bytes) for dtype 0 float32 (emulation only),
+// 1 bfloat16, 2 float16 (the same as bfloat16) and D 32, 64 or 128.
+template <template <class, int> class K>
+unsigned long smem_of(int dtype, int D) {
+  if (dtype == 0) return D == 32 ? K<float, 32>::bytes : D == 64 ? K<float, 64>::bytes : K<float, 128>::bytes;
+  return D == 32 ? K<fw_bf16, 32>::bytes : D == 64 ? K<fw_bf16, 64>::bytes : K<fw_bf16, 128>::bytes;
+}
+}  // namespace fw_ttt_mlp
+
 #ifndef FW_EMULATE
-// CUDA launcher (sm_90): one cluster of D / 32 CTAs per (batch, head). dtype 1 bfloat16,
-// 2 float16; D 64 or 128. Returns a cudaError_t (cudaErrorInvalidValue for another dtype or
+// CUDA launchers (sm_90): one cluster of D / 32 CTAs per (batch, head). dtype 1 bfloat16,
+// 2 float16; D 64 or 128. Return a cudaError_t (cudaErrorInvalidValue for another dtype or
 // head size).
 namespace fw_ttt_mlp {
-template <class T, int D>
-static cudaError_t launch(const FwTTTMLPClusterArgs& a, cudaStream_t stream) {
+template <template <class, int> class K, class T, int D>
+static cudaError_t launch(const typename K<T, D>::Args& a, cudaStream_t stream) {
   constexpr int C = D / 32;
-  const int bytes = (int)Smem<T, D>::bytes;
-  void (*kernel)(FwTTTMLPClusterArgs) = ttt_mlp_cluster_fwd<T, D>;
+  const int bytes = (int)K<T, D>::bytes;
+  auto kernel = K<T, D>::get();
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
@@ -1050,51 +1075,26 @@ static cudaError_t launch(const FwTTTMLPClusterArgs& a, cudaStream_t stream) {
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kernel, a);
 }
-}  // namespace fw_ttt_mlp
 
-namespace fw_ttt_mlp {
-template <class T, int D>
-static cudaError_t launch_bwd_b(const FwTTTMLPClusterBwdArgs& a, cudaStream_t stream) {
-  constexpr int C = D / 32;
-  const int bytes = (int)SmemB<T, D>::bytes;
-  void (*kernel)(FwTTTMLPClusterBwdArgs) = ttt_mlp_cluster_bwd_b<T, D>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(a.B * a.H * C), 1, 1);
-  cfg.blockDim = dim3(NT, 1, 1);
-  cfg.dynamicSmemBytes = (size_t)bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, a);
-}
-}  // namespace fw_ttt_mlp
-
-extern "C" int fw_ttt_mlp_cluster_bwd_b_launch(const FwTTTMLPClusterBwdArgs* a, int dtype, int D,
-                                               void* stream) {
+template <template <class, int> class K>
+static int dispatch(const typename K<fw_bf16, 64>::Args* a, int dtype, int D, void* stream) {
   cudaStream_t s = (cudaStream_t)stream;
-  if (dtype == 1 && D == 64) return (int)fw_ttt_mlp::launch_bwd_b<fw_bf16, 64>(*a, s);
-  if (dtype == 1 && D == 128) return (int)fw_ttt_mlp::launch_bwd_b<fw_bf16, 128>(*a, s);
-  if (dtype == 2 && D == 64) return (int)fw_ttt_mlp::launch_bwd_b<fw_half, 64>(*a, s);
-  if (dtype == 2 && D == 128) return (int)fw_ttt_mlp::launch_bwd_b<fw_half, 128>(*a, s);
+  if (dtype == 1 && D == 64) return (int)launch<K, fw_bf16, 64>(*a, s);
+  if (dtype == 1 && D == 128) return (int)launch<K, fw_bf16, 128>(*a, s);
+  if (dtype == 2 && D == 64) return (int)launch<K, fw_half, 64>(*a, s);
+  if (dtype == 2 && D == 128) return (int)launch<K, fw_half, 128>(*a, s);
   return (int)cudaErrorInvalidValue;
 }
+}  // namespace fw_ttt_mlp
 
 extern "C" int fw_ttt_mlp_cluster_launch(const FwTTTMLPClusterArgs* a, int dtype, int D,
                                          void* stream) {
-  cudaStream_t s = (cudaStream_t)stream;
-  if (dtype == 1 && D == 64) return (int)fw_ttt_mlp::launch<fw_bf16, 64>(*a, s);
-  if (dtype == 1 && D == 128) return (int)fw_ttt_mlp::launch<fw_bf16, 128>(*a, s);
-  if (dtype == 2 && D == 64) return (int)fw_ttt_mlp::launch<fw_half, 64>(*a, s);
-  if (dtype == 2 && D == 128) return (int)fw_ttt_mlp::launch<fw_half, 128>(*a, s);
-  return (int)cudaErrorInvalidValue;
+  return fw_ttt_mlp::dispatch<fw_ttt_mlp::FwdKernel>(a, dtype, D, stream);
+}
+
+extern "C" int fw_ttt_mlp_cluster_bwd_b_launch(const FwTTTMLPClusterBwdArgs* a, int dtype, int D,
+                                               void* stream) {
+  return fw_ttt_mlp::dispatch<fw_ttt_mlp::BwdKernel>(a, dtype, D, stream);
 }
 
 extern "C" const char* fw_ttt_mlp_cluster_error(int code) {
@@ -1107,86 +1107,57 @@ extern "C" const char* fw_ttt_mlp_cluster_error(int code) {
 // float32 products, emulation only), 1 bfloat16, 2 float16; D 32 (one CTA), 64 or 128. Return
 // nullptr or the error's message.
 namespace fw_ttt_mlp {
-template <class T, int D>
-static void emulate(const FwTTTMLPClusterArgs& a, unsigned order) {
+template <template <class, int> class K, class T, int D>
+static void emulate(const typename K<T, D>::Args& a, unsigned order) {
   fw_emu::Config cfg{dim3((unsigned)(a.B * a.H * (D / 32))), dim3(NT), D / 32,
-                     (size_t)Smem<T, D>::bytes, order};
-  fw_emu::launch(ttt_mlp_cluster_fwd<T, D>, cfg, a);
+                     (size_t)K<T, D>::bytes, order};
+  fw_emu::launch(K<T, D>::get(), cfg, a);
 }
 
-template <class T>
-static void emulate_d(const FwTTTMLPClusterArgs& a, int D, unsigned order) {
+template <template <class, int> class K, class T>
+static void emulate_d(const typename K<T, 64>::Args& a, int D, unsigned order) {
   if (D == 32)
-    emulate<T, 32>(a, order);
+    emulate<K, T, 32>(a, order);
   else if (D == 64)
-    emulate<T, 64>(a, order);
+    emulate<K, T, 64>(a, order);
   else if (D == 128)
-    emulate<T, 128>(a, order);
+    emulate<K, T, 128>(a, order);
   else
     throw std::invalid_argument("D must be 32, 64 or 128");
+}
+
+template <template <class, int> class K>
+static const char* emulate_entry(const typename K<float, 64>::Args* a, int dtype, int D,
+                                 unsigned order) {
+  return fw_emu::catch_error([&] {
+    if (dtype == 0)
+      emulate_d<K, float>(*a, D, order);
+    else if (dtype == 1)
+      emulate_d<K, fw_bf16>(*a, D, order);
+    else if (dtype == 2)
+      emulate_d<K, fw_half>(*a, D, order);
+    else
+      throw std::invalid_argument("dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
+  });
 }
 }  // namespace fw_ttt_mlp
 
 extern "C" const char* fw_emu_ttt_mlp_cluster_fwd(const FwTTTMLPClusterArgs* a, int dtype, int D,
                                                   unsigned order) {
-  return fw_emu::catch_error([&] {
-    if (dtype == 0)
-      fw_ttt_mlp::emulate_d<float>(*a, D, order);
-    else if (dtype == 1)
-      fw_ttt_mlp::emulate_d<fw_bf16>(*a, D, order);
-    else if (dtype == 2)
-      fw_ttt_mlp::emulate_d<fw_half>(*a, D, order);
-    else
-      throw std::invalid_argument("dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
-  });
+  return fw_ttt_mlp::emulate_entry<fw_ttt_mlp::FwdKernel>(a, dtype, D, order);
 }
-
-namespace fw_ttt_mlp {
-template <class T, int D>
-static void emulate_bwd_b(const FwTTTMLPClusterBwdArgs& a, unsigned order) {
-  fw_emu::Config cfg{dim3((unsigned)(a.B * a.H * (D / 32))), dim3(NT), D / 32,
-                     (size_t)SmemB<T, D>::bytes, order};
-  fw_emu::launch(ttt_mlp_cluster_bwd_b<T, D>, cfg, a);
-}
-
-template <class T>
-static void emulate_bwd_b_d(const FwTTTMLPClusterBwdArgs& a, int D, unsigned order) {
-  if (D == 32)
-    emulate_bwd_b<T, 32>(a, order);
-  else if (D == 64)
-    emulate_bwd_b<T, 64>(a, order);
-  else if (D == 128)
-    emulate_bwd_b<T, 128>(a, order);
-  else
-    throw std::invalid_argument("D must be 32, 64 or 128");
-}
-}  // namespace fw_ttt_mlp
 
 extern "C" const char* fw_emu_ttt_mlp_cluster_bwd_b(const FwTTTMLPClusterBwdArgs* a, int dtype,
                                                     int D, unsigned order) {
-  return fw_emu::catch_error([&] {
-    if (dtype == 0)
-      fw_ttt_mlp::emulate_bwd_b_d<float>(*a, D, order);
-    else if (dtype == 1)
-      fw_ttt_mlp::emulate_bwd_b_d<fw_bf16>(*a, D, order);
-    else if (dtype == 2)
-      fw_ttt_mlp::emulate_bwd_b_d<fw_half>(*a, D, order);
-    else
-      throw std::invalid_argument("dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
-  });
+  return fw_ttt_mlp::emulate_entry<fw_ttt_mlp::BwdKernel>(a, dtype, D, order);
 }
 
-// The backward pass's dynamic shared memory per CTA (bytes), as fw_emu_ttt_mlp_cluster_smem.
-extern "C" unsigned long fw_emu_ttt_mlp_cluster_bwd_b_smem(int dtype, int D) {
-  using namespace fw_ttt_mlp;
-  if (dtype == 0) return D == 32 ? SmemB<float, 32>::bytes : D == 64 ? SmemB<float, 64>::bytes : SmemB<float, 128>::bytes;
-  return D == 32 ? SmemB<fw_bf16, 32>::bytes : D == 64 ? SmemB<fw_bf16, 64>::bytes : SmemB<fw_bf16, 128>::bytes;
-}
-
-// The dynamic shared memory a CTA takes (bytes) for the operand type (dtype as above) and D.
+// The dynamic shared memory a CTA takes (bytes), dtype and D as above.
 extern "C" unsigned long fw_emu_ttt_mlp_cluster_smem(int dtype, int D) {
-  using namespace fw_ttt_mlp;
-  if (dtype == 0) return D == 32 ? Smem<float, 32>::bytes : D == 64 ? Smem<float, 64>::bytes : Smem<float, 128>::bytes;
-  return D == 32 ? Smem<fw_bf16, 32>::bytes : D == 64 ? Smem<fw_bf16, 64>::bytes : Smem<fw_bf16, 128>::bytes;
+  return fw_ttt_mlp::smem_of<fw_ttt_mlp::FwdKernel>(dtype, D);
+}
+
+extern "C" unsigned long fw_emu_ttt_mlp_cluster_bwd_b_smem(int dtype, int D) {
+  return fw_ttt_mlp::smem_of<fw_ttt_mlp::BwdKernel>(dtype, D);
 }
 #endif
