@@ -610,6 +610,17 @@ struct SmemB {
   static constexpr unsigned long bytes = seta + al(4ul * BB);
 };
 
+// acc += X^T Y over one 16-token step: X [16 tokens][...] at x (row-major, ldm ldx, read
+// transposed as a column-major operand), Y [16 tokens][...] at y (row-major, ldm ldy).
+template <class T>
+__device__ __forceinline__ void outer(Acc& acc, const T* x, int ldx, const T* y, int ldy) {
+  FragAT<T> fa;
+  FragB<T> fb;
+  wmma::load_matrix_sync(fa, x, ldx);
+  wmma::load_matrix_sync(fb, y, ldy);
+  wmma::mma_sync(acc, fa, fb, acc);
+}
+
 // The sum over a half-warp's 16 lanes (one hidden or value unit's 16 tokens in step 0).
 __device__ __forceinline__ float warp_sum16(float x) {
 #pragma unroll
@@ -972,28 +983,14 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
     }
 #pragma unroll
     for (int i = 0; i < ND; ++i) {
-      FragAT<T> fa;
-      FragB<T> fb;
-      wmma::load_matrix_sync(fa, qt + 16 * i, D);
-      wmma::load_matrix_sync(fb, dzb1 + 16 * w, U);
-      wmma::mma_sync(D1f[i], fa, fb, D1f[i]);
-      wmma::load_matrix_sync(fa, kt + 16 * i, D);
-      wmma::load_matrix_sync(fb, dz1 + 16 * w, U);
-      wmma::mma_sync(D1f[i], fa, fb, D1f[i]);
+      outer(D1f[i], qt + 16 * i, D, dzb1 + 16 * w, U);
+      outer(D1f[i], kt + 16 * i, D, dz1 + 16 * w, U);
     }
 #pragma unroll
     for (int v = 0; v < ND; ++v) {
-      FragAT<T> fa;
-      FragB<T> fb;
-      wmma::load_matrix_sync(fa, xb2 + 16 * w, U);
-      wmma::load_matrix_sync(fb, dzb2 + 16 * v, D);
-      wmma::mma_sync(D2f[v], fa, fb, D2f[v]);
-      wmma::load_matrix_sync(fa, x2 + 16 * w, U);
-      wmma::load_matrix_sync(fb, dz2 + 16 * v, D);
-      wmma::mma_sync(D2f[v], fa, fb, D2f[v]);
-      wmma::load_matrix_sync(fa, da + 16 * w, U);
-      wmma::load_matrix_sync(fb, g2 + 16 * v, D);
-      wmma::mma_sync(D2f[v], fa, fb, D2f[v]);
+      outer(D2f[v], xb2 + 16 * w, U, dzb2 + 16 * v, D);
+      outer(D2f[v], x2 + 16 * w, U, dz2 + 16 * v, D);
+      outer(D2f[v], da + 16 * w, U, g2 + 16 * v, D);
     }
     cluster.sync();
 
