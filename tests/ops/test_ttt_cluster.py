@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-import subprocess
 from collections import Counter
 
 import pytest
@@ -105,23 +104,21 @@ def test_launch_arguments_follow_the_header():
         cluster.pack([x], [1])
 
 
-def nvcc_report(tmp_path) -> str:
-    """ptxas' report (-Xptxas -v) of the kernel file built as the extension builds it."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The library as ``cluster.build`` makes it, with ptxas' report (one nvcc run)."""
+    if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed")
-    cmd = [nvcc, *cluster.NVCC_FLAGS, "-Xptxas", "-v", "-I", str(cluster.SOURCE_DIR), "-c",
-           str(cluster.SOURCE_DIR / "ttt_mlp_cluster.cu"), "-o", str(tmp_path / "k.o")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout + done.stderr
+    out = tmp_path_factory.mktemp("cluster_build")
+    lib = cluster.build(out, report=True)
+    return lib, lib.with_suffix(".ptxas.txt").read_text()
 
 
-def test_the_kernel_builds_for_sm90a_without_spills(tmp_path):
+def test_the_kernel_builds_for_sm90a_without_spills(built):
     """Every forward instantiation the launcher dispatches (bfloat16, float16 x D 64, 128)
     compiles for sm_90 with 0 bytes of spill stores and loads and no stack frame; the
     backward's pass too, but for bfloat16 at D 128 (a few bytes)."""
-    report = nvcc_report(tmp_path)
+    report = built[1]
     entries = re.findall(
         r"Compiling entry function '(\S*ttt_mlp_cluster_fwd\S*)' for 'sm_90'.*?"
         r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?"
@@ -144,16 +141,15 @@ def test_the_kernel_builds_for_sm90a_without_spills(tmp_path):
         assert int(stores) <= limit and int(loads) <= limit, (name, stores, loads)
 
 
-def test_the_library_builds_and_its_launcher_names_cuda_errors(tmp_path):
+def test_the_library_builds_and_its_launcher_names_cuda_errors(built):
     """``build`` compiles the shared library (reused when unchanged), ``launch`` calls its C
     entry through ctypes: here, without a GPU, the CUDA error comes back as a RuntimeError
     naming it, before any memory is touched."""
     import ctypes
 
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc is not installed")
-    lib_path = cluster.build(tmp_path)
-    assert cluster.build(tmp_path) == lib_path and len(list(tmp_path.glob("*.so"))) == 1
+    lib_path, _ = built
+    assert cluster.build(lib_path.parent, report=True) == lib_path
+    assert len(list(lib_path.parent.glob("*.so"))) == 1
     lib = ctypes.CDLL(str(lib_path))
     lib.fw_ttt_mlp_cluster_launch.restype = ctypes.c_int
     lib.fw_ttt_mlp_cluster_error.restype = ctypes.c_char_p

@@ -112,15 +112,17 @@ def refusal(arch: int, dtype: torch.dtype, Dk: int, Dv: int, Dh: int, b: int) ->
     return None
 
 
-def build(out_dir: Path | None = None) -> Path:
+def build(out_dir: Path | None = None, report: bool = False) -> Path:
     """The launcher's shared library, compiled by nvcc from ``cuda/ttt_mlp_cluster.cu`` into
     ``out_dir`` (default: ``$FASTWEIGHTS_CACHE`` or ~/.cache/fastweights) under a name that
-    hashes the sources and flags, so an existing build is reused. A RuntimeError says why it
-    cannot be built (no nvcc, the compiler's last messages)."""
+    hashes the sources and flags, so an existing build is reused. With ``report``, ptxas'
+    register and spill report (``-Xptxas -v``) is kept beside it, in ``<library>.ptxas.txt``.
+    A RuntimeError says why it cannot be built (no nvcc, the compiler's last messages)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise RuntimeError("nvcc is not on PATH")
-    h = hashlib.sha256(" ".join(NVCC_FLAGS).encode())
+    flags = (*NVCC_FLAGS, "-Xptxas", "-v") if report else NVCC_FLAGS
+    h = hashlib.sha256(" ".join(flags).encode())
     for path in sorted(SOURCE_DIR.glob("*.[ch]*")):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     out_dir = Path(out_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fastweights")
@@ -129,11 +131,13 @@ def build(out_dir: Path | None = None) -> Path:
     if not lib.exists():
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             part = Path(tmp) / lib.name
-            cmd = [nvcc, *NVCC_FLAGS, "-Xcompiler", "-fPIC", "-shared", "-I", str(SOURCE_DIR),
+            cmd = [nvcc, *flags, "-Xcompiler", "-fPIC", "-shared", "-I", str(SOURCE_DIR),
                    str(SOURCE), "-o", str(part)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"nvcc failed: {(done.stderr or done.stdout)[-500:].strip()}")
+            if report:
+                lib.with_suffix(".ptxas.txt").write_text(done.stdout + done.stderr)
             part.replace(lib)  # another process may have built it meanwhile: same bytes
     return lib
 
