@@ -77,6 +77,14 @@ class LaunchArgs(ctypes.Structure):
                 + [(n, ctypes.c_int) for n in INT_FIELDS])
 
 
+class BwdLaunchArgs(ctypes.Structure):
+    """``FwTTTMLPClusterBwdArgs`` (cuda/ttt_mlp_cluster.h) as ctypes lays it out: what the
+    backward pass's launcher and emulation entry take."""
+
+    _fields_ = ([(n, ctypes.c_void_p) for n in BWD_PTR_FIELDS]
+                + [(n, ctypes.c_int) for n in BWD_INT_FIELDS])
+
+
 def fwd_variant() -> str:
     """The TTT-MLP forward kernel a call runs: ``FASTWEIGHTS_TTT_MLP_FWD`` "stream" (default,
     ops/ttt/triton.py's ``_mlp_fwd_kernel``) or "cluster" (this module's). Another value is a
@@ -163,13 +171,10 @@ def _library() -> ctypes.CDLL | None:
 
 def launch(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int, D: int,
            stream: int) -> None:
-    """One launch through the library's C entry (``pack``'s lists); a RuntimeError names the
-    CUDA error."""
-    err = lib.fw_ttt_mlp_cluster_launch(ctypes.byref(LaunchArgs(*ptrs, *ints)), dtype_code, D,
-                                        ctypes.c_void_p(stream))
-    if err != 0:
-        raise RuntimeError(f"the TTT-MLP cluster kernel's launch failed: CUDA error {err}, "
-                           f"{lib.fw_ttt_mlp_cluster_error(err).decode()}")
+    """One launch of the forward through the library's C entry (``pack``'s lists); a
+    RuntimeError names the CUDA error."""
+    _call(lib.fw_ttt_mlp_cluster_launch, LaunchArgs, "kernel", lib, ptrs, ints, dtype_code, D,
+          stream)
 
 
 def problem(q: torch.Tensor, Dv: int, Dh: int, b: int) -> str | None:
@@ -188,37 +193,40 @@ def _log_once(reason: str) -> None:
                         "cannot run here (%s); the Triton kernel runs", ENV, VARIANT, reason)
 
 
-class BwdLaunchArgs(ctypes.Structure):
-    """``FwTTTMLPClusterBwdArgs`` (cuda/ttt_mlp_cluster.h) as ctypes lays it out: what the
-    backward pass's launcher and emulation entry take."""
-
-    _fields_ = ([(n, ctypes.c_void_p) for n in BWD_PTR_FIELDS]
-                + [(n, ctypes.c_int) for n in BWD_INT_FIELDS])
-
-
-def pack(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The launcher's arguments (cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterArgs``, in its order):
-    the addresses of q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, s1, sb1, s2, sb2, ck1, ckb1,
-    ck2, ckb2 (0 for None) and the ints B, T, H, b, N, NF, seg, store_ck, has_b1, has_b2, has_ln,
-    has_lnb, residual."""
-    if len(tensors) != len(PTR_FIELDS) or len(sizes) != len(INT_FIELDS):
-        raise ValueError(f"pack takes {len(PTR_FIELDS)} tensors and {len(INT_FIELDS)} sizes, "
+def pack(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int],
+         fields: tuple[tuple[str, ...], tuple[str, ...]] = (PTR_FIELDS, INT_FIELDS)
+         ) -> tuple[list[int], list[int]]:
+    """A launcher's arguments in its struct's order, ``fields`` its (address, int) field names:
+    by default the forward's (cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterArgs``: the addresses of
+    q, k, v, eta, tau, lnw, lnb, w1, c1, w2, c2, o, s1, sb1, s2, sb2, ck1, ckb1, ck2, ckb2, 0 for
+    None, and the ints B, T, H, b, N, NF, seg, store_ck, has_b1, has_b2, has_ln, has_lnb,
+    residual); (BWD_PTR_FIELDS, BWD_INT_FIELDS) for the backward pass's."""
+    ptr_fields, int_fields = fields
+    if len(tensors) != len(ptr_fields) or len(sizes) != len(int_fields):
+        raise ValueError(f"pack takes {len(ptr_fields)} tensors and {len(int_fields)} sizes, "
                          f"got {len(tensors)} and {len(sizes)}")
-    for i, x in enumerate(tensors):
+    for name, x in zip(ptr_fields, tensors):
         if x is not None and not x.is_contiguous():
-            raise ValueError(f"pack: {PTR_FIELDS[i]} must be contiguous")
+            raise ValueError(f"pack: {name} must be contiguous")
     return [0 if x is None else x.data_ptr() for x in tensors], [int(s) for s in sizes]
+
+
+def _call(entry, args_type: type, what: str, lib: ctypes.CDLL, ptrs: list[int],
+          ints: list[int], dtype_code: int, D: int, stream: int) -> None:
+    """One launch through the library's C ``entry`` taking ``args_type``; a RuntimeError
+    names the CUDA error (``what``: the kernel, for the message)."""
+    err = entry(ctypes.byref(args_type(*ptrs, *ints)), dtype_code, D, ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"the TTT-MLP cluster {what}'s launch failed: CUDA error {err}, "
+                           f"{lib.fw_ttt_mlp_cluster_error(err).decode()}")
 
 
 def launch_bwd(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int, D: int,
                stream: int) -> None:
-    """One launch of the backward pass through the library's C entry (``BwdLaunchArgs``'
-    fields as lists); a RuntimeError names the CUDA error."""
-    err = lib.fw_ttt_mlp_cluster_bwd_b_launch(ctypes.byref(BwdLaunchArgs(*ptrs, *ints)),
-                                              dtype_code, D, ctypes.c_void_p(stream))
-    if err != 0:
-        raise RuntimeError(f"the TTT-MLP cluster backward's launch failed: CUDA error {err}, "
-                           f"{lib.fw_ttt_mlp_cluster_error(err).decode()}")
+    """One launch of the backward pass through the library's C entry (``pack``'s lists for
+    ``BwdLaunchArgs``); a RuntimeError names the CUDA error."""
+    _call(lib.fw_ttt_mlp_cluster_bwd_b_launch, BwdLaunchArgs, "backward", lib, ptrs, ints,
+          dtype_code, D, stream)
 
 
 def _ready(q: torch.Tensor, L, Dh: int) -> ctypes.CDLL | None:
@@ -297,14 +305,13 @@ def launch_backward_b(L, args: tuple, tail: bool) -> bool:
     if lib is None:
         return False
     flags = L.consts
-    tensors = (q, k, v, eta, tau, A, lnw if flags["HAS_LN"] else None,
-               lnb if flags["HAS_LNB"] else None, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at,
-               acc, dtau, dk, dv, deta)
-    for name, x in zip(BWD_PTR_FIELDS, tensors):
-        if x is not None and not x.is_contiguous():
-            raise ValueError(f"launch_backward_b: {name} must be contiguous")
-    ints = (L.B, T, H, b, N, n0, n1, seg, w_bh, w_j, flags["HAS_B1"], flags["HAS_B2"],
-            flags["HAS_LN"], flags["HAS_LNB"], flags["RESIDUAL"])
-    launch_bwd(lib, [0 if x is None else x.data_ptr() for x in tensors], [int(i) for i in ints],
-               DTYPE_CODES[q.dtype], L.Dk, torch.cuda.current_stream(q.device).cuda_stream)
+    ptrs, ints = pack(
+        (q, k, v, eta, tau, A, lnw if flags["HAS_LN"] else None,
+         lnb if flags["HAS_LNB"] else None, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc,
+         dtau, dk, dv, deta),
+        (L.B, T, H, b, N, n0, n1, seg, w_bh, w_j, flags["HAS_B1"], flags["HAS_B2"],
+         flags["HAS_LN"], flags["HAS_LNB"], flags["RESIDUAL"]),
+        (BWD_PTR_FIELDS, BWD_INT_FIELDS))
+    launch_bwd(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
+               torch.cuda.current_stream(q.device).cuda_stream)
     return True
