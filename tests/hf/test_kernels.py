@@ -164,15 +164,30 @@ def _fla_installed() -> bool:
     return True
 
 
+def _fla_reached_on_cpu() -> bool:
+    """Whether an unmodified model's CPU forward reaches fla's kernels: fla is installed and
+    transformers does not send inputs on devices fla lacks to its PyTorch fallbacks (from 5.25
+    it does: ``hub_kernels._PACKAGE_SUPPORTED_DEVICES``)."""
+    from transformers.integrations import hub_kernels
+
+    devices = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {}).get("fla")
+    return _fla_installed() and (devices is None or "cpu" in devices)
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_cpu_forward_runs_where_fla_would_crash(name, monkeypatch):
-    """Unmodified, with fla installed, the CPU forward reaches fla's Triton kernel and fails;
-    with use_fastweights it runs, close to transformers' fallback in float32."""
+    """Unmodified, with fla installed, the CPU forward reaches fla's Triton kernel and fails
+    (transformers before 5.25; from 5.25 transformers itself sends CPU inputs to its PyTorch
+    fallbacks, and the unmodified forward is the fallback's); with use_fastweights it runs,
+    close to transformers' fallback in float32."""
     model, x = tiny_model(name), ids(B=1, T=20)
+    unmodified = None
     with torch.no_grad():
-        if _fla_installed():
+        if _fla_reached_on_cpu():
             with pytest.raises(RuntimeError, match="active drivers"):
                 model(x)
+        else:
+            unmodified = model(x).logits
         got = use_fastweights(model)(x).logits
         use_fastweights(model, enable=False)
         module = modeling(name)
@@ -180,6 +195,8 @@ def test_cpu_forward_runs_where_fla_would_crash(name, monkeypatch):
             monkeypatch.setattr(module, kernel, inspect.unwrap(getattr(module, kernel)))
         expected = model(x).logits
     assert_close64(got.double(), expected.double(), atol=2e-4, what=f"{name} float32 logits")
+    if unmodified is not None:
+        assert torch.equal(unmodified, expected)
 
 
 def test_marking_is_per_model_and_reversible():

@@ -10,7 +10,8 @@ decoding), ``causal_conv1d_fn`` and ``causal_conv1d_update`` (the short convolut
 one step). ``use_kernel_func_from_hub_with_fallback`` binds each name, when the modeling module
 is imported, to fla's or causal-conv1d's kernel where the package is installed, else to
 transformers' PyTorch fallback. Neither choice suits a CPU: fla's kernels are Triton only (a
-CPU forward fails with "0 active drivers"), and the fallbacks are slow (a chunked form written
+CPU forward fails with "0 active drivers"; from transformers 5.25, CPU inputs go to the
+fallbacks), and the fallbacks are slow (a chunked form written
 for clarity, a token loop, and PyTorch's depthwise ``conv1d``, which has no fast bfloat16 CPU
 kernel). The kernel hub (``kernels``) offers no way to register a local function for them.
 
