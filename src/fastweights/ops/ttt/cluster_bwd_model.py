@@ -67,10 +67,51 @@ def _ln_grad_back(dG: torch.Tensor, G: torch.Tensor, xh: torch.Tensor, r: torch.
     return _ln_back(dxh, xh, r) - (r * mdg) * xh, dg
 
 
-def _check(q, k, v, eta, tau, A, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc, dtau, dk,
-           dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, operand_dtype,
-           slice_units) -> None:
-    """The launch's tensors against its sizes, before any work."""
+def _product(operand_dtype: torch.dtype):
+    """P(x, y) = R(x) @ R(y): a tensor-core product, both operands rounded to
+    ``operand_dtype`` and back to float32, float32 accumulation."""
+    def P(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.to(operand_dtype).to(F32) @ y.to(operand_dtype).to(F32)
+
+    return P
+
+
+def _tr(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2)
+
+
+def _rows(x: torch.Tensor, n: int, b: int, BB: int) -> torch.Tensor:
+    """Mini-batch n's tokens of x [B, T, H, *d] as [B*H, BB, *d] float32, padding (rows past
+    b or T) zero."""
+    B, T, H = x.shape[:3]
+    m = max(0, min(b, T - n * b))
+    out = x.new_zeros(B, BB, H, *x.shape[3:], dtype=F32)
+    out[:, :m] = x[:, n * b:n * b + m].to(F32)
+    return out.movedim(2, 1).reshape(B * H, BB, *x.shape[3:])
+
+
+def _put(dst: torch.Tensor, x: torch.Tensor, n: int, b: int) -> None:
+    """x [B*H, BB, *d] written to mini-batch n's tokens of dst [B, T, H, *d] (those < T)."""
+    B, T, H = dst.shape[:3]
+    m = max(0, min(b, T - n * b))
+    dst[:, n * b:n * b + m] = x.reshape(B, H, -1, *x.shape[2:])[:, :, :m].movedim(1, 2)
+
+
+def _check_shapes(want: dict) -> None:
+    """Each name's tensor against its shape: ``want`` maps name -> (tensor, shape)."""
+    for name, (x, shape) in want.items():
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must have shape {list(shape)}, got {got}")
+
+
+def _check_f32(**tensors: torch.Tensor) -> None:
+    for name, x in tensors.items():
+        if x.dtype != F32:
+            raise ValueError(f"{name} must be float32 (the kernel's), got {x.dtype}")
+
+
+def _check_common(operand_dtype, slice_units, Dh) -> None:
     if operand_dtype not in OPERAND_DTYPES:
         raise ValueError(f"operand_dtype must be one of {OPERAND_DTYPES}, got {operand_dtype!r}")
     if not isinstance(slice_units, int) or isinstance(slice_units, bool) or slice_units < 1:
@@ -78,6 +119,42 @@ def _check(q, k, v, eta, tau, A, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc
     if Dh % slice_units:
         raise ValueError(f"the hidden units Dh = {Dh} must be a multiple of slice_units = "
                          f"{slice_units}")
+
+
+def _check_slots(w1, w2, Dk, Dh, Dv, BH, nb, w_bh, w_j) -> None:
+    """w1, w2 hold whole [Dk, Dh], [Dh, Dv] slots up to the last one a launch of nb
+    mini-batches reads."""
+    if w1.numel() % (Dk * Dh) or w2.numel() % (Dh * Dv):
+        raise ValueError(f"w1, w2 must hold whole [Dk, Dh] = [{Dk}, {Dh}], [Dh, Dv] = [{Dh}, "
+                         f"{Dv}] slots, got {w1.numel()}, {w2.numel()} elements")
+    last = (BH - 1) * w_bh + (nb - 1) * w_j  # the last slot read
+    if min(w1.numel() // (Dk * Dh), w2.numel() // (Dh * Dv)) <= last:
+        raise ValueError(f"w1, w2 must hold slot bh * w_bh + j * w_j up to {last} (w_bh "
+                         f"{w_bh}, w_j {w_j}), got {w1.numel() // (Dk * Dh)}, "
+                         f"{w2.numel() // (Dh * Dv)} slots")
+
+
+def _head_params(tau: torch.Tensor, lnw: torch.Tensor | None, lnb: torch.Tensor | None,
+                 B: int, BB: int, has_ln: bool, has_lnb: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per (batch, head) row bh = b * H + h: tau_r [B*H, BB] (head h's tau_i, 0 past b) and
+    the inner LayerNorm's gamma, beta [B*H, 1, Dv] float32 (beta zeros without a bias; both
+    None without the LayerNorm)."""
+    H, b = tau.shape
+    tau_r = torch.zeros(H, BB, dtype=F32, device=tau.device)
+    tau_r[:, :b] = tau.to(F32)
+    gam = bet = None
+    if has_ln:
+        gam = lnw.to(F32).repeat(B, 1)[:, None, :]
+        bet = lnb.to(F32).repeat(B, 1)[:, None, :] if has_lnb else torch.zeros_like(gam)
+    return tau_r.repeat(B, 1), gam, bet
+
+
+def _check(q, k, v, eta, tau, A, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc, dtau, dk,
+           dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, operand_dtype,
+           slice_units) -> None:
+    """The launch's tensors against its sizes, before any work."""
+    _check_common(operand_dtype, slice_units, Dh)
     if not (0 <= n0 < n1 <= N and n1 - n0 <= seg and n1 * b <= T):
         raise ValueError(f"n0, n1 must be a segment of full mini-batches (0 <= n0 < n1 <= N = "
                          f"{N}, n1 - n0 <= seg = {seg}, n1 * b <= T = {T}), got {n0}, {n1}")
@@ -95,23 +172,13 @@ def _check(q, k, v, eta, tau, A, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc
             "vs": (vs, (BH, seg, 5, BV, BB)), "rr": (rr, (BH, seg, BB)),
             "at": (at, (BH, seg, BB, BB)), "acc": (acc, (BH, 2, BV)), "dtau": (dtau, (BH, BB)),
             "dk": (dk, (B, T, H, Dk)), "dv": (dv, (B, T, H, Dv)), "deta": (deta, (B, T, H))}
-    for name, (x, shape) in want.items():
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} must have shape {list(shape)}, got {got}")
-    for name, x in (("w1", w1), ("w2", w2), ("dw1", dw1), ("db1", db1), ("dw2", dw2),
-                    ("db2", db2), ("acc", acc), ("dtau", dtau), ("dk", dk), ("dv", dv),
-                    ("deta", deta)):
-        if x.dtype != F32:
-            raise ValueError(f"{name} must be float32 (the kernel's), got {x.dtype}")
-    if b > BB or Dv > BV or Dh > BHD or w1.numel() % (Dk * Dh) or w2.numel() % (Dh * Dv):
+    _check_shapes(want)
+    _check_f32(w1=w1, w2=w2, dw1=dw1, db1=db1, dw2=dw2, db2=db2, acc=acc, dtau=dtau, dk=dk,
+               dv=dv, deta=deta)
+    if b > BB or Dv > BV or Dh > BHD:
         raise ValueError(f"the rows' tiles (BB {BB}, BV {BV}, BHD {BHD}) must hold b {b}, Dv "
-                         f"{Dv}, Dh {Dh}, and w1, w2 whole [Dk, Dh], [Dh, Dv] slots")
-    last = (BH - 1) * w_bh + (n1 - n0 - 1) * w_j  # the last slot read
-    if min(w1.numel() // (Dk * Dh), w2.numel() // (Dh * Dv)) <= last:
-        raise ValueError(f"w1, w2 must hold slot bh * w_bh + j * w_j up to {last} (w_bh "
-                         f"{w_bh}, w_j {w_j}), got {w1.numel() // (Dk * Dh)}, "
-                         f"{w2.numel() // (Dh * Dv)} slots")
+                         f"{Dv}, Dh {Dh}")
+    _check_slots(w1, w2, Dk, Dh, Dv, BH, n1 - n0, w_bh, w_j)
 
 
 def mlp_bwd_b_cluster_model(
@@ -143,34 +210,17 @@ def mlp_bwd_b_cluster_model(
     dev = q.device
     bh = torch.arange(BH, device=dev)
 
-    def R(x: torch.Tensor) -> torch.Tensor:
-        return x.to(operand_dtype).to(F32)
-
-    def P(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """A tensor-core product: operands rounded, float32 accumulation."""
-        return R(x) @ R(y)
-
-    def tr(x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(-1, -2)
+    P, tr = _product(operand_dtype), _tr
 
     def rows(x: torch.Tensor, n: int) -> torch.Tensor:
-        """Mini-batch n's tokens of x [B, T, H, *d] as [B*H, BB, *d] float32, padding zero."""
-        out = x.new_zeros(B, BB, H, *x.shape[3:], dtype=F32)
-        out[:, :b] = x[:, n * b:(n + 1) * b].to(F32)
-        return out.movedim(2, 1).reshape(BH, BB, *x.shape[3:])
+        return _rows(x, n, b, BB)
 
     def put(dst: torch.Tensor, x: torch.Tensor, n: int) -> None:
-        """x [B*H, BB, *d] written to mini-batch n's tokens of dst [B, T, H, *d]."""
-        dst[:, n * b:(n + 1) * b] = x.reshape(B, H, BB, *x.shape[2:])[:, :, :b].movedim(1, 2)
+        _put(dst, x, n, b)
 
-    tau_r = torch.zeros(H, BB, dtype=F32, device=dev)
-    tau_r[:, :b] = tau.to(F32)
-    tau_r = tau_r.repeat(B, 1)  # [BH, BB]: head h's tau_i, 0 past b
+    tau_r, gam, bet = _head_params(tau, lnw, lnb, B, BB, has_ln, has_lnb)
     coef = -tau_r[:, b - 1, None, None]  # [BH, 1, 1]: -tau_b
     causal = torch.ones(BB, BB, dtype=torch.bool, device=dev).triu()  # row j <= column i
-    if has_ln:
-        gam = lnw.to(F32).repeat(B, 1)[:, None, :]  # [BH, 1, Dv]
-        bet = lnb.to(F32).repeat(B, 1)[:, None, :] if has_lnb else torch.zeros_like(gam)
     w1 = w1.reshape(-1, Dk, Dh)
     w2 = w2.reshape(-1, Dh, Dv)
     for n in range(n1 - 1, n0 - 1, -1):
