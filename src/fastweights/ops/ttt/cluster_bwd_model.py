@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .cluster_model import _gelu
+from .cluster_model import _gelu, _ln
 from .common import _GELU_C
 
 _GELU_A = 0.044715
@@ -296,23 +296,226 @@ def mlp_bwd_b_cluster_model(
                           + P(tr(p["dA"]), G2))
 
 
+def _check_a(q, k, v, eta, tau, A, w1, b1, w2, b2, do, hs, vs, rr, at, acc, dtau, dq, dk,
+             deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, operand_dtype,
+             slice_units) -> None:
+    """A ``_mlp_bwd_a_kernel`` launch's tensors against its sizes, before any work."""
+    _check_common(operand_dtype, slice_units, Dh)
+    if not (0 <= n0 < n1 <= N and n1 - n0 <= seg and (n1 - 1) * b < T):
+        raise ValueError(f"n0, n1 must be a segment of mini-batches (0 <= n0 < n1 <= N = {N}, "
+                         f"n1 - n0 <= seg = {seg}, (n1 - 1) * b < T = {T}), got {n0}, {n1}")
+    for name, x, rank in (("q", q, 4), ("hs", hs, 5), ("vs", vs, 5), ("at", at, 4)):
+        if not isinstance(x, torch.Tensor) or x.dim() != rank:
+            raise ValueError(f"{name} must be a tensor of {rank} dims (the kernel's layout), "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+    B = q.shape[0]
+    BH = B * H
+    BB, BV, BHD = at.shape[-1], vs.shape[-2], hs.shape[-2]
+    _check_shapes({"q": (q, (B, T, H, Dk)), "k": (k, (B, T, H, Dk)), "v": (v, (B, T, H, Dv)),
+                   "eta": (eta, (B, T, H)), "tau": (tau, (H, b)), "A": (A, (BH, N, BB, BB)),
+                   "do": (do, (B, T, H, Dv)), "hs": (hs, (BH, seg, 4, BHD, BB)),
+                   "vs": (vs, (BH, seg, 5, BV, BB)), "rr": (rr, (BH, seg, BB)),
+                   "at": (at, (BH, seg, BB, BB)), "acc": (acc, (BH, N, 2, BV)),
+                   "dtau": (dtau, (BH, N, BB)), "dq": (dq, (B, T, H, Dk)),
+                   "dk": (dk, (B, T, H, Dk)), "deta": (deta, (B, T, H))})
+    _check_f32(w1=w1, b1=b1, w2=w2, b2=b2, hs=hs, vs=vs, rr=rr, at=at, acc=acc, dtau=dtau,
+               dq=dq, dk=dk, deta=deta)
+    if b > BB or Dv > BV or Dh > BHD:
+        raise ValueError(f"the rows' tiles (BB {BB}, BV {BV}, BHD {BHD}) must hold b {b}, Dv "
+                         f"{Dv}, Dh {Dh}")
+    _check_slots(w1, w2, Dk, Dh, Dv, BH, n1 - n0, w_bh, w_j)
+    if b1.numel() < w1.numel() // Dk or b2.numel() < w2.numel() // Dh:
+        raise ValueError(f"b1, b2 must hold a [Dh], [Dv] slot for each of w1's, w2's, got "
+                         f"{b1.numel()}, {b2.numel()} elements")
+
+
+def mlp_bwd_a_cluster_model(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
+    A: torch.Tensor, lnw: torch.Tensor | None, lnb: torch.Tensor | None, w1: torch.Tensor,
+    b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, do: torch.Tensor, hs: torch.Tensor,
+    vs: torch.Tensor, rr: torch.Tensor, at: torch.Tensor, acc: torch.Tensor,
+    dtau: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, deta: torch.Tensor, T: int, H: int,
+    Dk: int, Dv: int, Dh: int, b: int, N: int, n0: int, n1: int, seg: int, w_bh: int,
+    w_j: int, *, has_b1: bool, has_b2: bool, has_ln: bool, has_lnb: bool, residual: bool,
+    operand_dtype: torch.dtype, slice_units: int = 128,
+) -> None:
+    """One launch of ``_mlp_bwd_a_kernel`` (grid (n1 - n0, B*H): mini-batches n0..n1-1, each
+    from its own slot) as the cluster kernel computes it (docs/gpu_ttt_kernels.md, "The read-out
+    backward's tile model"). The kernel's tensors: q, k [B, T, H, Dk], v [B, T, H, Dv] in their
+    dtype; eta [B, T, H], tau [H, b]; A [B*H, N, BB, BB] the scores of ``_qk_kernel``; lnw, lnb
+    [H, Dv] or None; the slots w1 [., Dk, Dh], b1 [., Dh], w2 [., Dh, Dv], b2 [., Dv] (float32;
+    slot bh * w_bh + j * w_j for mini-batch n0 + j, the biases read only with their flags); do
+    [B, T, H, Dv]. Writes, as the kernel does (rows transposed, [feature, token]; padding rows
+    computed from zero inputs like the others; past Dh, Dv zero): hs [B*H, seg, 4, BHD, BB]
+    (Z1, A = G2 W2^T, Zbar1, dZbar1), vs [B*H, seg, 5, BV, BB] (G2, dZbar2, the read-out's
+    share of dG2; x_hat and g of the keys' LayerNorm, with it), rr [B*H, seg, BB] (its 1/s,
+    with it), at [B*H, seg, BB, BB] (dA2^T), acc [B*H, N, 2, BV] (mini-batch n's dgamma, dbeta,
+    with the LayerNorm), dtau [B*H, N, BB], and for the tokens of the segment dq (final), dk
+    and deta (the read-out's shares). A last, partial mini-batch (its tokens past T) is
+    computed like a full one.
+
+    Per hidden slice s of ``slice_units`` units (CTA s), every product P(a, b) = R(a) @ R(b)
+    with R the rounding to ``operand_dtype`` (float32 accumulation), M1 = -(E * A1), M2 =
+    -(E * A2), E_ij = tau_i eta_j (j <= i):
+    Z1_s = P(K, W1_s) + b1_s; Z2 = sum_s P(gelu(Z1_s), W2_s) + b2 (cluster sum 1); G2;
+    A_s = P(G2, W2_s^T); Zbar1_s = P(Q, W1_s) + b1_s + P(M1, A_s gelu'(Z1_s)); Zq2 = sum_s
+    P(Xbar2_s, W2_s) + b2 and A2 = sum_s P(Xbar2_s, X2_s^T) [+ 1] (cluster sum 2); Zbar2 =
+    Zq2 + P(M2, G2); dZbar2 from dO; dG2's share P(M2^T, dZbar2); dN2 = -P(dZbar2, G2^T);
+    dXbar2_s = P(dA2, X2_s) + P(dZbar2, W2_s^T); dN1 = -sum_s P(dZbar1_s, G1_s^T) and dQ =
+    sum_s P(dZbar1_s, W1_s^T) (cluster sum 3), then dQ + P(dA1, K) [+ dO]; dK's share
+    P(dA1^T, Q). Rounded: K, Q, W1_s, W2_s, X2_s, G2, G1_s, E * A1, Xbar2_s, E * A2, dZbar2,
+    dA2, dZbar1_s, dA1; everything else (biases, GELU, the LayerNorms and their backward, E,
+    dE, the masks, the sums over tokens, what is stored) float32, unrounded."""
+    _check_a(q, k, v, eta, tau, A, w1, b1, w2, b2, do, hs, vs, rr, at, acc, dtau, dq, dk, deta,
+             T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j, operand_dtype, slice_units)
+    B = q.shape[0]
+    BH, BB = B * H, at.shape[-1]
+    U = slice_units
+    cuts = [slice(s * U, (s + 1) * U) for s in range(Dh // U)]  # slice s: CTA s's hidden units
+    P, tr = _product(operand_dtype), _tr
+    bh = torch.arange(BH, device=q.device)
+    tau_r, gam, bet = _head_params(tau, lnw, lnb, B, BB, has_ln, has_lnb)
+    causal = torch.ones(BB, BB, dtype=torch.bool, device=q.device).tril()  # j <= i
+    w1, b1 = w1.reshape(-1, Dk, Dh), b1.reshape(-1, Dh)
+    w2, b2 = w2.reshape(-1, Dh, Dv), b2.reshape(-1, Dv)
+
+    def cat(xs: list[torch.Tensor]) -> torch.Tensor:
+        """The slices' [B*H, BB, U] tiles as one [B*H, Dh, BB] row tile."""
+        return tr(torch.cat(xs, dim=-1))
+
+    for n in range(n0, n1):
+        j = n - n0
+        slot = bh * w_bh + j * w_j
+        W1, W2 = w1[slot], w2[slot]  # [BH, Dk, Dh], [BH, Dh, Dv]
+        c1 = b1[slot][:, None] if has_b1 else None  # [BH, 1, Dh]
+        c2 = b2[slot][:, None] if has_b2 else None  # [BH, 1, Dv]
+        K, Q, dO = _rows(k, n, b, BB), _rows(q, n, b, BB), _rows(do, n, b, BB)
+        eta_n = _rows(eta, n, b, BB)  # [BH, BB]
+        tgt = _rows(v, n, b, BB) - K if residual else _rows(v, n, b, BB)
+        E = torch.where(causal, tau_r[:, :, None] * eta_n[:, None, :], 0.0)  # E_ij
+        A1 = tr(A[:, n])  # Q K^T [+ 1]: the scores tile is A1^T
+        # 1. per slice Z1_s, X2_s; cluster sum 1: Z2; the loss gradient G2 in every CTA
+        Z1, X2, Z2 = [], [], None
+        for s in cuts:
+            z1 = P(K, W1[:, :, s])
+            if has_b1:
+                z1 = z1 + c1[..., s]
+            x2 = _gelu(z1)[0]
+            part = P(x2, W2[:, s])
+            Z2 = part if Z2 is None else Z2 + part
+            Z1.append(z1)
+            X2.append(x2)
+        if has_b2:
+            Z2 = Z2 + c2
+        if has_ln:
+            xh, r = _ln(Z2)
+            g = gam * (gam * xh + bet - tgt)
+            G2 = _ln_back(g, xh, r)
+        else:
+            G2 = Z2 - tgt
+        # 2. per slice A_s, G1_s, Zbar1_s, Xbar2_s; cluster sum 2: Zq2, A2
+        M1 = -(E * A1)
+        Aw, G1, Zb1, Xb2, Zq2, A2 = [], [], [], [], None, None
+        for s, z1, x2 in zip(cuts, Z1, X2):
+            a = P(G2, tr(W2[:, s]))
+            g1 = a * _gelu(z1)[1]
+            zb1 = P(Q, W1[:, :, s])
+            if has_b1:
+                zb1 = zb1 + c1[..., s]
+            zb1 = zb1 + P(M1, g1)
+            xb2 = _gelu(zb1)[0]
+            part, a2 = P(xb2, W2[:, s]), P(xb2, tr(x2))
+            Zq2, A2 = (part, a2) if Zq2 is None else (Zq2 + part, A2 + a2)
+            Aw.append(a)
+            G1.append(g1)
+            Zb1.append(zb1)
+            Xb2.append(xb2)
+        if has_b2:
+            Zq2, A2 = Zq2 + c2, A2 + 1.0
+        # 3. in every CTA: Zbar2, the read-out's backward, dA2, dE
+        M2 = -(E * A2)
+        Zbar2 = Zq2 + P(M2, G2)
+        dZb2 = dO
+        if has_ln:
+            xo, ro = _ln(Zbar2)
+            acc[:, n] = 0.0
+            acc[:, n, 0, :Dv] = (dO * xo).sum(1)
+            acc[:, n, 1, :Dv] = dO.sum(1)
+            dZb2 = _ln_back(gam * dO, xo, ro)
+        dG2 = P(tr(M2), dZb2)  # the read-out's share of dG2
+        dN2 = -P(dZb2, tr(G2))  # the gradient of E * A2
+        dA2 = torch.where(causal, dN2 * E, 0.0)
+        dE = torch.where(causal, dN2 * A2, 0.0)
+        # 4. per slice dXbar2_s, dZbar1_s; cluster sum 3: dN1, dQ's shares
+        dZb1, dN1, dQ = [], None, None
+        for s, x2, g1, zb1 in zip(cuts, X2, G1, Zb1):
+            dzb1 = (P(dA2, x2) + P(dZb2, tr(W2[:, s]))) * _gelu(zb1)[1]
+            parts = (P(dzb1, tr(g1)), P(dzb1, tr(W1[:, :, s])))
+            dN1, dQ = parts if dN1 is None else (dN1 + parts[0], dQ + parts[1])
+            dZb1.append(dzb1)
+        # 5. in every CTA: dA1, dE, dQ, dK's and deta's shares, dtau
+        dN1 = -dN1  # the gradient of E * A1
+        dA1 = torch.where(causal, dN1 * E, 0.0)
+        dE = dE + torch.where(causal, dN1 * A1, 0.0)
+        dQ = dQ + P(dA1, K)
+        if residual:
+            dQ = dQ + dO
+        _put(dq, dQ, n, b)
+        _put(dk, P(tr(dA1), Q), n, b)
+        _put(deta, (dE * tau_r[:, :, None]).sum(1), n, b)  # sum_i dE_ij tau_i
+        dtau[:, n] = (dE * eta_n[:, None, :]).sum(2)  # sum_j dE_ij eta_j
+        # the rows, transposed into the kernel's layouts
+        hs[:, j] = 0.0
+        for i, x in enumerate((Z1, Aw, Zb1, dZb1)):
+            hs[:, j, i, :Dh] = cat(x)
+        vs[:, j, :3] = 0.0
+        for i, x in enumerate((G2, dZb2, dG2)):
+            vs[:, j, i, :Dv] = tr(x)
+        if has_ln:
+            vs[:, j, 3:] = 0.0
+            vs[:, j, 3, :Dv], vs[:, j, 4, :Dv] = tr(xh), tr(g)
+            rr[:, j] = r[..., 0]
+        at[:, j] = tr(dA2)
+
+
 # the positional arguments of a ``_mlp_bwd_b_kernel`` launch (ops/ttt/triton.py)
 _LAUNCH_ARGS = ("q", "k", "v", "eta", "tau", "A", "lnw", "lnb", "w1", "w2", "ds1", "dsb1", "ds2",
                 "dsb2", "dw1", "db1", "dw2", "db2", "hs", "vs", "rr", "at", "sc", "acc", "dtau",
                 "dk", "dv", "deta", "T", "H", "Dk", "Dv", "Dh", "b", "N", "n0", "n1", "seg",
                 "w_bh", "w_j")
 _OUTPUTS = ("dw1", "db1", "dw2", "db2", "acc", "dtau", "dk", "dv", "deta")
+# and of a ``_mlp_bwd_a_kernel`` launch (its grid gives n1 - n0)
+_LAUNCH_ARGS_A = ("q", "k", "v", "eta", "tau", "A", "lnw", "lnb", "w1", "b1", "w2", "b2", "do",
+                  "hs", "vs", "rr", "at", "acc", "dtau", "dq", "dk", "deta", "T", "H", "Dk", "Dv",
+                  "Dh", "b", "N", "n0", "seg", "w_bh", "w_j")
+_OUTPUTS_A = ("hs", "vs", "rr", "at", "acc", "dtau", "dq", "dk", "deta")
+
+
+def _flags(a: dict, consts: dict) -> dict:
+    """The model's keyword arguments from a launch's constexprs: the flags, and lnw, lnb into
+    ``a`` (None where their flag is off: the launch passes a stand-in)."""
+    a["lnw"] = a["lnw"] if consts["HAS_LN"] else None
+    a["lnb"] = a["lnb"] if consts["HAS_LNB"] else None
+    return {"has_b1": consts["HAS_B1"], "has_b2": consts["HAS_B2"], "has_ln": consts["HAS_LN"],
+            "has_lnb": consts["HAS_LNB"], "residual": consts["RESIDUAL"]}
 
 
 def _model_launch(a: dict, consts: dict, operand_dtype: torch.dtype, slice_units: int) -> None:
     """``mlp_bwd_b_cluster_model`` on a kernel launch's arguments ``a`` and constexprs."""
+    a = dict(a)
+    fl = _flags(a, consts)
     kw = {n: a[n] for n in _LAUNCH_ARGS if n not in ("ds1", "dsb1", "ds2", "dsb2", "sc")}
-    kw["lnw"] = a["lnw"] if consts["HAS_LN"] else None
-    kw["lnb"] = a["lnb"] if consts["HAS_LNB"] else None
-    mlp_bwd_b_cluster_model(
-        **kw, has_b1=consts["HAS_B1"], has_b2=consts["HAS_B2"], has_ln=consts["HAS_LN"],
-        has_lnb=consts["HAS_LNB"], residual=consts["RESIDUAL"], operand_dtype=operand_dtype,
-        slice_units=slice_units)
+    mlp_bwd_b_cluster_model(**kw, **fl, operand_dtype=operand_dtype, slice_units=slice_units)
+
+
+def _model_launch_a(a: dict, consts: dict, operand_dtype: torch.dtype,
+                    slice_units: int) -> None:
+    """``mlp_bwd_a_cluster_model`` on a kernel launch's arguments ``a`` (with n1) and
+    constexprs."""
+    a = dict(a)
+    fl = _flags(a, consts)
+    mlp_bwd_a_cluster_model(**{n: a[n] for n in (*_LAUNCH_ARGS_A, "n1")}, **fl,
+                            operand_dtype=operand_dtype, slice_units=slice_units)
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -320,34 +523,80 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
 
 
-class _ModelKernel:
-    """Stands in for ``_mlp_bwd_b_kernel`` (``kernel[grid](*args, **constexprs)``): launches
-    with TAIL go to the kernel, the others to the model (``compare``: the kernel too, on
-    copies of the outputs; see ``bwd_b_model``)."""
+def _rel_max(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max |ref| (0 where both are zero)."""
+    err = (x - ref).abs().max().item()
+    return err / ref.abs().max().item() if err else 0.0
 
-    def __init__(self, kernel, operand_dtype: torch.dtype, slice_units: int,
-                 compare: list | None, calls: list):
-        self.kernel, self.operand_dtype, self.slice_units = kernel, operand_dtype, slice_units
+
+def _diffs_b(a: dict, theirs: dict, consts: dict) -> dict:
+    tok = slice(a["n0"] * a["b"], a["n1"] * a["b"])  # dk, dv, deta: the segment's
+    return {n: _rel(a[n][:, tok], theirs[n][:, tok]) if n in ("dk", "dv", "deta")
+            else _rel(a[n], theirs[n]) for n in _OUTPUTS}
+
+
+def _diffs_a(a: dict, theirs: dict, consts: dict) -> dict:
+    """Each piece the launch wrote: max |model - kernel| / max |kernel|."""
+    nb, n0, b, Dh, Dv = a["n1"] - a["n0"], a["n0"], a["b"], a["Dh"], a["Dv"]
+    tok = slice(n0 * b, min(a["n1"] * b, a["T"]))
+    pieces = {f"hs.{name}": (lambda x, i=i: x["hs"][:, :nb, i, :Dh])
+              for i, name in enumerate(("Z1", "A", "Zbar1", "dZbar1"))}
+    value_rows = ("G2", "dZbar2", "dG2", "x_hat", "g") if consts["HAS_LN"] else ("G2", "dZbar2",
+                                                                                  "dG2")
+    pieces.update({f"vs.{name}": (lambda x, i=i: x["vs"][:, :nb, i, :Dv])
+                   for i, name in enumerate(value_rows)})
+    pieces["at"] = lambda x: x["at"][:, :nb]
+    pieces["dtau"] = lambda x: x["dtau"][:, n0:n0 + nb]
+    if consts["HAS_LN"]:
+        pieces["rr"] = lambda x: x["rr"][:, :nb]
+        pieces["acc"] = lambda x: x["acc"][:, n0:n0 + nb]
+    for name in ("dq", "dk", "deta"):
+        pieces[name] = lambda x, name=name: x[name][:, tok]
+    return {name: _rel_max(get(a), get(theirs)) for name, get in pieces.items()}
+
+
+class _ModelKernel:
+    """Stands in for a kernel (``kernel[grid](*args, **constexprs)``): the launches ``take``
+    accepts go to ``model`` (``compare``: the kernel too, on copies of the outputs, and
+    ``diffs`` of the two go into ``compare``), the others to the kernel. ``names``: the
+    launch's positional arguments; ``outputs``: those it writes."""
+
+    def __init__(self, kernel, names, outputs, take, model, diffs, operand_dtype, slice_units,
+                 compare, calls):
+        self.kernel, self.names, self.outputs, self.take = kernel, names, outputs, take
+        self.model, self.diffs = model, diffs
+        self.operand_dtype, self.slice_units = operand_dtype, slice_units
         self.compare, self.calls = compare, calls
 
     def __getitem__(self, grid):
         def launch(*args, **consts):
-            if consts["TAIL"]:
+            if not self.take(consts):
                 return self.kernel[grid](*args, **consts)
-            a = dict(zip(_LAUNCH_ARGS, args))
+            a = dict(zip(self.names, args))
+            a.setdefault("n1", a["n0"] + grid[0])  # a grid over the segment's mini-batches
             self.calls.append((a["n0"], a["n1"]))
             if self.compare is not None:
-                theirs = {n: a[n].clone() for n in _OUTPUTS}
-                self.kernel[grid](*(theirs.get(n, x) for n, x in zip(_LAUNCH_ARGS, args)),
+                theirs = {n: a[n].clone() for n in self.outputs}
+                self.kernel[grid](*(theirs.get(n, x) for n, x in zip(self.names, args)),
                                   **consts)
-            _model_launch(a, consts, self.operand_dtype, self.slice_units)
+            self.model(a, consts, self.operand_dtype, self.slice_units)
             if self.compare is not None:
-                tok = slice(a["n0"] * a["b"], a["n1"] * a["b"])  # dk, dv, deta: the segment's
-                self.compare.append({n: _rel(a[n][:, tok], theirs[n][:, tok])
-                                     if n in ("dk", "dv", "deta") else _rel(a[n], theirs[n])
-                                     for n in _OUTPUTS})
+                self.compare.append(self.diffs(a, theirs, consts))
 
         return launch
+
+
+@contextlib.contextmanager
+def _swapped(name: str, stand_in) -> Iterator[None]:
+    """ops/ttt/triton.py's kernel ``name`` replaced by ``stand_in`` within the block."""
+    from . import triton as module
+
+    kernel = getattr(module, name)
+    setattr(module, name, stand_in(kernel))
+    try:
+        yield
+    finally:
+        setattr(module, name, kernel)
 
 
 @contextlib.contextmanager
@@ -360,12 +609,96 @@ def bwd_b_model(operand_dtype: torch.dtype = F32, slice_units: int = 128,
     outputs, and max |model - kernel| / max(1, max |kernel|) of each output (the carried
     gradients, acc, dtau; the segment's tokens of dk, dv, deta) goes into ``compare`` as a
     dict per launch. Yields the list of the (n0, n1) segments the model ran."""
-    from . import triton as module
-
-    kernel = module._mlp_bwd_b_kernel
     calls: list = []
-    module._mlp_bwd_b_kernel = _ModelKernel(kernel, operand_dtype, slice_units, compare, calls)
-    try:
+    with _swapped("_mlp_bwd_b_kernel", lambda kernel: _ModelKernel(
+            kernel, _LAUNCH_ARGS, _OUTPUTS, lambda consts: not consts["TAIL"], _model_launch,
+            _diffs_b, operand_dtype, slice_units, compare, calls)):
         yield calls
-    finally:
-        module._mlp_bwd_b_kernel = kernel
+
+
+@contextlib.contextmanager
+def bwd_a_model(operand_dtype: torch.dtype = F32, slice_units: int = 128,
+                compare: list | None = None) -> Iterator[list]:
+    """Within the block, every launch of ops/ttt/triton.py's ``_mlp_bwd_a_kernel`` (a partial
+    last mini-batch's too) runs ``mlp_bwd_a_cluster_model`` instead. With ``compare`` (a
+    list), the kernel also runs each launch on copies of its outputs, and max |model - kernel|
+    / max |kernel| of each piece the launch wrote (hs's and vs's rows by name, rr, at, acc,
+    dtau of its mini-batches, the segment's tokens of dq, dk, deta) goes into ``compare`` as a
+    dict per launch. Yields the list of the (n0, n1) segments the model ran."""
+    calls: list = []
+    with _swapped("_mlp_bwd_a_kernel", lambda kernel: _ModelKernel(
+            kernel, _LAUNCH_ARGS_A, _OUTPUTS_A, lambda consts: True, _model_launch_a,
+            _diffs_a, operand_dtype, slice_units, compare, calls)):
+        yield calls
+
+
+class _ForwardModel:
+    """Stands in for ``_mlp_fwd_kernel`` or ``_mlp_recompute_kernel``
+    (``kernel[grid](*args, **constexprs)``): ops/ttt/cluster_model.py's
+    ``ttt_mlp_cluster_model`` one mini-batch at a time, writing what the kernel writes (the
+    forward: o, the final weights in place, the partial mini-batch's gradient sums and the
+    checkpoints; the recompute: the weights entering each mini-batch of the segment into its
+    slots)."""
+
+    def __init__(self, recompute: bool, operand_dtype: torch.dtype, slice_units: int,
+                 calls: list):
+        self.recompute, self.operand_dtype, self.slice_units = recompute, operand_dtype, slice_units
+        self.calls = calls
+
+    def step(self, a: dict, consts: dict, n: int, w: tuple) -> tuple[torch.Tensor, ...]:
+        """``ttt_mlp_cluster_model`` on mini-batch n from the weights w (W1, b1, W2, b2)."""
+        from .cluster_model import ttt_mlp_cluster_model
+
+        fl = _flags(a, consts)
+        t = slice(n * a["b"], min(n * a["b"] + a["b"], a["T"]))
+        return ttt_mlp_cluster_model(
+            a["q"][:, t], a["k"][:, t], a["v"][:, t], a["eta"][:, t], a["tau"], a["lnw"],
+            a["lnb"], w[0], w[1] if fl["has_b1"] else None, w[2], w[3] if fl["has_b2"] else None,
+            fl["residual"], self.operand_dtype, self.slice_units)
+
+    def __getitem__(self, grid):
+        def launch(*args, **consts):
+            names = ("q", "k", "v", "eta", "tau", "A", "lnw", "lnb", "w1", "b1", "w2", "b2", "o")
+            a = dict(zip(names, args))
+            if self.recompute:  # slots [B*H, seg + 1, ...]; mini-batches n0..n1-2 into 1..
+                a.update(zip(("T", "H", "Dk", "Dv", "Dh", "b", "N", "n0", "n1", "seg"),
+                             args[-10:]))
+                n0, n1 = a["n0"], a["n1"]
+                self.calls.append(("recompute", n0, n1))
+                slots = [a[x] for x in ("w1", "b1", "w2", "b2")]
+                for j in range(n1 - n0 - 1):
+                    out = self.step(a, consts, n0 + j, [x[:, j] for x in slots])
+                    for x, y in zip(slots, out[1:5]):
+                        x[:, j + 1] = y
+                return
+            a.update(zip(("s1", "sb1", "s2", "sb2", "gs", "ck1", "ckb1", "ck2", "ckb2", "T",
+                          "H", "Dk", "Dv", "Dh", "b", "N", "NF", "seg", "store"), args[13:]))
+            self.calls.append(("forward", 0, a["N"]))
+            w = [a[x] for x in ("w1", "b1", "w2", "b2")]
+            for n in range(a["N"]):
+                if a["store"] and n % a["seg"] == 0 and n < a["NF"]:
+                    for ck, x in zip(("ck1", "ckb1", "ck2", "ckb2"), w):
+                        a[ck][:, n // a["seg"]] = x
+                out = self.step(a, consts, n, w)
+                t = slice(n * a["b"], n * a["b"] + out[0].shape[1])
+                a["o"][:, t] = out[0].to(a["o"].dtype)
+                for x, y in zip(w if n < a["NF"] else [a[s] for s in ("s1", "sb1", "s2", "sb2")],
+                                out[1:5] if n < a["NF"] else out[5:]):
+                    x.copy_(y)
+
+        return launch
+
+
+@contextlib.contextmanager
+def fwd_model(operand_dtype: torch.dtype = F32, slice_units: int = 128) -> Iterator[list]:
+    """Within the block, ops/ttt/triton.py's ``_mlp_fwd_kernel`` and ``_mlp_recompute_kernel``
+    run ops/ttt/cluster_model.py's ``ttt_mlp_cluster_model`` instead (what the cluster kernel
+    computes for both), so that with ``bwd_a_model`` and ``bwd_b_model`` a whole ``ttt_mlp``
+    forward and backward runs in the tile models. Yields the list of the launches it ran
+    (("forward", 0, N) or ("recompute", n0, n1))."""
+    calls: list = []
+    with _swapped("_mlp_fwd_kernel", lambda kernel: _ForwardModel(
+            False, operand_dtype, slice_units, calls)), \
+            _swapped("_mlp_recompute_kernel", lambda kernel: _ForwardModel(
+                True, operand_dtype, slice_units, calls)):
+        yield calls

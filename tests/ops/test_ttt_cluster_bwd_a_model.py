@@ -1,0 +1,146 @@
+"""The tile model of the TTT-MLP cluster backward's read-out pass (ops/ttt/cluster_bwd_model.py's
+``mlp_bwd_a_cluster_model``; docs/gpu_ttt_kernels.md, "The read-out backward's tile model"):
+launch by launch against ops/ttt/triton.py's ``_mlp_bwd_a_kernel`` under the CPU interpreter
+(float32 operands: every piece it writes, 1 and 2 slices, the flags on, off and mixed), and the
+whole ``ttt_mlp`` forward and backward in the three tile models (the forward model as the
+forward and the recompute, this one, the sequential pass's) against autograd through the
+float64 token loop, with float32 and with bfloat16 operands.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastweights.ops import ttt_mlp
+from fastweights.ops.ttt.cluster_bwd_model import (
+    bwd_a_model,
+    bwd_b_model,
+    fwd_model,
+    mlp_bwd_a_cluster_model,
+)
+from tests.ops.test_ttt_cluster_bwd_model import BF16_GRAD, mlp_case
+from tests.ops.test_ttt_triton import (  # noqa: F401 (fixtures)
+    TOL32,
+    assert_matches,
+    exact,
+    kernels,
+    launches,
+    max_err,
+    on_gpu,
+    run,
+)
+
+F64 = torch.float64
+TOL_KERNEL = 1e-5  # model against kernel, float32 operands: max |x - ref| / max |ref|
+
+
+def _segments(T, b, group):
+    """The launches of the backward's read-out pass: the partial last mini-batch, then the
+    full segments last first."""
+    NF, N = T // b, -(-T // b)
+    seg = min(group, NF) if NF else 1
+    return ([(NF, N)] if NF < N else []) + [(n, min(n + seg, NF))
+                                            for n in reversed(range(0, NF, seg))]
+
+
+# (T, b, D, slice_units, checkpoint_group, H, flags): C = 4 D / slice_units slices; segments
+# of several mini-batches, partial last mini-batches except where said
+CASES = [
+    (11, 3, 32, 128, 2, 2, {}),  # every flag on, C 1
+    (9, 4, 32, 128, 3, 1, {"ln": False, "b1": False, "b2": False, "residual": False}),  # none
+    (12, 4, 64, 128, 3, 1, {"ln_bias": False, "b2": False}),  # C 2, no partial mini-batch
+    (10, 3, 16, 32, 4, 1, {"b1": False, "residual": False}),  # C 2
+    (7, 2, 16, 16, 3, 1, {"ln": False}),  # C 4
+]
+IDS = [f"T{c[0]}b{c[1]}D{c[2]}U{c[3]}g{c[4]}H{c[5]}-" + "-".join(f"no_{k}" for k in c[6])
+       for c in CASES]
+
+
+@pytest.mark.parametrize("T, b, D, U, group, H, flags", CASES, ids=IDS)
+def test_model_is_the_kernel_and_the_token_loop(launches, exact, T, b, D, U, group, H,  # noqa: F811
+                                                flags):
+    """float32 operands, the model in place of ``_mlp_bwd_a_kernel`` on every launch (the
+    slots from the Triton recompute): launch by launch, the kernel on the same inputs writes
+    every piece (hs's Z1, A, Zbar1, dZbar1; vs's G2, dZbar2, dG2, x_hat, g; rr, at, acc, dtau,
+    the segment's dq, dk, deta) within 1e-5 of max |kernel| (the order of the sums only); the
+    output, final state and every input's gradient equal autograd through the float64 token
+    loop within 1e-4."""
+    args, kw = mlp_case(T, b, D, H, **flags)
+    want = run(ttt_mlp, args, kw, F64, mode="naive")
+    diffs: list = []
+    with bwd_a_model(torch.float32, U, compare=diffs) as calls:
+        got = run(ttt_mlp, args, kw, torch.float32, backend="triton", checkpoint_group=group)
+    assert calls == _segments(T, b, group)
+    assert launches["mlp_bwd_a"] == len(calls)  # (the comparisons' launches)
+    assert_matches(got, want, TOL32, "cluster bwd_a model")
+    assert len(diffs) == len(calls)
+    assert set(diffs[0]) >= {"hs.Z1", "hs.A", "hs.Zbar1", "hs.dZbar1", "vs.G2", "vs.dZbar2",
+                             "vs.dG2", "at", "dtau", "dq", "dk", "deta"}
+    assert ("acc" in diffs[0]) == flags.get("ln", True)
+    worst = {n: max(d[n] for d in diffs) for n in diffs[0]}
+    assert max(worst.values()) <= TOL_KERNEL, worst
+
+
+# (T, b, D, slice_units, checkpoint_group, flags)
+WHOLE = [
+    (11, 4, 32, 128, 2, {}),
+    (10, 3, 64, 128, 2, {"ln_bias": False, "b1": False}),
+    (9, 2, 16, 32, 3, {"ln": False, "b2": False, "residual": False}),
+]
+
+
+@pytest.mark.parametrize("T, b, D, U, group, flags", WHOLE,
+                         ids=[f"T{c[0]}b{c[1]}D{c[2]}U{c[3]}g{c[4]}" for c in WHOLE])
+def test_whole_backward_in_the_models(launches, exact, T, b, D, U, group, flags):  # noqa: F811
+    """float32 operands, ``ttt_mlp`` with the forward, the recompute, the read-out pass and
+    the sequential pass (full segments; its partial last mini-batch stays on the kernel) all
+    in the tile models: the output, final state and every input's gradient equal autograd
+    through the float64 token loop within 1e-4."""
+    args, kw = mlp_case(T, b, D, **flags)
+    want = run(ttt_mlp, args, kw, F64, mode="naive")
+    with fwd_model(torch.float32, U) as fwd, bwd_a_model(torch.float32, U) as ra, \
+            bwd_b_model(torch.float32, U) as rb:
+        got = run(ttt_mlp, args, kw, torch.float32, backend="triton", checkpoint_group=group)
+    assert fwd[0] == ("forward", 0, -(-T // b)) and len(ra) and len(rb)
+    assert launches["mlp_fwd"] == launches["mlp_bwd_a"] == 0  # the models ran, not the kernels
+    assert_matches(got, want, TOL32, "cluster models")
+
+
+def test_whole_backward_bfloat16_operands(launches, exact):  # noqa: F811
+    """bfloat16 operands at D 64 (2 slices; q, k, v rounded to bfloat16 values first, given
+    as float32), the forward and backward in the tile models: every gradient within the
+    issue's 2e-2 of max |ref| of the float64 token loop on the same inputs, and farther than
+    float32 operands' 1e-4 (the roundings are there)."""
+    args, kw = mlp_case(16, 4, 64, seed=7)
+    q, k, v, eta = args
+    args = (*(x.to(torch.bfloat16).to(F64) for x in (q, k, v)), eta)
+    want = run(ttt_mlp, args, kw, F64, mode="naive")
+    bf = torch.bfloat16
+    with fwd_model(bf, 128), bwd_a_model(bf, 128) as ra, bwd_b_model(bf, 128) as rb:
+        got = run(ttt_mlp, args, kw, torch.float32, backend="triton", checkpoint_group=2)
+    assert ra == rb == [(2, 4), (0, 2)]
+    assert launches["mlp_bwd_a"] == launches["mlp_bwd_b"] == 0
+    errs = [max_err(x, y) / y.abs().max().item() for x, y in zip(got[2], want[2])]
+    assert max(errs) <= BF16_GRAD, errs
+    assert max(errs) > TOL32, errs
+
+
+def test_bad_arguments():
+    """An operand dtype the kernel does not have, slices that do not divide Dh, a tensor of
+    the wrong shape, a segment outside the sequence: an error naming the argument, before any
+    work."""
+    t = torch.zeros(1)
+    kw = {"has_b1": True, "has_b2": True, "has_ln": False, "has_lnb": False, "residual": False}
+    sizes = (4, 1, 4, 4, 16, 4, 1, 0, 1, 1, 2, 1)  # T H Dk Dv Dh b N n0 n1 seg w_bh w_j
+    with pytest.raises(ValueError, match="operand_dtype"):
+        mlp_bwd_a_cluster_model(*([t] * 22), *sizes, operand_dtype=torch.float64, **kw)
+    with pytest.raises(ValueError, match="slice_units"):
+        mlp_bwd_a_cluster_model(*([t] * 22), *sizes, operand_dtype=torch.float32,
+                                slice_units=12, **kw)
+    with pytest.raises(ValueError, match="n0, n1"):
+        mlp_bwd_a_cluster_model(*([t] * 22), *sizes[:7], 0, 2, *sizes[9:],
+                                operand_dtype=torch.float32, slice_units=4, **kw)
+    with pytest.raises(ValueError, match="q must be a tensor of 4 dims"):
+        mlp_bwd_a_cluster_model(*([t] * 22), *sizes, operand_dtype=torch.float32,
+                                slice_units=4, **kw)
