@@ -120,6 +120,31 @@ def test_whole_backward_bfloat16_operands(launches, exact, dtype):  # noqa: F811
     assert max(errs) > TOL32, errs
 
 
+def test_cluster_sums_run_in_slice_order_then_the_rest():
+    """Cluster sums 1 and 3 add the slices' shares in order 0..C-1, then the terms every CTA
+    holds: one token, 4 slices, q = k = v = 0, eta = 0 (E = 0), b1 = 16 on unit 0 of each
+    slice (gelu(16) = 16, gelu'(16) = 1 exactly), W1's row 0 one there, W2's column 0 the
+    shares 0, 1, 2^25, -2^25, b2 = 2, dO = e_0 with the residual. Z2's shares 16 W2: in that
+    order float32 gives G2 = 2 (the bias first 0, reverse 18); dQ's shares W2 W1: dQ = 1 (the
+    residual's dO first 0, reverse 2)."""
+    D, Dh, U, BB = 4, 16, 4, 16
+    z, f = torch.zeros, {"dtype": torch.float32}
+    w1, b1, w2, b2 = z(1, D, Dh, **f), z(1, Dh, **f), z(1, Dh, D, **f), z(1, D, **f)
+    w1[0, 0, ::U], b1[0, ::U], b2[0, 0] = 1.0, 16.0, 2.0
+    w2[0, ::U, 0] = torch.tensor([0.0, 1.0, 2.0 ** 25, -2.0 ** 25])
+    x, do = z(1, 1, 1, D, **f), z(1, 1, 1, D, **f)
+    do[..., 0] = 1.0
+    hs, vs, dq = z(1, 1, 4, Dh, BB, **f), z(1, 1, 5, D, BB, **f), z(1, 1, 1, D, **f)
+    mlp_bwd_a_cluster_model(
+        x, x, x, z(1, 1, 1, **f), torch.ones(1, 1), z(1, 1, BB, BB), None, None, w1, b1, w2, b2,
+        do, hs, vs, z(1, 1, BB, **f), z(1, 1, BB, BB, **f), z(1, 1, 2, D, **f), z(1, 1, BB, **f),
+        dq, z(1, 1, 1, D, **f), z(1, 1, 1, **f), 1, 1, D, D, Dh, 1, 1, 0, 1, 1, 1, 0,
+        has_b1=True, has_b2=True, has_ln=False, has_lnb=False, residual=True,
+        operand_dtype=torch.float32, slice_units=U)
+    assert vs[0, 0, 0, 0, 0].item() == 2.0 and dq[0, 0, 0, 0].item() == 1.0, (vs[0, 0, 0, 0],
+                                                                              dq)
+
+
 def test_bad_arguments():
     """An operand dtype the kernel does not have, slices that do not divide Dh, a tensor of
     the wrong shape, a segment outside the sequence: an error naming the argument, before any
