@@ -121,6 +121,17 @@ def _check_common(operand_dtype, slice_units, Dh) -> None:
                          f"{slice_units}")
 
 
+def _launch_sizes(q, hs, vs, at, H: int) -> tuple[int, int, int, int, int]:
+    """B, B*H, and the rows' tiles BB, BV, BHD from a launch's q and rows (their ranks
+    checked)."""
+    for name, x, rank in (("q", q, 4), ("hs", hs, 5), ("vs", vs, 5), ("at", at, 4)):
+        if not isinstance(x, torch.Tensor) or x.dim() != rank:
+            raise ValueError(f"{name} must be a tensor of {rank} dims (the kernel's layout), "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+    B = q.shape[0]
+    return B, B * H, at.shape[-1], vs.shape[-2], hs.shape[-2]
+
+
 def _check_slots(w1, w2, Dk, Dh, Dv, BH, nb, w_bh, w_j) -> None:
     """w1, w2 hold whole [Dk, Dh], [Dh, Dv] slots up to the last one a launch of nb
     mini-batches reads."""
@@ -158,13 +169,7 @@ def _check(q, k, v, eta, tau, A, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc
     if not (0 <= n0 < n1 <= N and n1 - n0 <= seg and n1 * b <= T):
         raise ValueError(f"n0, n1 must be a segment of full mini-batches (0 <= n0 < n1 <= N = "
                          f"{N}, n1 - n0 <= seg = {seg}, n1 * b <= T = {T}), got {n0}, {n1}")
-    for name, x, rank in (("q", q, 4), ("hs", hs, 5), ("vs", vs, 5), ("at", at, 4)):
-        if not isinstance(x, torch.Tensor) or x.dim() != rank:
-            raise ValueError(f"{name} must be a tensor of {rank} dims (the kernel's layout), "
-                             f"got {getattr(x, 'shape', type(x).__name__)}")
-    B = q.shape[0]
-    BH = B * H
-    BB, BV, BHD = at.shape[-1], vs.shape[-2], hs.shape[-2]
+    B, BH, BB, BV, BHD = _launch_sizes(q, hs, vs, at, H)
     want = {"q": (q, (B, T, H, Dk)), "k": (k, (B, T, H, Dk)), "v": (v, (B, T, H, Dv)),
             "eta": (eta, (B, T, H)), "tau": (tau, (H, b)), "A": (A, (BH, N, BB, BB)),
             "dw1": (dw1, (BH, Dk, Dh)), "db1": (db1, (BH, Dh)), "dw2": (dw2, (BH, Dh, Dv)),
@@ -304,13 +309,7 @@ def _check_a(q, k, v, eta, tau, A, w1, b1, w2, b2, do, hs, vs, rr, at, acc, dtau
     if not (0 <= n0 < n1 <= N and n1 - n0 <= seg and (n1 - 1) * b < T):
         raise ValueError(f"n0, n1 must be a segment of mini-batches (0 <= n0 < n1 <= N = {N}, "
                          f"n1 - n0 <= seg = {seg}, (n1 - 1) * b < T = {T}), got {n0}, {n1}")
-    for name, x, rank in (("q", q, 4), ("hs", hs, 5), ("vs", vs, 5), ("at", at, 4)):
-        if not isinstance(x, torch.Tensor) or x.dim() != rank:
-            raise ValueError(f"{name} must be a tensor of {rank} dims (the kernel's layout), "
-                             f"got {getattr(x, 'shape', type(x).__name__)}")
-    B = q.shape[0]
-    BH = B * H
-    BB, BV, BHD = at.shape[-1], vs.shape[-2], hs.shape[-2]
+    B, BH, BB, BV, BHD = _launch_sizes(q, hs, vs, at, H)
     _check_shapes({"q": (q, (B, T, H, Dk)), "k": (k, (B, T, H, Dk)), "v": (v, (B, T, H, Dv)),
                    "eta": (eta, (B, T, H)), "tau": (tau, (H, b)), "A": (A, (BH, N, BB, BB)),
                    "do": (do, (B, T, H, Dv)), "hs": (hs, (BH, seg, 4, BHD, BB)),
