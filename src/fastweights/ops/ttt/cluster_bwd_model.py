@@ -2,7 +2,12 @@
 "The backward's tile model (`ops/ttt/cluster_bwd_model.py`)"): one launch of ops/ttt/triton.py's
 ``_mlp_bwd_b_kernel`` over a full segment (TAIL off), computed with the cluster kernel's
 blocking, roundings and order of summation, so that the CUDA kernel can be compared with it
-number for number and the model itself with the float64 token loop.
+number for number and the model itself with the float64 token loop. Likewise
+``mlp_bwd_a_cluster_model`` for the backward's read-out pass, one launch of
+``_mlp_bwd_a_kernel`` (docs/gpu_ttt_kernels.md, "The read-out backward's tile model"), with
+its own three cluster sums. ``bwd_a_model``, ``bwd_b_model`` and ``fwd_model`` (the forward
+model of ops/ttt/cluster_model.py as the forward and the recompute) put the models in the
+kernels' places in a whole ``ttt_mlp`` call.
 
 The blocking: per (batch, head) one cluster; its hidden units in C slices of ``slice_units``
 (one per CTA), each CTA holding its slice of the carried gradients D1_s [Dk, U], d1_s [U],
@@ -13,8 +18,8 @@ gradients) is float32, unrounded. The two cluster sums of a mini-batch run in sl
 0..C-1, then the terms every CTA holds.
 
 Orientation: tiles here are token rows ([BB, D]); the rows of ``_mlp_bwd_a_kernel`` (hs, vs,
-at) are stored transposed ([feature, token]) and converted on reading; ``at`` (dA2^T) and the
-scores tile A^T are used as stored.
+at) are stored transposed ([feature, token]) and converted on reading (written, by the read-out
+model); the sequential model uses ``at`` (dA2^T) and the scores tile A^T as stored.
 
 Dimension legend: B batch, T time, H heads, Dk, Dv head dims, Dh hidden units (a multiple of
 ``slice_units``), b mini-batch size, BB its padded tile (the rows' last dim), BV, BHD the
