@@ -189,6 +189,39 @@ __device__ __forceinline__ void load_inputs(Inputs<T>& in, const FwTTTLinearWarp
   in.a[1] = n < a.N ? at[1] : z;
 }
 
+// W += K^T H over W's 4 x 4 tiles of 16 x 16 (row-major at w, ldm), each tile the
+// accumulator of one product (K^T's rows 16 i..: element (d, t) at kt[t LDT + 16 i + d]); or,
+// SUMS, W = K^T H (the sums of a partial last mini-batch, w in global memory).
+template <class T, bool SUMS>
+__device__ __forceinline__ void update(float* w, int ldm, const T* kt, const T* hm) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    FragAT<T> fk;
+    wmma::load_matrix_sync(fk, kt + 16 * i, LDT);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      FragB<T> fh;
+      wmma::load_matrix_sync(fh, hm + 16 * j, LDT);
+      Acc acc;
+      if (SUMS)
+        wmma::fill_fragment(acc, 0.0f);
+      else
+        wmma::load_matrix_sync(acc, w + (16 * i) * ldm + 16 * j, ldm, wmma::mem_row_major);
+      wmma::mma_sync(acc, fk, fh, acc);
+      wmma::store_matrix_sync(w + (16 * i) * ldm + 16 * j, acc, ldm, wmma::mem_row_major);
+    }
+  }
+}
+
+// The flags are read at run time (uniform branches); FW_LINEAR_ALL_FLAGS (the SASS estimate's
+// build, benchmarks/ttt_linear_warp_sass.py) makes them all true at compile time, the layers'
+// case, so that the loop's common path is straight-line code.
+#ifdef FW_LINEAR_ALL_FLAGS
+#define FW_FLAG(x) true
+#else
+#define FW_FLAG(x) (x)
+#endif
+
 template <class T>
 __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpArgs a) {
   using L = Smem<T>;
@@ -220,17 +253,19 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
   const int NC = (a.NF + a.seg - 1) / a.seg;
   const float tau_b = a.tau[h * a.b + a.b - 1];
   float* wg = a.w + bh * D * D;
+  const bool has_bias = FW_FLAG(a.has_bias), has_ln = FW_FLAG(a.has_ln);
+  const bool has_lnb = FW_FLAG(a.has_lnb), residual = FW_FLAG(a.residual);
 
   Inputs<T> in;
   load_inputs(in, a, bh, bb, h, 0, r, c0, lane);
   for (int i = lane; i < D; i += 32) {
-    bias[i] = a.has_bias ? a.b0[bh * D + i] : 0.0f;
-    gam[i] = a.has_ln ? a.lnw[h * D + i] : 1.0f;
-    bet[i] = a.has_lnb ? a.lnb[h * D + i] : 0.0f;
+    bias[i] = has_bias ? a.b0[bh * D + i] : 0.0f;
+    gam[i] = has_ln ? a.lnw[h * D + i] : 1.0f;
+    bet[i] = has_lnb ? a.lnb[h * D + i] : 0.0f;
   }
   if (lane < BB) tau_s[lane] = lane < a.b ? a.tau[h * a.b + lane] : 0.0f;
   // the master and its operand copy (lane l: elements 8 (32 i + l) .. + 7, row-major)
-#pragma unroll 4
+#pragma unroll
   for (int i = 0; i < D * D / 8 / 32; ++i) {  // 16 chunks of 8 per lane
     const int e = (i * 32 + lane) * 8, row = e / D, col = e % D;
     float x[8];
@@ -249,14 +284,14 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
     // 0. the checkpoint of the weights entering this mini-batch (every seg-th full one)
     if (a.store_ck && !tail && n % a.seg == 0) {
       const long long c = bh * NC + n / a.seg;
-#pragma unroll 4
+#pragma unroll
       for (int i = 0; i < D * D / 8 / 32; ++i) {
         const int e = (i * 32 + lane) * 8, row = e / D, col = e % D;
         float x[8];
         ld8f(wm + row * LDF + col, x);
         st8f(a.ckw + c * D * D + row * D + col, x);
       }
-      if (a.has_bias)
+      if (has_bias)
         for (int i = lane; i < D; i += 32) a.ckb[c * D + i] = bias[i];
     }
 
@@ -325,7 +360,7 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
         ld8f(zs + r * LDF + col, z[c]);
         ld8f(bias + col, b8);
         ld8(vt + r * LDT + col, v8);
-        if (a.residual) {
+        if (residual) {
           float k8[8];
           ld8(kt + r * LDT + col, k8);
 #pragma unroll
@@ -338,7 +373,7 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
         for (int e = 0; e < 8; ++e) z[c][e] += b8[e];
       }
       float G[4][8];
-      if (a.has_ln) {
+      if (has_ln) {
         const float rs = layer_norm(z);  // z is x_hat now
         float g[4][8], gx[4][8];
 #pragma unroll
@@ -372,7 +407,7 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
         for (int e = 0; e < 8; ++e) hv[e] = (G[c][e] * eta_r) * coef;
         st8(gt + r * LDT + col, G[c]);
         st8(hm + r * LDT + col, hv);
-        if (a.has_bias) st8f(hf + r * LDF + col, hv);
+        if (has_bias) st8f(hf + r * LDF + col, hv);
       }
     }
     __syncwarp();
@@ -389,30 +424,13 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
         wmma::mma_sync(zq[j], fm, fg, zq[j]);
         wmma::store_matrix_sync(zs + 16 * j, zq[j], LDF, wmma::mem_row_major);
       }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        FragAT<T> fk;  // K^T's rows 16 i..: element (d, t) at kt[t LDT + 16 i + d]
-        wmma::load_matrix_sync(fk, kt + 16 * i, LDT);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          FragB<T> fh;
-          wmma::load_matrix_sync(fh, hm + 16 * j, LDT);
-          Acc acc;
-          if (!tail) {
-            wmma::load_matrix_sync(acc, wm + (16 * i) * LDF + 16 * j, LDF, wmma::mem_row_major);
-            wmma::mma_sync(acc, fk, fh, acc);
-            wmma::store_matrix_sync(wm + (16 * i) * LDF + 16 * j, acc, LDF, wmma::mem_row_major);
-          } else {
-            wmma::fill_fragment(acc, 0.0f);
-            wmma::mma_sync(acc, fk, fh, acc);
-            wmma::store_matrix_sync(a.sw + bh * D * D + (16 * i) * D + 16 * j, acc, D,
-                                    wmma::mem_row_major);
-          }
-        }
-      }
+      if (!tail)
+        update<T, false>(wm, LDF, kt, hm);
+      else
+        update<T, true>(a.sw + bh * D * D, D, kt, hm);
     }
     float db[2] = {0.0f, 0.0f};  // columns 2 lane, 2 lane + 1: sum over the tokens
-    if (a.has_bias)
+    if (has_bias)
       for (int t = 0; t < BB; ++t) {
         db[0] += hf[t * LDF + 2 * lane];
         db[1] += hf[t * LDF + 2 * lane + 1];
@@ -432,7 +450,7 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
 #pragma unroll
         for (int e = 0; e < 8; ++e) z[c][e] += b8[e];
       }
-      if (a.has_ln) {
+      if (has_ln) {
         layer_norm(z);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -449,7 +467,7 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int col = c0 + 16 * c;
-          if (a.residual) {
+          if (residual) {
             float q8[8];
             ld8(qt + r * LDT + col, q8);  // q's row as loaded
 #pragma unroll
@@ -460,7 +478,7 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
       }
     }
     __syncwarp();  // every lane has read the bias before it changes
-    if (a.has_bias) {
+    if (has_bias) {
       if (!tail) {
         bias[2 * lane] += db[0];
         bias[2 * lane + 1] += db[1];
@@ -470,7 +488,7 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
       }
     }
     if (!tail) {
-#pragma unroll 4
+#pragma unroll
       for (int i = 0; i < D * D / 8 / 32; ++i) {
         const int e = (i * 32 + lane) * 8, row = e / D, col = e % D;
         float x[8];
@@ -482,14 +500,14 @@ __global__ void __launch_bounds__(32 * NW) ttt_linear_warp_fwd(FwTTTLinearWarpAr
   }
 
   // the weights and bias after the last full mini-batch
-#pragma unroll 4
+#pragma unroll
   for (int i = 0; i < D * D / 8 / 32; ++i) {
     const int e = (i * 32 + lane) * 8, row = e / D, col = e % D;
     float x[8];
     ld8f(wm + row * LDF + col, x);
     st8f(wg + row * D + col, x);
   }
-  if (a.has_bias)
+  if (has_bias)
     for (int i = lane; i < D; i += 32) a.bias[bh * D + i] = bias[i];
 }
 
