@@ -130,6 +130,7 @@ def walk(common: list, level: int) -> tuple[int, collections.Counter]:
     ready: dict[int, tuple[int, str]] = {}
     tensor_free = smem_free = 0
     spent: collections.Counter = collections.Counter()
+    marks: list[int] = []  # the cycle after each CTA barrier
     for _, text, op in common:
         dst, src = regs(text)
         waits = [ready[r] for r in src if r in ready and ready[r][0] > t]
@@ -146,6 +147,10 @@ def walk(common: list, level: int) -> tuple[int, collections.Counter]:
             t = smem_free
         t += 1
         spent["issue"] += 1
+        if k == "BAR":
+            t += LAT["bar"][level]
+            spent["BAR"] += LAT["bar"][level]
+            marks.append(t)
         if k == "HMMA":
             tensor_free = t + HMMA_INTERVAL[level] - 1
         if k in ("LDS", "STS"):
@@ -154,6 +159,7 @@ def walk(common: list, level: int) -> tuple[int, collections.Counter]:
                "MUFU": LAT["mufu"][level], "LDG": 10 ** 9}.get(k, LAT["alu"][level])
         for r in dst:  # a global load's value is read in the next mini-batch (never here)
             ready[r] = (t + lat, k) if k != "LDG" else (0, k)
+    spent["phases"] = marks
     return t, spent
 
 
@@ -172,9 +178,12 @@ def report(dtype: str) -> None:
     print("  HMMA: " + ", ".join(f"{k} {n}" for k, n in hmma.items()))
     for level, name in ((0, "low"), (1, "high")):
         cyc, spent = walk(common, level)
+        marks = spent.pop("phases")
         print(f"  {name} latencies: {cyc} cycles, {cyc / CLOCK_GHZ / 1e3:.2f} us per mini-batch "
               f"at {CLOCK_GHZ} GHz ({cyc / 1.98 / 1e3:.2f} at 1.98); cycles by cause: "
               + ", ".join(f"{k} {n}" for k, n in spent.most_common()))
+        if marks:
+            print("    cycles at each CTA barrier's end: " + ", ".join(map(str, marks)))
 
 
 if __name__ == "__main__":

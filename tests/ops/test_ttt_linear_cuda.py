@@ -222,7 +222,7 @@ def test_the_same_bits_under_every_schedule(lib):
 
 
 def test_shared_memory_fits_without_an_opt_in(lib):
-    """One warp's slice (the master, its operand copy, the tiles) stays under the 48 KiB a
+    """The CTA's shared memory (the staging areas, the operand copy of W, the tiles) stays under the 48 KiB a
     launch gets without opting in to more, in both operand widths of the GPU."""
     for code in (1, 2):
         assert lib.fw_emu_ttt_linear_warp_smem(code) <= 48 << 10
