@@ -13,7 +13,9 @@ one warp, alone on its scheduler (benchmarks/ttt_resident_sass.py's model, with 
 tensor-core and shared-memory pipes of mma.sync):
 
 - every instruction takes an issue cycle; an instruction waits for the registers it reads:
-  ALU 4-5 cycles, MUFU 18-24, SHFL 23-30, LDS/LDSM 29-35, HMMA 30-36 (low and high sets);
+  ALU 4-5 cycles, MUFU 18-24, SHFL 23-30, LDS/LDSM 29-35 (and so the generic loads LD.E and
+  the transposes MOVM of nvcc's bfloat16 WMMA loads, which do not use LDSM), HMMA 30-36
+  (low and high sets);
 - an HMMA.16816 occupies the warp's tensor core ``HMMA_INTERVAL`` cycles (4: the sub-core's
   share of the SM's dense rate; 8: mma.sync at about half of it);
 - a shared-memory access occupies the SM's shared-memory pipe bytes / 128 cycles;
@@ -106,6 +108,7 @@ def regs(text: str) -> tuple[list[int], list[int]]:
 
 def kind(op: str) -> str:
     for prefix, k in (("HMMA", "HMMA"), ("LDSM", "LDS"), ("LDS", "LDS"), ("STS", "STS"),
+                      ("LD.", "LDS"), ("MOVM", "LDS"),
                       ("LDG", "LDG"), ("STG", "STG"), ("SHFL", "SHFL"), ("MUFU", "MUFU"),
                       ("BAR", "BAR"), ("WARPSYNC", "WARPSYNC"), ("NOP", "WARPSYNC"),
                       ("BRA", "BRA"), ("CALL", "BRA"), ("BSSY", "BRA"), ("BSYNC", "BRA")):
@@ -116,6 +119,8 @@ def kind(op: str) -> str:
 
 def smem_bytes(op: str) -> int:
     """Bytes one warp's shared-memory access moves (LDSM: 8x8 16-bit matrices)."""
+    if op.startswith(("LD.", "MOVM")):  # WMMA's generic loads (bfloat16), its transposes
+        return 128
     if op.startswith("LDSM"):
         return 128 * (4 if op.endswith(".4") else 2 if op.endswith(".2") else 1)
     return 32 * (16 if ".128" in op else 8 if ".64" in op else 2 if ".U16" in op or ".16" in op

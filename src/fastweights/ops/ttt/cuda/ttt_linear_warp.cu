@@ -45,18 +45,17 @@ struct Smem {
   static constexpr unsigned long al(unsigned long x) { return (x + 127) / 128 * 128; }
   static constexpr unsigned long stage = 0;                           // float [NW][D][16]
   static constexpr unsigned long wo = stage + al(4ul * NW * D * 16);  // T [D][LDT] W's operand
-  static constexpr unsigned long kt = wo + al(sizeof(T) * D * LDT);   // T [BB][LDT] K rows
-  static constexpr unsigned long qt = kt + al(sizeof(T) * BB * LDT);  // T [BB][LDT] Q rows
-  static constexpr unsigned long vt = qt + al(sizeof(T) * BB * LDT);  // T [BB][LDT] V rows
-  static constexpr unsigned long gt = vt + al(sizeof(T) * BB * LDT);  // T [BB][LDT] G
+  static constexpr unsigned long kt = wo + al(sizeof(T) * D * LDT);        // T [2][BB][LDT] K
+  static constexpr unsigned long qt = kt + al(sizeof(T) * 2 * BB * LDT);   // T [2][BB][LDT] Q
+  static constexpr unsigned long vt = qt + al(sizeof(T) * 2 * BB * LDT);   // T [2][BB][LDT] V
+  static constexpr unsigned long gt = vt + al(sizeof(T) * 2 * BB * LDT);   // T [BB][LDT] G
   static constexpr unsigned long hm = gt + al(sizeof(T) * BB * LDT);  // T [BB][LDT] coef eta G
   static constexpr unsigned long mt = hm + al(sizeof(T) * BB * LDT);  // T [BB][BB] -(E*A), col-major
-  static constexpr unsigned long zs = mt + al(sizeof(T) * BB * BB);   // float [BB][LDF] Zk, Zbar
-  static constexpr unsigned long hf = zs + al(4ul * BB * LDF);        // float [BB][LDF] coef eta G
+  static constexpr unsigned long zs = mt + al(sizeof(T) * BB * BB);   // float [BB][LDF] Zk
+  static constexpr unsigned long zo = zs + al(4ul * BB * LDF);        // float [BB][LDF] Zbar
+  static constexpr unsigned long hf = zo + al(4ul * BB * LDF);        // float [BB][LDF] coef eta G
   static constexpr unsigned long bias = hf + al(4ul * BB * LDF);      // float [2][D] (ping-pong)
-  static constexpr unsigned long gam = bias + al(4ul * 2 * D);        // float [D]
-  static constexpr unsigned long bet = gam + al(4ul * D);             // float [D]
-  static constexpr unsigned long eta = bet + al(4ul * D);             // float [BB]
+  static constexpr unsigned long eta = bias + al(4ul * 2 * D);        // float [BB]
   static constexpr unsigned long tau = eta + al(4ul * BB);            // float [BB]
   static constexpr unsigned long bytes = tau + al(4ul * BB);
 };
@@ -138,31 +137,6 @@ __device__ __forceinline__ void st4f(float* p, const float (&x)[4]) {
   *reinterpret_cast<Bits<16>*>(p) = b;
 }
 
-// A row's sum over its 8 lanes (a lane's 8 values, then lanes ^ 1, ^ 2, ^ 4).
-__device__ __forceinline__ float row_sum(const float (&x)[2][4]) {
-  float s = (x[0][0] + x[0][1]) + (x[0][2] + x[0][3]) + ((x[1][0] + x[1][1]) + (x[1][2] + x[1][3]));
-#pragma unroll
-  for (int m = 1; m < 8; m <<= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
-  return s;
-}
-
-// LayerNorm of a row held by 8 lanes (ops/ttt/triton_tiles.py ``_ln``): x_hat in place, and
-// 1 / sqrt(var + eps) (biased variance).
-__device__ __forceinline__ float layer_norm(float (&z)[2][4]) {
-  const float mu = row_sum(z) * (1.0f / D);
-  float zc[2][4];
-#pragma unroll
-  for (int c = 0; c < 2; ++c)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) zc[c][e] = (z[c][e] - mu) * (z[c][e] - mu);
-  const float r = 1.0f / sqrtf(row_sum(zc) * (1.0f / D) + LN_EPS);
-#pragma unroll
-  for (int c = 0; c < 2; ++c)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) z[c][e] = (z[c][e] - mu) * r;
-  return r;
-}
-
 template <class T>
 struct Inputs {  // one mini-batch's global loads, held in registers until they are stored
   In8<T> k, q, v;  // row tid / 8, columns 8 (tid % 8) .. + 7
@@ -199,14 +173,33 @@ __device__ __forceinline__ void to_operand(const Acc (&W)[4], float* stage, T* w
   for (int i = 0; i < 4; ++i)
     wmma::store_matrix_sync(stage + 256 * i, W[i], 16, wmma::mem_row_major);
   __syncwarp();
+  float x[8][4];  // 4-float chunks 32 u + lane of the [64][16] staging area, all loaded first
 #pragma unroll
-  for (int u = 0; u < 8; ++u) {  // 4-float chunks 32 u + lane of the [64][16] staging area
+  for (int u = 0; u < 8; ++u) ld4f(stage + 4 * (32 * u + lane), x[u]);
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
     const int e = 4 * (32 * u + lane), row = e / 16, col = e % 16;
-    float x[4];
-    ld4f(stage + e, x);
-    st4(wo + row * LDT + 16 * w + col, x);
+    st4(wo + row * LDT + 16 * w + col, x[u]);
   }
   __syncwarp();
+}
+
+// Mini-batch n's output row r, the thread's columns: y (its LayerNorm applied) [+ q as loaded]
+// stored in the operand dtype, if row r is one of its tokens.
+template <class T>
+__device__ __forceinline__ void store_output(const FwTTTLinearWarpArgs& a, float (&y)[2][4],
+                                             const float (&q)[2][4], bool residual,
+                                             long long bb, int h, int n, int r, int j) {
+  const int t0 = n * a.b, m = a.b < a.T - t0 ? a.b : a.T - t0;
+  if (r >= m) return;
+  T* og = (T*)a.o + ((bb * a.T + t0 + r) * a.H + h) * D;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    if (residual)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[c][e] += q[c][e];
+    st4(og + 32 * c + 4 * j, y[c]);
+  }
 }
 
 // The flags are read at run time (uniform branches); FW_LINEAR_ALL_FLAGS (the SASS estimate's
@@ -218,6 +211,47 @@ __device__ __forceinline__ void to_operand(const Acc (&W)[4], float* stage, T* w
 #define FW_FLAG(x) (x)
 #endif
 
+// A row's two sums at once (one shuffle chain for both): sa += over a's, sb over b's.
+__device__ __forceinline__ void row_sum2(const float (&x)[2][4], const float (&y)[2][4],
+                                         float& sa, float& sb) {
+  sa = (x[0][0] + x[0][1]) + (x[0][2] + x[0][3]) + ((x[1][0] + x[1][1]) + (x[1][2] + x[1][3]));
+  sb = (y[0][0] + y[0][1]) + (y[0][2] + y[0][3]) + ((y[1][0] + y[1][1]) + (y[1][2] + y[1][3]));
+#pragma unroll
+  for (int m = 1; m < 8; m <<= 1) {
+    const float oa = __shfl_xor_sync(0xffffffffu, sa, m);
+    const float ob = __shfl_xor_sync(0xffffffffu, sb, m);
+    sa += oa;
+    sb += ob;
+  }
+}
+
+// The LayerNorms of two rows held by the same 8 lanes (``layer_norm``), their statistics
+// reduced together: x_hat in place, 1 / sqrt(var + eps) of each.
+__device__ __forceinline__ void layer_norm2(float (&z)[2][4], float (&y)[2][4], float& rz,
+                                            float& ry) {
+  float sz, sy;
+  row_sum2(z, y, sz, sy);
+  const float mz = sz * (1.0f / D), my = sy * (1.0f / D);
+  float zc[2][4], yc[2][4];
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      zc[c][e] = (z[c][e] - mz) * (z[c][e] - mz);
+      yc[c][e] = (y[c][e] - my) * (y[c][e] - my);
+    }
+  row_sum2(zc, yc, sz, sy);
+  rz = rsqrtf(sz * (1.0f / D) + LN_EPS);
+  ry = rsqrtf(sy * (1.0f / D) + LN_EPS);
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      z[c][e] = (z[c][e] - mz) * rz;
+      y[c][e] = (y[c][e] - my) * ry;
+    }
+}
+
 template <class T>
 __global__ void __launch_bounds__(NT, 1) ttt_linear_warp_fwd(FwTTTLinearWarpArgs a) {
   using L = Smem<T>;
@@ -228,24 +262,22 @@ __global__ void __launch_bounds__(NT, 1) ttt_linear_warp_fwd(FwTTTLinearWarpArgs
   const long long bb = bh / H;
   float* stage = (float*)(smem + L::stage) + w * D * 16;
   T* wo = (T*)(smem + L::wo);
-  T* kt = (T*)(smem + L::kt);
-  T* qt = (T*)(smem + L::qt);
-  T* vt = (T*)(smem + L::vt);
+  T* kt2 = (T*)(smem + L::kt);
+  T* qt2 = (T*)(smem + L::qt);
+  T* vt2 = (T*)(smem + L::vt);
   T* gt = (T*)(smem + L::gt);
   T* hm = (T*)(smem + L::hm);
   T* mt = (T*)(smem + L::mt);
   float* zs = (float*)(smem + L::zs);
+  float* zo = (float*)(smem + L::zo);
   float* hf = (float*)(smem + L::hf);
   float* bias = (float*)(smem + L::bias);
-  float* gam = (float*)(smem + L::gam);
-  float* bet = (float*)(smem + L::bet);
   float* eta_s = (float*)(smem + L::eta);
   float* tau_s = (float*)(smem + L::tau);
 
   const bool has_bias = FW_FLAG(a.has_bias), has_ln = FW_FLAG(a.has_ln);
   const bool has_lnb = FW_FLAG(a.has_lnb), residual = FW_FLAG(a.residual);
-  // the thread's row and columns in the row phases: row r, columns 4 j + {0..3} and
-  // 32 + 4 j + {0..3}
+  // the thread's row and columns in the row phases: row r, columns 32 c + 4 j + {0..3}
   const int r = tid / 8, j = tid % 8;
   const int NC = (a.NF + a.seg - 1) / a.seg;
   const float tau_b = a.tau[h * a.b + a.b - 1];
@@ -253,10 +285,18 @@ __global__ void __launch_bounds__(NT, 1) ttt_linear_warp_fwd(FwTTTLinearWarpArgs
 
   Inputs<T> in;
   load_inputs(in, a, bh, bb, h, 0, tid);
+  float gam[2][4], bet[2][4];  // the LayerNorm's gain and bias at the thread's columns
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = 32 * c + 4 * j + e;
+      gam[c][e] = has_ln ? a.lnw[h * D + col] : 1.0f;
+      bet[c][e] = has_lnb ? a.lnb[h * D + col] : 0.0f;
+    }
   if (tid < D) {
     bias[tid] = has_bias ? a.b0[bh * D + tid] : 0.0f;
-    gam[tid] = has_ln ? a.lnw[h * D + tid] : 1.0f;
-    bet[tid] = has_lnb ? a.lnb[h * D + tid] : 0.0f;
+    bias[D + tid] = 0.0f;
   }
   if (tid < BB) tau_s[tid] = tid < a.b ? a.tau[h * a.b + tid] : 0.0f;
   // the warp's block of the master: W[i] = W's rows 16 i.., columns 16 w..
@@ -266,16 +306,21 @@ __global__ void __launch_bounds__(NT, 1) ttt_linear_warp_fwd(FwTTTLinearWarpArgs
     wmma::load_matrix_sync(W[i], wg + (16 * i) * D + 16 * w, D, wmma::mem_row_major);
   to_operand(W, stage, wo, w, lane);
 
+  // Mini-batch n's read-out o = [LN](Zbar + b) [+ q] is formed in the next one's row phase
+  // (or after the loop), beside that one's loss gradient: the two LayerNorms' shuffle chains
+  // run together. Zbar waits in zo, its q rows in the other buffer of qt.
   for (int n = 0; n < a.N; ++n) {
     const bool tail = n >= a.NF;
-    const int t0 = n * a.b;
-    const int m = a.b < a.T - t0 ? a.b : a.T - t0;
     const float coef = tail ? 1.0f : -tau_b;
-    const float* bcur = bias + D * (n % 2);  // the mini-batch's start bias; the next one's
-    float* bnxt = bias + D * ((n + 1) % 2);
+    T* kt = kt2 + (n % 2) * BB * LDT;
+    T* qt = qt2 + (n % 2) * BB * LDT;
+    T* vt = vt2 + (n % 2) * BB * LDT;
+    const float* bcur = bias + D * (n % 2);  // this mini-batch's start bias
+    float* bprev = bias + D * ((n + 1) % 2);  // the previous one's, then the next one's
 
     // 0. the checkpoint of the weights entering this mini-batch (every seg-th full one)
-    if (a.store_ck && !tail && n % a.seg == 0) {
+    const bool ck = a.store_ck && !tail && n % a.seg == 0;
+    if (ck) {
       const long long c = bh * NC + n / a.seg;
 #pragma unroll
       for (int i = 0; i < 4; ++i)
@@ -293,12 +338,12 @@ __global__ void __launch_bounds__(NT, 1) ttt_linear_warp_fwd(FwTTTLinearWarpArgs
     memcpy(at, &in.a, sizeof(at));
     load_inputs(in, a, bh, bb, h, n + 1, tid);
     __syncthreads();
-    if (has_bias && a.store_ck && !tail && n % a.seg == 0 && tid < D)  // the bias's, after the
-      a.ckb[(bh * NC + n / a.seg) * D + tid] = bcur[tid];                // other warps wrote it
 
     // 2. -(E * A) as the left operand of Zbar's product, column-major: element (i, jj) at
     //    mt[16 jj + i] = -(tau_i eta_jj A_i,jj) for jj <= i (A^T's element 2 tid + e is
-    //    (jj, i)); Zk_w = K W_w, Zq_w = Q W_w (Zk_w through shared memory to the rows)
+    //    (jj, i)); Zk_w = K W_w, Zq_w = Q W_w, each as two chains of two products (Zk_w
+    //    through shared memory to the rows); the row phase's operands from shared memory
+    if (has_bias && ck && tid < D) a.ckb[(bh * NC + n / a.seg) * D + tid] = bcur[tid];
     {
       float mv[2];
 #pragma unroll
@@ -311,9 +356,11 @@ __global__ void __launch_bounds__(NT, 1) ttt_linear_warp_fwd(FwTTTLinearWarpArgs
     }
     Acc zq;
     {
-      Acc zk;
+      Acc zk, zk1, zq1;
       wmma::fill_fragment(zk, 0.0f);
       wmma::fill_fragment(zq, 0.0f);
+      wmma::fill_fragment(zk1, 0.0f);
+      wmma::fill_fragment(zq1, 0.0f);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         FragA<T> fk, fq;
@@ -321,53 +368,68 @@ __global__ void __launch_bounds__(NT, 1) ttt_linear_warp_fwd(FwTTTLinearWarpArgs
         wmma::load_matrix_sync(fk, kt + 16 * c, LDT);
         wmma::load_matrix_sync(fq, qt + 16 * c, LDT);
         wmma::load_matrix_sync(fw, wo + (16 * c) * LDT + 16 * w, LDT);
-        wmma::mma_sync(zk, fk, fw, zk);
-        wmma::mma_sync(zq, fq, fw, zq);
+        if (c < 2) {
+          wmma::mma_sync(zk, fk, fw, zk);
+          wmma::mma_sync(zq, fq, fw, zq);
+        } else {
+          wmma::mma_sync(zk1, fk, fw, zk1);
+          wmma::mma_sync(zq1, fq, fw, zq1);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < zk.num_elements; ++i) {  // elementwise: the same on both layouts
+        zk.x[i] += zk1.x[i];
+        zq.x[i] += zq1.x[i];
       }
       wmma::store_matrix_sync(zs + 16 * w, zk, LDF, wmma::mem_row_major);
+    }
+    float tg[2][4], bk[2][4], bo[2][4], qo[2][4];  // target, both biases, the previous q
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = 32 * c + 4 * j;
+      float v4[4], k4[4];
+      ld4(vt + r * LDT + col, v4);
+      ld4(kt + r * LDT + col, k4);
+      ld4f(bcur + col, bk[c]);
+      ld4f(bprev + col, bo[c]);
+      ld4(qt2 + ((n + 1) % 2) * BB * LDT + r * LDT + col, qo[c]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tg[c][e] = residual ? v4[e] - k4[e] : v4[e];
     }
     __syncthreads();
 
     // 3. G = dl/dZk for the thread's row and columns (docs/maths.md 2.2): G and coef eta G as
-    //    operands, coef eta G in float32 for the bias
+    //    operands, coef eta G in float32 for the bias; the previous mini-batch's output
     {
-      float z[2][4], tg[2][4];
+      float z[2][4], y[2][4];
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int col = 32 * c + 4 * j;
-        float b4[4], v4[4];
         ld4f(zs + r * LDF + col, z[c]);
-        ld4f(bcur + col, b4);
-        ld4(vt + r * LDT + col, v4);
-        if (residual) {
-          float k4[4];
-          ld4(kt + r * LDT + col, k4);
+        ld4f(zo + r * LDF + col, y[c]);  // (not yet written before the first mini-batch)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) tg[c][e] = v4[e] - k4[e];
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) tg[c][e] = v4[e];
+        for (int e = 0; e < 4; ++e) {
+          z[c][e] += bk[c][e];
+          y[c][e] += bo[c][e];
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) z[c][e] += b4[e];
       }
       float G[2][4];
       if (has_ln) {
-        const float rs = layer_norm(z);  // z is x_hat now
+        float rs, ro;
+        layer_norm2(z, y, rs, ro);  // z, y are x_hat now
         float g[2][4], gx[2][4];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int col = 32 * c + 4 * j;
-          float gm[4], bt[4];
-          ld4f(gam + col, gm);
-          ld4f(bet + col, bt);
+        for (int c = 0; c < 2; ++c)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            g[c][e] = gm[e] * (gm[e] * z[c][e] + bt[e] - tg[c][e]);
+            g[c][e] = gam[c][e] * (gam[c][e] * z[c][e] + bet[c][e] - tg[c][e]);
             gx[c][e] = g[c][e] * z[c][e];
+            y[c][e] = gam[c][e] * y[c][e] + bet[c][e];
           }
-        }
-        const float mg = row_sum(g) * (1.0f / D), mgx = row_sum(gx) * (1.0f / D);
+        float mg, mgx;
+        row_sum2(g, gx, mg, mgx);
+        mg *= 1.0f / D;
+        mgx *= 1.0f / D;
 #pragma unroll
         for (int c = 0; c < 2; ++c)
 #pragma unroll
@@ -388,23 +450,24 @@ __global__ void __launch_bounds__(NT, 1) ttt_linear_warp_fwd(FwTTTLinearWarpArgs
         st4(hm + r * LDT + col, hv);
         if (has_bias) st4f(hf + r * LDF + col, hv);
       }
+      if (n > 0) store_output<T>(a, y, qo, residual, bb, h, n - 1, r, j);
     }
     __syncthreads();
 
-    // 4. Zbar_w = Zq_w - (E * A) G_w (without the bias); W_w += K^T (coef eta G)_w with W_w's
-    //    tiles as the accumulators (a partial last mini-batch: the sums S stored); the
-    //    bias's column sums (lanes < 16: column 16 w + lane)
+    // 4. Zbar_w = Zq_w - (E * A) G_w (without the bias) into zo; W_w += K^T (coef eta G)_w
+    //    with W_w's tiles as the accumulators (a partial last mini-batch: the sums S stored);
+    //    the bias's column sums (lanes < 16: column 16 w + lane) and the next bias; W_w's
+    //    operand copy
     {
       FragAT<T> fm;
       FragB<T> fg, fh;
       wmma::load_matrix_sync(fm, mt, BB);
       wmma::load_matrix_sync(fg, gt + 16 * w, LDT);
-      wmma::mma_sync(zq, fm, fg, zq);
-      wmma::store_matrix_sync(zs + 16 * w, zq, LDF, wmma::mem_row_major);
       wmma::load_matrix_sync(fh, hm + 16 * w, LDT);
       FragAT<T> fk[4];  // K^T's rows 16 i..: element (d, t) at kt[t LDT + 16 i + d]
 #pragma unroll
       for (int i = 0; i < 4; ++i) wmma::load_matrix_sync(fk[i], kt + 16 * i, LDT);
+      wmma::mma_sync(zq, fm, fg, zq);
       if (!tail) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) wmma::mma_sync(W[i], fk[i], fh, W[i]);
@@ -418,69 +481,52 @@ __global__ void __launch_bounds__(NT, 1) ttt_linear_warp_fwd(FwTTTLinearWarpArgs
                                   wmma::mem_row_major);
         }
       }
+      wmma::store_matrix_sync(zo + 16 * w, zq, LDF, wmma::mem_row_major);
     }
-    float db = 0.0f;  // lanes < 16: the sum over the tokens of column 16 w + lane
-    if (has_bias && lane < 16) {
+    if (has_bias) {  // lane l: column 16 w + l % 16, rows 8 (l / 16) .. + 7, then both halves
+      const int col = 16 * w + lane % 16, t0 = 8 * (lane / 16);
+      float db = 0.0f;
 #pragma unroll
-      for (int t = 0; t < BB; ++t) db += hf[t * LDF + 16 * w + lane];
-    }
-    __syncthreads();
-
-    // 5. o = [LN](Zbar + b) [+ q] for the thread's row and columns; the next bias (or the
-    //    sum); W_w's operand copy
-    {
-      float z[2][4];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int col = 32 * c + 4 * j;
-        float b4[4];
-        ld4f(zs + r * LDF + col, z[c]);
-        ld4f(bcur + col, b4);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) z[c][e] += b4[e];
+      for (int t = 0; t < BB / 2; ++t) db += hf[(t0 + t) * LDF + col];
+      db += __shfl_xor_sync(0xffffffffu, db, 16);
+      if (lane < 16) {
+        if (!tail)
+          bprev[col] = bcur[col] + db;  // the previous bias was read above, before the barrier
+        else
+          a.sb[bh * D + col] = db;
       }
-      if (has_ln) {
-        layer_norm(z);
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int col = 32 * c + 4 * j;
-          float gm[4], bt[4];
-          ld4f(gam + col, gm);
-          ld4f(bet + col, bt);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) z[c][e] = gm[e] * z[c][e] + bt[e];
-        }
-      }
-      if (r < m) {
-        T* og = (T*)a.o + ((bb * a.T + t0 + r) * H + h) * D;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int col = 32 * c + 4 * j;
-          if (residual) {
-            float q4[4];
-            ld4(qt + r * LDT + col, q4);  // q's row as loaded
-#pragma unroll
-            for (int e = 0; e < 4; ++e) z[c][e] += q4[e];
-          }
-          st4(og + col, z[c]);
-        }
-      }
-    }
-    if (has_bias && lane < 16) {
-      const int col = 16 * w + lane;
-      if (!tail)
-        bnxt[col] = bcur[col] + db;
-      else
-        a.sb[bh * D + col] = db;
-    } else if (!has_bias && tid < D) {
-      bnxt[tid] = 0.0f;
     }
     if (!tail) to_operand(W, stage, wo, w, lane);
-    __syncwarp();  // q's rows read above before the next mini-batch's are stored
   }
 
-  // the weights and bias after the last full mini-batch
-  __syncthreads();  // every warp's share of the bias written
+  // the last mini-batch's output; the weights and bias after the last full mini-batch
+  __syncthreads();  // every warp's share of Zbar and of the bias written
+  if (a.N > 0) {
+    const int n = a.N - 1;
+    float y[2][4], yd[2][4], qo[2][4];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = 32 * c + 4 * j;
+      float b4[4];
+      ld4f(zo + r * LDF + col, y[c]);
+      ld4f(bias + D * (n % 2) + col, b4);
+      ld4(qt2 + (n % 2) * BB * LDT + r * LDT + col, qo[c]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        y[c][e] += b4[e];
+        yd[c][e] = y[c][e];
+      }
+    }
+    if (has_ln) {
+      float r1, r2;
+      layer_norm2(y, yd, r1, r2);
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[c][e] = gam[c][e] * y[c][e] + bet[c][e];
+    }
+    store_output<T>(a, y, qo, residual, bb, h, n, r, j);
+  }
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     wmma::store_matrix_sync(wg + (16 * i) * D + 16 * w, W[i], D, wmma::mem_row_major);
