@@ -25,7 +25,7 @@ tensor-core and shared-memory pipes of mma.sync):
 
 Run from the repository root:
 
-    PYTHONPATH=src python benchmarks/ttt_linear_warp_sass.py [--dtype bfloat16]
+    PYTHONPATH=src python benchmarks/ttt_linear_warp_sass.py [--dtype bfloat16] [--source F]
 
 Prints the instruction counts of the loop's common path and the estimated cycles and
 microseconds per mini-batch (at 1.755 GHz, the H100 SXM boost clock; an H200 boosts to
@@ -53,8 +53,9 @@ SMEM_BYTES_PER_CYCLE = 128
 MANGLED = {"bfloat16": "13__nv_bfloat16", "float16": "6__half"}
 
 
-def compile_sass(dtype: str) -> str:
-    """The SASS of the kernel's ``dtype`` instantiation, every flag on at compile time."""
+def compile_sass(dtype: str, source: Path | None = None) -> str:
+    """The SASS of the kernel's ``dtype`` instantiation, every flag on at compile time, from
+    ``source`` (default: ops/ttt/cuda/ttt_linear_warp.cu)."""
     from fastweights.ops.ttt import cluster, linear_cuda
 
     tool = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -62,7 +63,7 @@ def compile_sass(dtype: str) -> str:
         cubin = Path(tmp) / "k.cubin"
         subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90", "-cubin",
                         "-DFW_LINEAR_ALL_FLAGS", "-I", str(cluster.SOURCE_DIR),
-                        str(linear_cuda.SOURCE), "-o", str(cubin)], check=True)
+                        str(source or linear_cuda.SOURCE), "-o", str(cubin)], check=True)
         name = f"_ZN13fw_ttt_linear19ttt_linear_warp_fwdI{MANGLED[dtype]}EEv19FwTTTLinearWarpArgs"
         return subprocess.run([str(tool), "-sass", "-fun", name, str(cubin)],
                               capture_output=True, text=True, check=True).stdout
@@ -168,8 +169,8 @@ def walk(common: list, level: int) -> tuple[int, collections.Counter]:
     return t, spent
 
 
-def report(dtype: str) -> None:
-    ins = parse(compile_sass(dtype))
+def report(dtype: str, source: Path | None = None) -> None:
+    ins = parse(compile_sass(dtype, source))
     lo, hi = main_loop(ins)
     skip = skipped_regions(ins, lo, hi)
     body = [x for x in ins if lo <= x[0] <= hi]
@@ -194,5 +195,8 @@ def report(dtype: str) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"], choices=list(MANGLED))
-    for dt in p.parse_args().dtype:
-        report(dt)
+    p.add_argument("--source", type=Path, default=None,
+                   help="another version of ttt_linear_warp.cu (e.g. from git history)")
+    args = p.parse_args()
+    for dt in args.dtype:
+        report(dt, args.source)
