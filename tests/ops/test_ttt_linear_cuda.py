@@ -1,5 +1,5 @@
-"""TTT-Linear's warp forward at head size 64 (ops/ttt/linear_cuda.py, cuda/ttt_linear_warp.cu;
-docs/gpu_ttt_kernels.md, "One warp per head"): its CUDA source run on the CPU through the
+"""TTT-Linear's four-warp forward at head size 64 (ops/ttt/linear_cuda.py, cuda/ttt_linear_warp.cu;
+docs/gpu_ttt_kernels.md, "Four warps per head"): its CUDA source run on the CPU through the
 emulator (tests/ops/cuda_emu, docs/cuda_emulation.md) with float32 operands (exact products,
 emulation only) against the float64 token loop (outputs, final state, a partial last
 mini-batch's sums, the checkpoints), with bfloat16 operands within the issue's bounds and

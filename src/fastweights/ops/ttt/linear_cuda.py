@@ -1,5 +1,5 @@
-"""TTT-Linear's forward at head size 64 with one warp per (batch, head), CUDA C++ for sm_90
-(``cuda/ttt_linear_warp.cu``; docs/gpu_ttt_kernels.md, "One warp per head"). It replaces
+"""TTT-Linear's forward at head size 64 with one CTA of four warps per (batch, head), CUDA C++
+(``cuda/ttt_linear_warp.cu``; docs/gpu_ttt_kernels.md, "Four warps per head"). It replaces
 ops/ttt/triton.py's ``_linear_fwd_kernel`` inside ``_LinearTriton`` (same outputs, final
 weights and bias, partial-mini-batch sums and checkpoints, so the Triton backward runs after
 it), with the precision rule of ops/ttt/triton_resident.py's ``_linear_fwd_res_kernel``

@@ -18,7 +18,7 @@
 // Four CTA barriers a mini-batch, between the column and the row phases (each a hand-over of
 // a [16, 64] tile through shared memory); the next mini-batch's global loads are issued at
 // the top of this one. The one-warp-per-head layout (every phase in one warp, no CTA barrier)
-// was built first and estimated at 2.9-3.6 us per mini-batch, issue-bound on one scheduler
+// was built first and estimated at 2.9-3.9 us per mini-batch, issue-bound on one scheduler
 // (benchmarks/results/ttt_linear_warp_sass/one_warp_per_head.txt).
 //
 // Builds: nvcc for sm_90 into a shared library whose C launcher (at the end)

@@ -1,6 +1,6 @@
 // The arguments of the TTT-Linear warp forward (ttt_linear_warp.cu), shared by the kernel, its
 // CUDA launcher (called through ctypes, ops/ttt/linear_cuda.py) and the CPU emulation entry
-// (docs/gpu_ttt_kernels.md, "One warp per head"). Plain C layout, the order of
+// (docs/gpu_ttt_kernels.md, "Four warps per head"). Plain C layout, the order of
 // ops/ttt/triton.py ``_linear_fwd_kernel``'s pointer arguments; tests/ops/test_ttt_linear_cuda.py
 // checks ops/ttt/linear_cuda.py's field names against it.
 //
