@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(Path(__file__).resolve().parent)]
 
-from ttt_resident_sass import CLOCK_GHZ, LAT, REG, main_loop, parse  # noqa: E402
+from ttt_resident_sass import (  # noqa: E402
+    CLOCK_GHZ,
+    LAT,
+    REG,
+    forward_branches,
+    main_loop,
+    parse,
+)
 
 LAT_HMMA = (30, 36)
 HMMA_INTERVAL = (4, 8)
@@ -74,16 +80,9 @@ def skipped_regions(ins: list, lo: int, hi: int) -> list[tuple[int, int]]:
     with global stores before the loop's first HMMA (the checkpoint store) or with global
     stores and HMMAs (a partial last mini-batch's sums)."""
     first_mma = min(a for a, _, o in ins if lo <= a <= hi and o.startswith("HMMA"))
-    regions = []
-    for a, text, op in ins:
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if op == "BRA" and m and lo <= a < hi and int(m.group(1), 16) > a:
-            end = int(m.group(1), 16)
-            body = [o for b, _, o in ins if a < b < end]
-            stores = any(o.startswith("STG") for o in body)
-            if stores and (any(o.startswith("HMMA") for o in body) or end <= first_mma):
-                regions.append((a + 16, end))
-    return regions
+    return [(s, e) for s, e, body in forward_branches(ins, lo, hi)
+            if any(o.startswith("STG") for o in body)
+            and (any(o.startswith("HMMA") for o in body) or e <= first_mma)]
 
 
 def regs(text: str) -> tuple[list[int], list[int]]:

@@ -23,7 +23,7 @@ import torch
 
 from fastweights.ops import ttt_linear
 from fastweights.ops.ttt import cluster, linear_cuda
-from tests.ops.cuda_emu.build import CUDA_SRC, build, cache_dir
+from tests.ops.cuda_emu.build import CUDA_SRC, build, cache_dir, struct_fields
 from tests.ops.test_ttt_triton import (  # noqa: F401 (fixtures)
     F64,
     TOL32,
@@ -358,15 +358,8 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_runs_and_one_line_says_
 
 def test_launch_arguments_follow_the_header():
     """The field order of ``LaunchArgs`` is FwTTTLinearWarpArgs'."""
-    text = (CUDA_SRC / "ttt_linear_warp.h").read_text()
-    body = text[text.index("struct FwTTTLinearWarpArgs {"):text.index("};")]
-    fields = []
-    for line in body.splitlines()[1:]:
-        decl = line.split("//")[0].strip().rstrip(";")
-        if decl:
-            fields += [name.strip().lstrip("*") for name in
-                       re.sub(r"^(const\s+)?(void|float|int)\s*\*?", "", decl).split(",")]
-    assert tuple(fields) == linear_cuda.PTR_FIELDS + linear_cuda.INT_FIELDS
+    fields = struct_fields(CUDA_SRC / "ttt_linear_warp.h", "FwTTTLinearWarpArgs")
+    assert fields == linear_cuda.PTR_FIELDS + linear_cuda.INT_FIELDS
 
 
 @pytest.fixture(scope="module")
