@@ -356,6 +356,25 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_runs_and_one_line_says_
     assert "Triton kernel runs" in lines[0]
 
 
+def test_the_bench_rows_say_when_the_triton_kernel_ran_instead(monkeypatch):
+    """``fastweights bench gpu``'s exactness rows of this kernel (``ttt_linear (cuda)``) on a
+    GPU where it cannot run (head size 128, or its build failed) are the Triton kernel's: their
+    status says so, with the reason; where it can run, they stay as measured."""
+    from fastweights.bench import gpu, gpu_paper
+
+    run = gpu.Run(gpu.GPU_SIZES, torch.device("cuda"), 0.0, ("triton",), 1.0)
+    monkeypatch.setattr(gpu_paper.torch, "empty", lambda *a, **k: None)
+    tools = gpu_paper.Tools(lambda r, op, backend, dtype, docs: r.row(status="ok"), None, None,
+                            {"ttt_linear": SimpleNamespace(chunk=16)})
+    for why in ("it takes Dk = Dv = 64, got Dk 128, Dv 128", None):
+        monkeypatch.setattr(linear_cuda, "problem", lambda q, b, why=why: why)
+        gpu_paper.opt_in_exact(run, tools, "ttt_linear (cuda)", torch.bfloat16, 128)
+    assert [r["name"] for r in run.rows] == ["ttt_linear (cuda)"] * 2
+    assert run.rows[0]["status"] == ("skipped: the Triton kernel ran, it takes Dk = Dv = 64, "
+                                     "got Dk 128, Dv 128")
+    assert run.rows[1]["status"] == "ok"
+
+
 def test_launch_arguments_follow_the_header():
     """The field order of ``LaunchArgs`` is FwTTTLinearWarpArgs'."""
     fields = struct_fields(CUDA_SRC / "ttt_linear_warp.h", "FwTTTLinearWarpArgs")

@@ -24,7 +24,7 @@ import torch
 from . import cluster
 
 __all__ = ["HEAD_SIZE", "INT_FIELDS", "MAX_MINI_BATCH", "PTR_FIELDS", "SOURCE", "VARIANT",
-           "LaunchArgs", "launch", "launch_forward", "refusal", "why_not"]
+           "LaunchArgs", "launch", "launch_forward", "problem", "refusal", "why_not"]
 
 VARIANT = "cuda"  # FASTWEIGHTS_TTT_FWD's value that asks for it
 SOURCE = cluster.SOURCE_DIR / "ttt_linear_warp.cu"
@@ -79,6 +79,16 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int) -> str | 
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.data_ptr() % ALIGN:
                 return f"it needs {ALIGN}-byte aligned inputs, {name} is not"
+    return reason
+
+
+def problem(q: torch.Tensor, b: int) -> str | None:
+    """Why the warp kernel would not run a call with q, k, v like q [B, T, H, D] and
+    mini-batches of b tokens, the library's build included (built here if it was not): None
+    when it would."""
+    reason = why_not(q, q, q, b)
+    if reason is None and _library() is None:
+        reason = str(_build.get("error"))
     return reason
 
 
