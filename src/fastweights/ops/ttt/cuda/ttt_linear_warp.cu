@@ -181,7 +181,8 @@ __device__ __forceinline__ void to_operand(const Acc (&W)[4], float* stage, T* w
     const int e = 4 * (32 * u + lane), row = e / 16, col = e % 16;
     st4(wo + row * LDT + 16 * w + col, x[u]);
   }
-  __syncwarp();
+  // (no barrier here: the copy is read, and the staging area written again, after the next
+  // mini-batch's first CTA barrier)
 }
 
 // Mini-batch n's output row r, the thread's columns: y (its LayerNorm applied) [+ q as loaded]
