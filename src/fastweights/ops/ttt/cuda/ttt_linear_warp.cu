@@ -13,11 +13,14 @@
 //   columns (warp w): Zk_w = K W_w, Zq_w = Q W_w                 (8 m16n16k16 products)
 //   rows (warp w: rows 4 w .. 4 w + 3, 8 lanes a row, 8 columns a lane): G = dl/dZk (+ b),
 //       every LayerNorm statistic a sum in the lane and 3 shuffles in its group of 8
-//   columns: Zbar_w = Zq_w - (E * A) G_w, W_w += K^T (coef eta G)_w   (5 products)
-//   rows: o = [LN](Zbar + b) [+ q]; columns: the bias's update, W_w's operand copy
-// Four CTA barriers a mini-batch, between the column and the row phases (each a hand-over of
-// a [16, 64] tile through shared memory); the next mini-batch's global loads are issued at
-// the top of this one. The one-warp-per-head layout (every phase in one warp, no CTA barrier)
+//   columns: Zbar_w = Zq_w - (E * A) G_w, W_w += K^T (coef eta G)_w   (5 products), the
+//       bias's update, W_w's operand copy
+//   rows, in the next mini-batch's row phase (beside its G, the two LayerNorms' statistics in
+//       the same shuffle chains): o = [LN](Zbar + b) [+ q]; the last one's after the loop
+// Three CTA barriers a mini-batch, between the column and the row phases (each a hand-over of
+// a [16, 64] tile through shared memory; the input rows are double-buffered, the bias
+// ping-pongs); the next mini-batch's global loads are issued at the top of this one. The
+// one-warp-per-head layout (every phase in one warp, no CTA barrier)
 // was built first and estimated at 2.9-3.9 us per mini-batch, issue-bound on one scheduler
 // (benchmarks/results/ttt_linear_warp_sass/one_warp_per_head.txt).
 //
