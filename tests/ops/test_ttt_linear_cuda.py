@@ -160,7 +160,8 @@ def check_against_loop(got, args, kw, residual, tol, seg):
             assert rel(ckb[:, c], want[1]) <= tol, ("checkpoint bias", c)
 
 
-# (B, H, T, b, seg, flags): T % b != 0 (a partial last mini-batch) but in two; no full one
+# (B, H, T, b, seg, flags): a partial last mini-batch (T % b != 0) but where T is a multiple
+# of b (T 32, b 16; T 5, b 1); no full mini-batch where T < b (T 13, b 16)
 F32_CASES = [
     (1, 2, 37, 16, 1, {}),
     (2, 1, 21, 5, 2, {"ln": False, "bias": False, "residual": False}),
