@@ -116,18 +116,23 @@ def main_loop(ins: list) -> tuple[int, int]:
     return best
 
 
-def skipped_regions(ins: list, lo: int, hi: int) -> list[tuple[int, int]]:
-    """Forward conditional branches inside the loop over a region with global stores and no
-    wgmma (the checkpoint store): the common path skips them."""
-    regions = []
+def forward_branches(ins: list, lo: int, hi: int) -> list[tuple[int, int, list[str]]]:
+    """Forward branches inside the loop [lo, hi]: (the first address they skip, the target,
+    the opcodes skipped)."""
+    out = []
     for a, text, op in ins:
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if op == "BRA" and m and lo <= a < hi and int(m.group(1), 16) > a:
             end = int(m.group(1), 16)
-            body = [o for b, _, o in ins if a < b < end]
-            if any(o.startswith("STG") for o in body) and not any("GMMA" in o for o in body):
-                regions.append((a + 16, end))
-    return regions
+            out.append((a + 16, end, [o for b, _, o in ins if a < b < end]))
+    return out
+
+
+def skipped_regions(ins: list, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Forward conditional branches inside the loop over a region with global stores and no
+    wgmma (the checkpoint store): the common path skips them."""
+    return [(s, e) for s, e, body in forward_branches(ins, lo, hi)
+            if any(o.startswith("STG") for o in body) and not any("GMMA" in o for o in body)]
 
 
 REG = re.compile(r"\bR(\d+)\b")

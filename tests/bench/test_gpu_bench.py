@@ -171,8 +171,9 @@ def test_timed_calls_shrink_to_fit_the_budget_never_below_one():
 def test_dry_run_plans_the_paper_section(dry_run):
     """The ``paper`` section at the dry run's tiny shape: softmax, TTT-Linear and TTT-Linear
     with the resident kernels, forward and forward+backward timed; the opt-in kernels'
-    exactness rows (resident TTT-Linear, TTT-MLP's cluster forward; bfloat16 and float16 at
-    head size 128, bfloat16 at 64) say why they did not run on the CPU; the record has the section's table."""
+    exactness rows (resident TTT-Linear, TTT-MLP's cluster forward, TTT-Linear's CUDA
+    forward; bfloat16 and float16 at head size 128, bfloat16 at 64) say why they did not run
+    on the CPU; the record has the section's table."""
     from fastweights.bench import gpu_paper
 
     out, rows, _ = dry_run
@@ -184,7 +185,7 @@ def test_dry_run_plans_the_paper_section(dry_run):
                            **{"pass": p})
                 assert float(r["median_ms"]) > 0
                 assert r["vs_baseline"]  # against softmax at the same shape and pass
-    for name in ("ttt_linear (resident)", "ttt_mlp (cluster)"):
+    for name in ("ttt_linear (resident)", "ttt_mlp (cluster)", "ttt_linear (cuda)"):
         exact = [r for r in rows if r["name"] == name]
         assert [(r["dtype"], r["shape"].split()[-1]) for r in exact] == [
             ("bfloat16", "D128"), ("float16", "D128"), ("bfloat16", "D64")]

@@ -5,9 +5,11 @@ automatic backend; and with the opt-in resident kernels of ops/ttt/triton_reside
 ``FASTWEIGHTS_TTT_FWD=resident`` and ``FASTWEIGHTS_TTT_BWD=resident``) against softmax
 attention's at the same shape, forward and forward+backward, bfloat16 weights. It first checks
 the opt-in kernels' exactness as the ``exact`` section checks every kernel: the resident
-TTT-Linear kernels (rows ``ttt_linear (resident)``) and TTT-MLP's thread-block-cluster forward
+TTT-Linear kernels (rows ``ttt_linear (resident)``), TTT-MLP's thread-block-cluster forward
 (ops/ttt/cluster.py, ``FASTWEIGHTS_TTT_MLP_FWD=cluster``; rows ``ttt_mlp (cluster)``, the
-Triton backward after it), at head sizes 128 and 64. The dry run (CPU) runs the same items at a
+Triton backward after it) and TTT-Linear's CUDA forward (ops/ttt/linear_cuda.py,
+``FASTWEIGHTS_TTT_FWD=cuda``; rows ``ttt_linear (cuda)``, head size 64 only: at 128 the row
+says the Triton kernel ran), at head sizes 128 and 64. The dry run (CPU) runs the same items at a
 tiny shape.
 
 Kept apart from gpu.py's sections (its ``plan`` appends ``paper_items``); the rows reuse its
@@ -33,7 +35,9 @@ TITLE = "The TTT paper's 1.3B layer (d_model 2048, 32 heads of 64, b 16), bfloat
 RESIDENT_ENV = ("FASTWEIGHTS_TTT_FWD", "FASTWEIGHTS_TTT_BWD")
 # the opt-in kernels' switches per exactness row name: (op, environment)
 OPT_IN = {"ttt_linear (resident)": ("ttt_linear", {name: "resident" for name in RESIDENT_ENV}),
-          "ttt_mlp (cluster)": ("ttt_mlp", {"FASTWEIGHTS_TTT_MLP_FWD": "cluster"})}
+          "ttt_mlp (cluster)": ("ttt_mlp", {"FASTWEIGHTS_TTT_MLP_FWD": "cluster"}),
+          # the CUDA forward at head size 64 (ops/ttt/linear_cuda.py), the Triton backward
+          "ttt_linear (cuda)": ("ttt_linear", {"FASTWEIGHTS_TTT_FWD": "cuda"})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +111,18 @@ def opt_in_exact(run: Any, tools: Tools, name: str, dtype: torch.dtype, D: int) 
     first = len(run.rows)  # ``sized`` appends to the same rows
     with _switched(env):
         tools.exact_case(sized, tools.ops[op], "triton", dtype, None)
-    # the cluster kernel falls back to Triton's where it cannot run (a log line): say so here
+    # the CUDA kernels fall back to Triton's where they cannot run (a log line): say so here
     why = None
     if op == "ttt_mlp" and run.device.type == "cuda":
         from ..ops.ttt import cluster
 
         why = cluster.problem(torch.empty(B, T, H, D, dtype=dtype, device=run.device), D, 4 * D,
                               tools.ops[op].chunk)
+    elif name == "ttt_linear (cuda)" and run.device.type == "cuda":
+        from ..ops.ttt import linear_cuda
+
+        why = linear_cuda.problem(torch.empty(B, T, H, D, dtype=dtype, device=run.device),
+                                  tools.ops[op].chunk)
     for r in run.rows[first:]:
         r["name"] = name
         if why is not None and not str(r.get("status", "")).startswith("skipped"):

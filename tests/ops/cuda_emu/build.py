@@ -122,3 +122,18 @@ def barrier_mutants(source: Path) -> list[tuple[int, Path]]:
             path.write_text("".join([*lines[:i], BARRIER.sub(";", line, count=1), *lines[i + 1:]]))
             mutants.append((i + 1, path))
     return mutants
+
+
+def struct_fields(header: Path, struct: str) -> tuple[str, ...]:
+    """The field names of ``struct <struct> { ... };`` in ``header``, in order (declarations of
+    pointers and ints, several names a line allowed): what a ctypes mirror must list."""
+    text = Path(header).read_text()
+    start = text.index(f"struct {struct} {{")
+    body = text[start:text.index("};", start)]
+    fields: list[str] = []
+    for line in body.splitlines()[1:]:
+        decl = line.split("//")[0].strip().rstrip(";")
+        if decl:
+            fields += [name.strip().lstrip("*") for name in
+                       re.sub(r"^(const\s+)?(void|float|int)\s*\*?", "", decl).split(",")]
+    return tuple(fields)

@@ -120,9 +120,9 @@ def refusal(arch: int, dtype: torch.dtype, Dk: int, Dv: int, Dh: int, b: int) ->
     return None
 
 
-def build(out_dir: Path | None = None, report: bool = False) -> Path:
-    """The launcher's shared library, compiled by nvcc from ``cuda/ttt_mlp_cluster.cu`` into
-    ``out_dir`` (default: ``$FASTWEIGHTS_CACHE`` or ~/.cache/fastweights) under a name that
+def build(out_dir: Path | None = None, report: bool = False, source: Path = SOURCE) -> Path:
+    """The launcher's shared library, compiled by nvcc from ``source`` (default
+    ``cuda/ttt_mlp_cluster.cu``; another kernel file of ``SOURCE_DIR``) into ``out_dir`` (default: ``$FASTWEIGHTS_CACHE`` or ~/.cache/fastweights) under a name that
     hashes the sources and flags, so an existing build is reused. With ``report``, ptxas'
     register and spill report (``-Xptxas -v``) is kept beside it, in ``<library>.ptxas.txt``.
     A RuntimeError says why it cannot be built (no nvcc, the compiler's last messages)."""
@@ -135,12 +135,12 @@ def build(out_dir: Path | None = None, report: bool = False) -> Path:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     out_dir = Path(out_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fastweights")
     out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"ttt_mlp_cluster-{h.hexdigest()[:16]}.so"
+    lib = out_dir / f"{source.stem}-{h.hexdigest()[:16]}.so"
     if not lib.exists():
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             part = Path(tmp) / lib.name
             cmd = [nvcc, *flags, "-Xcompiler", "-fPIC", "-shared", "-I", str(SOURCE_DIR),
-                   str(SOURCE), "-o", str(part)]
+                   str(source), "-o", str(part)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"nvcc failed: {(done.stderr or done.stdout)[-500:].strip()}")

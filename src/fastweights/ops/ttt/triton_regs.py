@@ -12,8 +12,9 @@ mini-batch loads depends on the previous one's results, so the loop may be softw
 
 ``FASTWEIGHTS_TTT_FWD`` (read at every call, ``fwd_variant``): "regs", "stream" or "resident"
 (ops/ttt/triton_resident.py, opt-in) forces one forward kernel (a diagnostic switch, to time
-them in one process); unset or empty, the register-resident kernel wherever ``regs_config``
-has a tiling, else the streamed one.
+them in one process); "cuda" asks for ops/ttt/linear_cuda.py's CUDA kernel (opt-in; where it
+cannot run, one log line and the automatic choice); unset or empty, the register-resident
+kernel wherever ``regs_config`` has a tiling, else the streamed one.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from .triton_tiles import (
 __all__ = ["ENV", "RegsConfig", "fwd_variant", "regs_config"]
 
 ENV = "FASTWEIGHTS_TTT_FWD"
-VARIANTS = ("stream", "regs", "resident")  # "resident": ops/ttt/triton_resident.py, opt-in
+# "resident": ops/ttt/triton_resident.py, "cuda": ops/ttt/linear_cuda.py (both opt-in)
+VARIANTS = ("stream", "regs", "resident", "cuda")
 
 
 class RegsConfig(NamedTuple):
@@ -225,6 +227,12 @@ def launch_forward(L, store: bool, *args) -> bool:
     whether it did."""
     arch = _arch(args[0].device)
     variant = fwd_variant(arch, max(L.Dk, L.Dv))
+    if variant == "cuda":
+        from . import linear_cuda
+
+        if linear_cuda.launch_forward(L, store, *args):
+            return True
+        variant = "regs" if regs_config(arch, torch.bfloat16, max(L.Dk, L.Dv)) else "stream"
     if variant == "resident":
         from . import triton_resident
 
