@@ -549,7 +549,8 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
 // pass on clusters"; the arithmetic of ops/ttt/cluster_bwd_model.py): one launch of
 // ops/ttt/triton.py's ``_mlp_bwd_b_kernel`` over a full segment, mini-batches n1-1 down to n0.
 // CTA s holds its slice of the carried gradients D1_s [D, 128] and D2_s [128, D] in WMMA
-// accumulators (warp w: hidden block w) and d1_s, d2 in shared memory. Per mini-batch, with the
+// accumulators (warp w: hidden block w; D2_s's last column tile in shared memory, float32) and
+// d1_s, d2 in shared memory. Per mini-batch, with the
 // rows ``_mlp_bwd_a_kernel`` wrote and the mini-batch's slot weights W1_s, W2_s:
 //   1. kD1 = K D1_s + d1_s, dG1 = ce kD1 - M1^T dZbar1, dA = dG1 gelu'(Z1)        (local)
 //   2. cluster sum 1: dG2 = sum_s dA W2_s + dG2_readout, xD2 = sum_s X2 D2_s + d2, the tokens'
