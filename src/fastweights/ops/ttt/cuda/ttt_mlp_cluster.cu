@@ -549,7 +549,8 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
 // pass on clusters"; the arithmetic of ops/ttt/cluster_bwd_model.py): one launch of
 // ops/ttt/triton.py's ``_mlp_bwd_b_kernel`` over a full segment, mini-batches n1-1 down to n0.
 // CTA s holds its slice of the carried gradients D1_s [D, 128] and D2_s [128, D] in WMMA
-// accumulators (warp w: hidden block w) and d1_s, d2 in shared memory. Per mini-batch, with the
+// accumulators (warp w: hidden block w; D2_s's last column tile in shared memory, float32) and
+// d1_s, d2 in shared memory. Per mini-batch, with the
 // rows ``_mlp_bwd_a_kernel`` wrote and the mini-batch's slot weights W1_s, W2_s:
 //   1. kD1 = K D1_s + d1_s, dG1 = ce kD1 - M1^T dZbar1, dA = dG1 gelu'(Z1)        (local)
 //   2. cluster sum 1: dG2 = sum_s dA W2_s + dG2_readout, xD2 = sum_s X2 D2_s + d2, the tokens'
@@ -569,6 +570,19 @@ __device__ __forceinline__ void gelu3(float x, float& y, float& d1, float& d2) {
   const float s = 1.0f / (1.0f + expf(-(x * (x2 * GELU_A + 1.0f) * (2.0f * GELU_C))));
   const float up = (x2 * (3.0f * GELU_A) + 1.0f) * GELU_C;
   d2 = s * (1.0f - s) * 4.0f * (up + x2 * (3.0f * GELU_A) * GELU_C + x * up * up * (1.0f - 2.0f * s));
+}
+
+// threadIdx.x read where it is called: an asm volatile the compiler neither hoists out of the
+// mini-batch loop nor merges with another read, so what a step derives from it (warp, lane,
+// row and column indices, addresses) lives only as long as that step.
+__device__ __forceinline__ int fresh_tid() {
+#ifdef FW_EMULATE
+  return (int)threadIdx.x;
+#else
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#endif
 }
 
 template <class T, int D>
@@ -607,7 +621,8 @@ struct SmemB {
   static constexpr unsigned long tau = eta + al(4ul * BB);               // float [BB]
   static constexpr unsigned long se1w = tau + al(4ul * BB);              // float [NW][BB]
   static constexpr unsigned long seta = se1w + al(4ul * NW * BB);        // float [BB]
-  static constexpr unsigned long bytes = seta + al(4ul * BB);
+  static constexpr unsigned long d2t = seta + al(4ul * BB);              // float [NW][16][16]
+  static constexpr unsigned long bytes = d2t + al(4ul * NW * 256);
 };
 
 // acc += X^T Y over one 16-token step: X [16 tokens][...] at x (row-major, ldm ldx, read
@@ -639,6 +654,7 @@ __device__ __forceinline__ float rows_sum(float x) {
 template <class T, int D>
 __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBwdArgs a) {
   constexpr int C = D / 32, ND = D / 16, Dh = 4 * D, RL = D / 32;
+  constexpr int VL = ND - 1;  // D2_s's last column tile, held in shared memory (d2t)
   using L = SmemB<T, D>;
   FW_DYNAMIC_SMEM(smem);
   cg::cluster_group cluster = cg::this_cluster();
@@ -653,7 +669,6 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
   T* d2c = (T*)(smem + L::d2c);
   T* w1c = d2c;  // after step 4
   T* w2c = (T*)(smem + L::w2c);
-  float* stage = (float*)(smem + L::stage) + w * 256;
   T* kt = (T*)(smem + L::kt);
   T* qt = (T*)(smem + L::qt);
   float* gp = (float*)(smem + L::gp);
@@ -690,7 +705,6 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
   float* dw1g = a.dw1 + bh * D * Dh;
   float* dw2g = a.dw2 + bh * Dh * D;
   const int b = a.b;
-  const float coef = -a.tau[h * b + b - 1];
 
   for (int c = tid; c < D; c += NT) {
     gam[c] = a.has_ln ? a.lnw[h * D + c] : 0.0f;
@@ -701,13 +715,22 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
   if (tid < BB) tau_s[tid] = tid < b ? a.tau[h * b + tid] : 0.0f;
 
   // the carried gradients: D1f[i] = D1[16 i.., j0 + 16 w..], D2f[v] = D2[j0 + 16 w.., 16 v..]
-  Acc D1f[ND], D2f[ND];
+  // for v < VL; D2[j0 + 16 w.., 16 VL..] in float32 at d2t + 256 w (row-major [16][16]): 8
+  // registers fewer (docs/gpu_ttt_kernels.md, "The backward's sequential pass on the cluster")
+  Acc D1f[ND], D2f[VL];
 #pragma unroll
   for (int i = 0; i < ND; ++i)
     wmma::load_matrix_sync(D1f[i], dw1g + (16 * i) * Dh + j0 + 16 * w, Dh, wmma::mem_row_major);
 #pragma unroll
-  for (int v = 0; v < ND; ++v)
+  for (int v = 0; v < VL; ++v)
     wmma::load_matrix_sync(D2f[v], dw2g + (j0 + 16 * w) * D + 16 * v, D, wmma::mem_row_major);
+  {
+    const Share sh(lane);
+    float* d2t = (float*)(smem + L::d2t) + w * 256;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      d2t[sh.r * 16 + sh.c0 + i] = dw2g[(j0 + 16 * w + sh.r) * D + 16 * VL + sh.c0 + i];
+  }
   __syncthreads();
 
   for (int n = a.n1 - 1; n >= a.n0; --n) {
@@ -716,12 +739,35 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
     const long long slot = bh * a.w_bh + (long long)jn * a.w_j;
     const float* hs = a.hs + row * 4 * Dh * BB;
     const float* vs = a.vs + row * 5 * D * BB;
-
+    // Every step takes the thread's indices and coef afresh (coef = -tau_b from tau_s) instead
+    // of holding them, and the indices and addresses derived from them, across the
+    // mini-batch: at D 128 the 128 registers of D1_s, D2_s leave no room for them
+    // (docs/gpu_ttt_kernels.md, "The backward's sequential pass on the cluster").
+    int tid, w, lane;
+    float *stage, *d2t;
+    float coef;
+    auto fresh = [&] {
+      tid = fresh_tid();
+      w = tid / 32;
+      lane = tid % 32;
+      stage = (float*)(smem + L::stage) + w * 256;
+      d2t = (float*)(smem + L::d2t) + w * 256;
+      coef = -tau_s[b - 1];
+    };
+    fresh();
     // 0. operand copies of the carried gradients and of W2_s; the mini-batch's rows
 #pragma unroll
     for (int i = 0; i < ND; ++i) to_operand(D1f[i], stage, d1c + (16 * i) * U + 16 * w, U, lane);
 #pragma unroll
-    for (int v = 0; v < ND; ++v) to_operand(D2f[v], stage, d2c + (16 * w) * D + 16 * v, D, lane);
+    for (int v = 0; v < VL; ++v) to_operand(D2f[v], stage, d2c + (16 * w) * D + 16 * v, D, lane);
+    {  // to_operand's copy of tile VL, from d2t in place of the staging tile
+      const Share sh(lane);
+      float x[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = d2t[sh.r * 16 + sh.c0 + i];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) d2c[(16 * w + sh.r) * D + 16 * VL + sh.c0 + i] = fw_cvt<T>(x[i]);
+    }
     {
       const float* w2s = a.w2 + slot * Dh * D + (long long)j0 * D;
       for (int e = tid; e < U * D; e += NT) w2c[e] = fw_cvt<T>(w2s[e]);
@@ -768,6 +814,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
     }
     __syncthreads();
 
+    fresh();
     // 1. (warp w, hidden block w) kD1 = K D1_s + d1_s; the tokens' G1 . kD1; dG1 = ce kD1 -
     //    M1^T dZbar1; dA = dG1 gelu'(Z1), dG1 A gelu''(Z1)
     {
@@ -801,6 +848,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
     }
     __syncthreads();
 
+    fresh();
     // 2. this CTA's shares of cluster sum 1: dA W2_s, X2 D2_s [BB][D] each, the tokens' G1 . kD1
     for (int qn = w; qn < 2 * ND; qn += NW) {
       Acc acc;
@@ -818,6 +866,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
     }
     cluster.sync();
 
+    fresh();
     // 3. (warp w: rows 2w, 2w+1) dG2, xD2, deta, dtau's terms, the keys' LayerNorm gradient
     //    backward; column sums of dgamma, dbeta, d2 per warp
     {
@@ -915,6 +964,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
     }
     __syncthreads();
 
+    fresh();
     // 3b. dgamma, dbeta (rank 0), d2 (every CTA), tau_b's share (rank 0)
     for (int d = tid; d < D; d += NT) {
       float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
@@ -935,6 +985,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
       a.dtau[bh * BB + b - 1] -= s;
     }
 
+    fresh();
     // 4. (warp w, hidden block w) dX2 = ce G2 D2_s^T + dA2 Xbar2 + dZ2 W2_s^T; dZ1; d1_s
     {
       const Share sh(lane);
@@ -964,6 +1015,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
     }
     __syncthreads();
 
+    fresh();
     // 4b. W1_s's operand copy where D2_s's was
     {
       const float* w1s = a.w1 + slot * D * Dh + j0;
@@ -971,6 +1023,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
     }
     __syncthreads();
 
+    fresh();
     // 5. cluster sum 2's share: (ce G1) D1_s^T + dZ1 W1_s^T (warp v: value block v); then the
     //    carried gradients: D1_s += Q^T dZbar1 + K^T dZ1, D2_s += Xbar2^T dZbar2 + X2^T dZ2 +
     //    dA^T G2 (warp w: hidden block w)
@@ -987,13 +1040,22 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
       outer(D1f[i], kt + 16 * i, D, dz1 + 16 * w, U);
     }
 #pragma unroll
-    for (int v = 0; v < ND; ++v) {
+    for (int v = 0; v < VL; ++v) {
       outer(D2f[v], xb2 + 16 * w, U, dzb2 + 16 * v, D);
       outer(D2f[v], x2 + 16 * w, U, dz2 + 16 * v, D);
       outer(D2f[v], da + 16 * w, U, g2 + 16 * v, D);
     }
+    {  // the same three products into tile VL, through an accumulator loaded from d2t
+      Acc acc;
+      wmma::load_matrix_sync(acc, d2t, 16, wmma::mem_row_major);
+      outer(acc, xb2 + 16 * w, U, dzb2 + 16 * VL, D);
+      outer(acc, x2 + 16 * w, U, dz2 + 16 * VL, D);
+      outer(acc, da + 16 * w, U, g2 + 16 * VL, D);
+      wmma::store_matrix_sync(d2t, acc, 16, wmma::mem_row_major);
+    }
     cluster.sync();
 
+    fresh();
     // 6. dK += sum_s (ranks in order), stored by rank 0
     for (int e = tid; e < BB * D; e += NT) {
       const int t = e / D;
@@ -1009,8 +1071,15 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
   for (int i = 0; i < ND; ++i)
     wmma::store_matrix_sync(dw1g + (16 * i) * Dh + j0 + 16 * w, D1f[i], Dh, wmma::mem_row_major);
 #pragma unroll
-  for (int v = 0; v < ND; ++v)
+  for (int v = 0; v < VL; ++v)
     wmma::store_matrix_sync(dw2g + (j0 + 16 * w) * D + 16 * v, D2f[v], D, wmma::mem_row_major);
+  {
+    const Share sh(lane);
+    const float* d2t = (const float*)(smem + L::d2t) + w * 256;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      dw2g[(j0 + 16 * w + sh.r) * D + 16 * VL + sh.c0 + i] = d2t[sh.r * 16 + sh.c0 + i];
+  }
   if (a.has_b1)
     for (int j = tid; j < U; j += NT) a.db1[bh * Dh + j0 + j] = d1s[j];
   if (a.has_b2 && rank == 0)
