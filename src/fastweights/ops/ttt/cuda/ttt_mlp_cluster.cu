@@ -1160,10 +1160,27 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
     tau_s[tid] = tid < b ? a.tau[h * b + tid] : 0.0f;
   }
   {
+    // PER loads in flight per thread before any is converted: the slices' 128 KiB (D 128) come
+    // from HBM in a few round trips rather than one per element
+    constexpr int PER = D * U / NT < 32 ? D * U / NT : 32;
     const float* w1s = a.w1 + slot * D * Dh + j0;
-    for (int x = tid; x < D * U; x += NT) w1c[x] = fw_cvt<T>(w1s[(x / U) * Dh + x % U]);
     const float* w2s = a.w2 + slot * Dh * D + (long long)j0 * D;
-    for (int x = tid; x < U * D; x += NT) w2c[x] = fw_cvt<T>(w2s[x]);
+    for (int x0 = tid; x0 < 2 * D * U; x0 += PER * NT) {  // W1_s's elements, then W2_s's
+      float val[PER];
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int x = x0 + i * NT;
+        val[i] = x < D * U ? w1s[(x / U) * Dh + x % U] : w2s[x - D * U];
+      }
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int x = x0 + i * NT;
+        if (x < D * U)
+          w1c[x] = fw_cvt<T>(val[i]);
+        else
+          w2c[x - D * U] = fw_cvt<T>(val[i]);
+      }
+    }
   }
   for (int x = tid; x < BB * D; x += NT) {
     const int t = x / D;
