@@ -162,6 +162,37 @@ __device__ __forceinline__ void row_stats(const float (&z)[D / 32], float& mu, f
   r = 1.0f / sqrtf(warp_sum(q) / D + LN_EPS);
 }
 
+// The loss gradient G = dl/dZ of one row z held by a warp (D / 32 values per lane) of
+// l = 1/2 ||[LN](z) - tgt||^2, tgt the row's target (ops/ttt/triton_tiles.py ``_loss_grad``);
+// with the LayerNorm also its x_hat, g = gamma (gamma x_hat + beta - tgt) and 1 / s (unset
+// without).
+template <int D>
+__device__ __forceinline__ void loss_grad_row(const float (&z)[D / 32], const float* tgt,
+                                              const float* gam, const float* bet, bool has_ln,
+                                              int lane, float (&G)[D / 32], float (&xh)[D / 32],
+                                              float (&g)[D / 32], float& rs) {
+  constexpr int RL = D / 32;
+  if (has_ln) {
+    float mu;
+    row_stats<D>(z, mu, rs);
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RL; ++i) {
+      const int col = lane + 32 * i;
+      xh[i] = (z[i] - mu) * rs;
+      g[i] = gam[col] * (gam[col] * xh[i] + bet[col] - tgt[col]);
+      sg += g[i];
+      sgx += g[i] * xh[i];
+    }
+    const float mg = warp_sum(sg) / D, mgx = warp_sum(sgx) / D;
+#pragma unroll
+    for (int i = 0; i < RL; ++i) G[i] = rs * (g[i] - mg - xh[i] * mgx);
+  } else {
+#pragma unroll
+    for (int i = 0; i < RL; ++i) G[i] = z[i] - tgt[lane + 32 * i];
+  }
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs a) {
   constexpr int C = D / 32;  // CTAs per cluster: Dh / U
@@ -336,24 +367,9 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
         for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex1, p)[r * D + col];
         z[i] = s + b2s[col];
       }
-      if (a.has_ln) {
-        float mu, rs;
-        row_stats<D>(z, mu, rs);
-        float xh[RL], g[RL], sg = 0.0f, sgx = 0.0f;
-#pragma unroll
-        for (int i = 0; i < RL; ++i) {
-          const int col = lane + 32 * i;
-          xh[i] = (z[i] - mu) * rs;
-          g[i] = gam[col] * (gam[col] * xh[i] + bet[col] - tgt[r * D + col]);
-          sg += g[i];
-          sgx += g[i] * xh[i];
-        }
-        const float mg = warp_sum(sg) / D, mgx = warp_sum(sgx) / D;
-#pragma unroll
-        for (int i = 0; i < RL; ++i) G[i] = rs * (g[i] - mg - xh[i] * mgx);
-      } else {
-#pragma unroll
-        for (int i = 0; i < RL; ++i) G[i] = z[i] - tgt[r * D + lane + 32 * i];
+      {
+        float xh[RL], g[RL], rs;
+        loss_grad_row<D>(z, tgt + r * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
       }
 #pragma unroll
       for (int i = 0; i < RL; ++i) {
@@ -1252,33 +1268,16 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
       for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex1, p)[t * LX + col];
       z[i] = s + b2s[col];
     }
-    if (a.has_ln) {
-      float mu, rs;
-      row_stats<D>(z, mu, rs);
-      float xh[RL], g[RL], sg = 0.0f, sgx = 0.0f;
+    float xh[RL], g[RL], rs;
+    loss_grad_row<D>(z, tgt + t * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
+    if (a.has_ln && mine) {
 #pragma unroll
       for (int i = 0; i < RL; ++i) {
         const int col = lane + 32 * i;
-        xh[i] = (z[i] - mu) * rs;
-        g[i] = gam[col] * (gam[col] * xh[i] + bet[col] - tgt[t * D + col]);
-        sg += g[i];
-        sgx += g[i] * xh[i];
+        vs[(3 * D + col) * BB + t] = xh[i];
+        vs[(4 * D + col) * BB + t] = g[i];
       }
-      const float mg = warp_sum(sg) / D, mgx = warp_sum(sgx) / D;
-#pragma unroll
-      for (int i = 0; i < RL; ++i) G[i] = rs * (g[i] - mg - xh[i] * mgx);
-      if (mine) {
-#pragma unroll
-        for (int i = 0; i < RL; ++i) {
-          const int col = lane + 32 * i;
-          vs[(3 * D + col) * BB + t] = xh[i];
-          vs[(4 * D + col) * BB + t] = g[i];
-        }
-        if (lane == 0) a.rr[row * BB + t] = rs;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < RL; ++i) G[i] = z[i] - tgt[t * D + lane + 32 * i];
+      if (lane == 0) a.rr[row * BB + t] = rs;
     }
 #pragma unroll
     for (int i = 0; i < RL; ++i) {
