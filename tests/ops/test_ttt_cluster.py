@@ -82,18 +82,24 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_runs_and_one_line_says_
     assert cluster.ENV in lines[0] and "CUDA device" in lines[0] and "Triton kernel runs" in lines[0]
 
 
-def test_launch_arguments_follow_the_header():
-    """pack's order is FwTTTMLPClusterArgs' field order (``LaunchArgs`` lays it out for the
-    launcher and the emulation entry)."""
+def header_fields(struct: str) -> tuple[str, ...]:
+    """The field names of a struct of cuda/ttt_mlp_cluster.h in order."""
     text = (cluster.SOURCE_DIR / "ttt_mlp_cluster.h").read_text()
-    body = text[text.index("struct FwTTTMLPClusterArgs {"):text.index("};")]
+    start = text.index(f"struct {struct} {{")
+    body = text[start:text.index("};", start)]
     fields = []
     for line in body.splitlines()[1:]:
         decl = line.split("//")[0].strip().rstrip(";")
         if decl:
             fields += [name.strip().lstrip("*") for name in
                        re.sub(r"^(const\s+)?(void|float|int)\s*\*?", "", decl).split(",")]
-    assert tuple(fields) == cluster.PTR_FIELDS + cluster.INT_FIELDS
+    return tuple(fields)
+
+
+def test_launch_arguments_follow_the_header():
+    """pack's order is FwTTTMLPClusterArgs' field order (``LaunchArgs`` lays it out for the
+    launcher and the emulation entry)."""
+    assert header_fields("FwTTTMLPClusterArgs") == cluster.PTR_FIELDS + cluster.INT_FIELDS
     x = torch.zeros(2, 3)
     n = len(cluster.INT_FIELDS)
     ptrs, ints = cluster.pack([x, None] + [x] * 18, list(range(n)))
@@ -158,20 +164,6 @@ def test_the_library_builds_and_its_launcher_names_cuda_errors(built):
         cluster.launch(lib, ptrs, ints, 1, 128, 0)
     with pytest.raises(RuntimeError, match="invalid argument"):  # a head size it has no kernel for
         cluster.launch(lib, ptrs, ints, 1, 96, 0)
-
-
-def header_fields(struct: str) -> tuple[str, ...]:
-    """The field names of a struct of cuda/ttt_mlp_cluster.h in order."""
-    text = (cluster.SOURCE_DIR / "ttt_mlp_cluster.h").read_text()
-    start = text.index(f"struct {struct} {{")
-    body = text[start:text.index("};", start)]
-    fields = []
-    for line in body.splitlines()[1:]:
-        decl = line.split("//")[0].strip().rstrip(";")
-        if decl:
-            fields += [name.strip().lstrip("*") for name in
-                       re.sub(r"^(const\s+)?(void|float|int)\s*\*?", "", decl).split(",")]
-    return tuple(fields)
 
 
 def test_read_out_backward_arguments_follow_the_header():

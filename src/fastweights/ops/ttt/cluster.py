@@ -317,6 +317,15 @@ def launch_recompute(L, q, k, v, eta, tau, lnw, lnb, slots, n0: int, n1: int) ->
     return True
 
 
+def _segment_sizes(L, T: int, H: int, b: int, N: int, n0: int, n1: int, seg: int, w_bh: int,
+                   w_j: int) -> tuple[int, ...]:
+    """The backward launchers' ints (``BWD_INT_FIELDS``' order) for one segment of
+    ``_MLPTriton``'s backward (``L`` its ``_Shape``)."""
+    f = L.consts
+    return (L.B, T, H, b, N, n0, n1, seg, w_bh, w_j, f["HAS_B1"], f["HAS_B2"], f["HAS_LN"],
+            f["HAS_LNB"], f["RESIDUAL"])
+
+
 def launch_backward_b(L, args: tuple, tail: bool) -> bool:
     """Runs the backward's sequential pass on the cluster in place of one launch of
     ``_mlp_bwd_b_kernel`` (``args`` that kernel's positional arguments, ops/ttt/triton.py's
@@ -336,9 +345,7 @@ def launch_backward_b(L, args: tuple, tail: bool) -> bool:
         (q, k, v, eta, tau, A, lnw if flags["HAS_LN"] else None,
          lnb if flags["HAS_LNB"] else None, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc,
          dtau, dk, dv, deta),
-        (L.B, T, H, b, N, n0, n1, seg, w_bh, w_j, flags["HAS_B1"], flags["HAS_B2"],
-         flags["HAS_LN"], flags["HAS_LNB"], flags["RESIDUAL"]),
-        (BWD_PTR_FIELDS, BWD_INT_FIELDS))
+        _segment_sizes(L, T, H, b, N, n0, n1, seg, w_bh, w_j), (BWD_PTR_FIELDS, BWD_INT_FIELDS))
     launch_bwd(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
                torch.cuda.current_stream(q.device).cuda_stream)
     return True
@@ -362,8 +369,7 @@ def launch_backward_a(L, args: tuple, tail: bool) -> bool:
         (q, k, v, eta, tau, A, lnw if flags["HAS_LN"] else None,
          lnb if flags["HAS_LNB"] else None, w1, b1 if flags["HAS_B1"] else None, w2,
          b2 if flags["HAS_B2"] else None, do, hs, vs, rr, at, acc, dtau, dq, dk, deta),
-        (L.B, T, H, b, N, n0, n1, seg, w_bh, w_j, flags["HAS_B1"], flags["HAS_B2"],
-         flags["HAS_LN"], flags["HAS_LNB"], flags["RESIDUAL"]),
+        _segment_sizes(L, T, H, b, N, n0, n1, seg, w_bh, w_j),
         (BWD_A_PTR_FIELDS, BWD_A_INT_FIELDS))
     launch_bwd_a(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
                  torch.cuda.current_stream(q.device).cuda_stream)
