@@ -107,15 +107,15 @@ def triton_launch(kernels, ins, outs, flags, z):
         PREC=precisions(torch.float32)[1], BB=16, BK=D, BV=D, KC=16, num_warps=4, num_stages=1)
 
 
-def cluster_launch(lib, ins, outs, flags, z, order=0):
+def cluster_launch(lib, ins, outs, flags, z, order=0, dtype=torch.float32):
     ptrs, ints = cluster.pack(
         [ins[n] if n in ins else outs[n] for n in cluster.BWD_A_PTR_FIELDS],
         (z["B"], z["T"], z["H"], z["b"], z["N"], z["n0"], z["n1"], z["seg"], z["w_bh"],
          z["w_j"], flags["HAS_B1"], flags["HAS_B2"], flags["HAS_LN"], flags["HAS_LNB"],
          flags["RESIDUAL"]),
         (cluster.BWD_A_PTR_FIELDS, cluster.BWD_A_INT_FIELDS))
-    emulate(lib, "fw_emu_ttt_mlp_cluster_bwd_a", cluster.BwdALaunchArgs, ptrs, ints, 0, z["D"],
-            order)
+    emulate(lib, "fw_emu_ttt_mlp_cluster_bwd_a", cluster.BwdALaunchArgs, ptrs, ints, CODES[dtype],
+            z["D"], order)
 
 
 def compare_outputs(got, want, tol):
@@ -159,6 +159,20 @@ def test_mini_batches_of_16_and_a_later_segment(lib, kernels):
     triton_launch(kernels, ins, want, fl, z)
     cluster_launch(lib, ins, outs, fl, z)
     compare_outputs(outs, want, 1e-5)
+
+
+@pytest.mark.parametrize("dtype, D, tol", [(torch.bfloat16, 128, 2e-2), (torch.float16, 64, 2e-3)])
+def test_half_operands_near_the_triton_kernel(lib, kernels, dtype, D, tol):
+    """bfloat16 at D 128 (a cluster of four) and float16 at 64: q, k, v in the dtype, the
+    Triton kernel with exact float32 products as the reference; every output within ``tol``
+    of its max (measured: bfloat16 up to 1.2e-2, dK's share; float16 1.1e-3)."""
+    ins, outs, fl, z = launch_case(D, H=1, N=3, n0=1, n1=2, seed=1)
+    for n in ("q", "k", "v"):
+        ins[n] = ins[n].to(dtype)
+    want = {n: x.clone() for n, x in outs.items()}
+    triton_launch(kernels, ins, want, fl, z)
+    cluster_launch(lib, ins, outs, fl, z, dtype=dtype)
+    compare_outputs(outs, want, tol)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,14 +238,17 @@ def test_bfloat16_within_bounds(emulated, launches, on_gpu):
     assert_matches(got, want, 2e-2, "bfloat16 cluster kernels")
 
 
-def test_the_same_bits_under_every_schedule(lib, kernels):
-    """Three schedules of the emulated threads (forward, reverse, a seeded permutation drawn at
-    every barrier), a cluster of two, three mini-batches: bit-identical outputs."""
-    ins, outs, fl, z = launch_case(64, N=3, n0=0, n1=3, seed=4)
+@pytest.mark.parametrize("dtype, D", [(torch.float32, 64), (torch.bfloat16, 128)])
+def test_the_same_bits_under_every_schedule(lib, dtype, D):
+    """Four schedules of the emulated threads (forward, reverse, seeded permutations drawn at
+    every barrier), clusters of two and four, three mini-batches: bit-identical outputs."""
+    ins, outs, fl, z = launch_case(D, N=3, n0=0, n1=3, seed=4)
+    for n in ("q", "k", "v"):
+        ins[n] = ins[n].to(dtype)
     runs = []
-    for order in range(3):
+    for order in range(4):
         o = {n: x.clone() for n, x in outs.items()}
-        cluster_launch(lib, ins, o, fl, z, order)
+        cluster_launch(lib, ins, o, fl, z, order, dtype)
         runs.append(o)
     for other in runs[1:]:
         for name, x in other.items():
