@@ -1241,7 +1241,6 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
     }
     __syncwarp();
     stage_out_t(stage, hs + (j0 + 16 * w) * BB, lane);
-    __syncwarp();
   }
   __syncthreads();
 
@@ -1322,7 +1321,6 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
     }
     __syncwarp();
     stage_out_t(stage, hs + (2 * Dh + j0 + 16 * w) * BB, lane);
-    __syncwarp();
   }
   __syncthreads();
 
@@ -1428,7 +1426,6 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
     wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
     __syncwarp();
     stage_out_t(stage, vs + (2 * D + 16 * v) * BB, lane);
-    __syncwarp();
   }
   if (w == NW - 1) {
     Acc acc;
@@ -1477,7 +1474,6 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
     }
     __syncwarp();
     stage_out_t(stage, hs + (3 * Dh + j0 + 16 * w) * BB, lane);
-    __syncwarp();
   }
   __syncthreads();
 
