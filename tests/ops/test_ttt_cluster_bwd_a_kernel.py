@@ -227,10 +227,11 @@ def test_float32_operands_give_the_float64_gradients(emulated, launches, exact, 
     assert launches["mlp_bwd_a"] == launches["mlp_bwd_b"] == partial, launches
 
 
-def test_bfloat16_within_bounds(emulated, launches, on_gpu):
-    """bfloat16 q, k, v (a cluster of two): every gradient within the issue's 2e-2 of max|ref|
-    of the float64 loop on the same rounded inputs."""
-    args, kw, group = call(64, T=8, b=4, group=2, seed=3)
+@pytest.mark.parametrize("D", [64, 128])
+def test_bfloat16_within_bounds(emulated, launches, on_gpu, D):
+    """bfloat16 q, k, v (clusters of two and four): every gradient within the issue's 2e-2 of
+    max|ref| of the float64 loop on the same rounded inputs."""
+    args, kw, group = call(D, T=8, b=4, group=2, seed=3)
     rounded = tuple(x.to(torch.bfloat16).to(F64) for x in args)  # q, k, v, eta as run rounds them
     want = run(ttt_mlp, rounded, kw, F64, mode="naive")
     got = run(ttt_mlp, args, kw, torch.bfloat16, backend="triton", checkpoint_group=group)
