@@ -9,7 +9,7 @@ segment runs on the same cluster (``ttt_mlp_cluster_bwd_b``, in place of
 backward before it (``ttt_mlp_cluster_bwd_a``, in place of ``_mlp_bwd_a_kernel``: one cluster per
 mini-batch of the segment).
 
-Opt-in: ``FASTWEIGHTS_TTT_MLP_FWD=cluster`` (read at every call, for all three; "stream", the
+Opt-in: ``FASTWEIGHTS_TTT_MLP_FWD=cluster`` (read at every call, for all of them; "stream", the
 default, is the Triton kernels) until a GPU record shows them exact. It runs where everything it needs is there:
 a CUDA device of compute capability 9.0 or newer, bfloat16 or float16 q, k, v, Dk = Dv in
 (64, 128), Dh = 4 Dk, mini-batches of at most 16 tokens, and nvcc to build it on first use (a
