@@ -82,18 +82,24 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_runs_and_one_line_says_
     assert cluster.ENV in lines[0] and "CUDA device" in lines[0] and "Triton kernel runs" in lines[0]
 
 
-def test_launch_arguments_follow_the_header():
-    """pack's order is FwTTTMLPClusterArgs' field order (``LaunchArgs`` lays it out for the
-    launcher and the emulation entry)."""
+def header_fields(struct: str) -> tuple[str, ...]:
+    """The field names of a struct of cuda/ttt_mlp_cluster.h in order."""
     text = (cluster.SOURCE_DIR / "ttt_mlp_cluster.h").read_text()
-    body = text[text.index("struct FwTTTMLPClusterArgs {"):text.index("};")]
+    start = text.index(f"struct {struct} {{")
+    body = text[start:text.index("};", start)]
     fields = []
     for line in body.splitlines()[1:]:
         decl = line.split("//")[0].strip().rstrip(";")
         if decl:
             fields += [name.strip().lstrip("*") for name in
                        re.sub(r"^(const\s+)?(void|float|int)\s*\*?", "", decl).split(",")]
-    assert tuple(fields) == cluster.PTR_FIELDS + cluster.INT_FIELDS
+    return tuple(fields)
+
+
+def test_launch_arguments_follow_the_header():
+    """pack's order is FwTTTMLPClusterArgs' field order (``LaunchArgs`` lays it out for the
+    launcher and the emulation entry)."""
+    assert header_fields("FwTTTMLPClusterArgs") == cluster.PTR_FIELDS + cluster.INT_FIELDS
     x = torch.zeros(2, 3)
     n = len(cluster.INT_FIELDS)
     ptrs, ints = cluster.pack([x, None] + [x] * 18, list(range(n)))
@@ -157,3 +163,42 @@ def test_the_library_builds_and_its_launcher_names_cuda_errors(built):
         cluster.launch(lib, ptrs, ints, 1, 128, 0)
     with pytest.raises(RuntimeError, match="invalid argument"):  # a head size it has no kernel for
         cluster.launch(lib, ptrs, ints, 1, 96, 0)
+
+
+def test_read_out_backward_arguments_follow_the_header():
+    """``BwdALaunchArgs`` lays out FwTTTMLPClusterBwdAArgs' fields in order."""
+    assert header_fields("FwTTTMLPClusterBwdAArgs") == (cluster.BWD_A_PTR_FIELDS
+                                                        + cluster.BWD_A_INT_FIELDS)
+    assert [n for n, _ in cluster.BwdALaunchArgs._fields_] == list(
+        cluster.BWD_A_PTR_FIELDS + cluster.BWD_A_INT_FIELDS)
+
+
+def test_the_read_out_backward_builds_without_spills(built):
+    """``ttt_mlp_cluster_bwd_a``: every instantiation the launcher dispatches (bfloat16,
+    float16 x D 64, 128) compiles for sm_90 with 0 bytes of spills and no stack frame
+    (benchmarks/results/ttt_mlp_cluster_compile/)."""
+    entries = re.findall(
+        r"Compiling entry function '(\S*ttt_mlp_cluster_bwd_a\S*)' for 'sm_90'.*?"
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?"
+        r"Used (\d+) registers", built[1], flags=re.S)
+    kinds = {(("bfloat16" if "bfloat16" in name else "half"), "Li128" in name)
+             for name, *_ in entries}
+    assert kinds == {("bfloat16", True), ("bfloat16", False), ("half", True), ("half", False)}
+    for name, stack, stores, loads, regs in entries:
+        assert (int(stack), int(stores), int(loads)) == (0, 0, 0), (name, stack, stores, loads)
+        assert int(regs) <= 255
+
+
+def test_the_read_out_backward_launcher_names_cuda_errors(built):
+    """``launch_bwd_a`` calls the library's C entry: without a GPU the CUDA error comes back
+    as a RuntimeError naming it; a head size it has no kernel for is an invalid argument."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(built[0]))
+    lib.fw_ttt_mlp_cluster_bwd_a_launch.restype = ctypes.c_int
+    lib.fw_ttt_mlp_cluster_error.restype = ctypes.c_char_p
+    ptrs, ints = [0] * len(cluster.BWD_A_PTR_FIELDS), [1] * len(cluster.BWD_A_INT_FIELDS)
+    with pytest.raises(RuntimeError, match=r"read-out backward's launch failed: CUDA error"):
+        cluster.launch_bwd_a(lib, ptrs, ints, 1, 128, 0)
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        cluster.launch_bwd_a(lib, ptrs, ints, 1, 96, 0)

@@ -70,6 +70,9 @@ def emulated(lib, monkeypatch):
                                                  cluster.LaunchArgs, "fwd"))
     monkeypatch.setattr(cluster, "launch_bwd", entry("fw_emu_ttt_mlp_cluster_bwd_b",
                                                      cluster.BwdLaunchArgs, "bwd_b"))
+    # the read-out's backward stays _mlp_bwd_a_kernel here (its own tests:
+    # tests/ops/test_ttt_cluster_bwd_a_kernel.py)
+    monkeypatch.setattr(cluster, "launch_backward_a", lambda L, args, tail: False)
     monkeypatch.setattr(cluster, "DTYPE_CODES", CODES)
     monkeypatch.setattr(cluster.torch.cuda, "current_stream",
                         lambda device=None: SimpleNamespace(cuda_stream=0))

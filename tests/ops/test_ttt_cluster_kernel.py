@@ -228,8 +228,10 @@ def test_the_triton_backward_runs_after_it(lib, launches, exact, monkeypatch):  
     monkeypatch.setattr(cluster, "why_not", lambda q, Dv, Dh, b: None)
     monkeypatch.setattr(cluster, "_library", lambda: lib)
     monkeypatch.setattr(cluster, "launch", fake_launch)
-    # the sequential pass stays Triton here (its cluster kernel: test_ttt_cluster_bwd_kernel.py)
+    # the backward stays Triton here (its cluster kernels: test_ttt_cluster_bwd_kernel.py,
+    # test_ttt_cluster_bwd_a_kernel.py)
     monkeypatch.setattr(cluster, "launch_backward_b", lambda L, args, tail: False)
+    monkeypatch.setattr(cluster, "launch_backward_a", lambda L, args, tail: False)
     monkeypatch.setattr(cluster, "DTYPE_CODES", {torch.float32: 0})
     monkeypatch.setattr(cluster.torch.cuda, "current_stream",
                         lambda device=None: SimpleNamespace(cuda_stream=0))

@@ -5,9 +5,11 @@ thread-block cluster (CUDA C++ for sm_90, ``cuda/ttt_mlp_cluster.cu``; docs/gpu_
 Triton backward runs after it) and its backward's ``_mlp_recompute_kernel``; its arithmetic is
 ops/ttt/cluster_model.py's, step for step. The backward's sequential pass over each full
 segment runs on the same cluster (``ttt_mlp_cluster_bwd_b``, in place of
-``_mlp_bwd_b_kernel``; ops/ttt/cluster_bwd_model.py's arithmetic).
+``_mlp_bwd_b_kernel``; ops/ttt/cluster_bwd_model.py's arithmetic), and so does the read-out's
+backward before it (``ttt_mlp_cluster_bwd_a``, in place of ``_mlp_bwd_a_kernel``: one cluster per
+mini-batch of the segment).
 
-Opt-in: ``FASTWEIGHTS_TTT_MLP_FWD=cluster`` (read at every call, for all three; "stream", the
+Opt-in: ``FASTWEIGHTS_TTT_MLP_FWD=cluster`` (read at every call, for all of them; "stream", the
 default, is the Triton kernels) until a GPU record shows them exact. It runs where everything it needs is there:
 a CUDA device of compute capability 9.0 or newer, bfloat16 or float16 q, k, v, Dk = Dv in
 (64, 128), Dh = 4 Dk, mini-batches of at most 16 tokens, and nvcc to build it on first use (a
@@ -31,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BWD_INT_FIELDS", "BWD_PTR_FIELDS", "ENV", "HEAD_SIZES", "INT_FIELDS",
-           "MAX_MINI_BATCH", "NVCC_FLAGS", "PTR_FIELDS", "SOURCE_DIR", "VARIANT",
-           "BwdLaunchArgs", "LaunchArgs", "build", "fwd_variant", "launch", "launch_backward_b",
-           "launch_bwd", "launch_forward", "launch_recompute", "pack", "problem", "refusal",
-           "why_not"]
+__all__ = ["BWD_A_INT_FIELDS", "BWD_A_PTR_FIELDS", "BWD_INT_FIELDS", "BWD_PTR_FIELDS", "ENV",
+           "HEAD_SIZES", "INT_FIELDS", "MAX_MINI_BATCH", "NVCC_FLAGS", "PTR_FIELDS", "SOURCE_DIR",
+           "VARIANT", "BwdALaunchArgs", "BwdLaunchArgs", "LaunchArgs", "build", "fwd_variant",
+           "launch", "launch_backward_a", "launch_backward_b", "launch_bwd", "launch_bwd_a",
+           "launch_forward", "launch_recompute", "pack", "problem", "refusal", "why_not"]
 
 ENV = "FASTWEIGHTS_TTT_MLP_FWD"
 VARIANT = "cluster"
@@ -69,6 +71,12 @@ BWD_INT_FIELDS = ("B", "T", "H", "b", "N", "n0", "n1", "seg", "w_bh", "w_j", "ha
                   "has_ln", "has_lnb", "residual")
 
 
+# cuda/ttt_mlp_cluster.h ``FwTTTMLPClusterBwdAArgs``'s fields in order: addresses, then ints
+BWD_A_PTR_FIELDS = ("q", "k", "v", "eta", "tau", "A", "lnw", "lnb", "w1", "b1", "w2", "b2", "dout",
+                    "hs", "vs", "rr", "at", "acc", "dtau", "dq", "dk", "deta")
+BWD_A_INT_FIELDS = BWD_INT_FIELDS
+
+
 class LaunchArgs(ctypes.Structure):
     """``FwTTTMLPClusterArgs`` (cuda/ttt_mlp_cluster.h) as ctypes lays it out: what the
     launcher and the CPU emulation entry take."""
@@ -83,6 +91,14 @@ class BwdLaunchArgs(ctypes.Structure):
 
     _fields_ = ([(n, ctypes.c_void_p) for n in BWD_PTR_FIELDS]
                 + [(n, ctypes.c_int) for n in BWD_INT_FIELDS])
+
+
+class BwdALaunchArgs(ctypes.Structure):
+    """``FwTTTMLPClusterBwdAArgs`` (cuda/ttt_mlp_cluster.h) as ctypes lays it out: what the
+    read-out backward's launcher and emulation entry take."""
+
+    _fields_ = ([(n, ctypes.c_void_p) for n in BWD_A_PTR_FIELDS]
+                + [(n, ctypes.c_int) for n in BWD_A_INT_FIELDS])
 
 
 def fwd_variant() -> str:
@@ -161,6 +177,9 @@ def _library() -> ctypes.CDLL | None:
             lib.fw_ttt_mlp_cluster_bwd_b_launch.restype = ctypes.c_int
             lib.fw_ttt_mlp_cluster_bwd_b_launch.argtypes = [
                 ctypes.POINTER(BwdLaunchArgs), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+            lib.fw_ttt_mlp_cluster_bwd_a_launch.restype = ctypes.c_int
+            lib.fw_ttt_mlp_cluster_bwd_a_launch.argtypes = [
+                ctypes.POINTER(BwdALaunchArgs), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
             lib.fw_ttt_mlp_cluster_error.restype = ctypes.c_char_p
             lib.fw_ttt_mlp_cluster_error.argtypes = [ctypes.c_int]
             _build["library"] = lib
@@ -229,6 +248,14 @@ def launch_bwd(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: i
           dtype_code, D, stream)
 
 
+def launch_bwd_a(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int, D: int,
+                 stream: int) -> None:
+    """One launch of the read-out's backward through the library's C entry (``pack``'s lists
+    for ``BwdALaunchArgs``); a RuntimeError names the CUDA error."""
+    _call(lib.fw_ttt_mlp_cluster_bwd_a_launch, BwdALaunchArgs, "read-out backward", lib, ptrs,
+          ints, dtype_code, D, stream)
+
+
 def _ready(q: torch.Tensor, L, Dh: int) -> ctypes.CDLL | None:
     """The library if ``FASTWEIGHTS_TTT_MLP_FWD`` asks for the cluster kernel and it can run
     on inputs like q (``L``: ops/ttt/triton.py's ``_Shape``), else None (one log line per
@@ -290,6 +317,15 @@ def launch_recompute(L, q, k, v, eta, tau, lnw, lnb, slots, n0: int, n1: int) ->
     return True
 
 
+def _segment_sizes(L, T: int, H: int, b: int, N: int, n0: int, n1: int, seg: int, w_bh: int,
+                   w_j: int) -> tuple[int, ...]:
+    """The backward launchers' ints (``BWD_INT_FIELDS``' order) for one segment of
+    ``_MLPTriton``'s backward (``L`` its ``_Shape``)."""
+    f = L.consts
+    return (L.B, T, H, b, N, n0, n1, seg, w_bh, w_j, f["HAS_B1"], f["HAS_B2"], f["HAS_LN"],
+            f["HAS_LNB"], f["RESIDUAL"])
+
+
 def launch_backward_b(L, args: tuple, tail: bool) -> bool:
     """Runs the backward's sequential pass on the cluster in place of one launch of
     ``_mlp_bwd_b_kernel`` (``args`` that kernel's positional arguments, ops/ttt/triton.py's
@@ -309,9 +345,32 @@ def launch_backward_b(L, args: tuple, tail: bool) -> bool:
         (q, k, v, eta, tau, A, lnw if flags["HAS_LN"] else None,
          lnb if flags["HAS_LNB"] else None, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc,
          dtau, dk, dv, deta),
-        (L.B, T, H, b, N, n0, n1, seg, w_bh, w_j, flags["HAS_B1"], flags["HAS_B2"],
-         flags["HAS_LN"], flags["HAS_LNB"], flags["RESIDUAL"]),
-        (BWD_PTR_FIELDS, BWD_INT_FIELDS))
+        _segment_sizes(L, T, H, b, N, n0, n1, seg, w_bh, w_j), (BWD_PTR_FIELDS, BWD_INT_FIELDS))
     launch_bwd(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
                torch.cuda.current_stream(q.device).cuda_stream)
+    return True
+
+
+def launch_backward_a(L, args: tuple, tail: bool) -> bool:
+    """Runs the read-out's backward on clusters in place of one launch of ``_mlp_bwd_a_kernel``
+    (``args`` that kernel's positional arguments, ops/ttt/triton.py's ``back``) for a full
+    segment (``tail`` False) if ``FASTWEIGHTS_TTT_MLP_FWD`` asks for the cluster kernels and
+    they can run; returns whether it did. A partial last mini-batch stays on the Triton
+    kernel."""
+    if tail:
+        return False
+    (q, k, v, eta, tau, A, lnw, lnb, w1, b1, w2, b2, do, hs, vs, rr, at, acc, dtau, dq, dk,
+     deta, T, H, _Dk, _Dv, Dh, b, N, n0, n1, seg, w_bh, w_j) = args
+    lib = _ready(q, L, Dh)
+    if lib is None:
+        return False
+    flags = L.consts
+    ptrs, ints = pack(
+        (q, k, v, eta, tau, A, lnw if flags["HAS_LN"] else None,
+         lnb if flags["HAS_LNB"] else None, w1, b1 if flags["HAS_B1"] else None, w2,
+         b2 if flags["HAS_B2"] else None, do, hs, vs, rr, at, acc, dtau, dq, dk, deta),
+        _segment_sizes(L, T, H, b, N, n0, n1, seg, w_bh, w_j),
+        (BWD_A_PTR_FIELDS, BWD_A_INT_FIELDS))
+    launch_bwd_a(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
+                 torch.cuda.current_stream(q.device).cuda_stream)
     return True

@@ -1308,9 +1308,11 @@ class _MLPTriton(torch.autograd.Function):
         warps = {"num_warps": L.cfg.warps, "num_stages": 1}
 
         def back(n0, n1, ws, w_bh, w_j, tail):
-            _mlp_bwd_a_kernel[(n1 - n0, BH)](
-                q, k, v, eta, tau, A, *ln, *ws, do, hs, vs, rr, at, acc_a, dtau_a, dq, dk, deta,
-                T, H, Dk, Dv, Dh, b, N, n0, seg, w_bh, w_j, DC=min(BV, 32), **hb, **fl, **warps)
+            args_a = (q, k, v, eta, tau, A, *ln, *ws, do, hs, vs, rr, at, acc_a, dtau_a, dq, dk,
+                      deta, T, H, Dk, Dv, Dh, b, N, n0)
+            if not cluster.launch_backward_a(L, (*args_a, n1, seg, w_bh, w_j), tail):
+                _mlp_bwd_a_kernel[(n1 - n0, BH)](*args_a, seg, w_bh, w_j, DC=min(BV, 32), **hb,
+                                                 **fl, **warps)
             args_b = (q, k, v, eta, tau, A, *ln, ws[0], ws[2], *dsums, *carried, hs, vs, rr, at,
                       sc, acc, dtau, dk, dv, deta, T, H, Dk, Dv, Dh, b, N, n0, n1, seg, w_bh, w_j)
             if not cluster.launch_backward_b(L, args_b, tail):

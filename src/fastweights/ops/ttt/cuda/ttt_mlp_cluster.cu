@@ -162,6 +162,37 @@ __device__ __forceinline__ void row_stats(const float (&z)[D / 32], float& mu, f
   r = 1.0f / sqrtf(warp_sum(q) / D + LN_EPS);
 }
 
+// The loss gradient G = dl/dZ of one row z held by a warp (D / 32 values per lane) of
+// l = 1/2 ||[LN](z) - tgt||^2, tgt the row's target (ops/ttt/triton_tiles.py ``_loss_grad``);
+// with the LayerNorm also its x_hat, g = gamma (gamma x_hat + beta - tgt) and 1 / s (unset
+// without).
+template <int D>
+__device__ __forceinline__ void loss_grad_row(const float (&z)[D / 32], const float* tgt,
+                                              const float* gam, const float* bet, bool has_ln,
+                                              int lane, float (&G)[D / 32], float (&xh)[D / 32],
+                                              float (&g)[D / 32], float& rs) {
+  constexpr int RL = D / 32;
+  if (has_ln) {
+    float mu;
+    row_stats<D>(z, mu, rs);
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RL; ++i) {
+      const int col = lane + 32 * i;
+      xh[i] = (z[i] - mu) * rs;
+      g[i] = gam[col] * (gam[col] * xh[i] + bet[col] - tgt[col]);
+      sg += g[i];
+      sgx += g[i] * xh[i];
+    }
+    const float mg = warp_sum(sg) / D, mgx = warp_sum(sgx) / D;
+#pragma unroll
+    for (int i = 0; i < RL; ++i) G[i] = rs * (g[i] - mg - xh[i] * mgx);
+  } else {
+#pragma unroll
+    for (int i = 0; i < RL; ++i) G[i] = z[i] - tgt[lane + 32 * i];
+  }
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs a) {
   constexpr int C = D / 32;  // CTAs per cluster: Dh / U
@@ -336,24 +367,9 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
         for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex1, p)[r * D + col];
         z[i] = s + b2s[col];
       }
-      if (a.has_ln) {
-        float mu, rs;
-        row_stats<D>(z, mu, rs);
-        float xh[RL], g[RL], sg = 0.0f, sgx = 0.0f;
-#pragma unroll
-        for (int i = 0; i < RL; ++i) {
-          const int col = lane + 32 * i;
-          xh[i] = (z[i] - mu) * rs;
-          g[i] = gam[col] * (gam[col] * xh[i] + bet[col] - tgt[r * D + col]);
-          sg += g[i];
-          sgx += g[i] * xh[i];
-        }
-        const float mg = warp_sum(sg) / D, mgx = warp_sum(sgx) / D;
-#pragma unroll
-        for (int i = 0; i < RL; ++i) G[i] = rs * (g[i] - mg - xh[i] * mgx);
-      } else {
-#pragma unroll
-        for (int i = 0; i < RL; ++i) G[i] = z[i] - tgt[r * D + lane + 32 * i];
+      {
+        float xh[RL], g[RL], rs;
+        loss_grad_row<D>(z, tgt + r * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
       }
 #pragma unroll
       for (int i = 0; i < RL; ++i) {
@@ -1089,13 +1105,533 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_b(FwTTTMLPClusterBw
 
 }  // namespace fw_ttt_mlp
 
+// ---------------------------------------------------------------------------------------------
+// The read-out's backward on the same cluster (docs/gpu_ttt_kernels.md, "The read-out's backward
+// on clusters"): one launch of ops/ttt/triton.py's ``_mlp_bwd_a_kernel`` over a full segment,
+// one cluster per (mini-batch n0 + j, batch * head), all of them in parallel. CTA s reads its
+// slices W1_s [D, 128], b1_s, W2_s [128, D] of the mini-batch's float32 slot (start weights),
+// copies them to operand tiles, and with M = E * A (A1 = Q K^T [+1] as ``_qk_kernel`` stored it,
+// A2 = Xbar2 X2^T [+1]) computes:
+//   1. Z1_s = K W1_s + b1_s, X2_s = gelu(Z1_s); P2_s = X2_s W2_s           (local)
+//   2. cluster sum 1: Z2 = sum_s P2_s + b2, the keys' loss gradient G2, x_hat, g, 1/s
+//   3. A_s = G2 W2_s^T, G1_s = A_s gelu'(Z1_s), Zbar1_s = Q W1_s + b1_s - M1 G1_s,
+//      Xbar2_s = gelu(Zbar1_s); Pbar2_s = Xbar2_s W2_s, A2_s = Xbar2_s X2_s^T (local)
+//   4. cluster sum 2: Zbar2 = sum_s Pbar2_s + b2 - M2 G2; the read-out o = [LN](Zbar2) [+ q]
+//      differentiated with dO: dgamma, dbeta, dZbar2, dG2's read-out share -M2^T dZbar2,
+//      dM2 = -dZbar2 G2^T, dA2, dE (every CTA)
+//   5. dZbar1_s = (dZbar2 W2_s^T + dA2 X2_s) gelu'(Zbar1_s) (local)
+//   6. cluster sum 3: dM1 = -sum_s dZbar1_s G1_s^T and dQ's share sum_s dZbar1_s W1_s^T; then
+//      dA1, dE, dQ = that + dA1 K [+ dO], dK's read-out share dA1^T Q, deta, dtau (every CTA)
+// The rows ``_mlp_bwd_b_kernel`` (or ``ttt_mlp_cluster_bwd_b``) reads are stored as that kernel
+// expects: hidden rows by their CTA, value rows, dQ, dK and deta of token t by CTA t % C, the
+// scores and the per-mini-batch accumulators by CTA 0.
 namespace fw_ttt_mlp {
-// The two kernels as the launchers take them: argument struct, kernel, shared memory.
+
+template <class T, int D>
+struct SmemA {
+  static constexpr unsigned long al(unsigned long x) { return (x + 127) / 128 * 128; }
+  static constexpr unsigned long w1c = 0;                                // T [D][U]
+  static constexpr unsigned long w2c = w1c + al(sizeof(T) * D * U);     // T [U][D]
+  static constexpr unsigned long stage = w2c + al(sizeof(T) * U * D);   // float [NW][16][16]
+  static constexpr unsigned long kt = stage + al(4ul * NW * 256);       // T [BB][D]
+  static constexpr unsigned long qt = kt + al(sizeof(T) * BB * D);      // T [BB][D]
+  static constexpr unsigned long tgt = qt + al(sizeof(T) * BB * D);     // float [BB][D], then [NW][2][D]
+  static constexpr unsigned long gp = tgt + al(4ul * BB * D);           // float [BB][U] gelu'(Z1), gelu'(Zbar1)
+  static constexpr unsigned long x2 = gp + al(4ul * BB * U);            // T [BB][U] X2
+  static constexpr unsigned long g1 = x2 + al(sizeof(T) * BB * U);      // T G1
+  static constexpr unsigned long xb2 = g1 + al(sizeof(T) * BB * U);     // T Xbar2
+  static constexpr unsigned long dzb1 = xb2 + al(sizeof(T) * BB * U);   // T dZbar1
+  static constexpr unsigned long g2 = dzb1 + al(sizeof(T) * BB * U);    // T [BB][D] G2
+  static constexpr unsigned long dzb2 = g2 + al(sizeof(T) * BB * D);    // T dZbar2
+  static constexpr unsigned long ex1 = dzb2 + al(sizeof(T) * BB * D);   // float [BB][D + 16]: sums 1, 3
+  static constexpr unsigned long ex2 = ex1 + al(4ul * BB * (D + 16));   // float [BB][D + 16]: sum 2
+  static constexpr unsigned long zb2 = ex2 + al(4ul * BB * (D + 16));   // float [BB][D]: Zbar2, then dQ
+  static constexpr unsigned long e = zb2 + al(4ul * BB * D);            // float [BB][BB] E
+  static constexpr unsigned long a1 = e + al(4ul * BB * BB);            // float A1 [+1]
+  static constexpr unsigned long a2 = a1 + al(4ul * BB * BB);           // float A2 [+1]
+  static constexpr unsigned long dm = a2 + al(4ul * BB * BB);           // float dZbar2 G2^T
+  static constexpr unsigned long de = dm + al(4ul * BB * BB);           // float dE
+  static constexpr unsigned long m1 = de + al(4ul * BB * BB);           // T [BB][BB] -M1
+  static constexpr unsigned long m2 = m1 + al(sizeof(T) * BB * BB);     // T -M2
+  static constexpr unsigned long da1 = m2 + al(sizeof(T) * BB * BB);    // T dA1
+  static constexpr unsigned long da2 = da1 + al(sizeof(T) * BB * BB);   // T dA2
+  static constexpr unsigned long b1s = da2 + al(sizeof(T) * BB * BB);   // float [U]
+  static constexpr unsigned long b2s = b1s + al(4ul * U);               // float [D]
+  static constexpr unsigned long gam = b2s + al(4ul * D);               // float [D]
+  static constexpr unsigned long bet = gam + al(4ul * D);               // float [D]
+  static constexpr unsigned long eta = bet + al(4ul * D);               // float [BB]
+  static constexpr unsigned long tau = eta + al(4ul * BB);              // float [BB]
+  static constexpr unsigned long bytes = tau + al(4ul * BB);
+};
+
+// The warp's 16 x 16 staging tile (rows: tokens) written transposed into the contiguous
+// [16 features][16 tokens] block at dst: one hidden or value block of the rows' layout.
+__device__ __forceinline__ void stage_out_t(const float* stage, float* dst, int lane) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int x = lane + 32 * k;
+    dst[x] = stage[(x % 16) * 16 + x / 16];
+  }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBwdAArgs a) {
+  constexpr int C = D / 32, ND = D / 16, Dh = 4 * D, RL = D / 32, LX = D + 16;
+  using L = SmemA<T, D>;
+  FW_DYNAMIC_SMEM(smem);
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = (int)cluster.block_rank();
+  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
+  const int nj = a.n1 - a.n0;
+  const long long cid = blockIdx.x / C;  // the cluster: (bh, j)
+  const long long bh = cid / nj;
+  const int jn = (int)(cid % nj), n = a.n0 + jn;
+  const int H = a.H, T_ = a.T, h = (int)(bh % H), b = a.b, t0 = n * b;
+  const long long bb = bh / H;
+  const int j0 = rank * U;
+  const long long row = bh * a.seg + jn;
+  const long long slot = bh * a.w_bh + (long long)jn * a.w_j;
+
+  T* w1c = (T*)(smem + L::w1c);
+  T* w2c = (T*)(smem + L::w2c);
+  float* stage = (float*)(smem + L::stage) + w * 256;
+  T* kt = (T*)(smem + L::kt);
+  T* qt = (T*)(smem + L::qt);
+  float* tgt = (float*)(smem + L::tgt);
+  float* part = tgt;  // after step 3
+  float* gp = (float*)(smem + L::gp);
+  T* x2 = (T*)(smem + L::x2);
+  T* g1 = (T*)(smem + L::g1);
+  T* xb2 = (T*)(smem + L::xb2);
+  T* dzb1 = (T*)(smem + L::dzb1);
+  T* g2 = (T*)(smem + L::g2);
+  T* dzb2 = (T*)(smem + L::dzb2);
+  float* ex1 = (float*)(smem + L::ex1);
+  float* ex2 = (float*)(smem + L::ex2);
+  float* zb2 = (float*)(smem + L::zb2);
+  float* dqs = zb2;  // after step 8
+  float* es = (float*)(smem + L::e);
+  float* a1s = (float*)(smem + L::a1);
+  float* a2s = (float*)(smem + L::a2);
+  float* dms = (float*)(smem + L::dm);
+  float* des = (float*)(smem + L::de);
+  T* m1 = (T*)(smem + L::m1);
+  T* m2 = (T*)(smem + L::m2);
+  T* da1 = (T*)(smem + L::da1);
+  T* da2 = (T*)(smem + L::da2);
+  float* b1s = (float*)(smem + L::b1s);
+  float* b2s = (float*)(smem + L::b2s);
+  float* gam = (float*)(smem + L::gam);
+  float* bet = (float*)(smem + L::bet);
+  float* eta_s = (float*)(smem + L::eta);
+  float* tau_s = (float*)(smem + L::tau);
+
+  const T* qg = (const T*)a.q;
+  const T* kg = (const T*)a.k;
+  const T* vg = (const T*)a.v;
+  float* hs = a.hs + row * 4 * Dh * BB;
+  float* vs = a.vs + row * 5 * D * BB;
+  const long long tok0 = (bb * T_ + t0) * H + h;  // token t0's [B, T, H] index
+
+  // 0. the slot's slices as operand copies, the mini-batch's inputs, E, A1 and -M1
+  for (int c = tid; c < D; c += NT) {
+    gam[c] = a.has_ln ? a.lnw[h * D + c] : 1.0f;
+    bet[c] = a.has_lnb ? a.lnb[h * D + c] : 0.0f;
+    b2s[c] = a.has_b2 ? a.b2[slot * D + c] : 0.0f;
+  }
+  for (int j = tid; j < U; j += NT) b1s[j] = a.has_b1 ? a.b1[slot * Dh + j0 + j] : 0.0f;
+  if (tid < BB) {
+    eta_s[tid] = tid < b ? a.eta[tok0 + (long long)tid * H] : 0.0f;
+    tau_s[tid] = tid < b ? a.tau[h * b + tid] : 0.0f;
+  }
+  {
+    // PER loads in flight per thread before any is converted: the slices' 128 KiB (D 128) come
+    // from HBM in a few round trips rather than one per element
+    constexpr int PER = D * U / NT < 32 ? D * U / NT : 32;
+    const float* w1s = a.w1 + slot * D * Dh + j0;
+    const float* w2s = a.w2 + slot * Dh * D + (long long)j0 * D;
+    for (int x0 = tid; x0 < 2 * D * U; x0 += PER * NT) {  // W1_s's elements, then W2_s's
+      float val[PER];
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int x = x0 + i * NT;
+        val[i] = x < D * U ? w1s[(x / U) * Dh + x % U] : w2s[x - D * U];
+      }
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int x = x0 + i * NT;
+        if (x < D * U)
+          w1c[x] = fw_cvt<T>(val[i]);
+        else
+          w2c[x - D * U] = fw_cvt<T>(val[i]);
+      }
+    }
+  }
+  for (int x = tid; x < BB * D; x += NT) {
+    const int t = x / D;
+    const long long off = (tok0 + (long long)t * H) * D + x % D;
+    const T kk = t < b ? kg[off] : fw_cvt<T>(0.0f);
+    kt[x] = kk;
+    qt[x] = t < b ? qg[off] : fw_cvt<T>(0.0f);
+    float tg = t < b ? fw_f32(vg[off]) : 0.0f;
+    if (a.residual) tg -= fw_f32(kk);
+    tgt[x] = tg;
+  }
+  {
+    const int i = tid / 16, j = tid % 16;  // 256 threads: the 16 x 16 tiles, row i, column j
+    const float eta_j = j < b ? a.eta[tok0 + (long long)j * H] : 0.0f;
+    const float tau_i = i < b ? a.tau[h * b + i] : 0.0f;
+    const float E = j <= i ? tau_i * eta_j : 0.0f;
+    const float A1 = a.A[((bh * a.N + n) * BB + j) * BB + i];  // the tile is A1^T
+    es[tid] = E;
+    a1s[tid] = A1;
+    m1[tid] = fw_cvt<T>(-(E * A1));
+  }
+  __syncthreads();
+
+  // 1. (warp w, hidden block w) Z1 = K W1_s + b1_s (stored), X2 = gelu(Z1), gelu'(Z1)
+  {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<ND, FragB<T>>(acc, kt, D, w1c + 16 * w, 16 * U, U);
+    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+    __syncwarp();
+    const Share s(lane);
+    float z[8];
+    share_plus(stage, b1s + 16 * w, s, z);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int o = s.r * U + 16 * w + s.c0 + i;
+      float g, d;
+      gelu2(z[i], g, d);
+      x2[o] = fw_cvt<T>(g);
+      gp[o] = d;
+      stage[s.r * 16 + s.c0 + i] = z[i];
+    }
+    __syncwarp();
+    stage_out_t(stage, hs + (j0 + 16 * w) * BB, lane);
+  }
+  __syncthreads();
+
+  // 2. P2_s = X2_s W2_s (warp v: value block v) -> this CTA's share of cluster sum 1
+  if (w < ND) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<U / 16, FragB<T>>(acc, x2, U, w2c + 16 * w, 16 * D, D);
+    wmma::store_matrix_sync(ex1 + 16 * w, acc, LX, wmma::mem_row_major);
+  }
+  cluster.sync();
+
+  // 3. Z2 = sum_s P2_s + b2 (ranks in order) and its loss gradient G2 (warp w: rows 2w, 2w+1);
+  //    G2, x_hat, g and 1/s of token t stored by CTA t % C
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int t = 2 * w + rr;
+    const bool mine = t % C == rank;
+    float z[RL], G[RL];
+#pragma unroll
+    for (int i = 0; i < RL; ++i) {
+      const int col = lane + 32 * i;
+      float s = 0.0f;
+      for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex1, p)[t * LX + col];
+      z[i] = s + b2s[col];
+    }
+    float xh[RL], g[RL], rs;
+    loss_grad_row<D>(z, tgt + t * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
+    if (a.has_ln && mine) {
+#pragma unroll
+      for (int i = 0; i < RL; ++i) {
+        const int col = lane + 32 * i;
+        vs[(3 * D + col) * BB + t] = xh[i];
+        vs[(4 * D + col) * BB + t] = g[i];
+      }
+      if (lane == 0) a.rr[row * BB + t] = rs;
+    }
+#pragma unroll
+    for (int i = 0; i < RL; ++i) {
+      const int col = lane + 32 * i;
+      g2[t * D + col] = fw_cvt<T>(G[i]);
+      if (mine) vs[col * BB + t] = G[i];
+    }
+  }
+  __syncthreads();
+
+  // 4. (warp w, hidden block w) A = G2 W2_s^T (stored), G1 = A gelu'(Z1); Zbar1 = Q W1_s +
+  //    b1_s - M1 G1 (stored), Xbar2 = gelu(Zbar1), gelu'(Zbar1) where gelu'(Z1) was
+  {
+    const Share s(lane);
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<ND, FragBT<T>>(acc, g2, D, w2c + (16 * w) * D, 16, D);  // W2_s^T: (d, j) at w2c[j D + d]
+    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int o = s.r * U + 16 * w + s.c0 + i;
+      g1[o] = fw_cvt<T>(stage[s.r * 16 + s.c0 + i] * gp[o]);
+    }
+    stage_out_t(stage, hs + (Dh + j0 + 16 * w) * BB, lane);
+    __syncwarp();
+    wmma::fill_fragment(acc, 0.0f);
+    chain<ND, FragB<T>>(acc, qt, D, w1c + 16 * w, 16 * U, U);
+    chain<1, FragB<T>>(acc, m1, 16, g1 + 16 * w, 0, U);
+    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+    __syncwarp();
+    float z[8];
+    share_plus(stage, b1s + 16 * w, s, z);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int o = s.r * U + 16 * w + s.c0 + i;
+      float g, d;
+      gelu2(z[i], g, d);
+      xb2[o] = fw_cvt<T>(g);
+      gp[o] = d;
+      stage[s.r * 16 + s.c0 + i] = z[i];
+    }
+    __syncwarp();
+    stage_out_t(stage, hs + (2 * Dh + j0 + 16 * w) * BB, lane);
+  }
+  __syncthreads();
+
+  // 5. Pbar2_s = Xbar2_s W2_s (warp v) and A2_s = Xbar2_s X2_s^T (warp 7) -> cluster sum 2
+  if (w < ND) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<U / 16, FragB<T>>(acc, xb2, U, w2c + 16 * w, 16 * D, D);
+    wmma::store_matrix_sync(ex2 + 16 * w, acc, LX, wmma::mem_row_major);
+  }
+  if (w == NW - 1) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<U / 16, FragBT<T>>(acc, xb2, U, x2, 16, U);  // X2_s^T: (u, j) at x2[j U + u]
+    wmma::store_matrix_sync(ex2 + D, acc, LX, wmma::mem_row_major);
+  }
+  cluster.sync();
+
+  // 6. Zq2 = sum_s Pbar2_s + b2, A2 = sum_s A2_s [+1] (ranks in order), -M2 = -(E * A2)
+  for (int x = tid; x < BB * LX; x += NT) {
+    const int r = x / LX, col = x % LX;
+    float s = 0.0f;
+    for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex2, p)[x];
+    if (col < D) {
+      zb2[r * D + col] = s + b2s[col];
+    } else {
+      const int o = r * BB + col - D;
+      const float A2 = s + (a.has_b2 ? 1.0f : 0.0f);
+      a2s[o] = A2;
+      m2[o] = fw_cvt<T>(-(es[o] * A2));
+    }
+  }
+  __syncthreads();
+
+  // 7. Zbar2 = Zq2 - M2 G2 (warp v)
+  if (w < ND) {
+    Acc acc;
+    wmma::load_matrix_sync(acc, zb2 + 16 * w, D, wmma::mem_row_major);
+    chain<1, FragB<T>>(acc, m2, 16, g2 + 16 * w, 0, D);
+    wmma::store_matrix_sync(zb2 + 16 * w, acc, D, wmma::mem_row_major);
+  }
+  __syncthreads();
+
+  // 8. the read-out o = [LN](Zbar2) [+ q] differentiated (warp w: rows 2w, 2w+1): dZbar2
+  //    (operand tile; stored by CTA t % C), the warp's column sums of dgamma, dbeta
+  {
+    float pa0[RL], pa1[RL];
+#pragma unroll
+    for (int i = 0; i < RL; ++i) pa0[i] = pa1[i] = 0.0f;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int t = 2 * w + rr;
+      float z[RL], dO[RL], dz[RL];
+#pragma unroll
+      for (int i = 0; i < RL; ++i) {
+        const int col = lane + 32 * i;
+        z[i] = zb2[t * D + col];
+        dO[i] = t < b ? a.dout[(tok0 + (long long)t * H) * D + col] : 0.0f;
+      }
+      if (a.has_ln) {
+        float mu, rs;
+        row_stats<D>(z, mu, rs);
+        float xo[RL], sy = 0.0f, syx = 0.0f;
+#pragma unroll
+        for (int i = 0; i < RL; ++i) {
+          const int col = lane + 32 * i;
+          xo[i] = (z[i] - mu) * rs;
+          pa0[i] += dO[i] * xo[i];
+          pa1[i] += dO[i];
+          const float dy = gam[col] * dO[i];
+          sy += dy;
+          syx += dy * xo[i];
+        }
+        const float my = warp_sum(sy) / D, myx = warp_sum(syx) / D;
+#pragma unroll
+        for (int i = 0; i < RL; ++i) dz[i] = rs * (gam[lane + 32 * i] * dO[i] - my - xo[i] * myx);
+      } else {
+#pragma unroll
+        for (int i = 0; i < RL; ++i) dz[i] = dO[i];
+      }
+#pragma unroll
+      for (int i = 0; i < RL; ++i) {
+        const int col = lane + 32 * i;
+        dzb2[t * D + col] = fw_cvt<T>(dz[i]);
+        if (t % C == rank) vs[(D + col) * BB + t] = dz[i];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < RL; ++i) {
+      part[(w * 2 + 0) * D + lane + 32 * i] = pa0[i];
+      part[(w * 2 + 1) * D + lane + 32 * i] = pa1[i];
+    }
+  }
+  __syncthreads();
+
+  // 9. dG2's read-out share -M2^T dZbar2 (value block rank + C k on warp k < 2, stored);
+  //    dZbar2 G2^T (warp 7); dgamma, dbeta of the mini-batch (CTA 0)
+  if (w < 2) {
+    const int v = rank + C * w;
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    outer(acc, m2, 16, dzb2 + 16 * v, D);
+    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+    __syncwarp();
+    stage_out_t(stage, vs + (2 * D + 16 * v) * BB, lane);
+  }
+  if (w == NW - 1) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<ND, FragBT<T>>(acc, dzb2, D, g2, 16, D);  // G2^T: (d, j) at g2[j D + d]
+    wmma::store_matrix_sync(dms, acc, 16, wmma::mem_row_major);
+  }
+  if (a.has_ln && rank == 0)
+    for (int c = tid; c < D; c += NT) {
+      float s0 = 0.0f, s1 = 0.0f;
+      for (int ww = 0; ww < NW; ++ww) {
+        s0 += part[(ww * 2 + 0) * D + c];
+        s1 += part[(ww * 2 + 1) * D + c];
+      }
+      a.acc[((bh * a.N + n) * 2 + 0) * D + c] = s0;
+      a.acc[((bh * a.N + n) * 2 + 1) * D + c] = s1;
+    }
+  __syncthreads();
+
+  // 10. dM2 = -dZbar2 G2^T, dA2 = E * dM2 (dA2^T stored by CTA 0), dE = A2 * dM2 (causal)
+  {
+    const int i = tid / 16, j = tid % 16;
+    const float dM = -dms[tid];
+    const float dA = j <= i ? es[tid] * dM : 0.0f;
+    da2[tid] = fw_cvt<T>(dA);
+    des[tid] = j <= i ? dM * a2s[tid] : 0.0f;
+    if (rank == 0) a.at[row * BB * BB + j * BB + i] = dA;
+  }
+  __syncthreads();
+
+  // 11. (warp w, hidden block w) dZbar1 = (dZbar2 W2_s^T + dA2 X2_s) gelu'(Zbar1) (stored)
+  {
+    const Share s(lane);
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<ND, FragBT<T>>(acc, dzb2, D, w2c + (16 * w) * D, 16, D);
+    chain<1, FragB<T>>(acc, da2, 16, x2 + 16 * w, 0, U);
+    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int o = s.r * U + 16 * w + s.c0 + i;
+      const float dz = stage[s.r * 16 + s.c0 + i] * gp[o];
+      dzb1[o] = fw_cvt<T>(dz);
+      stage[s.r * 16 + s.c0 + i] = dz;
+    }
+    __syncwarp();
+    stage_out_t(stage, hs + (3 * Dh + j0 + 16 * w) * BB, lane);
+  }
+  __syncthreads();
+
+  // 12. this CTA's shares of cluster sum 3: dZbar1_s W1_s^T (warp v) and dZbar1_s G1_s^T
+  //     (warp 7), where sum 1's were (every peer has passed its step 3)
+  if (w < ND) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<U / 16, FragBT<T>>(acc, dzb1, U, w1c + (16 * w) * U, 16, U);  // W1_s^T: (u, d) at w1c[d U + u]
+    wmma::store_matrix_sync(ex1 + 16 * w, acc, LX, wmma::mem_row_major);
+  }
+  if (w == NW - 1) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<U / 16, FragBT<T>>(acc, dzb1, U, g1, 16, U);  // G1_s^T: (u, j) at g1[j U + u]
+    wmma::store_matrix_sync(ex1 + D, acc, LX, wmma::mem_row_major);
+  }
+  cluster.sync();
+
+  // 13. dQ's share (ranks in order); dM1 = -sum_s dZbar1_s G1_s^T, dA1 = E * dM1,
+  //     dE += A1 * dM1 (causal)
+  for (int x = tid; x < BB * LX; x += NT) {
+    const int r = x / LX, col = x % LX;
+    float s = 0.0f;
+    for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex1, p)[x];
+    if (col < D) {
+      dqs[r * D + col] = s;
+    } else {
+      const int j = col - D, o = r * BB + j;
+      const float dM = -s;
+      da1[o] = fw_cvt<T>(j <= r ? es[o] * dM : 0.0f);
+      if (j <= r) des[o] += dM * a1s[o];
+    }
+  }
+  __syncthreads();
+
+  // 14. dQ = (the share) + dA1 K [+ dO], dK's read-out share dA1^T Q (warps, value blocks;
+  //     token t written by CTA t % C); deta = dE tau, dtau = dE^T eta
+  for (int qn = w; qn < 2 * ND; qn += NW) {
+    const int v = qn % ND;
+    Acc acc;
+    if (qn < ND) {
+      wmma::load_matrix_sync(acc, dqs + 16 * v, D, wmma::mem_row_major);
+      chain<1, FragB<T>>(acc, da1, 16, kt + 16 * v, 0, D);
+    } else {
+      wmma::fill_fragment(acc, 0.0f);
+      outer(acc, da1, 16, qt + 16 * v, D);
+    }
+    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+    __syncwarp();
+    const Share s(lane);
+    if (s.r < b && s.r % C == rank) {
+      const long long off = (tok0 + (long long)s.r * H) * D + 16 * v + s.c0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float x = stage[s.r * 16 + s.c0 + i];
+        if (qn < ND) {
+          if (a.residual) x += a.dout[off + i];
+          a.dq[off + i] = x;
+        } else {
+          a.dk[off + i] = x;
+        }
+      }
+    }
+    __syncwarp();
+  }
+  if (tid < BB) {  // deta_j = sum_i dE_ij tau_i
+    float s = 0.0f;
+    for (int i = 0; i < BB; ++i) s += des[i * BB + tid] * tau_s[i];
+    if (tid < b && tid % C == rank) a.deta[tok0 + (long long)tid * H] = s;
+  } else if (tid < 2 * BB && rank == 0) {  // dtau_i = sum_j dE_ij eta_j
+    const int i = tid - BB;
+    float s = 0.0f;
+    for (int j = 0; j < BB; ++j) s += des[i * BB + j] * eta_s[j];
+    a.dtau[(bh * a.N + n) * BB + i] = s;
+  }
+  cluster.sync();  // no CTA leaves while a peer may still read its shared memory
+}
+
+}  // namespace fw_ttt_mlp
+
+namespace fw_ttt_mlp {
+// The kernels as the launchers take them: argument struct, kernel, shared memory, clusters.
 template <class T, int D>
 struct FwdKernel {
   using Args = FwTTTMLPClusterArgs;
   static constexpr unsigned long bytes = Smem<T, D>::bytes;
   static void (*get())(Args) { return ttt_mlp_cluster_fwd<T, D>; }
+  static unsigned clusters(const Args& a) { return (unsigned)(a.B * a.H); }
 };
 
 template <class T, int D>
@@ -1103,6 +1639,15 @@ struct BwdKernel {
   using Args = FwTTTMLPClusterBwdArgs;
   static constexpr unsigned long bytes = SmemB<T, D>::bytes;
   static void (*get())(Args) { return ttt_mlp_cluster_bwd_b<T, D>; }
+  static unsigned clusters(const Args& a) { return (unsigned)(a.B * a.H); }
+};
+
+template <class T, int D>
+struct BwdAKernel {  // one cluster per (batch * head, mini-batch of the segment)
+  using Args = FwTTTMLPClusterBwdAArgs;
+  static constexpr unsigned long bytes = SmemA<T, D>::bytes;
+  static void (*get())(Args) { return ttt_mlp_cluster_bwd_a<T, D>; }
+  static unsigned clusters(const Args& a) { return (unsigned)(a.B * a.H * (a.n1 - a.n0)); }
 };
 
 // A kernel's dynamic shared memory per CTA (bytes) for dtype 0 float32 (emulation only),
@@ -1115,7 +1660,8 @@ unsigned long smem_of(int dtype, int D) {
 }  // namespace fw_ttt_mlp
 
 #ifndef FW_EMULATE
-// CUDA launchers (sm_90): one cluster of D / 32 CTAs per (batch, head). dtype 1 bfloat16,
+// CUDA launchers (sm_90): one cluster of D / 32 CTAs per (batch, head), the read-out's
+// backward one per (batch, head, mini-batch of the segment). dtype 1 bfloat16,
 // 2 float16; D 64 or 128. Return a cudaError_t (cudaErrorInvalidValue for another dtype or
 // head size).
 namespace fw_ttt_mlp {
@@ -1128,7 +1674,7 @@ static cudaError_t launch(const typename K<T, D>::Args& a, cudaStream_t stream) 
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(a.B * a.H * C), 1, 1);
+  cfg.gridDim = dim3(K<T, D>::clusters(a) * C, 1, 1);
   cfg.blockDim = dim3(NT, 1, 1);
   cfg.dynamicSmemBytes = (size_t)bytes;
   cfg.stream = stream;
@@ -1163,6 +1709,11 @@ extern "C" int fw_ttt_mlp_cluster_bwd_b_launch(const FwTTTMLPClusterBwdArgs* a, 
   return fw_ttt_mlp::dispatch<fw_ttt_mlp::BwdKernel>(a, dtype, D, stream);
 }
 
+extern "C" int fw_ttt_mlp_cluster_bwd_a_launch(const FwTTTMLPClusterBwdAArgs* a, int dtype, int D,
+                                               void* stream) {
+  return fw_ttt_mlp::dispatch<fw_ttt_mlp::BwdAKernel>(a, dtype, D, stream);
+}
+
 extern "C" const char* fw_ttt_mlp_cluster_error(int code) {
   return cudaGetErrorString((cudaError_t)code);
 }
@@ -1175,7 +1726,7 @@ extern "C" const char* fw_ttt_mlp_cluster_error(int code) {
 namespace fw_ttt_mlp {
 template <template <class, int> class K, class T, int D>
 static void emulate(const typename K<T, D>::Args& a, unsigned order) {
-  fw_emu::Config cfg{dim3((unsigned)(a.B * a.H * (D / 32))), dim3(NT), D / 32,
+  fw_emu::Config cfg{dim3(K<T, D>::clusters(a) * (D / 32)), dim3(NT), D / 32,
                      (size_t)K<T, D>::bytes, order};
   fw_emu::launch(K<T, D>::get(), cfg, a);
 }
@@ -1218,6 +1769,11 @@ extern "C" const char* fw_emu_ttt_mlp_cluster_bwd_b(const FwTTTMLPClusterBwdArgs
   return fw_ttt_mlp::emulate_entry<fw_ttt_mlp::BwdKernel>(a, dtype, D, order);
 }
 
+extern "C" const char* fw_emu_ttt_mlp_cluster_bwd_a(const FwTTTMLPClusterBwdAArgs* a, int dtype,
+                                                    int D, unsigned order) {
+  return fw_ttt_mlp::emulate_entry<fw_ttt_mlp::BwdAKernel>(a, dtype, D, order);
+}
+
 // The dynamic shared memory a CTA takes (bytes), dtype and D as above.
 extern "C" unsigned long fw_emu_ttt_mlp_cluster_smem(int dtype, int D) {
   return fw_ttt_mlp::smem_of<fw_ttt_mlp::FwdKernel>(dtype, D);
@@ -1225,5 +1781,8 @@ extern "C" unsigned long fw_emu_ttt_mlp_cluster_smem(int dtype, int D) {
 
 extern "C" unsigned long fw_emu_ttt_mlp_cluster_bwd_b_smem(int dtype, int D) {
   return fw_ttt_mlp::smem_of<fw_ttt_mlp::BwdKernel>(dtype, D);
+}
+extern "C" unsigned long fw_emu_ttt_mlp_cluster_bwd_a_smem(int dtype, int D) {
+  return fw_ttt_mlp::smem_of<fw_ttt_mlp::BwdAKernel>(dtype, D);
 }
 #endif

@@ -64,3 +64,35 @@ struct FwTTTMLPClusterBwdArgs {
   int B, T, H, b, N, n0, n1, seg, w_bh, w_j;
   int has_b1, has_b2, has_ln, has_lnb, residual;
 };
+
+// The arguments of the read-out's backward on a cluster (ttt_mlp_cluster.cu,
+// ``ttt_mlp_cluster_bwd_a``): one launch of ops/ttt/triton.py's ``_mlp_bwd_a_kernel`` over a
+// full segment (mini-batches n0 .. n1-1, one cluster each, in parallel), the same tensors: it
+// writes the rows ``_mlp_bwd_b_kernel`` / ``ttt_mlp_cluster_bwd_b`` read, dq and the read-out's
+// shares of dk, deta, dtau, dgamma and dbeta.
+struct FwTTTMLPClusterBwdAArgs {
+  const void* q;      // [B, T, H, D] in the operand dtype
+  const void* k;      // [B, T, H, D]
+  const void* v;      // [B, T, H, D]
+  const float* eta;   // [B, T, H]
+  const float* tau;   // [H, b]
+  const float* A;     // [B*H, N, 16, 16]: the scores tiles A1^T (+1 with b1)
+  const float* lnw;   // [H, D] (read when has_ln)
+  const float* lnb;   // [H, D] (read when has_lnb)
+  const float* w1;    // slots [., D, Dh]: mini-batch n0 + j's start weights at bh * w_bh + j * w_j
+  const float* b1;    // slots [., Dh] (read when has_b1)
+  const float* w2;    // slots [., Dh, D]
+  const float* b2;    // slots [., D] (read when has_b2)
+  const float* dout;  // [B, T, H, D] float32: the outputs' gradient
+  float* hs;          // [B*H, seg, 4, Dh, 16]: Z1, A, Zbar1, dZbar1 (hidden rows, transposed; written)
+  float* vs;          // [B*H, seg, 5, D, 16]: G2, dZbar2, dG2's read-out share, x_hat, g (written)
+  float* rr;          // [B*H, seg, 16]: 1 / s of the keys' LayerNorm (written when has_ln)
+  float* at;          // [B*H, seg, 16, 16]: dA2^T (written)
+  float* acc;         // [B*H, N, 2, D]: dgamma, dbeta of each mini-batch (written when has_ln)
+  float* dtau;        // [B*H, N, 16]: tau's gradient from each mini-batch's read-out (written)
+  float* dq;          // [B, T, H, D] float32 (written)
+  float* dk;          // [B, T, H, D] float32: the read-out's share (written)
+  float* deta;        // [B, T, H] float32: the read-out's share (written)
+  int B, T, H, b, N, n0, n1, seg, w_bh, w_j;
+  int has_b1, has_b2, has_ln, has_lnb, residual;
+};
