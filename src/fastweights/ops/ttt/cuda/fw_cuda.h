@@ -37,3 +37,15 @@ __device__ __forceinline__ float fw_f32(float x) { return x; }
 __device__ __forceinline__ float fw_f32(fw_bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float fw_f32(fw_half x) { return __half2float(x); }
 #endif
+
+// The WMMA fragments of the kernels: a float32 accumulator tile, and 16 x 16 operand tiles of T
+// read row-major or column-major (the transpose of a row-major block).
+using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+template <class T>
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
+template <class T>
+using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major>;
+template <class T>
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
+template <class T>
+using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;

@@ -63,13 +63,6 @@ struct Smem {
   static constexpr unsigned long bytes = tau + al(4ul * BB);
 };
 
-using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-template <class T>
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
-template <class T>
-using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major>;
-template <class T>
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
 
 // Raw bits of N bytes (8 or 16), aligned to N: the unit of a thread's vector accesses.
 template <int N>

@@ -71,16 +71,6 @@ struct Smem {
   static constexpr unsigned long bytes = tau + al(4ul * BB);
 };
 
-using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-template <class T>
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
-template <class T>
-using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major>;
-template <class T>
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
-template <class T>
-using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
-
 // acc += A B over KT 16-deep steps: A's rows at a (row-major, ldm lda; step k at a + 16 k),
 // B's step k at b + k * bstep (ldm ldb), row-major (B = FragB) or column-major (FragBT: B the
 // transpose of a row-major block, step k at b + 16 k).
