@@ -183,6 +183,32 @@ __device__ __forceinline__ void loss_grad_row(const float (&z)[D / 32], const fl
   }
 }
 
+// Steps 2 and 5: this CTA's share X_s W2_s of a cluster sum (warp v < D / 16: value tile v),
+// X [BB][U] the rows' hidden activations, into ex (ldm ld) at column tile v.
+template <class T, int D>
+__device__ __forceinline__ void value_share(const T* x, const T* w2c, float* ex, int ld, int w) {
+  if (w < D / 16) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<U / 16, FragB<T>>(acc, x, U, w2c + 16 * w, 16 * D, D);
+    wmma::store_matrix_sync(ex + 16 * w, acc, ld, wmma::mem_row_major);
+  }
+}
+
+// Step 5: Pbar2_s = Xbar2_s W2_s (warp v) and A2_s = Xbar2_s X2_s^T (warp 7), this CTA's
+// shares of cluster sum 2, into ex2 [BB][D + 16] (A2_s in the last 16 columns).
+template <class T, int D>
+__device__ __forceinline__ void sum2_shares(const T* xb2, const T* x2, const T* w2c, float* ex2,
+                                            int w) {
+  value_share<T, D>(xb2, w2c, ex2, D + 16, w);
+  if (w == NW - 1) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<U / 16, FragBT<T>>(acc, xb2, U, x2, 16, U);  // X2_s^T: (u', j) at x2[j U + u']
+    wmma::store_matrix_sync(ex2 + D, acc, D + 16, wmma::mem_row_major);
+  }
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs a) {
   constexpr int C = D / 32;  // CTAs per cluster: Dh / U
@@ -335,12 +361,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     __syncthreads();
 
     // 2. P2_s = X2_s W2_s (warp v: value tile v) -> this CTA's share of cluster sum 1
-    if (w < ND) {
-      Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      chain<U / 16, FragB<T>>(acc, x2, U, w2c + 16 * w, 16 * D, D);
-      wmma::store_matrix_sync(ex1 + 16 * w, acc, D, wmma::mem_row_major);
-    }
+    value_share<T, D>(x2, w2c, ex1, D, w);
     cluster.sync();
 
     // 3. Z2 = sum_s P2_s + b2 (ranks in order) and its loss gradient G2 (warp w: rows 2w, 2w+1);
@@ -459,18 +480,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     __syncthreads();
 
     // 5. Pbar2_s = Xbar2_s W2_s (warp v) and A2_s = Xbar2_s X2_s^T -> cluster sum 2
-    if (w < ND) {
-      Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      chain<U / 16, FragB<T>>(acc, xb2, U, w2c + 16 * w, 16 * D, D);
-      wmma::store_matrix_sync(ex2 + 16 * w, acc, D + 16, wmma::mem_row_major);
-    }
-    if (w == NW - 1) {
-      Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      chain<U / 16, FragBT<T>>(acc, xb2, U, x2, 16, U);  // X2_s^T: (u', j) at x2[j U + u']
-      wmma::store_matrix_sync(ex2 + D, acc, D + 16, wmma::mem_row_major);
-    }
+    sum2_shares<T, D>(xb2, x2, w2c, ex2, w);
     cluster.sync();
 
     // 6. Zq2 = sum_s Pbar2_s + b2, A2 = sum_s A2_s [+1] (ranks in order), M2 = -(E * A2)
@@ -1304,12 +1314,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   __syncthreads();
 
   // 2. P2_s = X2_s W2_s (warp v: value block v) -> this CTA's share of cluster sum 1
-  if (w < ND) {
-    Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<U / 16, FragB<T>>(acc, x2, U, w2c + 16 * w, 16 * D, D);
-    wmma::store_matrix_sync(ex1 + 16 * w, acc, LX, wmma::mem_row_major);
-  }
+  value_share<T, D>(x2, w2c, ex1, LX, w);
   cluster.sync();
 
   // 3. Z2 = sum_s P2_s + b2 (ranks in order) and its loss gradient G2 (warp w: rows 2w, 2w+1);
@@ -1384,18 +1389,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   __syncthreads();
 
   // 5. Pbar2_s = Xbar2_s W2_s (warp v) and A2_s = Xbar2_s X2_s^T (warp 7) -> cluster sum 2
-  if (w < ND) {
-    Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<U / 16, FragB<T>>(acc, xb2, U, w2c + 16 * w, 16 * D, D);
-    wmma::store_matrix_sync(ex2 + 16 * w, acc, LX, wmma::mem_row_major);
-  }
-  if (w == NW - 1) {
-    Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<U / 16, FragBT<T>>(acc, xb2, U, x2, 16, U);  // X2_s^T: (u, j) at x2[j U + u]
-    wmma::store_matrix_sync(ex2 + D, acc, LX, wmma::mem_row_major);
-  }
+  sum2_shares<T, D>(xb2, x2, w2c, ex2, w);
   cluster.sync();
 
   // 6. Zq2 = sum_s Pbar2_s + b2, A2 = sum_s A2_s [+1] (ranks in order), -M2 = -(E * A2)
