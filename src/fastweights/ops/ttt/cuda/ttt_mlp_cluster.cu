@@ -183,6 +183,21 @@ __device__ __forceinline__ void loss_grad_row(const float (&z)[D / 32], const fl
   }
 }
 
+// Steps 1 and 4: the warp's hidden tile w of Z = X W1_s [+ M1 G1] + b1_s (X [BB][D]: K's or
+// Q's rows; the M1 G1 term with MG), the lane's share of it in z, through acc (the caller's,
+// overwritten: a fresh one costs the forward registers) and the staging tile.
+template <class T, int D, bool MG>
+__device__ __forceinline__ void hidden_pre(Acc& acc, float* stage, const T* x, const T* w1c,
+                                           const T* m1, const T* g1, const float* b1s, int w,
+                                           int lane, float (&z)[8]) {
+  wmma::fill_fragment(acc, 0.0f);
+  chain<D / 16, FragB<T>>(acc, x, D, w1c + 16 * w, 16 * U, U);
+  if (MG) chain<1, FragB<T>>(acc, m1, 16, g1 + 16 * w, 0, U);
+  wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+  __syncwarp();
+  share_plus(stage, b1s + 16 * w, Share(lane), z);
+}
+
 // Steps 2 and 5: this CTA's share X_s W2_s of a cluster sum (warp v < D / 16: value tile v),
 // X [BB][U] the rows' hidden activations, into ex (ldm ld) at column tile v.
 template <class T, int D>
@@ -333,14 +348,10 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     // 1. Z1 = K W1_s + b1_s -> X2 = gelu(Z1), gelu'(Z1) (warp w: hidden tile w); A1 = Q K^T
     {
       Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      chain<ND, FragB<T>>(acc, kt, D, w1c + 16 * w, 16 * U, U);
-      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-      __syncwarp();
       {
-        const Share s(lane);
         float z[8];
-        share_plus(stage, b1s + 16 * w, s, z);
+        hidden_pre<T, D, false>(acc, stage, kt, w1c, m1, g1, b1s, w, lane, z);
+        const Share s(lane);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int at = s.r * U + 16 * w + s.c0 + i;
@@ -426,15 +437,10 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
           db1 += stage[r * 16 + lane] * gp[r * U + 16 * w + lane] * (eta_s[r] * coef);
       __syncwarp();
 
-      wmma::fill_fragment(acc, 0.0f);
-      chain<ND, FragB<T>>(acc, qt, D, w1c + 16 * w, 16 * U, U);
-      chain<1, FragB<T>>(acc, m1, 16, g1 + 16 * w, 0, U);
-      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-      __syncwarp();
       {
-        const Share s(lane);
         float z[8];
-        share_plus(stage, b1s + 16 * w, s, z);
+        hidden_pre<T, D, true>(acc, stage, qt, w1c, m1, g1, b1s, w, lane, z);
+        const Share s(lane);
 #pragma unroll
         for (int i = 0; i < 8; ++i) xb2[s.r * U + 16 * w + s.c0 + i] = fw_cvt<T>(gelu(z[i]));
       }
@@ -1292,13 +1298,9 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   // 1. (warp w, hidden block w) Z1 = K W1_s + b1_s (stored), X2 = gelu(Z1), gelu'(Z1)
   {
     Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<ND, FragB<T>>(acc, kt, D, w1c + 16 * w, 16 * U, U);
-    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-    __syncwarp();
-    const Share s(lane);
     float z[8];
-    share_plus(stage, b1s + 16 * w, s, z);
+    hidden_pre<T, D, false>(acc, stage, kt, w1c, m1, g1, b1s, w, lane, z);
+    const Share s(lane);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int o = s.r * U + 16 * w + s.c0 + i;
@@ -1367,13 +1369,8 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
     }
     stage_out_t(stage, hs + (Dh + j0 + 16 * w) * BB, lane);
     __syncwarp();
-    wmma::fill_fragment(acc, 0.0f);
-    chain<ND, FragB<T>>(acc, qt, D, w1c + 16 * w, 16 * U, U);
-    chain<1, FragB<T>>(acc, m1, 16, g1 + 16 * w, 0, U);
-    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-    __syncwarp();
     float z[8];
-    share_plus(stage, b1s + 16 * w, s, z);
+    hidden_pre<T, D, true>(acc, stage, qt, w1c, m1, g1, b1s, w, lane, z);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int o = s.r * U + 16 * w + s.c0 + i;
