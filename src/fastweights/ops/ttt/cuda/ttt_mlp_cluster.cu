@@ -183,6 +183,25 @@ __device__ __forceinline__ void loss_grad_row(const float (&z)[D / 32], const fl
   }
 }
 
+// Step 3: row r of Z2 = sum_s P2_s + b2 (ranks in order; the shares at ex1, ldm ld) held by a
+// warp, and its loss gradient G with x_hat, g, 1 / s as loss_grad_row (tgt: the row's target).
+template <int D>
+__device__ __forceinline__ void z2_grad_row(cg::cluster_group& cluster, float* ex1, int ld, int r,
+                                            const float* b2s, const float* tgt, const float* gam,
+                                            const float* bet, bool has_ln, int lane,
+                                            float (&G)[D / 32], float (&xh)[D / 32],
+                                            float (&g)[D / 32], float& rs) {
+  float z[D / 32];
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    const int col = lane + 32 * i;
+    float s = 0.0f;
+    for (int p = 0; p < D / 32; ++p) s += cluster.map_shared_rank(ex1, p)[r * ld + col];
+    z[i] = s + b2s[col];
+  }
+  loss_grad_row<D>(z, tgt, gam, bet, has_ln, lane, G, xh, g, rs);
+}
+
 // Steps 1 and 4: the warp's hidden tile w of Z = X W1_s [+ M1 G1] + b1_s (X [BB][D]: K's or
 // Q's rows; the M1 G1 term with MG), the lane's share of it in z, through acc (the caller's,
 // overwritten: a fresh one costs the forward registers) and the staging tile.
@@ -381,17 +400,11 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     for (int rr = 0; rr < 2; ++rr) {
       const int r = 2 * w + rr;
       const float e = eta_s[r] * coef;
-      float z[RL], G[RL];
-#pragma unroll
-      for (int i = 0; i < RL; ++i) {
-        const int col = lane + 32 * i;
-        float s = 0.0f;
-        for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex1, p)[r * D + col];
-        z[i] = s + b2s[col];
-      }
+      float G[RL];
       {
         float xh[RL], g[RL], rs;
-        loss_grad_row<D>(z, tgt + r * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
+        z2_grad_row<D>(cluster, ex1, D, r, b2s, tgt + r * D, gam, bet, a.has_ln, lane, G, xh, g,
+                       rs);
       }
 #pragma unroll
       for (int i = 0; i < RL; ++i) {
@@ -1325,16 +1338,8 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   for (int rr = 0; rr < 2; ++rr) {
     const int t = 2 * w + rr;
     const bool mine = t % C == rank;
-    float z[RL], G[RL];
-#pragma unroll
-    for (int i = 0; i < RL; ++i) {
-      const int col = lane + 32 * i;
-      float s = 0.0f;
-      for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex1, p)[t * LX + col];
-      z[i] = s + b2s[col];
-    }
-    float xh[RL], g[RL], rs;
-    loss_grad_row<D>(z, tgt + t * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
+    float G[RL], xh[RL], g[RL], rs;
+    z2_grad_row<D>(cluster, ex1, LX, t, b2s, tgt + t * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
     if (a.has_ln && mine) {
 #pragma unroll
       for (int i = 0; i < RL; ++i) {
