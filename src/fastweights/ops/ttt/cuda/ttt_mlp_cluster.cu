@@ -217,6 +217,22 @@ __device__ __forceinline__ void hidden_pre(Acc& acc, float* stage, const T* x, c
   share_plus(stage, b1s + 16 * w, Share(lane), z);
 }
 
+// Steps 1 and 4: X = gelu(Z) (operand dtype) and gelu'(Z) of the lane's share z of the warp's
+// hidden tile w, into the rows' layout [BB][U]; with KEEP also z itself back into the staging tile.
+template <bool KEEP, class T>
+__device__ __forceinline__ void gelu_out(const float (&z)[8], const Share& s, int w, T* x,
+                                         float* gp, float* stage) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int o = s.r * U + 16 * w + s.c0 + i;
+    float g, d;
+    gelu2(z[i], g, d);
+    x[o] = fw_cvt<T>(g);
+    gp[o] = d;
+    if (KEEP) stage[s.r * 16 + s.c0 + i] = z[i];
+  }
+}
+
 // Steps 2 and 5: this CTA's share X_s W2_s of a cluster sum (warp v < D / 16: value tile v),
 // X [BB][U] the rows' hidden activations, into ex (ldm ld) at column tile v.
 template <class T, int D>
@@ -370,15 +386,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
       {
         float z[8];
         hidden_pre<T, D, false>(acc, stage, kt, w1c, m1, g1, b1s, w, lane, z);
-        const Share s(lane);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int at = s.r * U + 16 * w + s.c0 + i;
-          float g, d;
-          gelu2(z[i], g, d);
-          x2[at] = fw_cvt<T>(g);
-          gp[at] = d;
-        }
+        gelu_out<false>(z, Share(lane), w, x2, gp, stage);
       }
       __syncwarp();
       if (w == NW - 1) {
@@ -1313,16 +1321,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
     Acc acc;
     float z[8];
     hidden_pre<T, D, false>(acc, stage, kt, w1c, m1, g1, b1s, w, lane, z);
-    const Share s(lane);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int o = s.r * U + 16 * w + s.c0 + i;
-      float g, d;
-      gelu2(z[i], g, d);
-      x2[o] = fw_cvt<T>(g);
-      gp[o] = d;
-      stage[s.r * 16 + s.c0 + i] = z[i];
-    }
+    gelu_out<true>(z, Share(lane), w, x2, gp, stage);
     __syncwarp();
     stage_out_t(stage, hs + (j0 + 16 * w) * BB, lane);
   }
@@ -1376,15 +1375,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
     __syncwarp();
     float z[8];
     hidden_pre<T, D, true>(acc, stage, qt, w1c, m1, g1, b1s, w, lane, z);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int o = s.r * U + 16 * w + s.c0 + i;
-      float g, d;
-      gelu2(z[i], g, d);
-      xb2[o] = fw_cvt<T>(g);
-      gp[o] = d;
-      stage[s.r * 16 + s.c0 + i] = z[i];
-    }
+    gelu_out<true>(z, s, w, xb2, gp, stage);
     __syncwarp();
     stage_out_t(stage, hs + (2 * Dh + j0 + 16 * w) * BB, lane);
   }
