@@ -259,6 +259,18 @@ __device__ __forceinline__ void sum2_shares(const T* xb2, const T* x2, const T* 
   }
 }
 
+// Step 7: Zbar2 = Zq2 + M2 G2 in place at zb2 [BB][D] (warp v < D / 16: value tile v; M2 the
+// operand tile m2 holds, with its sign).
+template <class T, int D>
+__device__ __forceinline__ void zbar2_tile(float* zb2, const T* m2, const T* g2, int w) {
+  if (w < D / 16) {
+    Acc acc;
+    wmma::load_matrix_sync(acc, zb2 + 16 * w, D, wmma::mem_row_major);
+    chain<1, FragB<T>>(acc, m2, 16, g2 + 16 * w, 0, D);
+    wmma::store_matrix_sync(zb2 + 16 * w, acc, D, wmma::mem_row_major);
+  }
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs a) {
   constexpr int C = D / 32;  // CTAs per cluster: Dh / U
@@ -526,12 +538,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     __syncthreads();
 
     // 7. Zbar2 = Zq2 + M2 G2 (warp v); the b2 update (or sum)
-    if (w < ND) {
-      Acc acc;
-      wmma::load_matrix_sync(acc, zb2 + 16 * w, D, wmma::mem_row_major);
-      chain<1, FragB<T>>(acc, m2, 16, g2 + 16 * w, 0, D);
-      wmma::store_matrix_sync(zb2 + 16 * w, acc, D, wmma::mem_row_major);
-    }
+    zbar2_tile<T, D>(zb2, m2, g2, w);
     if (a.has_b2)
       for (int col = tid; col < D; col += NT) {
         float db2 = 0.0f;
@@ -1402,12 +1409,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   __syncthreads();
 
   // 7. Zbar2 = Zq2 - M2 G2 (warp v)
-  if (w < ND) {
-    Acc acc;
-    wmma::load_matrix_sync(acc, zb2 + 16 * w, D, wmma::mem_row_major);
-    chain<1, FragB<T>>(acc, m2, 16, g2 + 16 * w, 0, D);
-    wmma::store_matrix_sync(zb2 + 16 * w, acc, D, wmma::mem_row_major);
-  }
+  zbar2_tile<T, D>(zb2, m2, g2, w);
   __syncthreads();
 
   // 8. the read-out o = [LN](Zbar2) [+ q] differentiated (warp w: rows 2w, 2w+1): dZbar2
