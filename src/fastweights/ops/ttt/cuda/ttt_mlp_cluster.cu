@@ -259,6 +259,22 @@ __device__ __forceinline__ void sum2_shares(const T* xb2, const T* x2, const T* 
   }
 }
 
+// Step 6: cluster sum 2 of the shares at ex2 [BB][D + 16] (ranks in order): Zq2 = sum_s
+// Pbar2_s + b2 into zb2 [BB][D]; A2 = sum_s A2_s [+1] (row r, column j) to m2of(r, j, A2).
+template <int D, class F>
+__device__ __forceinline__ void sum2(cg::cluster_group& cluster, const float* ex2,
+                                     const float* b2s, bool has_b2, float* zb2, int tid, F m2of) {
+  for (int x = tid; x < BB * (D + 16); x += NT) {
+    const int r = x / (D + 16), col = x % (D + 16);
+    float s = 0.0f;
+    for (int p = 0; p < D / 32; ++p) s += cluster.map_shared_rank(ex2, p)[x];
+    if (col < D)
+      zb2[r * D + col] = s + b2s[col];
+    else
+      m2of(r, col - D, s + (has_b2 ? 1.0f : 0.0f));
+  }
+}
+
 // Step 7: Zbar2 = Zq2 + M2 G2 in place at zb2 [BB][D] (warp v < D / 16: value tile v; M2 the
 // operand tile m2 holds, with its sign).
 template <class T, int D>
@@ -523,18 +539,10 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     cluster.sync();
 
     // 6. Zq2 = sum_s Pbar2_s + b2, A2 = sum_s A2_s [+1] (ranks in order), M2 = -(E * A2)
-    for (int e = tid; e < BB * (D + 16); e += NT) {
-      const int r = e / (D + 16), col = e % (D + 16);
-      float s = 0.0f;
-      for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex2, p)[e];
-      if (col < D) {
-        zb2[r * D + col] = s + b2s[col];
-      } else {
-        const int j = col - D;
-        const float E = j <= r ? tau_s[r] * eta_s[j] : 0.0f;
-        m2[r * 16 + j] = fw_cvt<T>(-(E * (s + (a.has_b2 ? 1.0f : 0.0f))));
-      }
-    }
+    sum2<D>(cluster, ex2, b2s, a.has_b2, zb2, tid, [&](int r, int j, float A2) {
+      const float E = j <= r ? tau_s[r] * eta_s[j] : 0.0f;
+      m2[r * 16 + j] = fw_cvt<T>(-(E * A2));
+    });
     __syncthreads();
 
     // 7. Zbar2 = Zq2 + M2 G2 (warp v); the b2 update (or sum)
@@ -1393,19 +1401,11 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   cluster.sync();
 
   // 6. Zq2 = sum_s Pbar2_s + b2, A2 = sum_s A2_s [+1] (ranks in order), -M2 = -(E * A2)
-  for (int x = tid; x < BB * LX; x += NT) {
-    const int r = x / LX, col = x % LX;
-    float s = 0.0f;
-    for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex2, p)[x];
-    if (col < D) {
-      zb2[r * D + col] = s + b2s[col];
-    } else {
-      const int o = r * BB + col - D;
-      const float A2 = s + (a.has_b2 ? 1.0f : 0.0f);
-      a2s[o] = A2;
-      m2[o] = fw_cvt<T>(-(es[o] * A2));
-    }
-  }
+  sum2<D>(cluster, ex2, b2s, a.has_b2, zb2, tid, [&](int r, int j, float A2) {
+    const int o = r * BB + j;
+    a2s[o] = A2;
+    m2[o] = fw_cvt<T>(-(es[o] * A2));
+  });
   __syncthreads();
 
   // 7. Zbar2 = Zq2 - M2 G2 (warp v)
