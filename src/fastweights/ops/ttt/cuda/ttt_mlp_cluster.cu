@@ -217,6 +217,17 @@ __device__ __forceinline__ void hidden_pre(Acc& acc, float* stage, const T* x, c
   share_plus(stage, b1s + 16 * w, Share(lane), z);
 }
 
+// Step 4: the warp's hidden tile w of G2 W2_s^T (G2 [BB][D], operand rows) into its staging
+// tile, through acc (the caller's, overwritten).
+template <class T, int D>
+__device__ __forceinline__ void g2_w2t(Acc& acc, float* stage, const T* g2, const T* w2c, int w) {
+  wmma::fill_fragment(acc, 0.0f);
+  // W2_s^T: element (d, j) at w2c[(16 w + j) D + d]
+  chain<D / 16, FragBT<T>>(acc, g2, D, w2c + (16 * w) * D, 16, D);
+  wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+  __syncwarp();
+}
+
 // Steps 1 and 4: X = gelu(Z) (operand dtype) and gelu'(Z) of the lane's share z of the warp's
 // hidden tile w, into the rows' layout [BB][U]; with KEEP also z itself back into the staging tile.
 template <bool KEEP, class T>
@@ -461,11 +472,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     //    Xbar2 = gelu(Zbar1); the slice's updates (or, last partial mini-batch, its sums)
     {
       Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      // W2_s^T: element (d, j) at w2c[(16 w + j) D + d]
-      chain<ND, FragBT<T>>(acc, g2, D, w2c + (16 * w) * D, 16, D);
-      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-      __syncwarp();
+      g2_w2t<T, D>(acc, stage, g2, w2c, w);
       {
         const Share s(lane);
         const float e = eta_s[s.r] * coef;
@@ -1377,10 +1384,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   {
     const Share s(lane);
     Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<ND, FragBT<T>>(acc, g2, D, w2c + (16 * w) * D, 16, D);  // W2_s^T: (d, j) at w2c[j D + d]
-    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-    __syncwarp();
+    g2_w2t<T, D>(acc, stage, g2, w2c, w);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int o = s.r * U + 16 * w + s.c0 + i;
