@@ -183,6 +183,121 @@ __device__ __forceinline__ void loss_grad_row(const float (&z)[D / 32], const fl
   }
 }
 
+// Step 3: row r of Z2 = sum_s P2_s + b2 (ranks in order; the shares at ex1, ldm ld) held by a
+// warp, and its loss gradient G with x_hat, g, 1 / s as loss_grad_row (tgt: the row's target).
+template <int D>
+__device__ __forceinline__ void z2_grad_row(cg::cluster_group& cluster, float* ex1, int ld, int r,
+                                            const float* b2s, const float* tgt, const float* gam,
+                                            const float* bet, bool has_ln, int lane,
+                                            float (&G)[D / 32], float (&xh)[D / 32],
+                                            float (&g)[D / 32], float& rs) {
+  float z[D / 32];
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    const int col = lane + 32 * i;
+    float s = 0.0f;
+    for (int p = 0; p < D / 32; ++p) s += cluster.map_shared_rank(ex1, p)[r * ld + col];
+    z[i] = s + b2s[col];
+  }
+  loss_grad_row<D>(z, tgt, gam, bet, has_ln, lane, G, xh, g, rs);
+}
+
+// Steps 1 and 4: the warp's hidden tile w of Z = X W1_s [+ M1 G1] + b1_s (X [BB][D]: K's or
+// Q's rows; the M1 G1 term with MG), the lane's share of it in z, through acc (the caller's,
+// overwritten: a fresh one costs the forward registers) and the staging tile.
+template <class T, int D, bool MG>
+__device__ __forceinline__ void hidden_pre(Acc& acc, float* stage, const T* x, const T* w1c,
+                                           const T* m1, const T* g1, const float* b1s, int w,
+                                           int lane, float (&z)[8]) {
+  wmma::fill_fragment(acc, 0.0f);
+  chain<D / 16, FragB<T>>(acc, x, D, w1c + 16 * w, 16 * U, U);
+  if (MG) chain<1, FragB<T>>(acc, m1, 16, g1 + 16 * w, 0, U);
+  wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+  __syncwarp();
+  share_plus(stage, b1s + 16 * w, Share(lane), z);
+}
+
+// Step 4: the warp's hidden tile w of G2 W2_s^T (G2 [BB][D], operand rows) into its staging
+// tile, through acc (the caller's, overwritten).
+template <class T, int D>
+__device__ __forceinline__ void g2_w2t(Acc& acc, float* stage, const T* g2, const T* w2c, int w) {
+  wmma::fill_fragment(acc, 0.0f);
+  // W2_s^T: element (d, j) at w2c[(16 w + j) D + d]
+  chain<D / 16, FragBT<T>>(acc, g2, D, w2c + (16 * w) * D, 16, D);
+  wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
+  __syncwarp();
+}
+
+// Steps 1 and 4: X = gelu(Z) (operand dtype) and gelu'(Z) of the lane's share z of the warp's
+// hidden tile w, into the rows' layout [BB][U]; with KEEP also z itself back into the staging tile.
+template <bool KEEP, class T>
+__device__ __forceinline__ void gelu_out(const float (&z)[8], const Share& s, int w, T* x,
+                                         float* gp, float* stage) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int o = s.r * U + 16 * w + s.c0 + i;
+    float g, d;
+    gelu2(z[i], g, d);
+    x[o] = fw_cvt<T>(g);
+    gp[o] = d;
+    if (KEEP) stage[s.r * 16 + s.c0 + i] = z[i];
+  }
+}
+
+// Steps 2 and 5: this CTA's share X_s W2_s of a cluster sum (warp v < D / 16: value tile v),
+// X [BB][U] the rows' hidden activations, into ex (ldm ld) at column tile v.
+template <class T, int D>
+__device__ __forceinline__ void value_share(const T* x, const T* w2c, float* ex, int ld, int w) {
+  if (w < D / 16) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<U / 16, FragB<T>>(acc, x, U, w2c + 16 * w, 16 * D, D);
+    wmma::store_matrix_sync(ex + 16 * w, acc, ld, wmma::mem_row_major);
+  }
+}
+
+// Step 5: Pbar2_s = Xbar2_s W2_s (warp v) and A2_s = Xbar2_s X2_s^T (warp 7), this CTA's
+// shares of cluster sum 2, into ex2 [BB][D + 16] (A2_s in the last 16 columns).
+template <class T, int D>
+__device__ __forceinline__ void sum2_shares(const T* xb2, const T* x2, const T* w2c, float* ex2,
+                                            int w) {
+  value_share<T, D>(xb2, w2c, ex2, D + 16, w);
+  if (w == NW - 1) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    chain<U / 16, FragBT<T>>(acc, xb2, U, x2, 16, U);  // X2_s^T: (u', j) at x2[j U + u']
+    wmma::store_matrix_sync(ex2 + D, acc, D + 16, wmma::mem_row_major);
+  }
+}
+
+// Step 6: cluster sum 2 of the shares at ex2 [BB][D + 16] (ranks in order): Zq2 = sum_s
+// Pbar2_s + b2 into zb2 [BB][D]; A2 = sum_s A2_s [+1] (row r, column j) to m2of(r, j, A2).
+template <int D, class F>
+__device__ __forceinline__ void sum2(cg::cluster_group& cluster, const float* ex2,
+                                     const float* b2s, bool has_b2, float* zb2, int tid, F m2of) {
+  for (int x = tid; x < BB * (D + 16); x += NT) {
+    const int r = x / (D + 16), col = x % (D + 16);
+    float s = 0.0f;
+    for (int p = 0; p < D / 32; ++p) s += cluster.map_shared_rank(ex2, p)[x];
+    if (col < D)
+      zb2[r * D + col] = s + b2s[col];
+    else
+      m2of(r, col - D, s + (has_b2 ? 1.0f : 0.0f));
+  }
+}
+
+// Step 7: Zbar2 = Zq2 + M2 G2 in place at zb2 [BB][D] (warp v < D / 16: value tile v; M2 the
+// operand tile m2 holds, with its sign).
+template <class T, int D>
+__device__ __forceinline__ void zbar2_tile(float* zb2, const T* m2, const T* g2, int w) {
+  if (w < D / 16) {
+    Acc acc;
+    wmma::load_matrix_sync(acc, zb2 + 16 * w, D, wmma::mem_row_major);
+    chain<1, FragB<T>>(acc, m2, 16, g2 + 16 * w, 0, D);
+    wmma::store_matrix_sync(zb2 + 16 * w, acc, D, wmma::mem_row_major);
+  }
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs a) {
   constexpr int C = D / 32;  // CTAs per cluster: Dh / U
@@ -307,22 +422,10 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     // 1. Z1 = K W1_s + b1_s -> X2 = gelu(Z1), gelu'(Z1) (warp w: hidden tile w); A1 = Q K^T
     {
       Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      chain<ND, FragB<T>>(acc, kt, D, w1c + 16 * w, 16 * U, U);
-      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-      __syncwarp();
       {
-        const Share s(lane);
         float z[8];
-        share_plus(stage, b1s + 16 * w, s, z);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int at = s.r * U + 16 * w + s.c0 + i;
-          float g, d;
-          gelu2(z[i], g, d);
-          x2[at] = fw_cvt<T>(g);
-          gp[at] = d;
-        }
+        hidden_pre<T, D, false>(acc, stage, kt, w1c, m1, g1, b1s, w, lane, z);
+        gelu_out<false>(z, Share(lane), w, x2, gp, stage);
       }
       __syncwarp();
       if (w == NW - 1) {
@@ -335,12 +438,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     __syncthreads();
 
     // 2. P2_s = X2_s W2_s (warp v: value tile v) -> this CTA's share of cluster sum 1
-    if (w < ND) {
-      Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      chain<U / 16, FragB<T>>(acc, x2, U, w2c + 16 * w, 16 * D, D);
-      wmma::store_matrix_sync(ex1 + 16 * w, acc, D, wmma::mem_row_major);
-    }
+    value_share<T, D>(x2, w2c, ex1, D, w);
     cluster.sync();
 
     // 3. Z2 = sum_s P2_s + b2 (ranks in order) and its loss gradient G2 (warp w: rows 2w, 2w+1);
@@ -349,17 +447,11 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     for (int rr = 0; rr < 2; ++rr) {
       const int r = 2 * w + rr;
       const float e = eta_s[r] * coef;
-      float z[RL], G[RL];
-#pragma unroll
-      for (int i = 0; i < RL; ++i) {
-        const int col = lane + 32 * i;
-        float s = 0.0f;
-        for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex1, p)[r * D + col];
-        z[i] = s + b2s[col];
-      }
+      float G[RL];
       {
         float xh[RL], g[RL], rs;
-        loss_grad_row<D>(z, tgt + r * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
+        z2_grad_row<D>(cluster, ex1, D, r, b2s, tgt + r * D, gam, bet, a.has_ln, lane, G, xh, g,
+                       rs);
       }
 #pragma unroll
       for (int i = 0; i < RL; ++i) {
@@ -380,11 +472,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     //    Xbar2 = gelu(Zbar1); the slice's updates (or, last partial mini-batch, its sums)
     {
       Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      // W2_s^T: element (d, j) at w2c[(16 w + j) D + d]
-      chain<ND, FragBT<T>>(acc, g2, D, w2c + (16 * w) * D, 16, D);
-      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-      __syncwarp();
+      g2_w2t<T, D>(acc, stage, g2, w2c, w);
       {
         const Share s(lane);
         const float e = eta_s[s.r] * coef;
@@ -405,15 +493,10 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
           db1 += stage[r * 16 + lane] * gp[r * U + 16 * w + lane] * (eta_s[r] * coef);
       __syncwarp();
 
-      wmma::fill_fragment(acc, 0.0f);
-      chain<ND, FragB<T>>(acc, qt, D, w1c + 16 * w, 16 * U, U);
-      chain<1, FragB<T>>(acc, m1, 16, g1 + 16 * w, 0, U);
-      wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-      __syncwarp();
       {
-        const Share s(lane);
         float z[8];
-        share_plus(stage, b1s + 16 * w, s, z);
+        hidden_pre<T, D, true>(acc, stage, qt, w1c, m1, g1, b1s, w, lane, z);
+        const Share s(lane);
 #pragma unroll
         for (int i = 0; i < 8; ++i) xb2[s.r * U + 16 * w + s.c0 + i] = fw_cvt<T>(gelu(z[i]));
       }
@@ -459,42 +542,18 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_fwd(FwTTTMLPClusterArgs
     __syncthreads();
 
     // 5. Pbar2_s = Xbar2_s W2_s (warp v) and A2_s = Xbar2_s X2_s^T -> cluster sum 2
-    if (w < ND) {
-      Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      chain<U / 16, FragB<T>>(acc, xb2, U, w2c + 16 * w, 16 * D, D);
-      wmma::store_matrix_sync(ex2 + 16 * w, acc, D + 16, wmma::mem_row_major);
-    }
-    if (w == NW - 1) {
-      Acc acc;
-      wmma::fill_fragment(acc, 0.0f);
-      chain<U / 16, FragBT<T>>(acc, xb2, U, x2, 16, U);  // X2_s^T: (u', j) at x2[j U + u']
-      wmma::store_matrix_sync(ex2 + D, acc, D + 16, wmma::mem_row_major);
-    }
+    sum2_shares<T, D>(xb2, x2, w2c, ex2, w);
     cluster.sync();
 
     // 6. Zq2 = sum_s Pbar2_s + b2, A2 = sum_s A2_s [+1] (ranks in order), M2 = -(E * A2)
-    for (int e = tid; e < BB * (D + 16); e += NT) {
-      const int r = e / (D + 16), col = e % (D + 16);
-      float s = 0.0f;
-      for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex2, p)[e];
-      if (col < D) {
-        zb2[r * D + col] = s + b2s[col];
-      } else {
-        const int j = col - D;
-        const float E = j <= r ? tau_s[r] * eta_s[j] : 0.0f;
-        m2[r * 16 + j] = fw_cvt<T>(-(E * (s + (a.has_b2 ? 1.0f : 0.0f))));
-      }
-    }
+    sum2<D>(cluster, ex2, b2s, a.has_b2, zb2, tid, [&](int r, int j, float A2) {
+      const float E = j <= r ? tau_s[r] * eta_s[j] : 0.0f;
+      m2[r * 16 + j] = fw_cvt<T>(-(E * A2));
+    });
     __syncthreads();
 
     // 7. Zbar2 = Zq2 + M2 G2 (warp v); the b2 update (or sum)
-    if (w < ND) {
-      Acc acc;
-      wmma::load_matrix_sync(acc, zb2 + 16 * w, D, wmma::mem_row_major);
-      chain<1, FragB<T>>(acc, m2, 16, g2 + 16 * w, 0, D);
-      wmma::store_matrix_sync(zb2 + 16 * w, acc, D, wmma::mem_row_major);
-    }
+    zbar2_tile<T, D>(zb2, m2, g2, w);
     if (a.has_b2)
       for (int col = tid; col < D; col += NT) {
         float db2 = 0.0f;
@@ -1282,34 +1341,16 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   // 1. (warp w, hidden block w) Z1 = K W1_s + b1_s (stored), X2 = gelu(Z1), gelu'(Z1)
   {
     Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<ND, FragB<T>>(acc, kt, D, w1c + 16 * w, 16 * U, U);
-    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-    __syncwarp();
-    const Share s(lane);
     float z[8];
-    share_plus(stage, b1s + 16 * w, s, z);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int o = s.r * U + 16 * w + s.c0 + i;
-      float g, d;
-      gelu2(z[i], g, d);
-      x2[o] = fw_cvt<T>(g);
-      gp[o] = d;
-      stage[s.r * 16 + s.c0 + i] = z[i];
-    }
+    hidden_pre<T, D, false>(acc, stage, kt, w1c, m1, g1, b1s, w, lane, z);
+    gelu_out<true>(z, Share(lane), w, x2, gp, stage);
     __syncwarp();
     stage_out_t(stage, hs + (j0 + 16 * w) * BB, lane);
   }
   __syncthreads();
 
   // 2. P2_s = X2_s W2_s (warp v: value block v) -> this CTA's share of cluster sum 1
-  if (w < ND) {
-    Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<U / 16, FragB<T>>(acc, x2, U, w2c + 16 * w, 16 * D, D);
-    wmma::store_matrix_sync(ex1 + 16 * w, acc, LX, wmma::mem_row_major);
-  }
+  value_share<T, D>(x2, w2c, ex1, LX, w);
   cluster.sync();
 
   // 3. Z2 = sum_s P2_s + b2 (ranks in order) and its loss gradient G2 (warp w: rows 2w, 2w+1);
@@ -1318,16 +1359,8 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   for (int rr = 0; rr < 2; ++rr) {
     const int t = 2 * w + rr;
     const bool mine = t % C == rank;
-    float z[RL], G[RL];
-#pragma unroll
-    for (int i = 0; i < RL; ++i) {
-      const int col = lane + 32 * i;
-      float s = 0.0f;
-      for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex1, p)[t * LX + col];
-      z[i] = s + b2s[col];
-    }
-    float xh[RL], g[RL], rs;
-    loss_grad_row<D>(z, tgt + t * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
+    float G[RL], xh[RL], g[RL], rs;
+    z2_grad_row<D>(cluster, ex1, LX, t, b2s, tgt + t * D, gam, bet, a.has_ln, lane, G, xh, g, rs);
     if (a.has_ln && mine) {
 #pragma unroll
       for (int i = 0; i < RL; ++i) {
@@ -1351,10 +1384,7 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
   {
     const Share s(lane);
     Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<ND, FragBT<T>>(acc, g2, D, w2c + (16 * w) * D, 16, D);  // W2_s^T: (d, j) at w2c[j D + d]
-    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-    __syncwarp();
+    g2_w2t<T, D>(acc, stage, g2, w2c, w);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int o = s.r * U + 16 * w + s.c0 + i;
@@ -1362,65 +1392,28 @@ __global__ void __launch_bounds__(NT, 1) ttt_mlp_cluster_bwd_a(FwTTTMLPClusterBw
     }
     stage_out_t(stage, hs + (Dh + j0 + 16 * w) * BB, lane);
     __syncwarp();
-    wmma::fill_fragment(acc, 0.0f);
-    chain<ND, FragB<T>>(acc, qt, D, w1c + 16 * w, 16 * U, U);
-    chain<1, FragB<T>>(acc, m1, 16, g1 + 16 * w, 0, U);
-    wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
-    __syncwarp();
     float z[8];
-    share_plus(stage, b1s + 16 * w, s, z);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int o = s.r * U + 16 * w + s.c0 + i;
-      float g, d;
-      gelu2(z[i], g, d);
-      xb2[o] = fw_cvt<T>(g);
-      gp[o] = d;
-      stage[s.r * 16 + s.c0 + i] = z[i];
-    }
+    hidden_pre<T, D, true>(acc, stage, qt, w1c, m1, g1, b1s, w, lane, z);
+    gelu_out<true>(z, s, w, xb2, gp, stage);
     __syncwarp();
     stage_out_t(stage, hs + (2 * Dh + j0 + 16 * w) * BB, lane);
   }
   __syncthreads();
 
   // 5. Pbar2_s = Xbar2_s W2_s (warp v) and A2_s = Xbar2_s X2_s^T (warp 7) -> cluster sum 2
-  if (w < ND) {
-    Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<U / 16, FragB<T>>(acc, xb2, U, w2c + 16 * w, 16 * D, D);
-    wmma::store_matrix_sync(ex2 + 16 * w, acc, LX, wmma::mem_row_major);
-  }
-  if (w == NW - 1) {
-    Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    chain<U / 16, FragBT<T>>(acc, xb2, U, x2, 16, U);  // X2_s^T: (u, j) at x2[j U + u]
-    wmma::store_matrix_sync(ex2 + D, acc, LX, wmma::mem_row_major);
-  }
+  sum2_shares<T, D>(xb2, x2, w2c, ex2, w);
   cluster.sync();
 
   // 6. Zq2 = sum_s Pbar2_s + b2, A2 = sum_s A2_s [+1] (ranks in order), -M2 = -(E * A2)
-  for (int x = tid; x < BB * LX; x += NT) {
-    const int r = x / LX, col = x % LX;
-    float s = 0.0f;
-    for (int p = 0; p < C; ++p) s += cluster.map_shared_rank(ex2, p)[x];
-    if (col < D) {
-      zb2[r * D + col] = s + b2s[col];
-    } else {
-      const int o = r * BB + col - D;
-      const float A2 = s + (a.has_b2 ? 1.0f : 0.0f);
-      a2s[o] = A2;
-      m2[o] = fw_cvt<T>(-(es[o] * A2));
-    }
-  }
+  sum2<D>(cluster, ex2, b2s, a.has_b2, zb2, tid, [&](int r, int j, float A2) {
+    const int o = r * BB + j;
+    a2s[o] = A2;
+    m2[o] = fw_cvt<T>(-(es[o] * A2));
+  });
   __syncthreads();
 
   // 7. Zbar2 = Zq2 - M2 G2 (warp v)
-  if (w < ND) {
-    Acc acc;
-    wmma::load_matrix_sync(acc, zb2 + 16 * w, D, wmma::mem_row_major);
-    chain<1, FragB<T>>(acc, m2, 16, g2 + 16 * w, 0, D);
-    wmma::store_matrix_sync(zb2 + 16 * w, acc, D, wmma::mem_row_major);
-  }
+  zbar2_tile<T, D>(zb2, m2, g2, w);
   __syncthreads();
 
   // 8. the read-out o = [LN](Zbar2) [+ q] differentiated (warp w: rows 2w, 2w+1): dZbar2
