@@ -17,6 +17,7 @@ import torch
 
 from fastweights.ops import ttt_mlp
 from fastweights.ops.ttt import cluster
+from tests.ops.cuda_emu.build import struct_fields
 from tests.ops.test_ttt_triton import (  # noqa: F401 (fixtures)
     assert_matches,
     case,
@@ -84,16 +85,7 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_runs_and_one_line_says_
 
 def header_fields(struct: str) -> tuple[str, ...]:
     """The field names of a struct of cuda/ttt_mlp_cluster.h in order."""
-    text = (cluster.SOURCE_DIR / "ttt_mlp_cluster.h").read_text()
-    start = text.index(f"struct {struct} {{")
-    body = text[start:text.index("};", start)]
-    fields = []
-    for line in body.splitlines()[1:]:
-        decl = line.split("//")[0].strip().rstrip(";")
-        if decl:
-            fields += [name.strip().lstrip("*") for name in
-                       re.sub(r"^(const\s+)?(void|float|int)\s*\*?", "", decl).split(",")]
-    return tuple(fields)
+    return struct_fields(cluster.SOURCE_DIR / "ttt_mlp_cluster.h", struct)
 
 
 def test_launch_arguments_follow_the_header():
