@@ -37,7 +37,7 @@ __all__ = ["BWD_A_INT_FIELDS", "BWD_A_PTR_FIELDS", "BWD_INT_FIELDS", "BWD_PTR_FI
            "HEAD_SIZES", "INT_FIELDS", "MAX_MINI_BATCH", "NVCC_FLAGS", "PTR_FIELDS", "SOURCE_DIR",
            "VARIANT", "BwdALaunchArgs", "BwdLaunchArgs", "LaunchArgs", "build", "fwd_variant",
            "launch", "launch_backward_a", "launch_backward_b", "launch_bwd", "launch_bwd_a",
-           "launch_forward", "launch_recompute", "pack", "problem", "refusal", "why_not"]
+           "launch_forward", "launch_recompute", "load", "pack", "problem", "refusal", "why_not"]
 
 ENV = "FASTWEIGHTS_TTT_MLP_FWD"
 VARIANT = "cluster"
@@ -166,26 +166,33 @@ def build(out_dir: Path | None = None, report: bool = False, source: Path = SOUR
     return lib
 
 
+def load(state: dict, signatures: dict[str, tuple], source: Path = SOURCE) -> ctypes.CDLL | None:
+    """The shared library built from ``source`` (``build``) and loaded, its C entries typed by
+    ``signatures`` (name: (restype, argtypes)), kept in ``state`` after the first call: None
+    if it cannot be built or loaded (the reason in ``state["error"]``)."""
+    if "library" not in state and "error" not in state:
+        try:
+            lib = ctypes.CDLL(str(build(source=source)))
+            for name, (restype, argtypes) in signatures.items():
+                entry = getattr(lib, name)
+                entry.restype, entry.argtypes = restype, argtypes
+            state["library"] = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            state["error"] = f"building it failed: {err}"
+    return state.get("library")
+
+
 def _library() -> ctypes.CDLL | None:
     """The loaded launcher, built on first use, or None (the reason in ``_build["error"]``)."""
-    if "library" not in _build and "error" not in _build:
-        try:
-            lib = ctypes.CDLL(str(build()))
-            lib.fw_ttt_mlp_cluster_launch.restype = ctypes.c_int
-            lib.fw_ttt_mlp_cluster_launch.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.c_int,
-                                                      ctypes.c_int, ctypes.c_void_p]
-            lib.fw_ttt_mlp_cluster_bwd_b_launch.restype = ctypes.c_int
-            lib.fw_ttt_mlp_cluster_bwd_b_launch.argtypes = [
-                ctypes.POINTER(BwdLaunchArgs), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-            lib.fw_ttt_mlp_cluster_bwd_a_launch.restype = ctypes.c_int
-            lib.fw_ttt_mlp_cluster_bwd_a_launch.argtypes = [
-                ctypes.POINTER(BwdALaunchArgs), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-            lib.fw_ttt_mlp_cluster_error.restype = ctypes.c_char_p
-            lib.fw_ttt_mlp_cluster_error.argtypes = [ctypes.c_int]
-            _build["library"] = lib
-        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            _build["error"] = f"building it failed: {err}"
-    return _build.get("library")  # type: ignore[return-value]
+    launcher = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]  # dtype code, D, stream
+    return load(_build, {
+        "fw_ttt_mlp_cluster_launch": (ctypes.c_int, [ctypes.POINTER(LaunchArgs), *launcher]),
+        "fw_ttt_mlp_cluster_bwd_b_launch": (ctypes.c_int,
+                                            [ctypes.POINTER(BwdLaunchArgs), *launcher]),
+        "fw_ttt_mlp_cluster_bwd_a_launch": (ctypes.c_int,
+                                            [ctypes.POINTER(BwdALaunchArgs), *launcher]),
+        "fw_ttt_mlp_cluster_error": (ctypes.c_char_p, [ctypes.c_int]),
+    })
 
 
 def launch(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int, D: int,
@@ -317,13 +324,22 @@ def launch_recompute(L, q, k, v, eta, tau, lnw, lnb, slots, n0: int, n1: int) ->
     return True
 
 
-def _segment_sizes(L, T: int, H: int, b: int, N: int, n0: int, n1: int, seg: int, w_bh: int,
-                   w_j: int) -> tuple[int, ...]:
-    """The backward launchers' ints (``BWD_INT_FIELDS``' order) for one segment of
-    ``_MLPTriton``'s backward (``L`` its ``_Shape``)."""
+def _segment(L, q: torch.Tensor, Dh: int, tensors: tuple, sizes: tuple[int, ...],
+             fields: tuple[tuple[str, ...], tuple[str, ...]], launcher) -> bool:
+    """One backward launch for a segment of ``_MLPTriton``'s backward (``L`` its ``_Shape``)
+    through ``launcher`` (``launch_bwd`` or ``launch_bwd_a``), its struct's ``fields``, the
+    ``tensors`` in their order and the segment's ``sizes`` T, H, b, N, n0, n1, seg, w_bh, w_j
+    (the flags follow, as in ``BWD_INT_FIELDS``), if ``FASTWEIGHTS_TTT_MLP_FWD`` asks for the
+    cluster kernels and they can run; returns whether it did."""
+    lib = _ready(q, L, Dh)
+    if lib is None:
+        return False
     f = L.consts
-    return (L.B, T, H, b, N, n0, n1, seg, w_bh, w_j, f["HAS_B1"], f["HAS_B2"], f["HAS_LN"],
-            f["HAS_LNB"], f["RESIDUAL"])
+    ptrs, ints = pack(tensors, (L.B, *sizes, f["HAS_B1"], f["HAS_B2"], f["HAS_LN"],
+                                f["HAS_LNB"], f["RESIDUAL"]), fields)
+    launcher(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
+             torch.cuda.current_stream(q.device).cuda_stream)
+    return True
 
 
 def launch_backward_b(L, args: tuple, tail: bool) -> bool:
@@ -337,18 +353,13 @@ def launch_backward_b(L, args: tuple, tail: bool) -> bool:
     (q, k, v, eta, tau, A, lnw, lnb, w1, w2, _ds1, _dsb1, _ds2, _dsb2, dw1, db1, dw2, db2, hs, vs,
      rr, at, _sc, acc, dtau, dk, dv, deta, T, H, _Dk, _Dv, Dh, b, N, n0, n1, seg, w_bh,
      w_j) = args
-    lib = _ready(q, L, Dh)
-    if lib is None:
-        return False
     flags = L.consts
-    ptrs, ints = pack(
+    return _segment(
+        L, q, Dh,
         (q, k, v, eta, tau, A, lnw if flags["HAS_LN"] else None,
          lnb if flags["HAS_LNB"] else None, w1, w2, dw1, db1, dw2, db2, hs, vs, rr, at, acc,
          dtau, dk, dv, deta),
-        _segment_sizes(L, T, H, b, N, n0, n1, seg, w_bh, w_j), (BWD_PTR_FIELDS, BWD_INT_FIELDS))
-    launch_bwd(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
-               torch.cuda.current_stream(q.device).cuda_stream)
-    return True
+        (T, H, b, N, n0, n1, seg, w_bh, w_j), (BWD_PTR_FIELDS, BWD_INT_FIELDS), launch_bwd)
 
 
 def launch_backward_a(L, args: tuple, tail: bool) -> bool:
@@ -361,16 +372,11 @@ def launch_backward_a(L, args: tuple, tail: bool) -> bool:
         return False
     (q, k, v, eta, tau, A, lnw, lnb, w1, b1, w2, b2, do, hs, vs, rr, at, acc, dtau, dq, dk,
      deta, T, H, _Dk, _Dv, Dh, b, N, n0, n1, seg, w_bh, w_j) = args
-    lib = _ready(q, L, Dh)
-    if lib is None:
-        return False
     flags = L.consts
-    ptrs, ints = pack(
+    return _segment(
+        L, q, Dh,
         (q, k, v, eta, tau, A, lnw if flags["HAS_LN"] else None,
          lnb if flags["HAS_LNB"] else None, w1, b1 if flags["HAS_B1"] else None, w2,
          b2 if flags["HAS_B2"] else None, do, hs, vs, rr, at, acc, dtau, dq, dk, deta),
-        _segment_sizes(L, T, H, b, N, n0, n1, seg, w_bh, w_j),
-        (BWD_A_PTR_FIELDS, BWD_A_INT_FIELDS))
-    launch_bwd_a(lib, ptrs, ints, DTYPE_CODES[q.dtype], L.Dk,
-                 torch.cuda.current_stream(q.device).cuda_stream)
-    return True
+        (T, H, b, N, n0, n1, seg, w_bh, w_j), (BWD_A_PTR_FIELDS, BWD_A_INT_FIELDS),
+        launch_bwd_a)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 
 import torch
 
@@ -94,18 +93,11 @@ def problem(q: torch.Tensor, b: int) -> str | None:
 
 def _library() -> ctypes.CDLL | None:
     """The loaded launcher, built on first use, or None (the reason in ``_build["error"]``)."""
-    if "library" not in _build and "error" not in _build:
-        try:
-            lib = ctypes.CDLL(str(cluster.build(source=SOURCE)))
-            lib.fw_ttt_linear_warp_launch.restype = ctypes.c_int
-            lib.fw_ttt_linear_warp_launch.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.c_int,
-                                                      ctypes.c_void_p]
-            lib.fw_ttt_linear_warp_error.restype = ctypes.c_char_p
-            lib.fw_ttt_linear_warp_error.argtypes = [ctypes.c_int]
-            _build["library"] = lib
-        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            _build["error"] = f"building it failed: {err}"
-    return _build.get("library")  # type: ignore[return-value]
+    return cluster.load(_build, {
+        "fw_ttt_linear_warp_launch": (ctypes.c_int, [ctypes.POINTER(LaunchArgs), ctypes.c_int,
+                                                     ctypes.c_void_p]),
+        "fw_ttt_linear_warp_error": (ctypes.c_char_p, [ctypes.c_int]),
+    }, SOURCE)
 
 
 def launch(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int,
