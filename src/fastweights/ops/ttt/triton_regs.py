@@ -78,6 +78,11 @@ def fwd_variant(arch: int, D: int) -> str:
         if env not in VARIANTS:
             raise ValueError(f"{ENV} must be one of {VARIANTS} or unset, got {env!r}")
         return env
+    return _automatic(arch, D)
+
+
+def _automatic(arch: int, D: int) -> str:
+    """``fwd_variant``'s choice when ``FASTWEIGHTS_TTT_FWD`` is unset."""
     return "regs" if regs_config(arch, torch.bfloat16, D) is not None else "stream"
 
 
@@ -232,7 +237,7 @@ def launch_forward(L, store: bool, *args) -> bool:
 
         if linear_cuda.launch_forward(L, store, *args):
             return True
-        variant = "regs" if regs_config(arch, torch.bfloat16, max(L.Dk, L.Dv)) else "stream"
+        variant = _automatic(arch, max(L.Dk, L.Dv))
     if variant == "resident":
         from . import triton_resident
 
