@@ -35,7 +35,7 @@ import torch
 
 __all__ = ["BWD_A_INT_FIELDS", "BWD_A_PTR_FIELDS", "BWD_INT_FIELDS", "BWD_PTR_FIELDS", "ENV",
            "HEAD_SIZES", "INT_FIELDS", "MAX_MINI_BATCH", "NVCC_FLAGS", "PTR_FIELDS", "SOURCE_DIR",
-           "VARIANT", "BwdALaunchArgs", "BwdLaunchArgs", "LaunchArgs", "build", "fwd_variant",
+           "VARIANT", "BwdALaunchArgs", "BwdLaunchArgs", "LaunchArgs", "build", "call", "fwd_variant",
            "launch", "launch_backward_a", "launch_backward_b", "launch_bwd", "launch_bwd_a",
            "launch_forward", "launch_recompute", "load", "pack", "problem", "refusal", "why_not"]
 
@@ -241,10 +241,17 @@ def _call(entry, args_type: type, what: str, lib: ctypes.CDLL, ptrs: list[int],
           ints: list[int], dtype_code: int, D: int, stream: int) -> None:
     """One launch through the library's C ``entry`` taking ``args_type``; a RuntimeError
     names the CUDA error (``what``: the kernel, for the message)."""
-    err = entry(ctypes.byref(args_type(*ptrs, *ints)), dtype_code, D, ctypes.c_void_p(stream))
+    call(entry, args_type(*ptrs, *ints), (dtype_code, D, ctypes.c_void_p(stream)),
+         lib.fw_ttt_mlp_cluster_error, f"the TTT-MLP cluster {what}")
+
+
+def call(entry, args: ctypes.Structure, extra: tuple, error, what: str) -> None:
+    """Calls a library's C launch ``entry`` with a pointer to ``args`` and ``extra``; a nonzero
+    CUDA error code becomes a RuntimeError naming ``what`` and the error (``error``: the
+    library's code-to-name entry)."""
+    err = entry(ctypes.byref(args), *extra)
     if err != 0:
-        raise RuntimeError(f"the TTT-MLP cluster {what}'s launch failed: CUDA error {err}, "
-                           f"{lib.fw_ttt_mlp_cluster_error(err).decode()}")
+        raise RuntimeError(f"{what}'s launch failed: CUDA error {err}, {error(err).decode()}")
 
 
 def launch_bwd(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int, D: int,

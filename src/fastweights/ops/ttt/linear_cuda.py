@@ -104,11 +104,9 @@ def launch(lib: ctypes.CDLL, ptrs: list[int], ints: list[int], dtype_code: int,
            stream: int) -> None:
     """One launch through the library's C entry (``cluster.pack``'s lists for
     ``LaunchArgs``); a RuntimeError names the CUDA error."""
-    err = lib.fw_ttt_linear_warp_launch(ctypes.byref(LaunchArgs(*ptrs, *ints)), dtype_code,
-                                        ctypes.c_void_p(stream))
-    if err != 0:
-        raise RuntimeError(f"the TTT-Linear warp kernel's launch failed: CUDA error {err}, "
-                           f"{lib.fw_ttt_linear_warp_error(err).decode()}")
+    cluster.call(lib.fw_ttt_linear_warp_launch, LaunchArgs(*ptrs, *ints),
+                 (dtype_code, ctypes.c_void_p(stream)), lib.fw_ttt_linear_warp_error,
+                 "the TTT-Linear warp kernel")
 
 
 def _log_once(reason: str) -> None:
